@@ -1,0 +1,31 @@
+# Entry points: make install | make demo | make test
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+MODEL_DIR ?=
+SIZE ?= tiny
+
+.PHONY: install test demo bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q -ra
+
+demo: install
+	$(PY) -m llava_client.demo $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),)
+
+bench: install
+	$(PY) benchmarks/followup_latency.py --model bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,83 @@
+"""Typed errors with stable codes, shared by the engine, the store and the protocol layer.
+
+Every error a client can see is a :class:`ServiceError` carrying an HTTP status, a stable
+``code`` (an :class:`ErrorCode` value, never renamed once released) and a human message.
+The protocol layer turns it into ``{"error": {"code": ..., "message": ...}}`` with that status.
+No torch, no HTTP here.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Stable error codes of the wire protocol (see docs/api.md)."""
+
+    INVALID_REQUEST = "invalid_request"  # 400: malformed JSON, unknown type, missing/unknown field
+    INVALID_PARAMETER = "invalid_parameter"  # 400: a value out of range
+    MISSING_SESSION_ID = "missing_session_id"  # 400: generate/reset/close without a session id
+    IMAGE_INVALID = "image_invalid"  # 400: not a decodable image
+    IMAGE_FETCH_FAILED = "image_fetch_failed"  # 400: URL / S3 object could not be fetched
+    IMAGE_URL_FORBIDDEN = "image_url_forbidden"  # 400: URL scheme, host or address refused
+    SESSION_NOT_FOUND = "session_not_found"  # 404: unknown id (never opened here, or closed)
+    SESSION_EXPIRED = "session_expired"  # 404: past its TTL or idle timeout
+    SESSION_EVICTED = "session_evicted"  # 404: dropped because the host-memory cap was reached
+    SESSION_BUSY = "session_busy"  # 409: the session already has a generation in flight
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # 413: request body over the limit
+    IMAGE_TOO_LARGE = "image_too_large"  # 413: image bytes or pixels over the limit
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 422: prompt + max_new_tokens > max positions
+    OVERLOADED = "overloaded"  # 503: no memory or generation slot now; retry later
+    INTERNAL_ERROR = "internal_error"  # 500: a bug; details only in the server log
+
+
+#: HTTP status of each code (RFC 9110 semantics).
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.INVALID_PARAMETER: 400,
+    ErrorCode.MISSING_SESSION_ID: 400,
+    ErrorCode.IMAGE_INVALID: 400,
+    ErrorCode.IMAGE_FETCH_FAILED: 400,
+    ErrorCode.IMAGE_URL_FORBIDDEN: 400,
+    ErrorCode.SESSION_NOT_FOUND: 404,
+    ErrorCode.SESSION_EXPIRED: 404,
+    ErrorCode.SESSION_EVICTED: 404,
+    ErrorCode.SESSION_BUSY: 409,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.IMAGE_TOO_LARGE: 413,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 422,
+    ErrorCode.OVERLOADED: 503,
+    ErrorCode.INTERNAL_ERROR: 500,
+}
+
+#: Codes after which the session no longer exists on this worker.
+SESSION_GONE = frozenset({ErrorCode.SESSION_NOT_FOUND, ErrorCode.SESSION_EXPIRED, ErrorCode.SESSION_EVICTED})
+
+
+class ServiceError(Exception):
+    """An error to report to the client as ``{"error": {"code", "message"}}``.
+
+    Args:
+        code: the stable error code; the HTTP status follows from it (:data:`HTTP_STATUS`).
+        message: a human-readable message. It must never contain prompts, image bytes,
+            internal addresses or stack traces.
+        retry_after_s: for ``overloaded``, the value of the ``Retry-After`` header (seconds).
+    """
+
+    def __init__(self, code: ErrorCode, message: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.code = ErrorCode(code)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    @property
+    def status(self) -> int:
+        """HTTP status code for this error."""
+        return HTTP_STATUS[self.code]
+
+    def to_dict(self) -> dict:
+        """Return the wire form ``{"error": {"code": str, "message": str}}``."""
+        return {"error": {"code": self.code.value, "message": self.message}}
+
+    def __repr__(self) -> str:
+        return f"ServiceError({self.code.value!r}, {self.message!r})"
