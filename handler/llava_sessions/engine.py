@@ -1,0 +1,447 @@
+"""The session engine: open a session on an image once, answer many questions cheaply.
+
+``open`` decodes and encodes the image once (vision tower + projector) and prefills the
+conversation prefix (system prompt and image). Each ``generate`` chat-templates the FULL
+conversation, tokenizes it, reuses the session's KV cache for the longest common token prefix,
+prefills only the rest and decodes. A follow-up question therefore costs the prefill of its own
+tokens plus decode, and gives exactly the tokens a from-scratch ``model.generate`` on the same
+templated conversation gives (fp32).
+
+Generation is step-wise: :meth:`SessionEngine.start` returns a :class:`Generation`, an iterator of
+:class:`TokenEvent` (one forward pass per step), so callers can stream and interleave sessions;
+:meth:`SessionEngine.generate` is the plain call built on it. No HTTP, no JSON, no TorchServe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .errors import ErrorCode, ServiceError
+from .model import LlavaRunner, Turn, cache_len, common_prefix_len, crop_cache
+from .sampling import IncrementalDetokenizer, Sampler, SamplingParams
+from .sessions import Session, SessionStore, Tier
+
+log = logging.getLogger(__name__)
+
+
+def _ms(t0: float, t1: float | None = None) -> float:
+    return round(((time.perf_counter() if t1 is None else t1) - t0) * 1000.0, 3)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def default_device_budget(runner: LlavaRunner, fraction: float) -> int:
+    """``fraction`` of the device memory free now (CUDA ``mem_get_info``), or of available host
+    memory (``sysconf``) on CPU; bytes."""
+    if runner.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(runner.device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, int(free * fraction))
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token: ``id``, the text it completes (a detokenization delta; may be ``""``),
+    its ``logprob`` (None unless asked for) and whether it is a ``special`` token (EOS)."""
+
+    id: int
+    text: str
+    logprob: float | None
+    special: bool = False
+
+
+@dataclass
+class Answer:
+    """A finished answer.
+
+    Attributes:
+        text: the answer text (the concatenation of the events' texts).
+        finish_reason: ``stop`` (EOS or a stop sequence) or ``length`` (max_new_tokens reached).
+        prompt_tokens: tokens of the templated conversation (system, image, history, question).
+        cached_tokens: of those, how many came from the session's KV cache (not prefilled).
+        generated_tokens: tokens generated (EOS included when it ended the answer).
+        tokens: the token events.
+        timings: ms — ``restore`` (re-encode/features work for a demoted session), ``prefill``,
+            ``ttft`` (request start → first token), ``total``; and ``decode_tokens_per_s``.
+        seed: the sampler's seed (None for greedy).
+        restored_from: the tier the session was restored from, or None when it was a KV hit.
+    """
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    tokens: list[TokenEvent]
+    timings: dict[str, float]
+    seed: int | None = None
+    restored_from: str | None = None
+
+
+@dataclass(frozen=True)
+class OpenResult:
+    """Result of :meth:`SessionEngine.open`: ``expires_at`` in epoch s; ``image_tokens`` placeholders
+    per image; ``prefix_tokens`` prefilled; ``timings`` in ms (decode, encode, prefill, total)."""
+
+    session_id: str
+    expires_at: int
+    image_tokens: int
+    prefix_tokens: int
+    timings: dict[str, float]
+
+
+@dataclass
+class EngineLimits:
+    """Per-request limits: ``max_new_tokens_cap`` and ``max_prompt_tokens`` (tokens of one prompt)."""
+
+    max_new_tokens_cap: int = 1024
+    max_prompt_tokens: int = 2048
+
+
+class SessionEngine:
+    """Sessions on one model: open, generate (step-wise), reset, close, under a memory budget.
+
+    Args:
+        runner: the loaded model.
+        store: the session store (budget, TTL).
+        decode_image: ``bytes -> RGB PIL image``; raises ServiceError(image_invalid | image_too_large).
+        limits: per-request limits.
+    """
+
+    def __init__(self, runner: LlavaRunner, store: SessionStore, decode_image: Callable[[bytes], Any],
+                 limits: EngineLimits | None = None) -> None:
+        self.runner = runner
+        self.store = store
+        self.decode_image = decode_image
+        self.limits = limits or EngineLimits()
+        self.num_reused_tokens = 0  # counters for metrics
+        self.num_prefilled_tokens = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self, session_id: str, image_bytes: bytes, system_prompt: str | None = None) -> OpenResult:
+        """Open a session: decode + encode the image once and prefill the conversation prefix.
+
+        Args:
+            session_id: the new session's id.
+            image_bytes: the encoded image (JPEG, PNG, ...).
+            system_prompt: optional system message, templated first.
+
+        Raises:
+            ServiceError: image_invalid / image_too_large (bad image), overloaded (no room: the
+                session is not opened), invalid_request (id already open).
+        """
+        t0 = time.perf_counter()
+        image = self.decode_image(image_bytes)
+        t_dec = time.perf_counter()
+        session = self.store.new_session(session_id, image_bytes, system_prompt)
+        self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
+        session.busy = True
+        try:
+            prefix = self.runner.prefix_ids(system_prompt)
+            need = self.runner.num_image_tokens * self._hidden_bytes() + len(prefix) * self.runner.kv_bytes_per_token
+            if not self.store.reserve(need, keep=session):
+                raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for a new session", retry_after_s=5)
+            session.image_features = self._oom_retry(lambda: self.runner.encode_image(image), session)
+            t_enc = time.perf_counter()
+            session.kv_cache = self.runner.new_cache()
+            self._oom_retry(lambda: self.runner.prefill(session.kv_cache, prefix, session.image_features), session)
+            session.cached_ids = prefix
+            self.num_prefilled_tokens += len(prefix)
+        except BaseException:
+            session.busy = False
+            self.store.remove(session_id)
+            raise
+        session.busy = False
+        self.store.enforce(keep=session)
+        t_end = time.perf_counter()
+        timings = {"decode": _ms(t0, t_dec), "encode": _ms(t_dec, t_enc), "prefill": _ms(t_enc, t_end), "total": _ms(t0, t_end)}
+        return OpenResult(session_id, session.expires_at, self.runner.num_image_tokens, len(prefix), timings)
+
+    def reset(self, session_id: str) -> None:
+        """Forget the history, keep the image (and the cached prefix up to the image).
+
+        Raises:
+            ServiceError: session_not_found / _expired / _evicted, session_busy.
+        """
+        session = self._get_idle(session_id)
+        session.history = []
+        if session.kv_cache is not None:
+            keep = common_prefix_len(session.cached_ids, self.runner.prefix_ids(session.system_prompt))
+            crop_cache(session.kv_cache, keep)
+            session.cached_ids = session.cached_ids[:keep]
+
+    def close(self, session_id: str) -> None:
+        """Close the session and free everything it holds.
+
+        Raises:
+            ServiceError: session_not_found / _expired / _evicted, session_busy.
+        """
+        self._get_idle(session_id)
+        self.store.remove(session_id)
+
+    def history(self, session_id: str) -> list[Turn]:
+        """The remembered turns of a session (a copy)."""
+        return list(self.store.get(session_id).history)
+
+    # ------------------------------------------------------------------ generation
+    def start(self, session_id: str, prompt: str, params: SamplingParams | None = None,
+              remember: bool = True) -> "Generation":
+        """Validate a question and return its :class:`Generation` (nothing computed yet).
+
+        Args:
+            session_id: an open session.
+            prompt: the user's question (plain text; must not contain the image placeholder).
+            params: sampling parameters.
+            remember: True: the turn joins the history; False: answered with the current history
+                as context, then forgotten (the cache is cropped back).
+
+        Raises:
+            ServiceError: session_* (gone), session_busy, invalid_parameter (empty prompt, the
+                image token in it, max_new_tokens over the cap, prompt too long),
+                context_length_exceeded (prompt tokens + max_new_tokens > the model's max positions).
+        """
+        params = params or SamplingParams()
+        session = self._get_idle(session_id)
+        if not prompt or not prompt.strip():
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, "prompt must not be empty")
+        if self.runner.image_token in prompt:
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"prompt must not contain the image placeholder {self.runner.image_token!r}")
+        if params.max_new_tokens > self.limits.max_new_tokens_cap:
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"max_new_tokens must be <= {self.limits.max_new_tokens_cap}")
+        num_prompt = self.runner.count_text_tokens(prompt)
+        if num_prompt > self.limits.max_prompt_tokens:
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"prompt is {num_prompt} tokens; at most {self.limits.max_prompt_tokens} are allowed")
+        ids = self.runner.conversation_ids(session.system_prompt, session.history, prompt)
+        limit = self.runner.max_positions
+        if len(ids) + params.max_new_tokens > limit:
+            raise ServiceError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"this turn needs {len(ids)} prompt tokens + {params.max_new_tokens} new tokens = "
+                f"{len(ids) + params.max_new_tokens}, over the model's context of {limit} tokens; "
+                "lower max_new_tokens, reset the session or open a new one",
+            )
+        return Generation(self, session, prompt, ids, params, remember)
+
+    def generate(self, session_id: str, prompt: str, params: SamplingParams | None = None,
+                 remember: bool = True) -> Answer:
+        """Answer ``prompt`` in one call (runs :meth:`start`'s generation to the end).
+
+        Raises:
+            ServiceError: as :meth:`start`, and overloaded when memory runs out (session intact).
+        """
+        gen = self.start(session_id, prompt, params, remember)
+        for _ in gen:
+            pass
+        assert gen.answer is not None
+        return gen.answer
+
+    # ------------------------------------------------------------------ internals
+    def _get_idle(self, session_id: str) -> Session:
+        session = self.store.get(session_id)
+        if session.busy:
+            raise ServiceError(ErrorCode.SESSION_BUSY, "the session is answering another request; wait for it to finish")
+        return session
+
+    def _hidden_bytes(self) -> int:
+        return self.runner.config.text_config.hidden_size * self.runner.dtype.itemsize
+
+    def _oom_retry(self, fn: Callable[[], Any], session: Session) -> Any:
+        """Run ``fn``; on a CUDA out-of-memory error demote every other idle session and retry
+        once, else raise ServiceError(overloaded)."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001
+            if not _is_oom(exc):
+                raise
+            log.warning("out of memory; demoting idle sessions and retrying once")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.store.reserve(self.store.device_budget_bytes, keep=session)
+            try:
+                return fn()
+            except Exception as exc2:  # noqa: BLE001
+                if _is_oom(exc2):
+                    raise ServiceError(ErrorCode.OVERLOADED, "the device is out of memory; retry later", retry_after_s=2) from exc2
+                raise
+
+    def _restore(self, session: Session) -> str | None:
+        """Bring a demoted session back to a prefillable state; returns the tier it came from."""
+        tier = session.tier
+        if tier is Tier.KV:
+            return None
+        if tier is Tier.IMAGE:
+            image = self.decode_image(session.image_bytes)
+            if not self.store.reserve(self.runner.num_image_tokens * self._hidden_bytes(), keep=session):
+                raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory to restore the session", retry_after_s=5)
+            session.image_features = self._oom_retry(lambda: self.runner.encode_image(image), session)
+        session.kv_cache = self.runner.new_cache()
+        session.cached_ids = []
+        session.num_restores += 1
+        self.store.stats.num_restores += 1
+        return tier.value
+
+
+class Generation:
+    """One answer in flight: an iterator of :class:`TokenEvent`, one forward pass per step.
+
+    The first ``next()`` restores a demoted session and prefills the uncached tokens; each later
+    one decodes one token. When the answer ends, :attr:`answer` is set and the session is updated
+    (remembered turn, or cache cropped back). :meth:`close` abandons the answer and leaves the
+    session as it was before the question. The session is marked busy while in flight.
+    """
+
+    def __init__(self, engine: SessionEngine, session: Session, prompt: str, prompt_ids: list[int],
+                 params: SamplingParams, remember: bool) -> None:
+        self.engine = engine
+        self.session = session
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.remember = remember
+        self.answer: Answer | None = None
+        self.done = False
+        self._detok = IncrementalDetokenizer(engine.runner.tokenizer)
+        self._sampler = Sampler(params, engine.runner.device, prompt_ids)
+        self._events: list[TokenEvent] = []
+        self._logits: torch.Tensor | None = None
+        self._reuse = 0
+        self._restored: str | None = None
+        self._t0 = time.perf_counter()
+        self._t_prefill = self._t_first = self._t_last = 0.0
+        self._timings: dict[str, float] = {}
+        self._max_stop = max((len(s) for s in params.stop), default=0)
+        session.busy = True
+
+    @property
+    def session_id(self) -> str:
+        """The session this answer belongs to."""
+        return self.session.session_id
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far."""
+        return len(self._events)
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> TokenEvent:
+        if self.done:
+            raise StopIteration
+        try:
+            return self._step()
+        except BaseException:
+            self._abort()
+            raise
+
+    def _step(self) -> TokenEvent:
+        runner = self.engine.runner
+        session = self.session
+        if self._logits is None:
+            self._prefill()
+        else:
+            self._logits = self.engine._oom_retry(lambda: runner.decode(session.kv_cache, self._events[-1].id), session)
+        assert self._logits is not None
+        token, logprob = self._sampler.next_token(self._logits)
+        now = time.perf_counter()
+        if not self._events:
+            self._t_first = now
+        self._t_last = now
+        special = token in runner.eos_token_ids
+        before = len(self._detok.text)
+        text = self._detok.push(token)
+        finish = None
+        if special:
+            finish = "stop"
+        elif self._max_stop and any(s in self._detok.text[max(0, before - self._max_stop):] for s in self.params.stop):
+            finish = "stop"
+        elif len(self._events) + 1 >= self.params.max_new_tokens:
+            finish = "length"
+        if finish:
+            text += self._detok.flush()
+        event = TokenEvent(token, text, logprob, special)
+        self._events.append(event)
+        if finish:
+            self._finish(finish)
+        return event
+
+    def _prefill(self) -> None:
+        engine, runner, session = self.engine, self.engine.runner, self.session
+        t0 = time.perf_counter()
+        self._restored = engine._restore(session)
+        t_restored = time.perf_counter()
+        reuse = min(common_prefix_len(session.cached_ids, self.prompt_ids), len(self.prompt_ids) - 1)
+        need = (len(self.prompt_ids) - reuse + self.params.max_new_tokens) * runner.kv_bytes_per_token
+        if not engine.store.reserve(need, keep=session):
+            raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for this answer now; retry later", retry_after_s=2)
+        if reuse < cache_len(session.kv_cache):
+            crop_cache(session.kv_cache, reuse)
+        session.cached_ids = session.cached_ids[:reuse]
+        self._reuse = reuse
+        self._logits = engine._oom_retry(lambda: runner.prefill(session.kv_cache, self.prompt_ids, session.image_features), session)
+        session.cached_ids = list(self.prompt_ids)
+        engine.num_reused_tokens += reuse
+        engine.num_prefilled_tokens += len(self.prompt_ids) - reuse
+        self._t_prefill = time.perf_counter()
+        self._timings["restore"] = _ms(t0, t_restored)
+        self._timings["prefill"] = _ms(t_restored, self._t_prefill)
+
+    def _finish(self, finish_reason: str) -> None:
+        session = self.session
+        ids = [e.id for e in self._events]
+        if self.remember:
+            session.history.append(Turn(self.prompt, self._detok.text))
+            session.cached_ids = list(self.prompt_ids) + ids[:-1]  # the last token is not fed yet
+        else:
+            crop_cache(session.kv_cache, self._reuse)
+            session.cached_ids = session.cached_ids[: self._reuse]
+        session.check_cache()
+        session.busy = False
+        self.done = True
+        t_end = time.perf_counter()
+        n = len(self._events)
+        decode_s = self._t_last - self._t_first
+        self._timings.update({
+            "ttft": _ms(self._t0, self._t_first),
+            "total": _ms(self._t0, t_end),
+            "decode_tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else 0.0,
+        })
+        self.answer = Answer(
+            text=self._detok.text, finish_reason=finish_reason, prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self._reuse, generated_tokens=n, tokens=list(self._events), timings=dict(self._timings),
+            seed=self._sampler.seed, restored_from=self._restored,
+        )
+        self.engine.store.enforce(keep=session)
+
+    def _abort(self) -> None:
+        """Leave the session as before the question (cache cropped to the reused prefix, or dropped
+        if a forward pass failed midway)."""
+        if self.done:
+            return
+        self.done = True
+        session = self.session
+        session.busy = False
+        if session.kv_cache is not None:
+            n = len(session.cached_ids) if self._logits is None else self._reuse
+            try:
+                lens = {layer.keys.shape[-2] for layer in session.kv_cache.layers if getattr(layer, "keys", None) is not None}
+                if len(lens) > 1 or cache_len(session.kv_cache) < n:
+                    session.drop_kv()  # a forward failed between layers: the cache is not trustworthy
+                else:
+                    crop_cache(session.kv_cache, n)
+                    session.cached_ids = session.cached_ids[:n]
+            except Exception:  # noqa: BLE001
+                session.drop_kv()
+
+    def close(self) -> None:
+        """Abandon the answer (client gone); the session stays as it was before the question."""
+        self._abort()

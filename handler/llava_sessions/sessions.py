@@ -1,0 +1,336 @@
+"""Sessions, their memory tiers, and the store that keeps them under a byte budget.
+
+A session holds, from most to least costly to rebuild:
+
+=========== ================================================ ===============================
+tier        what is held                                      restored on the next request by
+=========== ================================================ ===============================
+``kv``      KV cache of the conversation prefix + features   nothing (prefill the new tokens)
+``features`` projected image features on the device           re-prefill the conversation
+``image``   encoded image bytes + conversation (host only)    re-encode the image, re-prefill
+=========== ================================================ ===============================
+
+Every tier also keeps the encoded image bytes and the conversation on the host, so a demoted
+session answers exactly as if it had never been demoted. The store counts bytes, not models
+(bookkeeping apart from memory, like vLLM v1's KV-cache manager): device bytes are the real
+storage sizes of the KV tensors and the features; host bytes are the image bytes plus the
+UTF-8 conversation text.
+
+Over the device budget the least-recently-used idle sessions are demoted one tier at a time:
+first KV caches are dropped (LRU first), then image features. Past the host cap, and only
+then, LRU idle sessions are dropped whole; their ids are remembered (a bounded tombstone map)
+so their next request gets ``session_evicted`` rather than a wrong answer. TTL: an absolute
+expiry fixed at open (whole seconds: the instant the SageMaker ``Expires`` header carries) plus
+an optional idle timeout; expired sessions are freed lazily, on access or :meth:`sweep`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .errors import ErrorCode, ServiceError
+from .model import Turn, cache_len, cache_nbytes
+
+log = logging.getLogger(__name__)
+
+
+class Tier(str, enum.Enum):
+    """What a session holds on the device (see the module docstring)."""
+
+    KV = "kv"
+    FEATURES = "features"
+    IMAGE = "image"
+
+
+@dataclass
+class Session:
+    """One client's conversation about one image.
+
+    Attributes:
+        session_id: the id (``ts-seq-<uuid>`` minted by TorchServe, or any uuid4-based id).
+        image_bytes: the encoded image as received (host).
+        system_prompt: optional system message.
+        history: remembered turns, oldest first.
+        image_features: ``[num_image_tokens, hidden]`` on the device, or None (tier ``image``).
+        kv_cache: ``DynamicCache`` holding ``cached_ids`` (``[1, kv_heads, len, head_dim]`` per layer), or None.
+        cached_ids: token ids whose keys/values are in ``kv_cache`` (``len == cache_len(kv_cache)``).
+        opened_at: open time (epoch s); expires_at: absolute expiry (epoch s, whole seconds).
+        last_used: last request time (epoch s) for LRU and the idle timeout.
+        busy: a generation is in flight; a busy session is never demoted or evicted.
+        num_restores: how many times a demoted session was rebuilt.
+    """
+
+    session_id: str
+    image_bytes: bytes
+    system_prompt: str | None
+    opened_at: float
+    expires_at: int
+    last_used: float
+    history: list[Turn] = field(default_factory=list)
+    image_features: torch.Tensor | None = None
+    kv_cache: Any = None
+    cached_ids: list[int] = field(default_factory=list)
+    busy: bool = False
+    num_restores: int = 0
+
+    @property
+    def tier(self) -> Tier:
+        """The tier the session is in now."""
+        if self.kv_cache is not None:
+            return Tier.KV
+        if self.image_features is not None:
+            return Tier.FEATURES
+        return Tier.IMAGE
+
+    @property
+    def kv_bytes(self) -> int:
+        """Device bytes of the KV cache (real storage sizes)."""
+        return cache_nbytes(self.kv_cache)
+
+    @property
+    def feature_bytes(self) -> int:
+        """Device bytes of the image features."""
+        f = self.image_features
+        return 0 if f is None else f.untyped_storage().nbytes()
+
+    @property
+    def device_bytes(self) -> int:
+        """KV cache + image features, bytes."""
+        return self.kv_bytes + self.feature_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Encoded image + UTF-8 conversation text (system prompt and turns), bytes."""
+        text = (self.system_prompt or "") + "".join(t.prompt + t.answer for t in self.history)
+        return len(self.image_bytes) + len(text.encode("utf-8"))
+
+    def drop_kv(self) -> None:
+        """Demote ``kv`` → ``features``: free the KV cache."""
+        self.kv_cache = None
+        self.cached_ids = []
+
+    def drop_features(self) -> None:
+        """Demote to ``image``: free the KV cache and the image features."""
+        self.drop_kv()
+        self.image_features = None
+
+    def check_cache(self) -> None:
+        """Assert the cache invariant ``len(cached_ids) == cache_len(kv_cache)``."""
+        assert len(self.cached_ids) == cache_len(self.kv_cache), (len(self.cached_ids), cache_len(self.kv_cache))
+
+
+@dataclass
+class StoreStats:
+    """Counters since start (monotonic); read with :meth:`SessionStore.stats`."""
+
+    num_opened: int = 0
+    num_closed: int = 0
+    num_expired: int = 0
+    num_evicted: int = 0
+    num_demotions_kv: int = 0
+    num_demotions_features: int = 0
+    num_restores: int = 0
+
+
+class SessionStore:
+    """All sessions of one worker, under a device byte budget and a host byte cap.
+
+    Admission in phases, like vLLM's managers: :meth:`add` a session (host cap enforced),
+    :meth:`reserve` device bytes before growing one (LRU demotion of the others), :meth:`enforce`
+    after growth, :meth:`remove` on close.
+
+    Args:
+        device_budget_bytes: most bytes of KV caches + image features held at once.
+        host_budget_bytes: most bytes of encoded images + conversations held at once.
+        max_sessions: most sessions held at once.
+        ttl_s: absolute lifetime of a session from open, s.
+        idle_timeout_s: a session idle this long expires, s (0 = off).
+        clock: time source in epoch seconds (injectable for tests).
+        max_tombstones: how many expired/evicted/closed ids are remembered for precise errors.
+    """
+
+    def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, max_sessions: int = 64,
+                 ttl_s: int = 1200, idle_timeout_s: int = 0, clock: Callable[[], float] = time.time,
+                 max_tombstones: int = 10_000) -> None:
+        if device_budget_bytes <= 0 or host_budget_bytes <= 0:
+            raise ValueError("budgets must be > 0 bytes")
+        self.device_budget_bytes = device_budget_bytes
+        self.host_budget_bytes = host_budget_bytes
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self.idle_timeout_s = idle_timeout_s
+        self.clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
+        self._tombstones: OrderedDict[str, ErrorCode] = OrderedDict()
+        self._max_tombstones = max_tombstones
+        self.stats = StoreStats()
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def sessions(self) -> list[Session]:
+        """Sessions, least recently used first."""
+        return list(self._sessions.values())
+
+    def device_bytes(self) -> int:
+        """Bytes of KV caches + image features over all sessions."""
+        return sum(s.device_bytes for s in self._sessions.values())
+
+    def host_bytes(self) -> int:
+        """Bytes of encoded images + conversations over all sessions."""
+        return sum(s.host_bytes for s in self._sessions.values())
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """``{"kv": KV bytes, "features": feature bytes, "image": host bytes}`` over all sessions."""
+        ss = self._sessions.values()
+        return {
+            "kv": sum(s.kv_bytes for s in ss),
+            "features": sum(s.feature_bytes for s in ss),
+            "image": sum(s.host_bytes for s in ss),
+        }
+
+    def count_by_tier(self) -> dict[str, int]:
+        """Number of sessions in each tier."""
+        counts = {t.value: 0 for t in Tier}
+        for s in self._sessions.values():
+            counts[s.tier.value] += 1
+        return counts
+
+    # ------------------------------------------------------------------ lifecycle
+    def new_session(self, session_id: str, image_bytes: bytes, system_prompt: str | None) -> Session:
+        """Create (not add) a session with its expiry fixed now: ``floor(now) + ttl_s``."""
+        now = self.clock()
+        return Session(session_id=session_id, image_bytes=image_bytes, system_prompt=system_prompt,
+                       opened_at=now, expires_at=int(now) + self.ttl_s, last_used=now)
+
+    def add(self, session: Session) -> None:
+        """Admit ``session`` as most recently used.
+
+        Raises:
+            ServiceError(invalid_request): the id is already open.
+            ServiceError(overloaded): ``max_sessions`` are open, or its host bytes alone exceed the cap.
+        """
+        self.sweep()
+        if session.session_id in self._sessions:
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
+        if len(self._sessions) >= self.max_sessions:
+            raise ServiceError(ErrorCode.OVERLOADED, f"this worker holds its maximum of {self.max_sessions} sessions",
+                               retry_after_s=5)
+        if session.host_bytes > self.host_budget_bytes:
+            raise ServiceError(ErrorCode.OVERLOADED, "the session does not fit in host memory", retry_after_s=5)
+        self._sessions[session.session_id] = session
+        self._tombstones.pop(session.session_id, None)
+        self.stats.num_opened += 1
+        self.enforce(keep=session)
+
+    def get(self, session_id: str) -> Session:
+        """Return the open session ``session_id`` and mark it most recently used.
+
+        Raises:
+            ServiceError(session_expired | session_evicted | session_not_found).
+        """
+        self.sweep()
+        session = self._sessions.get(session_id)
+        if session is None:
+            code = self._tombstones.get(session_id, ErrorCode.SESSION_NOT_FOUND)
+            messages = {
+                ErrorCode.SESSION_EXPIRED: "the session has expired; open a new one",
+                ErrorCode.SESSION_EVICTED: "the session was evicted because the server ran out of memory; open a new one",
+                ErrorCode.SESSION_NOT_FOUND: "no open session with this id on this worker",
+            }
+            raise ServiceError(code, messages[code])
+        session.last_used = self.clock()
+        self._sessions.move_to_end(session_id)
+        return session
+
+    def remove(self, session_id: str) -> Session:
+        """Close ``session_id`` and free everything it holds.
+
+        Raises:
+            ServiceError(session_*): as :meth:`get`.
+        """
+        session = self.get(session_id)
+        del self._sessions[session_id]
+        session.drop_features()
+        self._bury(session_id, ErrorCode.SESSION_NOT_FOUND)
+        self.stats.num_closed += 1
+        return session
+
+    def sweep(self) -> int:
+        """Free every expired idle session (TTL or idle timeout); returns how many."""
+        now = self.clock()
+        expired = [s for s in self._sessions.values() if not s.busy and self._is_expired(s, now)]
+        for s in expired:
+            del self._sessions[s.session_id]
+            s.drop_features()
+            self._bury(s.session_id, ErrorCode.SESSION_EXPIRED)
+            self.stats.num_expired += 1
+            log.info("session expired", extra={"session_id": s.session_id})
+        return len(expired)
+
+    def _is_expired(self, s: Session, now: float) -> bool:
+        return now >= s.expires_at or (self.idle_timeout_s > 0 and now - s.last_used >= self.idle_timeout_s)
+
+    def _bury(self, session_id: str, code: ErrorCode) -> None:
+        self._tombstones[session_id] = code
+        self._tombstones.move_to_end(session_id)
+        while len(self._tombstones) > self._max_tombstones:
+            self._tombstones.popitem(last=False)
+
+    # ------------------------------------------------------------------ budget
+    def reserve(self, num_bytes: int, keep: Session) -> bool:
+        """Make room for ``num_bytes`` more device bytes for ``keep`` by demoting other idle sessions.
+
+        Returns:
+            True when ``device_bytes() + num_bytes <= device_budget_bytes`` afterwards; False when
+            even demoting every other idle session to the ``image`` tier is not enough (nothing
+            is lost either way).
+        """
+        return self._demote_until(self.device_budget_bytes - num_bytes, keep)
+
+    def enforce(self, keep: Session | None = None) -> bool:
+        """Demote LRU idle sessions (never ``keep``) until within the device budget, then evict
+        LRU idle sessions while over the host cap. Returns True when within both."""
+        ok = self._demote_until(self.device_budget_bytes, keep)
+        host = self.host_bytes()
+        for s in list(self._sessions.values()):
+            if host <= self.host_budget_bytes:
+                break
+            if s is keep or s.busy:
+                continue
+            host -= s.host_bytes
+            del self._sessions[s.session_id]
+            s.drop_features()
+            self._bury(s.session_id, ErrorCode.SESSION_EVICTED)
+            self.stats.num_evicted += 1
+            log.warning("session evicted: host memory cap reached", extra={"session_id": s.session_id})
+        return ok and host <= self.host_budget_bytes
+
+    def _demote_until(self, limit: int, keep: Session | None) -> bool:
+        used = self.device_bytes()
+        for drop_features in (False, True):  # first KV caches (big), then features (small)
+            for s in list(self._sessions.values()):  # LRU first
+                if used <= limit:
+                    return True
+                if s is keep or s.busy:
+                    continue
+                if not drop_features and s.kv_cache is not None:
+                    used -= s.kv_bytes
+                    s.drop_kv()
+                    self.stats.num_demotions_kv += 1
+                elif drop_features and s.image_features is not None:
+                    used -= s.device_bytes
+                    s.drop_features()
+                    self.stats.num_demotions_features += 1
+        return used <= limit

@@ -1,0 +1,47 @@
+"""Shared fixtures: the ``tiny`` checkpoint (built once per run), a loaded runner, real photographs."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def encode_png(array) -> bytes:
+    """PNG bytes of an ``skimage.data`` array."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(array).convert("RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A ``tiny`` random-weight llava-hf checkpoint folder built by ``llava-tiny-model``'s code."""
+    from llava_sessions.tiny_model import write_checkpoint
+
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny-llava"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def runner(tiny_model_dir):
+    """The tiny checkpoint loaded in fp32 on the CPU."""
+    import torch
+
+    from llava_sessions.model import LlavaRunner
+
+    torch.manual_seed(0)
+    return LlavaRunner.from_pretrained(tiny_model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def photos() -> dict[str, bytes]:
+    """Real photographs from scikit-image, PNG-encoded."""
+    from skimage import data
+
+    return {name: encode_png(getattr(data, name)()) for name in ("astronaut", "chelsea", "coffee", "rocket")}

@@ -1,0 +1,307 @@
+"""Session engine: exactness against ``model.generate`` from scratch, tiers, budget, TTL, limits.
+
+fp32 on CPU, the ``tiny`` checkpoint, real photographs from ``skimage.data``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.errors import ErrorCode, ServiceError
+from llava_sessions.images import decode_image
+from llava_sessions.model import Turn
+from llava_sessions.sampling import SamplingParams
+from llava_sessions.sessions import SessionStore, Tier
+
+N = 12  # max_new_tokens in exactness tests
+GREEDY = SamplingParams(max_new_tokens=N)
+decode = functools.partial(decode_image, max_pixels=40_000_000)
+
+
+class Clock:
+    """A settable clock (epoch seconds) for TTL tests."""
+
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_engine(runner, **store_kw) -> SessionEngine:
+    kw = dict(device_budget_bytes=10**10, host_budget_bytes=10**9, max_sessions=16, ttl_s=1200)
+    kw.update(store_kw)
+    return SessionEngine(runner, SessionStore(**kw), decode, EngineLimits(max_new_tokens_cap=4096))
+
+
+def reference(runner, image_bytes: bytes, turns: list[tuple[str, str]], prompt: str,
+              system_prompt: str | None = None, max_new_tokens: int = N) -> list[int]:
+    """Greedy tokens of ``model.generate`` from scratch on the chat-templated conversation."""
+    messages = []
+    if system_prompt:
+        messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+    for i, (q, a) in enumerate(turns + [(prompt, None)]):
+        content = ([{"type": "image"}] if i == 0 else []) + [{"type": "text", "text": q}]
+        messages.append({"role": "user", "content": content})
+        if a is not None:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
+    text = runner.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = runner.processor(text=text, images=decode(image_bytes), return_tensors="pt")
+    with torch.inference_mode():
+        out = runner.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def ids(answer) -> list[int]:
+    return [t.id for t in answer.tokens]
+
+
+def tensor_bytes(session) -> int:
+    """Device bytes of a session counted straight from its tensors."""
+    total = 0 if session.image_features is None else session.image_features.numel() * session.image_features.element_size()
+    if session.kv_cache is not None:
+        for layer in session.kv_cache.layers:
+            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    return total
+
+
+def test_first_question_history_and_independent_question_match_generate(runner, photos):
+    eng = make_engine(runner)
+    img = photos["astronaut"]
+    opened = eng.open("s1", img)
+    assert opened.image_tokens == 576
+    q1, q2, q3, q4 = "What is in this image?", "What color is it?", "Is there a dog?", "Describe the image in detail."
+
+    a1 = eng.generate("s1", q1, GREEDY)
+    assert ids(a1) == reference(runner, img, [], q1)
+    assert a1.cached_tokens == opened.prefix_tokens and a1.prompt_tokens > a1.cached_tokens
+
+    a2 = eng.generate("s1", q2, GREEDY)
+    assert ids(a2) == reference(runner, img, [(q1, a1.text)], q2)
+    assert a2.cached_tokens >= a1.prompt_tokens  # the first turn came from the cache
+
+    before = eng.store.get("s1").cached_ids[:]
+    a3 = eng.generate("s1", q3, GREEDY, remember=False)
+    assert ids(a3) == reference(runner, img, [(q1, a1.text), (q2, a2.text)], q3)
+    session = eng.store.get("s1")
+    assert [t.prompt for t in session.history] == [q1, q2]
+    assert session.cached_ids == before[: a3.cached_tokens] and len(session.cached_ids) == a3.cached_tokens
+    session.check_cache()
+
+    a4 = eng.generate("s1", q4, GREEDY)  # the independent question left no trace
+    assert ids(a4) == reference(runner, img, [(q1, a1.text), (q2, a2.text)], q4)
+    assert a4.cached_tokens == a3.cached_tokens
+
+
+def test_system_prompt_is_templated_first(runner, photos):
+    eng = make_engine(runner)
+    system = "A chat between a curious human and an artificial intelligence assistant."
+    eng.open("s", photos["coffee"], system_prompt=system)
+    q = "What is in this image?"
+    a = eng.generate("s", q, GREEDY)
+    assert ids(a) == reference(runner, photos["coffee"], [], q, system_prompt=system)
+
+
+@pytest.mark.parametrize("tier", [Tier.FEATURES, Tier.IMAGE])
+def test_demoted_session_answers_as_if_never_demoted(runner, photos, tier):
+    eng = make_engine(runner)
+    img = photos["chelsea"]
+    eng.open("s", img)
+    q1, q2 = "What is in this image?", "What color is the cat?"
+    a1 = eng.generate("s", q1, GREEDY)
+    session = eng.store.get("s")
+    session.drop_kv() if tier is Tier.FEATURES else session.drop_features()
+    assert session.tier is tier
+    a2 = eng.generate("s", q2, GREEDY)
+    assert a2.restored_from == tier.value and a2.cached_tokens == 0
+    assert ids(a2) == reference(runner, img, [(q1, a1.text)], q2)
+    assert session.tier is Tier.KV and session.num_restores == 1
+
+
+def test_interleaved_sessions_get_their_own_images_answers(runner, photos):
+    eng = make_engine(runner)
+    eng.open("a", photos["astronaut"])
+    eng.open("b", photos["rocket"])
+    q = "What is in this image?"
+    ga, gb = eng.start("a", q, GREEDY), eng.start("b", q, GREEDY)
+    while not (ga.done and gb.done):
+        for g in (ga, gb):
+            next(g, None)
+    assert ids(ga.answer) == reference(runner, photos["astronaut"], [], q)
+    assert ids(gb.answer) == reference(runner, photos["rocket"], [], q)
+    assert ids(ga.answer) != ids(gb.answer)  # the images matter, so a leak would show
+
+
+def test_budget_demotes_oldest_loses_none_and_accounts_real_bytes(runner, photos):
+    probe = make_engine(runner)
+    probe.open("p", photos["astronaut"])
+    one_session = probe.store.device_bytes()
+    # room for about two sessions with a short answer each
+    eng = make_engine(runner, device_budget_bytes=int(2.3 * one_session))
+    names = ["astronaut", "chelsea", "coffee", "rocket"]
+    q = "What is in this image?"
+    answers = {}
+    for n in names:
+        eng.open(n, photos[n])
+        answers[n] = eng.generate(n, q, SamplingParams(max_new_tokens=4))
+        sessions = eng.store.sessions()
+        assert eng.store.device_bytes() == sum(tensor_bytes(s) for s in sessions)
+        assert eng.store.device_bytes() <= eng.store.device_budget_bytes
+    tiers = {s.session_id: s.tier for s in eng.store.sessions()}
+    assert tiers["astronaut"] is not Tier.KV and tiers["rocket"] is Tier.KV  # LRU demoted first
+    assert eng.store.stats.num_demotions_kv >= 2 and len(eng.store) == 4  # none lost
+    by_tier = eng.store.bytes_by_tier()
+    assert by_tier["kv"] + by_tier["features"] == eng.store.device_bytes()
+    assert by_tier["image"] == sum(len(photos[n]) + len((q + answers[n].text).encode()) for n in names)
+    for n in names:  # every session still answers exactly
+        a = eng.generate(n, "What color is it?", GREEDY)
+        assert ids(a) == reference(runner, photos[n], [(q, answers[n].text)], "What color is it?")
+
+
+def test_ttl_and_idle_expiry(runner, photos):
+    clock = Clock()
+    eng = make_engine(runner, ttl_s=100, idle_timeout_s=30, clock=clock)
+    opened = eng.open("s", photos["coffee"])
+    assert opened.expires_at == int(clock.t) + 100
+    clock.t += 29
+    eng.generate("s", "Hello?", SamplingParams(max_new_tokens=2))  # activity keeps it alive
+    clock.t += 29
+    eng.generate("s", "Hello?", SamplingParams(max_new_tokens=2))
+    clock.t += 30  # idle for the idle timeout
+    with pytest.raises(ServiceError) as e:
+        eng.generate("s", "Hello?", GREEDY)
+    assert e.value.code is ErrorCode.SESSION_EXPIRED and e.value.status == 404
+    assert len(eng.store) == 0 and eng.store.device_bytes() == 0
+
+    t_open = eng.open("t", photos["coffee"])
+    for _ in range(10):  # active every 20 s, never idle, but the absolute TTL still ends it
+        clock.t += 20
+        try:
+            eng.generate("t", "Hi", SamplingParams(max_new_tokens=1))
+        except ServiceError as err:
+            assert err.code is ErrorCode.SESSION_EXPIRED
+            assert clock.t >= t_open.expires_at > clock.t - 20
+            break
+    else:
+        pytest.fail("absolute TTL did not expire the session")
+    with pytest.raises(ServiceError) as e:
+        eng.close("t")
+    assert e.value.code is ErrorCode.SESSION_EXPIRED
+
+
+def test_context_overflow_fails_and_leaves_session_intact(runner, photos):
+    eng = make_engine(runner)
+    img = photos["rocket"]
+    eng.open("s", img)
+    q1 = "What is in this image?"
+    a1 = eng.generate("s", q1, GREEDY)
+    snapshot = (list(eng.store.get("s").cached_ids), list(eng.store.get("s").history))
+    with pytest.raises(ServiceError) as e:
+        eng.generate("s", "Tell me more.", SamplingParams(max_new_tokens=runner.max_positions))
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and e.value.status == 422
+    assert str(runner.max_positions) in e.value.message and "prompt tokens" in e.value.message
+    assert (eng.store.get("s").cached_ids, eng.store.get("s").history) == snapshot
+    a2 = eng.generate("s", "Tell me more.", GREEDY)
+    assert ids(a2) == reference(runner, img, [(q1, a1.text)], "Tell me more.")
+
+
+def test_host_cap_evicts_lru_and_says_so(runner, photos):
+    img = photos["chelsea"]
+    cap = 2 * len(img) + 1000  # two sessions fit, three do not
+    eng = make_engine(runner, host_budget_bytes=cap)
+    eng.open("old", img)
+    eng.open("mid", img)
+    eng.generate("mid", "Hi", SamplingParams(max_new_tokens=2))
+    eng.open("new", img)  # past the host cap: the LRU session goes, with a tombstone
+    with pytest.raises(ServiceError) as e:
+        eng.generate("old", "Hi", GREEDY)
+    assert e.value.code is ErrorCode.SESSION_EVICTED and e.value.status == 404
+    assert eng.store.host_bytes() <= cap and eng.store.stats.num_evicted == 1
+    eng.generate("mid", "Hi", SamplingParams(max_new_tokens=2))  # the others are untouched
+
+
+def test_streamed_text_joins_to_answer_and_details(runner, photos):
+    eng = make_engine(runner)
+    eng.open("s", photos["astronaut"])
+    gen = eng.start("s", "Describe the image in detail.", SamplingParams(max_new_tokens=40, logprobs=True))
+    pieces = [ev.text for ev in gen]
+    a = gen.answer
+    assert "".join(pieces) == a.text == runner.tokenizer.decode(ids(a), skip_special_tokens=True)
+    assert a.generated_tokens == len(pieces) and a.finish_reason in ("stop", "length")
+    assert all(t.logprob is not None and t.logprob <= 0 for t in a.tokens)
+    assert a.timings["ttft"] <= a.timings["total"] and a.timings["prefill"] > 0
+
+
+def test_finish_reasons_stop_sequences_and_seeded_sampling(runner, photos):
+    eng = make_engine(runner)
+    eng.open("s", photos["coffee"])
+    q = "What is in this image?"
+    a = eng.generate("s", q, SamplingParams(max_new_tokens=5), remember=False)
+    assert a.finish_reason == "length" and a.generated_tokens == 5
+    full = eng.generate("s", q, SamplingParams(max_new_tokens=30), remember=False)
+    # a stop sequence taken from the greedy answer's own text ends it right there
+    stop = full.text[len(full.text) // 2:][:2] if len(full.text) > 4 else None
+    if stop and stop.strip():
+        s = eng.generate("s", q, SamplingParams(max_new_tokens=30, stop=(stop,)), remember=False)
+        assert s.finish_reason == "stop" and stop in s.text and len(s.text) <= len(full.text)
+        assert s.text.index(stop) + len(stop) > len(s.text) - max(len(t.text) for t in s.tokens) - len(stop)
+    p = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, top_k=50, seed=7)
+    s1 = eng.generate("s", q, p, remember=False)
+    s2 = eng.generate("s", q, p, remember=False)
+    assert ids(s1) == ids(s2) and s1.seed == 7
+    pen = eng.generate("s", q, SamplingParams(max_new_tokens=10, repetition_penalty=1.3), remember=False)
+    assert pen.generated_tokens >= 1
+    with pytest.raises(ServiceError) as e:
+        SamplingParams(top_p=0)
+    assert e.value.code is ErrorCode.INVALID_PARAMETER
+
+
+def test_reset_close_busy_and_bad_prompts(runner, photos):
+    eng = make_engine(runner)
+    img = photos["chelsea"]
+    eng.open("s", img)
+    q = "What is in this image?"
+    eng.generate("s", q, GREEDY)
+    eng.reset("s")
+    assert eng.history("s") == []
+    a = eng.generate("s", q, GREEDY)
+    assert ids(a) == reference(runner, img, [], q)
+
+    gen = eng.start("s", "And now?", GREEDY)
+    next(gen)
+    with pytest.raises(ServiceError) as e:
+        eng.start("s", "Another", GREEDY)
+    assert e.value.code is ErrorCode.SESSION_BUSY
+    cached = list(eng.store.get("s").cached_ids)
+    gen.close()  # abandoned: the session is as before the question
+    s = eng.store.get("s")
+    assert s.cached_ids == cached[: len(s.cached_ids)] and len(s.history) == 1 and not s.busy
+    assert ids(eng.generate("s", "And now?", GREEDY)) == reference(runner, img, [(q, a.text)], "And now?")
+
+    for bad in ("", "   ", "look at <image> this"):
+        with pytest.raises(ServiceError) as e:
+            eng.start("s", bad, GREEDY)
+        assert e.value.code is ErrorCode.INVALID_PARAMETER
+    eng.close("s")
+    with pytest.raises(ServiceError) as e:
+        eng.generate("s", q, GREEDY)
+    assert e.value.code is ErrorCode.SESSION_NOT_FOUND
+    with pytest.raises(ServiceError) as e:
+        eng.open("x", b"not an image")
+    assert e.value.code is ErrorCode.IMAGE_INVALID and len(eng.store) == 0
+
+
+def test_open_refused_when_full_or_no_room(runner, photos):
+    eng = make_engine(runner, max_sessions=1)
+    eng.open("a", photos["coffee"])
+    with pytest.raises(ServiceError) as e:
+        eng.open("b", photos["coffee"])
+    assert e.value.code is ErrorCode.OVERLOADED and e.value.retry_after_s
+    tiny = make_engine(runner, device_budget_bytes=1000)
+    with pytest.raises(ServiceError) as e:
+        tiny.open("a", photos["coffee"])
+    assert e.value.code is ErrorCode.OVERLOADED and len(tiny.store) == 0
