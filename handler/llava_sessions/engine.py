@@ -401,9 +401,11 @@ class Generation:
         if self.remember:
             session.history.append(Turn(self.prompt, self._detok.text))
             session.cached_ids = list(self.prompt_ids) + ids[:-1]  # the last token is not fed yet
-        else:
-            crop_cache(session.kv_cache, self._reuse)
-            session.cached_ids = session.cached_ids[: self._reuse]
+        else:  # keep what the next question can reuse: the history's stable prefix
+            stable = self.engine.runner.prefix_ids(session.system_prompt, session.history)
+            keep = max(self._reuse, common_prefix_len(self.prompt_ids, stable))
+            crop_cache(session.kv_cache, keep)
+            session.cached_ids = session.cached_ids[:keep]
         session.check_cache()
         session.busy = False
         self.done = True

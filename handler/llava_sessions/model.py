@@ -237,16 +237,21 @@ class LlavaRunner:
         """Token ids of the full chat-templated conversation ending in the generation prompt."""
         return self.tokenize(self.conversation_text(system_prompt, turns, prompt))
 
-    def prefix_ids(self, system_prompt: str | None) -> list[int]:
-        """Token ids every first question shares: system prompt and image, whatever the question.
+    def prefix_ids(self, system_prompt: str | None, turns: list[Turn] | None = None) -> list[int]:
+        """Token ids every next question shares: system prompt, image and ``turns``, whatever the question.
 
-        Found as the common prefix of two conversations that differ only in their question, so
-        it holds for any chat template.
+        Found as the common prefix of two conversations that differ only in their last question,
+        so it holds for any chat template. Without turns the result is memoised per system prompt.
         """
+        def compute() -> list[int]:
+            a = self.conversation_ids(system_prompt, turns or [], "A")
+            b = self.conversation_ids(system_prompt, turns or [], "Z")
+            return a[: common_prefix_len(a, b)]
+
+        if turns:
+            return compute()
         if system_prompt not in self._prefix_cache:
-            a = self.conversation_ids(system_prompt, [], "A")
-            b = self.conversation_ids(system_prompt, [], "Z")
-            self._prefix_cache[system_prompt] = a[: common_prefix_len(a, b)]
+            self._prefix_cache[system_prompt] = compute()
         return list(self._prefix_cache[system_prompt])
 
     def count_text_tokens(self, text: str) -> int:
