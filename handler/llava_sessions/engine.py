@@ -127,20 +127,22 @@ class SessionEngine:
         self.num_prefilled_tokens = 0
 
     # ------------------------------------------------------------------ lifecycle
-    def open(self, session_id: str, image_bytes: bytes, system_prompt: str | None = None) -> OpenResult:
+    def open(self, session_id: str, image_bytes: bytes, system_prompt: str | None = None, *,
+             image: Any = None) -> OpenResult:
         """Open a session: decode + encode the image once and prefill the conversation prefix.
 
         Args:
             session_id: the new session's id.
             image_bytes: the encoded image (JPEG, PNG, ...).
             system_prompt: optional system message, templated first.
+            image: ``image_bytes`` already decoded (RGB PIL image), to skip decoding here.
 
         Raises:
             ServiceError: image_invalid / image_too_large (bad image), overloaded (no room: the
                 session is not opened), invalid_request (id already open).
         """
         t0 = time.perf_counter()
-        image = self.decode_image(image_bytes)
+        image = self.decode_image(image_bytes) if image is None else image
         t_dec = time.perf_counter()
         session = self.store.new_session(session_id, image_bytes, system_prompt)
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held

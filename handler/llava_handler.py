@@ -1,0 +1,65 @@
+"""TorchServe entry for llava-sessions: walk the batch, call the service, set per-row status/headers.
+
+All logic lives in ``llava_sessions`` (service, engine, store, protocol). This file only adapts
+TorchServe's context: the sequence id / start headers in, per-row status, headers, content type
+and stopping criteria out (shared/notes/torchserve-sagemaker.md). It never raises out of
+``handle()`` (that would fail every row of the batch) and never uses
+``send_intermediate_predict_response`` (it crashes sequence continuous batching).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from llava_sessions.service import Row, build_service
+
+log = logging.getLogger(__name__)
+
+
+class LlavaHandler:
+    """TorchServe custom handler (one instance per worker process)."""
+
+    def __init__(self) -> None:
+        self.service = None
+        self.initialized = False
+
+    def initialize(self, context) -> None:
+        """Load the model and build the service from the ``handler:`` section of model-config.yaml."""
+        props = context.system_properties
+        self.service = build_service(
+            (context.model_yaml_config or {}).get("handler") or {},
+            env=os.environ,
+            archive_dir=props.get("model_dir"),
+            gpu_id=props.get("gpu_id"),
+            end_header=context.header_key_sequence_end,
+            metrics=getattr(context, "metrics", None),
+        )
+        self.initialized = True
+
+    def handle(self, data, context):
+        """Serve one batch: returns one body (bytes) per row and sets ``context.stopping_criteria``."""
+        if data is None:
+            return None
+        try:
+            rows = [
+                Row(
+                    request_id=context.get_request_id(i),
+                    session_id=context.get_sequence_id(i),
+                    minted=bool(context.get_request_header(i, context.header_key_sequence_start)),
+                    body=(row or {}).get("body", (row or {}).get("data")),
+                )
+                for i, row in enumerate(data)
+            ]
+            results = self.service.handle(rows)
+        except Exception:  # noqa: BLE001 - last line of defence: never fail the whole batch
+            log.exception("batch failed")
+            results = [self.service.internal_error() for _ in data]
+        for i, result in enumerate(results):
+            context.set_response_status(result.status, "", i)
+            context.set_response_content_type(i, result.content_type)
+            for key, value in result.headers.items():
+                context.set_response_header(i, key, value)
+        context.stopping_criteria = [lambda _output, stop=r.stop: stop for r in results]
+        self.service.emit_metrics()
+        return [r.body for r in results]
