@@ -89,7 +89,7 @@ class SizeSpec:
 
 
 SIZES: dict[str, SizeSpec] = {
-    "tiny": SizeSpec(64, 2, 4, 4, 128, 32, 2, 2, 64, 2048, None, 0.5),
+    "tiny": SizeSpec(64, 2, 4, 4, 128, 32, 2, 2, 64, 1024, None, 0.5),
     # llava-1.5-7b / 8: text 4096x32L → 512x8L; vision 1024x24L → 192x6L (keeps ~4-5% of prefill FLOPs)
     "bench": SizeSpec(512, 8, 8, 8, 1376, 192, 6, 4, 768, 4096, None, 0.02),
     # exact llava-1.5-7b (llava-hf/llava-1.5-7b-hf config.json)

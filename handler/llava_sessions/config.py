@@ -1,0 +1,307 @@
+"""One frozen, validated settings object for the handler.
+
+Settings come from two sources, later ones winning:
+
+1. the ``handler:`` section of TorchServe's ``model-config.yaml`` (keys are the field names), and
+2. environment variables ``LLAVA_<FIELD NAME UPPER-CASED>`` (for example ``LLAVA_SESSION_TTL_S=600``).
+
+Everything is validated up front; an error message names the offending key (or variable) and
+says what to change. No torch here: :attr:`Settings.device` and :attr:`Settings.dtype` stay
+strings ("auto" is resolved by the engine once it knows whether a GPU is present).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["ENV_PREFIX", "Settings"]
+
+#: Prefix of the environment variables that override a field (``LLAVA_`` + field name upper-cased).
+ENV_PREFIX = "LLAVA_"
+
+_GIB = 1024**3
+_MIB = 1024**2
+
+#: SageMaker's InvokeEndpoint body limit, 6 MiB (botocore sagemaker-runtime service model).
+_SAGEMAKER_MAX_BODY_BYTES = 6_291_456
+
+_HOST_RE = re.compile(r"^\.?[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_NONE = frozenset({"", "none", "null"})
+
+
+class Settings(BaseModel):
+    """Validated handler settings; immutable once built.
+
+    Build it with :meth:`from_sources` (yaml ``handler:`` section + ``LLAVA_*`` environment)
+    or directly with keyword arguments (tests). Units are in the field names: ``_bytes``,
+    ``_s`` (seconds), ``_ms`` (milliseconds).
+
+    Raises:
+        pydantic.ValidationError (a ``ValueError``): on construction with an invalid value.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
+
+    # --- model and device -------------------------------------------------------------------
+    model_dir: str = Field("", description="Local llava-hf checkpoint folder.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description='"auto" (cuda when available, else cpu), "cpu" or "cuda".'
+    )
+    gpu_id: int | None = Field(
+        None, ge=0, description="CUDA device index; empty means TorchServe's gpu_id from the context."
+    )
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description='"auto" (float16 on GPU, float32 on CPU), "float16", "bfloat16" or "float32".'
+    )
+
+    # --- sessions and memory ----------------------------------------------------------------
+    session_ttl_s: int = Field(
+        1200, gt=0, description="Absolute lifetime of a session from open, in seconds (the SageMaker Expires instant)."
+    )
+    idle_timeout_s: int = Field(
+        0, ge=0, description="A session idle this many seconds expires; 0 disables the idle timeout."
+    )
+    device_budget_bytes: int = Field(
+        0, ge=0, description="Device bytes for session caches; 0 means use device_budget_fraction."
+    )
+    device_budget_fraction: float = Field(
+        0.8, gt=0.0, le=1.0, description="Fraction (0 < f <= 1) of free device memory after model load for session caches."
+    )
+    host_budget_bytes: int = Field(
+        2 * _GIB, gt=0, description="Hard cap on host bytes held by sessions (image bytes + conversation)."
+    )
+    max_sessions: int = Field(
+        64, ge=1, description="Most sessions one worker holds; must be <= batchSize in model-config.yaml."
+    )
+
+    # --- request limits ---------------------------------------------------------------------
+    max_new_tokens_cap: int = Field(1024, ge=1, description="Largest max_new_tokens a request may ask for.")
+    default_max_new_tokens: int = Field(
+        256, ge=1, description="max_new_tokens when a request gives none; <= max_new_tokens_cap."
+    )
+    max_prompt_chars: int = Field(16000, ge=1, description="Longest prompt (and system prompt) in characters.")
+    max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens after templating.")
+    max_body_bytes: int = Field(
+        _SAGEMAKER_MAX_BODY_BYTES, ge=1, description="Largest request body in bytes (SageMaker's invoke limit is 6 MiB)."
+    )
+    max_image_bytes: int = Field(20 * _MIB, ge=1, description="Largest encoded image in bytes (URL, S3 or base64).")
+    max_image_pixels: int = Field(
+        40_000_000, ge=1, description="Largest decoded image in pixels (width x height); decompression-bomb guard."
+    )
+
+    # --- image fetching ---------------------------------------------------------------------
+    allow_http: bool = Field(False, description="Accept plain http:// image URLs (https is always accepted).")
+    allow_private_networks: bool = Field(
+        False,
+        description="Accept loopback and private image URL targets (dev and tests only; link-local/metadata stay refused).",
+    )
+    url_allowlist: tuple[str, ...] = Field(
+        (), description='If non-empty, only these image URL hosts: exact ("img.example.com") or suffix (".example.com"); comma-separated.'
+    )
+    fetch_connect_timeout_s: float = Field(5.0, gt=0.0, description="Connect timeout for image URLs and S3, in seconds.")
+    fetch_read_timeout_s: float = Field(
+        20.0, gt=0.0, description="Read timeout for image URLs and S3, in seconds; also bounds a whole URL download."
+    )
+    max_redirects: int = Field(3, ge=0, description="Most HTTP redirects followed for an image URL.")
+
+    # --- scheduling -------------------------------------------------------------------------
+    max_concurrent_generations: int = Field(
+        16, ge=1, description="Generations in flight per worker; beyond it requests get 503 overloaded with Retry-After."
+    )
+    step_max_tokens: int = Field(8, ge=1, description="Most tokens one scheduler call advances each generation.")
+    step_max_ms: float = Field(100.0, gt=0.0, description="Most milliseconds one scheduler call spends before replying.")
+
+    # --- misc -------------------------------------------------------------------------------
+    system_prompt: str | None = Field(None, description="Default system prompt when open_session gives none.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "WARNING", description="Log level of the llava_sessions loggers."
+    )
+
+    # ---------------------------------------------------------------------------------------
+    @field_validator("device", "dtype", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("url_allowlist", mode="before")
+    @classmethod
+    def _split_allowlist(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, (list, tuple)):
+            entries = []
+            for item in value:
+                if not isinstance(item, str):
+                    raise ValueError("entries must be host names (strings)")
+                item = item.strip().lower()
+                if item.endswith(".") and not item.endswith(".."):
+                    item = item[:-1]  # a fully qualified name's root dot
+                if not item:
+                    continue
+                if not _HOST_RE.match(item):
+                    raise ValueError(
+                        f"{item!r} is not a host name; give bare hosts like 'img.example.com' or "
+                        "'.example.com' (no scheme, port or path)"
+                    )
+                entries.append(item)
+            return tuple(entries)
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Settings:
+        if self.default_max_new_tokens > self.max_new_tokens_cap:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= max_new_tokens_cap "
+                f"({self.max_new_tokens_cap}); lower the default or raise the cap"
+            )
+        if self.gpu_id is not None and self.device == "cpu":
+            raise ValueError("gpu_id is set but device is 'cpu'; unset gpu_id or use device 'cuda'/'auto'")
+        return self
+
+    # ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_sources(
+        cls,
+        handler_section: Mapping[str, Any] | None,
+        env: Mapping[str, str] | None = None,
+        *,
+        batch_size: int | None = None,
+    ) -> Settings:
+        """Build settings from the yaml ``handler:`` section, then ``LLAVA_*`` environment overrides.
+
+        Args:
+            handler_section: the ``handler:`` mapping of TorchServe's model-config.yaml
+                (``context.model_yaml_config.get("handler")``), or None. Keys are field names.
+                Keys that are not fields raise; TorchServe's own handler keys are not accepted,
+                so keep other components' settings out of this section.
+            env: environment to read overrides from (``os.environ`` in production). Only
+                ``LLAVA_<FIELD>`` variables named after a field are read; other ``LLAVA_*``
+                variables are ignored. Values: ints, floats, booleans (1/0, true/false, yes/no,
+                on/off), comma-separated lists; an empty value or ``none`` clears an optional field.
+            batch_size: model-config.yaml ``batchSize``, when known; ``max_sessions`` must not
+                exceed it (a worker with more sessions than batchSize serialises them, see
+                notes/torchserve-sagemaker.md).
+
+        Raises:
+            ValueError: an unknown yaml key (the message lists valid keys), an unparsable
+                environment value, or a value out of range (the message names each key or
+                variable and what to fix).
+        """
+        raw: dict[str, Any] = {}
+        origin: dict[str, str] = {}
+        fields = cls.model_fields
+        if handler_section:
+            if not isinstance(handler_section, Mapping):
+                raise ValueError("model-config.yaml 'handler:' section must be a mapping of setting names to values")
+            unknown = sorted(str(k) for k in handler_section if k not in fields)
+            if unknown:
+                raise ValueError(
+                    f"unknown key(s) in model-config.yaml handler section: {', '.join(unknown)}; "
+                    f"valid keys: {', '.join(fields)}"
+                )
+            for key, value in handler_section.items():
+                raw[key] = value
+                origin[key] = f"handler.{key}"
+        for name in fields:
+            var = ENV_PREFIX + name.upper()
+            if env is not None and var in env:
+                raw[name] = _parse_env(name, var, env[var], fields[name].annotation)
+                origin[name] = var
+        try:
+            settings = cls(**raw)
+        except ValidationError as exc:
+            raise ValueError(_describe(exc, origin)) from None
+        if batch_size is not None and settings.max_sessions > batch_size:
+            raise ValueError(
+                f"max_sessions ({settings.max_sessions}) is above model-config.yaml batchSize ({batch_size}); "
+                "a worker holding more sessions than batchSize serialises them: raise batchSize or lower max_sessions"
+            )
+        return settings
+
+    @classmethod
+    def env_table(cls) -> str:
+        """Return a markdown table of every setting: env var, field, default, description."""
+        lines = [
+            "| env var | field | default | description |",
+            "|---|---|---|---|",
+        ]
+        for name, info in cls.model_fields.items():
+            default = info.default
+            if isinstance(default, tuple):
+                shown = ",".join(default) if default else "(empty)"
+            elif default is None:
+                shown = "(unset)"
+            elif isinstance(default, str) and default == "":
+                shown = '""'
+            elif isinstance(default, bool):
+                shown = str(default).lower()
+            elif isinstance(default, int) and default >= _GIB and default % _GIB == 0:
+                shown = f"{default} ({default // _GIB} GiB)"
+            elif isinstance(default, int) and default >= _MIB and default % _MIB == 0:
+                shown = f"{default} ({default // _MIB} MiB)"
+            else:
+                shown = str(default)
+            desc = (info.description or "").replace("|", "\\|")
+            lines.append(f"| `{ENV_PREFIX}{name.upper()}` | `{name}` | `{shown}` | {desc} |")
+        return "\n".join(lines) + "\n"
+
+
+def _parse_env(name: str, var: str, text: str, annotation: Any) -> Any:
+    """Turn one environment string into the field's Python type (validation comes later)."""
+    value = text.strip()
+    args = get_args(annotation)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), annotation) if optional else annotation
+    if optional and value.lower() in _NONE:
+        return None
+    if get_origin(base) is tuple:
+        return [part.strip() for part in value.split(",") if part.strip()]
+    try:
+        if base is bool:
+            lowered = value.lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError
+        if base is int:
+            return int(value)
+        if base is float:
+            return float(value)
+    except ValueError:
+        kind = {bool: "a boolean (true/false, 1/0, yes/no, on/off)", int: "an integer", float: "a number"}[base]
+        raise ValueError(f"{var}={text!r}: {name} must be {kind}") from None
+    if base is str and optional:
+        return text  # free text (system_prompt): keep it as written
+    return value
+
+
+def _describe(exc: ValidationError, origin: Mapping[str, str]) -> str:
+    """Render a settings ValidationError as one message naming where each bad value came from."""
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = err["loc"]
+        name = str(loc[0]) if loc else ""
+        where = origin.get(name, name) if name else "settings"
+        msg = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        if name and isinstance(value, (int, float, str)) and name != "system_prompt" and len(str(value)) <= 64:
+            msg = f"{msg} (got {value!r})"
+        if not name:
+            parts.append(msg)
+            continue
+        if where != name:
+            where = f"{name} (from {where})"
+        parts.append(f"{where}: {msg}")
+    return "invalid settings: " + "; ".join(parts)

@@ -1,0 +1,683 @@
+"""Wire protocol: pydantic models of the JSON bodies exchanged over ``POST /invocations``.
+
+Requests are a union discriminated on ``"type"``:
+
+- ``open_session``  ``{"type", "image": {"url" | "s3_uri" | "base64"}, "system_prompt"?}``
+- ``generate``      ``{"type", "prompt", "parameters"?, "stream"?, "remember"?}``
+- ``reset``         ``{"type"}``
+- ``close_session`` ``{"type", "session_id"?}``
+- the AWS TorchServe LLaVA sample's requests, accepted unchanged:
+  ``start_session`` ``{"type", "path", "session_id"?}`` and
+  ``send_text_prompt`` ``{"type", "prompt_text", "session_id"?}``
+  (sample: aws-samples/sagemaker-genai-hosting-examples, LLava/torchserve; its client sends
+  ``session_id`` in the body, which is accepted and ignored: the session header is authoritative).
+
+:func:`parse_request` turns a body (bytes, str or the dict TorchServe already decoded) into one
+of these models or raises :class:`~llava_sessions.errors.ServiceError`. Inbound models forbid
+unknown fields; error messages name the field and never echo prompts or image bytes.
+
+Streaming replies use the SageMaker LMI / TGI JSON-lines format (:class:`StreamLine`).
+Session headers follow the botocore sagemaker-runtime model (see notes/torchserve-sagemaker.md).
+No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from .errors import ErrorCode, ServiceError
+
+__all__ = [
+    "CLOSED_SESSION_ID_HEADER",
+    "NEW_SESSION_ID_HEADER",
+    "NEW_SESSION_LITERAL",
+    "REQUEST_TYPES",
+    "SESSION_ID_HEADER",
+    "SESSION_ID_RE",
+    "CloseResponse",
+    "CloseSessionRequest",
+    "ErrorBody",
+    "ErrorDetail",
+    "GenerateParameters",
+    "GenerateRequest",
+    "GenerateResponse",
+    "GenerationDetails",
+    "ImageSource",
+    "OpenSessionRequest",
+    "OpenSessionResponse",
+    "Request",
+    "ResetRequest",
+    "ResetResponse",
+    "SendTextPromptRequest",
+    "SendTextPromptResponse",
+    "StartSessionRequest",
+    "StartSessionResponse",
+    "StreamLine",
+    "TokenInfo",
+    "format_expires",
+    "parse_request",
+    "session_header_value",
+]
+
+# --- SageMaker session headers (botocore sagemaker-runtime service model) ---------------------
+#: Request header carrying the session id (``NEW_SESSION`` on open); also the open reply header.
+SESSION_ID_HEADER = "X-Amzn-SageMaker-Session-Id"
+#: Response header boto3 reads as ``NewSessionId``: ``<id>; Expires=<UTC>``.
+NEW_SESSION_ID_HEADER = "X-Amzn-SageMaker-New-Session-Id"
+#: Response header boto3 reads as ``ClosedSessionId``.
+CLOSED_SESSION_ID_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+#: The ``SessionId`` a client passes to ``invoke_endpoint`` to open a session.
+NEW_SESSION_LITERAL = "NEW_SESSION"
+#: botocore's session id pattern ``^[a-zA-Z0-9](-*[a-zA-Z0-9])*$`` with its 256-char limit.
+#: Use ``SESSION_ID_RE.match(s)``; ``\\Z`` (not ``$``) so a trailing newline does not match.
+SESSION_ID_RE = re.compile(r"^(?=[a-zA-Z0-9-]{1,256}\Z)[a-zA-Z0-9](?:-*[a-zA-Z0-9])*\Z")
+
+_EXPIRES_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+_MAX_HEADER_CHARS = 256  # botocore NewSessionResponseHeader max
+_S3_URI_RE = re.compile(r"^s3://[^/\s]{3,255}/[^\s].{0,1023}\Z", re.DOTALL)
+_MAX_SEED = 2**63 - 1
+
+
+def format_expires(epoch_s: int) -> str:
+    """Format a Unix time (seconds) as SageMaker's ``Expires`` value, ``YYYY-MM-DDTHH:MM:SSZ`` in UTC.
+
+    Fractions of a second are dropped (botocore's NewSessionId pattern allows none).
+    """
+    return datetime.fromtimestamp(int(epoch_s), tz=timezone.utc).strftime(_EXPIRES_FORMAT)
+
+
+def session_header_value(session_id: str, expires_epoch_s: int) -> str:
+    """Return ``"<session_id>; Expires=<UTC>"``, the value of the open-session reply headers.
+
+    This is what boto3 parses into ``NewSessionId`` (botocore pattern
+    ``^(...); Expires=\\d{4}-\\d{2}-\\d{2}T\\d{2}:\\d{2}:\\d{2}Z$``).
+
+    Args:
+        session_id: the id; must match :data:`SESSION_ID_RE` and, with the 30-character
+            ``; Expires=...`` suffix, fit botocore's 256-character limit (ids <= 226 characters;
+            TorchServe's ``ts-seq-<uuid4>`` is 43).
+        expires_epoch_s: the absolute expiry as Unix time in seconds.
+
+    Raises:
+        ValueError: ``session_id`` does not match the botocore id pattern, or the header value
+            would be over 256 characters.
+    """
+    if not isinstance(session_id, str) or not SESSION_ID_RE.match(session_id):
+        raise ValueError("session id must match ^[a-zA-Z0-9](-*[a-zA-Z0-9])*$ and be at most 256 characters")
+    value = f"{session_id}; Expires={format_expires(expires_epoch_s)}"
+    if len(value) > _MAX_HEADER_CHARS:
+        raise ValueError(
+            f"the NewSessionId header value may be at most {_MAX_HEADER_CHARS} characters; "
+            f"session ids must be at most {_MAX_HEADER_CHARS - len(value) + len(session_id)} characters"
+        )
+    return value
+
+
+# ============================================================================================
+# Requests
+# ============================================================================================
+
+
+def _check_text(value: str) -> str:
+    """Refuse strings that are not encodable Unicode (lone surrogates from ``\\ud800`` escapes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("invalid_unicode", "must be valid Unicode text") from None
+    return value
+
+
+class _Inbound(BaseModel):
+    """Base of inbound models: unknown fields refused, no type coercion, no NaN/Infinity."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class ImageSource(_Inbound):
+    """Where an image comes from: exactly one of ``url``, ``s3_uri`` or ``base64``.
+
+    ``url`` is vetted when fetched (scheme, host, resolved address: see ``images.py``);
+    ``s3_uri`` must look like ``s3://bucket/key``; ``base64`` is the encoded file (a
+    ``data:image/...;base64,`` prefix is accepted).
+    """
+
+    url: Annotated[str, Field(min_length=1, max_length=8192)] | None = None
+    s3_uri: Annotated[str, Field(min_length=1, max_length=1100)] | None = None
+    base64: Annotated[str, Field(min_length=1)] | None = None
+
+    @field_validator("s3_uri")
+    @classmethod
+    def _s3_shape(cls, value: str | None) -> str | None:
+        if value is not None and not _S3_URI_RE.match(value):
+            raise PydanticCustomError("s3_uri_format", "must look like s3://bucket/key")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ImageSource:
+        given = [name for name in ("url", "s3_uri", "base64") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError("image_source", "give exactly one of url, s3_uri, base64")
+        return self
+
+    @property
+    def kind(self) -> Literal["url", "s3_uri", "base64"]:
+        """Which source is set: ``"url"``, ``"s3_uri"`` or ``"base64"``."""
+        if self.url is not None:
+            return "url"
+        if self.s3_uri is not None:
+            return "s3_uri"
+        return "base64"
+
+
+class GenerateParameters(_Inbound):
+    """Sampling parameters of one generation; every field is optional.
+
+    ``None`` means "the server default". ``max_new_tokens`` is also capped by the server
+    (``Settings.max_new_tokens_cap``) in :func:`parse_request`.
+    """
+
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None  # 0 = off
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    do_sample: bool = False
+    seed: Annotated[int, Field(ge=0, le=_MAX_SEED)] | None = None
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=4)] = Field(
+        default_factory=list
+    )
+    details: bool = False  # include the per-token list with log-probs
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_text(cls, value: list[str]) -> list[str]:
+        for item in value:
+            _check_text(item)
+        return value
+
+
+class _RequestBase(_Inbound):
+    #: True for the AWS sample's request types; the service answers those in the sample's shape.
+    legacy: ClassVar[bool] = False
+
+    def canonical(self) -> OpenSessionRequest | GenerateRequest | ResetRequest | CloseSessionRequest:
+        """Return the equivalent canonical request (``self`` for canonical types)."""
+        return self  # type: ignore[return-value]
+
+
+class OpenSessionRequest(_RequestBase):
+    """Open a session on an image. Reply: :class:`OpenSessionResponse`."""
+
+    type: Literal["open_session"]
+    image: ImageSource
+    system_prompt: str | None = None
+
+    @field_validator("system_prompt")
+    @classmethod
+    def _system_text(cls, value: str | None) -> str | None:
+        return value if value is None else _check_text(value)
+
+
+class GenerateRequest(_RequestBase):
+    """Ask one question in the session. Reply: :class:`GenerateResponse` or JSON lines of :class:`StreamLine`.
+
+    ``remember=False`` answers without appending the turn to the conversation.
+    """
+
+    type: Literal["generate"]
+    prompt: Annotated[str, Field(min_length=1)]
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = False
+    remember: bool = True
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _null_parameters(cls, value: Any) -> Any:
+        return {} if value is None else value  # "parameters": null means the defaults
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value: str) -> str:
+        if not value.strip():
+            raise PydanticCustomError("blank", "must not be blank")
+        return _check_text(value)
+
+
+class ResetRequest(_RequestBase):
+    """Forget the conversation, keep the image. Reply: :class:`ResetResponse`."""
+
+    type: Literal["reset"]
+
+
+class CloseSessionRequest(_RequestBase):
+    """Close the session. Reply: :class:`CloseResponse`.
+
+    ``session_id`` is accepted for the AWS sample's client (which sends it) and otherwise
+    ignored: the ``X-Amzn-SageMaker-Session-Id`` header names the session.
+    """
+
+    type: Literal["close_session"]
+    session_id: str | None = None
+
+
+class StartSessionRequest(_RequestBase):
+    """AWS sample alias of ``open_session``: ``path`` is an image URL or ``s3://`` URI.
+
+    Reply: :class:`StartSessionResponse`. ``session_id`` (sent as null by the sample) is ignored.
+    """
+
+    legacy: ClassVar[bool] = True
+    type: Literal["start_session"]
+    path: Annotated[str, Field(min_length=1, max_length=8192)]
+    session_id: str | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _path_shape(cls, value: str) -> str:
+        if value.startswith("s3://") and not _S3_URI_RE.match(value):
+            raise PydanticCustomError("s3_uri_format", "must be an image URL or look like s3://bucket/key")
+        return value
+
+    def canonical(self) -> OpenSessionRequest:
+        """Return the equivalent ``open_session`` request (``s3://`` paths become ``s3_uri``)."""
+        if self.path.startswith("s3://"):
+            image = ImageSource(s3_uri=self.path)
+        else:
+            image = ImageSource(url=self.path)
+        return OpenSessionRequest(type="open_session", image=image)
+
+
+class SendTextPromptRequest(_RequestBase):
+    """AWS sample alias of ``generate`` (non-streaming, default parameters).
+
+    Reply: :class:`SendTextPromptResponse`. ``session_id`` (sent by the sample) is ignored.
+    """
+
+    legacy: ClassVar[bool] = True
+    type: Literal["send_text_prompt"]
+    prompt_text: Annotated[str, Field(min_length=1)]
+    session_id: str | None = None
+
+    @field_validator("prompt_text")
+    @classmethod
+    def _prompt_text(cls, value: str) -> str:
+        if not value.strip():
+            raise PydanticCustomError("blank", "must not be blank")
+        return _check_text(value)
+
+    def canonical(self) -> GenerateRequest:
+        """Return the equivalent ``generate`` request."""
+        return GenerateRequest(type="generate", prompt=self.prompt_text)
+
+
+Request = Annotated[
+    Union[
+        OpenSessionRequest,
+        GenerateRequest,
+        ResetRequest,
+        CloseSessionRequest,
+        StartSessionRequest,
+        SendTextPromptRequest,
+    ],
+    Field(discriminator="type"),
+]
+"""Any inbound request; ``request.canonical()`` maps the AWS sample aliases to canonical types."""
+
+#: The valid values of ``"type"``, canonical first.
+REQUEST_TYPES: tuple[str, ...] = (
+    "open_session",
+    "generate",
+    "reset",
+    "close_session",
+    "start_session",
+    "send_text_prompt",
+)
+
+_REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
+
+# Error types that mean "wrong shape" (400 invalid_request) rather than "bad value" (invalid_parameter).
+_STRUCTURAL = frozenset(
+    {
+        "missing",
+        "extra_forbidden",
+        "model_type",
+        "model_attributes_type",
+        "dict_type",
+        "union_tag_invalid",
+        "union_tag_not_found",
+        "image_source",
+    }
+)
+
+# What to say for a bad value of these fields, whatever pydantic's error type.
+_FIELD_HINTS = {
+    "max_new_tokens": "must be an integer >= 1",
+    "temperature": "must be a number >= 0",
+    "top_p": "must be > 0 and <= 1",
+    "top_k": "must be an integer >= 0 (0 = off)",
+    "repetition_penalty": "must be a number > 0",
+    "seed": f"must be an integer between 0 and {_MAX_SEED}",
+    "do_sample": "must be true or false",
+    "details": "must be true or false",
+    "stream": "must be true or false",
+    "remember": "must be true or false",
+}
+
+_GENERIC = {
+    "missing": "field required",
+    "extra_forbidden": "unknown field",
+    "model_type": "must be a JSON object",
+    "model_attributes_type": "must be a JSON object",
+    "dict_type": "must be a JSON object",
+    "string_type": "must be a string",
+    "bool_type": "must be true or false",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "finite_number": "must be a finite number",
+    "list_type": "must be a list",
+    "string_too_short": "must not be empty",
+    "string_unicode": "must be valid Unicode text",
+}
+_MAX_MESSAGES = 5
+_SAFE_KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
+
+
+def _loc_text(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            key = part if _SAFE_KEY_RE.match(part) else "<field>"
+            out += f".{key}" if out else key
+    return out or "body"
+
+
+def _error_message(err: Any) -> str:
+    """One field-level message; built from the error type and limits only, never the input."""
+    etype = err["type"]
+    loc = tuple(err["loc"])
+    field = next((p for p in reversed(loc) if isinstance(p, str)), "")
+    if etype not in _STRUCTURAL and field in _FIELD_HINTS and (not loc or loc[-1] == field):
+        text = _FIELD_HINTS[field]
+    elif field == "stop" and isinstance(loc[-1], int) and etype in ("string_too_short", "string_too_long"):
+        text = "each stop string must be 1 to 64 characters"
+    elif field == "stop" and etype == "too_long":
+        text = "at most 4 stop strings"
+    elif etype in _GENERIC:
+        text = _GENERIC[etype]
+    elif etype in ("string_too_long",):
+        text = f"must be at most {err.get('ctx', {}).get('max_length')} characters"
+    elif etype == "literal_error":
+        text = f"must be {err.get('ctx', {}).get('expected')}"
+    else:
+        # pydantic's own message and our PydanticCustomError messages name limits, not inputs.
+        text = err["msg"].removeprefix("Value error, ")
+    return f"{_loc_text(loc)}: {text}"
+
+
+def _invalid(message: str) -> ServiceError:
+    return ServiceError(ErrorCode.INVALID_REQUEST, message)
+
+
+def _load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes: int) -> Any:
+    """Size-check and JSON-decode ``body``; a dict passes through (after a size estimate)."""
+    if isinstance(body, dict):
+        try:
+            size = len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
+        except (TypeError, ValueError, RecursionError):
+            raise _invalid("request body is not a JSON object") from None
+        if size > max_body_bytes:
+            raise ServiceError(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"request body is over {max_body_bytes} bytes; send large images by url or s3_uri",
+            )
+        return body
+    if isinstance(body, str):
+        size = len(body.encode("utf-8", "surrogatepass"))
+    elif isinstance(body, (bytes, bytearray, memoryview)):
+        body = bytes(body)
+        size = len(body)
+    else:
+        raise _invalid("request body must be a JSON object")
+    if size > max_body_bytes:
+        raise ServiceError(
+            ErrorCode.PAYLOAD_TOO_LARGE,
+            f"request body is over {max_body_bytes} bytes; send large images by url or s3_uri",
+        )
+    if size == 0:
+        raise _invalid("request body is empty; send a JSON object with a 'type' field")
+
+    def _no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(body, parse_constant=_no_constants)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _invalid("request body is not valid JSON (UTF-8)") from None
+
+
+def parse_request(
+    body: bytes | bytearray | str | dict,
+    *,
+    max_body_bytes: int,
+    max_prompt_chars: int,
+    max_new_tokens_cap: int,
+) -> OpenSessionRequest | GenerateRequest | ResetRequest | CloseSessionRequest | StartSessionRequest | SendTextPromptRequest:
+    """Decode and validate one request body.
+
+    Args:
+        body: the raw body (bytes / bytearray / str), or the dict TorchServe already decoded
+            from an ``application/json`` body.
+        max_body_bytes: largest body in bytes (a dict is measured as compact UTF-8 JSON).
+        max_prompt_chars: longest ``prompt`` / ``prompt_text`` / ``system_prompt`` in characters.
+        max_new_tokens_cap: largest ``parameters.max_new_tokens`` accepted.
+
+    Returns:
+        One of the request models (see :data:`Request`).
+
+    Raises:
+        ServiceError: ``payload_too_large`` (413) for a body over ``max_body_bytes``;
+            ``invalid_request`` (400) for a body that is not a JSON object, a missing or unknown
+            ``type``, or unknown / missing fields; ``invalid_parameter`` (400) for a value out of
+            range, including a prompt over ``max_prompt_chars`` or ``max_new_tokens`` over the cap.
+            Messages name fields (``parameters.top_p: must be > 0 and <= 1``), never their content.
+    """
+    data = _load_body(body, max_body_bytes)
+    valid = ", ".join(REQUEST_TYPES)
+    if not isinstance(data, dict):
+        raise _invalid("request body must be a JSON object with a 'type' field")
+    if "type" not in data:
+        raise _invalid(f"missing field 'type'; valid types: {valid}")
+    rtype = data["type"]
+    if not isinstance(rtype, str):
+        raise _invalid(f"field 'type' must be a string; valid types: {valid}")
+    if rtype not in REQUEST_TYPES:
+        shown = f" {rtype!r}" if _SAFE_KEY_RE.match(rtype) and len(rtype) <= 32 else ""
+        raise _invalid(f"unknown type{shown}; valid types: {valid}")
+
+    try:
+        request = _REQUEST_ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        # Strip the union tag (first loc element) so messages read "parameters.top_p".
+        errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in errors]
+        structural = any(e["type"] in _STRUCTURAL for e in errors)
+        messages = [_error_message(e) for e in errors[:_MAX_MESSAGES]]
+        if len(errors) > _MAX_MESSAGES:
+            messages.append(f"and {len(errors) - _MAX_MESSAGES} more")
+        code = ErrorCode.INVALID_REQUEST if structural else ErrorCode.INVALID_PARAMETER
+        raise ServiceError(code, "; ".join(messages)) from None
+
+    _check_limits(request, max_prompt_chars=max_prompt_chars, max_new_tokens_cap=max_new_tokens_cap)
+    return request
+
+
+def _check_limits(request: Any, *, max_prompt_chars: int, max_new_tokens_cap: int) -> None:
+    """Apply the server's configurable limits, which the models cannot know."""
+    texts: list[tuple[str, str | None]] = []
+    if isinstance(request, GenerateRequest):
+        texts.append(("prompt", request.prompt))
+        limit = request.parameters.max_new_tokens
+        if limit is not None and limit > max_new_tokens_cap:
+            raise ServiceError(
+                ErrorCode.INVALID_PARAMETER, f"parameters.max_new_tokens: must be <= {max_new_tokens_cap}"
+            )
+    elif isinstance(request, SendTextPromptRequest):
+        texts.append(("prompt_text", request.prompt_text))
+    elif isinstance(request, OpenSessionRequest):
+        texts.append(("system_prompt", request.system_prompt))
+    for name, text in texts:
+        if text is not None and len(text) > max_prompt_chars:
+            raise ServiceError(
+                ErrorCode.INVALID_PARAMETER,
+                f"{name}: longer than {max_prompt_chars} characters ({len(text)} given); shorten it",
+            )
+
+
+# ============================================================================================
+# Responses
+# ============================================================================================
+
+
+class _Outbound(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OpenSessionResponse(_Outbound):
+    """Reply to ``open_session``.
+
+    Attributes:
+        session_id: the new session's id (also in the session headers).
+        expires_at: absolute expiry, ``YYYY-MM-DDTHH:MM:SSZ`` UTC (:func:`format_expires`).
+        image_tokens: number of positions the image occupies in the context.
+        timings: named phase durations in milliseconds (e.g. ``fetch_ms``, ``encode_ms``).
+    """
+
+    session_id: str
+    expires_at: str
+    image_tokens: int
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class TokenInfo(_Outbound):
+    """One generated token: vocabulary ``id``, decoded ``text`` and natural-log probability."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+
+
+class GenerationDetails(_Outbound):
+    """Accounting of one generation.
+
+    Attributes:
+        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens reached).
+        prompt_tokens: tokens of this turn's prompt (after templating).
+        cached_tokens: context tokens reused from the session's cache (not recomputed).
+        generated_tokens: tokens generated.
+        tokens: per-token list, only when ``parameters.details`` was true.
+        timings: named durations in milliseconds (e.g. ``ttft_ms``, ``total_ms``) and rates.
+    """
+
+    finish_reason: Literal["stop", "length"]
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    tokens: list[TokenInfo] | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class GenerateResponse(_Outbound):
+    """Reply to a non-streaming ``generate``."""
+
+    generated_text: str
+    details: GenerationDetails | None = None
+
+
+class ErrorDetail(_Outbound):
+    """``{"code", "message"}`` of an error; ``code`` is an :class:`ErrorCode` value."""
+
+    code: str
+    message: str
+
+    @classmethod
+    def from_error(cls, error: ServiceError) -> ErrorDetail:
+        """Build from a :class:`ServiceError`."""
+        return cls(code=error.code.value, message=error.message)
+
+
+class ErrorBody(_Outbound):
+    """An error reply body: ``{"error": {"code", "message"}}``."""
+
+    error: ErrorDetail
+
+    @classmethod
+    def from_error(cls, error: ServiceError) -> ErrorBody:
+        """Build from a :class:`ServiceError`."""
+        return cls(error=ErrorDetail.from_error(error))
+
+
+class StreamLine(_Outbound):
+    """One line of a streamed reply, SageMaker LMI / TGI JSON-lines format.
+
+    Each chunk is ``{"token": {...}, "generated_text": null, "details": null}``; the last line
+    carries ``generated_text`` and ``details`` (``token`` null). An error found mid-stream (after
+    the status went out with the first chunk) is the last line, with ``"error": {code, message}``.
+    """
+
+    token: TokenInfo | None = None
+    generated_text: str | None = None
+    details: GenerationDetails | None = None
+    error: ErrorDetail | None = None
+
+    @classmethod
+    def for_error(cls, error: ServiceError) -> StreamLine:
+        """Build the terminal error line for ``error``."""
+        return cls(error=ErrorDetail.from_error(error))
+
+    def to_line(self) -> bytes:
+        """Serialise as one UTF-8 JSON line ending in ``\\n``; ``error`` appears only when set."""
+        exclude = {"error"} if self.error is None else None
+        return self.model_dump_json(exclude=exclude).encode("utf-8") + b"\n"
+
+
+class CloseResponse(_Outbound):
+    """Reply to ``close_session``; ``success`` is kept for the AWS sample's client."""
+
+    session_id: str
+    closed: Literal[True] = True
+    success: Literal[True] = True
+
+
+class ResetResponse(_Outbound):
+    """Reply to ``reset``."""
+
+    session_id: str
+    reset: Literal[True] = True
+
+
+class StartSessionResponse(_Outbound):
+    """Reply to the AWS sample's ``start_session``."""
+
+    session_id: str
+
+
+class SendTextPromptResponse(_Outbound):
+    """Reply to the AWS sample's ``send_text_prompt``."""
+
+    response_text: str
