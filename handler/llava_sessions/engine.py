@@ -246,6 +246,14 @@ class SessionEngine:
         assert gen.answer is not None
         return gen.answer
 
+    def check_idle(self, session_id: str) -> None:
+        """Check that ``session_id`` is open and not answering.
+
+        Raises:
+            ServiceError: session_not_found / _expired / _evicted, session_busy.
+        """
+        self._get_idle(session_id)
+
     # ------------------------------------------------------------------ internals
     def _get_idle(self, session_id: str) -> Session:
         session = self.store.get(session_id)

@@ -211,6 +211,7 @@ class SessionService:
             # one reply for both: the AWS sample reads "success", ours "closed"
             return RowResult(CloseResponse(session_id=sid).model_dump_json().encode(), headers=self._closed_headers(sid))
         assert isinstance(canonical, GenerateRequest)
+        self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
         if len(self._jobs) >= s.max_concurrent_generations:
             raise ServiceError(ErrorCode.OVERLOADED, "too many generations in flight on this worker; retry shortly",
                                retry_after_s=1)
@@ -412,8 +413,8 @@ class SessionService:
                 if delta:
                     self._counters_sent[key] = value
                     updates.append((key[0], key[1], delta, MetricTypes.COUNTER, "Count"))
-            for v in self.ttft_ms:
-                updates.append(("TimeToFirstToken", (), v, MetricTypes.HISTOGRAM, "ms"))
+            for v in self.ttft_ms:  # seconds: Prometheus' default histogram buckets are in seconds
+                updates.append(("TimeToFirstTokenSeconds", (), v / 1000.0, MetricTypes.HISTOGRAM, "s"))
             for v in self.decode_tokens_per_s:
                 updates.append(("DecodeTokensPerSecond", (), v, MetricTypes.GAUGE, "Count"))
             self.ttft_ms.clear()

@@ -1,0 +1,127 @@
+"""Helpers to run a real local TorchServe in tests (import from conftest.py or a test module).
+
+- :func:`start_local_server` starts a :class:`~llava_sessions.serve.LocalServer` and registers its
+  stop with a finalizer (``request.addfinalizer``), so a failing test never leaks a TorchServe.
+- ``local_server_factory`` (function scope) and ``session_server_factory`` (session scope) are
+  fixtures returning ``factory(model_dir, **LocalServer_kwargs) -> LocalServer``; every server they
+  started is stopped at teardown. Re-export them from conftest.py to use them::
+
+      from server_fixtures import local_server_factory, session_server_factory  # noqa: F401
+
+- :data:`ECHO_HANDLER_SOURCE` / :func:`write_echo_handler`: a model-free TorchServe handler that
+  does sequence continuous batching the way ours does, for tests of the serving plumbing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from llava_sessions.serve import LocalServer
+
+__all__ = [
+    "ECHO_HANDLER_SOURCE",
+    "local_server_factory",
+    "session_server_factory",
+    "start_local_server",
+    "write_echo_handler",
+]
+
+
+def start_local_server(
+    model_dir: str | os.PathLike,
+    *,
+    addfinalizer: Callable[[Callable[[], None]], Any] | None = None,
+    **kwargs: Any,
+) -> LocalServer:
+    """Start a LocalServer (its own temp dir, free ports) and register its stop.
+
+    Args:
+        model_dir: checkpoint directory (any existing directory for the echo handler).
+        addfinalizer: e.g. ``request.addfinalizer``; registered BEFORE start so a half-started
+            server is cleaned up too. Without it the caller must call ``stop()``.
+        **kwargs: keyword arguments of :class:`LocalServer` (``overrides``, ``handler``, ...).
+
+    Raises:
+        ServerStartError: TorchServe did not become ready (the message holds a log tail).
+    """
+    server = LocalServer(model_dir, **kwargs)
+    if addfinalizer is not None:
+        addfinalizer(server.stop)
+    return server.start()
+
+
+def _factory(addfinalizer: Callable[[Callable[[], None]], Any]) -> Callable[..., LocalServer]:
+    def factory(model_dir: str | os.PathLike, **kwargs: Any) -> LocalServer:
+        return start_local_server(model_dir, addfinalizer=addfinalizer, **kwargs)
+
+    return factory
+
+
+@pytest.fixture
+def local_server_factory(request: pytest.FixtureRequest) -> Callable[..., LocalServer]:
+    """Return ``factory(model_dir, **kwargs) -> LocalServer``; servers stop after the test."""
+    return _factory(request.addfinalizer)
+
+
+@pytest.fixture(scope="session")
+def session_server_factory(request: pytest.FixtureRequest) -> Callable[..., LocalServer]:
+    """Return ``factory(model_dir, **kwargs) -> LocalServer``; servers stop after the session."""
+    return _factory(request.addfinalizer)
+
+
+#: A TorchServe handler without a model. Per row it answers JSON
+#: ``{"session_id", "start", "pid", "headers", "body", "env"}`` where ``session_id`` is
+#: ``ctx.get_sequence_id(i)`` and ``start`` the value of the sequence-start header. A JSON body
+#: ``{"close": true}`` makes it set the sequence-end response header (ends the TorchServe job group);
+#: ``{"status": N}`` sets that row's HTTP status. Like our handler it sets ``ctx.stopping_criteria``
+#: (returning None: one complete answer per request) and never raises for one bad row.
+ECHO_HANDLER_SOURCE = '''\
+import json
+import os
+
+
+class EchoHandler:
+    def initialize(self, context):
+        self.initialized = True
+
+    def handle(self, data, context):
+        outputs = []
+        for idx, row in enumerate(data):
+            body = row.get("body") if row.get("body") is not None else row.get("data")
+            if isinstance(body, (bytes, bytearray)):
+                try:
+                    body = json.loads(body.decode("utf-8")) if body else {}
+                except ValueError:
+                    body = {"raw": body.decode("utf-8", "replace")}
+            if not isinstance(body, dict):
+                body = {"value": body}
+            session_id = context.get_sequence_id(idx)
+            start = context.get_request_header(idx, context.header_key_sequence_start)
+            if body.get("close"):
+                context.set_response_header(idx, context.header_key_sequence_end, session_id or "")
+            if body.get("status"):
+                context.set_response_status(int(body["status"]), "echo status", idx)
+            context.set_response_content_type(idx, "application/json")
+            outputs.append(json.dumps({
+                "session_id": session_id,
+                "start": start,
+                "pid": os.getpid(),
+                "headers": sorted(context.get_all_request_header(idx)),
+                "body": body,
+                "env": {k: v for k, v in os.environ.items() if k.startswith("TS_REQUEST_SEQUENCE")},
+            }))
+        context.stopping_criteria = [lambda _output: None for _ in data]
+        return outputs
+'''
+
+
+def write_echo_handler(directory: str | os.PathLike) -> Path:
+    """Write :data:`ECHO_HANDLER_SOURCE` to ``directory/echo_handler.py`` and return its path."""
+    path = Path(directory) / "echo_handler.py"
+    path.write_text(ECHO_HANDLER_SOURCE)
+    return path
+

@@ -1,0 +1,300 @@
+"""The handler in a real TorchServe (tiny model, CPU): the SageMaker stateful-session contract.
+
+Each server here is a real ``torchserve`` on 127.0.0.1 with free ports and its own TMPDIR, started
+by :class:`llava_sessions.serve.LocalServer` and stopped (exactly its own processes) at teardown.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import botocore.session
+import psutil
+import pytest
+import requests
+
+from server_fixtures import start_local_server
+
+pytestmark = pytest.mark.integration
+
+SID = "X-Amzn-SageMaker-Session-Id"
+NEW = "X-Amzn-SageMaker-New-Session-Id"
+CLOSED = "X-Amzn-SageMaker-Closed-Session-Id"
+
+
+def _botocore_pattern(shape: str) -> re.Pattern:
+    model = botocore.session.get_session().get_service_model("sagemaker-runtime")
+    return re.compile(model.shape_for(shape).metadata["pattern"])
+
+
+NEW_SESSION_ID_RE = _botocore_pattern("NewSessionResponseHeader")
+SESSION_ID_RE = _botocore_pattern("SessionIdHeader")
+
+
+@pytest.fixture(scope="module")
+def server(request, tiny_model_dir):
+    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer,
+                              overrides={"step_max_tokens": 2, "allow_http": True, "allow_private_networks": True},
+                              model_config_overrides={"batchSize": 8, "maxNumSequence": 8})
+
+
+def post(server, body, session_id=None, **kw):
+    headers = {SID: session_id} if session_id is not None else {}
+    return requests.post(server.url + "/invocations", data=json.dumps(body), headers=headers,
+                         timeout=60, **kw)
+
+
+def open_session(server, image: bytes, session_id=None, **extra):
+    r = post(server, {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}, **extra},
+             session_id=session_id)
+    assert r.status_code == 200, r.text
+    return r.json()["session_id"], r
+
+
+def stream(server, session_id, prompt, **params):
+    """Returns (chunks, parsed lines) of a streamed generate."""
+    body = {"type": "generate", "prompt": prompt, "stream": True, "remember": False,
+            "parameters": {"max_new_tokens": 24, **params}}
+    r = post(server, body, session_id=session_id, stream=True)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/jsonlines"
+    chunks = [c for c in r.iter_content(chunk_size=None) if c]
+    lines = [json.loads(line) for line in b"".join(chunks).splitlines()]
+    return chunks, lines
+
+
+def test_open_generate_close_with_sagemaker_headers(server, photos):
+    sid, r = open_session(server, photos["astronaut"])
+    assert sid.startswith("ts-seq-") and SESSION_ID_RE.match(sid)
+    assert NEW_SESSION_ID_RE.match(r.headers[NEW]) and r.headers[NEW] == r.headers[SID]
+    assert r.headers[NEW].startswith(sid + "; Expires=")
+    body = r.json()
+    assert body["image_tokens"] == 576 and r.headers[NEW].endswith(body["expires_at"])
+    expires = time.mktime(time.strptime(body["expires_at"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+    assert 1100 < expires - time.time() <= 1200  # the TTL from model-config.yaml, in UTC
+
+    r = post(server, {"type": "generate", "prompt": "What is in this image?",
+                      "parameters": {"max_new_tokens": 8, "details": True}}, session_id=sid)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    d = out["details"]
+    assert d["finish_reason"] in ("stop", "length") and d["generated_tokens"] == len(d["tokens"]) <= 8
+    assert d["cached_tokens"] > 500 and d["prompt_tokens"] > d["cached_tokens"]
+    assert "".join(t["text"] for t in d["tokens"]) == out["generated_text"]
+    assert {"ttft_ms", "prefill_ms", "total_ms", "decode_tokens_per_s"} <= set(d["timings"])
+
+    r2 = post(server, {"type": "generate", "prompt": "What color is it?", "parameters": {"max_new_tokens": 4}},
+              session_id=sid)
+    assert r2.status_code == 200 and r2.json()["details"]["cached_tokens"] >= d["prompt_tokens"]
+
+    r = post(server, {"type": "reset"}, session_id=sid)
+    assert r.status_code == 200 and r.json() == {"session_id": sid, "reset": True}
+
+    r = post(server, {"type": "close_session"}, session_id=sid)
+    assert r.status_code == 200 and r.json()["closed"] is True and r.headers[CLOSED] == sid
+    r = post(server, {"type": "generate", "prompt": "Hi"}, session_id=sid)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found" and r.headers[CLOSED] == sid
+
+
+def test_stream_arrives_in_chunks_and_joins_to_the_plain_answer(server, photos):
+    sid, _ = open_session(server, photos["chelsea"])
+    q = "Describe the image in detail."
+    plain = post(server, {"type": "generate", "prompt": q, "remember": False,
+                          "parameters": {"max_new_tokens": 24}}, session_id=sid).json()
+    chunks, lines = stream(server, sid, q)
+    assert len(chunks) >= 3  # step_max_tokens=2: several handle() calls, several chunks
+    tokens, last = lines[:-1], lines[-1]
+    assert all(line["generated_text"] is None and line["details"] is None for line in tokens)
+    assert last["token"] is None and last["generated_text"] == plain["generated_text"]
+    assert "".join(line["token"]["text"] for line in tokens) == plain["generated_text"]
+    assert last["details"]["generated_tokens"] == len(tokens) == plain["details"]["generated_tokens"]
+    post(server, {"type": "close_session"}, session_id=sid)
+
+
+def test_two_sessions_interleave_without_blocking_or_leaking(server, photos):
+    a, _ = open_session(server, photos["astronaut"])
+    b, _ = open_session(server, photos["rocket"])
+    q = "What is in this image?"
+    alone = {s: stream(server, s, q, max_new_tokens=40)[1][-1]["generated_text"] for s in (a, b)}
+    assert alone[a] != alone[b]
+
+    def timed_stream(s):
+        t0 = time.monotonic()
+        body = {"type": "generate", "prompt": q, "stream": True, "remember": False, "parameters": {"max_new_tokens": 40}}
+        r = post(server, body, session_id=s, stream=True)
+        stamps, data = [], b""
+        for c in r.iter_content(chunk_size=None):
+            stamps.append(time.monotonic() - t0)
+            data += c
+        return stamps, json.loads(data.splitlines()[-1])["generated_text"]
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        fa, fb = pool.submit(timed_stream, a), pool.submit(timed_stream, b)
+        (sa, ta), (sb, tb) = fa.result(), fb.result()
+    elapsed = time.monotonic() - t0
+    assert ta == alone[a] and tb == alone[b]  # each its own image's answer
+    assert elapsed < 30  # nowhere near sequenceMaxIdleMSec: neither waited for the other to idle out
+    assert sb[0] < sa[-1] and sa[0] < sb[-1]  # their chunks interleaved in time
+    for s in (a, b):
+        post(server, {"type": "close_session"}, session_id=s)
+
+
+def test_errors_have_codes_and_statuses(server, photos):
+    sid, _ = open_session(server, photos["coffee"])
+    cases = [
+        ({"type": "generate", "prompt": "x", "parameters": {"top_p": 0}}, sid, 400, "invalid_parameter"),
+        ({"type": "generate", "prompt": "x", "bogus": 1}, sid, 400, "invalid_request"),
+        ({"type": "dance"}, sid, 400, "invalid_request"),
+        ({"type": "generate", "prompt": "x"}, None, 400, "missing_session_id"),
+        ({"type": "reset"}, "nope-123", 404, "session_not_found"),
+        ({"type": "generate", "prompt": "x", "parameters": {"max_new_tokens": 1024}}, sid, 422, "context_length_exceeded"),
+        ({"type": "open_session", "image": {"base64": base64.b64encode(b"not an image").decode()}}, None, 400, "image_invalid"),
+        ({"type": "open_session", "image": {"url": "http://169.254.169.254/latest/meta-data/"}}, None, 400, "image_url_forbidden"),
+    ]
+    for body, s, status, code in cases:
+        r = post(server, body, session_id=s)
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), (body, r.text)
+        if code in ("session_not_found", "missing_session_id", "image_invalid", "image_url_forbidden"):
+            assert CLOSED in r.headers  # no session left behind: the job group is freed at once
+        else:
+            assert CLOSED not in r.headers  # the session is intact
+    r = requests.post(server.url + "/invocations", data=b"{not json", headers={SID: sid}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    r = post(server, {"type": "generate", "prompt": "Still here?", "parameters": {"max_new_tokens": 2}}, session_id=sid)
+    assert r.status_code == 200
+    post(server, {"type": "close_session"}, session_id=sid)
+
+
+def test_invalid_request_batched_with_valid_ones_fails_alone(server, photos):
+    sid, _ = open_session(server, photos["astronaut"])
+    other, _ = open_session(server, photos["rocket"])
+    q = "Describe the image in detail."
+    expected = post(server, {"type": "generate", "prompt": q, "remember": False,
+                             "parameters": {"max_new_tokens": 60}}, session_id=sid).json()["generated_text"]
+    with ThreadPoolExecutor(4) as pool:
+        long_run = pool.submit(stream, server, sid, q, max_new_tokens=60)
+        time.sleep(0.3)  # the stream is running: the next requests join its batches
+        bad = [pool.submit(post, server, {"type": "generate", "prompt": "x", "parameters": {"temperature": -1}}, other),
+               pool.submit(post, server, {"type": "generate", "prompt": ""}, other),
+               pool.submit(post, server, {"type": "reset"}, "ts-seq-00000000-0000-0000-0000-000000000000")]
+        good = pool.submit(post, server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 3}}, other)
+        assert [f.result().status_code for f in bad] == [400, 400, 404]
+        assert good.result().status_code == 200
+        assert long_run.result()[1][-1]["generated_text"] == expected
+    for s in (sid, other):
+        post(server, {"type": "close_session"}, session_id=s)
+
+
+class _ImageHandler(http.server.BaseHTTPRequestHandler):
+    payload = b""
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(self.payload)))
+        self.end_headers()
+        self.wfile.write(self.payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_aws_sample_aliases_work_unchanged(server, photos):
+    _ImageHandler.payload = photos["coffee"]
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/coffee.png"
+        r = post(server, {"type": "start_session", "path": url})
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        assert set(r.json()) == {"session_id"} and NEW_SESSION_ID_RE.match(r.headers[NEW])
+        r = post(server, {"type": "send_text_prompt", "prompt_text": "What is in this image?"}, session_id=sid)
+        assert r.status_code == 200 and set(r.json()) == {"response_text"}
+        r = post(server, {"type": "close_session", "session_id": sid}, session_id=sid)
+        assert r.status_code == 200 and r.json()["success"] is True and r.headers[CLOSED] == sid
+    finally:
+        httpd.shutdown()
+
+
+def test_new_session_literal_opens_with_one_worker(server, photos):
+    sid, r = open_session(server, photos["chelsea"], session_id="NEW_SESSION")
+    assert sid != "NEW_SESSION" and SESSION_ID_RE.match(sid) and r.headers[NEW].startswith(sid + ";")
+    r = post(server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=sid)
+    assert r.status_code == 200
+    assert post(server, {"type": "close_session"}, session_id=sid).status_code == 200
+
+
+def test_metrics_in_prometheus(server, photos):
+    sid, _ = open_session(server, photos["coffee"])
+    post(server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 3}}, session_id=sid)
+    post(server, {"type": "generate", "prompt": "Hi"}, session_id="never-opened")
+    text = requests.get(server.metrics_url + "/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r'^(llava_\w+)\{([^}]*)\} ([0-9.e+-]+)$', line)
+        if m:
+            values[(m.group(1), m.group(2))] = float(m.group(3))
+    def metric(name, **labels):
+        hits = [v for (n, lab), v in values.items() if n == name and all(f'{k}="{x}"' in lab for k, x in labels.items())]
+        assert hits, (name, labels, sorted({n for n, _ in values}))
+        return hits[0]
+    assert metric("llava_OpenSessions") >= 1
+    assert metric("llava_SessionBytes", Tier="kv") > 0 and metric("llava_SessionBytes", Tier="image") > 0
+    assert metric("llava_ReusedPromptTokens") >= 584
+    assert metric("llava_Errors", Code="session_not_found") >= 1
+    assert metric("llava_TimeToFirstTokenSeconds_count") >= 1
+    assert metric("llava_DecodeTokensPerSecond") >= 0
+    post(server, {"type": "close_session"}, session_id=sid)
+
+
+@pytest.fixture(scope="module")
+def small_server(request, tiny_model_dir):
+    """maxNumSequence = batchSize = 3: any lingering job group would show at once."""
+    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer,
+                              model_config_overrides={"batchSize": 3, "maxNumSequence": 3},
+                              overrides={"max_sessions": 3})
+
+
+def test_unknown_ids_leave_no_job_group_behind(small_server, photos):
+    for i in range(6):  # twice maxNumSequence
+        r = post(small_server, {"type": "generate", "prompt": "x"}, session_id=f"stale-{i}")
+        assert r.status_code == 404 and r.headers[CLOSED] == f"stale-{i}"
+        r = post(small_server, {"type": "open_session", "image": {"base64": "@@@"}})
+        assert r.status_code == 400
+    sids = [open_session(small_server, photos["coffee"])[0] for _ in range(3)]  # up to maxNumSequence
+    for s in sids:
+        assert post(small_server, {"type": "close_session"}, session_id=s).status_code == 200
+
+
+def test_killed_worker_sessions_get_404_fast_and_new_sessions_work(small_server, photos):
+    sid, _ = open_session(small_server, photos["astronaut"])
+    old_workers = small_server.worker_pids()
+    assert old_workers
+    for pid in old_workers:
+        psutil.Process(pid).kill()
+    t0 = time.monotonic()
+    while True:  # llava-serve's supervisor restarts TorchServe; the old session is gone with the worker
+        assert time.monotonic() - t0 < 60, "no answer within 60 s of the worker's death"
+        try:
+            r = post(small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}},
+                     session_id=sid)
+        except requests.ConnectionError:  # the restart window
+            time.sleep(0.5)
+            continue
+        if r.status_code == 404:
+            break
+        assert r.status_code in (503, 507), r.text  # TorchServe's own "worker died" answers
+        time.sleep(0.5)
+    assert r.json()["error"]["code"] == "session_not_found" and r.headers[CLOSED] == sid
+    assert time.monotonic() - t0 < 60
+    new, _ = open_session(small_server, photos["coffee"])
+    r = post(small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=new)
+    assert r.status_code == 200
+    assert set(small_server.worker_pids()).isdisjoint(old_workers) and small_server.restarts == 1

@@ -1,0 +1,162 @@
+"""The ``llava-serve`` CLI against a real TorchServe, with a model-free echo handler.
+
+Pins the TorchServe 0.12 behaviour our session handler relies on: minted ``ts-seq-<uuid>`` ids,
+exact-case sequence headers (Java config keys == Python ``TS_REQUEST_SEQUENCE_*`` env), the
+Closed-Session-Id response header ending the job group, and a clean stop on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from server_fixtures import write_echo_handler
+
+psutil = pytest.importorskip("psutil")
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SESSION = "X-Amzn-SageMaker-Session-Id"
+NEW_SESSION = "X-Amzn-SageMaker-New-Session-Id"
+CLOSED_SESSION = "X-Amzn-SageMaker-Closed-Session-Id"
+READY = re.compile(r"llava-serve: ready at (http://\S+) .*logs (\S+);")
+MINTED_ID = re.compile(r"^ts-seq-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+class _Lines:
+    """Collect a subprocess's stdout lines in a thread, so reads can time out."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self._queue.put(line)
+
+    def wait_for(self, pattern: re.Pattern, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.lines.append(line)
+            match = pattern.search(line)
+            if match:
+                return match
+        raise AssertionError(f"no line matching {pattern.pattern!r}; output:\n{''.join(self.lines)}")
+
+
+def _llava_serve() -> list[str]:
+    """Return the installed ``llava-serve`` console script (as a user runs it)."""
+    script = Path(sys.executable).parent / "llava-serve"
+    found = str(script) if script.exists() else shutil.which("llava-serve")
+    return [found] if found else [sys.executable, "-m", "llava_sessions.serve"]
+
+
+def _invoke(url: str, body: dict, headers: dict | None = None) -> requests.Response:
+    return requests.post(f"{url}/invocations", json=body, headers=headers or {}, timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    handler = write_echo_handler(tmp_path)
+    command = [
+        *_llava_serve(),
+        "--model-dir", str(model_dir),
+        "--port", "0",
+        "--handler", str(handler),
+        # One open sequence at most, so a refused second session shows the first one's job
+        # group is alive, and an accepted one after the close shows the group was dropped.
+        "--ts-set", "batchSize=1",
+        "--ts-set", "maxNumSequence=1",
+        "--startup-timeout", "60",
+    ]  # fmt: skip
+    cli = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ)
+    )
+    try:
+        output = _Lines(cli.stdout)
+        ready = output.wait_for(READY, timeout_s=75)
+        url, log_dir = ready.group(1), Path(ready.group(2))
+        temp_dir = log_dir.parent
+        assert temp_dir.is_dir() and temp_dir.name.startswith("llava-serve-")
+        torchserve_pids = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
+        names = {psutil.Process(pid).name() for pid in torchserve_pids}
+        assert any(name.startswith("java") for name in names), names
+
+        # No session header: the frontend mints the id and flags the start; the worker sees both
+        # under our header names because its TS_REQUEST_SEQUENCE_* env matches the Java keys.
+        opened = _invoke(url, {"turn": 1})
+        assert opened.status_code == 200, opened.text
+        first = opened.json()
+        session_id = first["session_id"]
+        assert MINTED_ID.match(session_id), session_id
+        assert first["start"] == "true"
+        assert first["env"] == {
+            "TS_REQUEST_SEQUENCE_ID": SESSION,
+            "TS_REQUEST_SEQUENCE_START": NEW_SESSION,
+            "TS_REQUEST_SEQUENCE_END": CLOSED_SESSION,
+        }
+        assert SESSION in first["headers"] and NEW_SESSION in first["headers"]
+
+        # Exact-case header: same sequence, same worker, no start flag.
+        again = _invoke(url, {"turn": 2}, {SESSION: session_id})
+        assert again.status_code == 200, again.text
+        assert again.json()["session_id"] == session_id
+        assert again.json()["start"] is None
+        assert again.json()["pid"] == first["pid"]
+
+        # The lookup is case-sensitive: a lower-case key is no session header, so this is a NEW
+        # sequence, refused because the one allowed sequence is open.
+        lower = _invoke(url, {"turn": 3}, {SESSION.lower(): session_id})
+        assert lower.status_code == 503 or lower.json()["session_id"] != session_id
+        refused = _invoke(url, {"turn": 1})
+        assert refused.status_code == 503, refused.text
+
+        # The handler sets the Closed header: it reaches the client with its exact name, and
+        # TorchServe drops the job group at once, so a new session is accepted right after.
+        closed = _invoke(url, {"close": True}, {SESSION: session_id})
+        assert closed.status_code == 200, closed.text
+        assert closed.headers.get(CLOSED_SESSION) == session_id
+        assert CLOSED_SESSION in list(closed.headers.keys())
+        reopened = _invoke(url, {"turn": 1})
+        assert reopened.status_code == 200, reopened.text
+        assert MINTED_ID.match(reopened.json()["session_id"])
+        assert reopened.json()["session_id"] != session_id
+
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=40) == 0, "".join(output.lines)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in torchserve_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in torchserve_pids if _alive(pid)], "TorchServe processes left behind"
+    assert first["pid"] in torchserve_pids
+    assert not temp_dir.exists()

@@ -1,0 +1,88 @@
+"""The session service's scheduler and per-row isolation, driven directly (no TorchServe)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from llava_sessions.config import Settings
+from llava_sessions.service import Row, SessionService, build_service
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dir) -> SessionService:
+    return build_service({"model_dir": str(tiny_model_dir), "device": "cpu", "step_max_tokens": 2,
+                          "max_concurrent_generations": 2, "device_budget_bytes": 10**9})
+
+
+def open_row(rid, sid, image):
+    return Row(rid, sid, True, {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}})
+
+
+def test_batch_rows_are_answered_independently(service, photos):
+    rows = [
+        open_row("r1", "ts-seq-a", photos["astronaut"]),
+        Row("r2", "ts-seq-b", True, b"{not json"),
+        Row("r3", "ghost", False, {"type": "generate", "prompt": "hi"}),
+        Row("r4", "ts-seq-c", True, {"type": "generate", "prompt": "hi"}),
+        Row("r5", "ts-seq-d", True, {"type": "open_session", "image": {"base64": "AAAA"}}),
+    ]
+    out = service.handle(rows)
+    assert [r.status for r in out] == [200, 400, 404, 400, 400]
+    assert out[0].headers["X-Amzn-SageMaker-New-Session-Id"].startswith("ts-seq-a; Expires=")
+    assert [json.loads(r.body)["error"]["code"] for r in out[1:]] == [
+        "invalid_request", "session_not_found", "missing_session_id", "image_invalid"]
+    # rows that leave no session behind end their TorchServe job group; the open one does not
+    assert "X-Amzn-SageMaker-Closed-Session-Id" not in out[0].headers
+    assert [r.headers.get("X-Amzn-SageMaker-Closed-Session-Id") for r in out[1:]] == [
+        "ts-seq-b", "ghost", "ts-seq-c", "ts-seq-d"]
+    assert all(r.stop is None for r in out)  # whole responses
+    service.handle([Row("r6", "ts-seq-a", False, {"type": "close_session"})])
+
+
+def test_stream_and_plain_answers_advance_in_slices(service, photos):
+    service.handle([open_row("o1", "s1", photos["chelsea"]), open_row("o2", "s2", photos["coffee"])])
+    q = {"type": "generate", "prompt": "What is in this image?", "remember": False, "parameters": {"max_new_tokens": 7}}
+    rows = [Row("g1", "s1", False, {**q, "stream": True}), Row("g2", "s2", False, q)]
+    frames: dict[str, list] = {"g1": [], "g2": []}
+    for _ in range(20):
+        out = service.handle(rows)
+        for row, res in zip(rows, out):
+            frames[row.request_id].append(res)
+        rows = [Row(r.request_id, r.session_id, False, None) for r, res in zip(rows, out) if res.stop is False]
+        if not rows:
+            break
+    s, p = frames["g1"], frames["g2"]
+    assert [f.stop for f in s] == [False, False, False, True]  # 7 tokens, 2 per call
+    assert all(f.content_type == "application/jsonlines" for f in s)
+    lines = [json.loads(line) for f in s for line in f.body.splitlines()]
+    assert "".join(x["token"]["text"] for x in lines[:-1]) == lines[-1]["generated_text"]
+    assert [f.body for f in p[:-1]] == [b"", b"", b""] and p[-1].stop is True  # empty frames never reach the client
+    assert json.loads(p[-1].body)["details"]["generated_tokens"] == 7
+    over = service.handle([Row("g3", "s1", False, q), Row("g4", "s2", False, q), Row("g5", "s1", False, q)])
+    assert over[2].status == 409  # s1 is busy with g3
+    over = service.handle([Row("g6", "missing", False, q)])
+    assert over[0].status == 404
+    for sid in ("s1", "s2"):
+        while service.engine.store.get(sid).busy:  # let g3/g4 finish
+            service.handle([Row("g3", "s1", False, None), Row("g4", "s2", False, None)])
+        service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
+
+
+def test_generation_slots_are_capped_with_retry_after(service, photos):
+    for sid in ("a1", "a2", "a3"):
+        service.handle([open_row(f"o-{sid}", sid, photos["rocket"])])
+    q = {"type": "generate", "prompt": "Describe it.", "parameters": {"max_new_tokens": 20}}
+    out = service.handle([Row("x1", "a1", False, q), Row("x2", "a2", False, q), Row("x3", "a3", False, q)])
+    assert [r.status for r in out] == [200, 200, 503]
+    assert json.loads(out[2].body)["error"]["code"] == "overloaded" and out[2].headers["Retry-After"] == "1"
+    assert "X-Amzn-SageMaker-Closed-Session-Id" not in out[2].headers  # the session is intact
+    rows = [Row("x1", "a1", False, None), Row("x2", "a2", False, None)]
+    while rows:
+        out = service.handle(rows)
+        rows = [r for r, res in zip(rows, out) if res.stop is False]
+    for sid in ("a1", "a2", "a3"):
+        service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
+    assert isinstance(service.settings, Settings)
