@@ -26,7 +26,6 @@ from server_fixtures import write_echo_handler
 
 psutil = pytest.importorskip("psutil")
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION = "X-Amzn-SageMaker-New-Session-Id"
@@ -79,6 +78,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(120)
 def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -160,3 +161,56 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
     assert not [pid for pid in torchserve_pids if _alive(pid)], "TorchServe processes left behind"
     assert first["pid"] in torchserve_pids
     assert not temp_dir.exists()
+
+
+# ---- static checks of the shipped configs (no TorchServe) -------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _properties(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {key.strip(): value.strip() for key, value in pairs if not key.lstrip().startswith("#")}
+
+
+def test_container_config_names_the_sagemaker_session_headers() -> None:
+    from llava_sessions import serve
+
+    props = _properties(REPO / "config" / "config.properties")
+    assert props["ts_header_key_sequence_id"] == serve.HEADER_SESSION_ID == SESSION
+    assert props["ts_header_key_sequence_start"] == serve.HEADER_NEW_SESSION_ID == NEW_SESSION
+    assert props["ts_header_key_sequence_end"] == serve.HEADER_CLOSED_SESSION_ID == CLOSED_SESSION
+    assert props["inference_address"] == "http://0.0.0.0:8080"
+    assert props["disable_token_authorization"] == "true"
+    assert 6_291_456 < int(props["max_request_size"]) and 6_291_456 < int(props["max_response_size"])
+
+
+def test_model_config_keeps_torchserve_limits_above_the_handlers() -> None:
+    import yaml
+
+    config = yaml.safe_load((REPO / "model-config.yaml").read_text())
+    handler = config["handler"]
+    assert config["sequenceBatching"] is True and config["continuousBatching"] is True
+    assert config["batchSize"] >= handler["max_sessions"]
+    assert config["maxNumSequence"] >= handler["max_sessions"] * config["maxWorkers"]
+    assert config["sequenceMaxIdleMSec"] >= handler["session_ttl_s"] * 1000
+    assert config["minWorkers"] == config["maxWorkers"] == 1
+
+
+def test_local_model_config_applies_workers_and_overrides(tmp_path: Path) -> None:
+    import yaml
+
+    from llava_sessions.serve import LocalServer, _parse_assignment
+
+    server = LocalServer(
+        tmp_path,
+        workers=2,
+        overrides=dict([_parse_assignment("max_sessions=8"), _parse_assignment("dtype=float32")]),
+        model_config_overrides={"batchSize": 8},
+    )
+    written = yaml.safe_load(server._write_model_config(tmp_path / "m.yaml").read_text())
+    assert written["minWorkers"] == written["maxWorkers"] == 2
+    assert written["batchSize"] == 8
+    assert written["handler"]["model_dir"] == str(tmp_path.resolve())
+    assert written["handler"]["max_sessions"] == 8 and written["handler"]["dtype"] == "float32"
+    assert written["handler"]["session_ttl_s"] == 1200  # untouched keys keep the shipped values

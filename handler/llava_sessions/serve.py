@@ -152,7 +152,7 @@ class LocalServer:
         self._supervisor: threading.Thread | None = None
         self.supervise = supervise
         self.supervise_interval_s = 0.5
-        #: How many times the supervisor restarted TorchServe after a worker died.
+        #: How many times the supervisor relaunched TorchServe after a worker died.
         self.restarts = 0
 
     # ---- public surface -------------------------------------------------------------------
@@ -384,12 +384,13 @@ class LocalServer:
                 if self._console is not None:
                     self._console.close()
                 self._launch()
+                self.restarts += 1
             try:
                 self._wait_ready()
             except ServerStartError as exc:
-                print(f"llava-serve: restart failed: {exc}", file=sys.stderr, flush=True)
+                if not self._stopping.is_set():  # stop() during the restart is no failure
+                    print(f"llava-serve: restart failed: {exc}", file=sys.stderr, flush=True)
                 return
-            self.restarts += 1
             self._watched = set(self.worker_pids())
 
     def _write_model_config(self, path: Path) -> Path:
