@@ -90,8 +90,9 @@ class SizeSpec:
 
 SIZES: dict[str, SizeSpec] = {
     "tiny": SizeSpec(64, 2, 4, 4, 128, 32, 2, 2, 64, 1024, None, 0.5),
-    # llava-1.5-7b / 8: text 4096x32L → 512x8L; vision 1024x24L → 192x6L (keeps ~4-5% of prefill FLOPs)
-    "bench": SizeSpec(512, 8, 8, 8, 1376, 192, 6, 4, 768, 4096, None, 0.02),
+    # llava-1.5-7b scaled for a CPU: text 4096x32L → 512x8L, vision 1024x24L → 128x6L, so the vision
+    # tower stays ~1/20 of the text model (7b: 0.30 B vs 6.7 B parameters) and 576 image tokens
+    "bench": SizeSpec(512, 8, 8, 8, 1376, 128, 6, 4, 512, 4096, None, 0.02),
     # exact llava-1.5-7b (llava-hf/llava-1.5-7b-hf config.json)
     "7b": SizeSpec(4096, 32, 32, 32, 11008, 1024, 24, 16, 4096, 4096, 32064, 0.02),
 }

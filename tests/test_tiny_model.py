@@ -1,0 +1,65 @@
+"""The checkpoint builder: real llava-hf layout, determinism, sizes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from llava_sessions.tiny_model import SIZES, build_config, write_checkpoint
+
+
+def digest(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_cli_writes_a_llava_hf_folder_deterministically(tmp_path):
+    for name in ("a", "b"):
+        subprocess.run([sys.executable, "-m", "llava_sessions.tiny_model", "--size", "tiny", "--out",
+                        str(tmp_path / name), "--seed", "3"], check=True, capture_output=True)
+    a, b = digest(tmp_path / "a"), digest(tmp_path / "b")
+    assert a == b  # same seed, same bytes
+    assert {"config.json", "model.safetensors", "tokenizer.json", "processor_config.json"} <= set(a)
+    processor = json.loads((tmp_path / "a" / "processor_config.json").read_text())
+    assert processor["num_additional_image_tokens"] == 1 and processor["patch_size"] == 14
+    other = write_checkpoint("tiny", tmp_path / "c", seed=4)
+    assert digest(other)["model.safetensors"] != a["model.safetensors"]
+
+
+def test_tiny_loads_fast_and_templates_like_llava_15(tiny_model_dir):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    t0 = time.perf_counter()
+    model = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir)
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    assert time.perf_counter() - t0 < 2.0
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert text == "USER: <image>\nWhat is this? ASSISTANT:"
+    cfg = model.config
+    assert (cfg.vision_config.image_size, cfg.vision_config.patch_size) == (336, 14)
+    assert cfg.image_token_id == processor.tokenizer.convert_tokens_to_ids("<image>")
+
+
+def test_7b_has_exactly_llava_15_7b_parameters():
+    from transformers import LlavaForConditionalGeneration
+
+    config = build_config("7b", vocab_size=0, image_token_id=32000, pad_token_id=32001)
+    with torch.device("meta"):  # shapes only: no memory, no GPU
+        model = LlavaForConditionalGeneration(config)
+    total = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for p in model.model.vision_tower.parameters())
+    projector = sum(p.numel() for p in model.model.multi_modal_projector.parameters())
+    assert total == 7_063_427_072  # llava-hf/llava-1.5-7b-hf
+    assert round(vision / 1e6, 1) == 303.5 and round(projector / 1e6, 1) == 21.0
+
+
+def test_bench_keeps_the_text_model_dominant():
+    spec = SIZES["bench"]
+    text = 12 * spec.text_hidden**2 * spec.text_layers
+    vision = 12 * spec.vision_hidden**2 * spec.vision_layers
+    assert 15 < text / vision < 30  # llava-1.5-7b: ~6.7 B text vs ~0.3 B vision
