@@ -61,13 +61,18 @@ def test_stream_and_plain_answers_advance_in_slices(service, photos):
     assert "".join(x["token"]["text"] for x in lines[:-1]) == lines[-1]["generated_text"]
     assert [f.body for f in p[:-1]] == [b"", b"", b""] and p[-1].stop is True  # empty frames never reach the client
     assert json.loads(p[-1].body)["details"]["generated_tokens"] == 7
+    one = service.handle([Row("g0", "s1", False, {**q, "stream": True, "parameters": {"max_new_tokens": 1}})])[0]
+    assert one.stop is None and one.body.count(b"\n") == 2  # ends in its first frame: one whole response
     over = service.handle([Row("g3", "s1", False, q), Row("g4", "s2", False, q), Row("g5", "s1", False, q)])
-    assert over[2].status == 409  # s1 is busy with g3
+    assert over[2].status == 409  # s1 is busy with g3 (in the same batch)
+    # a NEW request for s2 while g4 is absent from the batch: TorchServe dropped g4 (client gone)
+    again = service.handle([Row("g7", "s2", False, q)])[0]
+    assert again.status == 200 and "g4" not in service._jobs
     over = service.handle([Row("g6", "missing", False, q)])
     assert over[0].status == 404
     for sid in ("s1", "s2"):
         while service.engine.store.get(sid).busy:  # let g3/g4 finish
-            service.handle([Row("g3", "s1", False, None), Row("g4", "s2", False, None)])
+            service.handle([Row("g3", "s1", False, None), Row("g7", "s2", False, None)])
         service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
 
 

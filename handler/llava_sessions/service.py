@@ -156,6 +156,7 @@ class SessionService:
         now = time.monotonic()
         results: list[RowResult | None] = [None] * len(rows)
         active: list[tuple[int, _Job]] = []
+        self._drop_abandoned(rows)
         for i, row in enumerate(rows):
             job = self._jobs.get(row.request_id)
             if job is None:
@@ -314,8 +315,11 @@ class SessionService:
                          stop=True if job.calls > 1 else None)
 
     def _chunk(self, job: _Job, body: bytes, *, last: bool) -> RowResult:
+        # A stream that ends in its first frame is one whole response: TorchServe sends no response
+        # head for a first frame that is also the last chunk (verified: the client hangs).
+        stop: bool | None = (True if job.sent else None) if last else False
         job.sent = True  # the first frame, even empty, fixes status and headers
-        return RowResult(body, headers={SESSION_ID_HEADER: job.session_id}, content_type=JSON_LINES, stop=last)
+        return RowResult(body, headers={SESSION_ID_HEADER: job.session_id}, content_type=JSON_LINES, stop=stop)
 
     @staticmethod
     def _details(answer: Answer, with_tokens: bool) -> GenerationDetails:
@@ -353,6 +357,23 @@ class SessionService:
             headers["Retry-After"] = str(err.retry_after_s)
         body = ErrorBody.from_error(err).model_dump_json().encode()
         return RowResult(body, status=err.status, headers=headers, stop=True if chunk else None)
+
+    def _drop_abandoned(self, rows: list[Row]) -> None:
+        """Abandon the jobs of sessions that have a NEW request in this batch.
+
+        TorchServe hands a session its next request only once the previous one left the job
+        group; when a client disconnects mid-stream it drops the job silently and never brings it
+        back ("Connection to client got closed; Removing job"). So a new request for a session
+        whose job is not in this batch means that job is gone: close its generation (the session
+        returns to its state before that question) instead of answering 409 until it goes stale.
+        """
+        in_batch = {row.request_id for row in rows}
+        new_sessions = {row.session_id for row in rows if row.request_id not in self._jobs and row.session_id}
+        for rid, job in list(self._jobs.items()):
+            if job.session_id in new_sessions and rid not in in_batch:
+                self._jobs.pop(rid, None)
+                job.gen.close()
+                log.info("dropped a job its client abandoned", extra={"session_id": job.session_id})
 
     def _reap(self, now: float) -> None:
         """Abandon jobs TorchServe stopped bringing back (their sessions become usable again)."""

@@ -1,0 +1,627 @@
+"""Multi-turn image chat sessions: :class:`SessionClient`, :class:`Session`, :class:`AnswerStream`.
+
+Usage::
+
+    from llava_client import SessionClient
+
+    client = SessionClient.from_url("http://127.0.0.1:8080")          # llava-serve / TorchServe
+    # client = SessionClient.from_endpoint("my-llava-endpoint")        # SageMaker stateful endpoint
+    with client.open_session("photo.jpg") as session:                 # path, bytes, PIL image, URL, s3:// URI
+        answer = session.ask("What is in this image?", max_new_tokens=64)
+        print(answer.text, answer.usage.cached_tokens)
+
+        with session.stream("Describe it in detail.") as stream:      # iterator of text pieces
+            for piece in stream:
+                print(piece, end="", flush=True)
+        print(stream.answer.timings["ttft_ms"])                       # the Answer, once complete
+
+        session.ask("Is it daytime?", remember=False)                 # not added to the history
+        session.reset()                                                # forget the history, keep the image
+    # leaving the block closes the session (close() is idempotent)
+
+Streams: :meth:`Session.stream` sends the request at once (errors before the first token raise
+there) and returns an :class:`AnswerStream`, an iterator of text pieces and a context manager.
+Leaving the ``with`` block (or calling ``close()``) early closes the HTTP response / event stream.
+An error reported mid-stream raises from the iteration. ``stream.answer`` is the :class:`Answer`
+once the last line arrived (None before). An answer cut short is abandoned: it is not added to
+:attr:`Session.history`, and TorchServe drops the job when its client disconnects, so the server
+does not remember it either (what SageMaker's front end does on a client disconnect is unverified).
+Until the handler notices the dropped job, the session may answer 409 :class:`SessionBusy`.
+
+Retries (:func:`should_retry`): at most ``max_retries`` times, with capped jittered exponential
+backoff honouring ``Retry-After``, and only where a repeat cannot duplicate work:
+
+- opens, resets, closes and ``remember=False`` questions: on connection errors and timeouts,
+  503, 429 and 409 ``session_busy``;
+- a remembered question (it appends a turn): only when the server surely did not run it, i.e.
+  the connection was never established, the handler refused it before any work (503
+  ``overloaded``, 409 ``session_busy``), or SageMaker throttled (429);
+- a stream only before its response started (never once a token arrived).
+
+Recovery (``auto_recover=True``): when a call fails because the session is gone from the server
+(:class:`SessionGone`: closed behind our back, expired, evicted, or lost with a restarted worker),
+the client reopens a session on the same image (it keeps the image it was opened with), rebuilds
+the history by asking every remembered prompt again with ``remember=True``, then retries the failed
+call once. The wire protocol has no way to hand the server a past answer, so the answers are
+REGENERATED, not restored:
+
+- a greedy answer is asked again with its parameters and ``max_new_tokens`` = its original token
+  count; the model is deterministic for a given context, so it comes out identical (the server
+  keeps history as text and re-templates it, so identical texts give an identical context);
+- a sampled answer with a ``seed`` is asked again with the same seed and parameters: identical
+  when the server's sampler is as deterministic as its greedy path (same device, same kernels);
+- a sampled answer without a seed comes out different.
+
+Whatever happened, a WARNING is logged, :attr:`Session.recoveries` counts the recoveries,
+:attr:`Session.last_recovery` (a :class:`Recovery`) lists the turns whose text changed with their
+original texts, and :attr:`Session.history` holds what the server now remembers. An exact restore
+would need a protocol addition (an ``open_session`` that takes past ``(prompt, answer)`` pairs).
+
+Neither class is thread-safe: use one session from one thread at a time (the server answers a
+second concurrent request on a session with 409 :class:`SessionBusy`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+from ._exceptions import (
+    APIConnectionError,
+    LlavaError,
+    Overloaded,
+    PayloadTooLarge,
+    RateLimited,
+    SessionBusy,
+    SessionGone,
+    status_error_from_body,
+)
+from ._images import ImageInput, describe_image, image_payload
+from ._transport import (
+    DEFAULT_TIMEOUT,
+    HttpTransport,
+    LineStream,
+    RawResponse,
+    Transport,
+    parse_expires,
+    parse_session_header,
+)
+from ._types import Answer, GenerationParams, Recovery, Token
+
+__all__ = [
+    "DEFAULT_MAX_RETRIES",
+    "INITIAL_RETRY_DELAY_S",
+    "MAX_BODY_BYTES",
+    "MAX_RETRY_DELAY_S",
+    "AnswerStream",
+    "Session",
+    "SessionClient",
+    "should_retry",
+]
+
+log = logging.getLogger("llava_client")
+
+#: Retries after the first attempt.
+DEFAULT_MAX_RETRIES = 2
+#: First backoff delay; doubles per retry, capped at :data:`MAX_RETRY_DELAY_S`, times a 0.75–1.0 jitter.
+INITIAL_RETRY_DELAY_S = 0.5
+MAX_RETRY_DELAY_S = 8.0
+#: SageMaker's request body limit (6 MiB); bigger bodies are refused here before sending.
+MAX_BODY_BYTES = 6_291_456
+
+T = TypeVar("T")
+
+
+def should_retry(error: LlavaError, *, retry_safe: bool) -> bool:
+    """Whether ``error`` may be retried.
+
+    Args:
+        error: what the attempt raised.
+        retry_safe: the request cannot append a turn twice (open, reset, close, ``remember=False``).
+
+    Connection errors and timeouts: when ``retry_safe``, or when the request surely never left
+    (``request_sent`` false). 429: always. 409 ``session_busy``: always (the handler refuses it
+    before any work while another request of the session is in flight). 503: when ``retry_safe``,
+    or when the handler refused it before any work (code ``overloaded``). Nothing else.
+    """
+    if isinstance(error, APIConnectionError):
+        return retry_safe or not error.request_sent
+    if isinstance(error, (RateLimited, SessionBusy)):
+        return True
+    if isinstance(error, Overloaded):
+        return retry_safe or error.code == "overloaded"
+    return False
+
+
+def retry_delay(attempt: int, error: LlavaError) -> float:
+    """Seconds to wait before retry number ``attempt + 1``: ``Retry-After`` if given, else backoff."""
+    hint = getattr(error, "retry_after", None)
+    if hint is not None:
+        return min(float(hint), MAX_RETRY_DELAY_S)
+    delay = min(INITIAL_RETRY_DELAY_S * 2.0**attempt, MAX_RETRY_DELAY_S)
+    return delay * (1.0 - 0.25 * random.random())
+
+
+@dataclass(frozen=True)
+class _Opened:
+    session_id: str
+    expires_at: datetime | None
+    image_tokens: int | None
+    timings: dict[str, float]
+
+
+@dataclass(frozen=True)
+class _Turn:
+    prompt: str
+    answer: Answer
+    params: GenerationParams
+
+
+class SessionClient:
+    """Opens image chat sessions over an injected transport.
+
+    Args:
+        transport: an :class:`~llava_client.HttpTransport`, a :class:`~llava_client.SageMakerTransport`,
+            or anything with their ``invoke`` / ``invoke_stream`` / ``close``.
+        max_retries: retries after the first attempt (see :func:`should_retry`).
+        auto_recover: reopen and replay a session the server lost (see the module docstring).
+        max_body_bytes: largest request body sent (SageMaker's limit by default).
+
+    Use :meth:`from_url` / :meth:`from_endpoint` for the common cases. ``with SessionClient(...)``
+    closes the transport at the end.
+    """
+
+    def __init__(self, transport: Transport, *, max_retries: int = DEFAULT_MAX_RETRIES, auto_recover: bool = True,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self.transport = transport
+        self.max_retries = max_retries
+        self.auto_recover = auto_recover
+        self.max_body_bytes = max_body_bytes
+
+    @classmethod
+    def from_url(cls, base_url: str, *, timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
+                 **kwargs: Any) -> SessionClient:
+        """A client for ``{base_url}/invocations`` over plain HTTP (``llava-serve``, a local container)."""
+        return cls(HttpTransport(base_url, timeout=timeout), **kwargs)
+
+    @classmethod
+    def from_endpoint(cls, endpoint_name: str, *, region_name: str | None = None, client: Any = None,
+                      session: Any = None, timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
+                      **kwargs: Any) -> SessionClient:
+        """A client for a SageMaker endpoint (see :class:`~llava_client.SageMakerTransport`)."""
+        from .sagemaker import SageMakerTransport
+
+        transport = SageMakerTransport(endpoint_name, client=client, session=session, region_name=region_name,
+                                       timeout=timeout)
+        return cls(transport, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"SessionClient({self.transport!r})"
+
+    def __enter__(self) -> SessionClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the transport (open sessions stay open on the server until closed or expired)."""
+        self.transport.close()
+
+    def open_session(self, image: ImageInput, *, system_prompt: str | None = None) -> Session:
+        """Open a session on ``image`` and return it (use it as a context manager to close it).
+
+        Args:
+            image: a local path, image file bytes, a PIL image (sent inline, base64), an
+                ``http(s)://`` URL or an ``s3://bucket/key`` URI (fetched by the server).
+            system_prompt: replaces the server's default system prompt for this session.
+
+        Raises:
+            PayloadTooLarge: an inline image whose request would exceed ``max_body_bytes``
+                (checked before sending: pass an S3 URI or URL instead).
+            InvalidRequest: the server cannot use the image (``image_invalid``, ``image_fetch_failed``,
+                ``image_url_forbidden``) or the request is malformed.
+            APIStatusError, APIConnectionError: as for any call.
+            FileNotFoundError: a local path that does not exist.
+        """
+        payload = image_payload(image)
+        opened = self._open(payload, system_prompt)
+        log.debug("opened session %s on %s", opened.session_id, describe_image(payload))
+        return Session(self, opened, payload, system_prompt)
+
+    # ------------------------------------------------------------------ internals
+    def _open(self, payload: dict[str, str], system_prompt: str | None) -> _Opened:
+        request: dict[str, Any] = {"type": "open_session", "image": payload}
+        if system_prompt is not None:
+            request["system_prompt"] = system_prompt
+        data, raw = self._invoke(request, None, retry_safe=True)
+        session_id, expires_at = parse_session_header(raw.new_session_id)
+        session_id = session_id or data.get("session_id")
+        if not session_id:
+            raise LlavaError("the server's open_session reply named no session id")
+        if expires_at is None:
+            expires_at = parse_expires(data.get("expires_at"))
+        return _Opened(session_id, expires_at, data.get("image_tokens"), dict(data.get("timings") or {}))
+
+    def _encode(self, request: dict[str, Any]) -> bytes:
+        body = json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        if len(body) > self.max_body_bytes:
+            hint = ("upload the image to S3 and pass its s3:// URI (or an https URL) instead of inline data"
+                    if request.get("type") == "open_session" else "shorten the prompt")
+            raise PayloadTooLarge(
+                f"request body is {len(body):,} bytes, over the {self.max_body_bytes:,}-byte limit "
+                f"(checked before sending); {hint}",
+                status_code=413, code="payload_too_large")
+        return body
+
+    def _retrying(self, call: Callable[[], T], *, retry_safe: bool, what: str) -> T:
+        for attempt in itertools.count():
+            try:
+                return call()
+            except LlavaError as err:
+                if attempt >= self.max_retries or not should_retry(err, retry_safe=retry_safe):
+                    raise
+                delay = retry_delay(attempt, err)
+                log.info("retrying %s in %.2f s after %s (retry %d of %d)", what, delay, err, attempt + 1,
+                         self.max_retries)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _invoke(self, request: dict[str, Any], session_id: str | None, *, retry_safe: bool) -> tuple[dict, RawResponse]:
+        """Send ``request`` with retries; return (parsed JSON body, raw reply). Error bodies raise."""
+        body = self._encode(request)
+
+        def call() -> tuple[dict, RawResponse]:
+            raw = self.transport.invoke(body, session_id=session_id)
+            try:
+                data = json.loads(raw.body)
+            except ValueError:
+                raise LlavaError(f"the server's reply is not JSON: {raw.body[:200]!r}") from None
+            if not isinstance(data, dict):
+                raise LlavaError("the server's reply is not a JSON object")
+            if data.get("error"):  # an error found after the status went out (200)
+                raise status_error_from_body(raw.status_code, data, headers=raw.headers, request_id=raw.request_id)
+            return data, raw
+
+        return self._retrying(call, retry_safe=retry_safe, what=str(request.get("type")))
+
+    def _invoke_stream(self, request: dict[str, Any], session_id: str, *, retry_safe: bool) -> LineStream:
+        body = self._encode(request)
+        return self._retrying(lambda: self.transport.invoke_stream(body, session_id=session_id),
+                              retry_safe=retry_safe, what="streamed generate")
+
+    def _close_quietly(self, session_id: str) -> None:
+        try:
+            self._invoke({"type": "close_session"}, session_id, retry_safe=True)
+        except LlavaError as err:
+            log.debug("closing session %s failed: %s", session_id, err)
+
+
+def _generate_request(prompt: str, params: GenerationParams, *, stream: bool, remember: bool) -> dict[str, Any]:
+    return {"type": "generate", "prompt": prompt, "parameters": params.to_wire(), "stream": stream,
+            "remember": remember}
+
+
+def _params(max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+            repetition_penalty: float | None, do_sample: bool | None, seed: int | None,
+            stop: str | Sequence[str] | None, details: bool | None) -> GenerationParams:
+    if isinstance(stop, str):
+        stop = (stop,)
+    return GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            repetition_penalty=repetition_penalty, do_sample=do_sample, seed=seed,
+                            stop=tuple(stop) if stop else None, details=details)
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000.0, 3)
+
+
+class Session:
+    """One open image chat session (made by :meth:`SessionClient.open_session`).
+
+    Attributes:
+        id: the current session id (changes when a recovery reopened the session).
+        expires_at: the session's expiry (aware UTC datetime) or None if the server gave none.
+        image_tokens: context positions the image occupies, as the server reported.
+        open_timings: the server's timings of the open (milliseconds).
+        recoveries: how many times the session was reopened and its history replayed.
+        last_recovery: what the last recovery did (:class:`Recovery`), or None.
+    """
+
+    def __init__(self, client: SessionClient, opened: _Opened, image: dict[str, str],
+                 system_prompt: str | None) -> None:
+        self._client = client
+        self._image = image
+        self._system_prompt = system_prompt
+        self._turns: list[_Turn] = []
+        self._closed = False
+        self.recoveries = 0
+        self.last_recovery: Recovery | None = None
+        self._set_opened(opened)
+
+    def _set_opened(self, opened: _Opened) -> None:
+        self.id = opened.session_id
+        self.expires_at = opened.expires_at
+        self.image_tokens = opened.image_tokens
+        self.open_timings = opened.timings
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._turns)} turns"
+        return f"Session({self.id!r}, {state})"
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except LlavaError as err:  # do not hide the error that ended the block
+            log.warning("closing session %s failed: %s", self.id, err)
+
+    @property
+    def history(self) -> list[tuple[str, Answer]]:
+        """The remembered turns, oldest first, as ``(prompt, answer)`` (a copy)."""
+        return [(t.prompt, t.answer) for t in self._turns]
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` succeeded."""
+        return self._closed
+
+    # ------------------------------------------------------------------ turns
+    def ask(self, prompt: str, *, remember: bool = True, max_new_tokens: int | None = None,
+            temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+            repetition_penalty: float | None = None, do_sample: bool | None = None, seed: int | None = None,
+            stop: str | Sequence[str] | None = None, details: bool | None = None) -> Answer:
+        """Ask a question about the image and wait for the whole answer.
+
+        Args:
+            prompt: the question.
+            remember: True: the turn joins the history (later questions see it); False: answered
+                with the current history as context and forgotten.
+            max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop:
+                sampling parameters (None: the server's default; greedy unless sampling is asked for).
+            details: include the per-token list (``answer.tokens``) with log-probabilities.
+
+        Raises:
+            InvalidRequest: a bad parameter or prompt. ContextLengthExceeded: it does not fit.
+            SessionBusy: another request of this session is in flight. SessionGone: the session
+            is gone and could not be recovered (or ``auto_recover`` is off). Overloaded,
+            APIConnectionError, APITimeoutError, InternalServerError: after the allowed retries.
+            LlavaError: the session is closed.
+        """
+        params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop, details)
+        request = _generate_request(prompt, params, stream=False, remember=remember)
+        t0 = time.perf_counter()
+        data, _ = self._with_recovery(lambda: self._client._invoke(request, self.id, retry_safe=not remember))
+        total_ms = _ms_since(t0)
+        answer = Answer.from_wire(str(data.get("generated_text", "")), data.get("details"),
+                                  client_ttft_ms=total_ms, client_total_ms=total_ms)
+        if remember:
+            self._turns.append(_Turn(prompt, answer, params))
+        return answer
+
+    def stream(self, prompt: str, *, remember: bool = True, max_new_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               repetition_penalty: float | None = None, do_sample: bool | None = None, seed: int | None = None,
+               stop: str | Sequence[str] | None = None, details: bool | None = None) -> AnswerStream:
+        """Ask a question and stream the answer's text pieces as they are generated.
+
+        The request is sent now: errors before the first token (and recovery) happen here.
+        Use the result as ``with session.stream(q) as s: for piece in s: ...``; then ``s.answer``.
+        Arguments and errors as :meth:`ask`; an error reported mid-stream raises from the iteration.
+        """
+        params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop, details)
+        request = _generate_request(prompt, params, stream=True, remember=remember)
+        t0 = time.perf_counter()
+        lines = self._with_recovery(lambda: self._client._invoke_stream(request, self.id, retry_safe=not remember))
+        def remember_turn(answer: Answer) -> None:
+            self._turns.append(_Turn(prompt, answer, params))
+
+        return AnswerStream(lines, on_answer=remember_turn if remember else None, t0=t0, session_id=self.id)
+
+    def reset(self) -> None:
+        """Forget the history; keep the image (and its cached prefix on the server).
+
+        Raises:
+            as :meth:`ask`. A session found gone is reopened (with an empty history) when
+            ``auto_recover`` is on.
+        """
+        self._check_open()
+        try:
+            self._client._invoke({"type": "reset"}, self.id, retry_safe=True)
+        except SessionGone as err:
+            if not self._client.auto_recover:
+                raise
+            self._turns = []
+            self._recover(err)
+        self._turns = []
+
+    def close(self) -> None:
+        """Close the session on the server. Idempotent; a session already gone counts as closed.
+
+        Raises:
+            APIConnectionError, APIStatusError: the close could not be delivered (call again to retry).
+        """
+        if self._closed:
+            return
+        try:
+            self._client._invoke({"type": "close_session"}, self.id, retry_safe=True)
+        except SessionGone:
+            pass
+        self._closed = True
+
+    # ------------------------------------------------------------------ recovery
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LlavaError(f"session {self.id} is closed; open a new one")
+
+    def _with_recovery(self, call: Callable[[], T]) -> T:
+        self._check_open()
+        try:
+            return call()
+        except SessionGone as err:
+            if not self._client.auto_recover:
+                raise
+            self._recover(err)
+        return call()
+
+    def _recover(self, error: SessionGone) -> None:
+        """Reopen on the same image and replay the remembered turns (see the module docstring).
+
+        On failure the new session is closed again and the error raised; this session keeps its
+        old id and history (a later call tries again).
+        """
+        client = self._client
+        old_id = self.id
+        log.warning("session %s is gone (%s); reopening on the same image and replaying %d remembered turns",
+                    old_id, error.code, len(self._turns))
+        opened = client._open(self._image, self._system_prompt)
+        turns: list[_Turn] = []
+        changed: list[int] = []
+        originals: list[str] = []
+        try:
+            for i, turn in enumerate(self._turns):
+                params = turn.params.for_replay(turn.answer.usage.generated_tokens)
+                t0 = time.perf_counter()
+                data, _ = client._invoke(_generate_request(turn.prompt, params, stream=False, remember=True),
+                                         opened.session_id, retry_safe=False)
+                if data.get("generated_text") == turn.answer.text:
+                    turns.append(turn)
+                    continue
+                total_ms = _ms_since(t0)
+                replayed = Answer.from_wire(str(data.get("generated_text", "")), data.get("details"),
+                                            client_ttft_ms=total_ms, client_total_ms=total_ms)
+                turns.append(_Turn(turn.prompt, replayed, turn.params))
+                changed.append(i)
+                originals.append(turn.answer.text)
+        except BaseException:
+            client._close_quietly(opened.session_id)
+            raise
+        self._set_opened(opened)
+        self._turns = turns
+        self.recoveries += 1
+        self.last_recovery = Recovery(reason=error.code or "session_gone", old_session_id=old_id,
+                                      new_session_id=opened.session_id, replayed_turns=len(turns),
+                                      changed_turns=tuple(changed), original_answers=tuple(originals))
+        log.warning(
+            "session %s reopened as %s: the %d history answers were regenerated by the model, not restored; "
+            "%d came out different (sampled without a seed?) and history now holds the regenerated text",
+            old_id, opened.session_id, len(turns), len(changed))
+
+
+class AnswerStream:
+    """The text pieces of an answer as they arrive: an iterator and a context manager.
+
+    ``for piece in stream`` yields non-empty text pieces (their concatenation is the answer text).
+    When the last line arrives, :attr:`answer` is set and the iteration ends. An error reported
+    mid-stream raises (typed, e.g. :class:`Overloaded`); a connection that breaks raises
+    :class:`APIConnectionError`. Leaving ``with`` (or :meth:`close`) early closes the response.
+
+    Attributes:
+        answer: the :class:`Answer` once complete, else None.
+        session_id: the session the answer belongs to.
+    """
+
+    def __init__(self, lines: LineStream, *, on_answer: Callable[[Answer], None] | None, t0: float,
+                 session_id: str) -> None:
+        self._lines = lines
+        self._on_answer = on_answer
+        self._t0 = t0
+        self._ttft_ms: float | None = None
+        self._pieces: list[str] = []
+        self._tokens: list[Token] = []
+        self._closed = False
+        self._gen = self._iterate()
+        self.answer: Answer | None = None
+        self.session_id = session_id
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def __enter__(self) -> AnswerStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def text(self) -> str:
+        """The text received so far."""
+        return "".join(self._pieces)
+
+    @property
+    def client_ttft_ms(self) -> float | None:
+        """Milliseconds from the call to the first token's arrival here (None before it)."""
+        return self._ttft_ms
+
+    def until_done(self) -> Answer:
+        """Consume the rest of the stream and return the :class:`Answer`."""
+        for _ in self:
+            pass
+        if self.answer is None:
+            raise LlavaError("the stream was closed before the answer was complete")
+        return self.answer
+
+    def close(self) -> None:
+        """Stop reading and release the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gen.close()
+        self._lines.close()
+        if self.answer is None:
+            log.info("stream of session %s closed before its end: the answer is abandoned (not remembered)",
+                     self.session_id)
+
+    def _iterate(self) -> Iterator[str]:
+        try:
+            for raw in self._lines:
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    raise LlavaError(f"malformed stream line from the server: {raw[:200]!r}") from None
+                if not isinstance(line, dict):
+                    raise LlavaError("malformed stream line from the server (not a JSON object)")
+                if line.get("error"):
+                    raise status_error_from_body(200, line)
+                token = line.get("token")
+                if token:
+                    if self._ttft_ms is None:
+                        self._ttft_ms = _ms_since(self._t0)
+                    text = str(token.get("text") or "")
+                    self._tokens.append(Token(int(token.get("id", -1)), text, token.get("logprob")))
+                    if text:
+                        self._pieces.append(text)
+                        yield text
+                    continue
+                if line.get("generated_text") is not None or line.get("details") is not None:
+                    total_ms = _ms_since(self._t0)
+                    text = line.get("generated_text")
+                    answer = Answer.from_wire(str(text if text is not None else self.text), line.get("details"),
+                                              tokens=self._tokens,
+                                              client_ttft_ms=self._ttft_ms if self._ttft_ms is not None else total_ms,
+                                              client_total_ms=total_ms)
+                    self.answer = answer
+                    if self._on_answer is not None:
+                        self._on_answer(answer)
+                    return
+            raise APIConnectionError("the stream ended before its last line")
+        finally:
+            self._closed = True
+            self._lines.close()

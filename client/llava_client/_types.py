@@ -1,0 +1,164 @@
+"""Plain data returned by the client: answers, usage, tokens, generation parameters, recoveries."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = ["Answer", "GenerationParams", "Recovery", "Token", "Usage"]
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token: vocabulary ``id``, its text delta and natural-log probability (or None)."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token accounting of one answer.
+
+    Attributes:
+        prompt_tokens: tokens of the templated conversation the answer was generated from.
+        cached_tokens: of those, how many the server reused from the session's KV cache.
+        generated_tokens: tokens generated (the end-of-sequence token included when it ended the answer).
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A finished answer.
+
+    Attributes:
+        text: the answer text.
+        finish_reason: ``"stop"`` (end of sequence or a stop string) or ``"length"`` (``max_new_tokens``).
+        usage: token counts (:class:`Usage`).
+        timings: the server's measurements: ``ttft_ms``, ``prefill_ms``, ``restore_ms``, ``total_ms``
+            (milliseconds) and ``decode_tokens_per_s``.
+        tokens: per-token list (streams always; ``ask`` with ``details=True``), else None.
+        client_ttft_ms: milliseconds from the call until the first token reached this client (a
+            non-streamed answer arrives whole, so there it equals ``client_total_ms``).
+        client_total_ms: milliseconds from the call until the answer was complete here.
+    """
+
+    text: str
+    finish_reason: str
+    usage: Usage
+    timings: Mapping[str, float] = field(default_factory=dict)
+    tokens: tuple[Token, ...] | None = None
+    client_ttft_ms: float | None = None
+    client_total_ms: float | None = None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """The server's time to first token in milliseconds (``timings["ttft_ms"]``), or None."""
+        value = self.timings.get("ttft_ms")
+        return float(value) if value is not None else None
+
+    def __str__(self) -> str:
+        return self.text
+
+    @classmethod
+    def from_wire(cls, generated_text: str, details: Mapping[str, Any] | None, *,
+                  tokens: list[Token] | None = None, client_ttft_ms: float | None = None,
+                  client_total_ms: float | None = None) -> Answer:
+        """Build from a reply's ``generated_text`` and ``details`` (streamed ``tokens`` win over details')."""
+        details = details or {}
+        if tokens is None and details.get("tokens") is not None:
+            tokens = [Token(int(t["id"]), str(t["text"]), t.get("logprob")) for t in details["tokens"]]
+        return cls(
+            text=generated_text,
+            finish_reason=str(details.get("finish_reason", "stop")),
+            usage=Usage(int(details.get("prompt_tokens", 0)), int(details.get("cached_tokens", 0)),
+                        int(details.get("generated_tokens", 0))),
+            timings=dict(details.get("timings") or {}),
+            tokens=tuple(tokens) if tokens is not None else None,
+            client_ttft_ms=client_ttft_ms,
+            client_total_ms=client_total_ms,
+        )
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling parameters of one answer; None means the server's default.
+
+    Greedy unless ``do_sample`` is true or (as in TGI) ``temperature`` (> 0, != 1), ``top_p`` (< 1)
+    or ``top_k`` (> 0) is set; ``temperature=0`` is always greedy (same rule as the server).
+    """
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    do_sample: bool | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    details: bool | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """True when the server picks tokens greedily (deterministic for a given context)."""
+        if self.temperature == 0:
+            return True
+        return not (
+            self.do_sample
+            or (self.temperature is not None and self.temperature != 1.0)
+            or (self.top_p is not None and self.top_p < 1.0)
+            or (self.top_k is not None and self.top_k > 0)
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ``parameters`` object of a generate request (unset fields left out)."""
+        out: dict[str, Any] = {}
+        for name in ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "do_sample",
+                     "seed", "details"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.stop:
+            out["stop"] = list(self.stop)
+        return out
+
+    def for_replay(self, generated_tokens: int) -> GenerationParams:
+        """Parameters to regenerate a remembered answer of ``generated_tokens`` tokens after a recovery.
+
+        Same parameters (a greedy answer, or a sampled one with a seed, comes out the same from the
+        same context), capped at the original length; no per-token details.
+        """
+        return replace(self, max_new_tokens=max(1, generated_tokens), details=None)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What one automatic recovery did.
+
+    Attributes:
+        reason: the error code that triggered it (``session_not_found``, ``session_expired``, ...).
+        old_session_id: the id the server no longer knew.
+        new_session_id: the id of the reopened session.
+        replayed_turns: remembered turns asked again to rebuild the history.
+        changed_turns: indexes (into ``history``) of replayed turns whose regenerated answer differs
+            from the original; ``history`` now holds the regenerated text (what the server remembers).
+        original_answers: the original texts of ``changed_turns``, same order.
+    """
+
+    reason: str
+    old_session_id: str
+    new_session_id: str
+    replayed_turns: int
+    changed_turns: tuple[int, ...] = ()
+    original_answers: tuple[str, ...] = ()
+
+    @property
+    def exact(self) -> bool:
+        """True when every replayed answer came out identical to the original."""
+        return not self.changed_turns

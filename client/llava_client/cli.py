@@ -1,0 +1,209 @@
+"""``llava-chat``: chat about an image in the terminal, with a SageMaker endpoint or a local server.
+
+Examples::
+
+    llava-chat --url http://127.0.0.1:8080 --image photo.jpg
+    llava-chat --endpoint my-llava --region us-east-1 --image s3://bucket/photo.jpg --verbose
+    llava-chat --url http://127.0.0.1:8080 --image photo.jpg -q "What is in this image?"
+    printf 'What is it?\\nWhat color?\\n' | llava-chat --url http://127.0.0.1:8080 --image photo.jpg
+
+Answers stream as they are generated. Commands: ``/reset`` forgets the conversation,
+``/image PATH|URL`` starts over on another image, ``/quit`` (or end of input) leaves.
+When standard input is not a terminal, each line is a question (or a command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TextIO
+
+from ._client import Session, SessionClient
+from ._exceptions import LlavaError
+from ._types import Answer
+
+__all__ = ["main"]
+
+_HELP = "commands: /reset (forget the conversation), /image PATH|URL (new image), /quit"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llava-chat",
+        description="Chat about an image with a llava-sessions server (SageMaker endpoint or local URL).",
+        epilog=_HELP,
+    )
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoint", metavar="NAME",
+                       help="SageMaker endpoint name (AWS credentials from the environment)")
+    where.add_argument("--url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve)")
+    parser.add_argument("--region", metavar="R", help="AWS region of the endpoint")
+    parser.add_argument("--image", required=True, metavar="PATH|URL",
+                        help="local image file, http(s) URL or s3:// URI")
+    parser.add_argument("-q", "--question", metavar="TEXT", help="ask one question, print the answer and exit")
+    parser.add_argument("--system-prompt", metavar="TEXT", help="replace the server's default system prompt")
+    parser.add_argument("--max-new-tokens", type=int, metavar="N", help="longest answer in tokens")
+    parser.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (0 or unset: greedy)")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                        help="read timeout in seconds (default 120)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="after each answer, print time to first token and reused (cached) tokens")
+    return parser
+
+
+class _Chat:
+    """One chat: the session, the turn loop and its printing."""
+
+    def __init__(self, client: SessionClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+        self.client = client
+        self.args = args
+        self.out = out
+        self.err = err
+        self.session: Session | None = None
+
+    def open(self, image: str) -> None:
+        new = self.client.open_session(image, system_prompt=self.args.system_prompt)
+        old, self.session = self.session, new
+        if old is not None:
+            try:
+                old.close()
+            except LlavaError as exc:
+                self.note(f"closing the previous session failed: {exc}")
+        if self.args.verbose:
+            expires = new.expires_at.strftime("%Y-%m-%d %H:%M:%SZ") if new.expires_at else "?"
+            self.note(f"[session {new.id} on {image}: {new.image_tokens} image tokens, expires {expires}]")
+
+    def close(self) -> None:
+        if self.session is not None:
+            try:
+                self.session.close()
+            except LlavaError as exc:
+                self.note(f"closing the session failed: {exc}")
+
+    def note(self, text: str) -> None:
+        print(text, file=self.err, flush=True)
+
+    def ask(self, question: str, *, prefix: str = "") -> Answer | None:
+        """Stream one answer to stdout; return it (None if interrupted)."""
+        assert self.session is not None
+        params = {}
+        if self.args.max_new_tokens is not None:
+            params["max_new_tokens"] = self.args.max_new_tokens
+        if self.args.temperature is not None:
+            params["temperature"] = self.args.temperature
+        if prefix:
+            self.out.write(prefix)
+        try:
+            with self.session.stream(question, **params) as stream:
+                for piece in stream:
+                    self.out.write(piece)
+                    self.out.flush()
+        except KeyboardInterrupt:
+            self.out.write("\n")
+            self.note("[interrupted]")
+            return None
+        finally:
+            self.out.flush()
+        self.out.write("\n")
+        self.out.flush()
+        answer = stream.answer
+        if answer is not None and self.args.verbose:
+            self.note(_stats(answer))
+        return answer
+
+    def command(self, line: str) -> bool:
+        """Run a /command; return False to quit."""
+        name, _, rest = line.partition(" ")
+        if name in ("/quit", "/exit", "/q"):
+            return False
+        if name == "/reset":
+            assert self.session is not None
+            self.session.reset()
+            self.note("[conversation forgotten; same image]")
+        elif name == "/image":
+            if not rest.strip():
+                self.note("usage: /image PATH|URL")
+            else:
+                self.open(rest.strip())
+                self.note(f"[new session on {rest.strip()}]")
+        else:
+            self.note(f"unknown command {name}; {_HELP}")
+        return True
+
+    def loop(self, lines, interactive: bool) -> int:
+        status = 0
+        for raw in lines:
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                if line.startswith("/"):
+                    if not self.command(line):
+                        break
+                    continue
+                self.ask(line, prefix="llava> " if interactive else "")
+            except LlavaError as exc:
+                self.note(f"error: {exc}")
+                status = 1
+            except OSError as exc:  # /image with a missing file
+                self.note(f"error: {exc}")
+                status = 1
+        return status
+
+
+def _stats(answer: Answer) -> str:
+    usage = answer.usage
+    server = answer.ttft_ms
+    server_text = f" (server {server:.0f} ms)" if server is not None else ""
+    rate = answer.timings.get("decode_tokens_per_s")
+    rate_text = f", {rate:.1f} tokens/s" if rate else ""
+    return (f"[time to first token {answer.client_ttft_ms:.0f} ms{server_text}; reused {usage.cached_tokens} of "
+            f"{usage.prompt_tokens} prompt tokens; {usage.generated_tokens} tokens{rate_text}]")
+
+
+def _input_lines(prompt: str):
+    while True:
+        try:
+            yield input(prompt)
+        except EOFError:
+            print(file=sys.stderr)
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``llava-chat``; returns the exit status (0 ok, 1 an error, 2 bad arguments, 130 Ctrl-C)."""
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="llava-chat: %(message)s")
+    if args.endpoint:
+        client = SessionClient.from_endpoint(args.endpoint, region_name=args.region, timeout=(10.0, args.timeout))
+    else:
+        client = SessionClient.from_url(args.url, timeout=(10.0, args.timeout))
+    chat = _Chat(client, args, sys.stdout, sys.stderr)
+    try:
+        try:
+            chat.open(args.image)
+        except (LlavaError, OSError) as exc:
+            chat.note(f"llava-chat: could not open a session on {args.image}: {exc}")
+            return 1
+        if args.question:
+            try:
+                return 0 if chat.ask(args.question) is not None else 130
+            except LlavaError as exc:
+                chat.note(f"error: {exc}")
+                return 1
+        interactive = sys.stdin.isatty()
+        if interactive:
+            chat.note(f"Chatting about {args.image}. {_HELP}")
+            return chat.loop(_input_lines("you> "), interactive=True)
+        return chat.loop(sys.stdin, interactive=False)
+    except KeyboardInterrupt:
+        chat.note("")
+        return 130
+    finally:
+        chat.close()
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

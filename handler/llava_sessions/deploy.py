@@ -1,0 +1,609 @@
+"""Deploy the LLaVA session server to a SageMaker stateful endpoint: the ``llava-deploy`` CLI.
+
+Steps (each printed; ``--dry-run`` prints them and calls nothing):
+
+1. package: TorchServe's no-archive layout, the handler beside the checkpoint::
+
+       <prefix>/llava/MAR-INF/MANIFEST.json     (what torch-model-archiver --archive-format no-archive writes)
+       <prefix>/llava/llava_handler.py
+       <prefix>/llava/llava_sessions/...        (the package the handler imports)
+       <prefix>/llava/model-config.yaml         (the repository's, with --set values; handler.model_dir "")
+       <prefix>/llava/config.json, *.safetensors, tokenizer files, ...   (the --model-dir files)
+
+   uploaded uncompressed under ``s3://bucket/prefix/`` (``--s3-uri``). SageMaker copies it to
+   ``/opt/ml/model/`` (``S3DataType: S3Prefix``, ``CompressionType: None``: no tar.gz to pack or to
+   unpack, each file downloaded as is); the container's ``serve`` finds ``/opt/ml/model/llava/``
+   and uses its checkpoint and ``model-config.yaml`` (llava_sessions/container.py). The handler and
+   package in the artifact also make it loadable by a stock TorchServe
+   (``--model-store /opt/ml/model``); our image runs its own copy of the code.
+2. ``create_model``: the image (``build_and_push.sh`` prints its URI), the execution role, the
+   model data above, and the environment (the TorchServe sequence header names, the response
+   timeout, ``--env`` values such as ``LLAVA_SESSION_TTL_S``).
+3. ``create_endpoint_config``: one ``AllTraffic`` variant (instance type and count, container
+   start-up health check and model download timeouts).
+4. ``create_endpoint`` (``update_endpoint`` when the endpoint exists: its open sessions are lost),
+   then wait until ``InService`` (botocore waiter).
+
+``--delete`` removes the endpoint, its endpoint config and its model(s).
+
+No torch here: this module imports only the standard library, boto3, yaml and pydantic.
+
+Usage::
+
+    llava-deploy --endpoint-name llava-chat --model-dir models/llava-1.5-7b-hf \\
+        --s3-uri s3://my-bucket/llava/v1 --image-uri 123456789012.dkr.ecr.us-east-1.amazonaws.com/llava-sessions:abc \\
+        --role-arn arn:aws:iam::123456789012:role/SageMakerExecution --instance-type ml.g5.2xlarge
+    llava-deploy --endpoint-name llava-chat --delete
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence, TextIO
+
+import yaml
+
+from .config import Settings
+from .container import PACKAGED_MODEL_NAME, llava_home
+from .serve import _SEQUENCE_HEADER_KEYS, _parse_assignment, default_handler_path, default_model_config_path
+
+__all__ = [
+    "ARCHIVER_VERSION",
+    "DeployError",
+    "DeploySpec",
+    "Deployer",
+    "PackageFile",
+    "build_package",
+    "endpoint_config_request",
+    "main",
+    "model_request",
+    "parse_s3_uri",
+    "write_package",
+]
+
+#: ``archiverVersion`` written to MANIFEST.json (the torch-model-archiver the image pins).
+ARCHIVER_VERSION = "0.12.0"
+VARIANT_NAME = "AllTraffic"
+DEFAULT_INSTANCE_TYPE = "ml.g5.2xlarge"
+#: Seconds SageMaker waits for /ping after the container starts (loading 7B fp16 weights takes minutes).
+DEFAULT_STARTUP_TIMEOUT_S = 1200
+#: Seconds SageMaker allows to download the model data (about 14 GB for a 7B checkpoint).
+DEFAULT_DOWNLOAD_TIMEOUT_S = 1800
+#: TorchServe ``responseTimeout`` passed as SAGEMAKER_MODEL_SERVER_TIMEOUT (model-config.yaml's value).
+DEFAULT_RESPONSE_TIMEOUT_S = 120
+#: Waiter pacing for ``endpoint_in_service`` / ``endpoint_deleted`` (botocore's defaults: 30 s x 120).
+WAIT_DELAY_S = 30
+WAIT_MAX_ATTEMPTS = 120
+
+_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # endpoint / config / model names
+_ROLE_RE = re.compile(r"^arn:aws[a-z\-]*:iam::\d{12}:role/?[a-zA-Z_0-9+=,.@\-_/]+$")
+_ENV_KEY_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_S3_URI_RE = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(.*))?$")
+_MAX_ENV_ENTRIES = 100
+_SKIP_DIRS = {"__pycache__", ".cache", ".git"}
+
+
+class DeployError(RuntimeError):
+    """A deployment step failed or its input is invalid; the message says what to fix."""
+
+
+# ---- packaging ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackageFile:
+    """One object of the artifact: ``key`` relative to the prefix, from ``source`` or ``data``."""
+
+    key: str
+    source: Path | None = None
+    data: bytes | None = None
+
+    @property
+    def size_bytes(self) -> int:
+        """Size of the object in bytes."""
+        return len(self.data) if self.data is not None else self.source.stat().st_size
+
+
+def _files_under(root: Path) -> Iterable[Path]:
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if any(part in _SKIP_DIRS or part.startswith(".") for part in relative.parts):
+            continue  # e.g. huggingface_hub's .cache/ in a local_dir download
+        if path.is_file() and path.suffix != ".pyc":
+            yield path
+
+
+def _default_handler() -> Path:
+    handler = llava_home() / "handler" / "llava_handler.py"
+    return handler if handler.is_file() else default_handler_path()
+
+
+def _default_model_config() -> Path:
+    config = llava_home() / "model-config.yaml"
+    return config if config.is_file() else default_model_config_path()
+
+
+def build_package(
+    model_dir: str | os.PathLike,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    model_config: str | os.PathLike | None = None,
+    handler: str | os.PathLike | None = None,
+    created_on: datetime | None = None,
+) -> list[PackageFile]:
+    """List the artifact's files (TorchServe no-archive layout + checkpoint), sorted by key.
+
+    Args:
+        model_dir: the llava-hf checkpoint folder (must hold ``config.json``).
+        overrides: values for the ``handler:`` section of model-config.yaml (validated here).
+        model_config: model-config.yaml to start from (default: the repository's / image's).
+        handler: the TorchServe handler file (default: ``handler/llava_handler.py``).
+        created_on: MANIFEST.json ``createdOn`` (default: now).
+
+    Returns:
+        The files; keys are relative to the artifact root (``llava/...``).
+
+    Raises:
+        DeployError: no ``config.json``, a missing handler/config, an invalid setting, or a
+            checkpoint file whose name collides with a packaged file.
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise DeployError(f"{model_dir} has no config.json: not a llava-hf checkpoint folder")
+    handler = Path(handler) if handler is not None else _default_handler()
+    model_config = Path(model_config) if model_config is not None else _default_model_config()
+    package_dir = Path(__file__).resolve().parent
+    for path, what in ((handler, "handler file"), (model_config, "model config")):
+        if not path.is_file():
+            raise DeployError(f"{what} not found: {path}")
+
+    config = yaml.safe_load(model_config.read_text()) or {}
+    if not isinstance(config, dict):
+        raise DeployError(f"{model_config}: expected a YAML mapping")
+    section = dict(config.get("handler") or {})
+    section.update(overrides or {})
+    section["model_dir"] = ""  # the handler falls back to TorchServe's model folder (this one)
+    try:
+        Settings.from_sources(section, batch_size=config.get("batchSize"))
+    except ValueError as exc:
+        raise DeployError(f"invalid handler setting: {exc}") from None
+    config["handler"] = section
+
+    manifest = {
+        "createdOn": (created_on or datetime.now()).strftime("%d/%m/%Y %H:%M:%S"),
+        "runtime": "python",
+        "model": {
+            "modelName": PACKAGED_MODEL_NAME,
+            "handler": handler.name,
+            "modelVersion": "1.0",
+            "configFile": "model-config.yaml",
+        },
+        "archiverVersion": ARCHIVER_VERSION,
+    }
+    root = PACKAGED_MODEL_NAME
+    files = {
+        f"{root}/MAR-INF/MANIFEST.json": PackageFile(
+            f"{root}/MAR-INF/MANIFEST.json", data=(json.dumps(manifest, indent=2) + "\n").encode()
+        ),
+        f"{root}/{handler.name}": PackageFile(f"{root}/{handler.name}", source=handler),
+        f"{root}/model-config.yaml": PackageFile(
+            f"{root}/model-config.yaml", data=yaml.safe_dump(config, sort_keys=False).encode()
+        ),
+    }
+    for path in _files_under(package_dir):
+        key = f"{root}/{package_dir.name}/{path.relative_to(package_dir).as_posix()}"
+        files[key] = PackageFile(key, source=path)
+    for path in _files_under(model_dir):
+        key = f"{root}/{path.relative_to(model_dir).as_posix()}"
+        if key in files or key.startswith(f"{root}/{package_dir.name}/") or key.startswith(f"{root}/MAR-INF/"):
+            raise DeployError(f"checkpoint file {path} collides with the packaged {key}; rename or remove it")
+        files[key] = PackageFile(key, source=path)
+    return [files[key] for key in sorted(files)]
+
+
+def write_package(files: Sequence[PackageFile], dest: str | os.PathLike) -> Path:
+    """Write the artifact to a local folder (what SageMaker would put in /opt/ml/model); return it."""
+    dest = Path(dest)
+    for item in files:
+        target = dest / item.key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(item.data if item.data is not None else item.source.read_bytes())
+    return dest
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """Split ``s3://bucket/some/prefix/`` into ``("bucket", "some/prefix")`` (no trailing slash).
+
+    Raises:
+        DeployError: not an ``s3://bucket[/prefix]`` URI.
+    """
+    match = _S3_URI_RE.match(uri.strip())
+    if not match:
+        raise DeployError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+    return match.group(1), (match.group(2) or "").strip("/")
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    """Everything one deployment creates; names are derived from the endpoint's when not given."""
+
+    endpoint_name: str
+    image_uri: str
+    role_arn: str
+    model_data_uri: str
+    instance_type: str = DEFAULT_INSTANCE_TYPE
+    instance_count: int = 1
+    environment: Mapping[str, str] = field(default_factory=dict)
+    startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
+    download_timeout_s: int = DEFAULT_DOWNLOAD_TIMEOUT_S
+    model_name: str = ""
+    endpoint_config_name: str = ""
+
+    def validate(self) -> None:
+        """Raise :class:`DeployError` naming the first invalid field."""
+        for name, value in (
+            ("endpoint name", self.endpoint_name),
+            ("model name", self.model_name),
+            ("endpoint config name", self.endpoint_config_name),
+        ):
+            if not _NAME_RE.match(value):
+                raise DeployError(f"invalid {name} {value!r}: 1-63 letters, digits and '-', no leading/trailing '-'")
+        if not self.image_uri or re.search(r"\s", self.image_uri):
+            raise DeployError(f"invalid image URI {self.image_uri!r}")
+        if not _ROLE_RE.match(self.role_arn):
+            raise DeployError(f"invalid role ARN {self.role_arn!r} (expected arn:aws:iam::<account>:role/<name>)")
+        parse_s3_uri(self.model_data_uri)
+        if not self.model_data_uri.endswith("/"):
+            raise DeployError(f"model data URI {self.model_data_uri!r} must end with '/' (an S3 prefix)")
+        if self.instance_count < 1:
+            raise DeployError(f"instance count must be >= 1, got {self.instance_count}")
+        if not re.match(r"^ml\.[a-z0-9]+\.[a-z0-9]+$", self.instance_type):
+            raise DeployError(f"invalid instance type {self.instance_type!r} (expected e.g. ml.g5.2xlarge)")
+        for what, seconds in (("start-up", self.startup_timeout_s), ("download", self.download_timeout_s)):
+            if not 60 <= seconds <= 3600:
+                raise DeployError(f"{what} timeout must be 60..3600 s (SageMaker's range), got {seconds}")
+        if len(self.environment) > _MAX_ENV_ENTRIES:
+            raise DeployError(f"at most {_MAX_ENV_ENTRIES} environment variables, got {len(self.environment)}")
+        for key, value in self.environment.items():
+            if not _ENV_KEY_RE.match(key) or len(key) > 1024 or len(value) > 1024:
+                raise DeployError(
+                    f"invalid environment entry {key!r}: names [A-Za-z_][A-Za-z0-9_]*, values <= 1024 chars"
+                )
+
+
+def derived_name(endpoint_name: str, now: datetime) -> str:
+    """Return ``<endpoint>-<UTC yyyymmddHHMMSS>``, cut to SageMaker's 63 characters."""
+    suffix = now.astimezone(timezone.utc).strftime("%Y%m%d%H%M%S")
+    return f"{endpoint_name[: 63 - len(suffix) - 1].rstrip('-')}-{suffix}"
+
+
+def default_environment(response_timeout_s: int = DEFAULT_RESPONSE_TIMEOUT_S) -> dict[str, str]:
+    """Return the container environment every deployment gets (``--env`` adds to / overrides it).
+
+    The sequence header names must match TorchServe's config keys (the container exports them
+    too); SAGEMAKER_MODEL_SERVER_TIMEOUT becomes TorchServe's ``responseTimeout``.
+    """
+    env = {env_name: header for _, env_name, header in _SEQUENCE_HEADER_KEYS}
+    env["SAGEMAKER_MODEL_SERVER_TIMEOUT"] = str(response_timeout_s)
+    return env
+
+
+def model_request(spec: DeploySpec) -> dict[str, Any]:
+    """Return the ``create_model`` parameters for ``spec``."""
+    return {
+        "ModelName": spec.model_name,
+        "ExecutionRoleArn": spec.role_arn,
+        "PrimaryContainer": {
+            "Image": spec.image_uri,
+            "ModelDataSource": {
+                "S3DataSource": {
+                    "S3Uri": spec.model_data_uri,
+                    "S3DataType": "S3Prefix",
+                    "CompressionType": "None",
+                }
+            },
+            "Environment": dict(spec.environment),
+        },
+    }
+
+
+def endpoint_config_request(spec: DeploySpec) -> dict[str, Any]:
+    """Return the ``create_endpoint_config`` parameters for ``spec``."""
+    return {
+        "EndpointConfigName": spec.endpoint_config_name,
+        "ProductionVariants": [
+            {
+                "VariantName": VARIANT_NAME,
+                "ModelName": spec.model_name,
+                "InstanceType": spec.instance_type,
+                "InitialInstanceCount": spec.instance_count,
+                "ContainerStartupHealthCheckTimeoutInSeconds": spec.startup_timeout_s,
+                "ModelDataDownloadTimeoutInSeconds": spec.download_timeout_s,
+            }
+        ],
+    }
+
+
+# ---- the AWS side ------------------------------------------------------------------------------
+
+
+def _is_not_found(exc: Exception) -> bool:
+    from botocore.exceptions import ClientError
+
+    if not isinstance(exc, ClientError):
+        return False
+    error = exc.response.get("Error", {})
+    return error.get("Code") in ("ValidationException", "ResourceNotFound") and "Could not find" in error.get(
+        "Message", ""
+    )
+
+
+class Deployer:
+    """Run (or, with ``dry_run``, print) the S3 and SageMaker calls of a deployment.
+
+    Args:
+        sagemaker: a boto3 ``sagemaker`` client (None with ``dry_run``).
+        s3: a boto3 ``s3`` client (None with ``dry_run`` or when nothing is uploaded).
+        dry_run: print each call as ``service.operation(params)`` and call nothing.
+        out: where progress and dry-run calls are printed.
+        wait_delay_s / wait_max_attempts: waiter pacing.
+    """
+
+    def __init__(self, sagemaker: Any = None, s3: Any = None, *, dry_run: bool = False, out: TextIO | None = None,
+                 wait_delay_s: float = WAIT_DELAY_S, wait_max_attempts: int = WAIT_MAX_ATTEMPTS) -> None:
+        self.sagemaker = sagemaker
+        self.s3 = s3
+        self.dry_run = dry_run
+        self.out = out if out is not None else sys.stdout
+        self.wait_config = {"Delay": wait_delay_s, "MaxAttempts": wait_max_attempts}
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def _call(self, service: str, operation: str, **params: Any) -> Any:
+        if self.dry_run:
+            shown = json.dumps(params, indent=2, default=str)
+            self._say(f"{service}.{operation}({shown})")
+            return None
+        client = self.sagemaker if service == "sagemaker" else self.s3
+        return getattr(client, operation)(**params)
+
+    def upload(self, files: Sequence[PackageFile], s3_uri: str) -> str:
+        """Upload the artifact under ``s3_uri``; return the prefix URI (ends with ``/``)."""
+        bucket, prefix = parse_s3_uri(s3_uri)
+        base = f"{prefix}/" if prefix else ""
+        total = sum(item.size_bytes for item in files)
+        self._say(f"uploading {len(files)} files ({total / 1e6:.1f} MB) to s3://{bucket}/{base}")
+        for item in files:
+            key = base + item.key
+            if self.dry_run:
+                source = str(item.source) if item.source is not None else f"<{len(item.data)} generated bytes>"
+                self._say(f"s3.upload_file({source!r}, {bucket!r}, {key!r})")
+            elif item.source is not None:
+                self.s3.upload_file(str(item.source), bucket, key)
+            else:
+                self.s3.put_object(Bucket=bucket, Key=key, Body=item.data)
+        return f"s3://{bucket}/{base}"
+
+    def _endpoint_exists(self, endpoint_name: str) -> bool:
+        if self.dry_run:
+            self._say(f"sagemaker.describe_endpoint({{'EndpointName': {endpoint_name!r}}})"
+                      "  # create, or update if it exists")
+            return False
+        try:
+            self.sagemaker.describe_endpoint(EndpointName=endpoint_name)
+        except Exception as exc:  # noqa: BLE001 - only "not found" means absent
+            if _is_not_found(exc):
+                return False
+            raise
+        return True
+
+    def deploy(self, spec: DeploySpec, *, wait: bool = True) -> None:
+        """Create the model and endpoint config, create (or update) the endpoint, wait for InService.
+
+        Raises:
+            DeployError: invalid spec, or the endpoint ended ``Failed`` (the message holds
+                SageMaker's FailureReason).
+            botocore.exceptions.ClientError: an API call was refused.
+        """
+        spec.validate()
+        self._call("sagemaker", "create_model", **model_request(spec))
+        self._say(f"created model {spec.model_name}")
+        self._call("sagemaker", "create_endpoint_config", **endpoint_config_request(spec))
+        self._say(f"created endpoint config {spec.endpoint_config_name}")
+        if self._endpoint_exists(spec.endpoint_name):
+            self._say(f"endpoint {spec.endpoint_name} exists: updating it (its open sessions will be lost)")
+            self._call("sagemaker", "update_endpoint", EndpointName=spec.endpoint_name,
+                       EndpointConfigName=spec.endpoint_config_name)
+        else:
+            self._call("sagemaker", "create_endpoint", EndpointName=spec.endpoint_name,
+                       EndpointConfigName=spec.endpoint_config_name)
+        if wait:
+            self._wait("endpoint_in_service", spec.endpoint_name)
+            self._say(f"endpoint {spec.endpoint_name} is InService")
+
+    def _wait(self, waiter_name: str, endpoint_name: str) -> None:
+        if self.dry_run:
+            self._say(f"sagemaker.get_waiter({waiter_name!r}).wait(EndpointName={endpoint_name!r}, "
+                      f"WaiterConfig={self.wait_config})")
+            return
+        from botocore.exceptions import WaiterError
+
+        self._say(f"waiting for {endpoint_name} ({waiter_name}) ...")
+        try:
+            self.sagemaker.get_waiter(waiter_name).wait(EndpointName=endpoint_name, WaiterConfig=self.wait_config)
+        except WaiterError as exc:
+            reason = (exc.last_response or {}).get("FailureReason") or str(exc)
+            raise DeployError(f"endpoint {endpoint_name}: {reason}") from None
+
+    def delete(self, endpoint_name: str, *, wait: bool = True) -> None:
+        """Delete the endpoint, its endpoint config and the model(s) its variants use.
+
+        Raises:
+            DeployError: the endpoint does not exist.
+            botocore.exceptions.ClientError: an API call was refused.
+        """
+        if self.dry_run:
+            self._say(f"sagemaker.describe_endpoint({{'EndpointName': {endpoint_name!r}}})")
+            self._say("sagemaker.describe_endpoint_config({'EndpointConfigName': <from describe_endpoint>})")
+            self._call("sagemaker", "delete_endpoint", EndpointName=endpoint_name)
+            if wait:
+                self._wait("endpoint_deleted", endpoint_name)
+            self._say("sagemaker.delete_endpoint_config({'EndpointConfigName': <from describe_endpoint>})")
+            self._say("sagemaker.delete_model({'ModelName': <each variant's ModelName>})")
+            return
+        try:
+            described = self.sagemaker.describe_endpoint(EndpointName=endpoint_name)
+        except Exception as exc:  # noqa: BLE001
+            if _is_not_found(exc):
+                raise DeployError(f"endpoint {endpoint_name} not found") from None
+            raise
+        config_name = described["EndpointConfigName"]
+        config = self.sagemaker.describe_endpoint_config(EndpointConfigName=config_name)
+        models = [variant["ModelName"] for variant in config.get("ProductionVariants", []) if variant.get("ModelName")]
+        self._call("sagemaker", "delete_endpoint", EndpointName=endpoint_name)
+        self._say(f"deleting endpoint {endpoint_name}")
+        if wait:
+            self._wait("endpoint_deleted", endpoint_name)
+        self._call("sagemaker", "delete_endpoint_config", EndpointConfigName=config_name)
+        self._say(f"deleted endpoint config {config_name}")
+        for model_name in dict.fromkeys(models):
+            self._call("sagemaker", "delete_model", ModelName=model_name)
+            self._say(f"deleted model {model_name}")
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+
+
+def _assignment(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llava-deploy",
+        description="Package the LLaVA session handler with a checkpoint, upload it to S3 and create "
+        "(or update, or --delete) a SageMaker endpoint.",
+    )
+    parser.add_argument("--endpoint-name", required=True, help="SageMaker endpoint name")
+    parser.add_argument("--delete", action="store_true", help="delete the endpoint, its config and model(s)")
+    source = parser.add_argument_group("model data (one of)")
+    source.add_argument("--model-dir", help="llava-hf checkpoint folder to package and upload (with --s3-uri)")
+    source.add_argument("--model-data-uri", help="an already uploaded artifact prefix s3://bucket/prefix/")
+    parser.add_argument("--s3-uri", help="where to upload the artifact: s3://bucket/prefix")
+    parser.add_argument("--image-uri", help="container image (build_and_push.sh prints it)")
+    parser.add_argument("--role-arn", help="SageMaker execution role ARN (reads the S3 prefix and pulls the image)")
+    parser.add_argument("--instance-type", default=DEFAULT_INSTANCE_TYPE, help=f"default {DEFAULT_INSTANCE_TYPE}")
+    parser.add_argument("--instance-count", type=int, default=1, help="default 1")
+    parser.add_argument("--startup-timeout", type=int, default=DEFAULT_STARTUP_TIMEOUT_S,
+                        help=f"ContainerStartupHealthCheckTimeoutInSeconds (default {DEFAULT_STARTUP_TIMEOUT_S})")
+    parser.add_argument("--download-timeout", type=int, default=DEFAULT_DOWNLOAD_TIMEOUT_S,
+                        help=f"ModelDataDownloadTimeoutInSeconds (default {DEFAULT_DOWNLOAD_TIMEOUT_S})")
+    parser.add_argument("--response-timeout", type=int, default=DEFAULT_RESPONSE_TIMEOUT_S,
+                        help="SAGEMAKER_MODEL_SERVER_TIMEOUT: TorchServe responseTimeout in seconds "
+                        f"(default {DEFAULT_RESPONSE_TIMEOUT_S})")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_assignment,
+                        metavar="KEY=VALUE",
+                        help="handler setting written into the packaged model-config.yaml, "
+                        "e.g. --set session_ttl_s=600")
+    parser.add_argument("--env", dest="environment", action="append", default=[], type=_assignment,
+                        metavar="KEY=VALUE", help="container environment variable, e.g. --env LLAVA_LOG_LEVEL=INFO")
+    parser.add_argument("--model-name", default="", help="default <endpoint>-<UTC timestamp>")
+    parser.add_argument("--endpoint-config-name", default="", help="default <endpoint>-<UTC timestamp>")
+    parser.add_argument("--region", default=None, help="AWS region (default: the boto3 session's)")
+    parser.add_argument("--profile", default=None, help="AWS profile")
+    parser.add_argument("--no-wait", action="store_true", help="do not wait for InService / deletion")
+    parser.add_argument("--dry-run", action="store_true", help="print the API calls and uploads; call nothing")
+    return parser
+
+
+def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None = None) -> int:
+    """Run ``llava-deploy``; returns the exit code.
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+        clients: ``clients("sagemaker" | "s3")`` returning boto3 clients (tests pass stubbed ones);
+            default: from ``boto3.Session(profile_name=--profile, region_name=--region)``.
+    """
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if not args.delete:
+        if bool(args.model_dir) == bool(args.model_data_uri):
+            parser.error("give exactly one of --model-dir (with --s3-uri) and --model-data-uri")
+        if args.model_dir and not args.s3_uri:
+            parser.error("--model-dir needs --s3-uri (where to upload the artifact)")
+        if args.model_data_uri and args.overrides:
+            parser.error("--set applies to a packaged --model-dir; with --model-data-uri use --env LLAVA_<KEY>=...")
+        for option in ("image_uri", "role_arn"):
+            if not getattr(args, option):
+                parser.error(f"--{option.replace('_', '-')} is required to deploy")
+    try:
+        if args.delete:
+            _deployer(args, clients, need_s3=False).delete(args.endpoint_name, wait=not args.no_wait)
+            return 0
+        now = datetime.now(timezone.utc)
+        environment = default_environment(args.response_timeout)
+        environment.update(dict(args.environment))
+        model_data_uri = args.model_data_uri
+        if model_data_uri and not model_data_uri.endswith("/"):
+            model_data_uri += "/"  # an S3Prefix URI ends with "/"
+        spec = DeploySpec(
+            endpoint_name=args.endpoint_name,
+            image_uri=args.image_uri,
+            role_arn=args.role_arn,
+            model_data_uri=model_data_uri or "s3://placeholder/prefix/",
+            instance_type=args.instance_type,
+            instance_count=args.instance_count,
+            environment=environment,
+            startup_timeout_s=args.startup_timeout,
+            download_timeout_s=args.download_timeout,
+            model_name=args.model_name or derived_name(args.endpoint_name, now),
+            endpoint_config_name=args.endpoint_config_name or derived_name(args.endpoint_name, now),
+        )
+        spec.validate()  # before packaging and uploading gigabytes
+        files = build_package(args.model_dir, overrides=dict(args.overrides)) if args.model_dir else None
+        if files is not None:
+            parse_s3_uri(args.s3_uri)
+        deployer = _deployer(args, clients, need_s3=files is not None)
+        if files is not None:
+            model_data_uri = deployer.upload(files, args.s3_uri)
+        deployer.deploy(replace(spec, model_data_uri=model_data_uri), wait=not args.no_wait)
+        return 0
+    except DeployError as exc:
+        print(f"llava-deploy: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - botocore errors: one line, not a traceback
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if isinstance(exc, (ClientError, BotoCoreError)):
+            print(f"llava-deploy: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _deployer(args: argparse.Namespace, clients: Callable[[str], Any] | None, *, need_s3: bool) -> Deployer:
+    """Make the :class:`Deployer` (no clients with ``--dry-run``)."""
+    if args.dry_run:
+        return Deployer(dry_run=True)
+    if clients is None:
+        import boto3
+
+        clients = boto3.Session(profile_name=args.profile, region_name=args.region).client
+    return Deployer(clients("sagemaker"), clients("s3") if need_s3 else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

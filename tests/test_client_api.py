@@ -1,0 +1,193 @@
+"""The public API of llava_client, pinned; and its pure pieces (error mapping, retry rule, parsing)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import llava_client
+import pytest
+from llava_client import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    ContextLengthExceeded,
+    GenerationParams,
+    InternalServerError,
+    InvalidRequest,
+    LlavaError,
+    Overloaded,
+    PayloadTooLarge,
+    RateLimited,
+    SessionBusy,
+    SessionEvicted,
+    SessionExpired,
+    SessionGone,
+    SessionNotFound,
+    error_class,
+    parse_session_header,
+    should_retry,
+)
+from llava_client._exceptions import CODE_STATUS, status_error_from_body
+from llava_client._transport import LineBuffer
+
+PUBLIC_API = [
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_TIMEOUT",
+    "INITIAL_RETRY_DELAY_S",
+    "MAX_BODY_BYTES",
+    "MAX_RETRY_DELAY_S",
+    "APIConnectionError",
+    "APIStatusError",
+    "APITimeoutError",
+    "Answer",
+    "AnswerStream",
+    "ContextLengthExceeded",
+    "GenerationParams",
+    "HttpTransport",
+    "ImageInput",
+    "InternalServerError",
+    "InvalidRequest",
+    "LlavaError",
+    "Overloaded",
+    "PayloadTooLarge",
+    "RateLimited",
+    "RawResponse",
+    "Recovery",
+    "SageMakerTransport",
+    "Session",
+    "SessionBusy",
+    "SessionClient",
+    "SessionEvicted",
+    "SessionExpired",
+    "SessionGone",
+    "SessionNotFound",
+    "Token",
+    "Transport",
+    "Usage",
+    "error_class",
+    "parse_session_header",
+    "should_retry",
+]
+
+
+def test_public_api_is_pinned():
+    assert llava_client.__all__ == PUBLIC_API
+    for name in PUBLIC_API:
+        assert getattr(llava_client, name) is not None
+
+
+def test_exception_hierarchy():
+    for cls in (APIConnectionError, APIStatusError):
+        assert issubclass(cls, LlavaError)
+    assert issubclass(APITimeoutError, APIConnectionError)
+    for cls in (InvalidRequest, SessionGone, SessionBusy, PayloadTooLarge, ContextLengthExceeded, RateLimited,
+                Overloaded, InternalServerError):
+        assert issubclass(cls, APIStatusError)
+    for cls in (SessionNotFound, SessionExpired, SessionEvicted):
+        assert issubclass(cls, SessionGone)
+
+
+def test_code_statuses_match_the_server():
+    from llava_sessions.errors import HTTP_STATUS
+
+    assert CODE_STATUS == {code.value: status for code, status in HTTP_STATUS.items()}
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "expected"),
+    [
+        (400, "invalid_parameter", InvalidRequest),
+        (400, "image_invalid", InvalidRequest),
+        (400, "missing_session_id", InvalidRequest),
+        (404, "session_not_found", SessionNotFound),
+        (404, "session_expired", SessionExpired),
+        (404, "session_evicted", SessionEvicted),
+        (404, None, APIStatusError),  # a wrong URL is not a lost session
+        (404, "ResourceNotFoundException", APIStatusError),
+        (409, "session_busy", SessionBusy),
+        (413, "payload_too_large", PayloadTooLarge),
+        (413, "image_too_large", PayloadTooLarge),
+        (422, "context_length_exceeded", ContextLengthExceeded),
+        (429, "ThrottlingException", RateLimited),
+        (503, "overloaded", Overloaded),
+        (503, "ServiceUnavailableException", Overloaded),
+        (500, "internal_error", InternalServerError),
+        (507, "InternalServerException", InternalServerError),
+        (418, None, APIStatusError),
+    ],
+)
+def test_error_class(status, code, expected):
+    assert error_class(status, code) is expected
+
+
+def test_status_error_from_bodies():
+    err = status_error_from_body(200, json.dumps({"error": {"code": "overloaded", "message": "later"}}).encode())
+    assert isinstance(err, Overloaded) and err.status_code == 503 and err.message == "later"  # error in a 200 body
+    err = status_error_from_body(503, b'{"code": 503, "type": "ServiceUnavailableException", "message": "no worker"}',
+                                 headers={"Retry-After": "2"})
+    assert isinstance(err, Overloaded) and err.code == "ServiceUnavailableException" and err.retry_after == 2.0
+    err = status_error_from_body(502, b"<html>bad gateway</html>")
+    assert isinstance(err, InternalServerError) and "bad gateway" in err.message
+
+
+def _overloaded(code):
+    return Overloaded("x", status_code=503, code=code)
+
+
+@pytest.mark.parametrize(
+    ("error", "retry_safe", "expected"),
+    [
+        (APIConnectionError(request_sent=False), False, True),  # refused: nothing ran
+        (APIConnectionError(request_sent=True), False, False),  # may have appended a turn
+        (APIConnectionError(request_sent=True), True, True),
+        (APITimeoutError(request_sent=True), False, False),
+        (APITimeoutError(request_sent=True), True, True),
+        (_overloaded("overloaded"), False, True),  # the handler refused it before any work
+        (_overloaded("ServiceUnavailableException"), False, False),
+        (_overloaded("ServiceUnavailableException"), True, True),
+        (RateLimited("x", status_code=429), False, True),
+        (SessionBusy("x", status_code=409, code="session_busy"), False, True),
+        (InternalServerError("x", status_code=500), True, False),
+        (SessionNotFound("x", status_code=404, code="session_not_found"), True, False),
+        (InvalidRequest("x", status_code=400), True, False),
+    ],
+)
+def test_retry_rule(error, retry_safe, expected):
+    assert should_retry(error, retry_safe=retry_safe) is expected
+
+
+def test_parse_session_header():
+    assert parse_session_header("ts-seq-1; Expires=2030-01-02T03:04:05Z") == (
+        "ts-seq-1", datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
+    assert parse_session_header("abc") == ("abc", None)
+    assert parse_session_header("") == (None, None) and parse_session_header(None) == (None, None)
+
+
+def test_line_buffer_splits_anywhere():
+    data = '{"t":"日本"}\n{"t":"ok"}\n'.encode()
+    for cut in range(len(data) + 1):
+        buffer = LineBuffer()
+        lines = buffer.feed(data[:cut]) + buffer.feed(data[cut:]) + buffer.flush()
+        assert [json.loads(line) for line in lines] == [{"t": "日本"}, {"t": "ok"}]
+    buffer = LineBuffer()
+    assert buffer.feed(b'{"a":1}') == [] and buffer.flush() == [b'{"a":1}']  # an unterminated last line
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"temperature": 0.0}, {"temperature": 0.7}, {"temperature": 1.0}, {"top_p": 0.9}, {"top_p": 1.0},
+     {"top_k": 5}, {"top_k": 0}, {"do_sample": True}, {"do_sample": True, "temperature": 0.0}, {"seed": 3}],
+)
+def test_greedy_rule_matches_the_server(kwargs):
+    from llava_sessions.sampling import SamplingParams
+
+    assert GenerationParams(**kwargs).greedy is (not SamplingParams(**kwargs).sampling)
+
+
+def test_generation_params_wire_and_replay():
+    params = GenerationParams(max_new_tokens=64, temperature=0.7, seed=5, stop=("\n",), details=True)
+    assert params.to_wire() == {"max_new_tokens": 64, "temperature": 0.7, "seed": 5, "details": True, "stop": ["\n"]}
+    replay = params.for_replay(generated_tokens=12)
+    assert replay.to_wire() == {"max_new_tokens": 12, "temperature": 0.7, "seed": 5, "stop": ["\n"]}
+    assert GenerationParams().to_wire() == {}

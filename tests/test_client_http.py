@@ -1,0 +1,299 @@
+"""llava_client over plain HTTP against a real local TorchServe (tiny model, CPU). No mocks.
+
+One server for the module. ``step_max_tokens=2`` makes every answer of 3+ tokens span several
+handler calls, so streams arrive in several chunks.
+"""
+
+from __future__ import annotations
+
+import http.server
+import io
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import datetime, timezone
+
+import psutil
+import pytest
+import requests
+from llava_client import (
+    APIConnectionError,
+    APITimeoutError,
+    ContextLengthExceeded,
+    HttpTransport,
+    InvalidRequest,
+    LlavaError,
+    PayloadTooLarge,
+    SessionBusy,
+    SessionClient,
+    SessionNotFound,
+)
+from PIL import Image
+from server_fixtures import start_local_server
+
+pytestmark = pytest.mark.integration
+
+SID = "X-Amzn-SageMaker-Session-Id"
+GREEDY = {"max_new_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def server(request, tiny_model_dir):
+    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer,
+                              overrides={"step_max_tokens": 2, "allow_http": True, "allow_private_networks": True},
+                              model_config_overrides={"batchSize": 8, "maxNumSequence": 8})
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with SessionClient.from_url(server.url, timeout=(5.0, 60.0)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def photo_path(tmp_path_factory, photos) -> str:
+    path = tmp_path_factory.mktemp("img") / "astronaut.jpg"
+    Image.open(io.BytesIO(photos["astronaut"])).convert("RGB").save(path, format="JPEG", quality=90)
+    return str(path)
+
+
+def raw_post(server, body, session_id):
+    return requests.post(server.url + "/invocations", data=json.dumps(body), headers={SID: session_id}, timeout=30)
+
+
+def test_session_lifecycle(client, server, photo_path):
+    with client.open_session(photo_path) as session:
+        assert session.id.startswith("ts-seq-") and session.image_tokens == 576
+        left_s = (session.expires_at - datetime.now(timezone.utc)).total_seconds()
+        assert session.expires_at.tzinfo is not None and 1100 < left_s <= 1200  # the TTL of model-config.yaml
+
+        first = session.ask("What is in this image?", details=True, **GREEDY)
+        assert first.finish_reason in ("stop", "length") and 1 <= first.usage.generated_tokens <= 8
+        assert first.usage.cached_tokens > 500 and first.usage.prompt_tokens > first.usage.cached_tokens
+        assert "".join(t.text for t in first.tokens) == first.text and len(first.tokens) == first.usage.generated_tokens
+        assert {"ttft_ms", "prefill_ms", "total_ms"} <= set(first.timings) and first.ttft_ms is not None
+        assert first.client_ttft_ms == first.client_total_ms > 0
+
+        with session.stream("What color is it?", **GREEDY) as stream:
+            pieces = list(stream)
+        second = stream.answer
+        assert second is not None and "".join(pieces) == second.text == stream.text
+        assert len(second.tokens) == second.usage.generated_tokens
+        assert second.usage.cached_tokens >= first.usage.prompt_tokens  # the first turn was reused
+        assert 0 < second.client_ttft_ms <= second.client_total_ms
+
+        aside = session.ask("Is it daytime?", remember=False, max_new_tokens=4)
+        assert aside.usage.generated_tokens <= 4
+        assert [p for p, _ in session.history] == ["What is in this image?", "What color is it?"]
+        assert [a for _, a in session.history] == [first, second]
+
+        session.reset()
+        assert session.history == []
+        again = session.ask("What is in this image?", details=True, **GREEDY)
+        assert again.text == first.text  # greedy, and the history is really gone on the server
+        sid = session.id
+    assert session.closed
+    session.close()  # idempotent
+    with pytest.raises(LlavaError, match="closed"):
+        session.ask("Hello?")
+    r = raw_post(server, {"type": "generate", "prompt": "Hi"}, sid)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+def test_stream_equals_plain_answer_and_arrives_in_pieces(client, photos):
+    with client.open_session(photos["chelsea"]) as session:  # bytes
+        q = "Describe the image in detail."
+        plain = session.ask(q, remember=False, max_new_tokens=16)
+        with session.stream(q, remember=False, max_new_tokens=16) as stream:
+            stamps, pieces = [], []
+            for piece in stream:
+                stamps.append(time.perf_counter())
+                pieces.append(piece)
+        assert "".join(pieces) == plain.text == stream.answer.text
+        assert stream.answer.usage.generated_tokens == plain.usage.generated_tokens == len(stream.answer.tokens)
+        assert len(pieces) >= 3 and stamps[-1] > stamps[0]  # several pieces, not one block at the end
+        assert session.history == []
+
+
+def _established_to(port: int) -> set[int]:
+    """Local ports of this process's open TCP connections to ``port``."""
+    return {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
+
+
+def test_early_break_closes_the_response(server, photos):
+    port = int(server.url.rsplit(":", 1)[1])
+    others = _established_to(port)  # idle keep-alive connections of the module's client
+    with SessionClient.from_url(server.url, timeout=(5.0, 60.0)) as client:
+        session = client.open_session(Image.open(io.BytesIO(photos["rocket"])))  # a PIL image
+        with session.stream("Describe the image in detail.", max_new_tokens=8) as stream:
+            first = next(stream)
+            assert first and _established_to(port) - others  # the response is open
+        assert stream.answer is None and session.history == []  # abandoned, not remembered
+        assert _established_to(port) - others == set()  # leaving the block closed the connection
+        with pytest.raises(StopIteration):
+            next(stream)
+        # TorchServe dropped the job on disconnect; the handler drops it with the session's next
+        # request (test_session_is_usable_after_an_early_break).
+
+
+def test_session_is_usable_after_an_early_break(server, photos):
+    with SessionClient.from_url(server.url, timeout=(5.0, 60.0)) as client:
+        session = client.open_session(photos["rocket"])
+        with session.stream("Describe the image in detail.", max_new_tokens=8) as stream:
+            next(stream)
+        # a call that finds the session still busy (409) is retried with backoff (about 1.5 s)
+        assert session.ask("What is in this image?", max_new_tokens=4).usage.generated_tokens >= 1
+        session.close()
+
+
+def test_a_stream_that_ends_in_its_first_step_arrives(server, photos):
+    with SessionClient.from_url(server.url, timeout=(5.0, 3.0), max_retries=0) as client:
+        with client.open_session(photos["coffee"]) as session:
+            with session.stream("What is in this image?", remember=False, max_new_tokens=1) as stream:
+                list(stream)
+            assert stream.answer.usage.generated_tokens == 1
+
+
+def test_errors_are_typed(client, photo_path):
+    with client.open_session(photo_path) as session:
+        with pytest.raises(InvalidRequest) as info:
+            session.ask("x", top_p=0)
+        assert info.value.status_code == 400 and info.value.code == "invalid_parameter"
+        assert "top_p" in info.value.message
+        with pytest.raises(ContextLengthExceeded) as info:
+            session.ask("x", max_new_tokens=1024)
+        assert info.value.status_code == 422 and info.value.code == "context_length_exceeded"
+        assert session.ask("Still here?", max_new_tokens=2).usage.generated_tokens >= 1  # errors left it intact
+    with pytest.raises(InvalidRequest) as info:
+        client.open_session(b"not an image")
+    assert info.value.code == "image_invalid"
+
+
+def test_unknown_session_raises_session_not_found_without_recovery(server, photo_path):
+    with SessionClient.from_url(server.url, auto_recover=False) as client:
+        session = client.open_session(photo_path)
+        raw_post(server, {"type": "close_session"}, session.id)  # closed behind the client's back
+        with pytest.raises(SessionNotFound) as info:
+            session.ask("Hello?", max_new_tokens=2)
+        assert info.value.status_code == 404 and info.value.code == "session_not_found"
+        assert session.recoveries == 0
+        session.close()  # a session already gone counts as closed
+        assert session.closed
+
+
+def test_payload_too_large_is_refused_before_sending(client):
+    blob = os.urandom(4_800_000)  # 6.4 MB once base64-encoded
+    with pytest.raises(PayloadTooLarge) as info:
+        client.open_session(blob)
+    assert info.value.status_code == 413 and "s3://" in info.value.message and "before sending" in info.value.message
+
+
+def test_image_by_url(client, photos):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(photos["coffee"])))
+            self.end_headers()
+            self.wfile.write(photos["coffee"])
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/coffee.png"
+        with client.open_session(url) as by_url, client.open_session(photos["coffee"]) as inline:
+            q = "What is in this image?"
+            assert by_url.ask(q, **GREEDY).text == inline.ask(q, **GREEDY).text
+    finally:
+        httpd.shutdown()
+
+
+def test_recovery_replays_history_exactly_with_greedy_answers(client, server, photo_path, caplog):
+    turns = ["What is in this image?", "What color is it?", "Describe it in one word."]
+    with client.open_session(photo_path) as session, client.open_session(photo_path) as twin:
+        for q in turns[:2]:
+            session.ask(q, **GREEDY)
+            twin.ask(q, **GREEDY)
+        before = session.history
+        old_id = session.id
+        assert raw_post(server, {"type": "close_session"}, old_id).status_code == 200  # dropped behind its back
+        with caplog.at_level(logging.WARNING, logger="llava_client"):
+            answer = session.ask(turns[2], **GREEDY)
+        assert session.recoveries == 1 and session.id != old_id
+        assert session.history[:2] == before  # same turns, same answer objects
+        recovery = session.last_recovery
+        assert recovery.exact and recovery.replayed_turns == 2 and recovery.old_session_id == old_id
+        assert "regenerated" in caplog.text
+        expected = twin.ask(turns[2], **GREEDY)
+        assert answer.text == expected.text
+        assert answer.usage.prompt_tokens == expected.usage.prompt_tokens
+
+
+def test_recovery_of_a_stream_and_of_a_reset(client, server, photo_path):
+    with client.open_session(photo_path) as session:
+        session.ask("What is in this image?", **GREEDY)
+        raw_post(server, {"type": "close_session"}, session.id)
+        with session.stream("What color is it?", **GREEDY) as stream:
+            text = "".join(stream)
+        assert session.recoveries == 1 and text == stream.answer.text and len(session.history) == 2
+        raw_post(server, {"type": "close_session"}, session.id)
+        session.reset()  # gone: reopened with an empty history, nothing replayed
+        assert session.recoveries == 2 and session.history == [] and session.last_recovery.replayed_turns == 0
+        assert session.ask("Hello?", max_new_tokens=2).usage.generated_tokens >= 1
+
+
+def test_connection_refused_and_timeouts():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens here
+    refused = SessionClient(HttpTransport(f"http://127.0.0.1:{port}"), max_retries=0)
+    with pytest.raises(APIConnectionError) as info:
+        refused.open_session(b"x")
+    assert not isinstance(info.value, APITimeoutError) and info.value.request_sent is False
+
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        client = SessionClient(HttpTransport(url, timeout=(2.0, 0.3)), max_retries=1)
+        t0 = time.monotonic()
+        with pytest.raises(APITimeoutError) as info:
+            client.open_session(b"x")
+        elapsed = time.monotonic() - t0
+        assert info.value.request_sent is True
+        assert 0.6 <= elapsed < 5  # two attempts of 0.3 s plus one backoff (<= 0.5 s)
+
+
+def _llava_chat(*args, stdin=""):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "llava_client.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_llava_chat_one_shot_and_piped_questions(server, photo_path):
+    done = _llava_chat("--url", server.url, "--image", photo_path, "-q", "What is in this image?",
+                       "--max-new-tokens", "6", "--verbose")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() and done.stdout.count("\n") >= 1
+    assert "time to first token" in done.stderr and "reused 584 of" in done.stderr
+
+    questions = "What is in this image?\nWhat color?\n/reset\nWhat is in this image?\n/quit\nnever asked\n"
+    done = _llava_chat("--url", server.url, "--image", photo_path, "--max-new-tokens", "4", "--temperature", "0", "-v",
+                       stdin=questions)
+    assert done.returncode == 0, done.stderr
+    stats = [line for line in done.stderr.splitlines() if line.startswith("[time to first token")]
+    assert len(stats) == 3 and "conversation forgotten" in done.stderr and done.stdout.strip()
+    prompt_tokens = [int(line.split(" of ")[1].split()[0]) for line in stats]
+    assert prompt_tokens[2] == prompt_tokens[0] < prompt_tokens[1]  # /reset really forgot the first turn
+
+    done = _llava_chat("--url", server.url, "--image", photo_path + ".missing", "-q", "x")
+    assert done.returncode == 1 and "could not open a session" in done.stderr

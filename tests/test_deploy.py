@@ -1,0 +1,277 @@
+"""``llava-deploy`` against real boto3 clients with botocore's ``Stubber``: every S3 key uploaded and the
+exact parameters of create_model / create_endpoint_config / create_endpoint / update_endpoint /
+delete_*, plus the packaged TorchServe layout (checked against torch-model-archiver's own output)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+import yaml
+from botocore.stub import ANY, Stubber
+
+from llava_sessions.deploy import DeployError, build_package, derived_name, main
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = REPO / "handler" / "llava_sessions"
+ACCOUNT = "123456789012"
+ROLE = f"arn:aws:iam::{ACCOUNT}:role/SageMakerExecution"
+IMAGE = f"{ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/llava-sessions:abc123"
+NOW = dt.datetime(2026, 11, 22, 9, 0, tzinfo=dt.timezone.utc)
+SEQUENCE_ENV = {
+    "TS_REQUEST_SEQUENCE_ID": "X-Amzn-SageMaker-Session-Id",
+    "TS_REQUEST_SEQUENCE_START": "X-Amzn-SageMaker-New-Session-Id",
+    "TS_REQUEST_SEQUENCE_END": "X-Amzn-SageMaker-Closed-Session-Id",
+}
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A stand-in llava-hf folder: a few files, a sub-folder, and hub cache files to leave out."""
+    root = tmp_path / "ckpt"
+    (root / "sub").mkdir(parents=True)
+    (root / ".cache" / "huggingface").mkdir(parents=True)
+    (root / "config.json").write_text('{"model_type": "llava"}')
+    (root / "model.safetensors").write_bytes(b"\0" * 64)
+    (root / "tokenizer.json").write_text("{}")
+    (root / "sub" / "extra.txt").write_text("x")
+    (root / ".cache" / "huggingface" / "download.lock").write_text("")
+    return root
+
+
+def package_keys() -> list[str]:
+    return sorted(
+        f"llava/llava_sessions/{p.relative_to(PACKAGE_DIR).as_posix()}"
+        for p in PACKAGE_DIR.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    )
+
+
+def expected_keys() -> list[str]:
+    fixed = ["llava/MAR-INF/MANIFEST.json", "llava/config.json", "llava/llava_handler.py", "llava/model-config.yaml",
+             "llava/model.safetensors", "llava/sub/extra.txt", "llava/tokenizer.json"]
+    return sorted(fixed + package_keys())
+
+
+def clients():
+    """Real boto3 clients (no credentials needed: every call is stubbed)."""
+    kwargs = {"region_name": "us-east-1", "aws_access_key_id": "x", "aws_secret_access_key": "x"}
+    return {"sagemaker": boto3.client("sagemaker", **kwargs), "s3": boto3.client("s3", **kwargs)}
+
+
+def not_found(stub: Stubber, operation: str, params: dict) -> None:
+    stub.add_client_error(operation, service_error_code="ValidationException", service_message=
+                          f"Could not find endpoint \"{params.get('EndpointName')}\".", http_status_code=400,
+                          expected_params=params)
+
+
+def describe_endpoint_response(name: str, status: str, config: str = "cfg") -> dict:
+    return {"EndpointName": name, "EndpointArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:endpoint/{name}",
+            "EndpointConfigName": config, "EndpointStatus": status, "CreationTime": NOW, "LastModifiedTime": NOW,
+            **({"FailureReason": "CannotStartContainerError: /ping did not answer"} if status == "Failed" else {})}
+
+
+# ---- packaging -----------------------------------------------------------------------------------
+
+
+def test_package_is_torchserve_no_archive_layout_plus_the_checkpoint(checkpoint: Path, tmp_path: Path) -> None:
+    files = build_package(checkpoint, overrides={"session_ttl_s": 600}, created_on=NOW.replace(tzinfo=None))
+    assert [f.key for f in files] == expected_keys()
+    by_key = {f.key: f for f in files}
+    manifest = json.loads(by_key["llava/MAR-INF/MANIFEST.json"].data)
+    config = yaml.safe_load(by_key["llava/model-config.yaml"].data)
+    assert config["handler"]["session_ttl_s"] == 600 and config["handler"]["model_dir"] == ""
+    assert config["sequenceBatching"] is True and config["batchSize"] == 64  # the rest is the repository's
+    assert by_key["llava/config.json"].source == checkpoint / "config.json"
+
+    # The same MANIFEST.json torch-model-archiver 0.12 writes for this handler and config file.
+    archiver = shutil.which("torch-model-archiver", path=str(Path(sys.executable).parent))
+    if archiver is None:
+        pytest.skip("torch-model-archiver not installed")
+    out = tmp_path / "store"
+    out.mkdir()
+    subprocess.run([archiver, "--model-name", "llava", "--version", "1.0", "--handler",
+                    str(REPO / "handler" / "llava_handler.py"), "--config-file", str(REPO / "model-config.yaml"),
+                    "--archive-format", "no-archive", "--export-path", str(out)], check=True, capture_output=True)
+    reference = json.loads((out / "llava" / "MAR-INF" / "MANIFEST.json").read_text())
+    assert {k: v for k, v in manifest.items() if k != "createdOn"} == {
+        k: v for k, v in reference.items() if k != "createdOn"}
+    assert manifest["createdOn"] == "22/11/2026 09:00:00"
+
+
+def test_package_refuses_bad_settings_and_folders(checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(DeployError, match="unknown key"):
+        build_package(checkpoint, overrides={"bogus": 1})
+    with pytest.raises(DeployError, match="batchSize"):
+        build_package(checkpoint, overrides={"max_sessions": 1000})
+    with pytest.raises(DeployError, match="no config.json"):
+        build_package(tmp_path)
+    (checkpoint / "MAR-INF").mkdir()
+    (checkpoint / "MAR-INF" / "MANIFEST.json").write_text("{}")
+    with pytest.raises(DeployError, match="collides"):
+        build_package(checkpoint)
+
+
+def test_deploy_module_does_not_import_torch() -> None:
+    code = "import sys, llava_sessions.deploy, llava_sessions.container; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_derived_names_fit_sagemaker() -> None:
+    assert derived_name("llava-chat", NOW) == "llava-chat-20261122090000"
+    long = derived_name("a" * 63, NOW)
+    assert len(long) == 63 and long.endswith("-20261122090000")
+    assert derived_name("x" * 47 + "-yy", NOW) == "x" * 47 + "-20261122090000"  # no "--"
+
+
+# ---- deploy / update / delete with Stubber ------------------------------------------------------
+
+
+def deploy_args(checkpoint: Path, *extra: str) -> list[str]:
+    return ["--endpoint-name", "llava-chat", "--model-dir", str(checkpoint), "--s3-uri", "s3://my-bucket/llava/v1",
+            "--image-uri", IMAGE, "--role-arn", ROLE, "--instance-type", "ml.g5.2xlarge", "--instance-count", "2",
+            "--model-name", "llava-chat-m1", "--endpoint-config-name", "llava-chat-c1", "--set", "session_ttl_s=600",
+            "--env", "LLAVA_LOG_LEVEL=INFO", "--startup-timeout", "900", "--download-timeout", "1200", *extra]
+
+
+EXPECTED_MODEL = {
+    "ModelName": "llava-chat-m1",
+    "ExecutionRoleArn": ROLE,
+    "PrimaryContainer": {
+        "Image": IMAGE,
+        "ModelDataSource": {"S3DataSource": {"S3Uri": "s3://my-bucket/llava/v1/", "S3DataType": "S3Prefix",
+                                             "CompressionType": "None"}},
+        "Environment": {**SEQUENCE_ENV, "SAGEMAKER_MODEL_SERVER_TIMEOUT": "120", "LLAVA_LOG_LEVEL": "INFO"},
+    },
+}
+EXPECTED_CONFIG = {
+    "EndpointConfigName": "llava-chat-c1",
+    "ProductionVariants": [{
+        "VariantName": "AllTraffic", "ModelName": "llava-chat-m1", "InstanceType": "ml.g5.2xlarge",
+        "InitialInstanceCount": 2, "ContainerStartupHealthCheckTimeoutInSeconds": 900,
+        "ModelDataDownloadTimeoutInSeconds": 1200,
+    }],
+}
+
+
+def stub_uploads(s3_stub: Stubber, files: list[str]) -> None:
+    for key in files:
+        s3_stub.add_response("put_object", {}, {"Bucket": "my-bucket", "Key": f"llava/v1/{key}", "Body": ANY,
+                                                **({} if key in GENERATED else {"ChecksumAlgorithm": ANY})})
+
+
+GENERATED = {"llava/MAR-INF/MANIFEST.json", "llava/model-config.yaml"}
+
+
+def test_deploy_uploads_every_key_and_creates_model_config_endpoint(checkpoint: Path, capsys) -> None:
+    c = clients()
+    uploaded: dict[str, bytes] = {}
+
+    def record(params, **_):  # returns None: a provide-client-params handler's value would replace params
+        uploaded[params["Key"]] = params["Body"] if isinstance(params["Body"], bytes) else b""
+
+    c["s3"].meta.events.register("provide-client-params.s3.PutObject", record)
+    with Stubber(c["s3"]) as s3_stub, Stubber(c["sagemaker"]) as sm_stub:
+        stub_uploads(s3_stub, expected_keys())
+        sm_stub.add_response("create_model", {"ModelArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:model/llava-chat-m1"},
+                             EXPECTED_MODEL)
+        sm_stub.add_response("create_endpoint_config", {
+            "EndpointConfigArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:endpoint-config/llava-chat-c1"}, EXPECTED_CONFIG)
+        not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})
+        sm_stub.add_response("create_endpoint", {"EndpointArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:endpoint/llava-chat"},
+                             {"EndpointName": "llava-chat", "EndpointConfigName": "llava-chat-c1"})
+        sm_stub.add_response("describe_endpoint", describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
+                             {"EndpointName": "llava-chat"})  # the endpoint_in_service waiter's poll
+        assert main(deploy_args(checkpoint), clients=c.__getitem__) == 0
+        s3_stub.assert_no_pending_responses()
+        sm_stub.assert_no_pending_responses()
+    assert sorted(uploaded) == [f"llava/v1/{k}" for k in expected_keys()]
+    config = yaml.safe_load(uploaded["llava/v1/llava/model-config.yaml"])
+    assert config["handler"]["session_ttl_s"] == 600 and config["handler"]["model_dir"] == ""
+    assert json.loads(uploaded["llava/v1/llava/MAR-INF/MANIFEST.json"])["model"]["handler"] == "llava_handler.py"
+    assert "endpoint llava-chat is InService" in capsys.readouterr().out
+
+
+def test_existing_endpoint_is_updated(tmp_path: Path) -> None:
+    c = clients()
+    args = ["--endpoint-name", "llava-chat", "--model-data-uri", "s3://my-bucket/llava/v1", "--image-uri", IMAGE,
+            "--role-arn", ROLE, "--model-name", "llava-chat-m2", "--endpoint-config-name", "llava-chat-c2"]
+    with Stubber(c["sagemaker"]) as sm_stub:
+        sm_stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, {
+            **EXPECTED_MODEL, "ModelName": "llava-chat-m2",
+            "PrimaryContainer": {**EXPECTED_MODEL["PrimaryContainer"],
+                                 "Environment": {**SEQUENCE_ENV, "SAGEMAKER_MODEL_SERVER_TIMEOUT": "120"}}})
+        sm_stub.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c"}, {
+            "EndpointConfigName": "llava-chat-c2", "ProductionVariants": [{
+                **EXPECTED_CONFIG["ProductionVariants"][0], "ModelName": "llava-chat-m2", "InitialInstanceCount": 1,
+                "ContainerStartupHealthCheckTimeoutInSeconds": 1200, "ModelDataDownloadTimeoutInSeconds": 1800}]})
+        sm_stub.add_response("describe_endpoint", describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
+                             {"EndpointName": "llava-chat"})
+        sm_stub.add_response("update_endpoint", {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llava-chat"},
+                             {"EndpointName": "llava-chat", "EndpointConfigName": "llava-chat-c2"})
+        assert main([*args, "--no-wait"], clients=c.__getitem__) == 0
+        sm_stub.assert_no_pending_responses()
+
+
+def test_failed_endpoint_reports_the_failure_reason(capsys) -> None:
+    c = clients()
+    args = ["--endpoint-name", "llava-chat", "--model-data-uri", "s3://my-bucket/llava/v1/", "--image-uri", IMAGE,
+            "--role-arn", ROLE, "--model-name", "m", "--endpoint-config-name", "c"]
+    with Stubber(c["sagemaker"]) as sm_stub:
+        sm_stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, None)
+        sm_stub.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c"}, None)
+        not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})
+        sm_stub.add_response("create_endpoint", {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llava-chat"}, None)
+        sm_stub.add_response("describe_endpoint", describe_endpoint_response("llava-chat", "Failed", "c"), None)
+        assert main(args, clients=c.__getitem__) == 1
+    assert "CannotStartContainerError: /ping did not answer" in capsys.readouterr().err
+
+
+def test_delete_removes_endpoint_config_and_models() -> None:
+    c = clients()
+    with Stubber(c["sagemaker"]) as sm_stub:
+        sm_stub.add_response("describe_endpoint", describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
+                             {"EndpointName": "llava-chat"})
+        sm_stub.add_response("describe_endpoint_config", {
+            "EndpointConfigName": "llava-chat-c1", "EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c",
+            "CreationTime": NOW, "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "llava-chat-m1"}]},
+            {"EndpointConfigName": "llava-chat-c1"})
+        sm_stub.add_response("delete_endpoint", {}, {"EndpointName": "llava-chat"})
+        not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})  # endpoint_deleted waiter: gone
+        sm_stub.add_response("delete_endpoint_config", {}, {"EndpointConfigName": "llava-chat-c1"})
+        sm_stub.add_response("delete_model", {}, {"ModelName": "llava-chat-m1"})
+        assert main(["--endpoint-name", "llava-chat", "--delete"], clients=c.__getitem__) == 0
+        sm_stub.assert_no_pending_responses()
+
+    with Stubber(c["sagemaker"]) as sm_stub:
+        not_found(sm_stub, "describe_endpoint", {"EndpointName": "nope"})
+        assert main(["--endpoint-name", "nope", "--delete"], clients=c.__getitem__) == 1
+
+
+def test_dry_run_prints_the_calls_and_calls_nothing(checkpoint: Path, capsys) -> None:
+    assert main([*deploy_args(checkpoint), "--dry-run"], clients=None) == 0
+    out = capsys.readouterr().out
+    for key in expected_keys():
+        assert f"'my-bucket', 'llava/v1/{key}')" in out
+    assert "sagemaker.create_model(" in out and '"CompressionType": "None"' in out
+    assert '"S3Uri": "s3://my-bucket/llava/v1/"' in out and '"InitialInstanceCount": 2' in out
+    assert "sagemaker.create_endpoint(" in out and "endpoint_in_service" in out
+    assert main(["--endpoint-name", "llava-chat", "--delete", "--dry-run"], clients=None) == 0
+    out = capsys.readouterr().out
+    assert "sagemaker.delete_endpoint(" in out and "delete_model" in out
+
+
+def test_invalid_arguments_fail_before_any_call(checkpoint: Path, capsys) -> None:
+    assert main([*deploy_args(checkpoint), "--role-arn", "not-a-role", "--dry-run"], clients=None) == 1
+    assert "invalid role ARN" in capsys.readouterr().err
+    assert main([*deploy_args(checkpoint), "--instance-type", "g5.2xlarge", "--dry-run"], clients=None) == 1
+    assert main([*deploy_args(checkpoint), "--endpoint-name", "bad_name", "--dry-run"], clients=None) == 1
+    assert main([*deploy_args(checkpoint), "--startup-timeout", "5", "--dry-run"], clients=None) == 1
+    with pytest.raises(SystemExit):
+        main(["--endpoint-name", "x", "--image-uri", IMAGE, "--role-arn", ROLE], clients=None)  # no model data

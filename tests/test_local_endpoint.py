@@ -1,0 +1,401 @@
+"""End to end: unmodified boto3 → ``llava-local-endpoint`` → 2 real TorchServes (tiny model, CPU).
+
+Pins the SageMaker-runtime behaviour the router reproduces: sticky sessions by
+``X-Amzn-SageMaker-Session-Id`` (``NEW_SESSION`` opens on the least-loaded backend, which mints the
+id), ``NewSessionId`` / ``ClosedSessionId``, container errors as ``ModelError`` (424 with
+``OriginalStatusCode``), ``invoke_endpoint_with_response_stream`` as AWS event-stream
+``PayloadPart`` events, and a backend that dies: its sessions fail fast with 404 and
+``llava_client`` recovers them onto the other backend.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import boto3
+import botocore.session
+import psutil
+import pytest
+import requests
+from botocore.eventstream import ChecksumMismatch, EventStream, EventStreamBuffer
+from botocore.exceptions import ClientError, EventStreamError
+from botocore.parsers import EventStreamJSONParser
+
+from llava_sessions.local_endpoint import (
+    BackendRef,
+    LocalEndpoint,
+    Router,
+    RouterServer,
+    encode_event,
+    payload_part_event,
+    stream_error_event,
+)
+from server_fixtures import write_echo_handler
+
+SM_RUNTIME = botocore.session.get_session().get_service_model("sagemaker-runtime")
+NEW_SESSION_ID_RE = re.compile(SM_RUNTIME.shape_for("NewSessionResponseHeader").metadata["pattern"])
+SESSION_ID_RE = re.compile(SM_RUNTIME.shape_for("SessionIdHeader").metadata["pattern"])
+JSON = "application/json"
+
+
+# ---- event-stream framing, checked against botocore's own decoder and parser ------------------------
+
+
+class _RawStream:
+    def __init__(self, data: bytes, piece: int = 7) -> None:
+        self._chunks = [data[i:i + piece] for i in range(0, len(data), piece)]
+
+    def stream(self):
+        yield from self._chunks
+
+    def close(self) -> None:
+        pass
+
+
+def _botocore_events(data: bytes):
+    output = SM_RUNTIME.operation_model("InvokeEndpointWithResponseStream").output_shape.members["Body"]
+    return EventStream(_RawStream(data), output, EventStreamJSONParser(), "InvokeEndpointWithResponseStream")
+
+
+def test_payload_part_frames_decode_with_botocore() -> None:
+    payloads = [b'{"token": {"text": "caf', "\u00e9\"}}\n".encode(), b"", bytes(range(256)) * 300]
+    data = b"".join(payload_part_event(p) for p in payloads)
+    buffer = EventStreamBuffer()
+    buffer.add_data(data)
+    messages = list(buffer)
+    assert [m.payload for m in messages] == payloads
+    assert messages[0].headers == {":event-type": "PayloadPart", ":content-type": "application/octet-stream",
+                                   ":message-type": "event"}
+    # The sagemaker-runtime parser: PayloadPart.Bytes is an eventpayload blob = the raw payload bytes.
+    assert [event["PayloadPart"]["Bytes"] for event in _botocore_events(data)] == payloads
+
+
+def test_frame_crcs_are_checked_and_stream_errors_raise() -> None:
+    frame = bytearray(payload_part_event(b"hello"))
+    frame[-6] ^= 0xFF  # a payload byte: the message CRC no longer matches
+    buffer = EventStreamBuffer()
+    buffer.add_data(bytes(frame))
+    with pytest.raises(ChecksumMismatch):
+        list(buffer)
+    prelude = bytearray(encode_event([("a", "b")], b"x"))
+    prelude[9] ^= 0x01  # the prelude CRC
+    buffer = EventStreamBuffer()
+    buffer.add_data(bytes(prelude))
+    with pytest.raises(ChecksumMismatch):
+        list(buffer)
+
+    events = _botocore_events(payload_part_event(b"part") + stream_error_event("backend 1 broke off"))
+    iterator = iter(events)
+    assert next(iterator) == {"PayloadPart": {"Bytes": b"part"}}
+    with pytest.raises(EventStreamError) as caught:
+        next(iterator)
+    assert caught.value.response["Error"] == {"Code": "ModelStreamError", "Message": "backend 1 broke off"}
+
+
+# ---- the router over stand-in backends (failure paths that a real TorchServe does not show on cue) ----
+
+
+class _StandIn(http.server.BaseHTTPRequestHandler):
+    """A container stand-in: the body's "mode" says how to misbehave."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("mode") == "break-stream":  # one chunk, then the connection drops
+            self.send_response(200)
+            self.send_header("Content-Type", "application/jsonlines")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"8\r\npartial\n\r\n")
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+            return
+        if body.get("mode") == "slow":
+            time.sleep(1.5)
+        data = json.dumps({"seen_session": self.headers.get("X-Amzn-SageMaker-Session-Id")}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.headers.get("X-Amzn-SageMaker-Session-Id") is None:
+            self.send_header("X-Amzn-SageMaker-New-Session-Id", "stand-in-1; Expires=2030-01-01T00:00:00Z")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stand_in_router():
+    """A RouterServer over [a port nobody listens on, a stand-in container]."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()
+    backend = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    router = Router([BackendRef(0, f"http://127.0.0.1:{dead_port}"),
+                     BackendRef(1, f"http://127.0.0.1:{backend.server_address[1]}")])
+    front = RouterServer(("127.0.0.1", 0), router, read_timeout_s=0.5).start()
+    rt = boto3.client("sagemaker-runtime", endpoint_url=front.url, region_name="us-east-1",
+                      aws_access_key_id="x", aws_secret_access_key="x")
+    yield router, front, rt
+    front.stop()
+    backend.shutdown()
+    backend.server_close()
+
+
+def test_router_failure_paths(stand_in_router):
+    router, front, rt = stand_in_router
+    # A new session whose least-loaded backend refuses the connection is placed on the next one,
+    # without the session header, and the refusing backend is taken out of rotation.
+    reply = rt.invoke_endpoint(EndpointName="e", Body=b"{}", ContentType=JSON, SessionId="NEW_SESSION")
+    assert reply["NewSessionId"].startswith("stand-in-1;")
+    assert json.loads(reply["Body"].read()) == {"seen_session": None}
+    snapshot = requests.get(front.url + "/debug/sessions", timeout=5).json()
+    assert snapshot["sessions"] == {"stand-in-1": 1} and [b["healthy"] for b in snapshot["backends"]] == [False, True]
+    assert requests.get(front.url + "/ping", timeout=5).status_code == 503
+    reply = rt.invoke_endpoint(EndpointName="e", Body=b"{}", ContentType=JSON, SessionId="stand-in-1")
+    assert json.loads(reply["Body"].read()) == {"seen_session": "stand-in-1"}
+
+    # No reply within the read timeout: SageMaker's "timed out" ModelError (status 0).
+    with pytest.raises(rt.exceptions.ModelError) as caught:
+        rt.invoke_endpoint(EndpointName="e", Body=b'{"mode": "slow"}', ContentType=JSON, SessionId="stand-in-1")
+    assert caught.value.response["OriginalStatusCode"] == 0
+    assert "timed out" in caught.value.response["OriginalMessage"]
+
+    # The container drops the connection mid-stream: what arrived, then a ModelStreamError event.
+    reply = rt.invoke_endpoint_with_response_stream(EndpointName="e", Body=b'{"mode": "break-stream"}',
+                                                    ContentType=JSON, SessionId="stand-in-1")
+    events = iter(reply["Body"])
+    assert next(events) == {"PayloadPart": {"Bytes": b"partial\n"}}
+    with pytest.raises(EventStreamError) as caught:
+        next(events)
+    assert caught.value.response["Error"]["Code"] == "ModelStreamError"
+    assert "broke off the stream" in caught.value.response["Error"]["Message"]
+
+    # Malformed session ids and oversized bodies are refused as SageMaker does, before any backend sees them.
+    with pytest.raises(ClientError) as caught:
+        rt.invoke_endpoint(EndpointName="e", Body=b"{}", ContentType=JSON, SessionId="bad_id")
+    assert caught.value.response["Error"]["Code"] == "ValidationError"
+    with pytest.raises(ClientError) as caught:
+        rt.invoke_endpoint(EndpointName="e", Body=b"x" * (6 * 1024 * 1024 + 1), ContentType=JSON)
+    assert caught.value.response["Error"]["Code"] == "ValidationError"
+
+
+# ---- the endpoint ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def endpoint(request, tiny_model_dir):
+    ep = LocalEndpoint(tiny_model_dir, backends=2, overrides={"step_max_tokens": 2},
+                       model_config_overrides={"batchSize": 8, "maxNumSequence": 8}, startup_timeout_s=120)
+    request.addfinalizer(ep.stop)
+    return ep.start()
+
+
+@pytest.fixture(scope="module")
+def runtime(endpoint):
+    return boto3.client("sagemaker-runtime", endpoint_url=endpoint.url, region_name="us-east-1",
+                        aws_access_key_id="x", aws_secret_access_key="x")
+
+
+def sessions_map(endpoint) -> dict[str, int]:
+    return requests.get(endpoint.url + "/debug/sessions", timeout=10).json()["sessions"]
+
+
+def invoke(runtime, body: dict, session_id: str | None = None):
+    kwargs = {"SessionId": session_id} if session_id else {}
+    return runtime.invoke_endpoint(EndpointName="llava-local", Body=json.dumps(body), ContentType=JSON,
+                                   Accept=JSON, **kwargs)
+
+
+def open_session(runtime, image: bytes) -> str:
+    import base64
+
+    reply = invoke(runtime, {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}},
+                   "NEW_SESSION")
+    assert NEW_SESSION_ID_RE.match(reply["NewSessionId"]), reply["NewSessionId"]
+    session_id = reply["NewSessionId"].split(";")[0]
+    assert SESSION_ID_RE.match(session_id) and session_id.startswith("ts-seq-")
+    assert json.loads(reply["Body"].read())["session_id"] == session_id
+    return session_id
+
+
+def close(runtime, session_id: str) -> None:
+    reply = invoke(runtime, {"type": "close_session"}, session_id)
+    assert reply["ClosedSessionId"] == session_id
+
+
+def generate(runtime, session_id: str, prompt: str, **params) -> dict:
+    reply = invoke(runtime, {"type": "generate", "prompt": prompt, "parameters": params}, session_id)
+    assert reply["InvokedProductionVariant"] == "AllTraffic" and reply["ContentType"] == JSON
+    return json.loads(reply["Body"].read())
+
+
+def test_ping_and_sessions_stick_to_their_backend(endpoint, runtime, photos):
+    assert requests.get(endpoint.url + "/ping", timeout=10).status_code == 200
+    ids = [open_session(runtime, photos[name]) for name in ("astronaut", "chelsea", "coffee", "rocket")]
+    placed = sessions_map(endpoint)
+    assert {placed[s] for s in ids} == {0, 1}  # least-loaded: both backends hold sessions
+    assert sorted(placed[s] for s in ids) == [0, 0, 1, 1]
+    for turn in range(3):  # a request routed to the other backend would get 404 session_not_found
+        for session_id in ids:
+            out = generate(runtime, session_id, f"Question {turn}?", max_new_tokens=3, details=True)
+            assert out["details"]["cached_tokens"] > 500  # the session's own KV cache was reused
+    assert {s: sessions_map(endpoint)[s] for s in ids} == {s: placed[s] for s in ids}
+    for session_id in ids:
+        close(runtime, session_id)
+    assert not set(ids) & set(sessions_map(endpoint))
+
+
+def test_stream_is_payload_parts_that_join_to_the_plain_answer(endpoint, runtime, photos):
+    session_id = open_session(runtime, photos["chelsea"])
+    question = {"type": "generate", "prompt": "Describe the image in detail.", "remember": False,
+                "parameters": {"max_new_tokens": 16}}
+    plain = json.loads(invoke(runtime, question, session_id)["Body"].read())
+    reply = runtime.invoke_endpoint_with_response_stream(
+        EndpointName="llava-local", Body=json.dumps({**question, "stream": True}), ContentType=JSON,
+        Accept="application/jsonlines", SessionId=session_id)
+    assert reply["ContentType"] == "application/jsonlines" and reply["InvokedProductionVariant"] == "AllTraffic"
+    parts = [event["PayloadPart"]["Bytes"] for event in reply["Body"]]
+    assert len(parts) >= 3  # step_max_tokens=2: the container's chunks arrive as separate events
+    lines = [json.loads(line) for line in b"".join(parts).splitlines()]
+    assert "".join(line["token"]["text"] for line in lines[:-1]) == plain["generated_text"]
+    assert lines[-1]["generated_text"] == plain["generated_text"]
+    with pytest.raises(ClientError) as caught:  # SageMaker refuses NEW_SESSION on the streaming API
+        runtime.invoke_endpoint_with_response_stream(EndpointName="llava-local", Body=b"{}", ContentType=JSON,
+                                                     SessionId="NEW_SESSION")
+    assert caught.value.response["Error"]["Code"] == "ValidationError"
+    close(runtime, session_id)
+
+
+def test_container_errors_are_model_errors(endpoint, runtime, photos):
+    session_id = open_session(runtime, photos["coffee"])
+    with pytest.raises(runtime.exceptions.ModelError) as caught:
+        generate(runtime, session_id, "x", top_p=0)
+    error = caught.value.response
+    assert error["Error"]["Code"] == "ModelError" and error["ResponseMetadata"]["HTTPStatusCode"] == 424
+    assert error["OriginalStatusCode"] == 400  # an int, parsed by botocore's ModelError shape
+    assert json.loads(error["OriginalMessage"])["error"]["code"] == "invalid_parameter"
+    assert error["Error"]["Message"].startswith("Received client error (400) from primary with message")
+    assert generate(runtime, session_id, "Still here?", max_new_tokens=2)["generated_text"] is not None
+
+    with pytest.raises(runtime.exceptions.ModelError) as caught:  # an id no backend knows
+        generate(runtime, "never-opened-1", "x")
+    error = caught.value.response
+    assert error["OriginalStatusCode"] == 404
+    assert json.loads(error["OriginalMessage"])["error"]["code"] == "session_not_found"
+    assert error["ResponseMetadata"]["HTTPHeaders"]["x-amzn-sagemaker-closed-session-id"] == "never-opened-1"
+
+    close(runtime, session_id)
+    assert session_id not in sessions_map(endpoint)
+    with pytest.raises(runtime.exceptions.ModelError) as caught:  # closed: the container says so
+        generate(runtime, session_id, "x")
+    assert caught.value.response["OriginalStatusCode"] == 404
+
+
+def test_dead_backend_sessions_fail_fast_and_the_client_recovers(endpoint, runtime, photos):
+    """Runs last in this module: it stops backend 1."""
+    from llava_client import SageMakerTransport, SessionClient
+
+    client = SessionClient(SageMakerTransport("llava-local", client=runtime), auto_recover=True)
+    sessions = [client.open_session(photos[name]) for name in ("astronaut", "rocket")]
+    placed = sessions_map(endpoint)
+    by_backend = {placed[s.id]: s for s in sessions}
+    assert set(by_backend) == {0, 1}
+    victim, survivor = by_backend[1], by_backend[0]
+    first = victim.ask("What is in this image?", max_new_tokens=6)
+    raw_victim = open_session(runtime, photos["coffee"])  # least-loaded again: backend 0 or 1
+    raw_on_1 = raw_victim if sessions_map(endpoint)[raw_victim] == 1 else open_session(runtime, photos["coffee"])
+    assert sessions_map(endpoint)[raw_on_1] == 1
+
+    endpoint.servers[1].stop()
+    started = time.monotonic()
+    with pytest.raises(runtime.exceptions.ModelError) as caught:
+        generate(runtime, raw_on_1, "Hello?", max_new_tokens=2)
+    assert time.monotonic() - started < 5
+    error = caught.value.response
+    assert error["OriginalStatusCode"] == 404
+    assert json.loads(error["OriginalMessage"])["error"]["code"] == "session_not_found"
+    assert error["ResponseMetadata"]["HTTPHeaders"]["x-amzn-sagemaker-closed-session-id"] == raw_on_1
+    assert set(sessions_map(endpoint).values()) <= {0}  # the router forgot every session of backend 1
+
+    assert survivor.ask("And the colors?", max_new_tokens=3).text is not None  # backend 0 unaffected
+    old_id = victim.id
+    again = victim.ask("What color is it?", max_new_tokens=3)  # 404 → reopen on backend 0, replay, retry
+    assert again.text is not None
+    assert victim.recoveries == 1 and victim.id != old_id
+    recovery = victim.last_recovery
+    assert recovery.old_session_id == old_id and recovery.new_session_id == victim.id
+    assert recovery.replayed_turns == 1 and recovery.changed_turns == ()  # greedy: same answer on backend 0
+    assert victim.history[0][1].text == first.text
+    assert sessions_map(endpoint)[victim.id] == 0
+    fresh = open_session(runtime, photos["chelsea"])
+    assert sessions_map(endpoint)[fresh] == 0  # new sessions avoid the dead backend
+    body = requests.get(endpoint.url + "/debug/sessions", timeout=10).json()
+    assert [b["healthy"] for b in body["backends"]] == [True, False]
+    assert requests.get(endpoint.url + "/ping", timeout=10).status_code == 503
+    for session in sessions:
+        session.close()
+
+
+# ---- the CLI -----------------------------------------------------------------------------------
+
+
+def test_cli_serves_boto3_and_stops_every_backend_on_sigterm(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    handler = write_echo_handler(tmp_path)
+    script = Path(sys.executable).parent / "llava-local-endpoint"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "llava_sessions.local_endpoint"]
+    cli = subprocess.Popen(
+        [*command, "--model-dir", str(model_dir), "--backends", "2", "--port", "0", "--handler", str(handler),
+         "--startup-timeout", "90"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    output = []
+    try:
+        deadline = time.monotonic() + 100
+        url = None
+        while url is None and time.monotonic() < deadline:
+            line = cli.stdout.readline()
+            if not line:
+                break
+            output.append(line)
+            match = re.search(r"ready at (http://\S+) ", line)
+            url = match.group(1) if match else None
+        assert url, "".join(output)
+        torchserve = psutil.Process(cli.pid).children(recursive=True)
+        assert sum(p.name().startswith("java") for p in torchserve) == 2
+        assert requests.get(url + "/ping", timeout=10).status_code == 200
+        rt = boto3.client("sagemaker-runtime", endpoint_url=url, region_name="us-east-1",
+                          aws_access_key_id="x", aws_secret_access_key="x")
+        reply = rt.invoke_endpoint(EndpointName="any", Body=b'{"turn": 1}', ContentType=JSON)
+        echoed = json.loads(reply["Body"].read())
+        assert echoed["body"] == {"turn": 1} and echoed["session_id"].startswith("ts-seq-")
+
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=40) == 0
+        gone, alive = psutil.wait_procs(torchserve, timeout=5)
+        assert not alive, alive
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
