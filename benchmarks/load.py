@@ -3,8 +3,8 @@
 Each user loops until the deadline: open a session on a real photograph, ask ``--questions``
 questions with think time between them (the first streamed, to measure time to first token as
 the client sees it; the others plain), close. The client is ``llava_client`` with auto-recovery, as
-a real user would run it; a user who sees an error asks the same question once more, and a
-session counts as lost when that fails too or the session is gone for good.
+a real user would run it; a user who sees an error asks the same question again (after 1, 2,
+4 s), and a session counts as lost when that keeps failing or the session is gone for good.
 
 Reports p50/p95/p99 time to first token and total time per question, questions per second, errors
 by code, sessions lost (a session whose user saw an error that ended it), client recoveries, and
@@ -40,6 +40,8 @@ PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat")
 QUESTIONS = ("What is in this image?", "What colors do you see?", "Describe the background.",
              "Is there a person in the picture?", "What is written on it?")
 MAX_USERS, MAX_DURATION_S = 64, 900
+#: A user who sees an error asks the same question again after 1, 2, 4 s before giving up.
+USER_ATTEMPTS = 4
 
 
 def photo(name: str) -> bytes:
@@ -94,16 +96,16 @@ def user(i: int, url: str, deadline: float, args: argparse.Namespace, images: di
                 if time.monotonic() >= deadline:
                     break
                 q = rng.choice(QUESTIONS)
-                for attempt in (0, 1):  # a user asks again once after an error that did not end the session
+                for attempt in range(USER_ATTEMPTS):  # a user asks again, more patiently each time
                     try:
                         ask(session, q, k == 0, rng, args, stats)
                         break
                     except LlavaError as err:
                         with stats.lock:
                             stats.errors[getattr(err, "code", None) or type(err).__name__] += 1
-                        if attempt == 1 or isinstance(err, SessionGone):
+                        if attempt == USER_ATTEMPTS - 1 or isinstance(err, SessionGone):
                             raise
-                        time.sleep(args.think_s)
+                        time.sleep(2.0**attempt)
                 time.sleep(rng.uniform(0.5, 1.5) * args.think_s)
         except LlavaError:
             lost = True
