@@ -247,7 +247,7 @@ def test_metrics_in_prometheus(server, photos):
         return hits[0]
     assert metric("llava_OpenSessions") >= 1
     assert metric("llava_SessionBytes", Tier="kv") > 0 and metric("llava_SessionBytes", Tier="image") > 0
-    assert metric("llava_ReusedPromptTokens") >= 584
+    assert metric("llava_ReusedPromptTokens") >= 576  # the image alone is 576 tokens
     assert metric("llava_Errors", Code="session_not_found") >= 1
     assert metric("llava_TimeToFirstTokenSeconds_count") >= 1
     assert metric("llava_DecodeTokensPerSecond") >= 0

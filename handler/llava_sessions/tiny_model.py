@@ -67,6 +67,10 @@ In the background there is a building, a mountain, a river and some clouds.
 Numbers: one two three four five six seven eight nine ten 0 1 2 3 4 5 6 7 8 9.
 Punctuation and symbols: , . ; : ! ? ' " ( ) [ ] { } - _ + = / \\ * & % $ # @
 Café, naïve, über, 日本語, emoji 🙂 and other unicode text appear sometimes.
+USER: What is in this image? ASSISTANT: A cat sitting on a table.
+USER: Is there a flag in the picture? ASSISTANT: Yes, there is a flag on the suit.
+USER: Describe the background. ASSISTANT: The background is dark with a blue sky.
+USER: What colors do you see? ASSISTANT: White, black, red and blue.
 """
 
 
@@ -90,9 +94,10 @@ class SizeSpec:
 
 SIZES: dict[str, SizeSpec] = {
     "tiny": SizeSpec(64, 2, 4, 4, 128, 32, 2, 2, 64, 1024, None, 0.5),
-    # llava-1.5-7b scaled for a CPU: text 4096x32L → 512x8L, vision 1024x24L → 128x6L, so the vision
-    # tower stays ~1/20 of the text model (7b: 0.30 B vs 6.7 B parameters) and 576 image tokens
-    "bench": SizeSpec(512, 8, 8, 8, 1376, 128, 6, 4, 512, 4096, None, 0.02),
+    # llava-1.5-7b scaled for a CPU: text 4096 x 32 layers → 768 x 6 (the same 128 hidden per layer
+    # and head size, MLP ratio 2.69), vision 1024 x 24 → 176 x 6 so the vision tower stays ~1/20 of
+    # the text model (7b: 0.30 B vs 6.7 B parameters); 576 image tokens
+    "bench": SizeSpec(768, 6, 6, 6, 2064, 176, 6, 4, 704, 4096, None, 0.02),
     # exact llava-1.5-7b (llava-hf/llava-1.5-7b-hf config.json)
     "7b": SizeSpec(4096, 32, 32, 32, 11008, 1024, 24, 16, 4096, 4096, 32064, 0.02),
 }
