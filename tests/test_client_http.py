@@ -28,7 +28,6 @@ from llava_client import (
     InvalidRequest,
     LlavaError,
     PayloadTooLarge,
-    SessionBusy,
     SessionClient,
     SessionNotFound,
 )

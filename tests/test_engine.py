@@ -13,7 +13,6 @@ import torch
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images import decode_image
-from llava_sessions.model import Turn
 from llava_sessions.sampling import SamplingParams
 from llava_sessions.sessions import SessionStore, Tier
 

@@ -7,7 +7,6 @@ Closed-Session-Id response header ending the job group, and a clean stop on SIGT
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import re

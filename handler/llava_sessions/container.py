@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -51,6 +49,7 @@ from .serve import (
     ServerStartError,
     default_handler_path,
     default_model_config_path,
+    run_until_signal,
 )
 
 __all__ = [
@@ -278,18 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     if response_timeout:
         model_config_overrides["responseTimeout"] = response_timeout
 
-    stop_requested = threading.Event()
-    received: list[int] = []
-    server: ContainerServer | None = None
-
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signum)
-        stop_requested.set()
-        if server is not None:
-            server.abort_start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         server = ContainerServer(
             model_dir,
@@ -308,38 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"llava-container-serve: {exc}", file=sys.stderr, flush=True)
         return 1
-    try:
-        print(
-            f"llava-container-serve: starting TorchServe (model {model_dir}, model config {model_config}, "
-            f"handler {args.handler}, TorchServe config {args.ts_config})",
-            flush=True,
-        )
-        if not stop_requested.is_set():
-            server.start()
-        if stop_requested.is_set():
-            print(f"llava-container-serve: signal {received[0]}, stopping TorchServe", flush=True)
-            return 0
-        print(
-            f"llava-container-serve: ready at {server.url} (metrics {server.metrics_url}/metrics; "
-            f"logs {server.log_dir}; frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})",
-            flush=True,
-        )
-        while not stop_requested.wait(1.0):
-            if not server.running:
-                print("llava-container-serve: TorchServe exited unexpectedly", file=sys.stderr, flush=True)
-                print(server.tail_logs(40), file=sys.stderr, flush=True)
-                return 1
-        print(f"llava-container-serve: signal {received[0]}, stopping TorchServe", flush=True)
-        return 0
-    except (ServerStartError, FileNotFoundError) as exc:
-        if stop_requested.is_set():
-            print(f"llava-container-serve: signal {received[0]} during start-up, stopped", flush=True)
-            return 0
-        print(f"llava-container-serve: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        server.stop()
-        print("llava-container-serve: stopped", flush=True)
+    return run_until_signal(
+        "llava-container-serve", server,
+        starting=(f"starting TorchServe (model {model_dir}, model config {model_config}, "
+                  f"handler {args.handler}, TorchServe config {args.ts_config})"),
+        ready=lambda: (f"ready at {server.url} (metrics {server.metrics_url}/metrics; logs {server.log_dir}; "
+                       f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"),
+    )
 
 
 if __name__ == "__main__":

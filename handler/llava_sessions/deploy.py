@@ -52,7 +52,13 @@ import yaml
 
 from .config import Settings
 from .container import PACKAGED_MODEL_NAME, llava_home
-from .serve import _SEQUENCE_HEADER_KEYS, _parse_assignment, default_handler_path, default_model_config_path
+from .serve import (
+    _SEQUENCE_HEADER_KEYS,
+    _parse_assignment,
+    _parse_raw_assignment,
+    default_handler_path,
+    default_model_config_path,
+)
 
 __all__ = [
     "ARCHIVER_VERSION",
@@ -485,13 +491,6 @@ class Deployer:
 # ---- CLI -------------------------------------------------------------------------------------
 
 
-def _assignment(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key.strip(), value
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llava-deploy",
@@ -519,7 +518,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         metavar="KEY=VALUE",
                         help="handler setting written into the packaged model-config.yaml, "
                         "e.g. --set session_ttl_s=600")
-    parser.add_argument("--env", dest="environment", action="append", default=[], type=_assignment,
+    parser.add_argument("--env", dest="environment", action="append", default=[], type=_parse_raw_assignment,
                         metavar="KEY=VALUE", help="container environment variable, e.g. --env LLAVA_LOG_LEVEL=INFO")
     parser.add_argument("--model-name", default="", help="default <endpoint>-<UTC timestamp>")
     parser.add_argument("--endpoint-config-name", default="", help="default <endpoint>-<UTC timestamp>")

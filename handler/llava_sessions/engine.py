@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -340,6 +340,11 @@ class Generation:
     def num_generated(self) -> int:
         """Tokens generated so far."""
         return len(self._events)
+
+    @property
+    def events(self) -> list[TokenEvent]:
+        """The token events generated so far, in order (do not modify)."""
+        return self._events
 
     def __iter__(self) -> "Generation":
         return self

@@ -66,7 +66,6 @@ import argparse
 import http.client
 import json
 import re
-import signal
 import struct
 import sys
 import threading
@@ -85,8 +84,8 @@ from .serve import (
     HEADER_NEW_SESSION_ID,
     HEADER_SESSION_ID,
     LocalServer,
-    ServerStartError,
     _parse_assignment,
+    run_until_signal,
 )
 
 __all__ = [
@@ -653,6 +652,11 @@ class LocalEndpoint:
             raise
         return self
 
+    @property
+    def running(self) -> bool:
+        """Whether the router is serving (a stopped backend does not stop the endpoint)."""
+        return self._httpd is not None
+
     def abort_start(self) -> None:
         """Make a :meth:`start` in progress give up soon (from a signal handler)."""
         for server in self.servers:
@@ -717,35 +721,12 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout_s=args.startup_timeout,
         handler=args.handler,
     )
-    stop_requested = threading.Event()
-    received: list[int] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signum)
-        stop_requested.set()
-        endpoint.abort_start()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        print(f"llava-local-endpoint: starting {args.backends} TorchServe backend(s)", flush=True)
-        endpoint.start()
-        if stop_requested.is_set():
-            return 0
-        backends = ", ".join(f"{s.url} (logs {s.log_dir})" for s in endpoint.servers)
-        print(f"llava-local-endpoint: ready at {endpoint.url} (backends: {backends})", flush=True)
-        while not stop_requested.wait(1.0):
-            pass
-        print(f"llava-local-endpoint: signal {received[0]}, stopping", flush=True)
-        return 0
-    except (ServerStartError, FileNotFoundError) as exc:
-        if stop_requested.is_set():
-            return 0
-        print(f"llava-local-endpoint: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        endpoint.stop()
-        print("llava-local-endpoint: stopped", flush=True)
+    return run_until_signal(
+        "llava-local-endpoint", endpoint,
+        starting=f"starting {args.backends} TorchServe backend(s)",
+        ready=lambda: "ready at {} (backends: {})".format(
+            endpoint.url, ", ".join(f"{s.url} (logs {s.log_dir})" for s in endpoint.servers)),
+    )
 
 
 if __name__ == "__main__":

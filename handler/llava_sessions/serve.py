@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -661,11 +661,19 @@ def _stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
 # ---- CLI ------------------------------------------------------------------------------------
 
 
-def _parse_assignment(text: str) -> tuple[str, Any]:
+def _parse_assignment(text: str, *, typed: bool = True) -> tuple[str, Any]:
+    """Parse a ``KEY=VALUE`` argument; the value as YAML (``typed``: numbers, booleans) or raw text."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if not typed:
+        return key.strip(), value
     return key.strip(), yaml.safe_load(value) if value.strip() else ""
+
+
+def _parse_raw_assignment(text: str) -> tuple[str, str]:
+    """Parse a ``KEY=VALUE`` argument keeping the value as text (environment variables)."""
+    return _parse_assignment(text, typed=False)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -724,6 +732,22 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout_s=args.startup_timeout,
         handler=args.handler,
     )
+    return run_until_signal(
+        "llava-serve", server,
+        starting=f"starting TorchServe (model dir {server.model_dir})",
+        ready=lambda: (f"ready at {server.url} (model dir {server.model_dir}; logs {server.log_dir}; "
+                       f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"),
+    )
+
+
+def run_until_signal(prog: str, server: Any, *, starting: str, ready: Callable[[], str]) -> int:
+    """Start ``server``, print its ready line, serve until SIGINT/SIGTERM, stop it; return the exit code.
+
+    The shared foreground loop of ``llava-serve``, ``llava-container-serve`` and
+    ``llava-local-endpoint``. ``server`` has ``start()``, ``stop()``, ``abort_start()`` and a
+    ``running`` property (False: it died; exit 1 with its ``tail_logs()`` if it has them). A signal
+    during start-up aborts the start and exits 0; a failed start exits 1.
+    """
     stop_requested = threading.Event()
     received: list[int] = []
 
@@ -735,33 +759,27 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        print(f"llava-serve: starting TorchServe (model dir {server.model_dir})", flush=True)
+        print(f"{prog}: {starting}", flush=True)
         server.start()
-        if stop_requested.is_set():
-            print(f"llava-serve: signal {received[0]}, stopping TorchServe", flush=True)
-            return 0
-        print(
-            f"llava-serve: ready at {server.url} (model dir {server.model_dir}; "
-            f"logs {server.log_dir}; frontend pid {server.frontend_pid()}, "
-            f"worker pids {server.worker_pids()})",
-            flush=True,
-        )
+        if not stop_requested.is_set():
+            print(f"{prog}: {ready()}", flush=True)
         while not stop_requested.wait(1.0):
             if not server.running:
-                print("llava-serve: TorchServe exited unexpectedly", file=sys.stderr)
-                print(server.tail_logs(40), file=sys.stderr)
+                print(f"{prog}: the server exited unexpectedly", file=sys.stderr, flush=True)
+                if hasattr(server, "tail_logs"):
+                    print(server.tail_logs(40), file=sys.stderr, flush=True)
                 return 1
-        print(f"llava-serve: signal {received[0]}, stopping TorchServe", flush=True)
+        print(f"{prog}: signal {received[0]}, stopping", flush=True)
         return 0
     except (ServerStartError, FileNotFoundError) as exc:
         if stop_requested.is_set():
-            print(f"llava-serve: signal {received[0]} during start-up, stopped", flush=True)
+            print(f"{prog}: signal {received[0]} during start-up, stopped", flush=True)
             return 0
-        print(f"llava-serve: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         server.stop()
-
+        print(f"{prog}: stopped", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .config import Settings
-from .engine import Answer, Generation, OpenResult, SessionEngine
+from .engine import Answer, Generation, SessionEngine
 from .errors import ErrorCode, ServiceError
 from .images import decode_image, fetch_image_bytes
 from .protocol import (
@@ -283,8 +283,8 @@ class SessionService:
         finished = gen.done or job.error is not None
         if job.stream:
             lines = [StreamLine(token=TokenInfo(id=e.id, text=e.text, logprob=e.logprob)).to_line()
-                     for e in gen._events[job.emitted:]]
-            job.emitted = len(gen._events)
+                     for e in gen.events[job.emitted:]]
+            job.emitted = len(gen.events)
             if finished:
                 self._jobs.pop(job.request_id, None)
                 if job.error is not None:
