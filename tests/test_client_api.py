@@ -185,9 +185,7 @@ def test_greedy_rule_matches_the_server(kwargs):
     assert GenerationParams(**kwargs).greedy is (not SamplingParams(**kwargs).sampling)
 
 
-def test_generation_params_wire_and_replay():
+def test_generation_params_wire():
     params = GenerationParams(max_new_tokens=64, temperature=0.7, seed=5, stop=("\n",), details=True)
     assert params.to_wire() == {"max_new_tokens": 64, "temperature": 0.7, "seed": 5, "details": True, "stop": ["\n"]}
-    replay = params.for_replay(generated_tokens=12)
-    assert replay.to_wire() == {"max_new_tokens": 12, "temperature": 0.7, "seed": 5, "stop": ["\n"]}
     assert GenerationParams().to_wire() == {}

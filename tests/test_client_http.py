@@ -230,7 +230,7 @@ def test_recovery_replays_history_exactly_with_greedy_answers(client, server, ph
         assert session.history[:2] == before  # same turns, same answer objects
         recovery = session.last_recovery
         assert recovery.exact and recovery.replayed_turns == 2 and recovery.old_session_id == old_id
-        assert "regenerated" in caplog.text
+        assert "restored as" in caplog.text
         expected = twin.ask(turns[2], **GREEDY)
         assert answer.text == expected.text
         assert answer.usage.prompt_tokens == expected.usage.prompt_tokens

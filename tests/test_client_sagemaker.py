@@ -181,7 +181,7 @@ def test_a_remembered_question_is_not_retried_after_a_failure_that_may_have_run_
         stub.assert_no_pending_responses()  # one attempt only
 
 
-def test_recovery_reopens_with_new_session_and_replays(runtime, caplog):
+def test_recovery_reopens_with_new_session_and_restores_history(runtime, caplog):
     client = SessionClient(SageMakerTransport(ENDPOINT, client=runtime), max_retries=0)
     gone = {"error": {"code": "session_not_found", "message": "unknown session"}}
     with Stubber(runtime) as stub:
@@ -191,12 +191,10 @@ def test_recovery_reopens_with_new_session_and_replays(runtime, caplog):
         stub.add_response("invoke_endpoint", {"Body": body_of(answer("Sampled", generated_tokens=2))},
                           params("sess-1", generate("Second?", max_new_tokens=5, do_sample=True, seed=7)))
         model_error(stub, 404, gone)
-        # recovery: reopen on the same image, replay both turns capped at their token counts
-        stub.add_response("invoke_endpoint", opened("sess-2"), params("NEW_SESSION", IMAGE))
-        stub.add_response("invoke_endpoint", {"Body": body_of(answer("One two three", generated_tokens=3))},
-                          params("sess-2", generate("First?", max_new_tokens=3)))
-        stub.add_response("invoke_endpoint", {"Body": body_of(answer("Different", generated_tokens=2))},
-                          params("sess-2", generate("Second?", max_new_tokens=2, do_sample=True, seed=7)))
+        # recovery: reopen on the same image with both turns as history (one call, nothing regenerated)
+        restore = {**IMAGE, "history": [{"prompt": "First?", "answer": "One two three"},
+                                        {"prompt": "Second?", "answer": "Sampled"}]}
+        stub.add_response("invoke_endpoint", opened("sess-2"), params("NEW_SESSION", restore))
         stub.add_response("invoke_endpoint", {"Body": body_of(answer("Third answer"))},
                           params("sess-2", generate("Third?")))
         session = client.open_session("s3://bucket/photo.jpg")
@@ -207,9 +205,9 @@ def test_recovery_reopens_with_new_session_and_replays(runtime, caplog):
     assert session.id == "sess-2" and session.recoveries == 1
     recovery = session.last_recovery
     assert recovery.old_session_id == "sess-1" and recovery.new_session_id == "sess-2"
-    assert recovery.changed_turns == (1,) and recovery.original_answers == ("Sampled",) and not recovery.exact
-    assert [a.text for _, a in session.history] == ["One two three", "Different", "Third answer"]
-    assert "regenerated" in caplog.text and "1 came out different" in caplog.text
+    assert recovery.replayed_turns == 2 and recovery.exact
+    assert [a.text for _, a in session.history] == ["One two three", "Sampled", "Third answer"]
+    assert "restored as sess-2 with its 2 remembered turns" in caplog.text
 
 
 # --------------------------------------------------------------------------------------------

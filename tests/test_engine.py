@@ -304,3 +304,28 @@ def test_open_refused_when_full_or_no_room(runner, photos):
     with pytest.raises(ServiceError) as e:
         tiny.open("a", photos["coffee"])
     assert e.value.code is ErrorCode.OVERLOADED and len(tiny.store) == 0
+
+
+def test_open_with_history_restores_the_conversation_exactly(runner, photos):
+    from llava_sessions.model import Turn
+
+    eng = make_engine(runner)
+    img = photos["chelsea"]
+    eng.open("orig", img)
+    q1, q2, q3 = "What is in this image?", "What color is it?", "Where is it?"
+    a1 = eng.generate("orig", q1, SamplingParams(max_new_tokens=8, temperature=0.9, seed=3))  # sampled
+    a2 = eng.generate("orig", q2, GREEDY)
+    history = [Turn(q1, a1.text), Turn(q2, a2.text)]
+    restored = eng.open("copy", img, history=history)
+    assert restored.prefix_tokens == len(runner.prefix_ids(None, history))
+    assert eng.history("copy") == history
+    a3 = eng.generate("copy", q3, GREEDY)
+    assert ids(a3) == reference(runner, img, [(q1, a1.text), (q2, a2.text)], q3)
+    assert a3.cached_tokens == restored.prefix_tokens  # only the new question was prefilled
+    assert ids(a3) == ids(eng.generate("orig", q3, GREEDY))  # same as the never-lost session
+    with pytest.raises(ServiceError) as e:
+        eng.open("bad", img, history=[Turn("look <image>", "x")])
+    assert e.value.code is ErrorCode.INVALID_PARAMETER and "bad" not in eng.store
+    with pytest.raises(ServiceError) as e:
+        eng.open("long", img, history=[Turn("word " * 300, "answer " * 300)])
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and "long" not in eng.store

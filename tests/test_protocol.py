@@ -505,3 +505,20 @@ def test_session_id_re_matches_botocore(value: str, valid: bool) -> None:
     botocore_says = bool(re.fullmatch(pattern.strip("^$"), value)) and len(value) <= max_len
     assert botocore_says == valid
     assert bool(SESSION_ID_RE.match(value)) == valid
+
+
+def test_open_session_history_is_validated():
+    from llava_sessions.protocol import OpenSessionRequest, parse_request
+
+    limits = {"max_body_bytes": 6_291_456, "max_prompt_chars": 100, "max_new_tokens_cap": 1024}
+    body = {"type": "open_session", "image": {"s3_uri": "s3://bucket/key.jpg"},
+            "history": [{"prompt": "What is it?", "answer": "A cat."}]}
+    request = parse_request(body, **limits)
+    assert isinstance(request, OpenSessionRequest) and request.history[0].answer == "A cat."
+    for bad, code in [([{"prompt": "x"}], "invalid_request"),
+                      ([{"prompt": "x", "answer": "y", "extra": 1}], "invalid_request"),
+                      ([{"prompt": "", "answer": "y"}], "invalid_parameter"),
+                      ([{"prompt": "x" * 101, "answer": "y"}], "invalid_parameter")]:
+        with pytest.raises(ServiceError) as e:
+            parse_request({**body, "history": bad}, **limits)
+        assert e.value.code.value == code, (bad, e.value.message)

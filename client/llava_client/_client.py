@@ -40,22 +40,12 @@ backoff honouring ``Retry-After``, and only where a repeat cannot duplicate work
 
 Recovery (``auto_recover=True``): when a call fails because the session is gone from the server
 (:class:`SessionGone`: closed behind our back, expired, evicted, or lost with a restarted worker),
-the client reopens a session on the same image (it keeps the image it was opened with), rebuilds
-the history by asking every remembered prompt again with ``remember=True``, then retries the failed
-call once. The wire protocol has no way to hand the server a past answer, so the answers are
-REGENERATED, not restored:
-
-- a greedy answer is asked again with its parameters and ``max_new_tokens`` = its original token
-  count; the model is deterministic for a given context, so it comes out identical (the server
-  keeps history as text and re-templates it, so identical texts give an identical context);
-- a sampled answer with a ``seed`` is asked again with the same seed and parameters: identical
-  when the server's sampler is as deterministic as its greedy path (same device, same kernels);
-- a sampled answer without a seed comes out different.
-
-Whatever happened, a WARNING is logged, :attr:`Session.recoveries` counts the recoveries,
-:attr:`Session.last_recovery` (a :class:`Recovery`) lists the turns whose text changed with their
-original texts, and :attr:`Session.history` holds what the server now remembers. An exact restore
-would need a protocol addition (an ``open_session`` that takes past ``(prompt, answer)`` pairs).
+the client reopens a session on the same image (it keeps the image it was opened with) and hands
+the server its remembered turns (``open_session`` with ``history``: the server remembers them as
+its own and prefills them with the image), then retries the failed call once. The conversation is
+restored exactly, sampled answers included, at the cost of one prefill; nothing is regenerated.
+A WARNING is logged, :attr:`Session.recoveries` counts the recoveries and
+:attr:`Session.last_recovery` (a :class:`Recovery`) says what happened.
 
 Neither class is thread-safe: use one session from one thread at a time (the server answers a
 second concurrent request on a session with 409 :class:`SessionBusy`).
@@ -239,10 +229,13 @@ class SessionClient:
         return Session(self, opened, payload, system_prompt)
 
     # ------------------------------------------------------------------ internals
-    def _open(self, payload: dict[str, str], system_prompt: str | None) -> _Opened:
+    def _open(self, payload: dict[str, str], system_prompt: str | None,
+              history: list[dict[str, str]] | None = None) -> _Opened:
         request: dict[str, Any] = {"type": "open_session", "image": payload}
         if system_prompt is not None:
             request["system_prompt"] = system_prompt
+        if history:
+            request["history"] = history
         data, raw = self._invoke(request, None, retry_safe=True)
         session_id, expires_at = parse_session_header(raw.new_session_id)
         session_id = session_id or data.get("session_id")
@@ -479,47 +472,23 @@ class Session:
         return call()
 
     def _recover(self, error: SessionGone) -> None:
-        """Reopen on the same image and replay the remembered turns (see the module docstring).
+        """Reopen on the same image with the remembered turns (see the module docstring).
 
-        On failure the new session is closed again and the error raised; this session keeps its
-        old id and history (a later call tries again).
+        On failure the error is raised; this session keeps its old id and history (a later call
+        tries again).
         """
         client = self._client
         old_id = self.id
-        log.warning("session %s is gone (%s); reopening on the same image and replaying %d remembered turns",
+        log.warning("session %s is gone (%s); reopening on the same image with its %d remembered turns",
                     old_id, error.code, len(self._turns))
-        opened = client._open(self._image, self._system_prompt)
-        turns: list[_Turn] = []
-        changed: list[int] = []
-        originals: list[str] = []
-        try:
-            for i, turn in enumerate(self._turns):
-                params = turn.params.for_replay(turn.answer.usage.generated_tokens)
-                t0 = time.perf_counter()
-                data, _ = client._invoke(_generate_request(turn.prompt, params, stream=False, remember=True),
-                                         opened.session_id, retry_safe=False)
-                if data.get("generated_text") == turn.answer.text:
-                    turns.append(turn)
-                    continue
-                total_ms = _ms_since(t0)
-                replayed = Answer.from_wire(str(data.get("generated_text", "")), data.get("details"),
-                                            client_ttft_ms=total_ms, client_total_ms=total_ms)
-                turns.append(_Turn(turn.prompt, replayed, turn.params))
-                changed.append(i)
-                originals.append(turn.answer.text)
-        except BaseException:
-            client._close_quietly(opened.session_id)
-            raise
+        history = [{"prompt": turn.prompt, "answer": turn.answer.text} for turn in self._turns]
+        opened = client._open(self._image, self._system_prompt, history=history)
         self._set_opened(opened)
-        self._turns = turns
         self.recoveries += 1
         self.last_recovery = Recovery(reason=error.code or "session_gone", old_session_id=old_id,
-                                      new_session_id=opened.session_id, replayed_turns=len(turns),
-                                      changed_turns=tuple(changed), original_answers=tuple(originals))
-        log.warning(
-            "session %s reopened as %s: the %d history answers were regenerated by the model, not restored; "
-            "%d came out different (sampled without a seed?) and history now holds the regenerated text",
-            old_id, opened.session_id, len(turns), len(changed))
+                                      new_session_id=opened.session_id, replayed_turns=len(self._turns))
+        log.warning("session %s restored as %s with its %d remembered turns", old_id, opened.session_id,
+                    len(self._turns))
 
 
 class AnswerStream:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Answer", "GenerationParams", "Recovery", "Token", "Usage"]
@@ -128,14 +128,6 @@ class GenerationParams:
             out["stop"] = list(self.stop)
         return out
 
-    def for_replay(self, generated_tokens: int) -> GenerationParams:
-        """Parameters to regenerate a remembered answer of ``generated_tokens`` tokens after a recovery.
-
-        Same parameters (a greedy answer, or a sampled one with a seed, comes out the same from the
-        same context), capped at the original length; no per-token details.
-        """
-        return replace(self, max_new_tokens=max(1, generated_tokens), details=None)
-
 
 @dataclass(frozen=True)
 class Recovery:
@@ -145,9 +137,9 @@ class Recovery:
         reason: the error code that triggered it (``session_not_found``, ``session_expired``, ...).
         old_session_id: the id the server no longer knew.
         new_session_id: the id of the reopened session.
-        replayed_turns: remembered turns asked again to rebuild the history.
-        changed_turns: indexes (into ``history``) of replayed turns whose regenerated answer differs
-            from the original; ``history`` now holds the regenerated text (what the server remembers).
+        replayed_turns: remembered turns handed to the reopened session (``open_session`` history).
+        changed_turns: indexes of turns whose text changed; always empty since the history is
+            restored, not regenerated (kept for compatibility).
         original_answers: the original texts of ``changed_turns``, same order.
     """
 
@@ -160,5 +152,5 @@ class Recovery:
 
     @property
     def exact(self) -> bool:
-        """True when every replayed answer came out identical to the original."""
+        """True when the history was restored unchanged (always, with history restore)."""
         return not self.changed_turns

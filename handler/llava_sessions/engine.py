@@ -128,27 +128,41 @@ class SessionEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def open(self, session_id: str, image_bytes: bytes, system_prompt: str | None = None, *,
-             image: Any = None) -> OpenResult:
+             image: Any = None, history: list[Turn] | None = None) -> OpenResult:
         """Open a session: decode + encode the image once and prefill the conversation prefix.
+
+        With ``history``, the session starts with those turns remembered (a restored conversation)
+        and the prefix prefilled covers them too, so the next question prefills only itself.
 
         Args:
             session_id: the new session's id.
             image_bytes: the encoded image (JPEG, PNG, ...).
             system_prompt: optional system message, templated first.
             image: ``image_bytes`` already decoded (RGB PIL image), to skip decoding here.
+            history: past turns to restore (their prompts must not contain the image placeholder).
 
         Raises:
             ServiceError: image_invalid / image_too_large (bad image), overloaded (no room: the
-                session is not opened), invalid_request (id already open).
+                session is not opened), invalid_request (id already open), invalid_parameter (the
+                image placeholder in a history prompt), context_length_exceeded (history too long).
         """
+        history = list(history or [])
+        if any(self.runner.image_token in t.prompt or self.runner.image_token in t.answer for t in history):
+            raise ServiceError(ErrorCode.INVALID_PARAMETER,
+                               f"history must not contain the image placeholder {self.runner.image_token!r}")
         t0 = time.perf_counter()
         image = self.decode_image(image_bytes) if image is None else image
         t_dec = time.perf_counter()
         session = self.store.new_session(session_id, image_bytes, system_prompt)
+        session.history = history
+        prefix = self.runner.prefix_ids(system_prompt, history)
+        if len(prefix) >= self.runner.max_positions:
+            raise ServiceError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                               f"the restored history is {len(prefix)} tokens, over the model's context of "
+                               f"{self.runner.max_positions} tokens")
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
         session.busy = True
         try:
-            prefix = self.runner.prefix_ids(system_prompt)
             need = self.runner.num_image_tokens * self._hidden_bytes() + len(prefix) * self.runner.kv_bytes_per_token
             if not self.store.reserve(need, keep=session):
                 raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for a new session", retry_after_s=5)

@@ -219,12 +219,30 @@ class _RequestBase(_Inbound):
         return self  # type: ignore[return-value]
 
 
+class HistoryTurn(_Inbound):
+    """One past exchange handed to ``open_session`` to restore a conversation exactly."""
+
+    prompt: Annotated[str, Field(min_length=1)]
+    answer: str
+
+    @field_validator("prompt", "answer")
+    @classmethod
+    def _turn_text(cls, value: str) -> str:
+        return _check_text(value)
+
+
 class OpenSessionRequest(_RequestBase):
-    """Open a session on an image. Reply: :class:`OpenSessionResponse`."""
+    """Open a session on an image. Reply: :class:`OpenSessionResponse`.
+
+    ``history`` (optional) restores a conversation: the turns are remembered as if they had been
+    asked in this session, and prefilled with the image, so the next question continues it
+    exactly (clients use it to recover a session the server lost).
+    """
 
     type: Literal["open_session"]
     image: ImageSource
     system_prompt: str | None = None
+    history: Annotated[list[HistoryTurn], Field(max_length=256)] = Field(default_factory=list)
 
     @field_validator("system_prompt")
     @classmethod
@@ -541,6 +559,7 @@ def _check_limits(request: Any, *, max_prompt_chars: int, max_new_tokens_cap: in
         texts.append(("prompt_text", request.prompt_text))
     elif isinstance(request, OpenSessionRequest):
         texts.append(("system_prompt", request.system_prompt))
+        texts.extend((f"history[{i}].prompt", turn.prompt) for i, turn in enumerate(request.history))
     for name, text in texts:
         if text is not None and len(text) > max_prompt_chars:
             raise ServiceError(

@@ -41,6 +41,7 @@ from .config import Settings
 from .engine import Answer, Generation, SessionEngine
 from .errors import ErrorCode, ServiceError
 from .images import decode_image, fetch_image_bytes
+from .model import Turn
 from .protocol import (
     CLOSED_SESSION_ID_HEADER,
     NEW_SESSION_ID_HEADER,
@@ -241,7 +242,9 @@ class SessionService:
         try:
             data = self._fetch(request.image, self.settings)
             image = decode_image(data, max_pixels=self.settings.max_image_pixels)
-            result = self.engine.open(sid, data, request.system_prompt or self.settings.system_prompt, image=image)
+            history = [Turn(t.prompt, t.answer) for t in request.history]
+            result = self.engine.open(sid, data, request.system_prompt or self.settings.system_prompt, image=image,
+                                      history=history)
         except ServiceError as err:
             # the open failed: no session is left behind; end TorchServe's job group if it is its own
             return self._error_result(sid if own_group else None, err)
