@@ -15,6 +15,11 @@
 from __future__ import annotations
 
 import os
+import time
+import threading
+import subprocess
+import re
+import queue
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +29,7 @@ from llava_sessions.serve import LocalServer
 
 __all__ = [
     "ECHO_HANDLER_SOURCE",
+    "OutputLines",
     "local_server_factory",
     "session_server_factory",
     "start_local_server",
@@ -125,3 +131,34 @@ def write_echo_handler(directory: str | os.PathLike) -> Path:
     path.write_text(ECHO_HANDLER_SOURCE)
     return path
 
+
+class OutputLines:
+    """Collect a subprocess's stdout lines in a thread, so that waiting for a line can time out.
+
+    Args:
+        stream: the process's text stdout.
+        process: the process; when given, waiting stops early once it exited and all it said was read.
+    """
+
+    def __init__(self, stream, process: subprocess.Popen | None = None) -> None:
+        self.process = process
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=lambda: [self._queue.put(line) for line in stream], daemon=True)
+        self._reader.start()
+
+    def wait_for(self, pattern: re.Pattern, timeout_s: float) -> re.Match:
+        """Return the first match of ``pattern`` in a new line; AssertionError with the output if none."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                if self.process is not None and self.process.poll() is not None and not self._reader.is_alive():
+                    break  # it exited and everything it said has been read
+                continue
+            self.lines.append(line)
+            match = pattern.search(line)
+            if match:
+                return match
+        raise AssertionError(f"no line matching {pattern.pattern!r}; output:\n{''.join(self.lines)}")

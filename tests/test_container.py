@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import base64
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+from server_fixtures import OutputLines
 import requests
 
 from llava_sessions.container import ContainerServer, ModelNotFoundError, _parse_properties, resolve_model
@@ -92,32 +92,6 @@ def test_serve_without_a_model_exits_1_with_what_to_do(tmp_path: Path) -> None:
 # ---- the entrypoint, end to end -------------------------------------------------------------------
 
 
-class _Lines:
-    """Collect a subprocess's stdout in a thread so that waiting for a line can time out."""
-
-    def __init__(self, stream, process: subprocess.Popen) -> None:
-        self.process = process
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str] = queue.Queue()
-        self._reader = threading.Thread(target=lambda: [self._queue.put(line) for line in stream], daemon=True)
-        self._reader.start()
-
-    def wait_for(self, pattern: re.Pattern, timeout_s: float) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                if self.process.poll() is not None and not self._reader.is_alive():
-                    break  # it exited and everything it said has been read
-                continue
-            self.lines.append(line)
-            match = pattern.search(line)
-            if match:
-                return match
-        raise AssertionError(f"no line matching {pattern.pattern!r}; output:\n{''.join(self.lines)}")
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_path, tiny_model_dir, photos):
@@ -133,7 +107,7 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
     serve = subprocess.Popen([str(REPO / "docker" / "serve")], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
-        output = _Lines(serve.stdout, serve)
+        output = OutputLines(serve.stdout, serve)
         ready = output.wait_for(READY, timeout_s=120)
         url, metrics_url, log_dir = ready.group(1), ready.group(2), Path(ready.group(3))
         processes = psutil.Process(serve.pid).children(recursive=True)

@@ -81,6 +81,7 @@ def test_public_api_is_pinned() -> None:
             "GenerateRequest",
             "GenerateResponse",
             "GenerationDetails",
+            "HistoryTurn",
             "ImageSource",
             "OpenSessionRequest",
             "OpenSessionResponse",

@@ -8,20 +8,18 @@ Closed-Session-Id response header ending the job group, and a clean stop on SIGT
 from __future__ import annotations
 
 import os
-import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from server_fixtures import write_echo_handler
+from server_fixtures import OutputLines, write_echo_handler
 
 psutil = pytest.importorskip("psutil")
 
@@ -31,32 +29,6 @@ NEW_SESSION = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION = "X-Amzn-SageMaker-Closed-Session-Id"
 READY = re.compile(r"llava-serve: ready at (http://\S+) .*logs (\S+);")
 MINTED_ID = re.compile(r"^ts-seq-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-
-
-class _Lines:
-    """Collect a subprocess's stdout lines in a thread, so reads can time out."""
-
-    def __init__(self, stream) -> None:
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
-
-    def _pump(self, stream) -> None:
-        for line in stream:
-            self._queue.put(line)
-
-    def wait_for(self, pattern: re.Pattern, timeout_s: float) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            self.lines.append(line)
-            match = pattern.search(line)
-            if match:
-                return match
-        raise AssertionError(f"no line matching {pattern.pattern!r}; output:\n{''.join(self.lines)}")
 
 
 def _llava_serve() -> list[str]:
@@ -98,7 +70,7 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ)
     )
     try:
-        output = _Lines(cli.stdout)
+        output = OutputLines(cli.stdout)
         ready = output.wait_for(READY, timeout_s=75)
         url, log_dir = ready.group(1), Path(ready.group(2))
         temp_dir = log_dir.parent

@@ -56,6 +56,7 @@ __all__ = [
     "GenerateRequest",
     "GenerateResponse",
     "GenerationDetails",
+    "HistoryTurn",
     "ImageSource",
     "OpenSessionRequest",
     "OpenSessionResponse",
