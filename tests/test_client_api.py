@@ -174,15 +174,6 @@ def test_line_buffer_splits_anywhere():
     assert buffer.feed(b'{"a":1}') == [] and buffer.flush() == [b'{"a":1}']  # an unterminated last line
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [{}, {"temperature": 0.0}, {"temperature": 0.7}, {"temperature": 1.0}, {"top_p": 0.9}, {"top_p": 1.0},
-     {"top_k": 5}, {"top_k": 0}, {"do_sample": True}, {"do_sample": True, "temperature": 0.0}, {"seed": 3}],
-)
-def test_greedy_rule_matches_the_server(kwargs):
-    from llava_sessions.sampling import SamplingParams
-
-    assert GenerationParams(**kwargs).greedy is (not SamplingParams(**kwargs).sampling)
 
 
 def test_generation_params_wire():

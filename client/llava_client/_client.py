@@ -151,7 +151,6 @@ class _Opened:
 class _Turn:
     prompt: str
     answer: Answer
-    params: GenerationParams
 
 
 class SessionClient:
@@ -403,7 +402,7 @@ class Session:
         answer = Answer.from_wire(str(data.get("generated_text", "")), data.get("details"),
                                   client_ttft_ms=total_ms, client_total_ms=total_ms)
         if remember:
-            self._turns.append(_Turn(prompt, answer, params))
+            self._turns.append(_Turn(prompt, answer))
         return answer
 
     def stream(self, prompt: str, *, remember: bool = True, max_new_tokens: int | None = None,
@@ -421,7 +420,7 @@ class Session:
         t0 = time.perf_counter()
         lines = self._with_recovery(lambda: self._client._invoke_stream(request, self.id, retry_safe=not remember))
         def remember_turn(answer: Answer) -> None:
-            self._turns.append(_Turn(prompt, answer, params))
+            self._turns.append(_Turn(prompt, answer))
 
         return AnswerStream(lines, on_answer=remember_turn if remember else None, t0=t0, session_id=self.id)
 

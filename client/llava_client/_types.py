@@ -104,18 +104,6 @@ class GenerationParams:
     stop: tuple[str, ...] | None = None
     details: bool | None = None
 
-    @property
-    def greedy(self) -> bool:
-        """True when the server picks tokens greedily (deterministic for a given context)."""
-        if self.temperature == 0:
-            return True
-        return not (
-            self.do_sample
-            or (self.temperature is not None and self.temperature != 1.0)
-            or (self.top_p is not None and self.top_p < 1.0)
-            or (self.top_k is not None and self.top_k > 0)
-        )
-
     def to_wire(self) -> dict[str, Any]:
         """The ``parameters`` object of a generate request (unset fields left out)."""
         out: dict[str, Any] = {}
