@@ -225,7 +225,7 @@ class SessionService:
         )
         gen = self.engine.start(sid, canonical.prompt, params, remember=canonical.remember)
         return _Job(row.request_id, sid, legacy, now, gen=gen, stream=canonical.stream and not legacy,
-                            details=p.details)
+                    details=p.details)
 
     def _admit_open(self, row: Row, request: OpenSessionRequest, legacy: bool) -> RowResult:
         """Open a session in the admission call: status and headers of a TorchServe reply are fixed
