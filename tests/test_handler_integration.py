@@ -173,21 +173,24 @@ def test_errors_have_codes_and_statuses(server, photos):
 
 def test_invalid_request_batched_with_valid_ones_fails_alone(server, photos):
     sid, _ = open_session(server, photos["astronaut"])
-    other, _ = open_session(server, photos["rocket"])
+    # one session per concurrent request: TorchServe queues at most maxSequenceJobQueueSize per session
+    others = [open_session(server, photos["rocket"])[0] for _ in range(3)]
     q = "Describe the image in detail."
     expected = post(server, {"type": "generate", "prompt": q, "remember": False,
                              "parameters": {"max_new_tokens": 60}}, session_id=sid).json()["generated_text"]
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(5) as pool:
         long_run = pool.submit(stream, server, sid, q, max_new_tokens=60)
         time.sleep(0.3)  # the stream is running: the next requests join its batches
-        bad = [pool.submit(post, server, {"type": "generate", "prompt": "x", "parameters": {"temperature": -1}}, other),
-               pool.submit(post, server, {"type": "generate", "prompt": ""}, other),
+        bad = [pool.submit(post, server, {"type": "generate", "prompt": "x", "parameters": {"temperature": -1}},
+                           others[0]),
+               pool.submit(post, server, {"type": "generate", "prompt": ""}, others[1]),
                pool.submit(post, server, {"type": "reset"}, "ts-seq-00000000-0000-0000-0000-000000000000")]
-        good = pool.submit(post, server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 3}}, other)
+        good = pool.submit(post, server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 3}},
+                           others[2])
         assert [f.result().status_code for f in bad] == [400, 400, 404]
         assert good.result().status_code == 200
         assert long_run.result()[1][-1]["generated_text"] == expected
-    for s in (sid, other):
+    for s in (sid, *others):
         post(server, {"type": "close_session"}, session_id=s)
 
 
