@@ -19,6 +19,7 @@ import time
 import threading
 import subprocess
 import re
+import signal
 import queue
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from llava_sessions.serve import LocalServer
 __all__ = [
     "ECHO_HANDLER_SOURCE",
     "OutputLines",
+    "stop_process",
     "local_server_factory",
     "session_server_factory",
     "start_local_server",
@@ -162,3 +164,16 @@ class OutputLines:
             if match:
                 return match
         raise AssertionError(f"no line matching {pattern.pattern!r}; output:\n{''.join(self.lines)}")
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 40.0) -> None:
+    """Stop a CLI a test started (cleanup after a failed assertion): SIGTERM, so that it stops the
+    TorchServe process groups it started, then SIGKILL if it is still there after ``timeout_s``."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

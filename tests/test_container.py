@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from server_fixtures import OutputLines
+from server_fixtures import OutputLines, stop_process
 import requests
 
 from llava_sessions.container import ContainerServer, ModelNotFoundError, _parse_properties, resolve_model
@@ -145,6 +145,4 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         assert not log_dir.parent.exists()  # its temp dir is removed
         output.wait_for(re.compile(r"llava-container-serve: stopped"), timeout_s=5)
     finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
+        stop_process(serve)

@@ -40,7 +40,7 @@ from llava_sessions.local_endpoint import (
     payload_part_event,
     stream_error_event,
 )
-from server_fixtures import write_echo_handler
+from server_fixtures import stop_process, write_echo_handler
 
 SM_RUNTIME = botocore.session.get_session().get_service_model("sagemaker-runtime")
 NEW_SESSION_ID_RE = re.compile(SM_RUNTIME.shape_for("NewSessionResponseHeader").metadata["pattern"])
@@ -396,6 +396,4 @@ def test_cli_serves_boto3_and_stops_every_backend_on_sigterm(tmp_path: Path) -> 
         gone, alive = psutil.wait_procs(torchserve, timeout=5)
         assert not alive, alive
     finally:
-        if cli.poll() is None:
-            cli.kill()
-            cli.wait()
+        stop_process(cli)

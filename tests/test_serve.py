@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from server_fixtures import OutputLines, write_echo_handler
+from server_fixtures import OutputLines, stop_process, write_echo_handler
 
 psutil = pytest.importorskip("psutil")
 
@@ -122,9 +122,7 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         cli.send_signal(signal.SIGTERM)
         assert cli.wait(timeout=40) == 0, "".join(output.lines)
     finally:
-        if cli.poll() is None:
-            cli.kill()
-            cli.wait()
+        stop_process(cli)  # after a failed assertion: llava-serve stops its TorchServe
 
     deadline = time.monotonic() + 5
     while any(_alive(pid) for pid in torchserve_pids) and time.monotonic() < deadline:
