@@ -9,7 +9,7 @@
 # SageMaker runs `docker run IMAGE serve`: tini (PID 1, forwards SIGTERM, reaps orphans) runs
 # /usr/local/bin/serve -> llava-container-serve, which starts TorchServe on 0.0.0.0:8080 with the
 # model from /opt/ml/model (else the baked /opt/llava/model), restarts it when a worker dies, and
-# on SIGTERM stops it and exits 0 within 30 s (handler/llava_sessions/container.py).
+# on SIGTERM stops it and exits 0 within 30 s (handler/llava_tools/container.py).
 
 # An AWS Deep Learning Container for PyTorch inference (CUDA torch, Java 17 for TorchServe).
 # Overridable: another region's registry (same 763104351884 account), a newer tag from
@@ -57,14 +57,14 @@ RUN --mount=type=secret,id=hf_token,required=false \
             --revision "${BAKE_MODEL_REVISION}" --dest /opt/llava/model; \
     fi
 
-# The project: handler and session engine (llava_sessions), TorchServe entry, configs.
+# The project: worker core (llava_sessions) and tools (llava_tools), TorchServe entry, configs.
 WORKDIR /opt/llava
 COPY pyproject.toml README.md model-config.yaml /opt/llava/
 COPY config/ /opt/llava/config/
 COPY handler/ /opt/llava/handler/
 COPY client/ /opt/llava/client/
 RUN pip install --no-cache-dir --no-deps /opt/llava \
-    && python -c "import llava_sessions.container, llava_sessions.service, ts"
+    && python -c "import llava_tools.container, llava_sessions.worker, ts"
 COPY --chmod=0755 docker/serve /usr/local/bin/serve
 
 # LLAVA_HOME: where the entrypoint finds config/, model-config.yaml and handler/. The sequence

@@ -1,4 +1,4 @@
-# Entry points: make install | make demo | make test
+# Entry points: make install | make demo | make test  (and make lint, make bench)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,13 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q -ra
 
+lint: install
+	$(VENV)/bin/ruff check handler client tests benchmarks docker
+	$(VENV)/bin/ruff format --check handler client tests benchmarks docker
+	$(VENV)/bin/mypy
+
 demo: install
-	$(PY) -m llava_client.demo $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),)
+	$(PY) -m llava_tools.demo $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),)
 
 bench: install
 	$(PY) benchmarks/followup_latency.py --model bench

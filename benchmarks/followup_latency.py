@@ -104,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir:
         runner = LlavaRunner.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
     elif args.model == "7b":
-        from llava_sessions.tiny_model import build_model
+        from llava_tools.tiny_model import build_model
 
         model, processor = build_model("7b", device="cuda", dtype=torch.float16)
         runner = LlavaRunner(model, processor)
     else:
-        from llava_sessions.tiny_model import write_checkpoint
+        from llava_tools.tiny_model import write_checkpoint
 
         tmp = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
         write_checkpoint(args.model, tmp)

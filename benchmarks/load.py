@@ -32,9 +32,8 @@ from pathlib import Path
 
 import psutil
 
-from llava_client import LlavaError, SessionClient
-from llava_client import SessionGone
-from llava_sessions.serve import LocalServer
+from llava_client import LlavaError, SessionClient, SessionGone
+from llava_tools.serve import LocalServer
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat")
 QUESTIONS = ("What is in this image?", "What colors do you see?", "Describe the background.",
@@ -161,7 +160,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"bounded: at most {MAX_USERS} users and {MAX_DURATION_S} s")
     model_dir = args.model_dir
     if not model_dir:
-        from llava_sessions.tiny_model import write_checkpoint
+        from llava_tools.tiny_model import write_checkpoint
 
         model_dir = str(write_checkpoint(args.model, tempfile.mkdtemp(prefix=f"llava-{args.model}-")))
     images = {n: photo(n) for n in PHOTOS}

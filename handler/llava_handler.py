@@ -1,6 +1,6 @@
 """TorchServe entry for llava-sessions: walk the batch, call the service, set per-row status/headers.
 
-All logic lives in ``llava_sessions`` (service, engine, store, protocol). This file only adapts
+All logic lives in the worker core ``llava_sessions`` (worker wiring, codec, service, engine, store). This file only adapts
 TorchServe's context: the sequence id / start headers in, per-row status, headers, content type
 and stopping criteria out (shared/notes/torchserve-sagemaker.md). It never raises out of
 ``handle()`` (that would fail every row of the batch) and never uses
@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
-from llava_sessions.service import Row, build_service
+from llava_sessions.service import Row, SessionService
+from llava_sessions.worker import build_service
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ class LlavaHandler:
     """TorchServe custom handler (one instance per worker process)."""
 
     def __init__(self) -> None:
-        self.service = None
+        self.service: SessionService | None = None
         self.initialized = False
 
     def initialize(self, context) -> None:
@@ -39,7 +40,8 @@ class LlavaHandler:
 
     def handle(self, data, context):
         """Serve one batch: returns one body (bytes) per row and sets ``context.stopping_criteria``."""
-        if data is None:
+        service = self.service
+        if data is None or service is None:
             return None
         try:
             rows = [
@@ -51,15 +53,15 @@ class LlavaHandler:
                 )
                 for i, row in enumerate(data)
             ]
-            results = self.service.handle(rows)
+            results = service.handle(rows)
         except Exception:  # noqa: BLE001 - last line of defence: never fail the whole batch
             log.exception("batch failed")
-            results = [self.service.internal_error() for _ in data]
+            results = [service.internal_error() for _ in data]
         for i, result in enumerate(results):
             context.set_response_status(result.status, "", i)
             context.set_response_content_type(i, result.content_type)
             for key, value in result.headers.items():
                 context.set_response_header(i, key, value)
         context.stopping_criteria = [lambda _output, stop=r.stop: stop for r in results]
-        self.service.emit_metrics()
+        service.emit_metrics()
         return [r.body for r in results]

@@ -23,7 +23,7 @@ def encode_png(array) -> bytes:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A ``tiny`` random-weight llava-hf checkpoint folder built by ``llava-tiny-model``'s code."""
-    from llava_sessions.tiny_model import write_checkpoint
+    from llava_tools.tiny_model import write_checkpoint
 
     return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny-llava"), seed=0)
 

@@ -1,6 +1,6 @@
 """Helpers to run a real local TorchServe in tests (import from conftest.py or a test module).
 
-- :func:`start_local_server` starts a :class:`~llava_sessions.serve.LocalServer` and registers its
+- :func:`start_local_server` starts a :class:`~llava_tools.serve.LocalServer` and registers its
   stop with a finalizer (``request.addfinalizer``), so a failing test never leaks a TorchServe.
 - ``local_server_factory`` (function scope) and ``session_server_factory`` (session scope) are
   fixtures returning ``factory(model_dir, **LocalServer_kwargs) -> LocalServer``; every server they
@@ -15,18 +15,19 @@
 from __future__ import annotations
 
 import os
-import time
-import threading
-import subprocess
+import queue
 import re
 import signal
-import queue
+import subprocess
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from llava_sessions.serve import LocalServer
+from llava_tools.serve import LocalServer
 
 __all__ = [
     "ECHO_HANDLER_SOURCE",

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-import llava_client
 import pytest
+
+import llava_client
 from llava_client import (
     APIConnectionError,
     APIStatusError,
@@ -91,7 +92,7 @@ def test_exception_hierarchy():
 def test_code_statuses_match_the_server():
     from llava_sessions.errors import HTTP_STATUS
 
-    assert CODE_STATUS == {code.value: status for code, status in HTTP_STATUS.items()}
+    assert {code.value: status for code, status in HTTP_STATUS.items()} == CODE_STATUS
 
 
 @pytest.mark.parametrize(

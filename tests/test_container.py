@@ -19,13 +19,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from server_fixtures import OutputLines, stop_process
 import requests
 
-from llava_sessions.container import ContainerServer, ModelNotFoundError, _parse_properties, resolve_model
-from llava_sessions.deploy import build_package, write_package
-from llava_sessions.serve import ServerStartError
+from llava_tools.container import ContainerServer, ModelNotFoundError, _parse_properties, resolve_model
+from llava_tools.deploy import build_package, write_package
+from llava_tools.serve import ServerStartError
+from server_fixtures import OutputLines, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 TS_CONFIG = REPO / "config" / "config.properties"
@@ -83,7 +82,7 @@ def test_container_config_is_the_image_file_with_this_runs_addresses(tmp_path: P
 
 def test_serve_without_a_model_exits_1_with_what_to_do(tmp_path: Path) -> None:
     env = {**os.environ, "LLAVA_CONTAINER_MODEL_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "llava_sessions.container", "serve"], env=env,
+    result = subprocess.run([sys.executable, "-m", "llava_tools.container", "serve"], env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "no model" in result.stderr and "BAKE_MODEL_ID" in result.stderr

@@ -1,4 +1,4 @@
-"""``python -m llava_client.demo`` (what ``make demo`` runs) end to end: tiny model, real TorchServe."""
+"""``python -m llava_tools.demo`` (what ``make demo`` runs) end to end: tiny model, real TorchServe."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 def test_demo_runs_a_scripted_session():
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "-m", "llava_client.demo", "--max-new-tokens", "12"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "llava_tools.demo", "--max-new-tokens", "12"], capture_output=True,
                           text=True, timeout=240, env=env, stdin=subprocess.DEVNULL)
     out = done.stdout
     assert done.returncode == 0, f"stdout:\n{out}\nstderr:\n{done.stderr[-4000:]}"

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from botocore.stub import ANY, Stubber
 
-from llava_sessions.deploy import DeployError, build_package, derived_name, main
+from llava_tools.deploy import DeployError, build_package, derived_name, main
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = REPO / "handler" / "llava_sessions"
@@ -119,7 +119,7 @@ def test_package_refuses_bad_settings_and_folders(checkpoint: Path, tmp_path: Pa
 
 
 def test_deploy_module_does_not_import_torch() -> None:
-    code = "import sys, llava_sessions.deploy, llava_sessions.container; assert 'torch' not in sys.modules"
+    code = "import sys, llava_tools.deploy, llava_tools.container; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

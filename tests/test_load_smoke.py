@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest

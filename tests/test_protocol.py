@@ -9,16 +9,21 @@ import botocore.session
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from llava_sessions import protocol
-from llava_sessions.errors import ErrorCode, ServiceError
-from llava_sessions.protocol import (
+from llava_sessions.contract import (
     CLOSED_SESSION_ID_HEADER,
     NEW_SESSION_ID_HEADER,
     NEW_SESSION_LITERAL,
-    REQUEST_TYPES,
     SESSION_ID_HEADER,
     SESSION_ID_RE,
+    format_expires,
+    session_header_value,
+)
+from llava_sessions.errors import ErrorCode, ServiceError
+from llava_sessions.protocol import (
+    REQUEST_TYPES,
     CloseResponse,
     CloseSessionRequest,
     ErrorBody,
@@ -37,9 +42,7 @@ from llava_sessions.protocol import (
     StartSessionResponse,
     StreamLine,
     TokenInfo,
-    format_expires,
     parse_request,
-    session_header_value,
 )
 
 LIMITS = {"max_body_bytes": 4096, "max_prompt_chars": 100, "max_new_tokens_cap": 512}
@@ -67,12 +70,8 @@ def fail(body, **limits) -> ServiceError:
 def test_public_api_is_pinned() -> None:
     assert sorted(protocol.__all__) == sorted(
         [
-            "CLOSED_SESSION_ID_HEADER",
-            "NEW_SESSION_ID_HEADER",
-            "NEW_SESSION_LITERAL",
             "REQUEST_TYPES",
-            "SESSION_ID_HEADER",
-            "SESSION_ID_RE",
+            "SAMPLING_BOUNDS",
             "CloseResponse",
             "CloseSessionRequest",
             "ErrorBody",
@@ -88,15 +87,14 @@ def test_public_api_is_pinned() -> None:
             "Request",
             "ResetRequest",
             "ResetResponse",
+            "SamplingBound",
             "SendTextPromptRequest",
             "SendTextPromptResponse",
             "StartSessionRequest",
             "StartSessionResponse",
             "StreamLine",
             "TokenInfo",
-            "format_expires",
             "parse_request",
-            "session_header_value",
         ]
     )
     for name in protocol.__all__:
@@ -198,7 +196,7 @@ def test_aws_sample_bodies_work_unchanged() -> None:
 
 def test_requests_are_immutable() -> None:
     request = parse({"type": "generate", "prompt": "hi"})
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         request.prompt = "other"  # type: ignore[misc]
 
 
@@ -390,6 +388,8 @@ def test_response_shapes() -> None:
         prompt_tokens=12,
         cached_tokens=600,
         generated_tokens=3,
+        seed=7,
+        restored_from="features",
         tokens=[TokenInfo(id=5, text="a", logprob=-0.1)],
         timings={"ttft_ms": 41.5},
     )
@@ -400,6 +400,8 @@ def test_response_shapes() -> None:
             "prompt_tokens": 12,
             "cached_tokens": 600,
             "generated_tokens": 3,
+            "seed": 7,
+            "restored_from": "features",
             "tokens": [{"id": 5, "text": "a", "logprob": -0.1}],
             "timings": {"ttft_ms": 41.5},
         },
@@ -416,8 +418,8 @@ def test_response_shapes() -> None:
     assert StartSessionResponse(session_id="s").model_dump() == {"session_id": "s"}
     assert SendTextPromptResponse(response_text="t").model_dump() == {"response_text": "t"}
     error = ServiceError(ErrorCode.SESSION_NOT_FOUND, "unknown session")
-    assert ErrorBody.from_error(error).model_dump() == error.to_dict()
-    with pytest.raises(Exception):
+    assert ErrorBody.from_error(error).model_dump() == {"error": {"code": error.code.value, "message": error.message}}
+    with pytest.raises(ValidationError):
         GenerationDetails(finish_reason="eos", prompt_tokens=1, cached_tokens=0, generated_tokens=1)
 
 

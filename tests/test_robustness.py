@@ -142,8 +142,8 @@ def test_three_times_oversubscribed_budget_loses_nothing_and_never_leaks(pressed
         assert r.status_code == 200, r.text
         sids.append(r.json()["session_id"])
     first = {}
-    for rnd in range(2):  # every session asked twice, round robin: each comes back from a lower tier
-        for n, sid in zip(names, sids):
+    for _round in range(2):  # every session asked twice, round robin: each comes back from a lower tier
+        for n, sid in zip(names, sids, strict=True):
             r = post(pressed_server, Q, sid)
             assert r.status_code == 200, r.text  # none lost
             text = r.json()["generated_text"]

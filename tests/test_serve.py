@@ -35,7 +35,7 @@ def _llava_serve() -> list[str]:
     """Return the installed ``llava-serve`` console script (as a user runs it)."""
     script = Path(sys.executable).parent / "llava-serve"
     found = str(script) if script.exists() else shutil.which("llava-serve")
-    return [found] if found else [sys.executable, "-m", "llava_sessions.serve"]
+    return [found] if found else [sys.executable, "-m", "llava_tools.serve"]
 
 
 def _invoke(url: str, body: dict, headers: dict | None = None) -> requests.Response:
@@ -143,15 +143,15 @@ def _properties(path: Path) -> dict[str, str]:
 
 
 def test_container_config_names_the_sagemaker_session_headers() -> None:
-    from llava_sessions import serve
+    from llava_sessions.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SESSION_ID_HEADER
 
     props = _properties(REPO / "config" / "config.properties")
-    assert props["ts_header_key_sequence_id"] == serve.HEADER_SESSION_ID == SESSION
-    assert props["ts_header_key_sequence_start"] == serve.HEADER_NEW_SESSION_ID == NEW_SESSION
-    assert props["ts_header_key_sequence_end"] == serve.HEADER_CLOSED_SESSION_ID == CLOSED_SESSION
+    assert props["ts_header_key_sequence_id"] == SESSION_ID_HEADER == SESSION
+    assert props["ts_header_key_sequence_start"] == NEW_SESSION_ID_HEADER == NEW_SESSION
+    assert props["ts_header_key_sequence_end"] == CLOSED_SESSION_ID_HEADER == CLOSED_SESSION
     assert props["inference_address"] == "http://0.0.0.0:8080"
     assert props["disable_token_authorization"] == "true"
-    assert 6_291_456 < int(props["max_request_size"]) and 6_291_456 < int(props["max_response_size"])
+    assert int(props["max_request_size"]) > 6_291_456 and int(props["max_response_size"]) > 6_291_456
 
 
 def test_model_config_keeps_torchserve_limits_above_the_handlers() -> None:
@@ -169,7 +169,7 @@ def test_model_config_keeps_torchserve_limits_above_the_handlers() -> None:
 def test_local_model_config_applies_workers_and_overrides(tmp_path: Path) -> None:
     import yaml
 
-    from llava_sessions.serve import LocalServer, _parse_assignment
+    from llava_tools.serve import LocalServer, _parse_assignment
 
     server = LocalServer(
         tmp_path,

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from llava_sessions.config import Settings
-from llava_sessions.service import Row, SessionService, build_service
+from llava_sessions.service import Row, SessionService
+from llava_sessions.worker import build_service
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +50,9 @@ def test_stream_and_plain_answers_advance_in_slices(service, photos):
     frames: dict[str, list] = {"g1": [], "g2": []}
     for _ in range(20):
         out = service.handle(rows)
-        for row, res in zip(rows, out):
+        for row, res in zip(rows, out, strict=True):
             frames[row.request_id].append(res)
-        rows = [Row(r.request_id, r.session_id, False, None) for r, res in zip(rows, out) if res.stop is False]
+        rows = [Row(r.request_id, r.session_id, False, None) for r, res in zip(rows, out, strict=True) if res.stop is False]
         if not rows:
             break
     s, p = frames["g1"], frames["g2"]
@@ -87,7 +88,43 @@ def test_generation_slots_are_capped_with_retry_after(service, photos):
     rows = [Row("x1", "a1", False, None), Row("x2", "a2", False, None)]
     while rows:
         out = service.handle(rows)
-        rows = [r for r, res in zip(rows, out) if res.stop is False]
+        rows = [r for r, res in zip(rows, out, strict=True) if res.stop is False]
     for sid in ("a1", "a2", "a3"):
         service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
     assert isinstance(service.settings, Settings)
+
+
+def answer_of(service, rid, sid, body):
+    """Drive one non-streamed question to its end; returns the reply as JSON."""
+    out = service.handle([Row(rid, sid, False, body)])[0]
+    while out.stop is False:
+        out = service.handle([Row(rid, sid, False, None)])[0]
+    assert out.status == 200, out.body
+    return json.loads(out.body)
+
+
+def test_open_timings_measure_each_phase(service, photos):
+    opened = json.loads(service.handle([open_row("t-open", "t1", photos["astronaut"])])[0].body)
+    t = opened["timings"]
+    assert set(t) == {"fetch_ms", "decode_ms", "encode_ms", "prefill_ms", "total_ms"}
+    assert t["decode_ms"] > 0 and t["encode_ms"] > 0 and t["prefill_ms"] > 0  # a JPEG decode is real work
+    assert t["total_ms"] >= t["fetch_ms"] + t["decode_ms"] + t["encode_ms"] + t["prefill_ms"] - 0.01
+    service.handle([Row("t-close", "t1", False, {"type": "close_session"})])
+
+
+def test_details_carry_the_drawn_seed_and_where_a_session_was_restored_from(service, photos):
+    service.handle([open_row("d-open", "d1", photos["coffee"])])
+    q = {"type": "generate", "prompt": "Describe it.", "remember": False}
+    greedy = answer_of(service, "d-g", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]
+    assert greedy["seed"] is None and greedy["restored_from"] is None
+    sampled = answer_of(service, "d-s", "d1", {**q, "parameters": {"max_new_tokens": 6, "do_sample": True}})
+    seed = sampled["details"]["seed"]
+    assert isinstance(seed, int)
+    again = answer_of(service, "d-r", "d1", {**q, "parameters": {"max_new_tokens": 6, "do_sample": True, "seed": seed}})
+    assert again["generated_text"] == sampled["generated_text"] and again["details"]["seed"] == seed
+    service.engine.store.get("d1").drop_features()  # demoted to the image tier
+    restored = answer_of(service, "d-i", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]
+    assert restored["restored_from"] == "image" and restored["timings"]["restore_ms"] > 0
+    service.engine.store.get("d1").drop_kv()
+    assert answer_of(service, "d-f", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]["restored_from"] == "features"
+    service.handle([Row("d-close", "d1", False, {"type": "close_session"})])

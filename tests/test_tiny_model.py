@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from llava_sessions.tiny_model import SIZES, build_config, write_checkpoint
+from llava_tools.tiny_model import SIZES, build_config, write_checkpoint
 
 
 def digest(folder) -> dict[str, str]:
@@ -19,7 +19,7 @@ def digest(folder) -> dict[str, str]:
 
 def test_cli_writes_a_llava_hf_folder_deterministically(tmp_path):
     for name in ("a", "b"):
-        subprocess.run([sys.executable, "-m", "llava_sessions.tiny_model", "--size", "tiny", "--out",
+        subprocess.run([sys.executable, "-m", "llava_tools.tiny_model", "--size", "tiny", "--out",
                         str(tmp_path / name), "--seed", "3"], check=True, capture_output=True)
     a, b = digest(tmp_path / "a"), digest(tmp_path / "b")
     assert a == b  # same seed, same bytes

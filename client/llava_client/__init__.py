@@ -12,7 +12,7 @@
                 print(piece, end="", flush=True)
 
 See :mod:`llava_client._client` for streams, retries and session recovery; ``llava-chat`` for a
-terminal chat; ``python -m llava_client.demo`` for a scripted local demo.
+terminal chat; ``python -m llava_tools.demo`` for a scripted local demo.
 """
 
 from ._client import (

@@ -58,7 +58,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -290,12 +290,6 @@ class SessionClient:
         body = self._encode(request)
         return self._retrying(lambda: self.transport.invoke_stream(body, session_id=session_id),
                               retry_safe=retry_safe, what="streamed generate")
-
-    def _close_quietly(self, session_id: str) -> None:
-        try:
-            self._invoke({"type": "close_session"}, session_id, retry_safe=True)
-        except LlavaError as err:
-            log.debug("closing session %s failed: %s", session_id, err)
 
 
 def _generate_request(prompt: str, params: GenerationParams, *, stream: bool, remember: bool) -> dict[str, Any]:
@@ -557,7 +551,7 @@ class AnswerStream:
             log.info("stream of session %s closed before its end: the answer is abandoned (not remembered)",
                      self.session_id)
 
-    def _iterate(self) -> Iterator[str]:
+    def _iterate(self) -> Generator[str, None, None]:
         try:
             for raw in self._lines:
                 try:
@@ -580,8 +574,8 @@ class AnswerStream:
                     continue
                 if line.get("generated_text") is not None or line.get("details") is not None:
                     total_ms = _ms_since(self._t0)
-                    text = line.get("generated_text")
-                    answer = Answer.from_wire(str(text if text is not None else self.text), line.get("details"),
+                    final = line.get("generated_text")
+                    answer = Answer.from_wire(str(final if final is not None else self.text), line.get("details"),
                                               tokens=self._tokens,
                                               client_ttft_ms=self._ttft_ms if self._ttft_ms is not None else total_ms,
                                               client_total_ms=total_ms)

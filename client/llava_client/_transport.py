@@ -38,12 +38,16 @@ __all__ = [
 
 log = logging.getLogger("llava_client")
 
+# The client's copy of the SageMaker session contract (the server's is llava_sessions.contract; the
+# client installs without the server, and tests/test_layout.py keeps the two equal).
 #: Request header naming the session (and the open reply's ``<id>; Expires=<UTC>``).
 SESSION_ID_HEADER = "X-Amzn-SageMaker-Session-Id"
 #: Open reply header boto3 reads as ``NewSessionId``.
 NEW_SESSION_ID_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 #: Close reply header boto3 reads as ``ClosedSessionId``.
 CLOSED_SESSION_ID_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+#: The ``SessionId`` that asks SageMaker for a new session.
+NEW_SESSION_LITERAL = "NEW_SESSION"
 #: ``(connect, read)`` seconds. The read timeout bounds the wait for the whole reply (or, when
 #: streaming, for the next chunk); an open runs the vision tower, a long answer decodes for a while.
 DEFAULT_TIMEOUT: tuple[float, float] = (10.0, 120.0)

@@ -125,20 +125,11 @@ class Recovery:
         reason: the error code that triggered it (``session_not_found``, ``session_expired``, ...).
         old_session_id: the id the server no longer knew.
         new_session_id: the id of the reopened session.
-        replayed_turns: remembered turns handed to the reopened session (``open_session`` history).
-        changed_turns: indexes of turns whose text changed; always empty since the history is
-            restored, not regenerated (kept for compatibility).
-        original_answers: the original texts of ``changed_turns``, same order.
+        replayed_turns: remembered turns handed to the reopened session (``open_session`` history),
+            restored exactly: the server remembers their texts and prefills them with the image.
     """
 
     reason: str
     old_session_id: str
     new_session_id: str
     replayed_turns: int
-    changed_turns: tuple[int, ...] = ()
-    original_answers: tuple[str, ...] = ()
-
-    @property
-    def exact(self) -> bool:
-        """True when the history was restored unchanged (always, with history restore)."""
-        return not self.changed_turns

@@ -35,12 +35,12 @@ from ._exceptions import (
     make_status_error,
     status_error_from_body,
 )
-from ._transport import DEFAULT_TIMEOUT, LineBuffer, RawResponse
+from ._transport import DEFAULT_TIMEOUT, NEW_SESSION_LITERAL, LineBuffer, RawResponse
 
 __all__ = ["NEW_SESSION", "SageMakerTransport", "map_client_error"]
 
 #: The ``SessionId`` that asks SageMaker to open a new session.
-NEW_SESSION = "NEW_SESSION"
+NEW_SESSION = NEW_SESSION_LITERAL
 _JSON = "application/json"
 _SESSION_GONE_RE = re.compile(r"session.*(not found|expired|closed|does not exist|invalid session)", re.I | re.S)
 _THROTTLING = {"ThrottlingException", "Throttling", "TooManyRequestsException", "ModelNotReadyException"}

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Literal
 
 import torch
 
@@ -28,6 +29,12 @@ from .sampling import IncrementalDetokenizer, Sampler, SamplingParams
 from .sessions import Session, SessionStore, Tier
 
 log = logging.getLogger(__name__)
+
+
+#: Why an answer ended: ``stop`` (EOS or a stop sequence) or ``length`` (max_new_tokens reached).
+FinishReason = Literal["stop", "length"]
+#: The tier a demoted session was rebuilt from.
+RestoredFrom = Literal["features", "image"]
 
 
 def _ms(t0: float, t1: float | None = None) -> float:
@@ -77,20 +84,21 @@ class Answer:
     """
 
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int
     generated_tokens: int
     tokens: list[TokenEvent]
     timings: dict[str, float]
     seed: int | None = None
-    restored_from: str | None = None
+    restored_from: RestoredFrom | None = None
 
 
 @dataclass(frozen=True)
 class OpenResult:
     """Result of :meth:`SessionEngine.open`: ``expires_at`` in epoch s; ``image_tokens`` placeholders
-    per image; ``prefix_tokens`` prefilled; ``timings`` in ms (decode, encode, prefill, total)."""
+    per image; ``prefix_tokens`` prefilled; ``timings`` in ms: ``encode`` (vision tower + projector),
+    ``prefill``, ``total``, and ``decode`` when ``open`` decoded the image itself."""
 
     session_id: str
     expires_at: int
@@ -151,6 +159,7 @@ class SessionEngine:
             raise ServiceError(ErrorCode.INVALID_PARAMETER,
                                f"history must not contain the image placeholder {self.runner.image_token!r}")
         t0 = time.perf_counter()
+        decoded_here = image is None
         image = self.decode_image(image_bytes) if image is None else image
         t_dec = time.perf_counter()
         session = self.store.new_session(session_id, image_bytes, system_prompt)
@@ -179,7 +188,9 @@ class SessionEngine:
         session.busy = False
         self.store.enforce(keep=session)
         t_end = time.perf_counter()
-        timings = {"decode": _ms(t0, t_dec), "encode": _ms(t_dec, t_enc), "prefill": _ms(t_enc, t_end), "total": _ms(t0, t_end)}
+        timings = {"encode": _ms(t_dec, t_enc), "prefill": _ms(t_enc, t_end), "total": _ms(t0, t_end)}
+        if decoded_here:
+            timings = {"decode": _ms(t0, t_dec), **timings}
         return OpenResult(session_id, session.expires_at, self.runner.num_image_tokens, len(prefix), timings)
 
     def reset(self, session_id: str) -> None:
@@ -210,7 +221,7 @@ class SessionEngine:
 
     # ------------------------------------------------------------------ generation
     def start(self, session_id: str, prompt: str, params: SamplingParams | None = None,
-              remember: bool = True) -> "Generation":
+              remember: bool = True) -> Generation:
         """Validate a question and return its :class:`Generation` (nothing computed yet).
 
         Args:
@@ -297,7 +308,7 @@ class SessionEngine:
                     raise ServiceError(ErrorCode.OVERLOADED, "the device is out of memory; retry later", retry_after_s=2) from exc2
                 raise
 
-    def _restore(self, session: Session) -> str | None:
+    def _restore(self, session: Session) -> RestoredFrom | None:
         """Bring a demoted session back to a prefillable state; returns the tier it came from."""
         tier = session.tier
         if tier is Tier.KV:
@@ -311,7 +322,7 @@ class SessionEngine:
         session.cached_ids = []
         session.num_restores += 1
         self.store.stats.num_restores += 1
-        return tier.value
+        return "features" if tier is Tier.FEATURES else "image"
 
 
 class Generation:
@@ -338,7 +349,7 @@ class Generation:
         self._events: list[TokenEvent] = []
         self._logits: torch.Tensor | None = None
         self._reuse = 0
-        self._restored: str | None = None
+        self._restored: RestoredFrom | None = None
         self._t0 = time.perf_counter()
         self._t_prefill = self._t_first = self._t_last = 0.0
         self._timings: dict[str, float] = {}
@@ -351,16 +362,11 @@ class Generation:
         return self.session.session_id
 
     @property
-    def num_generated(self) -> int:
-        """Tokens generated so far."""
-        return len(self._events)
-
-    @property
     def events(self) -> list[TokenEvent]:
         """The token events generated so far, in order (do not modify)."""
         return self._events
 
-    def __iter__(self) -> "Generation":
+    def __iter__(self) -> Generation:
         return self
 
     def __next__(self) -> TokenEvent:
@@ -388,10 +394,8 @@ class Generation:
         special = token in runner.eos_token_ids
         before = len(self._detok.text)
         text = self._detok.push(token)
-        finish = None
-        if special:
-            finish = "stop"
-        elif self._max_stop and any(s in self._detok.text[max(0, before - self._max_stop):] for s in self.params.stop):
+        finish: FinishReason | None = None
+        if special or self._max_stop and any(s in self._detok.text[max(0, before - self._max_stop):] for s in self.params.stop):
             finish = "stop"
         elif len(self._events) + 1 >= self.params.max_new_tokens:
             finish = "length"
@@ -424,7 +428,7 @@ class Generation:
         self._timings["restore"] = _ms(t0, t_restored)
         self._timings["prefill"] = _ms(t_restored, self._t_prefill)
 
-    def _finish(self, finish_reason: str) -> None:
+    def _finish(self, finish_reason: FinishReason) -> None:
         session = self.session
         ids = [e.id for e in self._events]
         if self.remember:

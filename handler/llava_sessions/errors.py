@@ -2,7 +2,7 @@
 
 Every error a client can see is a :class:`ServiceError` carrying an HTTP status, a stable
 ``code`` (an :class:`ErrorCode` value, never renamed once released) and a human message.
-The protocol layer turns it into ``{"error": {"code": ..., "message": ...}}`` with that status.
+The codec renders it as ``{"error": {"code": ..., "message": ...}}`` with that status.
 No torch, no HTTP here.
 """
 
@@ -50,9 +50,6 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INTERNAL_ERROR: 500,
 }
 
-#: Codes after which the session no longer exists on this worker.
-SESSION_GONE = frozenset({ErrorCode.SESSION_NOT_FOUND, ErrorCode.SESSION_EXPIRED, ErrorCode.SESSION_EVICTED})
-
 
 class ServiceError(Exception):
     """An error to report to the client as ``{"error": {"code", "message"}}``.
@@ -74,10 +71,6 @@ class ServiceError(Exception):
     def status(self) -> int:
         """HTTP status code for this error."""
         return HTTP_STATUS[self.code]
-
-    def to_dict(self) -> dict:
-        """Return the wire form ``{"error": {"code": str, "message": str}}``."""
-        return {"error": {"code": self.code.value, "message": self.message}}
 
     def __repr__(self) -> str:
         return f"ServiceError({self.code.value!r}, {self.message!r})"

@@ -27,7 +27,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from io import BytesIO
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urljoin, urlsplit
 
 import requests
@@ -177,7 +177,7 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
         ) from None
     except MemoryError:
         raise too_large from None
-    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...) on bad input
+    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError, ...) on bad input  # noqa: BLE001
         logger.debug("image decode failed: %r", exc)
         raise ServiceError(ErrorCode.IMAGE_INVALID, "the image file is truncated or corrupt") from None
 
@@ -294,7 +294,7 @@ def _vet_url(url: str, settings: Settings) -> _Target:
         except UnicodeError:
             raise _forbidden("the image URL's host name is invalid") from None
         if not _HOST_CHARS_RE.match(host):
-            raise _forbidden("the image URL's host name is invalid")
+            raise _forbidden("the image URL's host name is invalid") from None
     if settings.url_allowlist and not _host_allowed(host, settings.url_allowlist):
         raise _forbidden("the image URL's host is not on this endpoint's allowlist")
 
@@ -442,7 +442,7 @@ def _read_capped(response: requests.Response, cap: int, deadline: float) -> byte
     except (urllib3.exceptions.TimeoutError, TimeoutError) as exc:
         logger.debug("image URL body read timed out: %r", exc)
         raise _fetch_failed("fetching the image URL timed out") from None
-    except Exception as exc:  # urllib3 ProtocolError / DecodeError, OSError, ...
+    except Exception as exc:  # urllib3 ProtocolError / DecodeError, OSError, ...  # noqa: BLE001
         logger.debug("image URL body read failed: %r", exc)
         raise _fetch_failed("the image URL's body could not be read") from None
     return bytes(body)
@@ -508,7 +508,7 @@ def _fetch_s3(uri: str, settings: Settings, s3_client: Any) -> bytes:
     except (BotoCoreError, OSError) as exc:
         logger.debug("S3 image fetch failed: %r", exc)
         raise _fetch_failed("the S3 image object could not be fetched") from None
-    except Exception as exc:  # urllib3 errors from the body stream
+    except Exception as exc:  # urllib3 errors from the body stream  # noqa: BLE001
         logger.debug("S3 image fetch failed: %r", exc)
         raise _fetch_failed("the S3 image object could not be fetched") from None
     if len(data) > cap:
@@ -532,7 +532,7 @@ def _apply_orientation(image: Image.Image) -> None:
     """Rotate/flip ``image`` in place per its EXIF Orientation; unreadable EXIF is ignored."""
     try:
         ImageOps.exif_transpose(image, in_place=True)
-    except Exception as exc:  # a bad EXIF block should not cost the user the image
+    except Exception as exc:  # a bad EXIF block should not cost the user the image  # noqa: BLE001
         logger.debug("EXIF orientation ignored: %r", exc)
 
 
@@ -556,12 +556,12 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         return image.convert("RGB")
     if mode.startswith("I;16") or mode == "I":
         wide = image.convert("I") if mode != "I" else image
-        _low, high = wide.getextrema()
+        _low, high = cast("tuple[float, float]", wide.getextrema())
         if high > 255:  # 16-bit samples: scale 0..65535 onto 0..255
             wide = wide.point(lambda v: v * (255.0 / 65535.0))
         return wide.convert("L").convert("RGB")
     if mode == "F":
-        low, high = image.getextrema()
+        low, high = cast("tuple[float, float]", image.getextrema())
         if high <= 1.0 and low >= 0.0:  # float samples in 0..1
             image = image.point(lambda v: v * 255.0)
         return image.convert("L").convert("RGB")

@@ -148,7 +148,7 @@ class LlavaRunner:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device: str = "auto", gpu_id: int | None = None,
-                        dtype: str = "auto") -> "LlavaRunner":
+                        dtype: str = "auto") -> LlavaRunner:
         """Load model, processor and chat template from a local llava-hf checkpoint folder.
 
         Args:
@@ -170,7 +170,8 @@ class LlavaRunner:
             raise FileNotFoundError(f"{path} is not a checkpoint folder (no config.json)")
         dev = resolve_device(device, gpu_id)
         torch_dtype = resolve_dtype(dtype, dev)
-        model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch_dtype).to(dev)
+        loaded: Any = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch_dtype)
+        model = loaded.to(dev)
         processor = AutoProcessor.from_pretrained(path)
         log.info("loaded checkpoint", extra={"model_dir": str(path), "device": str(dev), "dtype": str(torch_dtype)})
         return cls(model.eval(), processor)

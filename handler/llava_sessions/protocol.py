@@ -17,7 +17,7 @@ of these models or raises :class:`~llava_sessions.errors.ServiceError`. Inbound 
 unknown fields; error messages name the field and never echo prompts or image bytes.
 
 Streaming replies use the SageMaker LMI / TGI JSON-lines format (:class:`StreamLine`).
-Session headers follow the botocore sagemaker-runtime model (see notes/torchserve-sagemaker.md).
+The SageMaker session headers live in :mod:`.contract`.
 No torch here.
 """
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime, timezone
-from typing import Annotated, Any, ClassVar, Literal, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -42,12 +42,8 @@ from pydantic_core import PydanticCustomError
 from .errors import ErrorCode, ServiceError
 
 __all__ = [
-    "CLOSED_SESSION_ID_HEADER",
-    "NEW_SESSION_ID_HEADER",
-    "NEW_SESSION_LITERAL",
     "REQUEST_TYPES",
-    "SESSION_ID_HEADER",
-    "SESSION_ID_RE",
+    "SAMPLING_BOUNDS",
     "CloseResponse",
     "CloseSessionRequest",
     "ErrorBody",
@@ -63,69 +59,52 @@ __all__ = [
     "Request",
     "ResetRequest",
     "ResetResponse",
+    "SamplingBound",
     "SendTextPromptRequest",
     "SendTextPromptResponse",
     "StartSessionRequest",
     "StartSessionResponse",
     "StreamLine",
     "TokenInfo",
-    "format_expires",
     "parse_request",
-    "session_header_value",
 ]
 
-# --- SageMaker session headers (botocore sagemaker-runtime service model) ---------------------
-#: Request header carrying the session id (``NEW_SESSION`` on open); also the open reply header.
-SESSION_ID_HEADER = "X-Amzn-SageMaker-Session-Id"
-#: Response header boto3 reads as ``NewSessionId``: ``<id>; Expires=<UTC>``.
-NEW_SESSION_ID_HEADER = "X-Amzn-SageMaker-New-Session-Id"
-#: Response header boto3 reads as ``ClosedSessionId``.
-CLOSED_SESSION_ID_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
-#: The ``SessionId`` a client passes to ``invoke_endpoint`` to open a session.
-NEW_SESSION_LITERAL = "NEW_SESSION"
-#: botocore's session id pattern ``^[a-zA-Z0-9](-*[a-zA-Z0-9])*$`` with its 256-char limit.
-#: Use ``SESSION_ID_RE.match(s)``; ``\\Z`` (not ``$``) so a trailing newline does not match.
-SESSION_ID_RE = re.compile(r"^(?=[a-zA-Z0-9-]{1,256}\Z)[a-zA-Z0-9](?:-*[a-zA-Z0-9])*\Z")
-
-_EXPIRES_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
-_MAX_HEADER_CHARS = 256  # botocore NewSessionResponseHeader max
 _S3_URI_RE = re.compile(r"^s3://[^/\s]{3,255}/[^\s].{0,1023}\Z", re.DOTALL)
 _MAX_SEED = 2**63 - 1
 
 
-def format_expires(epoch_s: int) -> str:
-    """Format a Unix time (seconds) as SageMaker's ``Expires`` value, ``YYYY-MM-DDTHH:MM:SSZ`` in UTC.
+@dataclass(frozen=True)
+class SamplingBound:
+    """The allowed range of one numeric sampling parameter and what to say when a value is outside it.
 
-    Fractions of a second are dropped (botocore's NewSessionId pattern allows none).
+    The one statement of the sampling rules: the wire model (:class:`GenerateParameters`) takes its
+    pydantic constraints from it and :class:`~llava_sessions.sampling.SamplingParams` checks it.
     """
-    return datetime.fromtimestamp(int(epoch_s), tz=timezone.utc).strftime(_EXPIRES_FORMAT)
+
+    message: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def allows(self, value: float) -> bool:
+        """True when ``value`` is inside the range."""
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le))
+
+    def field(self) -> Any:
+        """The pydantic ``Field`` with these constraints."""
+        return Field(ge=self.ge, gt=self.gt, le=self.le)
 
 
-def session_header_value(session_id: str, expires_epoch_s: int) -> str:
-    """Return ``"<session_id>; Expires=<UTC>"``, the value of the open-session reply headers.
-
-    This is what boto3 parses into ``NewSessionId`` (botocore pattern
-    ``^(...); Expires=\\d{4}-\\d{2}-\\d{2}T\\d{2}:\\d{2}:\\d{2}Z$``).
-
-    Args:
-        session_id: the id; must match :data:`SESSION_ID_RE` and, with the 30-character
-            ``; Expires=...`` suffix, fit botocore's 256-character limit (ids <= 226 characters;
-            TorchServe's ``ts-seq-<uuid4>`` is 43).
-        expires_epoch_s: the absolute expiry as Unix time in seconds.
-
-    Raises:
-        ValueError: ``session_id`` does not match the botocore id pattern, or the header value
-            would be over 256 characters.
-    """
-    if not isinstance(session_id, str) or not SESSION_ID_RE.match(session_id):
-        raise ValueError("session id must match ^[a-zA-Z0-9](-*[a-zA-Z0-9])*$ and be at most 256 characters")
-    value = f"{session_id}; Expires={format_expires(expires_epoch_s)}"
-    if len(value) > _MAX_HEADER_CHARS:
-        raise ValueError(
-            f"the NewSessionId header value may be at most {_MAX_HEADER_CHARS} characters; "
-            f"session ids must be at most {_MAX_HEADER_CHARS - len(value) + len(session_id)} characters"
-        )
-    return value
+#: Ranges of the numeric sampling parameters, by parameter name.
+SAMPLING_BOUNDS: dict[str, SamplingBound] = {
+    "max_new_tokens": SamplingBound("must be an integer >= 1", ge=1),
+    "temperature": SamplingBound("must be a number >= 0", ge=0.0),
+    "top_p": SamplingBound("must be > 0 and <= 1", gt=0.0, le=1.0),
+    "top_k": SamplingBound("must be an integer >= 0 (0 = off)", ge=0),
+    "repetition_penalty": SamplingBound("must be a number > 0", gt=0.0),
+    "seed": SamplingBound(f"must be an integer between 0 and {_MAX_SEED}", ge=0, le=_MAX_SEED),
+}
 
 
 # ============================================================================================
@@ -191,13 +170,13 @@ class GenerateParameters(_Inbound):
     (``Settings.max_new_tokens_cap``) in :func:`parse_request`.
     """
 
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None  # 0 = off
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    max_new_tokens: Annotated[int, SAMPLING_BOUNDS["max_new_tokens"].field()] | None = None
+    temperature: Annotated[float, SAMPLING_BOUNDS["temperature"].field()] | None = None
+    top_p: Annotated[float, SAMPLING_BOUNDS["top_p"].field()] | None = None
+    top_k: Annotated[int, SAMPLING_BOUNDS["top_k"].field()] | None = None  # 0 = off
+    repetition_penalty: Annotated[float, SAMPLING_BOUNDS["repetition_penalty"].field()] | None = None
     do_sample: bool = False
-    seed: Annotated[int, Field(ge=0, le=_MAX_SEED)] | None = None
+    seed: Annotated[int, SAMPLING_BOUNDS["seed"].field()] | None = None
     stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=4)] = Field(
         default_factory=list
     )
@@ -344,14 +323,7 @@ class SendTextPromptRequest(_RequestBase):
 
 
 Request = Annotated[
-    Union[
-        OpenSessionRequest,
-        GenerateRequest,
-        ResetRequest,
-        CloseSessionRequest,
-        StartSessionRequest,
-        SendTextPromptRequest,
-    ],
+    OpenSessionRequest | GenerateRequest | ResetRequest | CloseSessionRequest | StartSessionRequest | SendTextPromptRequest,
     Field(discriminator="type"),
 ]
 """Any inbound request; ``request.canonical()`` maps the AWS sample aliases to canonical types."""
@@ -384,12 +356,7 @@ _STRUCTURAL = frozenset(
 
 # What to say for a bad value of these fields, whatever pydantic's error type.
 _FIELD_HINTS = {
-    "max_new_tokens": "must be an integer >= 1",
-    "temperature": "must be a number >= 0",
-    "top_p": "must be > 0 and <= 1",
-    "top_k": "must be an integer >= 0 (0 = off)",
-    "repetition_penalty": "must be a number > 0",
-    "seed": f"must be an integer between 0 and {_MAX_SEED}",
+    **{name: bound.message for name, bound in SAMPLING_BOUNDS.items()},
     "do_sample": "must be true or false",
     "details": "must be true or false",
     "stream": "must be true or false",
@@ -610,6 +577,10 @@ class GenerationDetails(_Outbound):
         prompt_tokens: tokens of this turn's prompt (after templating).
         cached_tokens: context tokens reused from the session's cache (not recomputed).
         generated_tokens: tokens generated.
+        seed: the sampler's seed (the one given, or the one drawn), so a sampled answer can be
+            repeated; null for greedy answers.
+        restored_from: the tier a demoted session was rebuilt from for this answer (``"features"``
+            or ``"image"``); null when its KV cache was resident.
         tokens: per-token list, only when ``parameters.details`` was true.
         timings: named durations in milliseconds (e.g. ``ttft_ms``, ``total_ms``) and rates.
     """
@@ -618,6 +589,8 @@ class GenerationDetails(_Outbound):
     prompt_tokens: int
     cached_tokens: int
     generated_tokens: int
+    seed: int | None = None
+    restored_from: Literal["features", "image"] | None = None
     tokens: list[TokenInfo] | None = None
     timings: dict[str, float] = Field(default_factory=dict)
 

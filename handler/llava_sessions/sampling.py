@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .errors import ErrorCode, ServiceError
+from .protocol import SAMPLING_BOUNDS
 
 
 @dataclass(frozen=True)
@@ -45,18 +46,17 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
-            (self.temperature is None or self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_p is None or 0 < self.top_p <= 1, "top_p must be > 0 and <= 1"),
-            (self.top_k is None or self.top_k >= 0, "top_k must be >= 0"),
-            (self.repetition_penalty is None or self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (self.seed is None or self.seed >= 0, "seed must be >= 0"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop sequences must be non-empty strings"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ServiceError(ErrorCode.INVALID_PARAMETER, message)
+        """Check the ranges of :data:`~llava_sessions.protocol.SAMPLING_BOUNDS` (the wire's rules).
+
+        Raises:
+            ServiceError: invalid_parameter, naming the parameter and its range.
+        """
+        for name, bound in SAMPLING_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not bound.allows(value):
+                raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name} {bound.message}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, "stop sequences must be non-empty strings")
 
     @property
     def sampling(self) -> bool:
@@ -91,11 +91,12 @@ class Sampler:
 
         self.params = params
         self.device = device
-        self._penalty = params.repetition_penalty not in (None, 1.0)
+        penalty = params.repetition_penalty
+        self._penalty = penalty is not None and penalty != 1.0
         self._ids = torch.tensor([prompt_ids], device=device) if self._penalty else None
         procs = LogitsProcessorList()
-        if self._penalty:
-            procs.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+        if penalty is not None and penalty != 1.0:
+            procs.append(RepetitionPenaltyLogitsProcessor(penalty))
         self.seed: int | None = None
         self._generator: torch.Generator | None = None
         if params.sampling:
@@ -118,7 +119,8 @@ class Sampler:
         """
         scores = logits.unsqueeze(0)
         if len(self._procs):
-            scores = self._procs(self._ids if self._ids is not None else torch.empty(1, 0, dtype=torch.long, device=self.device), scores)
+            ids = self._ids if self._ids is not None else torch.empty(1, 0, dtype=torch.long, device=self.device)
+            scores = self._procs(cast(torch.LongTensor, ids), scores)
         if self._generator is not None:
             probs = torch.softmax(scores, dim=-1)
             token = int(torch.multinomial(probs[0], 1, generator=self._generator))

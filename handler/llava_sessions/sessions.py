@@ -30,8 +30,9 @@ import enum
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -130,8 +131,6 @@ class Session:
 class StoreStats:
     """Counters since start (monotonic); read with :meth:`SessionStore.stats`."""
 
-    num_opened: int = 0
-    num_closed: int = 0
     num_expired: int = 0
     num_evicted: int = 0
     num_demotions_kv: int = 0
@@ -200,14 +199,6 @@ class SessionStore:
             "image": sum(s.host_bytes for s in ss),
         }
 
-    def count_by_tier(self) -> dict[str, int]:
-        """Number of sessions in each tier."""
-        counts = {t.value: 0 for t in Tier}
-        for s in self._sessions.values():
-            counts[s.tier.value] += 1
-        return counts
-
-    # ------------------------------------------------------------------ lifecycle
     def new_session(self, session_id: str, image_bytes: bytes, system_prompt: str | None) -> Session:
         """Create (not add) a session with its expiry fixed now: ``floor(now) + ttl_s``."""
         now = self.clock()
@@ -231,7 +222,6 @@ class SessionStore:
             raise ServiceError(ErrorCode.OVERLOADED, "the session does not fit in host memory", retry_after_s=5)
         self._sessions[session.session_id] = session
         self._tombstones.pop(session.session_id, None)
-        self.stats.num_opened += 1
         self.enforce(keep=session)
 
     def get(self, session_id: str) -> Session:
@@ -264,7 +254,6 @@ class SessionStore:
         del self._sessions[session_id]
         session.drop_features()
         self._bury(session_id, ErrorCode.SESSION_NOT_FOUND)
-        self.stats.num_closed += 1
         return session
 
     def sweep(self) -> int:

@@ -1,9 +1,9 @@
-"""A scripted session against a local TorchServe: ``python -m llava_client.demo [--model-dir DIR]``.
+"""A scripted session against a local TorchServe: ``python -m llava_tools.demo [--model-dir DIR]``.
 
 This is what ``make demo`` runs. Without ``--model-dir`` it builds the ``tiny`` random-weight
 checkpoint (answers are gibberish; everything else is the real serving path). Then it
 
-1. starts a local TorchServe with the handler (:class:`llava_sessions.serve.LocalServer`, free port),
+1. starts a local TorchServe with the handler (:class:`llava_tools.serve.LocalServer`, free port),
 2. opens a session on a real photograph (scikit-image's astronaut, saved as JPEG),
 3. asks three questions: one streamed (pieces printed as they arrive), one that refers to the
    previous answer (remembered history), one independent (``remember=False``),
@@ -22,9 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._client import SessionClient
-from ._exceptions import LlavaError
-from ._types import Answer
+from llava_client import Answer, LlavaError, SessionClient
 
 __all__ = ["main"]
 
@@ -37,7 +35,7 @@ NOTE: no --model-dir given, so this uses the `tiny` checkpoint: a LLaVA with RAN
 the fly. Its answers are gibberish; the serving path (TorchServe, sessions, KV-cache reuse,
 streaming) is the real one. To run on a real model, download a llava-hf checkpoint folder and run
     make demo MODEL_DIR=/path/to/llava-1.5-7b-hf
-(or: python -m llava_client.demo --model-dir /path/to/llava-1.5-7b-hf)."""
+(or: python -m llava_tools.demo --model-dir /path/to/llava-1.5-7b-hf)."""
 
 
 @dataclass
@@ -75,10 +73,10 @@ def _turn_line(answer: Answer) -> str:
 
 def run(model_dir: Path | None, *, max_new_tokens: int, work_dir: Path) -> int:
     """Build (if needed), serve, chat, print; return the exit status."""
-    from llava_sessions.serve import LocalServer
+    from llava_tools.serve import LocalServer
 
     if model_dir is None:
-        from llava_sessions.tiny_model import write_checkpoint
+        from llava_tools.tiny_model import write_checkpoint
 
         t0 = time.perf_counter()
         model_dir = Path(write_checkpoint("tiny", work_dir / "tiny-llava", seed=0))
@@ -148,7 +146,7 @@ def _chat(client: SessionClient, photo: Path, max_new_tokens: int) -> list[_Turn
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m llava_client.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m llava_tools.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, help="a llava-hf checkpoint folder (default: build `tiny`)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="longest answer in tokens (default 24)")
     args = parser.parse_args(argv)

@@ -57,7 +57,7 @@ mirrors public AWS material and is unverified against a live endpoint):
   "sessions": {id: index}}``.
 
 SIGINT / SIGTERM stop the HTTP server and every TorchServe backend it started (each in its own
-process group, TMPDIR and ports: :class:`~llava_sessions.serve.LocalServer`).
+process group, TMPDIR and ports: :class:`~llava_tools.serve.LocalServer`).
 """
 
 from __future__ import annotations
@@ -72,17 +72,25 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
+from llava_sessions.contract import (
+    CLOSED_SESSION_ID_HEADER,
+    NEW_SESSION_ID_HEADER,
+    NEW_SESSION_LITERAL,
+    SESSION_ID_HEADER,
+    SESSION_ID_PATTERN,
+    SESSION_ID_RE,
+    session_id_of,
+)
+
 from .serve import (
-    HEADER_CLOSED_SESSION_ID,
-    HEADER_NEW_SESSION_ID,
-    HEADER_SESSION_ID,
     LocalServer,
     _parse_assignment,
     run_until_signal,
@@ -90,7 +98,6 @@ from .serve import (
 
 __all__ = [
     "MAX_BODY_BYTES",
-    "NEW_SESSION",
     "BackendRef",
     "LocalEndpoint",
     "Router",
@@ -102,8 +109,6 @@ __all__ = [
     "stream_error_event",
 ]
 
-#: The ``SessionId`` that asks for a new session.
-NEW_SESSION = "NEW_SESSION"
 #: SageMaker's request body limit (InvokeEndpoint), bytes.
 MAX_BODY_BYTES = 6_291_456
 VARIANT_NAME = "AllTraffic"
@@ -119,8 +124,6 @@ PROBE_INTERVAL_S = 1.0
 #: Seconds to wait for a backend's reply (per read); SageMaker allows 60 s for a whole reply.
 DEFAULT_READ_TIMEOUT_S = 120.0
 _PATH_RE = re.compile(r"^/endpoints/([^/]+)/(invocations|invocations-response-stream)$")
-#: botocore's SessionIdHeader pattern (at most 256 characters).
-_SESSION_ID_RE = re.compile(r"^(?=.{1,256}$)[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
 
 
 # ---- AWS event stream framing ------------------------------------------------------------------
@@ -231,7 +234,7 @@ class Router:
         with self._lock:
             return self._sessions.get(session_id)
 
-    def least_loaded(self, exclude: set[int] = frozenset()) -> int | None:
+    def least_loaded(self, exclude: Set[int] = frozenset()) -> int | None:
         """Return the healthy backend with the fewest sessions (lowest index on ties), or None."""
         self._probe_down(exclude)
         with self._lock:
@@ -282,7 +285,7 @@ class Router:
             "sessions": sessions,
         }
 
-    def _probe_down(self, exclude: set[int]) -> None:
+    def _probe_down(self, exclude: Set[int]) -> None:
         now = time.monotonic()
         for backend in self.backends:
             if backend.healthy or backend.index in exclude or now - backend.last_probe < self.probe_interval_s:
@@ -327,16 +330,9 @@ _TIMEOUT_MESSAGE = (
 )
 
 
-def _session_id_of(header_value: str | None) -> str | None:
-    """``"<id>; Expires=..."`` → ``"<id>"``."""
-    if not header_value:
-        return None
-    return header_value.split(";", 1)[0].strip() or None
-
-
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "RouterServer"
+    server: RouterServer
 
     # -- plumbing --
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - BaseHTTPRequestHandler's name
@@ -386,13 +382,13 @@ class _Handler(BaseHTTPRequestHandler):
         if len(body) > MAX_BODY_BYTES:
             self._aws_error(400, "ValidationError", f"Request body is over the {MAX_BODY_BYTES}-byte limit.")
             return
-        session_id = self.headers.get(HEADER_SESSION_ID)
-        if session_id and session_id != NEW_SESSION and not _SESSION_ID_RE.match(session_id):
+        session_id = self.headers.get(SESSION_ID_HEADER)
+        if session_id and session_id != NEW_SESSION_LITERAL and not SESSION_ID_RE.match(session_id):
             self._aws_error(400, "ValidationError",
                             f"1 validation error detected: Value '{session_id}' at 'sessionId' failed to satisfy "
-                            f"constraint: Member must satisfy regular expression pattern: {_SESSION_ID_RE.pattern}")
+                            f"constraint: Member must satisfy regular expression pattern: {SESSION_ID_PATTERN}")
             return
-        if stream and session_id == NEW_SESSION:
+        if stream and session_id == NEW_SESSION_LITERAL:
             self._aws_error(400, "ValidationError",
                             "NEW_SESSION is not supported by InvokeEndpointWithResponseStream; "
                             "open with InvokeEndpoint.")
@@ -401,8 +397,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _invoke(self, endpoint: str, body: bytes, session_id: str | None, stream: bool) -> None:
         router = self.server.router
-        opening = session_id in (None, NEW_SESSION)
-        index = None if opening else router.lookup(session_id)
+        opening = session_id is None or session_id == NEW_SESSION_LITERAL
+        index = None if session_id is None or opening else router.lookup(session_id)
         sticky = index is not None
         forward_id = None if opening else session_id
         tried: set[int] = set()
@@ -420,7 +416,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             except _BackendGone as gone:
                 lost = router.mark_down(index)
-                if sticky:
+                if sticky and session_id is not None:
                     self._session_gone(endpoint, index, session_id, f"backend {index} {gone}", lost)
                     return
                 if not gone.refused:  # the request may have reached it: do not send it twice
@@ -444,7 +440,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.headers.get(HEADER_CUSTOM_ATTRIBUTES):
             headers[HEADER_CUSTOM_ATTRIBUTES] = self.headers[HEADER_CUSTOM_ATTRIBUTES]
         if session_id is not None:
-            headers[HEADER_SESSION_ID] = session_id
+            headers[SESSION_ID_HEADER] = session_id
         try:
             connection.connect()
         except ConnectionRefusedError as exc:
@@ -468,15 +464,15 @@ class _Handler(BaseHTTPRequestHandler):
         """Update the session map from the reply; return the session headers to pass on."""
         router = self.server.router
         passed: dict[str, str] = {}
-        new_value = response.getheader(HEADER_NEW_SESSION_ID)
-        closed_value = response.getheader(HEADER_CLOSED_SESSION_ID)
+        new_value = response.getheader(NEW_SESSION_ID_HEADER)
+        closed_value = response.getheader(CLOSED_SESSION_ID_HEADER)
         if new_value:
-            passed[HEADER_NEW_SESSION_ID] = new_value
-            new_id = _session_id_of(new_value)
+            passed[NEW_SESSION_ID_HEADER] = new_value
+            new_id = session_id_of(new_value)
             if new_id and response.status < 400:
                 router.opened(new_id, index)
         if closed_value:
-            passed[HEADER_CLOSED_SESSION_ID] = closed_value
+            passed[CLOSED_SESSION_ID_HEADER] = closed_value
             router.closed(closed_value.strip())
         attributes = response.getheader(HEADER_CUSTOM_ATTRIBUTES)
         if attributes:
@@ -546,7 +542,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.verbose:
             print(f"llava-local-endpoint: {reason}; forgot {len(lost)} session(s)", file=sys.stderr, flush=True)
         self._model_error(endpoint, index, 404, _session_gone_body(session_id, reason),
-                          {HEADER_CLOSED_SESSION_ID: session_id})
+                          {CLOSED_SESSION_ID_HEADER: session_id})
 
 
 class RouterServer(ThreadingHTTPServer):
@@ -576,9 +572,9 @@ class RouterServer(ThreadingHTTPServer):
     def url(self) -> str:
         """Base URL (``endpoint_url`` for boto3)."""
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
-    def start(self) -> "RouterServer":
+    def start(self) -> RouterServer:
         """Serve in a daemon thread; return self."""
         self._thread = threading.Thread(target=self.serve_forever, name="llava-local-endpoint", daemon=True)
         self._thread.start()
@@ -633,7 +629,7 @@ class LocalEndpoint:
             raise RuntimeError("not started")
         return self._httpd.url
 
-    def start(self) -> "LocalEndpoint":
+    def start(self) -> LocalEndpoint:
         """Start every backend (in parallel), then the router. Stops everything on failure.
 
         Raises:
@@ -670,7 +666,7 @@ class LocalEndpoint:
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(lambda server: server.stop(), self.servers))
 
-    def __enter__(self) -> "LocalEndpoint":
+    def __enter__(self) -> LocalEndpoint:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

@@ -11,7 +11,7 @@ which is :func:`main`:
    ``llava/`` model folder that ``llava-deploy`` uploads (TorchServe's no-archive layout: handler,
    package, ``model-config.yaml`` and the checkpoint files side by side); then that
    ``model-config.yaml`` (with the deploy-time ``--set`` values) is used.
-2. start TorchServe with :class:`ContainerServer`, a :class:`~llava_sessions.serve.LocalServer`
+2. start TorchServe with :class:`ContainerServer`, a :class:`~llava_tools.serve.LocalServer`
    whose ``config.properties`` is the image's ``config/config.properties`` (token auth off, 6 MiB
    bodies, Prometheus metrics, the SageMaker session headers as sequence keys) with this run's
    addresses filled in: inference on ``0.0.0.0:8080``, management / metrics / gRPC on free loopback
@@ -40,8 +40,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .serve import (
     _SEQUENCE_HEADER_KEYS,
@@ -155,7 +156,7 @@ class ContainerServer(LocalServer):
 
     Every key of ``ts_config`` is kept except the per-run ones (addresses, ports, model store),
     which :class:`LocalServer` fills in. The sequence header keys in the file must name the same
-    headers as :mod:`llava_sessions.serve` exports to the workers (``TS_REQUEST_SEQUENCE_*``).
+    headers as :mod:`llava_tools.serve` exports to the workers (``TS_REQUEST_SEQUENCE_*``).
 
     Args:
         model_dir: the checkpoint folder.

@@ -184,7 +184,7 @@ def build_config(size: str, vocab_size: int, image_token_id: int, pad_token_id: 
         vision_feature_select_strategy="default",
         vision_feature_layer=-2,
         image_seq_length=576,
-        pad_token_id=pad_token_id,
+        pad_token_id=pad_token_id,  # type: ignore[call-arg]  # a PretrainedConfig keyword
         tie_word_embeddings=False,
     )
 

@@ -31,15 +31,16 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import IO, Any
 
 import yaml
 
+import llava_sessions
+from llava_sessions.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SESSION_ID_HEADER
+
 __all__ = [
-    "HEADER_CLOSED_SESSION_ID",
-    "HEADER_NEW_SESSION_ID",
-    "HEADER_SESSION_ID",
     "MODEL_NAME",
     "LocalServer",
     "ServerStartError",
@@ -48,17 +49,14 @@ __all__ = [
 
 #: Name the model is registered under (``/predictions/llava``; ``/invocations`` needs no name).
 MODEL_NAME = "llava"
-#: SageMaker's session headers; they double as TorchServe's sequence header keys (id / start / end).
-HEADER_SESSION_ID = "X-Amzn-SageMaker-Session-Id"
-HEADER_NEW_SESSION_ID = "X-Amzn-SageMaker-New-Session-Id"
-HEADER_CLOSED_SESSION_ID = "X-Amzn-SageMaker-Closed-Session-Id"
 
 #: Frontend keys (config.properties) -> the env var the Python worker reads the same name from
-#: (ts/context.py, Context.__init__). Both sides must name the same header.
+#: (ts/context.py, Context.__init__). Both sides must name the same header: SageMaker's session
+#: headers double as TorchServe's sequence header keys (id / start / end).
 _SEQUENCE_HEADER_KEYS = (
-    ("ts_header_key_sequence_id", "TS_REQUEST_SEQUENCE_ID", HEADER_SESSION_ID),
-    ("ts_header_key_sequence_start", "TS_REQUEST_SEQUENCE_START", HEADER_NEW_SESSION_ID),
-    ("ts_header_key_sequence_end", "TS_REQUEST_SEQUENCE_END", HEADER_CLOSED_SESSION_ID),
+    ("ts_header_key_sequence_id", "TS_REQUEST_SEQUENCE_ID", SESSION_ID_HEADER),
+    ("ts_header_key_sequence_start", "TS_REQUEST_SEQUENCE_START", NEW_SESSION_ID_HEADER),
+    ("ts_header_key_sequence_end", "TS_REQUEST_SEQUENCE_END", CLOSED_SESSION_ID_HEADER),
 )
 
 #: SageMaker's body limit is 6,291,456 bytes; TorchServe's own limit sits just above it.
@@ -69,13 +67,14 @@ DEFAULT_STOP_GRACE_S = 20.0
 _MAX_TEMP_BASE_CHARS = 60
 _POLL_S = 0.25
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
-_REPO_ROOT = _PACKAGE_DIR.parent.parent
+#: The worker core (the only package the TorchServe worker imports) and the handler folder beside it.
+_CORE_DIR = Path(llava_sessions.__file__).resolve().parent
+_REPO_ROOT = _CORE_DIR.parent.parent
 
 
 def default_handler_path() -> Path:
     """Return the path of the TorchServe entry ``handler/llava_handler.py``."""
-    return _PACKAGE_DIR.parent / "llava_handler.py"
+    return _CORE_DIR.parent / "llava_handler.py"
 
 
 def default_model_config_path() -> Path:
@@ -142,7 +141,7 @@ class LocalServer:
         self._ports: dict[str, int] = {}
         self._temp_dir: Path | None = None
         self._proc: subprocess.Popen | None = None
-        self._console = None
+        self._console: IO[bytes] | None = None
         self._lock = threading.Lock()
         self._abort = threading.Event()
         self._stopping = threading.Event()
@@ -231,7 +230,7 @@ class LocalServer:
                 parts.append(f"==> {path.name} <==\n" + "\n".join(lines))
         return "\n".join(parts)
 
-    def start(self) -> "LocalServer":
+    def start(self) -> LocalServer:
         """Build the model folder, start TorchServe and wait until the worker serves.
 
         Returns:
@@ -293,7 +292,7 @@ class LocalServer:
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> LocalServer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -339,7 +338,7 @@ class LocalServer:
 
     def _launch(self) -> None:
         temp = self.temp_dir
-        self._console = open(temp / "console.log", "ab")
+        self._console = open(temp / "console.log", "ab")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
             self._command,
             cwd=temp,
@@ -425,8 +424,8 @@ class LocalServer:
         # level down so it lands as <model>/llava_sessions/ and stays importable as a package.
         extra = temp / "extra"
         shutil.copytree(
-            _PACKAGE_DIR,
-            extra / _PACKAGE_DIR.name,
+            _CORE_DIR,
+            extra / _CORE_DIR.name,
             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
         )
         command = [
@@ -515,10 +514,11 @@ class LocalServer:
 
     def _frontend_process(self):
         psutil = _psutil()
-        if not self.running:
+        proc = self._proc
+        if not self.running or proc is None:
             return None
         try:
-            for child in psutil.Process(self._proc.pid).children():
+            for child in psutil.Process(proc.pid).children():
                 if child.name().startswith("java"):
                     return child
         except psutil.Error:

@@ -1,0 +1,90 @@
+"""The SageMaker stateful-session contract: header names, ``NEW_SESSION``, the id pattern, ``Expires``.
+
+The one place these facts are written on the server side; the worker core (protocol, service) and
+the tools (local server, container entrypoint, local SageMaker endpoint) import them from here.
+``llava_client`` keeps its own copy (it installs without the server), held equal by
+``tests/test_layout.py``.
+
+Sources: botocore's ``sagemaker-runtime`` service model (``SessionIdHeader``,
+``NewSessionResponseHeader``, ``SessionIdOrNewSessionConstantAllowList``) and the AWS TorchServe
+LLaVA sample; see shared/notes/torchserve-sagemaker.md. No third-party imports here.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+
+__all__ = [
+    "CLOSED_SESSION_ID_HEADER",
+    "EXPIRES_FORMAT",
+    "MAX_SESSION_HEADER_CHARS",
+    "NEW_SESSION_ID_HEADER",
+    "NEW_SESSION_LITERAL",
+    "SESSION_ID_HEADER",
+    "SESSION_ID_PATTERN",
+    "SESSION_ID_RE",
+    "format_expires",
+    "session_header_value",
+    "session_id_of",
+]
+
+#: Request header carrying the session id (``NEW_SESSION`` on open); also the open reply header.
+SESSION_ID_HEADER = "X-Amzn-SageMaker-Session-Id"
+#: Response header boto3 reads as ``NewSessionId``: ``<id>; Expires=<UTC>``.
+NEW_SESSION_ID_HEADER = "X-Amzn-SageMaker-New-Session-Id"
+#: Response header boto3 reads as ``ClosedSessionId``.
+CLOSED_SESSION_ID_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+#: The ``SessionId`` a client passes to ``invoke_endpoint`` to open a session.
+NEW_SESSION_LITERAL = "NEW_SESSION"
+#: botocore's ``SessionIdHeader`` pattern, as botocore writes it (and quotes it in its errors).
+SESSION_ID_PATTERN = "^[a-zA-Z0-9](-*[a-zA-Z0-9])*$"
+#: :data:`SESSION_ID_PATTERN` with its 256-character limit. Use ``SESSION_ID_RE.match(s)``;
+#: ``\\Z`` (not ``$``) so a trailing newline does not match.
+SESSION_ID_RE = re.compile(r"^(?=[a-zA-Z0-9-]{1,256}\Z)[a-zA-Z0-9](?:-*[a-zA-Z0-9])*\Z")
+#: ``Expires`` value format: UTC, whole seconds (botocore's NewSessionId pattern allows no fraction).
+EXPIRES_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+#: botocore's maximum length of the ``NewSessionId`` header value, characters.
+MAX_SESSION_HEADER_CHARS = 256
+
+
+def format_expires(epoch_s: int) -> str:
+    """Format a Unix time (seconds) as SageMaker's ``Expires`` value, ``YYYY-MM-DDTHH:MM:SSZ`` in UTC.
+
+    Fractions of a second are dropped (botocore's NewSessionId pattern allows none).
+    """
+    return datetime.fromtimestamp(int(epoch_s), tz=timezone.utc).strftime(EXPIRES_FORMAT)
+
+
+def session_header_value(session_id: str, expires_epoch_s: int) -> str:
+    """Return ``"<session_id>; Expires=<UTC>"``, the value of the open-session reply headers.
+
+    This is what boto3 parses into ``NewSessionId`` (botocore pattern
+    ``^(...); Expires=\\d{4}-\\d{2}-\\d{2}T\\d{2}:\\d{2}:\\d{2}Z$``).
+
+    Args:
+        session_id: the id; must match :data:`SESSION_ID_RE` and, with the 30-character
+            ``; Expires=...`` suffix, fit botocore's 256-character limit (ids <= 226 characters;
+            TorchServe's ``ts-seq-<uuid4>`` is 43).
+        expires_epoch_s: the absolute expiry as Unix time in seconds.
+
+    Raises:
+        ValueError: ``session_id`` does not match the botocore id pattern, or the header value
+            would be over 256 characters.
+    """
+    if not isinstance(session_id, str) or not SESSION_ID_RE.match(session_id):
+        raise ValueError("session id must match ^[a-zA-Z0-9](-*[a-zA-Z0-9])*$ and be at most 256 characters")
+    value = f"{session_id}; Expires={format_expires(expires_epoch_s)}"
+    if len(value) > MAX_SESSION_HEADER_CHARS:
+        raise ValueError(
+            f"the NewSessionId header value may be at most {MAX_SESSION_HEADER_CHARS} characters; "
+            f"session ids must be at most {MAX_SESSION_HEADER_CHARS - len(value) + len(session_id)} characters"
+        )
+    return value
+
+
+def session_id_of(header_value: str | None) -> str | None:
+    """Return the id of a session header value: ``"<id>; Expires=..."`` → ``"<id>"``; None if empty."""
+    if not header_value:
+        return None
+    return header_value.split(";", 1)[0].strip() or None

@@ -1,0 +1,109 @@
+"""The worker's metrics, published through TorchServe's metrics API (Prometheus on the metrics port).
+
+:class:`WorkerMetrics` collects what the service observes (each answer's time to first token and
+decode rate, errors by code) and, on :meth:`WorkerMetrics.emit`, reads the engine's and the store's
+counters: gauges are set, counters advanced by their change since the last emission, samples
+recorded and then cleared. Names are ``llava_<Name>`` with the ``ModelName`` dimension (TorchServe
+0.12 metrics API: ``context.metrics.add_metric_to_cache``; docs/design.md, Metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import Answer, SessionEngine
+    from .errors import ServiceError
+
+__all__ = ["WorkerMetrics"]
+
+log = logging.getLogger(__name__)
+
+#: Extra dimensions of the metrics that have them (beyond ``ModelName``).
+_DIMS = {"SessionBytes": ["Tier"], "Demotions": ["Tier"], "Errors": ["Code"]}
+_MetricKey = tuple[str, tuple[str, ...]]
+
+
+class WorkerMetrics:
+    """Observations of one worker and their publication.
+
+    Args:
+        cache: TorchServe's metrics cache (``context.metrics``), or None (observe only, emit nothing).
+    """
+
+    def __init__(self, cache: Any = None) -> None:
+        self._cache = cache
+        self._objects: dict[str, Any] = {}
+        self._counters_sent: dict[_MetricKey, float] = {}
+        self.errors_by_code: Counter[str] = Counter()
+        self._ttft_ms: list[float] = []
+        self._decode_tokens_per_s: list[float] = []
+
+    def observe_answer(self, answer: Answer) -> None:
+        """Record a finished answer's ``ttft`` (ms) and ``decode_tokens_per_s``."""
+        self._ttft_ms.append(answer.timings.get("ttft", 0.0))
+        self._decode_tokens_per_s.append(answer.timings.get("decode_tokens_per_s", 0.0))
+
+    def count_error(self, error: ServiceError) -> None:
+        """Count one error reply by its code."""
+        self.errors_by_code[error.code.value] += 1
+
+    def snapshot(self, engine: SessionEngine) -> dict[str, dict[_MetricKey, float]]:
+        """Current gauges and monotonic counters: ``{"gauges": {(name, dims): value}, "counters": {...}}``."""
+        store = engine.store
+        by_tier = store.bytes_by_tier()
+        st = store.stats
+        return {
+            "gauges": {
+                ("OpenSessions", ()): len(store),
+                ("SessionBytes", ("kv",)): by_tier["kv"],
+                ("SessionBytes", ("features",)): by_tier["features"],
+                ("SessionBytes", ("image",)): by_tier["image"],
+            },
+            "counters": {
+                ("Demotions", ("kv",)): st.num_demotions_kv,
+                ("Demotions", ("features",)): st.num_demotions_features,
+                ("Restores", ()): st.num_restores,
+                ("SessionsEvicted", ()): st.num_evicted,
+                ("SessionsExpired", ()): st.num_expired,
+                ("ReusedPromptTokens", ()): engine.num_reused_tokens,
+                ("PrefilledPromptTokens", ()): engine.num_prefilled_tokens,
+                **{("Errors", (code,)): n for code, n in self.errors_by_code.items()},
+            },
+        }
+
+    def emit(self, engine: SessionEngine) -> None:
+        """Publish gauges, counter increments and the answers' samples since the last call.
+
+        Time to first token goes out in seconds (Prometheus' default histogram buckets are in
+        seconds). Never raises: metrics must never hurt serving.
+        """
+        if self._cache is None:
+            return
+        try:
+            from ts.metrics.metric_type_enum import MetricTypes
+
+            snap = self.snapshot(engine)
+            updates: list[tuple[str, tuple[str, ...], float, Any, str]] = []
+            for (name, dims), value in snap["gauges"].items():
+                updates.append((name, dims, value, MetricTypes.GAUGE, "Bytes" if name == "SessionBytes" else "Count"))
+            for key, value in snap["counters"].items():
+                delta = value - self._counters_sent.get(key, 0)
+                if delta:
+                    self._counters_sent[key] = value
+                    updates.append((key[0], key[1], delta, MetricTypes.COUNTER, "Count"))
+            updates += [("TimeToFirstTokenSeconds", (), v / 1000.0, MetricTypes.HISTOGRAM, "s") for v in self._ttft_ms]
+            updates += [("DecodeTokensPerSecond", (), v, MetricTypes.GAUGE, "Count") for v in self._decode_tokens_per_s]
+            self._ttft_ms.clear()
+            self._decode_tokens_per_s.clear()
+            for name, dims, value, mtype, unit in updates:
+                metric = self._objects.get(name)
+                if metric is None:
+                    metric = self._cache.add_metric_to_cache(f"llava_{name}", unit, ["ModelName", *_DIMS.get(name, [])],
+                                                             mtype)
+                    self._objects[name] = metric
+                metric.add_or_update(value, ["llava", *dims])
+        except Exception:  # noqa: BLE001 - metrics must never hurt serving
+            log.debug("metrics emission failed", exc_info=True)

@@ -1,0 +1,65 @@
+"""The one place that wires a worker: settings → model runner → session store → engine → service.
+
+``handler/llava_handler.py`` calls :func:`build_service` once per TorchServe worker process, in
+``initialize``; tests and tools call it the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .config import Settings
+from .contract import CLOSED_SESSION_ID_HEADER
+from .engine import EngineLimits, SessionEngine, default_device_budget
+from .images import decode_image
+from .metrics import WorkerMetrics
+from .model import LlavaRunner
+from .service import SessionService
+from .sessions import SessionStore
+
+__all__ = ["build_service"]
+
+log = logging.getLogger(__name__)
+
+
+def build_service(handler_section: Mapping[str, Any], *, env: Mapping[str, str] | None = None,
+                  archive_dir: str | None = None, gpu_id: int | None = None,
+                  end_header: str = CLOSED_SESSION_ID_HEADER, metrics: Any = None) -> SessionService:
+    """Build settings, model, store, engine and service for one worker.
+
+    Args:
+        handler_section: the ``handler:`` section of model-config.yaml.
+        env: environment overrides (``LLAVA_*``).
+        archive_dir: TorchServe's model directory; used as the checkpoint folder when
+            ``model_dir`` is empty and it holds a config.json.
+        gpu_id: TorchServe's GPU for this worker (``settings.gpu_id`` wins).
+        end_header: TorchServe's sequence-end header name (``ctx.header_key_sequence_end``).
+        metrics: TorchServe's metrics cache (``context.metrics``) or None.
+
+    Raises:
+        ValueError: invalid settings. FileNotFoundError: no checkpoint folder.
+    """
+    settings = Settings.from_sources(dict(handler_section), env)
+    logging.getLogger("llava_sessions").setLevel(settings.log_level)
+    model_dir = settings.model_dir
+    if not model_dir and archive_dir and (Path(archive_dir) / "config.json").is_file():
+        model_dir = archive_dir
+    if not model_dir:
+        raise FileNotFoundError("no model folder: set handler.model_dir or LLAVA_MODEL_DIR")
+    runner = LlavaRunner.from_pretrained(model_dir, device=settings.device,
+                                         gpu_id=settings.gpu_id if settings.gpu_id is not None else gpu_id,
+                                         dtype=settings.dtype)
+    budget = settings.device_budget_bytes or default_device_budget(runner, settings.device_budget_fraction)
+    store = SessionStore(device_budget_bytes=budget, host_budget_bytes=settings.host_budget_bytes,
+                         max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
+                         idle_timeout_s=settings.idle_timeout_s)
+    engine = SessionEngine(runner, store, functools.partial(decode_image, max_pixels=settings.max_image_pixels),
+                           EngineLimits(max_new_tokens_cap=settings.max_new_tokens_cap,
+                                        max_prompt_tokens=settings.max_prompt_tokens))
+    log.warning("llava-sessions ready", extra={"model_dir": model_dir, "device": str(runner.device),
+                                                "device_budget_bytes": budget})
+    return SessionService(settings, engine, end_header=end_header, metrics=WorkerMetrics(metrics))
