@@ -66,7 +66,9 @@ class AwsSampleWay:
     def open(self, image_bytes: bytes) -> float:
         t0 = time.perf_counter()
         image = self.decode(image_bytes)
-        self.pixels = self.runner.processor.image_processor(images=[image], return_tensors="pt")["pixel_values"].to(self.runner.device)
+        self.pixels = self.runner.processor.image_processor(images=[image], return_tensors="pt")["pixel_values"].to(
+            self.runner.device
+        )
         sync(self.runner.device)
         return (time.perf_counter() - t0) * 1000
 
@@ -118,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     decode = functools.partial(decode_image, max_pixels=40_000_000)
     image = photo_bytes()
     params = SamplingParams(max_new_tokens=args.new_tokens)
-    engine = SessionEngine(runner, SessionStore(device_budget_bytes=1 << 40, host_budget_bytes=1 << 34), decode,
-                           EngineLimits(max_new_tokens_cap=4096))
+    engine = SessionEngine(
+        runner,
+        SessionStore(device_budget_bytes=1 << 40, host_budget_bytes=1 << 34),
+        decode,
+        EngineLimits(max_new_tokens_cap=4096),
+    )
 
     def ours(sid: str, prompt: str, demote: str | None) -> tuple[float, float]:
         session = engine.store.get(sid)
@@ -174,33 +180,51 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes, feat_bytes, host_bytes = s.kv_bytes, s.feature_bytes, s.host_bytes
     result = {
         "model": args.model if not args.model_dir else args.model_dir,
-        "device": str(device), "dtype": str(runner.dtype), "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "device": str(device),
+        "dtype": str(runner.dtype),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
         "followup": table,
         "followup_ttft_ratio_a_over_kv": table["a"]["ttft_ms"] / table["kv"]["ttft_ms"],
         "open_ms": {"a": med(open_a), "b": med(open_b)},
         "open_plus_first_answer_ms": {"a": med(open_a) + med(first_a), "b": med(open_b) + med(first_b)},
-        "bytes_per_session": {"kv_tier": kv_bytes + feat_bytes + host_bytes, "features_tier": feat_bytes + host_bytes,
-                              "image_tier": host_bytes, "kv_cache": kv_bytes, "image_features": feat_bytes,
-                              "host_image_and_conversation": host_bytes},
+        "bytes_per_session": {
+            "kv_tier": kv_bytes + feat_bytes + host_bytes,
+            "features_tier": feat_bytes + host_bytes,
+            "image_tier": host_bytes,
+            "kv_cache": kv_bytes,
+            "image_features": feat_bytes,
+            "host_image_and_conversation": host_bytes,
+        },
         "prefix_tokens": len(runner.prefix_ids(None)),
     }
     opa, opb = result["open_plus_first_answer_ms"]["a"], result["open_plus_first_answer_ms"]["b"]
     result["open_plus_first_answer_ratio_b_over_a"] = opb / opa
 
-    print(f"model={result['model']} device={device} dtype={runner.dtype} threads={torch.get_num_threads()} "
-          f"new_tokens={args.new_tokens} repeats={args.repeats} prefix={result['prefix_tokens']} tokens")
+    print(
+        f"model={result['model']} device={device} dtype={runner.dtype} threads={torch.get_num_threads()} "
+        f"new_tokens={args.new_tokens} repeats={args.repeats} prefix={result['prefix_tokens']} tokens"
+    )
     print(f"{'path':<34}{'follow-up TTFT ms':>20}{'follow-up total ms':>20}")
-    names = {"a": "(a) AWS sample (vision+full prefill)", "kv": "(b) ours, KV hit", "features": "(b) ours, from features tier",
-             "image": "(b) ours, from image-bytes tier"}
+    names = {
+        "a": "(a) AWS sample (vision+full prefill)",
+        "kv": "(b) ours, KV hit",
+        "features": "(b) ours, from features tier",
+        "image": "(b) ours, from image-bytes tier",
+    }
     for k, name in names.items():
         print(f"{name:<34}{table[k]['ttft_ms']:>20.1f}{table[k]['total_ms']:>20.1f}")
     print(f"follow-up TTFT ratio (a)/(b, KV hit): {result['followup_ttft_ratio_a_over_kv']:.1f}x  (target >= 10x)")
-    print(f"open: (a) {med(open_a):.1f} ms, (b) {med(open_b):.1f} ms; open + first answer: (a) {opa:.1f} ms, "
-          f"(b) {opb:.1f} ms, (b)/(a) = {result['open_plus_first_answer_ratio_b_over_a']:.3f}  (target <= 1.10)")
+    print(
+        f"open: (a) {med(open_a):.1f} ms, (b) {med(open_b):.1f} ms; open + first answer: (a) {opa:.1f} ms, "
+        f"(b) {opb:.1f} ms, (b)/(a) = {result['open_plus_first_answer_ratio_b_over_a']:.3f}  (target <= 1.10)"
+    )
     bp = result["bytes_per_session"]
-    print(f"bytes per session: kv tier {bp['kv_tier']:,} (KV {kv_bytes:,} + features {feat_bytes:,} + host {host_bytes:,}); "
-          f"features tier {bp['features_tier']:,}; image tier {bp['image_tier']:,}")
+    print(
+        f"bytes per session: kv tier {bp['kv_tier']:,} (KV {kv_bytes:,} + features {feat_bytes:,} + host {host_bytes:,}); "
+        f"features tier {bp['features_tier']:,}; image tier {bp['image_tier']:,}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

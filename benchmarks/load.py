@@ -36,8 +36,13 @@ from llava_client import LlavaError, SessionClient, SessionGone
 from llava_tools.serve import LocalServer
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat")
-QUESTIONS = ("What is in this image?", "What colors do you see?", "Describe the background.",
-             "Is there a person in the picture?", "What is written on it?")
+QUESTIONS = (
+    "What is in this image?",
+    "What colors do you see?",
+    "Describe the background.",
+    "Is there a person in the picture?",
+    "What is written on it?",
+)
 MAX_USERS, MAX_DURATION_S = 64, 900
 #: A user who sees an error asks the same question again after 1, 2, 4 s before giving up.
 USER_ATTEMPTS = 4
@@ -167,8 +172,9 @@ def run(args: argparse.Namespace) -> dict:
     stats = Stats()
     overrides = {"max_sessions": max(args.users * 2, 8)}
     ts = {"batchSize": overrides["max_sessions"], "maxNumSequence": overrides["max_sessions"]}
-    with LocalServer(model_dir, host="127.0.0.1", overrides=overrides, model_config_overrides=ts,
-                     startup_timeout_s=600) as server:
+    with LocalServer(
+        model_dir, host="127.0.0.1", overrides=overrides, model_config_overrides=ts, startup_timeout_s=600
+    ) as server:
         peak = [0]
         stop = threading.Event()
 
@@ -181,8 +187,10 @@ def run(args: argparse.Namespace) -> dict:
         sampler.start()
         t_start = time.monotonic()
         deadline = t_start + args.duration_s
-        threads = [threading.Thread(target=user, args=(i, server.url, deadline, args, images, stats), daemon=True)
-                   for i in range(args.users)]
+        threads = [
+            threading.Thread(target=user, args=(i, server.url, deadline, args, images, stats), daemon=True)
+            for i in range(args.users)
+        ]
         for t in threads:
             t.start()
         killed = None
@@ -197,16 +205,27 @@ def run(args: argparse.Namespace) -> dict:
         stop.set()
         restarts = server.restarts
     return {
-        "model": args.model_dir or args.model, "users": args.users, "duration_s": round(elapsed, 1),
-        "questions_per_user_session": args.questions, "think_s": args.think_s, "max_new_tokens": args.max_new_tokens,
-        "questions": stats.questions, "questions_per_s": round(stats.questions / elapsed, 2),
-        "ttft_ms": {"p50": pct(stats.ttft_ms, 50), "p95": pct(stats.ttft_ms, 95), "p99": pct(stats.ttft_ms, 99),
-                    "mean": round(statistics.mean(stats.ttft_ms), 1) if stats.ttft_ms else None},
+        "model": args.model_dir or args.model,
+        "users": args.users,
+        "duration_s": round(elapsed, 1),
+        "questions_per_user_session": args.questions,
+        "think_s": args.think_s,
+        "max_new_tokens": args.max_new_tokens,
+        "questions": stats.questions,
+        "questions_per_s": round(stats.questions / elapsed, 2),
+        "ttft_ms": {
+            "p50": pct(stats.ttft_ms, 50),
+            "p95": pct(stats.ttft_ms, 95),
+            "p99": pct(stats.ttft_ms, 99),
+            "mean": round(statistics.mean(stats.ttft_ms), 1) if stats.ttft_ms else None,
+        },
         "total_ms": {"p50": pct(stats.total_ms, 50), "p95": pct(stats.total_ms, 95), "p99": pct(stats.total_ms, 99)},
-        "errors_by_code": dict(stats.errors), "sessions_opened": stats.sessions_opened,
-        "sessions_lost": stats.sessions_lost, "client_recoveries": stats.recoveries,
-        "peak_host_rss_bytes": peak[0], "fault": {"killed_worker_pids": killed, "server_restarts": restarts}
-        if killed is not None else None,
+        "errors_by_code": dict(stats.errors),
+        "sessions_opened": stats.sessions_opened,
+        "sessions_lost": stats.sessions_lost,
+        "client_recoveries": stats.recoveries,
+        "peak_host_rss_bytes": peak[0],
+        "fault": {"killed_worker_pids": killed, "server_restarts": restarts} if killed is not None else None,
     }
 
 

@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     token = (SECRET.read_text().strip() or None) if SECRET.is_file() else None
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
-    snapshot_download(repo_id=args.model_id, revision=args.revision, local_dir=str(dest), token=token,
-                      allow_patterns=ALLOW_PATTERNS)
+    snapshot_download(
+        repo_id=args.model_id, revision=args.revision, local_dir=str(dest), token=token, allow_patterns=ALLOW_PATTERNS
+    )
     if not (dest / "config.json").is_file():
         print(f"bake_model: {args.model_id}@{args.revision} has no config.json", file=sys.stderr)
         return 1

@@ -88,7 +88,7 @@ def session_server_factory(request: pytest.FixtureRequest) -> Callable[..., Loca
 #: ``{"close": true}`` makes it set the sequence-end response header (ends the TorchServe job group);
 #: ``{"status": N}`` sets that row's HTTP status. Like our handler it sets ``ctx.stopping_criteria``
 #: (returning None: one complete answer per request) and never raises for one bad row.
-ECHO_HANDLER_SOURCE = '''\
+ECHO_HANDLER_SOURCE = """\
 import json
 import os
 
@@ -125,7 +125,7 @@ class EchoHandler:
             }))
         context.stopping_criteria = [lambda _output: None for _ in data]
         return outputs
-'''
+"""
 
 
 def write_echo_handler(directory: str | os.PathLike) -> Path:

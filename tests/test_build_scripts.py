@@ -23,8 +23,10 @@ except ModuleNotFoundError:  # Python 3.10
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "build_and_push.sh"
 DOCKERFILE = REPO / "Dockerfile"
-DLC_RE = re.compile(r"^763104351884\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com/pytorch-inference:"
-                    r"\d+\.\d+\.\d+-gpu-py3\d+-cu\d+-ubuntu\d+\.\d+-sagemaker$")
+DLC_RE = re.compile(
+    r"^763104351884\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com/pytorch-inference:"
+    r"\d+\.\d+\.\d+-gpu-py3\d+-cu\d+-ubuntu\d+\.\d+-sagemaker$"
+)
 
 
 def tool(name: str) -> str:
@@ -45,8 +47,11 @@ def default_base_image() -> str:
 
 
 def test_shell_scripts_are_shellcheck_clean() -> None:
-    result = subprocess.run([tool("shellcheck"), "--severity=style", str(SCRIPT), str(REPO / "docker" / "serve")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [tool("shellcheck"), "--severity=style", str(SCRIPT), str(REPO / "docker" / "serve")],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -83,7 +88,9 @@ def test_dockerfile_runs_serve_on_a_sagemaker_dlc_with_pinned_dependencies() -> 
 
 def test_dockerfile_copies_exist_and_are_not_docker_ignored() -> None:
     # .dockerignore excludes everything ("*") and lets top-level entries back in ("!handler/").
-    let_in = {line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    let_in = {
+        line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    }
     for sources in re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", DOCKERFILE.read_text(), re.M):
         for source in sources.split():
             assert (REPO / source).exists(), source
@@ -91,9 +98,20 @@ def test_dockerfile_copies_exist_and_are_not_docker_ignored() -> None:
 
 
 def test_bake_step_refuses_an_unpinned_revision() -> None:
-    result = subprocess.run([sys.executable, str(REPO / "docker" / "bake_model.py"), "--model-id",
-                             "llava-hf/llava-1.5-7b-hf", "--revision", "main", "--dest", "/nonexistent"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "docker" / "bake_model.py"),
+            "--model-id",
+            "llava-hf/llava-1.5-7b-hf",
+            "--revision",
+            "main",
+            "--dest",
+            "/nonexistent",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "40-hex commit" in result.stderr
 
 
@@ -134,8 +152,18 @@ def run_script(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 
 
 def test_dry_run_prints_every_command_and_runs_none(fake_path) -> None:
-    result = run_script(fake_path, "--dry-run", "--region", "eu-west-1", "--account", "123456789012", "--tag", "v1",
-                        "--build-arg", "BAKE_MODEL_ID=llava-hf/llava-1.5-7b-hf")
+    result = run_script(
+        fake_path,
+        "--dry-run",
+        "--region",
+        "eu-west-1",
+        "--account",
+        "123456789012",
+        "--tag",
+        "v1",
+        "--build-arg",
+        "BAKE_MODEL_ID=llava-hf/llava-1.5-7b-hf",
+    )
     assert result.returncode == 0, result.stderr
     assert Path(fake_path["CALLS"]).read_text() == ""  # neither aws nor docker ran
     registry = "123456789012.dkr.ecr.eu-west-1.amazonaws.com"

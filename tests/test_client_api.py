@@ -82,8 +82,16 @@ def test_exception_hierarchy():
     for cls in (APIConnectionError, APIStatusError):
         assert issubclass(cls, LlavaError)
     assert issubclass(APITimeoutError, APIConnectionError)
-    for cls in (InvalidRequest, SessionGone, SessionBusy, PayloadTooLarge, ContextLengthExceeded, RateLimited,
-                Overloaded, InternalServerError):
+    for cls in (
+        InvalidRequest,
+        SessionGone,
+        SessionBusy,
+        PayloadTooLarge,
+        ContextLengthExceeded,
+        RateLimited,
+        Overloaded,
+        InternalServerError,
+    ):
         assert issubclass(cls, APIStatusError)
     for cls in (SessionNotFound, SessionExpired, SessionEvicted):
         assert issubclass(cls, SessionGone)
@@ -125,8 +133,11 @@ def test_error_class(status, code, expected):
 def test_status_error_from_bodies():
     err = status_error_from_body(200, json.dumps({"error": {"code": "overloaded", "message": "later"}}).encode())
     assert isinstance(err, Overloaded) and err.status_code == 503 and err.message == "later"  # error in a 200 body
-    err = status_error_from_body(503, b'{"code": 503, "type": "ServiceUnavailableException", "message": "no worker"}',
-                                 headers={"Retry-After": "2"})
+    err = status_error_from_body(
+        503,
+        b'{"code": 503, "type": "ServiceUnavailableException", "message": "no worker"}',
+        headers={"Retry-After": "2"},
+    )
     assert isinstance(err, Overloaded) and err.code == "ServiceUnavailableException" and err.retry_after == 2.0
     err = status_error_from_body(502, b"<html>bad gateway</html>")
     assert isinstance(err, InternalServerError) and "bad gateway" in err.message
@@ -160,7 +171,9 @@ def test_retry_rule(error, retry_safe, expected):
 
 def test_parse_session_header():
     assert parse_session_header("ts-seq-1; Expires=2030-01-02T03:04:05Z") == (
-        "ts-seq-1", datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
+        "ts-seq-1",
+        datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+    )
     assert parse_session_header("abc") == ("abc", None)
     assert parse_session_header("") == (None, None) and parse_session_header(None) == (None, None)
 
@@ -173,8 +186,6 @@ def test_line_buffer_splits_anywhere():
         assert [json.loads(line) for line in lines] == [{"t": "日本"}, {"t": "ok"}]
     buffer = LineBuffer()
     assert buffer.feed(b'{"a":1}') == [] and buffer.flush() == [b'{"a":1}']  # an unterminated last line
-
-
 
 
 def test_generation_params_wire():

@@ -43,9 +43,12 @@ GREEDY = {"max_new_tokens": 8}
 
 @pytest.fixture(scope="module")
 def server(request, tiny_model_dir):
-    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer,
-                              overrides={"step_max_tokens": 2, "allow_http": True, "allow_private_networks": True},
-                              model_config_overrides={"batchSize": 8, "maxNumSequence": 8})
+    return start_local_server(
+        tiny_model_dir,
+        addfinalizer=request.addfinalizer,
+        overrides={"step_max_tokens": 2, "allow_http": True, "allow_private_networks": True},
+        model_config_overrides={"batchSize": 8, "maxNumSequence": 8},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +124,11 @@ def test_stream_equals_plain_answer_and_arrives_in_pieces(client, photos):
 
 def _established_to(port: int) -> set[int]:
     """Local ports of this process's open TCP connections to ``port``."""
-    return {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
-            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
+    return {
+        c.laddr.port
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    }
 
 
 def test_early_break_closes_the_response(server, photos):
@@ -278,13 +284,15 @@ def _llava_chat(*args, stdin=""):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "llava_client.cli", *args], input=stdin, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "llava_client.cli", *args], input=stdin, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_llava_chat_one_shot_and_piped_questions(server, photo_path):
-    done = _llava_chat("--url", server.url, "--image", photo_path, "-q", "What is in this image?",
-                       "--max-new-tokens", "6", "--verbose")
+    done = _llava_chat(
+        "--url", server.url, "--image", photo_path, "-q", "What is in this image?", "--max-new-tokens", "6", "--verbose"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() and done.stdout.count("\n") >= 1
     assert "time to first token" in done.stderr
@@ -292,8 +300,9 @@ def test_llava_chat_one_shot_and_piped_questions(server, photo_path):
     assert reused and 576 < int(reused.group(1)) < int(reused.group(2))  # the prefix (image) came from the cache
 
     questions = "What is in this image?\nWhat color?\n/reset\nWhat is in this image?\n/quit\nnever asked\n"
-    done = _llava_chat("--url", server.url, "--image", photo_path, "--max-new-tokens", "4", "--temperature", "0", "-v",
-                       stdin=questions)
+    done = _llava_chat(
+        "--url", server.url, "--image", photo_path, "--max-new-tokens", "4", "--temperature", "0", "-v", stdin=questions
+    )
     assert done.returncode == 0, done.stderr
     stats = [line for line in done.stderr.splitlines() if line.startswith("[time to first token")]
     assert len(stats) == 3 and "conversation forgotten" in done.stderr and done.stdout.strip()
@@ -302,3 +311,33 @@ def test_llava_chat_one_shot_and_piped_questions(server, photo_path):
 
     done = _llava_chat("--url", server.url, "--image", photo_path + ".missing", "-q", "x")
     assert done.returncode == 1 and "could not open a session" in done.stderr
+
+
+def test_truncation_keeps_the_client_history_equal_to_the_server_one(client, server, photo_path):
+    """A chat that outgrows the tiny model's 1,024 positions: the server drops the oldest turns, the
+    client drops the same ones, and a recovery then restores exactly what the model had seen."""
+    long = {"max_new_tokens": 180}
+    with client.open_session(photo_path) as session, client.open_session(photo_path) as twin:
+        truncated = 0
+        for i in range(4):
+            q = f"Tell me about part {i} of the image."
+            a = session.ask(q, **long)
+            b = twin.ask(q, **long)
+            assert a.text == b.text and a.truncated_turns == b.truncated_turns
+            truncated += a.truncated_turns
+            assert a.max_new_tokens == 180
+        assert truncated >= 1 and len(session.history) == 4 - truncated
+        with pytest.raises(ContextLengthExceeded):  # the same turn under the error policy
+            session.ask("One more?", context_policy="error", **long)
+        assert raw_post(server, {"type": "close_session"}, session.id).status_code == 200  # lost behind its back
+        recovered = session.ask("And in one word?", remember=False, **GREEDY)
+        assert session.recoveries == 1 and session.last_recovery.replayed_turns == len(session.history)
+        expected = twin.ask("And in one word?", remember=False, **GREEDY)
+        assert recovered.text == expected.text and recovered.usage.prompt_tokens == expected.usage.prompt_tokens
+
+
+def test_llava_chat_says_when_the_oldest_turns_left_the_context(server, photo_path):
+    questions = "".join(f"Tell me about part {i} of the image.\n" for i in range(4))
+    done = _llava_chat("--url", server.url, "--image", photo_path, "--max-new-tokens", "180", stdin=questions)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"\[context full: the \d+ oldest turns? left the conversation", done.stderr), done.stderr

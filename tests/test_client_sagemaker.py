@@ -45,8 +45,9 @@ EXPIRES = "2030-01-02T03:04:05Z"
 
 @pytest.fixture
 def runtime():
-    return boto3.client("sagemaker-runtime", region_name="us-east-1", aws_access_key_id="testing",
-                        aws_secret_access_key="testing")
+    return boto3.client(
+        "sagemaker-runtime", region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
 
 
 def body_of(obj) -> StreamingBody:
@@ -62,8 +63,13 @@ def wire(request: dict) -> bytes:
 
 
 def params(session_id, request=None):
-    return {"EndpointName": ENDPOINT, "Body": wire(request) if request is not None else ANY,
-            "ContentType": "application/json", "Accept": "application/json", "SessionId": session_id}
+    return {
+        "EndpointName": ENDPOINT,
+        "Body": wire(request) if request is not None else ANY,
+        "ContentType": "application/json",
+        "Accept": "application/json",
+        "SessionId": session_id,
+    }
 
 
 def generate(prompt, remember=True, **parameters):
@@ -71,21 +77,39 @@ def generate(prompt, remember=True, **parameters):
 
 
 def answer(text, generated_tokens=3):
-    return {"generated_text": text, "details": {"finish_reason": "length", "prompt_tokens": 600,
-                                                "cached_tokens": 584, "generated_tokens": generated_tokens,
-                                                "tokens": None, "timings": {"ttft_ms": 5.0}}}
+    return {
+        "generated_text": text,
+        "details": {
+            "finish_reason": "length",
+            "prompt_tokens": 600,
+            "cached_tokens": 584,
+            "generated_tokens": generated_tokens,
+            "tokens": None,
+            "timings": {"ttft_ms": 5.0},
+        },
+    }
 
 
 def opened(session_id):
-    return {"Body": body_of({"session_id": session_id, "expires_at": EXPIRES, "image_tokens": 576, "timings": {}}),
-            "ContentType": "application/json", "NewSessionId": f"{session_id}; Expires={EXPIRES}"}
+    return {
+        "Body": body_of({"session_id": session_id, "expires_at": EXPIRES, "image_tokens": 576, "timings": {}}),
+        "ContentType": "application/json",
+        "NewSessionId": f"{session_id}; Expires={EXPIRES}",
+    }
 
 
 def model_error(stub, status, body):
-    stub.add_client_error("invoke_endpoint", service_error_code="ModelError", service_message="container error",
-                          http_status_code=424,
-                          modeled_fields={"OriginalStatusCode": status, "OriginalMessage": json.dumps(body),
-                                          "LogStreamArn": "arn:aws:logs:us-east-1:123456789012:log-group:x"})
+    stub.add_client_error(
+        "invoke_endpoint",
+        service_error_code="ModelError",
+        service_message="container error",
+        http_status_code=424,
+        modeled_fields={
+            "OriginalStatusCode": status,
+            "OriginalMessage": json.dumps(body),
+            "LogStreamArn": "arn:aws:logs:us-east-1:123456789012:log-group:x",
+        },
+    )
 
 
 IMAGE = {"type": "open_session", "image": {"s3_uri": "s3://bucket/photo.jpg"}}
@@ -95,13 +119,22 @@ def test_session_ids_sent_and_parsed(runtime):
     client = SessionClient(SageMakerTransport(ENDPOINT, client=runtime), max_retries=0)
     with Stubber(runtime) as stub:
         stub.add_response("invoke_endpoint", opened("sess-1"), params("NEW_SESSION", IMAGE))
-        stub.add_response("invoke_endpoint", {"Body": body_of(answer("An astronaut."))},
-                          params("sess-1", generate("What is it?", max_new_tokens=4)))
-        stub.add_response("invoke_endpoint", {"Body": body_of(answer("Space.")), "ContentType": "application/json"},
-                          params("sess-1", generate("Where?", remember=False, temperature=0.0)))
+        stub.add_response(
+            "invoke_endpoint",
+            {"Body": body_of(answer("An astronaut."))},
+            params("sess-1", generate("What is it?", max_new_tokens=4)),
+        )
+        stub.add_response(
+            "invoke_endpoint",
+            {"Body": body_of(answer("Space.")), "ContentType": "application/json"},
+            params("sess-1", generate("Where?", remember=False, temperature=0.0)),
+        )
         closed = {"session_id": "sess-1", "closed": True, "success": True}
-        stub.add_response("invoke_endpoint", {"Body": body_of(closed), "ClosedSessionId": "sess-1"},
-                          params("sess-1", {"type": "close_session"}))
+        stub.add_response(
+            "invoke_endpoint",
+            {"Body": body_of(closed), "ClosedSessionId": "sess-1"},
+            params("sess-1", {"type": "close_session"}),
+        )
         with client.open_session("s3://bucket/photo.jpg") as session:
             assert session.id == "sess-1"
             assert session.expires_at == datetime(2030, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
@@ -118,8 +151,11 @@ def test_transport_reads_new_and_closed_session_ids(runtime):
     transport = SageMakerTransport(ENDPOINT, client=runtime)
     with Stubber(runtime) as stub:
         stub.add_response("invoke_endpoint", opened("sess-9"), params("NEW_SESSION"))
-        stub.add_response("invoke_endpoint", {"Body": body_of({"session_id": "sess-9", "closed": True}),
-                                              "ClosedSessionId": "sess-9"}, params("sess-9"))
+        stub.add_response(
+            "invoke_endpoint",
+            {"Body": body_of({"session_id": "sess-9", "closed": True}), "ClosedSessionId": "sess-9"},
+            params("sess-9"),
+        )
         assert transport.invoke(wire(IMAGE), session_id=None).new_session_id == f"sess-9; Expires={EXPIRES}"
         assert transport.invoke(b'{"type":"close_session"}', session_id="sess-9").closed_session_id == "sess-9"
     with pytest.raises(ValueError, match="NEW_SESSION"):
@@ -129,21 +165,41 @@ def test_transport_reads_new_and_closed_session_ids(runtime):
 @pytest.mark.parametrize(
     ("status", "body", "error_type", "code"),
     [
-        (404, {"error": {"code": "session_not_found", "message": "unknown session"}}, SessionNotFound,
-         "session_not_found"),
+        (
+            404,
+            {"error": {"code": "session_not_found", "message": "unknown session"}},
+            SessionNotFound,
+            "session_not_found",
+        ),
         (404, {"error": {"code": "session_expired", "message": "expired"}}, SessionExpired, "session_expired"),
         (404, {"error": {"code": "session_evicted", "message": "evicted"}}, SessionEvicted, "session_evicted"),
-        (400, {"error": {"code": "invalid_parameter", "message": "parameters.top_p: must be > 0 and <= 1"}},
-         InvalidRequest, "invalid_parameter"),
+        (
+            400,
+            {"error": {"code": "invalid_parameter", "message": "parameters.top_p: must be > 0 and <= 1"}},
+            InvalidRequest,
+            "invalid_parameter",
+        ),
         (409, {"error": {"code": "session_busy", "message": "busy"}}, SessionBusy, "session_busy"),
         (413, {"error": {"code": "image_too_large", "message": "too many pixels"}}, PayloadTooLarge, "image_too_large"),
-        (422, {"error": {"code": "context_length_exceeded", "message": "too long"}}, ContextLengthExceeded,
-         "context_length_exceeded"),
+        (
+            422,
+            {"error": {"code": "context_length_exceeded", "message": "too long"}},
+            ContextLengthExceeded,
+            "context_length_exceeded",
+        ),
         (503, {"error": {"code": "overloaded", "message": "retry later"}}, Overloaded, "overloaded"),
-        (500, {"error": {"code": "internal_error", "message": "internal error"}}, InternalServerError,
-         "internal_error"),
-        (507, {"code": 507, "type": "InternalServerException", "message": "Worker died."}, InternalServerError,
-         "InternalServerException"),
+        (
+            500,
+            {"error": {"code": "internal_error", "message": "internal error"}},
+            InternalServerError,
+            "internal_error",
+        ),
+        (
+            507,
+            {"code": 507, "type": "InternalServerException", "message": "Worker died."},
+            InternalServerError,
+            "InternalServerException",
+        ),
     ],
 )
 def test_model_error_maps_by_original_status_code(runtime, status, body, error_type, code):
@@ -187,17 +243,26 @@ def test_recovery_reopens_with_new_session_and_restores_history(runtime, caplog)
     gone = {"error": {"code": "session_not_found", "message": "unknown session"}}
     with Stubber(runtime) as stub:
         stub.add_response("invoke_endpoint", opened("sess-1"), params("NEW_SESSION", IMAGE))
-        stub.add_response("invoke_endpoint", {"Body": body_of(answer("One two three", generated_tokens=3))},
-                          params("sess-1", generate("First?")))
-        stub.add_response("invoke_endpoint", {"Body": body_of(answer("Sampled", generated_tokens=2))},
-                          params("sess-1", generate("Second?", max_new_tokens=5, do_sample=True, seed=7)))
+        stub.add_response(
+            "invoke_endpoint",
+            {"Body": body_of(answer("One two three", generated_tokens=3))},
+            params("sess-1", generate("First?")),
+        )
+        stub.add_response(
+            "invoke_endpoint",
+            {"Body": body_of(answer("Sampled", generated_tokens=2))},
+            params("sess-1", generate("Second?", max_new_tokens=5, do_sample=True, seed=7)),
+        )
         model_error(stub, 404, gone)
         # recovery: reopen on the same image with both turns as history (one call, nothing regenerated)
-        restore = {**IMAGE, "history": [{"prompt": "First?", "answer": "One two three"},
-                                        {"prompt": "Second?", "answer": "Sampled"}]}
+        restore = {
+            **IMAGE,
+            "history": [{"prompt": "First?", "answer": "One two three"}, {"prompt": "Second?", "answer": "Sampled"}],
+        }
         stub.add_response("invoke_endpoint", opened("sess-2"), params("NEW_SESSION", restore))
-        stub.add_response("invoke_endpoint", {"Body": body_of(answer("Third answer"))},
-                          params("sess-2", generate("Third?")))
+        stub.add_response(
+            "invoke_endpoint", {"Body": body_of(answer("Third answer"))}, params("sess-2", generate("Third?"))
+        )
         session = client.open_session("s3://bucket/photo.jpg")
         session.ask("First?")
         session.ask("Second?", max_new_tokens=5, do_sample=True, seed=7)
@@ -232,13 +297,16 @@ def event_message(headers: dict[str, str], payload: bytes) -> bytes:
 
 
 def payload_part(data: bytes) -> bytes:
-    return event_message({":event-type": "PayloadPart", ":content-type": "application/octet-stream",
-                          ":message-type": "event"}, data)
+    return event_message(
+        {":event-type": "PayloadPart", ":content-type": "application/octet-stream", ":message-type": "event"}, data
+    )
 
 
 def stream_error(data: dict) -> bytes:
-    return event_message({":exception-type": "ModelStreamError", ":content-type": "application/json",
-                          ":message-type": "exception"}, json.dumps(data).encode())
+    return event_message(
+        {":exception-type": "ModelStreamError", ":content-type": "application/json", ":message-type": "exception"},
+        json.dumps(data).encode(),
+    )
 
 
 class WireSageMaker:
@@ -269,13 +337,17 @@ def _token_line(i, text):
 
 def _open_over_wire(fake: WireSageMaker, session_id="sess-1") -> None:
     body = json.dumps({"session_id": session_id, "expires_at": EXPIRES, "image_tokens": 576, "timings": {}}).encode()
-    headers = {"Content-Type": "application/json",
-               "X-Amzn-SageMaker-New-Session-Id": f"{session_id}; Expires={EXPIRES}"}
+    headers = {
+        "Content-Type": "application/json",
+        "X-Amzn-SageMaker-New-Session-Id": f"{session_id}; Expires={EXPIRES}",
+    }
     fake.add(200, headers, body)
 
 
-EVENTSTREAM = {"Content-Type": "application/vnd.amazon.eventstream",
-               "X-Amzn-SageMaker-Content-Type": "application/jsonlines"}
+EVENTSTREAM = {
+    "Content-Type": "application/vnd.amazon.eventstream",
+    "X-Amzn-SageMaker-Content-Type": "application/jsonlines",
+}
 
 
 def test_stream_reassembles_lines_split_across_payload_parts(runtime):
@@ -313,9 +385,21 @@ def test_errors_in_and_before_a_stream(runtime):
     session = client.open_session("s3://bucket/photo.jpg")
 
     # an error line after tokens (TorchServe already sent status 200)
-    fake.add(200, EVENTSTREAM, payload_part(_token_line(1, "An") + _line(
-        {"token": None, "generated_text": None, "details": None,
-         "error": {"code": "overloaded", "message": "out of memory mid-answer"}})))
+    fake.add(
+        200,
+        EVENTSTREAM,
+        payload_part(
+            _token_line(1, "An")
+            + _line(
+                {
+                    "token": None,
+                    "generated_text": None,
+                    "details": None,
+                    "error": {"code": "overloaded", "message": "out of memory mid-answer"},
+                }
+            )
+        ),
+    )
     with session.stream("Describe it.") as stream:
         assert next(stream) == "An"
         with pytest.raises(Overloaded) as info:
@@ -323,17 +407,30 @@ def test_errors_in_and_before_a_stream(runtime):
     assert info.value.code == "overloaded" and info.value.status_code == 503 and session.history == []
 
     # SageMaker's own ModelStreamError event
-    fake.add(200, EVENTSTREAM, payload_part(_token_line(1, "An")) + stream_error(
-        {"Message": "model stream broke", "ErrorCode": "ModelStreamError"}))
+    fake.add(
+        200,
+        EVENTSTREAM,
+        payload_part(_token_line(1, "An"))
+        + stream_error({"Message": "model stream broke", "ErrorCode": "ModelStreamError"}),
+    )
     with pytest.raises(InternalServerError) as info, session.stream("Describe it.") as stream:
         list(stream)
     assert "model stream broke" in info.value.message
 
     # the container refused the stream at once: ModelError with the container's status and body
     original = json.dumps({"error": {"code": "session_expired", "message": "session expired"}})
-    fake.add(424, {"Content-Type": "application/json", "x-amzn-ErrorType": "ModelError"},
-             json.dumps({"Message": "Received client error (404)", "OriginalStatusCode": 404,
-                         "OriginalMessage": original, "LogStreamArn": "arn:x"}).encode())
+    fake.add(
+        424,
+        {"Content-Type": "application/json", "x-amzn-ErrorType": "ModelError"},
+        json.dumps(
+            {
+                "Message": "Received client error (404)",
+                "OriginalStatusCode": 404,
+                "OriginalMessage": original,
+                "LogStreamArn": "arn:x",
+            }
+        ).encode(),
+    )
     with pytest.raises(SessionExpired) as info:
         session.stream("Describe it.")
     assert info.value.status_code == 404

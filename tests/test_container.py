@@ -47,7 +47,10 @@ def test_resolve_model_prefers_sagemaker_then_baked_and_reads_the_artifact(tmp_p
     packaged.mkdir()
     (packaged / "config.json").write_text("{}")
     (packaged / "model-config.yaml").write_text("handler: {}\n")
-    assert resolve_model(candidates=(sagemaker, baked)) == (packaged.resolve(), (packaged / "model-config.yaml").resolve())
+    assert resolve_model(candidates=(sagemaker, baked)) == (
+        packaged.resolve(),
+        (packaged / "model-config.yaml").resolve(),
+    )
     (sagemaker / "config.json").write_text("{}")  # a plain checkpoint at the root wins
     assert resolve_model(candidates=(sagemaker, baked)) == (sagemaker.resolve(), None)
     with pytest.raises(ModelNotFoundError, match="no model: none of .*empty/config.json"):
@@ -56,8 +59,13 @@ def test_resolve_model_prefers_sagemaker_then_baked_and_reads_the_artifact(tmp_p
 
 def _container_properties(tmp_path: Path, ts_config: Path) -> dict[str, str]:
     server = ContainerServer(tmp_path, ts_config=ts_config, host="0.0.0.0", port=8080)
-    server._ports = {"inference": 8080, "management": 40001, "metrics": 40002, "grpc_inference": 40003,
-                     "grpc_management": 40004}
+    server._ports = {
+        "inference": 8080,
+        "management": 40001,
+        "metrics": 40002,
+        "grpc_inference": 40003,
+        "grpc_management": 40004,
+    }
     return _parse_properties(server._config_properties(tmp_path / "store"))
 
 
@@ -68,22 +76,34 @@ def test_container_config_is_the_image_file_with_this_runs_addresses(tmp_path: P
     assert written["management_address"] == "http://127.0.0.1:40001"  # loopback only
     assert written["metrics_address"] == "http://127.0.0.1:40002"
     assert written["model_store"] == str(tmp_path / "store") and written["load_models"] == "ALL"
-    for key in ("metrics_mode", "disable_token_authorization", "max_request_size", "max_response_size",
-                "ts_header_key_sequence_id", "ts_header_key_sequence_start", "ts_header_key_sequence_end"):
+    for key in (
+        "metrics_mode",
+        "disable_token_authorization",
+        "max_request_size",
+        "max_response_size",
+        "ts_header_key_sequence_id",
+        "ts_header_key_sequence_start",
+        "ts_header_key_sequence_end",
+    ):
         assert written[key] == from_file[key], key
     assert written["metrics_mode"] == "prometheus" and "disable_system_metrics" not in written
 
     bad = tmp_path / "bad.properties"
-    bad.write_text(TS_CONFIG.read_text().replace("ts_header_key_sequence_id=X-Amzn-SageMaker-Session-Id",
-                                                 "ts_header_key_sequence_id=x-amzn-sagemaker-session-id"))
+    bad.write_text(
+        TS_CONFIG.read_text().replace(
+            "ts_header_key_sequence_id=X-Amzn-SageMaker-Session-Id",
+            "ts_header_key_sequence_id=x-amzn-sagemaker-session-id",
+        )
+    )
     with pytest.raises(ServerStartError, match="ts_header_key_sequence_id"):
         _container_properties(tmp_path, bad)
 
 
 def test_serve_without_a_model_exits_1_with_what_to_do(tmp_path: Path) -> None:
     env = {**os.environ, "LLAVA_CONTAINER_MODEL_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "llava_tools.container", "serve"], env=env,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "llava_tools.container", "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 1
     assert "no model" in result.stderr and "BAKE_MODEL_ID" in result.stderr
 
@@ -94,8 +114,9 @@ def test_serve_without_a_model_exits_1_with_what_to_do(tmp_path: Path) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_path, tiny_model_dir, photos):
-    artifact = write_package(build_package(tiny_model_dir, overrides={"session_ttl_s": 600, "step_max_tokens": 2}),
-                             tmp_path / "opt-ml-model")
+    artifact = write_package(
+        build_package(tiny_model_dir, overrides={"session_ttl_s": 600, "step_max_tokens": 2}), tmp_path / "opt-ml-model"
+    )
     assert (artifact / "llava" / "MAR-INF" / "MANIFEST.json").is_file()
     env = {
         **os.environ,
@@ -103,8 +124,9 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         "LLAVA_CONTAINER_MODEL_DIR": str(artifact),  # instead of /opt/ml/model
         "LLAVA_CONTAINER_PORT": "0",  # a free port instead of 8080 (still bound on 0.0.0.0)
     }
-    serve = subprocess.Popen([str(REPO / "docker" / "serve")], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    serve = subprocess.Popen(
+        [str(REPO / "docker" / "serve")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         output = OutputLines(serve.stdout, serve)
         ready = output.wait_for(READY, timeout_s=120)
@@ -112,26 +134,41 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         processes = psutil.Process(serve.pid).children(recursive=True)
         assert any(p.name().startswith("java") for p in processes)
         written = (log_dir.parent / "config.properties").read_text()
-        assert written.startswith("# Written by llava-container-serve from") and "inference_address=http://0.0.0.0:" in written
+        assert (
+            written.startswith("# Written by llava-container-serve from")
+            and "inference_address=http://0.0.0.0:" in written
+        )
 
         started = time.monotonic()
         assert requests.get(url + "/ping", timeout=2).status_code == 200
         assert time.monotonic() - started < 2  # SageMaker's /ping deadline
 
         image = base64.b64encode(photos["astronaut"]).decode()
-        opened = requests.post(url + "/invocations", json={"type": "open_session", "image": {"base64": image}},
-                               headers={SID: "NEW_SESSION"}, timeout=60)
+        opened = requests.post(
+            url + "/invocations",
+            json={"type": "open_session", "image": {"base64": image}},
+            headers={SID: "NEW_SESSION"},
+            timeout=60,
+        )
         assert opened.status_code == 200, opened.text
         session_id = opened.json()["session_id"]
         assert opened.headers[NEW].startswith(session_id + "; Expires=")
         expires = time.mktime(time.strptime(opened.json()["expires_at"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
         assert 500 < expires - time.time() <= 600  # the artifact's model-config.yaml (--set session_ttl_s=600)
-        answer = requests.post(url + "/invocations", headers={SID: session_id}, timeout=60,
-                               json={"type": "generate", "prompt": "What is in this image?",
-                                     "parameters": {"max_new_tokens": 4, "details": True}})
+        answer = requests.post(
+            url + "/invocations",
+            headers={SID: session_id},
+            timeout=60,
+            json={
+                "type": "generate",
+                "prompt": "What is in this image?",
+                "parameters": {"max_new_tokens": 4, "details": True},
+            },
+        )
         assert answer.status_code == 200 and answer.json()["details"]["cached_tokens"] > 500
-        closed = requests.post(url + "/invocations", json={"type": "close_session"}, headers={SID: session_id},
-                               timeout=60)
+        closed = requests.post(
+            url + "/invocations", json={"type": "close_session"}, headers={SID: session_id}, timeout=60
+        )
         assert closed.status_code == 200 and closed.headers[CLOSED] == session_id
         assert "llava_OpenSessions" in requests.get(metrics_url + "/metrics", timeout=10).text
 

@@ -54,8 +54,15 @@ def package_keys() -> list[str]:
 
 
 def expected_keys() -> list[str]:
-    fixed = ["llava/MAR-INF/MANIFEST.json", "llava/config.json", "llava/llava_handler.py", "llava/model-config.yaml",
-             "llava/model.safetensors", "llava/sub/extra.txt", "llava/tokenizer.json"]
+    fixed = [
+        "llava/MAR-INF/MANIFEST.json",
+        "llava/config.json",
+        "llava/llava_handler.py",
+        "llava/model-config.yaml",
+        "llava/model.safetensors",
+        "llava/sub/extra.txt",
+        "llava/tokenizer.json",
+    ]
     return sorted(fixed + package_keys())
 
 
@@ -66,15 +73,25 @@ def clients():
 
 
 def not_found(stub: Stubber, operation: str, params: dict) -> None:
-    stub.add_client_error(operation, service_error_code="ValidationException", service_message=
-                          f"Could not find endpoint \"{params.get('EndpointName')}\".", http_status_code=400,
-                          expected_params=params)
+    stub.add_client_error(
+        operation,
+        service_error_code="ValidationException",
+        service_message=f'Could not find endpoint "{params.get("EndpointName")}".',
+        http_status_code=400,
+        expected_params=params,
+    )
 
 
 def describe_endpoint_response(name: str, status: str, config: str = "cfg") -> dict:
-    return {"EndpointName": name, "EndpointArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:endpoint/{name}",
-            "EndpointConfigName": config, "EndpointStatus": status, "CreationTime": NOW, "LastModifiedTime": NOW,
-            **({"FailureReason": "CannotStartContainerError: /ping did not answer"} if status == "Failed" else {})}
+    return {
+        "EndpointName": name,
+        "EndpointArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:endpoint/{name}",
+        "EndpointConfigName": config,
+        "EndpointStatus": status,
+        "CreationTime": NOW,
+        "LastModifiedTime": NOW,
+        **({"FailureReason": "CannotStartContainerError: /ping did not answer"} if status == "Failed" else {}),
+    }
 
 
 # ---- packaging -----------------------------------------------------------------------------------
@@ -96,12 +113,29 @@ def test_package_is_torchserve_no_archive_layout_plus_the_checkpoint(checkpoint:
         pytest.skip("torch-model-archiver not installed")
     out = tmp_path / "store"
     out.mkdir()
-    subprocess.run([archiver, "--model-name", "llava", "--version", "1.0", "--handler",
-                    str(REPO / "handler" / "llava_handler.py"), "--config-file", str(REPO / "model-config.yaml"),
-                    "--archive-format", "no-archive", "--export-path", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            archiver,
+            "--model-name",
+            "llava",
+            "--version",
+            "1.0",
+            "--handler",
+            str(REPO / "handler" / "llava_handler.py"),
+            "--config-file",
+            str(REPO / "model-config.yaml"),
+            "--archive-format",
+            "no-archive",
+            "--export-path",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
     reference = json.loads((out / "llava" / "MAR-INF" / "MANIFEST.json").read_text())
     assert {k: v for k, v in manifest.items() if k != "createdOn"} == {
-        k: v for k, v in reference.items() if k != "createdOn"}
+        k: v for k, v in reference.items() if k != "createdOn"
+    }
     assert manifest["createdOn"] == "22/11/2026 09:00:00"
 
 
@@ -134,10 +168,35 @@ def test_derived_names_fit_sagemaker() -> None:
 
 
 def deploy_args(checkpoint: Path, *extra: str) -> list[str]:
-    return ["--endpoint-name", "llava-chat", "--model-dir", str(checkpoint), "--s3-uri", "s3://my-bucket/llava/v1",
-            "--image-uri", IMAGE, "--role-arn", ROLE, "--instance-type", "ml.g5.2xlarge", "--instance-count", "2",
-            "--model-name", "llava-chat-m1", "--endpoint-config-name", "llava-chat-c1", "--set", "session_ttl_s=600",
-            "--env", "LLAVA_LOG_LEVEL=INFO", "--startup-timeout", "900", "--download-timeout", "1200", *extra]
+    return [
+        "--endpoint-name",
+        "llava-chat",
+        "--model-dir",
+        str(checkpoint),
+        "--s3-uri",
+        "s3://my-bucket/llava/v1",
+        "--image-uri",
+        IMAGE,
+        "--role-arn",
+        ROLE,
+        "--instance-type",
+        "ml.g5.2xlarge",
+        "--instance-count",
+        "2",
+        "--model-name",
+        "llava-chat-m1",
+        "--endpoint-config-name",
+        "llava-chat-c1",
+        "--set",
+        "session_ttl_s=600",
+        "--env",
+        "LLAVA_LOG_LEVEL=INFO",
+        "--startup-timeout",
+        "900",
+        "--download-timeout",
+        "1200",
+        *extra,
+    ]
 
 
 EXPECTED_MODEL = {
@@ -145,25 +204,39 @@ EXPECTED_MODEL = {
     "ExecutionRoleArn": ROLE,
     "PrimaryContainer": {
         "Image": IMAGE,
-        "ModelDataSource": {"S3DataSource": {"S3Uri": "s3://my-bucket/llava/v1/", "S3DataType": "S3Prefix",
-                                             "CompressionType": "None"}},
+        "ModelDataSource": {
+            "S3DataSource": {"S3Uri": "s3://my-bucket/llava/v1/", "S3DataType": "S3Prefix", "CompressionType": "None"}
+        },
         "Environment": {**SEQUENCE_ENV, "SAGEMAKER_MODEL_SERVER_TIMEOUT": "120", "LLAVA_LOG_LEVEL": "INFO"},
     },
 }
 EXPECTED_CONFIG = {
     "EndpointConfigName": "llava-chat-c1",
-    "ProductionVariants": [{
-        "VariantName": "AllTraffic", "ModelName": "llava-chat-m1", "InstanceType": "ml.g5.2xlarge",
-        "InitialInstanceCount": 2, "ContainerStartupHealthCheckTimeoutInSeconds": 900,
-        "ModelDataDownloadTimeoutInSeconds": 1200,
-    }],
+    "ProductionVariants": [
+        {
+            "VariantName": "AllTraffic",
+            "ModelName": "llava-chat-m1",
+            "InstanceType": "ml.g5.2xlarge",
+            "InitialInstanceCount": 2,
+            "ContainerStartupHealthCheckTimeoutInSeconds": 900,
+            "ModelDataDownloadTimeoutInSeconds": 1200,
+        }
+    ],
 }
 
 
 def stub_uploads(s3_stub: Stubber, files: list[str]) -> None:
     for key in files:
-        s3_stub.add_response("put_object", {}, {"Bucket": "my-bucket", "Key": f"llava/v1/{key}", "Body": ANY,
-                                                **({} if key in GENERATED else {"ChecksumAlgorithm": ANY})})
+        s3_stub.add_response(
+            "put_object",
+            {},
+            {
+                "Bucket": "my-bucket",
+                "Key": f"llava/v1/{key}",
+                "Body": ANY,
+                **({} if key in GENERATED else {"ChecksumAlgorithm": ANY}),
+            },
+        )
 
 
 GENERATED = {"llava/MAR-INF/MANIFEST.json", "llava/model-config.yaml"}
@@ -179,15 +252,25 @@ def test_deploy_uploads_every_key_and_creates_model_config_endpoint(checkpoint: 
     c["s3"].meta.events.register("provide-client-params.s3.PutObject", record)
     with Stubber(c["s3"]) as s3_stub, Stubber(c["sagemaker"]) as sm_stub:
         stub_uploads(s3_stub, expected_keys())
-        sm_stub.add_response("create_model", {"ModelArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:model/llava-chat-m1"},
-                             EXPECTED_MODEL)
-        sm_stub.add_response("create_endpoint_config", {
-            "EndpointConfigArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:endpoint-config/llava-chat-c1"}, EXPECTED_CONFIG)
+        sm_stub.add_response(
+            "create_model", {"ModelArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:model/llava-chat-m1"}, EXPECTED_MODEL
+        )
+        sm_stub.add_response(
+            "create_endpoint_config",
+            {"EndpointConfigArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:endpoint-config/llava-chat-c1"},
+            EXPECTED_CONFIG,
+        )
         not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})
-        sm_stub.add_response("create_endpoint", {"EndpointArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:endpoint/llava-chat"},
-                             {"EndpointName": "llava-chat", "EndpointConfigName": "llava-chat-c1"})
-        sm_stub.add_response("describe_endpoint", describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
-                             {"EndpointName": "llava-chat"})  # the endpoint_in_service waiter's poll
+        sm_stub.add_response(
+            "create_endpoint",
+            {"EndpointArn": f"arn:aws:sagemaker:us-east-1:{ACCOUNT}:endpoint/llava-chat"},
+            {"EndpointName": "llava-chat", "EndpointConfigName": "llava-chat-c1"},
+        )
+        sm_stub.add_response(
+            "describe_endpoint",
+            describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
+            {"EndpointName": "llava-chat"},
+        )  # the endpoint_in_service waiter's poll
         assert main(deploy_args(checkpoint), clients=c.__getitem__) == 0
         s3_stub.assert_no_pending_responses()
         sm_stub.assert_no_pending_responses()
@@ -200,34 +283,88 @@ def test_deploy_uploads_every_key_and_creates_model_config_endpoint(checkpoint: 
 
 def test_existing_endpoint_is_updated(tmp_path: Path) -> None:
     c = clients()
-    args = ["--endpoint-name", "llava-chat", "--model-data-uri", "s3://my-bucket/llava/v1", "--image-uri", IMAGE,
-            "--role-arn", ROLE, "--model-name", "llava-chat-m2", "--endpoint-config-name", "llava-chat-c2"]
+    args = [
+        "--endpoint-name",
+        "llava-chat",
+        "--model-data-uri",
+        "s3://my-bucket/llava/v1",
+        "--image-uri",
+        IMAGE,
+        "--role-arn",
+        ROLE,
+        "--model-name",
+        "llava-chat-m2",
+        "--endpoint-config-name",
+        "llava-chat-c2",
+    ]
     with Stubber(c["sagemaker"]) as sm_stub:
-        sm_stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, {
-            **EXPECTED_MODEL, "ModelName": "llava-chat-m2",
-            "PrimaryContainer": {**EXPECTED_MODEL["PrimaryContainer"],
-                                 "Environment": {**SEQUENCE_ENV, "SAGEMAKER_MODEL_SERVER_TIMEOUT": "120"}}})
-        sm_stub.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c"}, {
-            "EndpointConfigName": "llava-chat-c2", "ProductionVariants": [{
-                **EXPECTED_CONFIG["ProductionVariants"][0], "ModelName": "llava-chat-m2", "InitialInstanceCount": 1,
-                "ContainerStartupHealthCheckTimeoutInSeconds": 1200, "ModelDataDownloadTimeoutInSeconds": 1800}]})
-        sm_stub.add_response("describe_endpoint", describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
-                             {"EndpointName": "llava-chat"})
-        sm_stub.add_response("update_endpoint", {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llava-chat"},
-                             {"EndpointName": "llava-chat", "EndpointConfigName": "llava-chat-c2"})
+        sm_stub.add_response(
+            "create_model",
+            {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"},
+            {
+                **EXPECTED_MODEL,
+                "ModelName": "llava-chat-m2",
+                "PrimaryContainer": {
+                    **EXPECTED_MODEL["PrimaryContainer"],
+                    "Environment": {**SEQUENCE_ENV, "SAGEMAKER_MODEL_SERVER_TIMEOUT": "120"},
+                },
+            },
+        )
+        sm_stub.add_response(
+            "create_endpoint_config",
+            {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c"},
+            {
+                "EndpointConfigName": "llava-chat-c2",
+                "ProductionVariants": [
+                    {
+                        **EXPECTED_CONFIG["ProductionVariants"][0],
+                        "ModelName": "llava-chat-m2",
+                        "InitialInstanceCount": 1,
+                        "ContainerStartupHealthCheckTimeoutInSeconds": 1200,
+                        "ModelDataDownloadTimeoutInSeconds": 1800,
+                    }
+                ],
+            },
+        )
+        sm_stub.add_response(
+            "describe_endpoint",
+            describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
+            {"EndpointName": "llava-chat"},
+        )
+        sm_stub.add_response(
+            "update_endpoint",
+            {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llava-chat"},
+            {"EndpointName": "llava-chat", "EndpointConfigName": "llava-chat-c2"},
+        )
         assert main([*args, "--no-wait"], clients=c.__getitem__) == 0
         sm_stub.assert_no_pending_responses()
 
 
 def test_failed_endpoint_reports_the_failure_reason(capsys) -> None:
     c = clients()
-    args = ["--endpoint-name", "llava-chat", "--model-data-uri", "s3://my-bucket/llava/v1/", "--image-uri", IMAGE,
-            "--role-arn", ROLE, "--model-name", "m", "--endpoint-config-name", "c"]
+    args = [
+        "--endpoint-name",
+        "llava-chat",
+        "--model-data-uri",
+        "s3://my-bucket/llava/v1/",
+        "--image-uri",
+        IMAGE,
+        "--role-arn",
+        ROLE,
+        "--model-name",
+        "m",
+        "--endpoint-config-name",
+        "c",
+    ]
     with Stubber(c["sagemaker"]) as sm_stub:
         sm_stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, None)
-        sm_stub.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c"}, None)
+        sm_stub.add_response(
+            "create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c"}, None
+        )
         not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})
-        sm_stub.add_response("create_endpoint", {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llava-chat"}, None)
+        sm_stub.add_response(
+            "create_endpoint", {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llava-chat"}, None
+        )
         sm_stub.add_response("describe_endpoint", describe_endpoint_response("llava-chat", "Failed", "c"), None)
         assert main(args, clients=c.__getitem__) == 1
     assert "CannotStartContainerError: /ping did not answer" in capsys.readouterr().err
@@ -236,12 +373,21 @@ def test_failed_endpoint_reports_the_failure_reason(capsys) -> None:
 def test_delete_removes_endpoint_config_and_models() -> None:
     c = clients()
     with Stubber(c["sagemaker"]) as sm_stub:
-        sm_stub.add_response("describe_endpoint", describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
-                             {"EndpointName": "llava-chat"})
-        sm_stub.add_response("describe_endpoint_config", {
-            "EndpointConfigName": "llava-chat-c1", "EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c",
-            "CreationTime": NOW, "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "llava-chat-m1"}]},
-            {"EndpointConfigName": "llava-chat-c1"})
+        sm_stub.add_response(
+            "describe_endpoint",
+            describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
+            {"EndpointName": "llava-chat"},
+        )
+        sm_stub.add_response(
+            "describe_endpoint_config",
+            {
+                "EndpointConfigName": "llava-chat-c1",
+                "EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c",
+                "CreationTime": NOW,
+                "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "llava-chat-m1"}],
+            },
+            {"EndpointConfigName": "llava-chat-c1"},
+        )
         sm_stub.add_response("delete_endpoint", {}, {"EndpointName": "llava-chat"})
         not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})  # endpoint_deleted waiter: gone
         sm_stub.add_response("delete_endpoint_config", {}, {"EndpointConfigName": "llava-chat-c1"})

@@ -37,8 +37,14 @@ def make_engine(runner, **store_kw) -> SessionEngine:
     return SessionEngine(runner, SessionStore(**kw), decode, EngineLimits(max_new_tokens_cap=4096))
 
 
-def reference(runner, image_bytes: bytes, turns: list[tuple[str, str]], prompt: str,
-              system_prompt: str | None = None, max_new_tokens: int = N) -> list[int]:
+def reference(
+    runner,
+    image_bytes: bytes,
+    turns: list[tuple[str, str]],
+    prompt: str,
+    system_prompt: str | None = None,
+    max_new_tokens: int = N,
+) -> list[int]:
     """Greedy tokens of ``model.generate`` from scratch on the chat-templated conversation."""
     messages = []
     if system_prompt:
@@ -52,7 +58,7 @@ def reference(runner, image_bytes: bytes, turns: list[tuple[str, str]], prompt: 
     inputs = runner.processor(text=text, images=decode(image_bytes), return_tensors="pt")
     with torch.inference_mode():
         out = runner.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def ids(answer) -> list[int]:
@@ -61,7 +67,9 @@ def ids(answer) -> list[int]:
 
 def tensor_bytes(session) -> int:
     """Device bytes of a session counted straight from its tensors."""
-    total = 0 if session.image_features is None else session.image_features.numel() * session.image_features.element_size()
+    total = (
+        0 if session.image_features is None else session.image_features.numel() * session.image_features.element_size()
+    )
     if session.kv_cache is not None:
         for layer in session.kv_cache.layers:
             total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
@@ -243,7 +251,7 @@ def test_finish_reasons_stop_sequences_and_seeded_sampling(runner, photos):
     assert a.finish_reason == "length" and a.generated_tokens == 5
     full = eng.generate("s", q, SamplingParams(max_new_tokens=30), remember=False)
     # a stop sequence taken from the greedy answer's own text ends it right there
-    stop = full.text[len(full.text) // 2:][:2] if len(full.text) > 4 else None
+    stop = full.text[len(full.text) // 2 :][:2] if len(full.text) > 4 else None
     if stop and stop.strip():
         s = eng.generate("s", q, SamplingParams(max_new_tokens=30, stop=(stop,)), remember=False)
         assert s.finish_reason == "stop" and stop in s.text and len(s.text) <= len(full.text)
@@ -329,3 +337,71 @@ def test_open_with_history_restores_the_conversation_exactly(runner, photos):
     with pytest.raises(ServiceError) as e:
         eng.open("long", img, history=[Turn("word " * 300, "answer " * 300)])
     assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and "long" not in eng.store
+
+
+# --- context policy ---------------------------------------------------------------------------
+
+
+def test_truncate_drops_the_oldest_turns_and_answers_exactly(runner, photos):
+    """A turn that does not fit: the oldest remembered turns leave the context; the answer equals
+    a from-scratch greedy generate on the truncated conversation, and the history follows it."""
+    eng = make_engine(runner)
+    eng.open("s", photos["coffee"])
+    questions = ["What is in this image?", "Describe the colours.", "What is on the left?", "And on the right?"]
+    for q in questions:
+        eng.generate("s", q, SamplingParams(max_new_tokens=40))
+    history = [(t.prompt, t.answer) for t in eng.history("s")]
+    q = "Summarise what we said."
+    full = len(runner.conversation_ids(None, eng.history("s"), q))
+    room = runner.max_positions - full  # a max_new_tokens one token over the room left forces a drop
+    params = SamplingParams(max_new_tokens=room + 1)
+    with pytest.raises(ServiceError) as e:
+        eng.start("s", q, params, context_policy="error")
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and len(eng.history("s")) == 4  # nothing changed
+    before = eng.store.get("s").cached_ids[:]
+    answer = eng.generate("s", q, params, context_policy="truncate")
+    assert answer.truncated_turns == 1 and answer.max_new_tokens == room + 1
+    kept = history[1:]
+    assert ids(answer) == reference(runner, photos["coffee"], kept, q, max_new_tokens=room + 1)
+    assert [(t.prompt, t.answer) for t in eng.history("s")] == kept + [(q, answer.text)]
+    # the KV cache was reused up to the first dropped turn: the image prefix, not more
+    prefix = runner.prefix_ids(None)
+    assert answer.cached_tokens == len(prefix) and before[: len(prefix)] == prefix
+    # the next question (the context is full again: one more turn leaves) continues exactly
+    nxt = eng.generate("s", "Anything else?", GREEDY)
+    after = (kept + [(q, answer.text)])[nxt.truncated_turns :]
+    assert nxt.truncated_turns == 1 and ids(nxt) == reference(runner, photos["coffee"], after, "Anything else?")
+    # with room left, a question reuses the whole cached conversation
+    short = eng.generate("s", "Why?", SamplingParams(max_new_tokens=2), remember=False)
+    assert short.truncated_turns == 0 and short.cached_tokens > len(prefix)
+
+
+def test_truncate_clips_an_unset_max_new_tokens_only_when_no_turn_is_left(runner, photos):
+    eng = make_engine(runner)
+    eng.open("s", photos["rocket"])
+    eng.generate("s", "What is in this image?", SamplingParams(max_new_tokens=20))
+    q = "Tell me more."
+    alone = len(runner.conversation_ids(None, [], q))
+    too_many = runner.max_positions - alone + 50  # does not fit even with every turn dropped
+    clipped = eng.generate("s", q, SamplingParams(max_new_tokens=too_many), clip_max_new_tokens=True)
+    assert clipped.truncated_turns == 1 and clipped.max_new_tokens == runner.max_positions - alone
+    assert eng.history("s")[0].prompt == q
+    with pytest.raises(ServiceError) as e:  # the same limit set by the request: the image and question cannot fit
+        eng.start("s", q, SamplingParams(max_new_tokens=too_many))
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and "shorten the question" in e.value.message
+
+
+def test_an_abandoned_truncating_answer_changes_no_history(runner, photos):
+    eng = make_engine(runner)
+    eng.open("s", photos["chelsea"])
+    for q in ("What is in this image?", "What colour is it?"):
+        eng.generate("s", q, SamplingParams(max_new_tokens=30))
+    q = "Once more?"
+    room = runner.max_positions - len(runner.conversation_ids(None, eng.history("s"), q))
+    gen = eng.start("s", q, SamplingParams(max_new_tokens=room + 1))
+    assert gen.truncated_turns == 1
+    next(gen)
+    gen.close()  # the client went away
+    assert [t.prompt for t in eng.history("s")] == ["What is in this image?", "What colour is it?"]
+    again = eng.generate("s", "What colour is it?", GREEDY, remember=False)
+    assert again.truncated_turns == 0

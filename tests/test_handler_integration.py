@@ -19,6 +19,7 @@ import psutil
 import pytest
 import requests
 
+from aws_readers import lmi_reader_text, tgi_reader_text
 from server_fixtures import start_local_server
 
 pytestmark = pytest.mark.integration
@@ -39,28 +40,38 @@ SESSION_ID_RE = _botocore_pattern("SessionIdHeader")
 
 @pytest.fixture(scope="module")
 def server(request, tiny_model_dir):
-    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer,
-                              overrides={"step_max_tokens": 2, "allow_http": True, "allow_private_networks": True},
-                              model_config_overrides={"batchSize": 8, "maxNumSequence": 8})
+    return start_local_server(
+        tiny_model_dir,
+        addfinalizer=request.addfinalizer,
+        overrides={"step_max_tokens": 2, "allow_http": True, "allow_private_networks": True},
+        model_config_overrides={"batchSize": 8, "maxNumSequence": 8},
+    )
 
 
 def post(server, body, session_id=None, **kw):
     headers = {SID: session_id} if session_id is not None else {}
-    return requests.post(server.url + "/invocations", data=json.dumps(body), headers=headers,
-                         timeout=60, **kw)
+    return requests.post(server.url + "/invocations", data=json.dumps(body), headers=headers, timeout=60, **kw)
 
 
 def open_session(server, image: bytes, session_id=None, **extra):
-    r = post(server, {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}, **extra},
-             session_id=session_id)
+    r = post(
+        server,
+        {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}, **extra},
+        session_id=session_id,
+    )
     assert r.status_code == 200, r.text
     return r.json()["session_id"], r
 
 
 def stream(server, session_id, prompt, **params):
     """Returns (chunks, parsed lines) of a streamed generate."""
-    body = {"type": "generate", "prompt": prompt, "stream": True, "remember": False,
-            "parameters": {"max_new_tokens": 24, **params}}
+    body = {
+        "type": "generate",
+        "prompt": prompt,
+        "stream": True,
+        "remember": False,
+        "parameters": {"max_new_tokens": 24, **params},
+    }
     r = post(server, body, session_id=session_id, stream=True)
     assert r.status_code == 200 and r.headers["content-type"] == "application/jsonlines"
     chunks = [c for c in r.iter_content(chunk_size=None) if c]
@@ -78,8 +89,11 @@ def test_open_generate_close_with_sagemaker_headers(server, photos):
     expires = time.mktime(time.strptime(body["expires_at"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
     assert 1100 < expires - time.time() <= 1200  # the TTL from model-config.yaml, in UTC
 
-    r = post(server, {"type": "generate", "prompt": "What is in this image?",
-                      "parameters": {"max_new_tokens": 8, "details": True}}, session_id=sid)
+    r = post(
+        server,
+        {"type": "generate", "prompt": "What is in this image?", "parameters": {"max_new_tokens": 8, "details": True}},
+        session_id=sid,
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     d = out["details"]
@@ -88,8 +102,9 @@ def test_open_generate_close_with_sagemaker_headers(server, photos):
     assert "".join(t["text"] for t in d["tokens"]) == out["generated_text"]
     assert {"ttft_ms", "prefill_ms", "total_ms", "decode_tokens_per_s"} <= set(d["timings"])
 
-    r2 = post(server, {"type": "generate", "prompt": "What color is it?", "parameters": {"max_new_tokens": 4}},
-              session_id=sid)
+    r2 = post(
+        server, {"type": "generate", "prompt": "What color is it?", "parameters": {"max_new_tokens": 4}}, session_id=sid
+    )
     assert r2.status_code == 200 and r2.json()["details"]["cached_tokens"] >= d["prompt_tokens"]
 
     r = post(server, {"type": "reset"}, session_id=sid)
@@ -104,15 +119,42 @@ def test_open_generate_close_with_sagemaker_headers(server, photos):
 def test_stream_arrives_in_chunks_and_joins_to_the_plain_answer(server, photos):
     sid, _ = open_session(server, photos["chelsea"])
     q = "Describe the image in detail."
-    plain = post(server, {"type": "generate", "prompt": q, "remember": False,
-                          "parameters": {"max_new_tokens": 24}}, session_id=sid).json()
+    plain = post(
+        server,
+        {"type": "generate", "prompt": q, "remember": False, "parameters": {"max_new_tokens": 24, "details": True}},
+        session_id=sid,
+    ).json()
     chunks, lines = stream(server, sid, q)
     assert len(chunks) >= 3  # step_max_tokens=2: several handle() calls, several chunks
-    tokens, last = lines[:-1], lines[-1]
-    assert all(line["generated_text"] is None and line["details"] is None for line in tokens)
-    assert last["token"] is None and last["generated_text"] == plain["generated_text"]
-    assert "".join(line["token"]["text"] for line in tokens) == plain["generated_text"]
-    assert last["details"]["generated_tokens"] == len(tokens) == plain["details"]["generated_tokens"]
+    last = lines[-1]
+    assert all(line["generated_text"] is None and line["details"] is None for line in lines[:-1])
+    assert [line["token"]["id"] for line in lines] == [t["id"] for t in plain["details"]["tokens"]]
+    assert last["generated_text"] == plain["generated_text"]
+    assert "".join(line["token"]["text"] for line in lines) == plain["generated_text"]  # every line has a token
+    assert last["details"]["generated_tokens"] == len(lines) == plain["details"]["generated_tokens"]
+    post(server, {"type": "close_session"}, session_id=sid)
+
+
+def test_ecosystem_stream_readers_parse_every_line_over_http(server, photos):
+    """TGI's and LMI's reader loops, run on every line of the HTTP stream, print the whole answer."""
+    sid, _ = open_session(server, photos["astronaut"])
+    q = "What is in this image?"
+    plain = post(
+        server,
+        {"type": "generate", "prompt": q, "remember": False, "parameters": {"max_new_tokens": 20}},
+        session_id=sid,
+    ).json()
+    text = plain["generated_text"]
+    cut = text[len(text) // 2 : len(text) // 2 + 2]  # a stop string from the middle of the answer
+    for params in ({"max_new_tokens": 20}, {"max_new_tokens": 20, "stop": [cut]} if cut.strip() else {}):
+        body = {"type": "generate", "prompt": q, "stream": True, "remember": False, "parameters": params}
+        for reader in (tgi_reader_text, lmi_reader_text):
+            r = post(server, body, session_id=sid, stream=True)
+            lines = [line for line in r.iter_lines() if line]
+            expected = json.loads(lines[-1])["generated_text"]
+            assert reader(lines) == expected and json.loads(lines[-1])["details"]["finish_reason"]
+            if "stop" in params:
+                assert expected.endswith(cut) or cut in expected  # the stop string ended it, kept in the text
     post(server, {"type": "close_session"}, session_id=sid)
 
 
@@ -125,7 +167,13 @@ def test_two_sessions_interleave_without_blocking_or_leaking(server, photos):
 
     def timed_stream(s):
         t0 = time.monotonic()
-        body = {"type": "generate", "prompt": q, "stream": True, "remember": False, "parameters": {"max_new_tokens": 40}}
+        body = {
+            "type": "generate",
+            "prompt": q,
+            "stream": True,
+            "remember": False,
+            "parameters": {"max_new_tokens": 40},
+        }
         r = post(server, body, session_id=s, stream=True)
         stamps, data = [], b""
         for c in r.iter_content(chunk_size=None):
@@ -153,9 +201,24 @@ def test_errors_have_codes_and_statuses(server, photos):
         ({"type": "dance"}, sid, 400, "invalid_request"),
         ({"type": "generate", "prompt": "x"}, None, 400, "missing_session_id"),
         ({"type": "reset"}, "nope-123", 404, "session_not_found"),
-        ({"type": "generate", "prompt": "x", "parameters": {"max_new_tokens": 1024}}, sid, 422, "context_length_exceeded"),
-        ({"type": "open_session", "image": {"base64": base64.b64encode(b"not an image").decode()}}, None, 400, "image_invalid"),
-        ({"type": "open_session", "image": {"url": "http://169.254.169.254/latest/meta-data/"}}, None, 400, "image_url_forbidden"),
+        (
+            {"type": "generate", "prompt": "x", "parameters": {"max_new_tokens": 1024}},
+            sid,
+            422,
+            "context_length_exceeded",
+        ),
+        (
+            {"type": "open_session", "image": {"base64": base64.b64encode(b"not an image").decode()}},
+            None,
+            400,
+            "image_invalid",
+        ),
+        (
+            {"type": "open_session", "image": {"url": "http://169.254.169.254/latest/meta-data/"}},
+            None,
+            400,
+            "image_url_forbidden",
+        ),
     ]
     for body, s, status, code in cases:
         r = post(server, body, session_id=s)
@@ -176,17 +239,24 @@ def test_invalid_request_batched_with_valid_ones_fails_alone(server, photos):
     # one session per concurrent request: TorchServe queues at most maxSequenceJobQueueSize per session
     others = [open_session(server, photos["rocket"])[0] for _ in range(3)]
     q = "Describe the image in detail."
-    expected = post(server, {"type": "generate", "prompt": q, "remember": False,
-                             "parameters": {"max_new_tokens": 60}}, session_id=sid).json()["generated_text"]
+    expected = post(
+        server,
+        {"type": "generate", "prompt": q, "remember": False, "parameters": {"max_new_tokens": 60}},
+        session_id=sid,
+    ).json()["generated_text"]
     with ThreadPoolExecutor(5) as pool:
         long_run = pool.submit(stream, server, sid, q, max_new_tokens=60)
         time.sleep(0.3)  # the stream is running: the next requests join its batches
-        bad = [pool.submit(post, server, {"type": "generate", "prompt": "x", "parameters": {"temperature": -1}},
-                           others[0]),
-               pool.submit(post, server, {"type": "generate", "prompt": ""}, others[1]),
-               pool.submit(post, server, {"type": "reset"}, "ts-seq-00000000-0000-0000-0000-000000000000")]
-        good = pool.submit(post, server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 3}},
-                           others[2])
+        bad = [
+            pool.submit(
+                post, server, {"type": "generate", "prompt": "x", "parameters": {"temperature": -1}}, others[0]
+            ),
+            pool.submit(post, server, {"type": "generate", "prompt": ""}, others[1]),
+            pool.submit(post, server, {"type": "reset"}, "ts-seq-00000000-0000-0000-0000-000000000000"),
+        ]
+        good = pool.submit(
+            post, server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 3}}, others[2]
+        )
         assert [f.result().status_code for f in bad] == [400, 400, 404]
         assert good.result().status_code == 200
         assert long_run.result()[1][-1]["generated_text"] == expected
@@ -226,6 +296,28 @@ def test_aws_sample_aliases_work_unchanged(server, photos):
         httpd.shutdown()
 
 
+def test_aws_sample_client_holds_a_long_conversation(server, photos):
+    """The AWS sample's request bodies and defaults (256 new tokens, history remembered) for 30 turns on
+    the tiny model (1,024 positions): the context fills up, the oldest turns leave it, no error."""
+    _ImageHandler.payload = photos["rocket"]
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/rocket.png"
+        r = post(server, {"type": "start_session", "session_id": None, "path": url})
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        for turn in range(30):
+            body = {"type": "send_text_prompt", "session_id": sid, "prompt_text": f"Question {turn}: what else?"}
+            r = post(server, body, session_id=sid)
+            assert r.status_code == 200, (turn, r.text)
+            assert isinstance(r.json()["response_text"], str)
+        r = post(server, {"type": "close_session", "session_id": sid}, session_id=sid)
+        assert r.status_code == 200 and r.json()["success"] is True
+    finally:
+        httpd.shutdown()
+
+
 def test_new_session_literal_opens_with_one_worker(server, photos):
     sid, r = open_session(server, photos["chelsea"], session_id="NEW_SESSION")
     assert sid != "NEW_SESSION" and SESSION_ID_RE.match(sid) and r.headers[NEW].startswith(sid + ";")
@@ -241,13 +333,17 @@ def test_metrics_in_prometheus(server, photos):
     text = requests.get(server.metrics_url + "/metrics", timeout=10).text
     values = {}
     for line in text.splitlines():
-        m = re.match(r'^(llava_\w+)\{([^}]*)\} ([0-9.e+-]+)$', line)
+        m = re.match(r"^(llava_\w+)\{([^}]*)\} ([0-9.e+-]+)$", line)
         if m:
             values[(m.group(1), m.group(2))] = float(m.group(3))
+
     def metric(name, **labels):
-        hits = [v for (n, lab), v in values.items() if n == name and all(f'{k}="{x}"' in lab for k, x in labels.items())]
+        hits = [
+            v for (n, lab), v in values.items() if n == name and all(f'{k}="{x}"' in lab for k, x in labels.items())
+        ]
         assert hits, (name, labels, sorted({n for n, _ in values}))
         return hits[0]
+
     assert metric("llava_OpenSessions") >= 1
     assert metric("llava_SessionBytes", Tier="kv") > 0 and metric("llava_SessionBytes", Tier="image") > 0
     assert metric("llava_ReusedPromptTokens") >= 576  # the image alone is 576 tokens
@@ -260,9 +356,12 @@ def test_metrics_in_prometheus(server, photos):
 @pytest.fixture(scope="module")
 def small_server(request, tiny_model_dir):
     """maxNumSequence = batchSize = 3: any lingering job group would show at once."""
-    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer,
-                              model_config_overrides={"batchSize": 3, "maxNumSequence": 3},
-                              overrides={"max_sessions": 3})
+    return start_local_server(
+        tiny_model_dir,
+        addfinalizer=request.addfinalizer,
+        model_config_overrides={"batchSize": 3, "maxNumSequence": 3},
+        overrides={"max_sessions": 3},
+    )
 
 
 def test_unknown_ids_leave_no_job_group_behind(small_server, photos):
@@ -286,8 +385,9 @@ def test_killed_worker_sessions_get_404_fast_and_new_sessions_work(small_server,
     while True:  # llava-serve's supervisor restarts TorchServe; the old session is gone with the worker
         assert time.monotonic() - t0 < 60, "no answer within 60 s of the worker's death"
         try:
-            r = post(small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}},
-                     session_id=sid)
+            r = post(
+                small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=sid
+            )
         except requests.ConnectionError:  # the restart window
             time.sleep(0.5)
             continue

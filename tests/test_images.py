@@ -256,7 +256,10 @@ def test_bad_base64_is_image_invalid(text: str) -> None:
 
 
 def test_empty_base64_is_image_invalid() -> None:
-    assert error_of(fetch_image_bytes, ImageSource(base64="data:image/png;base64,"), Settings()).code == ErrorCode.IMAGE_INVALID
+    assert (
+        error_of(fetch_image_bytes, ImageSource(base64="data:image/png;base64,"), Settings()).code
+        == ErrorCode.IMAGE_INVALID
+    )
 
 
 def test_base64_over_the_byte_cap() -> None:
@@ -489,7 +492,10 @@ def test_redirect_limit(http_server: str, astronaut_png: bytes) -> None:
     error = error_of(fetch_image_bytes, url_source(f"{http_server}/chain/2"), settings)  # 3 redirects
     assert error.code == ErrorCode.IMAGE_FETCH_FAILED and "more than 2" in error.message
     no_redirects = Settings(allow_private_networks=True, allow_http=True, max_redirects=0)
-    assert error_of(fetch_image_bytes, url_source(f"{http_server}/chain/0"), no_redirects).code == ErrorCode.IMAGE_FETCH_FAILED
+    assert (
+        error_of(fetch_image_bytes, url_source(f"{http_server}/chain/0"), no_redirects).code
+        == ErrorCode.IMAGE_FETCH_FAILED
+    )
 
 
 @pytest.mark.parametrize(
@@ -541,7 +547,9 @@ def test_undeclared_body_over_the_cap_is_cut_off(http_server: str) -> None:
 
 
 def test_read_timeout(http_server: str) -> None:
-    settings = Settings(allow_private_networks=True, allow_http=True, fetch_connect_timeout_s=1.0, fetch_read_timeout_s=0.3)
+    settings = Settings(
+        allow_private_networks=True, allow_http=True, fetch_connect_timeout_s=1.0, fetch_read_timeout_s=0.3
+    )
     started = time.perf_counter()
     error = error_of(fetch_image_bytes, url_source(f"{http_server}/slow-headers?s=2"), settings)
     assert error.code == ErrorCode.IMAGE_FETCH_FAILED and "timed out" in error.message
@@ -551,7 +559,9 @@ def test_read_timeout(http_server: str) -> None:
 def test_slow_drip_hits_the_total_deadline(http_server: str) -> None:
     # Each byte arrives well within the read timeout, but the whole body may not take longer
     # than connect + read timeout.
-    settings = Settings(allow_private_networks=True, allow_http=True, fetch_connect_timeout_s=0.2, fetch_read_timeout_s=0.5)
+    settings = Settings(
+        allow_private_networks=True, allow_http=True, fetch_connect_timeout_s=0.2, fetch_read_timeout_s=0.5
+    )
     started = time.perf_counter()
     error = error_of(fetch_image_bytes, url_source(f"{http_server}/drip"), settings)
     elapsed = time.perf_counter() - started
@@ -585,9 +595,26 @@ def tls_server(tmp_path_factory, astronaut_png: bytes) -> Iterator[tuple[str, Pa
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost"],
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+        ],
         check=True,
         capture_output=True,
     )
@@ -612,7 +639,9 @@ def test_tls_is_verified_against_the_host_name_while_connecting_to_the_vetted_ip
     error = error_of(images._fetch_url, f"https://127.0.0.1:{port}/img/astronaut", settings, verify=str(cert))
     assert error.code == ErrorCode.IMAGE_FETCH_FAILED and "certificate" in error.message
     # Without the test CA the self-signed certificate is refused (production default verify=True).
-    assert error_of(fetch_image_bytes, url_source(f"{base}/img/astronaut"), settings).code == ErrorCode.IMAGE_FETCH_FAILED
+    assert (
+        error_of(fetch_image_bytes, url_source(f"{base}/img/astronaut"), settings).code == ErrorCode.IMAGE_FETCH_FAILED
+    )
 
 
 def test_https_to_http_downgrade_redirect_is_refused(tls_server: tuple[str, Path], http_server: str) -> None:
@@ -628,9 +657,7 @@ def test_https_to_http_downgrade_redirect_is_refused(tls_server: tuple[str, Path
 
 @pytest.fixture
 def s3():
-    client = boto3.client(
-        "s3", region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
-    )
+    client = boto3.client("s3", region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing")
     with Stubber(client) as stubber:
         yield client, stubber
         stubber.assert_no_pending_responses()
@@ -644,7 +671,9 @@ def test_s3_object_is_fetched_with_a_capped_range(s3, astronaut_png: bytes) -> N
     client, stubber = s3
     settings = Settings()
     cap = settings.max_image_bytes
-    stubber.add_response("head_object", {"ContentLength": len(astronaut_png)}, {"Bucket": "my-bucket", "Key": "dir/astronaut.png"})
+    stubber.add_response(
+        "head_object", {"ContentLength": len(astronaut_png)}, {"Bucket": "my-bucket", "Key": "dir/astronaut.png"}
+    )
     stubber.add_response(
         "get_object",
         {"Body": _body(astronaut_png), "ContentLength": len(astronaut_png)},
@@ -657,7 +686,12 @@ def test_s3_object_is_fetched_with_a_capped_range(s3, astronaut_png: bytes) -> N
 def test_s3_object_over_the_cap_is_refused_after_head(s3) -> None:
     client, stubber = s3
     stubber.add_response("head_object", {"ContentLength": 1001}, {"Bucket": "my-bucket", "Key": "big.png"})
-    error = error_of(fetch_image_bytes, ImageSource(s3_uri="s3://my-bucket/big.png"), Settings(max_image_bytes=1000), s3_client=client)
+    error = error_of(
+        fetch_image_bytes,
+        ImageSource(s3_uri="s3://my-bucket/big.png"),
+        Settings(max_image_bytes=1000),
+        s3_client=client,
+    )
     assert (error.code, error.status) == (ErrorCode.IMAGE_TOO_LARGE, 413)
 
 
@@ -666,18 +700,28 @@ def test_s3_object_that_grew_after_head_is_cut_off(s3) -> None:
     stubber.add_response("head_object", {"ContentLength": 10}, {"Bucket": "b-b", "Key": "k"})
     grown = b"x" * 1001  # the range reply holds cap + 1 bytes
     stubber.add_response("get_object", {"Body": _body(grown)}, {"Bucket": "b-b", "Key": "k", "Range": "bytes=0-1000"})
-    error = error_of(fetch_image_bytes, ImageSource(s3_uri="s3://b-b/k"), Settings(max_image_bytes=1000), s3_client=client)
+    error = error_of(
+        fetch_image_bytes, ImageSource(s3_uri="s3://b-b/k"), Settings(max_image_bytes=1000), s3_client=client
+    )
     assert error.code == ErrorCode.IMAGE_TOO_LARGE
 
 
 @pytest.mark.parametrize(
     ("error_code", "status", "fragment"),
-    [("404", 404, "not found"), ("NoSuchBucket", 404, "not found"), ("403", 403, "denied"), ("SlowDown", 503, "could not be fetched")],
+    [
+        ("404", 404, "not found"),
+        ("NoSuchBucket", 404, "not found"),
+        ("403", 403, "denied"),
+        ("SlowDown", 503, "could not be fetched"),
+    ],
 )
 def test_s3_errors_are_fetch_failed(s3, error_code: str, status: int, fragment: str) -> None:
     client, stubber = s3
     stubber.add_client_error(
-        "head_object", service_error_code=error_code, service_message="internal detail arn:aws:s3:::x", http_status_code=status
+        "head_object",
+        service_error_code=error_code,
+        service_message="internal detail arn:aws:s3:::x",
+        http_status_code=status,
     )
     error = error_of(fetch_image_bytes, ImageSource(s3_uri="s3://my-bucket/a.png"), Settings(), s3_client=client)
     assert (error.code, error.status) == (ErrorCode.IMAGE_FETCH_FAILED, 400)

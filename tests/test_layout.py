@@ -29,29 +29,42 @@ def imported_packages(folder: Path) -> dict[str, set[str]]:
     return out
 
 
-@pytest.mark.parametrize(("folder", "forbidden"), [
-    (CORE, {"llava_tools", "llava_client"}),
-    (CLIENT, {"llava_sessions", "llava_tools", "llava_handler"}),
-    (TOOLS, {"llava_handler"}),
-])
+@pytest.mark.parametrize(
+    ("folder", "forbidden"),
+    [
+        (CORE, {"llava_tools", "llava_client"}),
+        (CLIENT, {"llava_sessions", "llava_tools", "llava_handler"}),
+        (TOOLS, {"llava_handler"}),
+    ],
+)
 def test_no_module_imports_across_the_boundary(folder: Path, forbidden: set[str]) -> None:
-    crossing = {name: sorted(found & forbidden) for name, found in imported_packages(folder).items() if found & forbidden}
+    crossing = {
+        name: sorted(found & forbidden) for name, found in imported_packages(folder).items() if found & forbidden
+    }
     assert crossing == {}
 
 
 def test_the_worker_loads_the_core_only() -> None:
     """What TorchServe's worker imports through llava_handler.py is the core package, nothing of the tools."""
-    code = ("import sys; sys.path.insert(0, 'handler'); import llava_handler; "
-            "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('llava')}))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import sys; sys.path.insert(0, 'handler'); import llava_handler; "
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('llava')}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "['llava_handler', 'llava_sessions']"
 
 
 def test_the_client_installs_and_imports_without_the_server() -> None:
-    code = ("import sys, importlib, pkgutil, llava_client; "
-            "[importlib.import_module(m.name) for m in pkgutil.walk_packages(llava_client.__path__, 'llava_client.')]; "
-            "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('llava')}))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import sys, importlib, pkgutil, llava_client; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(llava_client.__path__, 'llava_client.')]; "
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('llava')}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "['llava_client']"
 
 
@@ -71,8 +84,12 @@ def test_the_client_copy_of_the_header_contract_equals_the_server_one() -> None:
 
 def test_the_header_contract_is_written_once_on_the_server() -> None:
     """Only contract.py spells the SageMaker header names and NEW_SESSION among the server's modules."""
-    literals = ("X-Amzn-SageMaker-Session-Id", "X-Amzn-SageMaker-New-Session-Id",
-                "X-Amzn-SageMaker-Closed-Session-Id", '"NEW_SESSION"')
+    literals = (
+        "X-Amzn-SageMaker-Session-Id",
+        "X-Amzn-SageMaker-New-Session-Id",
+        "X-Amzn-SageMaker-Closed-Session-Id",
+        '"NEW_SESSION"',
+    )
     spelled = {}
     for path in [*CORE.glob("*.py"), *TOOLS.glob("*.py")]:
         if path.name == "contract.py":
@@ -80,8 +97,11 @@ def test_the_header_contract_is_written_once_on_the_server() -> None:
         code_only = ast.unparse(ast.parse(path.read_text()))  # docstrings stay, comments go
         tree = ast.parse(code_only)
         strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-        docs = {ast.get_docstring(n, clean=False) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+        docs = {
+            ast.get_docstring(n, clean=False)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        }
         found = [lit for lit in literals for s in strings if s not in docs and lit.strip('"') == s]
         if found:
             spelled[path.name] = found

@@ -31,6 +31,7 @@ from botocore.eventstream import ChecksumMismatch, EventStream, EventStreamBuffe
 from botocore.exceptions import ClientError, EventStreamError
 from botocore.parsers import EventStreamJSONParser
 
+from aws_readers import LineIterator, lmi_reader_text, tgi_reader_text
 from llava_tools.local_endpoint import (
     BackendRef,
     LocalEndpoint,
@@ -53,7 +54,7 @@ JSON = "application/json"
 
 class _RawStream:
     def __init__(self, data: bytes, piece: int = 7) -> None:
-        self._chunks = [data[i:i + piece] for i in range(0, len(data), piece)]
+        self._chunks = [data[i : i + piece] for i in range(0, len(data), piece)]
 
     def stream(self):
         yield from self._chunks
@@ -68,14 +69,17 @@ def _botocore_events(data: bytes):
 
 
 def test_payload_part_frames_decode_with_botocore() -> None:
-    payloads = [b'{"token": {"text": "caf', "\u00e9\"}}\n".encode(), b"", bytes(range(256)) * 300]
+    payloads = [b'{"token": {"text": "caf', '\u00e9"}}\n'.encode(), b"", bytes(range(256)) * 300]
     data = b"".join(payload_part_event(p) for p in payloads)
     buffer = EventStreamBuffer()
     buffer.add_data(data)
     messages = list(buffer)
     assert [m.payload for m in messages] == payloads
-    assert messages[0].headers == {":event-type": "PayloadPart", ":content-type": "application/octet-stream",
-                                   ":message-type": "event"}
+    assert messages[0].headers == {
+        ":event-type": "PayloadPart",
+        ":content-type": "application/octet-stream",
+        ":message-type": "event",
+    }
     # The sagemaker-runtime parser: PayloadPart.Bytes is an eventpayload blob = the raw payload bytes.
     assert [event["PayloadPart"]["Bytes"] for event in _botocore_events(data)] == payloads
 
@@ -151,11 +155,17 @@ def stand_in_router():
     closed.close()
     backend = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
     threading.Thread(target=backend.serve_forever, daemon=True).start()
-    router = Router([BackendRef(0, f"http://127.0.0.1:{dead_port}"),
-                     BackendRef(1, f"http://127.0.0.1:{backend.server_address[1]}")])
+    router = Router(
+        [BackendRef(0, f"http://127.0.0.1:{dead_port}"), BackendRef(1, f"http://127.0.0.1:{backend.server_address[1]}")]
+    )
     front = RouterServer(("127.0.0.1", 0), router, read_timeout_s=0.5).start()
-    rt = boto3.client("sagemaker-runtime", endpoint_url=front.url, region_name="us-east-1",
-                      aws_access_key_id="x", aws_secret_access_key="x")
+    rt = boto3.client(
+        "sagemaker-runtime",
+        endpoint_url=front.url,
+        region_name="us-east-1",
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+    )
     yield router, front, rt
     front.stop()
     backend.shutdown()
@@ -182,8 +192,9 @@ def test_router_failure_paths(stand_in_router):
     assert "timed out" in caught.value.response["OriginalMessage"]
 
     # The container drops the connection mid-stream: what arrived, then a ModelStreamError event.
-    reply = rt.invoke_endpoint_with_response_stream(EndpointName="e", Body=b'{"mode": "break-stream"}',
-                                                    ContentType=JSON, SessionId="stand-in-1")
+    reply = rt.invoke_endpoint_with_response_stream(
+        EndpointName="e", Body=b'{"mode": "break-stream"}', ContentType=JSON, SessionId="stand-in-1"
+    )
     events = iter(reply["Body"])
     assert next(events) == {"PayloadPart": {"Bytes": b"partial\n"}}
     with pytest.raises(EventStreamError) as caught:
@@ -205,16 +216,26 @@ def test_router_failure_paths(stand_in_router):
 
 @pytest.fixture(scope="module")
 def endpoint(request, tiny_model_dir):
-    ep = LocalEndpoint(tiny_model_dir, backends=2, overrides={"step_max_tokens": 2},
-                       model_config_overrides={"batchSize": 8, "maxNumSequence": 8}, startup_timeout_s=120)
+    ep = LocalEndpoint(
+        tiny_model_dir,
+        backends=2,
+        overrides={"step_max_tokens": 2},
+        model_config_overrides={"batchSize": 8, "maxNumSequence": 8},
+        startup_timeout_s=120,
+    )
     request.addfinalizer(ep.stop)
     return ep.start()
 
 
 @pytest.fixture(scope="module")
 def runtime(endpoint):
-    return boto3.client("sagemaker-runtime", endpoint_url=endpoint.url, region_name="us-east-1",
-                        aws_access_key_id="x", aws_secret_access_key="x")
+    return boto3.client(
+        "sagemaker-runtime",
+        endpoint_url=endpoint.url,
+        region_name="us-east-1",
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+    )
 
 
 def sessions_map(endpoint) -> dict[str, int]:
@@ -223,15 +244,17 @@ def sessions_map(endpoint) -> dict[str, int]:
 
 def invoke(runtime, body: dict, session_id: str | None = None):
     kwargs = {"SessionId": session_id} if session_id else {}
-    return runtime.invoke_endpoint(EndpointName="llava-local", Body=json.dumps(body), ContentType=JSON,
-                                   Accept=JSON, **kwargs)
+    return runtime.invoke_endpoint(
+        EndpointName="llava-local", Body=json.dumps(body), ContentType=JSON, Accept=JSON, **kwargs
+    )
 
 
 def open_session(runtime, image: bytes) -> str:
     import base64
 
-    reply = invoke(runtime, {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}},
-                   "NEW_SESSION")
+    reply = invoke(
+        runtime, {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}}, "NEW_SESSION"
+    )
     assert NEW_SESSION_ID_RE.match(reply["NewSessionId"]), reply["NewSessionId"]
     session_id = reply["NewSessionId"].split(";")[0]
     assert SESSION_ID_RE.match(session_id) and session_id.startswith("ts-seq-")
@@ -268,21 +291,38 @@ def test_ping_and_sessions_stick_to_their_backend(endpoint, runtime, photos):
 
 def test_stream_is_payload_parts_that_join_to_the_plain_answer(endpoint, runtime, photos):
     session_id = open_session(runtime, photos["chelsea"])
-    question = {"type": "generate", "prompt": "Describe the image in detail.", "remember": False,
-                "parameters": {"max_new_tokens": 16}}
+    question = {
+        "type": "generate",
+        "prompt": "Describe the image in detail.",
+        "remember": False,
+        "parameters": {"max_new_tokens": 16},
+    }
     plain = json.loads(invoke(runtime, question, session_id)["Body"].read())
     reply = runtime.invoke_endpoint_with_response_stream(
-        EndpointName="llava-local", Body=json.dumps({**question, "stream": True}), ContentType=JSON,
-        Accept="application/jsonlines", SessionId=session_id)
+        EndpointName="llava-local",
+        Body=json.dumps({**question, "stream": True}),
+        ContentType=JSON,
+        Accept="application/jsonlines",
+        SessionId=session_id,
+    )
     assert reply["ContentType"] == "application/jsonlines" and reply["InvokedProductionVariant"] == "AllTraffic"
     parts = [event["PayloadPart"]["Bytes"] for event in reply["Body"]]
     assert len(parts) >= 3  # step_max_tokens=2: the container's chunks arrive as separate events
     lines = [json.loads(line) for line in b"".join(parts).splitlines()]
-    assert "".join(line["token"]["text"] for line in lines[:-1]) == plain["generated_text"]
+    assert "".join(line["token"]["text"] for line in lines) == plain["generated_text"]
     assert lines[-1]["generated_text"] == plain["generated_text"]
+    for reader in (tgi_reader_text, lmi_reader_text):  # AWS's LineIterator + the TGI / LMI notebooks' loops
+        reply = runtime.invoke_endpoint_with_response_stream(
+            EndpointName="llava-local",
+            Body=json.dumps({**question, "stream": True}),
+            ContentType=JSON,
+            SessionId=session_id,
+        )
+        assert reader(LineIterator(reply["Body"])) == plain["generated_text"]
     with pytest.raises(ClientError) as caught:  # SageMaker refuses NEW_SESSION on the streaming API
-        runtime.invoke_endpoint_with_response_stream(EndpointName="llava-local", Body=b"{}", ContentType=JSON,
-                                                     SessionId="NEW_SESSION")
+        runtime.invoke_endpoint_with_response_stream(
+            EndpointName="llava-local", Body=b"{}", ContentType=JSON, SessionId="NEW_SESSION"
+        )
     assert caught.value.response["Error"]["Code"] == "ValidationError"
     close(runtime, session_id)
 
@@ -367,9 +407,24 @@ def test_cli_serves_boto3_and_stops_every_backend_on_sigterm(tmp_path: Path) -> 
     script = Path(sys.executable).parent / "llava-local-endpoint"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "llava_tools.local_endpoint"]
     cli = subprocess.Popen(
-        [*command, "--model-dir", str(model_dir), "--backends", "2", "--port", "0", "--handler", str(handler),
-         "--startup-timeout", "90"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+        [
+            *command,
+            "--model-dir",
+            str(model_dir),
+            "--backends",
+            "2",
+            "--port",
+            "0",
+            "--handler",
+            str(handler),
+            "--startup-timeout",
+            "90",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ),
+    )
     output = []
     try:
         deadline = time.monotonic() + 100
@@ -385,8 +440,13 @@ def test_cli_serves_boto3_and_stops_every_backend_on_sigterm(tmp_path: Path) -> 
         torchserve = psutil.Process(cli.pid).children(recursive=True)
         assert sum(p.name().startswith("java") for p in torchserve) == 2
         assert requests.get(url + "/ping", timeout=10).status_code == 200
-        rt = boto3.client("sagemaker-runtime", endpoint_url=url, region_name="us-east-1",
-                          aws_access_key_id="x", aws_secret_access_key="x")
+        rt = boto3.client(
+            "sagemaker-runtime",
+            endpoint_url=url,
+            region_name="us-east-1",
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
+        )
         reply = rt.invoke_endpoint(EndpointName="any", Body=b'{"turn": 1}', ContentType=JSON)
         echoed = json.loads(reply["Body"].read())
         assert echoed["body"] == {"turn": 1} and echoed["session_id"].startswith("ts-seq-")

@@ -23,8 +23,11 @@ def _python3_kernel() -> None:
         return
     except NoSuchKernel:
         pass
-    done = subprocess.run([sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"no python3 Jupyter kernel and `ipykernel install --sys-prefix` failed: {done.stderr[-500:]}")
 
@@ -37,8 +40,9 @@ def test_notebook_runs_locally(monkeypatch):
     monkeypatch.delenv("LLAVA_MODEL_DIR", raising=False)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=180,
-                                     resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=180, resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    )
     client.execute()
 
     outputs = {}
@@ -51,7 +55,12 @@ def test_notebook_runs_locally(monkeypatch):
     assert "mode: local TorchServe" in everything
     assert "session: ts-seq-" in everything and "closed: True" in everything
     assert "reused (cached) prompt tokens:" in everything and "local server stopped" in everything
-    images = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs
-              if o.output_type == "display_data" and "image/png" in o.get("data", {})]
+    images = [
+        o
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for o in cell.outputs
+        if o.output_type == "display_data" and "image/png" in o.get("data", {})
+    ]
     assert len(images) == 1  # the photograph, shown inline
     assert os.environ.get("LLAVA_NOTEBOOK_SAGEMAKER") is None

@@ -178,7 +178,9 @@ def test_aws_sample_bodies_work_unchanged() -> None:
     # LLava/torchserve/workspace/llava_stateful_deploy_infer.ipynb): session_id null on start.
     start = parse(b'{"type": "start_session", "session_id": null, "path": "https://images.example.com/p.jpeg"}')
     assert isinstance(start, StartSessionRequest) and start.legacy
-    assert start.canonical() == OpenSessionRequest(type="open_session", image=ImageSource(url="https://images.example.com/p.jpeg"))
+    assert start.canonical() == OpenSessionRequest(
+        type="open_session", image=ImageSource(url="https://images.example.com/p.jpeg")
+    )
 
     start_s3 = parse({"type": "start_session", "path": "s3://bucket/dir/img.png"})
     assert start_s3.canonical().image == ImageSource(s3_uri="s3://bucket/dir/img.png")
@@ -220,19 +222,43 @@ VALID_TYPES = "valid types: open_session, generate, reset, close_session, start_
         ({"type": "<script>"}, ErrorCode.INVALID_REQUEST, f"unknown type; {VALID_TYPES}"),
         ({"type": 3}, ErrorCode.INVALID_REQUEST, "field 'type' must be a string"),
         ({"type": "generate"}, ErrorCode.INVALID_REQUEST, "prompt: field required"),
-        ({"type": "generate", "prompt": "hi", "temperature": 0.5}, ErrorCode.INVALID_REQUEST, "temperature: unknown field"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"beam": 2}}, ErrorCode.INVALID_REQUEST, "parameters.beam: unknown field"),
-        ({"type": "generate", "prompt": "hi", "parameters": [1]}, ErrorCode.INVALID_REQUEST, "parameters: must be a JSON object"),
+        (
+            {"type": "generate", "prompt": "hi", "temperature": 0.5},
+            ErrorCode.INVALID_REQUEST,
+            "temperature: unknown field",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"beam": 2}},
+            ErrorCode.INVALID_REQUEST,
+            "parameters.beam: unknown field",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": [1]},
+            ErrorCode.INVALID_REQUEST,
+            "parameters: must be a JSON object",
+        ),
         ({"type": "reset", "session_id": "x"}, ErrorCode.INVALID_REQUEST, "session_id: unknown field"),
         ({"type": "open_session"}, ErrorCode.INVALID_REQUEST, "image: field required"),
-        ({"type": "open_session", "image": {}}, ErrorCode.INVALID_REQUEST, "image: give exactly one of url, s3_uri, base64"),
+        (
+            {"type": "open_session", "image": {}},
+            ErrorCode.INVALID_REQUEST,
+            "image: give exactly one of url, s3_uri, base64",
+        ),
         (
             {"type": "open_session", "image": {"url": "https://a.example/x.png", "base64": "aGk="}},
             ErrorCode.INVALID_REQUEST,
             "image: give exactly one of url, s3_uri, base64",
         ),
-        ({"type": "open_session", "image": {"path": "/etc/passwd"}}, ErrorCode.INVALID_REQUEST, "image.path: unknown field"),
-        ({"type": "open_session", "image": "https://a.example/x.png"}, ErrorCode.INVALID_REQUEST, "image: must be a JSON object"),
+        (
+            {"type": "open_session", "image": {"path": "/etc/passwd"}},
+            ErrorCode.INVALID_REQUEST,
+            "image.path: unknown field",
+        ),
+        (
+            {"type": "open_session", "image": "https://a.example/x.png"},
+            ErrorCode.INVALID_REQUEST,
+            "image: must be a JSON object",
+        ),
         ({"type": "start_session"}, ErrorCode.INVALID_REQUEST, "path: field required"),
         ({"type": "send_text_prompt", "prompt": "hi"}, ErrorCode.INVALID_REQUEST, "prompt_text: field required"),
         # value errors
@@ -240,29 +266,117 @@ VALID_TYPES = "valid types: open_session, generate, reset, close_session, start_
         ({"type": "generate", "prompt": " \n\t"}, ErrorCode.INVALID_PARAMETER, "prompt: must not be blank"),
         ({"type": "generate", "prompt": 42}, ErrorCode.INVALID_PARAMETER, "prompt: must be a string"),
         ({"type": "generate", "prompt": "\ud800"}, ErrorCode.INVALID_PARAMETER, "prompt: must be valid Unicode text"),
-        ({"type": "generate", "prompt": "hi", "stream": "yes"}, ErrorCode.INVALID_PARAMETER, "stream: must be true or false"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"top_p": 0}}, ErrorCode.INVALID_PARAMETER, "parameters.top_p: must be > 0 and <= 1"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"top_p": 1.01}}, ErrorCode.INVALID_PARAMETER, "parameters.top_p: must be > 0 and <= 1"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"top_p": "0.5"}}, ErrorCode.INVALID_PARAMETER, "parameters.top_p: must be > 0 and <= 1"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"temperature": -0.1}}, ErrorCode.INVALID_PARAMETER, "parameters.temperature: must be a number >= 0"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"max_new_tokens": 0}}, ErrorCode.INVALID_PARAMETER, "parameters.max_new_tokens: must be an integer >= 1"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"max_new_tokens": 2.5}}, ErrorCode.INVALID_PARAMETER, "parameters.max_new_tokens: must be an integer >= 1"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"max_new_tokens": 513}}, ErrorCode.INVALID_PARAMETER, "parameters.max_new_tokens: must be <= 512"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"top_k": -1}}, ErrorCode.INVALID_PARAMETER, "parameters.top_k: must be an integer >= 0 (0 = off)"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"repetition_penalty": 0}}, ErrorCode.INVALID_PARAMETER, "parameters.repetition_penalty: must be a number > 0"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"seed": -1}}, ErrorCode.INVALID_PARAMETER, "parameters.seed: must be an integer between 0 and"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"do_sample": 1}}, ErrorCode.INVALID_PARAMETER, "parameters.do_sample: must be true or false"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"stop": ["a"] * 5}}, ErrorCode.INVALID_PARAMETER, "parameters.stop: at most 4 stop strings"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"stop": [""]}}, ErrorCode.INVALID_PARAMETER, "parameters.stop[0]: each stop string must be 1 to 64 characters"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"stop": ["a", "x" * 65]}}, ErrorCode.INVALID_PARAMETER, "parameters.stop[1]: each stop string must be 1 to 64 characters"),
-        ({"type": "generate", "prompt": "hi", "parameters": {"stop": "\n"}}, ErrorCode.INVALID_PARAMETER, "parameters.stop: must be a list"),
-        (b'{"type": "generate", "prompt": "hi", "parameters": {"temperature": 1e999}}', ErrorCode.INVALID_PARAMETER, "parameters.temperature: must be a number >= 0"),
-        ({"type": "generate", "prompt": "x" * 101}, ErrorCode.INVALID_PARAMETER, "prompt: longer than 100 characters (101 given)"),
-        ({"type": "send_text_prompt", "prompt_text": "x" * 101}, ErrorCode.INVALID_PARAMETER, "prompt_text: longer than 100 characters"),
-        ({"type": "open_session", "image": {"url": "https://a.example/x.png"}, "system_prompt": "x" * 101}, ErrorCode.INVALID_PARAMETER, "system_prompt: longer than 100 characters"),
-        ({"type": "open_session", "image": {"s3_uri": "s3://bucket-only"}}, ErrorCode.INVALID_PARAMETER, "image.s3_uri: must look like s3://bucket/key"),
+        (
+            {"type": "generate", "prompt": "hi", "stream": "yes"},
+            ErrorCode.INVALID_PARAMETER,
+            "stream: must be true or false",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"top_p": 0}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.top_p: must be > 0 and <= 1",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"top_p": 1.01}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.top_p: must be > 0 and <= 1",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"top_p": "0.5"}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.top_p: must be > 0 and <= 1",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"temperature": -0.1}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.temperature: must be a number >= 0",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"max_new_tokens": 0}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.max_new_tokens: must be an integer >= 1",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"max_new_tokens": 2.5}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.max_new_tokens: must be an integer >= 1",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"max_new_tokens": 513}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.max_new_tokens: must be <= 512",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"top_k": -1}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.top_k: must be an integer >= 0 (0 = off)",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"repetition_penalty": 0}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.repetition_penalty: must be a number > 0",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"seed": -1}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.seed: must be an integer between 0 and",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"do_sample": 1}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.do_sample: must be true or false",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"stop": ["a"] * 5}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.stop: at most 4 stop strings",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"stop": [""]}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.stop[0]: each stop string must be 1 to 64 characters",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"stop": ["a", "x" * 65]}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.stop[1]: each stop string must be 1 to 64 characters",
+        ),
+        (
+            {"type": "generate", "prompt": "hi", "parameters": {"stop": "\n"}},
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.stop: must be a list",
+        ),
+        (
+            b'{"type": "generate", "prompt": "hi", "parameters": {"temperature": 1e999}}',
+            ErrorCode.INVALID_PARAMETER,
+            "parameters.temperature: must be a number >= 0",
+        ),
+        (
+            {"type": "generate", "prompt": "x" * 101},
+            ErrorCode.INVALID_PARAMETER,
+            "prompt: longer than 100 characters (101 given)",
+        ),
+        (
+            {"type": "send_text_prompt", "prompt_text": "x" * 101},
+            ErrorCode.INVALID_PARAMETER,
+            "prompt_text: longer than 100 characters",
+        ),
+        (
+            {"type": "open_session", "image": {"url": "https://a.example/x.png"}, "system_prompt": "x" * 101},
+            ErrorCode.INVALID_PARAMETER,
+            "system_prompt: longer than 100 characters",
+        ),
+        (
+            {"type": "open_session", "image": {"s3_uri": "s3://bucket-only"}},
+            ErrorCode.INVALID_PARAMETER,
+            "image.s3_uri: must look like s3://bucket/key",
+        ),
         ({"type": "open_session", "image": {"url": ""}}, ErrorCode.INVALID_PARAMETER, "image.url: must not be empty"),
-        ({"type": "start_session", "path": "s3://b"}, ErrorCode.INVALID_PARAMETER, "path: must be an image URL or look like s3://bucket/key"),
+        (
+            {"type": "start_session", "path": "s3://b"},
+            ErrorCode.INVALID_PARAMETER,
+            "path: must be an image URL or look like s3://bucket/key",
+        ),
     ],
 )
 def test_request_errors(body, code: ErrorCode, message: str) -> None:
@@ -330,7 +444,18 @@ _json = st.recursive(
     max_leaves=12,
 )
 _param_names = st.sampled_from(
-    ["max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "do_sample", "seed", "stop", "details", "beam"]
+    [
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "do_sample",
+        "seed",
+        "stop",
+        "details",
+        "beam",
+    ]
 )
 _requestish = st.fixed_dictionaries(
     {"type": st.sampled_from(REQUEST_TYPES + ("nope",))},
@@ -402,11 +527,15 @@ def test_response_shapes() -> None:
             "generated_tokens": 3,
             "seed": 7,
             "restored_from": "features",
-            "tokens": [{"id": 5, "text": "a", "logprob": -0.1}],
+            "max_new_tokens": None,
+            "truncated_turns": 0,
+            "tokens": [{"id": 5, "text": "a", "logprob": -0.1, "special": False}],
             "timings": {"ttft_ms": 41.5},
         },
     }
-    opened = OpenSessionResponse(session_id="ts-seq-1", expires_at=format_expires(0), image_tokens=576, timings={"fetch_ms": 1.0})
+    opened = OpenSessionResponse(
+        session_id="ts-seq-1", expires_at=format_expires(0), image_tokens=576, timings={"fetch_ms": 1.0}
+    )
     assert opened.model_dump() == {
         "session_id": "ts-seq-1",
         "expires_at": "1970-01-01T00:00:00Z",
@@ -426,11 +555,16 @@ def test_response_shapes() -> None:
 def test_stream_lines_follow_the_lmi_jsonlines_format() -> None:
     chunk = StreamLine(token=TokenInfo(id=7, text=" cat", logprob=None)).to_line()
     assert chunk.endswith(b"\n") and chunk.count(b"\n") == 1
-    assert json.loads(chunk) == {"token": {"id": 7, "text": " cat", "logprob": None}, "generated_text": None, "details": None}
+    assert json.loads(chunk) == {
+        "token": {"id": 7, "text": " cat", "logprob": None, "special": False},
+        "generated_text": None,
+        "details": None,
+    }
 
     details = GenerationDetails(finish_reason="stop", prompt_tokens=3, cached_tokens=0, generated_tokens=1)
-    last = json.loads(StreamLine(generated_text=" cat", details=details).to_line())
-    assert last["token"] is None and last["generated_text"] == " cat"
+    eos = TokenInfo(id=2, text="", logprob=-0.1, special=True)  # the last token travels with the text (TGI)
+    last = json.loads(StreamLine(token=eos, generated_text=" cat", details=details).to_line())
+    assert last["token"] == {"id": 2, "text": "", "logprob": -0.1, "special": True} and last["generated_text"] == " cat"
     assert last["details"]["finish_reason"] == "stop" and "error" not in last
 
     err = json.loads(StreamLine.for_error(ServiceError(ErrorCode.INTERNAL_ERROR, "generation failed")).to_line())
@@ -448,7 +582,10 @@ def test_stream_lines_follow_the_lmi_jsonlines_format() -> None:
 def _botocore_patterns() -> dict[str, tuple[str, int]]:
     model = botocore.session.get_session().get_service_model("sagemaker-runtime")
     out = {}
-    for shape in (model.operation_model("InvokeEndpoint").input_shape, model.operation_model("InvokeEndpoint").output_shape):
+    for shape in (
+        model.operation_model("InvokeEndpoint").input_shape,
+        model.operation_model("InvokeEndpoint").output_shape,
+    ):
         for name, member in shape.members.items():
             if "SessionId" in name:
                 out[name] = (member.metadata["pattern"], member.metadata["max"])
@@ -514,14 +651,19 @@ def test_open_session_history_is_validated():
     from llava_sessions.protocol import OpenSessionRequest, parse_request
 
     limits = {"max_body_bytes": 6_291_456, "max_prompt_chars": 100, "max_new_tokens_cap": 1024}
-    body = {"type": "open_session", "image": {"s3_uri": "s3://bucket/key.jpg"},
-            "history": [{"prompt": "What is it?", "answer": "A cat."}]}
+    body = {
+        "type": "open_session",
+        "image": {"s3_uri": "s3://bucket/key.jpg"},
+        "history": [{"prompt": "What is it?", "answer": "A cat."}],
+    }
     request = parse_request(body, **limits)
     assert isinstance(request, OpenSessionRequest) and request.history[0].answer == "A cat."
-    for bad, code in [([{"prompt": "x"}], "invalid_request"),
-                      ([{"prompt": "x", "answer": "y", "extra": 1}], "invalid_request"),
-                      ([{"prompt": "", "answer": "y"}], "invalid_parameter"),
-                      ([{"prompt": "x" * 101, "answer": "y"}], "invalid_parameter")]:
+    for bad, code in [
+        ([{"prompt": "x"}], "invalid_request"),
+        ([{"prompt": "x", "answer": "y", "extra": 1}], "invalid_request"),
+        ([{"prompt": "", "answer": "y"}], "invalid_parameter"),
+        ([{"prompt": "x" * 101, "answer": "y"}], "invalid_parameter"),
+    ]:
         with pytest.raises(ServiceError) as e:
             parse_request({**body, "history": bad}, **limits)
         assert e.value.code.value == code, (bad, e.value.message)

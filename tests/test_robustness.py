@@ -66,9 +66,11 @@ def redirector():
 def server(request, tiny_model_dir):
     # loopback allowed so that a local redirector can be the first hop; link-local, metadata,
     # multicast, reserved and unspecified addresses stay refused (loopback refusal: test_images.py)
-    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer,
-                              overrides={"allow_http": True, "allow_private_networks": True,
-                                         "max_image_pixels": 40_000_000})
+    return start_local_server(
+        tiny_model_dir,
+        addfinalizer=request.addfinalizer,
+        overrides={"allow_http": True, "allow_private_networks": True, "max_image_pixels": 40_000_000},
+    )
 
 
 def post(server, body, session_id=None, raw: bytes | None = None):
@@ -86,8 +88,18 @@ def test_hostile_inputs_fail_alone_with_their_codes(server, photos, redirector):
     Image.open(io.BytesIO(photos["coffee"])).convert("RGB").save(jpeg, format="JPEG")
     cases = [
         # SSRF targets and a redirect to one
-        ({"type": "open_session", "image": {"url": "http://169.254.169.254/latest/meta-data/"}}, None, 400, "image_url_forbidden"),
-        ({"type": "open_session", "image": {"url": "http://[fd00:ec2::254]/latest/meta-data/"}}, None, 400, "image_url_forbidden"),
+        (
+            {"type": "open_session", "image": {"url": "http://169.254.169.254/latest/meta-data/"}},
+            None,
+            400,
+            "image_url_forbidden",
+        ),
+        (
+            {"type": "open_session", "image": {"url": "http://[fd00:ec2::254]/latest/meta-data/"}},
+            None,
+            400,
+            "image_url_forbidden",
+        ),
         ({"type": "open_session", "image": {"url": "http://0.0.0.0:8080/x.png"}}, None, 400, "image_url_forbidden"),
         ({"type": "open_session", "image": {"url": "http://224.0.0.1/x.png"}}, None, 400, "image_url_forbidden"),
         ({"type": "open_session", "image": {"url": "file:///etc/passwd"}}, None, 400, "image_url_forbidden"),
@@ -96,20 +108,35 @@ def test_hostile_inputs_fail_alone_with_their_codes(server, photos, redirector):
         ({"type": "open_session", "image": {"base64": b64(png_bomb())}}, None, 413, "image_too_large"),
         ({"type": "open_session", "image": {"base64": b64(jpeg.getvalue()[:2000])}}, None, 400, "image_invalid"),
         ({"type": "open_session", "image": {"base64": b64(truncated)}}, None, 400, "image_invalid"),
-        ({"type": "open_session", "image": {"base64": b64(b"\x89PNG\r\n\x1a\n" + bytes(100))}}, None, 400, "image_invalid"),
+        (
+            {"type": "open_session", "image": {"base64": b64(b"\x89PNG\r\n\x1a\n" + bytes(100))}},
+            None,
+            400,
+            "image_invalid",
+        ),
         ({"type": "open_session", "image": {"base64": "%%% not base64 %%%"}}, None, 400, "image_invalid"),
         # bodies and parameters
         (None, None, 400, "invalid_request"),  # raw: bad JSON
         ({"type": "generate", "prompt": "x", "parameters": {"temperature": -1}}, healthy, 400, "invalid_parameter"),
         ({"type": "generate", "prompt": "x", "parameters": {"top_p": 2}}, healthy, 400, "invalid_parameter"),
         ({"type": "generate", "prompt": "x", "parameters": {"max_new_tokens": 0}}, healthy, 400, "invalid_parameter"),
-        ({"type": "generate", "prompt": "x", "parameters": {"max_new_tokens": 10**6}}, healthy, 400, "invalid_parameter"),
+        (
+            {"type": "generate", "prompt": "x", "parameters": {"max_new_tokens": 10**6}},
+            healthy,
+            400,
+            "invalid_parameter",
+        ),
         ({"type": "generate", "prompt": "x", "parameters": {"stop": ["a"] * 9}}, healthy, 400, "invalid_parameter"),
         ({"type": "generate", "prompt": "x" * 20000}, healthy, 400, "invalid_parameter"),
         ({"type": "generate", "prompt": "x <image> y"}, healthy, 400, "invalid_parameter"),
         ({"type": "generate", "prompt": "x", "extra": True}, healthy, 400, "invalid_request"),
         ({"type": "generate", "prompt": 42}, healthy, 400, "invalid_parameter"),
-        ({"type": "generate", "prompt": "x", "parameters": {"max_new_tokens": 1000}}, healthy, 422, "context_length_exceeded"),
+        (
+            {"type": "generate", "prompt": "x", "parameters": {"max_new_tokens": 1000}},
+            healthy,
+            422,
+            "context_length_exceeded",
+        ),
         ({"type": "open_session", "image": {"base64": "A" * 6_400_000}}, None, 413, "payload_too_large"),
         # foreign and malformed session ids
         ({"type": "generate", "prompt": "x"}, f"ts-seq-{uuid.uuid4()}", 404, "session_not_found"),
@@ -129,9 +156,12 @@ def test_hostile_inputs_fail_alone_with_their_codes(server, photos, redirector):
 @pytest.fixture(scope="module")
 def pressed_server(request, tiny_model_dir, photos):
     """A device budget of about two sessions' KV + features (real bytes of the tiny model)."""
-    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer,
-                              overrides={"device_budget_bytes": 2 * 780_000, "max_sessions": 8},
-                              model_config_overrides={"batchSize": 8, "maxNumSequence": 8})
+    return start_local_server(
+        tiny_model_dir,
+        addfinalizer=request.addfinalizer,
+        overrides={"device_budget_bytes": 2 * 780_000, "max_sessions": 8},
+        model_config_overrides={"batchSize": 8, "maxNumSequence": 8},
+    )
 
 
 def test_three_times_oversubscribed_budget_loses_nothing_and_never_leaks(pressed_server, photos):
@@ -159,8 +189,12 @@ def test_three_times_oversubscribed_budget_loses_nothing_and_never_leaks(pressed
 
 
 def test_out_of_memory_demotes_others_retries_once_then_overloaded(runner, photos):
-    eng = SessionEngine(runner, SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9),
-                        lambda b: decode_image(b, max_pixels=40_000_000), EngineLimits())
+    eng = SessionEngine(
+        runner,
+        SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9),
+        lambda b: decode_image(b, max_pixels=40_000_000),
+        EngineLimits(),
+    )
     eng.open("other", photos["coffee"])
     eng.open("s", photos["astronaut"])
     real_prefill = runner.prefill
@@ -189,12 +223,14 @@ def test_out_of_memory_demotes_others_retries_once_then_overloaded(runner, photo
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(
-    st.binary(max_size=4096),
-    st.binary(max_size=2048).map(lambda b: b"\x89PNG\r\n\x1a\n" + b),
-    st.binary(max_size=2048).map(lambda b: b"\xff\xd8\xff\xe0" + b),
-    st.binary(max_size=2048).map(lambda b: b"GIF89a" + b),
-))
+@given(
+    st.one_of(
+        st.binary(max_size=4096),
+        st.binary(max_size=2048).map(lambda b: b"\x89PNG\r\n\x1a\n" + b),
+        st.binary(max_size=2048).map(lambda b: b"\xff\xd8\xff\xe0" + b),
+        st.binary(max_size=2048).map(lambda b: b"GIF89a" + b),
+    )
+)
 def test_fuzz_image_decoder_only_raises_service_errors(data):
     try:
         image = decode_image(data, max_pixels=4_000_000)

@@ -66,9 +66,7 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         "--ts-set", "maxNumSequence=1",
         "--startup-timeout", "60",
     ]  # fmt: skip
-    cli = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ)
-    )
+    cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
         output = OutputLines(cli.stdout)
         ready = output.wait_for(READY, timeout_s=75)

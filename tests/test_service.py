@@ -14,8 +14,15 @@ from llava_sessions.worker import build_service
 
 @pytest.fixture(scope="module")
 def service(tiny_model_dir) -> SessionService:
-    return build_service({"model_dir": str(tiny_model_dir), "device": "cpu", "step_max_tokens": 2,
-                          "max_concurrent_generations": 2, "device_budget_bytes": 10**9})
+    return build_service(
+        {
+            "model_dir": str(tiny_model_dir),
+            "device": "cpu",
+            "step_max_tokens": 2,
+            "max_concurrent_generations": 2,
+            "device_budget_bytes": 10**9,
+        }
+    )
 
 
 def open_row(rid, sid, image):
@@ -34,11 +41,19 @@ def test_batch_rows_are_answered_independently(service, photos):
     assert [r.status for r in out] == [200, 400, 404, 400, 400]
     assert out[0].headers["X-Amzn-SageMaker-New-Session-Id"].startswith("ts-seq-a; Expires=")
     assert [json.loads(r.body)["error"]["code"] for r in out[1:]] == [
-        "invalid_request", "session_not_found", "missing_session_id", "image_invalid"]
+        "invalid_request",
+        "session_not_found",
+        "missing_session_id",
+        "image_invalid",
+    ]
     # rows that leave no session behind end their TorchServe job group; the open one does not
     assert "X-Amzn-SageMaker-Closed-Session-Id" not in out[0].headers
     assert [r.headers.get("X-Amzn-SageMaker-Closed-Session-Id") for r in out[1:]] == [
-        "ts-seq-b", "ghost", "ts-seq-c", "ts-seq-d"]
+        "ts-seq-b",
+        "ghost",
+        "ts-seq-c",
+        "ts-seq-d",
+    ]
     assert all(r.stop is None for r in out)  # whole responses
     service.handle([Row("r6", "ts-seq-a", False, {"type": "close_session"})])
 
@@ -52,18 +67,22 @@ def test_stream_and_plain_answers_advance_in_slices(service, photos):
         out = service.handle(rows)
         for row, res in zip(rows, out, strict=True):
             frames[row.request_id].append(res)
-        rows = [Row(r.request_id, r.session_id, False, None) for r, res in zip(rows, out, strict=True) if res.stop is False]
+        rows = [
+            Row(r.request_id, r.session_id, False, None) for r, res in zip(rows, out, strict=True) if res.stop is False
+        ]
         if not rows:
             break
     s, p = frames["g1"], frames["g2"]
     assert [f.stop for f in s] == [False, False, False, True]  # 7 tokens, 2 per call
     assert all(f.content_type == "application/jsonlines" for f in s)
     lines = [json.loads(line) for f in s for line in f.body.splitlines()]
-    assert "".join(x["token"]["text"] for x in lines[:-1]) == lines[-1]["generated_text"]
+    assert "".join(x["token"]["text"] for x in lines) == lines[-1]["generated_text"]  # every line has a token
+    assert len(lines) == 7 and all(x["generated_text"] is None for x in lines[:-1])
     assert [f.body for f in p[:-1]] == [b"", b"", b""] and p[-1].stop is True  # empty frames never reach the client
     assert json.loads(p[-1].body)["details"]["generated_tokens"] == 7
     one = service.handle([Row("g0", "s1", False, {**q, "stream": True, "parameters": {"max_new_tokens": 1}})])[0]
-    assert one.stop is None and one.body.count(b"\n") == 2  # ends in its first frame: one whole response
+    assert one.stop is None and one.body.count(b"\n") == 1  # ends in its first frame: one whole response
+    assert json.loads(one.body)["token"]["text"] == json.loads(one.body)["generated_text"]
     over = service.handle([Row("g3", "s1", False, q), Row("g4", "s2", False, q), Row("g5", "s1", False, q)])
     assert over[2].status == 409  # s1 is busy with g3 (in the same batch)
     # a NEW request for s2 while g4 is absent from the batch: TorchServe dropped g4 (client gone)
@@ -126,5 +145,8 @@ def test_details_carry_the_drawn_seed_and_where_a_session_was_restored_from(serv
     restored = answer_of(service, "d-i", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]
     assert restored["restored_from"] == "image" and restored["timings"]["restore_ms"] > 0
     service.engine.store.get("d1").drop_kv()
-    assert answer_of(service, "d-f", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]["restored_from"] == "features"
+    assert (
+        answer_of(service, "d-f", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]["restored_from"]
+        == "features"
+    )
     service.handle([Row("d-close", "d1", False, {"type": "close_session"})])

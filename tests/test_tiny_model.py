@@ -19,8 +19,21 @@ def digest(folder) -> dict[str, str]:
 
 def test_cli_writes_a_llava_hf_folder_deterministically(tmp_path):
     for name in ("a", "b"):
-        subprocess.run([sys.executable, "-m", "llava_tools.tiny_model", "--size", "tiny", "--out",
-                        str(tmp_path / name), "--seed", "3"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llava_tools.tiny_model",
+                "--size",
+                "tiny",
+                "--out",
+                str(tmp_path / name),
+                "--seed",
+                "3",
+            ],
+            check=True,
+            capture_output=True,
+        )
     a, b = digest(tmp_path / "a"), digest(tmp_path / "b")
     assert a == b  # same seed, same bytes
     assert {"config.json", "model.safetensors", "tokenizer.json", "processor_config.json"} <= set(a)

@@ -167,8 +167,14 @@ class SessionClient:
     closes the transport at the end.
     """
 
-    def __init__(self, transport: Transport, *, max_retries: int = DEFAULT_MAX_RETRIES, auto_recover: bool = True,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        auto_recover: bool = True,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         self.transport = transport
@@ -177,20 +183,29 @@ class SessionClient:
         self.max_body_bytes = max_body_bytes
 
     @classmethod
-    def from_url(cls, base_url: str, *, timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
-                 **kwargs: Any) -> SessionClient:
+    def from_url(
+        cls, base_url: str, *, timeout: float | tuple[float, float] = DEFAULT_TIMEOUT, **kwargs: Any
+    ) -> SessionClient:
         """A client for ``{base_url}/invocations`` over plain HTTP (``llava-serve``, a local container)."""
         return cls(HttpTransport(base_url, timeout=timeout), **kwargs)
 
     @classmethod
-    def from_endpoint(cls, endpoint_name: str, *, region_name: str | None = None, client: Any = None,
-                      session: Any = None, timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
-                      **kwargs: Any) -> SessionClient:
+    def from_endpoint(
+        cls,
+        endpoint_name: str,
+        *,
+        region_name: str | None = None,
+        client: Any = None,
+        session: Any = None,
+        timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
+        **kwargs: Any,
+    ) -> SessionClient:
         """A client for a SageMaker endpoint (see :class:`~llava_client.SageMakerTransport`)."""
         from .sagemaker import SageMakerTransport
 
-        transport = SageMakerTransport(endpoint_name, client=client, session=session, region_name=region_name,
-                                       timeout=timeout)
+        transport = SageMakerTransport(
+            endpoint_name, client=client, session=session, region_name=region_name, timeout=timeout
+        )
         return cls(transport, **kwargs)
 
     def __repr__(self) -> str:
@@ -228,8 +243,9 @@ class SessionClient:
         return Session(self, opened, payload, system_prompt)
 
     # ------------------------------------------------------------------ internals
-    def _open(self, payload: dict[str, str], system_prompt: str | None,
-              history: list[dict[str, str]] | None = None) -> _Opened:
+    def _open(
+        self, payload: dict[str, str], system_prompt: str | None, history: list[dict[str, str]] | None = None
+    ) -> _Opened:
         request: dict[str, Any] = {"type": "open_session", "image": payload}
         if system_prompt is not None:
             request["system_prompt"] = system_prompt
@@ -247,12 +263,17 @@ class SessionClient:
     def _encode(self, request: dict[str, Any]) -> bytes:
         body = json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         if len(body) > self.max_body_bytes:
-            hint = ("upload the image to S3 and pass its s3:// URI (or an https URL) instead of inline data"
-                    if request.get("type") == "open_session" else "shorten the prompt")
+            hint = (
+                "upload the image to S3 and pass its s3:// URI (or an https URL) instead of inline data"
+                if request.get("type") == "open_session"
+                else "shorten the prompt"
+            )
             raise PayloadTooLarge(
                 f"request body is {len(body):,} bytes, over the {self.max_body_bytes:,}-byte limit "
                 f"(checked before sending); {hint}",
-                status_code=413, code="payload_too_large")
+                status_code=413,
+                code="payload_too_large",
+            )
         return body
 
     def _retrying(self, call: Callable[[], T], *, retry_safe: bool, what: str) -> T:
@@ -263,8 +284,9 @@ class SessionClient:
                 if attempt >= self.max_retries or not should_retry(err, retry_safe=retry_safe):
                     raise
                 delay = retry_delay(attempt, err)
-                log.info("retrying %s in %.2f s after %s (retry %d of %d)", what, delay, err, attempt + 1,
-                         self.max_retries)
+                log.info(
+                    "retrying %s in %.2f s after %s (retry %d of %d)", what, delay, err, attempt + 1, self.max_retries
+                )
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -288,23 +310,52 @@ class SessionClient:
 
     def _invoke_stream(self, request: dict[str, Any], session_id: str, *, retry_safe: bool) -> LineStream:
         body = self._encode(request)
-        return self._retrying(lambda: self.transport.invoke_stream(body, session_id=session_id),
-                              retry_safe=retry_safe, what="streamed generate")
+        return self._retrying(
+            lambda: self.transport.invoke_stream(body, session_id=session_id),
+            retry_safe=retry_safe,
+            what="streamed generate",
+        )
 
 
-def _generate_request(prompt: str, params: GenerationParams, *, stream: bool, remember: bool) -> dict[str, Any]:
-    return {"type": "generate", "prompt": prompt, "parameters": params.to_wire(), "stream": stream,
-            "remember": remember}
+def _generate_request(
+    prompt: str, params: GenerationParams, *, stream: bool, remember: bool, context_policy: str | None
+) -> dict[str, Any]:
+    request: dict[str, Any] = {
+        "type": "generate",
+        "prompt": prompt,
+        "parameters": params.to_wire(),
+        "stream": stream,
+        "remember": remember,
+    }
+    if context_policy is not None:
+        request["context_policy"] = context_policy
+    return request
 
 
-def _params(max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
-            repetition_penalty: float | None, do_sample: bool | None, seed: int | None,
-            stop: str | Sequence[str] | None, details: bool | None) -> GenerationParams:
+def _params(
+    max_new_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    repetition_penalty: float | None,
+    do_sample: bool | None,
+    seed: int | None,
+    stop: str | Sequence[str] | None,
+    details: bool | None,
+) -> GenerationParams:
     if isinstance(stop, str):
         stop = (stop,)
-    return GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            repetition_penalty=repetition_penalty, do_sample=do_sample, seed=seed,
-                            stop=tuple(stop) if stop else None, details=details)
+    return GenerationParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        repetition_penalty=repetition_penalty,
+        do_sample=do_sample,
+        seed=seed,
+        stop=tuple(stop) if stop else None,
+        details=details,
+    )
 
 
 def _ms_since(t0: float) -> float:
@@ -323,8 +374,9 @@ class Session:
         last_recovery: what the last recovery did (:class:`Recovery`), or None.
     """
 
-    def __init__(self, client: SessionClient, opened: _Opened, image: dict[str, str],
-                 system_prompt: str | None) -> None:
+    def __init__(
+        self, client: SessionClient, opened: _Opened, image: dict[str, str], system_prompt: str | None
+    ) -> None:
         self._client = client
         self._image = image
         self._system_prompt = system_prompt
@@ -367,10 +419,22 @@ class Session:
         return self._closed
 
     # ------------------------------------------------------------------ turns
-    def ask(self, prompt: str, *, remember: bool = True, max_new_tokens: int | None = None,
-            temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-            repetition_penalty: float | None = None, do_sample: bool | None = None, seed: int | None = None,
-            stop: str | Sequence[str] | None = None, details: bool | None = None) -> Answer:
+    def ask(
+        self,
+        prompt: str,
+        *,
+        remember: bool = True,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        repetition_penalty: float | None = None,
+        do_sample: bool | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        details: bool | None = None,
+        context_policy: str | None = None,
+    ) -> Answer:
         """Ask a question about the image and wait for the whole answer.
 
         Args:
@@ -380,6 +444,10 @@ class Session:
             max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop:
                 sampling parameters (None: the server's default; greedy unless sampling is asked for).
             details: include the per-token list (``answer.tokens``) with log-probabilities.
+            context_policy: when the turn does not fit the model's context: ``"truncate"`` (the
+                oldest remembered turns leave it, here and on the server; ``answer.truncated_turns``
+                says how many) or ``"error"`` (:class:`ContextLengthExceeded`); None: the server's
+                setting (``truncate`` by default).
 
         Raises:
             InvalidRequest: a bad parameter or prompt. ContextLengthExceeded: it does not fit.
@@ -389,20 +457,32 @@ class Session:
             LlavaError: the session is closed.
         """
         params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop, details)
-        request = _generate_request(prompt, params, stream=False, remember=remember)
+        request = _generate_request(prompt, params, stream=False, remember=remember, context_policy=context_policy)
         t0 = time.perf_counter()
         data, _ = self._with_recovery(lambda: self._client._invoke(request, self.id, retry_safe=not remember))
         total_ms = _ms_since(t0)
-        answer = Answer.from_wire(str(data.get("generated_text", "")), data.get("details"),
-                                  client_ttft_ms=total_ms, client_total_ms=total_ms)
-        if remember:
-            self._turns.append(_Turn(prompt, answer))
+        answer = Answer.from_wire(
+            str(data.get("generated_text", "")), data.get("details"), client_ttft_ms=total_ms, client_total_ms=total_ms
+        )
+        self._record(prompt, answer, remember)
         return answer
 
-    def stream(self, prompt: str, *, remember: bool = True, max_new_tokens: int | None = None,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               repetition_penalty: float | None = None, do_sample: bool | None = None, seed: int | None = None,
-               stop: str | Sequence[str] | None = None, details: bool | None = None) -> AnswerStream:
+    def stream(
+        self,
+        prompt: str,
+        *,
+        remember: bool = True,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        repetition_penalty: float | None = None,
+        do_sample: bool | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        details: bool | None = None,
+        context_policy: str | None = None,
+    ) -> AnswerStream:
         """Ask a question and stream the answer's text pieces as they are generated.
 
         The request is sent now: errors before the first token (and recovery) happen here.
@@ -410,13 +490,21 @@ class Session:
         Arguments and errors as :meth:`ask`; an error reported mid-stream raises from the iteration.
         """
         params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop, details)
-        request = _generate_request(prompt, params, stream=True, remember=remember)
+        request = _generate_request(prompt, params, stream=True, remember=remember, context_policy=context_policy)
         t0 = time.perf_counter()
         lines = self._with_recovery(lambda: self._client._invoke_stream(request, self.id, retry_safe=not remember))
-        def remember_turn(answer: Answer) -> None:
-            self._turns.append(_Turn(prompt, answer))
 
-        return AnswerStream(lines, on_answer=remember_turn if remember else None, t0=t0, session_id=self.id)
+        return AnswerStream(
+            lines, on_answer=lambda answer: self._record(prompt, answer, remember), t0=t0, session_id=self.id
+        )
+
+    def _record(self, prompt: str, answer: Answer, remember: bool) -> None:
+        """Keep the local history equal to the server's: drop the turns that left the context, then
+        remember this one (the history a recovery restores is what the model saw)."""
+        if answer.truncated_turns:
+            del self._turns[: answer.truncated_turns]
+        if remember:
+            self._turns.append(_Turn(prompt, answer))
 
     def reset(self) -> None:
         """Forget the history; keep the image (and its cached prefix on the server).
@@ -472,16 +560,25 @@ class Session:
         """
         client = self._client
         old_id = self.id
-        log.warning("session %s is gone (%s); reopening on the same image with its %d remembered turns",
-                    old_id, error.code, len(self._turns))
+        log.warning(
+            "session %s is gone (%s); reopening on the same image with its %d remembered turns",
+            old_id,
+            error.code,
+            len(self._turns),
+        )
         history = [{"prompt": turn.prompt, "answer": turn.answer.text} for turn in self._turns]
         opened = client._open(self._image, self._system_prompt, history=history)
         self._set_opened(opened)
         self.recoveries += 1
-        self.last_recovery = Recovery(reason=error.code or "session_gone", old_session_id=old_id,
-                                      new_session_id=opened.session_id, replayed_turns=len(self._turns))
-        log.warning("session %s restored as %s with its %d remembered turns", old_id, opened.session_id,
-                    len(self._turns))
+        self.last_recovery = Recovery(
+            reason=error.code or "session_gone",
+            old_session_id=old_id,
+            new_session_id=opened.session_id,
+            replayed_turns=len(self._turns),
+        )
+        log.warning(
+            "session %s restored as %s with its %d remembered turns", old_id, opened.session_id, len(self._turns)
+        )
 
 
 class AnswerStream:
@@ -497,8 +594,9 @@ class AnswerStream:
         session_id: the session the answer belongs to.
     """
 
-    def __init__(self, lines: LineStream, *, on_answer: Callable[[Answer], None] | None, t0: float,
-                 session_id: str) -> None:
+    def __init__(
+        self, lines: LineStream, *, on_answer: Callable[[Answer], None] | None, t0: float, session_id: str
+    ) -> None:
         self._lines = lines
         self._on_answer = on_answer
         self._t0 = t0
@@ -548,8 +646,9 @@ class AnswerStream:
         self._gen.close()
         self._lines.close()
         if self.answer is None:
-            log.info("stream of session %s closed before its end: the answer is abandoned (not remembered)",
-                     self.session_id)
+            log.info(
+                "stream of session %s closed before its end: the answer is abandoned (not remembered)", self.session_id
+            )
 
     def _iterate(self) -> Generator[str, None, None]:
         try:
@@ -563,7 +662,7 @@ class AnswerStream:
                 if line.get("error"):
                     raise status_error_from_body(200, line)
                 token = line.get("token")
-                if token:
+                if token:  # every line of an answer has one; the last also has generated_text and details
                     if self._ttft_ms is None:
                         self._ttft_ms = _ms_since(self._t0)
                     text = str(token.get("text") or "")
@@ -571,14 +670,16 @@ class AnswerStream:
                     if text:
                         self._pieces.append(text)
                         yield text
-                    continue
                 if line.get("generated_text") is not None or line.get("details") is not None:
                     total_ms = _ms_since(self._t0)
                     final = line.get("generated_text")
-                    answer = Answer.from_wire(str(final if final is not None else self.text), line.get("details"),
-                                              tokens=self._tokens,
-                                              client_ttft_ms=self._ttft_ms if self._ttft_ms is not None else total_ms,
-                                              client_total_ms=total_ms)
+                    answer = Answer.from_wire(
+                        str(final if final is not None else self.text),
+                        line.get("details"),
+                        tokens=self._tokens,
+                        client_ttft_ms=self._ttft_ms if self._ttft_ms is not None else total_ms,
+                        client_total_ms=total_ms,
+                    )
                     self.answer = answer
                     if self._on_answer is not None:
                         self._on_answer(answer)

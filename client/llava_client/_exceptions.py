@@ -100,8 +100,15 @@ class APIStatusError(LlavaError):
         request_id: the request id the transport saw (SageMaker ``RequestId``), or None.
     """
 
-    def __init__(self, message: str, *, status_code: int, code: str | None = None, body: Any = None,
-                 request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int,
+        code: str | None = None,
+        body: Any = None,
+        request_id: str | None = None,
+    ) -> None:
         super().__init__(f"{status_code} {code}: {message}" if code else f"{status_code}: {message}")
         self.status_code = status_code
         self.code = code
@@ -202,8 +209,15 @@ def _parse_retry_after(value: Any) -> float | None:
     return seconds if seconds >= 0 else None
 
 
-def make_status_error(status_code: int, code: str | None, message: str, *, body: Any = None,
-                      request_id: str | None = None, retry_after: Any = None) -> APIStatusError:
+def make_status_error(
+    status_code: int,
+    code: str | None,
+    message: str,
+    *,
+    body: Any = None,
+    request_id: str | None = None,
+    retry_after: Any = None,
+) -> APIStatusError:
     """Build the typed error for ``(status_code, code)`` (see :func:`error_class`)."""
     cls = error_class(status_code, code)
     kwargs: dict[str, Any] = {"status_code": status_code, "code": code, "body": body, "request_id": request_id}
@@ -212,9 +226,13 @@ def make_status_error(status_code: int, code: str | None, message: str, *, body:
     return cls(message, **kwargs)
 
 
-def status_error_from_body(status_code: int, body: bytes | str | Mapping[str, Any] | None, *,
-                           headers: Mapping[str, str] | None = None,
-                           request_id: str | None = None) -> APIStatusError:
+def status_error_from_body(
+    status_code: int,
+    body: bytes | str | Mapping[str, Any] | None,
+    *,
+    headers: Mapping[str, str] | None = None,
+    request_id: str | None = None,
+) -> APIStatusError:
     """Build the typed error for an error response body.
 
     Understands our ``{"error": {"code", "message"}}``, TorchServe's own
@@ -246,5 +264,6 @@ def status_error_from_body(status_code: int, body: bytes | str | Mapping[str, An
     retry_after = None
     if headers is not None:
         retry_after = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
-    return make_status_error(status_code, code, message or f"HTTP {status_code}", body=parsed,
-                             request_id=request_id, retry_after=retry_after)
+    return make_status_error(
+        status_code, code, message or f"HTTP {status_code}", body=parsed, request_id=request_id, retry_after=retry_after
+    )

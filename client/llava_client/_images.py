@@ -44,8 +44,7 @@ def image_payload(image: ImageInput) -> dict[str, str]:
         rgb.save(buf, format="PNG")
         return {"base64": _b64(buf.getvalue())}
     raise TypeError(
-        "image must be a path, bytes, a PIL image, an http(s) URL or an s3:// URI, "
-        f"not {type(image).__name__}"
+        f"image must be a path, bytes, a PIL image, an http(s) URL or an s3:// URI, not {type(image).__name__}"
     )
 
 

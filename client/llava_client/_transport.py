@@ -189,8 +189,14 @@ class HttpTransport:
     Proxies from the environment are ignored for loopback hosts.
     """
 
-    def __init__(self, base_url: str, *, timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
-                 headers: Mapping[str, str] | None = None, session=None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
+        headers: Mapping[str, str] | None = None,
+        session=None,
+    ) -> None:
         import requests
 
         parts = urlsplit(base_url)
@@ -211,8 +217,11 @@ class HttpTransport:
     def _post(self, body: bytes, session_id: str | None, *, stream: bool):
         import requests
 
-        headers = {"Content-Type": _JSON, "Accept": "application/jsonlines, application/json" if stream else _JSON,
-                   **self._headers}
+        headers = {
+            "Content-Type": _JSON,
+            "Accept": "application/jsonlines, application/json" if stream else _JSON,
+            **self._headers,
+        }
         if session_id is not None:
             headers[SESSION_ID_HEADER] = session_id
         try:
@@ -222,8 +231,9 @@ class HttpTransport:
         except requests.exceptions.Timeout as exc:
             raise APITimeoutError(f"no reply within the read timeout: {self.url}") from exc
         except requests.exceptions.ConnectionError as exc:
-            raise APIConnectionError(f"connection to {self.url} failed: {_reason(exc)}",
-                                     request_sent=not _never_connected(exc)) from exc
+            raise APIConnectionError(
+                f"connection to {self.url} failed: {_reason(exc)}", request_sent=not _never_connected(exc)
+            ) from exc
         except requests.exceptions.RequestException as exc:
             raise APIConnectionError(f"request to {self.url} failed: {exc}") from exc
 
@@ -236,8 +246,9 @@ class HttpTransport:
                 content = b""
             finally:
                 response.close()
-            raise status_error_from_body(response.status_code, content, headers=response.headers,
-                                         request_id=response.headers.get("x-request-id"))
+            raise status_error_from_body(
+                response.status_code, content, headers=response.headers, request_id=response.headers.get("x-request-id")
+            )
 
     def invoke(self, body: bytes, *, session_id: str | None) -> RawResponse:
         """Send one request and read the whole reply (see :class:`Transport`)."""
@@ -251,9 +262,14 @@ class HttpTransport:
             raise APIConnectionError(f"reply from {self.url} broke off: {exc}") from exc
         headers = response.headers
         new = headers.get(NEW_SESSION_ID_HEADER) or (headers.get(SESSION_ID_HEADER) if session_id is None else None)
-        return RawResponse(content, status_code=response.status_code, new_session_id=new,
-                           closed_session_id=headers.get(CLOSED_SESSION_ID_HEADER), headers=dict(headers),
-                           request_id=headers.get("x-request-id"))
+        return RawResponse(
+            content,
+            status_code=response.status_code,
+            new_session_id=new,
+            closed_session_id=headers.get(CLOSED_SESSION_ID_HEADER),
+            headers=dict(headers),
+            request_id=headers.get("x-request-id"),
+        )
 
     def invoke_stream(self, body: bytes, *, session_id: str) -> _HttpLineStream:
         """Send a streaming request; return its JSON lines as they arrive (see :class:`Transport`)."""

@@ -47,6 +47,12 @@ class Answer:
         client_ttft_ms: milliseconds from the call until the first token reached this client (a
             non-streamed answer arrives whole, so there it equals ``client_total_ms``).
         client_total_ms: milliseconds from the call until the answer was complete here.
+        max_new_tokens: the limit the server generated under (the request's, its default, or that
+            default clipped to the room left in the context), or None if it did not say.
+        truncated_turns: how many of the oldest remembered turns left the context (and the
+            session's history) so that this turn fits; 0 when none did.
+        seed: the sampler's seed (given or drawn; pass it back to repeat a sampled answer), or
+            None for greedy answers.
     """
 
     text: str
@@ -56,6 +62,9 @@ class Answer:
     tokens: tuple[Token, ...] | None = None
     client_ttft_ms: float | None = None
     client_total_ms: float | None = None
+    max_new_tokens: int | None = None
+    truncated_turns: int = 0
+    seed: int | None = None
 
     @property
     def ttft_ms(self) -> float | None:
@@ -67,9 +76,15 @@ class Answer:
         return self.text
 
     @classmethod
-    def from_wire(cls, generated_text: str, details: Mapping[str, Any] | None, *,
-                  tokens: list[Token] | None = None, client_ttft_ms: float | None = None,
-                  client_total_ms: float | None = None) -> Answer:
+    def from_wire(
+        cls,
+        generated_text: str,
+        details: Mapping[str, Any] | None,
+        *,
+        tokens: list[Token] | None = None,
+        client_ttft_ms: float | None = None,
+        client_total_ms: float | None = None,
+    ) -> Answer:
         """Build from a reply's ``generated_text`` and ``details`` (streamed ``tokens`` win over details')."""
         details = details or {}
         if tokens is None and details.get("tokens") is not None:
@@ -77,13 +92,23 @@ class Answer:
         return cls(
             text=generated_text,
             finish_reason=str(details.get("finish_reason", "stop")),
-            usage=Usage(int(details.get("prompt_tokens", 0)), int(details.get("cached_tokens", 0)),
-                        int(details.get("generated_tokens", 0))),
+            usage=Usage(
+                int(details.get("prompt_tokens", 0)),
+                int(details.get("cached_tokens", 0)),
+                int(details.get("generated_tokens", 0)),
+            ),
             timings=dict(details.get("timings") or {}),
             tokens=tuple(tokens) if tokens is not None else None,
             client_ttft_ms=client_ttft_ms,
             client_total_ms=client_total_ms,
+            max_new_tokens=_int_or_none(details.get("max_new_tokens")),
+            truncated_turns=int(details.get("truncated_turns") or 0),
+            seed=_int_or_none(details.get("seed")),
         )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if value is not None else None
 
 
 @dataclass(frozen=True)
@@ -107,8 +132,16 @@ class GenerationParams:
     def to_wire(self) -> dict[str, Any]:
         """The ``parameters`` object of a generate request (unset fields left out)."""
         out: dict[str, Any] = {}
-        for name in ("max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "do_sample",
-                     "seed", "details"):
+        for name in (
+            "max_new_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "repetition_penalty",
+            "do_sample",
+            "seed",
+            "details",
+        ):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value

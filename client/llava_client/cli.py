@@ -35,20 +35,25 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_HELP,
     )
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--endpoint", metavar="NAME",
-                       help="SageMaker endpoint name (AWS credentials from the environment)")
+    where.add_argument(
+        "--endpoint", metavar="NAME", help="SageMaker endpoint name (AWS credentials from the environment)"
+    )
     where.add_argument("--url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve)")
     parser.add_argument("--region", metavar="R", help="AWS region of the endpoint")
-    parser.add_argument("--image", required=True, metavar="PATH|URL",
-                        help="local image file, http(s) URL or s3:// URI")
+    parser.add_argument("--image", required=True, metavar="PATH|URL", help="local image file, http(s) URL or s3:// URI")
     parser.add_argument("-q", "--question", metavar="TEXT", help="ask one question, print the answer and exit")
     parser.add_argument("--system-prompt", metavar="TEXT", help="replace the server's default system prompt")
     parser.add_argument("--max-new-tokens", type=int, metavar="N", help="longest answer in tokens")
     parser.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (0 or unset: greedy)")
-    parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
-                        help="read timeout in seconds (default 120)")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="after each answer, print time to first token and reused (cached) tokens")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, metavar="S", help="read timeout in seconds (default 120)"
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="after each answer, print time to first token and reused (cached) tokens",
+    )
     return parser
 
 
@@ -108,6 +113,8 @@ class _Chat:
         self.out.write("\n")
         self.out.flush()
         answer = stream.answer
+        if answer is not None and answer.truncated_turns:  # always said: the model forgot something
+            self.note(_truncation(answer))
         if answer is not None and self.args.verbose:
             self.note(_stats(answer))
         return answer
@@ -158,8 +165,16 @@ def _stats(answer: Answer) -> str:
     server_text = f" (server {server:.0f} ms)" if server is not None else ""
     rate = answer.timings.get("decode_tokens_per_s")
     rate_text = f", {rate:.1f} tokens/s" if rate else ""
-    return (f"[time to first token {answer.client_ttft_ms:.0f} ms{server_text}; reused {usage.cached_tokens} of "
-            f"{usage.prompt_tokens} prompt tokens; {usage.generated_tokens} tokens{rate_text}]")
+    return (
+        f"[time to first token {answer.client_ttft_ms:.0f} ms{server_text}; reused {usage.cached_tokens} of "
+        f"{usage.prompt_tokens} prompt tokens; {usage.generated_tokens} tokens{rate_text}]"
+    )
+
+
+def _truncation(answer: Answer) -> str:
+    n = answer.truncated_turns
+    turns = "turn" if n == 1 else "turns"
+    return f"[context full: the {n} oldest {turns} left the conversation to make room for this one]"
 
 
 def _input_lines(prompt: str):

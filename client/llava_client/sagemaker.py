@@ -62,9 +62,17 @@ class SageMakerTransport:
     :class:`~llava_client.SessionClient`'s, which knows which requests may be repeated.
     """
 
-    def __init__(self, endpoint_name: str, *, client: Any = None, session: Any = None, region_name: str | None = None,
-                 timeout: float | tuple[float, float] = DEFAULT_TIMEOUT, target_variant: str | None = None,
-                 inference_component_name: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint_name: str,
+        *,
+        client: Any = None,
+        session: Any = None,
+        region_name: str | None = None,
+        timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
+        target_variant: str | None = None,
+        inference_component_name: str | None = None,
+    ) -> None:
         if not endpoint_name:
             raise ValueError("endpoint_name is required")
         self.endpoint_name = endpoint_name
@@ -87,24 +95,41 @@ class SageMakerTransport:
 
     def invoke(self, body: bytes, *, session_id: str | None) -> RawResponse:
         """``invoke_endpoint`` with ``SessionId`` (``NEW_SESSION`` when ``session_id`` is None)."""
-        kwargs = {"EndpointName": self.endpoint_name, "Body": body, "ContentType": _JSON, "Accept": _JSON,
-                  "SessionId": session_id if session_id is not None else NEW_SESSION, **self._extra}
+        kwargs = {
+            "EndpointName": self.endpoint_name,
+            "Body": body,
+            "ContentType": _JSON,
+            "Accept": _JSON,
+            "SessionId": session_id if session_id is not None else NEW_SESSION,
+            **self._extra,
+        }
         response = _call(self.client.invoke_endpoint, kwargs)
         try:
             content = response["Body"].read()
         except Exception as exc:  # noqa: BLE001 - botocore/urllib3 read errors
             raise _connection_error(exc, "reading the reply") from exc
         meta = response.get("ResponseMetadata") or {}
-        return RawResponse(content, status_code=200, new_session_id=response.get("NewSessionId"),
-                           closed_session_id=response.get("ClosedSessionId"),
-                           headers=dict(meta.get("HTTPHeaders") or {}), request_id=meta.get("RequestId"))
+        return RawResponse(
+            content,
+            status_code=200,
+            new_session_id=response.get("NewSessionId"),
+            closed_session_id=response.get("ClosedSessionId"),
+            headers=dict(meta.get("HTTPHeaders") or {}),
+            request_id=meta.get("RequestId"),
+        )
 
     def invoke_stream(self, body: bytes, *, session_id: str) -> _EventLineStream:
         """``invoke_endpoint_with_response_stream`` with ``SessionId``; returns reassembled JSON lines."""
         if not session_id or session_id == NEW_SESSION:
             raise ValueError("streaming needs an open session id (SageMaker refuses NEW_SESSION here)")
-        kwargs = {"EndpointName": self.endpoint_name, "Body": body, "ContentType": _JSON,
-                  "Accept": "application/jsonlines", "SessionId": session_id, **self._extra}
+        kwargs = {
+            "EndpointName": self.endpoint_name,
+            "Body": body,
+            "ContentType": _JSON,
+            "Accept": "application/jsonlines",
+            "SessionId": session_id,
+            **self._extra,
+        }
         response = _call(self.client.invoke_endpoint_with_response_stream, kwargs)
         meta = response.get("ResponseMetadata") or {}
         return _EventLineStream(response["Body"], meta.get("RequestId"))
@@ -141,8 +166,9 @@ class _EventLineStream:
                 raise _model_stream_error(event["ModelStreamError"], self._request_id)
             elif "InternalStreamFailure" in event:
                 message = (event["InternalStreamFailure"] or {}).get("Message", "internal stream failure")
-                raise InternalServerError(message, status_code=500, code="InternalStreamFailure",
-                                          request_id=self._request_id)
+                raise InternalServerError(
+                    message, status_code=500, code="InternalStreamFailure", request_id=self._request_id
+                )
         yield from buffer.flush()
 
     def close(self) -> None:
@@ -177,8 +203,12 @@ def _connection_error(exc: Exception, doing: str) -> APIConnectionError:
         return APITimeoutError(f"read timeout {doing}: {exc}")
     if isinstance(exc, bex.EndpointConnectionError):  # refused / unreachable: nothing was sent
         return APIConnectionError(f"could not connect {doing}: {exc}", request_sent=False)
-    transport_errors = (bex.HTTPClientError, bex.ConnectionError,
-                        getattr(bex, "IncompleteReadError", bex.HTTPClientError), OSError)
+    transport_errors = (
+        bex.HTTPClientError,
+        bex.ConnectionError,
+        getattr(bex, "IncompleteReadError", bex.HTTPClientError),
+        OSError,
+    )
     if isinstance(exc, transport_errors) or type(exc).__module__.startswith("urllib3"):
         return APIConnectionError(f"connection failed {doing}: {exc}")
     raise exc  # not a transport failure (ParamValidationError, a stub mismatch, a bug): surface it as is
@@ -193,8 +223,9 @@ def _model_stream_error(fields: dict, request_id: str | None) -> APIStatusError:
         parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
         return status_error_from_body(200, parsed, request_id=request_id)
-    return InternalServerError(message or "model stream error", status_code=500, code=error_code or "ModelStreamError",
-                               request_id=request_id)
+    return InternalServerError(
+        message or "model stream error", status_code=500, code=error_code or "ModelStreamError", request_id=request_id
+    )
 
 
 def map_client_error(exc: Any) -> APIStatusError:
@@ -218,20 +249,34 @@ def map_client_error(exc: Any) -> APIStatusError:
         original = response.get("OriginalMessage")
         status = int(original_status) if original_status else 500
         if original is None:
-            return make_status_error(status, "ModelError", message or "model error", body=response,
-                                     request_id=request_id)
+            return make_status_error(
+                status, "ModelError", message or "model error", body=response, request_id=request_id
+            )
         return status_error_from_body(status, original, request_id=request_id)
     if aws_code == "ModelStreamError":
         return _model_stream_error({"Message": message, "ErrorCode": error.get("ErrorCode")}, request_id)
     if aws_code in _THROTTLING or http_status == 429:
-        return make_status_error(429, aws_code or "throttled", message or "throttled", body=response,
-                                 request_id=request_id, retry_after=headers.get("retry-after"))
+        return make_status_error(
+            429,
+            aws_code or "throttled",
+            message or "throttled",
+            body=response,
+            request_id=request_id,
+            retry_after=headers.get("retry-after"),
+        )
     if aws_code == "ServiceUnavailable" or http_status == 503:
-        return make_status_error(503, aws_code or "ServiceUnavailable", message or "service unavailable",
-                                 body=response, request_id=request_id, retry_after=headers.get("retry-after"))
+        return make_status_error(
+            503,
+            aws_code or "ServiceUnavailable",
+            message or "service unavailable",
+            body=response,
+            request_id=request_id,
+            retry_after=headers.get("retry-after"),
+        )
     if aws_code == "ValidationError" and _SESSION_GONE_RE.search(message):
         return make_status_error(404, "session_not_found", message, body=response, request_id=request_id)
     if aws_code == "ValidationError":
         return make_status_error(400, aws_code, message, body=response, request_id=request_id)
-    return make_status_error(http_status or 500, aws_code or None, message or str(exc), body=response,
-                             request_id=request_id)
+    return make_status_error(
+        http_status or 500, aws_code or None, message or str(exc), body=response, request_id=request_id
+    )

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Union
 
 from .config import Settings
 from .contract import format_expires
-from .engine import Answer, OpenResult, TokenEvent
+from .engine import Answer, ContextPolicy, OpenResult, TokenEvent
 from .errors import ServiceError
 from .model import Turn
 from .protocol import (
@@ -80,6 +80,9 @@ class GenerateCommand:
         stream: reply as JSON lines, a chunk per ``handle()`` call.
         details: include the per-token list in the reply's details.
         legacy: reply in the AWS sample's ``send_text_prompt`` shape (``{"response_text"}``).
+        context_policy: ``truncate`` or ``error`` when the turn does not fit the context.
+        clip_max_new_tokens: ``params.max_new_tokens`` is the server default, not the request's,
+            so it may be clipped to the room left.
     """
 
     kind: ClassVar[str] = "generate"
@@ -90,6 +93,8 @@ class GenerateCommand:
     stream: bool = False
     details: bool = False
     legacy: bool = False
+    context_policy: ContextPolicy = "truncate"
+    clip_max_new_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ Command = Union[OpenCommand, GenerateCommand, ResetCommand, CloseCommand]  # noq
 
 
 def _token(event: TokenEvent) -> TokenInfo:
-    return TokenInfo(id=event.id, text=event.text, logprob=event.logprob)
+    return TokenInfo(id=event.id, text=event.text, logprob=event.logprob, special=event.special)
 
 
 class Codec:
@@ -135,8 +140,12 @@ class Codec:
                 ``payload_too_large`` (413), as :func:`.protocol.parse_request` says.
         """
         s = self.settings
-        request = parse_request(body, max_body_bytes=s.max_body_bytes, max_prompt_chars=s.max_prompt_chars,
-                                max_new_tokens_cap=s.max_new_tokens_cap)
+        request = parse_request(
+            body,
+            max_body_bytes=s.max_body_bytes,
+            max_prompt_chars=s.max_prompt_chars,
+            max_new_tokens_cap=s.max_new_tokens_cap,
+        )
         legacy = request.legacy
         canonical = request.canonical()
         if isinstance(canonical, OpenSessionRequest):
@@ -145,12 +154,26 @@ class Codec:
         if isinstance(canonical, GenerateRequest):
             p = canonical.parameters
             params = SamplingParams(
-                max_new_tokens=p.max_new_tokens or s.default_max_new_tokens, temperature=p.temperature,
-                top_p=p.top_p, top_k=p.top_k, repetition_penalty=p.repetition_penalty, do_sample=p.do_sample,
-                seed=p.seed, stop=tuple(p.stop), logprobs=p.details or canonical.stream,
+                max_new_tokens=p.max_new_tokens or s.default_max_new_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                repetition_penalty=p.repetition_penalty,
+                do_sample=p.do_sample,
+                seed=p.seed,
+                stop=tuple(p.stop),
+                logprobs=p.details or canonical.stream,
             )
-            return GenerateCommand(canonical.prompt, params, remember=canonical.remember, stream=canonical.stream,
-                                   details=p.details, legacy=legacy)
+            return GenerateCommand(
+                canonical.prompt,
+                params,
+                remember=canonical.remember,
+                stream=canonical.stream,
+                details=p.details,
+                legacy=legacy,
+                context_policy=canonical.context_policy or s.context_policy,
+                clip_max_new_tokens=p.max_new_tokens is None,
+            )
         if isinstance(canonical, CloseSessionRequest):
             return CloseCommand()
         return ResetCommand()
@@ -163,8 +186,16 @@ class Codec:
         if command.legacy:
             return StartSessionResponse(session_id=result.session_id).model_dump_json().encode()
         timings = {f"{k}_ms": v for k, v in timings_ms.items()}
-        return OpenSessionResponse(session_id=result.session_id, expires_at=format_expires(result.expires_at),
-                                   image_tokens=result.image_tokens, timings=timings).model_dump_json().encode()
+        return (
+            OpenSessionResponse(
+                session_id=result.session_id,
+                expires_at=format_expires(result.expires_at),
+                image_tokens=result.image_tokens,
+                timings=timings,
+            )
+            .model_dump_json()
+            .encode()
+        )
 
     @staticmethod
     def encode_reset(session_id: str) -> bytes:
@@ -183,10 +214,18 @@ class Codec:
         timings = {f"{k}_ms": v for k, v in t.items() if k != "decode_tokens_per_s"}
         timings["decode_tokens_per_s"] = t.get("decode_tokens_per_s", 0.0)
         tokens = [_token(e) for e in answer.tokens] if with_tokens else None
-        return GenerationDetails(finish_reason=answer.finish_reason, prompt_tokens=answer.prompt_tokens,
-                                 cached_tokens=answer.cached_tokens, generated_tokens=answer.generated_tokens,
-                                 seed=answer.seed, restored_from=answer.restored_from, tokens=tokens,
-                                 timings=timings)
+        return GenerationDetails(
+            finish_reason=answer.finish_reason,
+            prompt_tokens=answer.prompt_tokens,
+            cached_tokens=answer.cached_tokens,
+            generated_tokens=answer.generated_tokens,
+            max_new_tokens=answer.max_new_tokens,
+            truncated_turns=answer.truncated_turns,
+            seed=answer.seed,
+            restored_from=answer.restored_from,
+            tokens=tokens,
+            timings=timings,
+        )
 
     def encode_answer(self, command: GenerateCommand, answer: Answer) -> bytes:
         """The whole reply to a non-streamed question: ``{"generated_text", "details"}``, or the AWS
@@ -201,10 +240,10 @@ class Codec:
         """Stream lines for ``events``: ``{"token": {...}, "generated_text": null, "details": null}`` each."""
         return b"".join(StreamLine(token=_token(e)).to_line() for e in events)
 
-    def encode_stream_end(self, command: GenerateCommand, answer: Answer) -> bytes:
-        """The last stream line: ``generated_text`` and ``details``."""
+    def encode_stream_end(self, command: GenerateCommand, answer: Answer, last: TokenEvent) -> bytes:
+        """The last stream line: the ``last`` generated token with ``generated_text`` and ``details``."""
         details = self.details(answer, command.details)
-        return StreamLine(generated_text=answer.text, details=details).to_line()
+        return StreamLine(token=_token(last), generated_text=answer.text, details=details).to_line()
 
     @staticmethod
     def encode_stream_error(error: ServiceError) -> bytes:

@@ -71,7 +71,10 @@ class Settings(BaseModel):
         0, ge=0, description="Device bytes for session caches; 0 means use device_budget_fraction."
     )
     device_budget_fraction: float = Field(
-        0.8, gt=0.0, le=1.0, description="Fraction (0 < f <= 1) of free device memory after model load for session caches."
+        0.8,
+        gt=0.0,
+        le=1.0,
+        description="Fraction (0 < f <= 1) of free device memory after model load for session caches.",
     )
     host_budget_bytes: int = Field(
         2 * _GIB, gt=0, description="Hard cap on host bytes held by sessions (image bytes + conversation)."
@@ -85,10 +88,17 @@ class Settings(BaseModel):
     default_max_new_tokens: int = Field(
         256, ge=1, description="max_new_tokens when a request gives none; <= max_new_tokens_cap."
     )
+    context_policy: Literal["truncate", "error"] = Field(
+        "truncate",
+        description="When a turn does not fit the model's context: truncate (the oldest remembered turns leave "
+        "it, then an unset max_new_tokens is clipped to the room left) or error (422 context_length_exceeded).",
+    )
     max_prompt_chars: int = Field(16000, ge=1, description="Longest prompt (and system prompt) in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens after templating.")
     max_body_bytes: int = Field(
-        _SAGEMAKER_MAX_BODY_BYTES, ge=1, description="Largest request body in bytes (SageMaker's invoke limit is 6 MiB)."
+        _SAGEMAKER_MAX_BODY_BYTES,
+        ge=1,
+        description="Largest request body in bytes (SageMaker's invoke limit is 6 MiB).",
     )
     max_image_bytes: int = Field(20 * _MIB, ge=1, description="Largest encoded image in bytes (URL, S3 or base64).")
     max_image_pixels: int = Field(
@@ -102,9 +112,12 @@ class Settings(BaseModel):
         description="Accept loopback and private image URL targets (dev and tests only; link-local/metadata stay refused).",
     )
     url_allowlist: tuple[str, ...] = Field(
-        (), description='If non-empty, only these image URL hosts: exact ("img.example.com") or suffix (".example.com"); comma-separated.'
+        (),
+        description='If non-empty, only these image URL hosts: exact ("img.example.com") or suffix (".example.com"); comma-separated.',
     )
-    fetch_connect_timeout_s: float = Field(5.0, gt=0.0, description="Connect timeout for image URLs and S3, in seconds.")
+    fetch_connect_timeout_s: float = Field(
+        5.0, gt=0.0, description="Connect timeout for image URLs and S3, in seconds."
+    )
     fetch_read_timeout_s: float = Field(
         20.0, gt=0.0, description="Read timeout for image URLs and S3, in seconds; also bounds a whole URL download."
     )
@@ -112,10 +125,14 @@ class Settings(BaseModel):
 
     # --- scheduling -------------------------------------------------------------------------
     max_concurrent_generations: int = Field(
-        16, ge=1, description="Generations in flight per worker; beyond it requests get 503 overloaded with Retry-After."
+        16,
+        ge=1,
+        description="Generations in flight per worker; beyond it requests get 503 overloaded with Retry-After.",
     )
     step_max_tokens: int = Field(8, ge=1, description="Most tokens one scheduler call advances each generation.")
-    step_max_ms: float = Field(100.0, gt=0.0, description="Most milliseconds one scheduler call spends before replying.")
+    step_max_ms: float = Field(
+        100.0, gt=0.0, description="Most milliseconds one scheduler call spends before replying."
+    )
 
     # --- misc -------------------------------------------------------------------------------
     system_prompt: str | None = Field(None, description="Default system prompt when open_session gives none.")

@@ -14,6 +14,7 @@ Generation is step-wise: :meth:`SessionEngine.start` returns a :class:`Generatio
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: Why an answer ended: ``stop`` (EOS or a stop sequence) or ``length`` (max_new_tokens reached).
 FinishReason = Literal["stop", "length"]
+#: What happens when a turn does not fit the context (:meth:`SessionEngine.start`).
+ContextPolicy = Literal["truncate", "error"]
 #: The tier a demoted session was rebuilt from.
 RestoredFrom = Literal["features", "image"]
 
@@ -81,6 +84,8 @@ class Answer:
             ``ttft`` (request start → first token), ``total``; and ``decode_tokens_per_s``.
         seed: the sampler's seed (None for greedy).
         restored_from: the tier the session was restored from, or None when it was a KV hit.
+        max_new_tokens: the limit the answer ran under (possibly clipped to the room left).
+        truncated_turns: oldest remembered turns that left the context (and the history) for it.
     """
 
     text: str
@@ -92,6 +97,8 @@ class Answer:
     timings: dict[str, float]
     seed: int | None = None
     restored_from: RestoredFrom | None = None
+    max_new_tokens: int = 0
+    truncated_turns: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,8 +132,13 @@ class SessionEngine:
         limits: per-request limits.
     """
 
-    def __init__(self, runner: LlavaRunner, store: SessionStore, decode_image: Callable[[bytes], Any],
-                 limits: EngineLimits | None = None) -> None:
+    def __init__(
+        self,
+        runner: LlavaRunner,
+        store: SessionStore,
+        decode_image: Callable[[bytes], Any],
+        limits: EngineLimits | None = None,
+    ) -> None:
         self.runner = runner
         self.store = store
         self.decode_image = decode_image
@@ -135,8 +147,15 @@ class SessionEngine:
         self.num_prefilled_tokens = 0
 
     # ------------------------------------------------------------------ lifecycle
-    def open(self, session_id: str, image_bytes: bytes, system_prompt: str | None = None, *,
-             image: Any = None, history: list[Turn] | None = None) -> OpenResult:
+    def open(
+        self,
+        session_id: str,
+        image_bytes: bytes,
+        system_prompt: str | None = None,
+        *,
+        image: Any = None,
+        history: list[Turn] | None = None,
+    ) -> OpenResult:
         """Open a session: decode + encode the image once and prefill the conversation prefix.
 
         With ``history``, the session starts with those turns remembered (a restored conversation)
@@ -156,8 +175,10 @@ class SessionEngine:
         """
         history = list(history or [])
         if any(self.runner.image_token in t.prompt or self.runner.image_token in t.answer for t in history):
-            raise ServiceError(ErrorCode.INVALID_PARAMETER,
-                               f"history must not contain the image placeholder {self.runner.image_token!r}")
+            raise ServiceError(
+                ErrorCode.INVALID_PARAMETER,
+                f"history must not contain the image placeholder {self.runner.image_token!r}",
+            )
         t0 = time.perf_counter()
         decoded_here = image is None
         image = self.decode_image(image_bytes) if image is None else image
@@ -166,9 +187,11 @@ class SessionEngine:
         session.history = history
         prefix = self.runner.prefix_ids(system_prompt, history)
         if len(prefix) >= self.runner.max_positions:
-            raise ServiceError(ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                               f"the restored history is {len(prefix)} tokens, over the model's context of "
-                               f"{self.runner.max_positions} tokens")
+            raise ServiceError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"the restored history is {len(prefix)} tokens, over the model's context of "
+                f"{self.runner.max_positions} tokens",
+            )
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
         session.busy = True
         try:
@@ -220,9 +243,24 @@ class SessionEngine:
         return list(self.store.get(session_id).history)
 
     # ------------------------------------------------------------------ generation
-    def start(self, session_id: str, prompt: str, params: SamplingParams | None = None,
-              remember: bool = True) -> Generation:
+    def start(
+        self,
+        session_id: str,
+        prompt: str,
+        params: SamplingParams | None = None,
+        remember: bool = True,
+        *,
+        context_policy: ContextPolicy = "truncate",
+        clip_max_new_tokens: bool = False,
+    ) -> Generation:
         """Validate a question and return its :class:`Generation` (nothing computed yet).
+
+        Context policy, when prompt tokens + ``max_new_tokens`` > the model's max positions:
+        ``truncate`` drops the oldest remembered turns, one at a time, until the turn fits (the
+        system prompt and the image never leave); if none is left and ``clip_max_new_tokens``,
+        ``max_new_tokens`` is lowered to the room left. The dropped turns leave the session's
+        history when the answer completes (an abandoned answer changes nothing), so the history
+        is always what the model saw. ``error`` changes nothing and raises.
 
         Args:
             session_id: an open session.
@@ -230,42 +268,84 @@ class SessionEngine:
             params: sampling parameters.
             remember: True: the turn joins the history; False: answered with the current history
                 as context, then forgotten (the cache is cropped back).
+            context_policy: ``truncate`` or ``error`` (above).
+            clip_max_new_tokens: ``params.max_new_tokens`` is a default the request did not set,
+                so it may be clipped to the room left.
 
         Raises:
             ServiceError: session_* (gone), session_busy, invalid_parameter (empty prompt, the
                 image token in it, max_new_tokens over the cap, prompt too long),
-                context_length_exceeded (prompt tokens + max_new_tokens > the model's max positions).
+                context_length_exceeded (the turn does not fit: under ``truncate``, not even with
+                every remembered turn dropped).
         """
         params = params or SamplingParams()
         session = self._get_idle(session_id)
         if not prompt or not prompt.strip():
             raise ServiceError(ErrorCode.INVALID_PARAMETER, "prompt must not be empty")
         if self.runner.image_token in prompt:
-            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"prompt must not contain the image placeholder {self.runner.image_token!r}")
+            raise ServiceError(
+                ErrorCode.INVALID_PARAMETER,
+                f"prompt must not contain the image placeholder {self.runner.image_token!r}",
+            )
         if params.max_new_tokens > self.limits.max_new_tokens_cap:
-            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"max_new_tokens must be <= {self.limits.max_new_tokens_cap}")
+            raise ServiceError(
+                ErrorCode.INVALID_PARAMETER, f"max_new_tokens must be <= {self.limits.max_new_tokens_cap}"
+            )
         num_prompt = self.runner.count_text_tokens(prompt)
         if num_prompt > self.limits.max_prompt_tokens:
-            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"prompt is {num_prompt} tokens; at most {self.limits.max_prompt_tokens} are allowed")
-        ids = self.runner.conversation_ids(session.system_prompt, session.history, prompt)
+            raise ServiceError(
+                ErrorCode.INVALID_PARAMETER,
+                f"prompt is {num_prompt} tokens; at most {self.limits.max_prompt_tokens} are allowed",
+            )
+        history = session.history
+        ids = self.runner.conversation_ids(session.system_prompt, history, prompt)
         limit = self.runner.max_positions
-        if len(ids) + params.max_new_tokens > limit:
+        max_new = params.max_new_tokens
+        dropped = 0
+        if len(ids) + max_new > limit and context_policy == "truncate":
+            while dropped < len(history) and len(ids) + max_new > limit:
+                dropped += 1
+                ids = self.runner.conversation_ids(session.system_prompt, history[dropped:], prompt)
+            if len(ids) + max_new > limit and clip_max_new_tokens and len(ids) < limit:
+                max_new = limit - len(ids)
+        if len(ids) + max_new > limit:
+            hint = (
+                "lower max_new_tokens or shorten the question"
+                if context_policy == "truncate"
+                else "lower max_new_tokens, reset the session, open a new one or use context_policy truncate"
+            )
             raise ServiceError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"this turn needs {len(ids)} prompt tokens + {params.max_new_tokens} new tokens = "
-                f"{len(ids) + params.max_new_tokens}, over the model's context of {limit} tokens; "
-                "lower max_new_tokens, reset the session or open a new one",
+                f"this turn needs {len(ids)} prompt tokens + {max_new} new tokens = "
+                f"{len(ids) + max_new}, over the model's context of {limit} tokens; {hint}",
             )
-        return Generation(self, session, prompt, ids, params, remember)
+        if max_new != params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=max_new)
+        return Generation(self, session, prompt, ids, params, remember, truncated_turns=dropped)
 
-    def generate(self, session_id: str, prompt: str, params: SamplingParams | None = None,
-                 remember: bool = True) -> Answer:
+    def generate(
+        self,
+        session_id: str,
+        prompt: str,
+        params: SamplingParams | None = None,
+        remember: bool = True,
+        *,
+        context_policy: ContextPolicy = "truncate",
+        clip_max_new_tokens: bool = False,
+    ) -> Answer:
         """Answer ``prompt`` in one call (runs :meth:`start`'s generation to the end).
 
         Raises:
             ServiceError: as :meth:`start`, and overloaded when memory runs out (session intact).
         """
-        gen = self.start(session_id, prompt, params, remember)
+        gen = self.start(
+            session_id,
+            prompt,
+            params,
+            remember,
+            context_policy=context_policy,
+            clip_max_new_tokens=clip_max_new_tokens,
+        )
         for _ in gen:
             pass
         assert gen.answer is not None
@@ -283,7 +363,9 @@ class SessionEngine:
     def _get_idle(self, session_id: str) -> Session:
         session = self.store.get(session_id)
         if session.busy:
-            raise ServiceError(ErrorCode.SESSION_BUSY, "the session is answering another request; wait for it to finish")
+            raise ServiceError(
+                ErrorCode.SESSION_BUSY, "the session is answering another request; wait for it to finish"
+            )
         return session
 
     def _hidden_bytes(self) -> int:
@@ -305,7 +387,9 @@ class SessionEngine:
                 return fn()
             except Exception as exc2:  # noqa: BLE001
                 if _is_oom(exc2):
-                    raise ServiceError(ErrorCode.OVERLOADED, "the device is out of memory; retry later", retry_after_s=2) from exc2
+                    raise ServiceError(
+                        ErrorCode.OVERLOADED, "the device is out of memory; retry later", retry_after_s=2
+                    ) from exc2
                 raise
 
     def _restore(self, session: Session) -> RestoredFrom | None:
@@ -316,7 +400,9 @@ class SessionEngine:
         if tier is Tier.IMAGE:
             image = self.decode_image(session.image_bytes)
             if not self.store.reserve(self.runner.num_image_tokens * self._hidden_bytes(), keep=session):
-                raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory to restore the session", retry_after_s=5)
+                raise ServiceError(
+                    ErrorCode.OVERLOADED, "not enough device memory to restore the session", retry_after_s=5
+                )
             session.image_features = self._oom_retry(lambda: self.runner.encode_image(image), session)
         session.kv_cache = self.runner.new_cache()
         session.cached_ids = []
@@ -334,9 +420,19 @@ class Generation:
     session as it was before the question. The session is marked busy while in flight.
     """
 
-    def __init__(self, engine: SessionEngine, session: Session, prompt: str, prompt_ids: list[int],
-                 params: SamplingParams, remember: bool) -> None:
+    def __init__(
+        self,
+        engine: SessionEngine,
+        session: Session,
+        prompt: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        remember: bool,
+        *,
+        truncated_turns: int = 0,
+    ) -> None:
         self.engine = engine
+        self.truncated_turns = truncated_turns
         self.session = session
         self.prompt = prompt
         self.prompt_ids = prompt_ids
@@ -395,7 +491,11 @@ class Generation:
         before = len(self._detok.text)
         text = self._detok.push(token)
         finish: FinishReason | None = None
-        if special or self._max_stop and any(s in self._detok.text[max(0, before - self._max_stop):] for s in self.params.stop):
+        if (
+            special
+            or self._max_stop
+            and any(s in self._detok.text[max(0, before - self._max_stop) :] for s in self.params.stop)
+        ):
             finish = "stop"
         elif len(self._events) + 1 >= self.params.max_new_tokens:
             finish = "length"
@@ -415,12 +515,16 @@ class Generation:
         reuse = min(common_prefix_len(session.cached_ids, self.prompt_ids), len(self.prompt_ids) - 1)
         need = (len(self.prompt_ids) - reuse + self.params.max_new_tokens) * runner.kv_bytes_per_token
         if not engine.store.reserve(need, keep=session):
-            raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for this answer now; retry later", retry_after_s=2)
+            raise ServiceError(
+                ErrorCode.OVERLOADED, "not enough device memory for this answer now; retry later", retry_after_s=2
+            )
         if reuse < cache_len(session.kv_cache):
             crop_cache(session.kv_cache, reuse)
         session.cached_ids = session.cached_ids[:reuse]
         self._reuse = reuse
-        self._logits = engine._oom_retry(lambda: runner.prefill(session.kv_cache, self.prompt_ids, session.image_features), session)
+        self._logits = engine._oom_retry(
+            lambda: runner.prefill(session.kv_cache, self.prompt_ids, session.image_features), session
+        )
         session.cached_ids = list(self.prompt_ids)
         engine.num_reused_tokens += reuse
         engine.num_prefilled_tokens += len(self.prompt_ids) - reuse
@@ -431,6 +535,8 @@ class Generation:
     def _finish(self, finish_reason: FinishReason) -> None:
         session = self.session
         ids = [e.id for e in self._events]
+        if self.truncated_turns:  # what the model saw: the oldest turns left the context
+            session.history = session.history[self.truncated_turns :]
         if self.remember:
             session.history.append(Turn(self.prompt, self._detok.text))
             session.cached_ids = list(self.prompt_ids) + ids[:-1]  # the last token is not fed yet
@@ -445,15 +551,25 @@ class Generation:
         t_end = time.perf_counter()
         n = len(self._events)
         decode_s = self._t_last - self._t_first
-        self._timings.update({
-            "ttft": _ms(self._t0, self._t_first),
-            "total": _ms(self._t0, t_end),
-            "decode_tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else 0.0,
-        })
+        self._timings.update(
+            {
+                "ttft": _ms(self._t0, self._t_first),
+                "total": _ms(self._t0, t_end),
+                "decode_tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else 0.0,
+            }
+        )
         self.answer = Answer(
-            text=self._detok.text, finish_reason=finish_reason, prompt_tokens=len(self.prompt_ids),
-            cached_tokens=self._reuse, generated_tokens=n, tokens=list(self._events), timings=dict(self._timings),
-            seed=self._sampler.seed, restored_from=self._restored,
+            text=self._detok.text,
+            finish_reason=finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self._reuse,
+            generated_tokens=n,
+            tokens=list(self._events),
+            timings=dict(self._timings),
+            seed=self._sampler.seed,
+            restored_from=self._restored,
+            max_new_tokens=self.params.max_new_tokens,
+            truncated_turns=self.truncated_turns,
         )
         self.engine.store.enforce(keep=session)
 
@@ -468,7 +584,11 @@ class Generation:
         if session.kv_cache is not None:
             n = len(session.cached_ids) if self._logits is None else self._reuse
             try:
-                lens = {layer.keys.shape[-2] for layer in session.kv_cache.layers if getattr(layer, "keys", None) is not None}
+                lens = {
+                    layer.keys.shape[-2]
+                    for layer in session.kv_cache.layers
+                    if getattr(layer, "keys", None) is not None
+                }
                 if len(lens) > 1 or cache_len(session.kv_cache) < n:
                     session.drop_kv()  # a forward failed between layers: the cache is not trustworthy
                 else:

@@ -55,8 +55,7 @@ _IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 #   169.254/16, fe80::/10  link-local, incl. the EC2 instance metadata service 169.254.169.254
 #   fd00:ec2::254 the EC2 instance metadata service over IPv6 (AWS EC2 user guide, IMDS)
 _ALWAYS_FORBIDDEN = tuple(
-    ipaddress.ip_network(net)
-    for net in ("0.0.0.0/8", "169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "fec0::/10")
+    ipaddress.ip_network(net) for net in ("0.0.0.0/8", "169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "fec0::/10")
 )
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _CHUNK_BYTES = 64 * 1024
@@ -369,7 +368,9 @@ def _fetch_url(url: str, settings: Settings, *, verify: bool | str = True) -> by
     raise _fetch_failed(f"the image URL redirected more than {settings.max_redirects} times")
 
 
-def _open(target: _Target, settings: Settings, deadline: float, verify: bool | str) -> tuple[requests.Session, requests.Response]:
+def _open(
+    target: _Target, settings: Settings, deadline: float, verify: bool | str
+) -> tuple[requests.Session, requests.Response]:
     """Send the GET to the first reachable vetted address of ``target``."""
     headers = {
         "Host": target.host_header,
@@ -465,7 +466,9 @@ def _default_s3_client(settings: Settings) -> Any:
             import boto3
             from botocore.config import Config
 
-            config = Config(connect_timeout=key[0], read_timeout=key[1], retries={"max_attempts": 2, "mode": "standard"})
+            config = Config(
+                connect_timeout=key[0], read_timeout=key[1], retries={"max_attempts": 2, "mode": "standard"}
+            )
             client = boto3.session.Session().client("s3", config=config)
             _S3_CLIENTS[key] = client
         return client

@@ -101,8 +101,9 @@ class WorkerMetrics:
             for name, dims, value, mtype, unit in updates:
                 metric = self._objects.get(name)
                 if metric is None:
-                    metric = self._cache.add_metric_to_cache(f"llava_{name}", unit, ["ModelName", *_DIMS.get(name, [])],
-                                                             mtype)
+                    metric = self._cache.add_metric_to_cache(
+                        f"llava_{name}", unit, ["ModelName", *_DIMS.get(name, [])], mtype
+                    )
                     self._objects[name] = metric
                 metric.add_or_update(value, ["llava", *dims])
         except Exception:  # noqa: BLE001 - metrics must never hurt serving

@@ -147,8 +147,9 @@ class LlavaRunner:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, *, device: str = "auto", gpu_id: int | None = None,
-                        dtype: str = "auto") -> LlavaRunner:
+    def from_pretrained(
+        cls, model_dir: str | Path, *, device: str = "auto", gpu_id: int | None = None, dtype: str = "auto"
+    ) -> LlavaRunner:
         """Load model, processor and chat template from a local llava-hf checkpoint folder.
 
         Args:
@@ -244,6 +245,7 @@ class LlavaRunner:
         Found as the common prefix of two conversations that differ only in their last question,
         so it holds for any chat template. Without turns the result is memoised per system prompt.
         """
+
         def compute() -> list[int]:
             a = self.conversation_ids(system_prompt, turns or [], "A")
             b = self.conversation_ids(system_prompt, turns or [], "Z")
@@ -266,8 +268,7 @@ class LlavaRunner:
 
         return DynamicCache(config=self.config.text_config)
 
-    def _embed(self, ids: list[int], start: int, image_features: torch.Tensor | None,
-               image_start: int) -> torch.Tensor:
+    def _embed(self, ids: list[int], start: int, image_features: torch.Tensor | None, image_start: int) -> torch.Tensor:
         """Embeddings ``[1, len(ids), hidden]`` for positions ``start..``; image placeholders take
         row ``position - image_start`` of ``image_features``."""
         ids_t = torch.tensor([ids], device=self.device)

@@ -88,8 +88,11 @@ class SamplingBound:
 
     def allows(self, value: float) -> bool:
         """True when ``value`` is inside the range."""
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le))
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+        )
 
     def field(self) -> Any:
         """The pydantic ``Field`` with these constraints."""
@@ -233,7 +236,10 @@ class OpenSessionRequest(_RequestBase):
 class GenerateRequest(_RequestBase):
     """Ask one question in the session. Reply: :class:`GenerateResponse` or JSON lines of :class:`StreamLine`.
 
-    ``remember=False`` answers without appending the turn to the conversation.
+    ``remember=False`` answers without appending the turn to the conversation. ``context_policy``
+    (default: the server's setting) says what happens when the turn does not fit the context:
+    ``truncate`` drops the oldest remembered turns (then clips an unset ``max_new_tokens``),
+    ``error`` answers 422 ``context_length_exceeded``.
     """
 
     type: Literal["generate"]
@@ -241,6 +247,7 @@ class GenerateRequest(_RequestBase):
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = False
     remember: bool = True
+    context_policy: Literal["truncate", "error"] | None = None
 
     @field_validator("parameters", mode="before")
     @classmethod
@@ -323,7 +330,12 @@ class SendTextPromptRequest(_RequestBase):
 
 
 Request = Annotated[
-    OpenSessionRequest | GenerateRequest | ResetRequest | CloseSessionRequest | StartSessionRequest | SendTextPromptRequest,
+    OpenSessionRequest
+    | GenerateRequest
+    | ResetRequest
+    | CloseSessionRequest
+    | StartSessionRequest
+    | SendTextPromptRequest,
     Field(discriminator="type"),
 ]
 """Any inbound request; ``request.canonical()`` maps the AWS sample aliases to canonical types."""
@@ -463,7 +475,14 @@ def parse_request(
     max_body_bytes: int,
     max_prompt_chars: int,
     max_new_tokens_cap: int,
-) -> OpenSessionRequest | GenerateRequest | ResetRequest | CloseSessionRequest | StartSessionRequest | SendTextPromptRequest:
+) -> (
+    OpenSessionRequest
+    | GenerateRequest
+    | ResetRequest
+    | CloseSessionRequest
+    | StartSessionRequest
+    | SendTextPromptRequest
+):
     """Decode and validate one request body.
 
     Args:
@@ -562,11 +581,13 @@ class OpenSessionResponse(_Outbound):
 
 
 class TokenInfo(_Outbound):
-    """One generated token: vocabulary ``id``, decoded ``text`` and natural-log probability."""
+    """One generated token: vocabulary ``id``, decoded ``text`` (a detokenization delta, may be empty),
+    natural-log probability, and ``special`` (an end-of-sequence token, whose text is empty), as TGI's."""
 
     id: int
     text: str
     logprob: float | None = None
+    special: bool = False
 
 
 class GenerationDetails(_Outbound):
@@ -577,6 +598,10 @@ class GenerationDetails(_Outbound):
         prompt_tokens: tokens of this turn's prompt (after templating).
         cached_tokens: context tokens reused from the session's cache (not recomputed).
         generated_tokens: tokens generated.
+        max_new_tokens: the limit this answer ran under (the request's, the server default, or that
+            default clipped to the room left in the context).
+        truncated_turns: how many of the oldest remembered turns left the context (and the
+            session's history) so that this turn fits; 0 when none did.
         seed: the sampler's seed (the one given, or the one drawn), so a sampled answer can be
             repeated; null for greedy answers.
         restored_from: the tier a demoted session was rebuilt from for this answer (``"features"``
@@ -589,6 +614,8 @@ class GenerationDetails(_Outbound):
     prompt_tokens: int
     cached_tokens: int
     generated_tokens: int
+    max_new_tokens: int | None = None
+    truncated_turns: int = 0
     seed: int | None = None
     restored_from: Literal["features", "image"] | None = None
     tokens: list[TokenInfo] | None = None
@@ -628,9 +655,13 @@ class ErrorBody(_Outbound):
 class StreamLine(_Outbound):
     """One line of a streamed reply, SageMaker LMI / TGI JSON-lines format.
 
-    Each chunk is ``{"token": {...}, "generated_text": null, "details": null}``; the last line
-    carries ``generated_text`` and ``details`` (``token`` null). An error found mid-stream (after
-    the status went out with the first chunk) is the last line, with ``"error": {code, message}``.
+    Every line of an answer carries a ``token`` object: ``{"token": {...}, "generated_text": null,
+    "details": null}``, and the last line carries the last generated token together with
+    ``generated_text`` and ``details`` (TGI's shape), so readers that do
+    ``json.loads(line)["token"]["text"]`` on every line read to the end, and the token texts join
+    to ``generated_text``. An error found mid-stream (after the status went out with the first
+    chunk) is the last line instead: ``{"token": null, "generated_text": null, "details": null,
+    "error": {code, message}}``.
     """
 
     token: TokenInfo | None = None

@@ -157,10 +157,10 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the new text it completes (possibly empty)."""
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        new_text = self._decode(self.ids[self._prefix:])
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
+            delta = new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self.ids)
             self.text += delta
             return delta
@@ -168,9 +168,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Return the text still held back (an incomplete character at the end is emitted as U+FFFD)."""
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        new_text = self._decode(self.ids[self._prefix:])
-        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self._prefix = self._read = len(self.ids)
         self.text += delta
         return delta

@@ -116,8 +116,15 @@ class SessionService:
         metrics: where answers and errors are observed (:class:`WorkerMetrics`); a private one if None.
     """
 
-    def __init__(self, settings: Settings, engine: SessionEngine, *, end_header: str = CLOSED_SESSION_ID_HEADER,
-                 fetch: Callable[..., bytes] = fetch_image_bytes, metrics: WorkerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: SessionEngine,
+        *,
+        end_header: str = CLOSED_SESSION_ID_HEADER,
+        fetch: Callable[..., bytes] = fetch_image_bytes,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self.codec = Codec(settings)
@@ -163,8 +170,9 @@ class SessionService:
             except Exception:  # noqa: BLE001
                 log.exception("emit failed", extra={"request_id": job.request_id})
                 self._jobs.pop(job.request_id, None)
-                results[i] = self._error_result(None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"),
-                                                chunk=job.sent)
+                results[i] = self._error_result(
+                    None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"), chunk=job.sent
+                )
         self._reap(now)
         return [r if r is not None else RowResult(b"") for r in results]
 
@@ -177,8 +185,9 @@ class SessionService:
             return self._admit_open(row, command)
         sid = row.session_id
         if row.minted or not sid or sid == NEW_SESSION_LITERAL:
-            raise ServiceError(ErrorCode.MISSING_SESSION_ID,
-                               f"{command.kind} needs the {SESSION_ID_HEADER} header of an open session")
+            raise ServiceError(
+                ErrorCode.MISSING_SESSION_ID, f"{command.kind} needs the {SESSION_ID_HEADER} header of an open session"
+            )
         if isinstance(command, ResetCommand):
             self.engine.reset(sid)
             return RowResult(self.codec.encode_reset(sid), headers={SESSION_ID_HEADER: sid})
@@ -187,9 +196,17 @@ class SessionService:
             return RowResult(self.codec.encode_close(sid), headers=self._closed_headers(sid))
         self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
         if len(self._jobs) >= self.settings.max_concurrent_generations:
-            raise ServiceError(ErrorCode.OVERLOADED, "too many generations in flight on this worker; retry shortly",
-                               retry_after_s=1)
-        gen = self.engine.start(sid, command.prompt, command.params, remember=command.remember)
+            raise ServiceError(
+                ErrorCode.OVERLOADED, "too many generations in flight on this worker; retry shortly", retry_after_s=1
+            )
+        gen = self.engine.start(
+            sid,
+            command.prompt,
+            command.params,
+            remember=command.remember,
+            context_policy=command.context_policy,
+            clip_max_new_tokens=command.clip_max_new_tokens,
+        )
         return _Job(row.request_id, sid, command, now, gen=gen)
 
     def _admit_open(self, row: Row, command: OpenCommand) -> RowResult:
@@ -214,8 +231,7 @@ class SessionService:
         except ServiceError as err:
             # the open failed: no session is left behind; end TorchServe's job group if it is its own
             return self._error_result(sid if own_group else None, err)
-        timings = {"fetch": _ms(t0, t_fetched), "decode": _ms(t_fetched, t_decoded), **result.timings,
-                   "total": _ms(t0)}
+        timings = {"fetch": _ms(t0, t_fetched), "decode": _ms(t_fetched, t_decoded), **result.timings, "total": _ms(t0)}
         value = session_header_value(sid, result.expires_at)
         headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
         return RowResult(self.codec.encode_open(command, result, timings), headers=headers)
@@ -246,19 +262,21 @@ class SessionService:
         gen, command, codec = job.gen, job.command, self.codec
         finished = gen.done or job.error is not None
         if command.stream:
-            body = codec.encode_tokens(gen.events[job.emitted:])
+            new = gen.events[job.emitted :]
             job.emitted = len(gen.events)
             if not finished:
-                return self._chunk(job, body, last=False)
+                return self._chunk(job, codec.encode_tokens(new), last=False)
             self._jobs.pop(job.request_id, None)
-            if job.error is not None:
-                if not job.sent and not body:
-                    return self._error_result(job.session_id, job.error, chunk=job.calls > 1)
-                self.metrics.count_error(job.error)
-                return self._chunk(job, body + codec.encode_stream_error(job.error), last=True)
-            assert gen.answer is not None
-            self.metrics.observe_answer(gen.answer)
-            return self._chunk(job, body + codec.encode_stream_end(command, gen.answer), last=True)
+            if job.error is None:  # the last token goes out with generated_text and details (TGI's shape)
+                assert gen.answer is not None and new, "an answer ends in the step that generated its last token"
+                self.metrics.observe_answer(gen.answer)
+                end = codec.encode_stream_end(command, gen.answer, new[-1])
+                return self._chunk(job, codec.encode_tokens(new[:-1]) + end, last=True)
+            body = codec.encode_tokens(new)
+            if not job.sent and not body:
+                return self._error_result(job.session_id, job.error, chunk=job.calls > 1)
+            self.metrics.count_error(job.error)
+            return self._chunk(job, body + codec.encode_stream_error(job.error), last=True)
         if not finished:
             return RowResult(b"", headers={SESSION_ID_HEADER: job.session_id}, stop=False)
         self._jobs.pop(job.request_id, None)
@@ -266,8 +284,11 @@ class SessionService:
             return self._error_result(job.session_id, job.error, chunk=job.calls > 1)
         assert gen.answer is not None
         self.metrics.observe_answer(gen.answer)
-        return RowResult(codec.encode_answer(command, gen.answer), headers={SESSION_ID_HEADER: job.session_id},
-                         stop=True if job.calls > 1 else None)
+        return RowResult(
+            codec.encode_answer(command, gen.answer),
+            headers={SESSION_ID_HEADER: job.session_id},
+            stop=True if job.calls > 1 else None,
+        )
 
     def _chunk(self, job: _Job, body: bytes, *, last: bool) -> RowResult:
         # A stream that ends in its first frame is one whole response: TorchServe sends no response
@@ -319,7 +340,6 @@ class SessionService:
                 self._jobs.pop(rid, None)
                 job.gen.close()
                 log.warning("abandoned a job TorchServe stopped polling", extra={"session_id": job.session_id})
-
 
     # ------------------------------------------------------------------ entry helpers
     def internal_error(self) -> RowResult:

@@ -155,9 +155,17 @@ class SessionStore:
         max_tombstones: how many expired/evicted/closed ids are remembered for precise errors.
     """
 
-    def __init__(self, *, device_budget_bytes: int, host_budget_bytes: int, max_sessions: int = 64,
-                 ttl_s: int = 1200, idle_timeout_s: int = 0, clock: Callable[[], float] = time.time,
-                 max_tombstones: int = 10_000) -> None:
+    def __init__(
+        self,
+        *,
+        device_budget_bytes: int,
+        host_budget_bytes: int,
+        max_sessions: int = 64,
+        ttl_s: int = 1200,
+        idle_timeout_s: int = 0,
+        clock: Callable[[], float] = time.time,
+        max_tombstones: int = 10_000,
+    ) -> None:
         if device_budget_bytes <= 0 or host_budget_bytes <= 0:
             raise ValueError("budgets must be > 0 bytes")
         self.device_budget_bytes = device_budget_bytes
@@ -202,8 +210,14 @@ class SessionStore:
     def new_session(self, session_id: str, image_bytes: bytes, system_prompt: str | None) -> Session:
         """Create (not add) a session with its expiry fixed now: ``floor(now) + ttl_s``."""
         now = self.clock()
-        return Session(session_id=session_id, image_bytes=image_bytes, system_prompt=system_prompt,
-                       opened_at=now, expires_at=int(now) + self.ttl_s, last_used=now)
+        return Session(
+            session_id=session_id,
+            image_bytes=image_bytes,
+            system_prompt=system_prompt,
+            opened_at=now,
+            expires_at=int(now) + self.ttl_s,
+            last_used=now,
+        )
 
     def add(self, session: Session) -> None:
         """Admit ``session`` as most recently used.
@@ -216,8 +230,9 @@ class SessionStore:
         if session.session_id in self._sessions:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
         if len(self._sessions) >= self.max_sessions:
-            raise ServiceError(ErrorCode.OVERLOADED, f"this worker holds its maximum of {self.max_sessions} sessions",
-                               retry_after_s=5)
+            raise ServiceError(
+                ErrorCode.OVERLOADED, f"this worker holds its maximum of {self.max_sessions} sessions", retry_after_s=5
+            )
         if session.host_bytes > self.host_budget_bytes:
             raise ServiceError(ErrorCode.OVERLOADED, "the session does not fit in host memory", retry_after_s=5)
         self._sessions[session.session_id] = session

@@ -26,9 +26,15 @@ __all__ = ["build_service"]
 log = logging.getLogger(__name__)
 
 
-def build_service(handler_section: Mapping[str, Any], *, env: Mapping[str, str] | None = None,
-                  archive_dir: str | None = None, gpu_id: int | None = None,
-                  end_header: str = CLOSED_SESSION_ID_HEADER, metrics: Any = None) -> SessionService:
+def build_service(
+    handler_section: Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    archive_dir: str | None = None,
+    gpu_id: int | None = None,
+    end_header: str = CLOSED_SESSION_ID_HEADER,
+    metrics: Any = None,
+) -> SessionService:
     """Build settings, model, store, engine and service for one worker.
 
     Args:
@@ -50,16 +56,28 @@ def build_service(handler_section: Mapping[str, Any], *, env: Mapping[str, str] 
         model_dir = archive_dir
     if not model_dir:
         raise FileNotFoundError("no model folder: set handler.model_dir or LLAVA_MODEL_DIR")
-    runner = LlavaRunner.from_pretrained(model_dir, device=settings.device,
-                                         gpu_id=settings.gpu_id if settings.gpu_id is not None else gpu_id,
-                                         dtype=settings.dtype)
+    runner = LlavaRunner.from_pretrained(
+        model_dir,
+        device=settings.device,
+        gpu_id=settings.gpu_id if settings.gpu_id is not None else gpu_id,
+        dtype=settings.dtype,
+    )
     budget = settings.device_budget_bytes or default_device_budget(runner, settings.device_budget_fraction)
-    store = SessionStore(device_budget_bytes=budget, host_budget_bytes=settings.host_budget_bytes,
-                         max_sessions=settings.max_sessions, ttl_s=settings.session_ttl_s,
-                         idle_timeout_s=settings.idle_timeout_s)
-    engine = SessionEngine(runner, store, functools.partial(decode_image, max_pixels=settings.max_image_pixels),
-                           EngineLimits(max_new_tokens_cap=settings.max_new_tokens_cap,
-                                        max_prompt_tokens=settings.max_prompt_tokens))
-    log.warning("llava-sessions ready", extra={"model_dir": model_dir, "device": str(runner.device),
-                                                "device_budget_bytes": budget})
+    store = SessionStore(
+        device_budget_bytes=budget,
+        host_budget_bytes=settings.host_budget_bytes,
+        max_sessions=settings.max_sessions,
+        ttl_s=settings.session_ttl_s,
+        idle_timeout_s=settings.idle_timeout_s,
+    )
+    engine = SessionEngine(
+        runner,
+        store,
+        functools.partial(decode_image, max_pixels=settings.max_image_pixels),
+        EngineLimits(max_new_tokens_cap=settings.max_new_tokens_cap, max_prompt_tokens=settings.max_prompt_tokens),
+    )
+    log.warning(
+        "llava-sessions ready",
+        extra={"model_dir": model_dir, "device": str(runner.device), "device_budget_bytes": budget},
+    )
     return SessionService(settings, engine, end_header=end_header, metrics=WorkerMetrics(metrics))

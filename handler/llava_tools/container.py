@@ -297,11 +297,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llava-container-serve: {exc}", file=sys.stderr, flush=True)
         return 1
     return run_until_signal(
-        "llava-container-serve", server,
-        starting=(f"starting TorchServe (model {model_dir}, model config {model_config}, "
-                  f"handler {args.handler}, TorchServe config {args.ts_config})"),
-        ready=lambda: (f"ready at {server.url} (metrics {server.metrics_url}/metrics; logs {server.log_dir}; "
-                       f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"),
+        "llava-container-serve",
+        server,
+        starting=(
+            f"starting TorchServe (model {model_dir}, model config {model_config}, "
+            f"handler {args.handler}, TorchServe config {args.ts_config})"
+        ),
+        ready=lambda: (
+            f"ready at {server.url} (metrics {server.metrics_url}/metrics; logs {server.log_dir}; "
+            f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"
+        ),
     )
 
 

@@ -66,9 +66,11 @@ def _save_photo(directory: Path) -> Path:
 def _turn_line(answer: Answer) -> str:
     usage = answer.usage
     server = f", {answer.ttft_ms:.0f} ms reported by the server" if answer.ttft_ms is not None else ""
-    return (f"    time to first token: {answer.client_ttft_ms:.0f} ms measured here{server} | "
-            f"reused tokens: {usage.cached_tokens} of {usage.prompt_tokens} prompt tokens | "
-            f"{usage.generated_tokens} tokens, finish: {answer.finish_reason}")
+    return (
+        f"    time to first token: {answer.client_ttft_ms:.0f} ms measured here{server} | "
+        f"reused tokens: {usage.cached_tokens} of {usage.prompt_tokens} prompt tokens | "
+        f"{usage.generated_tokens} tokens, finish: {answer.finish_reason}"
+    )
 
 
 def run(model_dir: Path | None, *, max_new_tokens: int, work_dir: Path) -> int:
@@ -99,9 +101,11 @@ def run(model_dir: Path | None, *, max_new_tokens: int, work_dir: Path) -> int:
         _say(_turn_line(turn.answer))
     _say()
     first, second = turns[0].answer.usage, turns[1].answer.usage
-    _say(f"Turn 1 reused {first.cached_tokens} cached prompt tokens (the image prefix computed when the session "
-         f"opened); turn 2 reused {second.cached_tokens} (image prefix and history) and prefilled only "
-         f"{second.prompt_tokens - second.cached_tokens} new ones.")
+    _say(
+        f"Turn 1 reused {first.cached_tokens} cached prompt tokens (the image prefix computed when the session "
+        f"opened); turn 2 reused {second.cached_tokens} (image prefix and history) and prefilled only "
+        f"{second.prompt_tokens - second.cached_tokens} new ones."
+    )
     return 0
 
 
@@ -111,8 +115,10 @@ def _chat(client: SessionClient, photo: Path, max_new_tokens: int) -> list[_Turn
     t0 = time.perf_counter()
     with client.open_session(photo) as session:
         expires = session.expires_at.strftime("%Y-%m-%d %H:%M:%SZ") if session.expires_at else "?"
-        _say(f"[3/4] opened session {session.id} on {photo.name} (skimage astronaut, JPEG, {size_kb:.0f} KB) "
-             f"in {(time.perf_counter() - t0) * 1000:.0f} ms: {session.image_tokens} image tokens, expires {expires}")
+        _say(
+            f"[3/4] opened session {session.id} on {photo.name} (skimage astronaut, JPEG, {size_kb:.0f} KB) "
+            f"in {(time.perf_counter() - t0) * 1000:.0f} ms: {session.image_tokens} image tokens, expires {expires}"
+        )
         _say()
 
         q1 = "What is in this image?"

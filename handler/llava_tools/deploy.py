@@ -377,8 +377,16 @@ class Deployer:
         wait_delay_s / wait_max_attempts: waiter pacing.
     """
 
-    def __init__(self, sagemaker: Any = None, s3: Any = None, *, dry_run: bool = False, out: TextIO | None = None,
-                 wait_delay_s: float = WAIT_DELAY_S, wait_max_attempts: int = WAIT_MAX_ATTEMPTS) -> None:
+    def __init__(
+        self,
+        sagemaker: Any = None,
+        s3: Any = None,
+        *,
+        dry_run: bool = False,
+        out: TextIO | None = None,
+        wait_delay_s: float = WAIT_DELAY_S,
+        wait_max_attempts: int = WAIT_MAX_ATTEMPTS,
+    ) -> None:
         self.sagemaker = sagemaker
         self.s3 = s3
         self.dry_run = dry_run
@@ -415,8 +423,9 @@ class Deployer:
 
     def _endpoint_exists(self, endpoint_name: str) -> bool:
         if self.dry_run:
-            self._say(f"sagemaker.describe_endpoint({{'EndpointName': {endpoint_name!r}}})"
-                      "  # create, or update if it exists")
+            self._say(
+                f"sagemaker.describe_endpoint({{'EndpointName': {endpoint_name!r}}})  # create, or update if it exists"
+            )
             return False
         try:
             self.sagemaker.describe_endpoint(EndpointName=endpoint_name)
@@ -441,19 +450,29 @@ class Deployer:
         self._say(f"created endpoint config {spec.endpoint_config_name}")
         if self._endpoint_exists(spec.endpoint_name):
             self._say(f"endpoint {spec.endpoint_name} exists: updating it (its open sessions will be lost)")
-            self._call("sagemaker", "update_endpoint", EndpointName=spec.endpoint_name,
-                       EndpointConfigName=spec.endpoint_config_name)
+            self._call(
+                "sagemaker",
+                "update_endpoint",
+                EndpointName=spec.endpoint_name,
+                EndpointConfigName=spec.endpoint_config_name,
+            )
         else:
-            self._call("sagemaker", "create_endpoint", EndpointName=spec.endpoint_name,
-                       EndpointConfigName=spec.endpoint_config_name)
+            self._call(
+                "sagemaker",
+                "create_endpoint",
+                EndpointName=spec.endpoint_name,
+                EndpointConfigName=spec.endpoint_config_name,
+            )
         if wait:
             self._wait("endpoint_in_service", spec.endpoint_name)
             self._say(f"endpoint {spec.endpoint_name} is InService")
 
     def _wait(self, waiter_name: str, endpoint_name: str) -> None:
         if self.dry_run:
-            self._say(f"sagemaker.get_waiter({waiter_name!r}).wait(EndpointName={endpoint_name!r}, "
-                      f"WaiterConfig={self.wait_config})")
+            self._say(
+                f"sagemaker.get_waiter({waiter_name!r}).wait(EndpointName={endpoint_name!r}, "
+                f"WaiterConfig={self.wait_config})"
+            )
             return
         from botocore.exceptions import WaiterError
 
@@ -519,19 +538,43 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--role-arn", help="SageMaker execution role ARN (reads the S3 prefix and pulls the image)")
     parser.add_argument("--instance-type", default=DEFAULT_INSTANCE_TYPE, help=f"default {DEFAULT_INSTANCE_TYPE}")
     parser.add_argument("--instance-count", type=int, default=1, help="default 1")
-    parser.add_argument("--startup-timeout", type=int, default=DEFAULT_STARTUP_TIMEOUT_S,
-                        help=f"ContainerStartupHealthCheckTimeoutInSeconds (default {DEFAULT_STARTUP_TIMEOUT_S})")
-    parser.add_argument("--download-timeout", type=int, default=DEFAULT_DOWNLOAD_TIMEOUT_S,
-                        help=f"ModelDataDownloadTimeoutInSeconds (default {DEFAULT_DOWNLOAD_TIMEOUT_S})")
-    parser.add_argument("--response-timeout", type=int, default=DEFAULT_RESPONSE_TIMEOUT_S,
-                        help="SAGEMAKER_MODEL_SERVER_TIMEOUT: TorchServe responseTimeout in seconds "
-                        f"(default {DEFAULT_RESPONSE_TIMEOUT_S})")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_assignment,
-                        metavar="KEY=VALUE",
-                        help="handler setting written into the packaged model-config.yaml, "
-                        "e.g. --set session_ttl_s=600")
-    parser.add_argument("--env", dest="environment", action="append", default=[], type=_parse_raw_assignment,
-                        metavar="KEY=VALUE", help="container environment variable, e.g. --env LLAVA_LOG_LEVEL=INFO")
+    parser.add_argument(
+        "--startup-timeout",
+        type=int,
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        help=f"ContainerStartupHealthCheckTimeoutInSeconds (default {DEFAULT_STARTUP_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--download-timeout",
+        type=int,
+        default=DEFAULT_DOWNLOAD_TIMEOUT_S,
+        help=f"ModelDataDownloadTimeoutInSeconds (default {DEFAULT_DOWNLOAD_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--response-timeout",
+        type=int,
+        default=DEFAULT_RESPONSE_TIMEOUT_S,
+        help="SAGEMAKER_MODEL_SERVER_TIMEOUT: TorchServe responseTimeout in seconds "
+        f"(default {DEFAULT_RESPONSE_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        type=_parse_assignment,
+        metavar="KEY=VALUE",
+        help="handler setting written into the packaged model-config.yaml, e.g. --set session_ttl_s=600",
+    )
+    parser.add_argument(
+        "--env",
+        dest="environment",
+        action="append",
+        default=[],
+        type=_parse_raw_assignment,
+        metavar="KEY=VALUE",
+        help="container environment variable, e.g. --env LLAVA_LOG_LEVEL=INFO",
+    )
     parser.add_argument("--model-name", default="", help="default <endpoint>-<UTC timestamp>")
     parser.add_argument("--endpoint-config-name", default="", help="default <endpoint>-<UTC timestamp>")
     parser.add_argument("--region", default=None, help="AWS region (default: the boto3 session's)")

@@ -168,8 +168,9 @@ def stream_error_event(message: str, error_code: str = "StreamBroken") -> bytes:
     )
 
 
-def model_error_body(original_status: int, original_body: bytes, *, endpoint: str, backend: int,
-                     log_hint: str = "") -> dict[str, Any]:
+def model_error_body(
+    original_status: int, original_body: bytes, *, endpoint: str, backend: int, log_hint: str = ""
+) -> dict[str, Any]:
     """Return SageMaker's ``ModelError`` JSON for a container reply with status >= 400.
 
     ``original_status`` 0 stands for "no reply in time" (SageMaker reports a timed-out invocation
@@ -384,14 +385,19 @@ class _Handler(BaseHTTPRequestHandler):
             return
         session_id = self.headers.get(SESSION_ID_HEADER)
         if session_id and session_id != NEW_SESSION_LITERAL and not SESSION_ID_RE.match(session_id):
-            self._aws_error(400, "ValidationError",
-                            f"1 validation error detected: Value '{session_id}' at 'sessionId' failed to satisfy "
-                            f"constraint: Member must satisfy regular expression pattern: {SESSION_ID_PATTERN}")
+            self._aws_error(
+                400,
+                "ValidationError",
+                f"1 validation error detected: Value '{session_id}' at 'sessionId' failed to satisfy "
+                f"constraint: Member must satisfy regular expression pattern: {SESSION_ID_PATTERN}",
+            )
             return
         if stream and session_id == NEW_SESSION_LITERAL:
-            self._aws_error(400, "ValidationError",
-                            "NEW_SESSION is not supported by InvokeEndpointWithResponseStream; "
-                            "open with InvokeEndpoint.")
+            self._aws_error(
+                400,
+                "ValidationError",
+                "NEW_SESSION is not supported by InvokeEndpointWithResponseStream; open with InvokeEndpoint.",
+            )
             return
         self._invoke(endpoint, body, session_id or None, stream)
 
@@ -420,8 +426,13 @@ class _Handler(BaseHTTPRequestHandler):
                     self._session_gone(endpoint, index, session_id, f"backend {index} {gone}", lost)
                     return
                 if not gone.refused:  # the request may have reached it: do not send it twice
-                    self._model_error(endpoint, index, 502, json.dumps(
-                        {"error": {"code": "backend_gone", "message": f"backend {index} {gone}"}}).encode(), {})
+                    self._model_error(
+                        endpoint,
+                        index,
+                        502,
+                        json.dumps({"error": {"code": "backend_gone", "message": f"backend {index} {gone}"}}).encode(),
+                        {},
+                    )
                     return
                 tried.add(index)
                 index = None
@@ -479,8 +490,15 @@ class _Handler(BaseHTTPRequestHandler):
             passed[HEADER_CUSTOM_ATTRIBUTES] = attributes
         return passed
 
-    def _relay(self, endpoint: str, index: int, connection: http.client.HTTPConnection,
-               response: http.client.HTTPResponse, stream: bool, sticky_id: str | None) -> None:
+    def _relay(
+        self,
+        endpoint: str,
+        index: int,
+        connection: http.client.HTTPConnection,
+        response: http.client.HTTPResponse,
+        stream: bool,
+        sticky_id: str | None,
+    ) -> None:
         passed = self._track(index, response)
         content_type = response.getheader("Content-Type", "application/octet-stream")
         if response.status >= 400 or not stream:
@@ -495,14 +513,22 @@ class _Handler(BaseHTTPRequestHandler):
                 if sticky_id is not None:
                     self._session_gone(endpoint, index, sticky_id, reason, lost)
                 else:
-                    self._model_error(endpoint, index, 502, json.dumps(
-                        {"error": {"code": "backend_gone", "message": reason}}).encode(), passed)
+                    self._model_error(
+                        endpoint,
+                        index,
+                        502,
+                        json.dumps({"error": {"code": "backend_gone", "message": reason}}).encode(),
+                        passed,
+                    )
                 return
             if response.status >= 400:
                 self._model_error(endpoint, index, response.status, data, passed)
             else:
-                self._send(200, data, {"Content-Type": content_type, "x-Amzn-Invoked-Production-Variant": VARIANT_NAME,
-                                       **passed})
+                self._send(
+                    200,
+                    data,
+                    {"Content-Type": content_type, "x-Amzn-Invoked-Production-Variant": VARIANT_NAME, **passed},
+                )
             return
         self.send_response(200)
         self.send_header("Content-Type", EVENT_STREAM_CONTENT_TYPE)
@@ -541,8 +567,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _session_gone(self, endpoint: str, index: int, session_id: str, reason: str, lost: list[str]) -> None:
         if self.server.verbose:
             print(f"llava-local-endpoint: {reason}; forgot {len(lost)} session(s)", file=sys.stderr, flush=True)
-        self._model_error(endpoint, index, 404, _session_gone_body(session_id, reason),
-                          {CLOSED_SESSION_ID_HEADER: session_id})
+        self._model_error(
+            endpoint, index, 404, _session_gone_body(session_id, reason), {CLOSED_SESSION_ID_HEADER: session_id}
+        )
 
 
 class RouterServer(ThreadingHTTPServer):
@@ -559,8 +586,15 @@ class RouterServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], router: Router, *, endpoint_name: str | None = None,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        router: Router,
+        *,
+        endpoint_name: str | None = None,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        verbose: bool = False,
+    ) -> None:
         super().__init__(address, _Handler)
         self.router = router
         self.endpoint_name = endpoint_name
@@ -608,9 +642,18 @@ class LocalEndpoint:
     Use as a context manager, or :meth:`start` / :meth:`stop`.
     """
 
-    def __init__(self, model_dir: str | Path, *, backends: int = 2, port: int = 0, host: str = "127.0.0.1",
-                 endpoint_name: str | None = None, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 verbose: bool = False, **server_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        backends: int = 2,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        endpoint_name: str | None = None,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        verbose: bool = False,
+        **server_kwargs: Any,
+    ) -> None:
         if backends < 1:
             raise ValueError(f"backends must be >= 1, got {backends}")
         self.servers = [LocalServer(model_dir, **server_kwargs) for _ in range(backends)]
@@ -641,8 +684,13 @@ class LocalEndpoint:
                     future.result()
             refs = [BackendRef(i, s.url, str(s.log_dir)) for i, s in enumerate(self.servers)]
             self.router = Router(refs)
-            self._httpd = RouterServer((self.host, self.port), self.router, endpoint_name=self.endpoint_name,
-                                       read_timeout_s=self.read_timeout_s, verbose=self.verbose).start()
+            self._httpd = RouterServer(
+                (self.host, self.port),
+                self.router,
+                endpoint_name=self.endpoint_name,
+                read_timeout_s=self.read_timeout_s,
+                verbose=self.verbose,
+            ).start()
         except BaseException:
             self.stop()
             raise
@@ -686,14 +734,28 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backends", type=int, default=2, help="TorchServe instances (default 2)")
     parser.add_argument("--port", type=int, default=8090, help="router port on 127.0.0.1 (0: any free port)")
     parser.add_argument("--endpoint-name", default=None, help="accept only this endpoint name (default: any)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_assignment,
-                        metavar="KEY=VALUE", help="handler setting for every backend (repeatable)")
-    parser.add_argument("--ts-set", dest="model_config_overrides", action="append", default=[],
-                        type=_parse_assignment, metavar="KEY=VALUE",
-                        help="top-level model-config.yaml key for every backend (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        type=_parse_assignment,
+        metavar="KEY=VALUE",
+        help="handler setting for every backend (repeatable)",
+    )
+    parser.add_argument(
+        "--ts-set",
+        dest="model_config_overrides",
+        action="append",
+        default=[],
+        type=_parse_assignment,
+        metavar="KEY=VALUE",
+        help="top-level model-config.yaml key for every backend (repeatable)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for each backend")
-    parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
-                        help="seconds to wait on a backend read")
+    parser.add_argument(
+        "--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, help="seconds to wait on a backend read"
+    )
     parser.add_argument("--verbose", action="store_true", help="log every request")
     parser.add_argument("--handler", default=None, help=argparse.SUPPRESS)  # tests: another TorchServe handler
     return parser
@@ -718,10 +780,12 @@ def main(argv: list[str] | None = None) -> int:
         handler=args.handler,
     )
     return run_until_signal(
-        "llava-local-endpoint", endpoint,
+        "llava-local-endpoint",
+        endpoint,
         starting=f"starting {args.backends} TorchServe backend(s)",
         ready=lambda: "ready at {} (backends: {})".format(
-            endpoint.url, ", ".join(f"{s.url} (logs {s.log_dir})" for s in endpoint.servers)),
+            endpoint.url, ", ".join(f"{s.url} (logs {s.log_dir})" for s in endpoint.servers)
+        ),
     )
 
 

@@ -374,8 +374,11 @@ class LocalServer:
             dead = [pid for pid in self._watched if not _alive(psutil, pid)]
             if not dead:
                 continue
-            print(f"llava-serve: worker {dead} died; restarting TorchServe (its sessions are lost)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"llava-serve: worker {dead} died; restarting TorchServe (its sessions are lost)",
+                file=sys.stderr,
+                flush=True,
+            )
             with self._lock:
                 if self._proc is None or self._stopping.is_set():
                     return
@@ -447,9 +450,7 @@ class LocalServer:
         ]
         result = subprocess.run(command, cwd=temp, env=env, capture_output=True, text=True)
         if result.returncode != 0:
-            raise ServerStartError(
-                f"torch-model-archiver failed ({result.returncode}): {result.stderr.strip()}"
-            )
+            raise ServerStartError(f"torch-model-archiver failed ({result.returncode}): {result.stderr.strip()}")
 
     def _config_properties(self, store: Path) -> str:
         lines = [
@@ -491,9 +492,7 @@ class LocalServer:
             if ready and _http_status(self.url + "/ping") == 200:
                 return
             if time.monotonic() > deadline:
-                raise ServerStartError(
-                    f"TorchServe not ready after {self.startup_timeout_s:.0f} s ({status})"
-                )
+                raise ServerStartError(f"TorchServe not ready after {self.startup_timeout_s:.0f} s ({status})")
             time.sleep(_POLL_S)
 
     def _load_failed(self) -> bool:
@@ -704,9 +703,7 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a top-level TorchServe key of model-config.yaml, e.g. --ts-set batchSize=8",
     )
-    parser.add_argument(
-        "--startup-timeout", type=float, default=600.0, help="seconds to wait for a READY worker"
-    )
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a READY worker")
     parser.add_argument("--handler", default=None, help=argparse.SUPPRESS)  # dev/test: other handler
     return parser
 
@@ -733,10 +730,13 @@ def main(argv: list[str] | None = None) -> int:
         handler=args.handler,
     )
     return run_until_signal(
-        "llava-serve", server,
+        "llava-serve",
+        server,
         starting=f"starting TorchServe (model dir {server.model_dir})",
-        ready=lambda: (f"ready at {server.url} (model dir {server.model_dir}; logs {server.log_dir}; "
-                       f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"),
+        ready=lambda: (
+            f"ready at {server.url} (model dir {server.model_dir}; logs {server.log_dir}; "
+            f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"
+        ),
     )
 
 
@@ -780,6 +780,7 @@ def run_until_signal(prog: str, server: Any, *, starting: str, ready: Callable[[
     finally:
         server.stop()
         print(f"{prog}: stopped", flush=True)
+
 
 if __name__ == "__main__":
     sys.exit(main())

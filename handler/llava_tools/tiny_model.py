@@ -141,7 +141,9 @@ def _train_tokenizer(vocab_size: int = 2048):
     return fast
 
 
-def build_config(size: str, vocab_size: int, image_token_id: int, pad_token_id: int, *, bos_token_id: int = 1, eos_token_id: int = 2):
+def build_config(
+    size: str, vocab_size: int, image_token_id: int, pad_token_id: int, *, bos_token_id: int = 1, eos_token_id: int = 2
+):
     """Return the :class:`transformers.LlavaConfig` of ``size`` (336 px, patch 14 → 576 image tokens).
 
     Raises:
@@ -259,14 +261,19 @@ def write_checkpoint(size: str, out: str | Path, *, seed: int = 0) -> Path:
     import torch
 
     if size == "7b" and not torch.cuda.is_available():
-        raise RuntimeError("--size 7b is built on a GPU machine only (14 GB of fp16 weights); use build_model('7b', device='cuda')")
+        raise RuntimeError(
+            "--size 7b is built on a GPU machine only (14 GB of fp16 weights); use build_model('7b', device='cuda')"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model, processor = build_model(size, seed=seed, device="cuda" if size == "7b" else "cpu",
-                                   dtype=torch.float16 if size == "7b" else None)
+    model, processor = build_model(
+        size, seed=seed, device="cuda" if size == "7b" else "cpu", dtype=torch.float16 if size == "7b" else None
+    )
     model.save_pretrained(out)
     processor.save_pretrained(out)
-    (out / "llava_sessions_build.json").write_text(json.dumps({"size": size, "seed": seed, "random_weights": True}, indent=1))
+    (out / "llava_sessions_build.json").write_text(
+        json.dumps({"size": size, "seed": seed, "random_weights": True}, indent=1)
+    )
     return out
 
 
