@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from .errors import ErrorCode, ServiceError
-from .model import LlavaRunner, Turn, cache_len, common_prefix_len, crop_cache
+from .model import BatchKVCache, LlavaRunner, Turn, cache_len, common_prefix_len, crop_cache
 from .sampling import IncrementalDetokenizer, Sampler, SamplingParams
 from .sessions import Session, SessionStore, Tier
 
@@ -46,6 +46,28 @@ def _ms(t0: float, t1: float | None = None) -> float:
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _oom_retry(fn: Callable[[], Any], store: SessionStore, *, keep: Session | None) -> Any:
+    """Run ``fn``; on a CUDA out-of-memory error demote every idle session but ``keep`` and retry
+    once, else raise ServiceError(overloaded)."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        if not _is_oom(exc):
+            raise
+        log.warning("out of memory; demoting idle sessions and retrying once")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        store.reserve(store.device_budget_bytes, keep=keep)
+        try:
+            return fn()
+        except Exception as exc2:  # noqa: BLE001
+            if _is_oom(exc2):
+                raise ServiceError(
+                    ErrorCode.OVERLOADED, "the device is out of memory; retry later", retry_after_s=2
+                ) from exc2
+            raise
 
 
 def default_device_budget(runner: LlavaRunner, fraction: float) -> int:
@@ -143,6 +165,7 @@ class SessionEngine:
         self.store = store
         self.decode_image = decode_image
         self.limits = limits or EngineLimits()
+        self.batch = DecodeBatch(runner, store)
         self.num_reused_tokens = 0  # counters for metrics
         self.num_prefilled_tokens = 0
 
@@ -351,6 +374,43 @@ class SessionEngine:
         assert gen.answer is not None
         return gen.answer
 
+    def step(self, gens: list[Generation]) -> None:
+        """Advance every generation of ``gens`` that is not done by one token.
+
+        Those not yet prefilled run their prefill (batch of one each) and sample their first
+        token; the others decode together, as rows of :attr:`batch`, in one forward pass. A
+        generation whose step fails gets its :attr:`Generation.error` set and its session left as
+        before the question; the other generations are untouched. Never raises ``Exception``.
+        """
+        decoding = [g for g in gens if not g.done and g.prefilled]
+        for g in gens:
+            if not g.done and not g.prefilled:
+                try:
+                    g._accept(g._prefill())
+                except Exception as exc:  # noqa: BLE001 - one answer's failure is that answer's
+                    g._fail(exc)
+                except BaseException:
+                    g._abort()
+                    raise
+        if not decoding:
+            return
+        try:
+            logits = self.batch.step(decoding)
+        except Exception as exc:  # noqa: BLE001 - the batched step failed: each of its answers fails
+            for g in decoding:
+                g._fail(exc)
+            return
+        except BaseException:
+            for g in decoding:
+                g._abort()
+            raise
+        for g in decoding:
+            assert g._row is not None
+            try:
+                g._accept(logits[g._row])
+            except Exception as exc:  # noqa: BLE001
+                g._fail(exc)
+
     def check_idle(self, session_id: str) -> None:
         """Check that ``session_id`` is open and not answering.
 
@@ -372,25 +432,7 @@ class SessionEngine:
         return self.runner.config.text_config.hidden_size * self.runner.dtype.itemsize
 
     def _oom_retry(self, fn: Callable[[], Any], session: Session) -> Any:
-        """Run ``fn``; on a CUDA out-of-memory error demote every other idle session and retry
-        once, else raise ServiceError(overloaded)."""
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001
-            if not _is_oom(exc):
-                raise
-            log.warning("out of memory; demoting idle sessions and retrying once")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            self.store.reserve(self.store.device_budget_bytes, keep=session)
-            try:
-                return fn()
-            except Exception as exc2:  # noqa: BLE001
-                if _is_oom(exc2):
-                    raise ServiceError(
-                        ErrorCode.OVERLOADED, "the device is out of memory; retry later", retry_after_s=2
-                    ) from exc2
-                raise
+        return _oom_retry(fn, self.store, keep=session)
 
     def _restore(self, session: Session) -> RestoredFrom | None:
         """Bring a demoted session back to a prefillable state; returns the tier it came from."""
@@ -411,13 +453,163 @@ class SessionEngine:
         return "features" if tier is Tier.FEATURES else "image"
 
 
-class Generation:
-    """One answer in flight: an iterator of :class:`TokenEvent`, one forward pass per step.
+class DecodeBatch:
+    """The running answers of one worker as rows of one left-padded, preallocated KV cache.
 
-    The first ``next()`` restores a demoted session and prefills the uncached tokens; each later
-    one decodes one token. When the answer ends, :attr:`answer` is set and the session is updated
-    (remembered turn, or cache cropped back). :meth:`close` abandons the answer and leaves the
-    session as it was before the question. The session is marked busy while in flight.
+    Layout (``BatchKVCache``, per decoder layer): keys and values ``[B, kv_heads, capacity,
+    head_dim]``. Every row writes its next token at the same column (``length``); a row's sequence
+    ends at that column and starts wherever its own length puts it (left padding). ``mask [B,
+    capacity]`` (long, 1 = a valid position of that row) carries the padding, the holes of rows that
+    sat out a step (a job TorchServe did not bring back in a call) and the rows that left.
+
+    Costs. A decode step writes one column per layer in place and copies no KV. Building the batch
+    copies each member's KV once: when an answer joins (its prefill done), when the columns run out
+    (``capacity = longest row + grow_columns``), or to compact once most rows have left. A leaving
+    row's valid columns are gathered into the session's own ``DynamicCache`` (one copy of that
+    session). Memory: ``B × capacity × kv_bytes_per_token``; the overhead over the rows' own KV is the
+    padding (longest minus each row's length) plus at most ``grow_columns`` free columns per row.
+
+    Args:
+        runner: the model runner (allocates the cache, runs the batched forward).
+        store: the session store (counts the batch's bytes against the device budget).
+        grow_columns: free columns allocated past the longest row at each build.
+    """
+
+    def __init__(self, runner: LlavaRunner, store: SessionStore, *, grow_columns: int = 64) -> None:
+        self.runner = runner
+        self.store = store
+        self.grow_columns = grow_columns
+        self.cache: BatchKVCache | None = None
+        self.mask: torch.Tensor | None = None
+        self.rows: list[Generation | None] = []
+        self.num_builds = 0  # how many times the batch was (re)built (a copy of every member's KV)
+
+    @property
+    def num_live(self) -> int:
+        """Rows that belong to a running answer."""
+        return sum(g is not None for g in self.rows)
+
+    def step(self, gens: list[Generation]) -> torch.Tensor:
+        """Run one decode step for ``gens`` (each already prefilled) in one forward pass.
+
+        Rows of the batch not in ``gens`` sit this step out (their new column is masked).
+
+        Returns:
+            Logits ``[B, vocab]`` float32, indexed by each generation's row.
+
+        Raises:
+            Exception: the forward pass failed (the batch is left as before the step); CUDA
+                out-of-memory after one retry with the idle sessions demoted becomes
+                ServiceError(overloaded).
+        """
+        if self.cache is None or any(g._row is None for g in gens) or self._should_rebuild():
+            self._build([g for g in gens if g._row is None])
+        cache, mask_or_none = self.cache, self.mask
+        assert cache is not None and mask_or_none is not None
+        mask: torch.Tensor = mask_or_none
+        col = cache.length
+        tokens = [0] * len(self.rows)
+        positions = [0] * len(self.rows)
+        for g in gens:
+            assert g._row is not None
+            tokens[g._row] = g.events[-1].id
+            positions[g._row] = g.next_position
+            mask[g._row, col] = 1
+
+        def forward() -> torch.Tensor:
+            try:
+                return self.runner.decode_batch(cache, tokens, positions, mask[:, : col + 1])
+            except BaseException:
+                cache.set_length(col)  # a failed step leaves no column behind
+                raise
+
+        try:
+            return _oom_retry(forward, self.store, keep=None)
+        except BaseException:
+            mask[:, col] = 0
+            raise
+
+    def release(self, gen: Generation) -> None:
+        """Take ``gen`` out of the batch: its row's valid columns become its session's ``kv_cache``.
+
+        No-op for a generation without a row.
+        """
+        row = gen._row
+        if row is None:
+            return
+        assert self.cache is not None and self.mask is not None
+        gen._row = None
+        self.rows[row] = None
+        columns = torch.nonzero(self.mask[row, : self.cache.length]).flatten()
+        gen.session.kv_cache = self.runner.extract_row(self.cache, row, columns)
+        if self.num_live == 0:
+            self._free()
+
+    def _should_rebuild(self) -> bool:
+        cache = self.cache
+        assert cache is not None
+        return cache.length + 1 > cache.capacity or self.num_live * 2 < len(self.rows)
+
+    def _build(self, joining: list[Generation]) -> None:
+        """Lay out the live rows and ``joining`` (whose KV is in their sessions' caches) anew."""
+        members = [g for g in self.rows if g is not None] + joining
+        old, old_mask = self.cache, self.mask
+        lengths: list[int] = []
+        old_columns: list[torch.Tensor | None] = []
+        for g in members:
+            if g._row is not None:
+                assert old is not None and old_mask is not None
+                cols = torch.nonzero(old_mask[g._row, : old.length]).flatten()
+                old_columns.append(cols)
+                lengths.append(int(cols.numel()))
+            else:
+                old_columns.append(None)
+                lengths.append(cache_len(g.session.kv_cache))
+        width = max(lengths)
+        need = len(members) * (width + self.grow_columns) * self.runner.kv_bytes_per_token
+        self.store.batch_bytes = 0 if old is None else old.nbytes()
+        if not self.store.reserve(need, keep=None):
+            raise ServiceError(
+                ErrorCode.OVERLOADED, "not enough device memory to decode now; retry later", retry_after_s=2
+            )
+        cache = _oom_retry(
+            lambda: self.runner.new_batch_cache(len(members), width + self.grow_columns), self.store, keep=None
+        )
+        mask = torch.zeros(len(members), cache.capacity, dtype=torch.long, device=self.runner.device)
+        for row, (g, src_cols, n) in enumerate(zip(members, old_columns, lengths, strict=True)):
+            if src_cols is not None:
+                assert old is not None and g._row is not None
+                for dst, src in zip(cache.batch_layers, old.batch_layers, strict=True):
+                    dst.keys[row, :, width - n : width] = src.keys[g._row].index_select(1, src_cols)
+                    dst.values[row, :, width - n : width] = src.values[g._row].index_select(1, src_cols)
+            else:
+                self.runner.load_row(cache, row, g.session.kv_cache, width)
+                g.session.kv_cache = None  # the row holds it now (the session is busy: never demoted)
+            mask[row, width - n : width] = 1
+        cache.set_length(width)
+        for row, g in enumerate(members):
+            g._row = row
+        self.cache, self.mask, self.rows = cache, mask, list(members)
+        self.store.batch_bytes = cache.nbytes()
+        self.num_builds += 1
+
+    def _free(self) -> None:
+        self.cache = None
+        self.mask = None
+        self.rows = []
+        self.store.batch_bytes = 0
+
+
+class Generation:
+    """One answer in flight, advanced one token per scheduler step by :meth:`SessionEngine.step`.
+
+    Its first step restores a demoted session, prefills the uncached tokens (batch of one) and
+    samples the first token; every later step decodes one token as a row of the worker's
+    :class:`DecodeBatch` (one forward pass for all running answers). When the answer ends,
+    :attr:`answer` is set and the session is updated (remembered turn, or cache cropped back); when
+    a step fails, :attr:`error` is set and the session is left as it was before the question, as
+    :meth:`close` (client gone) does. The session is marked busy while in flight. Iterating it
+    (``next()``) runs steps of this answer alone and yields its :class:`TokenEvent`s.
     """
 
     def __init__(
@@ -439,11 +631,13 @@ class Generation:
         self.params = params
         self.remember = remember
         self.answer: Answer | None = None
+        self.error: Exception | None = None
         self.done = False
         self._detok = IncrementalDetokenizer(engine.runner.tokenizer)
         self._sampler = Sampler(params, engine.runner.device, prompt_ids)
         self._events: list[TokenEvent] = []
-        self._logits: torch.Tensor | None = None
+        self._prefilled = False
+        self._row: int | None = None  # this answer's row in the decode batch, while it has one
         self._reuse = 0
         self._restored: RestoredFrom | None = None
         self._t0 = time.perf_counter()
@@ -462,27 +656,31 @@ class Generation:
         """The token events generated so far, in order (do not modify)."""
         return self._events
 
+    @property
+    def prefilled(self) -> bool:
+        """True once the prompt is prefilled (later steps are batched decode steps)."""
+        return self._prefilled
+
+    @property
+    def next_position(self) -> int:
+        """Position id of the token the next decode step feeds (the last one sampled)."""
+        return len(self.prompt_ids) + len(self._events) - 1
+
     def __iter__(self) -> Generation:
         return self
 
     def __next__(self) -> TokenEvent:
         if self.done:
             raise StopIteration
-        try:
-            return self._step()
-        except BaseException:
-            self._abort()
-            raise
+        self.engine.step([self])
+        if self.error is not None:
+            raise self.error
+        return self._events[-1]
 
-    def _step(self) -> TokenEvent:
+    def _accept(self, logits: torch.Tensor) -> TokenEvent:
+        """Sample the next token from ``logits [vocab]`` (float32); finish the answer if it ends."""
         runner = self.engine.runner
-        session = self.session
-        if self._logits is None:
-            self._prefill()
-        else:
-            self._logits = self.engine._oom_retry(lambda: runner.decode(session.kv_cache, self._events[-1].id), session)
-        assert self._logits is not None
-        token, logprob = self._sampler.next_token(self._logits)
+        token, logprob = self._sampler.next_token(logits)
         now = time.perf_counter()
         if not self._events:
             self._t_first = now
@@ -507,7 +705,20 @@ class Generation:
             self._finish(finish)
         return event
 
-    def _prefill(self) -> None:
+    def _fail(self, exc: Exception) -> None:
+        """Record ``exc`` as this answer's error and leave the session as before the question."""
+        self.error = exc
+        self._abort()
+
+    def _prefill(self) -> torch.Tensor:
+        """Restore the session if demoted and prefill the uncached prompt tokens (batch of one).
+
+        Returns:
+            Logits ``[vocab]`` (float32) of the last prompt position.
+
+        Raises:
+            ServiceError: overloaded (no device memory); the restore's image errors.
+        """
         engine, runner, session = self.engine, self.engine.runner, self.session
         t0 = time.perf_counter()
         self._restored = engine._restore(session)
@@ -522,18 +733,21 @@ class Generation:
             crop_cache(session.kv_cache, reuse)
         session.cached_ids = session.cached_ids[:reuse]
         self._reuse = reuse
-        self._logits = engine._oom_retry(
+        logits = engine._oom_retry(
             lambda: runner.prefill(session.kv_cache, self.prompt_ids, session.image_features), session
         )
+        self._prefilled = True
         session.cached_ids = list(self.prompt_ids)
         engine.num_reused_tokens += reuse
         engine.num_prefilled_tokens += len(self.prompt_ids) - reuse
         self._t_prefill = time.perf_counter()
         self._timings["restore"] = _ms(t0, t_restored)
         self._timings["prefill"] = _ms(t_restored, self._t_prefill)
+        return logits
 
     def _finish(self, finish_reason: FinishReason) -> None:
         session = self.session
+        self.engine.batch.release(self)  # the session's KV comes back from its batch row
         ids = [e.id for e in self._events]
         if self.truncated_turns:  # what the model saw: the oldest turns left the context
             session.history = session.history[self.truncated_turns :]
@@ -581,8 +795,13 @@ class Generation:
         self.done = True
         session = self.session
         session.busy = False
+        try:
+            self.engine.batch.release(self)
+        except Exception:  # noqa: BLE001 - the row cannot be read back: rebuild the session from features
+            log.exception("could not read a session back from the decode batch")
+            session.drop_kv()
         if session.kv_cache is not None:
-            n = len(session.cached_ids) if self._logits is None else self._reuse
+            n = len(session.cached_ids) if not self._prefilled else self._reuse
             try:
                 lens = {
                     layer.keys.shape[-2]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache, StaticLayer
 
 from .errors import ErrorCode, ServiceError
 
@@ -99,6 +100,87 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
+class BatchKVLayer(StaticLayer):
+    """One decoder layer's keys and values for a batch of decode rows, preallocated and written in place.
+
+    ``keys`` / ``values``: ``[B, kv_heads, capacity, head_dim]`` in the model dtype. Every row writes
+    its next position at the same column (``length``, shared); rows are left-padded (a row's valid
+    columns are marked in the attention mask the caller passes), so a decode step writes one column
+    and copies nothing else. :meth:`update` returns views of the first ``length`` columns, so
+    attention runs over what is written, not the whole capacity.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    cumulative_length: torch.Tensor
+    length: int = 0
+
+    def allocate(self, num_rows: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate zeroed ``[num_rows, num_heads, max_cache_len, head_dim]`` keys and values; length 0."""
+        shape = (num_rows, num_heads, self.max_cache_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype, self.device = dtype, device
+        self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim = num_rows, num_heads, head_dim, head_dim
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+        self.length = 0
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key_states`` / ``value_states`` ``[B, kv_heads, n, head_dim]`` at columns
+        ``length .. length + n`` (in place); return views of columns ``0 .. length + n``.
+
+        Raises:
+            IndexError: the capacity is exhausted (the engine rebuilds the batch before that).
+        """
+        n = key_states.shape[-2]
+        start = self.length
+        if start + n > self.max_cache_len:
+            raise IndexError(f"batch KV capacity {self.max_cache_len} exhausted")
+        self.keys[:, :, start : start + n] = key_states
+        self.values[:, :, start : start + n] = value_states
+        self.length = start + n
+        self.cumulative_length.fill_(self.length)
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The attention mask covers the written columns plus the ``query_length`` new ones."""
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Columns written (pads included)."""
+        return self.length
+
+
+class BatchKVCache(Cache):
+    """The KV cache of a decode batch: one :class:`BatchKVLayer` per decoder layer (transformers'
+    ``Cache`` interface, so the model's own attention reads and writes it)."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        layers = [BatchKVLayer(capacity) for _ in range(num_layers)]
+        super().__init__(layers=list(layers))
+        #: The same layers, typed (``Cache.layers`` is typed for every layer kind).
+        self.batch_layers: list[BatchKVLayer] = layers
+        self.capacity = capacity
+
+    @property
+    def length(self) -> int:
+        """Columns written so far (shared by every row)."""
+        return self.batch_layers[0].length if self.batch_layers else 0
+
+    def set_length(self, length: int) -> None:
+        """Move every layer's write column to ``length`` (after loading rows, or undoing a failed step)."""
+        for layer in self.batch_layers:
+            layer.length = length
+            layer.cumulative_length.fill_(length)
+
+    def nbytes(self) -> int:
+        """Device bytes of the preallocated keys and values."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.batch_layers)
+
+
 @dataclass(frozen=True)
 class Turn:
     """One remembered exchange: the user's ``prompt`` and the assistant's ``answer`` text."""
@@ -139,6 +221,8 @@ class LlavaRunner:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.kv_bytes_per_token: int = 2 * text.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+        self.num_kv_heads: int = kv_heads
+        self.head_dim: int = head_dim
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -310,6 +394,67 @@ class LlavaRunner:
         start = cache_len(cache)
         embeds = self.model.get_input_embeddings()(torch.tensor([[token_id]], device=self.device))
         return self._forward(cache, embeds, start)
+
+    # ------------------------------------------------------------------ batched decode
+    def new_batch_cache(self, num_rows: int, capacity: int) -> BatchKVCache:
+        """Allocate a :class:`BatchKVCache` of ``num_rows`` rows × ``capacity`` columns, zeroed.
+
+        Bytes: ``num_rows × capacity × kv_bytes_per_token``.
+        """
+        text = self.config.text_config
+        cache = BatchKVCache(text.num_hidden_layers, capacity)
+        for layer in cache.batch_layers:
+            layer.allocate(num_rows, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        return cache
+
+    @staticmethod
+    def load_row(batch: BatchKVCache, row: int, cache: Any, end: int) -> None:
+        """Copy a session's ``DynamicCache`` (``[1, kv_heads, L, head_dim]`` per layer) into ``row`` of
+        ``batch`` at columns ``end - L .. end`` (right-aligned: its next token goes to column ``end``)."""
+        n = cache_len(cache)
+        for dst, src in zip(batch.batch_layers, cache.layers, strict=True):
+            dst.keys[row, :, end - n : end] = src.keys[0]
+            dst.values[row, :, end - n : end] = src.values[0]
+
+    def extract_row(self, batch: BatchKVCache, row: int, columns: torch.Tensor) -> Any:
+        """Gather ``row``'s ``columns`` (a ``[n]`` long tensor of column indexes, in order) into a new
+        ``DynamicCache`` of ``n`` positions (``[1, kv_heads, n, head_dim]`` per layer)."""
+        cache = self.new_cache()
+        for i, layer in enumerate(batch.batch_layers):
+            keys = layer.keys[row].index_select(1, columns).unsqueeze(0)
+            values = layer.values[row].index_select(1, columns).unsqueeze(0)
+            cache.update(keys, values, i)
+        return cache
+
+    @torch.inference_mode()
+    def decode_batch(
+        self, batch: BatchKVCache, token_ids: list[int], positions: list[int], attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode step for every row of ``batch`` in one forward pass.
+
+        Args:
+            batch: the rows' KV; each row's new key/value is written at column ``batch.length``
+                (mutated: ``length`` grows by one).
+            token_ids: ``B`` input tokens, one per row (any id for a row that is masked out).
+            positions: ``B`` position ids (each row's own sequence position: rows have
+                different lengths and may have skipped steps).
+            attention_mask: ``[B, batch.length + 1]`` long, 1 where a row may attend (its own
+                valid columns, including the new one), 0 for pads, holes and masked rows.
+
+        Returns:
+            Logits ``[B, vocab]`` float32.
+        """
+        ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)
+        embeds = self.model.get_input_embeddings()(ids)
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            position_ids=torch.tensor(positions, device=self.device).unsqueeze(1),
+            past_key_values=batch,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
 
     def _forward(self, cache: Any, embeds: torch.Tensor, start: int) -> torch.Tensor:
         n = embeds.shape[1]

@@ -238,21 +238,26 @@ class SessionService:
 
     # ------------------------------------------------------------------ scheduling
     def _advance(self, jobs: list[_Job]) -> None:
-        """Advance each job by up to ``step_max_tokens`` steps within ``step_max_ms`` (≥ 1 step each)."""
+        """Run up to ``step_max_tokens`` scheduler steps within ``step_max_ms`` (at least one).
+
+        Each step advances every running job by one token: the jobs that still need their prefill
+        run it, and all the others decode together in one forward pass (:meth:`SessionEngine.step`).
+        """
         deadline = time.perf_counter() + self.settings.step_max_ms / 1000.0
-        gens = [j for j in jobs if not j.gen.done and j.error is None]
+        running = [j for j in jobs if not j.gen.done and j.error is None]
         for step in range(self.settings.step_max_tokens):
-            if step > 0 and time.perf_counter() >= deadline:
+            running = [j for j in running if not j.gen.done]
+            if not running or (step > 0 and time.perf_counter() >= deadline):
                 break
-            for job in gens:
-                if job.gen.done or job.error is not None:
+            self.engine.step([j.gen for j in running])
+            for job in running:
+                exc = job.gen.error
+                if exc is None or job.error is not None:
                     continue
-                try:
-                    next(job.gen, None)
-                except ServiceError as err:
-                    job.error = err
-                except Exception:  # noqa: BLE001
-                    log.exception("generation failed", extra={"session_id": job.session_id})
+                if isinstance(exc, ServiceError):
+                    job.error = exc
+                else:
+                    log.error("generation failed", exc_info=exc, extra={"session_id": job.session_id})
                     job.error = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error during generation")
 
     # ------------------------------------------------------------------ output

@@ -178,6 +178,8 @@ class SessionStore:
         self._tombstones: OrderedDict[str, ErrorCode] = OrderedDict()
         self._max_tombstones = max_tombstones
         self.stats = StoreStats()
+        #: Device bytes of the engine's decode batch (the KV of running answers lives there).
+        self.batch_bytes = 0
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -191,8 +193,8 @@ class SessionStore:
         return list(self._sessions.values())
 
     def device_bytes(self) -> int:
-        """Bytes of KV caches + image features over all sessions."""
-        return sum(s.device_bytes for s in self._sessions.values())
+        """Bytes of KV caches + image features over all sessions, plus the decode batch's."""
+        return self.batch_bytes + sum(s.device_bytes for s in self._sessions.values())
 
     def host_bytes(self) -> int:
         """Bytes of encoded images + conversations over all sessions."""
@@ -202,7 +204,7 @@ class SessionStore:
         """``{"kv": KV bytes, "features": feature bytes, "image": host bytes}`` over all sessions."""
         ss = self._sessions.values()
         return {
-            "kv": sum(s.kv_bytes for s in ss),
+            "kv": self.batch_bytes + sum(s.kv_bytes for s in ss),
             "features": sum(s.feature_bytes for s in ss),
             "image": sum(s.host_bytes for s in ss),
         }
@@ -293,7 +295,7 @@ class SessionStore:
             self._tombstones.popitem(last=False)
 
     # ------------------------------------------------------------------ budget
-    def reserve(self, num_bytes: int, keep: Session) -> bool:
+    def reserve(self, num_bytes: int, keep: Session | None) -> bool:
         """Make room for ``num_bytes`` more device bytes for ``keep`` by demoting other idle sessions.
 
         Returns:

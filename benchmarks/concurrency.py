@@ -1,0 +1,202 @@
+"""Concurrency benchmark over HTTP: batched decode across sessions, and streams while sessions open.
+
+Two measurements, each side by side in one run against a local ``llava-serve`` (loopback, real
+TorchServe, ``llava_client``):
+
+1. **Aggregate decode rate.** ``N`` open sessions (N = 1, 2, 4, 8, 16) each ask one question for
+   ``--new-tokens`` greedy tokens at the same moment; aggregate tokens/s = tokens generated / wall
+   time, and its ratio to one session alone. The levels run in rounds (1, 2, 4, ..., 1, 2, 4, ...)
+   so drift hits every level alike; the median round is reported.
+2. **Inter-token latency while sessions open.** ``--streams`` sessions stream an answer; the gaps
+   between consecutive token arrivals at the client are collected (a) with nothing else happening
+   and (b) while another client opens (and closes) sessions on a photograph back to back. The
+   server runs with ``step_max_tokens=1`` for this part, so each token is its own chunk and a gap is
+   a real inter-token latency. Reported: p50 / p99 of each and the ratio p99(b) / p99(a).
+
+Prints a JSON report (``--json`` writes it too). Bounded: loopback only, at most 16 sessions.
+
+Usage: python benchmarks/concurrency.py --model bench [--rounds 3] [--new-tokens 48] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from llava_client import SessionClient
+from llava_tools.serve import LocalServer
+from llava_tools.serve import _parse_assignment as parse_assignment
+
+LEVELS = (1, 2, 4, 8, 16)
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
+
+
+def photo(name: str) -> bytes:
+    from PIL import Image
+    from skimage import data
+
+    buf = io.BytesIO()
+    Image.fromarray(getattr(data, name)()).convert("RGB").save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 2)
+
+
+def aggregate(url: str, images: list[bytes], rounds: int, new_tokens: int) -> dict:
+    """Aggregate decode tokens/s at each concurrency level, median over rounds."""
+    client = SessionClient.from_url(url, max_retries=2)
+    sessions = [client.open_session(images[i % len(images)]) for i in range(max(LEVELS))]
+    question = "Describe this image in great detail, please."
+    for s in sessions:  # warm-up: every session's first follow-up, and the batch path
+        s.ask(question, remember=False, max_new_tokens=2)
+    rates: dict[int, list[float]] = {n: [] for n in LEVELS}
+    for _ in range(rounds):
+        for n in LEVELS:
+            counts = [0] * n
+            barrier = threading.Barrier(n + 1)
+
+            def ask(i: int, counts: list[int] = counts, barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                answer = sessions[i].ask(question, remember=False, max_new_tokens=new_tokens, temperature=0)
+                counts[i] = answer.usage.generated_tokens
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            t0 = time.perf_counter()
+            for t in threads:
+                t.join()
+            rates[n].append(sum(counts) / (time.perf_counter() - t0))
+    for s in sessions:
+        s.close()
+    client.close()
+    base = statistics.median(rates[1])
+    return {
+        str(n): {
+            "tokens_per_s": round(statistics.median(r), 1),
+            "vs_one_session": round(statistics.median(r) / base, 2),
+            "rounds": [round(x, 1) for x in r],
+        }
+        for n, r in rates.items()
+    }
+
+
+def inter_token(url: str, images: list[bytes], streams: int, new_tokens: int, rounds: int) -> dict:
+    """Client-side token arrival gaps (ms) of running streams, quiet vs while sessions open."""
+    client = SessionClient.from_url(url, max_retries=2)
+    sessions = [client.open_session(images[i % len(images)]) for i in range(streams)]
+    question = "Describe this image in great detail, please."
+    for s in sessions:
+        s.ask(question, remember=False, max_new_tokens=2)
+
+    def run_streams() -> list[float]:
+        gaps: list[float] = []
+        lock = threading.Lock()
+
+        def one(s) -> None:
+            last = None
+            mine = []
+            with s.stream(question, remember=False, max_new_tokens=new_tokens, temperature=0) as stream:
+                for _piece in stream:
+                    now = time.perf_counter()
+                    if last is not None:
+                        mine.append((now - last) * 1000.0)
+                    last = now
+            with lock:
+                gaps.extend(mine)
+
+        threads = [threading.Thread(target=one, args=(s,)) for s in sessions]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return gaps
+
+    quiet: list[float] = []
+    busy: list[float] = []
+    opens = [0]
+    for _ in range(rounds):
+        quiet += run_streams()
+        stop = threading.Event()
+
+        def opener(stop: threading.Event = stop) -> None:
+            other = SessionClient.from_url(url, max_retries=2)
+            i = 0
+            while not stop.is_set():
+                s = other.open_session(images[i % len(images)])
+                opens[0] += 1
+                s.close()
+                i += 1
+            other.close()
+
+        t = threading.Thread(target=opener)
+        t.start()
+        busy += run_streams()
+        stop.set()
+        t.join()
+    for s in sessions:
+        s.close()
+    client.close()
+    q99, b99 = pct(quiet, 99), pct(busy, 99)
+    return {
+        "streams": streams,
+        "quiet_ms": {"p50": pct(quiet, 50), "p99": pct(quiet, 99), "n": len(quiet)},
+        "while_opening_ms": {"p50": pct(busy, 50), "p99": pct(busy, 99), "n": len(busy)},
+        "sessions_opened_meanwhile": opens[0],
+        "p99_ratio": round(b99 / q99, 2) if q99 and b99 else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bench", choices=["tiny", "bench"])
+    ap.add_argument("--model-dir", default=None, help="a checkpoint folder instead of a random-weight one")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument(
+        "--set", action="append", default=[], type=parse_assignment, metavar="KEY=VALUE", help="extra handler setting"
+    )
+    ap.add_argument("--skip-itl", action="store_true", help="only the aggregate decode rate")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    model_dir = args.model_dir
+    if not model_dir:
+        from llava_tools.tiny_model import write_checkpoint
+
+        model_dir = str(write_checkpoint(args.model, tempfile.mkdtemp(prefix=f"llava-{args.model}-")))
+    images = [photo(n) for n in PHOTOS]
+    extra = dict(args.set)
+    overrides = {"max_sessions": 32, "max_concurrent_generations": 16, **extra}
+    ts = {"batchSize": 32, "maxNumSequence": 32}
+    report: dict = {"model": args.model_dir or args.model, "new_tokens": args.new_tokens, "settings": overrides}
+    with LocalServer(model_dir, overrides=overrides, model_config_overrides=ts, startup_timeout_s=600) as server:
+        report["aggregate_decode"] = aggregate(server.url, images, args.rounds, args.new_tokens)
+    if not args.skip_itl:
+        itl_overrides = {**overrides, "step_max_tokens": 1}
+        with LocalServer(
+            model_dir, overrides=itl_overrides, model_config_overrides=ts, startup_timeout_s=600
+        ) as server:
+            report["inter_token_latency"] = inter_token(server.url, images, args.streams, 64, max(1, args.rounds - 1))
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Batched decode across sessions: identical answers to the same questions asked one at a time.
+
+fp32 on CPU, the ``tiny`` checkpoint. Sessions of different context lengths join and leave the
+decode batch between steps (continuous batching); each row keeps its own sampling, stop strings,
+log-probs and finish reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from llava_sessions.engine import EngineLimits, Generation, SessionEngine
+from llava_sessions.images import decode_image
+from llava_sessions.model import Turn, cache_len
+from llava_sessions.sampling import SamplingParams
+from llava_sessions.sessions import SessionStore
+
+decode = functools.partial(decode_image, max_pixels=40_000_000)
+#: Largest |logit| difference allowed between a batched decode step and the same step alone (fp32,
+#: tiny model, logits of magnitude ~10): batching changes the matmul shapes and so the order of
+#: floating-point sums, never the math. Measured here: ~2e-4.
+LOGIT_TOLERANCE = 2e-3
+
+
+def make_engine(runner) -> SessionEngine:
+    store = SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9, max_sessions=16, ttl_s=1200)
+    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=512))
+
+
+# (session, image, remembered history, question, sampling parameters)
+CASES = [
+    ("a", "astronaut", [], "What is in this image?", SamplingParams(max_new_tokens=14)),
+    (
+        "b",
+        "coffee",
+        [("What is this?", "A cup of coffee on a saucer."), ("What colour?", "Brown and white.")],
+        "Describe the saucer.",
+        SamplingParams(max_new_tokens=9, logprobs=True),
+    ),
+    ("c", "rocket", [("Hi", "Hello.")], "What is it?", SamplingParams(max_new_tokens=20, temperature=0.8, seed=11)),
+    ("d", "chelsea", [], "Tell me a story about it.", SamplingParams(max_new_tokens=6, top_k=20, top_p=0.9, seed=5)),
+    ("e", "coffee", [], "And in the background?", SamplingParams(max_new_tokens=11, repetition_penalty=1.3)),
+]
+
+
+def open_all(eng: SessionEngine, photos) -> None:
+    for sid, photo, history, _q, _p in CASES:
+        eng.open(sid, photos[photo], history=[Turn(q, a) for q, a in history])
+
+
+def alone(runner, photos) -> dict[str, list]:
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    return {sid: eng.generate(sid, q, p, remember=False).tokens for sid, _ph, _h, q, p in CASES}
+
+
+def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photos):
+    expected = alone(runner, photos)
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    gens: dict[str, Generation] = {}
+    widths = set()
+    for step in range(40):
+        for sid, _ph, _h, q, p in CASES:  # sessions join at different steps
+            if sid not in gens and step == "abcde".index(sid) * 2:
+                gens[sid] = eng.start(sid, q, p, remember=False)
+        running = [g for g in gens.values() if not g.done]
+        if not running and len(gens) == len(CASES):
+            break
+        eng.step(running)
+        widths.add(eng.batch.num_live)
+    assert max(widths) >= 3  # several answers really decoded together
+    for sid, gen in gens.items():
+        assert gen.error is None and gen.answer is not None
+        got, want = gen.answer.tokens, expected[sid]
+        assert [t.id for t in got] == [t.id for t in want], sid
+        assert [t.text for t in got] == [t.text for t in want]
+        if got[0].logprob is not None:
+            assert all(abs(x.logprob - y.logprob) < 1e-3 for x, y in zip(got, want, strict=True))
+    assert eng.batch.cache is None and eng.store.batch_bytes == 0  # the last row left: the batch is freed
+    for sid, *_ in CASES:  # every session is back in its own cache, as long as before the question
+        s = eng.store.get(sid)
+        assert not s.busy and cache_len(s.kv_cache) == len(s.cached_ids)
+
+
+def test_a_row_that_sits_out_steps_still_answers_exactly(runner, photos):
+    """A job TorchServe does not bring back in a call skips steps; its masked holes change nothing."""
+    expected = alone(runner, photos)
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    (sa, _, _, qa, pa), (sb, _, _, qb, pb) = CASES[0], CASES[1]
+    ga, gb = eng.start(sa, qa, pa, remember=False), eng.start(sb, qb, pb, remember=False)
+    for step in range(60):
+        todo = [g for g in (ga, gb) if not g.done and (g is ga or step % 3 == 0)]
+        if not ga.done or not gb.done:
+            eng.step(todo)
+    assert [t.id for t in ga.answer.tokens] == [t.id for t in expected[sa]]
+    assert [t.id for t in gb.answer.tokens] == [t.id for t in expected[sb]]
+    assert eng.batch.num_builds >= 1
+
+
+def test_stop_strings_and_finish_reasons_are_per_row(runner, photos):
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    full = eng.generate("a", "What is in this image?", SamplingParams(max_new_tokens=16), remember=False)
+    stop = full.text[4:6]
+    assert stop.strip()
+    ga = eng.start("a", "What is in this image?", SamplingParams(max_new_tokens=16, stop=(stop,)), remember=False)
+    gb = eng.start("b", "Describe the saucer.", SamplingParams(max_new_tokens=16), remember=False)
+    while not (ga.done and gb.done):
+        eng.step([g for g in (ga, gb) if not g.done])
+    assert ga.answer.finish_reason == "stop" and stop in ga.answer.text and ga.answer.text in full.text
+    assert gb.answer.finish_reason == "length" and gb.answer.generated_tokens == 16
+
+
+def test_remembered_turns_from_a_batch_continue_exactly(runner, photos):
+    """Answers remembered out of the batch leave each session's cache holding its conversation."""
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    twin = make_engine(runner)
+    open_all(twin, photos)
+    gens = [eng.start(sid, q, SamplingParams(max_new_tokens=8)) for sid, _ph, _h, q, _p in CASES[:3]]
+    while any(not g.done for g in gens):
+        eng.step([g for g in gens if not g.done])
+    for sid, _ph, _h, q, _p in CASES[:3]:
+        twin.generate(sid, q, SamplingParams(max_new_tokens=8))
+        a = eng.generate(sid, "Anything else?", SamplingParams(max_new_tokens=8))
+        b = twin.generate(sid, "Anything else?", SamplingParams(max_new_tokens=8))
+        assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
+        assert a.cached_tokens == b.cached_tokens > 0  # the follow-up reused the cache built in the batch
+
+
+def test_batched_logits_match_single_decode_within_tolerance(runner, photos):
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    gens = [eng.start(sid, q, SamplingParams(max_new_tokens=30), remember=False) for sid, _ph, _h, q, _p in CASES]
+    eng.step(gens)  # prefill each; every row has a first token
+    singles = []
+    for g in gens:
+        cache = copy.deepcopy(g.session.kv_cache)
+        singles.append(runner.decode(cache, g.events[-1].id))
+    batch = eng.batch
+    logits = batch.step(gens)
+    worst = max(float((logits[g._row] - single).abs().max()) for g, single in zip(gens, singles, strict=True))
+    assert worst <= LOGIT_TOLERANCE
+    lengths = {len(g.prompt_ids) for g in gens}
+    assert len(lengths) >= 3  # really different context lengths, so really padded
+    for g in gens:
+        g.close()
+    assert batch.cache is None
+
+
+@pytest.mark.parametrize("kept", [0, 1])
+def test_an_abandoned_row_leaves_its_session_as_before(runner, photos, kept):
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    before = {sid: list(eng.store.get(sid).cached_ids) for sid, *_ in CASES[:2]}
+    gens = [eng.start(sid, q, SamplingParams(max_new_tokens=30)) for sid, _ph, _h, q, _p in CASES[:2]]
+    for _ in range(4):
+        eng.step([g for g in gens if not g.done])
+    gens[kept].close()  # its client went away mid-answer
+    other = gens[1 - kept]
+    while not other.done:
+        eng.step([other])
+    gone = CASES[kept][0]
+    s = eng.store.get(gone)
+    assert not s.busy and s.cached_ids == before[gone] and cache_len(s.kv_cache) == len(before[gone])
+    assert torch.equal(torch.tensor(s.cached_ids), torch.tensor(before[gone]))
