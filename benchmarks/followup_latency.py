@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_new_tokens=args.new_tokens)
     engine = SessionEngine(
         runner,
-        SessionStore(device_budget_bytes=1 << 40, host_budget_bytes=1 << 34),
+        SessionStore(
+            device_budget_bytes=1 << 40, host_budget_bytes=1 << 34, kv_bytes_per_token=runner.kv_bytes_per_token
+        ),
         decode,
         EngineLimits(max_new_tokens_cap=4096),
     )

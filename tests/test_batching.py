@@ -27,7 +27,13 @@ LOGIT_TOLERANCE = 2e-3
 
 
 def make_engine(runner) -> SessionEngine:
-    store = SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9, max_sessions=16, ttl_s=1200)
+    store = SessionStore(
+        device_budget_bytes=10**10,
+        host_budget_bytes=10**9,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        max_sessions=16,
+        ttl_s=1200,
+    )
     return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=512))
 
 

@@ -34,7 +34,12 @@ class Clock:
 def make_engine(runner, **store_kw) -> SessionEngine:
     kw = dict(device_budget_bytes=10**10, host_budget_bytes=10**9, max_sessions=16, ttl_s=1200)
     kw.update(store_kw)
-    return SessionEngine(runner, SessionStore(**kw), decode, EngineLimits(max_new_tokens_cap=4096))
+    return SessionEngine(
+        runner,
+        SessionStore(kv_bytes_per_token=runner.kv_bytes_per_token, **kw),
+        decode,
+        EngineLimits(max_new_tokens_cap=4096),
+    )
 
 
 def reference(

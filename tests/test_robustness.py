@@ -191,7 +191,7 @@ def test_three_times_oversubscribed_budget_loses_nothing_and_never_leaks(pressed
 def test_out_of_memory_demotes_others_retries_once_then_overloaded(runner, photos):
     eng = SessionEngine(
         runner,
-        SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9),
+        SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9, kv_bytes_per_token=runner.kv_bytes_per_token),
         lambda b: decode_image(b, max_pixels=40_000_000),
         EngineLimits(),
     )

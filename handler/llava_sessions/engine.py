@@ -59,7 +59,7 @@ def _oom_retry(fn: Callable[[], Any], store: SessionStore, *, keep: Session | No
         log.warning("out of memory; demoting idle sessions and retrying once")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        store.reserve(store.device_budget_bytes, keep=keep)
+        store.demote_all(keep=keep)
         try:
             return fn()
         except Exception as exc2:  # noqa: BLE001
@@ -251,6 +251,7 @@ class SessionEngine:
             keep = common_prefix_len(session.cached_ids, self.runner.prefix_ids(session.system_prompt))
             crop_cache(session.kv_cache, keep)
             session.cached_ids = session.cached_ids[:keep]
+        self.store.sync(session)
 
     def close(self, session_id: str) -> None:
         """Close the session and free everything it holds.
@@ -542,6 +543,7 @@ class DecodeBatch:
         self.rows[row] = None
         columns = torch.nonzero(self.mask[row, : self.cache.length]).flatten()
         gen.session.kv_cache = self.runner.extract_row(self.cache, row, columns)
+        self.store.sync(gen.session)
         if self.num_live == 0:
             self._free()
 
@@ -585,6 +587,7 @@ class DecodeBatch:
             else:
                 self.runner.load_row(cache, row, g.session.kv_cache, width)
                 g.session.kv_cache = None  # the row holds it now (the session is busy: never demoted)
+                self.store.sync(g.session)
             mask[row, width - n : width] = 1
         cache.set_length(width)
         for row, g in enumerate(members):
@@ -645,6 +648,7 @@ class Generation:
         self._timings: dict[str, float] = {}
         self._max_stop = max((len(s) for s in params.stop), default=0)
         session.busy = True
+        engine.store.sync(session)
 
     @property
     def session_id(self) -> str:
@@ -738,6 +742,7 @@ class Generation:
         )
         self._prefilled = True
         session.cached_ids = list(self.prompt_ids)
+        engine.store.sync(session)
         engine.num_reused_tokens += reuse
         engine.num_prefilled_tokens += len(self.prompt_ids) - reuse
         self._t_prefill = time.perf_counter()
@@ -815,6 +820,7 @@ class Generation:
                     session.cached_ids = session.cached_ids[:n]
             except Exception:  # noqa: BLE001
                 session.drop_kv()
+        self.engine.store.sync(session)
 
     def close(self) -> None:
         """Abandon the answer (client gone); the session stays as it was before the question."""

@@ -11,10 +11,11 @@ tier        what is held                                      restored on the ne
 =========== ================================================ ===============================
 
 Every tier also keeps the encoded image bytes and the conversation on the host, so a demoted
-session answers exactly as if it had never been demoted. The store counts bytes, not models
-(bookkeeping apart from memory, like vLLM v1's KV-cache manager): device bytes are the real
-storage sizes of the KV tensors and the features; host bytes are the image bytes plus the
-UTF-8 conversation text.
+session answers exactly as if it had never been demoted. The store keeps the sessions (their
+tensors, TTL, tombstones); every byte decision is its :class:`~.ledger.SessionLedger`'s, a ledger of
+plain integers (KV tokens x bytes per token, feature bytes, host bytes: the image bytes plus the
+UTF-8 conversation text) apart from the tensors, like vLLM v1's KV-cache manager. The store tells the
+ledger what a session holds (:meth:`SessionStore.sync`) and applies the demotions it decides.
 
 Over the device budget the least-recently-used idle sessions are demoted one tier at a time:
 first KV caches are dropped (LRU first), then image features. Past the host cap, and only
@@ -26,7 +27,6 @@ an optional idle timeout; expired sessions are freed lazily, on access or :meth:
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import OrderedDict
@@ -37,17 +37,10 @@ from typing import Any
 import torch
 
 from .errors import ErrorCode, ServiceError
+from .ledger import Demotion, SessionLedger, Tier
 from .model import Turn, cache_len, cache_nbytes
 
 log = logging.getLogger(__name__)
-
-
-class Tier(str, enum.Enum):
-    """What a session holds on the device (see the module docstring)."""
-
-    KV = "kv"
-    FEATURES = "features"
-    IMAGE = "image"
 
 
 @dataclass
@@ -143,16 +136,21 @@ class SessionStore:
 
     Admission in phases, like vLLM's managers: :meth:`add` a session (host cap enforced),
     :meth:`reserve` device bytes before growing one (LRU demotion of the others), :meth:`enforce`
-    after growth, :meth:`remove` on close.
+    after growth, :meth:`remove` on close. The numbers behind each decision are the ledger's
+    (:attr:`ledger`); :meth:`sync` records what a session's tensors hold after the engine changed them.
 
     Args:
-        device_budget_bytes: most bytes of KV caches + image features held at once.
+        device_budget_bytes: most bytes of KV caches + image features (+ the decode batch) at once.
         host_budget_bytes: most bytes of encoded images + conversations held at once.
+        kv_bytes_per_token: KV-cache bytes of one token (the runner's ``kv_bytes_per_token``).
         max_sessions: most sessions held at once.
         ttl_s: absolute lifetime of a session from open, s.
         idle_timeout_s: a session idle this long expires, s (0 = off).
         clock: time source in epoch seconds (injectable for tests).
         max_tombstones: how many expired/evicted/closed ids are remembered for precise errors.
+
+    Raises:
+        ValueError: a budget or ``kv_bytes_per_token`` is not > 0.
     """
 
     def __init__(
@@ -160,6 +158,7 @@ class SessionStore:
         *,
         device_budget_bytes: int,
         host_budget_bytes: int,
+        kv_bytes_per_token: int,
         max_sessions: int = 64,
         ttl_s: int = 1200,
         idle_timeout_s: int = 0,
@@ -168,18 +167,19 @@ class SessionStore:
     ) -> None:
         if device_budget_bytes <= 0 or host_budget_bytes <= 0:
             raise ValueError("budgets must be > 0 bytes")
-        self.device_budget_bytes = device_budget_bytes
-        self.host_budget_bytes = host_budget_bytes
+        self.ledger = SessionLedger(
+            kv_bytes_per_token=kv_bytes_per_token,
+            device_budget_bytes=device_budget_bytes,
+            host_budget_bytes=host_budget_bytes,
+        )
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
-        self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
+        self._sessions: dict[str, Session] = {}
         self._tombstones: OrderedDict[str, ErrorCode] = OrderedDict()
         self._max_tombstones = max_tombstones
         self.stats = StoreStats()
-        #: Device bytes of the engine's decode batch (the KV of running answers lives there).
-        self.batch_bytes = 0
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -188,26 +188,58 @@ class SessionStore:
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
 
+    @property
+    def device_budget_bytes(self) -> int:
+        """The device byte budget."""
+        return self.ledger.device_budget_bytes
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """The host byte cap."""
+        return self.ledger.host_budget_bytes
+
+    @property
+    def batch_bytes(self) -> int:
+        """Device bytes of the engine's decode batch (the KV of running answers lives there)."""
+        return self.ledger.num_external_bytes
+
+    @batch_bytes.setter
+    def batch_bytes(self, num_bytes: int) -> None:
+        self.ledger.num_external_bytes = num_bytes
+
     def sessions(self) -> list[Session]:
         """Sessions, least recently used first."""
-        return list(self._sessions.values())
+        return [self._sessions[sid] for sid in self.ledger.lru()]
 
     def device_bytes(self) -> int:
-        """Bytes of KV caches + image features over all sessions, plus the decode batch's."""
-        return self.batch_bytes + sum(s.device_bytes for s in self._sessions.values())
+        """Bytes of KV caches + image features over all sessions, plus the decode batch's (O(1))."""
+        return self.ledger.num_device_bytes
 
     def host_bytes(self) -> int:
-        """Bytes of encoded images + conversations over all sessions."""
-        return sum(s.host_bytes for s in self._sessions.values())
+        """Bytes of encoded images + conversations over all sessions (O(1))."""
+        return self.ledger.num_host_bytes
 
     def bytes_by_tier(self) -> dict[str, int]:
-        """``{"kv": KV bytes, "features": feature bytes, "image": host bytes}`` over all sessions."""
-        ss = self._sessions.values()
+        """``{"kv": KV bytes (the decode batch's included), "features": feature bytes, "image": host bytes}``."""
+        led = self.ledger
         return {
-            "kv": self.batch_bytes + sum(s.kv_bytes for s in ss),
-            "features": sum(s.feature_bytes for s in ss),
-            "image": sum(s.host_bytes for s in ss),
+            "kv": led.num_kv_bytes + led.num_external_bytes,
+            "features": led.num_feature_bytes,
+            "image": led.num_host_bytes,
         }
+
+    def sync(self, session: Session) -> None:
+        """Record in the ledger what ``session`` holds now (its KV tokens, feature and host bytes,
+        whether it is answering). Call after changing its tensors, history or busy flag."""
+        if self._sessions.get(session.session_id) is not session:
+            return
+        self.ledger.set_usage(
+            session.session_id,
+            num_kv_tokens=cache_len(session.kv_cache),
+            num_feature_bytes=session.feature_bytes,
+            num_host_bytes=session.host_bytes,
+        )
+        self.ledger.pin(session.session_id, session.busy)
 
     def new_session(self, session_id: str, image_bytes: bytes, system_prompt: str | None) -> Session:
         """Create (not add) a session with its expiry fixed now: ``floor(now) + ttl_s``."""
@@ -238,6 +270,8 @@ class SessionStore:
         if session.host_bytes > self.host_budget_bytes:
             raise ServiceError(ErrorCode.OVERLOADED, "the session does not fit in host memory", retry_after_s=5)
         self._sessions[session.session_id] = session
+        self.ledger.add(session.session_id, session.host_bytes)
+        self.sync(session)
         self._tombstones.pop(session.session_id, None)
         self.enforce(keep=session)
 
@@ -258,7 +292,7 @@ class SessionStore:
             }
             raise ServiceError(code, messages[code])
         session.last_used = self.clock()
-        self._sessions.move_to_end(session_id)
+        self.ledger.touch(session_id)
         return session
 
     def remove(self, session_id: str) -> Session:
@@ -268,9 +302,7 @@ class SessionStore:
             ServiceError(session_*): as :meth:`get`.
         """
         session = self.get(session_id)
-        del self._sessions[session_id]
-        session.drop_features()
-        self._bury(session_id, ErrorCode.SESSION_NOT_FOUND)
+        self._drop(session, ErrorCode.SESSION_NOT_FOUND)
         return session
 
     def sweep(self) -> int:
@@ -278,12 +310,16 @@ class SessionStore:
         now = self.clock()
         expired = [s for s in self._sessions.values() if not s.busy and self._is_expired(s, now)]
         for s in expired:
-            del self._sessions[s.session_id]
-            s.drop_features()
-            self._bury(s.session_id, ErrorCode.SESSION_EXPIRED)
+            self._drop(s, ErrorCode.SESSION_EXPIRED)
             self.stats.num_expired += 1
             log.info("session expired", extra={"session_id": s.session_id})
         return len(expired)
+
+    def _drop(self, session: Session, code: ErrorCode) -> None:
+        del self._sessions[session.session_id]
+        self.ledger.remove(session.session_id)
+        session.drop_features()
+        self._bury(session.session_id, code)
 
     def _is_expired(self, s: Session, now: float) -> bool:
         return now >= s.expires_at or (self.idle_timeout_s > 0 and now - s.last_used >= self.idle_timeout_s)
@@ -300,43 +336,45 @@ class SessionStore:
 
         Returns:
             True when ``device_bytes() + num_bytes <= device_budget_bytes`` afterwards; False when
-            even demoting every other idle session to the ``image`` tier is not enough (nothing
-            is lost either way).
+            even demoting every other idle session to the ``image`` tier would not be enough (then
+            nothing is demoted, nothing is lost).
         """
-        return self._demote_until(self.device_budget_bytes - num_bytes, keep)
+        if keep is not None:
+            self.sync(keep)
+        demotions = self.ledger.allocate(num_bytes, keep=None if keep is None else keep.session_id)
+        if demotions is None:
+            return False
+        self._apply(demotions)
+        return True
+
+    def demote_all(self, keep: Session | None) -> None:
+        """Demote every idle session but ``keep`` to the ``image`` tier (after an out-of-memory error)."""
+        if keep is not None:
+            self.sync(keep)
+        self._apply(self.ledger.demote_all(keep=None if keep is None else keep.session_id))
 
     def enforce(self, keep: Session | None = None) -> bool:
         """Demote LRU idle sessions (never ``keep``) until within the device budget, then evict
         LRU idle sessions while over the host cap. Returns True when within both."""
-        ok = self._demote_until(self.device_budget_bytes, keep)
-        host = self.host_bytes()
-        for s in list(self._sessions.values()):
-            if host <= self.host_budget_bytes:
-                break
-            if s is keep or s.busy:
-                continue
-            host -= s.host_bytes
-            del self._sessions[s.session_id]
-            s.drop_features()
-            self._bury(s.session_id, ErrorCode.SESSION_EVICTED)
+        keep_id = None
+        if keep is not None:
+            self.sync(keep)
+            keep_id = keep.session_id
+        self._apply(self.ledger.enforce(keep=keep_id))
+        for sid in self.ledger.evictions(keep=keep_id):
+            self._drop(self._sessions[sid], ErrorCode.SESSION_EVICTED)
             self.stats.num_evicted += 1
-            log.warning("session evicted: host memory cap reached", extra={"session_id": s.session_id})
-        return ok and host <= self.host_budget_bytes
+            log.warning("session evicted: host memory cap reached", extra={"session_id": sid})
+        led = self.ledger
+        return led.num_device_bytes <= led.device_budget_bytes and led.num_host_bytes <= led.host_budget_bytes
 
-    def _demote_until(self, limit: int, keep: Session | None) -> bool:
-        used = self.device_bytes()
-        for drop_features in (False, True):  # first KV caches (big), then features (small)
-            for s in list(self._sessions.values()):  # LRU first
-                if used <= limit:
-                    return True
-                if s is keep or s.busy:
-                    continue
-                if not drop_features and s.kv_cache is not None:
-                    used -= s.kv_bytes
-                    s.drop_kv()
-                    self.stats.num_demotions_kv += 1
-                elif drop_features and s.image_features is not None:
-                    used -= s.device_bytes
-                    s.drop_features()
-                    self.stats.num_demotions_features += 1
-        return used <= limit
+    def _apply(self, demotions: list[Demotion]) -> None:
+        """Free the tensors the ledger's demotions name (already booked there)."""
+        for d in demotions:
+            s = self._sessions[d.session_id]
+            if d.to is Tier.FEATURES:
+                s.drop_kv()
+                self.stats.num_demotions_kv += 1
+            else:
+                s.drop_features()
+                self.stats.num_demotions_features += 1

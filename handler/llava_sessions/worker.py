@@ -66,6 +66,7 @@ def build_service(
     store = SessionStore(
         device_budget_bytes=budget,
         host_budget_bytes=settings.host_budget_bytes,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
         max_sessions=settings.max_sessions,
         ttl_s=settings.session_ttl_s,
         idle_timeout_s=settings.idle_timeout_s,
