@@ -176,3 +176,44 @@ def test_an_abandoned_row_leaves_its_session_as_before(runner, photos, kept):
     s = eng.store.get(gone)
     assert not s.busy and s.cached_ids == before[gone] and cache_len(s.kv_cache) == len(before[gone])
     assert torch.equal(torch.tensor(s.cached_ids), torch.tensor(before[gone]))
+
+
+def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(runner, photos):
+    """An open (vision tower, then the prefix in chunks) and a restored session's re-prefill share
+    steps with running answers: every step still decodes each running answer, and every answer
+    equals the one computed without a budget."""
+    expected = alone(runner, photos)
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    eng.store.get("b").drop_kv()  # restores from the features tier: a ~600-token re-prefill
+    ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
+    eng.step([ga])  # prefilled: it decodes from now on
+    opening = eng.begin_open("new", photos["rocket"])
+    gb = eng.start("b", CASES[1][3], CASES[1][4], remember=False)
+    steps_with_both = 0
+    while not (opening.done and gb.done and ga.done):
+        before = len(ga.events)
+        eng.step([ga, opening, gb], prefill_budget=40)
+        if not ga.done and not (opening.done and gb.prefilled):
+            assert len(ga.events) == before + 1  # the running answer moved this step
+            steps_with_both += 1
+    assert steps_with_both >= 10  # the open and the re-prefill took many budget-limited steps
+    assert opening.error is None and opening.result.prefix_tokens == len(opening.prefix)
+    assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
+    assert [t.id for t in gb.answer.tokens] == [t.id for t in expected["b"]]
+    assert gb.answer.restored_from == "features" and gb.answer.timings["prefill"] > 0
+    # the session opened in chunks answers exactly like one opened whole
+    whole = make_engine(runner)
+    whole.open("new", photos["rocket"])
+    q, p = "What is it?", SamplingParams(max_new_tokens=10)
+    assert [t.id for t in eng.generate("new", q, p).tokens] == [t.id for t in whole.generate("new", q, p).tokens]
+
+
+def test_an_open_abandoned_midway_leaves_no_session(runner, photos):
+    eng = make_engine(runner)
+    task = eng.begin_open("half", photos["coffee"])
+    eng.step([task], prefill_budget=32)
+    eng.step([task], prefill_budget=32)
+    assert not task.done and "half" in eng.store and eng.store.get("half").busy
+    task.close()
+    assert "half" not in eng.store and eng.store.device_bytes() == 0

@@ -29,6 +29,25 @@ def open_row(rid, sid, image):
     return Row(rid, sid, True, {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}})
 
 
+def finish(service, rows, out):
+    """Drive the rows that asked to continue (stop False) to their last frame; returns the last frames."""
+    last = dict(zip([r.request_id for r in rows], out, strict=True))
+    pending = [Row(r.request_id, r.session_id, False, None) for r, o in zip(rows, out, strict=True) if o.stop is False]
+    while pending:
+        more = service.handle(pending)
+        for r, o in zip(pending, more, strict=True):
+            last[r.request_id] = o
+        pending = [r for r, o in zip(pending, more, strict=True) if o.stop is False]
+    return last
+
+
+def open_sessions(service, *rows):
+    """Open sessions (an open spans scheduler steps: the vision tower, then the prefix in chunks)."""
+    out = service.handle(list(rows))
+    assert all(o.status == 200 for o in out), [o.body for o in out]
+    return [finish(service, list(rows), out)[r.request_id] for r in rows]
+
+
 def test_batch_rows_are_answered_independently(service, photos):
     rows = [
         open_row("r1", "ts-seq-a", photos["astronaut"]),
@@ -54,12 +73,15 @@ def test_batch_rows_are_answered_independently(service, photos):
         "ts-seq-c",
         "ts-seq-d",
     ]
-    assert all(r.stop is None for r in out)  # whole responses
+    assert all(r.stop is None for r in out[1:])  # whole responses
+    assert out[0].stop is False and out[0].body == b""  # the open goes on in later steps: headers went first
+    opened = finish(service, rows[:1], out[:1])["r1"]
+    assert opened.stop is True and json.loads(opened.body)["session_id"] == "ts-seq-a"
     service.handle([Row("r6", "ts-seq-a", False, {"type": "close_session"})])
 
 
 def test_stream_and_plain_answers_advance_in_slices(service, photos):
-    service.handle([open_row("o1", "s1", photos["chelsea"]), open_row("o2", "s2", photos["coffee"])])
+    open_sessions(service, open_row("o1", "s1", photos["chelsea"]), open_row("o2", "s2", photos["coffee"]))
     q = {"type": "generate", "prompt": "What is in this image?", "remember": False, "parameters": {"max_new_tokens": 7}}
     rows = [Row("g1", "s1", False, {**q, "stream": True}), Row("g2", "s2", False, q)]
     frames: dict[str, list] = {"g1": [], "g2": []}
@@ -98,7 +120,7 @@ def test_stream_and_plain_answers_advance_in_slices(service, photos):
 
 def test_generation_slots_are_capped_with_retry_after(service, photos):
     for sid in ("a1", "a2", "a3"):
-        service.handle([open_row(f"o-{sid}", sid, photos["rocket"])])
+        open_sessions(service, open_row(f"o-{sid}", sid, photos["rocket"]))
     q = {"type": "generate", "prompt": "Describe it.", "parameters": {"max_new_tokens": 20}}
     out = service.handle([Row("x1", "a1", False, q), Row("x2", "a2", False, q), Row("x3", "a3", False, q)])
     assert [r.status for r in out] == [200, 200, 503]
@@ -123,7 +145,7 @@ def answer_of(service, rid, sid, body):
 
 
 def test_open_timings_measure_each_phase(service, photos):
-    opened = json.loads(service.handle([open_row("t-open", "t1", photos["astronaut"])])[0].body)
+    opened = json.loads(open_sessions(service, open_row("t-open", "t1", photos["astronaut"]))[0].body)
     t = opened["timings"]
     assert set(t) == {"fetch_ms", "decode_ms", "encode_ms", "prefill_ms", "total_ms"}
     assert t["decode_ms"] > 0 and t["encode_ms"] > 0 and t["prefill_ms"] > 0  # a JPEG decode is real work
@@ -132,7 +154,7 @@ def test_open_timings_measure_each_phase(service, photos):
 
 
 def test_details_carry_the_drawn_seed_and_where_a_session_was_restored_from(service, photos):
-    service.handle([open_row("d-open", "d1", photos["coffee"])])
+    open_sessions(service, open_row("d-open", "d1", photos["coffee"]))
     q = {"type": "generate", "prompt": "Describe it.", "remember": False}
     greedy = answer_of(service, "d-g", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]
     assert greedy["seed"] is None and greedy["restored_from"] is None

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
 #: What happens when a turn does not fit the context (:meth:`SessionEngine.start`).
 ContextPolicy = Literal["truncate", "error"]
+#: Prefill tokens a scheduler step runs at least, whatever the decode rows took of its budget.
+MIN_PREFILL_TOKENS = 16
 #: The tier a demoted session was rebuilt from.
 RestoredFrom = Literal["features", "image"]
 
@@ -181,6 +183,7 @@ class SessionEngine:
     ) -> OpenResult:
         """Open a session: decode + encode the image once and prefill the conversation prefix.
 
+        The whole open in one call (:meth:`begin_open`, then its steps without a token budget).
         With ``history``, the session starts with those turns remembered (a restored conversation)
         and the prefix prefilled covers them too, so the next question prefills only itself.
 
@@ -196,6 +199,32 @@ class SessionEngine:
                 session is not opened), invalid_request (id already open), invalid_parameter (the
                 image placeholder in a history prompt), context_length_exceeded (history too long).
         """
+        task = self.begin_open(session_id, image_bytes, system_prompt, image=image, history=history)
+        while not task.done:
+            self.step([task])
+        if task.error is not None:
+            raise task.error
+        assert task.result is not None
+        return task.result
+
+    def begin_open(
+        self,
+        session_id: str,
+        image_bytes: bytes,
+        system_prompt: str | None = None,
+        *,
+        image: Any = None,
+        history: list[Turn] | None = None,
+    ) -> OpenTask:
+        """Admit a new session and return its :class:`OpenTask` (the vision tower and the prefix
+        prefill run in later :meth:`step` calls). The session is held (busy) from now on.
+
+        Arguments as :meth:`open`.
+
+        Raises:
+            ServiceError: as :meth:`open`, for everything decided before any model work (the image
+                decodes, the id is new, the history fits, there is room).
+        """
         history = list(history or [])
         if any(self.runner.image_token in t.prompt or self.runner.image_token in t.answer for t in history):
             raise ServiceError(
@@ -205,7 +234,7 @@ class SessionEngine:
         t0 = time.perf_counter()
         decoded_here = image is None
         image = self.decode_image(image_bytes) if image is None else image
-        t_dec = time.perf_counter()
+        decode_ms = _ms(t0) if decoded_here else None
         session = self.store.new_session(session_id, image_bytes, system_prompt)
         session.history = history
         prefix = self.runner.prefix_ids(system_prompt, history)
@@ -217,27 +246,12 @@ class SessionEngine:
             )
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
         session.busy = True
-        try:
-            need = self.runner.num_image_tokens * self._hidden_bytes() + len(prefix) * self.runner.kv_bytes_per_token
-            if not self.store.reserve(need, keep=session):
-                raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for a new session", retry_after_s=5)
-            session.image_features = self._oom_retry(lambda: self.runner.encode_image(image), session)
-            t_enc = time.perf_counter()
-            session.kv_cache = self.runner.new_cache()
-            self._oom_retry(lambda: self.runner.prefill(session.kv_cache, prefix, session.image_features), session)
-            session.cached_ids = prefix
-            self.num_prefilled_tokens += len(prefix)
-        except BaseException:
+        need = self.runner.num_image_tokens * self._hidden_bytes() + len(prefix) * self.runner.kv_bytes_per_token
+        if not self.store.reserve(need, keep=session):
             session.busy = False
             self.store.remove(session_id)
-            raise
-        session.busy = False
-        self.store.enforce(keep=session)
-        t_end = time.perf_counter()
-        timings = {"encode": _ms(t_dec, t_enc), "prefill": _ms(t_enc, t_end), "total": _ms(t0, t_end)}
-        if decoded_here:
-            timings = {"decode": _ms(t0, t_dec), **timings}
-        return OpenResult(session_id, session.expires_at, self.runner.num_image_tokens, len(prefix), timings)
+            raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for a new session", retry_after_s=5)
+        return OpenTask(self, session, image, prefix, t0, decode_ms)
 
     def reset(self, session_id: str) -> None:
         """Forget the history, keep the image (and the cached prefix up to the image).
@@ -375,26 +389,44 @@ class SessionEngine:
         assert gen.answer is not None
         return gen.answer
 
-    def step(self, gens: list[Generation]) -> None:
-        """Advance every generation of ``gens`` that is not done by one token.
+    def step(self, work: Sequence[Generation | OpenTask], *, prefill_budget: int | None = None) -> None:
+        """Run one scheduler step over ``work`` (in arrival order): every prefilled generation
+        decodes one token, together, in one forward pass (rows of :attr:`batch`); then the prefill
+        work (opens: vision tower, then the prefix; questions: restore, then the new tokens; a
+        question whose prefill completes samples its first token) runs in arrival order, in chunks,
+        within the token budget.
 
-        Those not yet prefilled run their prefill (batch of one each) and sample their first
-        token; the others decode together, as rows of :attr:`batch`, in one forward pass. A
-        generation whose step fails gets its :attr:`Generation.error` set and its session left as
-        before the question; the other generations are untouched. Never raises ``Exception``.
+        Args:
+            work: generations and open tasks to advance (done ones are skipped).
+            prefill_budget: most tokens this step runs (vLLM's ``max_num_batched_tokens``): the
+                decode rows count one each, prefill chunks get the rest, but at least
+                :data:`MIN_PREFILL_TOKENS`, so new work always moves. A vision tower takes the
+                whole prefill share of its step. None: no limit (every prefill runs whole).
+
+        A piece of work whose step fails gets its ``error`` set and its session left as before
+        (an open's session is removed); the others are untouched. Never raises ``Exception``.
         """
-        decoding = [g for g in gens if not g.done and g.prefilled]
-        for g in gens:
-            if not g.done and not g.prefilled:
-                try:
-                    g._accept(g._prefill())
-                except Exception as exc:  # noqa: BLE001 - one answer's failure is that answer's
-                    g._fail(exc)
-                except BaseException:
-                    g._abort()
-                    raise
-        if not decoding:
-            return
+        decoding = [w for w in work if isinstance(w, Generation) and not w.done and w.prefilled]
+        if decoding:
+            self._decode(decoding)
+        budget = None if prefill_budget is None else max(prefill_budget - len(decoding), MIN_PREFILL_TOKENS)
+        for w in work:
+            if w.done or (isinstance(w, Generation) and (w.prefilled or w in decoding)):
+                continue
+            if budget is not None and budget <= 0:
+                break
+            try:
+                used = w._prefill_step(budget)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
+                w._fail(exc)
+                continue
+            except BaseException:
+                w._fail(RuntimeError("interrupted"))
+                raise
+            if budget is not None:
+                budget -= used
+
+    def _decode(self, decoding: list[Generation]) -> None:
         try:
             logits = self.batch.step(decoding)
         except Exception as exc:  # noqa: BLE001 - the batched step failed: each of its answers fails
@@ -452,6 +484,97 @@ class SessionEngine:
         session.num_restores += 1
         self.store.stats.num_restores += 1
         return "features" if tier is Tier.FEATURES else "image"
+
+
+class OpenTask:
+    """An open in flight: the vision tower, then the conversation prefix prefilled in chunks.
+
+    Made by :meth:`SessionEngine.begin_open` (the session is admitted and busy), advanced by
+    :meth:`SessionEngine.step`. When done, :attr:`result` is set and the session is idle; when a
+    step fails, :attr:`error` is set and the session is removed, as :meth:`close` (client gone) does.
+    """
+
+    def __init__(
+        self,
+        engine: SessionEngine,
+        session: Session,
+        image: Any,
+        prefix: list[int],
+        t0: float,
+        decode_ms: float | None,
+    ) -> None:
+        self.engine = engine
+        self.session = session
+        self.prefix = prefix
+        self.result: OpenResult | None = None
+        self.error: Exception | None = None
+        self.done = False
+        self._image = image
+        self._t0 = t0
+        self._timings: dict[str, float] = {} if decode_ms is None else {"decode": decode_ms}
+
+    @property
+    def session_id(self) -> str:
+        """The session being opened."""
+        return self.session.session_id
+
+    def _prefill_step(self, budget: int | None) -> int:
+        """Run the next piece (the vision tower, which takes the whole ``budget``, or a prefix chunk
+        of at most ``budget`` tokens; None: all of it); returns the tokens used."""
+        engine, runner, session = self.engine, self.engine.runner, self.session
+        if session.image_features is None:
+            t = time.perf_counter()
+            image = self._image
+            session.image_features = engine._oom_retry(lambda: runner.encode_image(image), session)
+            session.kv_cache = runner.new_cache()
+            self._image = None
+            self._timings["encode"] = _ms(t)
+            engine.store.sync(session)
+            if budget is not None:
+                return budget
+        t = time.perf_counter()
+        start = cache_len(session.kv_cache)
+        end = len(self.prefix) if budget is None else min(len(self.prefix), start + max(1, budget))
+        engine._oom_retry(lambda: runner.prefill(session.kv_cache, self.prefix[:end], session.image_features), session)
+        session.cached_ids = self.prefix[:end]
+        engine.num_prefilled_tokens += end - start
+        self._timings["prefill"] = round(self._timings.get("prefill", 0.0) + _ms(t), 3)
+        if end == len(self.prefix):
+            self._finish()
+        else:
+            engine.store.sync(session)
+        return end - start
+
+    def _finish(self) -> None:
+        session = self.session
+        session.busy = False
+        self.engine.store.enforce(keep=session)
+        self._timings["total"] = _ms(self._t0)
+        self.done = True
+        self.result = OpenResult(
+            session.session_id,
+            session.expires_at,
+            self.engine.runner.num_image_tokens,
+            len(self.prefix),
+            dict(self._timings),
+        )
+
+    def _fail(self, exc: Exception) -> None:
+        """Record ``exc`` and remove the half-opened session."""
+        self.error = exc
+        self.close()
+
+    def close(self) -> None:
+        """Abandon the open (client gone): the session is removed. No-op once done."""
+        if self.done:
+            return
+        self.done = True
+        self.session.busy = False
+        if self.session.session_id in self.engine.store:
+            try:
+                self.engine.store.remove(self.session.session_id)
+            except ServiceError:
+                pass
 
 
 class DecodeBatch:
@@ -640,6 +763,7 @@ class Generation:
         self._sampler = Sampler(params, engine.runner.device, prompt_ids)
         self._events: list[TokenEvent] = []
         self._prefilled = False
+        self._prefill_started = False
         self._row: int | None = None  # this answer's row in the decode batch, while it has one
         self._reuse = 0
         self._restored: RestoredFrom | None = None
@@ -714,41 +838,54 @@ class Generation:
         self.error = exc
         self._abort()
 
-    def _prefill(self) -> torch.Tensor:
-        """Restore the session if demoted and prefill the uncached prompt tokens (batch of one).
+    def _prefill_step(self, budget: int | None) -> int:
+        """Run the next piece of this answer's prefill; returns the tokens it used of ``budget``.
 
-        Returns:
-            Logits ``[vocab]`` (float32) of the last prompt position.
+        The first piece restores a demoted session (re-encoding the image takes the whole
+        ``budget``), crops the cache to the reused prefix and reserves memory; then the uncached
+        prompt tokens are prefilled in chunks of at most ``budget`` tokens (None: all at once).
+        When the last chunk is done, the first token is sampled.
 
         Raises:
             ServiceError: overloaded (no device memory); the restore's image errors.
         """
         engine, runner, session = self.engine, self.engine.runner, self.session
+        if not self._prefill_started:
+            self._prefill_started = True
+            t0 = time.perf_counter()
+            self._restored = engine._restore(session)
+            self._timings["restore"] = _ms(t0)
+            reuse = min(common_prefix_len(session.cached_ids, self.prompt_ids), len(self.prompt_ids) - 1)
+            need = (len(self.prompt_ids) - reuse + self.params.max_new_tokens) * runner.kv_bytes_per_token
+            if not engine.store.reserve(need, keep=session):
+                raise ServiceError(
+                    ErrorCode.OVERLOADED, "not enough device memory for this answer now; retry later", retry_after_s=2
+                )
+            if reuse < cache_len(session.kv_cache):
+                crop_cache(session.kv_cache, reuse)
+            session.cached_ids = session.cached_ids[:reuse]
+            self._reuse = reuse
+            engine.num_reused_tokens += reuse
+            if self._restored == "image" and budget is not None:
+                return budget  # the vision tower ran: this step's prefill share is spent
         t0 = time.perf_counter()
-        self._restored = engine._restore(session)
-        t_restored = time.perf_counter()
-        reuse = min(common_prefix_len(session.cached_ids, self.prompt_ids), len(self.prompt_ids) - 1)
-        need = (len(self.prompt_ids) - reuse + self.params.max_new_tokens) * runner.kv_bytes_per_token
-        if not engine.store.reserve(need, keep=session):
-            raise ServiceError(
-                ErrorCode.OVERLOADED, "not enough device memory for this answer now; retry later", retry_after_s=2
-            )
-        if reuse < cache_len(session.kv_cache):
-            crop_cache(session.kv_cache, reuse)
-        session.cached_ids = session.cached_ids[:reuse]
-        self._reuse = reuse
+        start = cache_len(session.kv_cache)
+        total = len(self.prompt_ids)
+        end = total if budget is None else min(total, start + max(1, budget))
         logits = engine._oom_retry(
-            lambda: runner.prefill(session.kv_cache, self.prompt_ids, session.image_features), session
+            lambda: runner.prefill(session.kv_cache, self.prompt_ids[:end], session.image_features), session
         )
-        self._prefilled = True
-        session.cached_ids = list(self.prompt_ids)
-        engine.store.sync(session)
-        engine.num_reused_tokens += reuse
-        engine.num_prefilled_tokens += len(self.prompt_ids) - reuse
-        self._t_prefill = time.perf_counter()
-        self._timings["restore"] = _ms(t0, t_restored)
-        self._timings["prefill"] = _ms(t_restored, self._t_prefill)
-        return logits
+        session.cached_ids = list(self.prompt_ids[:end])
+        engine.num_prefilled_tokens += end - start
+        self._timings["prefill"] = round(self._timings.get("prefill", 0.0) + _ms(t0), 3)
+        if end == total:
+            self._prefilled = True
+            self._t_prefill = time.perf_counter()
+            engine.store.sync(session)
+            self._accept(logits)
+        else:
+            engine.store.sync(session)
+        return end - start
 
     def _finish(self, finish_reason: FinishReason) -> None:
         session = self.session

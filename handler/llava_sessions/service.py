@@ -47,7 +47,7 @@ from .contract import (
     SESSION_ID_RE,
     session_header_value,
 )
-from .engine import Generation, SessionEngine
+from .engine import Generation, OpenTask, SessionEngine
 from .errors import ErrorCode, ServiceError
 from .images import decode_image, fetch_image_bytes
 from .metrics import WorkerMetrics
@@ -92,13 +92,16 @@ class RowResult:
 
 @dataclass
 class _Job:
-    """A generation in flight, across ``handle()`` calls (keyed by TorchServe's request id)."""
+    """An open or a generation in flight, across ``handle()`` calls (keyed by TorchServe's request id)."""
 
     request_id: str
     session_id: str
-    command: GenerateCommand
+    command: GenerateCommand | OpenCommand
     last_seen: float
-    gen: Generation
+    work: Generation | OpenTask
+    own_group: bool = True  # the TorchServe job group is this session's own (not the shared NEW_SESSION)
+    t0: float = 0.0  # admission time (perf_counter), for an open's total_ms
+    open_timings: dict[str, float] = field(default_factory=dict)  # an open's fetch and decode, ms
     calls: int = 0  # handle() calls this job was part of
     sent: bool = False  # a streamed frame went out (status and headers are fixed)
     emitted: int = 0  # token events already sent (streaming)
@@ -182,7 +185,7 @@ class SessionService:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "empty request body")
         command: Command = self.codec.decode_request(row.body)
         if isinstance(command, OpenCommand):
-            return self._admit_open(row, command)
+            return self._admit_open(row, command, now)
         sid = row.session_id
         if row.minted or not sid or sid == NEW_SESSION_LITERAL:
             raise ServiceError(
@@ -195,7 +198,7 @@ class SessionService:
             self.engine.close(sid)
             return RowResult(self.codec.encode_close(sid), headers=self._closed_headers(sid))
         self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
-        if len(self._jobs) >= self.settings.max_concurrent_generations:
+        if sum(isinstance(j.work, Generation) for j in self._jobs.values()) >= self.settings.max_concurrent_generations:
             raise ServiceError(
                 ErrorCode.OVERLOADED, "too many generations in flight on this worker; retry shortly", retry_after_s=1
             )
@@ -207,11 +210,12 @@ class SessionService:
             context_policy=command.context_policy,
             clip_max_new_tokens=command.clip_max_new_tokens,
         )
-        return _Job(row.request_id, sid, command, now, gen=gen)
+        return _Job(row.request_id, sid, command, now, work=gen)
 
-    def _admit_open(self, row: Row, command: OpenCommand) -> RowResult:
-        """Open a session in the admission call: status and headers of a TorchServe reply are fixed
-        by the first frame, so fetch, decode, vision tower and prefix prefill all happen here."""
+    def _admit_open(self, row: Row, command: OpenCommand, now: float) -> RowResult | _Job:
+        """Admit an open: everything that decides its status happens here (fetch, decode, the id,
+        the history, room for it), since TorchServe fixes status and headers with the first frame;
+        the vision tower and the prefix prefill then run in scheduler steps, within their budget."""
         sid = row.session_id
         own_group = bool(sid) and sid != NEW_SESSION_LITERAL
         if sid is None or not own_group:
@@ -227,14 +231,13 @@ class SessionService:
             t_fetched = time.perf_counter()
             image = decode_image(data, max_pixels=self.settings.max_image_pixels)
             t_decoded = time.perf_counter()
-            result = self.engine.open(sid, data, command.system_prompt, image=image, history=list(command.history))
+            task = self.engine.begin_open(sid, data, command.system_prompt, image=image, history=list(command.history))
         except ServiceError as err:
             # the open failed: no session is left behind; end TorchServe's job group if it is its own
             return self._error_result(sid if own_group else None, err)
-        timings = {"fetch": _ms(t0, t_fetched), "decode": _ms(t_fetched, t_decoded), **result.timings, "total": _ms(t0)}
-        value = session_header_value(sid, result.expires_at)
-        headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
-        return RowResult(self.codec.encode_open(command, result, timings), headers=headers)
+        job = _Job(row.request_id, sid, command, now, work=task, own_group=own_group, t0=t0)
+        job.open_timings = {"fetch": _ms(t0, t_fetched), "decode": _ms(t_fetched, t_decoded)}
+        return job
 
     # ------------------------------------------------------------------ scheduling
     def _advance(self, jobs: list[_Job]) -> None:
@@ -244,14 +247,14 @@ class SessionService:
         run it, and all the others decode together in one forward pass (:meth:`SessionEngine.step`).
         """
         deadline = time.perf_counter() + self.settings.step_max_ms / 1000.0
-        running = [j for j in jobs if not j.gen.done and j.error is None]
+        running = [j for j in jobs if not j.work.done and j.error is None]
         for step in range(self.settings.step_max_tokens):
-            running = [j for j in running if not j.gen.done]
+            running = [j for j in running if not j.work.done]
             if not running or (step > 0 and time.perf_counter() >= deadline):
                 break
-            self.engine.step([j.gen for j in running])
+            self.engine.step([j.work for j in running], prefill_budget=self.settings.step_token_budget)
             for job in running:
-                exc = job.gen.error
+                exc = job.work.error
                 if exc is None or job.error is not None:
                     continue
                 if isinstance(exc, ServiceError):
@@ -264,7 +267,10 @@ class SessionService:
     def _emit(self, job: _Job) -> RowResult:
         """The row's output for this call. The first call fixes status, headers and content type
         (TorchServe sends them with the first frame, even an empty one)."""
-        gen, command, codec = job.gen, job.command, self.codec
+        if isinstance(job.work, OpenTask):
+            return self._emit_open(job, job.work)
+        gen, command, codec = job.work, job.command, self.codec
+        assert isinstance(command, GenerateCommand)
         finished = gen.done or job.error is not None
         if command.stream:
             new = gen.events[job.emitted :]
@@ -294,6 +300,22 @@ class SessionService:
             headers={SESSION_ID_HEADER: job.session_id},
             stop=True if job.calls > 1 else None,
         )
+
+    def _emit_open(self, job: _Job, task: OpenTask) -> RowResult:
+        """An open's output: empty frames (with the session headers and status 200) until it is
+        done, then its body; an error after the first frame is the body (its status is already out)."""
+        value = session_header_value(job.session_id, task.session.expires_at)
+        headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+        if not task.done and job.error is None:
+            return RowResult(b"", headers=headers, stop=False)
+        self._jobs.pop(job.request_id, None)
+        if job.error is not None:
+            task.close()
+            return self._error_result(job.session_id if job.own_group else None, job.error, chunk=job.calls > 1)
+        assert task.result is not None and isinstance(job.command, OpenCommand)
+        timings = {**job.open_timings, **task.result.timings, "total": _ms(job.t0)}
+        body = self.codec.encode_open(job.command, task.result, timings)
+        return RowResult(body, headers=headers, stop=True if job.calls > 1 else None)
 
     def _chunk(self, job: _Job, body: bytes, *, last: bool) -> RowResult:
         # A stream that ends in its first frame is one whole response: TorchServe sends no response
@@ -335,7 +357,7 @@ class SessionService:
         for rid, job in list(self._jobs.items()):
             if job.session_id in new_sessions and rid not in in_batch:
                 self._jobs.pop(rid, None)
-                job.gen.close()
+                job.work.close()
                 log.info("dropped a job its client abandoned", extra={"session_id": job.session_id})
 
     def _reap(self, now: float) -> None:
@@ -343,7 +365,7 @@ class SessionService:
         for rid, job in list(self._jobs.items()):
             if now - job.last_seen > STALE_JOB_S:
                 self._jobs.pop(rid, None)
-                job.gen.close()
+                job.work.close()
                 log.warning("abandoned a job TorchServe stopped polling", extra={"session_id": job.session_id})
 
     # ------------------------------------------------------------------ entry helpers
