@@ -13,6 +13,8 @@ TorchServe, ``llava_client``):
    server runs with ``step_max_tokens=1`` for this part, so each token is its own chunk and a gap is
    a real inter-token latency. Reported: p50 / p99 of each and the ratio p99(b) / p99(a).
 
+3. **Per-request serving overhead** (tiny model): client-observed total minus the server's own
+   ``total_ms`` of a 1-token answer, next to the ``/ping`` round trip.
 Prints a JSON report (``--json`` writes it too). Bounded: loopback only, at most 16 sessions.
 
 Usage: python benchmarks/concurrency.py --model bench [--rounds 3] [--new-tokens 48] [--json out.json]
@@ -159,6 +161,33 @@ def inter_token(url: str, images: list[bytes], streams: int, new_tokens: int, ro
     }
 
 
+def serving_overhead(url: str, image: bytes, n: int) -> dict:
+    """Client-observed total minus the server's own ``total_ms`` for 1-token answers, next to the
+    ``/ping`` round trip on a kept-alive connection (ms, medians of ``n``)."""
+    import requests
+
+    client = SessionClient.from_url(url, max_retries=0)
+    session = client.open_session(image)
+    http = requests.Session()
+    overhead, server, ping = [], [], []
+    for i in range(n + 5):
+        answer = session.ask("Hi?", remember=False, max_new_tokens=1)
+        t0 = time.perf_counter()
+        http.get(url + "/ping", timeout=10)
+        if i >= 5:  # warm-up
+            ping.append((time.perf_counter() - t0) * 1000.0)
+            overhead.append(answer.client_total_ms - answer.timings["total_ms"])
+            server.append(answer.timings["total_ms"])
+    session.close()
+    client.close()
+    return {
+        "client_minus_server_total_ms": round(statistics.median(overhead), 2),
+        "server_total_ms": round(statistics.median(server), 2),
+        "ping_round_trip_ms": round(statistics.median(ping), 2),
+        "n": n,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench", choices=["tiny", "bench"])
@@ -169,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--set", action="append", default=[], type=parse_assignment, metavar="KEY=VALUE", help="extra handler setting"
     )
-    ap.add_argument("--skip-itl", action="store_true", help="only the aggregate decode rate")
+    ap.add_argument("--skip-itl", action="store_true", help="skip the inter-token latency part")
+    ap.add_argument("--skip-aggregate", action="store_true", help="skip the aggregate decode part")
+    ap.add_argument("--skip-overhead", action="store_true", help="skip the per-request serving overhead part")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     model_dir = args.model_dir
@@ -182,14 +213,21 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"max_sessions": 32, "max_concurrent_generations": 16, **extra}
     ts = {"batchSize": 32, "maxNumSequence": 32}
     report: dict = {"model": args.model_dir or args.model, "new_tokens": args.new_tokens, "settings": overrides}
-    with LocalServer(model_dir, overrides=overrides, model_config_overrides=ts, startup_timeout_s=600) as server:
-        report["aggregate_decode"] = aggregate(server.url, images, args.rounds, args.new_tokens)
+    if not args.skip_aggregate:
+        with LocalServer(model_dir, overrides=overrides, model_config_overrides=ts, startup_timeout_s=600) as server:
+            report["aggregate_decode"] = aggregate(server.url, images, args.rounds, args.new_tokens)
     if not args.skip_itl:
         itl_overrides = {**overrides, "step_max_tokens": 1}
         with LocalServer(
             model_dir, overrides=itl_overrides, model_config_overrides=ts, startup_timeout_s=600
         ) as server:
             report["inter_token_latency"] = inter_token(server.url, images, args.streams, 64, max(1, args.rounds - 1))
+    if not args.skip_overhead:  # on the tiny model, so the model's own time is small next to it
+        from llava_tools.tiny_model import write_checkpoint
+
+        tiny = str(write_checkpoint("tiny", tempfile.mkdtemp(prefix="llava-tiny-")))
+        with LocalServer(tiny, overrides={"max_sessions": 8}, startup_timeout_s=600) as server:
+            report["serving_overhead_tiny"] = serving_overhead(server.url, images[2], 60)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
