@@ -1,6 +1,6 @@
 """Concurrency benchmark over HTTP: batched decode across sessions, and streams while sessions open.
 
-Two measurements, each side by side in one run against a local ``llava-serve`` (loopback, real
+Three measurements, each side by side in one run against a local ``llava-serve`` (loopback, real
 TorchServe, ``llava_client``):
 
 1. **Aggregate decode rate.** ``N`` open sessions (N = 1, 2, 4, 8, 16) each ask one question for
@@ -12,9 +12,9 @@ TorchServe, ``llava_client``):
    and (b) while another client opens (and closes) sessions on a photograph back to back. The
    server runs with ``step_max_tokens=1`` for this part, so each token is its own chunk and a gap is
    a real inter-token latency. Reported: p50 / p99 of each and the ratio p99(b) / p99(a).
-
 3. **Per-request serving overhead** (tiny model): client-observed total minus the server's own
    ``total_ms`` of a 1-token answer, next to the ``/ping`` round trip.
+
 Prints a JSON report (``--json`` writes it too). Bounded: loopback only, at most 16 sessions.
 
 Usage: python benchmarks/concurrency.py --model bench [--rounds 3] [--new-tokens 48] [--json out.json]

@@ -106,3 +106,9 @@ def test_the_header_contract_is_written_once_on_the_server() -> None:
         if found:
             spelled[path.name] = found
     assert spelled == {}
+
+
+def test_the_design_doc_names_every_module_of_both_packages() -> None:
+    design = (REPO / "docs" / "design.md").read_text()
+    modules = [p.name for folder in (CORE, TOOLS) for p in sorted(folder.glob("*.py")) if p.name != "__init__.py"]
+    assert [m for m in modules if f"`{m}`" not in design] == []

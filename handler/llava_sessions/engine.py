@@ -390,11 +390,11 @@ class SessionEngine:
         return gen.answer
 
     def step(self, work: Sequence[Generation | OpenTask], *, prefill_budget: int | None = None) -> None:
-        """Run one scheduler step over ``work`` (in arrival order): every prefilled generation
-        decodes one token, together, in one forward pass (rows of :attr:`batch`); then the prefill
-        work (opens: vision tower, then the prefix; questions: restore, then the new tokens; a
-        question whose prefill completes samples its first token) runs in arrival order, in chunks,
-        within the token budget.
+        """Run one scheduler step over ``work``: every prefilled generation decodes one token,
+        together, in one forward pass (rows of :attr:`batch`); then the prefill work runs in chunks
+        within the token budget: questions first (restore, then the new tokens; one whose prefill
+        completes samples its first token), then opens (vision tower, then the prefix), each in
+        arrival order.
 
         Args:
             work: generations and open tasks to advance (done ones are skipped).
@@ -410,7 +410,8 @@ class SessionEngine:
         if decoding:
             self._decode(decoding)
         budget = None if prefill_budget is None else max(prefill_budget - len(decoding), MIN_PREFILL_TOKENS)
-        for w in work:
+        # questions first (a follow-up is a few tokens and a user waits for its first token), then opens
+        for w in sorted(work, key=lambda w: isinstance(w, OpenTask)):
             if w.done or (isinstance(w, Generation) and (w.prefilled or w in decoding)):
                 continue
             if budget is not None and budget <= 0:
