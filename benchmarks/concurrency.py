@@ -23,7 +23,6 @@ Usage: python benchmarks/concurrency.py --model bench [--rounds 3] [--new-tokens
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
 import sys
@@ -32,6 +31,7 @@ import threading
 import time
 
 from llava_client import SessionClient
+from llava_tools.samples import sample_photo
 from llava_tools.serve import LocalServer
 from llava_tools.serve import _parse_assignment as parse_assignment
 
@@ -39,20 +39,11 @@ LEVELS = (1, 2, 4, 8, 16)
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
 
 
-def photo(name: str) -> bytes:
-    from PIL import Image
-    from skimage import data
-
-    buf = io.BytesIO()
-    Image.fromarray(getattr(data, name)()).convert("RGB").save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))], 2)
+def pct(values: list[float], q: int) -> float | None:
+    """The ``q``-th percentile (1..99, interpolated), ms rounded to 0.01; None without values."""
+    if len(values) < 2:
+        return round(values[0], 2) if values else None
+    return round(statistics.quantiles(values, n=100)[q - 1], 2)
 
 
 def aggregate(url: str, images: list[bytes], rounds: int, new_tokens: int) -> dict:
@@ -208,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         from llava_tools.tiny_model import write_checkpoint
 
         model_dir = str(write_checkpoint(args.model, tempfile.mkdtemp(prefix=f"llava-{args.model}-")))
-    images = [photo(n) for n in PHOTOS]
+    images = [sample_photo(n) for n in PHOTOS]
     extra = dict(args.set)
     overrides = {"max_sessions": 32, "max_concurrent_generations": 16, **extra}
     ts = {"batchSize": 32, "maxNumSequence": 32}

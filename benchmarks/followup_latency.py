@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import io
 import json
 import statistics
 import sys
@@ -32,6 +31,7 @@ from llava_sessions.images import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling import SamplingParams
 from llava_sessions.sessions import SessionStore
+from llava_tools.samples import sample_photo
 
 QUESTIONS = [
     "What is in this image?",
@@ -39,15 +39,6 @@ QUESTIONS = [
     "Is there a flag in the picture?",
     "Describe the background in one sentence.",
 ]
-
-
-def photo_bytes() -> bytes:
-    from PIL import Image
-    from skimage import data
-
-    buf = io.BytesIO()
-    Image.fromarray(data.astronaut()).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 def sync(device: torch.device) -> None:
@@ -118,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = LlavaRunner.from_pretrained(tmp, device=args.device, dtype=args.dtype)
     device = runner.device
     decode = functools.partial(decode_image, max_pixels=40_000_000)
-    image = photo_bytes()
+    image = sample_photo("astronaut")
     params = SamplingParams(max_new_tokens=args.new_tokens)
     engine = SessionEngine(
         runner,

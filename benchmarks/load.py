@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import io
 import json
 import random
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from llava_client import LlavaError, SessionClient, SessionGone
+from llava_tools.samples import sample_photo
 from llava_tools.serve import LocalServer
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat")
@@ -46,15 +46,6 @@ QUESTIONS = (
 MAX_USERS, MAX_DURATION_S = 64, 900
 #: A user who sees an error asks the same question again after 1, 2, 4 s before giving up.
 USER_ATTEMPTS = 4
-
-
-def photo(name: str) -> bytes:
-    from PIL import Image
-    from skimage import data
-
-    buf = io.BytesIO()
-    Image.fromarray(getattr(data, name)()).convert("RGB").save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -168,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
         from llava_tools.tiny_model import write_checkpoint
 
         model_dir = str(write_checkpoint(args.model, tempfile.mkdtemp(prefix=f"llava-{args.model}-")))
-    images = {n: photo(n) for n in PHOTOS}
+    images = {n: sample_photo(n) for n in PHOTOS}
     stats = Stats()
     overrides = {"max_sessions": max(args.users * 2, 8)}
     ts = {"batchSize": overrides["max_sessions"], "maxNumSequence": overrides["max_sessions"]}

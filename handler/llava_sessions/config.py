@@ -131,10 +131,11 @@ class Settings(BaseModel):
     )
     step_max_tokens: int = Field(8, ge=1, description="Most tokens one scheduler call advances each generation.")
     step_token_budget: int = Field(
-        128,
-        ge=1,
+        0,
+        ge=0,
         description="Most tokens one scheduler step runs (vLLM's max_num_batched_tokens): the running answers' "
-        "decode rows first, then prefill chunks of opens, restores and new questions (at least 16 tokens).",
+        "decode rows first, then prefill chunks of opens, restores and new questions (at least 16 tokens). "
+        "0 = auto: 512 on a GPU, 64 on the CPU.",
     )
     step_max_ms: float = Field(
         100.0, gt=0.0, description="Most milliseconds one scheduler call spends before replying."

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from llava_client import Answer, LlavaError, SessionClient
 
+from .samples import sample_photo
+
 __all__ = ["main"]
 
 _BANNER = """\
@@ -55,11 +57,8 @@ def _printable(text: str) -> str:
 
 
 def _save_photo(directory: Path) -> Path:
-    from PIL import Image
-    from skimage import data
-
     path = directory / "astronaut.jpg"
-    Image.fromarray(data.astronaut()).convert("RGB").save(path, format="JPEG", quality=90)
+    path.write_bytes(sample_photo("astronaut"))
     return path
 
 
