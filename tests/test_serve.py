@@ -181,3 +181,52 @@ def test_local_model_config_applies_workers_and_overrides(tmp_path: Path) -> Non
     assert written["handler"]["model_dir"] == str(tmp_path.resolve())
     assert written["handler"]["max_sessions"] == 8 and written["handler"]["dtype"] == "float32"
     assert written["handler"]["session_ttl_s"] == 1200  # untouched keys keep the shipped values
+
+
+def _worker_pids(cli_pid: int) -> list[int]:
+    procs = psutil.Process(cli_pid).children(recursive=True)
+    return [p.pid for p in procs if any("model_service_worker" in part for part in p.cmdline())]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_cli_survives_killed_workers_and_sessions_come_back(tmp_path: Path, tiny_model_dir: Path, photos) -> None:
+    """SIGKILL the worker of a running ``llava-serve``, twice: the CLI keeps serving, the lost session
+    answers 404 with the closed header, and llava_client restores the conversation exactly."""
+    from llava_client import SessionClient
+
+    command = [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", "0", "--startup-timeout", "120"]
+    cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    try:
+        output = OutputLines(cli.stdout)
+        url = output.wait_for(READY, timeout_s=150).group(1)
+        client = SessionClient.from_url(url, max_retries=6)
+        session = client.open_session(photos["coffee"])
+        session.ask("What is in this image?", max_new_tokens=6, temperature=0)
+        before = session.ask("And the colours?", remember=False, max_new_tokens=6, temperature=0).text
+        for kill in (1, 2):
+            old_id = session.id
+            workers = _worker_pids(cli.pid)
+            assert len(workers) == 1
+            os.kill(workers[0], signal.SIGKILL)
+            output.wait_for(re.compile(r"died; restarting TorchServe"), timeout_s=30)
+            deadline = time.monotonic() + 30
+            while True:  # the restart window: refused connections or 503 until TorchServe is back
+                assert cli.poll() is None, "".join(output.lines)
+                try:
+                    r = _invoke(url, {"type": "generate", "prompt": "hi"}, {SESSION: old_id})
+                    if r.status_code == 404:
+                        break
+                except requests.ConnectionError:
+                    pass
+                assert time.monotonic() < deadline, f"no 404 within 30 s after kill {kill}"
+                time.sleep(0.5)
+            assert r.json()["error"]["code"] == "session_not_found" and r.headers[CLOSED_SESSION] == old_id
+            again = session.ask("And the colours?", remember=False, max_new_tokens=6, temperature=0)
+            assert session.recoveries == kill and session.id != old_id and again.text == before
+        session.close()
+        client.close()
+        assert cli.poll() is None  # still serving after two kills
+    finally:
+        stop_process(cli)
+    assert cli.returncode == 0

@@ -185,8 +185,11 @@ class LocalServer:
 
     @property
     def running(self) -> bool:
-        """Whether the TorchServe launcher process is alive."""
-        return self._proc is not None and self._proc.poll() is None
+        """Whether TorchServe is up or being restarted by the supervisor (False: it died, or its
+        restart failed). Waits while a restart swaps the process group, so a caller never sees the
+        gap between the old launcher's exit and the new one's start."""
+        with self._lock:
+            return self._proc is not None and self._proc.poll() is None
 
     def frontend_pid(self) -> int | None:
         """Return the pid of TorchServe's Java frontend, or None if it is not running."""
@@ -392,6 +395,9 @@ class LocalServer:
             except ServerStartError as exc:
                 if not self._stopping.is_set():  # stop() during the restart is no failure
                     print(f"llava-serve: restart failed: {exc}", file=sys.stderr, flush=True)
+                    with self._lock:  # down for good: `running` turns False and the CLI exits 1
+                        if self._proc is not None:
+                            _stop_process_group(self._proc, self.stop_grace_s)
                 return
             self._watched = set(self.worker_pids())
 
