@@ -172,6 +172,29 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         assert closed.status_code == 200 and closed.headers[CLOSED] == session_id
         assert "llava_OpenSessions" in requests.get(metrics_url + "/metrics", timeout=10).text
 
+        # a worker that dies does not take the container down: its supervisor restarts TorchServe
+        workers = [
+            p
+            for p in psutil.Process(serve.pid).children(recursive=True)
+            if "model_service_worker" in " ".join(p.cmdline())
+        ]
+        assert len(workers) == 1
+        workers[0].kill()
+        output.wait_for(re.compile(r"died; restarting TorchServe"), timeout_s=30)
+        deadline = time.monotonic() + 60
+        while True:
+            assert serve.poll() is None, "".join(output.lines)
+            try:
+                reopened = requests.post(
+                    url + "/invocations", json={"type": "open_session", "image": {"base64": image}}, timeout=60
+                )
+                if reopened.status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass  # the restart window: the port is closed until TorchServe is back
+            assert time.monotonic() < deadline, "no new session within 60 s of the worker's death"
+            time.sleep(0.5)
+
         sent = time.monotonic()
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0
