@@ -173,8 +173,9 @@ class SessionService:
             except Exception:  # noqa: BLE001
                 log.exception("emit failed", extra={"request_id": job.request_id})
                 self._jobs.pop(job.request_id, None)
+                job.work.close()  # an unfinished answer or open leaves its session as before
                 results[i] = self._error_result(
-                    None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"), chunk=job.sent
+                    None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"), chunk=job.sent or job.calls > 1
                 )
         self._reap(now)
         return [r if r is not None else RowResult(b"") for r in results]
