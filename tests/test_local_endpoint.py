@@ -41,7 +41,7 @@ from llava_tools.local_endpoint import (
     payload_part_event,
     stream_error_event,
 )
-from server_fixtures import stop_process, write_echo_handler
+from server_fixtures import OutputLines, stop_process, write_echo_handler
 
 SM_RUNTIME = botocore.session.get_session().get_service_model("sagemaker-runtime")
 NEW_SESSION_ID_RE = re.compile(SM_RUNTIME.shape_for("NewSessionResponseHeader").metadata["pattern"])
@@ -457,3 +457,55 @@ def test_cli_serves_boto3_and_stops_every_backend_on_sigterm(tmp_path: Path) -> 
         assert not alive, alive
     finally:
         stop_process(cli)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_cli_keeps_serving_when_a_backend_worker_dies(tiny_model_dir: Path, photos) -> None:
+    """SIGKILL the worker of one backend of a running ``llava-local-endpoint``: the CLI keeps serving,
+    and llava_client over boto3 restores the session it lost with the same greedy answer."""
+    from llava_client import SageMakerTransport, SessionClient
+
+    script = Path(sys.executable).parent / "llava-local-endpoint"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "llava_tools.local_endpoint"]
+    args = ["--model-dir", str(tiny_model_dir), "--backends", "2", "--port", "0", "--startup-timeout", "150"]
+    cli = subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output = OutputLines(cli.stdout, cli)
+        url = output.wait_for(re.compile(r"ready at (http://\S+) "), timeout_s=200).group(1)
+        rt = boto3.client(
+            "sagemaker-runtime",
+            endpoint_url=url,
+            region_name="us-east-1",
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
+        )
+        client = SessionClient(SageMakerTransport("llava-local", client=rt), auto_recover=True, max_retries=6)
+        session = client.open_session(photos["rocket"])
+        session.ask("What is in this image?", max_new_tokens=6, temperature=0)
+        before = session.ask("Anything else?", remember=False, max_new_tokens=6, temperature=0).text
+        old_id = session.id
+        workers = [
+            p
+            for p in psutil.Process(cli.pid).children(recursive=True)
+            if "model_service_worker" in " ".join(p.cmdline())
+        ]
+        assert len(workers) == 2
+        for worker in workers:  # whichever backend holds the session, its worker dies
+            worker.kill()
+        output.wait_for(re.compile(r"died; restarting TorchServe"), timeout_s=30)
+        deadline = time.monotonic() + 60
+        while True:
+            assert cli.poll() is None, "".join(output.lines)
+            try:
+                again = session.ask("Anything else?", remember=False, max_new_tokens=6, temperature=0)
+                break
+            except Exception:  # noqa: BLE001 - the restart window: backends come back within seconds
+                assert time.monotonic() < deadline, "the session was not restored within 60 s"
+                time.sleep(1.0)
+        assert session.id != old_id and session.recoveries >= 1 and again.text == before
+        session.close()
+        assert cli.poll() is None
+    finally:
+        stop_process(cli)
+    assert cli.returncode == 0
