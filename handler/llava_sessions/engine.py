@@ -468,6 +468,27 @@ class SessionEngine:
     def _oom_retry(self, fn: Callable[[], Any], session: Session) -> Any:
         return _oom_retry(fn, self.store, keep=session)
 
+    def _prefill_chunk(
+        self, session: Session, ids: list[int], budget: int | None, timings: dict[str, float]
+    ) -> tuple[torch.Tensor, int]:
+        """Prefill the next chunk of ``ids`` beyond ``session``'s cache: at most ``budget`` tokens
+        (None: all of them). Updates the session's ``cached_ids``, the ledger, the prefill counter
+        and ``timings["prefill"]`` (ms, accumulated).
+
+        Returns:
+            ``(logits [vocab] float32 of the chunk's last position, tokens prefilled)``.
+        """
+        t0 = time.perf_counter()
+        start = cache_len(session.kv_cache)
+        end = len(ids) if budget is None else min(len(ids), start + max(1, budget))
+        runner = self.runner
+        logits = self._oom_retry(lambda: runner.prefill(session.kv_cache, ids[:end], session.image_features), session)
+        session.cached_ids = list(ids[:end])
+        self.num_prefilled_tokens += end - start
+        timings["prefill"] = round(timings.get("prefill", 0.0) + _ms(t0), 3)
+        self.store.sync(session)
+        return logits, end - start
+
     def _restore(self, session: Session) -> RestoredFrom | None:
         """Bring a demoted session back to a prefillable state; returns the tier it came from."""
         tier = session.tier
@@ -533,18 +554,10 @@ class OpenTask:
             engine.store.sync(session)
             if budget is not None:
                 return budget
-        t = time.perf_counter()
-        start = cache_len(session.kv_cache)
-        end = len(self.prefix) if budget is None else min(len(self.prefix), start + max(1, budget))
-        engine._oom_retry(lambda: runner.prefill(session.kv_cache, self.prefix[:end], session.image_features), session)
-        session.cached_ids = self.prefix[:end]
-        engine.num_prefilled_tokens += end - start
-        self._timings["prefill"] = round(self._timings.get("prefill", 0.0) + _ms(t), 3)
-        if end == len(self.prefix):
+        _logits, used = engine._prefill_chunk(session, self.prefix, budget, self._timings)
+        if cache_len(session.kv_cache) == len(self.prefix):
             self._finish()
-        else:
-            engine.store.sync(session)
-        return end - start
+        return used
 
     def _finish(self) -> None:
         session = self.session
@@ -869,24 +882,12 @@ class Generation:
             engine.num_reused_tokens += reuse
             if self._restored == "image" and budget is not None:
                 return budget  # the vision tower ran: this step's prefill share is spent
-        t0 = time.perf_counter()
-        start = cache_len(session.kv_cache)
-        total = len(self.prompt_ids)
-        end = total if budget is None else min(total, start + max(1, budget))
-        logits = engine._oom_retry(
-            lambda: runner.prefill(session.kv_cache, self.prompt_ids[:end], session.image_features), session
-        )
-        session.cached_ids = list(self.prompt_ids[:end])
-        engine.num_prefilled_tokens += end - start
-        self._timings["prefill"] = round(self._timings.get("prefill", 0.0) + _ms(t0), 3)
-        if end == total:
+        logits, used = engine._prefill_chunk(session, self.prompt_ids, budget, self._timings)
+        if cache_len(session.kv_cache) == len(self.prompt_ids):
             self._prefilled = True
             self._t_prefill = time.perf_counter()
-            engine.store.sync(session)
             self._accept(logits)
-        else:
-            engine.store.sync(session)
-        return end - start
+        return used
 
     def _finish(self, finish_reason: FinishReason) -> None:
         session = self.session
