@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median
     table = {k: {"ttft_ms": med(v[0] for v in vals), "total_ms": med(v[1] for v in vals)} for k, vals in rows.items()}
     s = engine.store.get(f"s{args.repeats - 1}")
-    kv_bytes, feat_bytes, host_bytes = s.kv_bytes, s.feature_bytes, s.host_bytes
+    entry = engine.store.ledger.entry(s.session_id)  # what the store accounts for the session
+    kv_bytes = entry.num_kv_tokens * runner.kv_bytes_per_token
+    feat_bytes, host_bytes = entry.num_feature_bytes, entry.num_host_bytes
     result = {
         "model": args.model if not args.model_dir else args.model_dir,
         "device": str(device),

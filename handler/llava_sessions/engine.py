@@ -782,7 +782,7 @@ class Generation:
         self._reuse = 0
         self._restored: RestoredFrom | None = None
         self._t0 = time.perf_counter()
-        self._t_prefill = self._t_first = self._t_last = 0.0
+        self._t_first = self._t_last = 0.0
         self._timings: dict[str, float] = {}
         self._max_stop = max((len(s) for s in params.stop), default=0)
         session.busy = True
@@ -885,7 +885,6 @@ class Generation:
         logits, used = engine._prefill_chunk(session, self.prompt_ids, budget, self._timings)
         if cache_len(session.kv_cache) == len(self.prompt_ids):
             self._prefilled = True
-            self._t_prefill = time.perf_counter()
             self._accept(logits)
         return used
 

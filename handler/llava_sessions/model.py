@@ -56,18 +56,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def cache_nbytes(cache: Any) -> int:
-    """Bytes held by a ``DynamicCache`` (sum of its key/value storages), 0 for ``None``."""
-    if cache is None:
-        return 0
-    total = 0
-    for layer in getattr(cache, "layers", ()):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.untyped_storage().nbytes()
-    return total
-
-
 def cache_len(cache: Any) -> int:
     """Number of token positions held by ``cache`` (0 for ``None``)."""
     return 0 if cache is None else int(cache.get_seq_length())
@@ -77,7 +65,7 @@ def crop_cache(cache: Any, length: int) -> None:
     """Keep the first ``length`` positions of ``cache`` in place, and compact its storage.
 
     ``DynamicCache.crop`` slices a view, which keeps the whole old storage alive; the
-    clone makes the accounted bytes (:func:`cache_nbytes`) the real ones.
+    clone makes the bytes the ledger accounts (tokens x ``kv_bytes_per_token``) the real ones.
     """
     remove = cache_len(cache) - length
     if remove < 0:

@@ -38,7 +38,7 @@ import torch
 
 from .errors import ErrorCode, ServiceError
 from .ledger import Demotion, SessionLedger, Tier
-from .model import Turn, cache_len, cache_nbytes
+from .model import Turn, cache_len
 
 log = logging.getLogger(__name__)
 
@@ -84,20 +84,10 @@ class Session:
         return Tier.IMAGE
 
     @property
-    def kv_bytes(self) -> int:
-        """Device bytes of the KV cache (real storage sizes)."""
-        return cache_nbytes(self.kv_cache)
-
-    @property
     def feature_bytes(self) -> int:
         """Device bytes of the image features."""
         f = self.image_features
         return 0 if f is None else f.untyped_storage().nbytes()
-
-    @property
-    def device_bytes(self) -> int:
-        """KV cache + image features, bytes."""
-        return self.kv_bytes + self.feature_bytes
 
     @property
     def host_bytes(self) -> int:
