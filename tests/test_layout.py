@@ -44,28 +44,32 @@ def test_no_module_imports_across_the_boundary(folder: Path, forbidden: set[str]
     assert crossing == {}
 
 
+def llava_packages_loaded_by(code: str) -> str:
+    """Run ``code`` in a fresh interpreter; return the sorted top-level ``llava*`` packages it loaded."""
+    report = "; print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('llava')}))"
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; " + code + report],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
 def test_the_worker_loads_the_core_only() -> None:
     """What TorchServe's worker imports through llava_handler.py is the core package, nothing of the tools."""
-    code = (
-        "import sys; sys.path.insert(0, 'handler'); import llava_handler; "
-        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('llava')}))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "['llava_handler', 'llava_sessions']"
+    loaded = llava_packages_loaded_by("sys.path.insert(0, 'handler'); import llava_handler")
+    assert loaded == "['llava_handler', 'llava_sessions']"
 
 
 def test_the_client_installs_and_imports_without_the_server() -> None:
-    code = (
-        "import sys, importlib, pkgutil, llava_client; "
-        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(llava_client.__path__, 'llava_client.')]; "
-        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith('llava')}))"
+    loaded = llava_packages_loaded_by(
+        "import importlib, pkgutil, llava_client; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(llava_client.__path__, 'llava_client.')]"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "['llava_client']"
+    assert loaded == "['llava_client']"
 
 
 def test_the_client_copy_of_the_header_contract_equals_the_server_one() -> None:

@@ -227,15 +227,20 @@ def endpoint(request, tiny_model_dir):
     return ep.start()
 
 
-@pytest.fixture(scope="module")
-def runtime(endpoint):
+def runtime_client(url: str):
+    """Plain boto3 ``sagemaker-runtime`` pointed at a local endpoint (dummy credentials)."""
     return boto3.client(
         "sagemaker-runtime",
-        endpoint_url=endpoint.url,
+        endpoint_url=url,
         region_name="us-east-1",
         aws_access_key_id="x",
         aws_secret_access_key="x",
     )
+
+
+@pytest.fixture(scope="module")
+def runtime(endpoint):
+    return runtime_client(endpoint.url)
 
 
 def sessions_map(endpoint) -> dict[str, int]:
@@ -440,13 +445,7 @@ def test_cli_serves_boto3_and_stops_every_backend_on_sigterm(tmp_path: Path) -> 
         torchserve = psutil.Process(cli.pid).children(recursive=True)
         assert sum(p.name().startswith("java") for p in torchserve) == 2
         assert requests.get(url + "/ping", timeout=10).status_code == 200
-        rt = boto3.client(
-            "sagemaker-runtime",
-            endpoint_url=url,
-            region_name="us-east-1",
-            aws_access_key_id="x",
-            aws_secret_access_key="x",
-        )
+        rt = runtime_client(url)
         reply = rt.invoke_endpoint(EndpointName="any", Body=b'{"turn": 1}', ContentType=JSON)
         echoed = json.loads(reply["Body"].read())
         assert echoed["body"] == {"turn": 1} and echoed["session_id"].startswith("ts-seq-")
@@ -473,13 +472,7 @@ def test_cli_keeps_serving_when_a_backend_worker_dies(tiny_model_dir: Path, phot
     try:
         output = OutputLines(cli.stdout, cli)
         url = output.wait_for(re.compile(r"ready at (http://\S+) "), timeout_s=200).group(1)
-        rt = boto3.client(
-            "sagemaker-runtime",
-            endpoint_url=url,
-            region_name="us-east-1",
-            aws_access_key_id="x",
-            aws_secret_access_key="x",
-        )
+        rt = runtime_client(url)
         client = SessionClient(SageMakerTransport("llava-local", client=rt), auto_recover=True, max_retries=6)
         session = client.open_session(photos["rocket"])
         session.ask("What is in this image?", max_new_tokens=6, temperature=0)
