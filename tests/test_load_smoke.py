@@ -32,3 +32,20 @@ def test_load_run_with_a_killed_worker_recovers_every_session(tiny_model_dir):
     assert result["sessions_lost"] == 0, json.dumps(result)
     assert result["fault"]["server_restarts"] == 1
     assert result["peak_host_rss_bytes"] > 0
+
+
+def test_engine_decode_benchmark_runs_and_batched_greedy_answers_match_alone(tiny_model_dir, tmp_path):
+    """The in-process benchmark (the GPU rows' script) runs on the CPU; its exactness part holds."""
+    spec = importlib.util.spec_from_file_location(
+        "engine_decode", Path(__file__).parents[1] / "benchmarks" / "engine_decode.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "report.json"
+    argv = ["--model-dir", str(tiny_model_dir), "--levels", "1,2,4", "--rounds", "1", "--new-tokens", "8"]
+    assert bench.main([*argv, "--streams", "2", "--check-sessions", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["exactness"]["identical"] == 3, report["exactness"]
+    assert len(set(report["exactness"]["context_tokens"])) == 3  # three different context lengths
+    assert report["aggregate"]["1"]["ratio_to_one"] == 1.0 and report["aggregate"]["4"]["tokens_per_s"] > 0
+    assert report["itl"]["opens_completed"] >= 1 and report["hot"]["sessions_hot_by_budget"] > 0
