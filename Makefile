@@ -1,4 +1,4 @@
-# Entry points: make install | make demo | make test  (and make lint, make bench)
+# Entry points: make install | make demo | make test  (and make web, make lint, make bench)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,13 +7,13 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo web bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,web]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,6 +28,9 @@ lint: install
 
 demo: install
 	$(PY) -m llava_tools.demo $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),)
+
+web: install
+	$(PY) -m llava_tools.webdemo $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),) $(if $(PORT),--port $(PORT),)
 
 bench: install
 	$(PY) benchmarks/followup_latency.py --model bench

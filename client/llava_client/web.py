@@ -1,0 +1,454 @@
+"""``llava-web``: a chat page about an image, in the browser, talking to the server through ``llava_client``.
+
+Drop or paste an image (that opens a session), ask questions and watch each answer stream in token
+by token; under every answer: the server's time to first token, how many prompt tokens the server
+reused from the session's KV cache, the tokens generated and the finish reason. "Reset
+conversation" forgets the history and keeps the image (and its cached prefix); "New image" closes
+the session and starts over. Each browser tab has its own session; it is closed when the tab's
+chat is cleared or the page is left, and otherwise expires by the server's TTL.
+
+::
+
+    llava-web --url http://127.0.0.1:8080          # llava-serve / llava-local-endpoint / a container
+    llava-web --endpoint my-llava [--region us-east-1]   # a SageMaker endpoint
+
+The page binds to 127.0.0.1:7860 by default (``--host``, ``--port``). Needs the ``[web]`` extra
+(Gradio). Errors appear in the page as sentences (:func:`explain`); a session the server lost is
+reopened by ``llava_client`` from the tab's history and the page says so.
+"""
+
+# No ``from __future__ import annotations``: Gradio finds the ``gr.Request`` parameter of the
+# callbacks in build_app by their evaluated annotations.
+import argparse
+import html
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from ._client import Session, SessionClient
+from ._exceptions import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    ContextLengthExceeded,
+    InvalidRequest,
+    LlavaError,
+    Overloaded,
+    PayloadTooLarge,
+    RateLimited,
+    SessionBusy,
+    SessionGone,
+)
+from ._types import Answer
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "ChatPage", "TabChat", "WebChat", "answer_stats", "build_app", "explain", "main"]
+
+log = logging.getLogger(__name__)
+
+#: The max-new-tokens slider's default (tokens).
+DEFAULT_MAX_NEW_TOKENS = 128
+#: The slider's top: the server's default ``max_new_tokens_cap`` (tokens).
+MAX_NEW_TOKENS_LIMIT = 1024
+
+Messages = list[dict[str, str]]
+
+#: The status line while the tab has no session.
+START_HINT = "Upload or paste an image to start a session."
+
+
+def explain(error: Exception, *, doing: str = "") -> str:
+    """One sentence for the page about ``error`` (never a stack trace).
+
+    Args:
+        error: what a ``llava_client`` call raised (any exception: unknown ones get a generic line).
+        doing: what the page was doing ("opening the image", "answering"), to start the sentence.
+    """
+    what = f"{doing[:1].upper()}{doing[1:]} failed: " if doing else ""
+    if isinstance(error, SessionBusy):
+        return f"{what}the previous answer is still being generated; wait for it to finish."
+    if isinstance(error, SessionGone):
+        return (
+            f"{what}the server no longer has this session ({error.code}) and it could not be restored; "
+            "upload the image again."
+        )
+    if isinstance(error, Overloaded | RateLimited):
+        retry_after = getattr(error, "retry_after", None)
+        wait = f" in about {retry_after:.0f} s" if retry_after else " in a moment"
+        return f"{what}the server is busy (all its session memory is in use); try again{wait}."
+    if isinstance(error, PayloadTooLarge):
+        if error.code == "image_too_large":
+            return f"{what}the image is too large for the server ({error.message})."
+        return f"{what}the image is too large to send; use a smaller image (a few MB at most)."
+    if isinstance(error, ContextLengthExceeded):
+        return f"{what}the question does not fit the model's context; reset the conversation or ask for fewer tokens."
+    if isinstance(error, InvalidRequest):
+        if error.code and error.code.startswith("image"):
+            return f"{what}the server cannot use this file as an image ({error.message}); try a JPEG or PNG."
+        return f"{what}the server refused the request: {error.message}"
+    if isinstance(error, APITimeoutError):
+        return f"{what}the server did not answer in time; try again."
+    if isinstance(error, APIConnectionError):
+        return f"{what}cannot reach the server; check that it is running (it may be restarting)."
+    if isinstance(error, APIStatusError):
+        return f"{what}the server answered {error.status_code}: {error.message}"
+    if isinstance(error, LlavaError):
+        return f"{what}{error}"
+    return f"{what}an unexpected error occurred ({type(error).__name__})."
+
+
+def answer_stats(answer: Answer) -> str:
+    """The line shown under an answer: TTFT (server and here), reused tokens, tokens, finish reason."""
+    usage = answer.usage
+    parts = []
+    if answer.ttft_ms is not None:
+        parts.append(f"TTFT {answer.ttft_ms:.0f} ms")
+    if answer.client_ttft_ms is not None:
+        parts.append(f"first token here after {answer.client_ttft_ms:.0f} ms")
+    parts.append(f"reused {usage.cached_tokens} of {usage.prompt_tokens} prompt tokens")
+    parts.append(f"{usage.generated_tokens} tokens")
+    parts.append(f"finish_reason: {answer.finish_reason}")
+    if answer.truncated_turns:
+        parts.append(f"{answer.truncated_turns} oldest turn(s) left the context")
+    return " · ".join(parts)
+
+
+@dataclass
+class TabChat:
+    """One browser tab: its session (None before an image) and its transcript (chat messages)."""
+
+    session: Session | None = None
+    messages: Messages = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class WebChat:
+    """The page's logic, one :class:`TabChat` per browser tab (Gradio's ``session_hash``).
+
+    Each method returns what the page shows: ``(messages, status)``, where ``status`` is one line of
+    Markdown (the session, the last answer's numbers, or an error sentence). Methods never raise
+    for a server error.
+
+    Args:
+        client: the ``llava_client`` client every tab's session is opened with.
+    """
+
+    def __init__(self, client: SessionClient) -> None:
+        self.client = client
+        self._tabs: dict[str, TabChat] = {}
+        self._lock = threading.Lock()
+
+    def tab(self, tab_id: str) -> TabChat:
+        """The tab's state (created on first use)."""
+        with self._lock:
+            return self._tabs.setdefault(tab_id, TabChat())
+
+    @property
+    def num_tabs(self) -> int:
+        """Tabs with state (an open session or a transcript)."""
+        with self._lock:
+            return len(self._tabs)
+
+    def open_image(self, tab_id: str, image: Any) -> tuple[Messages, str]:
+        """Close the tab's session (if any) and open one on ``image`` (a path, bytes or PIL image).
+
+        ``image`` None (the image was removed) only closes the session.
+        """
+        tab = self.tab(tab_id)
+        with tab.lock:
+            closed = self._close(tab)
+            tab.messages = []
+            if image is None:
+                return [], closed or START_HINT
+            try:
+                tab.session = self.client.open_session(image)
+            except Exception as exc:  # noqa: BLE001 - shown in the page
+                log.info("open failed: %s", type(exc).__name__)
+                return [], _warn(explain(exc, doing="opening the image"))
+            s = tab.session
+            took = s.open_timings.get("total_ms")
+            took_text = f" in {took:.0f} ms" if took is not None else ""
+            return [], (
+                f"Session `{s.id}` opened{took_text}: the image takes {s.image_tokens} tokens, "
+                "its features and KV cache stay on the server. Ask a question."
+            )
+
+    def ask(
+        self, tab_id: str, question: str, max_new_tokens: int, temperature: float
+    ) -> Iterator[tuple[Messages, str]]:
+        """Stream the answer to ``question``: yields the transcript as each text piece arrives.
+
+        ``temperature`` 0 means greedy decoding; above 0, sampling at that temperature.
+        """
+        tab = self.tab(tab_id)
+        question = (question or "").strip()
+        if tab.session is None:
+            yield tab.messages, _warn("Upload or paste an image first: questions are about an image.")
+            return
+        if not question:
+            yield tab.messages, "Type a question first."
+            return
+        if not tab.lock.acquire(blocking=False):
+            yield tab.messages, _warn(explain(SessionBusy("busy", status_code=409)))
+            return
+        try:
+            yield from self._ask(tab, question, int(max_new_tokens), float(temperature))
+        finally:
+            tab.lock.release()
+
+    def _ask(
+        self, tab: TabChat, question: str, max_new_tokens: int, temperature: float
+    ) -> Iterator[tuple[Messages, str]]:
+        session = tab.session
+        assert session is not None
+        messages = tab.messages
+        messages.append({"role": "user", "content": question})
+        messages.append({"role": "assistant", "content": ""})
+        yield messages, "Answering…"
+        sampling: dict[str, Any] = {"do_sample": True, "temperature": temperature} if temperature > 0 else {}
+        recoveries = session.recoveries
+        text = ""
+        try:
+            with session.stream(question, max_new_tokens=max_new_tokens, **sampling) as stream:
+                for piece in stream:
+                    text += piece
+                    messages[-1]["content"] = _shown(text)
+                    yield messages, "Answering…"
+            answer = stream.answer
+        except Exception as exc:  # noqa: BLE001 - shown in the page
+            log.info("answer failed: %s", type(exc).__name__)
+            if text:
+                messages[-1]["content"] = _shown(text) + "\n\n*(answer interrupted)*"
+            else:
+                del messages[-2:]
+            yield messages, _warn(explain(exc, doing="answering"))
+            return
+        assert answer is not None
+        stats = answer_stats(answer)
+        messages[-1]["content"] = f"{_shown(text)}\n\n<small>{html.escape(stats)}</small>"
+        note = ""
+        if session.recoveries > recoveries:
+            note = (
+                " The server had lost this session (a restart or an eviction); it was reopened on the same "
+                f"image with the remembered turns as session `{session.id}`."
+            )
+        yield messages, f"{stats}.{note}"
+
+    def reset(self, tab_id: str) -> tuple[Messages, str]:
+        """Forget the conversation, keep the image and its session (the cached image prefix stays)."""
+        tab = self.tab(tab_id)
+        with tab.lock:
+            tab.messages = []
+            if tab.session is None:
+                return [], START_HINT
+            try:
+                tab.session.reset()
+            except Exception as exc:  # noqa: BLE001 - shown in the page
+                return [], _warn(explain(exc, doing="resetting the conversation"))
+            return [], f"Conversation reset; session `{tab.session.id}` keeps the image. Ask a question."
+
+    def leave(self, tab_id: str) -> None:
+        """The tab was closed or its chat cleared: close its session and forget the tab."""
+        with self._lock:
+            tab = self._tabs.pop(tab_id, None)
+        if tab is not None:
+            with tab.lock:
+                self._close(tab)
+
+    def close_all(self) -> None:
+        """Close every tab's session (the page is shutting down)."""
+        with self._lock:
+            tab_ids = list(self._tabs)
+        for tab_id in tab_ids:
+            self.leave(tab_id)
+
+    def _close(self, tab: TabChat) -> str:
+        session, tab.session = tab.session, None
+        if session is None:
+            return ""
+        try:
+            session.close()
+        except Exception as exc:  # noqa: BLE001 - the session expires by TTL; say so
+            log.info("close failed: %s", type(exc).__name__)
+            return f"Could not close session `{session.id}` ({explain(exc)}); it will expire on the server."
+        return f"Session `{session.id}` closed."
+
+
+def _warn(sentence: str) -> str:
+    """A status line for a problem: a warning sign, the local time (a repeated error reads as new), the sentence."""
+    return f"⚠️ [{time.strftime('%H:%M:%S')}] {sentence}"
+
+
+def _shown(text: str) -> str:
+    """Answer text for the chat bubble: control characters (random weights make them) as U+FFFD."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
+
+def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "") -> Any:
+    """Build the Gradio page (``gradio.Blocks``) over ``chat``.
+
+    Element ids (for tests and custom CSS): ``llava-image``, ``llava-chat``, ``llava-question``,
+    ``llava-send``, ``llava-reset``, ``llava-new-image``, ``llava-status``.
+
+    Raises:
+        ImportError: Gradio is not installed (``pip install 'llava-sessions[web]'``).
+    """
+    import gradio as gr
+
+    def tab_id(request: gr.Request) -> str:
+        return str(request.session_hash)
+
+    def on_image(image: Any, request: gr.Request) -> tuple[Messages, str]:
+        return chat.open_image(tab_id(request), image)
+
+    def on_ask(
+        question: str, max_new: float, temperature: float, request: gr.Request
+    ) -> Iterator[tuple[Messages, str, str]]:
+        for messages, status in chat.ask(tab_id(request), question, int(max_new), temperature):
+            yield list(messages), status, ""
+
+    def on_reset(request: gr.Request) -> tuple[Messages, str]:
+        return chat.reset(tab_id(request))
+
+    def on_new_image(request: gr.Request) -> tuple[None, Messages, str]:
+        chat.leave(tab_id(request))
+        return None, [], START_HINT
+
+    def on_clear(request: gr.Request) -> tuple[None, str]:
+        chat.leave(tab_id(request))
+        return None, f"Chat cleared, session closed. {START_HINT}"
+
+    def on_unload(request: gr.Request) -> None:
+        chat.leave(tab_id(request))
+
+    with gr.Blocks(title=title) as app:
+        gr.Markdown(
+            f"## {title}\nOne image per session; follow-up questions reuse its cached features and KV cache. {target}"
+        )
+        with gr.Row():
+            with gr.Column(scale=2):
+                image = gr.Image(
+                    type="filepath", sources=["upload", "clipboard"], label="Image", elem_id="llava-image", height=320
+                )
+                max_new = gr.Slider(
+                    1, MAX_NEW_TOKENS_LIMIT, value=DEFAULT_MAX_NEW_TOKENS, step=1, label="Max new tokens"
+                )
+                temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature (0 = greedy)")
+                with gr.Row():
+                    reset = gr.Button("Reset conversation", elem_id="llava-reset")
+                    new_image = gr.Button("New image", elem_id="llava-new-image")
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="Chat", elem_id="llava-chat", height=420)
+                question = gr.Textbox(
+                    label="Question", placeholder="Ask about the image…", elem_id="llava-question", lines=1
+                )
+                send = gr.Button("Send", variant="primary", elem_id="llava-send")
+                status = gr.Markdown(START_HINT, elem_id="llava-status")
+        image.change(on_image, [image], [chatbot, status], concurrency_limit=None)
+        for trigger in (send.click, question.submit):
+            trigger(on_ask, [question, max_new, temperature], [chatbot, status, question], concurrency_limit=None)
+        reset.click(on_reset, None, [chatbot, status], concurrency_limit=None)
+        new_image.click(on_new_image, None, [image, chatbot, status], concurrency_limit=None)
+        chatbot.clear(on_clear, None, [image, status], concurrency_limit=None)
+        app.unload(on_unload)
+    return app
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llava-web", description=__doc__.splitlines()[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve, a container)")
+    where.add_argument("--endpoint", help="SageMaker endpoint name")
+    p.add_argument("--region", help="AWS region of --endpoint")
+    p.add_argument("--host", default="127.0.0.1", help="address the page binds to (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=7860, help="the page's port (default 7860)")
+    return p
+
+
+class ChatPage:
+    """The page, served by Gradio in background threads: :meth:`start`, :attr:`url`, :meth:`stop`.
+
+    Args:
+        chat: the page's logic (its client talks to the server).
+        host: address to bind (127.0.0.1 keeps the page on this machine).
+        port: TCP port of the page.
+        target: where the answers come from, shown on the page (a URL or an endpoint name).
+    """
+
+    def __init__(self, chat: WebChat, *, host: str = "127.0.0.1", port: int = 7860, target: str = "") -> None:
+        self.chat = chat
+        self.host = host
+        self.port = port
+        self.target = target
+        self._app: Any = None
+
+    @property
+    def url(self) -> str:
+        """The page's address (``http://host:port``; a wildcard bind shows as 127.0.0.1)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        """Build and launch the page; returns once it accepts connections.
+
+        Raises:
+            OSError: the port is taken (Gradio's message names it).
+        """
+        os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home
+        app = build_app(self.chat, target=f"Server: `{self.target}`." if self.target else "")
+        app.queue(default_concurrency_limit=None)
+        app.launch(server_name=self.host, server_port=self.port, prevent_thread_lock=True, quiet=True)
+        self._app = app
+
+    def stop(self) -> None:
+        """Close every tab's session, then stop the page. Idempotent."""
+        self.chat.close_all()
+        app, self._app = self._app, None
+        if app is not None:
+            app.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``llava-web``; returns the exit status."""
+    args = _build_parser().parse_args(argv)
+    try:
+        import gradio  # noqa: F401
+    except ImportError:
+        print("llava-web: Gradio is not installed; pip install 'llava-sessions[web]'", file=sys.stderr)
+        return 1
+    if args.url:
+        client, target = SessionClient.from_url(args.url), args.url
+    else:
+        client = SessionClient.from_endpoint(args.endpoint, region_name=args.region)
+        target = f"SageMaker endpoint {args.endpoint}"
+    page = ChatPage(WebChat(client), host=args.host, port=args.port, target=target)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    with client:
+        try:
+            page.start()
+        except OSError as exc:
+            print(f"llava-web: cannot serve the page on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            return 1
+        try:
+            print(f"llava-web: chat page at {page.url} (server: {target}); Ctrl-C stops", flush=True)
+            stop.wait()
+        finally:
+            page.stop()
+    print("llava-web: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
