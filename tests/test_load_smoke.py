@@ -1,4 +1,5 @@
-"""benchmarks/load.py stays runnable: a short run with a worker killed mid-way loses no session."""
+"""benchmarks/load.py stays runnable: a short run with a worker killed mid-way and a stream dropped mid-way
+loses no session and leaves room for a full max_sessions afterwards."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def test_load_run_with_a_killed_worker_recovers_every_session(tiny_model_dir):
         think_s=0.3,
         max_new_tokens=6,
         kill_worker_at=7.0,
+        kill_worker_every=None,
+        droppers=1,
     )
     result = load.run(args)
     print(json.dumps(result))
@@ -32,6 +35,9 @@ def test_load_run_with_a_killed_worker_recovers_every_session(tiny_model_dir):
     assert result["sessions_lost"] == 0, json.dumps(result)
     assert result["fault"]["server_restarts"] == 1
     assert result["peak_host_rss_bytes"] > 0
+    assert result["dropped_streams"]["count"] >= 1  # a user dropped a stream and the session answered again
+    after = result["sessions_opened_after_the_run"]
+    assert after["opened"] == after["asked"], after  # no session or job group left behind
 
 
 def test_engine_decode_benchmark_runs_and_batched_greedy_answers_match_alone(tiny_model_dir, tmp_path):
