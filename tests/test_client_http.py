@@ -341,3 +341,47 @@ def test_llava_chat_says_when_the_oldest_turns_left_the_context(server, photo_pa
     done = _llava_chat("--url", server.url, "--image", photo_path, "--max-new-tokens", "180", stdin=questions)
     assert done.returncode == 0, done.stderr
     assert re.search(r"\[context full: the \d+ oldest turns? left the conversation", done.stderr), done.stderr
+
+
+def _generated_tokens(server) -> float:
+    """The worker's ``llava_GeneratedTokens`` counter (Prometheus text of TorchServe's metrics port)."""
+    text = requests.get(server.metrics_url + "/metrics", timeout=10).text
+    found = re.search(r"^llava_GeneratedTokens\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_dropped_stream_stops_decoding_within_a_step_and_leaves_no_turn(server, photos):
+    """TorchServe stops polling the job of a closed connection, so its answer is not decoded further;
+    the session's next request drops it and the history has none of that turn."""
+    with SessionClient.from_url(server.url, timeout=(5.0, 60.0)) as client:
+        fresh = client.open_session(photos["chelsea"])
+        first_prompt_tokens = fresh.ask("What is in this image?", max_new_tokens=2, remember=False).usage.prompt_tokens
+        fresh.close()
+        session = client.open_session(photos["chelsea"])
+        before = _generated_tokens(server)
+        with session.stream("Describe the image in great detail.", max_new_tokens=400) as stream:
+            next(stream)
+            next(stream)
+        time.sleep(3.0)  # decoding 400 tokens on the tiny model takes under 2 s: time enough to see it
+        answer = session.ask("What is in this image?", max_new_tokens=2)
+        generated = _generated_tokens(server) - before
+        assert generated >= 4  # the counter counts: two streamed pieces and the 2-token answer at least
+        assert generated < 40, f"{generated} tokens were generated: the abandoned answer kept decoding"
+        assert answer.usage.prompt_tokens == first_prompt_tokens  # the abandoned turn is not in the history
+        assert len(session.history) == 1
+        session.close()
+
+
+def test_bodies_over_our_limit_and_over_torchserve_s_get_typed_413s(server):
+    """Our limit (SageMaker's 6 MiB) answers in our shape; a body past TorchServe's own limit gets
+    TorchServe's 413 body, typed the same by the client."""
+    client = SessionClient.from_url(server.url, max_retries=0, max_body_bytes=32 << 20)
+    ours = os.urandom(4_750_000)  # about 6.33 MB of JSON once base64-encoded: over 6,291,456
+    with pytest.raises(PayloadTooLarge) as info:
+        client.open_session(ours)
+    assert info.value.status_code == 413 and info.value.code == "payload_too_large"
+    theirs = os.urandom(5_300_000)  # about 7.07 MB: over TorchServe's max_request_size (6,553,600)
+    with pytest.raises(PayloadTooLarge) as info:
+        client.open_session(theirs)
+    assert info.value.status_code == 413 and info.value.code != "payload_too_large", info.value.body
+    client.close()

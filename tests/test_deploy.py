@@ -104,7 +104,7 @@ def test_package_is_torchserve_no_archive_layout_plus_the_checkpoint(checkpoint:
     manifest = json.loads(by_key["llava/MAR-INF/MANIFEST.json"].data)
     config = yaml.safe_load(by_key["llava/model-config.yaml"].data)
     assert config["handler"]["session_ttl_s"] == 600 and config["handler"]["model_dir"] == ""
-    assert config["sequenceBatching"] is True and config["batchSize"] == 64  # the rest is the repository's
+    assert config["sequenceBatching"] is True and config["batchSize"] == 72  # the rest is the repository's
     assert by_key["llava/config.json"].source == checkpoint / "config.json"
 
     # The same MANIFEST.json torch-model-archiver 0.12 writes for this handler and config file.

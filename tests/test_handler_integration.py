@@ -375,6 +375,56 @@ def test_unknown_ids_leave_no_job_group_behind(small_server, photos):
         assert post(small_server, {"type": "close_session"}, session_id=s).status_code == 200
 
 
+def test_past_max_num_sequence_torchserve_answers_its_own_503_at_once(small_server, photos):
+    """No spare job group (maxNumSequence = max_sessions = 3): the 4th session never reaches the handler;
+    the frontend answers 503 at once, in its own body, without Retry-After; the client types it."""
+    from llava_client import Overloaded, SessionClient
+
+    sids = [open_session(small_server, photos["coffee"])[0] for _ in range(3)]
+    try:
+        t0 = time.monotonic()
+        r = post(
+            small_server, {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}}
+        )
+        assert r.status_code == 503 and time.monotonic() - t0 < 5
+        assert r.json()["type"] == "ServiceUnavailableException" and "Retry-After" not in r.headers
+        with SessionClient.from_url(small_server.url, max_retries=0) as client, pytest.raises(Overloaded) as info:
+            client.open_session(photos["coffee"])
+        assert info.value.code == "ServiceUnavailableException" and info.value.retry_after is None
+    finally:
+        for s in sids:
+            post(small_server, {"type": "close_session"}, session_id=s)
+
+
+def test_past_max_sessions_the_handler_answers_overloaded_with_retry_after(request, tiny_model_dir, photos):
+    """With spare job groups (as model-config.yaml ships: batchSize = maxNumSequence = max_sessions + 8),
+    a session past max_sessions gets our 503 overloaded + Retry-After at once, and leaves no job group."""
+    from llava_client import Overloaded, SessionClient
+
+    server = start_local_server(
+        tiny_model_dir,
+        addfinalizer=request.addfinalizer,
+        model_config_overrides={"batchSize": 5, "maxNumSequence": 5},
+        overrides={"max_sessions": 3},
+    )
+    sids = [open_session(server, photos["coffee"])[0] for _ in range(3)]
+    for literal in (None, "NEW_SESSION", None, "NEW_SESSION", None, None):  # more than the 2 spare groups
+        t0 = time.monotonic()
+        r = post(
+            server,
+            {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}},
+            session_id=literal,
+        )
+        assert r.status_code == 503 and time.monotonic() - t0 < 5, r.text
+        assert r.json()["error"]["code"] == "overloaded" and int(r.headers["Retry-After"]) > 0
+    with SessionClient.from_url(server.url, max_retries=0) as client:
+        with pytest.raises(Overloaded) as info:
+            client.open_session(photos["coffee"])
+        assert info.value.code == "overloaded" and info.value.retry_after and info.value.retry_after > 0
+        post(server, {"type": "close_session"}, session_id=sids.pop())
+        client.open_session(photos["coffee"]).close()  # room again: a session opens at once
+
+
 def test_killed_worker_sessions_get_404_fast_and_new_sessions_work(small_server, photos):
     sid, _ = open_session(small_server, photos["astronaut"])
     old_workers = small_server.worker_pids()

@@ -170,6 +170,7 @@ class SessionEngine:
         self.batch = DecodeBatch(runner, store)
         self.num_reused_tokens = 0  # counters for metrics
         self.num_prefilled_tokens = 0
+        self.num_generated_tokens = 0  # tokens sampled (every answer, finished or abandoned)
 
     # ------------------------------------------------------------------ lifecycle
     def open(
@@ -823,6 +824,7 @@ class Generation:
         """Sample the next token from ``logits [vocab]`` (float32); finish the answer if it ends."""
         runner = self.engine.runner
         token, logprob = self._sampler.next_token(logits)
+        self.engine.num_generated_tokens += 1
         now = time.perf_counter()
         if not self._events:
             self._t_first = now

@@ -70,6 +70,7 @@ class WorkerMetrics:
                 ("SessionsExpired", ()): st.num_expired,
                 ("ReusedPromptTokens", ()): engine.num_reused_tokens,
                 ("PrefilledPromptTokens", ()): engine.num_prefilled_tokens,
+                ("GeneratedTokens", ()): engine.num_generated_tokens,
                 **{("Errors", (code,)): n for code, n in self.errors_by_code.items()},
             },
         }
