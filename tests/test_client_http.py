@@ -262,10 +262,18 @@ def test_connection_refused_and_timeouts():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again: nothing listens here
-    refused = SessionClient(HttpTransport(f"http://127.0.0.1:{port}"), max_retries=0)
+    refused = SessionClient(HttpTransport(f"http://127.0.0.1:{port}"), max_retries=0, restart_wait_s=0)
+    t0 = time.monotonic()
     with pytest.raises(APIConnectionError) as info:
         refused.open_session(b"x")
     assert not isinstance(info.value, APITimeoutError) and info.value.request_sent is False
+    assert time.monotonic() - t0 < 1
+    # a refused connection is retried through a restart's window, past max_retries, then raised
+    patient = SessionClient(HttpTransport(f"http://127.0.0.1:{port}"), max_retries=0, restart_wait_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(APIConnectionError):
+        patient.open_session(b"x")
+    assert 1.5 <= time.monotonic() - t0 < 5
 
     with socket.socket() as silent:  # accepts connections, never answers
         silent.bind(("127.0.0.1", 0))

@@ -200,7 +200,7 @@ def test_cli_survives_killed_workers_and_sessions_come_back(tmp_path: Path, tiny
     try:
         output = OutputLines(cli.stdout)
         url = output.wait_for(READY, timeout_s=150).group(1)
-        client = SessionClient.from_url(url, max_retries=6)
+        client = SessionClient.from_url(url)  # the default rides out the restart (restart_wait_s)
         session = client.open_session(photos["coffee"])
         session.ask("What is in this image?", max_new_tokens=6, temperature=0)
         before = session.ask("And the colours?", remember=False, max_new_tokens=6, temperature=0).text
@@ -224,6 +224,12 @@ def test_cli_survives_killed_workers_and_sessions_come_back(tmp_path: Path, tiny
             assert r.json()["error"]["code"] == "session_not_found" and r.headers[CLOSED_SESSION] == old_id
             again = session.ask("And the colours?", remember=False, max_new_tokens=6, temperature=0)
             assert session.recoveries == kill and session.id != old_id and again.text == before
+        # a third kill, and the next question at once: the default client waits out the restart
+        # (refused connections for up to restart_wait_s), then restores the session
+        os.kill(_worker_pids(cli.pid)[0], signal.SIGKILL)
+        output.wait_for(re.compile(r"died; restarting TorchServe"), timeout_s=30)
+        again = session.ask("And the colours?", remember=False, max_new_tokens=6, temperature=0)
+        assert session.recoveries == 3 and again.text == before
         session.close()
         client.close()
         assert cli.poll() is None  # still serving after two kills

@@ -17,6 +17,7 @@ terminal chat; ``python -m llava_tools.demo`` for a scripted local demo.
 
 from ._client import (
     DEFAULT_MAX_RETRIES,
+    DEFAULT_RESTART_WAIT_S,
     INITIAL_RETRY_DELAY_S,
     MAX_BODY_BYTES,
     MAX_RETRY_DELAY_S,
@@ -52,6 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
+    "DEFAULT_RESTART_WAIT_S",
     "DEFAULT_TIMEOUT",
     "INITIAL_RETRY_DELAY_S",
     "MAX_BODY_BYTES",

@@ -38,6 +38,11 @@ backoff honouring ``Retry-After``, and only where a repeat cannot duplicate work
   ``overloaded``, 409 ``session_busy``), or SageMaker throttled (429);
 - a stream only before its response started (never once a token arrived).
 
+A restarting server refuses connections for a few seconds (docs/api.md, "When a worker dies"):
+a request that could not connect at all is retried for up to ``restart_wait_s`` seconds (default
+:data:`DEFAULT_RESTART_WAIT_S`) from its first refusal, past ``max_retries``, with the same
+backoff capped at :data:`MAX_RESTART_RETRY_DELAY_S`; nothing ran, so any request may be repeated.
+
 Recovery (``auto_recover=True``): when a call fails because the session is gone from the server
 (:class:`SessionGone`: closed behind our back, expired, evicted, or lost with a restarted worker),
 the client reopens a session on the same image (it keeps the image it was opened with) and hands
@@ -87,6 +92,7 @@ from ._types import Answer, GenerationParams, Recovery, Token
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
+    "DEFAULT_RESTART_WAIT_S",
     "INITIAL_RETRY_DELAY_S",
     "MAX_BODY_BYTES",
     "MAX_RETRY_DELAY_S",
@@ -103,6 +109,10 @@ DEFAULT_MAX_RETRIES = 2
 #: First backoff delay; doubles per retry, capped at :data:`MAX_RETRY_DELAY_S`, times a 0.75–1.0 jitter.
 INITIAL_RETRY_DELAY_S = 0.5
 MAX_RETRY_DELAY_S = 8.0
+#: Seconds a request that could not connect keeps being retried (a server restart's window).
+DEFAULT_RESTART_WAIT_S = 30.0
+#: Longest wait between two connection attempts inside that window.
+MAX_RESTART_RETRY_DELAY_S = 2.0
 #: SageMaker's request body limit (6 MiB); bigger bodies are refused here before sending.
 MAX_BODY_BYTES = 6_291_456
 
@@ -162,6 +172,8 @@ class SessionClient:
         max_retries: retries after the first attempt (see :func:`should_retry`).
         auto_recover: reopen and replay a session the server lost (see the module docstring).
         max_body_bytes: largest request body sent (SageMaker's limit by default).
+        restart_wait_s: seconds a request that could not connect is retried (past ``max_retries``),
+            to ride out a server restart; 0 turns this off.
 
     Use :meth:`from_url` / :meth:`from_endpoint` for the common cases. ``with SessionClient(...)``
     closes the transport at the end.
@@ -174,11 +186,15 @@ class SessionClient:
         max_retries: int = DEFAULT_MAX_RETRIES,
         auto_recover: bool = True,
         max_body_bytes: int = MAX_BODY_BYTES,
+        restart_wait_s: float = DEFAULT_RESTART_WAIT_S,
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if restart_wait_s < 0:
+            raise ValueError("restart_wait_s must be >= 0")
         self.transport = transport
         self.max_retries = max_retries
+        self.restart_wait_s = restart_wait_s
         self.auto_recover = auto_recover
         self.max_body_bytes = max_body_bytes
 
@@ -277,13 +293,22 @@ class SessionClient:
         return body
 
     def _retrying(self, call: Callable[[], T], *, retry_safe: bool, what: str) -> T:
+        first_refusal: float | None = None
         for attempt in itertools.count():
             try:
                 return call()
             except LlavaError as err:
-                if attempt >= self.max_retries or not should_retry(err, retry_safe=retry_safe):
+                refused = isinstance(err, APIConnectionError) and not err.request_sent
+                if refused and first_refusal is None:
+                    first_refusal = time.monotonic()
+                in_window = (
+                    refused and first_refusal is not None and time.monotonic() - first_refusal < self.restart_wait_s
+                )
+                if not in_window and (attempt >= self.max_retries or not should_retry(err, retry_safe=retry_safe)):
                     raise
                 delay = retry_delay(attempt, err)
+                if in_window:
+                    delay = min(delay, MAX_RESTART_RETRY_DELAY_S)
                 log.info(
                     "retrying %s in %.2f s after %s (retry %d of %d)", what, delay, err, attempt + 1, self.max_retries
                 )
