@@ -502,3 +502,46 @@ def test_cli_keeps_serving_when_a_backend_worker_dies(tiny_model_dir: Path, phot
     finally:
         stop_process(cli)
     assert cli.returncode == 0
+
+
+def test_web_page_over_the_sagemaker_runtime(endpoint, runtime, photos, tmp_path):
+    """The page's logic (``WebChat``) through boto3's sagemaker-runtime, and ``llava-web --endpoint
+    --endpoint-url`` serving the page against this endpoint until SIGTERM."""
+    from llava_client import SageMakerTransport, SessionClient
+    from llava_client.web import WebChat
+
+    chat = WebChat(SessionClient(SageMakerTransport("llava-local", client=runtime)))
+    _, status = chat.open_image("tab-1", photos["astronaut"])
+    assert "opened" in status, status
+    session_id = chat.tab("tab-1").session.id
+    *_, (messages, status) = chat.ask("tab-1", "What is in this image?", 8, 0.0)
+    assert "finish_reason" in status and messages[-1]["role"] == "assistant", status
+    *_, (_, status) = chat.ask("tab-1", "And the background?", 8, 0.0)
+    assert int(re.search(r"reused (\d+) of", status).group(1)) > 576, status
+    chat.leave("tab-1")
+    with pytest.raises(ClientError) as info:  # leaving the tab closed its session
+        invoke(runtime, {"type": "generate", "prompt": "hi"}, session_id)
+    assert info.value.response["OriginalStatusCode"] == 404
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "GRADIO_TEMP_DIR": str(tmp_path)}
+    command = [sys.executable, "-m", "llava_client.web", "--endpoint", "llava-local", "--endpoint-url", endpoint.url]
+    web = subprocess.Popen(
+        [*command, "--region", "us-east-1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        output = OutputLines(web.stdout, web)
+        output.wait_for(
+            re.compile(r"llava-web: chat page at http://127\.0\.0\.1:\d+ \(server: SageMaker endpoint"), 120
+        )
+        assert requests.get(f"http://127.0.0.1:{port}", timeout=10).status_code == 200
+        web.send_signal(signal.SIGTERM)
+        assert web.wait(timeout=60) == 0
+    finally:
+        stop_process(web)

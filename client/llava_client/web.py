@@ -11,6 +11,7 @@ chat is cleared or the page is left, and otherwise expires by the server's TTL.
 
     llava-web --url http://127.0.0.1:8080          # llava-serve / llava-local-endpoint / a container
     llava-web --endpoint my-llava [--region us-east-1]   # a SageMaker endpoint
+    llava-web --endpoint llava-local --endpoint-url http://127.0.0.1:8090 --region us-east-1  # llava-local-endpoint
 
 The page binds to 127.0.0.1:7860 by default (``--host``, ``--port``). Needs the ``[web]`` extra
 (Gradio). Errors appear in the page as sentences (:func:`explain`); a session the server lost is
@@ -366,6 +367,10 @@ def _build_parser() -> argparse.ArgumentParser:
     where.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve, a container)")
     where.add_argument("--endpoint", help="SageMaker endpoint name")
     p.add_argument("--region", help="AWS region of --endpoint")
+    p.add_argument(
+        "--endpoint-url",
+        help="the SageMaker runtime's URL for --endpoint (e.g. llava-local-endpoint's http://127.0.0.1:8090)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the page binds to (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=7860, help="the page's port (default 7860)")
     return p
@@ -422,11 +427,19 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("llava-web: Gradio is not installed; pip install 'llava-sessions[web]'", file=sys.stderr)
         return 1
+    if args.endpoint_url and not args.endpoint:
+        print("llava-web: --endpoint-url goes with --endpoint", file=sys.stderr)
+        return 2
     if args.url:
         client, target = SessionClient.from_url(args.url), args.url
     else:
-        client = SessionClient.from_endpoint(args.endpoint, region_name=args.region)
-        target = f"SageMaker endpoint {args.endpoint}"
+        runtime = None
+        if args.endpoint_url:
+            import boto3
+
+            runtime = boto3.client("sagemaker-runtime", endpoint_url=args.endpoint_url, region_name=args.region)
+        client = SessionClient.from_endpoint(args.endpoint, region_name=args.region, client=runtime)
+        target = f"SageMaker endpoint {args.endpoint}" + (f" at {args.endpoint_url}" if args.endpoint_url else "")
     page = ChatPage(WebChat(client), host=args.host, port=args.port, target=target)
     stop = threading.Event()
 
