@@ -108,6 +108,16 @@ def test_serve_without_a_model_exits_1_with_what_to_do(tmp_path: Path) -> None:
     assert "no model" in result.stderr and "BAKE_MODEL_ID" in result.stderr
 
 
+def test_serve_refuses_more_than_one_worker(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """SAGEMAKER_MODEL_SERVER_WORKERS=2 would lose NEW_SESSION follow-ups: refused with the reason."""
+    env = {**os.environ, "SAGEMAKER_MODEL_SERVER_WORKERS": "2", "LLAVA_CONTAINER_MODEL_DIR": str(tiny_model_dir)}
+    result = subprocess.run(
+        [sys.executable, "-m", "llava_tools.container", "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "more than one TorchServe worker" in result.stderr and "NEW_SESSION" in result.stderr
+
+
 # ---- the entrypoint, end to end -------------------------------------------------------------------
 
 

@@ -183,6 +183,14 @@ def test_local_model_config_applies_workers_and_overrides(tmp_path: Path) -> Non
     assert written["handler"]["session_ttl_s"] == 1200  # untouched keys keep the shipped values
 
 
+def test_cli_refuses_more_than_one_worker(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [*_llava_serve(), "--model-dir", str(tmp_path), "--workers", "2"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "more than one TorchServe worker" in result.stderr and "llava-local-endpoint" in result.stderr
+
+
 def _worker_pids(cli_pid: int) -> list[int]:
     procs = psutil.Process(cli_pid).children(recursive=True)
     return [p.pid for p in procs if any("model_service_worker" in part for part in p.cmdline())]

@@ -46,6 +46,7 @@ from typing import Any
 
 from .serve import (
     _SEQUENCE_HEADER_KEYS,
+    MULTI_WORKER_REFUSAL,
     LocalServer,
     ServerStartError,
     default_handler_path,
@@ -240,7 +241,7 @@ def _build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     workers = _env_int(env, "SAGEMAKER_MODEL_SERVER_WORKERS")
     parser.add_argument(
         "--workers", type=int, default=workers or 1,
-        help="TorchServe workers (default: $SAGEMAKER_MODEL_SERVER_WORKERS, else 1 per GPU model copy)",
+        help="TorchServe workers (default: $SAGEMAKER_MODEL_SERVER_WORKERS, else 1); more than 1 is refused",
     )  # fmt: skip
     parser.add_argument(
         "--startup-timeout", type=float, default=3600.0,
@@ -265,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     env = os.environ
     args = _build_parser(env).parse_args(argv)
+    if args.workers > 1:  # --workers or $SAGEMAKER_MODEL_SERVER_WORKERS
+        print(f"llava-container-serve: {MULTI_WORKER_REFUSAL}", file=sys.stderr, flush=True)
+        return 1
     try:
         model_dir, artifact_config = resolve_model(args.model_dir)
     except ModelNotFoundError as exc:

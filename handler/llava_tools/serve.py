@@ -61,6 +61,13 @@ _SEQUENCE_HEADER_KEYS = (
 
 #: SageMaker's body limit is 6,291,456 bytes; TorchServe's own limit sits just above it.
 _MAX_BODY_BYTES = 6_553_600
+#: Why more than one TorchServe worker per model is refused (docs/design.md, "One worker").
+MULTI_WORKER_REFUSAL = (
+    "more than one TorchServe worker per model is refused: TorchServe does not keep a session on one "
+    "worker when clients send the literal id NEW_SESSION (one shared job group; their follow-ups reach "
+    "the other worker and get 404), and it does not balance sessions over workers. Run one worker; for "
+    "more model copies run llava-local-endpoint --backends N"
+)
 #: Seconds between SIGTERM to the process group and SIGKILL.
 DEFAULT_STOP_GRACE_S = 20.0
 #: Longest temp-dir path we accept: TorchServe puts unix sockets (<= 107 bytes) in it.
@@ -689,7 +696,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-dir", required=True, help="Hugging Face LLaVA checkpoint directory")
     parser.add_argument("--port", type=int, default=8080, help="inference port (0: any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="inference bind address")
-    parser.add_argument("--workers", type=int, default=1, help="TorchServe workers (default 1)")
+    parser.add_argument("--workers", type=int, default=1, help="TorchServe workers: 1 (more are refused)")
     parser.add_argument("--config", default=None, help="model-config.yaml to start from")
     parser.add_argument(
         "--set",
@@ -718,12 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``llava-serve``: start TorchServe, print the URL, stop it on SIGINT/SIGTERM."""
     args = _build_parser().parse_args(argv)
     if args.workers > 1:
-        print(
-            f"llava-serve: warning: {args.workers} workers. TorchServe pins each session to one "
-            "worker; a client sending the literal id NEW_SESSION (instead of no id) would make "
-            "that one shared job group on one worker. Open sessions without an id header.",
-            file=sys.stderr,
-        )
+        print(f"llava-serve: {MULTI_WORKER_REFUSAL}", file=sys.stderr)
+        return 2
     server = LocalServer(
         args.model_dir,
         port=args.port,
