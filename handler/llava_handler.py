@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+from llava_sessions.replicas import ReplicaRouter
 from llava_sessions.service import Row, SessionService
 from llava_sessions.worker import build_service
 
@@ -22,7 +23,7 @@ class LlavaHandler:
     """TorchServe custom handler (one instance per worker process)."""
 
     def __init__(self) -> None:
-        self.service: SessionService | None = None
+        self.service: SessionService | ReplicaRouter | None = None
         self.initialized = False
 
     def initialize(self, context) -> None:

@@ -30,6 +30,7 @@ _MIB = 1024**2
 _SAGEMAKER_MAX_BODY_BYTES = 6_291_456
 
 _HOST_RE = re.compile(r"^\.?[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _NONE = frozenset({"", "none", "null"})
@@ -55,6 +56,15 @@ class Settings(BaseModel):
     )
     gpu_id: int | None = Field(
         None, ge=0, description="CUDA device index; empty means TorchServe's gpu_id from the context."
+    )
+    devices: str = Field(
+        "auto",
+        description='Model replicas of this worker: "auto" (one per visible GPU when device is not cpu and gpu_id '
+        'is unset, else one on device/gpu_id) or a comma-separated list such as "cuda:0,cuda:1" or "cpu,cpu". '
+        "Each replica is a process with its own model copy, KV budget, 1/N of the host budget and of max_sessions.",
+    )
+    torch_threads: int = Field(
+        0, ge=0, description="torch intra-op threads per replica; 0 = torch's default (split over CPU replicas)."
     )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         "auto", description='"auto" (float16 on GPU, float32 on CPU), "float16", "bfloat16" or "float32".'
@@ -152,6 +162,20 @@ class Settings(BaseModel):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _check_devices(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        value = value.strip().lower().replace(" ", "")
+        if value == "auto":
+            return value
+        items = value.split(",")
+        bad = [d for d in items if not _DEVICE_RE.match(d)]
+        if not items or bad:
+            raise ValueError(f'{bad or value!r}: give "auto" or a comma-separated list of cpu, cuda, cuda:N')
+        return ",".join(items)
 
     @field_validator("log_level", mode="before")
     @classmethod

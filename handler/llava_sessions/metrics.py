@@ -75,37 +75,57 @@ class WorkerMetrics:
             },
         }
 
-    def emit(self, engine: SessionEngine) -> None:
-        """Publish gauges, counter increments and the answers' samples since the last call.
+    def collect(self, engine: SessionEngine) -> dict[str, Any]:
+        """Take what :meth:`publish` sends: the snapshot plus the answers' samples since the last call
+        (which are cleared). Plain data (picklable), so a replica process can hand it to the worker."""
+        payload: dict[str, Any] = {
+            **self.snapshot(engine),
+            "ttft_ms": list(self._ttft_ms),
+            "decode_tokens_per_s": list(self._decode_tokens_per_s),
+        }
+        self._ttft_ms.clear()
+        self._decode_tokens_per_s.clear()
+        return payload
 
-        Time to first token goes out in seconds (Prometheus' default histogram buckets are in
-        seconds). Never raises: metrics must never hurt serving.
+    def emit(self, engine: SessionEngine, replica: int = 0) -> None:
+        """Publish this worker's (or replica's) metrics: :meth:`collect`, then :meth:`publish`."""
+        self.publish(self.collect(engine), replica)
+
+    def publish(self, payload: dict[str, Any], replica: int = 0) -> None:
+        """Send gauges, counter increments and samples of one replica to TorchServe's metrics cache.
+
+        Every metric carries the ``Replica`` dimension (0..N-1): the container's total is the sum
+        over it. Time to first token goes out in seconds (Prometheus' default histogram buckets are
+        in seconds). Never raises: metrics must never hurt serving.
         """
         if self._cache is None:
             return
         try:
             from ts.metrics.metric_type_enum import MetricTypes
 
-            snap = self.snapshot(engine)
+            label = str(replica)
             updates: list[tuple[str, tuple[str, ...], float, Any, str]] = []
-            for (name, dims), value in snap["gauges"].items():
+            for (name, dims), value in payload["gauges"].items():
                 updates.append((name, dims, value, MetricTypes.GAUGE, "Bytes" if name == "SessionBytes" else "Count"))
-            for key, value in snap["counters"].items():
-                delta = value - self._counters_sent.get(key, 0)
+            for key, value in payload["counters"].items():
+                sent_key = (key[0], (*key[1], label))
+                delta = value - self._counters_sent.get(sent_key, 0)
                 if delta:
-                    self._counters_sent[key] = value
+                    self._counters_sent[sent_key] = value
                     updates.append((key[0], key[1], delta, MetricTypes.COUNTER, "Count"))
-            updates += [("TimeToFirstTokenSeconds", (), v / 1000.0, MetricTypes.HISTOGRAM, "s") for v in self._ttft_ms]
-            updates += [("DecodeTokensPerSecond", (), v, MetricTypes.GAUGE, "Count") for v in self._decode_tokens_per_s]
-            self._ttft_ms.clear()
-            self._decode_tokens_per_s.clear()
+            updates += [
+                ("TimeToFirstTokenSeconds", (), v / 1000.0, MetricTypes.HISTOGRAM, "s") for v in payload["ttft_ms"]
+            ]
+            updates += [
+                ("DecodeTokensPerSecond", (), v, MetricTypes.GAUGE, "Count") for v in payload["decode_tokens_per_s"]
+            ]
             for name, dims, value, mtype, unit in updates:
                 metric = self._objects.get(name)
                 if metric is None:
                     metric = self._cache.add_metric_to_cache(
-                        f"llava_{name}", unit, ["ModelName", *_DIMS.get(name, [])], mtype
+                        f"llava_{name}", unit, ["ModelName", "Replica", *_DIMS.get(name, [])], mtype
                     )
                     self._objects[name] = metric
-                metric.add_or_update(value, ["llava", *dims])
+                metric.add_or_update(value, ["llava", label, *dims])
         except Exception:  # noqa: BLE001 - metrics must never hurt serving
             log.debug("metrics emission failed", exc_info=True)

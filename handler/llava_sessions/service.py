@@ -135,6 +135,7 @@ class SessionService:
         self.end_header = end_header
         self._fetch = fetch
         self._jobs: dict[str, _Job] = {}
+        self._new_session_bytes: int | None = None
 
     # ------------------------------------------------------------------ entry
     def handle(self, rows: list[Row]) -> list[RowResult]:
@@ -373,6 +374,24 @@ class SessionService:
     def internal_error(self) -> RowResult:
         """A 500 ``internal_error`` row (the entry's last line of defence)."""
         return self._error_result(None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
+
+    def placement_stats(self) -> dict[str, int]:
+        """What a replica router places new sessions by: ``free_bytes`` (device budget left, bytes),
+        ``num_sessions``, ``max_sessions`` and ``new_session_bytes`` (what one new session's image
+        features and prefix KV cost, bytes)."""
+        engine, store = self.engine, self.engine.store
+        if self._new_session_bytes is None:
+            runner = engine.runner
+            prefix = runner.prefix_ids(self.settings.system_prompt)
+            self._new_session_bytes = (
+                runner.num_image_tokens * engine._hidden_bytes() + len(prefix) * runner.kv_bytes_per_token
+            )
+        return {
+            "free_bytes": store.device_budget_bytes - store.device_bytes(),
+            "num_sessions": len(store),
+            "new_session_bytes": self._new_session_bytes,
+            "max_sessions": self.settings.max_sessions,
+        }
 
     def emit_metrics(self) -> None:
         """Publish the worker's metrics (:meth:`WorkerMetrics.emit`); never raises."""

@@ -18,10 +18,11 @@ from .engine import EngineLimits, SessionEngine, default_device_budget
 from .images import decode_image
 from .metrics import WorkerMetrics
 from .model import LlavaRunner
+from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions import SessionStore
 
-__all__ = ["build_service"]
+__all__ = ["build_local_service", "build_service"]
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +41,68 @@ def build_service(
     gpu_id: int | None = None,
     end_header: str = CLOSED_SESSION_ID_HEADER,
     metrics: Any = None,
-) -> SessionService:
-    """Build settings, model, store, engine and service for one worker.
+) -> SessionService | ReplicaRouter:
+    """Build this worker's handler core: one :class:`SessionService` in this process, or a
+    :class:`~llava_sessions.replicas.ReplicaRouter` over one process per device when ``devices``
+    names several (``resolve_devices``).
 
     Args:
         handler_section: the ``handler:`` section of model-config.yaml.
         env: environment overrides (``LLAVA_*``).
         archive_dir: TorchServe's model directory; used as the checkpoint folder when
             ``model_dir`` is empty and it holds a config.json.
-        gpu_id: TorchServe's GPU for this worker (``settings.gpu_id`` wins).
+        gpu_id: TorchServe's GPU for this worker (``settings.gpu_id`` wins; ignored by replicas).
         end_header: TorchServe's sequence-end header name (``ctx.header_key_sequence_end``).
         metrics: TorchServe's metrics cache (``context.metrics``) or None.
 
     Raises:
-        ValueError: invalid settings. FileNotFoundError: no checkpoint folder.
+        ValueError: invalid settings. FileNotFoundError: no checkpoint folder. RuntimeError: a
+        replica did not start.
     """
     settings = Settings.from_sources(dict(handler_section), env)
     logging.getLogger("llava_sessions").setLevel(settings.log_level)
+    devices = resolve_devices(settings)
+    build: dict[str, Any] = {
+        "handler_section": dict(handler_section),
+        "env": dict(env or {}),
+        "archive_dir": archive_dir,
+        "gpu_id": gpu_id,
+        "end_header": end_header,
+    }
+    if len(devices) == 1:
+        return build_local_service(**build, device=devices[0], metrics=metrics)
+    return ReplicaRouter(settings, devices, build, metrics=metrics)
+
+
+def build_local_service(
+    handler_section: Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    archive_dir: str | None = None,
+    gpu_id: int | None = None,
+    end_header: str = CLOSED_SESSION_ID_HEADER,
+    metrics: Any = None,
+    device: str = "",
+    replica: int = 0,
+    num_replicas: int = 1,
+) -> SessionService:
+    """Build settings, model, store, engine and service in this process (one replica).
+
+    Args:
+        handler_section, env, archive_dir, gpu_id, end_header, metrics: as :func:`build_service`.
+        device: this replica's device (``"cpu"``, ``"cuda:1"``), or ``""`` for ``device`` / ``gpu_id``.
+        replica: this replica's index (log lines).
+        num_replicas: replicas of the worker (each gets 1/N of the host budget and ``max_sessions``).
+
+    Raises:
+        ValueError: invalid settings. FileNotFoundError: no checkpoint folder.
+    """
+    settings = replica_settings(Settings.from_sources(dict(handler_section), env), device, num_replicas)
+    logging.getLogger("llava_sessions").setLevel(settings.log_level)
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     model_dir = settings.model_dir
     if not model_dir and archive_dir and (Path(archive_dir) / "config.json").is_file():
         model_dir = archive_dir
@@ -89,6 +135,6 @@ def build_service(
     )
     log.warning(
         "llava-sessions ready",
-        extra={"model_dir": model_dir, "device": str(runner.device), "device_budget_bytes": budget},
+        extra={"model_dir": model_dir, "device": str(runner.device), "device_budget_bytes": budget, "replica": replica},
     )
     return SessionService(settings, engine, end_header=end_header, metrics=WorkerMetrics(metrics))

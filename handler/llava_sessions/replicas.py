@@ -1,0 +1,319 @@
+"""Model replicas of one TorchServe worker: one process per device, sessions placed and routed here.
+
+SageMaker's sticky routing pins a session to an *instance*; inside it, one TorchServe worker (more
+are refused: they lose ``NEW_SESSION`` follow-ups, docs/design.md) receives every request. With
+``devices`` naming N > 1 devices, that worker's handler is a :class:`ReplicaRouter`:
+
+- it starts one **replica process** per device (``multiprocessing`` spawn). Each builds its own
+  model copy, session store (its device's KV budget, 1/N of the host budget and of
+  ``max_sessions``) and :class:`~llava_sessions.service.SessionService`, and serves the rows it is
+  sent exactly as a lone worker would (the same scheduler, batched decode, errors per row);
+- :meth:`ReplicaRouter.handle` splits a TorchServe batch by replica and sends every part at once,
+  so the replicas' forward passes run at the same time in different processes (two model copies in
+  threads of one interpreter serialise on the GIL: 1.07-1.17x measured, vs 1.85x in processes);
+- **placement**: a row of a job in flight goes to its replica; a row naming a placed session to that
+  session's replica; anything else (no header, an empty one, ``NEW_SESSION``, a TorchServe-minted
+  id, an unknown id) to the replica with the most room, ties to the fewest sessions, as each
+  replica reported after its last call (counted forward within a batch). Room is the free KV budget
+  in sessions (free bytes / one new session's features + prefix KV), capped by the replica's free
+  session slots, so equal GPUs fill evenly and a fuller or smaller device gets fewer. An answer carrying
+  ``X-Amzn-SageMaker-New-Session-Id`` places that id; one carrying the Closed header removes it;
+- **faults**: an error inside a replica's step fails that replica's rows with typed errors (as
+  in any worker). A replica process that dies loses its sessions (their ids then get 404
+  ``session_not_found`` + the Closed header from a live replica), its rows in flight get 500
+  ``internal_error``, and it is started again in the background; the other replicas keep serving.
+
+Pipes carry plain data: :class:`~llava_sessions.service.Row` in, ``(RowResult list, stats,
+metrics payload)`` out; image bytes cross once, on the open.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .codec import Codec
+from .config import Settings
+from .contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER
+from .errors import ErrorCode, ServiceError
+from .metrics import WorkerMetrics
+from .service import Row, RowResult
+
+__all__ = ["ReplicaRouter", "resolve_devices"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a replica may take to load its model before the worker gives up on it.
+REPLICA_START_TIMEOUT_S = 3600.0
+
+
+def resolve_devices(settings: Settings, *, cuda_count: int | None = None) -> list[str]:
+    """The devices of this worker's replicas, from ``settings.devices``.
+
+    ``auto``: one replica per visible GPU when ``device`` is not ``cpu`` and no ``gpu_id`` is set
+    (``cuda_count`` > 0), else one replica on ``device`` / ``gpu_id`` (``""`` = the runner's own
+    choice). An explicit list is used as given.
+
+    Args:
+        settings: validated settings.
+        cuda_count: visible CUDA devices (default: ``torch.cuda.device_count()``).
+    """
+    if settings.devices != "auto":
+        return settings.devices.split(",")
+    if settings.device == "cpu" or settings.gpu_id is not None:
+        return [""]
+    if cuda_count is None:
+        import torch
+
+        cuda_count = torch.cuda.device_count()
+    return [f"cuda:{i}" for i in range(cuda_count)] if cuda_count > 1 else [""]
+
+
+def replica_settings(settings: Settings, device: str, num_replicas: int) -> Settings:
+    """``settings`` for one replica on ``device``: its device / gpu_id, and 1/N of the host budget
+    and of ``max_sessions`` (at least 1 each)."""
+    update: dict[str, Any] = {"devices": device or "auto"}
+    if device:
+        kind, _, index = device.partition(":")
+        update["device"] = kind
+        update["gpu_id"] = int(index) if index else (0 if kind == "cuda" else None)
+    if num_replicas > 1:
+        update["host_budget_bytes"] = max(1, settings.host_budget_bytes // num_replicas)
+        update["max_sessions"] = max(1, -(-settings.max_sessions // num_replicas))
+        if not settings.torch_threads and device == "cpu":
+            update["torch_threads"] = max(1, (os.cpu_count() or 1) // num_replicas)
+    return settings.model_copy(update=update)
+
+
+def _replica_main(conn: Connection, index: int, num_replicas: int, build: dict[str, Any]) -> None:
+    """A replica process: build a service on its device, then serve the rows it is sent until the
+    pipe closes (the worker exited) or ``None`` arrives."""
+    from .worker import build_local_service
+
+    try:
+        service = build_local_service(replica=index, num_replicas=num_replicas, **build)
+    except BaseException as exc:  # noqa: BLE001 - reported to the router, which fails the start
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", service.placement_stats()))
+    while True:
+        try:
+            rows = conn.recv()
+        except (EOFError, OSError):
+            return
+        if rows is None:
+            return
+        results = service.handle(rows)
+        conn.send((results, service.placement_stats(), service.metrics.collect(service.engine)))
+
+
+class _Replica:
+    """The router's handle on one replica process."""
+
+    def __init__(self, index: int, device: str) -> None:
+        self.index = index
+        self.device = device
+        self.process: Any = None
+        self.conn: Connection | None = None
+        self.stats: dict[str, int] = {"free_bytes": 0, "num_sessions": 0, "new_session_bytes": 1}
+        self.alive = False
+
+
+class ReplicaRouter:
+    """The worker's handler core when ``devices`` names several devices (module docstring).
+
+    Has :class:`~llava_sessions.service.SessionService`'s entry points: :meth:`handle`,
+    :meth:`internal_error`, :meth:`emit_metrics`.
+
+    Args:
+        settings: the worker's validated settings.
+        devices: one device per replica (``resolve_devices``).
+        build: keyword arguments of :func:`llava_sessions.worker.build_local_service` (picklable).
+        metrics: TorchServe's metrics cache, or None.
+
+    Raises:
+        RuntimeError: a replica failed to start (its error in the message).
+    """
+
+    def __init__(self, settings: Settings, devices: list[str], build: Mapping[str, Any], metrics: Any = None) -> None:
+        self.settings = settings
+        self.devices = devices
+        self._build = dict(build)
+        self._metrics = WorkerMetrics(metrics)
+        self._metrics_lock = threading.Lock()
+        self._codec = Codec(settings)
+        self._ctx = multiprocessing.get_context("spawn")
+        self.replicas = [_Replica(i, d) for i, d in enumerate(devices)]
+        self.placement: dict[str, int] = {}  # session id -> replica
+        self._jobs: dict[str, int] = {}  # request id of a job in flight -> replica
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="llava-replica")
+        for replica in self.replicas:
+            self._spawn(replica)
+        for replica in self.replicas:  # the model loads run at the same time
+            self._await_ready(replica)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _spawn(self, replica: _Replica) -> None:
+        parent, child = self._ctx.Pipe()
+        replica.process = self._ctx.Process(
+            target=_replica_main,
+            args=(child, replica.index, len(self.replicas), self._build | {"device": replica.device}),
+            name=f"llava-replica-{replica.index}",
+            daemon=True,
+        )
+        replica.process.start()
+        child.close()
+        replica.conn = parent
+
+    def _await_ready(self, replica: _Replica) -> None:
+        assert replica.conn is not None
+        if not replica.conn.poll(REPLICA_START_TIMEOUT_S):
+            raise RuntimeError(f"replica {replica.index} ({replica.device}) did not start in time")
+        try:
+            status, detail = replica.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise RuntimeError(f"replica {replica.index} ({replica.device}) died while starting") from exc
+        if status != "ready":
+            raise RuntimeError(f"replica {replica.index} ({replica.device}) failed to start: {detail}")
+        replica.stats = detail
+        replica.alive = True
+        log.warning("replica ready", extra={"replica": replica.index, "device": replica.device})
+
+    def _restart(self, replica: _Replica) -> None:
+        """Start a dead replica again (in a background thread); its sessions are gone."""
+        try:
+            if replica.process is not None:
+                replica.process.join(timeout=5)
+            self._spawn(replica)
+            self._await_ready(replica)
+        except Exception:  # noqa: BLE001 - it stays down; placement avoids it
+            log.exception("replica restart failed", extra={"replica": replica.index})
+
+    def close(self) -> None:
+        """Stop every replica process."""
+        for replica in self.replicas:
+            if replica.conn is not None:
+                try:
+                    replica.conn.send(None)
+                except OSError:
+                    pass
+            if replica.process is not None:
+                replica.process.join(timeout=10)
+                if replica.process.is_alive():
+                    replica.process.kill()
+        self._pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ entry
+    def handle(self, rows: list[Row]) -> list[RowResult]:
+        """Route the rows, let every replica with rows run its slice at once, answer each row.
+
+        Never raises: a dead replica's rows get 500 ``internal_error``.
+        """
+        parts: dict[int, list[int]] = {}
+        tallies = {r.index: dict(r.stats) for r in self.replicas if r.alive}
+        with self._lock:
+            continuing = {i for i, row in enumerate(rows) if row.request_id in self._jobs}
+        for i, row in enumerate(rows):
+            target = self._route(row, tallies)
+            parts.setdefault(target, []).append(i)
+        results: list[RowResult | None] = [None] * len(rows)
+        futures = {
+            index: self._pool.submit(self._call, self.replicas[index], [rows[i] for i in positions])
+            for index, positions in parts.items()
+            if index >= 0
+        }
+        for index, positions in parts.items():
+            answers = futures[index].result() if index >= 0 else None
+            for k, i in enumerate(positions):
+                result = answers[k] if answers is not None else self.internal_error(chunk=i in continuing)
+                results[i] = result
+                self._book(rows[i], result, index)
+        return [r if r is not None else RowResult(b"") for r in results]
+
+    def _route(self, row: Row, tallies: dict[int, dict[str, int]]) -> int:
+        """The replica for ``row`` (-1: none is alive)."""
+        with self._lock:
+            known = self._jobs.get(row.request_id)
+            if known is None and row.session_id:
+                known = self.placement.get(row.session_id)
+        if known is not None and self.replicas[known].alive:
+            return known
+        if not tallies:
+            return -1
+        best = max(tallies, key=lambda i: (_room(tallies[i]), -tallies[i]["num_sessions"], -i))
+        tallies[best]["free_bytes"] -= tallies[best].get("new_session_bytes", 0)
+        tallies[best]["num_sessions"] += 1
+        return best
+
+    def _call(self, replica: _Replica, rows: list[Row]) -> list[RowResult] | None:
+        """One slice on one replica; None when its process is gone (then restarted)."""
+        conn = replica.conn
+        try:
+            assert conn is not None
+            conn.send(rows)
+            results, stats, payload = conn.recv()
+        except (EOFError, OSError, AssertionError):
+            self._replica_died(replica)
+            return None
+        replica.stats = stats
+        with self._metrics_lock:
+            self._metrics.publish(payload, replica.index)
+        return results
+
+    def _replica_died(self, replica: _Replica) -> None:
+        with self._lock:
+            if not replica.alive:
+                return
+            replica.alive = False
+            lost = [sid for sid, i in self.placement.items() if i == replica.index]
+            for sid in lost:
+                del self.placement[sid]
+            for rid in [rid for rid, i in self._jobs.items() if i == replica.index]:
+                del self._jobs[rid]
+        log.error(
+            "replica process died; its sessions are lost",
+            extra={"replica": replica.index, "device": replica.device, "sessions": len(lost)},
+        )
+        threading.Thread(target=self._restart, args=(replica,), daemon=True).start()
+
+    def _book(self, row: Row, result: RowResult, index: int) -> None:
+        """Record what the answer says: a job continuing, a session placed or closed."""
+        headers = {k.lower(): v for k, v in result.headers.items()}
+        with self._lock:
+            if index >= 0 and result.stop is False:
+                self._jobs[row.request_id] = index
+            else:
+                self._jobs.pop(row.request_id, None)
+            new_id = headers.get(NEW_SESSION_ID_HEADER.lower())
+            if new_id and index >= 0:
+                self.placement[new_id.split(";", 1)[0].strip()] = index
+            closed = headers.get(CLOSED_SESSION_ID_HEADER.lower())
+            if closed:
+                self.placement.pop(closed, None)
+
+    # ------------------------------------------------------------------ the entry's helpers
+    def internal_error(self, *, chunk: bool = False) -> RowResult:
+        """A 500 ``internal_error`` row (a dead replica's rows, the entry's last line of defence);
+        ``chunk``: the row continues a job whose first frame went out (this one is its last)."""
+        err = ServiceError(ErrorCode.INTERNAL_ERROR, "the model replica serving this request stopped")
+        return RowResult(self._codec.encode_error(err), status=err.status, stop=True if chunk else None)
+
+    def emit_metrics(self) -> None:
+        """Metrics are published as each replica answers (:meth:`_call`); nothing left to do."""
+
+    def sessions_by_replica(self) -> list[int]:
+        """Sessions each replica reported holding after its last call."""
+        return [r.stats.get("num_sessions", 0) if r.alive else 0 for r in self.replicas]
+
+
+def _room(stats: Mapping[str, int]) -> int:
+    """New sessions a replica can take: its free KV budget in sessions, capped by its session slots."""
+    by_memory = stats["free_bytes"] // max(1, stats["new_session_bytes"])
+    return min(by_memory, stats.get("max_sessions", by_memory) - stats["num_sessions"])

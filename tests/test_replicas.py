@@ -1,0 +1,115 @@
+"""Model replicas inside one worker (``devices``): placement, routing, metrics, a replica's death.
+
+The integration test runs a real TorchServe with ``devices=cpu,cpu`` (two replica processes, each
+with its own copy of the tiny model).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+
+import psutil
+import pytest
+import requests
+
+from llava_sessions.config import Settings
+from llava_sessions.replicas import replica_settings, resolve_devices
+from server_fixtures import start_local_server
+
+SID = "X-Amzn-SageMaker-Session-Id"
+CLOSED = "X-Amzn-SageMaker-Closed-Session-Id"
+
+
+def test_devices_resolve_to_one_replica_per_gpu_or_the_list_given():
+    auto = Settings.from_sources({})
+    assert resolve_devices(auto, cuda_count=0) == [""]  # one replica, the runner's own device choice
+    assert resolve_devices(auto, cuda_count=1) == [""]
+    assert resolve_devices(auto, cuda_count=4) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert resolve_devices(Settings.from_sources({"device": "cpu"}), cuda_count=4) == [""]
+    assert resolve_devices(Settings.from_sources({"gpu_id": 2}), cuda_count=4) == [""]
+    assert resolve_devices(Settings.from_sources({}, {"LLAVA_DEVICES": "cpu, cpu"})) == ["cpu", "cpu"]
+    with pytest.raises(ValueError, match="devices"):
+        Settings.from_sources({"devices": "tpu:0"})
+
+
+def test_each_replica_gets_its_device_and_a_share_of_sessions_and_host_memory():
+    base = Settings.from_sources({"max_sessions": 9, "host_budget_bytes": 1000})
+    one = replica_settings(base, "cuda:1", 2)
+    assert (one.device, one.gpu_id, one.max_sessions, one.host_budget_bytes) == ("cuda", 1, 5, 500)
+    cpu = replica_settings(base, "cpu", 2)
+    assert cpu.device == "cpu" and cpu.gpu_id is None and cpu.torch_threads >= 1
+    assert replica_settings(base, "", 1) == base.model_copy(update={"devices": "auto"})
+
+
+def _post(url, body, session_id=None):
+    headers = {SID: session_id} if session_id is not None else {}
+    return requests.post(f"{url}/invocations", data=json.dumps(body), headers=headers, timeout=60)
+
+
+def _metric(server, name: str) -> dict[str, float]:
+    text = requests.get(server.metrics_url + "/metrics", timeout=10).text
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(rf'^{name}{{[^}}]*Replica="(\d+)"[^}}]*}} ([0-9.e+-]+)$', text, re.M)
+    }
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_two_replicas_place_route_and_survive_a_replica_death(request, tiny_model_dir, photos):
+    server = start_local_server(
+        tiny_model_dir,
+        addfinalizer=request.addfinalizer,
+        overrides={"devices": "cpu,cpu", "max_sessions": 16},
+        model_config_overrides={"batchSize": 24, "maxNumSequence": 24},
+    )
+    image = {"base64": base64.b64encode(photos["coffee"]).decode()}
+    ids = []
+    for _ in range(8):  # no header and the literal NEW_SESSION, alike
+        for literal in (None, "NEW_SESSION"):
+            r = _post(server.url, {"type": "open_session", "image": image}, literal)
+            assert r.status_code == 200, r.text
+            ids.append(r.json()["session_id"])
+    question = {"type": "generate", "prompt": "What is in this image?", "parameters": {"max_new_tokens": 4}}
+    for _ in range(3):
+        texts = set()
+        for sid in ids:
+            r = _post(server.url, question, sid)
+            assert r.status_code == 200, r.text  # every follow-up reaches its session's replica
+            texts.add(r.json()["generated_text"])
+        assert len(texts) == 1  # the same greedy answer from either replica (same weights, image, history)
+    held = _metric(server, "llava_OpenSessions")
+    assert sorted(held) == ["0", "1"] and all(7 <= n <= 9 for n in held.values()), held
+    assert sum(held.values()) == 16
+
+    # one replica process dies: its sessions are gone (404 + Closed), the other's keep answering
+    worker = psutil.Process(server.worker_pids()[0])
+    replicas = [p for p in worker.children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(replicas) == 2
+    replicas[1].kill()
+    codes = {}
+    for sid in ids:
+        r = _post(server.url, question, sid)
+        codes[sid] = r.status_code
+        if r.status_code == 404:
+            assert r.json()["error"]["code"] == "session_not_found" and r.headers[CLOSED] == sid
+    lost = [sid for sid, code in codes.items() if code == 404]
+    assert 7 <= len(lost) <= 9 and all(code in (200, 404, 500) for code in codes.values()), codes
+    assert sum(code == 200 for code in codes.values()) >= 7
+    deadline = time.monotonic() + 120
+    while True:  # the dead replica is started again, empty; new sessions go to it (most free budget)
+        r = _post(server.url, {"type": "open_session", "image": image})
+        if r.status_code == 200:
+            assert _post(server.url, question, r.json()["session_id"]).status_code == 200
+            if _metric(server, "llava_OpenSessions").get("1", 99) < 5:  # a fresh replica 1 reported
+                break
+        else:  # while replica 1 restarts, replica 0 is full: overloaded, with Retry-After
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+        assert time.monotonic() < deadline, "the dead replica did not come back"
+        time.sleep(1)
+    alive = [p for p in worker.children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(alive) == 2 and replicas[1].pid not in [p.pid for p in alive]
+    assert server.restarts == 0  # the worker itself never died
