@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,11 @@ def build_service(
     }
     if len(devices) == 1:
         return build_local_service(**build, device=devices[0], metrics=metrics)
+    if all(d == "cpu" for d in devices) and not settings.device_budget_bytes:
+        # CPU replicas share one host memory: split one budget, measured once, so they are equal
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        share = max(1, int(available * settings.device_budget_fraction) // len(devices))
+        build["handler_section"]["device_budget_bytes"] = share
     return ReplicaRouter(settings, devices, build, metrics=metrics)
 
 

@@ -743,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
         server,
         starting=f"starting TorchServe (model dir {server.model_dir})",
         ready=lambda: (
-            f"ready at {server.url} (model dir {server.model_dir}; logs {server.log_dir}; "
+            f"ready at {server.url} (metrics {server.metrics_url}/metrics; model dir {server.model_dir}; "
+            f"logs {server.log_dir}; "
             f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"
         ),
     )
