@@ -69,7 +69,11 @@ def expected_keys() -> list[str]:
 def clients():
     """Real boto3 clients (no credentials needed: every call is stubbed)."""
     kwargs = {"region_name": "us-east-1", "aws_access_key_id": "x", "aws_secret_access_key": "x"}
-    return {"sagemaker": boto3.client("sagemaker", **kwargs), "s3": boto3.client("s3", **kwargs)}
+    return {
+        "sagemaker": boto3.client("sagemaker", **kwargs),
+        "s3": boto3.client("s3", **kwargs),
+        "application-autoscaling": boto3.client("application-autoscaling", **kwargs),
+    }
 
 
 def not_found(stub: Stubber, operation: str, params: dict) -> None:
@@ -370,14 +374,34 @@ def test_failed_endpoint_reports_the_failure_reason(capsys) -> None:
     assert "CannotStartContainerError: /ping did not answer" in capsys.readouterr().err
 
 
-def test_delete_removes_endpoint_config_and_models() -> None:
+SCALABLE = {
+    "ServiceNamespace": "sagemaker",
+    "ResourceId": "endpoint/llava-chat/variant/AllTraffic",
+    "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+}
+
+
+@pytest.mark.parametrize("autoscaled", [False, True])
+def test_delete_removes_endpoint_config_and_models(autoscaled: bool) -> None:
     c = clients()
-    with Stubber(c["sagemaker"]) as sm_stub:
+    with Stubber(c["sagemaker"]) as sm_stub, Stubber(c["application-autoscaling"]) as as_stub:
         sm_stub.add_response(
             "describe_endpoint",
             describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
             {"EndpointName": "llava-chat"},
         )
+        target = {**SCALABLE, "MinCapacity": 1, "MaxCapacity": 4, "RoleARN": ROLE, "CreationTime": NOW}
+        as_stub.add_response(
+            "describe_scalable_targets",
+            {"ScalableTargets": [target] if autoscaled else []},
+            {
+                "ServiceNamespace": "sagemaker",
+                "ResourceIds": [SCALABLE["ResourceId"]],
+                "ScalableDimension": SCALABLE["ScalableDimension"],
+            },
+        )
+        if autoscaled:  # the scalable target goes before the endpoint
+            as_stub.add_response("deregister_scalable_target", {}, SCALABLE)
         sm_stub.add_response(
             "describe_endpoint_config",
             {
@@ -394,6 +418,7 @@ def test_delete_removes_endpoint_config_and_models() -> None:
         sm_stub.add_response("delete_model", {}, {"ModelName": "llava-chat-m1"})
         assert main(["--endpoint-name", "llava-chat", "--delete"], clients=c.__getitem__) == 0
         sm_stub.assert_no_pending_responses()
+        as_stub.assert_no_pending_responses()
 
     with Stubber(c["sagemaker"]) as sm_stub:
         not_found(sm_stub, "describe_endpoint", {"EndpointName": "nope"})
@@ -421,3 +446,77 @@ def test_invalid_arguments_fail_before_any_call(checkpoint: Path, capsys) -> Non
     assert main([*deploy_args(checkpoint), "--startup-timeout", "5", "--dry-run"], clients=None) == 1
     with pytest.raises(SystemExit):
         main(["--endpoint-name", "x", "--image-uri", IMAGE, "--role-arn", ROLE], clients=None)  # no model data
+
+
+def test_deploy_with_autoscaling_registers_the_variant_and_a_target_tracking_policy(capsys) -> None:
+    c = clients()
+    args = [
+        "--endpoint-name", "llava-chat", "--model-data-uri", "s3://my-bucket/llava/v1", "--image-uri", IMAGE,
+        "--role-arn", ROLE, "--model-name", "llava-chat-m1", "--endpoint-config-name", "llava-chat-c1",
+        "--min-instances", "1", "--max-instances", "4", "--scaling-target", "60",
+    ]  # fmt: skip
+    with Stubber(c["sagemaker"]) as sm_stub, Stubber(c["application-autoscaling"]) as as_stub:
+        sm_stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, None)
+        sm_stub.add_response("create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:c/c"}, None)
+        not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})
+        sm_stub.add_response("create_endpoint", {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/e"}, None)
+        sm_stub.add_response(
+            "describe_endpoint",
+            describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
+            {"EndpointName": "llava-chat"},
+        )
+        as_stub.add_response("register_scalable_target", {}, {**SCALABLE, "MinCapacity": 1, "MaxCapacity": 4})
+        as_stub.add_response(
+            "put_scaling_policy",
+            {"PolicyARN": "arn:aws:autoscaling:us-east-1:1:scalingPolicy:p", "Alarms": []},
+            {
+                **SCALABLE,
+                "PolicyName": "llava-chat-gpu-memory",
+                "PolicyType": "TargetTrackingScaling",
+                "TargetTrackingScalingPolicyConfiguration": {
+                    "TargetValue": 60.0,
+                    "CustomizedMetricSpecification": {
+                        "MetricName": "GPUMemoryUtilization",
+                        "Namespace": "/aws/sagemaker/Endpoints",
+                        "Statistic": "Average",
+                        "Dimensions": [
+                            {"Name": "EndpointName", "Value": "llava-chat"},
+                            {"Name": "VariantName", "Value": "AllTraffic"},
+                        ],
+                    },
+                    "ScaleInCooldown": 300,
+                    "ScaleOutCooldown": 300,
+                },
+            },
+        )
+        assert main(args, clients=c.__getitem__) == 0
+        sm_stub.assert_no_pending_responses()
+        as_stub.assert_no_pending_responses()
+    assert "autoscaling endpoint/llava-chat/variant/AllTraffic: 1..4 instances" in capsys.readouterr().out
+    assert main([*args[:-6], "--min-instances", "3", "--max-instances", "2"], clients=c.__getitem__) == 1
+    assert main([*args, "--no-wait"], clients=c.__getitem__) == 1  # autoscaling needs InService
+
+
+def test_capacity_plan_of_llava_7b_on_common_instance_types(tmp_path: Path) -> None:
+    from llava_tools.deploy import capacity_plan
+
+    folder = tmp_path / "llava-1.5-7b-hf"
+    folder.mkdir()
+    config = {  # llava-hf/llava-1.5-7b-hf's config.json, the fields the plan reads
+        "torch_dtype": "float16",
+        "text_config": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32},
+        "vision_config": {"image_size": 336},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    with open(folder / "model.safetensors", "wb") as f:  # a sparse file of 7B fp16 weights' size
+        f.truncate(14_126_000_000)
+    g5 = capacity_plan("ml.g5.2xlarge", folder)
+    assert g5 is not None and g5.replicas == 1
+    assert g5.session_bytes == 2 * 32 * 4096 * 2 * 1024 + 576 * 4096 * 2  # 512 MiB KV + 4.5 MiB features
+    assert 10 <= g5.sessions <= 20  # (24 GiB - 14.1 GB) x 0.8 / 517 MiB
+    big = capacity_plan("ml.g5.12xlarge", folder)
+    assert big is not None and big.replicas == 4 and big.sessions == min(4 * g5.sessions_per_replica, 64)
+    p5 = capacity_plan("ml.p5.48xlarge", folder, max_sessions=1000)
+    assert p5 is not None and p5.replicas == 8 and p5.sessions > 8 * 100
+    assert "replica(s)" in big.describe() and "per instance" in big.describe()
+    assert capacity_plan("ml.m5.xlarge", folder) is None

@@ -65,15 +65,20 @@ from .serve import (
 
 __all__ = [
     "ARCHIVER_VERSION",
+    "INSTANCE_GPUS",
+    "SCALING_METRICS",
+    "CapacityPlan",
     "DeployError",
     "DeploySpec",
     "Deployer",
     "PackageFile",
     "build_package",
+    "capacity_plan",
     "endpoint_config_request",
     "main",
     "model_request",
     "parse_s3_uri",
+    "scaling_requests",
     "write_package",
 ]
 
@@ -101,6 +106,172 @@ _SKIP_DIRS = {"__pycache__", ".cache", ".git"}
 
 class DeployError(RuntimeError):
     """A deployment step failed or its input is invalid; the message says what to fix."""
+
+
+# ---- capacity --------------------------------------------------------------------------------
+
+#: GPUs per instance and GiB of memory per GPU, of the SageMaker instance types people serve LLaVA
+#: on (AWS's instance type pages: G5 = NVIDIA A10G 24 GB, G6 = L4 24 GB, G6e = L40S 48 GB,
+#: P4d = A100 40 GB, P4de = A100 80 GB, P5 = H100 80 GB).
+INSTANCE_GPUS: dict[str, tuple[int, int]] = {
+    **{f"ml.g5.{size}": (1, 24) for size in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
+    "ml.g5.12xlarge": (4, 24),
+    "ml.g5.24xlarge": (4, 24),
+    "ml.g5.48xlarge": (8, 24),
+    **{f"ml.g6.{size}": (1, 24) for size in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
+    "ml.g6.12xlarge": (4, 24),
+    "ml.g6.24xlarge": (4, 24),
+    "ml.g6.48xlarge": (8, 24),
+    **{f"ml.g6e.{size}": (1, 48) for size in ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")},
+    "ml.g6e.12xlarge": (4, 48),
+    "ml.g6e.24xlarge": (4, 48),
+    "ml.g6e.48xlarge": (8, 48),
+    "ml.p4d.24xlarge": (8, 40),
+    "ml.p4de.24xlarge": (8, 80),
+    "ml.p5.48xlarge": (8, 80),
+}
+#: Context tokens a session is planned at (the image's 576 + system prompt + a few turns).
+PLANNED_SESSION_TOKENS = 1024
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What one instance of a type holds: ``replicas`` (one per GPU, ``devices=auto``), and per
+    replica the KV budget (bytes) and the sessions it holds in the KV tier at
+    ``session_tokens`` tokens each; ``sessions`` is the instance's total, capped by ``max_sessions``."""
+
+    instance_type: str
+    replicas: int
+    gpu_bytes: int
+    weights_bytes: int
+    kv_budget_bytes: int
+    session_bytes: int
+    sessions_per_replica: int
+    sessions: int
+    max_sessions: int
+
+    def describe(self) -> str:
+        """Two lines for the deploy output."""
+        gib = 2**30
+        return (
+            f"{self.instance_type}: {self.replicas} GPU(s) of {self.gpu_bytes / gib:.0f} GiB -> {self.replicas} "
+            f"replica(s) (devices=auto), each {self.weights_bytes / gib:.1f} GiB of weights and a "
+            f"{self.kv_budget_bytes / gib:.1f} GiB KV budget\n"
+            f"expected capacity: {self.sessions_per_replica} sessions per replica at {PLANNED_SESSION_TOKENS} tokens "
+            f"({self.session_bytes / 2**20:.0f} MiB each), {self.sessions} per instance (max_sessions "
+            f"{self.max_sessions}); more instances (--max-instances) hold more"
+        )
+
+
+def capacity_plan(
+    instance_type: str, model_dir: str | os.PathLike, *, fraction: float = 0.8, max_sessions: int = 64
+) -> CapacityPlan | None:
+    """Plan one instance of ``instance_type`` for the checkpoint in ``model_dir`` (its config.json
+    and weight files), or None when the type is not in :data:`INSTANCE_GPUS` or the folder has no
+    readable config. Weights count their file bytes; a session's KV is 2 x layers x kv_heads x
+    head_dim x dtype bytes per token at :data:`PLANNED_SESSION_TOKENS` tokens, plus its image
+    features (image tokens x hidden x dtype bytes); the budget is ``fraction`` of what the weights
+    leave on a GPU (``device_budget_fraction``)."""
+    gpus = INSTANCE_GPUS.get(instance_type)
+    root = Path(model_dir)
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if gpus is None:
+        return None
+    text = config.get("text_config") or {}
+    hidden = int(text.get("hidden_size", 4096))
+    layers = int(text.get("num_hidden_layers", 32))
+    heads = int(text.get("num_attention_heads", 32))
+    kv_heads = int(text.get("num_key_value_heads", heads))
+    dtype_bytes = _DTYPE_BYTES.get(str(config.get("torch_dtype") or text.get("torch_dtype") or "float16"), 2)
+    dtype_bytes = 2 if dtype_bytes == 4 else dtype_bytes  # the container serves fp16 on a GPU (dtype auto)
+    image_tokens = (int(config.get("vision_config", {}).get("image_size", 336)) // 14) ** 2
+    weights = sum(p.stat().st_size for p in root.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in root.glob("*.bin")
+    )
+    count, gib = gpus
+    gpu_bytes = gib * 2**30
+    budget = max(0, int((gpu_bytes - weights) * fraction))
+    session_bytes = 2 * layers * kv_heads * (hidden // heads) * dtype_bytes * PLANNED_SESSION_TOKENS
+    session_bytes += image_tokens * hidden * dtype_bytes
+    per_replica = budget // session_bytes
+    return CapacityPlan(
+        instance_type=instance_type,
+        replicas=count,
+        gpu_bytes=gpu_bytes,
+        weights_bytes=weights,
+        kv_budget_bytes=budget,
+        session_bytes=session_bytes,
+        sessions_per_replica=min(per_replica, -(-max_sessions // count)),
+        sessions=min(per_replica * count, max_sessions),
+        max_sessions=max_sessions,
+    )
+
+
+# ---- autoscaling ------------------------------------------------------------------------------
+
+#: ``--scaling-metric`` → the target-tracking metric (Application Auto Scaling, SageMaker variants).
+SCALING_METRICS: dict[str, dict[str, Any]] = {
+    # invocations per instance per minute (AWS's predefined SageMaker metric)
+    "invocations": {
+        "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"}
+    },
+    # average GPU memory utilisation in percent: grows with the sessions held (their KV caches)
+    "gpu-memory": {
+        "CustomizedMetricSpecification": {
+            "MetricName": "GPUMemoryUtilization",
+            "Namespace": "/aws/sagemaker/Endpoints",
+            "Statistic": "Average",
+        }
+    },
+}
+
+
+def scaling_requests(
+    endpoint_name: str, *, min_instances: int, max_instances: int, metric: str, target: float, cooldown_s: int = 300
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``register_scalable_target`` and ``put_scaling_policy`` parameters of a target-tracking
+    policy on the endpoint's ``AllTraffic`` variant (AWS: "Automatic scaling of Amazon SageMaker
+    models").
+
+    Raises:
+        DeployError: a bad range, metric or target.
+    """
+    if not 1 <= min_instances <= max_instances:
+        raise DeployError(f"need 1 <= --min-instances <= --max-instances, got {min_instances}..{max_instances}")
+    if metric not in SCALING_METRICS:
+        raise DeployError(f"--scaling-metric must be one of {sorted(SCALING_METRICS)}, got {metric!r}")
+    if target <= 0 or (metric == "gpu-memory" and target > 100):
+        raise DeployError(f"--scaling-target {target} out of range for {metric}")
+    resource = f"endpoint/{endpoint_name}/variant/{VARIANT_NAME}"
+    common = {
+        "ServiceNamespace": "sagemaker",
+        "ResourceId": resource,
+        "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+    }
+    spec = json.loads(json.dumps(SCALING_METRICS[metric]))
+    custom = spec.get("CustomizedMetricSpecification")
+    if custom is not None:
+        custom["Dimensions"] = [
+            {"Name": "EndpointName", "Value": endpoint_name},
+            {"Name": "VariantName", "Value": VARIANT_NAME},
+        ]
+    register = {**common, "MinCapacity": min_instances, "MaxCapacity": max_instances}
+    policy = {
+        **common,
+        "PolicyName": f"{endpoint_name}-{metric}",
+        "PolicyType": "TargetTrackingScaling",
+        "TargetTrackingScalingPolicyConfiguration": {
+            "TargetValue": float(target),
+            **spec,
+            "ScaleInCooldown": cooldown_s,
+            "ScaleOutCooldown": cooldown_s,
+        },
+    }
+    return register, policy
 
 
 # ---- packaging ---------------------------------------------------------------------------------
@@ -382,6 +553,7 @@ class Deployer:
         sagemaker: Any = None,
         s3: Any = None,
         *,
+        autoscaling: Any = None,
         dry_run: bool = False,
         out: TextIO | None = None,
         wait_delay_s: float = WAIT_DELAY_S,
@@ -389,6 +561,7 @@ class Deployer:
     ) -> None:
         self.sagemaker = sagemaker
         self.s3 = s3
+        self.autoscaling = autoscaling
         self.dry_run = dry_run
         self.out = out if out is not None else sys.stdout
         self.wait_config = {"Delay": wait_delay_s, "MaxAttempts": wait_max_attempts}
@@ -401,8 +574,37 @@ class Deployer:
             shown = json.dumps(params, indent=2, default=str)
             self._say(f"{service}.{operation}({shown})")
             return None
-        client = self.sagemaker if service == "sagemaker" else self.s3
+        client = {"sagemaker": self.sagemaker, "s3": self.s3, "application-autoscaling": self.autoscaling}[service]
         return getattr(client, operation)(**params)
+
+    def autoscale(self, register: Mapping[str, Any], policy: Mapping[str, Any]) -> None:
+        """Register the variant as a scalable target and attach the target-tracking policy."""
+        self._call("application-autoscaling", "register_scalable_target", **register)
+        self._call("application-autoscaling", "put_scaling_policy", **policy)
+        self._say(
+            f"autoscaling {register['ResourceId']}: {register['MinCapacity']}..{register['MaxCapacity']} instances, "
+            f"policy {policy['PolicyName']} (target {policy['TargetTrackingScalingPolicyConfiguration']['TargetValue']})"
+        )
+
+    def remove_autoscaling(self, endpoint_name: str) -> None:
+        """Deregister the endpoint variant's scalable target, if there is one (before deleting it)."""
+        resource = f"endpoint/{endpoint_name}/variant/{VARIANT_NAME}"
+        target = {
+            "ServiceNamespace": "sagemaker",
+            "ResourceId": resource,
+            "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+        }
+        if self.dry_run:
+            self._call("application-autoscaling", "deregister_scalable_target", **target)
+            return
+        if self.autoscaling is None:
+            return
+        found = self.autoscaling.describe_scalable_targets(
+            ServiceNamespace="sagemaker", ResourceIds=[resource], ScalableDimension=target["ScalableDimension"]
+        )
+        if found.get("ScalableTargets"):
+            self._call("application-autoscaling", "deregister_scalable_target", **target)
+            self._say(f"removed autoscaling of {resource}")
 
     def upload(self, files: Sequence[PackageFile], s3_uri: str) -> str:
         """Upload the artifact under ``s3_uri``; return the prefix URI (ends with ``/``)."""
@@ -493,6 +695,7 @@ class Deployer:
         if self.dry_run:
             self._say(f"sagemaker.describe_endpoint({{'EndpointName': {endpoint_name!r}}})")
             self._say("sagemaker.describe_endpoint_config({'EndpointConfigName': <from describe_endpoint>})")
+            self.remove_autoscaling(endpoint_name)
             self._call("sagemaker", "delete_endpoint", EndpointName=endpoint_name)
             if wait:
                 self._wait("endpoint_deleted", endpoint_name)
@@ -506,6 +709,7 @@ class Deployer:
                 raise DeployError(f"endpoint {endpoint_name} not found") from None
             raise
         config_name = described["EndpointConfigName"]
+        self.remove_autoscaling(endpoint_name)
         config = self.sagemaker.describe_endpoint_config(EndpointConfigName=config_name)
         models = [variant["ModelName"] for variant in config.get("ProductionVariants", []) if variant.get("ModelName")]
         self._call("sagemaker", "delete_endpoint", EndpointName=endpoint_name)
@@ -575,6 +779,17 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="container environment variable, e.g. --env LLAVA_LOG_LEVEL=INFO",
     )
+    scaling = parser.add_argument_group("autoscaling (Application Auto Scaling target tracking)")
+    scaling.add_argument("--min-instances", type=int, default=None, help="least instances (with --max-instances)")
+    scaling.add_argument("--max-instances", type=int, default=None, help="most instances; enables autoscaling")
+    scaling.add_argument(
+        "--scaling-metric",
+        default="gpu-memory",
+        choices=sorted(SCALING_METRICS),
+        help="gpu-memory: average GPU memory use in percent, which grows with the sessions held (default); "
+        "invocations: requests per instance per minute",
+    )
+    scaling.add_argument("--scaling-target", type=float, default=70.0, help="the metric's target value (default 70)")
     parser.add_argument("--model-name", default="", help="default <endpoint>-<UTC timestamp>")
     parser.add_argument("--endpoint-config-name", default="", help="default <endpoint>-<UTC timestamp>")
     parser.add_argument("--region", default=None, help="AWS region (default: the boto3 session's)")
@@ -628,6 +843,28 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
             endpoint_config_name=args.endpoint_config_name or derived_name(args.endpoint_name, now),
         )
         spec.validate()  # before packaging and uploading gigabytes
+        scaling = None
+        if args.max_instances is not None or args.min_instances is not None:
+            if args.no_wait:
+                raise DeployError("autoscaling needs the endpoint InService: drop --no-wait")
+            scaling = scaling_requests(
+                args.endpoint_name,
+                min_instances=args.min_instances if args.min_instances is not None else args.instance_count,
+                max_instances=args.max_instances if args.max_instances is not None else args.instance_count,
+                metric=args.scaling_metric,
+                target=args.scaling_target,
+            )
+        if args.model_dir:
+            settings = Settings.from_sources(dict(args.overrides))
+            plan = capacity_plan(
+                args.instance_type,
+                args.model_dir,
+                fraction=settings.device_budget_fraction,
+                max_sessions=settings.max_sessions,
+            )
+            print(
+                plan.describe() if plan else f"{args.instance_type}: capacity not planned (unknown type or checkpoint)"
+            )
         files = build_package(args.model_dir, overrides=dict(args.overrides)) if args.model_dir else None
         if files is not None:
             parse_s3_uri(args.s3_uri)
@@ -635,6 +872,8 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
         if files is not None:
             model_data_uri = deployer.upload(files, args.s3_uri)
         deployer.deploy(replace(spec, model_data_uri=model_data_uri), wait=not args.no_wait)
+        if scaling is not None:
+            deployer.autoscale(*scaling)
         return 0
     except DeployError as exc:
         print(f"llava-deploy: {exc}", file=sys.stderr)
@@ -656,7 +895,12 @@ def _deployer(args: argparse.Namespace, clients: Callable[[str], Any] | None, *,
         import boto3
 
         clients = boto3.Session(profile_name=args.profile, region_name=args.region).client
-    return Deployer(clients("sagemaker"), clients("s3") if need_s3 else None)
+    scales = args.delete or args.max_instances is not None or args.min_instances is not None
+    return Deployer(
+        clients("sagemaker"),
+        clients("s3") if need_s3 else None,
+        autoscaling=clients("application-autoscaling") if scales else None,
+    )
 
 
 if __name__ == "__main__":
