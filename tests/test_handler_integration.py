@@ -425,6 +425,32 @@ def test_past_max_sessions_the_handler_answers_overloaded_with_retry_after(reque
         client.open_session(photos["coffee"]).close()  # room again: a session opens at once
 
 
+def test_streams_dropped_and_closed_at_once_leave_no_job_group_or_thread_behind(request, tiny_model_dir, photos):
+    """The soak's leak: a client drops a stream and closes the session at once, before TorchServe
+    noticed the drop; TorchServe 0.12 then leaves a poll thread parked on the ended job group. With the
+    shipped sequenceMaxIdleMSec the thread is freed within it: eight such sessions on a worker with
+    batchSize 4 (5 poll threads) all open, drop and close, and then a full max_sessions opens."""
+    from llava_client import SessionClient
+
+    server = start_local_server(
+        tiny_model_dir,
+        addfinalizer=request.addfinalizer,
+        model_config_overrides={"batchSize": 4, "maxNumSequence": 4},
+        overrides={"max_sessions": 3},
+    )
+    with SessionClient.from_url(server.url, timeout=(5.0, 60.0)) as client:
+        for _ in range(8):
+            session = client.open_session(photos["coffee"])
+            with session.stream("Describe this image in great detail.", max_new_tokens=300) as stream:
+                next(stream)
+                next(stream)
+            session.close()  # at once: often before TorchServe has removed the dropped answer's job
+        sessions = [client.open_session(photos["coffee"]) for _ in range(3)]
+        for session in sessions:
+            session.close()
+    assert "exceeding maxNumSequence" not in (server.log_dir / "ts_log.log").read_text()
+
+
 def test_killed_worker_sessions_get_404_fast_and_new_sessions_work(small_server, photos):
     sid, _ = open_session(small_server, photos["astronaut"])
     old_workers = small_server.worker_pids()

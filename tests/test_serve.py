@@ -160,7 +160,7 @@ def test_model_config_keeps_torchserve_limits_above_the_handlers() -> None:
     assert config["sequenceBatching"] is True and config["continuousBatching"] is True
     assert config["batchSize"] >= handler["max_sessions"]
     assert config["maxNumSequence"] >= handler["max_sessions"] * config["maxWorkers"]
-    assert config["sequenceMaxIdleMSec"] >= handler["session_ttl_s"] * 1000
+    assert 0 < config["sequenceMaxIdleMSec"] <= 60_000  # short: frees parked poll threads (model-config.yaml)
     assert config["minWorkers"] == config["maxWorkers"] == 1
 
 
