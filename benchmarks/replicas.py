@@ -28,6 +28,7 @@ import requests
 from llava_client import SessionClient
 from llava_tools.samples import sample_photo
 from llava_tools.serve import LocalServer
+from llava_tools.serve import _parse_assignment as parse_assignment
 
 QUESTION = "Describe this image in great detail, please."
 
@@ -70,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--per-replica", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        type=parse_assignment,
+        metavar="KEY=VALUE",
+        help="a handler setting for both servers, e.g. --set step_max_tokens=16",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     model_dir = args.model_dir
@@ -83,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for key, devices in configs.items():
             servers[key] = LocalServer(
-                model_dir, overrides={"devices": devices, "torch_threads": args.threads}, startup_timeout_s=600
+                model_dir,
+                overrides={**dict(args.overrides), "devices": devices, "torch_threads": args.threads},
+                startup_timeout_s=600,
             ).start()
         sessions = {}
         for key, devices in configs.items():
@@ -111,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "sessions_per_replica": args.per_replica,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
+        "settings": dict(args.overrides),
         "tokens_per_s": {"one_replica": round(med["a"], 1), "two_replicas": round(med["b"], 1)},
         "ratio_two_over_one": round(med["b"] / med["a"], 2),
         "sessions_by_replica_in_two": spread,
