@@ -46,6 +46,29 @@ def pct(values: list[float], q: int) -> float | None:
     return round(statistics.quantiles(values, n=100)[q - 1], 2)
 
 
+def burst(sessions: list, question: str, new_tokens: int) -> tuple[float, list[str]]:
+    """Every session asks ``question`` at the same moment (greedy, not remembered); returns the
+    aggregate decode rate (generated tokens / wall seconds) and the answers' texts."""
+    counts = [0] * len(sessions)
+    texts = [""] * len(sessions)
+    barrier = threading.Barrier(len(sessions) + 1)
+
+    def one(k: int) -> None:
+        barrier.wait()
+        answer = sessions[k].ask(question, remember=False, max_new_tokens=new_tokens, temperature=0)
+        counts[k] = answer.usage.generated_tokens
+        texts[k] = answer.text
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(sessions))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0), texts
+
+
 def aggregate(url: str, images: list[bytes], rounds: int, new_tokens: int) -> dict:
     """Aggregate decode tokens/s at each concurrency level, median over rounds."""
     client = SessionClient.from_url(url, max_retries=2)
@@ -56,22 +79,8 @@ def aggregate(url: str, images: list[bytes], rounds: int, new_tokens: int) -> di
     rates: dict[int, list[float]] = {n: [] for n in LEVELS}
     for _ in range(rounds):
         for n in LEVELS:
-            counts = [0] * n
-            barrier = threading.Barrier(n + 1)
-
-            def ask(i: int, counts: list[int] = counts, barrier: threading.Barrier = barrier) -> None:
-                barrier.wait()
-                answer = sessions[i].ask(question, remember=False, max_new_tokens=new_tokens, temperature=0)
-                counts[i] = answer.usage.generated_tokens
-
-            threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
-            for t in threads:
-                t.start()
-            barrier.wait()
-            t0 = time.perf_counter()
-            for t in threads:
-                t.join()
-            rates[n].append(sum(counts) / (time.perf_counter() - t0))
+            rate, _ = burst(sessions[:n], question, new_tokens)
+            rates[n].append(rate)
     for s in sessions:
         s.close()
     client.close()

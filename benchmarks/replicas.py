@@ -19,40 +19,17 @@ import re
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import requests
 
+from concurrency import burst  # benchmarks/concurrency.py (this script's folder is on sys.path)
 from llava_client import SessionClient
 from llava_tools.samples import sample_photo
 from llava_tools.serve import LocalServer
 from llava_tools.serve import _parse_assignment as parse_assignment
 
 QUESTION = "Describe this image in great detail, please."
-
-
-def burst(sessions: list, new_tokens: int) -> tuple[float, list[str]]:
-    """Every session asks at once; returns (aggregate tokens/s, the answers' texts)."""
-    counts = [0] * len(sessions)
-    texts = [""] * len(sessions)
-    barrier = threading.Barrier(len(sessions) + 1)
-
-    def one(k: int) -> None:
-        barrier.wait()
-        answer = sessions[k].ask(QUESTION, remember=False, max_new_tokens=new_tokens)
-        counts[k] = answer.usage.generated_tokens
-        texts[k] = answer.text
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(sessions))]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.perf_counter() - t0), texts
 
 
 def open_sessions_by_replica(server: LocalServer) -> dict[str, float]:
@@ -104,12 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             sessions[key] = [client.open_session(image) for _ in range(n)]
             for s in sessions[key]:  # warm-up: the first follow-up of each, then one burst
                 s.ask(QUESTION, remember=False, max_new_tokens=2)
-            burst(sessions[key], 4)
+            burst(sessions[key], QUESTION, 4)
         rates: dict[str, list[float]] = {k: [] for k in configs}
         answers: dict[str, set[str]] = {k: set() for k in configs}
         for _ in range(args.rounds):
             for key in configs:
-                rate, texts = burst(sessions[key], args.new_tokens)
+                rate, texts = burst(sessions[key], QUESTION, args.new_tokens)
                 rates[key].append(rate)
                 answers[key].update(texts)
         spread = open_sessions_by_replica(servers["b"])

@@ -218,8 +218,7 @@ class ReplicaRouter:
         """
         parts: dict[int, list[int]] = {}
         tallies = {r.index: dict(r.stats) for r in self.replicas if r.alive}
-        with self._lock:
-            continuing = {i for i, row in enumerate(rows) if row.request_id in self._jobs}
+        continuing = {i for i, row in enumerate(rows) if row.body is None}  # TorchServe's continuations
         for i, row in enumerate(rows):
             target = self._route(row, tallies)
             parts.setdefault(target, []).append(i)
@@ -245,7 +244,7 @@ class ReplicaRouter:
                 known = self.placement.get(row.session_id)
         if known is not None and self.replicas[known].alive:
             return known
-        if not tallies:
+        if not tallies or row.body is None:  # no replica, or a job whose replica is gone
             return -1
         best = max(tallies, key=lambda i: (_room(tallies[i]), -tallies[i]["num_sessions"], -i))
         tallies[best]["free_bytes"] -= tallies[best].get("new_session_bytes", 0)
