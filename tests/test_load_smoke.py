@@ -55,3 +55,19 @@ def test_engine_decode_benchmark_runs_and_batched_greedy_answers_match_alone(tin
     assert len(set(report["exactness"]["context_tokens"])) == 3  # three different context lengths
     assert report["aggregate"]["1"]["ratio_to_one"] == 1.0 and report["aggregate"]["4"]["tokens_per_s"] > 0
     assert report["itl"]["opens_completed"] >= 1 and report["hot"]["sessions_hot_by_budget"] > 0
+
+
+def test_replicas_benchmark_runs_places_evenly_and_answers_alike(tiny_model_dir, tmp_path):
+    """benchmarks/replicas.py stays runnable: 2 replicas vs 1 side by side, sessions 2 + 2, same answers."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # it imports concurrency.burst
+    spec = importlib.util.spec_from_file_location("replicas", Path(__file__).parents[1] / "benchmarks" / "replicas.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "replicas.json"
+    argv = ["--model-dir", str(tiny_model_dir), "--rounds", "1", "--new-tokens", "6", "--per-replica", "2"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["sessions_by_replica_in_two"] == {"0": 2.0, "1": 2.0}
+    assert report["greedy_answers_identical"] is True and report["tokens_per_s"]["two_replicas"] > 0
