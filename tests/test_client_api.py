@@ -34,6 +34,7 @@ from llava_client._transport import LineBuffer
 
 PUBLIC_API = [
     "DEFAULT_MAX_RETRIES",
+    "DEFAULT_RESTART_WAIT_S",
     "DEFAULT_TIMEOUT",
     "INITIAL_RETRY_DELAY_S",
     "MAX_BODY_BYTES",

@@ -126,7 +126,7 @@ class Page:
 
     def upload(self, path: Path) -> str:
         self._all("#llava-image input[type=file]")[0].send_keys(str(path))
-        return self.wait_status(lambda s: "opened" in s or "failed:" in s, 90)
+        return self.wait_status(lambda s: ("opened" in s or "failed:" in s) and not _pending(s), 90)
 
     def ask(self, question: str, timeout: float = 90) -> str:
         box = self._all("#llava-question textarea")[0]
@@ -142,7 +142,7 @@ class Page:
         while time.monotonic() < deadline:
             status = self.status()
             changed = self.d.execute_script("return window.__statusChanges") > 0
-            if changed and "Answering…" not in status and "processing" not in status:
+            if changed and "Answering…" not in status and not _pending(status):
                 return status
             time.sleep(0.1)
         raise AssertionError(f"no answer to {question!r} in {timeout} s; the status line reads {self.status()!r}")
@@ -165,6 +165,13 @@ class Page:
 
     def recorded_lengths(self) -> list[int]:
         return list(self.d.execute_script("return window.__lengths"))
+
+
+def _pending(status: str) -> bool:
+    """Gradio's progress overlay is on the status line ("processing | 0.3s", "0.0s"): the event runs."""
+    return "processing" in status or any(
+        re.fullmatch(r"[\d.]+s(\s*/\s*[\d.]+s)?", line.strip()) for line in status.splitlines()
+    )
 
 
 def _session_id(status: str) -> str:

@@ -382,10 +382,11 @@ class LocalServer:
             if proc is None:
                 return
             dead = [pid for pid in self._watched if not _alive(psutil, pid)]
-            if not dead:
+            # fewer watched workers than configured: one died between READY and the pid capture
+            if not dead and len(self._watched) >= self.workers:
                 continue
             print(
-                f"llava-serve: worker {dead} died; restarting TorchServe (its sessions are lost)",
+                f"llava-serve: worker {dead or '(one of them)'} died; restarting TorchServe (its sessions are lost)",
                 file=sys.stderr,
                 flush=True,
             )
