@@ -307,10 +307,6 @@ class ReplicaRouter:
     def emit_metrics(self) -> None:
         """Metrics are published as each replica answers (:meth:`_call`); nothing left to do."""
 
-    def sessions_by_replica(self) -> list[int]:
-        """Sessions each replica reported holding after its last call."""
-        return [r.stats.get("num_sessions", 0) if r.alive else 0 for r in self.replicas]
-
 
 def _room(stats: Mapping[str, int]) -> int:
     """New sessions a replica can take: its free KV budget in sessions, capped by its session slots."""
