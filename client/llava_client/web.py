@@ -150,12 +150,6 @@ class WebChat:
         with self._lock:
             return self._tabs.setdefault(tab_id, TabChat())
 
-    @property
-    def num_tabs(self) -> int:
-        """Tabs with state (an open session or a transcript)."""
-        with self._lock:
-            return len(self._tabs)
-
     def open_image(self, tab_id: str, image: Any) -> tuple[Messages, str]:
         """Close the tab's session (if any) and open one on ``image`` (a path, bytes or PIL image).
 
