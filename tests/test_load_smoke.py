@@ -6,17 +6,28 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration
 
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def _benchmark(name: str):
+    """Load ``benchmarks/<name>.py`` as a module (the folder is on sys.path, as when run as a script)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))  # replicas.py imports concurrency.burst
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 def test_load_run_with_a_killed_worker_recovers_every_session(tiny_model_dir):
-    spec = importlib.util.spec_from_file_location("load", Path(__file__).parents[1] / "benchmarks" / "load.py")
-    load = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(load)
+    load = _benchmark("load")
     args = argparse.Namespace(
         model="tiny",
         model_dir=str(tiny_model_dir),
@@ -42,11 +53,7 @@ def test_load_run_with_a_killed_worker_recovers_every_session(tiny_model_dir):
 
 def test_engine_decode_benchmark_runs_and_batched_greedy_answers_match_alone(tiny_model_dir, tmp_path):
     """The in-process benchmark (the GPU rows' script) runs on the CPU; its exactness part holds."""
-    spec = importlib.util.spec_from_file_location(
-        "engine_decode", Path(__file__).parents[1] / "benchmarks" / "engine_decode.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("engine_decode")
     out = tmp_path / "report.json"
     argv = ["--model-dir", str(tiny_model_dir), "--levels", "1,2,4", "--rounds", "1", "--new-tokens", "8"]
     assert bench.main([*argv, "--streams", "2", "--check-sessions", "3", "--json", str(out)]) == 0
@@ -59,12 +66,7 @@ def test_engine_decode_benchmark_runs_and_batched_greedy_answers_match_alone(tin
 
 def test_replicas_benchmark_runs_places_evenly_and_answers_alike(tiny_model_dir, tmp_path):
     """benchmarks/replicas.py stays runnable: 2 replicas vs 1 side by side, sessions 2 + 2, same answers."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))  # it imports concurrency.burst
-    spec = importlib.util.spec_from_file_location("replicas", Path(__file__).parents[1] / "benchmarks" / "replicas.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("replicas")
     out = tmp_path / "replicas.json"
     argv = ["--model-dir", str(tiny_model_dir), "--rounds", "1", "--new-tokens", "6", "--per-replica", "2"]
     assert bench.main([*argv, "--json", str(out)]) == 0

@@ -72,13 +72,18 @@ def _oom_retry(fn: Callable[[], Any], store: SessionStore, *, keep: Session | No
             raise
 
 
+def available_host_bytes() -> int:
+    """Host memory available now (``sysconf`` available pages x page size), bytes."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def default_device_budget(runner: LlavaRunner, fraction: float) -> int:
     """``fraction`` of the device memory free now (CUDA ``mem_get_info``), or of available host
-    memory (``sysconf``) on CPU; bytes."""
+    memory (:func:`available_host_bytes`) on CPU; bytes."""
     if runner.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(runner.device)
     else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = available_host_bytes()
     return max(1, int(free * fraction))
 
 
@@ -247,8 +252,7 @@ class SessionEngine:
             )
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
         session.busy = True
-        need = self.runner.num_image_tokens * self._hidden_bytes() + len(prefix) * self.runner.kv_bytes_per_token
-        if not self.store.reserve(need, keep=session):
+        if not self.store.reserve(self.new_session_bytes(len(prefix)), keep=session):
             session.busy = False
             self.store.remove(session_id)
             raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for a new session", retry_after_s=5)
@@ -462,6 +466,11 @@ class SessionEngine:
                 ErrorCode.SESSION_BUSY, "the session is answering another request; wait for it to finish"
             )
         return session
+
+    def new_session_bytes(self, num_prefix_tokens: int) -> int:
+        """Device bytes a new session takes in the KV tier: its image features (image tokens x
+        hidden x dtype bytes) plus the KV cache of its ``num_prefix_tokens`` prefix tokens."""
+        return self.runner.num_image_tokens * self._hidden_bytes() + num_prefix_tokens * self.runner.kv_bytes_per_token
 
     def _hidden_bytes(self) -> int:
         return self.runner.config.text_config.hidden_size * self.runner.dtype.itemsize

@@ -87,9 +87,9 @@ class WorkerMetrics:
         self._decode_tokens_per_s.clear()
         return payload
 
-    def emit(self, engine: SessionEngine, replica: int = 0) -> None:
-        """Publish this worker's (or replica's) metrics: :meth:`collect`, then :meth:`publish`."""
-        self.publish(self.collect(engine), replica)
+    def emit(self, engine: SessionEngine) -> None:
+        """Publish this worker's metrics (replica 0): :meth:`collect`, then :meth:`publish`."""
+        self.publish(self.collect(engine))
 
     def publish(self, payload: dict[str, Any], replica: int = 0) -> None:
         """Send gauges, counter increments and samples of one replica to TorchServe's metrics cache.

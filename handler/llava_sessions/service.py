@@ -380,11 +380,9 @@ class SessionService:
         ``num_sessions``, ``max_sessions`` and ``new_session_bytes`` (what one new session's image
         features and prefix KV cost, bytes)."""
         engine, store = self.engine, self.engine.store
-        if self._new_session_bytes is None:
-            runner = engine.runner
-            prefix = runner.prefix_ids(self.settings.system_prompt)
-            self._new_session_bytes = (
-                runner.num_image_tokens * engine._hidden_bytes() + len(prefix) * runner.kv_bytes_per_token
+        if self._new_session_bytes is None:  # the prefix is templated once, not per call
+            self._new_session_bytes = engine.new_session_bytes(
+                len(engine.runner.prefix_ids(self.settings.system_prompt))
             )
         return {
             "free_bytes": store.device_budget_bytes - store.device_bytes(),

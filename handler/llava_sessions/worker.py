@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .config import Settings
 from .contract import CLOSED_SESSION_ID_HEADER
-from .engine import EngineLimits, SessionEngine, default_device_budget
+from .engine import EngineLimits, SessionEngine, available_host_bytes, default_device_budget
 from .images import decode_image
 from .metrics import WorkerMetrics
 from .model import LlavaRunner
@@ -74,8 +73,7 @@ def build_service(
         return build_local_service(**build, device=devices[0], metrics=metrics)
     if all(d == "cpu" for d in devices) and not settings.device_budget_bytes:
         # CPU replicas share one host memory: split one budget, measured once, so they are equal
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        share = max(1, int(available * settings.device_budget_fraction) // len(devices))
+        share = max(1, int(available_host_bytes() * settings.device_budget_fraction) // len(devices))
         build["handler_section"]["device_budget_bytes"] = share
     return ReplicaRouter(settings, devices, build, metrics=metrics)
 
