@@ -13,6 +13,7 @@ import torch
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images import decode_image
+from llava_sessions.model import Chat
 from llava_sessions.sampling import SamplingParams
 from llava_sessions.sessions import SessionStore, Tier
 
@@ -101,7 +102,7 @@ def test_first_question_history_and_independent_question_match_generate(runner, 
     session = eng.store.get("s1")
     assert [t.prompt for t in session.history] == [q1, q2]
     kept = len(session.cached_ids)  # cropped back to the (re-tokenized) history, the question dropped
-    assert session.cached_ids == runner.prefix_ids(None, session.history)[:kept] and kept >= a3.cached_tokens
+    assert session.cached_ids == runner.prefix_ids(session.chat())[:kept] and kept >= a3.cached_tokens
     session.check_cache()
 
     a4 = eng.generate("s1", q4, GREEDY)  # the independent question left no trace
@@ -330,8 +331,8 @@ def test_open_with_history_restores_the_conversation_exactly(runner, photos):
     a2 = eng.generate("orig", q2, GREEDY)
     history = [Turn(q1, a1.text), Turn(q2, a2.text)]
     restored = eng.open("copy", img, history=history)
-    assert restored.prefix_tokens == len(runner.prefix_ids(None, history))
-    assert eng.history("copy") == history
+    assert restored.prefix_tokens == len(runner.prefix_ids(eng.store.get("copy").chat()))
+    assert [(t.prompt, t.answer) for t in eng.history("copy")] == [(t.prompt, t.answer) for t in history]
     a3 = eng.generate("copy", q3, GREEDY)
     assert ids(a3) == reference(runner, img, [(q1, a1.text), (q2, a2.text)], q3)
     assert a3.cached_tokens == restored.prefix_tokens  # only the new question was prefilled
@@ -357,7 +358,7 @@ def test_truncate_drops_the_oldest_turns_and_answers_exactly(runner, photos):
         eng.generate("s", q, SamplingParams(max_new_tokens=40))
     history = [(t.prompt, t.answer) for t in eng.history("s")]
     q = "Summarise what we said."
-    full = len(runner.conversation_ids(None, eng.history("s"), q))
+    full = len(runner.conversation_ids(eng.store.get("s").chat(), q))
     room = runner.max_positions - full  # a max_new_tokens one token over the room left forces a drop
     params = SamplingParams(max_new_tokens=room + 1)
     with pytest.raises(ServiceError) as e:
@@ -370,7 +371,7 @@ def test_truncate_drops_the_oldest_turns_and_answers_exactly(runner, photos):
     assert ids(answer) == reference(runner, photos["coffee"], kept, q, max_new_tokens=room + 1)
     assert [(t.prompt, t.answer) for t in eng.history("s")] == kept + [(q, answer.text)]
     # the KV cache was reused up to the first dropped turn: the image prefix, not more
-    prefix = runner.prefix_ids(None)
+    prefix = runner.prefix_ids(Chat(None, image_tokens=(576,)))
     assert answer.cached_tokens == len(prefix) and before[: len(prefix)] == prefix
     # the next question (the context is full again: one more turn leaves) continues exactly
     nxt = eng.generate("s", "Anything else?", GREEDY)
@@ -386,7 +387,7 @@ def test_truncate_clips_an_unset_max_new_tokens_only_when_no_turn_is_left(runner
     eng.open("s", photos["rocket"])
     eng.generate("s", "What is in this image?", SamplingParams(max_new_tokens=20))
     q = "Tell me more."
-    alone = len(runner.conversation_ids(None, [], q))
+    alone = len(runner.conversation_ids(Chat(None, image_tokens=(576,)), q))
     too_many = runner.max_positions - alone + 50  # does not fit even with every turn dropped
     clipped = eng.generate("s", q, SamplingParams(max_new_tokens=too_many), clip_max_new_tokens=True)
     assert clipped.truncated_turns == 1 and clipped.max_new_tokens == runner.max_positions - alone
@@ -402,7 +403,7 @@ def test_an_abandoned_truncating_answer_changes_no_history(runner, photos):
     for q in ("What is in this image?", "What colour is it?"):
         eng.generate("s", q, SamplingParams(max_new_tokens=30))
     q = "Once more?"
-    room = runner.max_positions - len(runner.conversation_ids(None, eng.history("s"), q))
+    room = runner.max_positions - len(runner.conversation_ids(eng.store.get("s").chat(), q))
     gen = eng.start("s", q, SamplingParams(max_new_tokens=room + 1))
     assert gen.truncated_turns == 1
     next(gen)

@@ -24,6 +24,7 @@ from llava_sessions.contract import (
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.protocol import (
     REQUEST_TYPES,
+    AddImageRequest,
     CloseResponse,
     CloseSessionRequest,
     ErrorBody,
@@ -50,6 +51,7 @@ SECRET = "SECRETxyzzy"
 REQUEST_CLASSES = (
     OpenSessionRequest,
     GenerateRequest,
+    AddImageRequest,
     ResetRequest,
     CloseSessionRequest,
     StartSessionRequest,
@@ -70,6 +72,8 @@ def fail(body, **limits) -> ServiceError:
 def test_public_api_is_pinned() -> None:
     assert sorted(protocol.__all__) == sorted(
         [
+            "AddImageRequest",
+            "AddImageResponse",
             "REQUEST_TYPES",
             "SAMPLING_BOUNDS",
             "CloseResponse",
@@ -204,7 +208,7 @@ def test_requests_are_immutable() -> None:
 
 # --- request errors ------------------------------------------------------------------------
 
-VALID_TYPES = "valid types: open_session, generate, reset, close_session, start_session, send_text_prompt"
+VALID_TYPES = "valid types: open_session, generate, add_image, reset, close_session, start_session, send_text_prompt"
 
 
 @pytest.mark.parametrize(

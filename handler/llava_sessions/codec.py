@@ -2,8 +2,9 @@
 
 LitServe's ``decode_request`` / ``encode_response`` split: :meth:`Codec.decode_request` validates a
 body (:func:`.protocol.parse_request`) and turns every accepted shape, the AWS TorchServe LLaVA
-sample's (``start_session``, ``send_text_prompt``) included, into one of four commands
-(:class:`OpenCommand`, :class:`GenerateCommand`, :class:`ResetCommand`, :class:`CloseCommand`) with
+sample's (``start_session``, ``send_text_prompt``) included, into one of five commands
+(:class:`OpenCommand`, :class:`GenerateCommand`, :class:`AddImageCommand`, :class:`ResetCommand`,
+:class:`CloseCommand`) with
 the server's defaults applied. The ``encode_*`` methods render the replies; a command remembers
 whether it came in the AWS sample's shape, and only this module looks at that, so the scheduler has
 no branch for it. Error bodies are rendered here alone (:meth:`Codec.encode_error`,
@@ -18,10 +19,12 @@ from typing import Any, ClassVar, Union
 
 from .config import Settings
 from .contract import format_expires
-from .engine import Answer, ContextPolicy, OpenResult, TokenEvent
+from .engine import AddImageResult, Answer, ContextPolicy, OpenResult, TokenEvent
 from .errors import ServiceError
 from .model import Turn
 from .protocol import (
+    AddImageRequest,
+    AddImageResponse,
     CloseResponse,
     CloseSessionRequest,
     ErrorBody,
@@ -43,6 +46,7 @@ from .sampling import SamplingParams
 __all__ = [
     "JSON",
     "JSON_LINES",
+    "AddImageCommand",
     "CloseCommand",
     "Codec",
     "Command",
@@ -98,8 +102,17 @@ class GenerateCommand:
 
 
 @dataclass(frozen=True)
+class AddImageCommand:
+    """Append ``image`` to the session's conversation."""
+
+    kind: ClassVar[str] = "add_image"
+
+    image: ImageSource
+
+
+@dataclass(frozen=True)
 class ResetCommand:
-    """Forget the conversation, keep the image."""
+    """Forget the conversation, keep the images."""
 
     kind: ClassVar[str] = "reset"
 
@@ -111,7 +124,7 @@ class CloseCommand:
     kind: ClassVar[str] = "close_session"
 
 
-Command = Union[OpenCommand, GenerateCommand, ResetCommand, CloseCommand]  # noqa: UP007 - a runtime alias on 3.10
+Command = Union[OpenCommand, GenerateCommand, AddImageCommand, ResetCommand, CloseCommand]  # noqa: UP007 - a runtime alias on 3.10
 
 
 def _token(event: TokenEvent) -> TokenInfo:
@@ -174,6 +187,8 @@ class Codec:
                 context_policy=canonical.context_policy or s.context_policy,
                 clip_max_new_tokens=p.max_new_tokens is None,
             )
+        if isinstance(canonical, AddImageRequest):
+            return AddImageCommand(canonical.image)
         if isinstance(canonical, CloseSessionRequest):
             return CloseCommand()
         return ResetCommand()
@@ -192,6 +207,23 @@ class Codec:
                 expires_at=format_expires(result.expires_at),
                 image_tokens=result.image_tokens,
                 timings=timings,
+            )
+            .model_dump_json()
+            .encode()
+        )
+
+    @staticmethod
+    def encode_add_image(result: AddImageResult, timings_ms: Mapping[str, float]) -> bytes:
+        """The reply to an added image: ``{"session_id", "image_tokens", "images", "prefix_tokens",
+        "cached_tokens", "timings"}``. ``timings_ms``: phase name → milliseconds."""
+        return (
+            AddImageResponse(
+                session_id=result.session_id,
+                image_tokens=result.image_tokens,
+                images=result.images,
+                prefix_tokens=result.prefix_tokens,
+                cached_tokens=result.cached_tokens,
+                timings={f"{k}_ms": v for k, v in timings_ms.items()},
             )
             .model_dump_json()
             .encode()

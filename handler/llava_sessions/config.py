@@ -105,6 +105,14 @@ class Settings(BaseModel):
     )
     max_prompt_chars: int = Field(16000, ge=1, description="Longest prompt (and system prompt) in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens after templating.")
+    max_images_per_session: int = Field(
+        8, ge=1, description="Most images one session holds (the opening one and those add_image appends)."
+    )
+    max_image_tokens_per_session: int = Field(
+        0,
+        ge=0,
+        description="Most image tokens (context positions) of all a session's images; 0 = only the model's context.",
+    )
     max_body_bytes: int = Field(
         _SAGEMAKER_MAX_BODY_BYTES,
         ge=1,

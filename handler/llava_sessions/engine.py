@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 
 from .errors import ErrorCode, ServiceError
-from .model import BatchKVCache, LlavaRunner, Turn, cache_len, common_prefix_len, crop_cache
+from .model import BatchKVCache, Chat, LlavaRunner, Turn, cache_len, common_prefix_len, crop_cache
 from .sampling import IncrementalDetokenizer, Sampler, SamplingParams
 from .sessions import Session, SessionStore, Tier
 
@@ -133,7 +133,7 @@ class Answer:
 @dataclass(frozen=True)
 class OpenResult:
     """Result of :meth:`SessionEngine.open`: ``expires_at`` in epoch s; ``image_tokens`` placeholders
-    per image; ``prefix_tokens`` prefilled; ``timings`` in ms: ``encode`` (vision tower + projector),
+    of the image (they depend on its size for anyres models); ``prefix_tokens`` prefilled; ``timings`` in ms: ``encode`` (vision tower + projector),
     ``prefill``, ``total``, and ``decode`` when ``open`` decoded the image itself."""
 
     session_id: str
@@ -143,12 +143,31 @@ class OpenResult:
     timings: dict[str, float]
 
 
+@dataclass(frozen=True)
+class AddImageResult:
+    """Result of :meth:`SessionEngine.add_image`: ``image_tokens`` placeholders of the new image;
+    ``images`` the session holds now; ``prefix_tokens`` of the conversation up to the next question;
+    ``cached_tokens`` of those reused from the KV cache (not prefilled); ``timings`` in ms: ``encode``
+    (vision tower + projector), ``prefill``, ``total``, and ``decode`` when decoded here."""
+
+    session_id: str
+    image_tokens: int
+    images: int
+    prefix_tokens: int
+    cached_tokens: int
+    timings: dict[str, float]
+
+
 @dataclass
 class EngineLimits:
-    """Per-request limits: ``max_new_tokens_cap`` and ``max_prompt_tokens`` (tokens of one prompt)."""
+    """Per-request limits: ``max_new_tokens_cap`` and ``max_prompt_tokens`` (tokens of one prompt);
+    per-session limits: ``max_images`` (images a session holds, the opening one included) and
+    ``max_image_tokens`` (placeholder tokens of all its images; 0: only the model's context)."""
 
     max_new_tokens_cap: int = 1024
     max_prompt_tokens: int = 2048
+    max_images: int = 8
+    max_image_tokens: int = 0
 
 
 class SessionEngine:
@@ -242,32 +261,108 @@ class SessionEngine:
         image = self.decode_image(image_bytes) if image is None else image
         decode_ms = _ms(t0) if decoded_here else None
         session = self.store.new_session(session_id, image_bytes, system_prompt)
+        size = (int(image.height), int(image.width))
+        session.image_sizes = [size]
+        session.image_tokens = [self.runner.image_token_count(size, 1)]
+        self._check_image_tokens(session.image_tokens)
+        if history:  # the opening image opens the first restored question
+            first = history[0]
+            history[0] = Turn(first.prompt, first.answer, first.images + 1)
+            session.pending_images = 0
         session.history = history
-        prefix = self.runner.prefix_ids(system_prompt, history)
+        prefix = self.runner.prefix_ids(session.chat())
         if len(prefix) >= self.runner.max_positions:
+            what = "the image and the restored history are" if history else "the image is"
             raise ServiceError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"the restored history is {len(prefix)} tokens, over the model's context of "
-                f"{self.runner.max_positions} tokens",
+                f"{what} {len(prefix)} tokens, over the model's context of {self.runner.max_positions} tokens",
             )
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
         session.busy = True
-        if not self.store.reserve(self.new_session_bytes(len(prefix)), keep=session):
+        if not self.store.reserve(self.new_session_bytes(len(prefix), session.image_tokens[0]), keep=session):
             session.busy = False
             self.store.remove(session_id)
             raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for a new session", retry_after_s=5)
         return OpenTask(self, session, image, prefix, t0, decode_ms)
 
+    def add_image(self, session_id: str, image_bytes: bytes, *, image: Any = None) -> AddImageResult:
+        """Append an image to a session's conversation: it opens the next question, which may refer
+        to every image. The whole add in one call (:meth:`begin_add_image`, then its steps).
+
+        Raises:
+            ServiceError: as :meth:`begin_add_image`, and image_invalid / overloaded from its steps
+                (the session is then as before).
+        """
+        task = self.begin_add_image(session_id, image_bytes, image=image)
+        while not task.done:
+            self.step([task])
+        if task.error is not None:
+            raise task.error
+        assert task.result is not None
+        return task.result
+
+    def begin_add_image(self, session_id: str, image_bytes: bytes, *, image: Any = None) -> AddImageTask:
+        """Admit an added image and return its :class:`AddImageTask` (the vision tower and the prefill
+        of the conversation up to the next question run in later :meth:`step` calls; the KV cache of
+        everything before is reused). The session is busy until the task is done.
+
+        Where the model lays out earlier images differently once there are several (LLaVA-OneVision:
+        one base tile each), the earlier images are re-encoded too and the cache is reused up to the
+        first image only: the answers stay those of the model on the whole conversation.
+
+        Args:
+            session_id: an open session.
+            image_bytes: the encoded image (JPEG, PNG, ...).
+            image: ``image_bytes`` already decoded (RGB PIL image), to skip decoding here.
+
+        Raises:
+            ServiceError: session_* (gone), session_busy, image_invalid / image_too_large,
+                image_limit_exceeded (``max_images`` or ``max_image_tokens``), context_length_exceeded
+                (the conversation with the image leaves no room for a question), overloaded (no
+                device memory now).
+        """
+        session = self._get_idle(session_id)
+        if len(session.images) >= self.limits.max_images:
+            raise ServiceError(
+                ErrorCode.IMAGE_LIMIT_EXCEEDED, f"a session holds at most {self.limits.max_images} images"
+            )
+        t0 = time.perf_counter()
+        decoded_here = image is None
+        image = self.decode_image(image_bytes) if image is None else image
+        decode_ms = _ms(t0) if decoded_here else None
+        sizes = [*session.image_sizes, (int(image.height), int(image.width))]
+        tokens = [self.runner.image_token_count(size, len(sizes)) for size in sizes]
+        self._check_image_tokens(tokens)
+        chat = Chat(session.system_prompt, tuple(session.history), session.pending_images + 1, tuple(tokens))
+        prefix = self.runner.prefix_ids(chat)
+        if len(prefix) >= self.runner.max_positions:
+            raise ServiceError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"with this image the conversation is {len(prefix)} tokens, over the model's context of "
+                f"{self.runner.max_positions} tokens; reset the session or open a new one",
+            )
+        relayout = tokens[:-1] != session.image_tokens
+        feature_tokens = sum(tokens) if relayout or session.image_features is None else tokens[-1]
+        reuse = 0 if relayout else common_prefix_len(session.cached_ids, prefix)
+        need = feature_tokens * self._hidden_bytes() + (len(prefix) - reuse) * self.runner.kv_bytes_per_token
+        session.busy = True
+        if not self.store.reserve(need, keep=session):
+            session.busy = False
+            raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for the image now", retry_after_s=5)
+        return AddImageTask(self, session, image, image_bytes, sizes, tokens, prefix, t0, decode_ms)
+
     def reset(self, session_id: str) -> None:
-        """Forget the history, keep the image (and the cached prefix up to the image).
+        """Forget the history, keep the images (and the cached prefix up to where the conversation
+        changes): every image now opens the next question.
 
         Raises:
             ServiceError: session_not_found / _expired / _evicted, session_busy.
         """
         session = self._get_idle(session_id)
         session.history = []
+        session.pending_images = len(session.images)  # every image opens the next question
         if session.kv_cache is not None:
-            keep = common_prefix_len(session.cached_ids, self.runner.prefix_ids(session.system_prompt))
+            keep = common_prefix_len(session.cached_ids, self.runner.prefix_ids(session.chat()))
             crop_cache(session.kv_cache, keep)
             session.cached_ids = session.cached_ids[:keep]
         self.store.sync(session)
@@ -300,7 +395,7 @@ class SessionEngine:
 
         Context policy, when prompt tokens + ``max_new_tokens`` > the model's max positions:
         ``truncate`` drops the oldest remembered turns, one at a time, until the turn fits (the
-        system prompt and the image never leave); if none is left and ``clip_max_new_tokens``,
+        system prompt and the images never leave: a dropped turn's images open the first turn kept); if none is left and ``clip_max_new_tokens``,
         ``max_new_tokens`` is lowered to the room left. The dropped turns leave the session's
         history when the answer completes (an abandoned answer changes nothing), so the history
         is always what the model saw. ``error`` changes nothing and raises.
@@ -340,15 +435,15 @@ class SessionEngine:
                 ErrorCode.INVALID_PARAMETER,
                 f"prompt is {num_prompt} tokens; at most {self.limits.max_prompt_tokens} are allowed",
             )
-        history = session.history
-        ids = self.runner.conversation_ids(session.system_prompt, history, prompt)
+        chat = session.chat()
+        ids = self.runner.conversation_ids(chat, prompt)
         limit = self.runner.max_positions
         max_new = params.max_new_tokens
         dropped = 0
         if len(ids) + max_new > limit and context_policy == "truncate":
-            while dropped < len(history) and len(ids) + max_new > limit:
+            while dropped < len(chat.turns) and len(ids) + max_new > limit:
                 dropped += 1
-                ids = self.runner.conversation_ids(session.system_prompt, history[dropped:], prompt)
+                ids = self.runner.conversation_ids(chat.without_oldest(dropped), prompt)
             if len(ids) + max_new > limit and clip_max_new_tokens and len(ids) < limit:
                 max_new = limit - len(ids)
         if len(ids) + max_new > limit:
@@ -394,12 +489,12 @@ class SessionEngine:
         assert gen.answer is not None
         return gen.answer
 
-    def step(self, work: Sequence[Generation | OpenTask], *, prefill_budget: int | None = None) -> None:
+    def step(self, work: Sequence[Generation | PrefixTask], *, prefill_budget: int | None = None) -> None:
         """Run one scheduler step over ``work``: every prefilled generation decodes one token,
         together, in one forward pass (rows of :attr:`batch`); then the prefill work runs in chunks
         within the token budget: questions first (restore, then the new tokens; one whose prefill
-        completes samples its first token), then opens (vision tower, then the prefix), each in
-        arrival order.
+        completes samples its first token), then opens and added images (vision tower, then the
+        prefix), each in arrival order.
 
         Args:
             work: generations and open tasks to advance (done ones are skipped).
@@ -416,7 +511,7 @@ class SessionEngine:
             self._decode(decoding)
         budget = None if prefill_budget is None else max(prefill_budget - len(decoding), MIN_PREFILL_TOKENS)
         # questions first (a follow-up is a few tokens and a user waits for its first token), then opens
-        for w in sorted(work, key=lambda w: isinstance(w, OpenTask)):
+        for w in sorted(work, key=lambda w: isinstance(w, PrefixTask)):
             if w.done or (isinstance(w, Generation) and (w.prefilled or w in decoding)):
                 continue
             if budget is not None and budget <= 0:
@@ -467,10 +562,36 @@ class SessionEngine:
             )
         return session
 
-    def new_session_bytes(self, num_prefix_tokens: int) -> int:
-        """Device bytes a new session takes in the KV tier: its image features (image tokens x
-        hidden x dtype bytes) plus the KV cache of its ``num_prefix_tokens`` prefix tokens."""
-        return self.runner.num_image_tokens * self._hidden_bytes() + num_prefix_tokens * self.runner.kv_bytes_per_token
+    def new_session_bytes(self, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
+        """Device bytes a new session takes in the KV tier: its image features (``num_image_tokens``,
+        default one base tile, x hidden x dtype bytes) plus the KV cache of its ``num_prefix_tokens``
+        prefix tokens."""
+        image_tokens = self.runner.num_image_tokens if num_image_tokens is None else num_image_tokens
+        return image_tokens * self._hidden_bytes() + num_prefix_tokens * self.runner.kv_bytes_per_token
+
+    def _check_image_tokens(self, image_tokens: Sequence[int]) -> None:
+        """Raise ServiceError(image_limit_exceeded) when the images' placeholder tokens pass ``max_image_tokens``."""
+        cap = self.limits.max_image_tokens
+        if cap and sum(image_tokens) > cap:
+            raise ServiceError(
+                ErrorCode.IMAGE_LIMIT_EXCEEDED,
+                f"the session's images would take {sum(image_tokens)} image tokens; at most {cap} are allowed",
+            )
+
+    def encode(self, session: Session, images: Sequence[Any]) -> torch.Tensor:
+        """Encode ``images`` (the session's last ``len(images)``, in order) as laid out in the session's
+        conversation now (:attr:`Session.image_tokens`); returns their rows ``[tokens, hidden]``.
+
+        Raises:
+            ServiceError: image_invalid; overloaded (out of device memory twice).
+            RuntimeError: the model gave another row count than the processor's (a bug).
+        """
+        feats = self._oom_retry(lambda: self.runner.encode_images(images, len(session.images)), session)
+        expected = session.image_tokens[len(session.images) - len(images) :]
+        got = [int(f.shape[0]) for f in feats]
+        if got != expected:
+            raise RuntimeError(f"image features have {got} rows; the processor counts {expected}")
+        return feats[0] if len(feats) == 1 else torch.cat(feats, dim=0)
 
     def _hidden_bytes(self) -> int:
         return self.runner.config.text_config.hidden_size * self.runner.dtype.itemsize
@@ -505,12 +626,12 @@ class SessionEngine:
         if tier is Tier.KV:
             return None
         if tier is Tier.IMAGE:
-            image = self.decode_image(session.image_bytes)
-            if not self.store.reserve(self.runner.num_image_tokens * self._hidden_bytes(), keep=session):
+            images = [self.decode_image(data) for data in session.images]
+            if not self.store.reserve(sum(session.image_tokens) * self._hidden_bytes(), keep=session):
                 raise ServiceError(
                     ErrorCode.OVERLOADED, "not enough device memory to restore the session", retry_after_s=5
                 )
-            session.image_features = self._oom_retry(lambda: self.runner.encode_image(image), session)
+            session.image_features = self.encode(session, images)
         session.kv_cache = self.runner.new_cache()
         session.cached_ids = []
         session.num_restores += 1
@@ -518,12 +639,79 @@ class SessionEngine:
         return "features" if tier is Tier.FEATURES else "image"
 
 
-class OpenTask:
+class PrefixTask:
+    """Work that encodes images and then prefills the conversation up to the next question, in
+    scheduler steps: an open (:class:`OpenTask`) or an added image (:class:`AddImageTask`).
+
+    Advanced by :meth:`SessionEngine.step`: the first piece runs the vision tower (it takes the
+    whole step's budget), the next ones prefill :attr:`prefix` in chunks. When done, :attr:`result`
+    is set and the session is idle; when a step fails, :attr:`error` is set (what happens to the
+    session is the subclass's :meth:`close`).
+    """
+
+    def __init__(
+        self, engine: SessionEngine, session: Session, prefix: list[int], t0: float, decode_ms: float | None
+    ) -> None:
+        self.engine = engine
+        self.session = session
+        self.prefix = prefix
+        self.error: Exception | None = None
+        self.done = False
+        self._encoded = False
+        self._t0 = t0
+        self._timings: dict[str, float] = {} if decode_ms is None else {"decode": decode_ms}
+
+    @property
+    def session_id(self) -> str:
+        """The session the work is for."""
+        return self.session.session_id
+
+    def _encode(self) -> None:
+        """Run the vision tower and leave the session ready to prefill :attr:`prefix`."""
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """Set :attr:`result` (the session is idle and enforced by then)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Abandon the work (client gone, or a failed step)."""
+        raise NotImplementedError
+
+    def _prefill_step(self, budget: int | None) -> int:
+        """Run the next piece (the vision tower, which takes the whole ``budget``, or a prefix chunk
+        of at most ``budget`` tokens; None: all of it); returns the tokens used."""
+        engine, session = self.engine, self.session
+        if not self._encoded:
+            t = time.perf_counter()
+            self._encode()
+            self._encoded = True
+            self._timings["encode"] = _ms(t)
+            engine.store.sync(session)
+            if budget is not None:
+                return budget
+        used = 0
+        if cache_len(session.kv_cache) < len(self.prefix):
+            _logits, used = engine._prefill_chunk(session, self.prefix, budget, self._timings)
+        if cache_len(session.kv_cache) == len(self.prefix):
+            session.busy = False
+            engine.store.enforce(keep=session)
+            self._timings["total"] = _ms(self._t0)
+            self.done = True
+            self._finish()
+        return used
+
+    def _fail(self, exc: Exception) -> None:
+        """Record ``exc`` and undo the work (:meth:`close`)."""
+        self.error = exc
+        self.close()
+
+
+class OpenTask(PrefixTask):
     """An open in flight: the vision tower, then the conversation prefix prefilled in chunks.
 
-    Made by :meth:`SessionEngine.begin_open` (the session is admitted and busy), advanced by
-    :meth:`SessionEngine.step`. When done, :attr:`result` is set and the session is idle; when a
-    step fails, :attr:`error` is set and the session is removed, as :meth:`close` (client gone) does.
+    Made by :meth:`SessionEngine.begin_open` (the session is admitted and busy). When a step fails
+    the session is removed, as :meth:`close` (client gone) does.
     """
 
     def __init__(
@@ -535,58 +723,21 @@ class OpenTask:
         t0: float,
         decode_ms: float | None,
     ) -> None:
-        self.engine = engine
-        self.session = session
-        self.prefix = prefix
+        super().__init__(engine, session, prefix, t0, decode_ms)
         self.result: OpenResult | None = None
-        self.error: Exception | None = None
-        self.done = False
         self._image = image
-        self._t0 = t0
-        self._timings: dict[str, float] = {} if decode_ms is None else {"decode": decode_ms}
 
-    @property
-    def session_id(self) -> str:
-        """The session being opened."""
-        return self.session.session_id
-
-    def _prefill_step(self, budget: int | None) -> int:
-        """Run the next piece (the vision tower, which takes the whole ``budget``, or a prefix chunk
-        of at most ``budget`` tokens; None: all of it); returns the tokens used."""
-        engine, runner, session = self.engine, self.engine.runner, self.session
-        if session.image_features is None:
-            t = time.perf_counter()
-            image = self._image
-            session.image_features = engine._oom_retry(lambda: runner.encode_image(image), session)
-            session.kv_cache = runner.new_cache()
-            self._image = None
-            self._timings["encode"] = _ms(t)
-            engine.store.sync(session)
-            if budget is not None:
-                return budget
-        _logits, used = engine._prefill_chunk(session, self.prefix, budget, self._timings)
-        if cache_len(session.kv_cache) == len(self.prefix):
-            self._finish()
-        return used
+    def _encode(self) -> None:
+        session = self.session
+        session.image_features = self.engine.encode(session, [self._image])
+        session.kv_cache = self.engine.runner.new_cache()
+        self._image = None
 
     def _finish(self) -> None:
         session = self.session
-        session.busy = False
-        self.engine.store.enforce(keep=session)
-        self._timings["total"] = _ms(self._t0)
-        self.done = True
         self.result = OpenResult(
-            session.session_id,
-            session.expires_at,
-            self.engine.runner.num_image_tokens,
-            len(self.prefix),
-            dict(self._timings),
+            session.session_id, session.expires_at, session.image_tokens[0], len(self.prefix), dict(self._timings)
         )
-
-    def _fail(self, exc: Exception) -> None:
-        """Record ``exc`` and remove the half-opened session."""
-        self.error = exc
-        self.close()
 
     def close(self) -> None:
         """Abandon the open (client gone): the session is removed. No-op once done."""
@@ -599,6 +750,113 @@ class OpenTask:
                 self.engine.store.remove(self.session.session_id)
             except ServiceError:
                 pass
+
+
+class AddImageTask(PrefixTask):
+    """An added image in flight (:meth:`SessionEngine.begin_add_image`): the vision tower, then the
+    conversation up to the next question prefilled in chunks, reusing the cache before the image.
+
+    The session takes the image when its features are computed; when a step fails, or the client
+    goes (:meth:`close`), the session is put back as before the add (images, features, history) with
+    the cache kept up to what the old conversation shares, so nothing the user stored is lost.
+    """
+
+    def __init__(
+        self,
+        engine: SessionEngine,
+        session: Session,
+        image: Any,
+        image_bytes: bytes,
+        image_sizes: list[tuple[int, int]],
+        image_tokens: list[int],
+        prefix: list[int],
+        t0: float,
+        decode_ms: float | None,
+    ) -> None:
+        super().__init__(engine, session, prefix, t0, decode_ms)
+        self.result: AddImageResult | None = None
+        self._image = image
+        self._image_bytes = image_bytes
+        self._sizes = image_sizes
+        self._tokens = image_tokens
+        self._reuse = 0
+        self._before: tuple[Any, ...] | None = None
+
+    def _encode(self) -> None:
+        engine, session = self.engine, self.session
+        old_prefix = engine.runner.prefix_ids(session.chat())
+        self._before = (
+            list(session.images),
+            list(session.image_sizes),
+            list(session.image_tokens),
+            session.pending_images,
+            session.image_features,
+            old_prefix,
+        )
+        relayout = self._tokens[:-1] != session.image_tokens
+        session.images = [*session.images, self._image_bytes]
+        session.image_sizes = list(self._sizes)
+        session.image_tokens = list(self._tokens)
+        session.pending_images += 1
+        if relayout or session.image_features is None:  # every image (re-)encoded as laid out now
+            images = [engine.decode_image(data) for data in session.images[:-1]] + [self._image]
+            session.image_features = engine.encode(session, images)
+        else:
+            new = engine.encode(session, [self._image])
+            session.image_features = torch.cat([session.image_features, new], dim=0)
+        self._image = None
+        if session.kv_cache is None or relayout:  # the cached image rows changed: nothing from the first one on
+            ids = session.cached_ids if session.kv_cache is not None else []
+            first = ids.index(engine.runner.image_token_id) if engine.runner.image_token_id in ids else len(ids)
+            keep = min(first, common_prefix_len(ids, self.prefix))
+            if session.kv_cache is None:
+                session.kv_cache, keep = engine.runner.new_cache(), 0
+        else:
+            keep = common_prefix_len(session.cached_ids, self.prefix)
+        if keep < cache_len(session.kv_cache):
+            crop_cache(session.kv_cache, keep)
+        session.cached_ids = session.cached_ids[:keep]
+        self._reuse = keep
+        engine.num_reused_tokens += keep
+
+    def _finish(self) -> None:
+        session = self.session
+        self.result = AddImageResult(
+            session.session_id,
+            image_tokens=session.image_tokens[-1],
+            images=len(session.images),
+            prefix_tokens=len(self.prefix),
+            cached_tokens=self._reuse,
+            timings=dict(self._timings),
+        )
+
+    def close(self) -> None:
+        """Abandon the add: the session is as before it (its cache kept where still valid). No-op once done."""
+        if self.done:
+            return
+        self.done = True
+        session = self.session
+        session.busy = False
+        if self._before is not None:
+            images, sizes, tokens, pending, features, old_prefix = self._before
+            relayout = tokens != session.image_tokens[:-1]
+            session.images, session.image_sizes, session.image_tokens = images, sizes, tokens
+            session.pending_images, session.image_features = pending, features
+            if features is None or relayout or session.kv_cache is None:
+                session.drop_kv()
+            else:
+                try:
+                    keep = common_prefix_len(session.cached_ids, old_prefix)
+                    lens = {layer.keys.shape[-2] for layer in session.kv_cache.layers if layer.keys is not None}
+                    if len(lens) > 1 or cache_len(session.kv_cache) < keep:
+                        session.drop_kv()  # a forward failed between layers
+                    else:
+                        crop_cache(session.kv_cache, keep)
+                        session.cached_ids = session.cached_ids[:keep]
+                except Exception:  # noqa: BLE001
+                    session.drop_kv()
+        if session.session_id in self.engine.store:
+            self.engine.store.sync(session)
 
 
 class DecodeBatch:
@@ -903,13 +1161,15 @@ class Generation:
         session = self.session
         self.engine.batch.release(self)  # the session's KV comes back from its batch row
         ids = [e.id for e in self._events]
-        if self.truncated_turns:  # what the model saw: the oldest turns left the context
-            session.history = session.history[self.truncated_turns :]
+        if self.truncated_turns:  # what the model saw: the oldest turns left the context (not their images)
+            kept = session.chat().without_oldest(self.truncated_turns)
+            session.history, session.pending_images = list(kept.turns), kept.pending_images
         if self.remember:
-            session.history.append(Turn(self.prompt, self._detok.text))
+            session.history.append(Turn(self.prompt, self._detok.text, session.pending_images))
+            session.pending_images = 0
             session.cached_ids = list(self.prompt_ids) + ids[:-1]  # the last token is not fed yet
         else:  # keep what the next question can reuse: the history's stable prefix
-            stable = self.engine.runner.prefix_ids(session.system_prompt, session.history)
+            stable = self.engine.runner.prefix_ids(session.chat())
             keep = max(self._reuse, common_prefix_len(self.prompt_ids, stable))
             crop_cache(session.kv_cache, keep)
             session.cached_ids = session.cached_ids[:keep]

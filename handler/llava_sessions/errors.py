@@ -27,6 +27,7 @@ class ErrorCode(str, Enum):
     PAYLOAD_TOO_LARGE = "payload_too_large"  # 413: request body over the limit
     IMAGE_TOO_LARGE = "image_too_large"  # 413: image bytes or pixels over the limit
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 422: prompt + max_new_tokens > max positions
+    IMAGE_LIMIT_EXCEEDED = "image_limit_exceeded"  # 422: images or image tokens per session over the limit
     OVERLOADED = "overloaded"  # 503: no memory or generation slot now; retry later
     INTERNAL_ERROR = "internal_error"  # 500: a bug; details only in the server log
 
@@ -46,6 +47,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.IMAGE_TOO_LARGE: 413,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 422,
+    ErrorCode.IMAGE_LIMIT_EXCEEDED: 422,
     ErrorCode.OVERLOADED: 503,
     ErrorCode.INTERNAL_ERROR: 500,
 }

@@ -4,17 +4,26 @@ Pure model operations over explicit state; no sessions, HTTP or JSON. One forwar
 batch size 1. The KV cache is a transformers ``DynamicCache`` whose layers hold
 ``keys``/``values`` of shape ``[1, num_kv_heads, cached_len, head_dim]`` in the model dtype.
 
-Mechanics (verified, shared/notes/llava-transformers.md): image features are the projector's
-output for the vision tower's layer ``vision_feature_layer`` (CLS dropped for the ``default``
-strategy), shape ``[num_image_tokens, text_hidden]``; they replace the embeddings of the
-``<image>`` placeholder tokens exactly as ``LlavaModel.forward`` does with ``masked_scatter``, so
-a cached prefill is token-identical to ``model.generate`` from scratch in fp32.
+Architectures (:data:`ARCHITECTURES`, chosen by ``config.json``'s ``architectures``): llava-1.5
+(``LlavaForConditionalGeneration``), LLaVA-NeXT (``LlavaNextForConditionalGeneration``, "anyres"
+tiling) and LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``, anyres_max_9; Qwen2). All
+architecture knowledge lives here: the engine sees images as feature rows and token counts.
+
+Mechanics (verified, shared/notes/llava-transformers.md): an image's features are the model's own
+``get_image_features`` output (vision tower, projector and, for NeXT / OneVision, the tile packing
+with newline rows), shape ``[image_tokens, text_hidden]``, where ``image_tokens`` depends on the
+image size for anyres models; they replace the embeddings of that image's ``<image>`` placeholder
+tokens in order, exactly as the models' ``forward`` does with ``masked_scatter``, so a cached prefill
+is token-identical to ``model.generate`` from scratch in fp32.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +35,62 @@ from .errors import ErrorCode, ServiceError
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+#: The checkpoint architectures served (``config.json`` ``architectures[0]``, transformers class names).
+ARCHITECTURES: tuple[str, ...] = (
+    "LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
+)
+
+
+def checkpoint_architecture(model_dir: str | Path) -> str:
+    """The architecture named by ``model_dir/config.json`` (one of :data:`ARCHITECTURES`).
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: an architecture this server does not serve.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.parent} is not a checkpoint folder (no config.json)")
+    names = json.loads(path.read_text()).get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return str(name)
+    raise ValueError(f"{path.parent}: architecture {names or '(none)'} is not one of {', '.join(ARCHITECTURES)}")
+
+
+def image_only_processor_class(processor_class: type) -> Any:
+    """``processor_class`` without its video processor: LLaVA-OneVision's processor requires one, and
+    transformers' video processors need torchvision, which a server of images does not need."""
+
+    def get_attributes(cls: type) -> list[str]:
+        return [a for a in processor_class.get_attributes() if a != "video_processor"]  # type: ignore[attr-defined]
+
+    return type(processor_class.__name__, (processor_class,), {"get_attributes": classmethod(get_attributes)})
+
+
+def load_processor(model_dir: str | Path) -> Any:
+    """The checkpoint's own processor (``AutoProcessor``); a processor whose video processor cannot
+    load here (no torchvision) is loaded without it (:func:`image_only_processor_class`).
+
+    Raises:
+        OSError / ValueError: the folder has no loadable processor.
+    """
+    import transformers
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError, ImportError, AttributeError):
+        config = Path(model_dir) / "processor_config.json"
+        name = json.loads(config.read_text()).get("processor_class", "") if config.is_file() else ""
+        cls = getattr(transformers, name, None)
+        if cls is None or "video_processor" not in cls.get_attributes():
+            raise
+        log.info("loading the processor without its video processor", extra={"processor": name})
+        return image_only_processor_class(cls).from_pretrained(model_dir)
 
 
 def resolve_device(device: str = "auto", gpu_id: int | None = None) -> torch.device:
@@ -171,21 +236,58 @@ class BatchKVCache(Cache):
 
 @dataclass(frozen=True)
 class Turn:
-    """One remembered exchange: the user's ``prompt`` and the assistant's ``answer`` text."""
+    """One remembered exchange: the user's ``prompt`` and the assistant's ``answer`` text;
+    ``images``: how many of the session's images open that user message (before its text)."""
 
     prompt: str
     answer: str
+    images: int = 0
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation apart from its next question: what the chat template renders.
+
+    Attributes:
+        system_prompt: optional system message.
+        turns: remembered exchanges, oldest first (each carries the images opening its message).
+        pending_images: images not yet asked about: they open the next user message.
+        image_tokens: placeholder tokens of every image, in conversation order
+            (``len == sum(t.images for t in turns) + pending_images``).
+    """
+
+    system_prompt: str | None
+    turns: tuple[Turn, ...] = ()
+    pending_images: int = 1
+    image_tokens: tuple[int, ...] = field(default=())
+
+    def without_oldest(self, n: int) -> Chat:
+        """The chat with its ``n`` oldest turns dropped; their images move to the first turn kept
+        (or to the next question when none is), so no image ever leaves the context."""
+        if n <= 0:
+            return self
+        moved = sum(t.images for t in self.turns[:n])
+        kept = list(self.turns[n:])
+        pending = self.pending_images
+        if kept:
+            first = kept[0]
+            kept[0] = Turn(first.prompt, first.answer, first.images + moved)
+        else:
+            pending += moved
+        return Chat(self.system_prompt, tuple(kept), pending, self.image_tokens)
 
 
 class LlavaRunner:
-    """A loaded LLaVA checkpoint and the forward passes the session engine needs.
+    """A loaded LLaVA-family checkpoint and the forward passes the session engine needs.
 
     Args:
-        model: a ``LlavaForConditionalGeneration`` in eval mode on ``device``.
-        processor: its ``LlavaProcessor`` (image processor, tokenizer, chat template).
+        model: one of :data:`ARCHITECTURES` in eval mode on ``device``.
+        processor: its processor (image processor, tokenizer, chat template).
 
     Attributes:
-        num_image_tokens: placeholder tokens per image (576 for llava-1.5 at 336 px).
+        architecture: the model's class name.
+        num_image_tokens: placeholder tokens of one base tile (576 for llava-1.5 at 336 px, which
+            is every image's count there; anyres models add tiles: :meth:`image_token_count`).
         max_positions: the text model's ``max_position_embeddings`` (context limit, tokens).
         kv_bytes_per_token: KV-cache bytes one token costs (2 × layers × kv_heads × head_dim × dtype size).
         eos_token_ids: token ids that end an answer.
@@ -201,10 +303,15 @@ class LlavaRunner:
         self.dtype = next(model.parameters()).dtype
         self.image_token_id: int = int(self.config.image_token_id)
         self.image_token: str = getattr(processor, "image_token", "<image>")
+        self.architecture: str = type(model).__name__
         vision = self.config.vision_config
         num_patches = (vision.image_size // vision.patch_size) ** 2
         strategy = self.config.vision_feature_select_strategy
-        self.num_image_tokens: int = num_patches + (0 if strategy == "default" else 1)
+        has_cls = getattr(vision, "model_type", "") == "clip_vision_model"  # SigLIP has no CLS token
+        self.num_image_tokens: int = num_patches + (1 if has_cls and strategy != "default" else 0)
+        # OneVision lays out each image of a several-image conversation as one base tile + a newline
+        # row (its get_image_features takes batch_num_images; processing_llava_onevision.replace_image_token)
+        self._multi_image_base_tile = "batch_num_images" in inspect.signature(model.get_image_features).parameters
         self.max_positions: int = int(text.max_position_embeddings)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -215,7 +322,7 @@ class LlavaRunner:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
-        self._prefix_cache: dict[str | None, list[int]] = {}
+        self._prefix_cache: dict[tuple[Any, ...], list[int]] = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -232,102 +339,157 @@ class LlavaRunner:
 
         Raises:
             FileNotFoundError: ``model_dir`` is not a folder with a config.json.
-            ValueError: bad device or dtype.
+            ValueError: bad device or dtype, or an architecture not in :data:`ARCHITECTURES`.
         """
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
+        import transformers
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         path = Path(model_dir)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a checkpoint folder (no config.json)")
+        architecture = checkpoint_architecture(path)
         dev = resolve_device(device, gpu_id)
         torch_dtype = resolve_dtype(dtype, dev)
-        loaded: Any = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch_dtype)
+        loaded: Any = getattr(transformers, architecture).from_pretrained(path, dtype=torch_dtype)
         model = loaded.to(dev)
-        processor = AutoProcessor.from_pretrained(path)
-        log.info("loaded checkpoint", extra={"model_dir": str(path), "device": str(dev), "dtype": str(torch_dtype)})
+        processor = load_processor(path)
+        log.info(
+            "loaded checkpoint",
+            extra={"model_dir": str(path), "architecture": architecture, "device": str(dev), "dtype": str(torch_dtype)},
+        )
         return cls(model.eval(), processor)
 
     # ------------------------------------------------------------------ images
+    def _base_layout(self, num_images: int) -> bool:
+        """Whether images of a conversation with ``num_images`` images are laid out as one base tile
+        each (OneVision's several-image mode) rather than by their own size."""
+        return self._multi_image_base_tile and num_images > 1
+
+    def image_token_count(self, image_size: tuple[int, int], num_images: int = 1) -> int:
+        """Placeholder tokens of an image of ``image_size`` (height, width in pixels) in a
+        conversation holding ``num_images`` images: the processor's own count
+        (``_get_num_multimodal_tokens``: 576 for llava-1.5, tiles for anyres models), or one base
+        tile + a newline row in OneVision's several-image mode.
+        """
+        if self._base_layout(num_images):
+            return self.num_image_tokens + 1
+        counter = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if counter is None:
+            return self.num_image_tokens
+        return int(counter(image_sizes=[list(image_size)]).num_image_tokens[0])
+
     @torch.inference_mode()
-    def encode_image(self, image: Any) -> torch.Tensor:
-        """Preprocess one RGB PIL image, run the vision tower and the projector.
+    def encode_images(self, images: Sequence[Any], num_images: int | None = None) -> list[torch.Tensor]:
+        """Preprocess RGB PIL ``images``, run the vision tower, the projector and the model's tile packing.
+
+        Args:
+            images: the images to encode, in conversation order.
+            num_images: images in the conversation they belong to (default ``len(images)``); decides
+                OneVision's layout (:meth:`image_token_count`).
 
         Returns:
-            Image features ``[num_image_tokens, text_hidden]`` in the model dtype, on the device.
+            One ``[image_tokens_i, text_hidden]`` tensor per image, model dtype, on the device;
+            ``image_tokens_i == image_token_count(size_i, num_images)``.
 
         Raises:
-            ServiceError(image_invalid): the processor cannot handle the image.
+            ServiceError(image_invalid): the processor cannot handle an image.
         """
+        images = list(images)
+        total = len(images) if num_images is None else num_images
+        base = self._base_layout(total)
+        # several-image mode needs a nested batch of >= 2 images; a lone one is preprocessed twice
+        batch: Any = [images + images[:1] if len(images) == 1 else images] if base else images
         try:
-            pixels = self.processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+            out = self.processor.image_processor(images=batch, return_tensors="pt")
         except Exception as exc:  # noqa: BLE001 - any processor failure is the image's fault
             raise ServiceError(ErrorCode.IMAGE_INVALID, "the image could not be preprocessed") from exc
-        return self.encode_pixels(pixels)
+        kwargs: dict[str, Any] = {}
+        if "image_sizes" in out:
+            kwargs["image_sizes"] = out["image_sizes"][: len(images)]
+        if base:
+            kwargs["batch_num_images"] = torch.tensor([max(2, len(images))])
+        pixel_values = out["pixel_values"][: len(images)]
+        feats = self.encode_pixels(pixel_values, **kwargs)
+        return feats
+
+    def encode_image(self, image: Any) -> torch.Tensor:
+        """Encode one image alone (its own conversation): ``[image_tokens, text_hidden]``; see :meth:`encode_images`."""
+        return self.encode_images([image])[0]
 
     @torch.inference_mode()
-    def encode_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Run the vision tower + projector on ``pixel_values [1, 3, H, W]``; see :meth:`encode_image`."""
+    def encode_pixels(self, pixel_values: torch.Tensor, **kwargs: Any) -> list[torch.Tensor]:
+        """Run ``get_image_features`` on preprocessed ``pixel_values`` (``[N, 3, H, W]``, or
+        ``[N, tiles, 3, H, W]`` for anyres models, with their ``image_sizes`` in ``kwargs``); returns
+        one ``[image_tokens_i, text_hidden]`` tensor per image."""
         pixel_values = pixel_values.to(self.device, self.dtype)
         out = self.model.get_image_features(
             pixel_values=pixel_values,
             vision_feature_layer=self.config.vision_feature_layer,
             vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+            **kwargs,
         )
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
-        if isinstance(feats, (list, tuple)):
-            feats = torch.cat(list(feats), dim=0)
-        return feats.reshape(-1, feats.shape[-1]).contiguous()
+        per_image = list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
+        return [f.reshape(-1, f.shape[-1]).contiguous() for f in per_image]
 
     # ------------------------------------------------------------------ text
-    def conversation(self, system_prompt: str | None, turns: list[Turn], prompt: str | None) -> list[dict]:
-        """Build chat messages: optional system, the image in the first user message before its text,
-        remembered answers as assistant messages, then ``prompt`` as the last user message."""
+    def conversation(self, chat: Chat, prompt: str | None) -> list[dict]:
+        """Build chat messages: optional system, each user message opened by its images, remembered
+        answers as assistant messages, then ``prompt`` as the last user message (opened by the
+        pending images)."""
         messages: list[dict] = []
-        if system_prompt:
-            messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
-        questions = [t.prompt for t in turns] + ([prompt] if prompt is not None else [])
-        answers = [t.answer for t in turns]
-        for i, question in enumerate(questions):
-            content = ([{"type": "image"}] if i == 0 else []) + [{"type": "text", "text": question}]
+        if chat.system_prompt:
+            messages.append({"role": "system", "content": [{"type": "text", "text": chat.system_prompt}]})
+        for turn in chat.turns:
+            content = [{"type": "image"}] * turn.images + [{"type": "text", "text": turn.prompt}]
             messages.append({"role": "user", "content": content})
-            if i < len(answers):
-                messages.append({"role": "assistant", "content": [{"type": "text", "text": answers[i]}]})
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": turn.answer}]})
+        if prompt is not None:
+            content = [{"type": "image"}] * chat.pending_images + [{"type": "text", "text": prompt}]
+            messages.append({"role": "user", "content": content})
         return messages
 
-    def conversation_text(self, system_prompt: str | None, turns: list[Turn], prompt: str) -> str:
+    def conversation_text(self, chat: Chat, prompt: str) -> str:
         """Chat-template the full conversation with the generation prompt (``<image>`` not expanded)."""
-        messages = self.conversation(system_prompt, turns, prompt)
+        messages = self.conversation(chat, prompt)
         return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def tokenize(self, text: str) -> list[int]:
-        """Tokenize templated text, expanding each ``<image>`` to :attr:`num_image_tokens` placeholders
-        (what ``LlavaProcessor`` does), with the tokenizer's special tokens (BOS)."""
-        expanded = text.replace(self.image_token, self.image_token * self.num_image_tokens)
+    def tokenize(self, text: str, image_tokens: Sequence[int]) -> list[int]:
+        """Tokenize templated text, expanding the i-th ``<image>`` to ``image_tokens[i]`` placeholders
+        (what the processors do), with the tokenizer's special tokens (BOS).
+
+        Raises:
+            ValueError: the text holds a different number of ``<image>`` than ``image_tokens``.
+        """
+        parts = text.split(self.image_token)
+        if len(parts) - 1 != len(image_tokens):
+            raise ValueError(f"{len(parts) - 1} image placeholders in the text for {len(image_tokens)} images")
+        expanded = parts[0] + "".join(
+            self.image_token * n + part for n, part in zip(image_tokens, parts[1:], strict=True)
+        )
         return list(self.tokenizer(expanded, add_special_tokens=True)["input_ids"])
 
-    def conversation_ids(self, system_prompt: str | None, turns: list[Turn], prompt: str) -> list[int]:
+    def conversation_ids(self, chat: Chat, prompt: str) -> list[int]:
         """Token ids of the full chat-templated conversation ending in the generation prompt."""
-        return self.tokenize(self.conversation_text(system_prompt, turns, prompt))
+        return self.tokenize(self.conversation_text(chat, prompt), chat.image_tokens)
 
-    def prefix_ids(self, system_prompt: str | None, turns: list[Turn] | None = None) -> list[int]:
-        """Token ids every next question shares: system prompt, image and ``turns``, whatever the question.
+    def prefix_ids(self, chat: Chat) -> list[int]:
+        """Token ids every next question shares: system prompt, images and turns, whatever the question.
 
         Found as the common prefix of two conversations that differ only in their last question,
-        so it holds for any chat template. Without turns the result is memoised per system prompt.
+        so it holds for any chat template. Without turns the result is memoised.
         """
 
         def compute() -> list[int]:
-            a = self.conversation_ids(system_prompt, turns or [], "A")
-            b = self.conversation_ids(system_prompt, turns or [], "Z")
+            a = self.conversation_ids(chat, "A")
+            b = self.conversation_ids(chat, "Z")
             return a[: common_prefix_len(a, b)]
 
-        if turns:
+        if chat.turns:
             return compute()
-        if system_prompt not in self._prefix_cache:
-            self._prefix_cache[system_prompt] = compute()
-        return list(self._prefix_cache[system_prompt])
+        key = (chat.system_prompt, chat.pending_images, chat.image_tokens)
+        if key not in self._prefix_cache:
+            self._prefix_cache[key] = compute()
+        return list(self._prefix_cache[key])
 
     def count_text_tokens(self, text: str) -> int:
         """Number of tokens of ``text`` alone (no special tokens)."""
@@ -340,18 +502,17 @@ class LlavaRunner:
 
         return DynamicCache(config=self.config.text_config)
 
-    def _embed(self, ids: list[int], start: int, image_features: torch.Tensor | None, image_start: int) -> torch.Tensor:
-        """Embeddings ``[1, len(ids), hidden]`` for positions ``start..``; image placeholders take
-        row ``position - image_start`` of ``image_features``."""
+    def _embed(self, ids: list[int], first_row: int, image_features: torch.Tensor | None) -> torch.Tensor:
+        """Embeddings ``[1, len(ids), hidden]``; the k-th image placeholder in ``ids`` takes row
+        ``first_row + k`` of ``image_features`` (every image's rows, in conversation order)."""
         ids_t = torch.tensor([ids], device=self.device)
         embeds = self.model.get_input_embeddings()(ids_t)
         mask = ids_t[0] == self.image_token_id
-        if bool(mask.any()):
-            if image_features is None:
-                raise RuntimeError("image placeholders to prefill but no image features")
-            positions = torch.nonzero(mask).flatten() + start - image_start
-            rows = image_features.index_select(0, positions).to(embeds.dtype)
-            embeds[0, mask] = rows
+        count = int(mask.sum())
+        if count:
+            if image_features is None or first_row + count > image_features.shape[0]:
+                raise RuntimeError("image placeholders to prefill but not as many image feature rows")
+            embeds[0, mask] = image_features[first_row : first_row + count].to(embeds.dtype)
         return embeds
 
     @torch.inference_mode()
@@ -361,7 +522,8 @@ class LlavaRunner:
         Args:
             cache: a ``DynamicCache`` holding exactly ``ids[:cache_len]`` (mutated: grows to ``len(ids)``).
             ids: the FULL token ids of the sequence; ``len(ids) > cache_len(cache)``.
-            image_features: ``[num_image_tokens, hidden]``; needed only if uncached ids hold image placeholders.
+            image_features: ``[image tokens of every image, hidden]`` (the images' rows in conversation
+                order); needed only if uncached ids hold image placeholders.
 
         Returns:
             Logits ``[vocab]`` (float32) of the last position.
@@ -369,8 +531,8 @@ class LlavaRunner:
         start = cache_len(cache)
         if start >= len(ids):
             raise ValueError(f"nothing to prefill: cache holds {start} of {len(ids)} tokens")
-        image_start = ids.index(self.image_token_id) if self.image_token_id in ids else 0
-        embeds = self._embed(ids[start:], start, image_features, image_start)
+        first_row = ids[:start].count(self.image_token_id)
+        embeds = self._embed(ids[start:], first_row, image_features)
         return self._forward(cache, embeds, start)
 
     @torch.inference_mode()

@@ -44,6 +44,8 @@ from .errors import ErrorCode, ServiceError
 __all__ = [
     "REQUEST_TYPES",
     "SAMPLING_BOUNDS",
+    "AddImageRequest",
+    "AddImageResponse",
     "CloseResponse",
     "CloseSessionRequest",
     "ErrorBody",
@@ -197,7 +199,7 @@ class _RequestBase(_Inbound):
     #: True for the AWS sample's request types; the service answers those in the sample's shape.
     legacy: ClassVar[bool] = False
 
-    def canonical(self) -> OpenSessionRequest | GenerateRequest | ResetRequest | CloseSessionRequest:
+    def canonical(self) -> OpenSessionRequest | GenerateRequest | AddImageRequest | ResetRequest | CloseSessionRequest:
         """Return the equivalent canonical request (``self`` for canonical types)."""
         return self  # type: ignore[return-value]
 
@@ -262,8 +264,17 @@ class GenerateRequest(_RequestBase):
         return _check_text(value)
 
 
+class AddImageRequest(_RequestBase):
+    """Append an image to the session's conversation (the header names the session): it opens the
+    next question, which may refer to every image of the session. Reply: :class:`AddImageResponse`.
+    ``image`` is given as for ``open_session`` (base64, URL or S3)."""
+
+    type: Literal["add_image"]
+    image: ImageSource
+
+
 class ResetRequest(_RequestBase):
-    """Forget the conversation, keep the image. Reply: :class:`ResetResponse`."""
+    """Forget the conversation, keep the images. Reply: :class:`ResetResponse`."""
 
     type: Literal["reset"]
 
@@ -332,6 +343,7 @@ class SendTextPromptRequest(_RequestBase):
 Request = Annotated[
     OpenSessionRequest
     | GenerateRequest
+    | AddImageRequest
     | ResetRequest
     | CloseSessionRequest
     | StartSessionRequest
@@ -344,6 +356,7 @@ Request = Annotated[
 REQUEST_TYPES: tuple[str, ...] = (
     "open_session",
     "generate",
+    "add_image",
     "reset",
     "close_session",
     "start_session",
@@ -478,6 +491,7 @@ def parse_request(
 ) -> (
     OpenSessionRequest
     | GenerateRequest
+    | AddImageRequest
     | ResetRequest
     | CloseSessionRequest
     | StartSessionRequest
@@ -577,6 +591,28 @@ class OpenSessionResponse(_Outbound):
     session_id: str
     expires_at: str
     image_tokens: int
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class AddImageResponse(_Outbound):
+    """Reply to ``add_image``.
+
+    Attributes:
+        session_id: the session.
+        image_tokens: positions the new image occupies in the context (they depend on its size for
+            anyres models).
+        images: images the session holds now (the opening one included).
+        prefix_tokens: tokens of the conversation up to the next question, now in the KV cache.
+        cached_tokens: of those, how many were reused from the cache (not recomputed).
+        timings: named phase durations in milliseconds (``fetch_ms``, ``decode_ms``, ``encode_ms``,
+            ``prefill_ms``, ``total_ms``).
+    """
+
+    session_id: str
+    image_tokens: int
+    images: int
+    prefix_tokens: int
+    cached_tokens: int
     timings: dict[str, float] = Field(default_factory=dict)
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codec import JSON, JSON_LINES, Codec, Command, GenerateCommand, OpenCommand, ResetCommand
+from .codec import JSON, JSON_LINES, AddImageCommand, Codec, Command, GenerateCommand, OpenCommand, ResetCommand
 from .config import Settings
 from .contract import (
     CLOSED_SESSION_ID_HEADER,
@@ -47,10 +47,11 @@ from .contract import (
     SESSION_ID_RE,
     session_header_value,
 )
-from .engine import Generation, OpenTask, SessionEngine
+from .engine import AddImageTask, Generation, OpenTask, PrefixTask, SessionEngine
 from .errors import ErrorCode, ServiceError
 from .images import decode_image, fetch_image_bytes
 from .metrics import WorkerMetrics
+from .model import Chat
 
 __all__ = ["Row", "RowResult", "SessionService"]
 
@@ -96,12 +97,12 @@ class _Job:
 
     request_id: str
     session_id: str
-    command: GenerateCommand | OpenCommand
+    command: GenerateCommand | OpenCommand | AddImageCommand
     last_seen: float
-    work: Generation | OpenTask
+    work: Generation | PrefixTask
     own_group: bool = True  # the TorchServe job group is this session's own (not the shared NEW_SESSION)
     t0: float = 0.0  # admission time (perf_counter), for an open's total_ms
-    open_timings: dict[str, float] = field(default_factory=dict)  # an open's fetch and decode, ms
+    open_timings: dict[str, float] = field(default_factory=dict)  # an open's / added image's fetch and decode, ms
     calls: int = 0  # handle() calls this job was part of
     sent: bool = False  # a streamed frame went out (status and headers are fixed)
     emitted: int = 0  # token events already sent (streaming)
@@ -193,6 +194,8 @@ class SessionService:
             raise ServiceError(
                 ErrorCode.MISSING_SESSION_ID, f"{command.kind} needs the {SESSION_ID_HEADER} header of an open session"
             )
+        if isinstance(command, AddImageCommand):
+            return self._admit_add_image(row, sid, command, now)
         if isinstance(command, ResetCommand):
             self.engine.reset(sid)
             return RowResult(self.codec.encode_reset(sid), headers={SESSION_ID_HEADER: sid})
@@ -241,6 +244,20 @@ class SessionService:
         job.open_timings = {"fetch": _ms(t0, t_fetched), "decode": _ms(t_fetched, t_decoded)}
         return job
 
+    def _admit_add_image(self, row: Row, sid: str, command: AddImageCommand, now: float) -> _Job:
+        """Admit an added image like an open: the session's state, the fetch, the decode and room for
+        it decide the status here; the vision tower and the prefill run in scheduler steps."""
+        self.engine.check_idle(sid)  # before any fetch: a gone or busy session is the precise answer
+        t0 = time.perf_counter()
+        data = self._fetch(command.image, self.settings)
+        t_fetched = time.perf_counter()
+        image = decode_image(data, max_pixels=self.settings.max_image_pixels)
+        t_decoded = time.perf_counter()
+        task = self.engine.begin_add_image(sid, data, image=image)
+        job = _Job(row.request_id, sid, command, now, work=task, t0=t0)
+        job.open_timings = {"fetch": _ms(t0, t_fetched), "decode": _ms(t_fetched, t_decoded)}
+        return job
+
     # ------------------------------------------------------------------ scheduling
     def _advance(self, jobs: list[_Job]) -> None:
         """Run up to ``step_max_tokens`` scheduler steps within ``step_max_ms`` (at least one).
@@ -271,8 +288,10 @@ class SessionService:
         (TorchServe sends them with the first frame, even an empty one)."""
         if isinstance(job.work, OpenTask):
             return self._emit_open(job, job.work)
+        if isinstance(job.work, AddImageTask):
+            return self._emit_add_image(job, job.work)
         gen, command, codec = job.work, job.command, self.codec
-        assert isinstance(command, GenerateCommand)
+        assert isinstance(command, GenerateCommand) and isinstance(gen, Generation)
         finished = gen.done or job.error is not None
         if command.stream:
             new = gen.events[job.emitted :]
@@ -318,6 +337,21 @@ class SessionService:
         timings = {**job.open_timings, **task.result.timings, "total": _ms(job.t0)}
         body = self.codec.encode_open(job.command, task.result, timings)
         return RowResult(body, headers=headers, stop=True if job.calls > 1 else None)
+
+    def _emit_add_image(self, job: _Job, task: AddImageTask) -> RowResult:
+        """An added image's output: empty frames until it is done, then its body (as an open's)."""
+        headers = {SESSION_ID_HEADER: job.session_id}
+        if not task.done and job.error is None:
+            return RowResult(b"", headers=headers, stop=False)
+        self._jobs.pop(job.request_id, None)
+        if job.error is not None:
+            task.close()
+            return self._error_result(job.session_id, job.error, chunk=job.calls > 1)
+        assert task.result is not None
+        timings = {**job.open_timings, **task.result.timings, "total": _ms(job.t0)}
+        return RowResult(
+            self.codec.encode_add_image(task.result, timings), headers=headers, stop=True if job.calls > 1 else None
+        )
 
     def _chunk(self, job: _Job, body: bytes, *, last: bool) -> RowResult:
         # A stream that ends in its first frame is one whole response: TorchServe sends no response
@@ -381,9 +415,9 @@ class SessionService:
         features and prefix KV cost, bytes)."""
         engine, store = self.engine, self.engine.store
         if self._new_session_bytes is None:  # the prefix is templated once, not per call
-            self._new_session_bytes = engine.new_session_bytes(
-                len(engine.runner.prefix_ids(self.settings.system_prompt))
-            )
+            runner = engine.runner
+            chat = Chat(self.settings.system_prompt, image_tokens=(runner.num_image_tokens,))
+            self._new_session_bytes = engine.new_session_bytes(len(runner.prefix_ids(chat)))
         return {
             "free_bytes": store.device_budget_bytes - store.device_bytes(),
             "num_sessions": len(store),

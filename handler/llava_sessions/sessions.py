@@ -38,21 +38,25 @@ import torch
 
 from .errors import ErrorCode, ServiceError
 from .ledger import Demotion, SessionLedger, Tier
-from .model import Turn, cache_len
+from .model import Chat, Turn, cache_len
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Session:
-    """One client's conversation about one image.
+    """One client's conversation about one image or more.
 
     Attributes:
         session_id: the id (``ts-seq-<uuid>`` minted by TorchServe, or any uuid4-based id).
-        image_bytes: the encoded image as received (host).
+        images: the encoded images as received (host), in conversation order (the opening one first).
+        image_sizes: each image's decoded (height, width), pixels.
+        image_tokens: each image's placeholder tokens in the conversation as it is now.
+        pending_images: images added since the last remembered turn (they open the next question).
         system_prompt: optional system message.
         history: remembered turns, oldest first.
-        image_features: ``[num_image_tokens, hidden]`` on the device, or None (tier ``image``).
+        image_features: ``[sum(image_tokens), hidden]`` on the device (every image's rows in order),
+            or None (tier ``image``).
         kv_cache: ``DynamicCache`` holding ``cached_ids`` (``[1, kv_heads, len, head_dim]`` per layer), or None.
         cached_ids: token ids whose keys/values are in ``kv_cache`` (``len == cache_len(kv_cache)``).
         opened_at: open time (epoch s); expires_at: absolute expiry (epoch s, whole seconds).
@@ -62,17 +66,24 @@ class Session:
     """
 
     session_id: str
-    image_bytes: bytes
+    images: list[bytes]
     system_prompt: str | None
     opened_at: float
     expires_at: int
     last_used: float
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)
+    image_tokens: list[int] = field(default_factory=list)
+    pending_images: int = 1
     history: list[Turn] = field(default_factory=list)
     image_features: torch.Tensor | None = None
     kv_cache: Any = None
     cached_ids: list[int] = field(default_factory=list)
     busy: bool = False
     num_restores: int = 0
+
+    def chat(self) -> Chat:
+        """The conversation as the chat template sees it (system, turns, images)."""
+        return Chat(self.system_prompt, tuple(self.history), self.pending_images, tuple(self.image_tokens))
 
     @property
     def tier(self) -> Tier:
@@ -91,9 +102,9 @@ class Session:
 
     @property
     def host_bytes(self) -> int:
-        """Encoded image + UTF-8 conversation text (system prompt and turns), bytes."""
+        """Encoded images + UTF-8 conversation text (system prompt and turns), bytes."""
         text = (self.system_prompt or "") + "".join(t.prompt + t.answer for t in self.history)
-        return len(self.image_bytes) + len(text.encode("utf-8"))
+        return sum(len(b) for b in self.images) + len(text.encode("utf-8"))
 
     def drop_kv(self) -> None:
         """Demote ``kv`` → ``features``: free the KV cache."""
@@ -236,7 +247,7 @@ class SessionStore:
         now = self.clock()
         return Session(
             session_id=session_id,
-            image_bytes=image_bytes,
+            images=[image_bytes],
             system_prompt=system_prompt,
             opened_at=now,
             expires_at=int(now) + self.ttl_s,

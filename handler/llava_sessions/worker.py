@@ -135,7 +135,12 @@ def build_local_service(
         runner,
         store,
         functools.partial(decode_image, max_pixels=settings.max_image_pixels),
-        EngineLimits(max_new_tokens_cap=settings.max_new_tokens_cap, max_prompt_tokens=settings.max_prompt_tokens),
+        EngineLimits(
+            max_new_tokens_cap=settings.max_new_tokens_cap,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            max_images=settings.max_images_per_session,
+            max_image_tokens=settings.max_image_tokens_per_session,
+        ),
     )
     log.warning(
         "llava-sessions ready",

@@ -1,12 +1,22 @@
 """Build random-weight LLaVA checkpoints that load exactly like a llava-hf folder.
 
-``llava-tiny-model --size {tiny,bench,7b} --out DIR [--seed N]`` writes a folder that
-``LlavaForConditionalGeneration.from_pretrained`` and ``AutoProcessor.from_pretrained`` load
-with no hub access: a real :class:`transformers.LlavaConfig` (CLIP vision tower at 336 px,
-patch 14 → 576 image tokens; LLaMA text model), random weights, a byte-level BPE tokenizer
-trained with ``tokenizers`` on a small built-in corpus, the ``<image>`` token, the llava-1.5
-chat template (``USER: <image>\\n... ASSISTANT:``) and a processor config with
-``num_additional_image_tokens=1`` (the llava-hf value; see shared/notes/llava-transformers.md).
+``llava-tiny-model --arch {llava,llava-next,llava-onevision} --size {tiny,bench,7b} --out DIR
+[--seed N]`` writes a folder that the architecture's ``...ForConditionalGeneration.from_pretrained``
+and ``AutoProcessor.from_pretrained`` load with no hub access: the real transformers config class,
+random weights, a byte-level BPE tokenizer trained with ``tokenizers`` on a small built-in corpus,
+the ``<image>`` token, the family's chat template and processor config. Architectures (the hub
+checkpoints each one mirrors):
+
+* ``llava`` (llava-hf/llava-1.5-7b-hf): ``LlavaForConditionalGeneration``, CLIP at 336 px, patch 14
+  → 576 image tokens whatever the image; LLaMA text model; ``USER: <image>\\n... ASSISTANT:``;
+  ``num_additional_image_tokens=1`` (the llava-hf value; see shared/notes/llava-transformers.md).
+* ``llava-next`` (llava-hf/llava-v1.6-mistral-7b-hf): ``LlavaNextForConditionalGeneration``, the
+  same CLIP tower with "anyres" tiling over llava-v1.6's grid pinpoints (336x672 .. 672x672), so the
+  image tokens depend on the image size (2,928 for a 672x672 photo); ``[INST] <image>\\n... [/INST]``.
+* ``llava-onevision`` (llava-hf/llava-onevision-qwen2-0.5b-ov-hf): ``LlavaOnevisionForConditionalGeneration``,
+  SigLIP at 384 px, patch 14 (729 tokens per tile), ``anyres_max_9``; Qwen2 text model (GQA) with
+  ChatML (``<|im_start|>user <image>\\n...<|im_end|>``), no BOS. With more than one image in a
+  conversation each image is one base tile plus a newline token (730), as the model was trained.
 
 Sizes:
 
@@ -17,6 +27,7 @@ Sizes:
 * ``7b``: exactly llava-1.5-7b's architecture (7,063,427,072 parameters; public config of
   ``llava-hf/llava-1.5-7b-hf``). Only built in memory on a GPU (:func:`build_model`); the CLI
   refuses it without CUDA. Its tokenizer is still the small one, so its text is meaningless.
+  ``llava`` only.
 
 The answers of these models are meaningless; everything else about the serving path is real.
 """
@@ -28,6 +39,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: llava-1.5 chat template in the llava-hf form: optional system text first, then per message
 #: ``ROLE: `` with images first (``<image>\\n``) and texts each followed by a space; the
@@ -43,8 +55,48 @@ LLAVA15_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
+#: llava-v1.6-mistral style: optional system text first, then ``[INST] `` + images (``<image>\\n``)
+#: + text + `` [/INST]`` per user message and `` answer</s>`` per assistant message; the generation
+#: prompt is empty (the model answers after ``[/INST]``).
+LLAVA_NEXT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + '\n\n' }}{% endfor %}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
+    "{{ ' [/INST]' }}"
+    "{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ ' ' + content['text'] + '</s>' }}{% endfor %}{% endif %}"
+    "{% endfor %}"
+)
+
+#: ChatML (Qwen2, llava-onevision): ``<|im_start|>role `` + images (``<image>\\n``) + text +
+#: ``<|im_end|>\\n`` per message; the generation prompt is ``<|im_start|>assistant\\n``.
+CHATML_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
+    "{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 IMAGE_TOKEN = "<image>"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]
+#: ChatML's turn markers (llava-onevision); ``<|im_end|>`` ends an answer there.
+CHATML_TOKENS = ["<|im_start|>", "<|im_end|>", "<video>"]
+
+#: The architectures ``--arch`` builds: name → transformers model class name.
+ARCHS: dict[str, str] = {
+    "llava": "LlavaForConditionalGeneration",
+    "llava-next": "LlavaNextForConditionalGeneration",
+    "llava-onevision": "LlavaOnevisionForConditionalGeneration",
+}
+#: llava-v1.6's grid pinpoints (height, width), the LlavaNextConfig default.
+NEXT_GRID_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 #: Built-in training corpus for the byte-level BPE tokenizer: plain English about images, so
 #: questions and answers tokenise into words rather than bytes.
@@ -90,6 +142,7 @@ class SizeSpec:
     max_positions: int
     vocab_size: int | None  # None: the trained tokenizer's size
     init_range: float
+    max_positions_anyres: int = 8192  # context of the llava-next / onevision builds (anyres images are long)
 
 
 SIZES: dict[str, SizeSpec] = {
@@ -97,16 +150,17 @@ SIZES: dict[str, SizeSpec] = {
     # llava-1.5-7b scaled for a CPU: text 4096 x 32 layers → 768 x 6 (the same 128 hidden per layer
     # and head size, MLP ratio 2.69), vision 1024 x 24 → 176 x 6 so the vision tower stays ~1/20 of
     # the text model (7b: 0.30 B vs 6.7 B parameters); 576 image tokens
-    "bench": SizeSpec(768, 6, 6, 6, 2064, 176, 6, 4, 704, 4096, None, 0.02),
+    "bench": SizeSpec(768, 6, 6, 6, 2064, 176, 6, 4, 704, 4096, None, 0.02, 8192),
     # exact llava-1.5-7b (llava-hf/llava-1.5-7b-hf config.json)
-    "7b": SizeSpec(4096, 32, 32, 32, 11008, 1024, 24, 16, 4096, 4096, 32064, 0.02),
+    "7b": SizeSpec(4096, 32, 32, 32, 11008, 1024, 24, 16, 4096, 4096, 32064, 0.02, 4096),
 }
 
 
-def _train_tokenizer(vocab_size: int = 2048):
+def _train_tokenizer(vocab_size: int = 2048, *, chatml: bool = False):
     """Train a byte-level BPE on the built-in corpus; returns a ``PreTrainedTokenizerFast``.
 
-    BOS ``<s>`` is prepended by the post-processor, as LLaMA tokenizers do.
+    BOS ``<s>`` is prepended by the post-processor, as LLaMA tokenizers do. ``chatml``: Qwen2's way
+    instead: no BOS, ``<|im_start|>`` / ``<|im_end|>`` special tokens, ``<|im_end|>`` is EOS.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -117,41 +171,101 @@ def _train_tokenizer(vocab_size: int = 2048):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (CHATML_TOKENS if chatml else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     lines = [line for line in _CORPUS.splitlines() if line.strip()]
     tok.train_from_iterator(lines * 4, trainer=trainer)
-    bos_id = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
-    )
+    if not chatml:
+        bos_id = tok.token_to_id("<s>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+        )
+    extra = {"image_token": IMAGE_TOKEN, **({"video_token": "<video>"} if chatml else {})}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
+        bos_token=None if chatml else "<s>",
+        eos_token="<|im_end|>" if chatml else "</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        extra_special_tokens={"image_token": IMAGE_TOKEN},
-        model_max_length=4096,
+        extra_special_tokens=extra,
+        model_max_length=32768 if chatml else 4096,
         padding_side="left",
     )
-    fast.chat_template = LLAVA15_CHAT_TEMPLATE
+    fast.chat_template = CHATML_CHAT_TEMPLATE if chatml else LLAVA15_CHAT_TEMPLATE
     return fast
 
 
 def build_config(
-    size: str, vocab_size: int, image_token_id: int, pad_token_id: int, *, bos_token_id: int = 1, eos_token_id: int = 2
+    size: str,
+    vocab_size: int,
+    image_token_id: int,
+    pad_token_id: int,
+    *,
+    bos_token_id: int | None = 1,
+    eos_token_id: int = 2,
+    arch: str = "llava",
 ):
-    """Return the :class:`transformers.LlavaConfig` of ``size`` (336 px, patch 14 → 576 image tokens).
+    """Return the transformers config of ``arch`` at ``size``: a ``LlavaConfig`` (336 px, patch 14 →
+    576 image tokens), a ``LlavaNextConfig`` (the same tower, llava-v1.6's grid pinpoints) or a
+    ``LlavaOnevisionConfig`` (SigLIP 384 px, patch 14; Qwen2 text model, GQA with a third of the heads).
 
     Raises:
-        KeyError: unknown size.
+        KeyError: unknown size or arch.
+        ValueError: ``7b`` for an arch other than ``llava``.
     """
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaNextConfig,
+        LlavaOnevisionConfig,
+        Qwen2Config,
+        SiglipVisionConfig,
+    )
 
-    spec = SIZES[size]
+    spec, _ = SIZES[size], ARCHS[arch]
+    if size == "7b" and arch != "llava":
+        raise ValueError("--size 7b is llava-1.5-7b's exact shape; build llava-next / llava-onevision as tiny or bench")
+    text_kwargs: dict[str, Any] = dict(
+        vocab_size=spec.vocab_size or vocab_size,
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_intermediate,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        max_position_embeddings=spec.max_positions if arch == "llava" else spec.max_positions_anyres,
+        rms_norm_eps=1e-5 if arch != "llava-onevision" else 1e-6,
+        initializer_range=spec.init_range,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision: Any
+    text: Any
+    if arch == "llava-onevision":
+        vision = SiglipVisionConfig(
+            hidden_size=spec.vision_hidden,
+            intermediate_size=spec.vision_intermediate,
+            num_hidden_layers=spec.vision_layers,
+            num_attention_heads=spec.vision_heads,
+            image_size=384,
+            patch_size=14,
+            vision_use_head=False,
+        )
+        text = Qwen2Config(num_key_value_heads=max(1, spec.text_heads // 3), **text_kwargs)
+        return LlavaOnevisionConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_index=image_token_id,
+            video_token_index=image_token_id + 1,
+            vision_feature_select_strategy="full",
+            vision_feature_layer=-1,
+            vision_aspect_ratio="anyres_max_9",
+            pad_token_id=pad_token_id,  # type: ignore[call-arg]  # a PretrainedConfig keyword
+            tie_word_embeddings=False,
+        )
     vision = CLIPVisionConfig(
         hidden_size=spec.vision_hidden,
         intermediate_size=spec.vision_intermediate,
@@ -163,22 +277,8 @@ def build_config(
         hidden_act="quick_gelu",
         layer_norm_eps=1e-5,
     )
-    text = LlamaConfig(
-        vocab_size=spec.vocab_size or vocab_size,
-        hidden_size=spec.text_hidden,
-        intermediate_size=spec.text_intermediate,
-        num_hidden_layers=spec.text_layers,
-        num_attention_heads=spec.text_heads,
-        num_key_value_heads=spec.text_kv_heads,
-        max_position_embeddings=spec.max_positions,
-        rms_norm_eps=1e-5,
-        initializer_range=spec.init_range,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        tie_word_embeddings=False,
-    )
-    return LlavaConfig(
+    text = LlamaConfig(num_key_value_heads=spec.text_kv_heads, **text_kwargs)
+    common: dict[str, Any] = dict(
         vision_config=vision,
         text_config=text,
         image_token_index=image_token_id,
@@ -186,53 +286,102 @@ def build_config(
         vision_feature_select_strategy="default",
         vision_feature_layer=-2,
         image_seq_length=576,
-        pad_token_id=pad_token_id,  # type: ignore[call-arg]  # a PretrainedConfig keyword
+        pad_token_id=pad_token_id,
         tie_word_embeddings=False,
     )
+    if arch == "llava-next":
+        return LlavaNextConfig(image_grid_pinpoints=NEXT_GRID_PINPOINTS, **common)
+    return LlavaConfig(**common)
 
 
-def build_processor(tokenizer):
-    """Return a ``LlavaProcessor`` (PIL CLIP image processor at 336 px, llava-1.5 chat template)."""
-    from transformers import LlavaProcessor
+def _onevision_processor_class():
+    """``LlavaOnevisionProcessor`` without its video processor (which needs torchvision, absent
+    here), saved under the real class name so any loader reads it as the hub's."""
+    from transformers import LlavaOnevisionProcessor
+
+    class ImageOnlyOnevisionProcessor(LlavaOnevisionProcessor):
+        @classmethod
+        def get_attributes(cls) -> list[str]:
+            return [a for a in super().get_attributes() if a != "video_processor"]
+
+    return ImageOnlyOnevisionProcessor
+
+
+def build_processor(tokenizer, arch: str = "llava"):
+    """Return the processor of ``arch``: a ``LlavaProcessor`` (PIL CLIP image processor at 336 px), a
+    ``LlavaNextProcessor`` (PIL anyres image processor, llava-v1.6's pinpoints) or a
+    ``LlavaOnevisionProcessor`` (PIL, 384 px, anyres_max_9; image-only), with the family's chat template."""
+    from transformers import LlavaNextProcessor, LlavaProcessor
     from transformers.models.clip import CLIPImageProcessorPil
-
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": 336},
-        crop_size={"height": 336, "width": 336},
-        do_center_crop=True,
-        image_mean=[0.48145466, 0.4578275, 0.40821073],
-        image_std=[0.26862954, 0.26130258, 0.27577711],
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
     )
-    return LlavaProcessor(
-        image_processor=image_processor,
+
+    image_processor: Any
+    if arch == "llava-onevision":
+        image_processor = LlavaOnevisionImageProcessorPil(
+            size={"height": 384, "width": 384}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
+        )
+        return _onevision_processor_class()(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            num_image_tokens=729,
+            vision_feature_select_strategy="full",
+            chat_template=CHATML_CHAT_TEMPLATE,
+            image_token=IMAGE_TOKEN,
+            vision_aspect_ratio="anyres_max_9",
+        )
+    common: dict[str, Any] = dict(
         tokenizer=tokenizer,
         patch_size=14,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=LLAVA15_CHAT_TEMPLATE,
         image_token=IMAGE_TOKEN,
     )
+    if arch == "llava-next":
+        image_processor = LlavaNextImageProcessorPil(
+            size={"shortest_edge": 336},
+            crop_size={"height": 336, "width": 336},
+            image_grid_pinpoints=NEXT_GRID_PINPOINTS,
+            image_mean=_CLIP_MEAN,
+            image_std=_CLIP_STD,
+        )
+        return LlavaNextProcessor(image_processor=image_processor, chat_template=LLAVA_NEXT_CHAT_TEMPLATE, **common)
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 336},
+        crop_size={"height": 336, "width": 336},
+        do_center_crop=True,
+        image_mean=_CLIP_MEAN,
+        image_std=_CLIP_STD,
+    )
+    return LlavaProcessor(image_processor=image_processor, chat_template=LLAVA15_CHAT_TEMPLATE, **common)
 
 
-def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None):
-    """Build ``(model, processor)`` of ``size`` with random weights, in memory.
+def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None, arch: str = "llava"):
+    """Build ``(model, processor)`` of ``arch`` at ``size`` with random weights, in memory.
 
     Args:
         size: one of :data:`SIZES`.
         seed: torch seed for the weights (same seed → same weights).
         device: where to build (``"cuda"`` for ``7b``: 14.13 GB in fp16).
         dtype: torch dtype; default float32.
+        arch: one of :data:`ARCHS`.
 
     Returns:
-        ``(LlavaForConditionalGeneration in eval mode, LlavaProcessor)``.
+        ``(the arch's ...ForConditionalGeneration in eval mode, its processor)``.
+
+    Raises:
+        KeyError, ValueError: as :func:`build_config`.
     """
     import torch
-    from transformers import LlavaForConditionalGeneration
+    import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tokenizer = _train_tokenizer()
-    processor = build_processor(tokenizer)
+    chatml = arch == "llava-onevision"
+    tokenizer = _train_tokenizer(chatml=chatml)
+    processor = build_processor(tokenizer, arch)
     config = build_config(
         size,
         vocab_size=len(tokenizer),
@@ -240,10 +389,11 @@ def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None):
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        arch=arch,
     )
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlavaForConditionalGeneration(config)
+        model = getattr(transformers, ARCHS[arch])(config)
     if dtype is not None:
         model = model.to(dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -252,11 +402,12 @@ def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None):
     return model.eval(), processor
 
 
-def write_checkpoint(size: str, out: str | Path, *, seed: int = 0) -> Path:
-    """Build ``size`` and save it as a llava-hf style folder at ``out``; returns the folder.
+def write_checkpoint(size: str, out: str | Path, *, seed: int = 0, arch: str = "llava") -> Path:
+    """Build ``arch`` at ``size`` and save it as a llava-hf style folder at ``out``; returns the folder.
 
     Raises:
         RuntimeError: ``size == "7b"`` without CUDA.
+        KeyError, ValueError: as :func:`build_config`.
     """
     import torch
 
@@ -267,12 +418,21 @@ def write_checkpoint(size: str, out: str | Path, *, seed: int = 0) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model, processor = build_model(
-        size, seed=seed, device="cuda" if size == "7b" else "cpu", dtype=torch.float16 if size == "7b" else None
+        size,
+        seed=seed,
+        device="cuda" if size == "7b" else "cpu",
+        dtype=torch.float16 if size == "7b" else None,
+        arch=arch,
     )
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    if arch == "llava-onevision":  # the image-only subclass is saved under the hub's class name
+        config_file = out / "processor_config.json"
+        saved = json.loads(config_file.read_text())
+        saved["processor_class"] = "LlavaOnevisionProcessor"
+        config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     (out / "llava_sessions_build.json").write_text(
-        json.dumps({"size": size, "seed": seed, "random_weights": True}, indent=1)
+        json.dumps({"arch": arch, "size": size, "seed": seed, "random_weights": True}, indent=1)
     )
     return out
 
@@ -280,16 +440,17 @@ def write_checkpoint(size: str, out: str | Path, *, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry ``llava-tiny-model``."""
     parser = argparse.ArgumentParser(prog="llava-tiny-model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=list(ARCHS), default="llava", help="model family (default: llava)")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        path = write_checkpoint(args.size, args.out, seed=args.seed)
-    except RuntimeError as exc:
+        path = write_checkpoint(args.size, args.out, seed=args.seed, arch=args.arch)
+    except (RuntimeError, ValueError) as exc:
         print(f"llava-tiny-model: {exc}", file=sys.stderr)
         return 2
-    print(f"llava-tiny-model: wrote {args.size} checkpoint (random weights) to {path}")
+    print(f"llava-tiny-model: wrote {args.arch} {args.size} checkpoint (random weights) to {path}")
     return 0
 
 

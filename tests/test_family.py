@@ -1,0 +1,231 @@
+"""The LLaVA family (llava-1.5, LLaVA-NeXT, LLaVA-OneVision) and sessions with several images.
+
+Exactness as for llava-1.5: greedy answers token-identical to a from-scratch ``model.generate`` on the
+chat-templated conversation, built by the checkpoint's own processor (``apply_chat_template`` with the
+images in the messages, as transformers documents), fp32 on CPU, tiny random-weight checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.errors import ErrorCode, ServiceError
+from llava_sessions.images import decode_image
+from llava_sessions.model import ARCHITECTURES, LlavaRunner, checkpoint_architecture
+from llava_sessions.sampling import SamplingParams
+from llava_sessions.sessions import SessionStore
+
+N = 10
+GREEDY = SamplingParams(max_new_tokens=N)
+decode = functools.partial(decode_image, max_pixels=40_000_000)
+ARCHS = ("llava", "llava-next", "llava-onevision")
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory) -> dict[str, LlavaRunner]:
+    """A tiny checkpoint of each architecture, written by ``llava-tiny-model`` and loaded by the runner."""
+    from llava_tools.tiny_model import write_checkpoint
+
+    runners = {}
+    for arch in ARCHS:
+        folder = write_checkpoint("tiny", tmp_path_factory.mktemp(arch), seed=0, arch=arch)
+        if arch == "llava":  # llava-1.5's own 4,096 positions (the shared tiny one has 1,024), for 3 images
+            config = json.loads((folder / "config.json").read_text())
+            config["text_config"]["max_position_embeddings"] = 4096
+            (folder / "config.json").write_text(json.dumps(config))
+        torch.manual_seed(0)
+        runners[arch] = LlavaRunner.from_pretrained(folder, device="cpu", dtype="float32")
+    return runners
+
+
+@pytest.fixture(scope="session")
+def small_photos(photos) -> dict[str, bytes]:
+    """The photographs scaled to at most 320 px (anyres token counts stay within the tiny context)."""
+    out = {}
+    for name, data in photos.items():
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        image.thumbnail((320, 320))
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        out[name] = buf.getvalue()
+    return out
+
+
+def engine(runner, **limits) -> SessionEngine:
+    store = SessionStore(
+        device_budget_bytes=10**10,
+        host_budget_bytes=10**9,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        max_sessions=8,
+        ttl_s=1200,
+    )
+    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096, **limits))
+
+
+def reference(runner, messages: list[tuple[list[bytes], str, str | None]]) -> tuple[list[int], int]:
+    """Greedy tokens of ``generate`` from scratch on ``[(images opening the user message, question,
+    answer or None for the last)]``, and the number of image placeholders the processor put in."""
+    chat = []
+    for images, question, answer in messages:
+        content = [{"type": "image", "image": decode(b)} for b in images] + [{"type": "text", "text": question}]
+        chat.append({"role": "user", "content": content})
+        if answer is not None:
+            chat.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    inputs = runner.processor.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    with torch.inference_mode():
+        out = runner.model.generate(**inputs, max_new_tokens=N, do_sample=False)
+    placeholders = int((inputs["input_ids"] == runner.image_token_id).sum())
+    return out[0, inputs["input_ids"].shape[1] :].tolist(), placeholders
+
+
+def ids(answer) -> list[int]:
+    return [t.id for t in answer.tokens]
+
+
+def test_the_tool_writes_each_architecture_and_the_runner_loads_it_by_config(family, tmp_path) -> None:
+    assert [r.architecture for r in family.values()] == list(ARCHITECTURES)
+    with pytest.raises(ValueError, match="is not one of"):
+        (tmp_path / "config.json").write_text('{"architectures": ["Qwen2VLForConditionalGeneration"]}')
+        checkpoint_architecture(tmp_path)
+    ov = family["llava-onevision"]
+    assert ov.tokenizer.bos_token is None and ov.eos_token_ids == {ov.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_image_tokens_follow_the_processor_for_every_size(family, arch) -> None:
+    """The engine's count of an image's placeholders is the processor's (anyres: by image size)."""
+    runner = family[arch]
+    for height, width in [(672, 672), (300, 451), (427, 640), (1000, 200), (64, 64)]:
+        image = Image.new("RGB", (width, height), (90, 120, 200))
+        feats = runner.encode_images([image])[0]
+        expected = runner.processor._get_num_multimodal_tokens(image_sizes=[[height, width]]).num_image_tokens[0]
+        assert feats.shape[0] == runner.image_token_count((height, width)) == expected
+    if arch == "llava":
+        assert runner.image_token_count((672, 672)) == 576
+    if arch == "llava-next":
+        assert runner.image_token_count((672, 672)) == 2928  # llava-v1.6 at 672x672: 576 + 48 x 48 + 48
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_first_question_follow_up_independent_and_every_tier_match_generate(family, small_photos, arch) -> None:
+    runner, img = family[arch], small_photos["astronaut"]
+    eng = engine(runner)
+    opened = eng.open("s", img)
+    q1, q2, q3, q4, q5 = "What is in this image?", "What color is it?", "Is there a dog?", "Why?", "Where?"
+    a1 = eng.generate("s", q1, GREEDY)
+    want, placeholders = reference(runner, [([img], q1, None)])
+    assert ids(a1) == want and opened.image_tokens == placeholders
+    assert a1.cached_tokens == opened.prefix_tokens
+    a2 = eng.generate("s", q2, GREEDY)
+    assert ids(a2) == reference(runner, [([img], q1, a1.text), ([], q2, None)])[0]
+    assert a2.cached_tokens >= a1.prompt_tokens - 2  # the first turn came from the cache (re-tokenized edge)
+    a3 = eng.generate("s", q3, GREEDY, remember=False)
+    history = [([img], q1, a1.text), ([], q2, a2.text)]
+    assert ids(a3) == reference(runner, [*history, ([], q3, None)])[0]
+    session = eng.store.get("s")
+    session.drop_kv()  # demoted to the features tier
+    a4 = eng.generate("s", q4, GREEDY)
+    assert a4.restored_from == "features" and ids(a4) == reference(runner, [*history, ([], q4, None)])[0]
+    session.drop_features()  # demoted to the image tier
+    a5 = eng.generate("s", q5, GREEDY)
+    history.append(([], q4, a4.text))
+    assert a5.restored_from == "image" and ids(a5) == reference(runner, [*history, ([], q5, None)])[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_added_images_join_the_conversation_exactly_and_reuse_the_cache(family, small_photos, arch) -> None:
+    runner = family[arch]
+    a, b, c = small_photos["chelsea"], small_photos["coffee"], small_photos["rocket"]
+    eng = engine(runner)
+    eng.open("s", a)
+    q1, q2, q3, q4 = "What is in this image?", "Compare the two images.", "Which is brighter?", "And the third?"
+    a1 = eng.generate("s", q1, GREEDY)
+    before = list(eng.store.get("s").cached_ids)
+    added = eng.add_image("s", b)
+    assert added.images == 2
+    relayout = arch == "llava-onevision"  # several images: one base tile + newline each, image a re-encoded
+    if relayout:
+        assert added.image_tokens == runner.num_image_tokens + 1
+        assert added.cached_tokens == before.index(runner.image_token_id)  # up to the first image
+    else:
+        assert added.image_tokens == runner.image_token_count(Image.open(io.BytesIO(b)).size[::-1])
+        assert added.cached_tokens >= a1.prompt_tokens  # the whole first turn came from the cache
+    a2 = eng.generate("s", q2, GREEDY)
+    conv = [([a], q1, a1.text), ([b], q2, None)]
+    want, placeholders = reference(runner, conv)
+    assert ids(a2) == want and sum(eng.store.get("s").image_tokens) == placeholders
+    assert a2.cached_tokens == added.prefix_tokens  # only the question was prefilled
+    conv[-1] = ([b], q2, a2.text)
+    a3 = eng.generate("s", q3, GREEDY)
+    assert ids(a3) == reference(runner, [*conv, ([], q3, None)])[0]
+    conv.append(([], q3, a3.text))
+    third = eng.add_image("s", c)
+    assert third.images == 3 and third.cached_tokens > a3.cached_tokens  # everything before, and some of the last turn
+    a4 = eng.generate("s", q4, GREEDY)
+    assert ids(a4) == reference(runner, [*conv, ([c], q4, None)])[0]
+    conv.append(([c], q4, a4.text))
+    eng.store.get("s").drop_features()  # every image re-encoded from its bytes
+    a5 = eng.generate("s", "Once more?", GREEDY)
+    assert a5.restored_from == "image" and ids(a5) == reference(runner, [*conv, ([], "Once more?", None)])[0]
+    eng.reset("s")  # the conversation goes, the images stay: all of them open the next question
+    a6 = eng.generate("s", q2, GREEDY)
+    assert ids(a6) == reference(runner, [([a, b, c], q2, None)])[0]
+
+
+def test_image_limits_are_typed_errors_and_leave_the_session_as_it_was(family, small_photos) -> None:
+    runner = family["llava"]
+    eng = engine(runner, max_images=2)
+    eng.open("s", small_photos["chelsea"])
+    a1 = eng.generate("s", "What is in this image?", GREEDY)
+    eng.add_image("s", small_photos["coffee"])
+    with pytest.raises(ServiceError) as e:
+        eng.add_image("s", small_photos["rocket"])
+    assert e.value.code is ErrorCode.IMAGE_LIMIT_EXCEEDED and e.value.status == 422
+    tight = engine(runner, max_image_tokens=1000)
+    tight.open("t", small_photos["chelsea"])
+    with pytest.raises(ServiceError) as e:
+        tight.add_image("t", small_photos["coffee"])  # 2 x 576 > 1000
+    assert e.value.code is ErrorCode.IMAGE_LIMIT_EXCEEDED and "1152" in e.value.message
+    with pytest.raises(ServiceError) as e:
+        tight.add_image("t", b"not an image")
+    assert e.value.code is ErrorCode.IMAGE_INVALID
+    session = tight.store.get("t")
+    assert len(session.images) == 1 and not session.busy
+    # a failing vision tower: the session is as before the add, and answers as before
+    chelsea, q1, q2 = small_photos["chelsea"], "What is in this image?", "What color is it?"
+    other = engine(runner)
+    other.open("u", chelsea)
+    u1 = other.generate("u", q1, GREEDY)
+    original = runner.encode_images
+    runner.encode_images = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # type: ignore[method-assign]
+    try:
+        task = other.begin_add_image("u", small_photos["coffee"])
+        other.step([task])
+        assert isinstance(task.error, RuntimeError) and task.done
+    finally:
+        runner.encode_images = original  # type: ignore[method-assign]
+    session = other.store.get("u")
+    assert len(session.images) == 1 and session.pending_images == 0 and not session.busy
+    again = other.generate("u", q2, GREEDY)
+    assert again.cached_tokens >= u1.prompt_tokens - 2  # the cache survived the failed add
+    assert ids(again) == reference(runner, [([chelsea], q1, u1.text), ([], q2, None)])[0]
+    assert ids(a1) and len(eng.store.get("s").images) == 2  # the first session is untouched
+
+
+def test_a_context_too_small_for_another_image_is_a_422(family, photos) -> None:
+    runner = family["llava-next"]  # 8192 positions; the astronaut at 512 px is 2,928 tokens
+    eng = engine(runner, max_images=8)
+    eng.open("s", photos["astronaut"])
+    eng.add_image("s", photos["astronaut"])
+    with pytest.raises(ServiceError) as e:
+        eng.add_image("s", photos["astronaut"])
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and len(eng.store.get("s").images) == 2
