@@ -31,6 +31,7 @@ from ._exceptions import (
     APIStatusError,
     APITimeoutError,
     ContextLengthExceeded,
+    ImageLimitExceeded,
     InternalServerError,
     InvalidRequest,
     LlavaError,
@@ -46,7 +47,7 @@ from ._exceptions import (
 )
 from ._images import ImageInput
 from ._transport import DEFAULT_TIMEOUT, HttpTransport, RawResponse, Transport, parse_session_header
-from ._types import Answer, GenerationParams, Recovery, Token, Usage
+from ._types import AddedImage, Answer, GenerationParams, Recovery, Token, Usage
 from .sagemaker import SageMakerTransport
 
 __version__ = "0.1.0"
@@ -61,12 +62,14 @@ __all__ = [
     "APIConnectionError",
     "APIStatusError",
     "APITimeoutError",
+    "AddedImage",
     "Answer",
     "AnswerStream",
     "ContextLengthExceeded",
     "GenerationParams",
     "HttpTransport",
     "ImageInput",
+    "ImageLimitExceeded",
     "InternalServerError",
     "InvalidRequest",
     "LlavaError",

@@ -88,7 +88,7 @@ from ._transport import (
     parse_expires,
     parse_session_header,
 )
-from ._types import Answer, GenerationParams, Recovery, Token
+from ._types import AddedImage, Answer, GenerationParams, Recovery, Token
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
@@ -161,6 +161,7 @@ class _Opened:
 class _Turn:
     prompt: str
     answer: Answer
+    images: tuple[dict[str, str], ...] = ()  # images added before this question (the first image aside)
 
 
 class SessionClient:
@@ -260,7 +261,7 @@ class SessionClient:
 
     # ------------------------------------------------------------------ internals
     def _open(
-        self, payload: dict[str, str], system_prompt: str | None, history: list[dict[str, str]] | None = None
+        self, payload: dict[str, str], system_prompt: str | None, history: list[dict[str, Any]] | None = None
     ) -> _Opened:
         request: dict[str, Any] = {"type": "open_session", "image": payload}
         if system_prompt is not None:
@@ -281,7 +282,7 @@ class SessionClient:
         if len(body) > self.max_body_bytes:
             hint = (
                 "upload the image to S3 and pass its s3:// URI (or an https URL) instead of inline data"
-                if request.get("type") == "open_session"
+                if request.get("type") in ("open_session", "add_image")
                 else "shorten the prompt"
             )
             raise PayloadTooLarge(
@@ -406,6 +407,7 @@ class Session:
         self._image = image
         self._system_prompt = system_prompt
         self._turns: list[_Turn] = []
+        self._pending_images: list[dict[str, str]] = []  # added since the last remembered turn
         self._closed = False
         self.recoveries = 0
         self.last_recovery: Recovery | None = None
@@ -524,29 +526,71 @@ class Session:
         )
 
     def _record(self, prompt: str, answer: Answer, remember: bool) -> None:
-        """Keep the local history equal to the server's: drop the turns that left the context, then
-        remember this one (the history a recovery restores is what the model saw)."""
+        """Keep the local history equal to the server's: drop the turns that left the context (their
+        images stay: they open the first turn kept), then remember this one with the images added
+        before it (the history a recovery restores is what the model saw)."""
         if answer.truncated_turns:
+            moved = [image for turn in self._turns[: answer.truncated_turns] for image in turn.images]
             del self._turns[: answer.truncated_turns]
+            if self._turns:
+                first = self._turns[0]
+                self._turns[0] = _Turn(first.prompt, first.answer, (*moved, *first.images))
+            else:
+                self._pending_images[:0] = moved
         if remember:
-            self._turns.append(_Turn(prompt, answer))
+            self._turns.append(_Turn(prompt, answer, tuple(self._pending_images)))
+            self._pending_images = []
+
+    def add_image(self, image: ImageInput) -> AddedImage:
+        """Add an image to the conversation: the next question may refer to it and to every earlier
+        image. The server reuses the cached conversation and encodes only the new image.
+
+        Args:
+            image: as for :meth:`SessionClient.open_session` (path, bytes, PIL image, URL, ``s3://``).
+
+        Returns:
+            What the server reported (:class:`AddedImage`).
+
+        Raises:
+            ImageLimitExceeded: the session holds the server's maximum of images (or image tokens).
+            ContextLengthExceeded: the conversation with this image leaves no room for a question.
+            PayloadTooLarge, InvalidRequest: as for :meth:`SessionClient.open_session`; others as :meth:`ask`.
+        """
+        payload = image_payload(image)
+        request = {"type": "add_image", "image": payload}
+        data, _ = self._with_recovery(lambda: self._client._invoke(request, self.id, retry_safe=False))
+        self._pending_images.append(payload)
+        return AddedImage(
+            image_tokens=int(data.get("image_tokens", 0)),
+            images=int(data.get("images", 0)),
+            prefix_tokens=int(data.get("prefix_tokens", 0)),
+            cached_tokens=int(data.get("cached_tokens", 0)),
+            timings=dict(data.get("timings") or {}),
+        )
+
+    @property
+    def num_images(self) -> int:
+        """Images in the session: the first one and every one added."""
+        return 1 + sum(len(t.images) for t in self._turns) + len(self._pending_images)
 
     def reset(self) -> None:
-        """Forget the history; keep the image (and its cached prefix on the server).
+        """Forget the history; keep the images (and the cached prefix on the server): every image
+        opens the next question.
 
         Raises:
             as :meth:`ask`. A session found gone is reopened (with an empty history) when
             ``auto_recover`` is on.
         """
         self._check_open()
+        images = [image for turn in self._turns for image in turn.images] + self._pending_images
         try:
             self._client._invoke({"type": "reset"}, self.id, retry_safe=True)
         except SessionGone as err:
             if not self._client.auto_recover:
                 raise
-            self._turns = []
+            self._turns, self._pending_images = [], images
             self._recover(err)
-        self._turns = []
+        self._turns, self._pending_images = [], images
 
     def close(self) -> None:
         """Close the session on the server. Idempotent; a session already gone counts as closed.
@@ -591,8 +635,15 @@ class Session:
             error.code,
             len(self._turns),
         )
-        history = [{"prompt": turn.prompt, "answer": turn.answer.text} for turn in self._turns]
+        history: list[dict[str, Any]] = []
+        for turn in self._turns:
+            entry: dict[str, Any] = {"prompt": turn.prompt, "answer": turn.answer.text}
+            if turn.images:
+                entry["images"] = list(turn.images)
+            history.append(entry)
         opened = client._open(self._image, self._system_prompt, history=history)
+        for payload in self._pending_images:  # images added since the last turn, added again
+            client._invoke({"type": "add_image", "image": payload}, opened.session_id, retry_safe=False)
         self._set_opened(opened)
         self.recoveries += 1
         self.last_recovery = Recovery(

@@ -25,6 +25,7 @@ __all__ = [
     "APIStatusError",
     "APITimeoutError",
     "ContextLengthExceeded",
+    "ImageLimitExceeded",
     "InternalServerError",
     "InvalidRequest",
     "LlavaError",
@@ -56,6 +57,7 @@ CODE_STATUS: dict[str, int] = {
     "payload_too_large": 413,
     "image_too_large": 413,
     "context_length_exceeded": 422,
+    "image_limit_exceeded": 422,
     "overloaded": 503,
     "internal_error": 500,
 }
@@ -149,6 +151,10 @@ class ContextLengthExceeded(APIStatusError):
     """422: history + prompt + ``max_new_tokens`` do not fit the model's context."""
 
 
+class ImageLimitExceeded(APIStatusError):
+    """422 ``image_limit_exceeded``: the session holds the server's maximum of images or image tokens."""
+
+
 class RateLimited(APIStatusError):
     """429: throttled (SageMaker ``ThrottlingException`` / ``ModelNotReadyException``); retried."""
 
@@ -194,6 +200,8 @@ def error_class(status_code: int, code: str | None) -> type[APIStatusError]:
     """
     if code in _BY_CODE:
         return _BY_CODE[code]
+    if code == "image_limit_exceeded":
+        return ImageLimitExceeded
     if status_code in _BY_STATUS:
         return _BY_STATUS[status_code]
     if status_code >= 500:

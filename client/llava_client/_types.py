@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Answer", "GenerationParams", "Recovery", "Token", "Usage"]
+__all__ = ["AddedImage", "Answer", "GenerationParams", "Recovery", "Token", "Usage"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,25 @@ class GenerationParams:
         if self.stop:
             out["stop"] = list(self.stop)
         return out
+
+
+@dataclass(frozen=True)
+class AddedImage:
+    """What the server reported for :meth:`Session.add_image <llava_client.Session.add_image>`.
+
+    Attributes:
+        image_tokens: context positions the new image occupies (by its size for anyres models).
+        images: images the session holds now (the first one included).
+        prefix_tokens: tokens of the conversation up to the next question (now cached on the server).
+        cached_tokens: of those, how many were reused from the server's KV cache.
+        timings: the server's timings in milliseconds (``encode_ms``, ``prefill_ms``, ``total_ms``, ...).
+    """
+
+    image_tokens: int
+    images: int
+    prefix_tokens: int
+    cached_tokens: int
+    timings: dict[str, float]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Examples::
     printf 'What is it?\\nWhat color?\\n' | llava-chat --url http://127.0.0.1:8080 --image photo.jpg
 
 Answers stream as they are generated. Commands: ``/reset`` forgets the conversation,
+``/add PATH|URL`` adds an image to the conversation (the next question may refer to every image),
 ``/image PATH|URL`` starts over on another image, ``/quit`` (or end of input) leaves.
 When standard input is not a terminal, each line is a question (or a command).
 """
@@ -25,7 +26,7 @@ from ._types import Answer
 
 __all__ = ["main"]
 
-_HELP = "commands: /reset (forget the conversation), /image PATH|URL (new image), /quit"
+_HELP = "commands: /reset (forget the conversation), /add PATH|URL (add an image), /image PATH|URL (new image), /quit"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -127,7 +128,14 @@ class _Chat:
         if name == "/reset":
             assert self.session is not None
             self.session.reset()
-            self.note("[conversation forgotten; same image]")
+            self.note("[conversation forgotten; same images]")
+        elif name == "/add":
+            assert self.session is not None
+            if not rest.strip():
+                self.note("usage: /add PATH|URL")
+            else:
+                added = self.session.add_image(rest.strip())
+                self.note(f"[image {added.images} added: {added.image_tokens} image tokens]")
         elif name == "/image":
             if not rest.strip():
                 self.note("usage: /image PATH|URL")

@@ -71,6 +71,7 @@ class OpenCommand:
     system_prompt: str | None
     history: tuple[Turn, ...] = ()
     legacy: bool = False
+    history_images: tuple[ImageSource, ...] = ()  # the images the history's turns place, in order
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,9 @@ class Codec:
         legacy = request.legacy
         canonical = request.canonical()
         if isinstance(canonical, OpenSessionRequest):
-            history = tuple(Turn(t.prompt, t.answer) for t in canonical.history)
-            return OpenCommand(canonical.image, canonical.system_prompt or s.system_prompt, history, legacy)
+            history = tuple(Turn(t.prompt, t.answer, len(t.images)) for t in canonical.history)
+            images = tuple(image for t in canonical.history for image in t.images)
+            return OpenCommand(canonical.image, canonical.system_prompt or s.system_prompt, history, legacy, images)
         if isinstance(canonical, GenerateRequest):
             p = canonical.parameters
             params = SamplingParams(

@@ -205,6 +205,7 @@ class SessionEngine:
         *,
         image: Any = None,
         history: list[Turn] | None = None,
+        history_images: Sequence[tuple[bytes, Any]] = (),
     ) -> OpenResult:
         """Open a session: decode + encode the image once and prefill the conversation prefix.
 
@@ -224,7 +225,9 @@ class SessionEngine:
                 session is not opened), invalid_request (id already open), invalid_parameter (the
                 image placeholder in a history prompt), context_length_exceeded (history too long).
         """
-        task = self.begin_open(session_id, image_bytes, system_prompt, image=image, history=history)
+        task = self.begin_open(
+            session_id, image_bytes, system_prompt, image=image, history=history, history_images=history_images
+        )
         while not task.done:
             self.step([task])
         if task.error is not None:
@@ -240,11 +243,13 @@ class SessionEngine:
         *,
         image: Any = None,
         history: list[Turn] | None = None,
+        history_images: Sequence[tuple[bytes, Any]] = (),
     ) -> OpenTask:
         """Admit a new session and return its :class:`OpenTask` (the vision tower and the prefix
         prefill run in later :meth:`step` calls). The session is held (busy) from now on.
 
-        Arguments as :meth:`open`.
+        Arguments as :meth:`open`; ``history_images``: ``(encoded bytes, decoded image)`` of the images
+        the restored turns' ``images`` counts place (in order), for a conversation about several images.
 
         Raises:
             ServiceError: as :meth:`open`, for everything decided before any model work (the image
@@ -260,10 +265,17 @@ class SessionEngine:
         decoded_here = image is None
         image = self.decode_image(image_bytes) if image is None else image
         decode_ms = _ms(t0) if decoded_here else None
+        if sum(t.images for t in history) != len(history_images):
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, "the history's image counts do not match its images")
+        if 1 + len(history_images) > self.limits.max_images:
+            raise ServiceError(
+                ErrorCode.IMAGE_LIMIT_EXCEEDED, f"a session holds at most {self.limits.max_images} images"
+            )
         session = self.store.new_session(session_id, image_bytes, system_prompt)
-        size = (int(image.height), int(image.width))
-        session.image_sizes = [size]
-        session.image_tokens = [self.runner.image_token_count(size, 1)]
+        decoded = [image] + [img for _, img in history_images]
+        session.images += [data for data, _ in history_images]
+        session.image_sizes = [(int(img.height), int(img.width)) for img in decoded]
+        session.image_tokens = [self.runner.image_token_count(size, len(decoded)) for size in session.image_sizes]
         self._check_image_tokens(session.image_tokens)
         if history:  # the opening image opens the first restored question
             first = history[0]
@@ -279,11 +291,11 @@ class SessionEngine:
             )
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
         session.busy = True
-        if not self.store.reserve(self.new_session_bytes(len(prefix), session.image_tokens[0]), keep=session):
+        if not self.store.reserve(self.new_session_bytes(len(prefix), sum(session.image_tokens)), keep=session):
             session.busy = False
             self.store.remove(session_id)
             raise ServiceError(ErrorCode.OVERLOADED, "not enough device memory for a new session", retry_after_s=5)
-        return OpenTask(self, session, image, prefix, t0, decode_ms)
+        return OpenTask(self, session, decoded, prefix, t0, decode_ms)
 
     def add_image(self, session_id: str, image_bytes: bytes, *, image: Any = None) -> AddImageResult:
         """Append an image to a session's conversation: it opens the next question, which may refer
@@ -718,20 +730,20 @@ class OpenTask(PrefixTask):
         self,
         engine: SessionEngine,
         session: Session,
-        image: Any,
+        images: list[Any],
         prefix: list[int],
         t0: float,
         decode_ms: float | None,
     ) -> None:
         super().__init__(engine, session, prefix, t0, decode_ms)
         self.result: OpenResult | None = None
-        self._image = image
+        self._images = images
 
     def _encode(self) -> None:
         session = self.session
-        session.image_features = self.engine.encode(session, [self._image])
+        session.image_features = self.engine.encode(session, self._images)
         session.kv_cache = self.engine.runner.new_cache()
-        self._image = None
+        self._images = []
 
     def _finish(self) -> None:
         session = self.session

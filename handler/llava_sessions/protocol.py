@@ -205,10 +205,13 @@ class _RequestBase(_Inbound):
 
 
 class HistoryTurn(_Inbound):
-    """One past exchange handed to ``open_session`` to restore a conversation exactly."""
+    """One past exchange handed to ``open_session`` to restore a conversation exactly; ``images``:
+    the images added (``add_image``) before this turn's question, in order (the session's first
+    image always opens the first turn)."""
 
     prompt: Annotated[str, Field(min_length=1)]
     answer: str
+    images: Annotated[list[ImageSource], Field(max_length=16)] = Field(default_factory=list)
 
     @field_validator("prompt", "answer")
     @classmethod

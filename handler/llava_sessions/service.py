@@ -235,8 +235,18 @@ class SessionService:
             data = self._fetch(command.image, self.settings)
             t_fetched = time.perf_counter()
             image = decode_image(data, max_pixels=self.settings.max_image_pixels)
+            extra = [self._fetch(source, self.settings) for source in command.history_images]
+            t_fetched = time.perf_counter() if extra else t_fetched
+            history_images = [(b, decode_image(b, max_pixels=self.settings.max_image_pixels)) for b in extra]
             t_decoded = time.perf_counter()
-            task = self.engine.begin_open(sid, data, command.system_prompt, image=image, history=list(command.history))
+            task = self.engine.begin_open(
+                sid,
+                data,
+                command.system_prompt,
+                image=image,
+                history=list(command.history),
+                history_images=history_images,
+            )
         except ServiceError as err:
             # the open failed: no session is left behind; end TorchServe's job group if it is its own
             return self._error_result(sid if own_group else None, err)
