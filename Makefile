@@ -34,6 +34,7 @@ web: install
 
 bench: install
 	$(PY) benchmarks/followup_latency.py --model bench
+	$(PY) benchmarks/followup_latency.py --model bench --arch llava-next --image-size 672
 
 clean:
 	rm -rf $(VENV) build *.egg-info

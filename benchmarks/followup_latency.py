@@ -8,15 +8,18 @@
 
 Both paths run the same model code (the runner's vision, prefill and decode passes), in one run,
 interleaved question by question, so the ratio compares the work each design does. Greedy,
-``--new-tokens`` per answer; medians over ``--repeats``.
+``--new-tokens`` per answer; medians over ``--repeats``. ``--arch llava-next --image-size 672``
+is LLaVA-NeXT's shape: a 672x672 photo is 2,928 image tokens (anyres: 5 tiles of 336 px).
 
-Usage: python benchmarks/followup_latency.py --model bench [--model-dir DIR] [--device auto]
+Usage: python benchmarks/followup_latency.py --model bench [--arch llava] [--image-size N]
+       [--model-dir DIR] [--device auto]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import io
 import json
 import statistics
 import sys
@@ -25,10 +28,11 @@ import time
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images import decode_image
-from llava_sessions.model import LlavaRunner
+from llava_sessions.model import Chat, LlavaRunner
 from llava_sessions.sampling import SamplingParams
 from llava_sessions.sessions import SessionStore
 from llava_tools.samples import sample_photo
@@ -53,13 +57,17 @@ class AwsSampleWay:
         self.runner = runner
         self.decode = decode
         self.pixels: torch.Tensor | None = None
+        self.extra: dict[str, torch.Tensor] = {}  # image_sizes for anyres models
+        self.chat = Chat(None)
 
     def open(self, image_bytes: bytes) -> float:
         t0 = time.perf_counter()
         image = self.decode(image_bytes)
-        self.pixels = self.runner.processor.image_processor(images=[image], return_tensors="pt")["pixel_values"].to(
-            self.runner.device
-        )
+        out = self.runner.processor.image_processor(images=[image], return_tensors="pt")
+        self.pixels = out["pixel_values"].to(self.runner.device)
+        self.extra = {"image_sizes": out["image_sizes"]} if "image_sizes" in out else {}
+        tokens = self.runner.image_token_count((image.height, image.width))
+        self.chat = Chat(None, image_tokens=(tokens,))
         sync(self.runner.device)
         return (time.perf_counter() - t0) * 1000
 
@@ -67,9 +75,10 @@ class AwsSampleWay:
     def ask(self, prompt: str, new_tokens: int) -> tuple[float, float]:
         r = self.runner
         t0 = time.perf_counter()
-        feats = r.encode_pixels(self.pixels)
+        assert self.pixels is not None
+        feats = torch.cat(r.encode_pixels(self.pixels, **self.extra))
         cache = r.new_cache()
-        ids = r.conversation_ids(None, [], prompt)
+        ids = r.conversation_ids(self.chat, prompt)
         logits = r.prefill(cache, ids, feats)
         token = int(logits.argmax())
         sync(r.device)
@@ -85,6 +94,8 @@ class AwsSampleWay:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench", choices=["tiny", "bench", "7b"], help="checkpoint size to build")
+    ap.add_argument("--arch", default="llava", choices=["llava", "llava-next", "llava-onevision"])
+    ap.add_argument("--image-size", type=int, help="resize the photo to N x N pixels (default: as it is, 512 x 512)")
     ap.add_argument("--model-dir", help="use this checkpoint folder instead of building one")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -105,11 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         from llava_tools.tiny_model import write_checkpoint
 
         tmp = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
-        write_checkpoint(args.model, tmp)
+        write_checkpoint(args.model, tmp, arch=args.arch)
         runner = LlavaRunner.from_pretrained(tmp, device=args.device, dtype=args.dtype)
     device = runner.device
     decode = functools.partial(decode_image, max_pixels=40_000_000)
     image = sample_photo("astronaut")
+    if args.image_size:
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(image)).convert("RGB").resize((args.image_size, args.image_size)).save(buf, "PNG")
+        image = buf.getvalue()
     params = SamplingParams(max_new_tokens=args.new_tokens)
     engine = SessionEngine(
         runner,
@@ -192,14 +207,19 @@ def main(argv: list[str] | None = None) -> int:
             "image_features": feat_bytes,
             "host_image_and_conversation": host_bytes,
         },
-        "prefix_tokens": len(runner.prefix_ids(None)),
+        "architecture": runner.architecture,
+        "image_size": list(decode(image).size),
+        "image_tokens": s.image_tokens[0],
+        "prefix_tokens": len(runner.prefix_ids(Chat(None, image_tokens=tuple(s.image_tokens)))),
     }
     opa, opb = result["open_plus_first_answer_ms"]["a"], result["open_plus_first_answer_ms"]["b"]
     result["open_plus_first_answer_ratio_b_over_a"] = opb / opa
 
     print(
-        f"model={result['model']} device={device} dtype={runner.dtype} threads={torch.get_num_threads()} "
-        f"new_tokens={args.new_tokens} repeats={args.repeats} prefix={result['prefix_tokens']} tokens"
+        f"model={result['model']} ({runner.architecture}) device={device} dtype={runner.dtype} "
+        f"threads={torch.get_num_threads()} new_tokens={args.new_tokens} repeats={args.repeats} "
+        f"image={result['image_size'][0]}x{result['image_size'][1]} ({result['image_tokens']} image tokens) "
+        f"prefix={result['prefix_tokens']} tokens"
     )
     print(f"{'path':<34}{'follow-up TTFT ms':>20}{'follow-up total ms':>20}")
     names = {

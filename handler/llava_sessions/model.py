@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,9 @@ from .errors import ErrorCode, ServiceError
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+#: Prefixes of image-only conversations remembered by :meth:`LlavaRunner.prefix_ids` (least recently used go).
+PREFIX_MEMO_SIZE = 64
 
 #: The checkpoint architectures served (``config.json`` ``architectures[0]``, transformers class names).
 ARCHITECTURES: tuple[str, ...] = (
@@ -322,7 +326,7 @@ class LlavaRunner:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
-        self._prefix_cache: dict[tuple[Any, ...], list[int]] = {}
+        self._prefix_cache: OrderedDict[tuple[Any, ...], list[int]] = OrderedDict()
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -476,7 +480,8 @@ class LlavaRunner:
         """Token ids every next question shares: system prompt, images and turns, whatever the question.
 
         Found as the common prefix of two conversations that differ only in their last question,
-        so it holds for any chat template. Without turns the result is memoised.
+        so it holds for any chat template. Without turns the result is memoised (the last
+        :data:`PREFIX_MEMO_SIZE` system prompt / image layouts).
         """
 
         def compute() -> list[int]:
@@ -487,8 +492,12 @@ class LlavaRunner:
         if chat.turns:
             return compute()
         key = (chat.system_prompt, chat.pending_images, chat.image_tokens)
-        if key not in self._prefix_cache:
+        if key in self._prefix_cache:
+            self._prefix_cache.move_to_end(key)
+        else:
             self._prefix_cache[key] = compute()
+            while len(self._prefix_cache) > PREFIX_MEMO_SIZE:  # anyres image sizes make many keys
+                self._prefix_cache.popitem(last=False)
         return list(self._prefix_cache[key])
 
     def count_text_tokens(self, text: str) -> int:
