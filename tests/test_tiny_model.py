@@ -76,3 +76,36 @@ def test_bench_keeps_the_text_model_dominant():
     text = 12 * spec.text_hidden**2 * spec.text_layers
     vision = 12 * spec.vision_hidden**2 * spec.vision_layers
     assert 15 < text / vision < 30  # llava-1.5-7b: ~6.7 B text vs ~0.3 B vision
+
+
+def test_cli_builds_each_architecture_with_the_hub_s_class_names(tmp_path):
+    for arch, model_class, processor_class in [
+        ("llava-next", "LlavaNextForConditionalGeneration", "LlavaNextProcessor"),
+        ("llava-onevision", "LlavaOnevisionForConditionalGeneration", "LlavaOnevisionProcessor"),
+    ]:
+        out = tmp_path / arch
+        done = subprocess.run(
+            [sys.executable, "-m", "llava_tools.tiny_model", "--arch", arch, "--out", str(out)],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"wrote {arch} tiny checkpoint" in done.stdout
+        assert json.loads((out / "config.json").read_text())["architectures"] == [model_class]
+        assert json.loads((out / "processor_config.json").read_text())["processor_class"] == processor_class
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llava_tools.tiny_model",
+            "--arch",
+            "llava-next",
+            "--size",
+            "7b",
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "llava-tiny-model:" in refused.stderr

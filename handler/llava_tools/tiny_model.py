@@ -339,22 +339,13 @@ def build_processor(tokenizer, arch: str = "llava"):
         num_additional_image_tokens=1,
         image_token=IMAGE_TOKEN,
     )
-    if arch == "llava-next":
-        image_processor = LlavaNextImageProcessorPil(
-            size={"shortest_edge": 336},
-            crop_size={"height": 336, "width": 336},
-            image_grid_pinpoints=NEXT_GRID_PINPOINTS,
-            image_mean=_CLIP_MEAN,
-            image_std=_CLIP_STD,
-        )
-        return LlavaNextProcessor(image_processor=image_processor, chat_template=LLAVA_NEXT_CHAT_TEMPLATE, **common)
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": 336},
-        crop_size={"height": 336, "width": 336},
-        do_center_crop=True,
-        image_mean=_CLIP_MEAN,
-        image_std=_CLIP_STD,
+    clip: dict[str, Any] = dict(  # CLIP at 336 px, as llava-1.5 and llava-v1.6 preprocess
+        size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}, image_mean=_CLIP_MEAN, image_std=_CLIP_STD
     )
+    if arch == "llava-next":
+        image_processor = LlavaNextImageProcessorPil(image_grid_pinpoints=NEXT_GRID_PINPOINTS, **clip)
+        return LlavaNextProcessor(image_processor=image_processor, chat_template=LLAVA_NEXT_CHAT_TEMPLATE, **common)
+    image_processor = CLIPImageProcessorPil(do_center_crop=True, **clip)
     return LlavaProcessor(image_processor=image_processor, chat_template=LLAVA15_CHAT_TEMPLATE, **common)
 
 
