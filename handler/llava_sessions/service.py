@@ -233,10 +233,9 @@ class SessionService:
         try:
             t0 = time.perf_counter()
             data = self._fetch(command.image, self.settings)
+            extra = [self._fetch(source, self.settings) for source in command.history_images]
             t_fetched = time.perf_counter()
             image = decode_image(data, max_pixels=self.settings.max_image_pixels)
-            extra = [self._fetch(source, self.settings) for source in command.history_images]
-            t_fetched = time.perf_counter() if extra else t_fetched
             history_images = [(b, decode_image(b, max_pixels=self.settings.max_image_pixels)) for b in extra]
             t_decoded = time.perf_counter()
             task = self.engine.begin_open(
