@@ -294,19 +294,6 @@ def build_config(
     return LlavaConfig(**common)
 
 
-def _onevision_processor_class():
-    """``LlavaOnevisionProcessor`` without its video processor (which needs torchvision, absent
-    here), saved under the real class name so any loader reads it as the hub's."""
-    from transformers import LlavaOnevisionProcessor
-
-    class ImageOnlyOnevisionProcessor(LlavaOnevisionProcessor):
-        @classmethod
-        def get_attributes(cls) -> list[str]:
-            return [a for a in super().get_attributes() if a != "video_processor"]
-
-    return ImageOnlyOnevisionProcessor
-
-
 def build_processor(tokenizer, arch: str = "llava"):
     """Return the processor of ``arch``: a ``LlavaProcessor`` (PIL CLIP image processor at 336 px), a
     ``LlavaNextProcessor`` (PIL anyres image processor, llava-v1.6's pinpoints) or a
@@ -323,7 +310,11 @@ def build_processor(tokenizer, arch: str = "llava"):
         image_processor = LlavaOnevisionImageProcessorPil(
             size={"height": 384, "width": 384}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
         )
-        return _onevision_processor_class()(
+        from transformers import LlavaOnevisionProcessor
+
+        from llava_sessions.model import image_only_processor_class
+
+        return image_only_processor_class(LlavaOnevisionProcessor)(
             image_processor=image_processor,
             tokenizer=tokenizer,
             num_image_tokens=729,
@@ -417,11 +408,6 @@ def write_checkpoint(size: str, out: str | Path, *, seed: int = 0, arch: str = "
     )
     model.save_pretrained(out)
     processor.save_pretrained(out)
-    if arch == "llava-onevision":  # the image-only subclass is saved under the hub's class name
-        config_file = out / "processor_config.json"
-        saved = json.loads(config_file.read_text())
-        saved["processor_class"] = "LlavaOnevisionProcessor"
-        config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     (out / "llava_sessions_build.json").write_text(
         json.dumps({"arch": arch, "size": size, "seed": seed, "random_weights": True}, indent=1)
     )
