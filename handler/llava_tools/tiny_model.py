@@ -206,6 +206,7 @@ def build_config(
     bos_token_id: int | None = 1,
     eos_token_id: int = 2,
     arch: str = "llava",
+    video_token_id: int | None = None,
 ):
     """Return the transformers config of ``arch`` at ``size``: a ``LlavaConfig`` (336 px, patch 14 →
     576 image tokens), a ``LlavaNextConfig`` (the same tower, llava-v1.6's grid pinpoints) or a
@@ -242,24 +243,23 @@ def build_config(
         pad_token_id=pad_token_id,
         tie_word_embeddings=False,
     )
+    vision_kwargs: dict[str, Any] = dict(
+        hidden_size=spec.vision_hidden,
+        intermediate_size=spec.vision_intermediate,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        patch_size=14,
+    )
     vision: Any
     text: Any
     if arch == "llava-onevision":
-        vision = SiglipVisionConfig(
-            hidden_size=spec.vision_hidden,
-            intermediate_size=spec.vision_intermediate,
-            num_hidden_layers=spec.vision_layers,
-            num_attention_heads=spec.vision_heads,
-            image_size=384,
-            patch_size=14,
-            vision_use_head=False,
-        )
+        vision = SiglipVisionConfig(image_size=384, vision_use_head=False, **vision_kwargs)
         text = Qwen2Config(num_key_value_heads=max(1, spec.text_heads // 3), **text_kwargs)
         return LlavaOnevisionConfig(
             vision_config=vision,
             text_config=text,
             image_token_index=image_token_id,
-            video_token_index=image_token_id + 1,
+            video_token_index=image_token_id + 1 if video_token_id is None else video_token_id,
             vision_feature_select_strategy="full",
             vision_feature_layer=-1,
             vision_aspect_ratio="anyres_max_9",
@@ -267,15 +267,11 @@ def build_config(
             tie_word_embeddings=False,
         )
     vision = CLIPVisionConfig(
-        hidden_size=spec.vision_hidden,
-        intermediate_size=spec.vision_intermediate,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
         image_size=336,
-        patch_size=14,
         projection_dim=768 if size == "7b" else spec.vision_hidden,
         hidden_act="quick_gelu",
         layer_norm_eps=1e-5,
+        **vision_kwargs,
     )
     text = LlamaConfig(num_key_value_heads=spec.text_kv_heads, **text_kwargs)
     common: dict[str, Any] = dict(
@@ -372,6 +368,7 @@ def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None, ar
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         arch=arch,
+        video_token_id=tokenizer.convert_tokens_to_ids("<video>") if chatml else None,
     )
     torch.manual_seed(seed)
     with torch.device(device):
