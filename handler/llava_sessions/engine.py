@@ -796,14 +796,12 @@ class AddImageTask(PrefixTask):
 
     def _encode(self) -> None:
         engine, session = self.engine, self.session
-        old_prefix = engine.runner.prefix_ids(session.chat())
         self._before = (
             list(session.images),
             list(session.image_sizes),
             list(session.image_tokens),
             session.pending_images,
             session.image_features,
-            old_prefix,
         )
         relayout = self._tokens[:-1] != session.image_tokens
         session.images = [*session.images, self._image_bytes]
@@ -850,23 +848,14 @@ class AddImageTask(PrefixTask):
         session = self.session
         session.busy = False
         if self._before is not None:
-            images, sizes, tokens, pending, features, old_prefix = self._before
+            images, sizes, tokens, pending, features = self._before
             relayout = tokens != session.image_tokens[:-1]
             session.images, session.image_sizes, session.image_tokens = images, sizes, tokens
             session.pending_images, session.image_features = pending, features
-            if features is None or relayout or session.kv_cache is None:
+            if features is None or relayout:
                 session.drop_kv()
-            else:
-                try:
-                    keep = common_prefix_len(session.cached_ids, old_prefix)
-                    lens = {layer.keys.shape[-2] for layer in session.kv_cache.layers if layer.keys is not None}
-                    if len(lens) > 1 or cache_len(session.kv_cache) < keep:
-                        session.drop_kv()  # a forward failed between layers
-                    else:
-                        crop_cache(session.kv_cache, keep)
-                        session.cached_ids = session.cached_ids[:keep]
-                except Exception:  # noqa: BLE001
-                    session.drop_kv()
+            else:  # the cache is kept up to what the restored conversation shares with it
+                session.keep_kv(common_prefix_len(session.cached_ids, self.engine.runner.prefix_ids(session.chat())))
         if session.session_id in self.engine.store:
             self.engine.store.sync(session)
 
@@ -1226,21 +1215,7 @@ class Generation:
         except Exception:  # noqa: BLE001 - the row cannot be read back: rebuild the session from features
             log.exception("could not read a session back from the decode batch")
             session.drop_kv()
-        if session.kv_cache is not None:
-            n = len(session.cached_ids) if not self._prefilled else self._reuse
-            try:
-                lens = {
-                    layer.keys.shape[-2]
-                    for layer in session.kv_cache.layers
-                    if getattr(layer, "keys", None) is not None
-                }
-                if len(lens) > 1 or cache_len(session.kv_cache) < n:
-                    session.drop_kv()  # a forward failed between layers: the cache is not trustworthy
-                else:
-                    crop_cache(session.kv_cache, n)
-                    session.cached_ids = session.cached_ids[:n]
-            except Exception:  # noqa: BLE001
-                session.drop_kv()
+        session.keep_kv(len(session.cached_ids) if not self._prefilled else self._reuse)
         self.engine.store.sync(session)
 
     def close(self) -> None:

@@ -412,12 +412,7 @@ class LlavaRunner:
         if base:
             kwargs["batch_num_images"] = torch.tensor([max(2, len(images))])
         pixel_values = out["pixel_values"][: len(images)]
-        feats = self.encode_pixels(pixel_values, **kwargs)
-        return feats
-
-    def encode_image(self, image: Any) -> torch.Tensor:
-        """Encode one image alone (its own conversation): ``[image_tokens, text_hidden]``; see :meth:`encode_images`."""
-        return self.encode_images([image])[0]
+        return self.encode_pixels(pixel_values, **kwargs)
 
     @torch.inference_mode()
     def encode_pixels(self, pixel_values: torch.Tensor, **kwargs: Any) -> list[torch.Tensor]:

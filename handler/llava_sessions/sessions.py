@@ -38,7 +38,7 @@ import torch
 
 from .errors import ErrorCode, ServiceError
 from .ledger import Demotion, SessionLedger, Tier
-from .model import Chat, Turn, cache_len
+from .model import Chat, Turn, cache_len, crop_cache
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,22 @@ class Session:
         """Demote ``kv`` → ``features``: free the KV cache."""
         self.kv_cache = None
         self.cached_ids = []
+
+    def keep_kv(self, length: int) -> None:
+        """Keep the first ``length`` cached positions after a failed or abandoned step; drop the KV
+        cache instead when it cannot be trusted (its layers differ in length because a forward pass
+        failed between layers, or it holds fewer than ``length`` positions)."""
+        if self.kv_cache is None:
+            return
+        try:
+            lens = {layer.keys.shape[-2] for layer in self.kv_cache.layers if getattr(layer, "keys", None) is not None}
+            if len(lens) > 1 or cache_len(self.kv_cache) < length:
+                self.drop_kv()
+            else:
+                crop_cache(self.kv_cache, length)
+                self.cached_ids = self.cached_ids[:length]
+        except Exception:  # noqa: BLE001 - an unreadable cache is rebuilt from the features
+            self.drop_kv()
 
     def drop_features(self) -> None:
         """Demote to ``image``: free the KV cache and the image features."""
