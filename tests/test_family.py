@@ -116,6 +116,27 @@ def test_image_tokens_follow_the_processor_for_every_size(family, arch) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_placeholders_expand_after_tokenizing_exactly_as_the_processor_expands_the_text(family, arch) -> None:
+    """The runner tokenizes one placeholder per image and expands the ids; that equals tokenizing
+    the text with every image's placeholders written out (what the processors do), whitespace
+    and special tokens around the images included."""
+    runner = family[arch]
+    for text, counts in (
+        (f"{runner.image_token}\nWhat is this?", (5,)),
+        (f"A  {runner.image_token}{runner.image_token} b\n{runner.image_token} c ", (5, 3, 7)),
+        (f"{runner.image_token} {runner.image_token}\t\n{runner.image_token}é😀", (1, 2, 4)),
+    ):
+        # each placeholder is one token here, so the runner takes its ids path (not the fallback)
+        assert runner.tokenizer(text)["input_ids"].count(runner.image_token_id) == len(counts)
+        parts = text.split(runner.image_token)
+        expanded = parts[0] + "".join(runner.image_token * n + p for n, p in zip(counts, parts[1:], strict=True))
+        assert runner.tokenize(text, counts) == runner.tokenizer(expanded, add_special_tokens=True)["input_ids"]
+        assert runner.tokenize(text, counts).count(runner.image_token_id) == sum(counts)
+    with pytest.raises(ValueError, match="2 image placeholders"):
+        runner.tokenize(f"{runner.image_token}{runner.image_token}", (5, 3, 7))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_first_question_follow_up_independent_and_every_tier_match_generate(family, small_photos, arch) -> None:
     runner, img = family[arch], small_photos["astronaut"]
     eng = engine(runner)

@@ -462,6 +462,20 @@ class LlavaRunner:
         parts = text.split(self.image_token)
         if len(parts) - 1 != len(image_tokens):
             raise ValueError(f"{len(parts) - 1} image placeholders in the text for {len(image_tokens)} images")
+        # The placeholder is an added token, split off before the text around it is tokenized, so
+        # one copy per image tokenizes its neighbours exactly as n copies do: expand the ids, not
+        # the text (a 576-token image then costs the tokenizer one token, not 576).
+        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        if ids.count(self.image_token_id) == len(image_tokens):
+            out: list[int] = []
+            counts = iter(image_tokens)
+            for token in ids:
+                if token == self.image_token_id:
+                    out.extend([token] * next(counts))
+                else:
+                    out.append(token)
+            return out
+        # a tokenizer that does not keep the placeholder whole: expand the text, as the processors do
         expanded = parts[0] + "".join(
             self.image_token * n + part for n, part in zip(image_tokens, parts[1:], strict=True)
         )
