@@ -34,6 +34,7 @@ __all__ = [
     "OutputLines",
     "stop_process",
     "local_server_factory",
+    "prometheus_text",
     "session_server_factory",
     "start_local_server",
     "write_echo_handler",
@@ -61,6 +62,23 @@ def start_local_server(
     if addfinalizer is not None:
         addfinalizer(server.stop)
     return server.start()
+
+
+def prometheus_text(metrics_url: str, until: Callable[[str], bool], timeout_s: float = 10.0) -> str:
+    """The metrics port's Prometheus text once ``until(text)`` holds (or at ``timeout_s``).
+
+    The handler writes its metric lines after the answer went out (llava_sessions.metrics) and
+    TorchServe's frontend parses them from the worker's stdout, so a reply can arrive before its
+    metrics are there.
+    """
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = requests.get(metrics_url + "/metrics", timeout=10).text
+        if until(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
 
 
 def _factory(addfinalizer: Callable[[Callable[[], None]], Any]) -> Callable[..., LocalServer]:

@@ -352,10 +352,22 @@ def test_llava_chat_says_when_the_oldest_turns_left_the_context(server, photo_pa
 
 
 def _generated_tokens(server) -> float:
-    """The worker's ``llava_GeneratedTokens`` counter (Prometheus text of TorchServe's metrics port)."""
-    text = requests.get(server.metrics_url + "/metrics", timeout=10).text
-    found = re.search(r"^llava_GeneratedTokens\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    """The worker's ``llava_GeneratedTokens`` counter (Prometheus text of TorchServe's metrics port),
+    once settled: two reads 0.3 s apart agree (the handler writes metric lines after the reply)."""
+
+    def read() -> float:
+        text = requests.get(server.metrics_url + "/metrics", timeout=10).text
+        found = re.search(r"^llava_GeneratedTokens\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    value = read()
+    for _ in range(30):
+        time.sleep(0.3)
+        again = read()
+        if again == value:
+            break
+        value = again
+    return value
 
 
 def test_a_dropped_stream_stops_decoding_within_a_step_and_leaves_no_turn(server, photos):

@@ -24,7 +24,7 @@ import requests
 from llava_tools.container import ContainerServer, ModelNotFoundError, _parse_properties, resolve_model
 from llava_tools.deploy import build_package, write_package
 from llava_tools.serve import ServerStartError
-from server_fixtures import OutputLines, stop_process
+from server_fixtures import OutputLines, prometheus_text, stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 TS_CONFIG = REPO / "config" / "config.properties"
@@ -180,7 +180,7 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
             url + "/invocations", json={"type": "close_session"}, headers={SID: session_id}, timeout=60
         )
         assert closed.status_code == 200 and closed.headers[CLOSED] == session_id
-        assert "llava_OpenSessions" in requests.get(metrics_url + "/metrics", timeout=10).text
+        assert "llava_OpenSessions" in prometheus_text(metrics_url, lambda text: "llava_OpenSessions" in text)
 
         # a worker that dies does not take the container down: its supervisor restarts TorchServe
         workers = [

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from aws_readers import lmi_reader_text, tgi_reader_text
-from server_fixtures import start_local_server
+from server_fixtures import prometheus_text, start_local_server
 
 pytestmark = pytest.mark.integration
 
@@ -330,7 +330,9 @@ def test_metrics_in_prometheus(server, photos):
     sid, _ = open_session(server, photos["coffee"])
     post(server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 3}}, session_id=sid)
     post(server, {"type": "generate", "prompt": "Hi"}, session_id="never-opened")
-    text = requests.get(server.metrics_url + "/metrics", timeout=10).text
+    text = prometheus_text(
+        server.metrics_url, lambda t: "llava_TimeToFirstTokenSeconds_count" in t and "session_not_found" in t
+    )
     values = {}
     for line in text.splitlines():
         m = re.match(r"^(llava_\w+)\{([^}]*)\} ([0-9.e+-]+)$", line)

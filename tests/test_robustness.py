@@ -25,7 +25,7 @@ from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images import decode_image
 from llava_sessions.sampling import SamplingParams
 from llava_sessions.sessions import SessionStore
-from server_fixtures import start_local_server
+from server_fixtures import prometheus_text, start_local_server
 
 SID = "X-Amzn-SageMaker-Session-Id"
 Q = {"type": "generate", "prompt": "What is in this image?", "remember": False, "parameters": {"max_new_tokens": 6}}
@@ -180,9 +180,15 @@ def test_three_times_oversubscribed_budget_loses_nothing_and_never_leaks(pressed
             # same image → same answer, whichever session and tier; different images → their own answers
             assert first.setdefault(n, text) == text
     assert len(set(first.values())) == 4
-    metrics = requests.get(pressed_server.metrics_url + "/metrics", timeout=10).text
-    restores = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("llava_Restores{")]
-    demotions = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("llava_Demotions{")]
+
+    def counts(text: str, name: str) -> list[float]:
+        return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+
+    metrics = prometheus_text(
+        pressed_server.metrics_url,
+        lambda t: sum(counts(t, "llava_Restores")) >= 6 and sum(counts(t, "llava_Demotions")) >= 6,
+    )
+    restores, demotions = counts(metrics, "llava_Restores"), counts(metrics, "llava_Demotions")
     assert restores and restores[0] >= 6 and sum(demotions) >= 6
     for sid in sids:
         assert post(pressed_server, {"type": "close_session"}, sid).status_code == 200

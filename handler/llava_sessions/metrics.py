@@ -2,14 +2,21 @@
 
 :class:`WorkerMetrics` collects what the service observes (each answer's time to first token and
 decode rate, errors by code) and, on :meth:`WorkerMetrics.emit`, reads the engine's and the store's
-counters: gauges are set, counters advanced by their change since the last emission, samples
-recorded and then cleared. Names are ``llava_<Name>`` with the ``ModelName`` dimension (TorchServe
-0.12 metrics API: ``context.metrics.add_metric_to_cache``; docs/design.md, Metrics).
+counters: gauges are set when they changed, counters advanced by their change since the last
+emission, samples recorded and then cleared. Names are ``llava_<Name>`` with the ``ModelName`` and
+``Replica`` dimensions (TorchServe 0.12 metrics API: ``context.metrics.add_metric_to_cache``;
+docs/design.md, Metrics).
+
+Each metric update is a ``[METRICS]`` line the worker prints and TorchServe's frontend parses, about
+20 us of Python each plus the frontend's parsing. So the lines are written by a background thread
+after ``handle()`` returned (the answer goes out first), payloads that queued up meanwhile are
+merged, and an unchanged gauge is not sent again (benchmarks/concurrency.py, serving overhead).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +38,20 @@ class WorkerMetrics:
 
     Args:
         cache: TorchServe's metrics cache (``context.metrics``), or None (observe only, emit nothing).
+        background: write the metric lines from a background thread (:meth:`publish`); False:
+            in the caller's thread.
     """
 
-    def __init__(self, cache: Any = None) -> None:
+    def __init__(self, cache: Any = None, *, background: bool = True) -> None:
         self._cache = cache
+        self._background = background
         self._objects: dict[str, Any] = {}
         self._counters_sent: dict[_MetricKey, float] = {}
+        self._gauges_sent: dict[_MetricKey, float] = {}
+        self._pending: list[tuple[dict[str, Any], int]] = []
+        self._cond = threading.Condition()
+        self._writing = False
+        self._writer: threading.Thread | None = None
         self.errors_by_code: Counter[str] = Counter()
         self._ttft_ms: list[float] = []
         self._decode_tokens_per_s: list[float] = []
@@ -92,34 +107,76 @@ class WorkerMetrics:
         self.publish(self.collect(engine))
 
     def publish(self, payload: dict[str, Any], replica: int = 0) -> None:
-        """Send gauges, counter increments and samples of one replica to TorchServe's metrics cache.
+        """Send one replica's gauges, counter increments and samples (a :meth:`collect` payload) to
+        TorchServe's metrics cache: queued for the background writer (or written now when
+        ``background`` is off). Thread-safe; never raises: metrics must never hurt serving."""
+        if self._cache is None:
+            return
+        if not self._background:
+            with self._cond:
+                self._write([(payload, replica)])
+            return
+        with self._cond:
+            self._pending.append((payload, replica))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._run, name="llava-metrics", daemon=True)
+                self._writer.start()
+            self._cond.notify()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued payload is written; returns False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._writing, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._pending))
+                batch, self._pending = self._pending, []
+                self._writing = True
+            try:
+                self._write(batch)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+    def _write(self, batch: list[tuple[dict[str, Any], int]]) -> None:
+        """Write payloads in order: per replica, the last gauges and counters and every sample.
 
         Every metric carries the ``Replica`` dimension (0..N-1): the container's total is the sum
         over it. Time to first token goes out in seconds (Prometheus' default histogram buckets are
-        in seconds). Never raises: metrics must never hurt serving.
+        in seconds); the decode rate is a gauge, so only the latest answer's is sent.
         """
-        if self._cache is None:
-            return
         try:
             from ts.metrics.metric_type_enum import MetricTypes
 
-            label = str(replica)
-            updates: list[tuple[str, tuple[str, ...], float, Any, str]] = []
-            for (name, dims), value in payload["gauges"].items():
-                updates.append((name, dims, value, MetricTypes.GAUGE, "Bytes" if name == "SessionBytes" else "Count"))
-            for key, value in payload["counters"].items():
-                sent_key = (key[0], (*key[1], label))
-                delta = value - self._counters_sent.get(sent_key, 0)
-                if delta:
-                    self._counters_sent[sent_key] = value
-                    updates.append((key[0], key[1], delta, MetricTypes.COUNTER, "Count"))
-            updates += [
-                ("TimeToFirstTokenSeconds", (), v / 1000.0, MetricTypes.HISTOGRAM, "s") for v in payload["ttft_ms"]
-            ]
-            updates += [
-                ("DecodeTokensPerSecond", (), v, MetricTypes.GAUGE, "Count") for v in payload["decode_tokens_per_s"]
-            ]
-            for name, dims, value, mtype, unit in updates:
+            merged: dict[int, dict[str, Any]] = {}
+            for payload, replica in batch:
+                into = merged.setdefault(replica, {"ttft_ms": [], "decode_tokens_per_s": []})
+                into["gauges"], into["counters"] = payload["gauges"], payload["counters"]
+                into["ttft_ms"] += payload["ttft_ms"]
+                into["decode_tokens_per_s"] += payload["decode_tokens_per_s"]
+            updates: list[tuple[str, tuple[str, ...], str, float, Any, str]] = []
+            for replica, payload in merged.items():
+                label = str(replica)
+                for (name, dims), value in payload["gauges"].items():
+                    sent_key = (name, (*dims, label))
+                    if self._gauges_sent.get(sent_key) != value:
+                        self._gauges_sent[sent_key] = value
+                        unit = "Bytes" if name == "SessionBytes" else "Count"
+                        updates.append((name, dims, label, value, MetricTypes.GAUGE, unit))
+                for (name, dims), value in payload["counters"].items():
+                    sent_key = (name, (*dims, label))
+                    delta = value - self._counters_sent.get(sent_key, 0)
+                    if delta:
+                        self._counters_sent[sent_key] = value
+                        updates.append((name, dims, label, delta, MetricTypes.COUNTER, "Count"))
+                for v in payload["ttft_ms"]:
+                    updates.append(("TimeToFirstTokenSeconds", (), label, v / 1000.0, MetricTypes.HISTOGRAM, "s"))
+                for v in payload["decode_tokens_per_s"][-1:]:
+                    updates.append(("DecodeTokensPerSecond", (), label, v, MetricTypes.GAUGE, "Count"))
+            for name, dims, label, value, mtype, unit in updates:
                 metric = self._objects.get(name)
                 if metric is None:
                     metric = self._cache.add_metric_to_cache(

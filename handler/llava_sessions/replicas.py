@@ -146,7 +146,6 @@ class ReplicaRouter:
         self.devices = devices
         self._build = dict(build)
         self._metrics = WorkerMetrics(metrics)
-        self._metrics_lock = threading.Lock()
         self._codec = Codec(settings)
         self._ctx = multiprocessing.get_context("spawn")
         self.replicas = [_Replica(i, d) for i, d in enumerate(devices)]
@@ -262,8 +261,7 @@ class ReplicaRouter:
             self._replica_died(replica)
             return None
         replica.stats = stats
-        with self._metrics_lock:
-            self._metrics.publish(payload, replica.index)
+        self._metrics.publish(payload, replica.index)
         return results
 
     def _replica_died(self, replica: _Replica) -> None:
