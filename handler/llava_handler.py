@@ -14,7 +14,7 @@ import os
 
 from llava_sessions.replicas import ReplicaRouter
 from llava_sessions.service import Row, SessionService
-from llava_sessions.worker import build_service
+from llava_sessions.worker import build_service, quiet_worker_logs
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class LlavaHandler:
             end_header=context.header_key_sequence_end,
             metrics=getattr(context, "metrics", None),
         )
+        quiet_worker_logs(self.service.settings.log_level)
         self.initialized = True
 
     def handle(self, data, context):

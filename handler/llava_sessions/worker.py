@@ -22,7 +22,7 @@ from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions import SessionStore
 
-__all__ = ["build_local_service", "build_service"]
+__all__ = ["build_local_service", "build_service", "quiet_worker_logs"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,21 @@ def build_service(
         share = max(1, int(available_host_bytes() * settings.device_budget_fraction) // len(devices))
         build["handler_section"]["device_budget_bytes"] = share
     return ReplicaRouter(settings, devices, build, metrics=metrics)
+
+
+def quiet_worker_logs(log_level: str) -> None:
+    """Drop TorchServe's per-request INFO line in a worker process, keep its metric lines.
+
+    TorchServe 0.12's Python worker logs ``Backend received inference at: <time>`` on the root logger
+    for every batch (``ts/protocol/otf_message_handler.py``); the frontend copies each line into
+    model_log and stdout. The root logger goes to WARNING unless ``log_level`` is DEBUG or INFO;
+    the ``ts`` loggers stay at INFO, as the ``[METRICS]`` lines the frontend parses are INFO records
+    of ``ts.metrics`` and ``ts.service``.
+    """
+    if log_level in ("DEBUG", "INFO"):
+        return
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("ts").setLevel(logging.INFO)
 
 
 def build_local_service(

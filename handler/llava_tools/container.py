@@ -50,6 +50,7 @@ from .serve import (
     LocalServer,
     ServerStartError,
     default_handler_path,
+    default_log_config_path,
     default_model_config_path,
     run_until_signal,
 )
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             config=model_config,
             model_config_overrides=model_config_overrides,
             handler=args.handler,
+            log_config=default_log_config_path(llava_home()),
             startup_timeout_s=args.startup_timeout,
             stop_grace_s=args.stop_grace,
             supervise=True,

@@ -89,6 +89,17 @@ def default_model_config_path() -> Path:
     return _REPO_ROOT / "model-config.yaml"
 
 
+def default_log_config_path(home: Path | None = None) -> Path | None:
+    """TorchServe's log4j2 configuration: ``$LLAVA_TS_LOG_CONFIG``, else the quiet
+    ``config/log4j2.xml`` of ``home`` (default: the repository), else None (TorchServe's own,
+    which logs every request at DEBUG)."""
+    named = os.environ.get("LLAVA_TS_LOG_CONFIG", "").strip()
+    if named:
+        return Path(named)
+    path = (home or _REPO_ROOT) / "config" / "log4j2.xml"
+    return path if path.is_file() else None
+
+
 class ServerStartError(RuntimeError):
     """TorchServe could not be prepared or did not become ready; the message ends with a log tail."""
 
@@ -108,6 +119,8 @@ class LocalServer:
         startup_timeout_s: seconds to wait for a READY worker and ``/ping`` 200.
         env: extra environment variables for TorchServe and its workers.
         handler: the TorchServe handler file; default: ``handler/llava_handler.py``.
+        log_config: TorchServe's log4j2 configuration (``torchserve --log-config``); default:
+            :func:`default_log_config_path`.
         stop_grace_s: seconds between SIGTERM and SIGKILL in :meth:`stop`.
         supervise: restart TorchServe when a worker dies (see :meth:`_supervise`).
 
@@ -127,6 +140,7 @@ class LocalServer:
         startup_timeout_s: float = 120.0,
         env: Mapping[str, str] | None = None,
         handler: str | os.PathLike | None = None,
+        log_config: str | os.PathLike | None = None,
         stop_grace_s: float = DEFAULT_STOP_GRACE_S,
         supervise: bool = True,
     ) -> None:
@@ -143,6 +157,7 @@ class LocalServer:
         self.startup_timeout_s = startup_timeout_s
         self.env = dict(env or {})
         self.handler_path = Path(handler) if handler is not None else default_handler_path()
+        self.log_config_path = Path(log_config) if log_config is not None else default_log_config_path()
         self.stop_grace_s = stop_grace_s
         self._requested_port = port
         self._ports: dict[str, int] = {}
@@ -259,8 +274,9 @@ class LocalServer:
                 (self.model_dir, "model dir"),
                 (self.config_path, "model config"),
                 (self.handler_path, "handler file"),
+                (self.log_config_path, "log config"),
             ):
-                if not path.exists():
+                if path is not None and not path.exists():
                     raise FileNotFoundError(f"{what} not found: {path}")
             self._temp_dir = Path(tempfile.mkdtemp(prefix="llava-serve-", dir=_temp_base()))
             atexit.register(self.stop)
@@ -344,6 +360,8 @@ class LocalServer:
             "--ncs",
             "--disable-token-auth",
         ]
+        if self.log_config_path is not None:
+            self._command += ["--log-config", str(self.log_config_path)]
         self._launch()
 
     def _launch(self) -> None:
