@@ -13,7 +13,9 @@ TorchServe, ``llava_client``):
    server runs with ``step_max_tokens=1`` for this part, so each token is its own chunk and a gap is
    a real inter-token latency. Reported: p50 / p99 of each and the ratio p99(b) / p99(a).
 3. **Per-request serving overhead** (tiny model): client-observed total minus the server's own
-   ``total_ms`` of a 1-token answer, next to the ``/ping`` round trip.
+   ``total_ms`` of a 1-token answer, cold and warm, with the shipped log configuration and with
+   TorchServe's own side by side; the ``/ping`` round trip; where the time goes (TorchServe's
+   frontend counters, and our handler's per-call work measured in process).
 
 Prints a JSON report (``--json`` writes it too). Bounded: loopback only, at most 16 sessions.
 
@@ -23,12 +25,16 @@ Usage: python benchmarks/concurrency.py --model bench [--rounds 3] [--new-tokens
 from __future__ import annotations
 
 import argparse
+import base64
 import json
+import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import zipfile
+from pathlib import Path
 
 from llava_client import SessionClient
 from llava_tools.samples import sample_photo
@@ -161,30 +167,131 @@ def inter_token(url: str, images: list[bytes], streams: int, new_tokens: int, ro
     }
 
 
-def serving_overhead(url: str, image: bytes, n: int) -> dict:
-    """Client-observed total minus the server's own ``total_ms`` for 1-token answers, next to the
-    ``/ping`` round trip on a kept-alive connection (ms, medians of ``n``)."""
+def torchserve_default_log_config(folder: str) -> Path:
+    """TorchServe's own log4j2.xml (the one inside its frontend jar), written into ``folder``."""
+    import ts
+
+    jar = Path(ts.__file__).parent / "frontend" / "model-server.jar"
+    with zipfile.ZipFile(jar) as archive:
+        data = archive.read("log4j2.xml")
+    path = Path(folder) / "torchserve-default-log4j2.xml"
+    path.write_bytes(data)
+    return path
+
+
+def _frontend_counters(metrics_url: str) -> dict[str, float]:
+    """TorchServe's frontend counters (Prometheus): requests, and summed latency / queue time in us."""
     import requests
 
-    client = SessionClient.from_url(url, max_retries=0)
-    session = client.open_session(image)
-    http = requests.Session()
-    overhead, server, ping = [], [], []
-    for i in range(n + 5):
-        answer = session.ask("Hi?", remember=False, max_new_tokens=1)
+    text = requests.get(metrics_url + "/metrics", timeout=10).text
+    out = {}
+    for name in ("ts_inference_requests_total", "ts_inference_latency_microseconds", "ts_queue_latency_microseconds"):
+        found = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)  # Java's doubles: 1.2E7
+        out[name] = float(found.group(1)) if found else 0.0
+    return out
+
+
+def handler_per_call(model_dir: str, image: bytes, n: int) -> dict:
+    """Our per-call work outside ``total_ms``, in process (no TorchServe): ``SessionService.handle()``
+    wall time minus ``total_ms`` of the same 1-token follow-up (parsing, chat template, tokenizing,
+    encoding the reply, queueing the metrics), medians of ``n`` in ms."""
+    from llava_sessions.service import Row
+    from llava_sessions.worker import build_local_service
+
+    service = build_local_service({"model_dir": model_dir, "max_sessions": 8})
+    body = {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}}
+    out = service.handle([Row("open", "bench-1", False, json.dumps(body).encode())])
+    while out[0].stop is False:
+        out = service.handle([Row("open", "bench-1", False, None)])
+    ask = json.dumps({"type": "generate", "prompt": "Hi?", "remember": False, "parameters": {"max_new_tokens": 1}})
+    walls, totals = [], []
+    for i in range(n + 20):
         t0 = time.perf_counter()
-        http.get(url + "/ping", timeout=10)
-        if i >= 5:  # warm-up
-            ping.append((time.perf_counter() - t0) * 1000.0)
-            overhead.append(answer.client_total_ms - answer.timings["total_ms"])
-            server.append(answer.timings["total_ms"])
-    session.close()
-    client.close()
+        out = service.handle([Row(f"q{i}", "bench-1", False, ask.encode())])
+        service.emit_metrics()
+        wall = (time.perf_counter() - t0) * 1000.0
+        if i >= 20:
+            walls.append(wall)
+            totals.append(json.loads(out[0].body)["details"]["timings"]["total_ms"])
     return {
-        "client_minus_server_total_ms": round(statistics.median(overhead), 2),
-        "server_total_ms": round(statistics.median(server), 2),
+        "handle_ms": round(statistics.median(walls), 3),
+        "server_total_ms": round(statistics.median(totals), 3),
+        "outside_total_ms": round(statistics.median([w - t for w, t in zip(walls, totals, strict=True)]), 3),
+    }
+
+
+def serving_overhead(model_dir: str, image: bytes, n: int, warmup: int) -> dict:
+    """Client-observed total minus the server's own ``total_ms`` for 1-token answers (ms).
+
+    Two servers run side by side, requests alternating between them in blocks of 20: ``ours`` (the
+    shipped configuration, quiet log4j2.xml) and ``torchserve_default_logging`` (the same with
+    TorchServe's own log configuration). Reported: the median over the first ``n`` answers of a
+    fresh server (``cold``: the JVM has not compiled the request path yet) and over ``n`` answers
+    after ``warmup`` more (``warm``), the ``/ping`` round trip, and where the warm time goes (means,
+    so the parts add up): the client and HTTP outside the frontend, the frontend's queue (job group
+    dispatch and the batch aggregator's ``maxBatchDelay``), the worker round trip (socket, TorchServe's
+    Python, our handler outside ``total_ms``) and, in process, our handler's share of it.
+    """
+    import requests
+
+    folder = tempfile.mkdtemp(prefix="llava-overhead-")
+    variants = {"ours": None, "torchserve_default_logging": torchserve_default_log_config(folder)}
+    servers = {
+        name: LocalServer(model_dir, overrides={"max_sessions": 8}, log_config=log_config, startup_timeout_s=600)
+        for name, log_config in variants.items()
+    }
+    try:
+        for server in servers.values():
+            server.start()
+        sessions = {
+            name: SessionClient.from_url(s.url, max_retries=0).open_session(image) for name, s in servers.items()
+        }
+
+        def answers(count: int) -> dict[str, list[tuple[float, float]]]:
+            got: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
+            for _ in range(0, count, 20):
+                for name, session in sessions.items():
+                    for _ in range(min(20, count - len(got[name]))):
+                        a = session.ask("Hi?", remember=False, max_new_tokens=1)
+                        got[name].append((a.client_total_ms, a.timings["total_ms"]))
+            return got
+
+        def over(pairs: list[tuple[float, float]]) -> float:
+            return round(statistics.median(c - t for c, t in pairs), 2)
+
+        cold = answers(n)
+        answers(warmup)
+        before = _frontend_counters(servers["ours"].metrics_url)
+        warm = answers(n)
+        after = _frontend_counters(servers["ours"].metrics_url)
+        http = requests.Session()
+        ping = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            http.get(servers["ours"].url + "/ping", timeout=10)
+            ping.append((time.perf_counter() - t0) * 1000.0)
+    finally:
+        for server in servers.values():
+            server.stop()
+    count = max(1.0, after["ts_inference_requests_total"] - before["ts_inference_requests_total"])
+    frontend = (after["ts_inference_latency_microseconds"] - before["ts_inference_latency_microseconds"]) / count / 1e3
+    queue = (after["ts_queue_latency_microseconds"] - before["ts_queue_latency_microseconds"]) / count / 1e3
+    client_mean = statistics.fmean(c for c, _ in warm["ours"])
+    server_mean = statistics.fmean(t for _, t in warm["ours"])
+    return {
+        "client_minus_server_total_ms": {
+            name: {"cold": over(cold[name]), "warm": over(warm[name])} for name in servers
+        },
+        "server_total_ms": round(statistics.median(t for _, t in warm["ours"]), 2),
         "ping_round_trip_ms": round(statistics.median(ping), 2),
+        "warm_breakdown_mean_ms": {
+            "client_and_http": round(client_mean - frontend, 2),
+            "frontend_queue": round(queue, 2),
+            "worker_round_trip": round(frontend - queue - server_mean, 2),
+            "server_total_ms": round(server_mean, 2),
+        },
         "n": n,
+        "warmup": warmup,
     }
 
 
@@ -201,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-itl", action="store_true", help="skip the inter-token latency part")
     ap.add_argument("--skip-aggregate", action="store_true", help="skip the aggregate decode part")
     ap.add_argument("--skip-overhead", action="store_true", help="skip the per-request serving overhead part")
+    ap.add_argument(
+        "--overhead-warmup", type=int, default=1000, help="answers per server before the warm overhead is measured"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     model_dir = args.model_dir
@@ -226,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         from llava_tools.tiny_model import write_checkpoint
 
         tiny = str(write_checkpoint("tiny", tempfile.mkdtemp(prefix="llava-tiny-")))
-        with LocalServer(tiny, overrides={"max_sessions": 8}, startup_timeout_s=600) as server:
-            report["serving_overhead_tiny"] = serving_overhead(server.url, images[2], 60)
+        report["serving_overhead_tiny"] = serving_overhead(tiny, images[2], 100, args.overhead_warmup)
+        report["serving_overhead_tiny"]["handler_in_process"] = handler_per_call(tiny, images[2], 200)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

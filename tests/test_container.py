@@ -148,6 +148,8 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
             written.startswith("# Written by llava-container-serve from")
             and "inference_address=http://0.0.0.0:" in written
         )
+        java = next(p for p in processes if p.name().startswith("java"))
+        assert f"-Dlog4j.configurationFile=file://{REPO / 'config' / 'log4j2.xml'}" in java.cmdline()
 
         started = time.monotonic()
         assert requests.get(url + "/ping", timeout=2).status_code == 200

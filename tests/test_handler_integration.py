@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import botocore.session
 import psutil
@@ -24,6 +25,7 @@ from server_fixtures import prometheus_text, start_local_server
 
 pytestmark = pytest.mark.integration
 
+REPO = Path(__file__).resolve().parents[1]
 SID = "X-Amzn-SageMaker-Session-Id"
 NEW = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED = "X-Amzn-SageMaker-Closed-Session-Id"
@@ -353,6 +355,29 @@ def test_metrics_in_prometheus(server, photos):
     assert metric("llava_TimeToFirstTokenSeconds_count") >= 1
     assert metric("llava_DecodeTokensPerSecond") >= 0
     post(server, {"type": "close_session"}, session_id=sid)
+
+
+def test_logs_are_quiet_per_request_and_keep_warnings(server, photos):
+    """With config/log4j2.xml (llava-serve's default) TorchServe writes nothing per request to its log
+    or stdout: no DEBUG lines, no copies of metric lines, no per-batch worker line; the access log keeps
+    one line per request; the start-up lines and the handler's own warnings stay."""
+    assert server.log_config_path == REPO / "config" / "log4j2.xml"
+    sid, _ = open_session(server, photos["coffee"])
+    for _ in range(3):
+        assert post(server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, sid).ok
+    post(server, {"type": "close_session"}, session_id=sid)
+    ts_log = (server.log_dir / "ts_log.log").read_text()
+    console = (server.temp_dir / "console.log").read_text()
+    per_request = ("Looping backend response", "Backend response time", "Waiting time ns", "result=[METRICS]")
+    for text in (ts_log, console):
+        assert "[DEBUG]" not in text and not any(line in text for line in per_request)
+        assert "Backend received inference" not in text and "POST /invocations" not in text
+    assert "Backend received inference" not in (server.log_dir / "model_log.log").read_text()
+    assert "Torchserve version" in ts_log  # the start-up lines stay
+    assert (server.log_dir / "access_log.log").read_text().count("POST /invocations") >= 5
+    # the handler's own warnings reach its log and stdout (CloudWatch in the container)
+    assert "llava-sessions ready" in (server.log_dir / "model_log.log").read_text()
+    assert "llava-sessions ready" in console
 
 
 @pytest.fixture(scope="module")

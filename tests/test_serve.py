@@ -152,6 +152,22 @@ def test_container_config_names_the_sagemaker_session_headers() -> None:
     assert int(props["max_request_size"]) > 6_291_456 and int(props["max_response_size"]) > 6_291_456
 
 
+def test_the_log_config_is_the_quiet_one_unless_named(tmp_path: Path, monkeypatch) -> None:
+    """TorchServe's log4j2 configuration: ``LLAVA_TS_LOG_CONFIG``, else ``config/log4j2.xml`` of the
+    home (the repository, or the image's $LLAVA_HOME), else TorchServe's own."""
+    import xml.etree.ElementTree as ET
+
+    from llava_tools.serve import default_log_config_path
+
+    monkeypatch.delenv("LLAVA_TS_LOG_CONFIG", raising=False)
+    assert default_log_config_path() == REPO / "config" / "log4j2.xml"
+    assert default_log_config_path(tmp_path) is None
+    monkeypatch.setenv("LLAVA_TS_LOG_CONFIG", str(tmp_path / "mine.xml"))
+    assert default_log_config_path() == default_log_config_path(REPO) == tmp_path / "mine.xml"
+    loggers = {e.get("name"): e.get("level") for e in ET.parse(REPO / "config" / "log4j2.xml").getroot().iter("Logger")}
+    assert loggers["org.pytorch.serve"] == "warn" and loggers["MODEL_LOG"] == "info"
+
+
 def test_model_config_keeps_torchserve_limits_above_the_handlers() -> None:
     import yaml
 
