@@ -118,6 +118,48 @@ def test_stream_and_plain_answers_advance_in_slices(service, photos):
         service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
 
 
+def test_jobs_run_ahead_between_calls_by_at_most_a_slice_and_answer_the_same(service, photos):
+    """What a replica process does while no call waits: the jobs in flight go on by one step per
+    run_ahead(), at most step_max_tokens (2) past the last call each; the next call emits what they
+    made. Greedy answers are the same as without running ahead, streamed or not."""
+    open_sessions(service, open_row("o1", "ra1", photos["chelsea"]), open_row("o2", "ra2", photos["coffee"]))
+    q = {"type": "generate", "prompt": "What is in this image?", "remember": False, "parameters": {"max_new_tokens": 9}}
+
+    def answer(ahead: bool) -> tuple[str, list[int], str]:
+        rows = [Row(f"s{ahead}", "ra1", False, {**q, "stream": True}), Row(f"p{ahead}", "ra2", False, q)]
+        streamed, tokens_per_frame, plain, calls = [], [], "", 0
+        while rows:
+            out = service.handle(rows)
+            calls += 1
+            for row, res in zip(rows, out, strict=True):
+                if row.request_id.startswith("s"):
+                    lines = [json.loads(line) for line in res.body.splitlines()]
+                    streamed += [x["token"]["text"] for x in lines]
+                    tokens_per_frame.append(len(lines))
+                elif res.stop is not False:
+                    plain = json.loads(res.body)["generated_text"]
+            rows = [
+                Row(r.request_id, r.session_id, False, None)
+                for r, res in zip(rows, out, strict=True)
+                if res.stop is False
+            ]
+            if ahead:
+                steps = 0
+                while service.run_ahead():
+                    steps += 1
+                assert steps <= 2  # at most a slice past the call
+        return "".join(streamed), tokens_per_frame, plain
+
+    text, frames, plain = answer(ahead=False)
+    assert frames == [2, 2, 2, 2, 1]
+    ahead_text, ahead_frames, ahead_plain = answer(ahead=True)
+    assert (ahead_text, ahead_plain) == (text, plain)
+    assert ahead_frames == [2, 4, 3]  # each later call emits the slice it ran plus what ran ahead
+    assert not service.run_ahead() and not service._jobs  # nothing in flight: nothing to run
+    for sid in ("ra1", "ra2"):
+        service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
+
+
 def test_generation_slots_are_capped_with_retry_after(service, photos):
     for sid in ("a1", "a2", "a3"):
         open_sessions(service, open_row(f"o-{sid}", sid, photos["rocket"]))

@@ -93,7 +93,8 @@ def replica_settings(settings: Settings, device: str, num_replicas: int) -> Sett
 
 def _replica_main(conn: Connection, index: int, num_replicas: int, build: dict[str, Any]) -> None:
     """A replica process: build a service on its device, then serve the rows it is sent until the
-    pipe closes (the worker exited) or ``None`` arrives."""
+    pipe closes (the worker exited) or ``None`` arrives; between calls its jobs in flight run ahead
+    (:meth:`SessionService.run_ahead`)."""
     from .worker import build_local_service
 
     try:
@@ -104,6 +105,10 @@ def _replica_main(conn: Connection, index: int, num_replicas: int, build: dict[s
     conn.send(("ready", service.placement_stats()))
     while True:
         try:
+            # no call waiting: keep the jobs in flight decoding (SessionService.run_ahead), so this
+            # device does not sit idle while the other replicas and TorchServe's round trip finish
+            while not conn.poll(0) and service.run_ahead():
+                pass
             rows = conn.recv()
         except (EOFError, OSError):
             return

@@ -104,6 +104,7 @@ class _Job:
     t0: float = 0.0  # admission time (perf_counter), for an open's total_ms
     open_timings: dict[str, float] = field(default_factory=dict)  # an open's / added image's fetch and decode, ms
     calls: int = 0  # handle() calls this job was part of
+    ahead: int = 0  # steps run by run_ahead() since the job was last in a handle() call
     sent: bool = False  # a streamed frame went out (status and headers are fixed)
     emitted: int = 0  # token events already sent (streaming)
     error: ServiceError | None = None
@@ -167,6 +168,7 @@ class SessionService:
                 self._jobs[row.request_id] = job
             job.last_seen = now
             job.calls += 1
+            job.ahead = 0
             active.append((i, job))
         self._advance([job for _, job in active])
         for i, job in active:
@@ -280,16 +282,45 @@ class SessionService:
             running = [j for j in running if not j.work.done]
             if not running or (step > 0 and time.perf_counter() >= deadline):
                 break
-            self.engine.step([j.work for j in running], prefill_budget=self.settings.step_token_budget)
-            for job in running:
-                exc = job.work.error
-                if exc is None or job.error is not None:
-                    continue
-                if isinstance(exc, ServiceError):
-                    job.error = exc
-                else:
-                    log.error("generation failed", exc_info=exc, extra={"session_id": job.session_id})
-                    job.error = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error during generation")
+            self._step(running)
+
+    def _step(self, running: list[_Job]) -> None:
+        """One scheduler step over ``running``; a job whose work failed gets its typed error."""
+        self.engine.step([j.work for j in running], prefill_budget=self.settings.step_token_budget)
+        for job in running:
+            exc = job.work.error
+            if exc is None or job.error is not None:
+                continue
+            if isinstance(exc, ServiceError):
+                job.error = exc
+            else:
+                log.error("generation failed", exc_info=exc, extra={"session_id": job.session_id})
+                job.error = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error during generation")
+
+    def run_ahead(self) -> bool:
+        """Between ``handle()`` calls, advance the jobs in flight by one scheduler step, each at most
+        ``step_max_tokens`` steps past the last call it was in; the next call emits what they made.
+
+        A replica process (llava_sessions.replicas) calls this while no call is waiting, so its device
+        keeps decoding while the other replicas finish their slices and TorchServe's round trip goes
+        on. The bound keeps an answer whose client left (TorchServe stops bringing its job back) from
+        decoding on. Returns False when there was nothing to run. Never raises.
+        """
+        running = [
+            j
+            for j in self._jobs.values()
+            if not j.work.done and j.error is None and j.ahead < self.settings.step_max_tokens
+        ]
+        if not running:
+            return False
+        try:
+            self._step(running)
+        except Exception:  # noqa: BLE001 - as in handle(): the jobs' own errors are recorded by _step
+            log.exception("run-ahead step failed")
+            return False
+        for job in running:
+            job.ahead += 1
+        return True
 
     # ------------------------------------------------------------------ output
     def _emit(self, job: _Job) -> RowResult:
