@@ -168,9 +168,12 @@ class Page:
 
 
 def _pending(status: str) -> bool:
-    """Gradio's progress overlay is on the status line ("processing | 0.3s", "0.0s"): the event runs."""
-    return "processing" in status or any(
-        re.fullmatch(r"[\d.]+s(\s*/\s*[\d.]+s)?", line.strip()) for line in status.splitlines()
+    """Gradio's progress overlay is on the status line ("processing | 0.3s", "0.0s"), or its queue
+    overlay ("queue: 1/1 | 0.0/1.0s", the event waits behind another): the event has not ended."""
+    return (
+        "processing" in status
+        or "queue:" in status
+        or any(re.fullmatch(r"[\d.]+s(\s*/\s*[\d.]+s)?", line.strip()) for line in status.splitlines())
     )
 
 
