@@ -183,12 +183,21 @@ def _session_id(status: str) -> str:
     return match.group(1) or match.group(2)
 
 
-def _session_closed(server_url: str, session_id: str, timeout_s: float = 20) -> bool:
+def _session_closed(server_url: str, session_id: str, timeout_s: float = 45) -> bool:
+    """Whether the session is gone (a reset gets 404), polling until ``timeout_s``.
+
+    A probe that reaches TorchServe while the page's own close of that session is in flight joins
+    the session's job group just as the close ends it, and TorchServe 0.12 never answers it (the
+    job is dropped with the group); the probe then times out and the next one gets its answer.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        r = requests.post(
-            f"{server_url}/invocations", json={"type": "reset"}, headers={SESSION_HEADER: session_id}, timeout=10
-        )
+        try:
+            r = requests.post(
+                f"{server_url}/invocations", json={"type": "reset"}, headers={SESSION_HEADER: session_id}, timeout=10
+            )
+        except requests.Timeout:
+            continue
         if r.status_code == 404:
             return True
         time.sleep(0.5)
