@@ -16,6 +16,8 @@ TorchServe, ``llava_client``):
    ``total_ms`` of a 1-token answer, cold and warm, with the shipped log configuration and with
    TorchServe's own side by side; the ``/ping`` round trip; where the time goes (TorchServe's
    frontend counters, and our handler's per-call work measured in process).
+4. **TorchServe's floor** (tiny model): the same 1-token answer against a handler that runs no
+   model under the same TorchServe config (:func:`floor_comparison`), both warm, side by side.
 
 Prints a JSON report (``--json`` writes it too). Bounded: loopback only, at most 16 sessions.
 
@@ -26,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
+import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -167,6 +172,19 @@ def inter_token(url: str, images: list[bytes], streams: int, new_tokens: int, ro
     }
 
 
+@contextlib.contextmanager
+def others_paused(servers: dict[str, LocalServer], measured: str):
+    """Pause every server but ``measured`` (its whole process group: frontend, worker, replicas)."""
+    groups = [os.getpgid(s.frontend_pid()) for k, s in servers.items() if k != measured]  # type: ignore[arg-type]
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for group in groups:
+            os.killpg(group, signal.SIGCONT)
+
+
 def torchserve_default_log_config(folder: str) -> Path:
     """TorchServe's own log4j2.xml (the one inside its frontend jar), written into ``folder``."""
     import ts
@@ -295,6 +313,88 @@ def serving_overhead(model_dir: str, image: bytes, n: int, warmup: int) -> dict:
     }
 
 
+#: The floor's handler (benchmarks/floor_handler.py): answers at once, runs no model.
+FLOOR_HANDLER = Path(__file__).with_name("floor_handler.py")
+
+
+def floor_comparison(model_dir: str, image: bytes, *, warmup: int, n: int, block: int = 20) -> dict:
+    """Our 1-token answer against TorchServe's floor, both warm, side by side (ms, client-side).
+
+    Three servers with the same TorchServe config (model-config.yaml, our log4j2.xml): ``ours``;
+    ``floor``, :data:`FLOOR_HANDLER` answering ``{"ok": true}``; ``floor_same_reply``, the same
+    handler answering our 1-token answer's own bytes and headers (so the reply's size and encoding are
+    apart from our work). The same client (one ``requests.Session`` each, the session header on every
+    request) sends ``warmup`` requests to each, then ``n`` measured ones, in blocks of ``block`` taken
+    in turns, every other server paused during a block (:func:`others_paused`). Reported: medians of
+    the client time; ours also beyond its own ``total_ms``; ``above_floor_ms`` = ours beyond its
+    ``total_ms`` minus the floor, split into ``reply_size_and_headers_ms`` and ``our_work_ms``.
+    """
+    import requests
+
+    folder = Path(tempfile.mkdtemp(prefix="llava-floor-"))
+    servers = {"ours": LocalServer(model_dir, overrides={"max_sessions": 8}, startup_timeout_s=600)}
+    ask = json.dumps({"type": "generate", "prompt": "Hi?", "remember": False, "parameters": {"max_new_tokens": 1}})
+    try:
+        servers["ours"].start()
+        session = SessionClient.from_url(servers["ours"].url, max_retries=0).open_session(image)
+        reply = requests.post(
+            servers["ours"].url + "/invocations",
+            data=ask,
+            headers={"Content-Type": "application/json", "X-Amzn-SageMaker-Session-Id": session.session_id},
+            timeout=60,
+        )
+        (folder / "reply.json").write_bytes(reply.content)
+        for name, env in (("floor", {}), ("floor_same_reply", {"LLAVA_FLOOR_BODY_FILE": str(folder / "reply.json")})):
+            servers[name] = LocalServer(
+                model_dir, overrides={"max_sessions": 8}, handler=FLOOR_HANDLER, env=env, startup_timeout_s=600
+            )
+            servers[name].start()
+        ids = {name: session.session_id if name == "ours" else f"floor-{name.replace('_', '-')}" for name in servers}
+        clients = {name: requests.Session() for name in servers}
+
+        def one(name: str) -> tuple[float, float]:
+            headers = {"Content-Type": "application/json", "X-Amzn-SageMaker-Session-Id": ids[name]}
+            t0 = time.perf_counter()
+            r = clients[name].post(servers[name].url + "/invocations", data=ask, headers=headers, timeout=60)
+            client_ms = (time.perf_counter() - t0) * 1000.0
+            r.raise_for_status()
+            total = json.loads(r.content)["details"]["timings"]["total_ms"] if name == "ours" else 0.0
+            return client_ms, total
+
+        def run(count: int) -> dict[str, list[tuple[float, float]]]:
+            got: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
+            while len(got["ours"]) < count:
+                for name in servers:
+                    with others_paused(servers, name):
+                        got[name] += [one(name) for _ in range(min(block, count - len(got[name])))]
+            return got
+
+        run(warmup)
+        got = run(n)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    def med(values) -> float:
+        return round(statistics.median(values), 3)
+
+    floor, same = med(c for c, _ in got["floor"]), med(c for c, _ in got["floor_same_reply"])
+    beyond = med(c - t for c, t in got["ours"])
+    return {
+        "floor_client_ms": floor,
+        "floor_same_reply_client_ms": same,
+        "ours_client_ms": med(c for c, _ in got["ours"]),
+        "ours_total_ms": med(t for _, t in got["ours"]),
+        "ours_beyond_total_ms": beyond,
+        "above_floor_ms": round(beyond - floor, 3),
+        "reply_size_and_headers_ms": round(same - floor, 3),
+        "our_work_ms": round(beyond - same, 3),
+        "reply_bytes": len((folder / "reply.json").read_bytes()),
+        "warmup": warmup,
+        "n": n,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench", choices=["tiny", "bench"])
@@ -308,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-itl", action="store_true", help="skip the inter-token latency part")
     ap.add_argument("--skip-aggregate", action="store_true", help="skip the aggregate decode part")
     ap.add_argument("--skip-overhead", action="store_true", help="skip the per-request serving overhead part")
+    ap.add_argument("--skip-floor", action="store_true", help="skip the comparison with TorchServe's floor")
     ap.add_argument(
         "--overhead-warmup", type=int, default=1000, help="answers per server before the warm overhead is measured"
     )
@@ -338,6 +439,12 @@ def main(argv: list[str] | None = None) -> int:
         tiny = str(write_checkpoint("tiny", tempfile.mkdtemp(prefix="llava-tiny-")))
         report["serving_overhead_tiny"] = serving_overhead(tiny, images[2], 100, args.overhead_warmup)
         report["serving_overhead_tiny"]["handler_in_process"] = handler_per_call(tiny, images[2], 200)
+    if not args.skip_floor:  # on the tiny model: ours against a handler that runs no model, same TorchServe
+        from llava_tools.tiny_model import write_checkpoint
+
+        tiny = str(write_checkpoint("tiny", tempfile.mkdtemp(prefix="llava-tiny-")))
+        report["floor_tiny"] = floor_comparison(tiny, images[2], warmup=600, n=400)
+        report["floor_tiny"]["handler_in_process"] = handler_per_call(tiny, images[2], 200)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

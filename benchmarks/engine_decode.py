@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 
 from llava_sessions.config import Settings
-from llava_sessions.engine import EngineLimits, Generation, OpenTask, SessionEngine, default_device_budget
+from llava_sessions.conversation import Chat
+from llava_sessions.engine import EngineLimits, Generation, ImageTask, SessionEngine, default_device_budget
 from llava_sessions.images import decode_image
-from llava_sessions.model import Chat, LlavaRunner
+from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling import SamplingParams
 from llava_sessions.sessions import SessionStore
 from llava_sessions.worker import AUTO_STEP_TOKEN_BUDGET
@@ -178,7 +179,7 @@ def itl_while_opening(
         _, steps = run_together(engine, gens, budget)
         quiet += steps[1:]
         gens = [engine.start(sid, QUESTION, params, remember=False) for sid in sids]
-        opening: OpenTask | None = None
+        opening: ImageTask | None = None
         while not all(g.done for g in gens):
             if opening is None or opening.done:
                 if opening is not None:
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
-        "prefix_tokens": len(runner.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
+        "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
     }
     print(json.dumps(report), flush=True)
     report["exactness"] = check_exact(engine, images, args.check_sessions, 24)

@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images import decode_image
-from llava_sessions.model import Chat, LlavaRunner
+from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling import SamplingParams
-from llava_sessions.sessions import SessionStore
+from llava_sessions.sessions import SessionStore, Tier
 from llava_tools.samples import sample_photo
 
 QUESTIONS = [
@@ -136,11 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def ours(sid: str, prompt: str, demote: str | None) -> tuple[float, float]:
-        session = engine.store.get(sid)
         if demote == "features":
-            session.drop_kv()
+            engine.store.demote(sid, Tier.FEATURES)
         elif demote == "image":
-            session.drop_features()
+            engine.store.demote(sid, Tier.IMAGE)
         gen = engine.start(sid, prompt, params, remember=False)
         t0 = time.perf_counter()
         next(gen)
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "architecture": runner.architecture,
         "image_size": list(decode(image).size),
         "image_tokens": s.image_tokens[0],
-        "prefix_tokens": len(runner.prefix_ids(Chat(None, image_tokens=tuple(s.image_tokens)))),
+        "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=tuple(s.image_tokens)))),
     }
     opa, opb = result["open_plus_first_answer_ms"]["a"], result["open_plus_first_answer_ms"]["b"]
     result["open_plus_first_answer_ratio_b_over_a"] = opb / opa

@@ -17,11 +17,8 @@ Usage: python benchmarks/replicas.py --model bench [--rounds 3] [--json out.json
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import re
-import signal
 import statistics
 import sys
 import tempfile
@@ -29,7 +26,7 @@ from pathlib import Path
 
 import requests
 
-from concurrency import burst  # benchmarks/concurrency.py (this script's folder is on sys.path)
+from concurrency import burst, others_paused  # benchmarks/concurrency.py (this script's folder is on sys.path)
 from llava_client import SessionClient
 from llava_tools.samples import sample_photo
 from llava_tools.serve import LocalServer
@@ -44,19 +41,6 @@ def open_sessions_by_replica(server: LocalServer) -> dict[str, float]:
         m.group(1): float(m.group(2))
         for m in re.finditer(r'^llava_OpenSessions\{[^}]*Replica="(\d+)"[^}]*\} (\S+)$', text, re.M)
     }
-
-
-@contextlib.contextmanager
-def others_paused(servers: dict[str, LocalServer], measured: str):
-    """Pause every server but ``measured`` (its whole process group: frontend, worker, replicas)."""
-    groups = [os.getpgid(s.frontend_pid()) for k, s in servers.items() if k != measured]  # type: ignore[arg-type]
-    for group in groups:
-        os.killpg(group, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for group in groups:
-            os.killpg(group, signal.SIGCONT)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,11 +13,12 @@ import functools
 import pytest
 import torch
 
+from llava_sessions.conversation import Turn
 from llava_sessions.engine import EngineLimits, Generation, SessionEngine
 from llava_sessions.images import decode_image
-from llava_sessions.model import Turn, cache_len
+from llava_sessions.model import cache_len
 from llava_sessions.sampling import SamplingParams
-from llava_sessions.sessions import SessionStore
+from llava_sessions.sessions import SessionStore, Tier
 
 decode = functools.partial(decode_image, max_pixels=40_000_000)
 #: Largest |logit| difference allowed between a batched decode step and the same step alone (fp32,
@@ -34,7 +35,7 @@ def make_engine(runner) -> SessionEngine:
         max_sessions=16,
         ttl_s=1200,
     )
-    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=512))
+    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=512), check_invariants=True)
 
 
 # (session, image, remembered history, question, sampling parameters)
@@ -150,8 +151,8 @@ def test_batched_logits_match_single_decode_within_tolerance(runner, photos):
         cache = copy.deepcopy(g.session.kv_cache)
         singles.append(runner.decode(cache, g.events[-1].id))
     batch = eng.batch
-    logits = batch.step(gens)
-    worst = max(float((logits[g._row] - single).abs().max()) for g, single in zip(gens, singles, strict=True))
+    logits = batch.forward(gens, rebuild=True)
+    worst = max(float((logits[g.row] - single).abs().max()) for g, single in zip(gens, singles, strict=True))
     assert worst <= LOGIT_TOLERANCE
     lengths = {len(g.prompt_ids) for g in gens}
     assert len(lengths) >= 3  # really different context lengths, so really padded
@@ -185,7 +186,7 @@ def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(ru
     expected = alone(runner, photos)
     eng = make_engine(runner)
     open_all(eng, photos)
-    eng.store.get("b").drop_kv()  # restores from the features tier: a ~600-token re-prefill
+    eng.store.demote("b", Tier.FEATURES)  # restores from the features tier: a ~600-token re-prefill
     ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
     eng.step([ga])  # prefilled: it decodes from now on
     opening = eng.begin_open("new", photos["rocket"])

@@ -10,10 +10,10 @@ import functools
 import pytest
 import torch
 
+from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images import decode_image
-from llava_sessions.model import Chat
 from llava_sessions.sampling import SamplingParams
 from llava_sessions.sessions import SessionStore, Tier
 
@@ -40,6 +40,7 @@ def make_engine(runner, **store_kw) -> SessionEngine:
         SessionStore(kv_bytes_per_token=runner.kv_bytes_per_token, **kw),
         decode,
         EngineLimits(max_new_tokens_cap=4096),
+        check_invariants=True,
     )
 
 
@@ -102,8 +103,8 @@ def test_first_question_history_and_independent_question_match_generate(runner, 
     session = eng.store.get("s1")
     assert [t.prompt for t in session.history] == [q1, q2]
     kept = len(session.cached_ids)  # cropped back to the (re-tokenized) history, the question dropped
-    assert session.cached_ids == runner.prefix_ids(session.chat())[:kept] and kept >= a3.cached_tokens
-    session.check_cache()
+    assert session.cached_ids == runner.template.prefix_ids(session.chat())[:kept] and kept >= a3.cached_tokens
+    session.check_invariants()
 
     a4 = eng.generate("s1", q4, GREEDY)  # the independent question left no trace
     assert ids(a4) == reference(runner, img, [(q1, a1.text), (q2, a2.text)], q4)
@@ -127,7 +128,7 @@ def test_demoted_session_answers_as_if_never_demoted(runner, photos, tier):
     q1, q2 = "What is in this image?", "What color is the cat?"
     a1 = eng.generate("s", q1, GREEDY)
     session = eng.store.get("s")
-    session.drop_kv() if tier is Tier.FEATURES else session.drop_features()
+    eng.store.demote("s", tier)
     assert session.tier is tier
     a2 = eng.generate("s", q2, GREEDY)
     assert a2.restored_from == tier.value and a2.cached_tokens == 0
@@ -321,7 +322,7 @@ def test_open_refused_when_full_or_no_room(runner, photos):
 
 
 def test_open_with_history_restores_the_conversation_exactly(runner, photos):
-    from llava_sessions.model import Turn
+    from llava_sessions.conversation import Turn
 
     eng = make_engine(runner)
     img = photos["chelsea"]
@@ -331,7 +332,7 @@ def test_open_with_history_restores_the_conversation_exactly(runner, photos):
     a2 = eng.generate("orig", q2, GREEDY)
     history = [Turn(q1, a1.text), Turn(q2, a2.text)]
     restored = eng.open("copy", img, history=history)
-    assert restored.prefix_tokens == len(runner.prefix_ids(eng.store.get("copy").chat()))
+    assert restored.prefix_tokens == len(runner.template.prefix_ids(eng.store.get("copy").chat()))
     assert [(t.prompt, t.answer) for t in eng.history("copy")] == [(t.prompt, t.answer) for t in history]
     a3 = eng.generate("copy", q3, GREEDY)
     assert ids(a3) == reference(runner, img, [(q1, a1.text), (q2, a2.text)], q3)
@@ -358,7 +359,7 @@ def test_truncate_drops_the_oldest_turns_and_answers_exactly(runner, photos):
         eng.generate("s", q, SamplingParams(max_new_tokens=40))
     history = [(t.prompt, t.answer) for t in eng.history("s")]
     q = "Summarise what we said."
-    full = len(runner.conversation_ids(eng.store.get("s").chat(), q))
+    full = len(runner.template.conversation_ids(eng.store.get("s").chat(), q))
     room = runner.max_positions - full  # a max_new_tokens one token over the room left forces a drop
     params = SamplingParams(max_new_tokens=room + 1)
     with pytest.raises(ServiceError) as e:
@@ -371,7 +372,7 @@ def test_truncate_drops_the_oldest_turns_and_answers_exactly(runner, photos):
     assert ids(answer) == reference(runner, photos["coffee"], kept, q, max_new_tokens=room + 1)
     assert [(t.prompt, t.answer) for t in eng.history("s")] == kept + [(q, answer.text)]
     # the KV cache was reused up to the first dropped turn: the image prefix, not more
-    prefix = runner.prefix_ids(Chat(None, image_tokens=(576,)))
+    prefix = runner.template.prefix_ids(Chat(None, image_tokens=(576,)))
     assert answer.cached_tokens == len(prefix) and before[: len(prefix)] == prefix
     # the next question (the context is full again: one more turn leaves) continues exactly
     nxt = eng.generate("s", "Anything else?", GREEDY)
@@ -387,7 +388,7 @@ def test_truncate_clips_an_unset_max_new_tokens_only_when_no_turn_is_left(runner
     eng.open("s", photos["rocket"])
     eng.generate("s", "What is in this image?", SamplingParams(max_new_tokens=20))
     q = "Tell me more."
-    alone = len(runner.conversation_ids(Chat(None, image_tokens=(576,)), q))
+    alone = len(runner.template.conversation_ids(Chat(None, image_tokens=(576,)), q))
     too_many = runner.max_positions - alone + 50  # does not fit even with every turn dropped
     clipped = eng.generate("s", q, SamplingParams(max_new_tokens=too_many), clip_max_new_tokens=True)
     assert clipped.truncated_turns == 1 and clipped.max_new_tokens == runner.max_positions - alone
@@ -403,7 +404,7 @@ def test_an_abandoned_truncating_answer_changes_no_history(runner, photos):
     for q in ("What is in this image?", "What colour is it?"):
         eng.generate("s", q, SamplingParams(max_new_tokens=30))
     q = "Once more?"
-    room = runner.max_positions - len(runner.conversation_ids(eng.store.get("s").chat(), q))
+    room = runner.max_positions - len(runner.template.conversation_ids(eng.store.get("s").chat(), q))
     gen = eng.start("s", q, SamplingParams(max_new_tokens=room + 1))
     assert gen.truncated_turns == 1
     next(gen)

@@ -20,7 +20,7 @@ from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images import decode_image
 from llava_sessions.model import ARCHITECTURES, LlavaRunner, checkpoint_architecture
 from llava_sessions.sampling import SamplingParams
-from llava_sessions.sessions import SessionStore
+from llava_sessions.sessions import SessionStore, Tier
 
 N = 10
 GREEDY = SamplingParams(max_new_tokens=N)
@@ -66,7 +66,7 @@ def engine(runner, **limits) -> SessionEngine:
         max_sessions=8,
         ttl_s=1200,
     )
-    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096, **limits))
+    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096, **limits), check_invariants=True)
 
 
 def reference(runner, messages: list[tuple[list[bytes], str, str | None]]) -> tuple[list[int], int]:
@@ -130,10 +130,12 @@ def test_placeholders_expand_after_tokenizing_exactly_as_the_processor_expands_t
         assert runner.tokenizer(text)["input_ids"].count(runner.image_token_id) == len(counts)
         parts = text.split(runner.image_token)
         expanded = parts[0] + "".join(runner.image_token * n + p for n, p in zip(counts, parts[1:], strict=True))
-        assert runner.tokenize(text, counts) == runner.tokenizer(expanded, add_special_tokens=True)["input_ids"]
-        assert runner.tokenize(text, counts).count(runner.image_token_id) == sum(counts)
+        assert (
+            runner.template.tokenize(text, counts) == runner.tokenizer(expanded, add_special_tokens=True)["input_ids"]
+        )
+        assert runner.template.tokenize(text, counts).count(runner.image_token_id) == sum(counts)
     with pytest.raises(ValueError, match="2 image placeholders"):
-        runner.tokenize(f"{runner.image_token}{runner.image_token}", (5, 3, 7))
+        runner.template.tokenize(f"{runner.image_token}{runner.image_token}", (5, 3, 7))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -152,11 +154,10 @@ def test_first_question_follow_up_independent_and_every_tier_match_generate(fami
     a3 = eng.generate("s", q3, GREEDY, remember=False)
     history = [([img], q1, a1.text), ([], q2, a2.text)]
     assert ids(a3) == reference(runner, [*history, ([], q3, None)])[0]
-    session = eng.store.get("s")
-    session.drop_kv()  # demoted to the features tier
+    eng.store.demote("s", Tier.FEATURES)  # demoted to the features tier
     a4 = eng.generate("s", q4, GREEDY)
     assert a4.restored_from == "features" and ids(a4) == reference(runner, [*history, ([], q4, None)])[0]
-    session.drop_features()  # demoted to the image tier
+    eng.store.demote("s", Tier.IMAGE)  # demoted to the image tier
     a5 = eng.generate("s", q5, GREEDY)
     history.append(([], q4, a4.text))
     assert a5.restored_from == "image" and ids(a5) == reference(runner, [*history, ([], q5, None)])[0]
@@ -194,7 +195,7 @@ def test_added_images_join_the_conversation_exactly_and_reuse_the_cache(family, 
     a4 = eng.generate("s", q4, GREEDY)
     assert ids(a4) == reference(runner, [*conv, ([c], q4, None)])[0]
     conv.append(([c], q4, a4.text))
-    eng.store.get("s").drop_features()  # every image re-encoded from its bytes
+    eng.store.demote("s", Tier.IMAGE)  # every image re-encoded from its bytes
     a5 = eng.generate("s", "Once more?", GREEDY)
     assert a5.restored_from == "image" and ids(a5) == reference(runner, [*conv, ([], "Once more?", None)])[0]
     eng.reset("s")  # the conversation goes, the images stay: all of them open the next question

@@ -18,14 +18,14 @@ CLIENT = REPO / "client" / "llava_client"
 def imported_packages(folder: Path) -> dict[str, set[str]]:
     """Top-level packages each module of ``folder`` imports (absolute imports; relative ones stay inside)."""
     out: dict[str, set[str]] = {}
-    for path in sorted(folder.glob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names.update(alias.name.split(".")[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-        out[path.name] = names
+        out[str(path.relative_to(folder))] = names
     return out
 
 
@@ -95,7 +95,7 @@ def test_the_header_contract_is_written_once_on_the_server() -> None:
         '"NEW_SESSION"',
     )
     spelled = {}
-    for path in [*CORE.glob("*.py"), *TOOLS.glob("*.py")]:
+    for path in [*CORE.rglob("*.py"), *TOOLS.rglob("*.py")]:
         if path.name == "contract.py":
             continue
         code_only = ast.unparse(ast.parse(path.read_text()))  # docstrings stay, comments go
@@ -114,5 +114,164 @@ def test_the_header_contract_is_written_once_on_the_server() -> None:
 
 def test_the_design_doc_names_every_module_of_both_packages() -> None:
     design = (REPO / "docs" / "design.md").read_text()
-    modules = [p.name for folder in (CORE, TOOLS) for p in sorted(folder.glob("*.py")) if p.name != "__init__.py"]
+    modules = [
+        str(p.relative_to(folder))
+        for folder in (CORE, TOOLS)
+        for p in sorted(folder.rglob("*.py"))
+        if p.name != "__init__.py"
+    ]
     assert [m for m in modules if f"`{m}`" not in design] == []
+
+
+# ------------------------------------------------------------------ the core's import graph
+#: The worker core's layers, lowest first: a module imports (at run time) only modules of lower layers.
+#: Plain data at the bottom, then the model and the session state, the engine, the protocol's codec,
+#: the service, the replicas and the wiring.
+LAYERS: list[set[str]] = [
+    {"errors", "contract", "conversation", "results", "ledger", "config", "metrics"},
+    {"sampling_params", "responses", "image_decode", "model.kv_cache", "model.loading", "model.templating"},
+    {"protocol", "sampling", "images", "model.runner", "engine.scheduler", "engine.memory"},
+    {"model"},
+    {"session"},
+    {"sessions", "codec", "engine.sequence", "engine.decode_batch"},
+    {"engine.admission", "engine.updates", "engine.model_runner"},
+    {"engine.engine"},
+    {"engine"},
+    {"service"},
+    {"replicas"},
+    {"worker"},
+    {"__init__"},
+]
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts) or "__init__"
+
+
+def _is_module(name: str, root: Path) -> bool:
+    base = root / name.replace(".", "/")
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def core_import_graph(root: Path = CORE) -> dict[str, set[str]]:
+    """Run-time imports between the core's modules (imports under ``if TYPE_CHECKING:`` are types
+    only). Importing a module of another package also runs that package's ``__init__``: an edge too."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        me = _module_name(path, root)
+        package = me.split(".") if path.name == "__init__.py" and me != "__init__" else me.split(".")[:-1]
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        edges: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only or not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("llava_sessions"):
+                target = node.module.removeprefix("llava_sessions").lstrip(".") or "__init__"
+            else:
+                continue
+            subs = [f"{target}.{a.name}" if target else a.name for a in node.names]
+            found = [t for t in subs if _is_module(t, root)] or [target]
+            for t in found:
+                edges.add(t)
+                top = t.split(".")[0]
+                if "." in t and top != me.split(".")[0]:
+                    edges.add(top)  # the other package's __init__ runs first
+        graph[me] = edges - {me}
+    return graph
+
+
+def upward_edges(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """Imports that do not go to a lower layer (a cycle always has one), and modules without a layer."""
+    layer = {name: i for i, names in enumerate(layers) for name in names}
+    unplaced = [f"{name}: no layer" for name in sorted(set(graph) - set(layer))]
+    return unplaced + sorted(
+        f"{a} -> {b}" for a, targets in graph.items() for b in targets if b in layer and layer[b] >= layer.get(a, -1)
+    )
+
+
+def test_the_core_imports_point_down_only() -> None:
+    """Every run-time import goes to a lower layer of :data:`LAYERS`, so there is no cycle either
+    (the old circle worker ↔ replicas, hidden in a function, is gone: the replicas get their builder)."""
+    graph = core_import_graph()
+    assert "engine.scheduler" in graph["engine.sequence"] and "model" in graph["session"]
+    assert upward_edges(graph, LAYERS) == []
+
+
+def test_the_import_check_finds_a_cycle_a_hidden_import_and_an_upward_edge(tmp_path: Path) -> None:
+    pkg = tmp_path / "core"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import y  # hidden in a function\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..d import T\nfrom .. import a\n"
+    )
+    (pkg / "d.py").write_text("from .sub import c\n")
+    graph = core_import_graph(pkg)
+    assert graph["a"] == {"b"} and graph["b"] == {"a"} and graph["sub.c"] == {"a"}  # types only: not an edge
+    assert graph["d"] == {"sub.c", "sub"}  # importing sub.c runs sub/__init__ too
+    assert upward_edges(graph, [{"a"}, {"b"}, {"sub", "sub.c"}, {"d"}]) == ["a -> b"]  # the cycle's upward half
+    assert upward_edges(graph, [{"b"}, {"a"}, {"sub", "sub.c"}])[:2] == ["d: no layer", "b -> a"]
+
+
+def test_the_codec_results_and_conversation_import_no_torch() -> None:
+    code = (
+        "import sys, llava_sessions.codec, llava_sessions.results, llava_sessions.conversation, "
+        "llava_sessions.ledger, llava_sessions.sampling_params; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_session_fields_change_only_through_the_session_and_the_store() -> None:
+    """No module but session.py and sessions.py assigns a field of a Session (``session.kv_cache = ...``)."""
+    from dataclasses import fields
+
+    from llava_sessions.session import Session
+
+    names = {f.name for f in fields(Session)}
+    edits = []
+    for path in sorted(CORE.rglob("*.py")):
+        if path.name in ("session.py", "sessions.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr in names and ast.unparse(t.value).endswith("session"):
+                    edits.append(f"{path.relative_to(CORE)}:{node.lineno} {ast.unparse(t)}")
+    assert edits == []
+
+
+#: About 500 lines a module and 50 a function (its code, the docstring aside): sizes a reader can hold.
+MAX_MODULE_LINES = 550
+MAX_FUNCTION_LINES = 50
+
+
+def test_core_modules_and_functions_stay_small() -> None:
+    big = []
+    for path in sorted(CORE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            big.append(f"{path.relative_to(CORE)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
+            start = body[1].lineno if has_doc and len(body) > 1 else body[0].lineno
+            assert node.end_lineno is not None
+            if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                big.append(f"{path.relative_to(CORE)}:{node.lineno} {node.name}")
+    assert big == []

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from llava_sessions import protocol
+from llava_sessions import protocol, responses
 from llava_sessions.contract import (
     CLOSED_SESSION_ID_HEADER,
     NEW_SESSION_ID_HEADER,
@@ -25,25 +25,27 @@ from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.protocol import (
     REQUEST_TYPES,
     AddImageRequest,
-    CloseResponse,
     CloseSessionRequest,
-    ErrorBody,
     GenerateParameters,
     GenerateRequest,
-    GenerateResponse,
-    GenerationDetails,
     ImageSource,
     OpenSessionRequest,
-    OpenSessionResponse,
     ResetRequest,
-    ResetResponse,
     SendTextPromptRequest,
-    SendTextPromptResponse,
     StartSessionRequest,
+    parse_request,
+)
+from llava_sessions.responses import (
+    CloseResponse,
+    ErrorBody,
+    GenerateResponse,
+    GenerationDetails,
+    OpenSessionResponse,
+    ResetResponse,
+    SendTextPromptResponse,
     StartSessionResponse,
     StreamLine,
     TokenInfo,
-    parse_request,
 )
 
 LIMITS = {"max_body_bytes": 4096, "max_prompt_chars": 100, "max_new_tokens_cap": 512}
@@ -73,36 +75,41 @@ def test_public_api_is_pinned() -> None:
     assert sorted(protocol.__all__) == sorted(
         [
             "AddImageRequest",
-            "AddImageResponse",
             "REQUEST_TYPES",
             "SAMPLING_BOUNDS",
-            "CloseResponse",
             "CloseSessionRequest",
-            "ErrorBody",
-            "ErrorDetail",
             "GenerateParameters",
             "GenerateRequest",
-            "GenerateResponse",
-            "GenerationDetails",
             "HistoryTurn",
             "ImageSource",
             "OpenSessionRequest",
-            "OpenSessionResponse",
             "Request",
             "ResetRequest",
-            "ResetResponse",
             "SamplingBound",
             "SendTextPromptRequest",
-            "SendTextPromptResponse",
             "StartSessionRequest",
-            "StartSessionResponse",
-            "StreamLine",
-            "TokenInfo",
             "parse_request",
         ]
     )
-    for name in protocol.__all__:
-        assert hasattr(protocol, name)
+    assert sorted(responses.__all__) == sorted(
+        [
+            "AddImageResponse",
+            "CloseResponse",
+            "ErrorBody",
+            "ErrorDetail",
+            "GenerateResponse",
+            "GenerationDetails",
+            "OpenSessionResponse",
+            "ResetResponse",
+            "SendTextPromptResponse",
+            "StartSessionResponse",
+            "StreamLine",
+            "TokenInfo",
+        ]
+    )
+    for module in (protocol, responses):
+        for name in module.__all__:
+            assert hasattr(module, name)
 
 
 # --- requests ------------------------------------------------------------------------------

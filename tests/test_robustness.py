@@ -200,6 +200,7 @@ def test_out_of_memory_demotes_others_retries_once_then_overloaded(runner, photo
         SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9, kv_bytes_per_token=runner.kv_bytes_per_token),
         lambda b: decode_image(b, max_pixels=40_000_000),
         EngineLimits(),
+        check_invariants=True,
     )
     eng.open("other", photos["coffee"])
     eng.open("s", photos["astronaut"])

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from llava_sessions.config import Settings
+from llava_sessions.ledger import Tier
 from llava_sessions.service import Row, SessionService
 from llava_sessions.worker import build_service
 
@@ -205,10 +206,10 @@ def test_details_carry_the_drawn_seed_and_where_a_session_was_restored_from(serv
     assert isinstance(seed, int)
     again = answer_of(service, "d-r", "d1", {**q, "parameters": {"max_new_tokens": 6, "do_sample": True, "seed": seed}})
     assert again["generated_text"] == sampled["generated_text"] and again["details"]["seed"] == seed
-    service.engine.store.get("d1").drop_features()  # demoted to the image tier
+    service.engine.store.demote("d1", Tier.IMAGE)  # demoted to the image tier
     restored = answer_of(service, "d-i", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]
     assert restored["restored_from"] == "image" and restored["timings"]["restore_ms"] > 0
-    service.engine.store.get("d1").drop_kv()
+    service.engine.store.demote("d1", Tier.FEATURES)
     assert (
         answer_of(service, "d-f", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]["restored_from"]
         == "features"

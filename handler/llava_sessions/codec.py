@@ -19,29 +19,31 @@ from typing import Any, ClassVar, Union
 
 from .config import Settings
 from .contract import format_expires
-from .engine import AddImageResult, Answer, ContextPolicy, OpenResult, TokenEvent
+from .conversation import Turn
 from .errors import ServiceError
-from .model import Turn
 from .protocol import (
     AddImageRequest,
-    AddImageResponse,
-    CloseResponse,
     CloseSessionRequest,
-    ErrorBody,
     GenerateRequest,
-    GenerateResponse,
-    GenerationDetails,
     ImageSource,
     OpenSessionRequest,
+    parse_request,
+)
+from .responses import (
+    AddImageResponse,
+    CloseResponse,
+    ErrorBody,
+    GenerateResponse,
+    GenerationDetails,
     OpenSessionResponse,
     ResetResponse,
     SendTextPromptResponse,
     StartSessionResponse,
     StreamLine,
     TokenInfo,
-    parse_request,
 )
-from .sampling import SamplingParams
+from .results import AddImageResult, Answer, ContextPolicy, OpenResult, TokenEvent
+from .sampling_params import SamplingParams
 
 __all__ = [
     "JSON",

@@ -9,6 +9,7 @@ No torch, no HTTP here.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Literal
 
 
 class ErrorCode(str, Enum):
@@ -76,3 +77,18 @@ class ServiceError(Exception):
 
     def __repr__(self) -> str:
         return f"ServiceError({self.code.value!r}, {self.message!r})"
+
+
+#: What an ``overloaded`` request waits for: room to hold a session's state (a new session, an added
+#: image, a demoted session's restore: other sessions must close, expire or be demoted), device
+#: memory for one answer's step (freed as running answers finish), or a generation slot (freed at the
+#: end of any answer).
+Shortage = Literal["session_room", "step_memory", "generation_slot"]
+
+#: The one Retry-After policy (seconds) for ``overloaded``, by what the request waits for (RFC 9110 10.2.3).
+RETRY_AFTER_S: dict[str, int] = {"session_room": 5, "step_memory": 2, "generation_slot": 1}
+
+
+def overloaded(message: str, shortage: Shortage) -> ServiceError:
+    """A ``503 overloaded`` error whose ``Retry-After`` follows :data:`RETRY_AFTER_S` for ``shortage``."""
+    return ServiceError(ErrorCode.OVERLOADED, message, retry_after_s=RETRY_AFTER_S[shortage])

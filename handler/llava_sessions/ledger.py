@@ -20,15 +20,27 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["Demotion", "LedgerEntry", "SessionLedger", "Tier"]
+__all__ = ["Demotion", "LedgerEntry", "SessionLedger", "Tier", "tier_of"]
 
 
 class Tier(str, enum.Enum):
-    """What a session holds on the device: ``kv`` (KV cache + features), ``features``, ``image`` (none)."""
+    """What a session holds on the device: ``kv`` (KV cache + features), ``features`` (image features
+    only), ``image`` (nothing on the device: its images' encoded bytes and the conversation on the
+    host, as every tier keeps)."""
 
     KV = "kv"
     FEATURES = "features"
     IMAGE = "image"
+
+
+def tier_of(num_kv_tokens: int, num_feature_bytes: int) -> Tier:
+    """The tier of a session holding ``num_kv_tokens`` KV-cache tokens and ``num_feature_bytes`` of
+    image features on the device (the one definition: the ledger's entries and the sessions use it)."""
+    if num_kv_tokens:
+        return Tier.KV
+    if num_feature_bytes:
+        return Tier.FEATURES
+    return Tier.IMAGE
 
 
 @dataclass
@@ -44,12 +56,8 @@ class LedgerEntry:
 
     @property
     def tier(self) -> Tier:
-        """The tier these numbers describe."""
-        if self.num_kv_tokens:
-            return Tier.KV
-        if self.num_feature_bytes:
-            return Tier.FEATURES
-        return Tier.IMAGE
+        """The tier these numbers describe (:func:`tier_of`)."""
+        return tier_of(self.num_kv_tokens, self.num_feature_bytes)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import Answer, SessionEngine
+    from .engine import SessionEngine
     from .errors import ServiceError
+    from .results import Answer
 
 __all__ = ["WorkerMetrics"]
 

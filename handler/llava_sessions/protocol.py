@@ -16,8 +16,8 @@ Requests are a union discriminated on ``"type"``:
 of these models or raises :class:`~llava_sessions.errors.ServiceError`. Inbound models forbid
 unknown fields; error messages name the field and never echo prompts or image bytes.
 
-Streaming replies use the SageMaker LMI / TGI JSON-lines format (:class:`StreamLine`).
-The SageMaker session headers live in :mod:`.contract`.
+The replies' models (streamed lines in the SageMaker LMI / TGI JSON-lines format included) live in
+:mod:`.responses`, the SageMaker session headers in :mod:`.contract`.
 No torch here.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -40,76 +39,27 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .errors import ErrorCode, ServiceError
+from .sampling_params import SAMPLING_BOUNDS, SamplingBound
 
 __all__ = [
     "REQUEST_TYPES",
     "SAMPLING_BOUNDS",
     "AddImageRequest",
-    "AddImageResponse",
-    "CloseResponse",
     "CloseSessionRequest",
-    "ErrorBody",
-    "ErrorDetail",
     "GenerateParameters",
     "GenerateRequest",
-    "GenerateResponse",
-    "GenerationDetails",
     "HistoryTurn",
     "ImageSource",
     "OpenSessionRequest",
-    "OpenSessionResponse",
     "Request",
     "ResetRequest",
-    "ResetResponse",
     "SamplingBound",
     "SendTextPromptRequest",
-    "SendTextPromptResponse",
     "StartSessionRequest",
-    "StartSessionResponse",
-    "StreamLine",
-    "TokenInfo",
     "parse_request",
 ]
 
 _S3_URI_RE = re.compile(r"^s3://[^/\s]{3,255}/[^\s].{0,1023}\Z", re.DOTALL)
-_MAX_SEED = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class SamplingBound:
-    """The allowed range of one numeric sampling parameter and what to say when a value is outside it.
-
-    The one statement of the sampling rules: the wire model (:class:`GenerateParameters`) takes its
-    pydantic constraints from it and :class:`~llava_sessions.sampling.SamplingParams` checks it.
-    """
-
-    message: str
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-
-    def allows(self, value: float) -> bool:
-        """True when ``value`` is inside the range."""
-        return (
-            (self.ge is None or value >= self.ge)
-            and (self.gt is None or value > self.gt)
-            and (self.le is None or value <= self.le)
-        )
-
-    def field(self) -> Any:
-        """The pydantic ``Field`` with these constraints."""
-        return Field(ge=self.ge, gt=self.gt, le=self.le)
-
-
-#: Ranges of the numeric sampling parameters, by parameter name.
-SAMPLING_BOUNDS: dict[str, SamplingBound] = {
-    "max_new_tokens": SamplingBound("must be an integer >= 1", ge=1),
-    "temperature": SamplingBound("must be a number >= 0", ge=0.0),
-    "top_p": SamplingBound("must be > 0 and <= 1", gt=0.0, le=1.0),
-    "top_k": SamplingBound("must be an integer >= 0 (0 = off)", ge=0),
-    "repetition_penalty": SamplingBound("must be a number > 0", gt=0.0),
-    "seed": SamplingBound(f"must be an integer between 0 and {_MAX_SEED}", ge=0, le=_MAX_SEED),
-}
 
 
 # ============================================================================================
@@ -520,6 +470,17 @@ def parse_request(
             Messages name fields (``parameters.top_p: must be > 0 and <= 1``), never their content.
     """
     data = _load_body(body, max_body_bytes)
+    _check_type(data)
+    try:
+        request = _REQUEST_ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    _check_limits(request, max_prompt_chars=max_prompt_chars, max_new_tokens_cap=max_new_tokens_cap)
+    return request
+
+
+def _check_type(data: Any) -> None:
+    """Raise invalid_request unless ``data`` is an object whose ``type`` is one of :data:`REQUEST_TYPES`."""
     valid = ", ".join(REQUEST_TYPES)
     if not isinstance(data, dict):
         raise _invalid("request body must be a JSON object with a 'type' field")
@@ -532,21 +493,19 @@ def parse_request(
         shown = f" {rtype!r}" if _SAFE_KEY_RE.match(rtype) and len(rtype) <= 32 else ""
         raise _invalid(f"unknown type{shown}; valid types: {valid}")
 
-    try:
-        request = _REQUEST_ADAPTER.validate_python(data)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_input=False)
-        # Strip the union tag (first loc element) so messages read "parameters.top_p".
-        errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in errors]
-        structural = any(e["type"] in _STRUCTURAL for e in errors)
-        messages = [_error_message(e) for e in errors[:_MAX_MESSAGES]]
-        if len(errors) > _MAX_MESSAGES:
-            messages.append(f"and {len(errors) - _MAX_MESSAGES} more")
-        code = ErrorCode.INVALID_REQUEST if structural else ErrorCode.INVALID_PARAMETER
-        raise ServiceError(code, "; ".join(messages)) from None
 
-    _check_limits(request, max_prompt_chars=max_prompt_chars, max_new_tokens_cap=max_new_tokens_cap)
-    return request
+def _validation_error(exc: ValidationError) -> ServiceError:
+    """One ServiceError for pydantic's errors: invalid_request for a wrong shape, else invalid_parameter;
+    at most :data:`_MAX_MESSAGES` messages, each naming its field."""
+    errors = exc.errors(include_url=False, include_input=False)
+    # Strip the union tag (first loc element) so messages read "parameters.top_p".
+    errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in errors]
+    structural = any(e["type"] in _STRUCTURAL for e in errors)
+    messages = [_error_message(e) for e in errors[:_MAX_MESSAGES]]
+    if len(errors) > _MAX_MESSAGES:
+        messages.append(f"and {len(errors) - _MAX_MESSAGES} more")
+    code = ErrorCode.INVALID_REQUEST if structural else ErrorCode.INVALID_PARAMETER
+    return ServiceError(code, "; ".join(messages))
 
 
 def _check_limits(request: Any, *, max_prompt_chars: int, max_new_tokens_cap: int) -> None:
@@ -570,177 +529,3 @@ def _check_limits(request: Any, *, max_prompt_chars: int, max_new_tokens_cap: in
                 ErrorCode.INVALID_PARAMETER,
                 f"{name}: longer than {max_prompt_chars} characters ({len(text)} given); shorten it",
             )
-
-
-# ============================================================================================
-# Responses
-# ============================================================================================
-
-
-class _Outbound(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class OpenSessionResponse(_Outbound):
-    """Reply to ``open_session``.
-
-    Attributes:
-        session_id: the new session's id (also in the session headers).
-        expires_at: absolute expiry, ``YYYY-MM-DDTHH:MM:SSZ`` UTC (:func:`format_expires`).
-        image_tokens: number of positions the image occupies in the context.
-        timings: named phase durations in milliseconds (e.g. ``fetch_ms``, ``encode_ms``).
-    """
-
-    session_id: str
-    expires_at: str
-    image_tokens: int
-    timings: dict[str, float] = Field(default_factory=dict)
-
-
-class AddImageResponse(_Outbound):
-    """Reply to ``add_image``.
-
-    Attributes:
-        session_id: the session.
-        image_tokens: positions the new image occupies in the context (they depend on its size for
-            anyres models).
-        images: images the session holds now (the opening one included).
-        prefix_tokens: tokens of the conversation up to the next question, now in the KV cache.
-        cached_tokens: of those, how many were reused from the cache (not recomputed).
-        timings: named phase durations in milliseconds (``fetch_ms``, ``decode_ms``, ``encode_ms``,
-            ``prefill_ms``, ``total_ms``).
-    """
-
-    session_id: str
-    image_tokens: int
-    images: int
-    prefix_tokens: int
-    cached_tokens: int
-    timings: dict[str, float] = Field(default_factory=dict)
-
-
-class TokenInfo(_Outbound):
-    """One generated token: vocabulary ``id``, decoded ``text`` (a detokenization delta, may be empty),
-    natural-log probability, and ``special`` (an end-of-sequence token, whose text is empty), as TGI's."""
-
-    id: int
-    text: str
-    logprob: float | None = None
-    special: bool = False
-
-
-class GenerationDetails(_Outbound):
-    """Accounting of one generation.
-
-    Attributes:
-        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens reached).
-        prompt_tokens: tokens of this turn's prompt (after templating).
-        cached_tokens: context tokens reused from the session's cache (not recomputed).
-        generated_tokens: tokens generated.
-        max_new_tokens: the limit this answer ran under (the request's, the server default, or that
-            default clipped to the room left in the context).
-        truncated_turns: how many of the oldest remembered turns left the context (and the
-            session's history) so that this turn fits; 0 when none did.
-        seed: the sampler's seed (the one given, or the one drawn), so a sampled answer can be
-            repeated; null for greedy answers.
-        restored_from: the tier a demoted session was rebuilt from for this answer (``"features"``
-            or ``"image"``); null when its KV cache was resident.
-        tokens: per-token list, only when ``parameters.details`` was true.
-        timings: named durations in milliseconds (e.g. ``ttft_ms``, ``total_ms``) and rates.
-    """
-
-    finish_reason: Literal["stop", "length"]
-    prompt_tokens: int
-    cached_tokens: int
-    generated_tokens: int
-    max_new_tokens: int | None = None
-    truncated_turns: int = 0
-    seed: int | None = None
-    restored_from: Literal["features", "image"] | None = None
-    tokens: list[TokenInfo] | None = None
-    timings: dict[str, float] = Field(default_factory=dict)
-
-
-class GenerateResponse(_Outbound):
-    """Reply to a non-streaming ``generate``."""
-
-    generated_text: str
-    details: GenerationDetails | None = None
-
-
-class ErrorDetail(_Outbound):
-    """``{"code", "message"}`` of an error; ``code`` is an :class:`ErrorCode` value."""
-
-    code: str
-    message: str
-
-    @classmethod
-    def from_error(cls, error: ServiceError) -> ErrorDetail:
-        """Build from a :class:`ServiceError`."""
-        return cls(code=error.code.value, message=error.message)
-
-
-class ErrorBody(_Outbound):
-    """An error reply body: ``{"error": {"code", "message"}}``."""
-
-    error: ErrorDetail
-
-    @classmethod
-    def from_error(cls, error: ServiceError) -> ErrorBody:
-        """Build from a :class:`ServiceError`."""
-        return cls(error=ErrorDetail.from_error(error))
-
-
-class StreamLine(_Outbound):
-    """One line of a streamed reply, SageMaker LMI / TGI JSON-lines format.
-
-    Every line of an answer carries a ``token`` object: ``{"token": {...}, "generated_text": null,
-    "details": null}``, and the last line carries the last generated token together with
-    ``generated_text`` and ``details`` (TGI's shape), so readers that do
-    ``json.loads(line)["token"]["text"]`` on every line read to the end, and the token texts join
-    to ``generated_text``. An error found mid-stream (after the status went out with the first
-    chunk) is the last line instead: ``{"token": null, "generated_text": null, "details": null,
-    "error": {code, message}}``.
-    """
-
-    token: TokenInfo | None = None
-    generated_text: str | None = None
-    details: GenerationDetails | None = None
-    error: ErrorDetail | None = None
-
-    @classmethod
-    def for_error(cls, error: ServiceError) -> StreamLine:
-        """Build the terminal error line for ``error``."""
-        return cls(error=ErrorDetail.from_error(error))
-
-    def to_line(self) -> bytes:
-        """Serialise as one UTF-8 JSON line ending in ``\\n``; ``error`` appears only when set."""
-        exclude = {"error"} if self.error is None else None
-        return self.model_dump_json(exclude=exclude).encode("utf-8") + b"\n"
-
-
-class CloseResponse(_Outbound):
-    """Reply to ``close_session``; ``success`` is kept for the AWS sample's client."""
-
-    session_id: str
-    closed: Literal[True] = True
-    success: Literal[True] = True
-
-
-class ResetResponse(_Outbound):
-    """Reply to ``reset``."""
-
-    session_id: str
-    reset: Literal[True] = True
-
-
-class StartSessionResponse(_Outbound):
-    """Reply to the AWS sample's ``start_session``."""
-
-    session_id: str
-
-
-class SendTextPromptResponse(_Outbound):
-    """Reply to the AWS sample's ``send_text_prompt``."""
-
-    response_text: str

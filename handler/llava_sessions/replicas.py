@@ -33,7 +33,7 @@ import logging
 import multiprocessing
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
@@ -43,7 +43,7 @@ from .config import Settings
 from .contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER
 from .errors import ErrorCode, ServiceError
 from .metrics import WorkerMetrics
-from .service import Row, RowResult
+from .service import Row, RowResult, SessionService
 
 __all__ = ["ReplicaRouter", "resolve_devices"]
 
@@ -91,14 +91,14 @@ def replica_settings(settings: Settings, device: str, num_replicas: int) -> Sett
     return settings.model_copy(update=update)
 
 
-def _replica_main(conn: Connection, index: int, num_replicas: int, build: dict[str, Any]) -> None:
+def _replica_main(
+    conn: Connection, index: int, num_replicas: int, builder: Callable[..., SessionService], build: dict[str, Any]
+) -> None:
     """A replica process: build a service on its device, then serve the rows it is sent until the
     pipe closes (the worker exited) or ``None`` arrives; between calls its jobs in flight run ahead
     (:meth:`SessionService.run_ahead`)."""
-    from .worker import build_local_service
-
     try:
-        service = build_local_service(replica=index, num_replicas=num_replicas, **build)
+        service = builder(replica=index, num_replicas=num_replicas, **build)
     except BaseException as exc:  # noqa: BLE001 - reported to the router, which fails the start
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -139,17 +139,28 @@ class ReplicaRouter:
     Args:
         settings: the worker's validated settings.
         devices: one device per replica (``resolve_devices``).
-        build: keyword arguments of :func:`llava_sessions.worker.build_local_service` (picklable).
+        build: keyword arguments of ``builder`` (picklable).
+        builder: builds one replica's service in its process (``llava_sessions.worker.build_local_service``,
+            passed down so this module does not import the worker's wiring); a module-level function.
         metrics: TorchServe's metrics cache, or None.
 
     Raises:
         RuntimeError: a replica failed to start (its error in the message).
     """
 
-    def __init__(self, settings: Settings, devices: list[str], build: Mapping[str, Any], metrics: Any = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        devices: list[str],
+        build: Mapping[str, Any],
+        metrics: Any = None,
+        *,
+        builder: Callable[..., SessionService],
+    ) -> None:
         self.settings = settings
         self.devices = devices
         self._build = dict(build)
+        self._builder = builder
         self._metrics = WorkerMetrics(metrics)
         self._codec = Codec(settings)
         self._ctx = multiprocessing.get_context("spawn")
@@ -168,7 +179,7 @@ class ReplicaRouter:
         parent, child = self._ctx.Pipe()
         replica.process = self._ctx.Process(
             target=_replica_main,
-            args=(child, replica.index, len(self.replicas), self._build | {"device": replica.device}),
+            args=(child, replica.index, len(self.replicas), self._builder, self._build | {"device": replica.device}),
             name=f"llava-replica-{replica.index}",
             daemon=True,
         )

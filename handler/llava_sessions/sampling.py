@@ -1,4 +1,4 @@
-"""Sampling parameters, next-token selection and incremental detokenization.
+"""Next-token selection and incremental detokenization (the parameters: :mod:`.sampling_params`).
 
 The logits processors are transformers' own (the ones ``model.generate`` uses), so greedy and
 seeded sampling follow the library's semantics exactly.
@@ -7,68 +7,13 @@ seeded sampling follow the library's semantics exactly.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
-from .errors import ErrorCode, ServiceError
-from .protocol import SAMPLING_BOUNDS
+from .sampling_params import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens for one answer.
-
-    Sampling is on when ``do_sample`` is true, or (as in TGI) when ``temperature`` (> 0 and != 1),
-    ``top_p`` (< 1) or ``top_k`` (> 0) is set; ``temperature == 0`` always means greedy.
-
-    Attributes:
-        max_new_tokens: most tokens to generate (tokens).
-        temperature: logits divisor (> 0) or 0 for greedy.
-        top_p: nucleus mass, 0 < top_p <= 1 (1 = off).
-        top_k: keep the k most likely tokens (0 = off).
-        repetition_penalty: CTRL penalty (> 0; 1 = off), over prompt and answer tokens.
-        do_sample: force sampling.
-        seed: seed of the sampler's generator; None draws one (returned in the details).
-        stop: stop sequences; the answer ends once its text contains one (kept in the text, as TGI does).
-        logprobs: compute each token's log-probability under the (processed) distribution.
-    """
-
-    max_new_tokens: int = 256
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    do_sample: bool = False
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    logprobs: bool = False
-
-    def __post_init__(self) -> None:
-        """Check the ranges of :data:`~llava_sessions.protocol.SAMPLING_BOUNDS` (the wire's rules).
-
-        Raises:
-            ServiceError: invalid_parameter, naming the parameter and its range.
-        """
-        for name, bound in SAMPLING_BOUNDS.items():
-            value = getattr(self, name)
-            if value is not None and not bound.allows(value):
-                raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name} {bound.message}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ServiceError(ErrorCode.INVALID_PARAMETER, "stop sequences must be non-empty strings")
-
-    @property
-    def sampling(self) -> bool:
-        """True when tokens are sampled rather than picked greedily."""
-        if self.temperature == 0:
-            return False
-        return bool(
-            self.do_sample
-            or (self.temperature is not None and self.temperature != 1.0)
-            or (self.top_p is not None and self.top_p < 1.0)
-            or (self.top_k is not None and self.top_k > 0)
-        )
+__all__ = ["IncrementalDetokenizer", "Sampler", "SamplingParams"]
 
 
 class Sampler:

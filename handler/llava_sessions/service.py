@@ -15,11 +15,12 @@ Each :meth:`SessionService.handle` call
    criterion (None: a whole response; False: more chunks follow; True: last chunk).
 
 TorchServe sends status and headers with a job's FIRST frame, even an empty one (verified: headers
-set on a later frame are dropped). So everything that decides a status happens in the admission
-call: an open runs whole there (fetch, decode, vision tower, prefix prefill), and a generation's
-first step (restore + prefill, where memory errors arise) runs in the call that admits it. An
-error found later is reported in the body: the last JSON line of a stream, or the JSON error body
-of a non-streamed answer (status 200). Nothing raises out of :meth:`handle`.
+set on a later frame are dropped). So everything that decides a status happens in the admitting
+call: for an open or an added image, the fetch, the image decode, the id and the room for it (the
+engine's admission; the vision tower and the prefix prefill then run in scheduler steps); for a
+question, the session and context checks. An error found later is reported in the body: the last
+JSON line of a stream, or the JSON error body of a non-streamed answer (status 200). Nothing raises
+out of :meth:`handle`.
 
 Header contract (names from shared/notes/torchserve-sagemaker.md): an open answers
 ``X-Amzn-SageMaker-Session-Id: <id>; Expires=<UTC>`` and ``X-Amzn-SageMaker-New-Session-Id`` with
@@ -47,11 +48,12 @@ from .contract import (
     SESSION_ID_RE,
     session_header_value,
 )
-from .engine import AddImageTask, Generation, OpenTask, PrefixTask, SessionEngine
-from .errors import ErrorCode, ServiceError
+from .conversation import Chat
+from .engine import Generation, ImageTask, SessionEngine
+from .errors import ErrorCode, ServiceError, overloaded
 from .images import decode_image, fetch_image_bytes
 from .metrics import WorkerMetrics
-from .model import Chat
+from .results import AddImageResult, OpenResult, elapsed_ms
 
 __all__ = ["Row", "RowResult", "SessionService"]
 
@@ -99,10 +101,10 @@ class _Job:
     session_id: str
     command: GenerateCommand | OpenCommand | AddImageCommand
     last_seen: float
-    work: Generation | PrefixTask
+    work: Generation | ImageTask
     own_group: bool = True  # the TorchServe job group is this session's own (not the shared NEW_SESSION)
     t0: float = 0.0  # admission time (perf_counter), for an open's total_ms
-    open_timings: dict[str, float] = field(default_factory=dict)  # an open's / added image's fetch and decode, ms
+    intake_timings: dict[str, float] = field(default_factory=dict)  # an image's fetch and decode, ms
     calls: int = 0  # handle() calls this job was part of
     ahead: int = 0  # steps run by run_ahead() since the job was last in a handle() call
     sent: bool = False  # a streamed frame went out (status and headers are fixed)
@@ -197,7 +199,7 @@ class SessionService:
                 ErrorCode.MISSING_SESSION_ID, f"{command.kind} needs the {SESSION_ID_HEADER} header of an open session"
             )
         if isinstance(command, AddImageCommand):
-            return self._admit_add_image(row, sid, command, now)
+            return self._admit_image(row, sid, command, now)
         if isinstance(command, ResetCommand):
             self.engine.reset(sid)
             return RowResult(self.codec.encode_reset(sid), headers={SESSION_ID_HEADER: sid})
@@ -206,9 +208,7 @@ class SessionService:
             return RowResult(self.codec.encode_close(sid), headers=self._closed_headers(sid))
         self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
         if sum(isinstance(j.work, Generation) for j in self._jobs.values()) >= self.settings.max_concurrent_generations:
-            raise ServiceError(
-                ErrorCode.OVERLOADED, "too many generations in flight on this worker; retry shortly", retry_after_s=1
-            )
+            raise overloaded("too many generations in flight on this worker; retry shortly", "generation_slot")
         gen = self.engine.start(
             sid,
             command.prompt,
@@ -220,9 +220,9 @@ class SessionService:
         return _Job(row.request_id, sid, command, now, work=gen)
 
     def _admit_open(self, row: Row, command: OpenCommand, now: float) -> RowResult | _Job:
-        """Admit an open: everything that decides its status happens here (fetch, decode, the id,
-        the history, room for it), since TorchServe fixes status and headers with the first frame;
-        the vision tower and the prefix prefill then run in scheduler steps, within their budget."""
+        """Admit an open: the id (minted when TorchServe did not, for the shared ``NEW_SESSION``
+        group), then the image path (:meth:`_admit_image`); a failed open leaves no session behind
+        and ends its own TorchServe job group."""
         sid = row.session_id
         own_group = bool(sid) and sid != NEW_SESSION_LITERAL
         if sid is None or not own_group:
@@ -233,40 +233,41 @@ class SessionService:
         if sid in self.engine.store:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
         try:
-            t0 = time.perf_counter()
-            data = self._fetch(command.image, self.settings)
-            extra = [self._fetch(source, self.settings) for source in command.history_images]
-            t_fetched = time.perf_counter()
-            image = decode_image(data, max_pixels=self.settings.max_image_pixels)
-            history_images = [(b, decode_image(b, max_pixels=self.settings.max_image_pixels)) for b in extra]
-            t_decoded = time.perf_counter()
+            return self._admit_image(row, sid, command, now, own_group=own_group)
+        except ServiceError as err:
+            return self._error_result(sid if own_group else None, err)
+
+    def _admit_image(
+        self, row: Row, sid: str, command: OpenCommand | AddImageCommand, now: float, *, own_group: bool = True
+    ) -> _Job:
+        """Admit an open or an added image: everything that decides its status happens here (the
+        session's state, the fetch, the decode, room for it), since TorchServe fixes status and
+        headers with the first frame; the vision tower and the prefill then run in scheduler steps.
+
+        Raises:
+            ServiceError: from the fetch, the decode and the engine's admission.
+        """
+        if isinstance(command, AddImageCommand):
+            self.engine.check_idle(sid)  # before any fetch: a gone or busy session is the precise answer
+        t0 = time.perf_counter()
+        sources = [command.image, *(command.history_images if isinstance(command, OpenCommand) else ())]
+        data = [self._fetch(source, self.settings) for source in sources]
+        t_fetched = time.perf_counter()
+        images = [decode_image(b, max_pixels=self.settings.max_image_pixels) for b in data]
+        t_decoded = time.perf_counter()
+        if isinstance(command, OpenCommand):
             task = self.engine.begin_open(
                 sid,
-                data,
+                data[0],
                 command.system_prompt,
-                image=image,
+                image=images[0],
                 history=list(command.history),
-                history_images=history_images,
+                history_images=list(zip(data[1:], images[1:], strict=True)),
             )
-        except ServiceError as err:
-            # the open failed: no session is left behind; end TorchServe's job group if it is its own
-            return self._error_result(sid if own_group else None, err)
+        else:
+            task = self.engine.begin_add_image(sid, data[0], image=images[0])
         job = _Job(row.request_id, sid, command, now, work=task, own_group=own_group, t0=t0)
-        job.open_timings = {"fetch": _ms(t0, t_fetched), "decode": _ms(t_fetched, t_decoded)}
-        return job
-
-    def _admit_add_image(self, row: Row, sid: str, command: AddImageCommand, now: float) -> _Job:
-        """Admit an added image like an open: the session's state, the fetch, the decode and room for
-        it decide the status here; the vision tower and the prefill run in scheduler steps."""
-        self.engine.check_idle(sid)  # before any fetch: a gone or busy session is the precise answer
-        t0 = time.perf_counter()
-        data = self._fetch(command.image, self.settings)
-        t_fetched = time.perf_counter()
-        image = decode_image(data, max_pixels=self.settings.max_image_pixels)
-        t_decoded = time.perf_counter()
-        task = self.engine.begin_add_image(sid, data, image=image)
-        job = _Job(row.request_id, sid, command, now, work=task, t0=t0)
-        job.open_timings = {"fetch": _ms(t0, t_fetched), "decode": _ms(t_fetched, t_decoded)}
+        job.intake_timings = {"fetch": elapsed_ms(t0, t_fetched), "decode": elapsed_ms(t_fetched, t_decoded)}
         return job
 
     # ------------------------------------------------------------------ scheduling
@@ -282,9 +283,9 @@ class SessionService:
             running = [j for j in running if not j.work.done]
             if not running or (step > 0 and time.perf_counter() >= deadline):
                 break
-            self._step(running)
+            self._engine_step(running)
 
-    def _step(self, running: list[_Job]) -> None:
+    def _engine_step(self, running: list[_Job]) -> None:
         """One scheduler step over ``running``; a job whose work failed gets its typed error."""
         self.engine.step([j.work for j in running], prefill_budget=self.settings.step_token_budget)
         for job in running:
@@ -314,8 +315,8 @@ class SessionService:
         if not running:
             return False
         try:
-            self._step(running)
-        except Exception:  # noqa: BLE001 - as in handle(): the jobs' own errors are recorded by _step
+            self._engine_step(running)
+        except Exception:  # noqa: BLE001 - as in handle(): the jobs' own errors are recorded by _engine_step
             log.exception("run-ahead step failed")
             return False
         for job in running:
@@ -326,10 +327,8 @@ class SessionService:
     def _emit(self, job: _Job) -> RowResult:
         """The row's output for this call. The first call fixes status, headers and content type
         (TorchServe sends them with the first frame, even an empty one)."""
-        if isinstance(job.work, OpenTask):
-            return self._emit_open(job, job.work)
-        if isinstance(job.work, AddImageTask):
-            return self._emit_add_image(job, job.work)
+        if isinstance(job.work, ImageTask):
+            return self._emit_image_task(job, job.work)
         gen, command, codec = job.work, job.command, self.codec
         assert isinstance(command, GenerateCommand) and isinstance(gen, Generation)
         finished = gen.done or job.error is not None
@@ -362,36 +361,30 @@ class SessionService:
             stop=True if job.calls > 1 else None,
         )
 
-    def _emit_open(self, job: _Job, task: OpenTask) -> RowResult:
-        """An open's output: empty frames (with the session headers and status 200) until it is
-        done, then its body; an error after the first frame is the body (its status is already out)."""
-        value = session_header_value(job.session_id, task.session.expires_at)
-        headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+    def _emit_image_task(self, job: _Job, task: ImageTask) -> RowResult:
+        """An open's or added image's output: empty frames (with the session headers and status 200)
+        until it is done, then its body; an error after the first frame is the body (its status is
+        already out). An open's headers carry the new session id and its ``Expires``."""
+        if task.kind_of_task == "open":
+            value = session_header_value(job.session_id, task.session.expires_at)
+            headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+        else:
+            headers = {SESSION_ID_HEADER: job.session_id}
         if not task.done and job.error is None:
             return RowResult(b"", headers=headers, stop=False)
         self._jobs.pop(job.request_id, None)
         if job.error is not None:
             task.close()
             return self._error_result(job.session_id if job.own_group else None, job.error, chunk=job.calls > 1)
-        assert task.result is not None and isinstance(job.command, OpenCommand)
-        timings = {**job.open_timings, **task.result.timings, "total": _ms(job.t0)}
-        body = self.codec.encode_open(job.command, task.result, timings)
+        result = task.result
+        assert result is not None
+        timings = {**job.intake_timings, **result.timings, "total": elapsed_ms(job.t0)}
+        if isinstance(job.command, OpenCommand) and isinstance(result, OpenResult):
+            body = self.codec.encode_open(job.command, result, timings)
+        else:
+            assert isinstance(result, AddImageResult)
+            body = self.codec.encode_add_image(result, timings)
         return RowResult(body, headers=headers, stop=True if job.calls > 1 else None)
-
-    def _emit_add_image(self, job: _Job, task: AddImageTask) -> RowResult:
-        """An added image's output: empty frames until it is done, then its body (as an open's)."""
-        headers = {SESSION_ID_HEADER: job.session_id}
-        if not task.done and job.error is None:
-            return RowResult(b"", headers=headers, stop=False)
-        self._jobs.pop(job.request_id, None)
-        if job.error is not None:
-            task.close()
-            return self._error_result(job.session_id, job.error, chunk=job.calls > 1)
-        assert task.result is not None
-        timings = {**job.open_timings, **task.result.timings, "total": _ms(job.t0)}
-        return RowResult(
-            self.codec.encode_add_image(task.result, timings), headers=headers, stop=True if job.calls > 1 else None
-        )
 
     def _chunk(self, job: _Job, body: bytes, *, last: bool) -> RowResult:
         # A stream that ends in its first frame is one whole response: TorchServe sends no response
@@ -457,7 +450,7 @@ class SessionService:
         if self._new_session_bytes is None:  # the prefix is templated once, not per call
             runner = engine.runner
             chat = Chat(self.settings.system_prompt, image_tokens=(runner.num_image_tokens,))
-            self._new_session_bytes = engine.new_session_bytes(len(runner.prefix_ids(chat)))
+            self._new_session_bytes = engine.new_session_bytes(len(runner.template.prefix_ids(chat)))
         return {
             "free_bytes": store.device_budget_bytes - store.device_bytes(),
             "num_sessions": len(store),
@@ -468,7 +461,3 @@ class SessionService:
     def emit_metrics(self) -> None:
         """Publish the worker's metrics (:meth:`WorkerMetrics.emit`); never raises."""
         self.metrics.emit(self.engine)
-
-
-def _ms(t0: float, t1: float | None = None) -> float:
-    return round(((time.perf_counter() if t1 is None else t1) - t0) * 1000.0, 3)

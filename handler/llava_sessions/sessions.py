@@ -31,110 +31,17 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import torch
-
-from .errors import ErrorCode, ServiceError
+from .conversation import Turn
+from .errors import ErrorCode, ServiceError, overloaded
 from .ledger import Demotion, SessionLedger, Tier
-from .model import Chat, Turn, cache_len, crop_cache
+from .model.kv_cache import cache_len
+from .session import Session, SessionSnapshot
+
+__all__ = ["Session", "SessionSnapshot", "SessionStore", "StoreStats", "Tier"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Session:
-    """One client's conversation about one image or more.
-
-    Attributes:
-        session_id: the id (``ts-seq-<uuid>`` minted by TorchServe, or any uuid4-based id).
-        images: the encoded images as received (host), in conversation order (the opening one first).
-        image_sizes: each image's decoded (height, width), pixels.
-        image_tokens: each image's placeholder tokens in the conversation as it is now.
-        pending_images: images added since the last remembered turn (they open the next question).
-        system_prompt: optional system message.
-        history: remembered turns, oldest first.
-        image_features: ``[sum(image_tokens), hidden]`` on the device (every image's rows in order),
-            or None (tier ``image``).
-        kv_cache: ``DynamicCache`` holding ``cached_ids`` (``[1, kv_heads, len, head_dim]`` per layer), or None.
-        cached_ids: token ids whose keys/values are in ``kv_cache`` (``len == cache_len(kv_cache)``).
-        opened_at: open time (epoch s); expires_at: absolute expiry (epoch s, whole seconds).
-        last_used: last request time (epoch s) for LRU and the idle timeout.
-        busy: a generation is in flight; a busy session is never demoted or evicted.
-        num_restores: how many times a demoted session was rebuilt.
-    """
-
-    session_id: str
-    images: list[bytes]
-    system_prompt: str | None
-    opened_at: float
-    expires_at: int
-    last_used: float
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)
-    image_tokens: list[int] = field(default_factory=list)
-    pending_images: int = 1
-    history: list[Turn] = field(default_factory=list)
-    image_features: torch.Tensor | None = None
-    kv_cache: Any = None
-    cached_ids: list[int] = field(default_factory=list)
-    busy: bool = False
-    num_restores: int = 0
-
-    def chat(self) -> Chat:
-        """The conversation as the chat template sees it (system, turns, images)."""
-        return Chat(self.system_prompt, tuple(self.history), self.pending_images, tuple(self.image_tokens))
-
-    @property
-    def tier(self) -> Tier:
-        """The tier the session is in now."""
-        if self.kv_cache is not None:
-            return Tier.KV
-        if self.image_features is not None:
-            return Tier.FEATURES
-        return Tier.IMAGE
-
-    @property
-    def feature_bytes(self) -> int:
-        """Device bytes of the image features."""
-        f = self.image_features
-        return 0 if f is None else f.untyped_storage().nbytes()
-
-    @property
-    def host_bytes(self) -> int:
-        """Encoded images + UTF-8 conversation text (system prompt and turns), bytes."""
-        text = (self.system_prompt or "") + "".join(t.prompt + t.answer for t in self.history)
-        return sum(len(b) for b in self.images) + len(text.encode("utf-8"))
-
-    def drop_kv(self) -> None:
-        """Demote ``kv`` → ``features``: free the KV cache."""
-        self.kv_cache = None
-        self.cached_ids = []
-
-    def keep_kv(self, length: int) -> None:
-        """Keep the first ``length`` cached positions after a failed or abandoned step; drop the KV
-        cache instead when it cannot be trusted (its layers differ in length because a forward pass
-        failed between layers, or it holds fewer than ``length`` positions)."""
-        if self.kv_cache is None:
-            return
-        try:
-            lens = {layer.keys.shape[-2] for layer in self.kv_cache.layers if getattr(layer, "keys", None) is not None}
-            if len(lens) > 1 or cache_len(self.kv_cache) < length:
-                self.drop_kv()
-            else:
-                crop_cache(self.kv_cache, length)
-                self.cached_ids = self.cached_ids[:length]
-        except Exception:  # noqa: BLE001 - an unreadable cache is rebuilt from the features
-            self.drop_kv()
-
-    def drop_features(self) -> None:
-        """Demote to ``image``: free the KV cache and the image features."""
-        self.drop_kv()
-        self.image_features = None
-
-    def check_cache(self) -> None:
-        """Assert the cache invariant ``len(cached_ids) == cache_len(kv_cache)``."""
-        assert len(self.cached_ids) == cache_len(self.kv_cache), (len(self.cached_ids), cache_len(self.kv_cache))
 
 
 @dataclass
@@ -258,17 +165,51 @@ class SessionStore:
         )
         self.ledger.pin(session.session_id, session.busy)
 
-    def new_session(self, session_id: str, image_bytes: bytes, system_prompt: str | None) -> Session:
-        """Create (not add) a session with its expiry fixed now: ``floor(now) + ttl_s``."""
+    def new_session(
+        self,
+        session_id: str,
+        system_prompt: str | None,
+        images: list[bytes],
+        image_sizes: list[tuple[int, int]],
+        image_tokens: list[int],
+        history: list[Turn] | None = None,
+    ) -> Session:
+        """Create (not add) a session with its expiry fixed now (``floor(now) + ttl_s``), holding
+        ``images`` (encoded, in conversation order) with their sizes and placeholder counts and the
+        remembered ``history``; the images no turn of ``history`` places open the next question."""
         now = self.clock()
+        history = list(history or [])
         return Session(
             session_id=session_id,
-            images=[image_bytes],
+            images=list(images),
             system_prompt=system_prompt,
             opened_at=now,
             expires_at=int(now) + self.ttl_s,
             last_used=now,
+            image_sizes=list(image_sizes),
+            image_tokens=list(image_tokens),
+            pending_images=len(images) - sum(t.images for t in history),
+            history=history,
         )
+
+    def set_busy(self, session: Session, busy: bool) -> None:
+        """Mark ``session`` as answering (pinned: never demoted or evicted) or idle, in the ledger too."""
+        session.busy = busy
+        self.sync(session)
+
+    def check_invariants(self) -> None:
+        """Assert every session's own invariants (:meth:`Session.check_invariants`) and that the
+        ledger holds what each session holds (KV tokens, feature and host bytes, pinned iff busy)."""
+        assert len(self.ledger) == len(self._sessions)
+        for session in self._sessions.values():
+            session.check_invariants()
+            entry = self.ledger.entry(session.session_id)
+            held = (cache_len(session.kv_cache), session.feature_bytes, session.host_bytes, session.busy)
+            assert (entry.num_kv_tokens, entry.num_feature_bytes, entry.num_host_bytes, entry.pinned) == held, (
+                session.session_id,
+                entry,
+                held,
+            )
 
     def add(self, session: Session) -> None:
         """Admit ``session`` as most recently used.
@@ -281,11 +222,9 @@ class SessionStore:
         if session.session_id in self._sessions:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
         if len(self._sessions) >= self.max_sessions:
-            raise ServiceError(
-                ErrorCode.OVERLOADED, f"this worker holds its maximum of {self.max_sessions} sessions", retry_after_s=5
-            )
+            raise overloaded(f"this worker holds its maximum of {self.max_sessions} sessions", "session_room")
         if session.host_bytes > self.host_budget_bytes:
-            raise ServiceError(ErrorCode.OVERLOADED, "the session does not fit in host memory", retry_after_s=5)
+            raise overloaded("the session does not fit in host memory", "session_room")
         self._sessions[session.session_id] = session
         self.ledger.add(session.session_id, session.host_bytes)
         self.sync(session)
@@ -363,6 +302,19 @@ class SessionStore:
             return False
         self._apply(demotions)
         return True
+
+    def demote(self, session_id: str, to: Tier) -> None:
+        """Demote the idle session ``session_id`` to tier ``to`` now (``features``: free its KV cache;
+        ``image``: its features too), as the budget would (tests and benchmarks use it).
+
+        Raises:
+            ServiceError(session_*): as :meth:`get`. ValueError: the session is busy, or ``to`` is ``kv``.
+        """
+        session = self._sessions.get(session_id) or self.get(session_id)
+        if session.busy or to is Tier.KV:
+            raise ValueError("only an idle session is demoted, to features or image")
+        session.drop_kv() if to is Tier.FEATURES else session.drop_features()
+        self.sync(session)
 
     def demote_all(self, keep: Session | None) -> None:
         """Demote every idle session but ``keep`` to the ``image`` tier (after an out-of-memory error)."""

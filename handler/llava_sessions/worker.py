@@ -22,7 +22,7 @@ from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions import SessionStore
 
-__all__ = ["build_local_service", "build_service", "quiet_worker_logs"]
+__all__ = ["build_engine", "build_local_service", "build_service", "quiet_worker_logs"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def build_service(
         # CPU replicas share one host memory: split one budget, measured once, so they are equal
         share = max(1, int(available_host_bytes() * settings.device_budget_fraction) // len(devices))
         build["handler_section"]["device_budget_bytes"] = share
-    return ReplicaRouter(settings, devices, build, metrics=metrics)
+    return ReplicaRouter(settings, devices, build, metrics=metrics, builder=build_local_service)
 
 
 def quiet_worker_logs(log_level: str) -> None:
@@ -122,11 +122,7 @@ def build_local_service(
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    model_dir = settings.model_dir
-    if not model_dir and archive_dir and (Path(archive_dir) / "config.json").is_file():
-        model_dir = archive_dir
-    if not model_dir:
-        raise FileNotFoundError("no model folder: set handler.model_dir or LLAVA_MODEL_DIR")
+    model_dir = _model_dir(settings, archive_dir)
     runner = LlavaRunner.from_pretrained(
         model_dir,
         device=settings.device,
@@ -137,6 +133,36 @@ def build_local_service(
         settings = settings.model_copy(
             update={"step_token_budget": AUTO_STEP_TOKEN_BUDGET[runner.device.type == "cuda"]}
         )
+    engine = build_engine(settings, runner)
+    log.warning(
+        "llava-sessions ready",
+        extra={
+            "model_dir": model_dir,
+            "device": str(runner.device),
+            "device_budget_bytes": engine.store.device_budget_bytes,
+            "replica": replica,
+        },
+    )
+    return SessionService(settings, engine, end_header=end_header, metrics=WorkerMetrics(metrics))
+
+
+def _model_dir(settings: Settings, archive_dir: str | None) -> str:
+    """The checkpoint folder: ``model_dir``, else TorchServe's model directory when it holds a config.json.
+
+    Raises:
+        FileNotFoundError: neither names a checkpoint folder.
+    """
+    model_dir = settings.model_dir
+    if not model_dir and archive_dir and (Path(archive_dir) / "config.json").is_file():
+        model_dir = archive_dir
+    if not model_dir:
+        raise FileNotFoundError("no model folder: set handler.model_dir or LLAVA_MODEL_DIR")
+    return model_dir
+
+
+def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
+    """The session store (its device budget: ``device_budget_bytes``, or a fraction of what is free
+    now) and the engine over ``runner``, with the settings' limits."""
     budget = settings.device_budget_bytes or default_device_budget(runner, settings.device_budget_fraction)
     store = SessionStore(
         device_budget_bytes=budget,
@@ -146,7 +172,7 @@ def build_local_service(
         ttl_s=settings.session_ttl_s,
         idle_timeout_s=settings.idle_timeout_s,
     )
-    engine = SessionEngine(
+    return SessionEngine(
         runner,
         store,
         functools.partial(decode_image, max_pixels=settings.max_image_pixels),
@@ -157,8 +183,3 @@ def build_local_service(
             max_image_tokens=settings.max_image_tokens_per_session,
         ),
     )
-    log.warning(
-        "llava-sessions ready",
-        extra={"model_dir": model_dir, "device": str(runner.device), "device_budget_bytes": budget, "replica": replica},
-    )
-    return SessionService(settings, engine, end_header=end_header, metrics=WorkerMetrics(metrics))

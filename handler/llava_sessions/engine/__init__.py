@@ -1,0 +1,37 @@
+"""The session engine, in a serving engine's shape (nano-vllm's ``engine/``, vLLM v1's core).
+
+================= ==============================================================================
+module            owns
+================= ==============================================================================
+``scheduler``     ``schedule()`` → ``StepPlan``: what one step runs (plain data, no torch)
+``sequence``      ``Generation``, ``ImageTask``: work in flight as state (no forward passes)
+``admission``     checks a request and makes its work (the one path for an image)
+``model_runner``  ``ModelRunner``: executes a plan's forward passes (vision, prefill, batched decode)
+``decode_batch``  ``DecodeBatch``: the running answers' KV as rows of one batch cache
+``updates``       ``StateUpdates``: restore/crop before a prefill; sample/finish after; undo on failure
+``memory``        the default device budget, one retry after an out-of-memory error
+``engine``        ``SessionEngine``: the public API; ``step`` = schedule → execute → update
+================= ==============================================================================
+
+Imports point down: ``engine`` → ``admission`` / ``updates`` → ``model_runner`` → ``decode_batch``
+→ ``memory``; ``sequence`` → ``scheduler``; none of them imports ``engine`` at run time.
+"""
+
+from __future__ import annotations
+
+from .engine import EngineLimits, SessionEngine
+from .memory import available_host_bytes, default_device_budget
+from .scheduler import MIN_PREFILL_TOKENS, StepPlan, schedule
+from .sequence import Generation, ImageTask
+
+__all__ = [
+    "MIN_PREFILL_TOKENS",
+    "EngineLimits",
+    "Generation",
+    "ImageTask",
+    "SessionEngine",
+    "StepPlan",
+    "available_host_bytes",
+    "default_device_budget",
+    "schedule",
+]

@@ -1,0 +1,239 @@
+"""Admission: check a request against the session, the limits, the context and the memory, then make its work.
+
+Everything that decides a request's status happens here, before any forward pass (TorchServe fixes
+the status and headers with a job's first frame: shared/notes/torchserve-sagemaker.md). An image, the
+opening one or an added one, takes one path: decode, the image limits, its placeholder count, the
+conversation's context, then the device memory it needs, reserved before the session is marked busy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..conversation import Chat, Turn, common_prefix_len
+from ..errors import ErrorCode, ServiceError, overloaded
+from ..results import ContextPolicy, elapsed_ms
+from ..sampling import IncrementalDetokenizer, Sampler, SamplingParams
+from .sequence import Generation, ImageTask
+
+if TYPE_CHECKING:
+    from ..sessions import Session
+    from .engine import SessionEngine
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """The engine's admission of opens, added images and questions (see the module docstring).
+
+    Args:
+        engine: the engine whose store, runner and limits decide, and which steps the work made here.
+    """
+
+    def __init__(self, engine: SessionEngine) -> None:
+        self.engine = engine
+        self.store = engine.store
+        self.runner = engine.runner
+        self.limits = engine.limits
+
+    # ------------------------------------------------------------------ images
+    def open(
+        self,
+        session_id: str,
+        image_bytes: bytes,
+        system_prompt: str | None,
+        image: Any,
+        history: list[Turn] | None,
+        history_images: Sequence[tuple[bytes, Any]],
+    ) -> ImageTask:
+        """Admit a new session (``SessionEngine.begin_open``, which documents the errors)."""
+        history = list(history or [])
+        self._check_no_placeholder([text for t in history for text in (t.prompt, t.answer)], "history")
+        t0 = time.perf_counter()
+        image, decode_ms = self._decoded(image_bytes, image)
+        if sum(t.images for t in history) != len(history_images):
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, "the history's image counts do not match its images")
+        images = [image] + [img for _, img in history_images]
+        sizes, tokens = self._layout([], images)
+        if history:  # the opening image opens the first restored question
+            history[0] = dataclasses.replace(history[0], images=history[0].images + 1)
+        data = [image_bytes] + [b for b, _ in history_images]
+        session = self.store.new_session(session_id, system_prompt, data, sizes, tokens, history)
+        prefix = self.runner.template.prefix_ids(session.chat())
+        what = "the image and the restored history are" if history else "the image is"
+        self._check_context(prefix, f"{what} {len(prefix)} tokens", "")
+        self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
+        try:
+            self._reserve(session, self.engine.new_session_bytes(len(prefix), sum(tokens)), "a new session")
+        except ServiceError:
+            self.store.remove(session_id)
+            raise
+        return ImageTask(self.engine, "open", session, images, prefix, t0, decode_ms)
+
+    def add_image(self, session_id: str, image_bytes: bytes, image: Any) -> ImageTask:
+        """Admit an image that opens the session's next question (``SessionEngine.begin_add_image``)."""
+        session = self.idle_session(session_id)
+        self._check_image_count(len(session.images) + 1)
+        t0 = time.perf_counter()
+        image, decode_ms = self._decoded(image_bytes, image)
+        sizes, tokens = self._layout(session.image_sizes, [image])
+        chat = Chat(session.system_prompt, tuple(session.history), session.pending_images + 1, tuple(tokens))
+        prefix = self.runner.template.prefix_ids(chat)
+        self._check_context(
+            prefix, f"with this image the conversation is {len(prefix)} tokens", "; reset the session or open a new one"
+        )
+        relayout = tokens[:-1] != session.image_tokens
+        feature_tokens = sum(tokens) if relayout or session.image_features is None else tokens[-1]
+        reuse = 0 if relayout else common_prefix_len(session.cached_ids, prefix)
+        runner = self.runner
+        need = feature_tokens * runner.feature_bytes_per_token + (len(prefix) - reuse) * runner.kv_bytes_per_token
+        self._reserve(session, need, "the image now")
+        return ImageTask(
+            self.engine, "add_image", session, [image], prefix, t0, decode_ms, new_image=(image_bytes, sizes, tokens)
+        )
+
+    def _decoded(self, data: bytes, image: Any) -> tuple[Any, float | None]:
+        """``(the decoded image, decode ms or None when it came decoded)``."""
+        if image is not None:
+            return image, None
+        t0 = time.perf_counter()
+        image = self.engine.decode_image(data)
+        return image, elapsed_ms(t0)
+
+    def _layout(self, sizes: list[tuple[int, int]], new_images: list[Any]) -> tuple[list[tuple[int, int]], list[int]]:
+        """Every image's (height, width) and placeholder count once ``new_images`` join images of
+        ``sizes``, within the image limits.
+
+        Raises:
+            ServiceError: image_limit_exceeded (``max_images`` or ``max_image_tokens``).
+        """
+        sizes = [*sizes, *((int(img.height), int(img.width)) for img in new_images)]
+        self._check_image_count(len(sizes))
+        tokens = [self.runner.image_token_count(size, len(sizes)) for size in sizes]
+        cap = self.limits.max_image_tokens
+        if cap and sum(tokens) > cap:
+            raise ServiceError(
+                ErrorCode.IMAGE_LIMIT_EXCEEDED,
+                f"the session's images would take {sum(tokens)} image tokens; at most {cap} are allowed",
+            )
+        return sizes, tokens
+
+    def _check_image_count(self, num_images: int) -> None:
+        if num_images > self.limits.max_images:
+            raise ServiceError(
+                ErrorCode.IMAGE_LIMIT_EXCEEDED, f"a session holds at most {self.limits.max_images} images"
+            )
+
+    def _check_context(self, prefix: list[int], what: str, hint: str) -> None:
+        """Raise context_length_exceeded when ``prefix`` leaves no room for a question."""
+        if len(prefix) >= self.runner.max_positions:
+            raise ServiceError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"{what}, over the model's context of {self.runner.max_positions} tokens{hint}",
+            )
+
+    def _reserve(self, session: Session, num_bytes: int, purpose: str) -> None:
+        """Mark ``session`` busy and reserve ``num_bytes`` of device memory for it (demoting idle
+        sessions); on a shortage it is idle again and ``overloaded`` is raised."""
+        self.store.set_busy(session, True)
+        if not self.store.reserve(num_bytes, keep=session):
+            self.store.set_busy(session, False)
+            raise overloaded(f"not enough device memory for {purpose}", "session_room")
+
+    # ------------------------------------------------------------------ questions
+    def question(
+        self,
+        session_id: str,
+        prompt: str,
+        params: SamplingParams,
+        remember: bool,
+        context_policy: ContextPolicy,
+        clip_max_new_tokens: bool,
+    ) -> Generation:
+        """Admit a question (``SessionEngine.start``, which documents the policy and the errors)."""
+        session = self.idle_session(session_id)
+        self._check_prompt(prompt, params)
+        chat = session.chat()
+        ids, dropped, max_new = self._fit(chat, prompt, params.max_new_tokens, context_policy, clip_max_new_tokens)
+        if max_new != params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=max_new)
+        runner = self.runner
+        gen = Generation(
+            self.engine,
+            session,
+            prompt,
+            ids,
+            params,
+            remember,
+            Sampler(params, runner.device, ids),
+            IncrementalDetokenizer(runner.tokenizer),
+            truncated_turns=dropped,
+        )
+        self.store.set_busy(session, True)
+        return gen
+
+    def _check_prompt(self, prompt: str, params: SamplingParams) -> None:
+        if not prompt or not prompt.strip():
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, "prompt must not be empty")
+        self._check_no_placeholder([prompt], "prompt")
+        cap = self.limits.max_new_tokens_cap
+        if params.max_new_tokens > cap:
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"max_new_tokens must be <= {cap}")
+        num_prompt = self.runner.template.count_text_tokens(prompt)
+        if num_prompt > self.limits.max_prompt_tokens:
+            raise ServiceError(
+                ErrorCode.INVALID_PARAMETER,
+                f"prompt is {num_prompt} tokens; at most {self.limits.max_prompt_tokens} are allowed",
+            )
+
+    def _fit(
+        self, chat: Chat, prompt: str, max_new: int, policy: ContextPolicy, clip: bool
+    ) -> tuple[list[int], int, int]:
+        """The conversation's ids fitted to the context: ``(ids, oldest turns dropped, max_new_tokens)``.
+
+        Raises:
+            ServiceError: context_length_exceeded.
+        """
+        template, limit = self.runner.template, self.runner.max_positions
+        ids = template.conversation_ids(chat, prompt)
+        dropped = 0
+        if len(ids) + max_new > limit and policy == "truncate":
+            while dropped < len(chat.turns) and len(ids) + max_new > limit:
+                dropped += 1
+                ids = template.conversation_ids(chat.without_oldest(dropped), prompt)
+            if len(ids) + max_new > limit and clip and len(ids) < limit:
+                max_new = limit - len(ids)
+        if len(ids) + max_new > limit:
+            hint = (
+                "lower max_new_tokens or shorten the question"
+                if policy == "truncate"
+                else "lower max_new_tokens, reset the session, open a new one or use context_policy truncate"
+            )
+            raise ServiceError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"this turn needs {len(ids)} prompt tokens + {max_new} new tokens = "
+                f"{len(ids) + max_new}, over the model's context of {limit} tokens; {hint}",
+            )
+        return ids, dropped, max_new
+
+    # ------------------------------------------------------------------ shared
+    def idle_session(self, session_id: str) -> Session:
+        """The open session ``session_id``, which must not be answering.
+
+        Raises:
+            ServiceError: session_not_found / _expired / _evicted, session_busy.
+        """
+        session = self.store.get(session_id)
+        if session.busy:
+            raise ServiceError(
+                ErrorCode.SESSION_BUSY, "the session is answering another request; wait for it to finish"
+            )
+        return session
+
+    def _check_no_placeholder(self, texts: list[str], where: str) -> None:
+        token = self.runner.image_token
+        if any(token in text for text in texts):
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{where} must not contain the image placeholder {token!r}")

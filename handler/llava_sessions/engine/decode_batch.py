@@ -1,0 +1,164 @@
+"""The decode batch: the running answers of one worker as rows of one left-padded, preallocated KV cache.
+
+Layout (:class:`~llava_sessions.model.kv_cache.BatchKVCache`, per decoder layer): keys and values
+``[B, kv_heads, capacity, head_dim]``. Every row writes its next token at the same column
+(``length``); a row's sequence ends at that column and starts wherever its own length puts it (left
+padding). ``mask [B, capacity]`` (long, 1 = a valid position of that row) carries the padding, the
+holes of rows that sat out a step (a job TorchServe did not bring back in a call) and the rows that left.
+
+Costs. A decode step writes one column per layer in place and copies no KV. Building the batch
+copies each member's KV once (when the scheduler says so: ``scheduler.needs_rebuild``). A leaving
+row's valid columns are gathered into a ``DynamicCache`` for its session (one copy of that session).
+Memory: ``B × capacity × kv_bytes_per_token``; the overhead over the rows' own KV is the padding
+(longest minus each row's length) plus at most ``grow_columns`` free columns per row.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import overloaded
+from ..model import BatchKVCache, LlavaRunner, cache_len
+from .memory import oom_retry
+from .scheduler import BatchLayout
+
+if TYPE_CHECKING:
+    from ..sessions import SessionStore
+    from .sequence import Generation
+
+__all__ = ["DecodeBatch"]
+
+
+class DecodeBatch:
+    """The decode batch's KV layout and its one forward pass per step.
+
+    Args:
+        runner: the model runner (allocates the cache, runs the batched forward).
+        store: the session store (the batch's bytes count against the device budget).
+        grow_columns: free columns allocated past the longest row at each build.
+    """
+
+    def __init__(self, runner: LlavaRunner, store: SessionStore, *, grow_columns: int = 64) -> None:
+        self.runner = runner
+        self.store = store
+        self.grow_columns = grow_columns
+        self.cache: BatchKVCache | None = None
+        self.mask: torch.Tensor | None = None
+        self.rows: list[Generation | None] = []
+        self.num_builds = 0  # how many times the batch was (re)built (a copy of every member's KV)
+
+    @property
+    def num_live(self) -> int:
+        """Rows that belong to a running answer."""
+        return sum(g is not None for g in self.rows)
+
+    def layout(self) -> BatchLayout:
+        """The batch's shape, for the scheduler."""
+        cache = self.cache
+        if cache is None:
+            return BatchLayout()
+        return BatchLayout(len(self.rows), self.num_live, cache.length, cache.capacity)
+
+    def forward(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
+        """Run one decode step for ``gens`` (each prefilled) in one forward pass, after laying the
+        batch out anew when ``rebuild`` (the answers without a row join then).
+
+        Rows of the batch not in ``gens`` sit this step out (their new column is masked).
+
+        Returns:
+            Logits ``[B, vocab]`` float32, indexed by each generation's ``row``.
+
+        Raises:
+            ServiceError: overloaded (no device memory for the batch, or out of memory twice).
+            Exception: the forward pass failed (the batch is left as before the step).
+        """
+        if rebuild:
+            self._build([g for g in gens if g.row is None])
+        cache, mask = self.cache, self.mask
+        assert cache is not None and mask is not None
+        col = cache.length
+        tokens = [0] * len(self.rows)
+        positions = [0] * len(self.rows)
+        for g in gens:
+            assert g.row is not None, "an answer without a row decodes only after a rebuild"
+            tokens[g.row] = g.events[-1].id
+            positions[g.row] = g.next_position
+            mask[g.row, col] = 1
+
+        def run() -> torch.Tensor:
+            try:
+                return self.runner.decode_batch(cache, tokens, positions, mask[:, : col + 1])
+            except BaseException:
+                cache.set_length(col)  # a failed step leaves no column behind
+                raise
+
+        try:
+            return oom_retry(run, self.store, keep=None)
+        except BaseException:
+            mask[:, col] = 0
+            raise
+
+    def release(self, gen: Generation) -> Any:
+        """Take ``gen`` out of the batch; returns its row's valid columns as a new ``DynamicCache``
+        (``[1, kv_heads, n, head_dim]`` per layer), or None when it had no row."""
+        row = gen.row
+        if row is None:
+            return None
+        assert self.cache is not None and self.mask is not None
+        gen.row = None
+        self.rows[row] = None
+        columns = torch.nonzero(self.mask[row, : self.cache.length]).flatten()
+        kv = self.runner.extract_row(self.cache, row, columns)
+        if self.num_live == 0:
+            self._free()
+        return kv
+
+    def _build(self, joining: list[Generation]) -> None:
+        """Lay out the live rows and ``joining`` (whose KV their sessions lend) anew."""
+        members = [g for g in self.rows if g is not None] + joining
+        old, old_mask = self.cache, self.mask
+        old_columns: list[torch.Tensor | None] = []
+        lengths: list[int] = []
+        for g in members:
+            if g.row is not None:
+                assert old is not None and old_mask is not None
+                cols = torch.nonzero(old_mask[g.row, : old.length]).flatten()
+                old_columns.append(cols)
+                lengths.append(int(cols.numel()))
+            else:
+                old_columns.append(None)
+                lengths.append(cache_len(g.session.kv_cache))
+        width = max(lengths)
+        need = len(members) * (width + self.grow_columns) * self.runner.kv_bytes_per_token
+        self.store.batch_bytes = 0 if old is None else old.nbytes()
+        if not self.store.reserve(need, keep=None):
+            raise overloaded("not enough device memory to decode now; retry later", "step_memory")
+        cache = oom_retry(
+            lambda: self.runner.new_batch_cache(len(members), width + self.grow_columns), self.store, keep=None
+        )
+        mask = torch.zeros(len(members), cache.capacity, dtype=torch.long, device=self.runner.device)
+        for row, (g, src_cols, n) in enumerate(zip(members, old_columns, lengths, strict=True)):
+            if src_cols is not None:
+                assert old is not None and g.row is not None
+                for dst, src in zip(cache.batch_layers, old.batch_layers, strict=True):
+                    dst.keys[row, :, width - n : width] = src.keys[g.row].index_select(1, src_cols)
+                    dst.values[row, :, width - n : width] = src.values[g.row].index_select(1, src_cols)
+            else:
+                self.runner.load_row(cache, row, g.session.kv_cache, width)
+                g.session.lend_kv()  # the row holds it now (the session is busy: never demoted)
+                self.store.sync(g.session)
+            mask[row, width - n : width] = 1
+        cache.set_length(width)
+        for row, g in enumerate(members):
+            g.row = row
+        self.cache, self.mask, self.rows = cache, mask, list(members)
+        self.store.batch_bytes = cache.nbytes()
+        self.num_builds += 1
+
+    def _free(self) -> None:
+        self.cache = None
+        self.mask = None
+        self.rows = []
+        self.store.batch_bytes = 0

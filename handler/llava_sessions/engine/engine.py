@@ -1,0 +1,365 @@
+"""The session engine: admit work, then step it: schedule → execute → postprocess.
+
+A session is opened on an image once (vision tower + projector, then the conversation prefix
+prefilled). Each question chat-templates the FULL conversation, reuses the session's KV cache for
+the longest common token prefix, prefills only the rest and decodes, so a follow-up costs its own
+tokens and gives exactly the tokens a from-scratch ``model.generate`` on the same templated
+conversation gives (fp32).
+
+The parts, as in nano-vllm's ``engine/``: admission (:mod:`.admission`) checks a request and makes
+its work (:class:`~.sequence.Generation`, :class:`~.sequence.ImageTask`, state only);
+:meth:`SessionEngine.step` asks the scheduler (:func:`~.scheduler.schedule`, plain data) what to
+run, has the model runner (:class:`~.model_runner.ModelRunner`) execute it, and applies what each
+piece needs and produces to the work and its session (:mod:`.updates`: restore and crop before a
+prefill, sample and finish after it, undo on failure). No HTTP, no JSON, no TorchServe.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..conversation import Turn, common_prefix_len
+from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
+from ..sampling import SamplingParams
+from ..sessions import SessionStore
+from .admission import Admission
+from .decode_batch import DecodeBatch
+from .model_runner import ModelRunner
+from .scheduler import PrefillPiece, schedule
+from .sequence import Generation, ImageTask, Phase, Work
+from .updates import StateUpdates
+
+__all__ = ["EngineLimits", "SessionEngine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineLimits:
+    """Per-request limits: ``max_new_tokens_cap`` and ``max_prompt_tokens`` (tokens of one prompt);
+    per-session limits: ``max_images`` (images a session holds, the opening one included) and
+    ``max_image_tokens`` (placeholder tokens of all its images; 0: only the model's context)."""
+
+    max_new_tokens_cap: int = 1024
+    max_prompt_tokens: int = 2048
+    max_images: int = 8
+    max_image_tokens: int = 0
+
+
+class SessionEngine:
+    """Sessions on one model: open, add images, answer (step-wise), reset, close, under a memory budget.
+
+    Args:
+        runner: the loaded model (:class:`~llava_sessions.model.LlavaRunner`).
+        store: the session store (budget, TTL).
+        decode_image: ``bytes -> RGB PIL image``; raises ServiceError(image_invalid | image_too_large).
+        limits: per-request and per-session limits.
+        check_invariants: after every step and every admission, assert the store's invariants
+            (:meth:`SessionStore.check_invariants`); for tests.
+
+    Attributes:
+        model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
+        num_reused_tokens / num_generated_tokens: counters for metrics (prompt tokens served from a
+            KV cache; tokens sampled, finished answers or not).
+    """
+
+    def __init__(
+        self,
+        runner: Any,
+        store: SessionStore,
+        decode_image: Callable[[bytes], Any],
+        limits: EngineLimits | None = None,
+        *,
+        check_invariants: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.store = store
+        self.decode_image = decode_image
+        self.limits = limits or EngineLimits()
+        self.model = ModelRunner(runner, store)
+        self.check_invariants = check_invariants
+        self.num_reused_tokens = 0
+        self.num_generated_tokens = 0
+        self._admission = Admission(self)
+        self._update = StateUpdates(self)
+
+    @property
+    def batch(self) -> DecodeBatch:
+        """The running answers' decode batch."""
+        return self.model.batch
+
+    @property
+    def num_prefilled_tokens(self) -> int:
+        """Prompt tokens prefilled since start."""
+        return self.model.num_prefilled_tokens
+
+    def new_session_bytes(self, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
+        """Device bytes a new session takes in the ``kv`` tier: its image features (``num_image_tokens``,
+        default one base tile, x hidden x dtype bytes) plus the KV cache of its ``num_prefix_tokens``."""
+        image_tokens = self.runner.num_image_tokens if num_image_tokens is None else num_image_tokens
+        runner = self.runner
+        return image_tokens * runner.feature_bytes_per_token + num_prefix_tokens * runner.kv_bytes_per_token
+
+    # ------------------------------------------------------------------ sessions
+    def open(
+        self,
+        session_id: str,
+        image_bytes: bytes,
+        system_prompt: str | None = None,
+        *,
+        image: Any = None,
+        history: list[Turn] | None = None,
+        history_images: Sequence[tuple[bytes, Any]] = (),
+    ) -> OpenResult:
+        """Open a session in one call (:meth:`begin_open`, then its steps without a token budget).
+
+        Raises:
+            ServiceError: as :meth:`begin_open`, and image_invalid / overloaded from its steps.
+        """
+        task = self.begin_open(
+            session_id, image_bytes, system_prompt, image=image, history=history, history_images=history_images
+        )
+        result = self._run_whole(task)
+        assert isinstance(result, OpenResult)
+        return result
+
+    def begin_open(
+        self,
+        session_id: str,
+        image_bytes: bytes,
+        system_prompt: str | None = None,
+        *,
+        image: Any = None,
+        history: list[Turn] | None = None,
+        history_images: Sequence[tuple[bytes, Any]] = (),
+    ) -> ImageTask:
+        """Admit a new session on an image and return its :class:`~.sequence.ImageTask` (the vision
+        tower and the prefix prefill run in later :meth:`step` calls); the session is busy until done.
+
+        With ``history``, the session starts with those turns remembered (a restored conversation)
+        and the prefix covers them too. ``history_images``: ``(encoded bytes, decoded image)`` of the
+        images the restored turns' ``images`` counts place, in order.
+
+        Args:
+            session_id: the new session's id.
+            image_bytes: the encoded image (JPEG, PNG, ...).
+            system_prompt: optional system message, templated first.
+            image: ``image_bytes`` already decoded (RGB PIL image), to skip decoding here.
+            history: past turns to restore (their prompts must not contain the image placeholder).
+
+        Raises:
+            ServiceError: image_invalid / image_too_large (bad image), image_limit_exceeded,
+                overloaded (no room: the session is not opened), invalid_request (id already open),
+                invalid_parameter (the image placeholder in a history turn, image counts that do not
+                match), context_length_exceeded (image and history too long).
+        """
+        task = self._admission.open(session_id, image_bytes, system_prompt, image, history, history_images)
+        self._check()
+        return task
+
+    def add_image(self, session_id: str, image_bytes: bytes, *, image: Any = None) -> AddImageResult:
+        """Append an image to a session's conversation in one call (:meth:`begin_add_image`, then its steps).
+
+        Raises:
+            ServiceError: as :meth:`begin_add_image`, and image_invalid / overloaded from its steps
+                (the session is then as before).
+        """
+        result = self._run_whole(self.begin_add_image(session_id, image_bytes, image=image))
+        assert isinstance(result, AddImageResult)
+        return result
+
+    def begin_add_image(self, session_id: str, image_bytes: bytes, *, image: Any = None) -> ImageTask:
+        """Admit an image that opens the session's next question, and return its
+        :class:`~.sequence.ImageTask` (the vision tower, then the conversation up to the next question,
+        in later :meth:`step` calls, reusing the KV cache of everything before).
+
+        Where the model lays out earlier images differently once there are several (LLaVA-OneVision:
+        one base tile each), the earlier images are re-encoded too and the cache is reused up to the
+        first image only: the answers stay those of the model on the whole conversation.
+
+        Raises:
+            ServiceError: session_* (gone), session_busy, image_invalid / image_too_large,
+                image_limit_exceeded (``max_images`` or ``max_image_tokens``), context_length_exceeded
+                (no room left for a question), overloaded (no device memory now).
+        """
+        task = self._admission.add_image(session_id, image_bytes, image)
+        self._check()
+        return task
+
+    def reset(self, session_id: str) -> None:
+        """Forget the history, keep the images (and the cached prefix up to where the conversation
+        changes): every image now opens the next question.
+
+        Raises:
+            ServiceError: session_not_found / _expired / _evicted, session_busy.
+        """
+        session = self._admission.idle_session(session_id)
+        session.forget_history()
+        if session.kv_cache is not None:
+            session.crop_kv(common_prefix_len(session.cached_ids, self.runner.template.prefix_ids(session.chat())))
+        self.store.sync(session)
+        self._check()
+
+    def close(self, session_id: str) -> None:
+        """Close the session and free everything it holds.
+
+        Raises:
+            ServiceError: session_not_found / _expired / _evicted, session_busy.
+        """
+        self._admission.idle_session(session_id)
+        self.store.remove(session_id)
+
+    def history(self, session_id: str) -> list[Turn]:
+        """The remembered turns of a session (a copy)."""
+        return list(self.store.get(session_id).history)
+
+    def check_idle(self, session_id: str) -> None:
+        """Check that ``session_id`` is open and not answering.
+
+        Raises:
+            ServiceError: session_not_found / _expired / _evicted, session_busy.
+        """
+        self._admission.idle_session(session_id)
+
+    # ------------------------------------------------------------------ answers
+    def start(
+        self,
+        session_id: str,
+        prompt: str,
+        params: SamplingParams | None = None,
+        remember: bool = True,
+        *,
+        context_policy: ContextPolicy = "truncate",
+        clip_max_new_tokens: bool = False,
+    ) -> Generation:
+        """Admit a question and return its :class:`~.sequence.Generation` (nothing computed yet).
+
+        Context policy, when prompt tokens + ``max_new_tokens`` > the model's max positions:
+        ``truncate`` drops the oldest remembered turns, one at a time, until the turn fits (the
+        system prompt and the images never leave: a dropped turn's images open the first turn
+        kept); if none is left and ``clip_max_new_tokens``, ``max_new_tokens`` is lowered to the
+        room left. The dropped turns leave the session's history when the answer completes (an
+        abandoned answer changes nothing). ``error`` changes nothing and raises.
+
+        Args:
+            session_id: an open session.
+            prompt: the user's question (plain text; must not contain the image placeholder).
+            params: sampling parameters.
+            remember: True: the turn joins the history; False: answered with the current history
+                as context, then forgotten (the cache is cropped back).
+            context_policy: ``truncate`` or ``error`` (above).
+            clip_max_new_tokens: ``params.max_new_tokens`` is a default the request did not set,
+                so it may be clipped to the room left.
+
+        Raises:
+            ServiceError: session_* (gone), session_busy, invalid_parameter (empty prompt, the
+                image token in it, max_new_tokens over the cap, prompt too long),
+                context_length_exceeded (the turn does not fit: under ``truncate``, not even with
+                every remembered turn dropped).
+        """
+        gen = self._admission.question(
+            session_id, prompt, params or SamplingParams(), remember, context_policy, clip_max_new_tokens
+        )
+        self._check()
+        return gen
+
+    def generate(
+        self,
+        session_id: str,
+        prompt: str,
+        params: SamplingParams | None = None,
+        remember: bool = True,
+        *,
+        context_policy: ContextPolicy = "truncate",
+        clip_max_new_tokens: bool = False,
+    ) -> Answer:
+        """Answer ``prompt`` in one call (:meth:`start`, then its steps to the end).
+
+        Raises:
+            ServiceError: as :meth:`start`, and overloaded when memory runs out (session intact).
+        """
+        gen = self.start(
+            session_id,
+            prompt,
+            params,
+            remember,
+            context_policy=context_policy,
+            clip_max_new_tokens=clip_max_new_tokens,
+        )
+        for _ in gen:
+            pass
+        assert gen.answer is not None
+        return gen.answer
+
+    # ------------------------------------------------------------------ the step
+    def step(self, work: Sequence[Work], *, prefill_budget: int | None = None) -> None:
+        """Run one engine step over ``work``: schedule it (:func:`~.scheduler.schedule`: decode rows
+        first, then prefill pieces, questions before images, within ``prefill_budget`` tokens; None:
+        every piece runs whole), execute the plan and apply what it produced.
+
+        A piece of work whose step fails gets its ``error`` set and its session put back as before
+        (an open's session is removed); the others are untouched. Never raises ``Exception``.
+        """
+        live = [w for w in work if not w.done]
+        plan = schedule([w.view() for w in live], prefill_budget, self.batch.layout())
+        if plan.decode:
+            self._update.decode([self._as_generation(live[i]) for i in plan.decode], rebuild=plan.rebuild)
+        for piece in plan.prefill:
+            w = live[piece.index]
+            try:
+                self._run_piece(w, piece)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
+                self._update.fail(w, exc)
+            except BaseException:
+                self._update.fail(w, RuntimeError("interrupted"))
+                raise
+        self._check()
+
+    def abandon(self, work: Work) -> None:
+        """Abandon ``work`` (client gone): an answer or an added image leaves its session as before,
+        an open's session is removed. No-op once the work is done."""
+        if not work.done:
+            self._update.put_back(work)
+
+    def _run_piece(self, w: Work, piece: PrefillPiece) -> None:
+        """Execute one prefill piece of the plan: the vision tower or a restore, then a prefill chunk."""
+        if isinstance(w, Generation):
+            if w.phase is Phase.WAITING:
+                self._update.start_generation(w)
+            if piece.num_tokens == 0:
+                return  # the restore's vision tower took this step's share
+            logits, _ = self.model.prefill(w.session, w.prompt_ids, piece.num_tokens, w.timings)
+            self.store.sync(w.session)
+            if len(w.session.cached_ids) == len(w.prompt_ids):
+                w.prefilled_all()
+                self._update.accept(w, logits)
+            return
+        if piece.vision:
+            self._update.encode_image_task(w)
+            if piece.num_tokens == 0:
+                return  # the vision tower took this step's share
+        if len(w.session.cached_ids) < len(w.prefix):
+            self.model.prefill(w.session, w.prefix, piece.num_tokens, w.timings)
+            self.store.sync(w.session)
+        if len(w.session.cached_ids) == len(w.prefix):
+            self._update.finish_image_task(w)
+
+    def _run_whole(self, task: ImageTask) -> Any:
+        """Step ``task`` alone without a budget until done; returns its result or raises its error."""
+        while not task.done:
+            self.step([task])
+        if task.error is not None:
+            raise task.error
+        return task.result
+
+    @staticmethod
+    def _as_generation(w: Work) -> Generation:
+        assert isinstance(w, Generation), "only answers decode"
+        return w
+
+    def _check(self) -> None:
+        if self.check_invariants:
+            self.store.check_invariants()

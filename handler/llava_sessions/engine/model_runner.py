@@ -1,0 +1,102 @@
+"""The model runner: execute the forward passes a step's plan names, on the sessions' tensors.
+
+nano-vllm's ``model_runner.py``: no policy here (what runs and how many tokens is the
+:class:`~.scheduler.StepPlan`'s), no bookkeeping beyond recording what a pass put in a session's KV
+cache. Every forward pass of the engine goes through this class: the vision tower, a prefill chunk,
+the decode batch's step; each is retried once after a CUDA out-of-memory error with the idle sessions
+demoted (:func:`~.memory.oom_retry`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..model import LlavaRunner, cache_len
+from ..results import elapsed_ms
+from .decode_batch import DecodeBatch
+from .memory import oom_retry
+
+if TYPE_CHECKING:
+    from ..sessions import Session, SessionStore
+    from .sequence import Generation
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """Runs the forward passes of a plan's pieces.
+
+    Args:
+        runner: the loaded model (:class:`~llava_sessions.model.LlavaRunner`).
+        store: the session store (the decode batch's bytes, demotions after an out-of-memory error).
+
+    Attributes:
+        batch: the running answers' :class:`~.decode_batch.DecodeBatch`.
+        num_prefilled_tokens: tokens prefilled since start (a counter for metrics).
+    """
+
+    def __init__(self, runner: LlavaRunner, store: SessionStore) -> None:
+        self.runner = runner
+        self.store = store
+        self.batch = DecodeBatch(runner, store)
+        self.num_prefilled_tokens = 0
+
+    def encode(self, session: Session, images: Sequence[Any]) -> torch.Tensor:
+        """Run the vision tower on ``images`` (the session's last ``len(images)``, decoded), laid out
+        as in the session's conversation now (:attr:`Session.image_tokens`).
+
+        Returns:
+            Their feature rows ``[sum of their image tokens, hidden]``, model dtype, on the device.
+
+        Raises:
+            ServiceError: image_invalid; overloaded (out of device memory twice).
+            RuntimeError: the model gave another row count than the processor's (a bug).
+        """
+        num_images = len(session.images)
+        feats = oom_retry(lambda: self.runner.encode_images(images, num_images), self.store, keep=session)
+        expected = session.image_tokens[num_images - len(images) :]
+        got = [int(f.shape[0]) for f in feats]
+        if got != expected:
+            raise RuntimeError(f"image features have {got} rows; the processor counts {expected}")
+        return feats[0] if len(feats) == 1 else torch.cat(feats, dim=0)
+
+    def prefill(
+        self, session: Session, ids: list[int], num_tokens: int | None, timings: dict[str, float]
+    ) -> tuple[torch.Tensor, int]:
+        """Prefill the next ``num_tokens`` of ``ids`` beyond the session's cache (None: all of them,
+        at least one) in one forward pass; the session records the ids its cache now holds.
+        ``timings["prefill"]`` accumulates the pass's ms.
+
+        Returns:
+            ``(logits [vocab] float32 of the chunk's last position, tokens prefilled)``.
+
+        Raises:
+            ServiceError: overloaded (out of device memory twice). Exception: the forward pass failed.
+        """
+        t0 = time.perf_counter()
+        start = cache_len(session.kv_cache)
+        end = len(ids) if num_tokens is None else min(len(ids), start + max(1, num_tokens))
+        runner = self.runner
+        logits = oom_retry(
+            lambda: runner.prefill(session.kv_cache, ids[:end], session.image_features), self.store, keep=session
+        )
+        session.record_prefill(ids[:end])
+        self.num_prefilled_tokens += end - start
+        timings["prefill"] = round(timings.get("prefill", 0.0) + elapsed_ms(t0), 3)
+        return logits, end - start
+
+    def decode(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
+        """One decode step of ``gens`` in one forward pass (:meth:`DecodeBatch.forward`).
+
+        Returns:
+            Logits ``[B, vocab]`` float32, indexed by each generation's ``row``.
+        """
+        return self.batch.forward(gens, rebuild=rebuild)
+
+    def new_cache(self) -> Any:
+        """An empty ``DynamicCache`` for a session."""
+        return self.runner.new_cache()

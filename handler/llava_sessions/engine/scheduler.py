@@ -1,0 +1,129 @@
+"""The scheduler: decide what one engine step runs. Plain data in, a plain-data :class:`StepPlan` out.
+
+vLLM's token-budget idea (``max_num_batched_tokens``; vLLM v1 ``Scheduler.schedule`` returns a
+``SchedulerOutput``), nano-vllm's cut (``engine/scheduler.py`` decides, the model runner executes).
+No torch, no tensors, no sessions: the rules are unit-tested without a model (tests/test_scheduler.py).
+
+The rules, in order:
+
+1. **Decode rows first.** Every answer whose prompt is prefilled decodes one token, all of them in
+   one batched forward pass; each row costs one token of the step's budget.
+2. **The prefill share.** What is left of the budget, but at least :data:`MIN_PREFILL_TOKENS`, so
+   new work always moves while many answers decode.
+3. **Questions before images.** Prefill work runs questions (a new answer's prompt, a demoted
+   session's restore) before image work (an open, an added image), each kind in arrival order:
+   a follow-up is a few tokens and a user waits for its first token.
+4. **The vision tower takes its step's share.** A piece of work whose next piece is the vision tower
+   (an open or added image not yet encoded; a question on a session demoted to the ``image`` tier)
+   runs it and nothing after it, and the step's prefill share is spent.
+5. **Chunks.** Otherwise a piece prefills ``min(tokens left, share left)`` tokens, at least one.
+   The step stops planning prefill when its share is spent.
+6. **Decode batch rebuilds.** The batch's KV layout is rebuilt (each member's KV copied once) when it
+   does not exist, when an answer joins, when its columns run out, or when fewer than half its rows
+   are still live (compaction).
+
+With no budget (``None``) every piece of work runs whole: vision tower, then its whole prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["MIN_PREFILL_TOKENS", "BatchLayout", "PrefillPiece", "StepPlan", "WorkView", "needs_rebuild", "schedule"]
+
+#: Prefill tokens a step runs at least, whatever the decode rows took of its budget.
+MIN_PREFILL_TOKENS = 16
+
+#: ``question``: an answer's prefill (restore + prompt); ``image``: an open or an added image.
+WorkKind = Literal["question", "image"]
+
+
+@dataclass(frozen=True)
+class WorkView:
+    """What the scheduler sees of one piece of work in flight.
+
+    Attributes:
+        kind: ``question`` or ``image`` (rule 3).
+        decoding: its prompt is prefilled: it is a decode row (rule 1).
+        has_row: it already holds a row of the decode batch (a decoding answer without one joins).
+        needs_vision: its next piece runs the vision tower (rule 4).
+        num_prefill_tokens: tokens it has left to prefill (after the vision piece, if any).
+    """
+
+    kind: WorkKind
+    decoding: bool = False
+    has_row: bool = False
+    needs_vision: bool = False
+    num_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The decode batch's shape: ``num_rows`` rows (``num_live`` of them running answers), ``length``
+    columns written, ``capacity`` columns allocated (0: no batch)."""
+
+    num_rows: int = 0
+    num_live: int = 0
+    length: int = 0
+    capacity: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    """Run work ``index``'s vision tower when ``vision``, then prefill ``num_tokens`` of its tokens
+    (0: none this step; None: all that are left)."""
+
+    index: int
+    vision: bool
+    num_tokens: int | None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: ``decode`` (indexes of the answers that decode one token together), ``rebuild``
+    (lay the decode batch out anew first), ``prefill`` (pieces, in the order they run)."""
+
+    decode: tuple[int, ...] = ()
+    rebuild: bool = False
+    prefill: tuple[PrefillPiece, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        """True when the step runs nothing."""
+        return not self.decode and not self.prefill
+
+
+def needs_rebuild(batch: BatchLayout, joining: bool) -> bool:
+    """Rule 6: whether the decode batch is laid out anew before the step (``joining``: an answer
+    without a row decodes this step)."""
+    if batch.capacity == 0 or joining:
+        return True
+    return batch.length + 1 > batch.capacity or batch.num_live * 2 < batch.num_rows
+
+
+def schedule(work: Sequence[WorkView], token_budget: int | None, batch: BatchLayout = BatchLayout()) -> StepPlan:
+    """Plan one step over ``work`` (in arrival order) within ``token_budget`` tokens (None: no limit).
+
+    Returns:
+        The :class:`StepPlan`: rules 1-6 of the module docstring.
+    """
+    decode = tuple(i for i, w in enumerate(work) if w.decoding)
+    rebuild = bool(decode) and needs_rebuild(batch, any(not work[i].has_row for i in decode))
+    share = None if token_budget is None else max(token_budget - len(decode), MIN_PREFILL_TOKENS)
+    order = [i for kind in ("question", "image") for i, w in enumerate(work) if w.kind == kind and not w.decoding]
+    pieces: list[PrefillPiece] = []
+    for i in order:
+        if share is not None and share <= 0:
+            break
+        w = work[i]
+        if w.needs_vision:
+            pieces.append(PrefillPiece(i, True, None if share is None else 0))
+            share = None if share is None else 0
+            continue
+        num = w.num_prefill_tokens if share is None else min(w.num_prefill_tokens, max(1, share))
+        pieces.append(PrefillPiece(i, False, num))
+        if share is not None:
+            share -= num
+    return StepPlan(decode, rebuild, tuple(pieces))

@@ -1,0 +1,316 @@
+"""Work in flight as state: an answer (:class:`Generation`) and an image task (:class:`ImageTask`).
+
+nano-vllm's ``sequence.py``: these hold a request's progress (token ids, cached count, decode row,
+sampling state, timings; an image task's images and prefix) and run no forward pass. The engine
+changes them as it executes a step (:mod:`.engine`); the scheduler reads them through
+:meth:`Generation.view` / :meth:`ImageTask.view` (:class:`~.scheduler.WorkView`).
+
+Iterating a generation and ``close()`` are conveniences that call back into the engine that made it
+(:class:`Driver`): ``next(gen)`` runs steps of that answer alone; ``close()`` abandons it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from ..conversation import common_prefix_len
+from ..results import AddImageResult, Answer, FinishReason, OpenResult, RestoredFrom, TokenEvent, elapsed_ms
+from ..sampling import IncrementalDetokenizer, Sampler, SamplingParams
+from .scheduler import WorkView
+
+if TYPE_CHECKING:
+    from ..sessions import Session, SessionSnapshot
+
+__all__ = ["Driver", "Generation", "ImageTask", "Phase", "Work"]
+
+
+class Phase(enum.Enum):
+    """Where an answer is: ``WAITING`` (not started: a demoted session is restored first),
+    ``PREFILLING`` (its prompt in chunks), ``DECODING`` (a row of the decode batch), ``DONE``."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    DONE = "done"
+
+
+class Driver(Protocol):
+    """What a piece of work calls back into: the engine that made it."""
+
+    def step(self, work: Sequence[Work], *, prefill_budget: int | None = None) -> None:
+        """Run one engine step over ``work``."""
+
+    def abandon(self, work: Work) -> None:
+        """Abandon ``work`` (client gone); its session is left as before it."""
+
+
+class Generation:
+    """One answer in flight: the prompt, the tokens so far and how far its prefill got.
+
+    Made by ``SessionEngine.start`` (the session is busy from then on). When it ends, :attr:`answer`
+    is set; when a step fails, :attr:`error` is set; :attr:`done` either way.
+
+    Attributes:
+        session: the session it answers in.
+        prompt / prompt_ids: the question and the full templated conversation's token ids.
+        params: sampling parameters (``max_new_tokens`` possibly clipped to the room left).
+        remember: the turn joins the history when the answer completes.
+        truncated_turns: oldest turns the conversation leaves to fit the context.
+        phase: :class:`Phase`.
+        row: this answer's row in the decode batch, while it has one.
+        num_reused_tokens: prompt tokens served from the session's KV cache.
+        restored_from: the tier a demoted session was rebuilt from (None: a KV hit).
+        timings: ms: ``restore``, ``prefill`` (accumulated), then ``ttft``, ``total``, ``decode_tokens_per_s``.
+    """
+
+    kind: Literal["question"] = "question"
+
+    def __init__(
+        self,
+        driver: Driver,
+        session: Session,
+        prompt: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        remember: bool,
+        sampler: Sampler,
+        detokenizer: IncrementalDetokenizer,
+        *,
+        truncated_turns: int = 0,
+    ) -> None:
+        self._driver = driver
+        self.session = session
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.remember = remember
+        self.truncated_turns = truncated_turns
+        self.sampler = sampler
+        self.detokenizer = detokenizer
+        self.phase = Phase.WAITING
+        self.prefilled = False  # the prompt is in the KV cache (stays True once set)
+        self.row: int | None = None
+        self.num_reused_tokens = 0
+        self.restored_from: RestoredFrom | None = None
+        self.answer: Answer | None = None
+        self.error: Exception | None = None
+        self.timings: dict[str, float] = {}
+        self._events: list[TokenEvent] = []
+        self._t0 = time.perf_counter()
+        self._t_first = self._t_last = 0.0
+        self._max_stop = max((len(s) for s in params.stop), default=0)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def session_id(self) -> str:
+        """The session this answer belongs to."""
+        return self.session.session_id
+
+    @property
+    def done(self) -> bool:
+        """True once the answer finished or failed."""
+        return self.phase is Phase.DONE
+
+    @property
+    def events(self) -> list[TokenEvent]:
+        """The token events generated so far, in order (do not modify)."""
+        return self._events
+
+    @property
+    def next_position(self) -> int:
+        """Position id of the token the next decode step feeds (the last one sampled)."""
+        return len(self.prompt_ids) + len(self._events) - 1
+
+    def num_reusable_tokens(self) -> int:
+        """Prompt tokens the session's KV cache serves now (at least one token is always prefilled)."""
+        return min(common_prefix_len(self.session.cached_ids, self.prompt_ids), len(self.prompt_ids) - 1)
+
+    def view(self) -> WorkView:
+        """What the scheduler sees: a decode row, or a prefill (after the vision tower when the
+        session must be restored from the ``image`` tier)."""
+        if self.phase is Phase.DECODING:
+            return WorkView("question", decoding=True, has_row=self.row is not None)
+        if self.phase is Phase.WAITING:
+            restore_vision = self.session.image_features is None
+            uncached = len(self.prompt_ids) - (0 if restore_vision else self.num_reusable_tokens())
+            return WorkView("question", needs_vision=restore_vision, num_prefill_tokens=uncached)
+        return WorkView("question", num_prefill_tokens=len(self.prompt_ids) - len(self.session.cached_ids))
+
+    # ------------------------------------------------------------------ changes (the engine's)
+    def started(self, restored_from: RestoredFrom | None, num_reused_tokens: int, restore_ms: float) -> None:
+        """The session is ready to prefill: restored (or a KV hit) and cropped to the reused tokens."""
+        self.phase = Phase.PREFILLING
+        self.restored_from, self.num_reused_tokens = restored_from, num_reused_tokens
+        self.timings["restore"] = restore_ms
+
+    def prefilled_all(self) -> None:
+        """The prompt is in the KV cache: the first token is sampled next, then it decodes."""
+        self.phase = Phase.DECODING
+        self.prefilled = True
+
+    def append(self, token: int, logprob: float | None, eos_token_ids: frozenset[int]) -> FinishReason | None:
+        """Record a sampled token; return why the answer ends with it (EOS or a stop sequence:
+        ``stop``; ``max_new_tokens`` reached: ``length``), or None."""
+        now = time.perf_counter()
+        if not self._events:
+            self._t_first = now
+        self._t_last = now
+        special = token in eos_token_ids
+        detok = self.detokenizer
+        before = len(detok.text)
+        text = detok.push(token)
+        finish: FinishReason | None = None
+        window = detok.text[max(0, before - self._max_stop) :]
+        if special or (self._max_stop and any(s in window for s in self.params.stop)):
+            finish = "stop"
+        elif len(self._events) + 1 >= self.params.max_new_tokens:
+            finish = "length"
+        if finish:
+            text += detok.flush()
+        self._events.append(TokenEvent(token, text, logprob, special))
+        return finish
+
+    def finish(self, finish_reason: FinishReason) -> Answer:
+        """End the answer; returns (and keeps) its :class:`~llava_sessions.results.Answer`."""
+        self.phase = Phase.DONE
+        n = len(self._events)
+        decode_s = self._t_last - self._t_first
+        self.timings["ttft"] = elapsed_ms(self._t0, self._t_first)
+        self.timings["total"] = elapsed_ms(self._t0)
+        self.timings["decode_tokens_per_s"] = round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else 0.0
+        self.answer = Answer(
+            text=self.detokenizer.text,
+            finish_reason=finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.num_reused_tokens,
+            generated_tokens=n,
+            tokens=list(self._events),
+            timings=dict(self.timings),
+            seed=self.sampler.seed,
+            restored_from=self.restored_from,
+            max_new_tokens=self.params.max_new_tokens,
+            truncated_turns=self.truncated_turns,
+        )
+        return self.answer
+
+    def fail(self, exc: Exception) -> None:
+        """Record ``exc`` as this answer's error (the engine puts the session back)."""
+        self.error = exc
+
+    def end(self) -> None:
+        """Mark the answer ended without an answer (failed or abandoned)."""
+        self.phase = Phase.DONE
+
+    # ------------------------------------------------------------------ conveniences
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        if self.done:
+            raise StopIteration
+        self._driver.step([self])
+        if self.error is not None:
+            raise self.error
+        return self._events[-1]
+
+    def close(self) -> None:
+        """Abandon the answer (client gone); the session stays as it was before the question."""
+        self._driver.abandon(self)
+
+
+class ImageTask:
+    """An open or an added image in flight: the vision tower, then the conversation up to the next
+    question prefilled in chunks.
+
+    Made by ``SessionEngine.begin_open`` / ``begin_add_image`` (the session is admitted and busy).
+    When done, :attr:`result` is set and the session is idle; when a step fails, :attr:`error` is set
+    and the session is removed (an open) or put back as before (an added image: :attr:`snapshot`).
+
+    Attributes:
+        kind_of_task: ``open`` or ``add_image``.
+        session: the session; prefix: the conversation's token ids up to the next question.
+        images: the decoded images still to encode (emptied once encoded).
+        new_image: an added image's encoded bytes, its sizes and placeholder counts of every image
+            once it joins (None for an open).
+        snapshot: the session before an added image joined it (for the rollback).
+        encoded: the vision tower ran; num_reused_tokens: prefix tokens kept from the KV cache.
+        timings: ms: ``decode`` (when decoded by the engine), ``encode``, ``prefill``, ``total``.
+    """
+
+    kind: Literal["image"] = "image"
+
+    def __init__(
+        self,
+        driver: Driver,
+        kind_of_task: Literal["open", "add_image"],
+        session: Session,
+        images: list[Any],
+        prefix: list[int],
+        t0: float,
+        decode_ms: float | None,
+        new_image: tuple[bytes, list[tuple[int, int]], list[int]] | None = None,
+    ) -> None:
+        self._driver = driver
+        self.kind_of_task = kind_of_task
+        self.session = session
+        self.images = images
+        self.prefix = prefix
+        self.new_image = new_image
+        self.snapshot: SessionSnapshot | None = None
+        self.encoded = False
+        self.num_reused_tokens = 0
+        self.result: OpenResult | AddImageResult | None = None
+        self.error: Exception | None = None
+        self.done = False
+        self.timings: dict[str, float] = {} if decode_ms is None else {"decode": decode_ms}
+        self._t0 = t0
+
+    @property
+    def session_id(self) -> str:
+        """The session the work is for."""
+        return self.session.session_id
+
+    def view(self) -> WorkView:
+        """What the scheduler sees: the vision tower first, then the prefix's uncached tokens."""
+        if not self.encoded:
+            return WorkView("image", needs_vision=True, num_prefill_tokens=len(self.prefix))
+        return WorkView("image", num_prefill_tokens=len(self.prefix) - len(self.session.cached_ids))
+
+    def finish(self) -> OpenResult | AddImageResult:
+        """The prefix is cached: set and return :attr:`result`."""
+        self.done = True
+        self.timings["total"] = elapsed_ms(self._t0)
+        session, timings = self.session, dict(self.timings)
+        if self.kind_of_task == "open":
+            self.result = OpenResult(
+                session.session_id, session.expires_at, session.image_tokens[0], len(self.prefix), timings
+            )
+        else:
+            self.result = AddImageResult(
+                session.session_id,
+                image_tokens=session.image_tokens[-1],
+                images=len(session.images),
+                prefix_tokens=len(self.prefix),
+                cached_tokens=self.num_reused_tokens,
+                timings=timings,
+            )
+        return self.result
+
+    def fail(self, exc: Exception) -> None:
+        """Record ``exc`` as the task's error (the engine undoes the task)."""
+        self.error = exc
+
+    def end(self) -> None:
+        """Mark the task ended without a result (failed or abandoned)."""
+        self.done = True
+
+    def close(self) -> None:
+        """Abandon the task (client gone): an open's session is removed, an added image undone."""
+        self._driver.abandon(self)
+
+
+#: A piece of work the engine steps.
+Work = Generation | ImageTask

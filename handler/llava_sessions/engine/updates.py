@@ -1,0 +1,216 @@
+"""What a step's pieces need and produce, applied to the work in flight and its session.
+
+Before a prefill: a demoted session is restored (its features re-encoded from the ``image`` tier)
+and its cache cropped to the tokens the answer reuses, with the memory reserved; an image task's
+images join the session and are encoded. After a forward pass: the next token is sampled and
+recorded, and a finished answer or task updates its session (the remembered turn, the cache kept
+for the next question) and releases it. On failure or abandonment: the session is put back as it was
+before the request (an open's session is removed). Forward passes themselves are the model runner's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..conversation import Turn, common_prefix_len
+from ..errors import ServiceError, overloaded
+from ..ledger import Tier
+from ..results import FinishReason, RestoredFrom, elapsed_ms
+from .sequence import Generation, ImageTask, Work
+
+if TYPE_CHECKING:
+    from ..sessions import Session
+    from .engine import SessionEngine
+
+__all__ = ["StateUpdates"]
+
+log = logging.getLogger(__name__)
+
+
+class StateUpdates:
+    """The engine's changes to work and sessions around the forward passes (module docstring).
+
+    Args:
+        engine: the engine (its store, model runner and counters).
+    """
+
+    def __init__(self, engine: SessionEngine) -> None:
+        self.engine = engine
+        self.store = engine.store
+        self.model = engine.model
+
+    # ------------------------------------------------------------------ answers
+    def start_generation(self, gen: Generation) -> None:
+        """Make the session prefillable for ``gen``: restore a demoted session, reserve the answer's
+        memory, crop the cache to the tokens it reuses.
+
+        Raises:
+            ServiceError: overloaded (no device memory); the restore's image errors.
+        """
+        session = gen.session
+        t0 = time.perf_counter()
+        restored = self._restore(session)
+        reuse = gen.num_reusable_tokens()
+        need = (len(gen.prompt_ids) - reuse + gen.params.max_new_tokens) * self.engine.runner.kv_bytes_per_token
+        if not self.store.reserve(need, keep=session):
+            raise overloaded("not enough device memory for this answer now; retry later", "step_memory")
+        session.crop_kv(reuse)
+        self.store.sync(session)
+        self.engine.num_reused_tokens += reuse
+        gen.started(restored, reuse, elapsed_ms(t0))
+
+    def _restore(self, session: Session) -> RestoredFrom | None:
+        """Bring a demoted session back to a prefillable state; returns the tier it came from."""
+        tier = session.tier
+        if tier is Tier.KV:
+            return None
+        if tier is Tier.IMAGE:
+            images = [self.engine.decode_image(data) for data in session.images]
+            need = sum(session.image_tokens) * self.engine.runner.feature_bytes_per_token
+            if not self.store.reserve(need, keep=session):
+                raise overloaded("not enough device memory to restore the session", "session_room")
+            session.set_features(self.model.encode(session, images))
+        session.start_kv(self.model.new_cache())
+        session.count_restore()
+        self.store.stats.num_restores += 1
+        return "features" if tier is Tier.FEATURES else "image"
+
+    def decode(self, gens: list[Generation], *, rebuild: bool) -> None:
+        """Run the decode step of ``gens`` together and sample each one's next token; a failed
+        forward pass fails every one of them (their sessions put back)."""
+        try:
+            logits = self.model.decode(gens, rebuild=rebuild)
+        except Exception as exc:  # noqa: BLE001 - the batched step failed: each of its answers fails
+            for g in gens:
+                self.fail(g, exc)
+            return
+        except BaseException:
+            for g in gens:
+                self.put_back(g)
+            raise
+        for g in gens:
+            assert g.row is not None
+            try:
+                self.accept(g, logits[g.row])
+            except Exception as exc:  # noqa: BLE001
+                self.fail(g, exc)
+
+    def accept(self, gen: Generation, logits: torch.Tensor) -> None:
+        """Sample ``gen``'s next token from ``logits [vocab]`` (float32) and record it; finish the
+        answer when it ends there."""
+        token, logprob = gen.sampler.next_token(logits)
+        self.engine.num_generated_tokens += 1
+        finish = gen.append(token, logprob, self.engine.runner.eos_token_ids)
+        if finish:
+            self._finish_generation(gen, finish)
+
+    def _finish_generation(self, gen: Generation, finish_reason: FinishReason) -> None:
+        """The answer ended: its KV comes back from the batch, the session keeps the turn (or its
+        cache is cropped back to the history's stable prefix) and is idle again."""
+        session = gen.session
+        generated = [e.id for e in gen.events]
+        kv = self.model.batch.release(gen)
+        if kv is not None:  # the last token is not fed yet
+            session.take_back_kv(kv, gen.prompt_ids + generated[:-1])
+        if gen.truncated_turns:  # what the model saw: the oldest turns left the context (not their images)
+            session.drop_oldest_turns(gen.truncated_turns)
+        if gen.remember:
+            session.remember(Turn(gen.prompt, gen.detokenizer.text, session.pending_images))
+        else:  # keep what the next question can reuse: the history's stable prefix
+            stable = self.engine.runner.template.prefix_ids(session.chat())
+            session.crop_kv(max(gen.num_reused_tokens, common_prefix_len(gen.prompt_ids, stable)))
+        session.check_invariants()
+        self.store.set_busy(session, False)
+        gen.finish(finish_reason)
+        self.store.enforce(keep=session)
+
+    # ------------------------------------------------------------------ image tasks
+    def encode_image_task(self, task: ImageTask) -> None:
+        """Run the task's vision tower and leave the session ready to prefill its prefix: an open's
+        session takes the features and an empty cache; an added image joins the session (which can
+        be rolled back), its features are appended (or every image re-encoded when the layout of the
+        earlier ones changed) and the cache is kept up to what the new prefix shares with it."""
+        t = time.perf_counter()
+        session = task.session
+        if task.new_image is None:
+            session.set_features(self.model.encode(session, task.images))
+            session.start_kv(self.model.new_cache())
+        else:
+            self._join_added_image(task)
+        task.images = []
+        task.encoded = True
+        task.timings["encode"] = elapsed_ms(t)
+        self.store.sync(session)
+
+    def _join_added_image(self, task: ImageTask) -> None:
+        session, runner = task.session, self.engine.runner
+        assert task.new_image is not None
+        data, sizes, tokens = task.new_image
+        task.snapshot = session.snapshot()
+        relayout = tokens[:-1] != session.image_tokens
+        had_features = session.image_features
+        session.add_image(data, sizes, tokens)
+        if relayout or had_features is None:  # every image (re-)encoded as laid out now
+            images = [self.engine.decode_image(d) for d in session.images[:-1]] + task.images
+            session.set_features(self.model.encode(session, images))
+        else:
+            session.set_features(torch.cat([had_features, self.model.encode(session, task.images)], dim=0))
+        keep = common_prefix_len(session.cached_ids, task.prefix)
+        if relayout and runner.image_token_id in session.cached_ids:  # nothing from the first image on
+            keep = min(keep, session.cached_ids.index(runner.image_token_id))
+        if session.kv_cache is None:
+            session.start_kv(self.model.new_cache())
+        else:
+            session.crop_kv(keep)
+        task.num_reused_tokens = len(session.cached_ids)
+        self.engine.num_reused_tokens += task.num_reused_tokens
+
+    def finish_image_task(self, task: ImageTask) -> None:
+        """The prefix is cached: the session is idle again (within the budget) and the task has its result."""
+        self.store.set_busy(task.session, False)
+        self.store.enforce(keep=task.session)
+        task.finish()
+
+    # ------------------------------------------------------------------ failures
+    def fail(self, work: Work, exc: Exception) -> None:
+        """Record ``exc`` as ``work``'s error and put its session back (no-op once done)."""
+        if work.done:
+            return
+        work.fail(exc)
+        self.put_back(work)
+
+    def put_back(self, work: Work) -> None:
+        """End ``work`` without a result and leave its session as before the request: an answer's
+        cache cropped to what it reused (or dropped if a forward pass failed midway), an added
+        image rolled back, an open's session removed."""
+        work.end()
+        session = work.session
+        self.store.set_busy(session, False)
+        if isinstance(work, Generation):
+            self._put_back_answer(work)
+        elif work.kind_of_task == "open":
+            if session.session_id in self.store:
+                try:
+                    self.store.remove(session.session_id)
+                except ServiceError:
+                    pass
+            return
+        elif work.snapshot is not None:
+            session.rollback(work.snapshot, self.engine.runner.template.prefix_ids)
+        if session.session_id in self.store:
+            self.store.sync(session)
+
+    def _put_back_answer(self, gen: Generation) -> None:
+        session = gen.session
+        try:
+            kv = self.model.batch.release(gen)
+            if kv is not None:
+                session.take_back_kv(kv, gen.prompt_ids + [e.id for e in gen.events][:-1])
+        except Exception:  # noqa: BLE001 - the row cannot be read back: rebuild the session from features
+            log.exception("could not read a session back from the decode batch")
+            session.drop_kv()
+        session.keep_kv(len(session.cached_ids) if not gen.prefilled else gen.num_reused_tokens)

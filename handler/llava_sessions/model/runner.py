@@ -1,0 +1,290 @@
+"""The LLaVA model runner: image encoding, prefill and decode forward passes over explicit state.
+
+Pure model operations: no sessions, no scheduling policy, no HTTP or JSON. ``prefill`` runs one
+sequence's uncached tokens (a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer);
+``decode_batch`` runs one token for every row of a :class:`~llava_sessions.model.kv_cache.BatchKVCache`
+in one forward pass. All architecture knowledge lives in this package: the engine sees images as
+feature rows and token counts.
+
+Mechanics (verified, shared/notes/llava-transformers.md): an image's features are the model's own
+``get_image_features`` output (vision tower, projector and, for NeXT / OneVision, the tile packing
+with newline rows), shape ``[image_tokens, text_hidden]``, where ``image_tokens`` depends on the
+image size for anyres models; they replace the embeddings of that image's ``<image>`` placeholder
+tokens in order, exactly as the models' ``forward`` does with ``masked_scatter``, so a cached prefill
+is token-identical to ``model.generate`` from scratch in fp32.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ErrorCode, ServiceError
+from .kv_cache import BatchKVCache, cache_len
+from .loading import load_model
+from .templating import ChatTemplate
+
+__all__ = ["LlavaRunner"]
+
+
+class LlavaRunner:
+    """A loaded LLaVA-family checkpoint and the forward passes the session engine needs.
+
+    Args:
+        model: one of ``ARCHITECTURES`` (:mod:`~llava_sessions.model.loading`) in eval mode on ``device``.
+        processor: its processor (image processor, tokenizer, chat template).
+
+    Attributes:
+        architecture: the model's class name.
+        num_image_tokens: placeholder tokens of one base tile (576 for llava-1.5 at 336 px, which
+            is every image's count there; anyres models add tiles: :meth:`image_token_count`).
+        max_positions: the text model's ``max_position_embeddings`` (context limit, tokens).
+        kv_bytes_per_token: KV-cache bytes one token costs (2 × layers × kv_heads × head_dim × dtype size).
+        feature_bytes_per_token: device bytes of one image-feature row (hidden × dtype size).
+        template: the chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
+        eos_token_ids: token ids that end an answer.
+    """
+
+    def __init__(self, model: Any, processor: Any) -> None:
+        self.model = model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.config = model.config
+        text = self.config.text_config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.image_token_id: int = int(self.config.image_token_id)
+        #: The checkpoint's chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
+        self.template = ChatTemplate(processor, self.image_token_id)
+        self.image_token: str = self.template.image_token
+        self.architecture: str = type(model).__name__
+        vision = self.config.vision_config
+        num_patches = (vision.image_size // vision.patch_size) ** 2
+        strategy = self.config.vision_feature_select_strategy
+        has_cls = getattr(vision, "model_type", "") == "clip_vision_model"  # SigLIP has no CLS token
+        self.num_image_tokens: int = num_patches + (1 if has_cls and strategy != "default" else 0)
+        # OneVision lays out each image of a several-image conversation as one base tile + a newline
+        # row (its get_image_features takes batch_num_images; processing_llava_onevision.replace_image_token)
+        self._multi_image_base_tile = "batch_num_images" in inspect.signature(model.get_image_features).parameters
+        self.max_positions: int = int(text.max_position_embeddings)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.kv_bytes_per_token: int = 2 * text.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+        self.num_kv_heads: int = kv_heads
+        #: Device bytes of one image-feature row (text hidden size x dtype size).
+        self.feature_bytes_per_token: int = text.hidden_size * self.dtype.itemsize
+        self.head_dim: int = head_dim
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, *, device: str = "auto", gpu_id: int | None = None, dtype: str = "auto"
+    ) -> LlavaRunner:
+        """Load a local llava-hf checkpoint folder (:func:`~llava_sessions.model.loading.load_model`).
+
+        Raises:
+            FileNotFoundError: ``model_dir`` is not a folder with a config.json.
+            ValueError: bad device or dtype, or an architecture not in ``ARCHITECTURES``.
+        """
+        return cls(*load_model(model_dir, device=device, gpu_id=gpu_id, dtype=dtype))
+
+    # ------------------------------------------------------------------ images
+    def _base_layout(self, num_images: int) -> bool:
+        """Whether images of a conversation with ``num_images`` images are laid out as one base tile
+        each (OneVision's several-image mode) rather than by their own size."""
+        return self._multi_image_base_tile and num_images > 1
+
+    def image_token_count(self, image_size: tuple[int, int], num_images: int = 1) -> int:
+        """Placeholder tokens of an image of ``image_size`` (height, width in pixels) in a
+        conversation holding ``num_images`` images: the processor's own count
+        (``_get_num_multimodal_tokens``: 576 for llava-1.5, tiles for anyres models), or one base
+        tile + a newline row in OneVision's several-image mode.
+        """
+        if self._base_layout(num_images):
+            return self.num_image_tokens + 1
+        counter = getattr(self.processor, "_get_num_multimodal_tokens", None)
+        if counter is None:
+            return self.num_image_tokens
+        return int(counter(image_sizes=[list(image_size)]).num_image_tokens[0])
+
+    @torch.inference_mode()
+    def encode_images(self, images: Sequence[Any], num_images: int | None = None) -> list[torch.Tensor]:
+        """Preprocess RGB PIL ``images``, run the vision tower, the projector and the model's tile packing.
+
+        Args:
+            images: the images to encode, in conversation order.
+            num_images: images in the conversation they belong to (default ``len(images)``); decides
+                OneVision's layout (:meth:`image_token_count`).
+
+        Returns:
+            One ``[image_tokens_i, text_hidden]`` tensor per image, model dtype, on the device;
+            ``image_tokens_i == image_token_count(size_i, num_images)``.
+
+        Raises:
+            ServiceError(image_invalid): the processor cannot handle an image.
+        """
+        images = list(images)
+        total = len(images) if num_images is None else num_images
+        base = self._base_layout(total)
+        # several-image mode needs a nested batch of >= 2 images; a lone one is preprocessed twice
+        batch: Any = [images + images[:1] if len(images) == 1 else images] if base else images
+        try:
+            out = self.processor.image_processor(images=batch, return_tensors="pt")
+        except Exception as exc:  # noqa: BLE001 - any processor failure is the image's fault
+            raise ServiceError(ErrorCode.IMAGE_INVALID, "the image could not be preprocessed") from exc
+        kwargs: dict[str, Any] = {}
+        if "image_sizes" in out:
+            kwargs["image_sizes"] = out["image_sizes"][: len(images)]
+        if base:
+            kwargs["batch_num_images"] = torch.tensor([max(2, len(images))])
+        pixel_values = out["pixel_values"][: len(images)]
+        return self.encode_pixels(pixel_values, **kwargs)
+
+    @torch.inference_mode()
+    def encode_pixels(self, pixel_values: torch.Tensor, **kwargs: Any) -> list[torch.Tensor]:
+        """Run ``get_image_features`` on preprocessed ``pixel_values`` (``[N, 3, H, W]``, or
+        ``[N, tiles, 3, H, W]`` for anyres models, with their ``image_sizes`` in ``kwargs``); returns
+        one ``[image_tokens_i, text_hidden]`` tensor per image."""
+        pixel_values = pixel_values.to(self.device, self.dtype)
+        out = self.model.get_image_features(
+            pixel_values=pixel_values,
+            vision_feature_layer=self.config.vision_feature_layer,
+            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+            **kwargs,
+        )
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        per_image = list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
+        return [f.reshape(-1, f.shape[-1]).contiguous() for f in per_image]
+
+    # ------------------------------------------------------------------ forward passes
+    def new_cache(self) -> Any:
+        """Return an empty ``DynamicCache`` for this model."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config.text_config)
+
+    def _embed(self, ids: list[int], first_row: int, image_features: torch.Tensor | None) -> torch.Tensor:
+        """Embeddings ``[1, len(ids), hidden]``; the k-th image placeholder in ``ids`` takes row
+        ``first_row + k`` of ``image_features`` (every image's rows, in conversation order)."""
+        ids_t = torch.tensor([ids], device=self.device)
+        embeds = self.model.get_input_embeddings()(ids_t)
+        mask = ids_t[0] == self.image_token_id
+        count = int(mask.sum())
+        if count:
+            if image_features is None or first_row + count > image_features.shape[0]:
+                raise RuntimeError("image placeholders to prefill but not as many image feature rows")
+            embeds[0, mask] = image_features[first_row : first_row + count].to(embeds.dtype)
+        return embeds
+
+    @torch.inference_mode()
+    def prefill(self, cache: Any, ids: list[int], image_features: torch.Tensor | None) -> torch.Tensor:
+        """Run the positions of ``ids`` beyond the cache in one forward pass, extending ``cache``.
+
+        Args:
+            cache: a ``DynamicCache`` holding exactly ``ids[:cache_len]`` (mutated: grows to ``len(ids)``).
+            ids: the FULL token ids of the sequence; ``len(ids) > cache_len(cache)``.
+            image_features: ``[image tokens of every image, hidden]`` (the images' rows in conversation
+                order); needed only if uncached ids hold image placeholders.
+
+        Returns:
+            Logits ``[vocab]`` (float32) of the last position.
+        """
+        start = cache_len(cache)
+        if start >= len(ids):
+            raise ValueError(f"nothing to prefill: cache holds {start} of {len(ids)} tokens")
+        first_row = ids[:start].count(self.image_token_id)
+        embeds = self._embed(ids[start:], first_row, image_features)
+        return self._forward(cache, embeds, start)
+
+    @torch.inference_mode()
+    def decode(self, cache: Any, token_id: int) -> torch.Tensor:
+        """Feed one token at position ``cache_len(cache)``; returns logits ``[vocab]`` (float32).
+
+        ``cache`` is mutated (grows by one position).
+        """
+        start = cache_len(cache)
+        embeds = self.model.get_input_embeddings()(torch.tensor([[token_id]], device=self.device))
+        return self._forward(cache, embeds, start)
+
+    # ------------------------------------------------------------------ batched decode
+    def new_batch_cache(self, num_rows: int, capacity: int) -> BatchKVCache:
+        """Allocate a :class:`BatchKVCache` of ``num_rows`` rows × ``capacity`` columns, zeroed.
+
+        Bytes: ``num_rows × capacity × kv_bytes_per_token``.
+        """
+        text = self.config.text_config
+        cache = BatchKVCache(text.num_hidden_layers, capacity)
+        for layer in cache.batch_layers:
+            layer.allocate(num_rows, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        return cache
+
+    @staticmethod
+    def load_row(batch: BatchKVCache, row: int, cache: Any, end: int) -> None:
+        """Copy a session's ``DynamicCache`` (``[1, kv_heads, L, head_dim]`` per layer) into ``row`` of
+        ``batch`` at columns ``end - L .. end`` (right-aligned: its next token goes to column ``end``)."""
+        n = cache_len(cache)
+        for dst, src in zip(batch.batch_layers, cache.layers, strict=True):
+            dst.keys[row, :, end - n : end] = src.keys[0]
+            dst.values[row, :, end - n : end] = src.values[0]
+
+    def extract_row(self, batch: BatchKVCache, row: int, columns: torch.Tensor) -> Any:
+        """Gather ``row``'s ``columns`` (a ``[n]`` long tensor of column indexes, in order) into a new
+        ``DynamicCache`` of ``n`` positions (``[1, kv_heads, n, head_dim]`` per layer)."""
+        cache = self.new_cache()
+        for i, layer in enumerate(batch.batch_layers):
+            keys = layer.keys[row].index_select(1, columns).unsqueeze(0)
+            values = layer.values[row].index_select(1, columns).unsqueeze(0)
+            cache.update(keys, values, i)
+        return cache
+
+    @torch.inference_mode()
+    def decode_batch(
+        self, batch: BatchKVCache, token_ids: list[int], positions: list[int], attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode step for every row of ``batch`` in one forward pass.
+
+        Args:
+            batch: the rows' KV; each row's new key/value is written at column ``batch.length``
+                (mutated: ``length`` grows by one).
+            token_ids: ``B`` input tokens, one per row (any id for a row that is masked out).
+            positions: ``B`` position ids (each row's own sequence position: rows have
+                different lengths and may have skipped steps).
+            attention_mask: ``[B, batch.length + 1]`` long, 1 where a row may attend (its own
+                valid columns, including the new one), 0 for pads, holes and masked rows.
+
+        Returns:
+            Logits ``[B, vocab]`` float32.
+        """
+        ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)
+        embeds = self.model.get_input_embeddings()(ids)
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            position_ids=torch.tensor(positions, device=self.device).unsqueeze(1),
+            past_key_values=batch,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    def _forward(self, cache: Any, embeds: torch.Tensor, start: int) -> torch.Tensor:
+        n = embeds.shape[1]
+        position_ids = torch.arange(start, start + n, device=self.device).unsqueeze(0)
+        attention_mask = torch.ones(1, start + n, dtype=torch.long, device=self.device)
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[0, -1].float()

@@ -1,0 +1,111 @@
+"""Sampling parameters and their ranges: plain data, no torch (the codec builds them, the sampler reads them).
+
+:data:`SAMPLING_BOUNDS` is the one statement of the numeric ranges: the wire models
+(``llava_sessions.protocol``) take their pydantic constraints from it and :class:`SamplingParams`
+checks it, so a value refused on the wire is refused in the engine with the same words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ErrorCode, ServiceError
+
+__all__ = ["SAMPLING_BOUNDS", "SamplingBound", "SamplingParams"]
+
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingBound:
+    """The allowed range of one numeric sampling parameter and what to say when a value is outside it.
+
+    The one statement of the sampling rules: the wire model (:class:`GenerateParameters`) takes its
+    pydantic constraints from it and :class:`~llava_sessions.sampling.SamplingParams` checks it.
+    """
+
+    message: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def allows(self, value: float) -> bool:
+        """True when ``value`` is inside the range."""
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+        )
+
+    def field(self) -> Any:
+        """The pydantic ``Field`` with these constraints (for the wire models)."""
+        from pydantic import Field
+
+        return Field(ge=self.ge, gt=self.gt, le=self.le)
+
+
+#: Ranges of the numeric sampling parameters, by parameter name.
+SAMPLING_BOUNDS: dict[str, SamplingBound] = {
+    "max_new_tokens": SamplingBound("must be an integer >= 1", ge=1),
+    "temperature": SamplingBound("must be a number >= 0", ge=0.0),
+    "top_p": SamplingBound("must be > 0 and <= 1", gt=0.0, le=1.0),
+    "top_k": SamplingBound("must be an integer >= 0 (0 = off)", ge=0),
+    "repetition_penalty": SamplingBound("must be a number > 0", gt=0.0),
+    "seed": SamplingBound(f"must be an integer between 0 and {_MAX_SEED}", ge=0, le=_MAX_SEED),
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one answer.
+
+    Sampling is on when ``do_sample`` is true, or (as in TGI) when ``temperature`` (> 0 and != 1),
+    ``top_p`` (< 1) or ``top_k`` (> 0) is set; ``temperature == 0`` always means greedy.
+
+    Attributes:
+        max_new_tokens: most tokens to generate (tokens).
+        temperature: logits divisor (> 0) or 0 for greedy.
+        top_p: nucleus mass, 0 < top_p <= 1 (1 = off).
+        top_k: keep the k most likely tokens (0 = off).
+        repetition_penalty: CTRL penalty (> 0; 1 = off), over prompt and answer tokens.
+        do_sample: force sampling.
+        seed: seed of the sampler's generator; None draws one (returned in the details).
+        stop: stop sequences; the answer ends once its text contains one (kept in the text, as TGI does).
+        logprobs: compute each token's log-probability under the (processed) distribution.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    do_sample: bool = False
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        """Check the ranges of :data:`SAMPLING_BOUNDS` (the wire's rules).
+
+        Raises:
+            ServiceError: invalid_parameter, naming the parameter and its range.
+        """
+        for name, bound in SAMPLING_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not bound.allows(value):
+                raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name} {bound.message}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, "stop sequences must be non-empty strings")
+
+    @property
+    def sampling(self) -> bool:
+        """True when tokens are sampled rather than picked greedily."""
+        if self.temperature == 0:
+            return False
+        return bool(
+            self.do_sample
+            or (self.temperature is not None and self.temperature != 1.0)
+            or (self.top_p is not None and self.top_p < 1.0)
+            or (self.top_k is not None and self.top_k > 0)
+        )

@@ -1,0 +1,224 @@
+"""One session's state: its conversation, its images, and what of it is cached on the device.
+
+A session changes only through its own methods, which keep ``cached_ids``, the KV cache's length,
+the images and their feature rows in step (:meth:`Session.check_invariants`); the store
+(``llava_sessions.sessions``) keeps the ledger in step with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .conversation import Chat, Turn, common_prefix_len
+from .ledger import Tier, tier_of
+from .model.kv_cache import cache_len, crop_cache
+
+__all__ = ["Session", "SessionSnapshot"]
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """What :meth:`Session.rollback` puts back: the images, their layout, the pending count and the
+    features (the KV cache is kept only up to what the restored conversation shares with it)."""
+
+    images: tuple[bytes, ...]
+    image_sizes: tuple[tuple[int, int], ...]
+    image_tokens: tuple[int, ...]
+    pending_images: int
+    image_features: torch.Tensor | None
+
+
+@dataclass
+class Session:
+    """One client's conversation about one image or more, and what of it is cached on the device.
+
+    The fields are read freely; they change only through the methods below (and the store's
+    :meth:`SessionStore.set_busy`), which keep the invariant :meth:`check_invariants` asserts:
+    ``cached_ids`` are exactly the tokens in ``kv_cache``, except while the KV is lent to the decode
+    batch (``kv_lent``). After a change the engine calls :meth:`SessionStore.sync` so the ledger follows.
+
+    Attributes:
+        session_id: the id (``ts-seq-<uuid>`` minted by TorchServe, or any uuid4-based id).
+        images: the encoded images as received (host), in conversation order (the opening one first).
+        image_sizes: each image's decoded (height, width), pixels.
+        image_tokens: each image's placeholder tokens in the conversation as it is now.
+        pending_images: images added since the last remembered turn (they open the next question).
+        system_prompt: optional system message.
+        history: remembered turns, oldest first.
+        image_features: ``[sum(image_tokens), hidden]`` on the device (every image's rows in order),
+            or None (tier ``image``).
+        kv_cache: ``DynamicCache`` holding ``cached_ids`` (``[1, kv_heads, len, head_dim]`` per layer), or None.
+        cached_ids: token ids whose keys/values are in ``kv_cache`` (or in the decode batch's row).
+        kv_lent: the KV cache is lent to the decode batch (a running answer's row holds it).
+        opened_at: open time (epoch s); expires_at: absolute expiry (epoch s, whole seconds).
+        last_used: last request time (epoch s) for LRU and the idle timeout.
+        busy: a generation or image task is in flight; a busy session is never demoted or evicted.
+        num_restores: how many times a demoted session was rebuilt.
+    """
+
+    session_id: str
+    images: list[bytes]
+    system_prompt: str | None
+    opened_at: float
+    expires_at: int
+    last_used: float
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)
+    image_tokens: list[int] = field(default_factory=list)
+    pending_images: int = 1
+    history: list[Turn] = field(default_factory=list)
+    image_features: torch.Tensor | None = None
+    kv_cache: Any = None
+    cached_ids: list[int] = field(default_factory=list)
+    kv_lent: bool = False
+    busy: bool = False
+    num_restores: int = 0
+
+    # ------------------------------------------------------------------ reading
+    def chat(self) -> Chat:
+        """The conversation as the chat template sees it (system, turns, images)."""
+        return Chat(self.system_prompt, tuple(self.history), self.pending_images, tuple(self.image_tokens))
+
+    @property
+    def tier(self) -> Tier:
+        """The tier the session is in now (:func:`~llava_sessions.ledger.tier_of`)."""
+        return tier_of(cache_len(self.kv_cache), self.feature_bytes)
+
+    @property
+    def feature_bytes(self) -> int:
+        """Device bytes of the image features."""
+        f = self.image_features
+        return 0 if f is None else f.untyped_storage().nbytes()
+
+    @property
+    def host_bytes(self) -> int:
+        """Encoded images + UTF-8 conversation text (system prompt and turns), bytes."""
+        text = (self.system_prompt or "") + "".join(t.prompt + t.answer for t in self.history)
+        return sum(len(b) for b in self.images) + len(text.encode("utf-8"))
+
+    def check_invariants(self) -> None:
+        """Assert ``len(cached_ids) == cache_len(kv_cache)`` (unless the KV is lent to the decode
+        batch, when ``kv_cache`` is None) and one feature row per image placeholder."""
+        if self.kv_lent:
+            assert self.kv_cache is None and self.busy, "a lent KV cache belongs to a running answer"
+        else:
+            assert len(self.cached_ids) == cache_len(self.kv_cache), (len(self.cached_ids), cache_len(self.kv_cache))
+        if self.image_features is not None:
+            assert self.image_features.shape[0] == sum(self.image_tokens), "one feature row per image placeholder"
+        assert self.pending_images + sum(t.images for t in self.history) == len(self.images) == len(self.image_tokens)
+
+    # ------------------------------------------------------------------ the KV cache
+    def start_kv(self, cache: Any) -> None:
+        """Start caching from nothing in the empty ``cache`` (an open, a restore)."""
+        self.kv_cache, self.cached_ids = cache, []
+
+    def record_prefill(self, ids: list[int]) -> None:
+        """The KV cache was extended in place to hold ``ids`` (a prefill chunk ran): record them.
+
+        Raises:
+            ValueError: the cache does not hold ``len(ids)`` positions.
+        """
+        if cache_len(self.kv_cache) != len(ids):
+            raise ValueError(f"the cache holds {cache_len(self.kv_cache)} positions, not {len(ids)}")
+        self.cached_ids = list(ids)
+
+    def crop_kv(self, length: int) -> None:
+        """Keep the first ``length`` cached positions (cache compacted, ``cached_ids`` sliced).
+
+        Raises:
+            ValueError: fewer than ``length`` positions are cached.
+        """
+        if self.kv_cache is None:
+            return
+        crop_cache(self.kv_cache, length)
+        self.cached_ids = self.cached_ids[:length]
+
+    def keep_kv(self, length: int) -> None:
+        """Keep the first ``length`` cached positions after a failed or abandoned step; drop the KV
+        cache instead when it cannot be trusted (its layers differ in length because a forward pass
+        failed between layers, or it holds fewer than ``length`` positions)."""
+        if self.kv_cache is None:
+            return
+        try:
+            lens = {layer.keys.shape[-2] for layer in self.kv_cache.layers if getattr(layer, "keys", None) is not None}
+            if len(lens) > 1 or cache_len(self.kv_cache) < length:
+                self.drop_kv()
+            else:
+                self.crop_kv(length)
+        except Exception:  # noqa: BLE001 - an unreadable cache is rebuilt from the features
+            self.drop_kv()
+
+    def lend_kv(self) -> Any:
+        """Hand the KV cache to the decode batch (its row holds it from now on); returns it."""
+        cache, self.kv_cache, self.kv_lent = self.kv_cache, None, True
+        return cache
+
+    def take_back_kv(self, cache: Any, ids: list[int]) -> None:
+        """The decode batch gives the KV back: ``cache`` holds ``ids`` (the prompt and the answer so far)."""
+        self.kv_cache, self.cached_ids, self.kv_lent = cache, list(ids), False
+
+    def drop_kv(self) -> None:
+        """Demote ``kv`` → ``features``: free the KV cache."""
+        self.kv_cache, self.cached_ids, self.kv_lent = None, [], False
+
+    def drop_features(self) -> None:
+        """Demote to ``image``: free the KV cache and the image features."""
+        self.drop_kv()
+        self.image_features = None
+
+    # ------------------------------------------------------------------ images and conversation
+    def set_features(self, features: torch.Tensor) -> None:
+        """Hold ``features`` ``[sum(image_tokens), hidden]``: every image's rows, in order."""
+        self.image_features = features
+
+    def add_image(self, data: bytes, image_sizes: list[tuple[int, int]], image_tokens: list[int]) -> None:
+        """Append an encoded image (it opens the next question); ``image_sizes`` / ``image_tokens``
+        are every image's, as laid out with it (the features follow with :meth:`set_features`)."""
+        self.images = [*self.images, data]
+        self.image_sizes, self.image_tokens = list(image_sizes), list(image_tokens)
+        self.pending_images += 1
+
+    def snapshot(self) -> SessionSnapshot:
+        """What :meth:`rollback` puts back (before an added image)."""
+        return SessionSnapshot(
+            tuple(self.images),
+            tuple(self.image_sizes),
+            tuple(self.image_tokens),
+            self.pending_images,
+            self.image_features,
+        )
+
+    def rollback(self, snap: SessionSnapshot, keep_ids: Callable[[Chat], list[int]]) -> None:
+        """Put the images, their layout and features back as in ``snap``; keep the KV cache up to what
+        the restored conversation's prefix (``keep_ids(chat)``) shares with it, or drop it when the
+        cached image rows changed layout or no features are left."""
+        relayout = list(snap.image_tokens) != self.image_tokens[: len(snap.image_tokens)]
+        self.images, self.image_sizes = list(snap.images), list(snap.image_sizes)
+        self.image_tokens, self.pending_images = list(snap.image_tokens), snap.pending_images
+        self.image_features = snap.image_features
+        if snap.image_features is None or relayout:
+            self.drop_kv()
+        else:
+            self.keep_kv(common_prefix_len(self.cached_ids, keep_ids(self.chat())))
+
+    def remember(self, turn: Turn) -> None:
+        """Append ``turn`` to the history (the pending images open it)."""
+        self.history.append(turn)
+        self.pending_images = 0
+
+    def drop_oldest_turns(self, n: int) -> None:
+        """Drop the ``n`` oldest turns; their images open the first turn kept (or the next question)."""
+        kept = self.chat().without_oldest(n)
+        self.history, self.pending_images = list(kept.turns), kept.pending_images
+
+    def forget_history(self) -> None:
+        """Forget every turn, keep the images: every image opens the next question."""
+        self.history = []
+        self.pending_images = len(self.images)
+
+    def count_restore(self) -> None:
+        """Count one rebuild of a demoted session."""
+        self.num_restores += 1
