@@ -317,39 +317,58 @@ def serving_overhead(model_dir: str, image: bytes, n: int, warmup: int) -> dict:
 FLOOR_HANDLER = Path(__file__).with_name("floor_handler.py")
 
 
-def floor_comparison(model_dir: str, image: bytes, *, warmup: int, n: int, block: int = 20) -> dict:
+def floor_comparison(
+    model_dir: str,
+    image: bytes,
+    *,
+    warmup: int,
+    n: int,
+    block: int = 20,
+    variants: dict[str, dict[str, str]] | None = None,
+) -> dict:
     """Our 1-token answer against TorchServe's floor, both warm, side by side (ms, client-side).
 
-    Three servers with the same TorchServe config (model-config.yaml, our log4j2.xml): ``ours``;
-    ``floor``, :data:`FLOOR_HANDLER` answering ``{"ok": true}``; ``floor_same_reply``, the same
-    handler answering our 1-token answer's own bytes and headers (so the reply's size and encoding are
-    apart from our work). The same client (one ``requests.Session`` each, the session header on every
-    request) sends ``warmup`` requests to each, then ``n`` measured ones, in blocks of ``block`` taken
-    in turns, every other server paused during a block (:func:`others_paused`). Reported: medians of
-    the client time; ours also beyond its own ``total_ms``; ``above_floor_ms`` = ours beyond its
-    ``total_ms`` minus the floor, split into ``reply_size_and_headers_ms`` and ``our_work_ms``.
+    Servers with the same TorchServe config (model-config.yaml, our log4j2.xml): ``ours`` (and any
+    other ``variants`` of ours: name -> extra environment); ``floor``, :data:`FLOOR_HANDLER` answering
+    ``{"ok": true}``; ``floor_same_reply``, the same handler answering our 1-token answer's own bytes
+    and headers (so the reply's size and encoding are apart from our work). The same client (one
+    ``requests.Session`` each, the session header on every request) sends ``warmup`` requests to each,
+    then ``n`` measured ones, in blocks of ``block`` taken in turns, every other server paused during a
+    block (:func:`others_paused`). Reported: medians of the client time; ours also beyond its own
+    ``total_ms``; ``above_floor_ms`` = ours beyond its ``total_ms`` minus the floor, split into
+    ``reply_size_and_headers_ms`` and ``our_work_ms``.
     """
     import requests
 
+    variants = variants or {"ours": {}}
     folder = Path(tempfile.mkdtemp(prefix="llava-floor-"))
-    servers = {"ours": LocalServer(model_dir, overrides={"max_sessions": 8}, startup_timeout_s=600)}
+    servers: dict[str, LocalServer] = {}
+    ids: dict[str, str] = {}
     ask = json.dumps({"type": "generate", "prompt": "Hi?", "remember": False, "parameters": {"max_new_tokens": 1}})
     try:
-        servers["ours"].start()
-        session = SessionClient.from_url(servers["ours"].url, max_retries=0).open_session(image)
+        for name, env in variants.items():
+            servers[name] = LocalServer(model_dir, overrides={"max_sessions": 8}, env=env, startup_timeout_s=600)
+            servers[name].start()
+            ids[name] = SessionClient.from_url(servers[name].url, max_retries=0).open_session(image).id
+        first = next(iter(variants))
         reply = requests.post(
-            servers["ours"].url + "/invocations",
+            servers[first].url + "/invocations",
             data=ask,
-            headers={"Content-Type": "application/json", "X-Amzn-SageMaker-Session-Id": session.session_id},
+            headers={"Content-Type": "application/json", "X-Amzn-SageMaker-Session-Id": ids[first]},
             timeout=60,
         )
         (folder / "reply.json").write_bytes(reply.content)
-        for name, env in (("floor", {}), ("floor_same_reply", {"LLAVA_FLOOR_BODY_FILE": str(folder / "reply.json")})):
+        floors = {
+            "floor": {},
+            "floor_same_reply": {"LLAVA_FLOOR_BODY_FILE": str(folder / "reply.json")},
+            "floor_same_forward": {"LLAVA_FLOOR_MODEL_DIR": model_dir},
+        }
+        for name, env in floors.items():
             servers[name] = LocalServer(
                 model_dir, overrides={"max_sessions": 8}, handler=FLOOR_HANDLER, env=env, startup_timeout_s=600
             )
             servers[name].start()
-        ids = {name: session.session_id if name == "ours" else f"floor-{name.replace('_', '-')}" for name in servers}
+            ids[name] = f"floor-{name.replace('_', '-')}"
         clients = {name: requests.Session() for name in servers}
 
         def one(name: str) -> tuple[float, float]:
@@ -358,12 +377,13 @@ def floor_comparison(model_dir: str, image: bytes, *, warmup: int, n: int, block
             r = clients[name].post(servers[name].url + "/invocations", data=ask, headers=headers, timeout=60)
             client_ms = (time.perf_counter() - t0) * 1000.0
             r.raise_for_status()
-            total = json.loads(r.content)["details"]["timings"]["total_ms"] if name == "ours" else 0.0
+            timed = name in variants or name == "floor_same_forward"
+            total = json.loads(r.content)["details"]["timings"]["total_ms"] if timed else 0.0
             return client_ms, total
 
         def run(count: int) -> dict[str, list[tuple[float, float]]]:
             got: dict[str, list[tuple[float, float]]] = {name: [] for name in servers}
-            while len(got["ours"]) < count:
+            while len(got["floor"]) < count:
                 for name in servers:
                     with others_paused(servers, name):
                         got[name] += [one(name) for _ in range(min(block, count - len(got[name])))]
@@ -379,20 +399,32 @@ def floor_comparison(model_dir: str, image: bytes, *, warmup: int, n: int, block
         return round(statistics.median(values), 3)
 
     floor, same = med(c for c, _ in got["floor"]), med(c for c, _ in got["floor_same_reply"])
-    beyond = med(c - t for c, t in got["ours"])
-    return {
+    forward_beyond = med(c - t for c, t in got["floor_same_forward"])
+    report: dict = {
         "floor_client_ms": floor,
         "floor_same_reply_client_ms": same,
-        "ours_client_ms": med(c for c, _ in got["ours"]),
-        "ours_total_ms": med(t for _, t in got["ours"]),
-        "ours_beyond_total_ms": beyond,
-        "above_floor_ms": round(beyond - floor, 3),
         "reply_size_and_headers_ms": round(same - floor, 3),
-        "our_work_ms": round(beyond - same, 3),
+        "floor_same_forward": {
+            "client_ms": med(c for c, _ in got["floor_same_forward"]),
+            "total_ms": med(t for _, t in got["floor_same_forward"]),
+            "beyond_total_ms": forward_beyond,
+            "above_floor_ms": round(forward_beyond - floor, 3),
+        },
         "reply_bytes": len((folder / "reply.json").read_bytes()),
         "warmup": warmup,
         "n": n,
     }
+    for name in variants:
+        beyond = med(c - t for c, t in got[name])
+        report[name] = {
+            "client_ms": med(c for c, _ in got[name]),
+            "total_ms": med(t for _, t in got[name]),
+            "beyond_total_ms": beyond,
+            "above_floor_ms": round(beyond - floor, 3),
+            "our_work_ms": round(beyond - same, 3),
+            "above_same_forward_ms": round(beyond - forward_beyond, 3),
+        }
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,11 +7,18 @@ log4j2.xml), so what a request costs there is what any handler's request path co
 ``LLAVA_FLOOR_BODY_FILE`` (optional) names a file whose bytes are the reply, so the floor can answer
 with exactly our 1-token answer's body and headers (size and encoding isolated from our work);
 otherwise the reply is ``{"ok": true}``. Every reply carries the request's session id header, as ours do.
+
+``LLAVA_FLOOR_MODEL_DIR`` (optional) names a checkpoint: the handler then also runs the forward passes
+of our 1-token follow-up, bare (a 12-token prefill over a cached 581-token prefix, then the cache
+cropped back, as ``remember: false`` does), and reports their time as ``details.timings.total_ms``: a
+floor for a handler that runs the same model work, with none of our per-call code around it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 
 class FloorHandler:
@@ -28,7 +35,28 @@ class FloorHandler:
         if path:
             with open(path, "rb") as f:
                 self.body = f.read()
+        model_dir = os.environ.get("LLAVA_FLOOR_MODEL_DIR")
+        self.runner = None
+        if model_dir:
+            from llava_sessions.model import LlavaRunner
+
+            self.runner = LlavaRunner.from_pretrained(model_dir, device="cpu", dtype="float32")
+            text_ids = [t for t in range(3, 600) if t != self.runner.image_token_id]  # no image placeholder
+            self.ids = [text_ids[i % len(text_ids)] for i in range(581 + 12)]
+            self.cache = self.runner.new_cache()
+            self.runner.prefill(self.cache, self.ids[:581], None)
         self.initialized = True
+
+    def _forward(self) -> bytes:
+        """The bare model work of a 1-token follow-up; returns the reply with its time as total_ms."""
+        from llava_sessions.model import crop_cache
+
+        t0 = time.perf_counter()
+        logits = self.runner.prefill(self.cache, self.ids, None)
+        int(logits.argmax())
+        crop_cache(self.cache, 581)
+        total_ms = (time.perf_counter() - t0) * 1000.0
+        return json.dumps({"details": {"timings": {"total_ms": round(total_ms, 3)}}}).encode()
 
     def handle(self, data, context):
         """Answer every row at once with the fixed body."""
@@ -41,4 +69,4 @@ class FloorHandler:
             if session_id:
                 context.set_response_header(i, self.session_header, session_id)
         context.stopping_criteria = [lambda _output: None for _ in data]
-        return [self.body for _ in data]
+        return [self.body if self.runner is None else self._forward() for _ in data]

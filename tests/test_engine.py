@@ -309,6 +309,27 @@ def test_reset_close_busy_and_bad_prompts(runner, photos):
     assert e.value.code is ErrorCode.IMAGE_INVALID and len(eng.store) == 0
 
 
+def test_a_prompt_over_max_prompt_tokens_is_refused_and_short_ones_skip_the_count(runner, photos):
+    """The limit counts the prompt's own tokens; a prompt of fewer UTF-8 bytes than the cap cannot be
+    over it (a token covers at least one byte, plus at most one leading-space piece)."""
+    eng = SessionEngine(
+        runner,
+        SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9, kv_bytes_per_token=runner.kv_bytes_per_token),
+        decode,
+        EngineLimits(max_prompt_tokens=12),
+        check_invariants=True,
+    )
+    eng.open("s", photos["coffee"])
+    eng.generate("s", "é" * 5, SamplingParams(max_new_tokens=1))  # 10 bytes + 1 <= 12: not counted
+    long = "word " * 12
+    assert runner.template.count_text_tokens(long) > 12
+    with pytest.raises(ServiceError) as e:
+        eng.start("s", long, GREEDY)
+    assert e.value.code is ErrorCode.INVALID_PARAMETER and "at most 12" in e.value.message
+    for text in ("Hi?", "é" * 7, "日本語のテキスト", "🙂 ok", " x", "\n\n", "a  b"):
+        assert runner.template.count_text_tokens(text) <= len(text.encode("utf-8")) + 1, text
+
+
 def test_open_refused_when_full_or_no_room(runner, photos):
     eng = make_engine(runner, max_sessions=1)
     eng.open("a", photos["coffee"])

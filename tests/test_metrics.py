@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import threading
+import time
 
 import pytest
 
@@ -95,6 +96,26 @@ def test_the_background_writer_merges_what_queued_up_and_loses_no_sample(cache, 
     assert sorted(v for n, v, *_ in written if n == "TimeToFirstTokenSeconds") == [0.0, 0.001, 0.002]
     assert [v for n, v, *_ in written if n == "DecodeTokensPerSecond"] == [2]
     assert [t.name for t in threading.enumerate()].count("llava-metrics") == 1
+
+
+def test_the_writer_writes_at_most_once_per_interval_and_merges_the_calls_between(cache, lines) -> None:
+    """With ``interval_s`` the first payload goes out at once; the ones published within the interval
+    wait and leave as one write (latest gauges, summed counters, every sample) once it has passed."""
+    metrics = WorkerMetrics(cache, interval_s=0.5)
+    metrics.publish(payload(1, 50, 5, [10.0], [20.0]))
+    assert metrics.flush()
+    assert ("GeneratedTokens", 5, "ModelName:llava,Replica:0", "COUNTER") in lines()
+    t0 = time.monotonic()
+    for k in range(3):  # three calls right after: nothing is written until the interval is over
+        metrics.publish(payload(2 + k, 50, 6 + k, [float(k)], [float(k)]))
+    time.sleep(0.2)
+    assert lines() == []
+    assert metrics.flush()
+    assert time.monotonic() - t0 >= 0.25
+    written = lines()
+    assert [v for n, v, *_ in written if n == "OpenSessions"] == [4]
+    assert [v for n, v, *_ in written if n == "GeneratedTokens"] == [3]  # 5 -> 8 in one increment
+    assert sorted(v for n, v, *_ in written if n == "TimeToFirstTokenSeconds") == [0.0, 0.001, 0.002]
 
 
 def test_publishing_never_raises(cache, lines) -> None:

@@ -161,6 +161,13 @@ class Settings(BaseModel):
 
     # --- misc -------------------------------------------------------------------------------
     system_prompt: str | None = Field(None, description="Default system prompt when open_session gives none.")
+    metrics_interval_ms: int = Field(
+        1000,
+        ge=0,
+        description="Most often the worker writes its metric lines, in ms (values of the calls in between are "
+        "merged into the next write); 0 = after every call. TorchServe's frontend parses each line on the CPUs "
+        "that serve the requests.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "WARNING", description="Log level of the llava_sessions loggers."
     )

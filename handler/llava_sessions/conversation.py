@@ -6,7 +6,6 @@ model (:func:`common_prefix_len`) live here too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Chat", "Turn", "common_prefix_len"]
@@ -55,10 +54,22 @@ class Chat:
         return Chat(self.system_prompt, tuple(kept), pending, self.image_tokens)
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token-id sequences."""
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token-id lists.
+
+    Slices are compared (in C), not items one by one in Python: the whole shorter length first (a
+    resent conversation usually extends the cached one), else a binary search over the first
+    difference, each probe comparing only the slice not yet known equal (O(n) work in all, ~600
+    tokens of an image prefix in microseconds).
+    """
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -161,7 +161,7 @@ class ReplicaRouter:
         self.devices = devices
         self._build = dict(build)
         self._builder = builder
-        self._metrics = WorkerMetrics(metrics)
+        self._metrics = WorkerMetrics(metrics, interval_s=settings.metrics_interval_ms / 1000.0)
         self._codec = Codec(settings)
         self._ctx = multiprocessing.get_context("spawn")
         self.replicas = [_Replica(i, d) for i, d in enumerate(devices)]

@@ -143,7 +143,12 @@ def build_local_service(
             "replica": replica,
         },
     )
-    return SessionService(settings, engine, end_header=end_header, metrics=WorkerMetrics(metrics))
+    return SessionService(
+        settings,
+        engine,
+        end_header=end_header,
+        metrics=WorkerMetrics(metrics, interval_s=settings.metrics_interval_ms / 1000.0),
+    )
 
 
 def _model_dir(settings: Settings, archive_dir: str | None) -> str:

@@ -182,6 +182,10 @@ class Admission:
         cap = self.limits.max_new_tokens_cap
         if params.max_new_tokens > cap:
             raise ServiceError(ErrorCode.INVALID_PARAMETER, f"max_new_tokens must be <= {cap}")
+        # a token covers at least one UTF-8 byte (SentencePiece may add one leading-space piece), so
+        # only a prompt of more bytes than the cap can be over it: shorter ones skip the tokenizer
+        if len(prompt.encode("utf-8")) + 1 <= self.limits.max_prompt_tokens:
+            return
         num_prompt = self.runner.template.count_text_tokens(prompt)
         if num_prompt > self.limits.max_prompt_tokens:
             raise ServiceError(
