@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install test demo web bench lint clean
+.PHONY: install system-deps test demo web bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,11 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-test: install
+# Java 17 (TorchServe) and Chromium + chromedriver (the browser test): apt-get as root, else named
+system-deps:
+	bash tests/system_deps.sh
+
+test: install system-deps
 	$(PY) -m pytest -q -ra
 
 lint: install

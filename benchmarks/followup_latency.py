@@ -79,7 +79,7 @@ class AwsSampleWay:
         assert self.pixels is not None
         feats = torch.cat(r.encode_pixels(self.pixels, **self.extra))
         cache = r.new_cache()
-        ids = r.conversation_ids(self.chat, prompt)
+        ids = r.template.conversation_ids(self.chat, prompt)
         logits = r.prefill(cache, ids, feats)
         token = int(logits.argmax())
         sync(r.device)

@@ -22,6 +22,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import requests
@@ -35,12 +36,20 @@ from llava_tools.serve import _parse_assignment as parse_assignment
 QUESTION = "Describe this image in great detail, please."
 
 
-def open_sessions_by_replica(server: LocalServer) -> dict[str, float]:
-    text = requests.get(server.metrics_url + "/metrics", timeout=10).text
-    return {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r'^llava_OpenSessions\{[^}]*Replica="(\d+)"[^}]*\} (\S+)$', text, re.M)
-    }
+def open_sessions_by_replica(server: LocalServer, num_sessions: int, timeout_s: float = 10.0) -> dict[str, float]:
+    """Open sessions by replica, from the ``llava_OpenSessions`` gauges, once they add up to
+    ``num_sessions`` (the worker writes its metric lines at most once per ``metrics_interval_ms``)
+    or at ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = requests.get(server.metrics_url + "/metrics", timeout=10).text
+        spread = {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r'^llava_OpenSessions\{[^}]*Replica="(\d+)"[^}]*\} (\S+)$', text, re.M)
+        }
+        if sum(spread.values()) >= num_sessions or time.monotonic() > deadline:
+            return spread
+        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                     rate, texts = burst(sessions[key], QUESTION, args.new_tokens)
                 rates[key].append(rate)
                 answers[key].update(texts)
-        spread = open_sessions_by_replica(servers["b"])
+        spread = open_sessions_by_replica(servers["b"], len(sessions["b"]))
     finally:
         for server in servers.values():
             server.stop()

@@ -234,3 +234,35 @@ def test_dry_run_needs_region_and_account_without_calling_aws(fake_path) -> None
     assert result.returncode == 2 and "give --region" in result.stderr
     result = run_script(fake_path, "--help")
     assert result.returncode == 0 and "--dry-run" in result.stdout and "--base-image" in result.stdout
+
+
+# ------------------------------------------------------------------ make test's system packages
+def run_system_deps(tmp_path: Path, *, uid: int, present: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """tests/system_deps.sh with a PATH holding only shims: ``id`` (answers ``uid``), ``apt-get``
+    and the commands in ``present``; apt-get runs dry."""
+    bin_dir = tmp_path / f"bin-{uid}-{len(present)}"
+    bin_dir.mkdir()
+    for name, body in [("id", f"echo {uid}"), ("apt-get", "exit 0"), *((p, "exit 0") for p in present)]:
+        shim = bin_dir / name
+        shim.write_text(f"#!/bin/sh\n{body}\n")
+        shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    env = {"PATH": str(bin_dir), "SYSTEM_DEPS_DRY_RUN": "1"}
+    bash = shutil.which("bash")
+    assert bash is not None
+    return subprocess.run(
+        [bash, str(REPO / "tests" / "system_deps.sh")], env=env, capture_output=True, text=True, timeout=30
+    )
+
+
+def test_make_test_provides_java_and_chromium_before_any_test(tmp_path: Path) -> None:
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^test: install system-deps$", makefile, re.M)
+    assert "bash tests/system_deps.sh" in makefile and "make test" in (REPO / ".ci" / "run").read_text()
+    as_root = run_system_deps(tmp_path, uid=0, present=())
+    assert as_root.returncode == 0
+    assert as_root.stdout.strip() == "apt-get install -y -qq openjdk-17-jre-headless chromium chromium-driver"
+    as_user = run_system_deps(tmp_path, uid=1000, present=("java",))
+    assert as_user.returncode == 1 and as_user.stdout == ""
+    assert "chromium chromium-driver" in as_user.stderr and "openjdk" not in as_user.stderr
+    everything = run_system_deps(tmp_path, uid=1000, present=("java", "chromium", "chromedriver"))
+    assert (everything.returncode, everything.stdout, everything.stderr) == (0, "", "")
