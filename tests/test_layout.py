@@ -130,8 +130,8 @@ def test_the_design_doc_names_every_module_of_both_packages() -> None:
 LAYERS: list[set[str]] = [
     {"errors", "contract", "conversation", "results", "ledger", "config", "metrics"},
     {"sampling_params", "responses", "image_decode", "model.kv_cache", "model.loading", "model.templating"},
-    {"protocol", "sampling", "images", "model.runner", "engine.scheduler", "engine.memory"},
-    {"model"},
+    {"protocol_errors", "sampling", "images", "model.runner", "engine.scheduler", "engine.memory"},
+    {"model", "protocol"},
     {"session"},
     {"sessions", "codec", "engine.sequence", "engine.decode_batch"},
     {"engine.admission", "engine.updates", "engine.model_runner"},
@@ -254,8 +254,8 @@ def test_session_fields_change_only_through_the_session_and_the_store() -> None:
     assert edits == []
 
 
-#: About 500 lines a module and 50 a function (its code, the docstring aside): sizes a reader can hold.
-MAX_MODULE_LINES = 550
+#: 500 lines a module and 50 a function (its code, the docstring aside): sizes a reader can hold.
+MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 50
 
 

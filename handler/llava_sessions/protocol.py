@@ -39,6 +39,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .errors import ErrorCode, ServiceError
+from .protocol_errors import SAFE_KEY_RE, invalid, validation_error
 from .sampling_params import SAMPLING_BOUNDS, SamplingBound
 
 __all__ = [
@@ -318,85 +319,6 @@ REQUEST_TYPES: tuple[str, ...] = (
 
 _REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
 
-# Error types that mean "wrong shape" (400 invalid_request) rather than "bad value" (invalid_parameter).
-_STRUCTURAL = frozenset(
-    {
-        "missing",
-        "extra_forbidden",
-        "model_type",
-        "model_attributes_type",
-        "dict_type",
-        "union_tag_invalid",
-        "union_tag_not_found",
-        "image_source",
-    }
-)
-
-# What to say for a bad value of these fields, whatever pydantic's error type.
-_FIELD_HINTS = {
-    **{name: bound.message for name, bound in SAMPLING_BOUNDS.items()},
-    "do_sample": "must be true or false",
-    "details": "must be true or false",
-    "stream": "must be true or false",
-    "remember": "must be true or false",
-}
-
-_GENERIC = {
-    "missing": "field required",
-    "extra_forbidden": "unknown field",
-    "model_type": "must be a JSON object",
-    "model_attributes_type": "must be a JSON object",
-    "dict_type": "must be a JSON object",
-    "string_type": "must be a string",
-    "bool_type": "must be true or false",
-    "int_type": "must be an integer",
-    "float_type": "must be a number",
-    "finite_number": "must be a finite number",
-    "list_type": "must be a list",
-    "string_too_short": "must not be empty",
-    "string_unicode": "must be valid Unicode text",
-}
-_MAX_MESSAGES = 5
-_SAFE_KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
-
-
-def _loc_text(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            key = part if _SAFE_KEY_RE.match(part) else "<field>"
-            out += f".{key}" if out else key
-    return out or "body"
-
-
-def _error_message(err: Any) -> str:
-    """One field-level message; built from the error type and limits only, never the input."""
-    etype = err["type"]
-    loc = tuple(err["loc"])
-    field = next((p for p in reversed(loc) if isinstance(p, str)), "")
-    if etype not in _STRUCTURAL and field in _FIELD_HINTS and (not loc or loc[-1] == field):
-        text = _FIELD_HINTS[field]
-    elif field == "stop" and isinstance(loc[-1], int) and etype in ("string_too_short", "string_too_long"):
-        text = "each stop string must be 1 to 64 characters"
-    elif field == "stop" and etype == "too_long":
-        text = "at most 4 stop strings"
-    elif etype in _GENERIC:
-        text = _GENERIC[etype]
-    elif etype in ("string_too_long",):
-        text = f"must be at most {err.get('ctx', {}).get('max_length')} characters"
-    elif etype == "literal_error":
-        text = f"must be {err.get('ctx', {}).get('expected')}"
-    else:
-        # pydantic's own message and our PydanticCustomError messages name limits, not inputs.
-        text = err["msg"].removeprefix("Value error, ")
-    return f"{_loc_text(loc)}: {text}"
-
-
-def _invalid(message: str) -> ServiceError:
-    return ServiceError(ErrorCode.INVALID_REQUEST, message)
-
 
 def _load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes: int) -> Any:
     """Size-check and JSON-decode ``body``; a dict passes through (after a size estimate)."""
@@ -404,7 +326,7 @@ def _load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes
         try:
             size = len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
         except (TypeError, ValueError, RecursionError):
-            raise _invalid("request body is not a JSON object") from None
+            raise invalid("request body is not a JSON object") from None
         if size > max_body_bytes:
             raise ServiceError(
                 ErrorCode.PAYLOAD_TOO_LARGE,
@@ -417,14 +339,14 @@ def _load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes
         body = bytes(body)
         size = len(body)
     else:
-        raise _invalid("request body must be a JSON object")
+        raise invalid("request body must be a JSON object")
     if size > max_body_bytes:
         raise ServiceError(
             ErrorCode.PAYLOAD_TOO_LARGE,
             f"request body is over {max_body_bytes} bytes; send large images by url or s3_uri",
         )
     if size == 0:
-        raise _invalid("request body is empty; send a JSON object with a 'type' field")
+        raise invalid("request body is empty; send a JSON object with a 'type' field")
 
     def _no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
@@ -432,7 +354,7 @@ def _load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes
     try:
         return json.loads(body, parse_constant=_no_constants)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise _invalid("request body is not valid JSON (UTF-8)") from None
+        raise invalid("request body is not valid JSON (UTF-8)") from None
 
 
 def parse_request(
@@ -474,7 +396,7 @@ def parse_request(
     try:
         request = _REQUEST_ADAPTER.validate_python(data)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
     _check_limits(request, max_prompt_chars=max_prompt_chars, max_new_tokens_cap=max_new_tokens_cap)
     return request
 
@@ -483,29 +405,15 @@ def _check_type(data: Any) -> None:
     """Raise invalid_request unless ``data`` is an object whose ``type`` is one of :data:`REQUEST_TYPES`."""
     valid = ", ".join(REQUEST_TYPES)
     if not isinstance(data, dict):
-        raise _invalid("request body must be a JSON object with a 'type' field")
+        raise invalid("request body must be a JSON object with a 'type' field")
     if "type" not in data:
-        raise _invalid(f"missing field 'type'; valid types: {valid}")
+        raise invalid(f"missing field 'type'; valid types: {valid}")
     rtype = data["type"]
     if not isinstance(rtype, str):
-        raise _invalid(f"field 'type' must be a string; valid types: {valid}")
+        raise invalid(f"field 'type' must be a string; valid types: {valid}")
     if rtype not in REQUEST_TYPES:
-        shown = f" {rtype!r}" if _SAFE_KEY_RE.match(rtype) and len(rtype) <= 32 else ""
-        raise _invalid(f"unknown type{shown}; valid types: {valid}")
-
-
-def _validation_error(exc: ValidationError) -> ServiceError:
-    """One ServiceError for pydantic's errors: invalid_request for a wrong shape, else invalid_parameter;
-    at most :data:`_MAX_MESSAGES` messages, each naming its field."""
-    errors = exc.errors(include_url=False, include_input=False)
-    # Strip the union tag (first loc element) so messages read "parameters.top_p".
-    errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in errors]
-    structural = any(e["type"] in _STRUCTURAL for e in errors)
-    messages = [_error_message(e) for e in errors[:_MAX_MESSAGES]]
-    if len(errors) > _MAX_MESSAGES:
-        messages.append(f"and {len(errors) - _MAX_MESSAGES} more")
-    code = ErrorCode.INVALID_REQUEST if structural else ErrorCode.INVALID_PARAMETER
-    return ServiceError(code, "; ".join(messages))
+        shown = f" {rtype!r}" if SAFE_KEY_RE.match(rtype) and len(rtype) <= 32 else ""
+        raise invalid(f"unknown type{shown}; valid types: {valid}")
 
 
 def _check_limits(request: Any, *, max_prompt_chars: int, max_new_tokens_cap: int) -> None:
