@@ -332,9 +332,12 @@ def test_metrics_in_prometheus(server, photos):
     sid, _ = open_session(server, photos["coffee"])
     post(server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 3}}, session_id=sid)
     post(server, {"type": "generate", "prompt": "Hi"}, session_id="never-opened")
-    text = prometheus_text(
-        server.metrics_url, lambda t: "llava_TimeToFirstTokenSeconds_count" in t and "session_not_found" in t
-    )
+
+    def settled(t: str) -> bool:  # the server is shared by the module: wait for this test's open to show
+        opened = re.search(r"^llava_OpenSessions\{[^}]*\} ([0-9.e+-]+)$", t, re.M)
+        return bool(opened) and float(opened.group(1)) >= 1 and "session_not_found" in t
+
+    text = prometheus_text(server.metrics_url, lambda t: "llava_TimeToFirstTokenSeconds_count" in t and settled(t))
     values = {}
     for line in text.splitlines():
         m = re.match(r"^(llava_\w+)\{([^}]*)\} ([0-9.e+-]+)$", line)

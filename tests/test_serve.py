@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 
 from server_fixtures import OutputLines, stop_process, write_echo_handler
 
@@ -205,6 +206,39 @@ def test_cli_refuses_more_than_one_worker(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "more than one TorchServe worker" in result.stderr and "llava-local-endpoint" in result.stderr
+
+
+def test_cli_refuses_a_mistyped_setting_at_once_naming_the_closest_key(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A typo in ``--set`` is refused before TorchServe starts (it used to wait out the start-up timeout)."""
+    t0 = time.monotonic()
+    result = subprocess.run(
+        [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", "0", "--set", "session_tl_s=600"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert result.returncode == 1 and time.monotonic() - t0 < 20
+    assert "session_tl_s (did you mean session_ttl_s?)" in result.stdout + result.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_exits_within_seconds_with_the_worker_s_own_error(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A worker whose handler raises while loading (not a RuntimeError, which TorchServe reports as
+    "Failed to load model") dies and TorchServe restarts it forever: llava-serve stops with its error."""
+    t0 = time.monotonic()
+    result = subprocess.run(
+        [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", "0", "--set", "device=cuda"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and time.monotonic() - t0 < 60, out[-2000:]
+    assert "the handler failed to load the model: ValueError: device=cuda but CUDA is not available" in out
 
 
 def _worker_pids(cli_pid: int) -> list[int]:

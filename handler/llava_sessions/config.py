@@ -12,8 +12,9 @@ strings ("auto" is resolved by the engine once it knows whether a GPU is present
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -270,7 +271,7 @@ class Settings(BaseModel):
             unknown = sorted(str(k) for k in handler_section if k not in fields)
             if unknown:
                 raise ValueError(
-                    f"unknown key(s) in model-config.yaml handler section: {', '.join(unknown)}; "
+                    f"unknown key(s) in model-config.yaml handler section: {', '.join(_with_hints(unknown, fields))}; "
                     f"valid keys: {', '.join(fields)}"
                 )
             for key, value in handler_section.items():
@@ -368,3 +369,14 @@ def _describe(exc: ValidationError, origin: Mapping[str, str]) -> str:
             where = f"{name} (from {where})"
         parts.append(f"{where}: {msg}")
     return "invalid settings: " + "; ".join(parts)
+
+
+def _with_hints(unknown: list[str], valid: Iterable[str]) -> list[str]:
+    """Each unknown key, with the closest valid one when there is one (``difflib``): ``session_tl_s
+    (did you mean session_ttl_s?)``."""
+    names = list(valid)
+    out = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+        out.append(f"{key} (did you mean {close[0]}?)" if close else key)
+    return out

@@ -21,6 +21,7 @@ import argparse
 import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -281,6 +282,7 @@ class LocalServer:
             self._temp_dir = Path(tempfile.mkdtemp(prefix="llava-serve-", dir=_temp_base()))
             atexit.register(self.stop)
         try:
+            self._check_settings()
             self._prepare_and_launch()
             self._wait_ready()
             if self.supervise:
@@ -519,7 +521,7 @@ class LocalServer:
                 code = None if self._proc is None else self._proc.returncode
                 raise ServerStartError(f"TorchServe exited during start-up (exit code {code})")
             if self._load_failed():
-                raise ServerStartError("the handler failed to load the model (see model_log.log)")
+                raise ServerStartError(f"the handler failed to load the model: {self._worker_error()}")
             ready, status = self._model_ready()
             if ready and _http_status(self.url + "/ping") == 200:
                 return
@@ -527,10 +529,38 @@ class LocalServer:
                 raise ServerStartError(f"TorchServe not ready after {self.startup_timeout_s:.0f} s ({status})")
             time.sleep(_POLL_S)
 
-    def _load_failed(self) -> bool:
-        # TorchServe would restart the worker with back-off forever; a local run fails fast.
+    def _check_settings(self) -> None:
+        """Validate the handler settings the worker will read (the config's ``handler:`` section, the
+        overrides, ``LLAVA_*`` variables) before anything starts, as the worker would.
+
+        Raises:
+            ServerStartError: a setting is unknown (with the closest valid key) or out of range.
+        """
+        from llava_sessions.config import Settings
+
+        config = yaml.safe_load(self.config_path.read_text()) or {}
+        section = {**dict((config.get("handler") if isinstance(config, dict) else None) or {}), **self.overrides}
+        try:
+            Settings.from_sources(section, {**os.environ, **self.env})
+        except ValueError as exc:
+            raise ServerStartError(f"invalid handler settings: {exc}") from None
+
+    def _worker_error(self) -> str:
+        """The worker's own last error line in model_log.log (``ValueError: ...``), or where to look."""
         model_log = self.log_dir / "model_log.log"
-        return model_log.is_file() and "Failed to load model" in model_log.read_text(errors="replace")
+        text = model_log.read_text(errors="replace") if model_log.is_file() else ""
+        found = re.findall(r"MODEL_LOG - ((?:\w+\.)*\w*(?:Error|Exception): .*)$", text, re.M)
+        return found[-1] if found else f"see {model_log}"
+
+    def _load_failed(self) -> bool:
+        # TorchServe would restart the worker with back-off forever; a local run fails fast. TorchServe
+        # 0.12 logs "Failed to load model" for a RuntimeError only; any other exception from the
+        # handler's initialize kills the worker process ("Backend worker process died.").
+        model_log = self.log_dir / "model_log.log"
+        if not model_log.is_file():
+            return False
+        text = model_log.read_text(errors="replace")
+        return "Failed to load model" in text or "Backend worker process died" in text
 
     def _model_ready(self) -> tuple[bool, str]:
         try:
