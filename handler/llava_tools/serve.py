@@ -545,12 +545,20 @@ class LocalServer:
         except ValueError as exc:
             raise ServerStartError(f"invalid handler settings: {exc}") from None
 
-    def _worker_error(self) -> str:
-        """The worker's own last error line in model_log.log (``ValueError: ...``), or where to look."""
+    def _worker_error(self, wait_s: float = 5.0) -> str:
+        """The worker's own error in model_log.log (``ValueError: ...``: the first exception line, the
+        handler's; TorchServe's own follows it), or where to look. The frontend copies the worker's
+        traceback a line at a time, after the line that says it died: wait up to ``wait_s`` for it."""
         model_log = self.log_dir / "model_log.log"
-        text = model_log.read_text(errors="replace") if model_log.is_file() else ""
-        found = re.findall(r"MODEL_LOG - ((?:\w+\.)*\w*(?:Error|Exception): .*)$", text, re.M)
-        return found[-1] if found else f"see {model_log}"
+        deadline = time.monotonic() + wait_s
+        while True:
+            text = model_log.read_text(errors="replace") if model_log.is_file() else ""
+            found = re.findall(r"MODEL_LOG - ((?:\w+\.)*\w*(?:Error|Exception): .*)$", text, re.M)
+            if found:
+                return found[0]
+            if time.monotonic() > deadline:
+                return f"see {model_log}"
+            time.sleep(_POLL_S)
 
     def _load_failed(self) -> bool:
         # TorchServe would restart the worker with back-off forever; a local run fails fast. TorchServe
