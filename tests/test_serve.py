@@ -242,8 +242,16 @@ def test_cli_exits_within_seconds_with_the_worker_s_own_error(tmp_path: Path, ti
 
 
 def _worker_pids(cli_pid: int) -> list[int]:
-    procs = psutil.Process(cli_pid).children(recursive=True)
-    return [p.pid for p in procs if any("model_service_worker" in part for part in p.cmdline())]
+    """The live TorchServe workers under ``cli_pid`` (a killed one can linger as a zombie of the old
+    frontend while it shuts down: killing that again would kill nothing)."""
+    pids = []
+    for p in psutil.Process(cli_pid).children(recursive=True):
+        try:
+            if any("model_service_worker" in part for part in p.cmdline()) and _alive(p.pid):
+                pids.append(p.pid)
+        except psutil.Error:
+            continue
+    return pids
 
 
 @pytest.mark.integration
@@ -284,7 +292,9 @@ def test_cli_survives_killed_workers_and_sessions_come_back(tmp_path: Path, tiny
             assert session.recoveries == kill and session.id != old_id and again.text == before
         # a third kill, and the next question at once: the default client waits out the restart
         # (refused connections for up to restart_wait_s), then restores the session
-        os.kill(_worker_pids(cli.pid)[0], signal.SIGKILL)
+        workers = _worker_pids(cli.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
         output.wait_for(re.compile(r"died; restarting TorchServe"), timeout_s=30)
         again = session.ask("And the colours?", remember=False, max_new_tokens=6, temperature=0)
         assert session.recoveries == 3 and again.text == before
