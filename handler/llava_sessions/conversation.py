@@ -6,9 +6,21 @@ model (:func:`common_prefix_len`) live here too.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Chat", "Turn", "common_prefix_len"]
+__all__ = ["Chat", "ChatTarget", "ImageInput", "Turn", "common_prefix_len", "image_key", "image_starts"]
+
+
+def image_key(data: bytes) -> str:
+    """The content key of an encoded image: SHA-256 of its bytes, hex (64 characters).
+
+    Images are recognised by their exact bytes, never by URL or token ids alone (cross-request
+    caches keyed without the image content have served one image's answers for another: vLLM issue
+    20261, shared/notes/chat-protocol.md).
+    """
+    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,53 @@ class Chat:
         else:
             pending += moved
         return Chat(self.system_prompt, tuple(kept), pending, self.image_tokens)
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image of a resent conversation: its content ``key`` (:func:`image_key`), the encoded
+    ``data``, its (height, width) ``size`` in pixels and the ``image`` decoded (RGB PIL), or None when
+    the worker already holds its features or bytes (then it is decoded only if it must be encoded)."""
+
+    key: str
+    data: bytes
+    size: tuple[int, int]
+    image: Any = None
+
+
+@dataclass(frozen=True)
+class ChatTarget:
+    """A whole conversation a client sent (OpenAI ``messages``) as the session should hold it.
+
+    Attributes:
+        system_prompt: optional system message.
+        turns: the remembered exchanges (each carries the number of images opening its message).
+        question: the last user message's text.
+        pending_images: images opening the question.
+        images: every image in conversation order (``len == sum(t.images) + pending_images``).
+    """
+
+    system_prompt: str | None
+    turns: tuple[Turn, ...]
+    question: str
+    pending_images: int
+    images: tuple[ImageInput, ...]
+
+
+def image_starts(ids: list[int], image_token_id: int, limit: int | None = None) -> list[int]:
+    """Positions where each image's run of placeholder tokens starts in ``ids`` (before ``limit``),
+    in order: the n-th start is the n-th image of the conversation."""
+    end = len(ids) if limit is None else min(limit, len(ids))
+    starts: list[int] = []
+    pos = 0
+    while True:
+        try:
+            pos = ids.index(image_token_id, pos, end)
+        except ValueError:
+            return starts
+        starts.append(pos)
+        while pos < end and ids[pos] == image_token_id:
+            pos += 1
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

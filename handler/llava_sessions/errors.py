@@ -62,13 +62,17 @@ class ServiceError(Exception):
         message: a human-readable message. It must never contain prompts, image bytes,
             internal addresses or stack traces.
         retry_after_s: for ``overloaded``, the value of the ``Retry-After`` header (seconds).
+        param: the request field at fault (``messages[2].content``), for OpenAI's error object.
     """
 
-    def __init__(self, code: ErrorCode, message: str, *, retry_after_s: int | None = None) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, *, retry_after_s: int | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message
         self.retry_after_s = retry_after_s
+        self.param = param
 
     @property
     def status(self) -> int:

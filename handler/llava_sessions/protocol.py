@@ -12,6 +12,9 @@ Requests are a union discriminated on ``"type"``:
   (sample: aws-samples/sagemaker-genai-hosting-examples, LLava/torchserve; its client sends
   ``session_id`` in the body, which is accepted and ignored: the session header is authoritative).
 
+Any body with ``messages`` is an OpenAI chat-completions request and one with ``requestType`` an AWS
+session body (:mod:`.chat_protocol`).
+
 :func:`parse_request` turns a body (bytes, str or the dict TorchServe already decoded) into one
 of these models or raises :class:`~llava_sessions.errors.ServiceError`. Inbound models forbid
 unknown fields; error messages name the field and never echo prompts or image bytes.
@@ -38,6 +41,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .chat_protocol import ChatCompletionRequest, SessionControlRequest, parse_chat_body
 from .errors import ErrorCode, ServiceError
 from .protocol_errors import SAFE_KEY_RE, invalid, validation_error
 from .sampling_params import SAMPLING_BOUNDS, SamplingBound
@@ -371,8 +375,11 @@ def parse_request(
     | CloseSessionRequest
     | StartSessionRequest
     | SendTextPromptRequest
+    | ChatCompletionRequest
+    | SessionControlRequest
 ):
-    """Decode and validate one request body.
+    """Decode and validate one request body: our own dialect (by ``type``), an OpenAI
+    chat-completions body (by ``messages``) or an AWS session body (by ``requestType``).
 
     Args:
         body: the raw body (bytes / bytearray / str), or the dict TorchServe already decoded
@@ -392,6 +399,13 @@ def parse_request(
             Messages name fields (``parameters.top_p: must be > 0 and <= 1``), never their content.
     """
     data = _load_body(body, max_body_bytes)
+    if isinstance(data, dict) and "messages" in data:
+        return parse_chat_body(data, max_new_tokens_cap=max_new_tokens_cap, max_prompt_chars=max_prompt_chars)
+    if isinstance(data, dict) and "requestType" in data:
+        try:
+            return SessionControlRequest.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc, strip_tag=False, hints=_SESSION_BODY_HINTS) from None
     _check_type(data)
     try:
         request = _REQUEST_ADAPTER.validate_python(data)
@@ -401,13 +415,19 @@ def parse_request(
     return request
 
 
+_SESSION_BODY_HINTS = {"requestType": "must be 'NEW_SESSION' or 'CLOSE'"}
+
+
 def _check_type(data: Any) -> None:
     """Raise invalid_request unless ``data`` is an object whose ``type`` is one of :data:`REQUEST_TYPES`."""
     valid = ", ".join(REQUEST_TYPES)
     if not isinstance(data, dict):
         raise invalid("request body must be a JSON object with a 'type' field")
     if "type" not in data:
-        raise invalid(f"missing field 'type'; valid types: {valid}")
+        raise invalid(
+            f"missing field 'type'; valid types: {valid}; or send an OpenAI chat-completions body "
+            "('messages') or an AWS session body ('requestType': 'NEW_SESSION' or 'CLOSE')"
+        )
     rtype = data["type"]
     if not isinstance(rtype, str):
         raise invalid(f"field 'type' must be a string; valid types: {valid}")

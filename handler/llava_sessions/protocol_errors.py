@@ -70,13 +70,13 @@ def _loc_text(loc: tuple[int | str, ...]) -> str:
     return out or "body"
 
 
-def _error_message(err: Any) -> str:
+def _error_message(err: Any, hints: dict[str, str]) -> str:
     """One field-level message; built from the error type and limits only, never the input."""
     etype = err["type"]
     loc = tuple(err["loc"])
     field = next((p for p in reversed(loc) if isinstance(p, str)), "")
-    if etype not in _STRUCTURAL and field in _FIELD_HINTS and (not loc or loc[-1] == field):
-        text = _FIELD_HINTS[field]
+    if etype not in _STRUCTURAL and field in hints and (not loc or loc[-1] == field):
+        text = hints[field]
     elif field == "stop" and isinstance(loc[-1], int) and etype in ("string_too_short", "string_too_long"):
         text = "each stop string must be 1 to 64 characters"
     elif field == "stop" and etype == "too_long":
@@ -97,15 +97,47 @@ def invalid(message: str) -> ServiceError:
     return ServiceError(ErrorCode.INVALID_REQUEST, message)
 
 
-def validation_error(exc: ValidationError) -> ServiceError:
+def validation_error(
+    exc: ValidationError, *, strip_tag: bool = True, hints: dict[str, str] | None = None
+) -> ServiceError:
     """One ServiceError for pydantic's errors: invalid_request for a wrong shape, else invalid_parameter;
-    at most :data:`_MAX_MESSAGES` messages, each naming its field."""
+    at most :data:`_MAX_MESSAGES` messages, each naming its field; ``param``: the first field.
+    ``strip_tag``: the model was a tagged union (its tag is the first element of each location);
+    ``hints``: what to say of a bad value of these fields, over the sampling parameters' own words."""
     errors = exc.errors(include_url=False, include_input=False)
-    # Strip the union tag (first loc element) so messages read "parameters.top_p".
-    errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in errors]
+    if strip_tag:  # so messages read "parameters.top_p", not "generate.parameters.top_p"
+        errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in errors]
+    errors = _deepest([{**e, "loc": _without_union_members(tuple(e["loc"]))} for e in errors])
     structural = any(e["type"] in _STRUCTURAL for e in errors)
-    messages = [_error_message(e) for e in errors[:_MAX_MESSAGES]]
+    all_hints = {**_FIELD_HINTS, **(hints or {})}
+    messages = [_error_message(e, all_hints) for e in errors[:_MAX_MESSAGES]]
     if len(errors) > _MAX_MESSAGES:
         messages.append(f"and {len(errors) - _MAX_MESSAGES} more")
     code = ErrorCode.INVALID_REQUEST if structural else ErrorCode.INVALID_PARAMETER
-    return ServiceError(code, "; ".join(messages))
+    param = _loc_text(errors[0]["loc"]) if errors else None
+    return ServiceError(code, "; ".join(messages), param=param)
+
+
+def _without_union_members(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """Drop pydantic's union-member labels from a location: type labels (``str``, ``list[...]``,
+    ``function-after[...]``) and a tagged union's tag where the field of that name follows it."""
+    out: list[int | str] = []
+    for part in loc:
+        if isinstance(part, str) and (part in _TYPE_LABELS or not SAFE_KEY_RE.match(part)):
+            continue
+        if out and isinstance(part, str) and out[-1] == part:
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+_TYPE_LABELS = frozenset(
+    {"str", "int", "float", "bool", "list", "dict", "constrained-str", "constrained-int", "constrained-float"}
+)
+
+
+def _deepest(errors: list[Any]) -> list[Any]:
+    """Drop a union member's error at a location when another member's error lies under it (the
+    value had that member's shape: its own errors are the ones that help)."""
+    locs = [tuple(e["loc"]) for e in errors]
+    return [e for e, loc in zip(errors, locs, strict=True) if not any(o[: len(loc)] == loc and o != loc for o in locs)]

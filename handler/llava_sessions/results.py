@@ -36,12 +36,14 @@ def elapsed_ms(t0: float, t1: float | None = None) -> float:
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token: ``id``, the text it completes (a detokenization delta; may be ``""``),
-    its ``logprob`` (None unless asked for) and whether it is a ``special`` token (EOS)."""
+    its ``logprob`` (None unless asked for), whether it is a ``special`` token (EOS), and ``top``:
+    the most likely ``(token id, logprob)`` pairs at its position (empty unless asked for)."""
 
     id: int
     text: str
     logprob: float | None
     special: bool = False
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

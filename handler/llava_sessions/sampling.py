@@ -54,15 +54,26 @@ class Sampler:
             self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         self._procs = procs
+        self._freq = params.frequency_penalty or 0.0
+        self._presence = params.presence_penalty or 0.0
+        self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated
 
-    def next_token(self, logits: torch.Tensor) -> tuple[int, float | None]:
+    def _penalize(self, scores: torch.Tensor) -> torch.Tensor:
+        """OpenAI's frequency and presence penalties on ``scores [1, vocab]`` (a new tensor)."""
+        if self._counts is None:
+            return scores
+        counts = self._counts
+        return scores - (counts * self._freq + (counts > 0).to(scores.dtype) * self._presence).unsqueeze(0)
+
+    def next_token(self, logits: torch.Tensor) -> tuple[int, float | None, tuple[tuple[int, float], ...]]:
         """Choose the next token from ``logits [vocab]`` (float32).
 
         Returns:
-            ``(token_id, logprob)``; logprob is the log-probability under the processed
-            distribution when ``params.logprobs``, else None.
+            ``(token_id, logprob, top)``; logprob is the log-probability under the processed
+            distribution when ``params.logprobs``, else None; ``top``: the ``params.top_logprobs``
+            most likely ``(token_id, logprob)`` pairs, most likely first (empty unless asked for).
         """
-        scores = logits.unsqueeze(0)
+        scores = self._penalize(logits.unsqueeze(0))
         if len(self._procs):
             ids = self._ids if self._ids is not None else torch.empty(1, 0, dtype=torch.long, device=self.device)
             scores = self._procs(cast(torch.LongTensor, ids), scores)
@@ -71,10 +82,21 @@ class Sampler:
             token = int(torch.multinomial(probs[0], 1, generator=self._generator))
         else:
             token = int(scores[0].argmax())
-        logprob = float(torch.log_softmax(scores[0], dim=-1)[token]) if self.params.logprobs else None
+        logprob: float | None = None
+        top: tuple[tuple[int, float], ...] = ()
+        if self.params.logprobs:
+            logprobs = torch.log_softmax(scores[0], dim=-1)
+            logprob = float(logprobs[token])
+            if self.params.top_logprobs:
+                values, ids = torch.topk(logprobs, min(self.params.top_logprobs, logprobs.shape[0]))
+                top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
         if self._ids is not None:
             self._ids = torch.cat([self._ids, torch.tensor([[token]], device=self.device)], dim=1)
-        return token, logprob
+        if self._freq or self._presence:
+            if self._counts is None:
+                self._counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            self._counts[token] += 1
+        return token, logprob, top
 
 
 class IncrementalDetokenizer:

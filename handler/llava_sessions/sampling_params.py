@@ -53,6 +53,9 @@ SAMPLING_BOUNDS: dict[str, SamplingBound] = {
     "top_k": SamplingBound("must be an integer >= 0 (0 = off)", ge=0),
     "repetition_penalty": SamplingBound("must be a number > 0", gt=0.0),
     "seed": SamplingBound(f"must be an integer between 0 and {_MAX_SEED}", ge=0, le=_MAX_SEED),
+    "frequency_penalty": SamplingBound("must be a number between -2 and 2", ge=-2.0, le=2.0),
+    "presence_penalty": SamplingBound("must be a number between -2 and 2", ge=-2.0, le=2.0),
+    "top_logprobs": SamplingBound("must be an integer between 0 and 20", ge=0, le=20),
 }
 
 
@@ -73,6 +76,11 @@ class SamplingParams:
         seed: seed of the sampler's generator; None draws one (returned in the details).
         stop: stop sequences; the answer ends once its text contains one (kept in the text, as TGI does).
         logprobs: compute each token's log-probability under the (processed) distribution.
+        frequency_penalty / presence_penalty: OpenAI's penalties (-2..2; 0 or None = off): a token's
+            logit is lowered by ``count * frequency_penalty + (count > 0) * presence_penalty``, where
+            ``count`` is how often it was generated so far in this answer (the formula of OpenAI's
+            API reference, "Frequency and presence penalties"; vLLM applies it the same way).
+        top_logprobs: with ``logprobs``, also give this many most likely tokens at each position.
     """
 
     max_new_tokens: int = 256
@@ -84,6 +92,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: bool = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         """Check the ranges of :data:`SAMPLING_BOUNDS` (the wire's rules).

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .conversation import Chat, Turn, common_prefix_len
+from .conversation import Chat, Turn, common_prefix_len, image_key
 from .ledger import Tier, tier_of
 from .model.kv_cache import cache_len, crop_cache
 
@@ -26,6 +26,7 @@ class SessionSnapshot:
     features (the KV cache is kept only up to what the restored conversation shares with it)."""
 
     images: tuple[bytes, ...]
+    image_keys: tuple[str, ...]
     image_sizes: tuple[tuple[int, int], ...]
     image_tokens: tuple[int, ...]
     pending_images: int
@@ -44,6 +45,9 @@ class Session:
     Attributes:
         session_id: the id (``ts-seq-<uuid>`` minted by TorchServe, or any uuid4-based id).
         images: the encoded images as received (host), in conversation order (the opening one first).
+        image_keys: each image's content key (:func:`~llava_sessions.conversation.image_key`).
+        image_urls: URL or S3 URI → content key of the images fetched for this session (a URL is
+            fetched once per session).
         image_sizes: each image's decoded (height, width), pixels.
         image_tokens: each image's placeholder tokens in the conversation as it is now.
         pending_images: images added since the last remembered turn (they open the next question).
@@ -69,6 +73,8 @@ class Session:
     image_sizes: list[tuple[int, int]] = field(default_factory=list)
     image_tokens: list[int] = field(default_factory=list)
     pending_images: int = 1
+    image_keys: list[str] = field(default_factory=list)
+    image_urls: dict[str, str] = field(default_factory=dict)
     history: list[Turn] = field(default_factory=list)
     image_features: torch.Tensor | None = None
     kv_cache: Any = None
@@ -109,6 +115,9 @@ class Session:
         if self.image_features is not None:
             assert self.image_features.shape[0] == sum(self.image_tokens), "one feature row per image placeholder"
         assert self.pending_images + sum(t.images for t in self.history) == len(self.images) == len(self.image_tokens)
+        assert len(self.image_keys) == len(self.images), "one content key per image"
+        if not self.busy and self.images and self.image_features is None:
+            assert cache_len(self.kv_cache) == 0, "an idle session holds no KV cache without its images' features"
 
     # ------------------------------------------------------------------ the KV cache
     def start_kv(self, cache: Any) -> None:
@@ -156,6 +165,16 @@ class Session:
         cache, self.kv_cache, self.kv_lent = self.kv_cache, None, True
         return cache
 
+    def adopt_kv(self, cache: Any, ids: list[int]) -> None:
+        """Hold ``cache`` (a copy of another session's prefix, or a fresh one) holding ``ids``.
+
+        Raises:
+            ValueError: the cache does not hold ``len(ids)`` positions.
+        """
+        if cache_len(cache) != len(ids):
+            raise ValueError(f"the cache holds {cache_len(cache)} positions, not {len(ids)}")
+        self.kv_cache, self.cached_ids = cache, list(ids)
+
     def take_back_kv(self, cache: Any, ids: list[int]) -> None:
         """The decode batch gives the KV back: ``cache`` holds ``ids`` (the prompt and the answer so far)."""
         self.kv_cache, self.cached_ids, self.kv_lent = cache, list(ids), False
@@ -178,13 +197,43 @@ class Session:
         """Append an encoded image (it opens the next question); ``image_sizes`` / ``image_tokens``
         are every image's, as laid out with it (the features follow with :meth:`set_features`)."""
         self.images = [*self.images, data]
+        self.image_keys = [*self.image_keys, image_key(data)]
         self.image_sizes, self.image_tokens = list(image_sizes), list(image_tokens)
         self.pending_images += 1
+
+    def set_conversation(
+        self,
+        system_prompt: str | None,
+        turns: list[Turn],
+        pending_images: int,
+        images: list[tuple[str, bytes, tuple[int, int], int]],
+    ) -> None:
+        """Hold a resent conversation (OpenAI ``messages``): the system prompt, the remembered turns,
+        the images opening the next question, and every image as ``(key, data, (height, width),
+        placeholder tokens)`` in conversation order. The features and the KV cache are the caller's
+        to make match (:meth:`set_features`, :meth:`crop_kv`)."""
+        self.system_prompt, self.history, self.pending_images = system_prompt, list(turns), pending_images
+        self.image_keys = [key for key, _, _, _ in images]
+        self.images = [data for _, data, _, _ in images]
+        self.image_sizes = [size for _, _, size, _ in images]
+        self.image_tokens = [tokens for _, _, _, tokens in images]
+
+    def remember_url(self, url: str, key: str) -> None:
+        """Remember that ``url`` gave the image of content ``key`` (it is not fetched again)."""
+        self.image_urls[url] = key
+
+    def image_data(self, key: str) -> bytes | None:
+        """The encoded bytes of the session's image of content ``key``, or None."""
+        try:
+            return self.images[self.image_keys.index(key)]
+        except ValueError:
+            return None
 
     def snapshot(self) -> SessionSnapshot:
         """What :meth:`rollback` puts back (before an added image)."""
         return SessionSnapshot(
             tuple(self.images),
+            tuple(self.image_keys),
             tuple(self.image_sizes),
             tuple(self.image_tokens),
             self.pending_images,
@@ -197,6 +246,7 @@ class Session:
         cached image rows changed layout or no features are left."""
         relayout = list(snap.image_tokens) != self.image_tokens[: len(snap.image_tokens)]
         self.images, self.image_sizes = list(snap.images), list(snap.image_sizes)
+        self.image_keys = list(snap.image_keys)
         self.image_tokens, self.pending_images = list(snap.image_tokens), snap.pending_images
         self.image_features = snap.image_features
         if snap.image_features is None or relayout:

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .conversation import Turn
+from .conversation import Turn, image_key
 from .errors import ErrorCode, ServiceError, overloaded
 from .ledger import Demotion, SessionLedger, Tier
 from .model.kv_cache import cache_len
@@ -190,6 +190,7 @@ class SessionStore:
             image_tokens=list(image_tokens),
             pending_images=len(images) - sum(t.images for t in history),
             history=history,
+            image_keys=[image_key(data) for data in images],
         )
 
     def set_busy(self, session: Session, busy: bool) -> None:
@@ -250,6 +251,10 @@ class SessionStore:
         session.last_used = self.clock()
         self.ledger.touch(session_id)
         return session
+
+    def peek(self, session_id: str) -> Session | None:
+        """The open session ``session_id`` or None, without marking it used or sweeping."""
+        return self._sessions.get(session_id)
 
     def remove(self, session_id: str) -> Session:
         """Close ``session_id`` and free everything it holds.

@@ -13,11 +13,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..conversation import Chat, Turn, common_prefix_len
+import torch
+
+from ..conversation import Chat, ChatTarget, Turn, common_prefix_len
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..results import ContextPolicy, elapsed_ms
 from ..sampling import IncrementalDetokenizer, Sampler, SamplingParams
 from .sequence import Generation, ImageTask
+from .sharing import reusable_len
 
 if TYPE_CHECKING:
     from ..sessions import Session
@@ -111,6 +114,11 @@ class Admission:
             ServiceError: image_limit_exceeded (``max_images`` or ``max_image_tokens``).
         """
         sizes = [*sizes, *((int(img.height), int(img.width)) for img in new_images)]
+        return sizes, self._layout_sizes(sizes)
+
+    def _layout_sizes(self, sizes: list[tuple[int, int]]) -> list[int]:
+        """The placeholder count of each image of a conversation with images of ``sizes``, within
+        the image limits (raises image_limit_exceeded as :meth:`_layout`)."""
         self._check_image_count(len(sizes))
         tokens = [self.runner.image_token_count(size, len(sizes)) for size in sizes]
         cap = self.limits.max_image_tokens
@@ -119,7 +127,7 @@ class Admission:
                 ErrorCode.IMAGE_LIMIT_EXCEEDED,
                 f"the session's images would take {sum(tokens)} image tokens; at most {cap} are allowed",
             )
-        return sizes, tokens
+        return tokens
 
     def _check_image_count(self, num_images: int) -> None:
         if num_images > self.limits.max_images:
@@ -175,8 +183,8 @@ class Admission:
         self.store.set_busy(session, True)
         return gen
 
-    def _check_prompt(self, prompt: str, params: SamplingParams) -> None:
-        if not prompt or not prompt.strip():
+    def _check_prompt(self, prompt: str, params: SamplingParams, *, allow_blank: bool = False) -> None:
+        if not allow_blank and (not prompt or not prompt.strip()):
             raise ServiceError(ErrorCode.INVALID_PARAMETER, "prompt must not be empty")
         self._check_no_placeholder([prompt], "prompt")
         cap = self.limits.max_new_tokens_cap
@@ -222,6 +230,64 @@ class Admission:
                 f"{len(ids) + max_new}, over the model's context of {limit} tokens; {hint}",
             )
         return ids, dropped, max_new
+
+    # ------------------------------------------------------------------ resent conversations
+    def conversation(
+        self, session_id: str, target: ChatTarget, params: SamplingParams, clip_max_new_tokens: bool
+    ) -> Generation:
+        """Admit a resent whole conversation (``SessionEngine.start_chat``, which documents the errors):
+        the session comes to hold it, keeping the feature rows of every image it (or, when sharing,
+        any session) holds and its KV cache up to the first token or image that differs; the images
+        left to encode and the prefix to prefill run in the answer's steps."""
+        session = self.idle_session(session_id)
+        texts = [target.question, *(text for t in target.turns for text in (t.prompt, t.answer))]
+        self._check_no_placeholder([*texts, target.system_prompt or ""], "messages")
+        self._check_prompt(target.question, params, allow_blank=True)
+        sizes = [img.size for img in target.images]
+        tokens = self._layout_sizes(sizes)
+        chat = Chat(target.system_prompt, target.turns, target.pending_images, tuple(tokens))
+        ids, _, max_new = self._fit(chat, target.question, params.max_new_tokens, "error", clip_max_new_tokens)
+        if max_new != params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=max_new)
+        keys = [img.key for img in target.images]
+        keep = 0
+        if session.kv_cache is not None:
+            keep = reusable_len(session, ids, keys, tokens, self.runner.image_token_id)
+        sharing = self.engine.sharing
+        rows = [sharing.rows(session, img.key, n, len(sizes)) for img, n in zip(target.images, tokens, strict=True)]
+        missing = [i for i, r in enumerate(rows) if r is None]
+        unchanged = keys == session.image_keys and tokens == session.image_tokens and session.image_features is not None
+        runner = self.runner
+        feature_bytes = sum(tokens[i] for i in missing) * runner.feature_bytes_per_token
+        self._reserve(session, feature_bytes + (len(ids) - keep + max_new) * runner.kv_bytes_per_token, "this turn")
+        session.crop_kv(keep)
+        session.set_conversation(
+            target.system_prompt,
+            list(target.turns),
+            target.pending_images,
+            [(img.key, img.data, img.size, n) for img, n in zip(target.images, tokens, strict=True)],
+        )
+        if unchanged:
+            to_encode = []  # the same images as before: their features stay as they are
+        elif missing:  # the vision tower runs in the answer's first step
+            session.set_features(None)
+            to_encode = [(i, target.images[i].image) for i in missing]
+        else:
+            session.set_features(torch.cat([r for r in rows if r is not None]) if rows else None)
+            to_encode = []
+        self.store.sync(session)
+        gen = Generation(
+            self.engine,
+            session,
+            target.question,
+            ids,
+            params,
+            True,
+            Sampler(params, runner.device, ids),
+            IncrementalDetokenizer(runner.tokenizer),
+        )
+        gen.set_images_to_encode(to_encode, rows)
+        return gen
 
     # ------------------------------------------------------------------ shared
     def idle_session(self, session_id: str) -> Session:

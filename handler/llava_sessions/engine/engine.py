@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..conversation import Turn, common_prefix_len
+from ..conversation import ChatTarget, Turn, common_prefix_len
 from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
 from ..sampling import SamplingParams
 from ..sessions import SessionStore
@@ -30,6 +30,7 @@ from .decode_batch import DecodeBatch
 from .model_runner import ModelRunner
 from .scheduler import PrefillPiece, schedule
 from .sequence import Generation, ImageTask, Phase, Work
+from .sharing import ImageSharing
 from .updates import StateUpdates
 
 __all__ = ["EngineLimits", "SessionEngine"]
@@ -59,6 +60,8 @@ class SessionEngine:
         limits: per-request and per-session limits.
         check_invariants: after every step and every admission, assert the store's invariants
             (:meth:`SessionStore.check_invariants`); for tests.
+        share_images: a session may use image features and prefix KV another session holds
+            (:class:`~.sharing.ImageSharing`); False: only its own (``share_images: false``).
 
     Attributes:
         model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
@@ -74,6 +77,7 @@ class SessionEngine:
         limits: EngineLimits | None = None,
         *,
         check_invariants: bool = False,
+        share_images: bool = True,
     ) -> None:
         self.runner = runner
         self.store = store
@@ -83,6 +87,7 @@ class SessionEngine:
         self.check_invariants = check_invariants
         self.num_reused_tokens = 0
         self.num_generated_tokens = 0
+        self.sharing = ImageSharing(store, runner, enabled=share_images)
         self._admission = Admission(self)
         self._update = StateUpdates(self)
 
@@ -188,6 +193,67 @@ class SessionEngine:
         task = self._admission.add_image(session_id, image_bytes, image)
         self._check()
         return task
+
+    def open_empty(self, session_id: str, system_prompt: str | None = None) -> OpenResult:
+        """Open a session that holds no image yet (AWS's ``{"requestType": "NEW_SESSION"}``): its
+        conversation comes with the next request's messages. Nothing runs on the model.
+
+        Raises:
+            ServiceError: invalid_request (id already open), overloaded (``max_sessions`` reached).
+        """
+        session = self.store.new_session(session_id, system_prompt, [], [], [], [])
+        self.store.add(session)
+        self._check()
+        return OpenResult(session_id, session.expires_at, 0, 0, {})
+
+    def image_held(self, session_id: str | None, key: str) -> tuple[bytes, tuple[int, int]] | None:
+        """The encoded bytes and (height, width) of the image of content ``key`` if the session
+        ``session_id`` (or, when sharing, any session) holds it; else None. Never raises."""
+        own = self.store.peek(session_id) if session_id else None
+        holders = [own] if own is not None else []
+        if self.sharing.enabled:
+            holders += [s for s in self.store.sessions() if s is not own]
+        for holder in holders:
+            if key in holder.image_keys:
+                i = holder.image_keys.index(key)
+                return holder.images[i], holder.image_sizes[i]
+        return None
+
+    def url_key(self, session_id: str | None, url: str) -> str | None:
+        """The content key of the image the session fetched from ``url`` before, or None."""
+        session = self.store.peek(session_id) if session_id else None
+        return None if session is None else session.image_urls.get(url)
+
+    def remember_urls(self, session_id: str, urls: dict[str, str]) -> None:
+        """Remember which image each URL gave (``url → content key``) so it is not fetched again in
+        this session. Never raises (a session gone meanwhile is skipped)."""
+        session = self.store.peek(session_id)
+        for url, key in urls.items() if session is not None else ():
+            session.remember_url(url, key)
+
+    def start_chat(
+        self, session_id: str, target: ChatTarget, params: SamplingParams, *, clip_max_new_tokens: bool = False
+    ) -> Generation:
+        """Admit a whole conversation resent by the client (OpenAI ``messages``) and return the
+        :class:`~.sequence.Generation` answering its last user message.
+
+        The session comes to hold ``target`` (its previous conversation is replaced; it is the cache
+        of the client's): the feature rows of every image it already holds (or, with
+        ``share_images``, any session holds; matched by content key and layout) are kept, the rest
+        are encoded in the answer's first step; the KV cache is kept up to the first token or image
+        that differs (or a longer prefix another session holds is copied), so a resent history costs
+        its new tokens and an edited earlier message re-prefills from the edit. The answer joins the
+        history, and the answer is the tokens a from-scratch ``generate`` on the same templated
+        conversation gives. A conversation that does not fit is refused, never truncated.
+
+        Raises:
+            ServiceError: session_* (gone), session_busy, invalid_parameter (the image placeholder in
+                a message, max_new_tokens over the cap, a question too long), image_limit_exceeded,
+                context_length_exceeded, overloaded (no device memory now).
+        """
+        gen = self._admission.conversation(session_id, target, params, clip_max_new_tokens)
+        self._check()
+        return gen
 
     def reset(self, session_id: str) -> None:
         """Forget the history, keep the images (and the cached prefix up to where the conversation

@@ -64,6 +64,25 @@ class ModelRunner:
             raise RuntimeError(f"image features have {got} rows; the processor counts {expected}")
         return feats[0] if len(feats) == 1 else torch.cat(feats, dim=0)
 
+    def encode_at(self, session: Session, indexes: Sequence[int], images: Sequence[Any]) -> list[torch.Tensor]:
+        """Run the vision tower on ``images``, the session's images at ``indexes`` (decoded), laid out
+        as in its conversation now.
+
+        Returns:
+            One ``[image_tokens[i], hidden]`` tensor per image, model dtype, on the device.
+
+        Raises:
+            ServiceError: image_invalid; overloaded (out of device memory twice).
+            RuntimeError: the model gave another row count than the processor's (a bug).
+        """
+        num_images = len(session.images)
+        feats = oom_retry(lambda: self.runner.encode_images(images, num_images), self.store, keep=session)
+        expected = [session.image_tokens[i] for i in indexes]
+        got = [int(f.shape[0]) for f in feats]
+        if got != expected:
+            raise RuntimeError(f"image features have {got} rows; the processor counts {expected}")
+        return feats
+
     def prefill(
         self, session: Session, ids: list[int], num_tokens: int | None, timings: dict[str, float]
     ) -> tuple[torch.Tensor, int]:

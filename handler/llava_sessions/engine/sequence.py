@@ -102,6 +102,16 @@ class Generation:
         self._t0 = time.perf_counter()
         self._t_first = self._t_last = 0.0
         self._max_stop = max((len(s) for s in params.stop), default=0)
+        self.images_to_encode: list[tuple[int, Any]] = []
+        self.feature_rows: list[Any] = []
+        self.resent = False  # a whole conversation resent (OpenAI messages), not one question
+
+    def set_images_to_encode(self, images: list[tuple[int, Any]], rows: list[Any]) -> None:
+        """A resent conversation's images the vision tower must encode before the prefill: ``(index
+        in the conversation, decoded image or None)``, and every image's feature rows found held
+        (``[tokens_i, hidden]``, None for those to encode)."""
+        self.images_to_encode, self.feature_rows = list(images), list(rows)
+        self.resent = True
 
     # ------------------------------------------------------------------ reading
     @property
@@ -134,7 +144,8 @@ class Generation:
         if self.phase is Phase.DECODING:
             return WorkView("question", decoding=True, has_row=self.row is not None)
         if self.phase is Phase.WAITING:
-            restore_vision = self.session.image_features is None
+            session = self.session
+            restore_vision = bool(self.images_to_encode) or (session.image_features is None and bool(session.images))
             uncached = len(self.prompt_ids) - (0 if restore_vision else self.num_reusable_tokens())
             return WorkView("question", needs_vision=restore_vision, num_prefill_tokens=uncached)
         return WorkView("question", num_prefill_tokens=len(self.prompt_ids) - len(self.session.cached_ids))
@@ -151,9 +162,16 @@ class Generation:
         self.phase = Phase.DECODING
         self.prefilled = True
 
-    def append(self, token: int, logprob: float | None, eos_token_ids: frozenset[int]) -> FinishReason | None:
-        """Record a sampled token; return why the answer ends with it (EOS or a stop sequence:
-        ``stop``; ``max_new_tokens`` reached: ``length``), or None."""
+    def append(
+        self,
+        token: int,
+        logprob: float | None,
+        eos_token_ids: frozenset[int],
+        top: tuple[tuple[int, float], ...] = (),
+    ) -> FinishReason | None:
+        """Record a sampled token (``top``: the most likely ``(id, logprob)`` pairs at its position);
+        return why the answer ends with it (EOS or a stop sequence: ``stop``; ``max_new_tokens``
+        reached: ``length``), or None."""
         now = time.perf_counter()
         if not self._events:
             self._t_first = now
@@ -170,7 +188,7 @@ class Generation:
             finish = "length"
         if finish:
             text += detok.flush()
-        self._events.append(TokenEvent(token, text, logprob, special))
+        self._events.append(TokenEvent(token, text, logprob, special, top))
         return finish
 
     def finish(self, finish_reason: FinishReason) -> Answer:

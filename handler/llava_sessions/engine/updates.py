@@ -53,7 +53,12 @@ class StateUpdates:
         """
         session = gen.session
         t0 = time.perf_counter()
+        if gen.images_to_encode:
+            self._encode_missing(gen)
         restored = self._restore(session)
+        if gen.resent:  # a resent conversation: a prefix another session holds may serve more
+            self.engine.sharing.adopt_prefix(session, gen.prompt_ids, session.image_keys, session.image_tokens)
+            gen.images_to_encode = []
         reuse = gen.num_reusable_tokens()
         need = (len(gen.prompt_ids) - reuse + gen.params.max_new_tokens) * self.engine.runner.kv_bytes_per_token
         if not self.store.reserve(need, keep=session):
@@ -63,10 +68,27 @@ class StateUpdates:
         self.engine.num_reused_tokens += reuse
         gen.started(restored, reuse, elapsed_ms(t0))
 
+    def _encode_missing(self, gen: Generation) -> None:
+        """Run the vision tower on the images of a resent conversation no session held, and give the
+        session every image's features in order."""
+        session = gen.session
+        images = [
+            img if img is not None else self.engine.decode_image(session.images[i]) for i, img in gen.images_to_encode
+        ]
+        indexes = [i for i, _ in gen.images_to_encode]
+        feats = self.model.encode_at(session, indexes, images)
+        rows = list(gen.feature_rows)
+        for i, f in zip(indexes, feats, strict=True):
+            rows[i] = f
+        session.set_features(torch.cat(rows) if rows else None)
+        self.store.sync(session)
+
     def _restore(self, session: Session) -> RestoredFrom | None:
         """Bring a demoted session back to a prefillable state; returns the tier it came from."""
         tier = session.tier
-        if tier is Tier.KV:
+        if tier is Tier.KV or (tier is Tier.IMAGE and not session.images):
+            if not session.images and session.kv_cache is None:
+                session.start_kv(self.model.new_cache())  # a conversation without images starts from nothing
             return None
         if tier is Tier.IMAGE:
             images = [self.engine.decode_image(data) for data in session.images]
@@ -102,9 +124,9 @@ class StateUpdates:
     def accept(self, gen: Generation, logits: torch.Tensor) -> None:
         """Sample ``gen``'s next token from ``logits [vocab]`` (float32) and record it; finish the
         answer when it ends there."""
-        token, logprob = gen.sampler.next_token(logits)
+        token, logprob, top = gen.sampler.next_token(logits)
         self.engine.num_generated_tokens += 1
-        finish = gen.append(token, logprob, self.engine.runner.eos_token_ids)
+        finish = gen.append(token, logprob, self.engine.runner.eos_token_ids, top)
         if finish:
             self._finish_generation(gen, finish)
 
@@ -206,6 +228,9 @@ class StateUpdates:
 
     def _put_back_answer(self, gen: Generation) -> None:
         session = gen.session
+        if gen.images_to_encode:  # a resent conversation's images were never encoded: rebuild from them
+            session.drop_features()
+            return
         try:
             kv = self.model.batch.release(gen)
             if kv is not None:

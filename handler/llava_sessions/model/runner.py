@@ -97,7 +97,7 @@ class LlavaRunner:
         return cls(*load_model(model_dir, device=device, gpu_id=gpu_id, dtype=dtype))
 
     # ------------------------------------------------------------------ images
-    def _base_layout(self, num_images: int) -> bool:
+    def base_layout(self, num_images: int) -> bool:
         """Whether images of a conversation with ``num_images`` images are laid out as one base tile
         each (OneVision's several-image mode) rather than by their own size."""
         return self._multi_image_base_tile and num_images > 1
@@ -108,7 +108,7 @@ class LlavaRunner:
         (``_get_num_multimodal_tokens``: 576 for llava-1.5, tiles for anyres models), or one base
         tile + a newline row in OneVision's several-image mode.
         """
-        if self._base_layout(num_images):
+        if self.base_layout(num_images):
             return self.num_image_tokens + 1
         counter = getattr(self.processor, "_get_num_multimodal_tokens", None)
         if counter is None:
@@ -133,7 +133,7 @@ class LlavaRunner:
         """
         images = list(images)
         total = len(images) if num_images is None else num_images
-        base = self._base_layout(total)
+        base = self.base_layout(total)
         # several-image mode needs a nested batch of >= 2 images; a lone one is preprocessed twice
         batch: Any = [images + images[:1] if len(images) == 1 else images] if base else images
         try:
@@ -234,6 +234,20 @@ class LlavaRunner:
         for dst, src in zip(batch.batch_layers, cache.layers, strict=True):
             dst.keys[row, :, end - n : end] = src.keys[0]
             dst.values[row, :, end - n : end] = src.values[0]
+
+    def copy_prefix(self, cache: Any, length: int) -> Any:
+        """A new ``DynamicCache`` holding a copy of the first ``length`` positions of ``cache``
+        (``[1, kv_heads, length, head_dim]`` per layer; the source is left as it is).
+
+        Raises:
+            ValueError: ``cache`` holds fewer than ``length`` positions.
+        """
+        if cache_len(cache) < length:
+            raise ValueError(f"cannot copy {length} positions of a cache of {cache_len(cache)}")
+        out = self.new_cache()
+        for i, layer in enumerate(cache.layers):
+            out.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), i)
+        return out
 
     def extract_row(self, batch: BatchKVCache, row: int, columns: torch.Tensor) -> Any:
         """Gather ``row``'s ``columns`` (a ``[n]`` long tensor of column indexes, in order) into a new

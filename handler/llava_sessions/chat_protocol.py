@@ -1,0 +1,325 @@
+"""The ecosystem's dialect on ``/invocations``: OpenAI chat-completions bodies and AWS's session bodies.
+
+- **Chat completions**: any body with ``messages`` (as LMI, the TGI container and vLLM's SageMaker
+  entrypoint accept it; shared/notes/chat-protocol.md). The request is OpenAI's "Create chat
+  completion" (platform.openai.com/docs/api-reference/chat/create), restricted to what a LLaVA model
+  can honour: roles ``system`` (or ``developer``), ``user``, ``assistant``; ``content`` a string or a
+  list of ``text`` and ``image_url`` parts (``https://``, ``s3://`` or ``data:image/...;base64,``).
+  A field we cannot honour (``n`` > 1, ``tools``, ``response_format``, audio parts, ...) is refused
+  with a 400 that names it, never ignored.
+- **AWS's session bodies**: ``{"requestType": "NEW_SESSION"}`` and ``{"requestType": "CLOSE"}``
+  (aws/model-hosting-container-standards' convention; extra fields refused, as there).
+
+:func:`parse_chat_body` validates the dict :func:`llava_sessions.protocol.parse_request` decoded;
+:meth:`ChatCompletionRequest.conversation` maps the messages onto our conversation model (system
+prompt, remembered turns with the images opening each user message, the last user message as the
+question). No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from .errors import ErrorCode, ServiceError
+from .protocol_errors import validation_error
+
+__all__ = [
+    "UNSUPPORTED_FIELDS",
+    "ChatCompletionRequest",
+    "ChatConversation",
+    "ChatMessage",
+    "ImagePart",
+    "SessionControlRequest",
+    "TextPart",
+    "parse_chat_body",
+]
+
+#: OpenAI request fields this server cannot honour, each refused by name with what to do instead.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "tools": "tool calling is not supported by this model server",
+    "tool_choice": "tool calling is not supported by this model server",
+    "functions": "function calling is not supported by this model server",
+    "function_call": "function calling is not supported by this model server",
+    "parallel_tool_calls": "tool calling is not supported by this model server",
+    "response_format": "structured output (response_format) is not supported; ask for the format in the prompt",
+    "logit_bias": "logit_bias is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported; leave modalities out",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported by this model",
+    "web_search_options": "web search is not supported",
+    "store": "stored completions are not supported",
+    "metadata": "stored completions (metadata) are not supported",
+    "service_tier": "service tiers are not supported",
+    "verbosity": "verbosity is not supported by this model",
+}
+
+
+def _text(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("invalid_unicode", "must be valid Unicode text") from None
+    return value
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class TextPart(_In):
+    """A ``{"type": "text", "text": ...}`` content part."""
+
+    type: Literal["text"]
+    text: str
+
+    @field_validator("text")
+    @classmethod
+    def _valid(cls, value: str) -> str:
+        return _text(value)
+
+
+class ImageUrl(_In):
+    """``image_url``'s object: ``url`` (https, s3 or a base64 data URI) and OpenAI's ``detail`` hint
+    (accepted; the model sees every image at its own input resolution)."""
+
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_In):
+    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_In):
+    """One message: ``role`` and ``content`` (a string, or a list of text and image parts; images in
+    user messages only). ``name`` is accepted (it does not reach the chat template)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[Part], Field(min_length=1, max_length=64)]
+    name: Annotated[str, Field(max_length=64)] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _valid(cls, value: Any) -> Any:
+        return _text(value) if isinstance(value, str) else value
+
+    def text(self) -> str:
+        """The message's text: the string, or its text parts joined with newlines (vLLM's joining)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def image_urls(self) -> list[str]:
+        """The message's image URLs, in order."""
+        if isinstance(self.content, str):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+
+class StreamOptions(_In):
+    """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the usage."""
+
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_In):
+    """OpenAI's chat-completions request, as far as a LLaVA model can honour it (module docstring).
+
+    Sampling: ``temperature`` defaults to OpenAI's 1.0 (sampled answers); 0 is greedy. ``top_k``
+    and ``repetition_penalty`` are accepted as vLLM and TGI accept them. ``max_completion_tokens``
+    (or the older ``max_tokens``) bounds the answer; unset, the server's default, clipped to the
+    room the context leaves.
+    """
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=512)]
+    model: Annotated[str, Field(max_length=256)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    stop: (
+        Annotated[str, Field(min_length=1, max_length=64)]
+        | Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=4)]
+        | None
+    ) = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of strings."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def answer_limit(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``, else None (the server's default)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> ChatConversation:
+        """Map the messages onto a conversation: an optional leading system message, then user and
+        assistant messages alternating, ending with the user's question.
+
+        Raises:
+            ServiceError: invalid_request naming ``messages[i]`` when the order is not that, or an
+                assistant message holds an image.
+        """
+        msgs = self.messages
+        system: str | None = None
+        start = 0
+        if msgs[0].role in ("system", "developer"):
+            if msgs[0].image_urls():
+                raise _bad("messages[0].content", "a system message holds text only")
+            system, start = msgs[0].text(), 1
+        rest = msgs[start:]
+        for offset, msg in enumerate(rest):
+            i = start + offset
+            want = "user" if offset % 2 == 0 else "assistant"
+            if msg.role != want:
+                raise _bad(
+                    f"messages[{i}].role",
+                    f"expected {'a user' if want == 'user' else 'an assistant'} message here: one system "
+                    "message may lead, then user and assistant messages alternate, ending with the user's; "
+                    "merge consecutive messages of one role",
+                )
+            if want == "assistant" and msg.image_urls():
+                raise _bad(f"messages[{i}].content", "an assistant message holds text only")
+        if not rest or rest[-1].role != "user":
+            raise _bad("messages", "the last message must be the user's (the question to answer)")
+        turns = []
+        for k in range(0, len(rest) - 1, 2):
+            user, assistant = rest[k], rest[k + 1]
+            turns.append(_Turn(user.text(), assistant.text(), tuple(user.image_urls())))
+        question = rest[-1]
+        return ChatConversation(system, tuple(turns), question.text(), tuple(question.image_urls()))
+
+
+@dataclass(frozen=True)
+class _Turn:
+    prompt: str
+    answer: str
+    image_urls: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ChatConversation:
+    """A messages list as our conversation: ``system_prompt``, remembered ``turns`` (each with the
+    image URLs opening its user message, in order), the ``question`` and its ``question_images``."""
+
+    system_prompt: str | None
+    turns: tuple[_Turn, ...]
+    question: str
+    question_images: tuple[str, ...]
+
+    @property
+    def image_urls(self) -> list[str]:
+        """Every image URL in conversation order."""
+        return [u for t in self.turns for u in t.image_urls] + list(self.question_images)
+
+
+class SessionControlRequest(_In):
+    """AWS's session bodies: ``{"requestType": "NEW_SESSION"}`` (with ``SessionId=NEW_SESSION``)
+    opens a session with no image yet; ``{"requestType": "CLOSE"}`` closes the header's session."""
+
+    requestType: Literal["NEW_SESSION", "CLOSE"]  # noqa: N815 - AWS's field name
+
+
+#: What to say of a bad value where OpenAI's range differs from our native parameters'.
+_HINTS = {
+    "temperature": "must be a number between 0 and 2",
+    "max_tokens": "must be an integer >= 1",
+    "max_completion_tokens": "must be an integer >= 1",
+    "top_logprobs": "must be an integer between 0 and 20",
+    "logprobs": "must be true or false",
+    "n": "must be an integer >= 1",
+}
+
+
+def _bad(param: str, message: str) -> ServiceError:
+    return ServiceError(ErrorCode.INVALID_REQUEST, f"{param}: {message}", param=param)
+
+
+def _check_unsupported(data: dict) -> None:
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if name in data and data[name] is not None:
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name}: {why}", param=name)
+    n = data.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        raise ServiceError(ErrorCode.INVALID_PARAMETER, "n: one choice per request (n = 1) is supported", param="n")
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            continue
+        role = msg.get("role")
+        if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
+            raise _bad(f"messages[{i}].role", "tool and function messages are not supported by this model server")
+        content = msg.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in ("text", "image_url"):
+                shown = kind if kind.isidentifier() and len(kind) <= 32 else "this type"
+                raise ServiceError(
+                    ErrorCode.INVALID_PARAMETER,
+                    f"messages[{i}].content[{j}].type: {shown!r} parts are not supported; "
+                    "this model reads 'text' and 'image_url' parts",
+                    param=f"messages[{i}].content[{j}].type",
+                )
+
+
+def parse_chat_body(data: dict, *, max_new_tokens_cap: int, max_prompt_chars: int) -> ChatCompletionRequest:
+    """Validate a decoded chat-completions body.
+
+    Args:
+        data: the JSON object (it has ``messages``).
+        max_new_tokens_cap: largest ``max_tokens`` / ``max_completion_tokens`` accepted.
+        max_prompt_chars: longest message text, characters.
+
+    Raises:
+        ServiceError: invalid_request (wrong shape, unknown field, message order) or
+            invalid_parameter (a value out of range, a field or part type we cannot honour), each
+            naming its field in ``message`` and ``param``.
+    """
+    _check_unsupported(data)
+    try:
+        request = ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, strip_tag=False, hints=_HINTS) from None
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, name)
+        if value is not None and value > max_new_tokens_cap:
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name}: must be <= {max_new_tokens_cap}", param=name)
+    if request.top_logprobs and not request.logprobs:
+        raise ServiceError(
+            ErrorCode.INVALID_PARAMETER, "top_logprobs: needs logprobs set to true", param="top_logprobs"
+        )
+    for i, msg in enumerate(request.messages):
+        if len(msg.text()) > max_prompt_chars:
+            raise ServiceError(
+                ErrorCode.INVALID_PARAMETER,
+                f"messages[{i}].content: longer than {max_prompt_chars} characters; shorten it",
+                param=f"messages[{i}].content",
+            )
+    return request
