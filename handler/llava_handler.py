@@ -52,6 +52,7 @@ class LlavaHandler:
                     session_id=context.get_sequence_id(i),
                     minted=bool(context.get_request_header(i, context.header_key_sequence_start)),
                     body=(row or {}).get("body", (row or {}).get("data")),
+                    accept=context.get_request_header(i, "Accept") or context.get_request_header(i, "accept"),
                 )
                 for i, row in enumerate(data)
             ]

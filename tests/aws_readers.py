@@ -68,3 +68,26 @@ def lmi_reader_text(lines: Iterable[bytes]) -> str:
         resp = json.loads(line)
         out.append(resp["token"]["text"])
     return "".join(out)
+
+
+def chat_reader_chunks(lines: Iterable[bytes]) -> list[dict[str, Any]]:
+    """AWS's chat-streaming loop over LMI / vLLM endpoints: every line, a leading ``data:`` stripped,
+    blank lines and ``[DONE]`` skipped, the rest ``json.loads``-ed (a chunk, or an error object)."""
+    chunks = []
+    for line in lines:
+        text = line.decode("utf-8").strip()
+        if text.startswith("data:"):
+            text = text[len("data:") :].strip()
+        if not text or text == "[DONE]":
+            continue
+        chunks.append(json.loads(text))
+    return chunks
+
+
+def chat_reader_text(lines: Iterable[bytes]) -> str:
+    """The content those loops print: ``choices[0].delta.content`` of every chunk that has a choice."""
+    out = []
+    for chunk in chat_reader_chunks(lines):
+        for choice in chunk["choices"]:
+            out.append(choice["delta"].get("content") or "")
+    return "".join(out)

@@ -19,7 +19,9 @@ from llava_sessions.sampling import SamplingParams
 from test_engine import GREEDY, N, decode, ids, make_engine
 
 
-def reference(runner, system: str | None, turns: list[tuple[str, str, list[bytes]]], question: str, q_images: list[bytes]) -> list[int]:
+def reference(
+    runner, system: str | None, turns: list[tuple[str, str, list[bytes]]], question: str, q_images: list[bytes]
+) -> list[int]:
     """Greedy tokens of ``model.generate`` from scratch; each user message opens with its images."""
     messages: list[dict] = []
     if system:

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from .contract import NEW_SESSION_LITERAL
 from .errors import ErrorCode, ServiceError
 from .protocol_errors import validation_error
 
@@ -242,7 +243,14 @@ class SessionControlRequest(_In):
     """AWS's session bodies: ``{"requestType": "NEW_SESSION"}`` (with ``SessionId=NEW_SESSION``)
     opens a session with no image yet; ``{"requestType": "CLOSE"}`` closes the header's session."""
 
-    requestType: Literal["NEW_SESSION", "CLOSE"]  # noqa: N815 - AWS's field name
+    requestType: str  # noqa: N815 - AWS's field name
+
+    @field_validator("requestType")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in (NEW_SESSION_LITERAL, "CLOSE"):
+            raise PydanticCustomError("request_type", "must be 'NEW_SESSION' or 'CLOSE'")
+        return value
 
 
 #: What to say of a bad value where OpenAI's range differs from our native parameters'.

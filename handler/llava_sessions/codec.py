@@ -13,12 +13,15 @@ no branch for it. Error bodies are rendered here alone (:meth:`Codec.encode_erro
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
+from .chat_codec import ChatCommand, NewSessionCommand, chat_command, encode_openai_error
+from .chat_protocol import ChatCompletionRequest, SessionControlRequest
 from .config import Settings
-from .contract import format_expires
+from .contract import NEW_SESSION_LITERAL, format_expires
 from .conversation import Turn
 from .errors import ServiceError
 from .protocol import (
@@ -127,7 +130,9 @@ class CloseCommand:
     kind: ClassVar[str] = "close_session"
 
 
-Command = Union[OpenCommand, GenerateCommand, AddImageCommand, ResetCommand, CloseCommand]  # noqa: UP007 - a runtime alias on 3.10
+Command = Union[  # noqa: UP007 - a runtime alias on 3.10
+    OpenCommand, GenerateCommand, AddImageCommand, ResetCommand, CloseCommand, ChatCommand, NewSessionCommand
+]
 
 
 def _token(event: TokenEvent) -> TokenInfo:
@@ -139,10 +144,12 @@ class Codec:
 
     Args:
         settings: the handler settings (body, prompt and ``max_new_tokens`` limits, defaults).
+        model_name: the served model's name (OpenAI replies carry it).
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, model_name: str = "llava") -> None:
         self.settings = settings
+        self.model_name = model_name
 
     # ------------------------------------------------------------------ decode
     def decode_request(self, body: Any) -> Command:
@@ -162,6 +169,14 @@ class Codec:
             max_prompt_chars=s.max_prompt_chars,
             max_new_tokens_cap=s.max_new_tokens_cap,
         )
+        if isinstance(request, ChatCompletionRequest):
+            try:
+                return chat_command(request, s, self.model_name)
+            except ServiceError as err:
+                err.dialect = "openai"
+                raise
+        if isinstance(request, SessionControlRequest):
+            return NewSessionCommand() if request.requestType == NEW_SESSION_LITERAL else CloseCommand()
         legacy = request.legacy
         canonical = request.canonical()
         if isinstance(canonical, OpenSessionRequest):
@@ -288,5 +303,13 @@ class Codec:
 
     @staticmethod
     def encode_error(error: ServiceError) -> bytes:
-        """A whole error reply body: ``{"error": {"code", "message"}}``."""
+        """A whole error reply body: ``{"error": {"code", "message"}}``, or OpenAI's error object
+        ``{"error": {"message", "type", "param", "code"}}`` for a request in that dialect."""
+        if error.dialect == "openai":
+            return json.dumps(encode_openai_error(error)).encode()
         return ErrorBody.from_error(error).model_dump_json().encode()
+
+    @staticmethod
+    def encode_new_session(session_id: str, expires_at: int) -> bytes:
+        """The reply to AWS's ``{"requestType": "NEW_SESSION"}``: ``{"session_id", "expires_at"}``."""
+        return json.dumps({"session_id": session_id, "expires_at": format_expires(expires_at)}).encode()

@@ -161,7 +161,18 @@ class Settings(BaseModel):
     )
 
     # --- misc -------------------------------------------------------------------------------
-    system_prompt: str | None = Field(None, description="Default system prompt when open_session gives none.")
+    system_prompt: str | None = Field(
+        None, description="Default system prompt when open_session or a chat request's messages give none."
+    )
+    share_images: bool = Field(
+        True,
+        description="Sessions and one-shot chat requests on one worker reuse each other's image features and "
+        "conversation-prefix KV cache, matched by the image's exact bytes; false keeps each session to its own "
+        "(tenants then cannot time each other's images).",
+    )
+    served_model_name: str = Field(
+        "", description="The model name OpenAI chat replies carry; empty: the checkpoint folder's name."
+    )
     metrics_interval_ms: int = Field(
         1000,
         ge=0,

@@ -73,6 +73,9 @@ class ServiceError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
         self.param = param
+        #: the dialect of the request it answers: ``native`` (``{"error": {code, message}}``) or
+        #: ``openai`` (OpenAI's error object); set where the request's dialect is known.
+        self.dialect = "native"
 
     @property
     def status(self) -> int:

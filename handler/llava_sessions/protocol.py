@@ -399,13 +399,17 @@ def parse_request(
             Messages name fields (``parameters.top_p: must be > 0 and <= 1``), never their content.
     """
     data = _load_body(body, max_body_bytes)
-    if isinstance(data, dict) and "messages" in data:
-        return parse_chat_body(data, max_new_tokens_cap=max_new_tokens_cap, max_prompt_chars=max_prompt_chars)
-    if isinstance(data, dict) and "requestType" in data:
+    if isinstance(data, dict) and ("messages" in data or "requestType" in data):
         try:
-            return SessionControlRequest.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc, strip_tag=False, hints=_SESSION_BODY_HINTS) from None
+            if "messages" in data:
+                return parse_chat_body(data, max_new_tokens_cap=max_new_tokens_cap, max_prompt_chars=max_prompt_chars)
+            try:
+                return SessionControlRequest.model_validate(data)
+            except ValidationError as exc:
+                raise validation_error(exc, strip_tag=False, hints=_SESSION_BODY_HINTS) from None
+        except ServiceError as err:
+            err.dialect = "openai"  # answered in OpenAI's error object, as the containers of that dialect do
+            raise
     _check_type(data)
     try:
         request = _REQUEST_ADAPTER.validate_python(data)

@@ -35,10 +35,19 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-from .codec import JSON, JSON_LINES, AddImageCommand, Codec, Command, GenerateCommand, OpenCommand, ResetCommand
+from .chat_jobs import ChatJobs
+from .codec import (
+    JSON_LINES,
+    AddImageCommand,
+    ChatCommand,
+    Codec,
+    Command,
+    GenerateCommand,
+    NewSessionCommand,
+    OpenCommand,
+    ResetCommand,
+)
 from .config import Settings
 from .contract import (
     CLOSED_SESSION_ID_HEADER,
@@ -52,6 +61,7 @@ from .conversation import Chat
 from .engine import Generation, ImageTask, SessionEngine
 from .errors import ErrorCode, ServiceError, overloaded
 from .images import decode_image, fetch_image_bytes
+from .jobs import Job, Row, RowResult
 from .metrics import WorkerMetrics
 from .results import AddImageResult, OpenResult, elapsed_ms
 
@@ -63,55 +73,6 @@ log = logging.getLogger(__name__)
 STALE_JOB_S = 600.0
 
 
-@dataclass
-class Row:
-    """One row of a TorchServe batch.
-
-    Attributes:
-        request_id: TorchServe's request id (stable across a job's continuations).
-        session_id: the sequence id header's value (``X-Amzn-SageMaker-Session-Id``), or None.
-        minted: TorchServe minted ``session_id`` because the request came without one.
-        body: the request body (bytes, or the dict TorchServe decoded); None on continuations.
-    """
-
-    request_id: str
-    session_id: str | None
-    minted: bool
-    body: Any
-
-
-@dataclass
-class RowResult:
-    """What to answer for one row: ``body`` bytes, HTTP ``status``, response ``headers``,
-    ``content_type``, and ``stop`` for the stopping criterion (None: whole response; False: a
-    chunk, more follow; True: the last chunk)."""
-
-    body: bytes
-    status: int = 200
-    headers: dict[str, str] = field(default_factory=dict)
-    content_type: str = JSON
-    stop: bool | None = None
-
-
-@dataclass
-class _Job:
-    """An open or a generation in flight, across ``handle()`` calls (keyed by TorchServe's request id)."""
-
-    request_id: str
-    session_id: str
-    command: GenerateCommand | OpenCommand | AddImageCommand
-    last_seen: float
-    work: Generation | ImageTask
-    own_group: bool = True  # the TorchServe job group is this session's own (not the shared NEW_SESSION)
-    t0: float = 0.0  # admission time (perf_counter), for an open's total_ms
-    intake_timings: dict[str, float] = field(default_factory=dict)  # an image's fetch and decode, ms
-    calls: int = 0  # handle() calls this job was part of
-    ahead: int = 0  # steps run by run_ahead() since the job was last in a handle() call
-    sent: bool = False  # a streamed frame went out (status and headers are fixed)
-    emitted: int = 0  # token events already sent (streaming)
-    error: ServiceError | None = None
-
-
 class SessionService:
     """Admission and the step-wise scheduler over TorchServe's rows (decoding and encoding: :class:`Codec`).
 
@@ -121,6 +82,7 @@ class SessionService:
         end_header: TorchServe's sequence-end response header name (``ctx.header_key_sequence_end``).
         fetch: ``(ImageSource, Settings) -> bytes`` (injectable so tests can use a local server).
         metrics: where answers and errors are observed (:class:`WorkerMetrics`); a private one if None.
+        model_name: the served model's name (OpenAI chat replies carry it).
     """
 
     def __init__(
@@ -131,15 +93,22 @@ class SessionService:
         end_header: str = CLOSED_SESSION_ID_HEADER,
         fetch: Callable[..., bytes] = fetch_image_bytes,
         metrics: WorkerMetrics | None = None,
+        model_name: str = "llava",
     ) -> None:
         self.settings = settings
         self.engine = engine
-        self.codec = Codec(settings)
+        self.codec = Codec(settings, model_name)
+        self.chat = ChatJobs(self)
         self.metrics = metrics or WorkerMetrics()
         self.end_header = end_header
-        self._fetch = fetch
-        self._jobs: dict[str, _Job] = {}
+        self.fetch = fetch
+        self._jobs: dict[str, Job] = {}
         self._new_session_bytes: int | None = None
+        tokenizer = getattr(engine.runner, "tokenizer", None)
+        #: token id -> its text (OpenAI ``logprobs``)
+        self.token_text: Callable[[int], str] = (
+            (lambda i: tokenizer.decode([i])) if tokenizer is not None else (lambda i: str(i))
+        )
 
     # ------------------------------------------------------------------ entry
     def handle(self, rows: list[Row]) -> list[RowResult]:
@@ -149,7 +118,7 @@ class SessionService:
         """
         now = time.monotonic()
         results: list[RowResult | None] = [None] * len(rows)
-        active: list[tuple[int, _Job]] = []
+        active: list[tuple[int, Job]] = []
         self._drop_abandoned(rows)
         for i, row in enumerate(rows):
             job = self._jobs.get(row.request_id)
@@ -157,11 +126,11 @@ class SessionService:
                 try:
                     admitted = self._admit(row, now)
                 except ServiceError as err:
-                    results[i] = self._error_result(row.session_id, err)
+                    results[i] = self.error_result(row.session_id, err)
                     continue
                 except Exception:  # noqa: BLE001 - never raise out of handle()
                     log.exception("request failed", extra={"request_id": row.request_id})
-                    results[i] = self._error_result(None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
+                    results[i] = self.error_result(None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
                     continue
                 if isinstance(admitted, RowResult):
                     results[i] = admitted
@@ -178,21 +147,28 @@ class SessionService:
                 results[i] = self._emit(job)
             except Exception:  # noqa: BLE001
                 log.exception("emit failed", extra={"request_id": job.request_id})
-                self._jobs.pop(job.request_id, None)
-                job.work.close()  # an unfinished answer or open leaves its session as before
-                results[i] = self._error_result(
+                self.forget(job, abandon=True)  # an unfinished answer or open leaves its session as before
+                results[i] = self.error_result(
                     None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"), chunk=job.sent or job.calls > 1
                 )
         self._reap(now)
         return [r if r is not None else RowResult(b"") for r in results]
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, row: Row, now: float) -> RowResult | _Job:
+    def _admit(self, row: Row, now: float) -> RowResult | Job:
         if row.body is None:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "empty request body")
         command: Command = self.codec.decode_request(row.body)
         if isinstance(command, OpenCommand):
             return self._admit_open(row, command, now)
+        if isinstance(command, ChatCommand):
+            return self.chat.admit(row, command, now)
+        if isinstance(command, NewSessionCommand):
+            try:
+                return self.chat.open_session(row)
+            except ServiceError as err:
+                err.dialect = "openai"
+                raise
         sid = row.session_id
         if row.minted or not sid or sid == NEW_SESSION_LITERAL:
             raise ServiceError(
@@ -207,8 +183,7 @@ class SessionService:
             self.engine.close(sid)
             return RowResult(self.codec.encode_close(sid), headers=self._closed_headers(sid))
         self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
-        if sum(isinstance(j.work, Generation) for j in self._jobs.values()) >= self.settings.max_concurrent_generations:
-            raise overloaded("too many generations in flight on this worker; retry shortly", "generation_slot")
+        self.check_generation_slot()
         gen = self.engine.start(
             sid,
             command.prompt,
@@ -217,29 +192,43 @@ class SessionService:
             context_policy=command.context_policy,
             clip_max_new_tokens=command.clip_max_new_tokens,
         )
-        return _Job(row.request_id, sid, command, now, work=gen)
+        return Job(row.request_id, sid, command, now, work=gen)
 
-    def _admit_open(self, row: Row, command: OpenCommand, now: float) -> RowResult | _Job:
-        """Admit an open: the id (minted when TorchServe did not, for the shared ``NEW_SESSION``
-        group), then the image path (:meth:`_admit_image`); a failed open leaves no session behind
-        and ends its own TorchServe job group."""
+    def check_generation_slot(self) -> None:
+        """Raise ``overloaded`` when ``max_concurrent_generations`` answers are in flight."""
+        if sum(isinstance(j.work, Generation) for j in self._jobs.values()) >= self.settings.max_concurrent_generations:
+            raise overloaded("too many generations in flight on this worker; retry shortly", "generation_slot")
+
+    def session_id_for_open(self, row: Row) -> str:
+        """The id a new session gets: TorchServe's minted or the client's own, else (the shared
+        ``NEW_SESSION`` group, or no sequence batching) a new ``llava-<uuid4>``.
+
+        Raises:
+            ServiceError: invalid_request (an id not valid, or already open).
+        """
         sid = row.session_id
-        own_group = bool(sid) and sid != NEW_SESSION_LITERAL
-        if sid is None or not own_group:
-            # No TorchServe-minted id (NEW_SESSION literal, or no sequence batching): mint one.
+        if sid is None or sid == NEW_SESSION_LITERAL:
             sid = f"llava-{uuid.uuid4()}"
         elif not row.minted and not SESSION_ID_RE.match(sid):
             raise ServiceError(ErrorCode.INVALID_REQUEST, f"{SESSION_ID_HEADER} is not a valid session id")
         if sid in self.engine.store:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
+        return sid
+
+    def _admit_open(self, row: Row, command: OpenCommand, now: float) -> RowResult | Job:
+        """Admit an open: the id (:meth:`session_id_for_open`), then the image path
+        (:meth:`_admit_image`); a failed open leaves no session behind and ends its own TorchServe
+        job group."""
+        own_group = bool(row.session_id) and row.session_id != NEW_SESSION_LITERAL
+        sid = self.session_id_for_open(row)
         try:
             return self._admit_image(row, sid, command, now, own_group=own_group)
         except ServiceError as err:
-            return self._error_result(sid if own_group else None, err)
+            return self.error_result(sid if own_group else None, err)
 
     def _admit_image(
         self, row: Row, sid: str, command: OpenCommand | AddImageCommand, now: float, *, own_group: bool = True
-    ) -> _Job:
+    ) -> Job:
         """Admit an open or an added image: everything that decides its status happens here (the
         session's state, the fetch, the decode, room for it), since TorchServe fixes status and
         headers with the first frame; the vision tower and the prefill then run in scheduler steps.
@@ -251,7 +240,7 @@ class SessionService:
             self.engine.check_idle(sid)  # before any fetch: a gone or busy session is the precise answer
         t0 = time.perf_counter()
         sources = [command.image, *(command.history_images if isinstance(command, OpenCommand) else ())]
-        data = [self._fetch(source, self.settings) for source in sources]
+        data = [self.fetch(source, self.settings) for source in sources]
         t_fetched = time.perf_counter()
         images = [decode_image(b, max_pixels=self.settings.max_image_pixels) for b in data]
         t_decoded = time.perf_counter()
@@ -266,12 +255,12 @@ class SessionService:
             )
         else:
             task = self.engine.begin_add_image(sid, data[0], image=images[0])
-        job = _Job(row.request_id, sid, command, now, work=task, own_group=own_group, t0=t0)
+        job = Job(row.request_id, sid, command, now, work=task, own_group=own_group, t0=t0)
         job.intake_timings = {"fetch": elapsed_ms(t0, t_fetched), "decode": elapsed_ms(t_fetched, t_decoded)}
         return job
 
     # ------------------------------------------------------------------ scheduling
-    def _advance(self, jobs: list[_Job]) -> None:
+    def _advance(self, jobs: list[Job]) -> None:
         """Run up to ``step_max_tokens`` scheduler steps within ``step_max_ms`` (at least one).
 
         Each step advances every running job by one token: the jobs that still need their prefill
@@ -285,7 +274,7 @@ class SessionService:
                 break
             self._engine_step(running)
 
-    def _engine_step(self, running: list[_Job]) -> None:
+    def _engine_step(self, running: list[Job]) -> None:
         """One scheduler step over ``running``; a job whose work failed gets its typed error."""
         self.engine.step([j.work for j in running], prefill_budget=self.settings.step_token_budget)
         for job in running:
@@ -324,11 +313,13 @@ class SessionService:
         return True
 
     # ------------------------------------------------------------------ output
-    def _emit(self, job: _Job) -> RowResult:
+    def _emit(self, job: Job) -> RowResult:
         """The row's output for this call. The first call fixes status, headers and content type
         (TorchServe sends them with the first frame, even an empty one)."""
         if isinstance(job.work, ImageTask):
             return self._emit_image_task(job, job.work)
+        if isinstance(job.command, ChatCommand):
+            return self.chat.emit(job)
         gen, command, codec = job.work, job.command, self.codec
         assert isinstance(command, GenerateCommand) and isinstance(gen, Generation)
         finished = gen.done or job.error is not None
@@ -337,7 +328,7 @@ class SessionService:
             job.emitted = len(gen.events)
             if not finished:
                 return self._chunk(job, codec.encode_tokens(new), last=False)
-            self._jobs.pop(job.request_id, None)
+            self.forget(job)
             if job.error is None:  # the last token goes out with generated_text and details (TGI's shape)
                 assert gen.answer is not None and new, "an answer ends in the step that generated its last token"
                 self.metrics.observe_answer(gen.answer)
@@ -345,14 +336,14 @@ class SessionService:
                 return self._chunk(job, codec.encode_tokens(new[:-1]) + end, last=True)
             body = codec.encode_tokens(new)
             if not job.sent and not body:
-                return self._error_result(job.session_id, job.error, chunk=job.calls > 1)
+                return self.error_result(job.session_id, job.error, chunk=job.calls > 1)
             self.metrics.count_error(job.error)
             return self._chunk(job, body + codec.encode_stream_error(job.error), last=True)
         if not finished:
             return RowResult(b"", headers={SESSION_ID_HEADER: job.session_id}, stop=False)
-        self._jobs.pop(job.request_id, None)
+        self.forget(job)
         if job.error is not None:
-            return self._error_result(job.session_id, job.error, chunk=job.calls > 1)
+            return self.error_result(job.session_id, job.error, chunk=job.calls > 1)
         assert gen.answer is not None
         self.metrics.observe_answer(gen.answer)
         return RowResult(
@@ -361,7 +352,7 @@ class SessionService:
             stop=True if job.calls > 1 else None,
         )
 
-    def _emit_image_task(self, job: _Job, task: ImageTask) -> RowResult:
+    def _emit_image_task(self, job: Job, task: ImageTask) -> RowResult:
         """An open's or added image's output: empty frames (with the session headers and status 200)
         until it is done, then its body; an error after the first frame is the body (its status is
         already out). An open's headers carry the new session id and its ``Expires``."""
@@ -372,10 +363,10 @@ class SessionService:
             headers = {SESSION_ID_HEADER: job.session_id}
         if not task.done and job.error is None:
             return RowResult(b"", headers=headers, stop=False)
-        self._jobs.pop(job.request_id, None)
+        self.forget(job)
         if job.error is not None:
             task.close()
-            return self._error_result(job.session_id if job.own_group else None, job.error, chunk=job.calls > 1)
+            return self.error_result(job.session_id if job.own_group else None, job.error, chunk=job.calls > 1)
         result = task.result
         assert result is not None
         timings = {**job.intake_timings, **result.timings, "total": elapsed_ms(job.t0)}
@@ -386,17 +377,33 @@ class SessionService:
             body = self.codec.encode_add_image(result, timings)
         return RowResult(body, headers=headers, stop=True if job.calls > 1 else None)
 
-    def _chunk(self, job: _Job, body: bytes, *, last: bool) -> RowResult:
+    def _chunk(self, job: Job, body: bytes, *, last: bool) -> RowResult:
         # A stream that ends in its first frame is one whole response: TorchServe sends no response
         # head for a first frame that is also the last chunk (verified: the client hangs).
         stop: bool | None = (True if job.sent else None) if last else False
         job.sent = True  # the first frame, even empty, fixes status and headers
         return RowResult(body, headers={SESSION_ID_HEADER: job.session_id}, content_type=JSON_LINES, stop=stop)
 
+    def forget(self, job: Job, *, abandon: bool = False) -> None:
+        """Drop ``job`` from the jobs in flight (``abandon``: its work is closed first, its session
+        left as before it); a one-shot chat request's session goes with it."""
+        self._jobs.pop(job.request_id, None)
+        if abandon:
+            job.work.close()
+        if job.one_shot:
+            self.close_quietly(job.session_id)
+
+    def close_quietly(self, session_id: str) -> None:
+        """Close ``session_id`` if it is open and idle; never raises."""
+        try:
+            self.engine.close(session_id)
+        except ServiceError:
+            pass
+
     def _closed_headers(self, session_id: str) -> dict[str, str]:
         return {CLOSED_SESSION_ID_HEADER: session_id, self.end_header: session_id}
 
-    def _error_result(self, session_id: str | None, err: ServiceError, *, chunk: bool = False) -> RowResult:
+    def error_result(self, session_id: str | None, err: ServiceError, *, chunk: bool = False) -> RowResult:
         """A JSON error row for the request of TorchServe job group ``session_id``.
 
         A request that leaves no open session behind (unknown, expired or evicted id, failed
@@ -425,22 +432,20 @@ class SessionService:
         new_sessions = {row.session_id for row in rows if row.request_id not in self._jobs and row.session_id}
         for rid, job in list(self._jobs.items()):
             if job.session_id in new_sessions and rid not in in_batch:
-                self._jobs.pop(rid, None)
-                job.work.close()
+                self.forget(job, abandon=True)
                 log.info("dropped a job its client abandoned", extra={"session_id": job.session_id})
 
     def _reap(self, now: float) -> None:
         """Abandon jobs TorchServe stopped bringing back (their sessions become usable again)."""
-        for rid, job in list(self._jobs.items()):
+        for job in list(self._jobs.values()):
             if now - job.last_seen > STALE_JOB_S:
-                self._jobs.pop(rid, None)
-                job.work.close()
+                self.forget(job, abandon=True)
                 log.warning("abandoned a job TorchServe stopped polling", extra={"session_id": job.session_id})
 
     # ------------------------------------------------------------------ entry helpers
     def internal_error(self) -> RowResult:
         """A 500 ``internal_error`` row (the entry's last line of defence)."""
-        return self._error_result(None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
+        return self.error_result(None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
 
     def placement_stats(self) -> dict[str, int]:
         """What a replica router places new sessions by: ``free_bytes`` (device budget left, bytes),

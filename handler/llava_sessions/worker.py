@@ -148,6 +148,7 @@ def build_local_service(
         engine,
         end_header=end_header,
         metrics=WorkerMetrics(metrics, interval_s=settings.metrics_interval_ms / 1000.0),
+        model_name=settings.served_model_name or Path(model_dir).resolve().name,
     )
 
 
@@ -187,4 +188,5 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
             max_images=settings.max_images_per_session,
             max_image_tokens=settings.max_image_tokens_per_session,
         ),
+        share_images=settings.share_images,
     )

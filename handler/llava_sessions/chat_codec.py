@@ -1,0 +1,383 @@
+"""OpenAI chat completions on the wire: a request body to a :class:`ChatCommand`, answers to
+``chat.completion`` objects, streams to ``chat.completion.chunk`` events, errors to OpenAI's error object.
+
+The reply shapes are OpenAI's API reference ("The chat completion object", "The chat completion chunk
+object"; ``openai.types.chat.ChatCompletion`` / ``ChatCompletionChunk`` validate them in the tests).
+Streams are server-sent events (``data: {...}`` events ending with ``data: [DONE]``, as OpenAI, vLLM
+and TGI send them), or JSON lines (one chunk per line, no ``[DONE]``: LMI's form) when the request's
+``Accept`` is ``application/jsonlines``. Each event is written whole in its own frame (several
+SageMaker stream wrappers assume one event per PayloadPart: shared/notes/chat-protocol.md). No torch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .chat_protocol import ChatCompletionRequest, ChatConversation
+from .config import Settings
+from .errors import ErrorCode, ServiceError
+from .protocol import ImageSource
+from .results import Answer, TokenEvent
+from .sampling_params import SamplingParams
+
+__all__ = [
+    "EVENT_STREAM",
+    "ChatCommand",
+    "ChatCompletionChunk",
+    "ChatCompletionResponse",
+    "ChatStream",
+    "NewSessionCommand",
+    "chat_command",
+    "encode_completion",
+    "encode_openai_error",
+    "image_source_of",
+    "openai_error_type",
+]
+
+#: Content type of server-sent events.
+EVENT_STREAM = "text/event-stream"
+
+
+@dataclass(frozen=True)
+class ChatCommand:
+    """Answer a whole resent conversation (OpenAI ``messages``).
+
+    Attributes:
+        conversation: the messages as our conversation (system, turns, question; image URLs).
+        images: where each image of ``conversation.image_urls`` comes from, in the same order.
+        params: sampling parameters with the server's defaults applied.
+        clip_max_new_tokens: the request set no answer limit: clip the default to the room left.
+        stream: answer as a stream of chunks; include_usage: end it with a usage chunk.
+        top_logprobs: most likely alternatives per token (with ``params.logprobs``).
+        model: the model name the reply carries (the served model's).
+    """
+
+    kind: ClassVar[str] = "chat"
+
+    conversation: ChatConversation
+    images: tuple[ImageSource, ...]
+    params: SamplingParams
+    clip_max_new_tokens: bool
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+@dataclass(frozen=True)
+class NewSessionCommand:
+    """AWS's ``{"requestType": "NEW_SESSION"}``: open a session with no image yet."""
+
+    kind: ClassVar[str] = "new_session"
+
+
+def image_source_of(url: str, param: str) -> ImageSource:
+    """The image source an ``image_url`` names: ``s3://`` → S3, ``data:`` → base64, else a URL.
+
+    Raises:
+        ServiceError: invalid_parameter naming ``param`` (a data URI that is not a base64 image, a
+            malformed S3 URI, a URL over 8,192 characters).
+    """
+    try:
+        if url.startswith("s3://"):
+            return ImageSource(s3_uri=url)
+        if url.startswith("data:"):
+            if not url.startswith("data:image/") or ";base64," not in url[:100]:
+                raise ServiceError(
+                    ErrorCode.INVALID_PARAMETER,
+                    f"{param}: a data URI must look like data:image/<type>;base64,<data>",
+                    param=param,
+                )
+            return ImageSource(base64=url)
+        return ImageSource(url=url)
+    except ValidationError:
+        raise ServiceError(
+            ErrorCode.INVALID_PARAMETER,
+            f"{param}: must be an https URL, an s3://bucket/key URI or a data:image/...;base64, URI",
+            param=param,
+        ) from None
+
+
+def chat_command(request: ChatCompletionRequest, settings: Settings, model: str) -> ChatCommand:
+    """The command of a validated chat-completions request, with the server's defaults.
+
+    ``temperature`` unset is OpenAI's default 1.0 (sampled); 0 is greedy.
+
+    Raises:
+        ServiceError: invalid_request (message order), invalid_parameter (image URLs).
+    """
+    conversation = request.conversation()
+    sources: list[ImageSource] = []
+    for i, msg in enumerate(request.messages):
+        if not isinstance(msg.content, str):
+            for j, part in enumerate(msg.content):
+                if part.type == "image_url":
+                    sources.append(image_source_of(part.image_url.url, f"messages[{i}].content[{j}].image_url.url"))
+    limit = request.answer_limit
+    temperature = 1.0 if request.temperature is None else request.temperature
+    params = SamplingParams(
+        max_new_tokens=limit or settings.default_max_new_tokens,
+        temperature=temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        repetition_penalty=request.repetition_penalty,
+        do_sample=temperature > 0,
+        seed=request.seed,
+        stop=request.stop_list,
+        logprobs=request.logprobs,
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        top_logprobs=request.top_logprobs or 0,
+    )
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return ChatCommand(
+        conversation, tuple(sources), params, limit is None, request.stream, include_usage, request.model or model
+    )
+
+
+# ---------------------------------------------------------------------------------------------- replies
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TopLogprob(_Out):
+    """One alternative at a position: ``token`` text, ``logprob``, its UTF-8 ``bytes``."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log-probability and its ``top_logprobs`` alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out):
+    """``choices[0].logprobs``: the generated tokens' log-probabilities."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class Message(_Out):
+    """``choices[0].message``: the assistant's answer."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class Choice(_Out):
+    """The one choice of a completion."""
+
+    index: int = 0
+    message: Message
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class PromptTokensDetails(_Out):
+    """``usage.prompt_tokens_details``: ``cached_tokens`` served from the session's KV cache."""
+
+    cached_tokens: int
+
+
+class Usage(_Out):
+    """Token counts of a completion (``completion_tokens`` include an ending EOS)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletionResponse(_Out):
+    """OpenAI's ``chat.completion`` object."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class Delta(_Out):
+    """A chunk's ``delta``: the role (first chunk), then content."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(_Out):
+    """The one choice of a chunk."""
+
+    index: int = 0
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(_Out):
+    """OpenAI's ``chat.completion.chunk`` object (``choices`` empty in the usage chunk)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+def openai_error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status: ``invalid_request_error`` (4xx) or ``server_error``."""
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def encode_openai_error(error: ServiceError) -> dict[str, Any]:
+    """OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``; ``code`` is our
+    stable error code."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": openai_error_type(error.status),
+            "param": error.param,
+            "code": error.code.value,
+        }
+    }
+
+
+def _usage(answer: Answer) -> Usage:
+    return Usage(
+        prompt_tokens=answer.prompt_tokens,
+        completion_tokens=answer.generated_tokens,
+        total_tokens=answer.prompt_tokens + answer.generated_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=answer.cached_tokens),
+    )
+
+
+def _final_text(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to the first stop sequence (OpenAI leaves the stop sequence out)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def _logprobs(events: Sequence[TokenEvent], token_text: Callable[[int], str]) -> ChoiceLogprobs:
+    content = []
+    for e in events:
+        if e.special or e.logprob is None:
+            continue
+        text = token_text(e.id)
+        top = [TopLogprob(token=token_text(i), logprob=lp, bytes=list(token_text(i).encode())) for i, lp in e.top]
+        content.append(TokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()), top_logprobs=top))
+    return ChoiceLogprobs(content=content)
+
+
+def encode_completion(
+    command: ChatCommand, answer: Answer, token_text: Callable[[int], str], completion_id: str | None = None
+) -> bytes:
+    """The whole reply to a non-streamed chat request: a ``chat.completion`` object.
+
+    Args:
+        command: the request's command; answer: the finished answer.
+        token_text: token id → its text (for ``logprobs``).
+        completion_id: the id to give it (default: a new ``chatcmpl-<uuid>``).
+    """
+    logprobs = _logprobs(answer.tokens, token_text) if command.params.logprobs else None
+    reply = ChatCompletionResponse(
+        id=completion_id or f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=command.model,
+        choices=[
+            Choice(
+                message=Message(content=_final_text(answer.text, command.params.stop)),
+                logprobs=logprobs,
+                finish_reason=answer.finish_reason,
+            )
+        ],
+        usage=_usage(answer),
+    )
+    return reply.model_dump_json().encode()
+
+
+class ChatStream:
+    """The events of one streamed chat answer, each a whole frame.
+
+    Args:
+        command: the request's command.
+        sse: server-sent events (``data: {...}\\n\\n``, ending ``data: [DONE]``); False: JSON lines.
+        token_text: token id → its text (for ``logprobs``).
+    """
+
+    def __init__(self, command: ChatCommand, *, sse: bool, token_text: Callable[[int], str]) -> None:
+        self.command = command
+        self.sse = sse
+        self.token_text = token_text
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self._role_sent = False
+        self._sent = ""  # content already sent
+        self._holdback = max((len(s) for s in command.params.stop), default=1) - 1
+
+    @property
+    def content_type(self) -> str:
+        """``text/event-stream`` or ``application/jsonlines``."""
+        return EVENT_STREAM if self.sse else "application/jsonlines"
+
+    def _frame(self, payload: str) -> bytes:
+        return f"data: {payload}\n\n".encode() if self.sse else f"{payload}\n".encode()
+
+    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        chunk = ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.command.model, choices=choices, usage=usage
+        )
+        return self._frame(chunk.model_dump_json())
+
+    def _delta(self, content: str | None) -> Delta:
+        role: Literal["assistant"] | None = None if self._role_sent else "assistant"
+        self._role_sent = True
+        return Delta(role=role, content=content)
+
+    def tokens(self, events: Sequence[TokenEvent], text: str) -> bytes:
+        """One chunk for the tokens of a step slice (``text``: the whole answer so far), or b"" when it
+        has nothing to say yet. Text that could begin a stop sequence is held back until it cannot."""
+        ready = text[: max(len(self._sent), len(text) - self._holdback)] if self._holdback else text
+        content = ready[len(self._sent) :]
+        logprobs = _logprobs(events, self.token_text) if self.command.params.logprobs else None
+        if not content and self._role_sent and not (logprobs and logprobs.content):
+            return b""
+        self._sent = ready
+        return self._chunk([ChunkChoice(delta=self._delta(content), logprobs=logprobs)])
+
+    def end(self, answer: Answer, last: Sequence[TokenEvent]) -> list[bytes]:
+        """The last frames: the chunk with the rest of the content and the ``finish_reason``, the
+        usage chunk when asked for, and ``[DONE]`` (server-sent events)."""
+        final = _final_text(answer.text, self.command.params.stop)
+        content = final[len(self._sent) :] if final.startswith(self._sent) else ""
+        logprobs = _logprobs(last, self.token_text) if self.command.params.logprobs else None
+        frames = [
+            self._chunk(
+                [ChunkChoice(delta=self._delta(content), logprobs=logprobs, finish_reason=answer.finish_reason)]
+            )
+        ]
+        if self.command.include_usage:
+            frames.append(self._chunk([], _usage(answer)))
+        return frames + self._done()
+
+    def error(self, error: ServiceError) -> list[bytes]:
+        """The frames of a stream that fails after it began: OpenAI's error object, then ``[DONE]``."""
+        import json
+
+        return [self._frame(json.dumps(encode_openai_error(error)))] + self._done()
+
+    def _done(self) -> list[bytes]:
+        return [b"data: [DONE]\n\n"] if self.sse else []

@@ -1,0 +1,257 @@
+"""OpenAI chat completions and AWS's session bodies, end to end: plain boto3 → ``llava-local-endpoint`` →
+a real TorchServe (tiny model, CPU), every reply and every stream line validated with the ``openai``
+package's own models (``ChatCompletion``, ``ChatCompletionChunk``) and read with AWS's stream loops.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from aws_readers import LineIterator, chat_reader_chunks, chat_reader_text
+from llava_tools.local_endpoint import LocalEndpoint
+from test_chat_engine import reference
+
+JSON = "application/json"
+N = 12
+
+
+@pytest.fixture(scope="module")
+def endpoint(request, tiny_model_dir):
+    ep = LocalEndpoint(
+        tiny_model_dir,
+        backends=1,
+        overrides={"step_max_tokens": 2},
+        model_config_overrides={"batchSize": 8, "maxNumSequence": 16},
+        startup_timeout_s=120,
+    )
+    request.addfinalizer(ep.stop)
+    return ep.start()
+
+
+@pytest.fixture(scope="module")
+def runtime(endpoint):
+    return boto3.client(
+        "sagemaker-runtime",
+        endpoint_url=endpoint.url,
+        region_name="us-east-1",
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+    )
+
+
+def data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def user(text: str, *images: bytes) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": data_uri(b)}} for b in images]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+
+def invoke(runtime, body: dict, session_id: str | None = None, **kw):
+    extra = {"SessionId": session_id} if session_id else {}
+    return runtime.invoke_endpoint(EndpointName="llava", Body=json.dumps(body), ContentType=JSON, **extra, **kw)
+
+
+def new_session(runtime) -> str:
+    """AWS's pattern: ``SessionId="NEW_SESSION"``, body ``{"requestType": "NEW_SESSION"}``; the id is
+    the part of the new-session header before ``;``."""
+    reply = invoke(runtime, {"requestType": "NEW_SESSION"}, "NEW_SESSION")
+    session_id = reply["NewSessionId"].split(";")[0]
+    assert json.loads(reply["Body"].read())["session_id"] == session_id
+    return session_id
+
+
+def complete(runtime, messages: list[dict], session_id: str | None = None, **params) -> ChatCompletion:
+    reply = invoke(runtime, {"messages": messages, "max_tokens": N, "temperature": 0, **params}, session_id)
+    assert reply["ContentType"] == JSON
+    return ChatCompletion.model_validate_json(reply["Body"].read())
+
+
+def stream(runtime, messages: list[dict], session_id: str | None, accept: str | None = None, **params):
+    """Every PayloadPart, each one whole event; returns (parts, lines)."""
+    kw = {"Accept": accept} if accept else {}
+    extra = {"SessionId": session_id} if session_id else {}
+    body = {"messages": messages, "max_tokens": N, "temperature": 0, "stream": True, **params}
+    reply = runtime.invoke_endpoint_with_response_stream(
+        EndpointName="llava", Body=json.dumps(body), ContentType=JSON, **extra, **kw
+    )
+    parts = [event["PayloadPart"]["Bytes"] for event in reply["Body"] if "PayloadPart" in event]
+    lines = list(LineIterator({"PayloadPart": {"Bytes": p}} for p in parts))
+    return reply, parts, lines
+
+
+def text_of(runner, ids: list[int]) -> str:
+    return runner.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_aws_sticky_session_pattern_with_images(runtime, runner, photos, tiny_model_dir):
+    session_id = new_session(runtime)
+    cat = photos["chelsea"]
+    messages = [{"role": "system", "content": "Answer briefly."}, user("What is in the picture?", cat)]
+    first = complete(runtime, messages, session_id)
+    assert first.object == "chat.completion" and first.model == tiny_model_dir.name  # the served model
+    expected = reference(runner, "Answer briefly.", [], "What is in the picture?", [cat])
+    assert first.choices[0].message.content == text_of(runner, expected)
+    assert first.choices[0].message.role == "assistant" and first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage.prompt_tokens_details.cached_tokens < 10  # at most the text before the image
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    answer = first.choices[0].message.content
+    messages += [{"role": "assistant", "content": answer}, user("What colour is it?")]
+    second = complete(runtime, messages, session_id)
+    turns = [("What is in the picture?", answer, [cat])]
+    assert second.choices[0].message.content == text_of(
+        runner, reference(runner, "Answer briefly.", turns, "What colour is it?", [])
+    )
+    # the resent history came from the session's cache: the image was not re-encoded nor re-prefilled
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    reply = invoke(runtime, {"requestType": "CLOSE"}, session_id)
+    assert reply["ClosedSessionId"] == session_id
+    with pytest.raises(ClientError) as err:
+        complete(runtime, messages, session_id)
+    assert err.value.response["OriginalStatusCode"] == 404
+    body = json.loads(err.value.response["OriginalMessage"])
+    assert body["error"]["code"] == "session_not_found" and body["error"]["type"] == "invalid_request_error"
+
+
+def test_streams_are_openai_chunks_in_sse_and_json_lines(runtime, runner, photos):
+    session_id = new_session(runtime)
+    messages = [user("Describe the image.", photos["coffee"])]
+    whole = complete(runtime, messages, session_id, logprobs=True, top_logprobs=2)
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.content
+    for token in whole.choices[0].logprobs.content:
+        assert len(token.top_logprobs) == 2 and token.top_logprobs[0].logprob >= token.logprob - 1e-4
+    reply, parts, lines = stream(runtime, messages, session_id, stream_options={"include_usage": True})
+    assert lines[-1] == b"" or parts[-1] == b"data: [DONE]\n\n"
+    for part in parts:  # one whole event per PayloadPart
+        assert part.startswith(b"data: ") and part.endswith(b"\n\n") and part.count(b"\n\n") == 1
+    chunks = chat_reader_chunks(lines)
+    models = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    assert models[0].choices[0].delta.role == "assistant"
+    assert [m.choices[0].finish_reason for m in models if m.choices][-1] in ("stop", "length")
+    assert models[-1].choices == [] and models[-1].usage is not None
+    assert all(m.usage is None for m in models[:-1])
+    assert chat_reader_text(lines) == whole.choices[0].message.content  # the same greedy answer
+    assert models[-1].usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens - 1
+    assert len({m.id for m in models}) == 1
+    # LMI's form: JSON lines, one chunk per line, no [DONE]
+    _, parts, lines = stream(runtime, messages, session_id, accept="application/jsonlines")
+    assert all(p.endswith(b"\n") and p.count(b"\n") == 1 and not p.startswith(b"data:") for p in parts)
+    assert b"[DONE]" not in b"".join(parts)
+    for line in lines:
+        if line:
+            ChatCompletionChunk.model_validate_json(line)
+    assert chat_reader_text(lines) == whole.choices[0].message.content
+
+
+def test_one_shot_requests_keep_nothing_and_share_a_held_prefix(endpoint, runtime, runner, photos):
+    import requests
+
+    before = set(requests.get(endpoint.url + "/debug/sessions", timeout=10).json()["sessions"])
+    rocket = photos["rocket"]
+    messages = [user("What is this?", rocket)]
+    first = complete(runtime, messages)  # no SessionId: a one-shot request
+    assert first.choices[0].message.content == text_of(runner, reference(runner, None, [], "What is this?", [rocket]))
+    assert first.usage.prompt_tokens_details.cached_tokens < 10  # at most the text before the image
+    assert set(requests.get(endpoint.url + "/debug/sessions", timeout=10).json()["sessions"]) == before
+    session_id = new_session(runtime)
+    complete(runtime, messages, session_id)  # a session now holds the image and the prefix
+    again = complete(runtime, messages)  # a one-shot request starting the same way copies that prefix
+    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content
+    _, _, lines = stream(runtime, messages, None)  # a one-shot stream
+    assert chat_reader_text(lines) == first.choices[0].message.content
+    invoke(runtime, {"requestType": "CLOSE"}, session_id)
+
+
+def test_both_dialects_in_one_session(runtime, runner, photos):
+    session_id = new_session(runtime)
+    cat = photos["chelsea"]
+    first = complete(runtime, [user("What is this?", cat)], session_id)
+    native = json.loads(
+        invoke(
+            runtime,
+            {"type": "generate", "prompt": "And its colour?", "parameters": {"max_new_tokens": N, "details": True}},
+            session_id,
+        )["Body"].read()
+    )
+    turns = [("What is this?", first.choices[0].message.content, [cat])]
+    assert native["generated_text"] == text_of(runner, reference(runner, None, turns, "And its colour?", []))
+    assert native["details"]["cached_tokens"] > 500
+    invoke(runtime, {"type": "close_session"}, session_id)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "invalid_parameter", "n"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+            400,
+            "invalid_parameter",
+            "tools",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            400,
+            "invalid_parameter",
+            "response_format",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            400,
+            "invalid_parameter",
+            "messages[0].content[0].type",
+        ),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "invalid_request", "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "invalid_parameter", "temperature"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
+            400,
+            "invalid_parameter",
+            "max_tokens",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}],
+                    }
+                ]
+            },
+            400,
+            "invalid_parameter",
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}}],
+                    }
+                ]
+            },
+            400,
+            "image_invalid",
+            None,
+        ),
+        ({"requestType": "OPEN"}, 400, "invalid_parameter", "requestType"),
+        ({"requestType": "CLOSE", "extra": 1}, 400, "invalid_request", "extra"),
+    ],
+)
+def test_refusals_are_openai_error_objects(runtime, body, status, code, param):
+    with pytest.raises(ClientError) as err:
+        invoke(runtime, body)
+    response = err.value.response
+    assert response["Error"]["Code"] == "ModelError" and response["OriginalStatusCode"] == status
+    error = json.loads(response["OriginalMessage"])["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and error["param"] == param and error["type"] == "invalid_request_error"
