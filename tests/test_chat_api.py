@@ -255,3 +255,29 @@ def test_refusals_are_openai_error_objects(runtime, body, status, code, param):
     error = json.loads(response["OriginalMessage"])["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == code and error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_the_client_speaks_the_chat_dialect_over_http_and_sagemaker(endpoint, runtime, runner, photos):
+    from llava_client import ChatReply, SessionClient, image_part
+
+    coffee = photos["coffee"]
+    backend_url = endpoint.servers[0].url  # TorchServe itself, over plain HTTP
+    for client in (SessionClient.from_url(backend_url), SessionClient.from_endpoint("llava", client=runtime)):
+        with client:
+            messages = [{"role": "user", "content": [image_part(coffee), {"type": "text", "text": "What is this?"}]}]
+            one_shot = client.complete(messages, max_tokens=N, temperature=0)
+            assert isinstance(one_shot, ChatReply)
+            assert one_shot.text == text_of(runner, reference(runner, None, [], "What is this?", [coffee]))
+            ChatCompletion.model_validate(one_shot.raw)
+            assert "".join(client.stream_chat(messages, max_tokens=N, temperature=0)) == one_shot.text
+            with client.chat_session() as chat:
+                first = chat.complete(messages, max_tokens=N, temperature=0)
+                assert first.text == one_shot.text
+                messages += [first.message, {"role": "user", "content": "Tell me more."}]
+                streamed = "".join(chat.stream(messages, max_tokens=N, temperature=0))
+                again = chat.complete(messages, max_tokens=N, temperature=0)
+                assert streamed == again.text and again.cached_tokens >= first.prompt_tokens
+            assert chat.closed
+            with client.open_session(coffee) as session:  # a native session answers the chat dialect too
+                reply = session.chat(messages, max_tokens=N, temperature=0)
+                assert reply.text == again.text

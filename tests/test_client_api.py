@@ -45,6 +45,8 @@ PUBLIC_API = [
     "AddedImage",
     "Answer",
     "AnswerStream",
+    "ChatReply",
+    "ChatSession",
     "ContextLengthExceeded",
     "GenerationParams",
     "HttpTransport",
@@ -70,6 +72,7 @@ PUBLIC_API = [
     "Transport",
     "Usage",
     "error_class",
+    "image_part",
     "parse_session_header",
     "should_retry",
 ]

@@ -15,6 +15,7 @@ See :mod:`llava_client._client` for streams, retries and session recovery; ``lla
 terminal chat; ``python -m llava_tools.demo`` for a scripted local demo.
 """
 
+from ._chat import ChatReply, ChatSession, image_part
 from ._client import (
     DEFAULT_MAX_RETRIES,
     DEFAULT_RESTART_WAIT_S,
@@ -65,6 +66,8 @@ __all__ = [
     "AddedImage",
     "Answer",
     "AnswerStream",
+    "ChatReply",
+    "ChatSession",
     "ContextLengthExceeded",
     "GenerationParams",
     "HttpTransport",
@@ -90,6 +93,7 @@ __all__ = [
     "Transport",
     "Usage",
     "error_class",
+    "image_part",
     "parse_session_header",
     "should_retry",
 ]

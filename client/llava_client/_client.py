@@ -68,6 +68,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
+from . import _chat
+from ._chat import ChatReply, ChatSession
 from ._exceptions import (
     APIConnectionError,
     LlavaError,
@@ -259,6 +261,35 @@ class SessionClient:
         log.debug("opened session %s on %s", opened.session_id, describe_image(payload))
         return Session(self, opened, payload, system_prompt)
 
+    # ------------------------------------------------------------------ the chat dialect
+    def chat_session(self) -> ChatSession:
+        """Open a session for the chat dialect (AWS's ``{"requestType": "NEW_SESSION"}``): it holds no
+        image until a conversation brings one. See :mod:`llava_client._chat`.
+
+        Raises:
+            APIStatusError, APIConnectionError: as for any call.
+        """
+        data, raw = self._invoke({"requestType": "NEW_SESSION"}, None, retry_safe=True)
+        session_id, _ = parse_session_header(raw.new_session_id)
+        session_id = session_id or data.get("session_id")
+        if not session_id:
+            raise LlavaError("the server's NEW_SESSION reply named no session id")
+        return ChatSession(self, session_id)
+
+    def complete(self, messages: list[dict[str, Any]], **params: Any) -> ChatReply:
+        """A one-shot chat completion: ``messages`` (OpenAI's format; images as ``image_url`` parts,
+        see :func:`~llava_client.image_part`) answered outside any session. ``params``: OpenAI's
+        (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ...).
+
+        Raises:
+            APIStatusError, APIConnectionError: as for any call.
+        """
+        return _chat.complete(self, messages, "", **params)
+
+    def stream_chat(self, messages: list[dict[str, Any]], **params: Any) -> Iterator[str]:
+        """As :meth:`complete`, the answer's text pieces as they come."""
+        return _chat.stream(self, messages, "", **params)
+
     # ------------------------------------------------------------------ internals
     def _open(
         self, payload: dict[str, str], system_prompt: str | None, history: list[dict[str, Any]] | None = None
@@ -282,7 +313,7 @@ class SessionClient:
         if len(body) > self.max_body_bytes:
             hint = (
                 "upload the image to S3 and pass its s3:// URI (or an https URL) instead of inline data"
-                if request.get("type") in ("open_session", "add_image")
+                if request.get("type") in ("open_session", "add_image") or "messages" in request
                 else "shorten the prompt"
             )
             raise PayloadTooLarge(
@@ -339,7 +370,7 @@ class SessionClient:
         return self._retrying(
             lambda: self.transport.invoke_stream(body, session_id=session_id),
             retry_safe=retry_safe,
-            what="streamed generate",
+            what="streamed chat" if "messages" in request else "streamed generate",
         )
 
 
@@ -540,6 +571,18 @@ class Session:
         if remember:
             self._turns.append(_Turn(prompt, answer, tuple(self._pending_images)))
             self._pending_images = []
+
+    def chat(self, messages: list[dict[str, Any]], **params: Any) -> ChatReply:
+        """Answer a whole OpenAI ``messages`` conversation in this session (the chat dialect): the
+        session comes to hold that conversation (its images are kept where they match by content, its
+        cache up to the first difference). :attr:`history` keeps only what :meth:`ask` recorded.
+
+        Raises:
+            SessionGone: the server lost the session (no recovery here: resend to a new session).
+            APIStatusError, APIConnectionError: as for any call.
+        """
+        self._check_open()
+        return _chat.complete(self._client, messages, self.id, **params)
 
     def add_image(self, image: ImageInput) -> AddedImage:
         """Add an image to the conversation: the next question may refer to it and to every earlier

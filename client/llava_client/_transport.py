@@ -5,6 +5,8 @@ sessions' meaning. It has two calls:
 
 - ``invoke(body, session_id=...)``: one request, one whole reply (:class:`RawResponse`);
   ``session_id=None`` opens a new session (no header over HTTP, ``NEW_SESSION`` on SageMaker);
+  ``session_id=""`` is a request outside any session (a one-shot chat request: no header, no
+  ``SessionId``);
 - ``invoke_stream(body, session_id=...)``: a streamed reply as complete JSON lines (:class:`LineStream`).
 
 Both raise :class:`APIConnectionError` / :class:`APITimeoutError` when no response came, and the
@@ -222,7 +224,7 @@ class HttpTransport:
             "Accept": "application/jsonlines, application/json" if stream else _JSON,
             **self._headers,
         }
-        if session_id is not None:
+        if session_id:  # None opens a session, "" is a request outside any: no header either way
             headers[SESSION_ID_HEADER] = session_id
         try:
             return self._http.post(self.url, data=body, headers=headers, timeout=self.timeout, stream=stream)

@@ -94,15 +94,17 @@ class SageMakerTransport:
         return f"SageMakerTransport({self.endpoint_name!r})"
 
     def invoke(self, body: bytes, *, session_id: str | None) -> RawResponse:
-        """``invoke_endpoint`` with ``SessionId`` (``NEW_SESSION`` when ``session_id`` is None)."""
+        """``invoke_endpoint`` with ``SessionId`` (``NEW_SESSION`` when ``session_id`` is None; none
+        at all when it is ``""``: a request outside any session)."""
         kwargs = {
             "EndpointName": self.endpoint_name,
             "Body": body,
             "ContentType": _JSON,
             "Accept": _JSON,
-            "SessionId": session_id if session_id is not None else NEW_SESSION,
             **self._extra,
         }
+        if session_id != "":
+            kwargs["SessionId"] = session_id if session_id is not None else NEW_SESSION
         response = _call(self.client.invoke_endpoint, kwargs)
         try:
             content = response["Body"].read()
@@ -119,17 +121,19 @@ class SageMakerTransport:
         )
 
     def invoke_stream(self, body: bytes, *, session_id: str) -> _EventLineStream:
-        """``invoke_endpoint_with_response_stream`` with ``SessionId``; returns reassembled JSON lines."""
-        if not session_id or session_id == NEW_SESSION:
+        """``invoke_endpoint_with_response_stream`` with ``SessionId`` (none when it is ``""``: a
+        request outside any session); returns reassembled JSON lines."""
+        if session_id == NEW_SESSION:
             raise ValueError("streaming needs an open session id (SageMaker refuses NEW_SESSION here)")
         kwargs = {
             "EndpointName": self.endpoint_name,
             "Body": body,
             "ContentType": _JSON,
             "Accept": "application/jsonlines",
-            "SessionId": session_id,
             **self._extra,
         }
+        if session_id:
+            kwargs["SessionId"] = session_id
         response = _call(self.client.invoke_endpoint_with_response_stream, kwargs)
         meta = response.get("ResponseMetadata") or {}
         return _EventLineStream(response["Body"], meta.get("RequestId"))

@@ -1,0 +1,195 @@
+"""OpenAI chat completions through llava-sessions: send a whole ``messages`` conversation, read the reply.
+
+The server's chat dialect (docs/api.md, "Chat completions"): the client resends the whole
+conversation every turn, as with any OpenAI-compatible server; in a session, the server answers from
+its cache of that conversation (the images are not re-encoded, the history not re-prefilled). ::
+
+    from llava_client import SessionClient, image_part
+
+    client = SessionClient.from_url("http://127.0.0.1:8080")
+    messages = [{"role": "user", "content": [image_part("photo.jpg"), {"type": "text", "text": "What is this?"}]}]
+    with client.chat_session() as chat:                 # {"requestType": "NEW_SESSION"} ... CLOSE
+        reply = chat.complete(messages, max_tokens=64)
+        messages += [reply.message, {"role": "user", "content": "And the colours?"}]
+        for piece in chat.stream(messages):
+            print(piece, end="")
+
+``client.complete(messages)`` and ``client.stream_chat(messages)`` are one-shot requests (no session).
+Replies are the server's OpenAI ``chat.completion`` objects (:attr:`ChatReply.raw`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._exceptions import LlavaError, status_error_from_body
+from ._images import ImageInput, image_payload
+
+if TYPE_CHECKING:
+    from ._client import SessionClient
+
+__all__ = ["ChatReply", "ChatSession", "image_part"]
+
+
+def image_part(image: ImageInput) -> dict[str, Any]:
+    """An OpenAI ``image_url`` content part for ``image``: a local path, bytes or a PIL image go
+    inline as a ``data:`` URI; an ``http(s)://`` URL or ``s3://`` URI is passed for the server to fetch.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist.
+    """
+    payload = image_payload(image)
+    if "base64" in payload:
+        data = payload["base64"]
+        if not data.startswith("data:"):
+            kind = _sniff(base64.b64decode(data[:64] + "=" * (-len(data[:64]) % 4)))
+            data = f"data:image/{kind};base64,{data}"
+        return {"type": "image_url", "image_url": {"url": data}}
+    return {"type": "image_url", "image_url": {"url": payload.get("url") or payload["s3_uri"]}}
+
+
+def _sniff(head: bytes) -> str:
+    if head.startswith(b"\x89PNG"):
+        return "png"
+    if head[:3] == b"GIF":
+        return "gif"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    return "jpeg"
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    """A ``chat.completion`` reply.
+
+    Attributes:
+        text: the assistant's answer; finish_reason: ``stop`` or ``length``.
+        prompt_tokens / completion_tokens: token counts; cached_tokens: prompt tokens the server
+            served from its cache (the session's, or one shared by content).
+        raw: the whole ``chat.completion`` object as the server sent it.
+    """
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    raw: dict[str, Any]
+
+    @property
+    def message(self) -> dict[str, str]:
+        """The answer as the assistant message to append to the conversation."""
+        return {"role": "assistant", "content": self.text}
+
+    @classmethod
+    def from_completion(cls, data: dict[str, Any]) -> ChatReply:
+        """Read a ``chat.completion`` object.
+
+        Raises:
+            LlavaError: it is not one.
+        """
+        try:
+            choice = data["choices"][0]
+            usage = data.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            return cls(
+                text=choice["message"]["content"] or "",
+                finish_reason=choice.get("finish_reason"),
+                prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                completion_tokens=int(usage.get("completion_tokens", 0)),
+                cached_tokens=int(details.get("cached_tokens", 0)),
+                raw=data,
+            )
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise LlavaError("the server's reply is not a chat.completion object") from None
+
+
+def chat_request(messages: list[dict[str, Any]], stream: bool, params: dict[str, Any]) -> dict[str, Any]:
+    """The request body: ``messages``, ``stream`` and the OpenAI parameters given (``max_tokens``,
+    ``temperature``, ``top_p``, ``stop``, ``seed``, ...)."""
+    body: dict[str, Any] = {"messages": messages, **params}
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def complete(client: SessionClient, messages: list[dict[str, Any]], session_id: str, **params: Any) -> ChatReply:
+    """Send the conversation (in session ``session_id``, or ``""`` for none) and return the reply."""
+    data, _ = client._invoke(chat_request(messages, False, params), session_id, retry_safe=True)
+    return ChatReply.from_completion(data)
+
+
+def stream(client: SessionClient, messages: list[dict[str, Any]], session_id: str, **params: Any) -> Iterator[str]:
+    """Send the conversation and yield the answer's text pieces as they come (JSON-lines chunks).
+
+    Raises:
+        APIStatusError: the request was refused, or the stream ended in an error object.
+    """
+    lines = client._invoke_stream(chat_request(messages, True, params), session_id, retry_safe=True)
+    for line in lines:
+        text = line.decode("utf-8").strip()
+        if text.startswith("data:"):
+            text = text[5:].strip()
+        if not text or text == "[DONE]":
+            continue
+        chunk = json.loads(text)
+        if chunk.get("error"):
+            raise status_error_from_body(200, chunk)
+        for choice in chunk.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                yield piece
+
+
+class ChatSession:
+    """A server session used through the chat dialect: every call sends the whole conversation.
+
+    Opened by :meth:`SessionClient.chat_session` (``{"requestType": "NEW_SESSION"}``); ``close()``
+    (or leaving the ``with`` block) sends ``{"requestType": "CLOSE"}``.
+
+    Attributes:
+        session_id: the server's session id.
+    """
+
+    def __init__(self, client: SessionClient, session_id: str) -> None:
+        self._client = client
+        self.session_id = session_id
+        self.closed = False
+
+    def __enter__(self) -> ChatSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ChatSession({self.session_id!r})"
+
+    def complete(self, messages: list[dict[str, Any]], **params: Any) -> ChatReply:
+        """Answer the conversation's last user message (``params``: OpenAI's, e.g. ``max_tokens``).
+
+        Raises:
+            SessionGone: the server no longer holds the session (open a new one and resend: the
+                conversation is all the server needs). APIStatusError, APIConnectionError: as any call.
+        """
+        return complete(self._client, messages, self.session_id, **params)
+
+    def stream(self, messages: list[dict[str, Any]], **params: Any) -> Iterator[str]:
+        """As :meth:`complete`, the answer's text pieces as they come."""
+        return stream(self._client, messages, self.session_id, **params)
+
+    def close(self) -> None:
+        """Close the session on the server (``{"requestType": "CLOSE"}``); a session already gone is fine."""
+        from ._exceptions import SessionGone
+
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._client._invoke({"requestType": "CLOSE"}, self.session_id, retry_safe=True)
+        except SessionGone:
+            pass
