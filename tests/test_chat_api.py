@@ -281,3 +281,46 @@ def test_the_client_speaks_the_chat_dialect_over_http_and_sagemaker(endpoint, ru
             with client.open_session(coffee) as session:  # a native session answers the chat dialect too
                 reply = session.chat(messages, max_tokens=N, temperature=0)
                 assert reply.text == again.text
+
+
+def test_langchain_chat_sagemaker_endpoint_with_an_openai_messages_handler(runtime, runner, photos):
+    """LangChain's ``ChatSagemakerEndpoint`` (langchain-aws) with the content handler its docs ask users
+    to write for an OpenAI-messages endpoint; the session rides in ``endpoint_kwargs``."""
+    from langchain_aws.chat_models.sagemaker_endpoint import ChatModelContentHandler, ChatSagemakerEndpoint
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+    class OpenAIMessages(ChatModelContentHandler):
+        content_type = "application/json"
+        accepts = "application/json"
+
+        def transform_input(self, prompt, model_kwargs):
+            return json.dumps({"messages": prompt, **model_kwargs}).encode()
+
+        def transform_output(self, output):
+            if isinstance(output, bytes):  # a stream line: an SSE event or a JSON line
+                text = output.decode().strip().removeprefix("data:").strip()
+                if not text or text == "[DONE]":
+                    return AIMessage(content="")
+                choices = json.loads(text)["choices"]
+                return AIMessage(content=(choices[0]["delta"].get("content") or "") if choices else "")
+            return AIMessage(content=json.loads(output.read())["choices"][0]["message"]["content"])
+
+    session_id = new_session(runtime)
+    chat = ChatSagemakerEndpoint(
+        endpoint_name="llava",
+        client=runtime,
+        content_handler=OpenAIMessages(),
+        model_kwargs={"max_tokens": N, "temperature": 0},
+        endpoint_kwargs={"SessionId": session_id},
+    )
+    cat = photos["chelsea"]
+    question = HumanMessage(
+        content=[{"type": "image_url", "image_url": {"url": data_uri(cat)}}, {"type": "text", "text": "What is it?"}]
+    )
+    first = chat.invoke([SystemMessage(content="Be brief."), question])
+    assert first.content == text_of(runner, reference(runner, "Be brief.", [], "What is it?", [cat]))
+    follow_up = [SystemMessage(content="Be brief."), question, first, HumanMessage(content="Where is it?")]
+    streamed = "".join(chunk.content for chunk in chat.stream(follow_up))
+    turns = [("What is it?", first.content, [cat])]
+    assert streamed == text_of(runner, reference(runner, "Be brief.", turns, "Where is it?", []))
+    invoke(runtime, {"requestType": "CLOSE"}, session_id)

@@ -216,3 +216,20 @@ def test_an_abandoned_resent_turn_leaves_a_consistent_session(runner, photos, mo
     a = eng.generate("s", "Anything else?", GREEDY)  # the native protocol on the same session
     assert a.generated_tokens > 0
     eng.store.check_invariants()
+
+
+def test_a_native_open_on_a_held_image_copies_its_features_and_prefix(runner, photos, monkeypatch):
+    from test_engine import reference as native_reference
+
+    eng = make_engine(runner)
+    cat = photos["chelsea"]
+    eng.open("a", cat)
+    counter = EncodeCounter(runner, monkeypatch)
+    eng.open("b", cat)
+    assert counter.calls == 0
+    b = eng.store.get("b")
+    assert b.cached_ids == eng.store.get("a").cached_ids and b.kv_cache is not eng.store.get("a").kv_cache
+    answer = eng.generate("b", "What is it?", GREEDY)
+    assert ids(answer) == native_reference(runner, cat, [], "What is it?")
+    eng.open("c", _one_pixel_changed(cat))
+    assert counter.calls == 1

@@ -10,12 +10,14 @@ A chat request names its session in the ``X-Amzn-SageMaker-Session-Id`` header a
   sessions with ``share_images``); TorchServe's job group is ended with the last frame.
 
 ``{"requestType": "NEW_SESSION"}`` opens a session with no image (:meth:`SessionEngine.open_empty`).
-Images are fetched once per session per URL (the session remembers which content a URL gave), hashed,
-and decoded only when no session holds them. Errors are OpenAI's error object.
+Images are fetched once per session per URL (the session remembers which content a URL gave, and an
+inline image's content by the hash of its base64 text), hashed, and decoded only when no session
+holds them. Errors are OpenAI's error object.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -27,6 +29,7 @@ from .engine import Generation
 from .errors import ServiceError
 from .images import decode_image
 from .jobs import Job, Row, RowResult
+from .protocol import ImageSource
 from .results import elapsed_ms
 
 if TYPE_CHECKING:
@@ -36,6 +39,15 @@ __all__ = ["ChatJobs"]
 
 #: The ``Accept`` value that asks a chat stream in JSON lines (LMI's form) rather than server-sent events.
 JSON_LINES_ACCEPT = "application/jsonlines"
+
+
+def _name_of(source: ImageSource) -> str:
+    """What a session remembers an image source by: its URL or S3 URI (fetched once per session), or
+    for inline data the SHA-256 of the base64 text (the same text is the same bytes: a resent image is
+    neither base64-decoded nor hashed again)."""
+    if source.base64 is not None:
+        return "sha256:" + hashlib.sha256(source.base64.encode()).hexdigest()
+    return source.url or source.s3_uri or ""
 
 
 class ChatJobs:
@@ -115,16 +127,15 @@ class ChatJobs:
         inputs: list[ImageInput] = []
         urls: dict[str, str] = {}
         for source in command.images:
-            name = source.url or source.s3_uri  # a data URI is its own content
-            key = engine.url_key(sid, name) if name else None
+            name = _name_of(source)
+            key = engine.url_key(sid, name)
             held = engine.image_held(sid, key) if key else None
             if held is not None and key is not None:
                 inputs.append(ImageInput(key, held[0], held[1]))
                 continue
             data = svc.fetch(source, settings)
             key = image_key(data)
-            if name:
-                urls[name] = key
+            urls[name] = key
             held = engine.image_held(sid, key)
             if held is not None:
                 inputs.append(ImageInput(key, data, held[1]))
@@ -142,6 +153,8 @@ class ChatJobs:
         next chunk), then the answer; a stream's last events go out one per call."""
         gen = job.work
         assert isinstance(gen, Generation) and isinstance(job.command, ChatCommand)
+        if job.error is not None:
+            job.error.dialect = "openai"  # found in a step (the vision tower, a forward pass): same dialect
         if job.frames:
             return self._frame(job, job.frames.pop(0), last=not job.frames)
         finished = gen.done or job.error is not None

@@ -74,7 +74,14 @@ class Admission:
         except ServiceError:
             self.store.remove(session_id)
             raise
-        return ImageTask(self.engine, "open", session, images, prefix, t0, decode_ms)
+        task = ImageTask(self.engine, "open", session, images, prefix, t0, decode_ms)
+        rows = [
+            self.engine.sharing.rows(session, k, n, len(tokens))
+            for k, n in zip(session.image_keys, tokens, strict=True)
+        ]
+        if all(r is not None for r in rows):
+            task.shared_rows = rows
+        return task
 
     def add_image(self, session_id: str, image_bytes: bytes, image: Any) -> ImageTask:
         """Admit an image that opens the session's next question (``SessionEngine.begin_add_image``)."""

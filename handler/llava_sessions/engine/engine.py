@@ -403,9 +403,9 @@ class SessionEngine:
                 w.prefilled_all()
                 self._update.accept(w, logits)
             return
-        if piece.vision:
+        if piece.vision or not w.encoded:  # not a vision piece: features another session holds
             self._update.encode_image_task(w)
-            if piece.num_tokens == 0:
+            if piece.vision and piece.num_tokens == 0:
                 return  # the vision tower took this step's share
         if len(w.session.cached_ids) < len(w.prefix):
             self.model.prefill(w.session, w.prefix, piece.num_tokens, w.timings)

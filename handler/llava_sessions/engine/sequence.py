@@ -255,6 +255,8 @@ class ImageTask:
             once it joins (None for an open).
         snapshot: the session before an added image joined it (for the rollback).
         encoded: the vision tower ran; num_reused_tokens: prefix tokens kept from the KV cache.
+        shared_rows: an open's images' feature rows found in other sessions (``share_images``): no
+            vision tower runs, and the prefix KV another session holds is copied.
         timings: ms: ``decode`` (when decoded by the engine), ``encode``, ``prefill``, ``total``.
     """
 
@@ -279,6 +281,7 @@ class ImageTask:
         self.new_image = new_image
         self.snapshot: SessionSnapshot | None = None
         self.encoded = False
+        self.shared_rows: list[Any] | None = None  # every image's feature rows, held by other sessions
         self.num_reused_tokens = 0
         self.result: OpenResult | AddImageResult | None = None
         self.error: Exception | None = None
@@ -294,7 +297,7 @@ class ImageTask:
     def view(self) -> WorkView:
         """What the scheduler sees: the vision tower first, then the prefix's uncached tokens."""
         if not self.encoded:
-            return WorkView("image", needs_vision=True, num_prefill_tokens=len(self.prefix))
+            return WorkView("image", needs_vision=self.shared_rows is None, num_prefill_tokens=len(self.prefix))
         return WorkView("image", num_prefill_tokens=len(self.prefix) - len(self.session.cached_ids))
 
     def finish(self) -> OpenResult | AddImageResult:

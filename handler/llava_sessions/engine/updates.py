@@ -159,8 +159,13 @@ class StateUpdates:
         t = time.perf_counter()
         session = task.session
         if task.new_image is None:
-            session.set_features(self.model.encode(session, task.images))
+            rows = task.shared_rows
+            session.set_features(torch.cat(rows) if rows else self.model.encode(session, task.images))
             session.start_kv(self.model.new_cache())
+            task.num_reused_tokens = self.engine.sharing.adopt_prefix(
+                session, task.prefix, session.image_keys, session.image_tokens
+            )
+            self.engine.num_reused_tokens += task.num_reused_tokens
         else:
             self._join_added_image(task)
         task.images = []
