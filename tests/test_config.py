@@ -75,7 +75,7 @@ def test_environment_overrides_yaml_and_is_parsed_by_field_type() -> None:
         "LLAVA_SYSTEM_PROMPT": "  Answer briefly.  ",
         "LLAVA_STEP_MAX_MS": "50",
         "LLAVA_MODEL_DIR": " /models/llava ",
-        "LLAVA_NOT_A_FIELD": "ignored",
+        "LLAVA_TS_LOG_CONFIG": "/x.xml",  # a tool's variable, not a setting: left alone
         "SESSION_TTL_S": "1",  # no prefix: ignored
     }
     s = Settings.from_sources({"session_ttl_s": 900, "gpu_id": 2, "allow_private_networks": True}, env)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -520,3 +521,28 @@ def test_capacity_plan_of_llava_7b_on_common_instance_types(tmp_path: Path) -> N
     assert p5 is not None and p5.replicas == 8 and p5.sessions > 8 * 100
     assert "replica(s)" in big.describe() and "per instance" in big.describe()
     assert capacity_plan("ml.m5.xlarge", folder) is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--set", "session_tl_s=600"], "session_tl_s (did you mean session_ttl_s?)"),
+        (["--env", "LLAVA_SESION_TTL_S=600"], "LLAVA_SESION_TTL_S (did you mean LLAVA_SESSION_TTL_S?)"),
+        (["--env", "LLAVA_MAX_SESSIONS=abc"], "LLAVA_MAX_SESSIONS"),
+        (["--set", "max_sessions=0"], "max_sessions"),
+    ],
+)
+def test_a_typo_in_a_setting_is_named_before_any_call_by_the_cli(checkpoint: Path, extra, says) -> None:
+    """``llava-deploy`` as the user runs it: one line naming the setting (and the closest valid one),
+    exit status 2, no traceback, no AWS call (no credentials here: a call would fail otherwise)."""
+    deploy = Path(sys.executable).parent / "llava-deploy"
+    done = subprocess.run(
+        [str(deploy), *deploy_args(checkpoint), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_CONFIG_FILE": "/dev/null"},
+    )
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert done.stderr.startswith("llava-deploy: ")

@@ -208,18 +208,29 @@ def test_cli_refuses_more_than_one_worker(tmp_path: Path) -> None:
     assert "more than one TorchServe worker" in result.stderr and "llava-local-endpoint" in result.stderr
 
 
-def test_cli_refuses_a_mistyped_setting_at_once_naming_the_closest_key(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """A typo in ``--set`` is refused before TorchServe starts (it used to wait out the start-up timeout)."""
+@pytest.mark.parametrize(
+    ("extra", "env", "says"),
+    [
+        (["--set", "session_tl_s=600"], {}, "session_tl_s (did you mean session_ttl_s?)"),
+        ([], {"LLAVA_SESION_TTL_S": "600"}, "LLAVA_SESION_TTL_S (did you mean LLAVA_SESSION_TTL_S?)"),
+        ([], {"LLAVA_MAX_SESSIONS": "abc"}, "LLAVA_MAX_SESSIONS"),
+    ],
+)
+def test_cli_refuses_a_mistyped_setting_at_once_naming_the_closest_key(
+    tmp_path: Path, tiny_model_dir: Path, extra: list[str], env: dict[str, str], says: str
+) -> None:
+    """A typo in ``--set`` or an ``LLAVA_*`` variable (or a value that does not parse) is refused before
+    TorchServe starts (it used to wait out the start-up timeout, or pass silently)."""
     t0 = time.monotonic()
     result = subprocess.run(
-        [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", "0", "--set", "session_tl_s=600"],
+        [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", "0", *extra],
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
+        env={**os.environ, "TMPDIR": str(tmp_path), **env},
     )
     assert result.returncode == 1 and time.monotonic() - t0 < 20
-    assert "session_tl_s (did you mean session_ttl_s?)" in result.stdout + result.stderr
+    assert says in result.stdout + result.stderr
 
 
 @pytest.mark.integration

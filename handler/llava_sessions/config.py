@@ -24,6 +24,30 @@ __all__ = ["ENV_PREFIX", "Settings"]
 #: Prefix of the environment variables that override a field (``LLAVA_`` + field name upper-cased).
 ENV_PREFIX = "LLAVA_"
 
+#: ``LLAVA_*`` variables that are not handler settings: read by the tools (llava-serve, the container
+#: entrypoint, llava-deploy, build_and_push.sh, the benchmarks) and the notebook. Any other ``LLAVA_*``
+#: variable must name a setting (a typo is refused, with the closest name).
+TOOL_ENV_VARS = frozenset(
+    {
+        "LLAVA_HOME",
+        "LLAVA_CONTAINER_MODEL_DIR",
+        "LLAVA_CONTAINER_PORT",
+        "LLAVA_CONTAINER_HOST",
+        "LLAVA_TS_LOG_CONFIG",
+        "LLAVA_NOTEBOOK_SAGEMAKER",
+        "LLAVA_DEPLOY",
+        "LLAVA_S3_PREFIX",
+        "LLAVA_KEEP_ENDPOINT",
+        "LLAVA_IMAGE_URI",
+        "LLAVA_SAGEMAKER_ROLE_ARN",
+        "LLAVA_INSTANCE_TYPE",
+        "LLAVA_ENDPOINT_NAME",
+        "LLAVA_ECR_REPOSITORY",
+        "LLAVA_FLOOR_BODY_FILE",
+        "LLAVA_FLOOR_MODEL_DIR",
+    }
+)
+
 _GIB = 1024**3
 _MIB = 1024**2
 
@@ -261,15 +285,16 @@ class Settings(BaseModel):
                 Keys that are not fields raise; TorchServe's own handler keys are not accepted,
                 so keep other components' settings out of this section.
             env: environment to read overrides from (``os.environ`` in production). Only
-                ``LLAVA_<FIELD>`` variables named after a field are read; other ``LLAVA_*``
-                variables are ignored. Values: ints, floats, booleans (1/0, true/false, yes/no,
+                ``LLAVA_<FIELD>`` variables named after a field are read; any other ``LLAVA_*``
+                variable but the tools' own (:data:`TOOL_ENV_VARS`) is refused as a typo. Values: ints, floats, booleans (1/0, true/false, yes/no,
                 on/off), comma-separated lists; an empty value or ``none`` clears an optional field.
             batch_size: model-config.yaml ``batchSize``, when known; ``max_sessions`` must not
                 exceed it (a worker with more sessions than batchSize serialises them, see
                 notes/torchserve-sagemaker.md).
 
         Raises:
-            ValueError: an unknown yaml key (the message lists valid keys), an unparsable
+            ValueError: an unknown yaml key (the message lists valid keys), an unknown ``LLAVA_*``
+                variable (with the closest setting's variable), an unparsable
                 environment value, or a value out of range (the message names each key or
                 variable and what to fix).
         """
@@ -288,6 +313,8 @@ class Settings(BaseModel):
             for key, value in handler_section.items():
                 raw[key] = value
                 origin[key] = f"handler.{key}"
+        if env is not None:
+            _check_env_names(env, fields)
         for name in fields:
             var = ENV_PREFIX + name.upper()
             if env is not None and var in env:
@@ -380,6 +407,22 @@ def _describe(exc: ValidationError, origin: Mapping[str, str]) -> str:
             where = f"{name} (from {where})"
         parts.append(f"{where}: {msg}")
     return "invalid settings: " + "; ".join(parts)
+
+
+def _check_env_names(env: Mapping[str, str], fields: Iterable[str]) -> None:
+    """Refuse ``LLAVA_*`` variables that name no setting and are not the tools' (a typo would
+    otherwise be ignored silently).
+
+    Raises:
+        ValueError: naming each such variable and the closest setting's variable.
+    """
+    known = {ENV_PREFIX + name.upper() for name in fields}
+    unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known and k not in TOOL_ENV_VARS)
+    if unknown:
+        raise ValueError(
+            f"unknown environment variable(s): {', '.join(_with_hints(unknown, sorted(known)))}; a setting's "
+            f"variable is {ENV_PREFIX}<SETTING NAME> (docs/configuration.md lists them)"
+        )
 
 
 def _with_hints(unknown: list[str], valid: Iterable[str]) -> list[str]:

@@ -826,6 +826,11 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
         now = datetime.now(timezone.utc)
         environment = default_environment(args.response_timeout)
         environment.update(dict(args.environment))
+        try:  # before any AWS call: a typo in --set or --env, or a bad value, is named here
+            Settings.from_sources(dict(args.overrides), environment)
+        except ValueError as exc:
+            print(f"llava-deploy: {exc}", file=sys.stderr)
+            return 2
         model_data_uri = args.model_data_uri
         if model_data_uri and not model_data_uri.endswith("/"):
             model_data_uri += "/"  # an S3Prefix URI ends with "/"
