@@ -103,7 +103,8 @@ def test_aws_sticky_session_pattern_with_images(runtime, runner, photos, tiny_mo
     assert first.usage.prompt_tokens_details.cached_tokens < 10  # at most the text before the image
     assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
     answer = first.choices[0].message.content
-    messages += [{"role": "assistant", "content": answer}, user("What colour is it?")]
+    # the reply's message appended as it came (refusal, tool_calls, ... null), as OpenAI's examples do
+    messages += [first.choices[0].message.model_dump(), user("What colour is it?")]
     second = complete(runtime, messages, session_id)
     turns = [("What is in the picture?", answer, [cat])]
     assert second.choices[0].message.content == text_of(
@@ -320,7 +321,68 @@ def test_langchain_chat_sagemaker_endpoint_with_an_openai_messages_handler(runti
     first = chat.invoke([SystemMessage(content="Be brief."), question])
     assert first.content == text_of(runner, reference(runner, "Be brief.", [], "What is it?", [cat]))
     follow_up = [SystemMessage(content="Be brief."), question, first, HumanMessage(content="Where is it?")]
-    streamed = "".join(chunk.content for chunk in chat.stream(follow_up))
+    streamed = "".join(chunk.content for chunk in chat.stream(follow_up, stream=True))  # kwargs join the body
     turns = [("What is it?", first.content, [cat])]
     assert streamed == text_of(runner, reference(runner, "Be brief.", turns, "Where is it?", []))
     invoke(runtime, {"requestType": "CLOSE"}, session_id)
+
+
+def test_the_local_endpoint_from_code_and_from_llava_chat(endpoint, runner, photos, tmp_path):
+    """``SessionClient.from_endpoint(..., endpoint_url=...)`` and ``llava-chat --endpoint-url``, with the
+    dummy credentials boto3 needs for a local endpoint (the README's way)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from llava_client import SessionClient
+
+    dummy = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}
+    image = tmp_path / "cat.png"
+    image.write_bytes(photos["chelsea"])
+    saved = {k: os.environ.get(k) for k in dummy}
+    os.environ.update(dummy)
+    try:
+        with (
+            SessionClient.from_endpoint("llava", endpoint_url=endpoint.url) as client,
+            client.open_session(str(image)) as session,
+        ):
+            asked = session.ask("What is this?", max_new_tokens=N)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert asked.text == text_of(
+        runner, __import__("test_engine").reference(runner, photos["chelsea"], [], "What is this?")
+    )
+    chat = Path(sys.executable).parent / "llava-chat"
+    done = subprocess.run(
+        [
+            str(chat),
+            "--endpoint",
+            "llava",
+            "--endpoint-url",
+            endpoint.url,
+            "--image",
+            str(image),
+            "-q",
+            "What is this?",
+            "--max-new-tokens",
+            str(N),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **dummy},
+    )
+    assert done.returncode == 0, done.stderr
+    assert asked.text in done.stdout
+    refused = subprocess.run(
+        [str(chat), "--url", endpoint.url, "--endpoint-url", endpoint.url, "--image", str(image)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--endpoint-url goes with --endpoint" in refused.stderr

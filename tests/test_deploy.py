@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -217,13 +217,22 @@ class SessionClient:
         client: Any = None,
         session: Any = None,
         timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
+        endpoint_url: str | None = None,
+        inference_component_name: str | None = None,
         **kwargs: Any,
     ) -> SessionClient:
-        """A client for a SageMaker endpoint (see :class:`~llava_client.SageMakerTransport`)."""
+        """A client for a SageMaker endpoint (see :class:`~llava_client.SageMakerTransport`);
+        ``endpoint_url``: another SageMaker runtime URL (``llava-local-endpoint``: dummy credentials)."""
         from .sagemaker import SageMakerTransport
 
         transport = SageMakerTransport(
-            endpoint_name, client=client, session=session, region_name=region_name, timeout=timeout
+            endpoint_name,
+            client=client,
+            session=session,
+            region_name=region_name,
+            timeout=timeout,
+            endpoint_url=endpoint_url,
+            inference_component_name=inference_component_name,
         )
         return cls(transport, **kwargs)
 

@@ -41,6 +41,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     where.add_argument("--url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve)")
     parser.add_argument("--region", metavar="R", help="AWS region of the endpoint")
+    parser.add_argument(
+        "--endpoint-url",
+        metavar="URL",
+        help="the SageMaker runtime's URL for --endpoint, e.g. llava-local-endpoint's http://127.0.0.1:8090 "
+        "(boto3 still needs credentials: dummy ones do for a local endpoint)",
+    )
     parser.add_argument("--image", required=True, metavar="PATH|URL", help="local image file, http(s) URL or s3:// URI")
     parser.add_argument("-q", "--question", metavar="TEXT", help="ask one question, print the answer and exit")
     parser.add_argument("--system-prompt", metavar="TEXT", help="replace the server's default system prompt")
@@ -196,10 +202,15 @@ def _input_lines(prompt: str):
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``llava-chat``; returns the exit status (0 ok, 1 an error, 2 bad arguments, 130 Ctrl-C)."""
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.endpoint_url and not args.endpoint:
+        parser.error("--endpoint-url goes with --endpoint")
     logging.basicConfig(level=logging.WARNING, format="llava-chat: %(message)s")
     if args.endpoint:
-        client = SessionClient.from_endpoint(args.endpoint, region_name=args.region, timeout=(10.0, args.timeout))
+        client = SessionClient.from_endpoint(
+            args.endpoint, region_name=args.region, timeout=(10.0, args.timeout), endpoint_url=args.endpoint_url
+        )
     else:
         client = SessionClient.from_url(args.url, timeout=(10.0, args.timeout))
     chat = _Chat(client, args, sys.stdout, sys.stderr)

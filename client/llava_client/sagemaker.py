@@ -57,6 +57,9 @@ class SageMakerTransport:
         timeout: seconds, or ``(connect, read)`` seconds, for the client made here.
         target_variant: optional ``TargetVariant`` sent with every call.
         inference_component_name: optional ``InferenceComponentName`` sent with every call.
+        endpoint_url: the SageMaker runtime's URL for the client made here (``llava-local-endpoint``'s
+            ``http://127.0.0.1:8090``); botocore still signs requests, so it needs credentials, dummy
+            ones for a local endpoint (``AWS_ACCESS_KEY_ID=x AWS_SECRET_ACCESS_KEY=x``).
 
     A client made here has botocore's own retries off (``total_max_attempts=1``): retries are the
     :class:`~llava_client.SessionClient`'s, which knows which requests may be repeated.
@@ -72,6 +75,7 @@ class SageMakerTransport:
         timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
         target_variant: str | None = None,
         inference_component_name: str | None = None,
+        endpoint_url: str | None = None,
     ) -> None:
         if not endpoint_name:
             raise ValueError("endpoint_name is required")
@@ -82,7 +86,9 @@ class SageMakerTransport:
 
             connect, read = timeout if isinstance(timeout, tuple) else (timeout, timeout)
             config = Config(connect_timeout=connect, read_timeout=read, retries={"total_max_attempts": 1})
-            client = (session or boto3.Session()).client("sagemaker-runtime", region_name=region_name, config=config)
+            client = (session or boto3.Session()).client(
+                "sagemaker-runtime", region_name=region_name, config=config, endpoint_url=endpoint_url
+            )
         self.client = client
         self._extra: dict[str, str] = {}
         if target_variant:

@@ -109,6 +109,13 @@ class ChatMessage(_In):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[Part], Field(min_length=1, max_length=64)]
     name: Annotated[str, Field(max_length=64)] | None = None
+    # what a reply's message carries when a client appends it to the conversation as it came
+    # (OpenAI's ChatCompletionMessage): accepted when empty; tool calls are refused before this
+    refusal: None = None
+    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
+    function_call: None = None
+    audio: None = None
+    annotations: list[Any] | None = None
 
     @field_validator("content")
     @classmethod
