@@ -41,7 +41,8 @@ Options:
                         --build-arg BAKE_MODEL_REVISION=<40-hex commit>
   --hf-token-file FILE  Hugging Face token for a gated BAKE_MODEL_ID (BuildKit secret hf_token)
   --dry-run             print every command instead of running it; calls neither aws nor
-                        docker (so --region and --account, or AWS_REGION, must be given)
+                        docker (so --region, or AWS_REGION, must be given; without
+                        --account the commands show ACCOUNT_ID in its place)
   -h, --help            show this help
 
 Options take their value as the next argument or after "=" (--tag=v1).
@@ -137,8 +138,13 @@ if [[ -z "${region}" ]]; then
     region="$(aws configure get region || true)"
     [[ -n "${region}" ]] || die "no region: pass --region, set AWS_REGION, or run aws configure"
 fi
-if [[ -z "${account}" ]]; then
-    ((dry_run == 0)) || die "--dry-run calls no aws: give --account"
+account_placeholder=0
+if [[ -z "${account}" && dry_run -eq 1 ]]; then
+    # a dry run calls no aws: show the account sts would name as a placeholder
+    account="ACCOUNT_ID"
+    account_placeholder=1
+    echo "${PROG}: dry run: ACCOUNT_ID stands for your account id (aws sts get-caller-identity names it)" >&2
+elif [[ -z "${account}" ]]; then
     need aws "install the AWS CLI v2 or pass --account"
     account="$(aws sts get-caller-identity --query Account --output text)" \
         || die "aws sts get-caller-identity failed: configure credentials or pass --account"
@@ -151,7 +157,7 @@ fi
 [[ "${tag}" =~ ${TAG_RE} ]] \
     || die "invalid --tag '${tag}': 1-128 chars of letters, digits, _ . - (not starting with . or -)"
 [[ "${region}" =~ ${REGION_RE} ]] || die "invalid --region '${region}' (expected e.g. us-east-1)"
-[[ "${account}" =~ ${ACCOUNT_RE} ]] || die "invalid --account '${account}': 12 digits"
+((account_placeholder)) || [[ "${account}" =~ ${ACCOUNT_RE} ]] || die "invalid --account '${account}': 12 digits"
 [[ "${platform}" =~ ${PLATFORM_RE} ]] || die "invalid --platform '${platform}' (expected e.g. linux/amd64)"
 [[ -n "${base_image}" && ! "${base_image}" =~ [[:space:]] ]] || die "invalid --base-image '${base_image}'"
 for arg in "${build_args[@]+"${build_args[@]}"}"; do

@@ -229,9 +229,15 @@ def test_arguments_are_validated(fake_path, args, message) -> None:
     assert Path(fake_path["CALLS"]).read_text() == ""
 
 
-def test_dry_run_needs_region_and_account_without_calling_aws(fake_path) -> None:
+def test_dry_run_needs_a_region_but_no_account_and_calls_no_aws(fake_path) -> None:
     result = run_script(fake_path, "--dry-run", "--account", "123456789012")
     assert result.returncode == 2 and "give --region" in result.stderr
+    # the README's own command, dry: no account needed, ACCOUNT_ID shows where it goes
+    result = run_script(fake_path, "--repository", "llava-sessions", "--region", "us-east-1", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "ACCOUNT_ID.dkr.ecr.us-east-1.amazonaws.com/llava-sessions:" in result.stdout + result.stderr
+    assert "ACCOUNT_ID stands for your account id" in result.stderr
+    assert Path(fake_path["CALLS"]).read_text() == ""
     result = run_script(fake_path, "--help")
     assert result.returncode == 0 and "--dry-run" in result.stdout and "--base-image" in result.stdout
 

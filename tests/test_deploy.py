@@ -434,9 +434,15 @@ def test_dry_run_prints_the_calls_and_calls_nothing(checkpoint: Path, capsys) ->
     assert "sagemaker.create_model(" in out and '"CompressionType": "None"' in out
     assert '"S3Uri": "s3://my-bucket/llava/v1/"' in out and '"InitialInstanceCount": 2' in out
     assert "sagemaker.create_endpoint(" in out and "endpoint_in_service" in out
+    # a dry run never says it did anything: every line is a call it would make or what would happen
+    lines = [line for line in out.splitlines() if line and not line.startswith((" ", "}", "]"))]
+    said = [line for line in lines if not line.startswith(("would ", "ml.", "expected capacity"))]
+    assert said == [], said
+    assert "would create model llava-chat-m1" in out and "would wait until llava-chat is InService" in out
     assert main(["--endpoint-name", "llava-chat", "--delete", "--dry-run"], clients=None) == 0
     out = capsys.readouterr().out
     assert "sagemaker.delete_endpoint(" in out and "delete_model" in out
+    assert all(line.startswith(("would ", " ", "}")) for line in out.splitlines() if line)
 
 
 def test_invalid_arguments_fail_before_any_call(checkpoint: Path, capsys) -> None:
