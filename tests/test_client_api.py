@@ -199,3 +199,17 @@ def test_generation_params_wire():
     params = GenerationParams(max_new_tokens=64, temperature=0.7, seed=5, stop=("\n",), details=True)
     assert params.to_wire() == {"max_new_tokens": 64, "temperature": 0.7, "seed": 5, "details": True, "stop": ["\n"]}
     assert GenerationParams().to_wire() == {}
+
+
+@pytest.mark.parametrize("command", ["llava-chat", "llava-web", "llava-serve", "llava-deploy", "llava-local-endpoint"])
+def test_cli_help_is_plain_text(command):
+    """``--help`` of every CLI the README names, as the user runs it: exit 0, no reST markup."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / command), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout and "``" not in done.stdout and ":class:" not in done.stdout

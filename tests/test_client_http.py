@@ -406,3 +406,32 @@ def test_bodies_over_our_limit_and_over_torchserve_s_get_typed_413s(server):
         client.open_session(theirs)
     assert info.value.status_code == 413 and info.value.code != "payload_too_large", info.value.body
     client.close()
+
+
+def test_llava_chat_at_a_terminal_recovers_from_an_error_and_exits_0(server, photo_path):
+    """llava-chat with a terminal on stdin (a pty): /help, an error it shows and goes on from, a
+    question, /quit: exit status 0 (piped input still gets 1 after an error: a script's failure)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llava_client.cli", "--url", server.url, "--image", photo_path, "--max-new-tokens", "3"],
+        stdin=slave,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(slave)
+    os.write(master, b"/help\n/add /no/such/image.png\nWhat is it?\n/quit\n")
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+    assert proc.returncode == 0, err
+    assert "/help, /quit" in err and "error:" in err and "No such file" in err
+    assert "llava> " in out
+    piped = _llava_chat("--url", server.url, "--image", photo_path, stdin="/add /no/such/image.png\n")
+    assert piped.returncode == 1 and "error:" in piped.stderr

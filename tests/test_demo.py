@@ -42,3 +42,6 @@ def test_demo_runs_a_scripted_session():
     assert all(r > 500 for r in reused)  # the image prefix, cached at open, is reused by every turn
     assert reused[1] > reused[0]  # turn 2 also reuses turn 1
     assert "stopped the server" in out and "closed session" in out
+    # it ends with what to run next: a server of one's own and the clients
+    tail = out[out.index("Next steps") :]
+    assert "llava-serve --model-dir" in tail and "llava-chat --url" in tail and "llava-web --url" in tail

@@ -26,7 +26,10 @@ from ._types import Answer
 
 __all__ = ["main"]
 
-_HELP = "commands: /reset (forget the conversation), /add PATH|URL (add an image), /image PATH|URL (new image), /quit"
+_HELP = (
+    "commands: /reset (forget the conversation), /add PATH|URL (add an image), /image PATH|URL (new image), "
+    "/help, /quit"
+)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -131,6 +134,9 @@ class _Chat:
         name, _, rest = line.partition(" ")
         if name in ("/quit", "/exit", "/q"):
             return False
+        if name in ("/help", "/?"):
+            self.note(_HELP)
+            return True
         if name == "/reset":
             assert self.session is not None
             self.session.reset()
@@ -153,6 +159,8 @@ class _Chat:
         return True
 
     def loop(self, lines, interactive: bool) -> int:
+        """Answer each line; returns the exit status: piped input (a script) gets 1 when any line
+        failed; at a terminal, an error already shown and recovered from (the chat went on) leaves 0."""
         status = 0
         for raw in lines:
             line = raw.strip()
@@ -164,12 +172,9 @@ class _Chat:
                         break
                     continue
                 self.ask(line, prefix="llava> " if interactive else "")
-            except LlavaError as exc:
+            except (LlavaError, OSError) as exc:  # OSError: /image or /add with a missing file
                 self.note(f"error: {exc}")
-                status = 1
-            except OSError as exc:  # /image with a missing file
-                self.note(f"error: {exc}")
-                status = 1
+                status = 0 if interactive else 1
         return status
 
 

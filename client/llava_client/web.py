@@ -356,7 +356,11 @@ def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llava-web", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="llava-web",
+        description="A chat page about an image, in the browser, talking to a llava-sessions server "
+        "(llava-serve, a container, or a SageMaker endpoint).",
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve, a container)")
     where.add_argument("--endpoint", help="SageMaker endpoint name")

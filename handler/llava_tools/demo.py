@@ -105,7 +105,21 @@ def run(model_dir: Path | None, *, max_new_tokens: int, work_dir: Path) -> int:
         f"opened); turn 2 reused {second.cached_tokens} (image prefix and history) and prefilled only "
         f"{second.prompt_tokens - second.cached_tokens} new ones."
     )
+    _say()
+    _say(_NEXT_STEPS)
     return 0
+
+
+#: What to run next, printed at the end (a server of your own, then a client of your choice).
+_NEXT_STEPS = """Next steps
+----------
+  llava-tiny-model --out ./tiny-llava                  # or any llava-hf checkpoint folder
+  llava-serve --model-dir ./tiny-llava --port 8080     # a server of your own (Ctrl-C stops it)
+  llava-chat --url http://127.0.0.1:8080 --image photo.jpg        # a terminal chat
+  llava-web --url http://127.0.0.1:8080                            # the chat page
+  curl -s localhost:8080/invocations -H 'Content-Type: application/json' \
+       -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
+Protocol: docs/api.md; Python client: README.md (API)."""
 
 
 def _chat(client: SessionClient, photo: Path, max_new_tokens: int) -> list[_Turn]:

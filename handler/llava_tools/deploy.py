@@ -657,7 +657,8 @@ class Deployer:
         self._done(f"created model {spec.model_name}", f"create model {spec.model_name}")
         self._call("sagemaker", "create_endpoint_config", **endpoint_config_request(spec))
         self._done(
-            f"created endpoint config {spec.endpoint_config_name}", f"create endpoint config {spec.endpoint_config_name}"
+            f"created endpoint config {spec.endpoint_config_name}",
+            f"create endpoint config {spec.endpoint_config_name}",
         )
         if self._endpoint_exists(spec.endpoint_name):
             self._say(f"endpoint {spec.endpoint_name} exists: updating it (its open sessions will be lost)")
