@@ -22,10 +22,12 @@ def encode_png(array) -> bytes:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """A ``tiny`` random-weight llava-hf checkpoint folder built by ``llava-tiny-model``'s code."""
+    """A ``tiny`` random-weight llava-hf checkpoint folder built by ``llava-tiny-model``'s code, with a
+    1,024-token context (the default is llava-1.5's 4,096) so a conversation reaches the context's edge
+    (truncation, 422s) in a few turns."""
     from llava_tools.tiny_model import write_checkpoint
 
-    return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny-llava"), seed=0)
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny-llava"), seed=0, max_positions=1024)
 
 
 @pytest.fixture(scope="session")

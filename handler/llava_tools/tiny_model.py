@@ -146,7 +146,9 @@ class SizeSpec:
 
 
 SIZES: dict[str, SizeSpec] = {
-    "tiny": SizeSpec(64, 2, 4, 4, 128, 32, 2, 2, 64, 1024, None, 0.5),
+    # 4,096 positions as llava-1.5's own: room for several 576-token images (the tests build it with
+    # max_positions=1024, so a conversation reaches the context's edge in a few turns)
+    "tiny": SizeSpec(64, 2, 4, 4, 128, 32, 2, 2, 64, 4096, None, 0.5),
     # llava-1.5-7b scaled for a CPU: text 4096 x 32 layers → 768 x 6 (the same 128 hidden per layer
     # and head size, MLP ratio 2.69), vision 1024 x 24 → 176 x 6 so the vision tower stays ~1/20 of
     # the text model (7b: 0.30 B vs 6.7 B parameters); 576 image tokens
@@ -381,8 +383,13 @@ def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None, ar
     return model.eval(), processor
 
 
-def write_checkpoint(size: str, out: str | Path, *, seed: int = 0, arch: str = "llava") -> Path:
+def write_checkpoint(
+    size: str, out: str | Path, *, seed: int = 0, arch: str = "llava", max_positions: int | None = None
+) -> Path:
     """Build ``arch`` at ``size`` and save it as a llava-hf style folder at ``out``; returns the folder.
+
+    ``max_positions`` replaces the text model's context (``max_position_embeddings``, tokens); the
+    weights do not depend on it (rotary positions), so the answers are the same within it.
 
     Raises:
         RuntimeError: ``size == "7b"`` without CUDA.
@@ -403,6 +410,10 @@ def write_checkpoint(size: str, out: str | Path, *, seed: int = 0, arch: str = "
         dtype=torch.float16 if size == "7b" else None,
         arch=arch,
     )
+    if max_positions is not None:
+        if max_positions < 64:
+            raise ValueError("max_positions must be >= 64")
+        model.config.text_config.max_position_embeddings = max_positions
     model.save_pretrained(out)
     processor.save_pretrained(out)
     (out / "llava_sessions_build.json").write_text(
@@ -418,9 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-positions", type=int, default=None, help="the text model's context in tokens (default: the size's)"
+    )
     args = parser.parse_args(argv)
     try:
-        path = write_checkpoint(args.size, args.out, seed=args.seed, arch=args.arch)
+        path = write_checkpoint(args.size, args.out, seed=args.seed, arch=args.arch, max_positions=args.max_positions)
     except (RuntimeError, ValueError) as exc:
         print(f"llava-tiny-model: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 __all__ = ["Admission"]
 
 
+#: What a resent conversation that does not fit can do (the client owns the history).
+_CHAT_CONTEXT_HINT = "lower max_tokens, or send a shorter conversation (drop the oldest messages or images)"
+
+
 class Admission:
     """The engine's admission of opens, added images and questions (see the module docstring).
 
@@ -93,7 +97,9 @@ class Admission:
         chat = Chat(session.system_prompt, tuple(session.history), session.pending_images + 1, tuple(tokens))
         prefix = self.runner.template.prefix_ids(chat)
         self._check_context(
-            prefix, f"with this image the conversation is {len(prefix)} tokens", "; reset the session or open a new one"
+            prefix,
+            f"with this image the conversation is {len(prefix)} tokens",
+            "; open a new session for this image (a reset forgets the turns but keeps every image)",
         )
         relayout = tokens[:-1] != session.image_tokens
         feature_tokens = sum(tokens) if relayout or session.image_features is None else tokens[-1]
@@ -209,7 +215,7 @@ class Admission:
             )
 
     def _fit(
-        self, chat: Chat, prompt: str, max_new: int, policy: ContextPolicy, clip: bool
+        self, chat: Chat, prompt: str, max_new: int, policy: ContextPolicy, clip: bool, *, hint: str | None = None
     ) -> tuple[list[int], int, int]:
         """The conversation's ids fitted to the context: ``(ids, oldest turns dropped, max_new_tokens)``.
 
@@ -226,10 +232,11 @@ class Admission:
             if len(ids) + max_new > limit and clip and len(ids) < limit:
                 max_new = limit - len(ids)
         if len(ids) + max_new > limit:
-            hint = (
+            hint = hint or (
                 "lower max_new_tokens or shorten the question"
                 if policy == "truncate"
-                else "lower max_new_tokens, reset the session, open a new one or use context_policy truncate"
+                else "lower max_new_tokens, reset the session (it forgets the turns), open a new one or use "
+                "context_policy truncate"
             )
             raise ServiceError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
@@ -253,7 +260,9 @@ class Admission:
         sizes = [img.size for img in target.images]
         tokens = self._layout_sizes(sizes)
         chat = Chat(target.system_prompt, target.turns, target.pending_images, tuple(tokens))
-        ids, _, max_new = self._fit(chat, target.question, params.max_new_tokens, "error", clip_max_new_tokens)
+        ids, _, max_new = self._fit(
+            chat, target.question, params.max_new_tokens, "error", clip_max_new_tokens, hint=_CHAT_CONTEXT_HINT
+        )
         if max_new != params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=max_new)
         keys = [img.key for img in target.images]
