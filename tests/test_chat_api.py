@@ -386,3 +386,65 @@ def test_the_local_endpoint_from_code_and_from_llava_chat(endpoint, runner, phot
         timeout=60,
     )
     assert refused.returncode == 2 and "--endpoint-url goes with --endpoint" in refused.stderr
+
+
+def phone_photo(path) -> int:
+    """A phone-size photo: 4000x3000 JPEG of about 8 MB (detail everywhere, as a real photo has), with
+    the EXIF orientation a phone held upright writes (6: rotate 90 degrees to show it)."""
+    import numpy as np
+    from PIL import Image
+    from skimage import data
+
+    base = Image.fromarray(data.astronaut()).resize((4000, 3000))
+    noise = np.random.default_rng(0).integers(-40, 40, (3000, 4000, 3))
+    pixels = np.clip(np.asarray(base).astype(int) + noise, 0, 255).astype("uint8")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(pixels).save(path, format="JPEG", quality=95, exif=exif)
+    return path.stat().st_size
+
+
+def test_a_phone_size_photo_is_downsized_by_the_client_and_said(endpoint, runtime, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from llava_client import MAX_BODY_BYTES, SessionClient, image_part
+
+    photo = tmp_path / "phone.jpg"
+    size = phone_photo(photo)
+    assert size * 4 / 3 > MAX_BODY_BYTES  # inline (base64) it is over SageMaker's 6 MiB
+    with SessionClient.from_endpoint("llava", client=runtime) as client:
+        with client.open_session(str(photo)) as session:
+            (done,) = session.downsized
+            assert done.original_size == (3000, 4000) and done.sent_size == (1008, 1344)  # upright, 1344 px
+            assert done.sent_bytes * 4 / 3 < MAX_BODY_BYTES and "downsized from 3000x4000" in str(done)
+            assert session.ask("What is it?", max_new_tokens=3).usage.generated_tokens > 0
+        reply = client.complete(
+            [{"role": "user", "content": [image_part(str(photo)), {"type": "text", "text": "What is it?"}]}],
+            max_tokens=3,
+        )
+        assert reply.completion_tokens > 0
+    dummy = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "llava-chat"),
+            "--endpoint",
+            "llava",
+            "--endpoint-url",
+            endpoint.url,
+            "--image",
+            str(photo),
+            "-q",
+            "What is it?",
+            "--max-new-tokens",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **dummy},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "[the image was downsized from 3000x4000" in done.stderr

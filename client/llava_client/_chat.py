@@ -22,27 +22,34 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import LlavaError, status_error_from_body
-from ._images import ImageInput, image_payload
+from ._images import ImageInput, fit_payload, image_payload
 
 if TYPE_CHECKING:
     from ._client import SessionClient
 
 __all__ = ["ChatReply", "ChatSession", "image_part"]
 
+log = logging.getLogger("llava_client")
 
-def image_part(image: ImageInput) -> dict[str, Any]:
+
+def image_part(image: ImageInput, *, max_bytes: int = 6_291_456 - 65_536) -> dict[str, Any]:
     """An OpenAI ``image_url`` content part for ``image``: a local path, bytes or a PIL image go
-    inline as a ``data:`` URI; an ``http(s)://`` URL or ``s3://`` URI is passed for the server to fetch.
+    inline as a ``data:`` URI, downsized (:func:`~llava_client._images.fit_payload`, logged) when
+    over ``max_bytes`` of base64 (default: SageMaker's 6 MiB request limit less room for the rest);
+    an ``http(s)://`` URL or ``s3://`` URI is passed for the server to fetch.
 
     Raises:
         FileNotFoundError: a local path that does not exist.
     """
-    payload = image_payload(image)
+    payload, downsized = fit_payload(image_payload(image), max_bytes)
+    if downsized is not None:
+        log.info("%s", downsized)
     if "base64" in payload:
         data = payload["base64"]
         if not data.startswith("data:"):

@@ -80,7 +80,7 @@ from ._exceptions import (
     SessionGone,
     status_error_from_body,
 )
-from ._images import ImageInput, describe_image, image_payload
+from ._images import Downsized, ImageInput, describe_image, fit_payload, image_payload
 from ._transport import (
     DEFAULT_TIMEOUT,
     HttpTransport,
@@ -117,6 +117,13 @@ DEFAULT_RESTART_WAIT_S = 30.0
 MAX_RESTART_RETRY_DELAY_S = 2.0
 #: SageMaker's request body limit (6 MiB); bigger bodies are refused here before sending.
 MAX_BODY_BYTES = 6_291_456
+#: Bytes of a request body kept for what is around an inline image (JSON, a system prompt).
+BODY_ROOM_BYTES = 65_536
+
+
+def image_budget(max_body_bytes: int) -> int:
+    """Characters of base64 an inline image may take in a body of at most ``max_body_bytes``."""
+    return max(1024, max_body_bytes - BODY_ROOM_BYTES)
 
 T = TypeVar("T")
 
@@ -265,10 +272,21 @@ class SessionClient:
             APIStatusError, APIConnectionError: as for any call.
             FileNotFoundError: a local path that does not exist.
         """
-        payload = image_payload(image)
+        payload, downsized = self._inline(image)
         opened = self._open(payload, system_prompt)
         log.debug("opened session %s on %s", opened.session_id, describe_image(payload))
-        return Session(self, opened, payload, system_prompt)
+        session = Session(self, opened, payload, system_prompt)
+        if downsized is not None:
+            session.downsized.append(downsized)
+        return session
+
+    def _inline(self, image: ImageInput) -> tuple[dict[str, str], Downsized | None]:
+        """The wire's image object for ``image``; an inline image over the request limit downsized
+        (:func:`~llava_client._images.fit_payload`; said in the log and returned)."""
+        payload, downsized = fit_payload(image_payload(image), image_budget(self.max_body_bytes))
+        if downsized is not None:
+            log.info("%s", downsized)
+        return payload, downsized
 
     # ------------------------------------------------------------------ the chat dialect
     def chat_session(self) -> ChatSession:
@@ -438,6 +456,8 @@ class Session:
         open_timings: the server's timings of the open (milliseconds).
         recoveries: how many times the session was reopened and its history replayed.
         last_recovery: what the last recovery did (:class:`Recovery`), or None.
+        downsized: the session's inline images the client downsized to fit the request limit
+            (:class:`~llava_client._images.Downsized`, each says what was done), in order.
     """
 
     def __init__(
@@ -451,6 +471,7 @@ class Session:
         self._closed = False
         self.recoveries = 0
         self.last_recovery: Recovery | None = None
+        self.downsized: list[Downsized] = []
         self._set_opened(opened)
 
     def _set_opened(self, opened: _Opened) -> None:
@@ -608,16 +629,19 @@ class Session:
             ContextLengthExceeded: the conversation with this image leaves no room for a question.
             PayloadTooLarge, InvalidRequest: as for :meth:`SessionClient.open_session`; others as :meth:`ask`.
         """
-        payload = image_payload(image)
+        payload, downsized = self._client._inline(image)
         request = {"type": "add_image", "image": payload}
         data, _ = self._with_recovery(lambda: self._client._invoke(request, self.id, retry_safe=False))
         self._pending_images.append(payload)
+        if downsized is not None:
+            self.downsized.append(downsized)
         return AddedImage(
             image_tokens=int(data.get("image_tokens", 0)),
             images=int(data.get("images", 0)),
             prefix_tokens=int(data.get("prefix_tokens", 0)),
             cached_tokens=int(data.get("cached_tokens", 0)),
             timings=dict(data.get("timings") or {}),
+            downsized=downsized,
         )
 
     @property

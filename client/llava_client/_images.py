@@ -5,10 +5,18 @@ from __future__ import annotations
 import base64
 import io
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["ImageInput", "image_payload"]
+__all__ = ["DOWNSIZE_MAX_SIDE", "Downsized", "ImageInput", "fit_payload", "image_payload"]
+
+#: The longest side (px) an inline image is downsized to when it would not fit the request limit:
+#: LLaVA-NeXT's largest anyres side (two 672-px tiles; llava-1.5 itself sees 336 px), so the model
+#: loses nothing it would have used. Halved again while the image still does not fit.
+DOWNSIZE_MAX_SIDE = 1344
+#: JPEG quality of a downsized image.
+DOWNSIZE_JPEG_QUALITY = 90
 
 #: A local path (``str`` / ``PathLike``), image file bytes, a PIL image, an ``http(s)://`` URL,
 #: an ``s3://bucket/key`` URI, or a ``data:image/...;base64,`` URI.
@@ -46,6 +54,55 @@ def image_payload(image: ImageInput) -> dict[str, str]:
     raise TypeError(
         f"image must be a path, bytes, a PIL image, an http(s) URL or an s3:// URI, not {type(image).__name__}"
     )
+
+
+@dataclass(frozen=True)
+class Downsized:
+    """An inline image the client made smaller to fit the request limit: sizes in pixels (width,
+    height), bytes of the encoded file before and after."""
+
+    original_size: tuple[int, int]
+    original_bytes: int
+    sent_size: tuple[int, int]
+    sent_bytes: int
+
+    def __str__(self) -> str:
+        (w0, h0), (w1, h1) = self.original_size, self.sent_size
+        return (
+            f"the image was downsized from {w0}x{h0} ({self.original_bytes / 1e6:.1f} MB) to {w1}x{h1} "
+            f"({self.sent_bytes / 1e6:.2f} MB JPEG) to fit the request limit; the model sees at most "
+            f"{DOWNSIZE_MAX_SIDE} px anyway"
+        )
+
+
+def fit_payload(payload: dict[str, str], max_base64_chars: int) -> tuple[dict[str, str], Downsized | None]:
+    """``payload``, or when its inline image is over ``max_base64_chars`` characters of base64, the
+    image downsized (EXIF orientation applied, RGB, longest side :data:`DOWNSIZE_MAX_SIDE` px or less,
+    JPEG) so it fits, with what was done. A URL or S3 URI, or data that is not an image Pillow opens,
+    is returned as it is (the request limit then refuses it with its own advice)."""
+    data_text = payload.get("base64")
+    if data_text is None or len(data_text) <= max_base64_chars:
+        return payload, None
+    try:
+        from PIL import Image, ImageOps
+
+        raw = base64.b64decode(data_text.split(",", 1)[1] if data_text.startswith("data:") else data_text)
+        with Image.open(io.BytesIO(raw)) as opened:
+            image = ImageOps.exif_transpose(opened).convert("RGB")
+    except Exception:  # noqa: BLE001 - not an image we can open: the server's checks and the limit decide
+        return payload, None
+    side = DOWNSIZE_MAX_SIDE
+    while side >= 64:
+        small = image.copy()
+        small.thumbnail((side, side))
+        buf = io.BytesIO()
+        small.save(buf, format="JPEG", quality=DOWNSIZE_JPEG_QUALITY)
+        text = _b64(buf.getvalue())
+        if len(text) <= max_base64_chars:
+            done = Downsized(image.size, len(raw), small.size, buf.tell())
+            return {"base64": text}, done
+        side //= 2
+    return payload, None
 
 
 def describe_image(payload: dict[str, str]) -> str:

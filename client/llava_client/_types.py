@@ -160,6 +160,8 @@ class AddedImage:
         prefix_tokens: tokens of the conversation up to the next question (now cached on the server).
         cached_tokens: of those, how many were reused from the server's KV cache.
         timings: the server's timings in milliseconds (``encode_ms``, ``prefill_ms``, ``total_ms``, ...).
+        downsized: what the client did to fit an inline image in the request limit
+            (:class:`~llava_client._images.Downsized`), or None when it was sent as given.
     """
 
     image_tokens: int
@@ -167,6 +169,7 @@ class AddedImage:
     prefix_tokens: int
     cached_tokens: int
     timings: dict[str, float]
+    downsized: Any = None
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,8 @@ class _Chat:
                 old.close()
             except LlavaError as exc:
                 self.note(f"closing the previous session failed: {exc}")
+        for done in new.downsized:  # always said: the server sees another file than the one given
+            self.note(f"[{done}]")
         if self.args.verbose:
             expires = new.expires_at.strftime("%Y-%m-%d %H:%M:%SZ") if new.expires_at else "?"
             self.note(f"[session {new.id} on {image}: {new.image_tokens} image tokens, expires {expires}]")
@@ -147,6 +149,8 @@ class _Chat:
                 self.note("usage: /add PATH|URL")
             else:
                 added = self.session.add_image(rest.strip())
+                if added.downsized is not None:
+                    self.note(f"[{added.downsized}]")
                 self.note(f"[image {added.images} added: {added.image_tokens} image tokens]")
         elif name == "/image":
             if not rest.strip():

@@ -169,9 +169,10 @@ class WebChat:
             s = tab.session
             took = s.open_timings.get("total_ms")
             took_text = f" in {took:.0f} ms" if took is not None else ""
+            note = "".join(f" Note: {done}." for done in s.downsized)
             return [], (
                 f"Session `{s.id}` opened{took_text}: the image takes {s.image_tokens} tokens, "
-                "its features and KV cache stay on the server. Ask a question."
+                f"its features and KV cache stay on the server. Ask a question.{note}"
             )
 
     def ask(
