@@ -147,8 +147,8 @@ def test_package_is_torchserve_no_archive_layout_plus_the_checkpoint(checkpoint:
 def test_package_refuses_bad_settings_and_folders(checkpoint: Path, tmp_path: Path) -> None:
     with pytest.raises(DeployError, match="unknown key"):
         build_package(checkpoint, overrides={"bogus": 1})
-    with pytest.raises(DeployError, match="batchSize"):
-        build_package(checkpoint, overrides={"max_sessions": 1000})
+    with pytest.raises(DeployError, match="max_sessions"):
+        build_package(checkpoint, overrides={"max_sessions": 0})
     with pytest.raises(DeployError, match="no config.json"):
         build_package(tmp_path)
     (checkpoint / "MAR-INF").mkdir()
@@ -455,11 +455,17 @@ def test_invalid_arguments_fail_before_any_call(checkpoint: Path, capsys) -> Non
         main(["--endpoint-name", "x", "--image-uri", IMAGE, "--role-arn", ROLE], clients=None)  # no model data
 
 
-def test_deploy_with_autoscaling_registers_the_variant_and_a_target_tracking_policy(capsys) -> None:
+@pytest.mark.parametrize(("instance_type", "policy_target"), [("ml.g5.2xlarge", 60.0), ("ml.g6e.12xlarge", 240.0)])
+def test_deploy_with_autoscaling_registers_the_variant_and_a_target_tracking_policy(
+    capsys, instance_type, policy_target
+) -> None:
+    """--scaling-target is per GPU: SageMaker's GPUMemoryUtilization sums an instance's GPUs, so on the
+    4-GPU g6e.12xlarge 60 % per GPU is a policy target of 240."""
     c = clients()
     args = [
         "--endpoint-name", "llava-chat", "--model-data-uri", "s3://my-bucket/llava/v1", "--image-uri", IMAGE,
         "--role-arn", ROLE, "--model-name", "llava-chat-m1", "--endpoint-config-name", "llava-chat-c1",
+        "--instance-type", instance_type,
         "--min-instances", "1", "--max-instances", "4", "--scaling-target", "60",
     ]  # fmt: skip
     with Stubber(c["sagemaker"]) as sm_stub, Stubber(c["application-autoscaling"]) as as_stub:
@@ -481,7 +487,7 @@ def test_deploy_with_autoscaling_registers_the_variant_and_a_target_tracking_pol
                 "PolicyName": "llava-chat-gpu-memory",
                 "PolicyType": "TargetTrackingScaling",
                 "TargetTrackingScalingPolicyConfiguration": {
-                    "TargetValue": 60.0,
+                    "TargetValue": policy_target,
                     "CustomizedMetricSpecification": {
                         "MetricName": "GPUMemoryUtilization",
                         "Namespace": "/aws/sagemaker/Endpoints",
@@ -552,3 +558,16 @@ def test_a_typo_in_a_setting_is_named_before_any_call_by_the_cli(checkpoint: Pat
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr
     assert done.stderr.startswith("llava-deploy: ")
+
+
+def test_capacity_grows_with_the_instance_s_gpus(checkpoint: Path, capsys) -> None:
+    """An instance with N GPUs gets max_sessions = 64 x N (one replica per GPU holds 64), and the
+    packaged job groups follow any max_sessions (batchSize = maxNumSequence = max_sessions + 8)."""
+    files = {f.key: f for f in build_package(checkpoint, overrides={"max_sessions": 256})}
+    config = yaml.safe_load(files["llava/model-config.yaml"].read())
+    assert config["handler"]["max_sessions"] == 256 and config["batchSize"] == config["maxNumSequence"] == 264
+    assert main([*deploy_args(checkpoint, "--instance-type", "ml.p5.48xlarge"), "--dry-run"], clients=None) == 0
+    out = capsys.readouterr().out
+    assert "max_sessions 512: 64 per GPU x 8 GPUs" in out and "(max_sessions 512)" in out
+    assert main([*deploy_args(checkpoint), "--dry-run"], clients=None) == 0  # one GPU: the default 64
+    assert "max_sessions 64)" in capsys.readouterr().out

@@ -125,6 +125,7 @@ def image_budget(max_body_bytes: int) -> int:
     """Characters of base64 an inline image may take in a body of at most ``max_body_bytes``."""
     return max(1024, max_body_bytes - BODY_ROOM_BYTES)
 
+
 T = TypeVar("T")
 
 

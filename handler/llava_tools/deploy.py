@@ -132,6 +132,11 @@ INSTANCE_GPUS: dict[str, tuple[int, int]] = {
 }
 #: Context tokens a session is planned at (the image's 576 + system prompt + a few turns).
 PLANNED_SESSION_TOKENS = 1024
+#: Sessions a replica (one GPU) holds at most by default: ``max_sessions``' default, per GPU, so an
+#: instance's capacity grows with its GPUs (llava-deploy writes ``max_sessions`` = this x GPUs).
+SESSIONS_PER_GPU = 64
+#: TorchServe job groups kept above ``max_sessions`` (``batchSize`` = ``maxNumSequence`` = ``max_sessions`` + this).
+SPARE_JOB_GROUPS = 8
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
@@ -231,11 +236,22 @@ SCALING_METRICS: dict[str, dict[str, Any]] = {
 
 
 def scaling_requests(
-    endpoint_name: str, *, min_instances: int, max_instances: int, metric: str, target: float, cooldown_s: int = 300
+    endpoint_name: str,
+    *,
+    min_instances: int,
+    max_instances: int,
+    metric: str,
+    target: float,
+    cooldown_s: int = 300,
+    gpus: int = 1,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``register_scalable_target`` and ``put_scaling_policy`` parameters of a target-tracking
     policy on the endpoint's ``AllTraffic`` variant (AWS: "Automatic scaling of Amazon SageMaker
     models").
+
+    ``target`` of ``gpu-memory`` is per GPU (0-100 %): SageMaker's ``GPUMemoryUtilization`` sums an
+    instance's GPUs (0-100 x GPUs %; AWS: "Monitor Amazon SageMaker with CloudWatch", endpoint
+    instance metrics), so the policy's value is ``target x gpus``.
 
     Raises:
         DeployError: a bad range, metric or target.
@@ -265,7 +281,7 @@ def scaling_requests(
         "PolicyName": f"{endpoint_name}-{metric}",
         "PolicyType": "TargetTrackingScaling",
         "TargetTrackingScalingPolicyConfiguration": {
-            "TargetValue": float(target),
+            "TargetValue": float(target) * (gpus if metric == "gpu-memory" else 1),
             **spec,
             "ScaleInCooldown": cooldown_s,
             "ScaleOutCooldown": cooldown_s,
@@ -359,9 +375,11 @@ def build_package(
     section = dict(config.get("handler") or {})
     section.update(overrides or {})
     section["model_dir"] = ""  # the handler falls back to TorchServe's model folder (this one)
+    if "max_sessions" in (overrides or {}):  # the job groups follow (design.md, "Spare job groups")
+        config["batchSize"] = config["maxNumSequence"] = int(section["max_sessions"]) + SPARE_JOB_GROUPS
     try:
         Settings.from_sources(section, batch_size=config.get("batchSize"))
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise DeployError(f"invalid handler setting: {exc}") from None
     config["handler"] = section
 
@@ -799,7 +817,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="gpu-memory: average GPU memory use in percent, which grows with the sessions held (default); "
         "invocations: requests per instance per minute",
     )
-    scaling.add_argument("--scaling-target", type=float, default=70.0, help="the metric's target value (default 70)")
+    scaling.add_argument(
+        "--scaling-target",
+        type=float,
+        default=70.0,
+        help="the metric's target value (default 70); for gpu-memory, percent per GPU (llava-deploy multiplies "
+        "it by the instance's GPUs: SageMaker's GPUMemoryUtilization is their sum)",
+    )
     parser.add_argument("--model-name", default="", help="default <endpoint>-<UTC timestamp>")
     parser.add_argument("--endpoint-config-name", default="", help="default <endpoint>-<UTC timestamp>")
     parser.add_argument("--region", default=None, help="AWS region (default: the boto3 session's)")
@@ -862,15 +886,31 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
         if args.max_instances is not None or args.min_instances is not None:
             if args.no_wait:
                 raise DeployError("autoscaling needs the endpoint InService: drop --no-wait")
+            gpus = INSTANCE_GPUS.get(args.instance_type, (1, 0))[0]
+            if args.scaling_metric == "gpu-memory" and args.instance_type not in INSTANCE_GPUS:
+                print(
+                    f"llava-deploy: warning: {args.instance_type} is not in the GPU table: --scaling-target is "
+                    "used as given (GPUMemoryUtilization sums an instance's GPUs: give the sum)",
+                    file=sys.stderr,
+                )
             scaling = scaling_requests(
                 args.endpoint_name,
                 min_instances=args.min_instances if args.min_instances is not None else args.instance_count,
                 max_instances=args.max_instances if args.max_instances is not None else args.instance_count,
                 metric=args.scaling_metric,
                 target=args.scaling_target,
+                gpus=gpus,
+            )
+        overrides = dict(args.overrides)
+        gpus_here = INSTANCE_GPUS.get(args.instance_type, (1, 0))[0]
+        if args.model_dir and "max_sessions" not in overrides and gpus_here > 1:
+            overrides["max_sessions"] = SESSIONS_PER_GPU * gpus_here  # capacity grows with the GPUs
+            print(
+                f"max_sessions {overrides['max_sessions']}: {SESSIONS_PER_GPU} per GPU x {gpus_here} GPUs "
+                "(--set max_sessions=N to choose)"
             )
         if args.model_dir:
-            settings = Settings.from_sources(dict(args.overrides))
+            settings = Settings.from_sources(overrides)
             plan = capacity_plan(
                 args.instance_type,
                 args.model_dir,
@@ -880,7 +920,7 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
             print(
                 plan.describe() if plan else f"{args.instance_type}: capacity not planned (unknown type or checkpoint)"
             )
-        files = build_package(args.model_dir, overrides=dict(args.overrides)) if args.model_dir else None
+        files = build_package(args.model_dir, overrides=overrides) if args.model_dir else None
         if files is not None:
             parse_s3_uri(args.s3_uri)
         deployer = _deployer(args, clients, need_s3=files is not None)
