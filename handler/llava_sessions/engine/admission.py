@@ -272,26 +272,10 @@ class Admission:
         sharing = self.engine.sharing
         rows = [sharing.rows(session, img.key, n, len(sizes)) for img, n in zip(target.images, tokens, strict=True)]
         missing = [i for i, r in enumerate(rows) if r is None]
-        unchanged = keys == session.image_keys and tokens == session.image_tokens and session.image_features is not None
         runner = self.runner
         feature_bytes = sum(tokens[i] for i in missing) * runner.feature_bytes_per_token
         self._reserve(session, feature_bytes + (len(ids) - keep + max_new) * runner.kv_bytes_per_token, "this turn")
-        session.crop_kv(keep)
-        session.set_conversation(
-            target.system_prompt,
-            list(target.turns),
-            target.pending_images,
-            [(img.key, img.data, img.size, n) for img, n in zip(target.images, tokens, strict=True)],
-        )
-        if unchanged:
-            to_encode = []  # the same images as before: their features stay as they are
-        elif missing:  # the vision tower runs in the answer's first step
-            session.set_features(None)
-            to_encode = [(i, target.images[i].image) for i in missing]
-        else:
-            session.set_features(torch.cat([r for r in rows if r is not None]) if rows else None)
-            to_encode = []
-        self.store.sync(session)
+        to_encode = self._hold_conversation(session, target, tokens, keep, rows)
         gen = Generation(
             self.engine,
             session,
@@ -304,6 +288,36 @@ class Admission:
         )
         gen.set_images_to_encode(to_encode, rows)
         return gen
+
+    def _hold_conversation(
+        self, session: Session, target: ChatTarget, tokens: list[int], keep: int, rows: list[Any]
+    ) -> list[tuple[int, Any]]:
+        """Make ``session`` hold ``target``: its KV cache cropped to the ``keep`` tokens that serve it,
+        the features of every image whose ``rows`` were found; returns the images left to encode
+        (``(index, decoded image or None)``: the vision tower runs in the answer's first step)."""
+        unchanged = (
+            [img.key for img in target.images] == session.image_keys
+            and tokens == session.image_tokens
+            and session.image_features is not None
+        )
+        session.crop_kv(keep)
+        session.set_conversation(
+            target.system_prompt,
+            list(target.turns),
+            target.pending_images,
+            [(img.key, img.data, img.size, n) for img, n in zip(target.images, tokens, strict=True)],
+        )
+        missing = [i for i, r in enumerate(rows) if r is None]
+        to_encode: list[tuple[int, Any]] = []
+        if unchanged:
+            pass  # the same images as before: their features stay as they are
+        elif missing:
+            session.set_features(None)
+            to_encode = [(i, target.images[i].image) for i in missing]
+        else:
+            session.set_features(torch.cat([r for r in rows if r is not None]) if rows else None)
+        self.store.sync(session)
+        return to_encode
 
     # ------------------------------------------------------------------ shared
     def idle_session(self, session_id: str) -> Session:
