@@ -189,8 +189,9 @@ class Session:
         self.image_features = None
 
     # ------------------------------------------------------------------ images and conversation
-    def set_features(self, features: torch.Tensor) -> None:
-        """Hold ``features`` ``[sum(image_tokens), hidden]``: every image's rows, in order."""
+    def set_features(self, features: torch.Tensor | None) -> None:
+        """Hold ``features`` ``[sum(image_tokens), hidden]``: every image's rows, in order (None: none
+        held, the images are encoded again when needed)."""
         self.image_features = features
 
     def add_image(self, data: bytes, image_sizes: list[tuple[int, int]], image_tokens: list[int]) -> None:

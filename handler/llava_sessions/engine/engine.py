@@ -228,7 +228,9 @@ class SessionEngine:
         """Remember which image each URL gave (``url → content key``) so it is not fetched again in
         this session. Never raises (a session gone meanwhile is skipped)."""
         session = self.store.peek(session_id)
-        for url, key in urls.items() if session is not None else ():
+        if session is None:
+            return
+        for url, key in urls.items():
             session.remember_url(url, key)
 
     def start_chat(
