@@ -391,6 +391,9 @@ def test_delete_removes_endpoint_config_and_models(autoscaled: bool) -> None:
             describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
             {"EndpointName": "llava-chat"},
         )
+        sm_stub.add_response(
+            "list_inference_components", {"InferenceComponents": []}, {"EndpointNameEquals": "llava-chat"}
+        )
         target = {**SCALABLE, "MinCapacity": 1, "MaxCapacity": 4, "RoleARN": ROLE, "CreationTime": NOW}
         as_stub.add_response(
             "describe_scalable_targets",
@@ -571,3 +574,173 @@ def test_capacity_grows_with_the_instance_s_gpus(checkpoint: Path, capsys) -> No
     assert "max_sessions 512: 64 per GPU x 8 GPUs" in out and "(max_sessions 512)" in out
     assert main([*deploy_args(checkpoint), "--dry-run"], clients=None) == 0  # one GPU: the default 64
     assert "max_sessions 64)" in capsys.readouterr().out
+
+
+COMPONENT_SCALABLE = {
+    "ServiceNamespace": "sagemaker",
+    "ResourceId": "inference-component/llava-ic",
+    "ScalableDimension": "sagemaker:inference-component:DesiredCopyCount",
+}
+
+
+def test_inference_component_mode_creates_the_component_and_scales_its_copies(capsys) -> None:
+    """--inference-component: an endpoint config without a model in the variant (and the role), the
+    endpoint, then one inference component with GPUs and memory per copy and a copy count, waited
+    for, and target tracking on its copies; every call checked by Stubber against the service models."""
+    c = clients()
+    args = [
+        "--endpoint-name", "llava-chat", "--model-data-uri", "s3://my-bucket/llava/v1", "--image-uri", IMAGE,
+        "--role-arn", ROLE, "--model-name", "llava-chat-m1", "--endpoint-config-name", "llava-chat-c1",
+        "--instance-type", "ml.g6e.12xlarge", "--inference-component", "llava-ic", "--copies", "2",
+        "--accelerators-per-copy", "2", "--min-copies", "1", "--max-copies", "4", "--scaling-target", "20",
+    ]  # fmt: skip
+    with Stubber(c["sagemaker"]) as sm_stub, Stubber(c["application-autoscaling"]) as as_stub:
+        sm_stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, None)
+        sm_stub.add_response(
+            "create_endpoint_config",
+            {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:c/c"},
+            {
+                "EndpointConfigName": "llava-chat-c1",
+                "ExecutionRoleArn": ROLE,
+                "ProductionVariants": [
+                    {
+                        "VariantName": "AllTraffic",
+                        "InstanceType": "ml.g6e.12xlarge",
+                        "InitialInstanceCount": 1,
+                        "RoutingConfig": {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"},
+                    }
+                ],
+            },
+        )
+        not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})
+        sm_stub.add_response("create_endpoint", {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/e"}, None)
+        sm_stub.add_response(
+            "describe_endpoint",
+            describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
+            {"EndpointName": "llava-chat"},
+        )
+        not_found(sm_stub, "describe_inference_component", {"InferenceComponentName": "llava-ic"})
+        sm_stub.add_response(
+            "create_inference_component",
+            {"InferenceComponentArn": "arn:aws:sagemaker:us-east-1:1:inference-component/llava-ic"},
+            {
+                "InferenceComponentName": "llava-ic",
+                "EndpointName": "llava-chat",
+                "VariantName": "AllTraffic",
+                "Specification": {
+                    "ModelName": "llava-chat-m1",
+                    "StartupParameters": {
+                        "ModelDataDownloadTimeoutInSeconds": 1800,
+                        "ContainerStartupHealthCheckTimeoutInSeconds": 1200,
+                    },
+                    "ComputeResourceRequirements": {
+                        "NumberOfAcceleratorDevicesRequired": 2,
+                        "MinMemoryRequiredInMb": 16384,
+                    },
+                },
+                "RuntimeConfig": {"CopyCount": 2},
+            },
+        )
+        described = {
+            "InferenceComponentName": "llava-ic",
+            "InferenceComponentArn": "arn:aws:sagemaker:us-east-1:1:inference-component/llava-ic",
+            "EndpointName": "llava-chat",
+            "EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/e",
+            "CreationTime": NOW,
+            "LastModifiedTime": NOW,
+            "InferenceComponentStatus": "InService",
+        }
+        sm_stub.add_response("describe_inference_component", described, {"InferenceComponentName": "llava-ic"})
+        as_stub.add_response("register_scalable_target", {}, {**COMPONENT_SCALABLE, "MinCapacity": 1, "MaxCapacity": 4})
+        as_stub.add_response(
+            "put_scaling_policy",
+            {"PolicyARN": "arn:aws:autoscaling:us-east-1:1:scalingPolicy:p", "Alarms": []},
+            {
+                **COMPONENT_SCALABLE,
+                "PolicyName": "llava-ic-invocations-per-copy",
+                "PolicyType": "TargetTrackingScaling",
+                "TargetTrackingScalingPolicyConfiguration": {
+                    "TargetValue": 20.0,
+                    "PredefinedMetricSpecification": {
+                        "PredefinedMetricType": "SageMakerInferenceComponentInvocationsPerCopy"
+                    },
+                    "ScaleInCooldown": 300,
+                    "ScaleOutCooldown": 300,
+                },
+            },
+        )
+        assert main(args, clients=c.__getitem__) == 0
+        sm_stub.assert_no_pending_responses()
+        as_stub.assert_no_pending_responses()
+    out = capsys.readouterr().out
+    assert "inference component llava-ic is InService: 2 copies of 2 GPU(s)" in out
+    assert "autoscaling inference-component/llava-ic: 1..4 copies" in out
+    # what cannot go together is refused before any call
+    assert main([*args, "--min-instances", "1", "--max-instances", "2"], clients=c.__getitem__) == 1
+    assert main([*args, "--accelerators-per-copy", "8"], clients=c.__getitem__) == 1  # 4 GPUs on the instance
+    assert main([*args[:-6], "--scaling-metric", "gpu-memory", "--min-copies", "1", "--max-copies", "2"],
+                clients=c.__getitem__) == 1  # fmt: skip
+    assert main([*args, "--no-wait"], clients=c.__getitem__) == 1
+
+
+def test_delete_removes_the_endpoint_s_inference_components_first() -> None:
+    c = clients()
+    with Stubber(c["sagemaker"]) as sm_stub, Stubber(c["application-autoscaling"]) as as_stub:
+        sm_stub.add_response(
+            "describe_endpoint",
+            describe_endpoint_response("llava-chat", "InService", "llava-chat-c1"),
+            {"EndpointName": "llava-chat"},
+        )
+        sm_stub.add_response(
+            "list_inference_components",
+            {
+                "InferenceComponents": [
+                    {
+                        "InferenceComponentName": "llava-ic",
+                        "InferenceComponentArn": "arn:aws:sagemaker:us-east-1:1:inference-component/llava-ic",
+                        "EndpointName": "llava-chat",
+                        "EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/e",
+                        "VariantName": "AllTraffic",
+                        "CreationTime": NOW,
+                        "LastModifiedTime": NOW,
+                    }
+                ]
+            },
+            {"EndpointNameEquals": "llava-chat"},
+        )
+        as_stub.add_response(
+            "describe_scalable_targets",
+            {"ScalableTargets": []},
+            {
+                "ServiceNamespace": "sagemaker",
+                "ResourceIds": [COMPONENT_SCALABLE["ResourceId"]],
+                "ScalableDimension": COMPONENT_SCALABLE["ScalableDimension"],
+            },
+        )
+        sm_stub.add_response("delete_inference_component", {}, {"InferenceComponentName": "llava-ic"})
+        not_found(sm_stub, "describe_inference_component", {"InferenceComponentName": "llava-ic"})  # gone
+        as_stub.add_response(
+            "describe_scalable_targets",
+            {"ScalableTargets": []},
+            {
+                "ServiceNamespace": "sagemaker",
+                "ResourceIds": [SCALABLE["ResourceId"]],
+                "ScalableDimension": SCALABLE["ScalableDimension"],
+            },
+        )
+        sm_stub.add_response(
+            "describe_endpoint_config",
+            {
+                "EndpointConfigName": "llava-chat-c1",
+                "EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c",
+                "CreationTime": NOW,
+                "ProductionVariants": [{"VariantName": "AllTraffic"}],
+            },
+            {"EndpointConfigName": "llava-chat-c1"},
+        )
+        sm_stub.add_response("delete_endpoint", {}, {"EndpointName": "llava-chat"})
+        not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})
+        sm_stub.add_response("delete_endpoint_config", {}, {"EndpointConfigName": "llava-chat-c1"})
+        assert main(["--endpoint-name", "llava-chat", "--delete"], clients=c.__getitem__) == 0
+        sm_stub.assert_no_pending_responses()
+        as_stub.assert_no_pending_responses()

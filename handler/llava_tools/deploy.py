@@ -43,6 +43,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -135,6 +136,9 @@ PLANNED_SESSION_TOKENS = 1024
 #: Sessions a replica (one GPU) holds at most by default: ``max_sessions``' default, per GPU, so an
 #: instance's capacity grows with its GPUs (llava-deploy writes ``max_sessions`` = this x GPUs).
 SESSIONS_PER_GPU = 64
+#: Host memory (MiB) an inference component copy asks for by default (``MinMemoryRequiredInMb``):
+#: room to load a 7B fp16 checkpoint's 14 GB of weights on their way to the GPU.
+DEFAULT_COPY_MEMORY_MB = 16384
 #: TorchServe job groups kept above ``max_sessions`` (``batchSize`` = ``maxNumSequence`` = ``max_sessions`` + this).
 SPARE_JOB_GROUPS = 8
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -224,6 +228,15 @@ SCALING_METRICS: dict[str, dict[str, Any]] = {
     "invocations": {
         "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"}
     },
+    # an inference component's invocations per copy per minute, and requests in flight per copy
+    "invocations-per-copy": {
+        "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerInferenceComponentInvocationsPerCopy"}
+    },
+    "concurrent-requests-per-copy": {
+        "PredefinedMetricSpecification": {
+            "PredefinedMetricType": "SageMakerInferenceComponentConcurrentRequestsPerCopyHighResolution"
+        }
+    },
     # average GPU memory utilisation in percent: grows with the sessions held (their KV caches)
     "gpu-memory": {
         "CustomizedMetricSpecification": {
@@ -244,6 +257,7 @@ def scaling_requests(
     target: float,
     cooldown_s: int = 300,
     gpus: int = 1,
+    component: str = "",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``register_scalable_target`` and ``put_scaling_policy`` parameters of a target-tracking
     policy on the endpoint's ``AllTraffic`` variant (AWS: "Automatic scaling of Amazon SageMaker
@@ -251,10 +265,12 @@ def scaling_requests(
 
     ``target`` of ``gpu-memory`` is per GPU (0-100 %): SageMaker's ``GPUMemoryUtilization`` sums an
     instance's GPUs (0-100 x GPUs %; AWS: "Monitor Amazon SageMaker with CloudWatch", endpoint
-    instance metrics), so the policy's value is ``target x gpus``.
+    instance metrics), so the policy's value is ``target x gpus``. With ``component`` (an inference
+    component's name) the copies scale (``sagemaker:inference-component:DesiredCopyCount``) on a
+    per-copy metric, and ``min_instances`` / ``max_instances`` count copies.
 
     Raises:
-        DeployError: a bad range, metric or target.
+        DeployError: a bad range, metric or target, or a metric of the other kind of resource.
     """
     if not 1 <= min_instances <= max_instances:
         raise DeployError(f"need 1 <= --min-instances <= --max-instances, got {min_instances}..{max_instances}")
@@ -262,12 +278,14 @@ def scaling_requests(
         raise DeployError(f"--scaling-metric must be one of {sorted(SCALING_METRICS)}, got {metric!r}")
     if target <= 0 or (metric == "gpu-memory" and target > 100):
         raise DeployError(f"--scaling-target {target} out of range for {metric}")
-    resource = f"endpoint/{endpoint_name}/variant/{VARIANT_NAME}"
-    common = {
-        "ServiceNamespace": "sagemaker",
-        "ResourceId": resource,
-        "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
-    }
+    if (metric in COMPONENT_METRICS) != bool(component):
+        raise DeployError(
+            f"--scaling-metric {metric} scales "
+            + ("an inference component's copies: add --inference-component" if not component else "instances")
+            + (f"; with --inference-component use one of {sorted(COMPONENT_METRICS)}" if component else "")
+        )
+    resource, dimension = _scalable(endpoint_name, component)
+    common = {"ServiceNamespace": "sagemaker", "ResourceId": resource, "ScalableDimension": dimension}
     spec = json.loads(json.dumps(SCALING_METRICS[metric]))
     custom = spec.get("CustomizedMetricSpecification")
     if custom is not None:
@@ -278,7 +296,7 @@ def scaling_requests(
     register = {**common, "MinCapacity": min_instances, "MaxCapacity": max_instances}
     policy = {
         **common,
-        "PolicyName": f"{endpoint_name}-{metric}",
+        "PolicyName": f"{component or endpoint_name}-{metric}",
         "PolicyType": "TargetTrackingScaling",
         "TargetTrackingScalingPolicyConfiguration": {
             "TargetValue": float(target) * (gpus if metric == "gpu-memory" else 1),
@@ -288,6 +306,18 @@ def scaling_requests(
         },
     }
     return register, policy
+
+
+#: ``--scaling-metric`` values that scale an inference component's copies (per-copy metrics).
+COMPONENT_METRICS = frozenset({"invocations-per-copy", "concurrent-requests-per-copy"})
+
+
+def _scalable(endpoint_name: str, component: str = "") -> tuple[str, str]:
+    """The Application Auto Scaling resource id and dimension of the endpoint's variant (instances)
+    or of an inference component (copies)."""
+    if component:
+        return f"inference-component/{component}", "sagemaker:inference-component:DesiredCopyCount"
+    return f"endpoint/{endpoint_name}/variant/{VARIANT_NAME}", "sagemaker:variant:DesiredInstanceCount"
 
 
 # ---- packaging ---------------------------------------------------------------------------------
@@ -455,9 +485,23 @@ class DeploySpec:
     download_timeout_s: int = DEFAULT_DOWNLOAD_TIMEOUT_S
     model_name: str = ""
     endpoint_config_name: str = ""
+    inference_component: str = ""  # the inference component's name; empty: the model sits in the variant
+    copies: int = 1  # the component's copies (CopyCount)
+    accelerators_per_copy: int = 1  # GPUs per copy (NumberOfAcceleratorDevicesRequired)
+    memory_per_copy_mb: int = DEFAULT_COPY_MEMORY_MB  # host memory per copy (MinMemoryRequiredInMb)
 
     def validate(self) -> None:
         """Raise :class:`DeployError` naming the first invalid field."""
+        if self.inference_component:
+            if not _NAME_RE.match(self.inference_component):
+                raise DeployError(f"invalid inference component name {self.inference_component!r}")
+            if self.copies < 1 or self.accelerators_per_copy < 1 or self.memory_per_copy_mb < 128:
+                raise DeployError("--copies and --accelerators-per-copy must be >= 1, --memory-per-copy-mb >= 128")
+            gpus = INSTANCE_GPUS.get(self.instance_type, (0, 0))[0]
+            if gpus and self.accelerators_per_copy > gpus:
+                raise DeployError(
+                    f"{self.instance_type} has {gpus} GPU(s); a copy cannot take {self.accelerators_per_copy}"
+                )
         for name, value in (
             ("endpoint name", self.endpoint_name),
             ("model name", self.model_name),
@@ -525,7 +569,22 @@ def model_request(spec: DeploySpec) -> dict[str, Any]:
 
 
 def endpoint_config_request(spec: DeploySpec) -> dict[str, Any]:
-    """Return the ``create_endpoint_config`` parameters for ``spec``."""
+    """Return the ``create_endpoint_config`` parameters for ``spec``. With an inference component the
+    variant holds no model (the component does, with its start-up timeouts) and the config carries the
+    execution role (AWS: "Deploy models with inference components")."""
+    if spec.inference_component:
+        return {
+            "EndpointConfigName": spec.endpoint_config_name,
+            "ExecutionRoleArn": spec.role_arn,
+            "ProductionVariants": [
+                {
+                    "VariantName": VARIANT_NAME,
+                    "InstanceType": spec.instance_type,
+                    "InitialInstanceCount": spec.instance_count,
+                    "RoutingConfig": {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"},
+                }
+            ],
+        }
     return {
         "EndpointConfigName": spec.endpoint_config_name,
         "ProductionVariants": [
@@ -538,6 +597,28 @@ def endpoint_config_request(spec: DeploySpec) -> dict[str, Any]:
                 "ModelDataDownloadTimeoutInSeconds": spec.download_timeout_s,
             }
         ],
+    }
+
+
+def inference_component_request(spec: DeploySpec) -> dict[str, Any]:
+    """Return the ``create_inference_component`` parameters for ``spec``: the model, the GPUs and
+    host memory one copy takes, the start-up timeouts, and the copy count."""
+    return {
+        "InferenceComponentName": spec.inference_component,
+        "EndpointName": spec.endpoint_name,
+        "VariantName": VARIANT_NAME,
+        "Specification": {
+            "ModelName": spec.model_name,
+            "StartupParameters": {
+                "ModelDataDownloadTimeoutInSeconds": spec.download_timeout_s,
+                "ContainerStartupHealthCheckTimeoutInSeconds": spec.startup_timeout_s,
+            },
+            "ComputeResourceRequirements": {
+                "NumberOfAcceleratorDevicesRequired": spec.accelerators_per_copy,
+                "MinMemoryRequiredInMb": spec.memory_per_copy_mb,
+            },
+        },
+        "RuntimeConfig": {"CopyCount": spec.copies},
     }
 
 
@@ -603,27 +684,25 @@ class Deployer:
         """Register the variant as a scalable target and attach the target-tracking policy."""
         self._call("application-autoscaling", "register_scalable_target", **register)
         self._call("application-autoscaling", "put_scaling_policy", **policy)
+        unit = "copies" if register["ScalableDimension"].endswith("DesiredCopyCount") else "instances"
         what = (
-            f"autoscaling {register['ResourceId']}: {register['MinCapacity']}..{register['MaxCapacity']} instances, "
+            f"autoscaling {register['ResourceId']}: {register['MinCapacity']}..{register['MaxCapacity']} {unit}, "
             f"policy {policy['PolicyName']} (target {policy['TargetTrackingScalingPolicyConfiguration']['TargetValue']})"
         )
         self._done(what, f"set {what}")
 
-    def remove_autoscaling(self, endpoint_name: str) -> None:
-        """Deregister the endpoint variant's scalable target, if there is one (before deleting it)."""
-        resource = f"endpoint/{endpoint_name}/variant/{VARIANT_NAME}"
-        target = {
-            "ServiceNamespace": "sagemaker",
-            "ResourceId": resource,
-            "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
-        }
+    def remove_autoscaling(self, endpoint_name: str, *, component: str = "") -> None:
+        """Deregister the endpoint variant's scalable target (or the inference ``component``'s copy
+        count), if there is one (before deleting it)."""
+        resource, dimension = _scalable(endpoint_name, component)
+        target = {"ServiceNamespace": "sagemaker", "ResourceId": resource, "ScalableDimension": dimension}
         if self.dry_run:
             self._call("application-autoscaling", "deregister_scalable_target", **target)
             return
         if self.autoscaling is None:
             return
         found = self.autoscaling.describe_scalable_targets(
-            ServiceNamespace="sagemaker", ResourceIds=[resource], ScalableDimension=target["ScalableDimension"]
+            ServiceNamespace="sagemaker", ResourceIds=[resource], ScalableDimension=dimension
         )
         if found.get("ScalableTargets"):
             self._call("application-autoscaling", "deregister_scalable_target", **target)
@@ -696,6 +775,67 @@ class Deployer:
         if wait:
             self._wait("endpoint_in_service", spec.endpoint_name)
             self._done(f"endpoint {spec.endpoint_name} is InService", f"wait until {spec.endpoint_name} is InService")
+        if spec.inference_component:
+            self._deploy_component(spec)
+
+    def _deploy_component(self, spec: DeploySpec) -> None:
+        """Create (or update) the inference component on the InService endpoint and wait for it."""
+        name = spec.inference_component
+        request = inference_component_request(spec)
+        if self._component_exists(name):
+            self._call(
+                "sagemaker",
+                "update_inference_component",
+                InferenceComponentName=name,
+                Specification=request["Specification"],
+                RuntimeConfig=request["RuntimeConfig"],
+            )
+        else:
+            self._call("sagemaker", "create_inference_component", **request)
+        self._wait_component(name, "InService")
+        self._done(
+            f"inference component {name} is InService: {spec.copies} copies of {spec.accelerators_per_copy} GPU(s)",
+            f"create inference component {name}: {spec.copies} copies of {spec.accelerators_per_copy} GPU(s)",
+        )
+
+    def _component_exists(self, name: str) -> bool:
+        if self.dry_run:
+            self._say(f"would call sagemaker.describe_inference_component({{'InferenceComponentName': {name!r}}})")
+            return False
+        try:
+            self.sagemaker.describe_inference_component(InferenceComponentName=name)
+        except Exception as exc:  # noqa: BLE001 - only "not found" means absent
+            if _is_not_found(exc):
+                return False
+            raise
+        return True
+
+    def _wait_component(self, name: str, until: str) -> None:
+        """Poll ``describe_inference_component`` until its status is ``until`` (``InService``) or it is
+        gone (``until`` "Deleted"), with the endpoint waiter's pacing.
+
+        Raises:
+            DeployError: it ended ``Failed`` (with SageMaker's FailureReason), or the polls ran out.
+        """
+        if self.dry_run:
+            self._say(f"would wait until inference component {name} is {until}")
+            return
+        self._say(f"waiting for inference component {name} ({until}) ...")
+        for attempt in range(int(self.wait_config["MaxAttempts"])):
+            try:
+                described = self.sagemaker.describe_inference_component(InferenceComponentName=name)
+            except Exception as exc:  # noqa: BLE001
+                if until == "Deleted" and _is_not_found(exc):
+                    return
+                raise
+            status = described.get("InferenceComponentStatus")
+            if status == until:
+                return
+            if status == "Failed":
+                raise DeployError(f"inference component {name}: {described.get('FailureReason', 'Failed')}")
+            if attempt + 1 < int(self.wait_config["MaxAttempts"]):
+                time.sleep(float(self.wait_config["Delay"]))
+        raise DeployError(f"inference component {name} is not {until} after the waiter's attempts")
 
     def _wait(self, waiter_name: str, endpoint_name: str) -> None:
         if self.dry_run:
@@ -713,6 +853,17 @@ class Deployer:
             reason = (exc.last_response or {}).get("FailureReason") or str(exc)
             raise DeployError(f"endpoint {endpoint_name}: {reason}") from None
 
+    def _delete_components(self, endpoint_name: str) -> None:
+        """Delete the endpoint's inference components (and their copy autoscaling) and wait until
+        they are gone: an endpoint with components cannot be deleted."""
+        listed = self.sagemaker.list_inference_components(EndpointNameEquals=endpoint_name)
+        for item in listed.get("InferenceComponents", []):
+            name = item["InferenceComponentName"]
+            self.remove_autoscaling(endpoint_name, component=name)
+            self._call("sagemaker", "delete_inference_component", InferenceComponentName=name)
+            self._wait_component(name, "Deleted")
+            self._say(f"deleted inference component {name}")
+
     def delete(self, endpoint_name: str, *, wait: bool = True) -> None:
         """Delete the endpoint, its endpoint config and the model(s) its variants use.
 
@@ -722,6 +873,10 @@ class Deployer:
         """
         if self.dry_run:
             self._say(f"would call sagemaker.describe_endpoint({{'EndpointName': {endpoint_name!r}}})")
+            self._say(
+                f"would call sagemaker.list_inference_components({{'EndpointNameEquals': {endpoint_name!r}}}) "
+                "and delete each (with its copy autoscaling) first"
+            )
             self._say("would call sagemaker.describe_endpoint_config({'EndpointConfigName': <from describe_endpoint>})")
             self.remove_autoscaling(endpoint_name)
             self._call("sagemaker", "delete_endpoint", EndpointName=endpoint_name)
@@ -737,6 +892,7 @@ class Deployer:
                 raise DeployError(f"endpoint {endpoint_name} not found") from None
             raise
         config_name = described["EndpointConfigName"]
+        self._delete_components(endpoint_name)
         self.remove_autoscaling(endpoint_name)
         config = self.sagemaker.describe_endpoint_config(EndpointConfigName=config_name)
         models = [variant["ModelName"] for variant in config.get("ProductionVariants", []) if variant.get("ModelName")]
@@ -807,15 +963,33 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="container environment variable, e.g. --env LLAVA_LOG_LEVEL=INFO",
     )
+    component = parser.add_argument_group(
+        "inference component (the endpoint config holds no model; one component places copies of it on the "
+        "instances' GPUs)"
+    )
+    component.add_argument("--inference-component", metavar="NAME", default="", help="create this inference component")
+    component.add_argument("--copies", type=int, default=1, help="copies of the model (CopyCount, default 1)")
+    component.add_argument(
+        "--accelerators-per-copy", type=int, default=1, help="GPUs each copy takes (default 1; one replica per GPU)"
+    )
+    component.add_argument(
+        "--memory-per-copy-mb",
+        type=int,
+        default=DEFAULT_COPY_MEMORY_MB,
+        help=f"host memory each copy needs, MiB (default {DEFAULT_COPY_MEMORY_MB})",
+    )
+    component.add_argument("--min-copies", type=int, default=None, help="least copies (with --max-copies)")
+    component.add_argument("--max-copies", type=int, default=None, help="most copies; enables copy autoscaling")
     scaling = parser.add_argument_group("autoscaling (Application Auto Scaling target tracking)")
     scaling.add_argument("--min-instances", type=int, default=None, help="least instances (with --max-instances)")
     scaling.add_argument("--max-instances", type=int, default=None, help="most instances; enables autoscaling")
     scaling.add_argument(
         "--scaling-metric",
-        default="gpu-memory",
+        default=None,
         choices=sorted(SCALING_METRICS),
         help="gpu-memory: average GPU memory use in percent, which grows with the sessions held (default); "
-        "invocations: requests per instance per minute",
+        "invocations: requests per instance per minute; with --inference-component: invocations-per-copy "
+        "(default) or concurrent-requests-per-copy",
     )
     scaling.add_argument(
         "--scaling-target",
@@ -880,9 +1054,33 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
             download_timeout_s=args.download_timeout,
             model_name=args.model_name or derived_name(args.endpoint_name, now),
             endpoint_config_name=args.endpoint_config_name or derived_name(args.endpoint_name, now),
+            inference_component=args.inference_component,
+            copies=args.copies,
+            accelerators_per_copy=args.accelerators_per_copy,
+            memory_per_copy_mb=args.memory_per_copy_mb,
         )
         spec.validate()  # before packaging and uploading gigabytes
+        if spec.inference_component and args.no_wait:
+            raise DeployError("an inference component is created on the InService endpoint: drop --no-wait")
+        if not spec.inference_component and (args.min_copies is not None or args.max_copies is not None):
+            raise DeployError("--min-copies / --max-copies scale an inference component: add --inference-component")
+        if spec.inference_component and (args.min_instances is not None or args.max_instances is not None):
+            raise DeployError(
+                "with --inference-component, scale the copies (--min-copies / --max-copies); the instances of an "
+                "inference-component endpoint scale with SageMaker's managed instance scaling, not set up here"
+            )
+        if args.scaling_metric is None:
+            args.scaling_metric = "invocations-per-copy" if spec.inference_component else "gpu-memory"
         scaling = None
+        if spec.inference_component and (args.min_copies is not None or args.max_copies is not None):
+            scaling = scaling_requests(
+                args.endpoint_name,
+                min_instances=args.min_copies if args.min_copies is not None else args.copies,
+                max_instances=args.max_copies if args.max_copies is not None else args.copies,
+                metric=args.scaling_metric,
+                target=args.scaling_target,
+                component=spec.inference_component,
+            )
         if args.max_instances is not None or args.min_instances is not None:
             if args.no_wait:
                 raise DeployError("autoscaling needs the endpoint InService: drop --no-wait")
@@ -902,7 +1100,9 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
                 gpus=gpus,
             )
         overrides = dict(args.overrides)
-        gpus_here = INSTANCE_GPUS.get(args.instance_type, (1, 0))[0]
+        gpus_here = (
+            args.accelerators_per_copy if args.inference_component else INSTANCE_GPUS.get(args.instance_type, (1, 0))[0]
+        )
         if args.model_dir and "max_sessions" not in overrides and gpus_here > 1:
             overrides["max_sessions"] = SESSIONS_PER_GPU * gpus_here  # capacity grows with the GPUs
             print(
@@ -950,7 +1150,9 @@ def _deployer(args: argparse.Namespace, clients: Callable[[str], Any] | None, *,
         import boto3
 
         clients = boto3.Session(profile_name=args.profile, region_name=args.region).client
-    scales = args.delete or args.max_instances is not None or args.min_instances is not None
+    scales = args.delete or any(
+        value is not None for value in (args.max_instances, args.min_instances, args.max_copies, args.min_copies)
+    )
     return Deployer(
         clients("sagemaker"),
         clients("s3") if need_s3 else None,
