@@ -268,8 +268,18 @@ def test_connection_refused_and_timeouts():
         refused.open_session(b"x")
     assert not isinstance(info.value, APITimeoutError) and info.value.request_sent is False
     assert time.monotonic() - t0 < 1
-    # a refused connection is retried through a restart's window, past max_retries, then raised
+    # a server that never answered (a wrong port): no restart window, the error names the URL at once
     patient = SessionClient(HttpTransport(f"http://127.0.0.1:{port}"), max_retries=0, restart_wait_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(APIConnectionError) as info:
+        patient.open_session(b"x")
+    assert time.monotonic() - t0 < 1 and f"127.0.0.1:{port}" in str(info.value)
+    # one that answered before and now refuses (a restart): retried through the window, then raised
+    reached = _answering_server(port)
+    with pytest.raises(InvalidRequest):  # an answer (400): the client has reached the server
+        patient.open_session(b"x")
+    reached.shutdown()
+    reached.server_close()
     t0 = time.monotonic()
     with pytest.raises(APIConnectionError):
         patient.open_session(b"x")
@@ -286,6 +296,29 @@ def test_connection_refused_and_timeouts():
         elapsed = time.monotonic() - t0
         assert info.value.request_sent is True
         assert 0.6 <= elapsed < 5  # two attempts of 0.3 s plus one backoff (<= 0.5 s)
+
+
+def _answering_server(port: int):
+    """An HTTP server on ``port`` that answers every POST with 400 (a reply, so the client has reached it)."""
+    import http.server
+    import threading
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = b'{"error": {"code": "invalid_request", "message": "no"}}'
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def _llava_chat(*args, stdin=""):

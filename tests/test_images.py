@@ -726,6 +726,21 @@ def test_s3_errors_are_fetch_failed(s3, error_code: str, status: int, fragment: 
     error = error_of(fetch_image_bytes, ImageSource(s3_uri="s3://my-bucket/a.png"), Settings(), s3_client=client)
     assert (error.code, error.status) == (ErrorCode.IMAGE_FETCH_FAILED, 400)
     assert fragment in error.message and "arn:" not in error.message
+    assert f"S3 answered {error_code}, HTTP {status}" in error.message  # the cause, S3's own code
+
+
+def test_s3_without_credentials_says_so(monkeypatch) -> None:
+    """A server with no AWS credentials at all: the message names the cause and what to do."""
+    import boto3
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    client = boto3.session.Session(region_name="us-east-1").client("s3")
+    error = error_of(fetch_image_bytes, ImageSource(s3_uri="s3://my-bucket/a.png"), Settings(), s3_client=client)
+    assert error.code == ErrorCode.IMAGE_FETCH_FAILED and "NoCredentialsError" in error.message
 
 
 def test_empty_s3_object_is_image_invalid(s3) -> None:

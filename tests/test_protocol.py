@@ -678,3 +678,16 @@ def test_open_session_history_is_validated():
         with pytest.raises(ServiceError) as e:
             parse_request({**body, "history": bad}, **limits)
         assert e.value.code.value == code, (bad, e.value.message)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"type": "generate", "prompt": "x", "session_id": "abc"}, "X-Amzn-SageMaker-Session-Id header"),
+        ({"type": "open_session", "image": {"url": "data:image/png;base64,AAAA"}}, "goes in image.base64"),
+    ],
+)
+def test_a_misplaced_field_points_to_where_it_goes(body, says):
+    with pytest.raises(ServiceError) as err:
+        parse_request(json.dumps(body), max_body_bytes=10**7, max_prompt_chars=1000, max_new_tokens_cap=100)
+    assert says in err.value.message

@@ -39,9 +39,11 @@ backoff honouring ``Retry-After``, and only where a repeat cannot duplicate work
 - a stream only before its response started (never once a token arrived).
 
 A restarting server refuses connections for a few seconds (docs/api.md, "When a worker dies"):
-a request that could not connect at all is retried for up to ``restart_wait_s`` seconds (default
-:data:`DEFAULT_RESTART_WAIT_S`) from its first refusal, past ``max_retries``, with the same
-backoff capped at :data:`MAX_RESTART_RETRY_DELAY_S`; nothing ran, so any request may be repeated.
+once the server has answered this client, a request that could not connect at all is retried for up
+to ``restart_wait_s`` seconds (default :data:`DEFAULT_RESTART_WAIT_S`) from its first refusal, past
+``max_retries``, with the same backoff capped at :data:`MAX_RESTART_RETRY_DELAY_S`; nothing ran, so
+any request may be repeated. A server that never answered (a wrong port, a server not started) gets
+only ``max_retries``: the error, naming the URL, comes within a few seconds.
 
 Recovery (``auto_recover=True``): when a call fails because the session is gone from the server
 (:class:`SessionGone`: closed behind our back, expired, evicted, or lost with a restarted worker),
@@ -184,7 +186,7 @@ class SessionClient:
         auto_recover: reopen and replay a session the server lost (see the module docstring).
         max_body_bytes: largest request body sent (SageMaker's limit by default).
         restart_wait_s: seconds a request that could not connect is retried (past ``max_retries``),
-            to ride out a server restart; 0 turns this off.
+            to ride out a server restart, once the server has answered this client; 0 turns this off.
 
     Use :meth:`from_url` / :meth:`from_endpoint` for the common cases. ``with SessionClient(...)``
     closes the transport at the end.
@@ -206,6 +208,7 @@ class SessionClient:
         self.transport = transport
         self.max_retries = max_retries
         self.restart_wait_s = restart_wait_s
+        self._reached = False  # the server answered once: a refused connection is then a restart
         self.auto_recover = auto_recover
         self.max_body_bytes = max_body_bytes
 
@@ -356,13 +359,20 @@ class SessionClient:
         first_refusal: float | None = None
         for attempt in itertools.count():
             try:
-                return call()
+                result = call()
+                self._reached = True
+                return result
             except LlavaError as err:
                 refused = isinstance(err, APIConnectionError) and not err.request_sent
+                if not isinstance(err, APIConnectionError):
+                    self._reached = True  # it answered: a later refusal is a restart, not a wrong address
                 if refused and first_refusal is None:
                     first_refusal = time.monotonic()
                 in_window = (
-                    refused and first_refusal is not None and time.monotonic() - first_refusal < self.restart_wait_s
+                    refused
+                    and self._reached
+                    and first_refusal is not None
+                    and time.monotonic() - first_refusal < self.restart_wait_s
                 )
                 if not in_window and (attempt >= self.max_retries or not should_retry(err, retry_safe=retry_safe)):
                     raise

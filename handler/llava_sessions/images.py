@@ -58,6 +58,8 @@ _MAX_ADDRESSES_TRIED = 3
 _HOST_CHARS_RE = re.compile(r"^[a-z0-9._-]{1,253}\Z")
 _BAD_URL_CHARS_RE = re.compile(r"[\x00-\x20\x7f]")
 _S3_URI_RE = re.compile(r"^s3://([^/\s]{3,255})/(.{1,1024})\Z", re.DOTALL)
+#: An S3 error code as botocore reports it (``AccessDenied``, ``NoSuchKey``, ``403``): shown in messages.
+_S3_CODE_RE = re.compile(r"^[A-Za-z0-9]{1,64}\Z")
 _WHITESPACE = str.maketrans("", "", " \t\r\n")
 _USER_AGENT = "llava-sessions-image-fetch/0.1"
 
@@ -414,7 +416,7 @@ def _default_s3_client(settings: Settings) -> Any:
 
 
 def _fetch_s3(uri: str, settings: Settings, s3_client: Any) -> bytes:
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     match = _S3_URI_RE.match(uri)
     if match is None:
@@ -441,15 +443,22 @@ def _fetch_s3(uri: str, settings: Settings, s3_client: Any) -> bytes:
         error = exc.response.get("Error", {})
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         code = str(error.get("Code", ""))
-        logger.debug("S3 image fetch failed: %s %s", status, code)
+        shown = code if _S3_CODE_RE.match(code) else "an error"
+        cause = f" (S3 answered {shown}, HTTP {status})" if status else f" (S3 answered {shown})"
         if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket") or status == 404:
-            raise _fetch_failed("the S3 image object was not found") from None
+            raise _fetch_failed(f"the S3 image object was not found{cause}") from None
         if code in ("403", "AccessDenied", "Forbidden") or status == 403:
-            raise _fetch_failed("access to the S3 image object was denied") from None
-        raise _fetch_failed("the S3 image object could not be fetched") from None
+            raise _fetch_failed(
+                f"access to the S3 image object was denied{cause}: the server's role needs s3:GetObject on it"
+            ) from None
+        raise _fetch_failed(f"the S3 image object could not be fetched{cause}") from None
+    except NoCredentialsError:
+        raise _fetch_failed(
+            "the server has no AWS credentials to read S3 (NoCredentialsError): give its role or environment "
+            "credentials, or send the image by URL or base64"
+        ) from None
     except (BotoCoreError, OSError) as exc:
-        logger.debug("S3 image fetch failed: %r", exc)
-        raise _fetch_failed("the S3 image object could not be fetched") from None
+        raise _fetch_failed(f"the S3 image object could not be fetched ({type(exc).__name__})") from None
     except Exception as exc:  # urllib3 errors from the body stream  # noqa: BLE001
         logger.debug("S3 image fetch failed: %r", exc)
         raise _fetch_failed("the S3 image object could not be fetched") from None

@@ -99,6 +99,13 @@ class ImageSource(_Inbound):
     s3_uri: Annotated[str, Field(min_length=1, max_length=1100)] | None = None
     base64: Annotated[str, Field(min_length=1)] | None = None
 
+    @field_validator("url")
+    @classmethod
+    def _not_data(cls, value: str | None) -> str | None:
+        if value is not None and value[:5].lower() == "data:":
+            raise PydanticCustomError("data_uri_in_url", "a data: URI goes in image.base64 (url is fetched)")
+        return value
+
     @field_validator("s3_uri")
     @classmethod
     def _s3_shape(cls, value: str | None) -> str | None:

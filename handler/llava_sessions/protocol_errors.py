@@ -81,6 +81,8 @@ def _error_message(err: Any, hints: dict[str, str]) -> str:
         text = "each stop string must be 1 to 64 characters"
     elif field == "stop" and etype == "too_long":
         text = "at most 4 stop strings"
+    elif etype == "extra_forbidden" and field == "session_id":
+        text = "unknown field; the session travels in the X-Amzn-SageMaker-Session-Id header (boto3: SessionId=)"
     elif etype in _GENERIC:
         text = _GENERIC[etype]
     elif etype in ("string_too_long",):

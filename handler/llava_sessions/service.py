@@ -412,6 +412,8 @@ class SessionService:
         never ended.
         """
         self.metrics.count_error(err)
+        if err.code is ErrorCode.IMAGE_FETCH_FAILED:  # the operator's to fix (credentials, a role, the network)
+            log.warning("image fetch failed: %s", err.message, extra={"session_id": session_id})
         headers: dict[str, str] = {}
         if session_id and session_id != NEW_SESSION_LITERAL and session_id not in self.engine.store:
             headers.update(self._closed_headers(session_id))
