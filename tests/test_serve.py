@@ -250,6 +250,10 @@ def test_cli_exits_within_seconds_with_the_worker_s_own_error(tmp_path: Path, ti
     out = result.stdout + result.stderr
     assert result.returncode == 1 and time.monotonic() - t0 < 60, out[-2000:]
     assert "the handler failed to load the model: ValueError: device=cuda but CUDA is not available" in out
+    # the logs of a failed start are kept, and where is said
+    kept = re.search(r"logs kept in (\S+)", out)
+    assert kept and (Path(kept.group(1)) / "model_log.log").is_file(), out[-2000:]
+    shutil.rmtree(kept.group(1), ignore_errors=True)
 
 
 def _worker_pids(cli_pid: int) -> list[int]:

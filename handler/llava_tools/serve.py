@@ -124,6 +124,8 @@ class LocalServer:
             :func:`default_log_config_path`.
         stop_grace_s: seconds between SIGTERM and SIGKILL in :meth:`stop`.
         supervise: restart TorchServe when a worker dies (see :meth:`_supervise`).
+        keep_logs: keep TorchServe's ``logs`` folder when the server stops (moved to
+            ``<tmp>/llava-serve-logs-<time>-<pid>``, :attr:`kept_logs`); a failed start always keeps it.
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
@@ -144,6 +146,7 @@ class LocalServer:
         log_config: str | os.PathLike | None = None,
         stop_grace_s: float = DEFAULT_STOP_GRACE_S,
         supervise: bool = True,
+        keep_logs: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -176,6 +179,9 @@ class LocalServer:
         self.supervise_interval_s = 0.5
         #: How many times the supervisor relaunched TorchServe after a worker died.
         self.restarts = 0
+        self.keep_logs = keep_logs
+        #: Where the logs were kept when the server stopped (``keep_logs``, or a failed start), or None.
+        self.kept_logs: Path | None = None
 
     # ---- public surface -------------------------------------------------------------------
 
@@ -289,9 +295,10 @@ class LocalServer:
                 self._start_supervisor()
         except BaseException as exc:
             tail = self.tail_logs(40)
-            self.stop()
+            self.stop(keep_logs=True)
             if isinstance(exc, ServerStartError):
-                raise ServerStartError(f"{exc}\n{tail}") from None
+                kept = f"\nlogs kept in {self.kept_logs}" if self.kept_logs else ""
+                raise ServerStartError(f"{exc}\n{tail}{kept}") from None
             raise
         return self
 
@@ -299,8 +306,10 @@ class LocalServer:
         """Make a :meth:`start` in progress (another thread, a signal handler) give up soon."""
         self._abort.set()
 
-    def stop(self) -> None:
-        """Stop the TorchServe process group this object started and remove its temp dir.
+    def stop(self, *, keep_logs: bool = False) -> None:
+        """Stop the TorchServe process group this object started and remove its temp dir (its
+        ``logs`` folder moved out first when ``keep_logs`` or the ``keep_logs`` setting says so:
+        :attr:`kept_logs`).
 
         SIGTERM to the group, then SIGKILL to whatever is left after ``stop_grace_s``. Idempotent.
         """
@@ -318,6 +327,13 @@ class LocalServer:
             self._console.close()
             self._console = None
         if temp_dir is not None:
+            if (keep_logs or self.keep_logs) and (temp_dir / "logs").is_dir():
+                kept = Path(tempfile.gettempdir()) / f"llava-serve-logs-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+                try:
+                    shutil.move(str(temp_dir / "logs"), kept)
+                    self.kept_logs = kept
+                except OSError:
+                    pass
             shutil.rmtree(temp_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalServer:
@@ -774,6 +790,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="override a top-level TorchServe key of model-config.yaml, e.g. --ts-set batchSize=8",
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a READY worker")
+    parser.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep TorchServe's logs folder when the server stops (its path is printed); a failed start keeps it",
+    )
     parser.add_argument("--handler", default=None, help=argparse.SUPPRESS)  # dev/test: other handler
     return parser
 
@@ -794,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
         model_config_overrides=dict(args.model_config_overrides),
         startup_timeout_s=args.startup_timeout,
         handler=args.handler,
+        keep_logs=args.keep_logs,
     )
     return run_until_signal(
         "llava-serve",
@@ -846,7 +868,8 @@ def run_until_signal(prog: str, server: Any, *, starting: str, ready: Callable[[
         return 1
     finally:
         server.stop()
-        print(f"{prog}: stopped", flush=True)
+        kept = getattr(server, "kept_logs", None)
+        print(f"{prog}: stopped" + (f"; logs kept in {kept}" if kept else ""), flush=True)
 
 
 if __name__ == "__main__":
