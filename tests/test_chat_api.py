@@ -448,3 +448,37 @@ def test_a_phone_size_photo_is_downsized_by_the_client_and_said(endpoint, runtim
     )
     assert done.returncode == 0, done.stderr
     assert "[the image was downsized from 3000x4000" in done.stderr
+
+
+def test_new_session_passed_through_as_the_literal(endpoint, runtime, runner, photos):
+    """``llava-local-endpoint --pass-new-session``: the backend gets the literal ``NEW_SESSION`` (what
+    some AWS code expects SageMaker to forward) and the handler mints the id: native opens, AWS's
+    session bodies and a ``messages`` request that opens its session all work, follow-ups included."""
+    endpoint._httpd.pass_new_session = True  # the same router, the other way of forwarding an open
+    try:
+        opened = invoke(
+            runtime,
+            {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}},
+            "NEW_SESSION",
+        )
+        native_id = opened["NewSessionId"].split(";")[0]
+        assert native_id.startswith("llava-")  # minted by the handler, not TorchServe's ts-seq-
+        follow = json.loads(
+            invoke(
+                runtime, {"type": "generate", "prompt": "What is it?", "parameters": {"max_new_tokens": 3}}, native_id
+            )["Body"].read()
+        )
+        assert follow["details"]["cached_tokens"] > 500
+        session_id = new_session(runtime)
+        assert session_id.startswith("llava-")
+        first = complete(runtime, [user("What is this?", photos["rocket"])], session_id)
+        assert first.choices[0].message.content
+        reply = invoke(runtime, {"messages": [user("What is this?", photos["rocket"])], "max_tokens": N}, "NEW_SESSION")
+        opened_by_chat = reply["NewSessionId"].split(";")[0]
+        ChatCompletion.model_validate_json(reply["Body"].read())
+        again = complete(runtime, [user("What is this?", photos["rocket"])], opened_by_chat)
+        assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+        for sid in (native_id, session_id, opened_by_chat):
+            assert invoke(runtime, {"requestType": "CLOSE"}, sid)["ClosedSessionId"] == sid
+    finally:
+        endpoint._httpd.pass_new_session = False

@@ -407,6 +407,8 @@ class _Handler(BaseHTTPRequestHandler):
         index = None if session_id is None or opening else router.lookup(session_id)
         sticky = index is not None
         forward_id = None if opening else session_id
+        if session_id == NEW_SESSION_LITERAL and self.server.pass_new_session:
+            forward_id = NEW_SESSION_LITERAL
         tried: set[int] = set()
         while True:
             if index is None:
@@ -581,6 +583,9 @@ class RouterServer(ThreadingHTTPServer):
         endpoint_name: accept only this endpoint name (default: any).
         read_timeout_s: seconds to wait on a backend read.
         verbose: log each request to stderr.
+        pass_new_session: forward an open's literal ``NEW_SESSION`` header to the backend (the handler
+            then mints the id) instead of no header (TorchServe mints it). What SageMaker forwards is
+            not documented (shared/notes/torchserve-sagemaker.md): both are served.
     """
 
     daemon_threads = True
@@ -594,12 +599,14 @@ class RouterServer(ThreadingHTTPServer):
         endpoint_name: str | None = None,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         verbose: bool = False,
+        pass_new_session: bool = False,
     ) -> None:
         super().__init__(address, _Handler)
         self.router = router
         self.endpoint_name = endpoint_name
         self.read_timeout_s = read_timeout_s
         self.verbose = verbose
+        self.pass_new_session = pass_new_session
         self._thread: threading.Thread | None = None
 
     @property
@@ -652,6 +659,7 @@ class LocalEndpoint:
         endpoint_name: str | None = None,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         verbose: bool = False,
+        pass_new_session: bool = False,
         **server_kwargs: Any,
     ) -> None:
         if backends < 1:
@@ -662,6 +670,7 @@ class LocalEndpoint:
         self.endpoint_name = endpoint_name
         self.read_timeout_s = read_timeout_s
         self.verbose = verbose
+        self.pass_new_session = pass_new_session
         self.router: Router | None = None
         self._httpd: RouterServer | None = None
 
@@ -690,6 +699,7 @@ class LocalEndpoint:
                 endpoint_name=self.endpoint_name,
                 read_timeout_s=self.read_timeout_s,
                 verbose=self.verbose,
+                pass_new_session=self.pass_new_session,
             ).start()
         except BaseException:
             self.stop()
@@ -757,6 +767,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, help="seconds to wait on a backend read"
     )
     parser.add_argument("--verbose", action="store_true", help="log every request")
+    parser.add_argument(
+        "--pass-new-session",
+        action="store_true",
+        help="forward an open's literal NEW_SESSION header to the backend (default: none, TorchServe mints the id)",
+    )
     parser.add_argument("--handler", default=None, help=argparse.SUPPRESS)  # tests: another TorchServe handler
     return parser
 
@@ -774,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         endpoint_name=args.endpoint_name,
         read_timeout_s=args.read_timeout,
         verbose=args.verbose,
+        pass_new_session=args.pass_new_session,
         overrides=dict(args.overrides),
         model_config_overrides=dict(args.model_config_overrides),
         startup_timeout_s=args.startup_timeout,
