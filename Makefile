@@ -1,4 +1,4 @@
-# Entry points: make install | make demo | make test  (and make web, make lint, make bench)
+# Entry points: make install | make demo | make test  (and make web, make notebook, make lint, make bench)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install system-deps test demo web bench lint clean
+.PHONY: install system-deps test demo web notebook bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,9 +36,14 @@ demo: install
 web: install
 	$(PY) -m llava_tools.webdemo $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),) $(if $(PORT),--port $(PORT),)
 
+# the notebook top to bottom, locally (its own TorchServe on the tiny model; no AWS)
+notebook: install system-deps
+	$(VENV)/bin/jupyter execute notebooks/llava_stateful_sessions.ipynb
+
 bench: install
 	$(PY) benchmarks/followup_latency.py --model bench
 	$(PY) benchmarks/followup_latency.py --model bench --arch llava-next --image-size 672
+	$(PY) benchmarks/chat_protocol.py --model bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info
