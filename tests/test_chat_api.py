@@ -426,6 +426,12 @@ def test_a_phone_size_photo_is_downsized_by_the_client_and_said(endpoint, runtim
             max_tokens=3,
         )
         assert reply.completion_tokens > 0
+        from llava_client.web import WebChat  # the page's logic: its status line says it too
+
+        page = WebChat(client)
+        _, status = page.open_image("tab", str(photo))
+        assert "Note: the image was downsized from 3000x4000" in status
+        page.open_image("tab", None)  # closes the tab's session
     dummy = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}
     done = subprocess.run(
         [

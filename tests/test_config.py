@@ -189,3 +189,21 @@ def test_env_table_lists_every_field() -> None:
     assert "| `LLAVA_MAX_BODY_BYTES` | `max_body_bytes` | `6291456 (6 MiB)` |" in table
     assert "| `LLAVA_HOST_BUDGET_BYTES` | `host_budget_bytes` | `2147483648 (2 GiB)` |" in table
     assert "| `LLAVA_GPU_ID` | `gpu_id` | `(unset)` |" in table
+
+
+def test_every_llava_variable_the_tools_read_is_a_setting_or_listed_as_theirs() -> None:
+    """An LLAVA_* name read anywhere outside the tests is a setting's variable or in TOOL_ENV_VARS,
+    so the settings check never refuses a variable the project itself sets."""
+    import re
+    from pathlib import Path
+
+    from llava_sessions.config import ENV_PREFIX, TOOL_ENV_VARS
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*root.glob("handler/**/*.py"), *root.glob("client/**/*.py"), *root.glob("benchmarks/*.py")]
+    files += [root / "build_and_push.sh", root / "Dockerfile", root / "Makefile", *root.glob("notebooks/*.ipynb")]
+    files += [*root.glob("docker/*")]
+    names = {m for f in files if f.is_file() for m in re.findall(r"\bLLAVA_[A-Z0-9_]*[A-Z0-9]\b", f.read_text())}
+    settings = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    constants = {"LLAVA_NEXT_CHAT_TEMPLATE"}  # a Python constant of the tiny-model builder, not a variable
+    assert names - settings - constants - TOOL_ENV_VARS == set()
