@@ -271,9 +271,10 @@ class Admission:
             keep = reusable_len(session, ids, keys, tokens, self.runner.image_token_id)
         sharing = self.engine.sharing
         rows = [sharing.rows(session, img.key, n, len(sizes)) for img, n in zip(target.images, tokens, strict=True)]
-        missing = [i for i, r in enumerate(rows) if r is None]
         runner = self.runner
-        feature_bytes = sum(tokens[i] for i in missing) * runner.feature_bytes_per_token
+        same_images = keys == session.image_keys and tokens == session.image_tokens
+        # a new set of features is a new tensor (every row copied or encoded), the old one freed after
+        feature_bytes = 0 if same_images else sum(tokens) * runner.feature_bytes_per_token
         self._reserve(session, feature_bytes + (len(ids) - keep + max_new) * runner.kv_bytes_per_token, "this turn")
         to_encode = self._hold_conversation(session, target, tokens, keep, rows)
         gen = Generation(
