@@ -215,3 +215,68 @@ def test_details_carry_the_drawn_seed_and_where_a_session_was_restored_from(serv
         == "features"
     )
     service.handle([Row("d-close", "d1", False, {"type": "close_session"})])
+
+
+def test_a_chat_image_url_is_fetched_once_per_session(tiny_model_dir, photos):
+    """OpenAI messages with an http image URL (a real local server): the session remembers which
+    content the URL gave, so the resent conversation does not fetch it again; another session does."""
+    import http.server
+    import threading
+
+    hits: list[str] = []
+
+    class Images(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            hits.append(self.path)
+            body = photos["chelsea"]
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+    try:
+        svc = build_service(
+            {
+                "model_dir": str(tiny_model_dir),
+                "device": "cpu",
+                "device_budget_bytes": 10**9,
+                "allow_http": True,
+                "allow_private_networks": True,
+            }
+        )
+
+        def chat(sid, messages):
+            rows = [Row(f"r{len(hits)}-{sid}-{len(messages)}", sid, False, {"messages": messages, "max_tokens": 3})]
+            out = finish(svc, rows, svc.handle(rows))
+            return json.loads(next(iter(out.values())).body)
+
+        def new_session():
+            return json.loads(
+                svc.handle([Row("n-" + str(len(hits)), None, False, {"requestType": "NEW_SESSION"})])[0].body
+            )["session_id"]
+
+        sid = new_session()
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}],
+            }
+        ]
+        first = chat(sid, messages)
+        assert first["object"] == "chat.completion" and hits == ["/cat.png"]
+        messages += [first["choices"][0]["message"], {"role": "user", "content": "More?"}]
+        again = chat(sid, messages)
+        assert hits == ["/cat.png"]  # resent: not fetched again
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+        chat(new_session(), messages[:1])
+        assert len(hits) == 2  # another session fetches it itself
+    finally:
+        server.shutdown()
+        server.server_close()
