@@ -183,6 +183,8 @@ class ChatJobs:
         else:
             svc.metrics.count_error(job.error)
             job.frames = job.stream.error(job.error)
+        if job.one_shot:  # its session is done with: freed now, not when the last event has gone out
+            svc.close_quietly(job.session_id)
         return self._frame(job, job.frames.pop(0), last=not job.frames)
 
     def _frame(self, job: Job, body: bytes, *, last: bool) -> RowResult:
