@@ -46,6 +46,7 @@ def test_defaults_follow_openai():
     cmd = command(max_completion_tokens=7, max_tokens=99, stop="END", seed=3, logprobs=True, top_logprobs=2)
     assert cmd.params.max_new_tokens == 7 and cmd.params.stop == ("END",) and cmd.params.seed == 3
     assert cmd.params.logprobs and cmd.params.top_logprobs == 2 and not cmd.clip_max_new_tokens
+    assert command(model="gpt-4o").model == "llava-test"  # accepted; the reply names the served model
 
 
 def test_message_order_and_image_urls_are_checked_by_name():

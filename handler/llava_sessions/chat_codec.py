@@ -106,7 +106,8 @@ def image_source_of(url: str, param: str) -> ImageSource:
 def chat_command(request: ChatCompletionRequest, settings: Settings, model: str) -> ChatCommand:
     """The command of a validated chat-completions request, with the server's defaults.
 
-    ``temperature`` unset is OpenAI's default 1.0 (sampled); 0 is greedy.
+    ``temperature`` unset is OpenAI's default 1.0 (sampled); 0 is greedy. The request's ``model`` is
+    accepted and the reply names the served model (``model``), as vLLM's and TGI's servers do.
 
     Raises:
         ServiceError: invalid_request (message order), invalid_parameter (image URLs).
@@ -136,7 +137,7 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
     )
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return ChatCommand(
-        conversation, tuple(sources), params, limit is None, request.stream, include_usage, request.model or model
+        conversation, tuple(sources), params, limit is None, request.stream, include_usage, model
     )
 
 
