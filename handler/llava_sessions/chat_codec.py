@@ -136,9 +136,7 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
         top_logprobs=request.top_logprobs or 0,
     )
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return ChatCommand(
-        conversation, tuple(sources), params, limit is None, request.stream, include_usage, model
-    )
+    return ChatCommand(conversation, tuple(sources), params, limit is None, request.stream, include_usage, model)
 
 
 # ---------------------------------------------------------------------------------------------- replies
