@@ -11,6 +11,7 @@ SageMaker stream wrappers assume one event per PayloadPart: shared/notes/chat-pr
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -374,8 +375,6 @@ class ChatStream:
 
     def error(self, error: ServiceError) -> list[bytes]:
         """The frames of a stream that fails after it began: OpenAI's error object, then ``[DONE]``."""
-        import json
-
         return [self._frame(json.dumps(encode_openai_error(error)))] + self._done()
 
     def _done(self) -> list[bytes]:

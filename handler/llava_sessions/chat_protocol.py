@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
 from .contract import NEW_SESSION_LITERAL
 from .errors import ErrorCode, ServiceError
-from .protocol_errors import validation_error
+from .protocol_errors import Inbound, check_text, validation_error
 
 __all__ = [
     "UNSUPPORTED_FIELDS",
@@ -60,19 +60,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 
 
-def _text(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise PydanticCustomError("invalid_unicode", "must be valid Unicode text") from None
-    return value
-
-
-class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
-
-
-class TextPart(_In):
+class TextPart(Inbound):
     """A ``{"type": "text", "text": ...}`` content part."""
 
     type: Literal["text"]
@@ -81,10 +69,10 @@ class TextPart(_In):
     @field_validator("text")
     @classmethod
     def _valid(cls, value: str) -> str:
-        return _text(value)
+        return check_text(value)
 
 
-class ImageUrl(_In):
+class ImageUrl(Inbound):
     """``image_url``'s object: ``url`` (https, s3 or a base64 data URI) and OpenAI's ``detail`` hint
     (accepted; the model sees every image at its own input resolution)."""
 
@@ -92,7 +80,7 @@ class ImageUrl(_In):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImagePart(_In):
+class ImagePart(Inbound):
     """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part."""
 
     type: Literal["image_url"]
@@ -102,7 +90,7 @@ class ImagePart(_In):
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class ChatMessage(_In):
+class ChatMessage(Inbound):
     """One message: ``role`` and ``content`` (a string, or a list of text and image parts; images in
     user messages only). ``name`` is accepted (it does not reach the chat template)."""
 
@@ -120,7 +108,7 @@ class ChatMessage(_In):
     @field_validator("content")
     @classmethod
     def _valid(cls, value: Any) -> Any:
-        return _text(value) if isinstance(value, str) else value
+        return check_text(value) if isinstance(value, str) else value
 
     def text(self) -> str:
         """The message's text: the string, or its text parts joined with newlines (vLLM's joining)."""
@@ -135,13 +123,13 @@ class ChatMessage(_In):
         return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
 
-class StreamOptions(_In):
+class StreamOptions(Inbound):
     """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the usage."""
 
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_In):
+class ChatCompletionRequest(Inbound):
     """OpenAI's chat-completions request, as far as a LLaVA model can honour it (module docstring).
 
     Sampling: ``temperature`` defaults to OpenAI's 1.0 (sampled answers); 0 is greedy. ``top_k``
@@ -246,7 +234,7 @@ class ChatConversation:
         return [u for t in self.turns for u in t.image_urls] + list(self.question_images)
 
 
-class SessionControlRequest(_In):
+class SessionControlRequest(Inbound):
     """AWS's session bodies: ``{"requestType": "NEW_SESSION"}`` (with ``SessionId=NEW_SESSION``)
     opens a session with no image yet; ``{"requestType": "CLOSE"}`` closes the header's session."""
 

@@ -31,8 +31,6 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
@@ -43,7 +41,7 @@ from pydantic_core import PydanticCustomError
 
 from .chat_protocol import ChatCompletionRequest, SessionControlRequest, parse_chat_body
 from .errors import ErrorCode, ServiceError
-from .protocol_errors import SAFE_KEY_RE, invalid, validation_error
+from .protocol_errors import SAFE_KEY_RE, Inbound, check_text, invalid, validation_error
 from .sampling_params import SAMPLING_BOUNDS, SamplingBound
 
 __all__ = [
@@ -72,22 +70,7 @@ _S3_URI_RE = re.compile(r"^s3://[^/\s]{3,255}/[^\s].{0,1023}\Z", re.DOTALL)
 # ============================================================================================
 
 
-def _check_text(value: str) -> str:
-    """Refuse strings that are not encodable Unicode (lone surrogates from ``\\ud800`` escapes)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise PydanticCustomError("invalid_unicode", "must be valid Unicode text") from None
-    return value
-
-
-class _Inbound(BaseModel):
-    """Base of inbound models: unknown fields refused, no type coercion, no NaN/Infinity."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
-
-
-class ImageSource(_Inbound):
+class ImageSource(Inbound):
     """Where an image comes from: exactly one of ``url``, ``s3_uri`` or ``base64``.
 
     ``url`` is vetted when fetched (scheme, host, resolved address: see ``images.py``);
@@ -130,7 +113,7 @@ class ImageSource(_Inbound):
         return "base64"
 
 
-class GenerateParameters(_Inbound):
+class GenerateParameters(Inbound):
     """Sampling parameters of one generation; every field is optional.
 
     ``None`` means "the server default". ``max_new_tokens`` is also capped by the server
@@ -153,11 +136,11 @@ class GenerateParameters(_Inbound):
     @classmethod
     def _stop_text(cls, value: list[str]) -> list[str]:
         for item in value:
-            _check_text(item)
+            check_text(item)
         return value
 
 
-class _RequestBase(_Inbound):
+class _RequestBase(Inbound):
     #: True for the AWS sample's request types; the service answers those in the sample's shape.
     legacy: ClassVar[bool] = False
 
@@ -166,7 +149,7 @@ class _RequestBase(_Inbound):
         return self  # type: ignore[return-value]
 
 
-class HistoryTurn(_Inbound):
+class HistoryTurn(Inbound):
     """One past exchange handed to ``open_session`` to restore a conversation exactly; ``images``:
     the images added (``add_image``) before this turn's question, in order (the session's first
     image always opens the first turn)."""
@@ -178,7 +161,7 @@ class HistoryTurn(_Inbound):
     @field_validator("prompt", "answer")
     @classmethod
     def _turn_text(cls, value: str) -> str:
-        return _check_text(value)
+        return check_text(value)
 
 
 class OpenSessionRequest(_RequestBase):
@@ -197,7 +180,7 @@ class OpenSessionRequest(_RequestBase):
     @field_validator("system_prompt")
     @classmethod
     def _system_text(cls, value: str | None) -> str | None:
-        return value if value is None else _check_text(value)
+        return value if value is None else check_text(value)
 
 
 class GenerateRequest(_RequestBase):
@@ -226,7 +209,7 @@ class GenerateRequest(_RequestBase):
     def _prompt_text(cls, value: str) -> str:
         if not value.strip():
             raise PydanticCustomError("blank", "must not be blank")
-        return _check_text(value)
+        return check_text(value)
 
 
 class AddImageRequest(_RequestBase):
@@ -298,7 +281,7 @@ class SendTextPromptRequest(_RequestBase):
     def _prompt_text(cls, value: str) -> str:
         if not value.strip():
             raise PydanticCustomError("blank", "must not be blank")
-        return _check_text(value)
+        return check_text(value)
 
     def canonical(self) -> GenerateRequest:
         """Return the equivalent ``generate`` request."""

@@ -1,4 +1,5 @@
-"""How a refused request body is worded: pydantic's validation errors as one typed ServiceError.
+"""How a refused request body is worded: pydantic's validation errors as one typed ServiceError;
+and the rules every inbound model of both dialects shares (:class:`Inbound`, :func:`check_text`).
 
 Messages name the field (``parameters.top_p: must be > 0 and <= 1``) and are built from the error
 type and the limits only, never from the input, so a prompt or image bytes never echo back. A wrong
@@ -10,12 +11,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import PydanticCustomError
 
 from .errors import ErrorCode, ServiceError
 from .sampling_params import SAMPLING_BOUNDS
 
-__all__ = ["SAFE_KEY_RE", "invalid", "validation_error"]
+__all__ = ["SAFE_KEY_RE", "Inbound", "check_text", "invalid", "validation_error"]
 
 # Error types that mean "wrong shape" (400 invalid_request) rather than "bad value" (invalid_parameter).
 _STRUCTURAL = frozenset(
@@ -93,6 +95,21 @@ def _error_message(err: Any, hints: dict[str, str]) -> str:
         # pydantic's own message and our PydanticCustomError messages name limits, not inputs.
         text = err["msg"].removeprefix("Value error, ")
     return f"{_loc_text(loc)}: {text}"
+
+
+class Inbound(BaseModel):
+    """Base of inbound models (both dialects): unknown fields refused, no type coercion, no NaN/Infinity."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+def check_text(value: str) -> str:
+    """Refuse strings that are not encodable Unicode (lone surrogates from ``\\ud800`` escapes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("invalid_unicode", "must be valid Unicode text") from None
+    return value
 
 
 def invalid(message: str) -> ServiceError:

@@ -223,13 +223,6 @@ class Session:
         """Remember that ``url`` gave the image of content ``key`` (it is not fetched again)."""
         self.image_urls[url] = key
 
-    def image_data(self, key: str) -> bytes | None:
-        """The encoded bytes of the session's image of content ``key``, or None."""
-        try:
-            return self.images[self.image_keys.index(key)]
-        except ValueError:
-            return None
-
     def snapshot(self) -> SessionSnapshot:
         """What :meth:`rollback` puts back (before an added image)."""
         return SessionSnapshot(

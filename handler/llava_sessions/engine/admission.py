@@ -276,7 +276,7 @@ class Admission:
         # a new set of features is a new tensor (every row copied or encoded), the old one freed after
         feature_bytes = 0 if same_images else sum(tokens) * runner.feature_bytes_per_token
         self._reserve(session, feature_bytes + (len(ids) - keep + max_new) * runner.kv_bytes_per_token, "this turn")
-        to_encode = self._hold_conversation(session, target, tokens, keep, rows)
+        to_encode = self._hold_conversation(session, target, tokens, keep, rows, same_images=same_images)
         gen = Generation(
             self.engine,
             session,
@@ -291,16 +291,13 @@ class Admission:
         return gen
 
     def _hold_conversation(
-        self, session: Session, target: ChatTarget, tokens: list[int], keep: int, rows: list[Any]
+        self, session: Session, target: ChatTarget, tokens: list[int], keep: int, rows: list[Any], *, same_images: bool
     ) -> list[tuple[int, Any]]:
         """Make ``session`` hold ``target``: its KV cache cropped to the ``keep`` tokens that serve it,
-        the features of every image whose ``rows`` were found; returns the images left to encode
-        (``(index, decoded image or None)``: the vision tower runs in the answer's first step)."""
-        unchanged = (
-            [img.key for img in target.images] == session.image_keys
-            and tokens == session.image_tokens
-            and session.image_features is not None
-        )
+        the features of every image whose ``rows`` were found (kept as they are when ``same_images``:
+        the session's images, laid out as before); returns the images left to encode (``(index,
+        decoded image or None)``: the vision tower runs in the answer's first step)."""
+        unchanged = same_images and session.image_features is not None
         session.crop_kv(keep)
         session.set_conversation(
             target.system_prompt,

@@ -209,15 +209,7 @@ class SessionEngine:
     def image_held(self, session_id: str | None, key: str) -> tuple[bytes, tuple[int, int]] | None:
         """The encoded bytes and (height, width) of the image of content ``key`` if the session
         ``session_id`` (or, when sharing, any session) holds it; else None. Never raises."""
-        own = self.store.peek(session_id) if session_id else None
-        holders = [own] if own is not None else []
-        if self.sharing.enabled:
-            holders += [s for s in self.store.sessions() if s is not own]
-        for holder in holders:
-            if key in holder.image_keys:
-                i = holder.image_keys.index(key)
-                return holder.images[i], holder.image_sizes[i]
-        return None
+        return self.sharing.held(self.store.peek(session_id) if session_id else None, key)
 
     def url_key(self, session_id: str | None, url: str) -> str | None:
         """The content key of the image the session fetched from ``url`` before, or None."""

@@ -61,10 +61,21 @@ class ImageSharing:
         self.runner = runner
         self.enabled = enabled
 
-    def _candidates(self, session: Session) -> list[Session]:
+    def _candidates(self, session: Session | None) -> list[Session]:
+        """``session`` first (when there is one), then every other session when sharing is on."""
+        own = [] if session is None else [session]
         if not self.enabled:
-            return [session]
-        return [session] + [s for s in self.store.sessions() if s is not session]
+            return own
+        return own + [s for s in self.store.sessions() if s is not session]
+
+    def held(self, session: Session | None, key: str) -> tuple[bytes, tuple[int, int]] | None:
+        """The encoded bytes and (height, width) of the image of content ``key`` if ``session`` (or,
+        when sharing, any session) holds it; else None."""
+        for holder in self._candidates(session):
+            if key in holder.image_keys:
+                i = holder.image_keys.index(key)
+                return holder.images[i], holder.image_sizes[i]
+        return None
 
     def rows(self, session: Session, key: str, num_tokens: int, num_images: int) -> torch.Tensor | None:
         """The feature rows ``[num_tokens, hidden]`` (a view; copy before keeping) of the image of

@@ -85,10 +85,12 @@ class StateUpdates:
 
     def _restore(self, session: Session) -> RestoredFrom | None:
         """Bring a demoted session back to a prefillable state; returns the tier it came from."""
+        if not session.images:  # a conversation without images: nothing to restore
+            if session.kv_cache is None:
+                session.start_kv(self.model.new_cache())
+            return None
         tier = session.tier
-        if tier is Tier.KV or (tier is Tier.IMAGE and not session.images):
-            if not session.images and session.kv_cache is None:
-                session.start_kv(self.model.new_cache())  # a conversation without images starts from nothing
+        if tier is Tier.KV:
             return None
         if tier is Tier.IMAGE:
             images = [self.engine.decode_image(data) for data in session.images]
