@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 
-import boto3
 import pytest
 from botocore.exceptions import ClientError
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -16,6 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from aws_readers import LineIterator, chat_reader_chunks, chat_reader_text
 from llava_tools.local_endpoint import LocalEndpoint
 from test_chat_engine import reference
+from test_local_endpoint import runtime_client
 
 JSON = "application/json"
 N = 12
@@ -36,13 +36,7 @@ def endpoint(request, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def runtime(endpoint):
-    return boto3.client(
-        "sagemaker-runtime",
-        endpoint_url=endpoint.url,
-        region_name="us-east-1",
-        aws_access_key_id="x",
-        aws_secret_access_key="x",
-    )
+    return runtime_client(endpoint.url)
 
 
 def data_uri(png: bytes) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import LlavaError, status_error_from_body
-from ._images import ImageInput, fit_payload, image_payload
+from ._images import ImageInput, fit_payload, image_budget, image_payload
 
 if TYPE_CHECKING:
     from ._client import SessionClient
@@ -38,16 +38,17 @@ __all__ = ["ChatReply", "ChatSession", "image_part"]
 log = logging.getLogger("llava_client")
 
 
-def image_part(image: ImageInput, *, max_bytes: int = 6_291_456 - 65_536) -> dict[str, Any]:
+def image_part(image: ImageInput, *, max_bytes: int | None = None) -> dict[str, Any]:
     """An OpenAI ``image_url`` content part for ``image``: a local path, bytes or a PIL image go
     inline as a ``data:`` URI, downsized (:func:`~llava_client._images.fit_payload`, logged) when
-    over ``max_bytes`` of base64 (default: SageMaker's 6 MiB request limit less room for the rest);
+    over ``max_bytes`` of base64 (default :func:`~llava_client._images.image_budget`: SageMaker's
+    6 MiB request limit less room for the rest, what the client's own requests allow);
     an ``http(s)://`` URL or ``s3://`` URI is passed for the server to fetch.
 
     Raises:
         FileNotFoundError: a local path that does not exist.
     """
-    payload, downsized = fit_payload(image_payload(image), max_bytes)
+    payload, downsized = fit_payload(image_payload(image), image_budget() if max_bytes is None else max_bytes)
     if downsized is not None:
         log.info("%s", downsized)
     if "base64" in payload:

@@ -82,7 +82,7 @@ from ._exceptions import (
     SessionGone,
     status_error_from_body,
 )
-from ._images import Downsized, ImageInput, describe_image, fit_payload, image_payload
+from ._images import MAX_BODY_BYTES, Downsized, ImageInput, describe_image, fit_payload, image_budget, image_payload
 from ._transport import (
     DEFAULT_TIMEOUT,
     HttpTransport,
@@ -117,15 +117,6 @@ MAX_RETRY_DELAY_S = 8.0
 DEFAULT_RESTART_WAIT_S = 30.0
 #: Longest wait between two connection attempts inside that window.
 MAX_RESTART_RETRY_DELAY_S = 2.0
-#: SageMaker's request body limit (6 MiB); bigger bodies are refused here before sending.
-MAX_BODY_BYTES = 6_291_456
-#: Bytes of a request body kept for what is around an inline image (JSON, a system prompt).
-BODY_ROOM_BYTES = 65_536
-
-
-def image_budget(max_body_bytes: int) -> int:
-    """Characters of base64 an inline image may take in a body of at most ``max_body_bytes``."""
-    return max(1024, max_body_bytes - BODY_ROOM_BYTES)
 
 
 T = TypeVar("T")

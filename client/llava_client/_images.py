@@ -9,7 +9,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["DOWNSIZE_MAX_SIDE", "Downsized", "ImageInput", "fit_payload", "image_payload"]
+__all__ = [
+    "BODY_ROOM_BYTES",
+    "DOWNSIZE_MAX_SIDE",
+    "MAX_BODY_BYTES",
+    "Downsized",
+    "ImageInput",
+    "fit_payload",
+    "image_budget",
+    "image_payload",
+]
+
+#: SageMaker's request body limit (6 MiB); bigger bodies are refused by the client before sending.
+MAX_BODY_BYTES = 6_291_456
+#: Bytes of a request body kept for what is around an inline image (JSON, a system prompt).
+BODY_ROOM_BYTES = 65_536
+
+
+def image_budget(max_body_bytes: int = MAX_BODY_BYTES) -> int:
+    """Characters of base64 an inline image may take in a body of at most ``max_body_bytes``."""
+    return max(1024, max_body_bytes - BODY_ROOM_BYTES)
+
 
 #: The longest side (px) an inline image is downsized to when it would not fit the request limit:
 #: LLaVA-NeXT's largest anyres side (two 672-px tiles; llava-1.5 itself sees 336 px), so the model
