@@ -87,6 +87,19 @@ def not_found(stub: Stubber, operation: str, params: dict) -> None:
     )
 
 
+def stub_scalable_targets(stub: Stubber, scalable: dict, targets: list) -> None:
+    """The ``describe_scalable_targets`` call that looks for ``scalable``'s target, answering ``targets``."""
+    stub.add_response(
+        "describe_scalable_targets",
+        {"ScalableTargets": targets},
+        {
+            "ServiceNamespace": "sagemaker",
+            "ResourceIds": [scalable["ResourceId"]],
+            "ScalableDimension": scalable["ScalableDimension"],
+        },
+    )
+
+
 def describe_endpoint_response(name: str, status: str, config: str = "cfg") -> dict:
     return {
         "EndpointName": name,
@@ -395,15 +408,7 @@ def test_delete_removes_endpoint_config_and_models(autoscaled: bool) -> None:
             "list_inference_components", {"InferenceComponents": []}, {"EndpointNameEquals": "llava-chat"}
         )
         target = {**SCALABLE, "MinCapacity": 1, "MaxCapacity": 4, "RoleARN": ROLE, "CreationTime": NOW}
-        as_stub.add_response(
-            "describe_scalable_targets",
-            {"ScalableTargets": [target] if autoscaled else []},
-            {
-                "ServiceNamespace": "sagemaker",
-                "ResourceIds": [SCALABLE["ResourceId"]],
-                "ScalableDimension": SCALABLE["ScalableDimension"],
-            },
-        )
+        stub_scalable_targets(as_stub, SCALABLE, [target] if autoscaled else [])
         if autoscaled:  # the scalable target goes before the endpoint
             as_stub.add_response("deregister_scalable_target", {}, SCALABLE)
         sm_stub.add_response(
@@ -708,26 +713,10 @@ def test_delete_removes_the_endpoint_s_inference_components_first() -> None:
             },
             {"EndpointNameEquals": "llava-chat"},
         )
-        as_stub.add_response(
-            "describe_scalable_targets",
-            {"ScalableTargets": []},
-            {
-                "ServiceNamespace": "sagemaker",
-                "ResourceIds": [COMPONENT_SCALABLE["ResourceId"]],
-                "ScalableDimension": COMPONENT_SCALABLE["ScalableDimension"],
-            },
-        )
+        stub_scalable_targets(as_stub, COMPONENT_SCALABLE, [])
         sm_stub.add_response("delete_inference_component", {}, {"InferenceComponentName": "llava-ic"})
         not_found(sm_stub, "describe_inference_component", {"InferenceComponentName": "llava-ic"})  # gone
-        as_stub.add_response(
-            "describe_scalable_targets",
-            {"ScalableTargets": []},
-            {
-                "ServiceNamespace": "sagemaker",
-                "ResourceIds": [SCALABLE["ResourceId"]],
-                "ScalableDimension": SCALABLE["ScalableDimension"],
-            },
-        )
+        stub_scalable_targets(as_stub, SCALABLE, [])
         sm_stub.add_response(
             "describe_endpoint_config",
             {
