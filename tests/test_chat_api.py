@@ -450,11 +450,20 @@ def test_a_phone_size_photo_is_downsized_by_the_client_and_said(endpoint, runtim
     assert "[the image was downsized from 3000x4000" in done.stderr
 
 
-def test_new_session_passed_through_as_the_literal(endpoint, runtime, runner, photos):
-    """``llava-local-endpoint --pass-new-session``: the backend gets the literal ``NEW_SESSION`` (what
-    some AWS code expects SageMaker to forward) and the handler mints the id: native opens, AWS's
-    session bodies and a ``messages`` request that opens its session all work, follow-ups included."""
-    endpoint._httpd.pass_new_session = True  # the same router, the other way of forwarding an open
+def test_new_session_as_the_literal_or_minted_by_torchserve(endpoint, runtime, runner, photos):
+    """What SageMaker forwards for ``SessionId="NEW_SESSION"`` decides who mints the id. The local
+    endpoint forwards the literal by default: the handler mints ``llava-<uuid>``, and a ``messages``
+    request sent with ``NEW_SESSION`` opens its session. With ``--mint-session-ids`` (no header, as the
+    AWS TorchServe sample expects) TorchServe mints ``ts-seq-<uuid>``: native opens and AWS's session
+    bodies work the same, and such a ``messages`` request is one-shot (no session is left)."""
+    reply = invoke(runtime, {"messages": [user("What is this?", photos["rocket"])], "max_tokens": N}, "NEW_SESSION")
+    opened_by_chat = reply["NewSessionId"].split(";")[0]
+    assert opened_by_chat.startswith("llava-")  # minted by the handler, not TorchServe's ts-seq-
+    ChatCompletion.model_validate_json(reply["Body"].read())
+    again = complete(runtime, [user("What is this?", photos["rocket"])], opened_by_chat)
+    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+    assert invoke(runtime, {"requestType": "CLOSE"}, opened_by_chat)["ClosedSessionId"] == opened_by_chat
+    endpoint._httpd.pass_new_session = False  # the same router, the other way of forwarding an open
     try:
         opened = invoke(
             runtime,
@@ -462,7 +471,7 @@ def test_new_session_passed_through_as_the_literal(endpoint, runtime, runner, ph
             "NEW_SESSION",
         )
         native_id = opened["NewSessionId"].split(";")[0]
-        assert native_id.startswith("llava-")  # minted by the handler, not TorchServe's ts-seq-
+        assert native_id.startswith("ts-seq-")
         follow = json.loads(
             invoke(
                 runtime, {"type": "generate", "prompt": "What is it?", "parameters": {"max_new_tokens": 3}}, native_id
@@ -470,15 +479,13 @@ def test_new_session_passed_through_as_the_literal(endpoint, runtime, runner, ph
         )
         assert follow["details"]["cached_tokens"] > 500
         session_id = new_session(runtime)
-        assert session_id.startswith("llava-")
+        assert session_id.startswith("ts-seq-")
         first = complete(runtime, [user("What is this?", photos["rocket"])], session_id)
         assert first.choices[0].message.content
         reply = invoke(runtime, {"messages": [user("What is this?", photos["rocket"])], "max_tokens": N}, "NEW_SESSION")
-        opened_by_chat = reply["NewSessionId"].split(";")[0]
+        assert "NewSessionId" not in reply  # one-shot: answered, nothing kept
         ChatCompletion.model_validate_json(reply["Body"].read())
-        again = complete(runtime, [user("What is this?", photos["rocket"])], opened_by_chat)
-        assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
-        for sid in (native_id, session_id, opened_by_chat):
+        for sid in (native_id, session_id):
             assert invoke(runtime, {"requestType": "CLOSE"}, sid)["ClosedSessionId"] == sid
     finally:
-        endpoint._httpd.pass_new_session = False
+        endpoint._httpd.pass_new_session = True

@@ -266,6 +266,39 @@ def test_invalid_request_batched_with_valid_ones_fails_alone(server, photos):
         post(server, {"type": "close_session"}, session_id=s)
 
 
+def test_requests_stacked_on_a_streaming_session_get_session_busy(server, photos):
+    """TorchServe hands the handler a session's next queued request while its answer still streams;
+    model-config.yaml's maxSequenceJobQueueSize (16) lets twelve sent at once stack up, and each gets
+    the handler's JSON ``409 session_busy`` (with a queue of 2, some got the frontend's own 503, no
+    JSON); the stream's answer and the session are untouched."""
+    sid, _ = open_session(server, photos["coffee"])
+    body = {"type": "generate", "prompt": "Describe the image in detail.", "remember": False}
+    body["parameters"] = {"max_new_tokens": 300}
+    expected = post(server, body, session_id=sid).json()["generated_text"]
+    r = post(server, {**body, "stream": True}, session_id=sid, stream=True)
+    assert r.status_code == 200
+    chunks = r.iter_content(chunk_size=None)
+    received = [next(chunks)]  # the answer is streaming now
+    stacked_body = {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}
+    ready = threading.Barrier(12)
+
+    def stack(_):
+        ready.wait()
+        return post(server, stacked_body, session_id=sid)
+
+    with ThreadPoolExecutor(12) as pool:
+        stacked = list(pool.map(stack, range(12)))
+    received += list(chunks)
+    assert all(s.headers["content-type"].startswith("application/json") for s in stacked)
+    assert [s.status_code for s in stacked] == [409] * 12, [s.text for s in stacked]
+    assert {s.json()["error"]["code"] for s in stacked} == {"session_busy"}
+    lines = [json.loads(line) for line in b"".join(received).splitlines()]
+    assert lines[-1]["generated_text"] == expected
+    r = post(server, stacked_body, session_id=sid)
+    assert r.status_code == 200, r.text
+    post(server, {"type": "close_session"}, session_id=sid)
+
+
 class _ImageHandler(http.server.BaseHTTPRequestHandler):
     payload = b""
 

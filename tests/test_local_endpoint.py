@@ -68,6 +68,13 @@ def _botocore_events(data: bytes):
     return EventStream(_RawStream(data), output, EventStreamJSONParser(), "InvokeEndpointWithResponseStream")
 
 
+def test_cli_forwards_new_session_unless_told_to_mint() -> None:
+    from llava_tools.local_endpoint import _build_parser
+
+    assert _build_parser().parse_args(["--model-dir", "m"]).pass_new_session is True
+    assert _build_parser().parse_args(["--model-dir", "m", "--mint-session-ids"]).pass_new_session is False
+
+
 def test_payload_part_frames_decode_with_botocore() -> None:
     payloads = [b'{"token": {"text": "caf', '\u00e9"}}\n'.encode(), b"", bytes(range(256)) * 300]
     data = b"".join(payload_part_event(p) for p in payloads)
@@ -132,7 +139,7 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        if self.headers.get("X-Amzn-SageMaker-Session-Id") is None:
+        if self.headers.get("X-Amzn-SageMaker-Session-Id") in (None, "NEW_SESSION"):  # an open
             self.send_header("X-Amzn-SageMaker-New-Session-Id", "stand-in-1; Expires=2030-01-01T00:00:00Z")
         self.end_headers()
         self.wfile.write(data)
@@ -175,10 +182,10 @@ def stand_in_router():
 def test_router_failure_paths(stand_in_router):
     router, front, rt = stand_in_router
     # A new session whose least-loaded backend refuses the connection is placed on the next one,
-    # without the session header, and the refusing backend is taken out of rotation.
+    # with the literal NEW_SESSION header, and the refusing backend is taken out of rotation.
     reply = rt.invoke_endpoint(EndpointName="e", Body=b"{}", ContentType=JSON, SessionId="NEW_SESSION")
     assert reply["NewSessionId"].startswith("stand-in-1;")
-    assert json.loads(reply["Body"].read()) == {"seen_session": None}
+    assert json.loads(reply["Body"].read()) == {"seen_session": "NEW_SESSION"}
     snapshot = requests.get(front.url + "/debug/sessions", timeout=5).json()
     assert snapshot["sessions"] == {"stand-in-1": 1} and [b["healthy"] for b in snapshot["backends"]] == [False, True]
     assert requests.get(front.url + "/ping", timeout=5).status_code == 503
@@ -262,7 +269,8 @@ def open_session(runtime, image: bytes) -> str:
     )
     assert NEW_SESSION_ID_RE.match(reply["NewSessionId"]), reply["NewSessionId"]
     session_id = reply["NewSessionId"].split(";")[0]
-    assert SESSION_ID_RE.match(session_id) and session_id.startswith("ts-seq-")
+    # the literal NEW_SESSION is forwarded (as SageMaker does), so the handler, not TorchServe, mints the id
+    assert SESSION_ID_RE.match(session_id) and session_id.startswith("llava-")
     assert json.loads(reply["Body"].read())["session_id"] == session_id
     return session_id
 
@@ -292,6 +300,21 @@ def test_ping_and_sessions_stick_to_their_backend(endpoint, runtime, photos):
     for session_id in ids:
         close(runtime, session_id)
     assert not set(ids) & set(sessions_map(endpoint))
+
+
+def test_simultaneous_new_session_opens_all_open(endpoint, runtime, photos):
+    """Opens forwarded as the literal ``NEW_SESSION`` share TorchServe's one ``NEW_SESSION`` job group
+    per backend: eight at once must all open (with model-config.yaml's maxSequenceJobQueueSize of 2,
+    3 of 6 got TorchServe's own 503), each with its own id, and each answers its follow-up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = ("astronaut", "chelsea", "coffee", "rocket") * 2
+    with ThreadPoolExecutor(len(names)) as pool:
+        ids = list(pool.map(lambda name: open_session(runtime, photos[name]), names))
+    assert len(set(ids)) == len(names)
+    for session_id in ids:
+        assert generate(runtime, session_id, "What is it?", max_new_tokens=2)["generated_text"] is not None
+        close(runtime, session_id)
 
 
 def test_stream_is_payload_parts_that_join_to_the_plain_answer(endpoint, runtime, photos):

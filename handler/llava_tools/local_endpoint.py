@@ -18,12 +18,16 @@ mirrors public AWS material and is unverified against a live endpoint):
 - ``POST /endpoints/{name}/invocations`` and ``.../invocations-response-stream``; any endpoint name
   is accepted unless ``--endpoint-name`` is given (others then get ``ValidationError``).
 - Sticky sessions by ``X-Amzn-SageMaker-Session-Id``. ``NEW_SESSION`` (or no id) goes to the
-  least-loaded healthy backend (fewest sessions this router placed there), with the session header
-  REMOVED, so TorchServe mints ``ts-seq-<uuid>`` and the handler answers
-  ``X-Amzn-SageMaker-New-Session-Id``; the router then remembers id → backend. A known id goes to
-  its backend. An id the router does not know goes to the least-loaded backend as is; the container
-  answers ``404 session_not_found`` with the Closed header (as an instance that does not hold the
-  session would). ``X-Amzn-SageMaker-Closed-Session-Id`` in a reply forgets the session.
+  least-loaded healthy backend (fewest sessions this router placed there). ``NEW_SESSION`` is
+  forwarded as the literal header, as SageMaker forwards the value boto3 sends: TorchServe puts
+  every such open in its one ``NEW_SESSION`` job group and the handler mints ``llava-<uuid4>``.
+  ``--mint-session-ids`` removes the header instead, so TorchServe mints ``ts-seq-<uuid>`` (what
+  the AWS TorchServe sample expects); an absent id is always forwarded absent. Either way the
+  handler answers ``X-Amzn-SageMaker-New-Session-Id`` and the router remembers id → backend. A
+  known id goes to its backend. An id the router does not know goes to the least-loaded backend as
+  is; the container answers ``404 session_not_found`` with the Closed header (as an instance that
+  does not hold the session would). ``X-Amzn-SageMaker-Closed-Session-Id`` in a reply forgets the
+  session.
 - Replies: the container's body and ``Content-Type``; ``X-Amzn-SageMaker-New-Session-Id`` /
   ``-Closed-Session-Id`` passed through (boto3 ``NewSessionId`` / ``ClosedSessionId``);
   ``x-Amzn-Invoked-Production-Variant: AllTraffic``; a fresh ``x-amzn-RequestId``.
@@ -583,9 +587,10 @@ class RouterServer(ThreadingHTTPServer):
         endpoint_name: accept only this endpoint name (default: any).
         read_timeout_s: seconds to wait on a backend read.
         verbose: log each request to stderr.
-        pass_new_session: forward an open's literal ``NEW_SESSION`` header to the backend (the handler
-            then mints the id) instead of no header (TorchServe mints it). What SageMaker forwards is
-            not documented (shared/notes/torchserve-sagemaker.md): both are served.
+        pass_new_session: forward an open's literal ``NEW_SESSION`` header to the backend, as
+            SageMaker does (the handler then mints the id); False sends no header (TorchServe mints
+            it, as the AWS TorchServe sample expects). The handler serves both
+            (shared/notes/torchserve-sagemaker.md).
     """
 
     daemon_threads = True
@@ -599,7 +604,7 @@ class RouterServer(ThreadingHTTPServer):
         endpoint_name: str | None = None,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         verbose: bool = False,
-        pass_new_session: bool = False,
+        pass_new_session: bool = True,
     ) -> None:
         super().__init__(address, _Handler)
         self.router = router
@@ -643,6 +648,8 @@ class LocalEndpoint:
         endpoint_name: accept only this endpoint name (default: any).
         read_timeout_s: seconds to wait on a backend read.
         verbose: log each request to stderr.
+        pass_new_session: forward an open's literal ``NEW_SESSION`` (as SageMaker does), or no
+            header (False: TorchServe mints the id); see :class:`RouterServer`.
         **server_kwargs: keyword arguments of :class:`LocalServer` for every backend
             (``overrides``, ``model_config_overrides``, ``handler``, ``startup_timeout_s``, ...).
 
@@ -659,7 +666,7 @@ class LocalEndpoint:
         endpoint_name: str | None = None,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         verbose: bool = False,
-        pass_new_session: bool = False,
+        pass_new_session: bool = True,
         **server_kwargs: Any,
     ) -> None:
         if backends < 1:
@@ -768,9 +775,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--verbose", action="store_true", help="log every request")
     parser.add_argument(
-        "--pass-new-session",
-        action="store_true",
-        help="forward an open's literal NEW_SESSION header to the backend (default: none, TorchServe mints the id)",
+        "--mint-session-ids",
+        dest="pass_new_session",
+        action="store_false",
+        help="open without the session header, so TorchServe mints ts-seq-<uuid> ids (default: forward the "
+        "literal NEW_SESSION, as SageMaker does; the handler then mints llava-<uuid>)",
     )
     parser.add_argument("--handler", default=None, help=argparse.SUPPRESS)  # tests: another TorchServe handler
     return parser
