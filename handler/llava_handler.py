@@ -29,13 +29,15 @@ class LlavaHandler:
     def initialize(self, context) -> None:
         """Load the model and build the service from the ``handler:`` section of model-config.yaml."""
         props = context.system_properties
+        yaml_config = context.model_yaml_config or {}
         self.service = build_service(
-            (context.model_yaml_config or {}).get("handler") or {},
+            yaml_config.get("handler") or {},
             env=os.environ,
             archive_dir=props.get("model_dir"),
             gpu_id=props.get("gpu_id"),
             end_header=context.header_key_sequence_end,
             metrics=getattr(context, "metrics", None),
+            batch_size=yaml_config.get("batchSize"),
         )
         quiet_worker_logs(self.service.settings.log_level)
         self.initialized = True

@@ -13,7 +13,7 @@ MIB = 1024**2
 
 
 def test_public_api_is_pinned() -> None:
-    assert sorted(config.__all__) == ["ENV_PREFIX", "Settings"]
+    assert sorted(config.__all__) == ["ENV_PREFIX", "SPARE_JOB_GROUPS", "Settings", "job_groups", "resolve_devices"]
 
 
 def test_defaults_match_the_documented_values() -> None:

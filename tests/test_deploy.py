@@ -536,9 +536,10 @@ def test_capacity_plan_of_llava_7b_on_common_instance_types(tmp_path: Path) -> N
     assert g5.session_bytes == 2 * 32 * 4096 * 2 * 1024 + 576 * 4096 * 2  # 512 MiB KV + 4.5 MiB features
     assert 10 <= g5.sessions <= 20  # (24 GiB - 14.1 GB) x 0.8 / 517 MiB
     big = capacity_plan("ml.g5.12xlarge", folder)
-    assert big is not None and big.replicas == 4 and big.sessions == min(4 * g5.sessions_per_replica, 64)
-    p5 = capacity_plan("ml.p5.48xlarge", folder, max_sessions=1000)
-    assert p5 is not None and p5.replicas == 8 and p5.sessions > 8 * 100
+    assert big is not None and big.replicas == 4 and big.sessions == 4 * g5.sessions_per_replica
+    p5 = capacity_plan("ml.p5.48xlarge", folder)
+    assert p5 is not None and p5.replicas == 8 and p5.sessions_per_replica == 64 and p5.sessions == 512
+    assert capacity_plan("ml.p5.48xlarge", folder, max_sessions=1000).sessions > 8 * 100  # type: ignore[union-attr]
     assert "replica(s)" in big.describe() and "per instance" in big.describe()
     assert capacity_plan("ml.m5.xlarge", folder) is None
 
@@ -569,16 +570,17 @@ def test_a_typo_in_a_setting_is_named_before_any_call_by_the_cli(checkpoint: Pat
 
 
 def test_capacity_grows_with_the_instance_s_gpus(checkpoint: Path, capsys) -> None:
-    """An instance with N GPUs gets max_sessions = 64 x N (one replica per GPU holds 64), and the
-    packaged job groups follow any max_sessions (batchSize = maxNumSequence = max_sessions + 8)."""
-    files = {f.key: f for f in build_package(checkpoint, overrides={"max_sessions": 256})}
+    """``max_sessions`` is per replica (one per GPU): the package for an N-GPU instance keeps it and
+    gives TorchServe job groups for N x max_sessions + 8 (batchSize = maxNumSequence), so a stock
+    TorchServe serving the artifact holds them all too."""
+    files = {f.key: f for f in build_package(checkpoint, overrides={"max_sessions": 32}, replicas=4)}
     config = yaml.safe_load(files["llava/model-config.yaml"].read())
-    assert config["handler"]["max_sessions"] == 256 and config["batchSize"] == config["maxNumSequence"] == 264
+    assert config["handler"]["max_sessions"] == 32 and config["batchSize"] == config["maxNumSequence"] == 136
     assert main([*deploy_args(checkpoint, "--instance-type", "ml.p5.48xlarge"), "--dry-run"], clients=None) == 0
     out = capsys.readouterr().out
-    assert "max_sessions 512: 64 per GPU x 8 GPUs" in out and "(max_sessions 512)" in out
+    assert "64 sessions per replica" in out and "max_sessions 64 per replica), 512 per instance" in out
     assert main([*deploy_args(checkpoint), "--dry-run"], clients=None) == 0  # one GPU: the default 64
-    assert "max_sessions 64)" in capsys.readouterr().out
+    assert "max_sessions 64 per replica), " in capsys.readouterr().out
 
 
 COMPONENT_SCALABLE = {

@@ -35,13 +35,31 @@ def test_devices_resolve_to_one_replica_per_gpu_or_the_list_given():
         Settings.from_sources({"devices": "tpu:0"})
 
 
-def test_each_replica_gets_its_device_and_a_share_of_sessions_and_host_memory():
+def test_each_replica_gets_its_device_its_own_max_sessions_and_a_share_of_host_memory():
     base = Settings.from_sources({"max_sessions": 9, "host_budget_bytes": 1000})
     one = replica_settings(base, "cuda:1", 2)
-    assert (one.device, one.gpu_id, one.max_sessions, one.host_budget_bytes) == ("cuda", 1, 5, 500)
+    assert (one.device, one.gpu_id, one.max_sessions, one.host_budget_bytes) == ("cuda", 1, 9, 500)
     cpu = replica_settings(base, "cpu", 2)
     assert cpu.device == "cpu" and cpu.gpu_id is None and cpu.torch_threads >= 1
     assert replica_settings(base, "", 1) == base.model_copy(update={"devices": "auto"})
+
+
+def test_the_worker_warns_when_batch_size_is_below_its_sessions(tiny_model_dir, caplog):
+    """A hand-made model-config.yaml whose batchSize cannot give every session a job group (TorchServe
+    would serialise them): the worker starts, and says what to set."""
+    import logging
+
+    from llava_sessions.worker import build_service
+
+    section = {"model_dir": str(tiny_model_dir), "devices": "cpu", "max_sessions": 20}
+    with caplog.at_level(logging.WARNING, logger="llava_sessions"):
+        build_service(section, env={}, batch_size=16)
+    assert "batchSize 16 is below max_sessions 20 x 1 replica(s)" in caplog.text
+    assert "set batchSize and maxNumSequence to 28" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llava_sessions"):
+        build_service(section, env={}, batch_size=28)
+    assert "batchSize" not in caplog.text
 
 
 def _post(url, body, session_id=None):
@@ -67,7 +85,7 @@ def test_two_replicas_place_route_and_survive_a_replica_death(request, tiny_mode
     server = start_local_server(
         tiny_model_dir,
         addfinalizer=request.addfinalizer,
-        overrides={"devices": "cpu,cpu", "max_sessions": 16},
+        overrides={"devices": "cpu,cpu", "max_sessions": 8},  # per replica: 16 in the worker
         model_config_overrides={"batchSize": 24, "maxNumSequence": 24},
     )
     image = {"base64": base64.b64encode(photos["coffee"]).decode()}

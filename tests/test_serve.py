@@ -175,8 +175,8 @@ def test_model_config_keeps_torchserve_limits_above_the_handlers() -> None:
     config = yaml.safe_load((REPO / "model-config.yaml").read_text())
     handler = config["handler"]
     assert config["sequenceBatching"] is True and config["continuousBatching"] is True
-    assert config["batchSize"] >= handler["max_sessions"]
-    assert config["maxNumSequence"] >= handler["max_sessions"] * config["maxWorkers"]
+    assert config["batchSize"] >= handler["max_sessions"] + 8  # one replica's sessions and the spare groups
+    assert config["maxNumSequence"] >= (handler["max_sessions"] + 8) * config["maxWorkers"]
     assert 0 < config["sequenceMaxIdleMSec"] <= 60_000  # short: frees parked poll threads (model-config.yaml)
     assert config["minWorkers"] == config["maxWorkers"] == 1
 
@@ -198,6 +198,33 @@ def test_local_model_config_applies_workers_and_overrides(tmp_path: Path) -> Non
     assert written["handler"]["model_dir"] == str(tmp_path.resolve())
     assert written["handler"]["max_sessions"] == 8 and written["handler"]["dtype"] == "float32"
     assert written["handler"]["session_ttl_s"] == 1200  # untouched keys keep the shipped values
+
+
+def test_job_groups_follow_the_replicas_sessions(tmp_path: Path, monkeypatch) -> None:
+    """``max_sessions`` is per replica: the written model-config.yaml gives TorchServe job groups for
+    every replica's sessions plus 8 spare (4 GPUs x 64 + 8 = 264, as on an ml.g6e.12xlarge), never
+    fewer than the file's own, and keeps a ``batchSize`` the caller set."""
+    import yaml
+
+    import llava_tools.serve as serve
+    from llava_sessions.config import job_groups
+
+    def written(**kw) -> dict:
+        return yaml.safe_load(serve.LocalServer(tmp_path, **kw)._write_model_config(tmp_path / "m.yaml").read_text())
+
+    assert job_groups(64, 4) == 264
+    one = written()  # this machine: no GPU, one replica, the shipped 72
+    assert (one["batchSize"], one["maxNumSequence"]) == (72, 72)
+    two = written(overrides={"devices": "cpu,cpu", "max_sessions": 40})
+    assert (two["batchSize"], two["maxNumSequence"]) == (88, 88)
+    kept = written(overrides={"devices": "cpu,cpu", "max_sessions": 40}, model_config_overrides={"batchSize": 24})
+    assert (kept["batchSize"], kept["maxNumSequence"]) == (24, 88)
+    assert serve.visible_gpus() == 0  # no NVIDIA driver here; a GPU count cannot run here for real:
+    monkeypatch.setattr(serve, "visible_gpus", lambda env=None: 4)  # what torch would count on 4 GPUs
+    four = written()
+    assert (four["batchSize"], four["maxNumSequence"]) == (264, 264)
+    assert written(overrides={"device": "cpu"})["batchSize"] == 72  # device cpu: one replica whatever the GPUs
+    assert written(env={"LLAVA_MAX_SESSIONS": "100"})["batchSize"] == 408  # the worker reads the env too
 
 
 def test_cli_refuses_more_than_one_worker(tmp_path: Path) -> None:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["ENV_PREFIX", "Settings"]
+__all__ = ["ENV_PREFIX", "SPARE_JOB_GROUPS", "Settings", "job_groups", "resolve_devices"]
 
 #: Prefix of the environment variables that override a field (``LLAVA_`` + field name upper-cased).
 ENV_PREFIX = "LLAVA_"
@@ -50,6 +50,20 @@ TOOL_ENV_VARS = frozenset(
 
 _GIB = 1024**3
 _MIB = 1024**2
+
+#: TorchServe job groups kept above the sessions a worker may hold (design.md, "Spare job groups"):
+#: a new session past ``max_sessions`` still reaches the handler, which answers ``503 overloaded``
+#: with Retry-After instead of the frontend's own 503.
+SPARE_JOB_GROUPS = 8
+
+
+def job_groups(max_sessions: int, replicas: int = 1) -> int:
+    """TorchServe's ``batchSize`` and ``maxNumSequence`` for a worker of ``replicas`` replicas that
+    hold ``max_sessions`` sessions each: ``max_sessions x replicas + SPARE_JOB_GROUPS``. A worker
+    watches its job groups with ``batchSize + 1`` threads and serialises sessions past that
+    (shared/notes/torchserve-sagemaker.md)."""
+    return max_sessions * replicas + SPARE_JOB_GROUPS
+
 
 #: SageMaker's InvokeEndpoint body limit, 6 MiB (botocore sagemaker-runtime service model).
 _SAGEMAKER_MAX_BODY_BYTES = 6_291_456
@@ -86,7 +100,7 @@ class Settings(BaseModel):
         "auto",
         description='Model replicas of this worker: "auto" (one per visible GPU when device is not cpu and gpu_id '
         'is unset, else one on device/gpu_id) or a comma-separated list such as "cuda:0,cuda:1" or "cpu,cpu". '
-        "Each replica is a process with its own model copy, KV budget, 1/N of the host budget and of max_sessions.",
+        "Each replica is a process with its own model copy, KV budget, max_sessions and 1/N of the host budget.",
     )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads per replica; 0 = torch's default (split over CPU replicas)."
@@ -115,7 +129,11 @@ class Settings(BaseModel):
         2 * _GIB, gt=0, description="Hard cap on host bytes held by sessions (image bytes + conversation)."
     )
     max_sessions: int = Field(
-        64, ge=1, description="Most sessions one worker holds; must be <= batchSize in model-config.yaml."
+        64,
+        ge=1,
+        description="Most sessions one replica (one GPU) holds; a worker of N replicas holds up to N x this. "
+        "model-config.yaml's batchSize and maxNumSequence must be >= N x this + 8: llava-serve and the container "
+        "raise them at start, llava-deploy writes them for the instance's GPUs.",
     )
 
     # --- request limits ---------------------------------------------------------------------
@@ -276,6 +294,7 @@ class Settings(BaseModel):
         env: Mapping[str, str] | None = None,
         *,
         batch_size: int | None = None,
+        replicas: int = 1,
     ) -> Settings:
         """Build settings from the yaml ``handler:`` section, then ``LLAVA_*`` environment overrides.
 
@@ -288,9 +307,10 @@ class Settings(BaseModel):
                 ``LLAVA_<FIELD>`` variables named after a field are read; any other ``LLAVA_*``
                 variable but the tools' own (:data:`TOOL_ENV_VARS`) is refused as a typo. Values: ints, floats, booleans (1/0, true/false, yes/no,
                 on/off), comma-separated lists; an empty value or ``none`` clears an optional field.
-            batch_size: model-config.yaml ``batchSize``, when known; ``max_sessions`` must not
-                exceed it (a worker with more sessions than batchSize serialises them, see
+            batch_size: model-config.yaml ``batchSize``, when known; ``max_sessions`` x ``replicas``
+                must not exceed it (a worker with more sessions than batchSize serialises them, see
                 notes/torchserve-sagemaker.md).
+            replicas: the worker's replicas (one per GPU), for the ``batch_size`` check.
 
         Raises:
             ValueError: an unknown yaml key (the message lists valid keys), an unknown ``LLAVA_*``
@@ -324,10 +344,11 @@ class Settings(BaseModel):
             settings = cls(**raw)
         except ValidationError as exc:
             raise ValueError(_describe(exc, origin)) from None
-        if batch_size is not None and settings.max_sessions > batch_size:
+        if batch_size is not None and settings.max_sessions * replicas > batch_size:
+            held = f"max_sessions ({settings.max_sessions})" + (f" x {replicas} replicas" if replicas > 1 else "")
             raise ValueError(
-                f"max_sessions ({settings.max_sessions}) is above model-config.yaml batchSize ({batch_size}); "
-                "a worker holding more sessions than batchSize serialises them: raise batchSize or lower max_sessions"
+                f"{held} is above model-config.yaml batchSize ({batch_size}); a worker holding more sessions than "
+                "batchSize serialises them: raise batchSize or lower max_sessions"
             )
         return settings
 
@@ -434,3 +455,28 @@ def _with_hints(unknown: list[str], valid: Iterable[str]) -> list[str]:
         close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
         out.append(f"{key} (did you mean {close[0]}?)" if close else key)
     return out
+
+
+def resolve_devices(settings: Settings, *, cuda_count: int | Callable[[], int] | None = None) -> list[str]:
+    """The devices of this worker's replicas, from ``settings.devices``.
+
+    ``auto``: one replica per visible GPU when ``device`` is not ``cpu`` and no ``gpu_id`` is set
+    (``cuda_count`` > 1), else one replica on ``device`` / ``gpu_id`` (``""`` = the runner's own
+    choice). An explicit list is used as given.
+
+    Args:
+        settings: validated settings.
+        cuda_count: visible CUDA devices, or a function that counts them (called only when the
+            count decides); default: ``torch.cuda.device_count()``.
+    """
+    if settings.devices != "auto":
+        return settings.devices.split(",")
+    if settings.device == "cpu" or settings.gpu_id is not None:
+        return [""]
+    if cuda_count is None:
+        import torch
+
+        cuda_count = torch.cuda.device_count()
+    elif callable(cuda_count):
+        cuda_count = cuda_count()
+    return [f"cuda:{i}" for i in range(cuda_count)] if cuda_count > 1 else [""]

@@ -5,8 +5,8 @@ are refused: they lose ``NEW_SESSION`` follow-ups, docs/design.md) receives ever
 ``devices`` naming N > 1 devices, that worker's handler is a :class:`ReplicaRouter`:
 
 - it starts one **replica process** per device (``multiprocessing`` spawn). Each builds its own
-  model copy, session store (its device's KV budget, 1/N of the host budget and of
-  ``max_sessions``) and :class:`~llava_sessions.service.SessionService`, and serves the rows it is
+  model copy, session store (its device's KV budget, its own ``max_sessions``, 1/N of the host
+  budget) and :class:`~llava_sessions.service.SessionService`, and serves the rows it is
   sent exactly as a lone worker would (the same scheduler, batched decode, errors per row);
 - :meth:`ReplicaRouter.handle` splits a TorchServe batch by replica and sends every part at once,
   so the replicas' forward passes run at the same time in different processes (two model copies in
@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .codec import Codec
-from .config import Settings
+from .config import Settings, resolve_devices
 from .contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER
 from .errors import ErrorCode, ServiceError
 from .metrics import WorkerMetrics
@@ -53,31 +53,10 @@ log = logging.getLogger(__name__)
 REPLICA_START_TIMEOUT_S = 3600.0
 
 
-def resolve_devices(settings: Settings, *, cuda_count: int | None = None) -> list[str]:
-    """The devices of this worker's replicas, from ``settings.devices``.
-
-    ``auto``: one replica per visible GPU when ``device`` is not ``cpu`` and no ``gpu_id`` is set
-    (``cuda_count`` > 0), else one replica on ``device`` / ``gpu_id`` (``""`` = the runner's own
-    choice). An explicit list is used as given.
-
-    Args:
-        settings: validated settings.
-        cuda_count: visible CUDA devices (default: ``torch.cuda.device_count()``).
-    """
-    if settings.devices != "auto":
-        return settings.devices.split(",")
-    if settings.device == "cpu" or settings.gpu_id is not None:
-        return [""]
-    if cuda_count is None:
-        import torch
-
-        cuda_count = torch.cuda.device_count()
-    return [f"cuda:{i}" for i in range(cuda_count)] if cuda_count > 1 else [""]
-
-
 def replica_settings(settings: Settings, device: str, num_replicas: int) -> Settings:
-    """``settings`` for one replica on ``device``: its device / gpu_id, and 1/N of the host budget
-    and of ``max_sessions`` (at least 1 each)."""
+    """``settings`` for one replica on ``device``: its device / gpu_id and 1/N of the host budget
+    (at least 1 byte; host memory is the instance's, shared). ``max_sessions`` is per replica (a
+    GPU's own KV budget bounds it), so it is kept whole."""
     update: dict[str, Any] = {"devices": device or "auto"}
     if device:
         kind, _, index = device.partition(":")
@@ -85,7 +64,6 @@ def replica_settings(settings: Settings, device: str, num_replicas: int) -> Sett
         update["gpu_id"] = int(index) if index else (0 if kind == "cuda" else None)
     if num_replicas > 1:
         update["host_budget_bytes"] = max(1, settings.host_budget_bytes // num_replicas)
-        update["max_sessions"] = max(1, -(-settings.max_sessions // num_replicas))
         if not settings.torch_threads and device == "cpu":
             update["torch_threads"] = max(1, (os.cpu_count() or 1) // num_replicas)
     return settings.model_copy(update=update)

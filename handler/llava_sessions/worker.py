@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import Settings
+from .config import Settings, job_groups
 from .contract import CLOSED_SESSION_ID_HEADER
 from .engine import EngineLimits, SessionEngine, available_host_bytes, default_device_budget
 from .images import decode_image
@@ -41,6 +41,7 @@ def build_service(
     gpu_id: int | None = None,
     end_header: str = CLOSED_SESSION_ID_HEADER,
     metrics: Any = None,
+    batch_size: int | None = None,
 ) -> SessionService | ReplicaRouter:
     """Build this worker's handler core: one :class:`SessionService` in this process, or a
     :class:`~llava_sessions.replicas.ReplicaRouter` over one process per device when ``devices``
@@ -54,6 +55,9 @@ def build_service(
         gpu_id: TorchServe's GPU for this worker (``settings.gpu_id`` wins; ignored by replicas).
         end_header: TorchServe's sequence-end header name (``ctx.header_key_sequence_end``).
         metrics: TorchServe's metrics cache (``context.metrics``) or None.
+        batch_size: model-config.yaml's ``batchSize``, when known: a WARNING names the fix when the
+            replicas' sessions (``max_sessions`` each) are more than it (TorchServe would serialise
+            them; llava-serve, the container and llava-deploy size it, a hand-made config may not).
 
     Raises:
         ValueError: invalid settings. FileNotFoundError: no checkpoint folder. RuntimeError: a
@@ -62,6 +66,15 @@ def build_service(
     settings = Settings.from_sources(dict(handler_section), env)
     logging.getLogger("llava_sessions").setLevel(settings.log_level)
     devices = resolve_devices(settings)
+    if batch_size is not None and settings.max_sessions * len(devices) > int(batch_size):
+        log.warning(
+            "model-config.yaml batchSize %s is below max_sessions %d x %d replica(s): sessions past it wait on "
+            "each other; set batchSize and maxNumSequence to %d",
+            batch_size,
+            settings.max_sessions,
+            len(devices),
+            job_groups(settings.max_sessions, len(devices)),
+        )
     build: dict[str, Any] = {
         "handler_section": dict(handler_section),
         "env": dict(env or {}),
@@ -111,7 +124,7 @@ def build_local_service(
         handler_section, env, archive_dir, gpu_id, end_header, metrics: as :func:`build_service`.
         device: this replica's device (``"cpu"``, ``"cuda:1"``), or ``""`` for ``device`` / ``gpu_id``.
         replica: this replica's index (log lines).
-        num_replicas: replicas of the worker (each gets 1/N of the host budget and ``max_sessions``).
+        num_replicas: replicas of the worker (each gets 1/N of the host budget; ``max_sessions`` is each one's).
 
     Raises:
         ValueError: invalid settings. FileNotFoundError: no checkpoint folder.

@@ -15,9 +15,11 @@ which is :func:`main`:
    whose ``config.properties`` is the image's ``config/config.properties`` (token auth off, 6 MiB
    bodies, Prometheus metrics, the SageMaker session headers as sequence keys) with this run's
    addresses filled in: inference on ``0.0.0.0:8080``, management / metrics / gRPC on free loopback
-   ports. The handler code is always the image's own (``$LLAVA_HOME/handler``), so code and image
-   never disagree; the ``llava_handler.py`` and ``llava_sessions/`` inside an uploaded artifact are
-   there for a stock TorchServe and are not used here.
+   ports. Like every ``LocalServer`` it raises ``batchSize`` / ``maxNumSequence`` to fit
+   ``max_sessions`` on every replica (one per GPU it sees). The handler code is always the image's
+   own (``$LLAVA_HOME/handler``), so code and image never disagree; the ``llava_handler.py`` and
+   ``llava_sessions/`` inside an uploaded artifact are there for a stock TorchServe and are not
+   used here.
 3. keep the supervisor on: TorchServe 0.12 with sequence continuous batching never recovers a
    killed worker while ``/ping`` keeps answering 200, so the supervisor restarts TorchServe (the
    dead worker's sessions then answer ``404 session_not_found``). If TorchServe exits on its own,

@@ -53,7 +53,7 @@ from typing import Any, TextIO
 import yaml
 
 import llava_sessions
-from llava_sessions.config import Settings
+from llava_sessions.config import Settings, job_groups
 
 from .container import PACKAGED_MODEL_NAME, llava_home
 from .serve import (
@@ -133,14 +133,9 @@ INSTANCE_GPUS: dict[str, tuple[int, int]] = {
 }
 #: Context tokens a session is planned at (the image's 576 + system prompt + a few turns).
 PLANNED_SESSION_TOKENS = 1024
-#: Sessions a replica (one GPU) holds at most by default: ``max_sessions``' default, per GPU, so an
-#: instance's capacity grows with its GPUs (llava-deploy writes ``max_sessions`` = this x GPUs).
-SESSIONS_PER_GPU = 64
 #: Host memory (MiB) an inference component copy asks for by default (``MinMemoryRequiredInMb``):
 #: room to load a 7B fp16 checkpoint's 14 GB of weights on their way to the GPU.
 DEFAULT_COPY_MEMORY_MB = 16384
-#: TorchServe job groups kept above ``max_sessions`` (``batchSize`` = ``maxNumSequence`` = ``max_sessions`` + this).
-SPARE_JOB_GROUPS = 8
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
@@ -148,7 +143,8 @@ _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 class CapacityPlan:
     """What one instance of a type holds: ``replicas`` (one per GPU, ``devices=auto``), and per
     replica the KV budget (bytes) and the sessions it holds in the KV tier at
-    ``session_tokens`` tokens each; ``sessions`` is the instance's total, capped by ``max_sessions``."""
+    :data:`PLANNED_SESSION_TOKENS` tokens each, capped by ``max_sessions`` (per replica);
+    ``sessions`` is the instance's total."""
 
     instance_type: str
     replicas: int
@@ -168,8 +164,8 @@ class CapacityPlan:
             f"replica(s) (devices=auto), each {self.weights_bytes / gib:.1f} GiB of weights and a "
             f"{self.kv_budget_bytes / gib:.1f} GiB KV budget\n"
             f"expected capacity: {self.sessions_per_replica} sessions per replica at {PLANNED_SESSION_TOKENS} tokens "
-            f"({self.session_bytes / 2**20:.0f} MiB each), {self.sessions} per instance (max_sessions "
-            f"{self.max_sessions}); more instances (--max-instances) hold more"
+            f"({self.session_bytes / 2**20:.0f} MiB each; max_sessions {self.max_sessions} per replica), "
+            f"{self.sessions} per instance; more instances (--max-instances) hold more"
         )
 
 
@@ -214,8 +210,8 @@ def capacity_plan(
         weights_bytes=weights,
         kv_budget_bytes=budget,
         session_bytes=session_bytes,
-        sessions_per_replica=min(per_replica, -(-max_sessions // count)),
-        sessions=min(per_replica * count, max_sessions),
+        sessions_per_replica=min(per_replica, max_sessions),
+        sessions=min(per_replica, max_sessions) * count,
         max_sessions=max_sessions,
     )
 
@@ -372,6 +368,7 @@ def build_package(
     model_config: str | os.PathLike | None = None,
     handler: str | os.PathLike | None = None,
     created_on: datetime | None = None,
+    replicas: int = 1,
 ) -> list[PackageFile]:
     """List the artifact's files (TorchServe no-archive layout + checkpoint), sorted by key.
 
@@ -381,6 +378,10 @@ def build_package(
         model_config: model-config.yaml to start from (default: the repository's / image's).
         handler: the TorchServe handler file (default: ``handler/llava_handler.py``).
         created_on: MANIFEST.json ``createdOn`` (default: now).
+        replicas: the worker's replicas where it will run (one per GPU of an instance or of an
+            inference component copy): TorchServe's ``batchSize`` and ``maxNumSequence`` are written
+            for ``max_sessions`` (per replica) x this + the spare job groups
+            (:func:`~llava_sessions.config.job_groups`), so a stock TorchServe gets them right too.
 
     Returns:
         The files; keys are relative to the artifact root (``llava/...``).
@@ -405,12 +406,12 @@ def build_package(
     section = dict(config.get("handler") or {})
     section.update(overrides or {})
     section["model_dir"] = ""  # the handler falls back to TorchServe's model folder (this one)
-    if "max_sessions" in (overrides or {}):  # the job groups follow (design.md, "Spare job groups")
-        config["batchSize"] = config["maxNumSequence"] = int(section["max_sessions"]) + SPARE_JOB_GROUPS
     try:
-        Settings.from_sources(section, batch_size=config.get("batchSize"))
+        settings = Settings.from_sources(section)
     except (ValueError, TypeError) as exc:
         raise DeployError(f"invalid handler setting: {exc}") from None
+    # every replica's sessions get a job group, and 8 spare (design.md, "Spare job groups")
+    config["batchSize"] = config["maxNumSequence"] = job_groups(settings.max_sessions, replicas)
     config["handler"] = section
 
     manifest = {
@@ -1103,12 +1104,6 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
         gpus_here = (
             args.accelerators_per_copy if args.inference_component else INSTANCE_GPUS.get(args.instance_type, (1, 0))[0]
         )
-        if args.model_dir and "max_sessions" not in overrides and gpus_here > 1:
-            overrides["max_sessions"] = SESSIONS_PER_GPU * gpus_here  # capacity grows with the GPUs
-            print(
-                f"max_sessions {overrides['max_sessions']}: {SESSIONS_PER_GPU} per GPU x {gpus_here} GPUs "
-                "(--set max_sessions=N to choose)"
-            )
         if args.model_dir:
             settings = Settings.from_sources(overrides)
             plan = capacity_plan(
@@ -1120,7 +1115,7 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
             print(
                 plan.describe() if plan else f"{args.instance_type}: capacity not planned (unknown type or checkpoint)"
             )
-        files = build_package(args.model_dir, overrides=overrides) if args.model_dir else None
+        files = build_package(args.model_dir, overrides=overrides, replicas=gpus_here) if args.model_dir else None
         if files is not None:
             parse_s3_uri(args.s3_uri)
         deployer = _deployer(args, clients, need_s3=files is not None)

@@ -101,6 +101,26 @@ def default_log_config_path(home: Path | None = None) -> Path | None:
     return path if path.is_file() else None
 
 
+def visible_gpus(env: Mapping[str, str] | None = None) -> int:
+    """CUDA devices a worker started with ``env`` would see: 0 where no NVIDIA driver is loaded
+    (no ``/proc/driver/nvidia``), else ``torch.cuda.device_count()`` counted in a child process, so
+    this supervisor never imports torch nor touches CUDA (``CUDA_VISIBLE_DEVICES`` in ``env``
+    applies). 0 when the count fails."""
+    if not Path("/proc/driver/nvidia").exists():
+        return 0
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(env) if env is not None else None,
+        )
+        return int(done.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
+
+
 class ServerStartError(RuntimeError):
     """TorchServe could not be prepared or did not become ready; the message ends with a log tail."""
 
@@ -456,8 +476,24 @@ class LocalServer:
         handler_section["model_dir"] = str(self.model_dir)
         handler_section.update(self.overrides)
         config["handler"] = handler_section
+        self._size_job_groups(config)
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
+
+    def _size_job_groups(self, config: dict[str, Any]) -> None:
+        """Raise ``batchSize`` and ``maxNumSequence`` to what the worker's replicas may hold
+        (:func:`~llava_sessions.config.job_groups`): ``max_sessions`` is per replica, and
+        ``devices: auto`` starts one replica per visible GPU (:func:`visible_gpus`), so a 4-GPU
+        instance with the shipped 64 gets 264. Keys given in ``model_config_overrides`` stay as given."""
+        from llava_sessions.config import Settings, job_groups, resolve_devices
+
+        env = {**os.environ, **self.env}
+        settings = Settings.from_sources(config["handler"], env)
+        replicas = len(resolve_devices(settings, cuda_count=lambda: visible_gpus(env)))
+        need = job_groups(settings.max_sessions, replicas)
+        for key in ("batchSize", "maxNumSequence"):
+            if key not in self.model_config_overrides and int(config.get(key) or 0) < need:
+                config[key] = need
 
     def _child_env(self, tmp: Path) -> dict[str, str]:
         env = dict(os.environ)
