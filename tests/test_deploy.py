@@ -547,7 +547,7 @@ def test_capacity_plan_of_llava_7b_on_common_instance_types(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        (["--set", "session_tl_s=600"], "session_tl_s (did you mean session_ttl_s?)"),
+        (["--set", "session_tl_s=600"], "unknown key(s) in --set: session_tl_s (did you mean session_ttl_s?)"),
         (["--env", "LLAVA_SESION_TTL_S=600"], "LLAVA_SESION_TTL_S (did you mean LLAVA_SESSION_TTL_S?)"),
         (["--env", "LLAVA_MAX_SESSIONS=abc"], "LLAVA_MAX_SESSIONS"),
         (["--set", "max_sessions=0"], "max_sessions"),

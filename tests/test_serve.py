@@ -238,7 +238,7 @@ def test_cli_refuses_more_than_one_worker(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("extra", "env", "says"),
     [
-        (["--set", "session_tl_s=600"], {}, "session_tl_s (did you mean session_ttl_s?)"),
+        (["--set", "session_tl_s=600"], {}, "unknown key(s) in --set: session_tl_s (did you mean session_ttl_s?)"),
         ([], {"LLAVA_SESION_TTL_S": "600"}, "LLAVA_SESION_TTL_S (did you mean LLAVA_SESSION_TTL_S?)"),
         ([], {"LLAVA_MAX_SESSIONS": "abc"}, "LLAVA_MAX_SESSIONS"),
     ],

@@ -324,12 +324,7 @@ class Settings(BaseModel):
         if handler_section:
             if not isinstance(handler_section, Mapping):
                 raise ValueError("model-config.yaml 'handler:' section must be a mapping of setting names to values")
-            unknown = sorted(str(k) for k in handler_section if k not in fields)
-            if unknown:
-                raise ValueError(
-                    f"unknown key(s) in model-config.yaml handler section: {', '.join(_with_hints(unknown, fields))}; "
-                    f"valid keys: {', '.join(fields)}"
-                )
+            cls.check_names(handler_section, "in model-config.yaml handler section")
             for key, value in handler_section.items():
                 raw[key] = value
                 origin[key] = f"handler.{key}"
@@ -351,6 +346,21 @@ class Settings(BaseModel):
                 "batchSize serialises them: raise batchSize or lower max_sessions"
             )
         return settings
+
+    @classmethod
+    def check_names(cls, keys: Iterable[Any], where: str) -> None:
+        """Refuse keys that name no setting: ``where`` says where they came from (``"in --set"``).
+
+        Raises:
+            ValueError: ``unknown key(s) <where>: session_tl_s (did you mean session_ttl_s?); valid
+                keys: ...``.
+        """
+        fields = cls.model_fields
+        unknown = sorted(str(k) for k in keys if k not in fields)
+        if unknown:
+            raise ValueError(
+                f"unknown key(s) {where}: {', '.join(_with_hints(unknown, fields))}; valid keys: {', '.join(fields)}"
+            )
 
     @classmethod
     def env_table(cls) -> str:

@@ -1036,6 +1036,7 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
         environment = default_environment(args.response_timeout)
         environment.update(dict(args.environment))
         try:  # before any AWS call: a typo in --set or --env, or a bad value, is named here
+            Settings.check_names(dict(args.overrides), "in --set")
             Settings.from_sources(dict(args.overrides), environment)
         except ValueError as exc:
             print(f"llava-deploy: {exc}", file=sys.stderr)

@@ -593,6 +593,7 @@ class LocalServer:
         config = yaml.safe_load(self.config_path.read_text()) or {}
         section = {**dict((config.get("handler") if isinstance(config, dict) else None) or {}), **self.overrides}
         try:
+            Settings.check_names(self.overrides, "in --set")
             Settings.from_sources(section, {**os.environ, **self.env})
         except ValueError as exc:
             raise ServerStartError(f"invalid handler settings: {exc}") from None
