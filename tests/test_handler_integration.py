@@ -542,3 +542,46 @@ def test_killed_worker_sessions_get_404_fast_and_new_sessions_work(small_server,
     r = post(small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=new)
     assert r.status_code == 200
     assert set(small_server.worker_pids()).isdisjoint(old_workers) and small_server.restarts == 1
+
+
+def test_a_worker_killed_as_it_turns_ready_is_restarted_again(small_server, photos):
+    """The supervisor restarts TorchServe after a worker dies; a new worker killed the moment the
+    management API reports it READY (before the supervisor's next look) is caught too, and the server
+    serves again (it used to wait for a worker TorchServe never recovers)."""
+    import json as _json
+    import urllib.request
+
+    restarts = small_server.restarts
+    for pid in small_server.worker_pids():
+        psutil.Process(pid).kill()
+    t0 = time.monotonic()
+    killed = None
+    while killed is None:  # watch the restart and kill its worker as soon as it is READY
+        assert time.monotonic() - t0 < 60, "no READY worker within 60 s of the restart"
+        try:
+            with urllib.request.urlopen(f"{small_server.management_url}/models/llava", timeout=2) as reply:
+                workers = _json.loads(reply.read())[0]["workers"]
+        except OSError:
+            time.sleep(0.01)
+            continue
+        ready = [w["pid"] for w in workers if w["status"] == "READY" and w.get("pid")]
+        if ready and small_server.restarts > restarts:
+            killed = ready[0]
+            psutil.Process(killed).kill()
+        time.sleep(0.01)
+    while True:
+        assert time.monotonic() - t0 < 120, "the server did not serve again after the second kill"
+        try:
+            opened = post(
+                small_server, {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}}
+            )
+            if opened.status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    sid = opened.json()["session_id"]
+    r = post(small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=sid)
+    assert r.status_code == 200 and small_server.restarts == restarts + 2
+    assert killed not in small_server.worker_pids()
+    post(small_server, {"type": "close_session"}, session_id=sid)

@@ -125,6 +125,14 @@ class ServerStartError(RuntimeError):
     """TorchServe could not be prepared or did not become ready; the message ends with a log tail."""
 
 
+class _WorkerDied(ServerStartError):
+    """A worker died before TorchServe was ready, and not of a failed load (``pids``)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        super().__init__(f"worker {pids} died during start-up")
+        self.pids = pids
+
+
 class LocalServer:
     """One TorchServe instance on loopback serving the handler with one model directory.
 
@@ -193,6 +201,8 @@ class LocalServer:
         self._stopping = threading.Event()
         self._command: list[str] = []
         self._child_env_cache: dict[str, str] = {}
+        self._ready_pids: set[int] = set()  # worker pids the management API last reported READY
+        self._reported_pids: set[int] = set()  # and those it reported at all (any status)
         self._watched: set[int] = set()
         self._supervisor: threading.Thread | None = None
         self.supervise = supervise
@@ -418,7 +428,7 @@ class LocalServer:
     # ---- supervision ----------------------------------------------------------------------
 
     def _start_supervisor(self) -> None:
-        self._watched = set(self.worker_pids())
+        self._watched = self._ready_pids or set(self.worker_pids())
         self._supervisor = threading.Thread(target=self._supervise, name="llava-serve-supervisor", daemon=True)
         self._supervisor.start()
 
@@ -456,6 +466,9 @@ class LocalServer:
                 self.restarts += 1
             try:
                 self._wait_ready()
+            except _WorkerDied as died:
+                self._watched = set(died.pids)  # the next tick restarts again
+                continue
             except ServerStartError as exc:
                 if not self._stopping.is_set():  # stop() during the restart is no failure
                     print(f"llava-serve: restart failed: {exc}", file=sys.stderr, flush=True)
@@ -463,7 +476,7 @@ class LocalServer:
                         if self._proc is not None:
                             _stop_process_group(self._proc, self.stop_grace_s)
                 return
-            self._watched = set(self.worker_pids())
+            self._watched = self._ready_pids or set(self.worker_pids())
 
     def _write_model_config(self, path: Path) -> Path:
         config = yaml.safe_load(self.config_path.read_text()) or {}
@@ -564,8 +577,17 @@ class LocalServer:
         return "\n".join(lines) + "\n"
 
     def _wait_ready(self) -> None:
+        """Wait until every worker is READY and ``/ping`` answers 200.
+
+        Raises:
+            ServerStartError: TorchServe exited, the handler failed to load, the start-up timeout
+                passed, or (:class:`_WorkerDied`) a worker died without a load failure (killed).
+        """
+        psutil = _psutil()
         deadline = time.monotonic() + self.startup_timeout_s
         status = "no answer from the management API"
+        seen: set[int] = set()
+        self._ready_pids = self._reported_pids = set()  # this start's workers only
         while True:
             if self._abort.is_set():
                 raise ServerStartError("start-up aborted")
@@ -575,6 +597,17 @@ class LocalServer:
             if self._load_failed():
                 raise ServerStartError(f"the handler failed to load the model: {self._worker_error()}")
             ready, status = self._model_ready()
+            seen |= self._reported_pids
+            dead = sorted(pid for pid in seen if not _alive(psutil, pid))
+            if dead:
+                # a worker that failed to load says so in its log as it exits (next turn raises that);
+                # one killed (even the moment it turned READY) stays UNLOADING for good in TorchServe
+                settle = time.monotonic() + 1.0
+                while not self._load_failed() and time.monotonic() < settle:
+                    time.sleep(_POLL_S)
+                if not self._load_failed():
+                    raise _WorkerDied(dead)
+                continue
             if ready and _http_status(self.url + "/ping") == 200:
                 return
             if time.monotonic() > deadline:
@@ -628,11 +661,16 @@ class LocalServer:
             with _OPENER.open(f"{self.management_url}/models/{MODEL_NAME}", timeout=2) as response:
                 described = json.loads(response.read())
         except (OSError, ValueError) as exc:
+            self._ready_pids = set()
             return False, f"management API: {exc}"
         workers = described[0].get("workers", []) if described else []
         states = [w.get("status") for w in workers]
-        num_ready = states.count("READY")
-        return num_ready >= self.workers, f"worker states {states}"
+        self._reported_pids = {int(w["pid"]) for w in workers if int(w.get("pid") or -1) > 0}
+        # the supervisor watches these: taken when READY, a worker killed right after is still seen dying
+        self._ready_pids = {
+            int(w["pid"]) for w in workers if w.get("status") == "READY" and int(w.get("pid") or -1) > 0
+        }
+        return states.count("READY") >= self.workers, f"worker states {states}"
 
     def _frontend_process(self):
         psutil = _psutil()
