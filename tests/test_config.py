@@ -171,12 +171,6 @@ def test_system_prompt_is_never_echoed_in_errors() -> None:
     assert "12345" not in str(info.value)
 
 
-def test_max_sessions_must_fit_batch_size() -> None:
-    assert Settings.from_sources({"max_sessions": 8}, batch_size=8).max_sessions == 8
-    with pytest.raises(ValueError, match=r"max_sessions \(9\) is above model-config.yaml batchSize \(8\)"):
-        Settings.from_sources({"max_sessions": 9}, batch_size=8)
-
-
 def test_env_table_lists_every_field() -> None:
     table = Settings.env_table()
     lines = table.strip().splitlines()

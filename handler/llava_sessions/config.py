@@ -292,9 +292,6 @@ class Settings(BaseModel):
         cls,
         handler_section: Mapping[str, Any] | None,
         env: Mapping[str, str] | None = None,
-        *,
-        batch_size: int | None = None,
-        replicas: int = 1,
     ) -> Settings:
         """Build settings from the yaml ``handler:`` section, then ``LLAVA_*`` environment overrides.
 
@@ -307,10 +304,6 @@ class Settings(BaseModel):
                 ``LLAVA_<FIELD>`` variables named after a field are read; any other ``LLAVA_*``
                 variable but the tools' own (:data:`TOOL_ENV_VARS`) is refused as a typo. Values: ints, floats, booleans (1/0, true/false, yes/no,
                 on/off), comma-separated lists; an empty value or ``none`` clears an optional field.
-            batch_size: model-config.yaml ``batchSize``, when known; ``max_sessions`` x ``replicas``
-                must not exceed it (a worker with more sessions than batchSize serialises them, see
-                notes/torchserve-sagemaker.md).
-            replicas: the worker's replicas (one per GPU), for the ``batch_size`` check.
 
         Raises:
             ValueError: an unknown yaml key (the message lists valid keys), an unknown ``LLAVA_*``
@@ -339,12 +332,6 @@ class Settings(BaseModel):
             settings = cls(**raw)
         except ValidationError as exc:
             raise ValueError(_describe(exc, origin)) from None
-        if batch_size is not None and settings.max_sessions * replicas > batch_size:
-            held = f"max_sessions ({settings.max_sessions})" + (f" x {replicas} replicas" if replicas > 1 else "")
-            raise ValueError(
-                f"{held} is above model-config.yaml batchSize ({batch_size}); a worker holding more sessions than "
-                "batchSize serialises them: raise batchSize or lower max_sessions"
-            )
         return settings
 
     @classmethod
