@@ -201,8 +201,7 @@ class LocalServer:
         self._stopping = threading.Event()
         self._command: list[str] = []
         self._child_env_cache: dict[str, str] = {}
-        self._ready_pids: set[int] = set()  # worker pids the management API last reported READY
-        self._reported_pids: set[int] = set()  # and those it reported at all (any status)
+        self._ready_pids: set[int] = set()  # worker pids READY when the last start became ready
         self._watched: set[int] = set()
         self._supervisor: threading.Thread | None = None
         self.supervise = supervise
@@ -586,8 +585,7 @@ class LocalServer:
         psutil = _psutil()
         deadline = time.monotonic() + self.startup_timeout_s
         status = "no answer from the management API"
-        seen: set[int] = set()
-        self._ready_pids = self._reported_pids = set()  # this start's workers only
+        seen: set[int] = set()  # every worker pid this start reported, whatever its state
         while True:
             if self._abort.is_set():
                 raise ServerStartError("start-up aborted")
@@ -596,19 +594,18 @@ class LocalServer:
                 raise ServerStartError(f"TorchServe exited during start-up (exit code {code})")
             if self._load_failed():
                 raise ServerStartError(f"the handler failed to load the model: {self._worker_error()}")
-            ready, status = self._model_ready()
-            seen |= self._reported_pids
+            ready, status, workers = self._model_ready()
+            seen |= workers.keys()
             dead = sorted(pid for pid in seen if not _alive(psutil, pid))
             if dead:
                 # a worker that failed to load says so in its log as it exits (next turn raises that);
                 # one killed (even the moment it turned READY) stays UNLOADING for good in TorchServe
-                settle = time.monotonic() + 1.0
-                while not self._load_failed() and time.monotonic() < settle:
-                    time.sleep(_POLL_S)
-                if not self._load_failed():
+                if not self._load_failed(wait_s=1.0):
                     raise _WorkerDied(dead)
                 continue
             if ready and _http_status(self.url + "/ping") == 200:
+                # the supervisor watches these: a worker killed right after is still seen dying
+                self._ready_pids = {pid for pid, state in workers.items() if state == "READY"}
                 return
             if time.monotonic() > deadline:
                 raise ServerStartError(f"TorchServe not ready after {self.startup_timeout_s:.0f} s ({status})")
@@ -646,31 +643,33 @@ class LocalServer:
                 return f"see {model_log}"
             time.sleep(_POLL_S)
 
-    def _load_failed(self) -> bool:
+    def _load_failed(self, wait_s: float = 0.0) -> bool:
+        """Whether the handler's log says it failed to load, waiting up to ``wait_s`` for it to."""
         # TorchServe would restart the worker with back-off forever; a local run fails fast. TorchServe
         # 0.12 logs "Failed to load model" for a RuntimeError only; any other exception from the
         # handler's initialize kills the worker process ("Backend worker process died.").
         model_log = self.log_dir / "model_log.log"
-        if not model_log.is_file():
-            return False
-        text = model_log.read_text(errors="replace")
-        return "Failed to load model" in text or "Backend worker process died" in text
+        deadline = time.monotonic() + wait_s
+        while True:
+            text = model_log.read_text(errors="replace") if model_log.is_file() else ""
+            if "Failed to load model" in text or "Backend worker process died" in text:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
 
-    def _model_ready(self) -> tuple[bool, str]:
+    def _model_ready(self) -> tuple[bool, str, dict[int, str]]:
+        """(every worker READY, a status line, each reported worker's state by pid) from TorchServe's
+        management API (a worker not started yet reports pid -1 and is left out)."""
         try:
             with _OPENER.open(f"{self.management_url}/models/{MODEL_NAME}", timeout=2) as response:
                 described = json.loads(response.read())
         except (OSError, ValueError) as exc:
-            self._ready_pids = set()
-            return False, f"management API: {exc}"
+            return False, f"management API: {exc}", {}
         workers = described[0].get("workers", []) if described else []
         states = [w.get("status") for w in workers]
-        self._reported_pids = {int(w["pid"]) for w in workers if int(w.get("pid") or -1) > 0}
-        # the supervisor watches these: taken when READY, a worker killed right after is still seen dying
-        self._ready_pids = {
-            int(w["pid"]) for w in workers if w.get("status") == "READY" and int(w.get("pid") or -1) > 0
-        }
-        return states.count("READY") >= self.workers, f"worker states {states}"
+        by_pid = {int(w["pid"]): str(w.get("status")) for w in workers if int(w.get("pid") or -1) > 0}
+        return states.count("READY") >= self.workers, f"worker states {states}", by_pid
 
     def _frontend_process(self):
         psutil = _psutil()
