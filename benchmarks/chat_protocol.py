@@ -31,7 +31,7 @@ from typing import Any
 
 from PIL import Image
 
-from llava_sessions.jobs import Row
+from llava_sessions.wire.jobs import Row
 from llava_sessions.worker import build_local_service
 from llava_tools.samples import sample_photo
 

@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 
 from llava_sessions.config import Settings
-from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, Generation, ImageTask, SessionEngine, default_device_budget
-from llava_sessions.images import decode_image
+from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
-from llava_sessions.sampling import SamplingParams
-from llava_sessions.sessions import SessionStore
+from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.sessions.conversation import Chat
+from llava_sessions.sessions.store import SessionStore
 from llava_sessions.worker import AUTO_STEP_TOKEN_BUDGET
 from llava_tools.samples import sample_photo
 

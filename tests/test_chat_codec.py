@@ -10,8 +10,9 @@ import json
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from llava_sessions.chat_codec import ChatStream, chat_command, encode_completion
-from llava_sessions.chat_protocol import parse_chat_body
+from llava_sessions.chat.commands import chat_command
+from llava_sessions.chat.protocol import parse_chat_body
+from llava_sessions.chat.responses import ChatStream, encode_completion
 from llava_sessions.config import Settings
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.results import Answer, TokenEvent

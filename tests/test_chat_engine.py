@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from llava_sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from llava_sessions.errors import ErrorCode, ServiceError
-from llava_sessions.sampling import SamplingParams
+from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from test_engine import GREEDY, N, decode, ids, make_engine
 
 
@@ -168,7 +168,7 @@ def test_images_are_shared_across_sessions_by_exact_content(runner, photos, monk
 
 def test_share_images_off_keeps_sessions_apart(runner, photos, monkeypatch):
     from llava_sessions.engine import EngineLimits, SessionEngine
-    from llava_sessions.sessions import SessionStore
+    from llava_sessions.sessions.store import SessionStore
 
     store = SessionStore(
         kv_bytes_per_token=runner.kv_bytes_per_token,

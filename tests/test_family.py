@@ -16,10 +16,10 @@ from PIL import Image
 
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
-from llava_sessions.images import decode_image
+from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import ARCHITECTURES, LlavaRunner, checkpoint_architecture
-from llava_sessions.sampling import SamplingParams
-from llava_sessions.sessions import SessionStore, Tier
+from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.sessions.store import SessionStore, Tier
 
 N = 10
 GREEDY = SamplingParams(max_new_tokens=N)

@@ -28,8 +28,8 @@ from skimage import data as skdata
 from llava_sessions import images
 from llava_sessions.config import Settings
 from llava_sessions.errors import ErrorCode, ServiceError
-from llava_sessions.images import decode_image, fetch_image_bytes
-from llava_sessions.protocol import ImageSource
+from llava_sessions.images import decode_image, fetch, fetch_image_bytes
+from llava_sessions.images.source import ImageSource
 
 MAX_PIXELS = 40_000_000
 
@@ -633,10 +633,10 @@ def test_tls_is_verified_against_the_host_name_while_connecting_to_the_vetted_ip
     base, cert = tls_server
     settings = Settings(allow_private_networks=True)
     # Connected to 127.0.0.1 (the vetted address), yet SNI and the certificate check use "localhost".
-    assert images._fetch_url(f"{base}/img/astronaut", settings, verify=str(cert)) == astronaut_png
+    assert fetch._fetch_url(f"{base}/img/astronaut", settings, verify=str(cert)) == astronaut_png
     # The certificate does not name 127.0.0.1: verification is really on.
     port = urlsplit(base).port
-    error = error_of(images._fetch_url, f"https://127.0.0.1:{port}/img/astronaut", settings, verify=str(cert))
+    error = error_of(fetch._fetch_url, f"https://127.0.0.1:{port}/img/astronaut", settings, verify=str(cert))
     assert error.code == ErrorCode.IMAGE_FETCH_FAILED and "certificate" in error.message
     # Without the test CA the self-signed certificate is refused (production default verify=True).
     assert (
@@ -648,7 +648,7 @@ def test_https_to_http_downgrade_redirect_is_refused(tls_server: tuple[str, Path
     base, cert = tls_server
     settings = Settings(allow_private_networks=True)  # allow_http stays False
     target = quote(f"{http_server}/img/astronaut", safe="")
-    error = error_of(images._fetch_url, f"{base}/redirect?to={target}", settings, verify=str(cert))
+    error = error_of(fetch._fetch_url, f"{base}/redirect?to={target}", settings, verify=str(cert))
     assert error.code == ErrorCode.IMAGE_URL_FORBIDDEN and "https" in error.message
 
 

@@ -75,7 +75,7 @@ def test_the_client_installs_and_imports_without_the_server() -> None:
 def test_the_client_copy_of_the_header_contract_equals_the_server_one() -> None:
     import llava_client
     from llava_client import _transport
-    from llava_sessions import contract
+    from llava_sessions.wire import contract
 
     assert _transport.SESSION_ID_HEADER == contract.SESSION_ID_HEADER
     assert _transport.NEW_SESSION_ID_HEADER == contract.NEW_SESSION_ID_HEADER
@@ -125,25 +125,35 @@ def test_the_design_doc_names_every_module_of_both_packages() -> None:
 
 # ------------------------------------------------------------------ the core's import graph
 #: The worker core's layers, lowest first: a module imports (at run time) only modules of lower layers.
-#: Plain data at the bottom, then the model and the session state, the engine, the protocol's codec,
-#: the service, the replicas and the wiring.
+#: Plain data at the bottom (the packages' own files load nothing), then what both dialects stand on
+#: (images, inbound bodies, framing), the model and the session state, the engine, the jobs in flight,
+#: the two dialects side by side, the service, the replicas and the wiring.
 LAYERS: list[set[str]] = [
-    {"errors", "contract", "conversation", "results", "ledger", "config", "metrics"},
-    {"sampling_params", "responses", "image_decode", "model.kv_cache", "model.loading", "model.templating"},
-    {"protocol_errors", "sampling", "images", "model.runner", "engine.scheduler", "engine.memory"},
-    {"model", "chat_protocol"},
-    {"session", "protocol"},
-    {"sessions", "chat_codec", "engine.sequence", "engine.decode_batch", "engine.sharing"},
-    {"engine.admission", "engine.updates", "engine.model_runner", "codec"},
+    {"errors", "config", "results", "metrics", "wire.contract", "sessions.conversation", "sessions.ledger"},
+    {"sessions", "sampling", "wire", "native", "chat", "engine.scheduler", "model.kv_cache", "model.loading"},
+    {"sampling.params", "images.decode", "model.templating", "wire.framing", "engine.memory", "engine.sharing"},
+    {"wire.inbound", "images.fetch", "model.runner", "sampling.sampler"},
+    {"images.source", "images", "model", "engine.sequence", "chat.protocol"},
+    {"native.protocol", "chat.commands", "sessions.session", "engine.admission", "engine.updates"},
+    {"native.commands", "chat.responses", "sessions.store", "engine.decode_batch"},
+    {"native.responses", "engine.model_runner"},
     {"engine.engine"},
     {"engine"},
-    {"jobs"},
-    {"chat_jobs"},
+    {"wire.jobs"},
+    {"native.serving", "chat.serving"},
     {"service"},
     {"replicas"},
     {"worker"},
     {"__init__"},
 ]
+
+#: The two dialects: neither imports the other (what both need sits below them).
+DIALECTS = ("native", "chat")
+#: The engine and what it stands on: a request's way down reaches them and never comes back up; none
+#: of these imports the wire, a dialect, the service or the wiring.
+BELOW_THE_WIRE = ("engine", "model", "sessions", "sampling")
+#: The core's top level keeps at most this many modules beside its sub-packages.
+MAX_TOP_LEVEL_MODULES = 8
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -158,9 +168,10 @@ def _is_module(name: str, root: Path) -> bool:
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
-def core_import_graph(root: Path = CORE) -> dict[str, set[str]]:
+def core_import_graph(root: Path = CORE, *, typing_too: bool = False) -> dict[str, set[str]]:
     """Run-time imports between the core's modules (imports under ``if TYPE_CHECKING:`` are types
-    only). Importing a module of another package also runs that package's ``__init__``: an edge too."""
+    only: edges only with ``typing_too``). Importing a module of another package also runs that
+    package's ``__init__``: an edge too."""
     graph: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.py")):
         me = _module_name(path, root)
@@ -169,7 +180,7 @@ def core_import_graph(root: Path = CORE) -> dict[str, set[str]]:
         typing_only = {
             id(n)
             for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            if not typing_too and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
             for n in ast.walk(node)
         }
         edges: set[str] = set()
@@ -207,8 +218,33 @@ def test_the_core_imports_point_down_only() -> None:
     """Every run-time import goes to a lower layer of :data:`LAYERS`, so there is no cycle either
     (the old circle worker ↔ replicas, hidden in a function, is gone: the replicas get their builder)."""
     graph = core_import_graph()
-    assert "engine.scheduler" in graph["engine.sequence"] and "model" in graph["session"]
+    assert "engine.scheduler" in graph["engine.sequence"] and "model" in graph["sessions.session"]
     assert upward_edges(graph, LAYERS) == []
+
+
+def test_the_dialects_do_not_import_each_other_and_nothing_below_imports_the_wire() -> None:
+    graph = core_import_graph(typing_too=True)
+    crossing = [
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        for mine, other in ((DIALECTS[0], DIALECTS[1]), (DIALECTS[1], DIALECTS[0]))
+        if a.split(".")[0] == mine and b.split(".")[0] == other
+    ]
+    assert crossing == []
+    upward = {"wire", "service", "replicas", "worker", *DIALECTS}
+    assert [
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if a.split(".")[0] in BELOW_THE_WIRE and b.split(".")[0] in upward
+    ] == []
+    assert "chat.serving" in graph["service"] and "native.serving" in graph["service"]  # the check sees them
+
+
+def test_the_core_top_level_stays_small() -> None:
+    modules = sorted(p.name for p in CORE.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
 
 
 def test_the_import_check_finds_a_cycle_a_hidden_import_and_an_upward_edge(tmp_path: Path) -> None:
@@ -228,25 +264,40 @@ def test_the_import_check_finds_a_cycle_a_hidden_import_and_an_upward_edge(tmp_p
     assert upward_edges(graph, [{"b"}, {"a"}, {"sub", "sub.c"}])[:2] == ["d: no layer", "b -> a"]
 
 
-def test_the_codec_results_and_conversation_import_no_torch() -> None:
-    code = (
-        "import sys, llava_sessions.codec, llava_sessions.results, llava_sessions.conversation, "
-        "llava_sessions.ledger, llava_sessions.sampling_params; print('torch' in sys.modules)"
-    )
+def test_the_dialects_results_and_conversation_import_no_torch() -> None:
+    modules = [
+        f"llava_sessions.{name}"
+        for name in (
+            "native.protocol",
+            "native.commands",
+            "native.responses",
+            "chat.protocol",
+            "chat.commands",
+            "chat.responses",
+            "wire.framing",
+            "wire.inbound",
+            "images",
+            "results",
+            "sessions.conversation",
+            "sessions.ledger",
+            "sampling.params",
+        )
+    ]
+    code = f"import sys, {', '.join(modules)}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_session_fields_change_only_through_the_session_and_the_store() -> None:
-    """No module but session.py and sessions.py assigns a field of a Session (``session.kv_cache = ...``)."""
+    """No module but sessions/session.py and sessions/store.py assigns a field of a Session (``session.kv_cache = ...``)."""
     from dataclasses import fields
 
-    from llava_sessions.session import Session
+    from llava_sessions.sessions.session import Session
 
     names = {f.name for f in fields(Session)}
     edits = []
     for path in sorted(CORE.rglob("*.py")):
-        if path.name in ("session.py", "sessions.py"):
+        if path.relative_to(CORE).as_posix() in ("sessions/session.py", "sessions/store.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]

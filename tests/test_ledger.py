@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from llava_sessions.ledger import Demotion, SessionLedger, Tier
+from llava_sessions.sessions.ledger import Demotion, SessionLedger, Tier
 
 KV = 1000  # bytes per KV token in these tests
 FEAT = 50_000  # bytes of one session's image features

@@ -11,18 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from llava_sessions import protocol, responses
-from llava_sessions.contract import (
-    CLOSED_SESSION_ID_HEADER,
-    NEW_SESSION_ID_HEADER,
-    NEW_SESSION_LITERAL,
-    SESSION_ID_HEADER,
-    SESSION_ID_RE,
-    format_expires,
-    session_header_value,
-)
 from llava_sessions.errors import ErrorCode, ServiceError
-from llava_sessions.protocol import (
+from llava_sessions.native import protocol, responses
+from llava_sessions.native.protocol import (
     REQUEST_TYPES,
     AddImageRequest,
     CloseSessionRequest,
@@ -35,7 +26,7 @@ from llava_sessions.protocol import (
     StartSessionRequest,
     parse_request,
 )
-from llava_sessions.responses import (
+from llava_sessions.native.responses import (
     CloseResponse,
     ErrorBody,
     GenerateResponse,
@@ -46,6 +37,15 @@ from llava_sessions.responses import (
     StartSessionResponse,
     StreamLine,
     TokenInfo,
+)
+from llava_sessions.wire.contract import (
+    CLOSED_SESSION_ID_HEADER,
+    NEW_SESSION_ID_HEADER,
+    NEW_SESSION_LITERAL,
+    SESSION_ID_HEADER,
+    SESSION_ID_RE,
+    format_expires,
+    session_header_value,
 )
 
 LIMITS = {"max_body_bytes": 4096, "max_prompt_chars": 100, "max_new_tokens_cap": 512}
@@ -89,6 +89,7 @@ def test_public_api_is_pinned() -> None:
             "SendTextPromptRequest",
             "StartSessionRequest",
             "parse_request",
+            "validate_request",
         ]
     )
     assert sorted(responses.__all__) == sorted(
@@ -105,6 +106,15 @@ def test_public_api_is_pinned() -> None:
             "StartSessionResponse",
             "StreamLine",
             "TokenInfo",
+            "encode_add_image",
+            "encode_answer",
+            "encode_close",
+            "encode_error",
+            "encode_open",
+            "encode_reset",
+            "encode_stream_end",
+            "encode_stream_error",
+            "encode_tokens",
         ]
     )
     for module in (protocol, responses):
@@ -659,7 +669,7 @@ def test_session_id_re_matches_botocore(value: str, valid: bool) -> None:
 
 
 def test_open_session_history_is_validated():
-    from llava_sessions.protocol import OpenSessionRequest, parse_request
+    from llava_sessions.native.protocol import OpenSessionRequest, parse_request
 
     limits = {"max_body_bytes": 6_291_456, "max_prompt_chars": 100, "max_new_tokens_cap": 1024}
     body = {

@@ -22,9 +22,9 @@ from PIL import Image
 
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
-from llava_sessions.images import decode_image
-from llava_sessions.sampling import SamplingParams
-from llava_sessions.sessions import SessionStore
+from llava_sessions.images.fetch import decode_image
+from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.sessions.store import SessionStore
 from server_fixtures import prometheus_text, start_local_server
 
 SID = "X-Amzn-SageMaker-Session-Id"

@@ -142,7 +142,7 @@ def _properties(path: Path) -> dict[str, str]:
 
 
 def test_container_config_names_the_sagemaker_session_headers() -> None:
-    from llava_sessions.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SESSION_ID_HEADER
+    from llava_sessions.wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SESSION_ID_HEADER
 
     props = _properties(REPO / "config" / "config.properties")
     assert props["ts_header_key_sequence_id"] == SESSION_ID_HEADER == SESSION

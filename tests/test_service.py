@@ -8,8 +8,8 @@ import json
 import pytest
 
 from llava_sessions.config import Settings
-from llava_sessions.ledger import Tier
 from llava_sessions.service import Row, SessionService
+from llava_sessions.sessions.ledger import Tier
 from llava_sessions.worker import build_service
 
 
@@ -110,7 +110,7 @@ def test_stream_and_plain_answers_advance_in_slices(service, photos):
     assert over[2].status == 409  # s1 is busy with g3 (in the same batch)
     # a NEW request for s2 while g4 is absent from the batch: TorchServe dropped g4 (client gone)
     again = service.handle([Row("g7", "s2", False, q)])[0]
-    assert again.status == 200 and "g4" not in service._jobs
+    assert again.status == 200 and "g4" not in service.jobs.jobs
     over = service.handle([Row("g6", "missing", False, q)])
     assert over[0].status == 404
     for sid in ("s1", "s2"):
@@ -156,7 +156,7 @@ def test_jobs_run_ahead_between_calls_by_at_most_a_slice_and_answer_the_same(ser
     ahead_text, ahead_frames, ahead_plain = answer(ahead=True)
     assert (ahead_text, ahead_plain) == (text, plain)
     assert ahead_frames == [2, 4, 3]  # each later call emits the slice it ran plus what ran ahead
-    assert not service.run_ahead() and not service._jobs  # nothing in flight: nothing to run
+    assert not service.run_ahead() and not service.jobs.jobs  # nothing in flight: nothing to run
     for sid in ("ra1", "ra2"):
         service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
 

@@ -1,9 +1,9 @@
 """Typed errors with stable codes, shared by the engine, the store and the protocol layer.
 
 Every error a client can see is a :class:`ServiceError` carrying an HTTP status, a stable
-``code`` (an :class:`ErrorCode` value, never renamed once released) and a human message.
-The codec renders it as ``{"error": {"code": ..., "message": ...}}`` with that status.
-No torch, no HTTP here.
+``code`` (an :class:`ErrorCode` value, never renamed once released) and a human message. It knows
+no dialect: the request's dialect writes it with that status (the native
+``{"error": {"code", "message"}}``, or OpenAI's error object). No torch, no HTTP here.
 """
 
 from __future__ import annotations
@@ -73,9 +73,6 @@ class ServiceError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
         self.param = param
-        #: the dialect of the request it answers: ``native`` (``{"error": {code, message}}``) or
-        #: ``openai`` (OpenAI's error object); set where the request's dialect is known.
-        self.dialect = "native"
 
     @property
     def status(self) -> int:

@@ -38,12 +38,13 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .codec import Codec
 from .config import Settings, resolve_devices
-from .contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER
 from .errors import ErrorCode, ServiceError
 from .metrics import WorkerMetrics
-from .service import Row, RowResult, SessionService
+from .native.responses import encode_error
+from .service import SessionService
+from .wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER
+from .wire.framing import Framing, Row, RowResult
 
 __all__ = ["ReplicaRouter", "resolve_devices"]
 
@@ -140,7 +141,6 @@ class ReplicaRouter:
         self._build = dict(build)
         self._builder = builder
         self._metrics = WorkerMetrics(metrics, interval_s=settings.metrics_interval_ms / 1000.0)
-        self._codec = Codec(settings)
         self._ctx = multiprocessing.get_context("spawn")
         self.replicas = [_Replica(i, d) for i, d in enumerate(devices)]
         self.placement: dict[str, int] = {}  # session id -> replica
@@ -294,7 +294,7 @@ class ReplicaRouter:
         """A 500 ``internal_error`` row (a dead replica's rows, the entry's last line of defence);
         ``chunk``: the row continues a job whose first frame went out (this one is its last)."""
         err = ServiceError(ErrorCode.INTERNAL_ERROR, "the model replica serving this request stopped")
-        return RowResult(self._codec.encode_error(err), status=err.status, stop=True if chunk else None)
+        return Framing.frame(encode_error(err), continued=chunk, last=True, status=err.status)
 
     def emit_metrics(self) -> None:
         """Metrics are published as each replica answers (:meth:`_call`); nothing left to do."""

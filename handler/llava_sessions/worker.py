@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from .config import Settings, job_groups
-from .contract import CLOSED_SESSION_ID_HEADER
 from .engine import EngineLimits, SessionEngine, available_host_bytes, default_device_budget
-from .images import decode_image
+from .images.decode import decode_image
 from .metrics import WorkerMetrics
 from .model import LlavaRunner
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
-from .sessions import SessionStore
+from .sessions.store import SessionStore
+from .wire.contract import CLOSED_SESSION_ID_HEADER
 
 __all__ = ["build_engine", "build_local_service", "build_service", "quiet_worker_logs"]
 

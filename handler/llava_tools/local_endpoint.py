@@ -84,7 +84,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from llava_sessions.contract import (
+from llava_sessions.wire.contract import (
     CLOSED_SESSION_ID_HEADER,
     NEW_SESSION_ID_HEADER,
     NEW_SESSION_LITERAL,

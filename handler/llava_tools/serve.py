@@ -39,7 +39,7 @@ from typing import IO, Any
 import yaml
 
 import llava_sessions
-from llava_sessions.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SESSION_ID_HEADER
+from llava_sessions.wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SESSION_ID_HEADER
 
 __all__ = [
     "MODEL_NAME",

@@ -15,15 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..conversation import Chat, ChatTarget, Turn, common_prefix_len
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..results import ContextPolicy, elapsed_ms
-from ..sampling import IncrementalDetokenizer, Sampler, SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import IncrementalDetokenizer, Sampler
+from ..sessions.conversation import Chat, ChatTarget, Turn, common_prefix_len
 from .sequence import Generation, ImageTask
 from .sharing import reusable_len
 
 if TYPE_CHECKING:
-    from ..sessions import Session
+    from ..sessions.session import Session
     from .engine import SessionEngine
 
 __all__ = ["Admission"]

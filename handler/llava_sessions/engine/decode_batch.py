@@ -25,7 +25,7 @@ from .memory import oom_retry
 from .scheduler import BatchLayout
 
 if TYPE_CHECKING:
-    from ..sessions import SessionStore
+    from ..sessions.store import SessionStore
     from .sequence import Generation
 
 __all__ = ["DecodeBatch"]

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..conversation import ChatTarget, Turn, common_prefix_len
 from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
-from ..sampling import SamplingParams
-from ..sessions import SessionStore
+from ..sampling.params import SamplingParams
+from ..sessions.conversation import ChatTarget, Turn, common_prefix_len
+from ..sessions.store import SessionStore
 from .admission import Admission
 from .decode_batch import DecodeBatch
 from .model_runner import ModelRunner

@@ -1,6 +1,6 @@
 """Device memory: the default budget, and one retry after a CUDA out-of-memory error.
 
-Booking is the ledger's (``llava_sessions.ledger``) and the store's; this module measures what is
+Booking is the ledger's (``llava_sessions.sessions.ledger``) and the store's; this module measures what is
 there and turns an allocator failure into demotions of idle sessions, then a typed ``overloaded``.
 """
 
@@ -17,7 +17,8 @@ from ..errors import overloaded
 
 if TYPE_CHECKING:
     from ..model import LlavaRunner
-    from ..sessions import Session, SessionStore
+    from ..sessions.session import Session
+    from ..sessions.store import SessionStore
 
 __all__ = ["available_host_bytes", "default_device_budget", "is_oom", "oom_retry"]
 

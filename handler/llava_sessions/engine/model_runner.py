@@ -21,7 +21,8 @@ from .decode_batch import DecodeBatch
 from .memory import oom_retry
 
 if TYPE_CHECKING:
-    from ..sessions import Session, SessionStore
+    from ..sessions.session import Session
+    from ..sessions.store import SessionStore
     from .sequence import Generation
 
 __all__ = ["ModelRunner"]

@@ -16,13 +16,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ..conversation import common_prefix_len
 from ..results import AddImageResult, Answer, FinishReason, OpenResult, RestoredFrom, TokenEvent, elapsed_ms
-from ..sampling import IncrementalDetokenizer, Sampler, SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import IncrementalDetokenizer, Sampler
+from ..sessions.conversation import common_prefix_len
 from .scheduler import WorkView
 
 if TYPE_CHECKING:
-    from ..sessions import Session, SessionSnapshot
+    from ..sessions.session import Session, SessionSnapshot
 
 __all__ = ["Driver", "Generation", "ImageTask", "Phase", "Work"]
 

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..conversation import common_prefix_len, image_starts
+from ..sessions.conversation import common_prefix_len, image_starts
 
 if TYPE_CHECKING:
     from ..model import LlavaRunner
-    from ..sessions import Session, SessionStore
+    from ..sessions.session import Session
+    from ..sessions.store import SessionStore
 
 __all__ = ["ImageSharing", "reusable_len"]
 

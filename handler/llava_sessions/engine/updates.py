@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError, overloaded
-from ..ledger import Tier
 from ..results import FinishReason, RestoredFrom, elapsed_ms
+from ..sessions.conversation import Turn, common_prefix_len
+from ..sessions.ledger import Tier
 from .sequence import Generation, ImageTask, Work
 
 if TYPE_CHECKING:
-    from ..sessions import Session
+    from ..sessions.session import Session
     from .engine import SessionEngine
 
 __all__ = ["StateUpdates"]

@@ -10,7 +10,8 @@
 - **AWS's session bodies**: ``{"requestType": "NEW_SESSION"}`` and ``{"requestType": "CLOSE"}``
   (aws/model-hosting-container-standards' convention; extra fields refused, as there).
 
-:func:`parse_chat_body` validates the dict :func:`llava_sessions.protocol.parse_request` decoded;
+:func:`parse_chat_body` and :func:`parse_session_body` validate the dict the service decoded
+(``llava_sessions.wire.inbound.load_body``);
 :meth:`ChatCompletionRequest.conversation` maps the messages onto our conversation model (system
 prompt, remembered turns with the images opening each user message, the last user message as the
 question). No torch here.
@@ -24,9 +25,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from .contract import NEW_SESSION_LITERAL
-from .errors import ErrorCode, ServiceError
-from .protocol_errors import Inbound, check_text, validation_error
+from ..errors import ErrorCode, ServiceError
+from ..wire.contract import NEW_SESSION_LITERAL
+from ..wire.inbound import Inbound, check_text, validation_error
 
 __all__ = [
     "UNSUPPORTED_FIELDS",
@@ -37,6 +38,7 @@ __all__ = [
     "SessionControlRequest",
     "TextPart",
     "parse_chat_body",
+    "parse_session_body",
 ]
 
 #: OpenAI request fields this server cannot honour, each refused by name with what to do instead.
@@ -326,3 +328,18 @@ def parse_chat_body(data: dict, *, max_new_tokens_cap: int, max_prompt_chars: in
                 param=f"messages[{i}].content",
             )
     return request
+
+
+_SESSION_BODY_HINTS = {"requestType": "must be 'NEW_SESSION' or 'CLOSE'"}
+
+
+def parse_session_body(data: dict) -> SessionControlRequest:
+    """Validate a decoded AWS session body (it has ``requestType`` and no ``messages``).
+
+    Raises:
+        ServiceError: invalid_request (an extra field) or invalid_parameter (an unknown ``requestType``).
+    """
+    try:
+        return SessionControlRequest.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, strip_tag=False, hints=_SESSION_BODY_HINTS) from None

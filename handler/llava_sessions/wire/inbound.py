@@ -1,23 +1,25 @@
-"""How a refused request body is worded: pydantic's validation errors as one typed ServiceError;
-and the rules every inbound model of both dialects shares (:class:`Inbound`, :func:`check_text`).
+"""What every inbound body of both dialects shares: the body's size and JSON (:func:`load_body`), the
+rules of their models (:class:`Inbound`, :func:`check_text`), and how a refused body is worded
+(pydantic's validation errors as one typed ServiceError: :func:`validation_error`).
 
 Messages name the field (``parameters.top_p: must be > 0 and <= 1``) and are built from the error
 type and the limits only, never from the input, so a prompt or image bytes never echo back. A wrong
-shape is ``invalid_request``; a bad value is ``invalid_parameter``. Used by ``llava_sessions.protocol``.
+shape is ``invalid_request``; a bad value is ``invalid_parameter``. No torch.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
 
-from .errors import ErrorCode, ServiceError
-from .sampling_params import SAMPLING_BOUNDS
+from ..errors import ErrorCode, ServiceError
+from ..sampling.params import SAMPLING_BOUNDS
 
-__all__ = ["SAFE_KEY_RE", "Inbound", "check_text", "invalid", "validation_error"]
+__all__ = ["SAFE_KEY_RE", "Inbound", "check_text", "invalid", "load_body", "validation_error"]
 
 # Error types that mean "wrong shape" (400 invalid_request) rather than "bad value" (invalid_parameter).
 _STRUCTURAL = frozenset(
@@ -160,3 +162,53 @@ def _deepest(errors: list[Any]) -> list[Any]:
     value had that member's shape: its own errors are the ones that help)."""
     locs = [tuple(e["loc"]) for e in errors]
     return [e for e, loc in zip(errors, locs, strict=True) if not any(o[: len(loc)] == loc and o != loc for o in locs)]
+
+
+def load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes: int) -> Any:
+    """Size-check and JSON-decode a request body, before its dialect is known.
+
+    Args:
+        body: the raw body (bytes / bytearray / memoryview / str), or the dict TorchServe already
+            decoded from an ``application/json`` body (measured as compact UTF-8 JSON).
+        max_body_bytes: largest body in bytes.
+
+    Returns:
+        The decoded JSON value (any type: the dialect checks its shape).
+
+    Raises:
+        ServiceError: ``payload_too_large`` (413) over ``max_body_bytes``; ``invalid_request`` (400)
+            for an empty body or one that is not JSON (UTF-8, no NaN / Infinity).
+    """
+    if isinstance(body, dict):
+        try:
+            size = len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
+        except (TypeError, ValueError, RecursionError):
+            raise invalid("request body is not a JSON object") from None
+        if size > max_body_bytes:
+            raise ServiceError(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"request body is over {max_body_bytes} bytes; send large images by url or s3_uri",
+            )
+        return body
+    if isinstance(body, str):
+        size = len(body.encode("utf-8", "surrogatepass"))
+    elif isinstance(body, (bytes, bytearray, memoryview)):
+        body = bytes(body)
+        size = len(body)
+    else:
+        raise invalid("request body must be a JSON object")
+    if size > max_body_bytes:
+        raise ServiceError(
+            ErrorCode.PAYLOAD_TOO_LARGE,
+            f"request body is over {max_body_bytes} bytes; send large images by url or s3_uri",
+        )
+    if size == 0:
+        raise invalid("request body is empty; send a JSON object with a 'type' field")
+
+    def _no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(body, parse_constant=_no_constants)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise invalid("request body is not valid JSON (UTF-8)") from None

@@ -1,4 +1,4 @@
-"""Wire protocol: pydantic models of the JSON bodies exchanged over ``POST /invocations``.
+"""The native dialect's requests: pydantic models of its JSON bodies over ``POST /invocations``.
 
 Requests are a union discriminated on ``"type"``:
 
@@ -12,22 +12,21 @@ Requests are a union discriminated on ``"type"``:
   (sample: aws-samples/sagemaker-genai-hosting-examples, LLava/torchserve; its client sends
   ``session_id`` in the body, which is accepted and ignored: the session header is authoritative).
 
-Any body with ``messages`` is an OpenAI chat-completions request and one with ``requestType`` an AWS
-session body (:mod:`.chat_protocol`).
+A body with ``messages`` or ``requestType`` is the chat dialect's (``llava_sessions.chat``): the
+service decides the dialect once, before either validates.
 
 :func:`parse_request` turns a body (bytes, str or the dict TorchServe already decoded) into one
 of these models or raises :class:`~llava_sessions.errors.ServiceError`. Inbound models forbid
 unknown fields; error messages name the field and never echo prompts or image bytes.
 
 The replies' models (streamed lines in the SageMaker LMI / TGI JSON-lines format included) live in
-:mod:`.responses`, the SageMaker session headers in :mod:`.contract`.
+:mod:`.responses`, the SageMaker session headers in ``llava_sessions.wire.contract``, image
+sources in ``llava_sessions.images.source``.
 No torch here.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -35,14 +34,13 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     field_validator,
-    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from .chat_protocol import ChatCompletionRequest, SessionControlRequest, parse_chat_body
-from .errors import ErrorCode, ServiceError
-from .protocol_errors import SAFE_KEY_RE, Inbound, check_text, invalid, validation_error
-from .sampling_params import SAMPLING_BOUNDS, SamplingBound
+from ..errors import ErrorCode, ServiceError
+from ..images.source import S3_URI_RE, ImageSource
+from ..sampling.params import SAMPLING_BOUNDS, SamplingBound
+from ..wire.inbound import SAFE_KEY_RE, Inbound, check_text, invalid, load_body, validation_error
 
 __all__ = [
     "REQUEST_TYPES",
@@ -60,57 +58,13 @@ __all__ = [
     "SendTextPromptRequest",
     "StartSessionRequest",
     "parse_request",
+    "validate_request",
 ]
-
-_S3_URI_RE = re.compile(r"^s3://[^/\s]{3,255}/[^\s].{0,1023}\Z", re.DOTALL)
 
 
 # ============================================================================================
 # Requests
 # ============================================================================================
-
-
-class ImageSource(Inbound):
-    """Where an image comes from: exactly one of ``url``, ``s3_uri`` or ``base64``.
-
-    ``url`` is vetted when fetched (scheme, host, resolved address: see ``images.py``);
-    ``s3_uri`` must look like ``s3://bucket/key``; ``base64`` is the encoded file (a
-    ``data:image/...;base64,`` prefix is accepted).
-    """
-
-    url: Annotated[str, Field(min_length=1, max_length=8192)] | None = None
-    s3_uri: Annotated[str, Field(min_length=1, max_length=1100)] | None = None
-    base64: Annotated[str, Field(min_length=1)] | None = None
-
-    @field_validator("url")
-    @classmethod
-    def _not_data(cls, value: str | None) -> str | None:
-        if value is not None and value[:5].lower() == "data:":
-            raise PydanticCustomError("data_uri_in_url", "a data: URI goes in image.base64 (url is fetched)")
-        return value
-
-    @field_validator("s3_uri")
-    @classmethod
-    def _s3_shape(cls, value: str | None) -> str | None:
-        if value is not None and not _S3_URI_RE.match(value):
-            raise PydanticCustomError("s3_uri_format", "must look like s3://bucket/key")
-        return value
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> ImageSource:
-        given = [name for name in ("url", "s3_uri", "base64") if getattr(self, name) is not None]
-        if len(given) != 1:
-            raise PydanticCustomError("image_source", "give exactly one of url, s3_uri, base64")
-        return self
-
-    @property
-    def kind(self) -> Literal["url", "s3_uri", "base64"]:
-        """Which source is set: ``"url"``, ``"s3_uri"`` or ``"base64"``."""
-        if self.url is not None:
-            return "url"
-        if self.s3_uri is not None:
-            return "s3_uri"
-        return "base64"
 
 
 class GenerateParameters(Inbound):
@@ -252,7 +206,7 @@ class StartSessionRequest(_RequestBase):
     @field_validator("path")
     @classmethod
     def _path_shape(cls, value: str) -> str:
-        if value.startswith("s3://") and not _S3_URI_RE.match(value):
+        if value.startswith("s3://") and not S3_URI_RE.match(value):
             raise PydanticCustomError("s3_uri_format", "must be an image URL or look like s3://bucket/key")
         return value
 
@@ -314,41 +268,15 @@ REQUEST_TYPES: tuple[str, ...] = (
 _REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
 
 
-def _load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes: int) -> Any:
-    """Size-check and JSON-decode ``body``; a dict passes through (after a size estimate)."""
-    if isinstance(body, dict):
-        try:
-            size = len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
-        except (TypeError, ValueError, RecursionError):
-            raise invalid("request body is not a JSON object") from None
-        if size > max_body_bytes:
-            raise ServiceError(
-                ErrorCode.PAYLOAD_TOO_LARGE,
-                f"request body is over {max_body_bytes} bytes; send large images by url or s3_uri",
-            )
-        return body
-    if isinstance(body, str):
-        size = len(body.encode("utf-8", "surrogatepass"))
-    elif isinstance(body, (bytes, bytearray, memoryview)):
-        body = bytes(body)
-        size = len(body)
-    else:
-        raise invalid("request body must be a JSON object")
-    if size > max_body_bytes:
-        raise ServiceError(
-            ErrorCode.PAYLOAD_TOO_LARGE,
-            f"request body is over {max_body_bytes} bytes; send large images by url or s3_uri",
-        )
-    if size == 0:
-        raise invalid("request body is empty; send a JSON object with a 'type' field")
-
-    def _no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(body, parse_constant=_no_constants)
-    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise invalid("request body is not valid JSON (UTF-8)") from None
+NativeRequest = (
+    OpenSessionRequest
+    | GenerateRequest
+    | AddImageRequest
+    | ResetRequest
+    | CloseSessionRequest
+    | StartSessionRequest
+    | SendTextPromptRequest
+)
 
 
 def parse_request(
@@ -357,19 +285,9 @@ def parse_request(
     max_body_bytes: int,
     max_prompt_chars: int,
     max_new_tokens_cap: int,
-) -> (
-    OpenSessionRequest
-    | GenerateRequest
-    | AddImageRequest
-    | ResetRequest
-    | CloseSessionRequest
-    | StartSessionRequest
-    | SendTextPromptRequest
-    | ChatCompletionRequest
-    | SessionControlRequest
-):
-    """Decode and validate one request body: our own dialect (by ``type``), an OpenAI
-    chat-completions body (by ``messages``) or an AWS session body (by ``requestType``).
+) -> NativeRequest:
+    """Decode and validate one native request body (:func:`~llava_sessions.wire.inbound.load_body`,
+    then :func:`validate_request`).
 
     Args:
         body: the raw body (bytes / bytearray / str), or the dict TorchServe already decoded
@@ -388,18 +306,16 @@ def parse_request(
             range, including a prompt over ``max_prompt_chars`` or ``max_new_tokens`` over the cap.
             Messages name fields (``parameters.top_p: must be > 0 and <= 1``), never their content.
     """
-    data = _load_body(body, max_body_bytes)
-    if isinstance(data, dict) and ("messages" in data or "requestType" in data):
-        try:
-            if "messages" in data:
-                return parse_chat_body(data, max_new_tokens_cap=max_new_tokens_cap, max_prompt_chars=max_prompt_chars)
-            try:
-                return SessionControlRequest.model_validate(data)
-            except ValidationError as exc:
-                raise validation_error(exc, strip_tag=False, hints=_SESSION_BODY_HINTS) from None
-        except ServiceError as err:
-            err.dialect = "openai"  # answered in OpenAI's error object, as the containers of that dialect do
-            raise
+    data = load_body(body, max_body_bytes)
+    return validate_request(data, max_prompt_chars=max_prompt_chars, max_new_tokens_cap=max_new_tokens_cap)
+
+
+def validate_request(data: Any, *, max_prompt_chars: int, max_new_tokens_cap: int) -> NativeRequest:
+    """Validate one decoded native body (by ``type``) under the server's limits.
+
+    Raises:
+        ServiceError: as :func:`parse_request`, the body's size and JSON aside.
+    """
     _check_type(data)
     try:
         request = _REQUEST_ADAPTER.validate_python(data)
@@ -407,9 +323,6 @@ def parse_request(
         raise validation_error(exc) from None
     _check_limits(request, max_prompt_chars=max_prompt_chars, max_new_tokens_cap=max_new_tokens_cap)
     return request
-
-
-_SESSION_BODY_HINTS = {"requestType": "must be 'NEW_SESSION' or 'CLOSE'"}
 
 
 def _check_type(data: Any) -> None:

@@ -33,10 +33,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import ErrorCode, ServiceError, overloaded
+from ..model.kv_cache import cache_len
 from .conversation import Turn, image_key
-from .errors import ErrorCode, ServiceError, overloaded
 from .ledger import Demotion, SessionLedger, Tier
-from .model.kv_cache import cache_len
 from .session import Session, SessionSnapshot
 
 __all__ = ["Session", "SessionSnapshot", "SessionStore", "StoreStats", "Tier"]

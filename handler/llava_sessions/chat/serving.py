@@ -1,4 +1,4 @@
-"""The service's chat-completions part: admit a ``messages`` request or an AWS session body, emit its frames.
+"""The chat dialect's serving: a ``messages`` request or an AWS session body → the engine → OpenAI's frames.
 
 A chat request names its session in the ``X-Amzn-SageMaker-Session-Id`` header as any other:
 
@@ -9,10 +9,10 @@ A chat request names its session in the ``X-Amzn-SageMaker-Session-Id`` header a
   session of its own that is removed when it ends (its images and prefix may come from other
   sessions with ``share_images``); TorchServe's job group is ended with the last frame.
 
-``{"requestType": "NEW_SESSION"}`` opens a session with no image (:meth:`SessionEngine.open_empty`).
-Images are fetched once per session per URL (the session remembers which content a URL gave, and an
-inline image's content by the hash of its base64 text), hashed, and decoded only when no session
-holds them. Errors are OpenAI's error object.
+``{"requestType": "NEW_SESSION"}`` opens a session with no image (:meth:`SessionEngine.open_empty`),
+``{"requestType": "CLOSE"}`` closes the header's. Images are fetched once per session per URL (the
+session remembers which content a URL gave, and an inline image's content by the hash of its base64
+text), hashed, and decoded only when no session holds them. Every error is OpenAI's error object.
 """
 
 from __future__ import annotations
@@ -20,25 +20,34 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
-from .chat_codec import ChatCommand, ChatStream, encode_completion
-from .contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
-from .conversation import ChatTarget, ImageInput, Turn, image_key
-from .engine import Generation
-from .errors import ServiceError
-from .images import decode_image
-from .jobs import Job, Row, RowResult
-from .protocol import ImageSource
-from .results import elapsed_ms
+from ..config import Settings
+from ..engine import Generation, SessionEngine
+from ..errors import ServiceError
+from ..images.decode import decode_image
+from ..images.source import ImageSource
+from ..metrics import WorkerMetrics
+from ..results import elapsed_ms
+from ..sessions.conversation import ChatTarget, ImageInput, Turn, image_key
+from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
+from ..wire.framing import JSON, Framing, Row, RowResult
+from ..wire.jobs import Job, JobTable
+from . import responses
+from .commands import ChatCommand, chat_command
+from .protocol import parse_chat_body, parse_session_body
 
-if TYPE_CHECKING:
-    from .service import SessionService
-
-__all__ = ["ChatJobs"]
+__all__ = ["JSON_LINES_ACCEPT", "ChatServing", "is_chat_body"]
 
 #: The ``Accept`` value that asks a chat stream in JSON lines (LMI's form) rather than server-sent events.
 JSON_LINES_ACCEPT = "application/jsonlines"
+
+
+def is_chat_body(data: Any) -> bool:
+    """Whether a decoded body is this dialect's: an object with ``messages`` (OpenAI chat
+    completions) or ``requestType`` (AWS's session bodies)."""
+    return isinstance(data, dict) and ("messages" in data or "requestType" in data)
 
 
 def _name_of(source: ImageSource) -> str:
@@ -50,51 +59,80 @@ def _name_of(source: ImageSource) -> str:
     return source.url or source.s3_uri or ""
 
 
-class ChatJobs:
-    """Admission and emission of chat requests for a :class:`~.service.SessionService` (module docstring).
+class ChatServing:
+    """Admission and emission of chat requests (module docstring).
 
     Args:
-        service: the service whose engine, codec, fetch, jobs and metrics are used.
+        settings: the handler settings.
+        engine: the session engine.
+        jobs: the jobs in flight and the replies both dialects share.
+        fetch: ``(ImageSource, Settings) -> bytes``.
+        metrics: where answers are observed.
+        model_name: the served model's name (every reply carries it).
+        token_text: token id → its text (``logprobs``).
     """
 
-    def __init__(self, service: SessionService) -> None:
-        self.service = service
+    def __init__(
+        self,
+        settings: Settings,
+        engine: SessionEngine,
+        jobs: JobTable,
+        fetch: Callable[..., bytes],
+        metrics: WorkerMetrics,
+        *,
+        model_name: str,
+        token_text: Callable[[int], str],
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.jobs = jobs
+        self.framing: Framing = jobs.framing
+        self.fetch = fetch
+        self.metrics = metrics
+        self.model_name = model_name
+        self.token_text = token_text
+
+    encode_error = staticmethod(responses.encode_error)
 
     # ------------------------------------------------------------------ admission
-    def open_session(self, row: Row) -> RowResult:
+    def admit(self, row: Row, data: Any, now: float) -> RowResult | Job:
+        """Admit a decoded chat body: AWS's session bodies are answered at once; a ``messages``
+        request resolves its images, then starts its answer in its session.
+
+        Raises:
+            ServiceError: the body's (400), the session's (missing id, gone, busy), the images'
+                (fetch, decode, limits), the conversation's (context, placeholder), overloaded.
+        """
+        s = self.settings
+        if "messages" not in data:
+            if parse_session_body(data).requestType == NEW_SESSION_LITERAL:
+                return self._open_session(row)
+            sid = self.jobs.session_of(row, "close_session")
+            self.engine.close(sid)
+            return RowResult(responses.encode_closed(sid), headers=self.framing.closed(sid))
+        request = parse_chat_body(data, max_new_tokens_cap=s.max_new_tokens_cap, max_prompt_chars=s.max_prompt_chars)
+        return self._admit_chat(row, chat_command(request, s, self.model_name), now)
+
+    def _open_session(self, row: Row) -> RowResult:
         """Answer ``{"requestType": "NEW_SESSION"}``: a session with no image, the new-session headers.
 
         Raises:
             ServiceError: invalid_request (an id already open or not valid), overloaded.
         """
-        svc = self.service
-        sid = svc.session_id_for_open(row)
-        result = svc.engine.open_empty(sid)
+        sid = self.jobs.new_session_id(row)
+        result = self.engine.open_empty(sid)
         value = session_header_value(sid, result.expires_at)
         return RowResult(
-            svc.codec.encode_new_session(sid, result.expires_at),
+            responses.encode_new_session(sid, result.expires_at),
             headers={SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value},
         )
 
-    def admit(self, row: Row, command: ChatCommand, now: float) -> Job:
-        """Admit a chat request: resolve its images, then start its answer in its session.
-
-        Raises:
-            ServiceError: in OpenAI's dialect: the session's (gone, busy), the images' (fetch,
-                decode, limits), the conversation's (context, placeholder), overloaded.
-        """
-        try:
-            return self._admit(row, command, now)
-        except ServiceError as err:
-            err.dialect = "openai"
-            raise
-
-    def _admit(self, row: Row, command: ChatCommand, now: float) -> Job:
-        svc, engine = self.service, self.service.engine
+    def _admit_chat(self, row: Row, command: ChatCommand, now: float) -> Job:
+        engine = self.engine
         sid = row.session_id
         opens = sid == NEW_SESSION_LITERAL
         one_shot = row.minted or not sid
-        svc.check_generation_slot()
+        self.jobs.check_generation_slot()
         if not (opens or one_shot):
             assert sid is not None
             engine.check_idle(sid)  # a gone or busy session is the more precise answer, before any fetch
@@ -109,21 +147,21 @@ class ChatJobs:
             gen = engine.start_chat(own_sid, target, command.params, clip_max_new_tokens=command.clip_max_new_tokens)
         except ServiceError:
             if own_sid != sid or one_shot:
-                svc.close_quietly(own_sid)
+                self.jobs.close_quietly(own_sid)
             raise
         engine.remember_urls(own_sid, urls)
-        job = Job(row.request_id, own_sid, command, now, work=gen, own_group=not opens and bool(sid), t0=t0)
+        job = Job(row.request_id, own_sid, self, command, now, work=gen, own_group=not opens and bool(sid), t0=t0)
         job.one_shot, job.urls, job.intake_timings = one_shot, urls, {"intake": intake}
         job.opened = opens
         if command.stream:
             sse = JSON_LINES_ACCEPT not in (row.accept or "").lower()
-            job.stream = ChatStream(command, sse=sse, token_text=svc.token_text)
+            job.stream = responses.ChatStream(command, sse=sse, token_text=self.token_text)
         return job
 
     def _target(self, sid: str | None, command: ChatCommand) -> tuple[ChatTarget, dict[str, str]]:
         """The conversation as the engine takes it: every image as content key, bytes and size (fetched
         unless the session fetched its URL before; decoded unless a session holds it)."""
-        svc, engine, settings = self.service, self.service.engine, self.service.settings
+        engine, settings = self.engine, self.settings
         inputs: list[ImageInput] = []
         urls: dict[str, str] = {}
         for source in command.images:
@@ -133,7 +171,7 @@ class ChatJobs:
             if held is not None and key is not None:
                 inputs.append(ImageInput(key, held[0], held[1]))
                 continue
-            data = svc.fetch(source, settings)
+            data = self.fetch(source, settings)
             key = image_key(data)
             urls[name] = key
             held = engine.image_held(sid, key)
@@ -149,63 +187,62 @@ class ChatJobs:
 
     # ------------------------------------------------------------------ output
     def emit(self, job: Job) -> RowResult:
-        """The row's output for this call: nothing until a whole answer is ready (or the stream's
+        """The row's frame for this call: nothing until a whole answer is ready (or the stream's
         next chunk), then the answer; a stream's last events go out one per call."""
         gen = job.work
         assert isinstance(gen, Generation) and isinstance(job.command, ChatCommand)
-        if job.error is not None:
-            job.error.dialect = "openai"  # found in a step (the vision tower, a forward pass): same dialect
         if job.frames:
             return self._frame(job, job.frames.pop(0), last=not job.frames)
         finished = gen.done or job.error is not None
-        svc = self.service
         if job.stream is None:
             if not finished:
-                return RowResult(b"", headers=self._headers(job, last=False), stop=False)
-            svc.forget(job)
+                return self.framing.frame(b"", continued=job.continued, last=False, headers=self._headers(job, False))
+            self.jobs.forget(job)
             if job.error is not None:
-                return svc.error_result(job.session_id if job.own_group else None, job.error, chunk=job.calls > 1)
+                return self._error(job)
             assert gen.answer is not None
-            svc.metrics.observe_answer(gen.answer)
-            body = encode_completion(job.command, gen.answer, svc.token_text)
-            return RowResult(body, headers=self._headers(job, last=True), stop=True if job.calls > 1 else None)
+            self.metrics.observe_answer(gen.answer)
+            body = responses.encode_completion(job.command, gen.answer, self.token_text)
+            return self.framing.frame(body, continued=job.continued, last=True, headers=self._headers(job, True))
         new = gen.events[job.emitted :]
         job.emitted = len(gen.events)
         if not finished:
             return self._frame(job, job.stream.tokens(new, gen.detokenizer.text), last=False)
         if job.error is None:
             assert gen.answer is not None
-            svc.metrics.observe_answer(gen.answer)
+            self.metrics.observe_answer(gen.answer)
             job.frames = job.stream.end(gen.answer, new)
-        elif not job.sent:
-            svc.forget(job)
-            return svc.error_result(job.session_id if job.own_group else None, job.error, chunk=job.calls > 1)
+        elif not job.continued:
+            self.jobs.forget(job)
+            return self._error(job)
         else:
-            svc.metrics.count_error(job.error)
+            self.metrics.count_error(job.error)
             job.frames = job.stream.error(job.error)
         if job.one_shot:  # its session is done with: freed now, not when the last event has gone out
-            svc.close_quietly(job.session_id)
+            self.jobs.close_quietly(job.session_id)
         return self._frame(job, job.frames.pop(0), last=not job.frames)
 
-    def _frame(self, job: Job, body: bytes, *, last: bool) -> RowResult:
-        """One stream frame. A stream that ends in its first frame is one whole response (TorchServe
-        sends no response head for a first frame that is also the last chunk)."""
-        if last:
-            self.service.forget(job)
-        stop: bool | None = (True if job.sent else None) if last else False
-        headers = self._headers(job, last=last)
-        job.sent = True
-        assert job.stream is not None
-        return RowResult(body, headers=headers, content_type=job.stream.content_type, stop=stop)
+    def _error(self, job: Job) -> RowResult:
+        assert job.error is not None
+        return self.jobs.error(self, job.session_id if job.own_group else None, job.error, continued=job.continued)
 
-    def _headers(self, job: Job, *, last: bool) -> dict[str, str]:
+    def _frame(self, job: Job, body: bytes, *, last: bool) -> RowResult:
+        """One stream frame (the job is forgotten with its last)."""
+        if last:
+            self.jobs.forget(job)
+        content_type = job.stream.content_type if job.stream is not None else JSON
+        return self.framing.frame(
+            body, continued=job.continued, last=last, headers=self._headers(job, last), content_type=content_type
+        )
+
+    def _headers(self, job: Job, last: bool) -> dict[str, str]:
         """A session's id (with its ``Expires`` on a new one); a one-shot request's last frame ends
         the TorchServe job group TorchServe minted for it (headers after the first frame reach
         TorchServe, not the client)."""
         if job.one_shot:
-            return {self.service.end_header: job.session_id} if last and job.own_group else {}
+            return self.framing.end_sequence(job.session_id) if last and job.own_group else {}
         if job.opened:
-            session = self.service.engine.store.peek(job.session_id)
+            session = self.engine.store.peek(job.session_id)
             if session is not None:
                 value = session_header_value(job.session_id, session.expires_at)
                 return {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}

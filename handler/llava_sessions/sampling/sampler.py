@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import torch
 
-from .sampling_params import SamplingParams
+from .params import SamplingParams
 
 __all__ = ["IncrementalDetokenizer", "Sampler", "SamplingParams"]
 

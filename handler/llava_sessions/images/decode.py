@@ -14,7 +14,7 @@ from typing import cast
 
 from PIL import Image, ImageOps
 
-from .errors import ErrorCode, ServiceError
+from ..errors import ErrorCode, ServiceError
 
 __all__ = ["DECODE_FORMATS", "decode_image"]
 

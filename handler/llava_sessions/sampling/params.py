@@ -1,7 +1,7 @@
 """Sampling parameters and their ranges: plain data, no torch (the codec builds them, the sampler reads them).
 
 :data:`SAMPLING_BOUNDS` is the one statement of the numeric ranges: the wire models
-(``llava_sessions.protocol``) take their pydantic constraints from it and :class:`SamplingParams`
+(``llava_sessions.native.protocol``) take their pydantic constraints from it and :class:`SamplingParams`
 checks it, so a value refused on the wire is refused in the engine with the same words.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ErrorCode, ServiceError
+from ..errors import ErrorCode, ServiceError
 
 __all__ = ["SAMPLING_BOUNDS", "SamplingBound", "SamplingParams"]
 
@@ -22,7 +22,7 @@ class SamplingBound:
     """The allowed range of one numeric sampling parameter and what to say when a value is outside it.
 
     The one statement of the sampling rules: the wire model (:class:`GenerateParameters`) takes its
-    pydantic constraints from it and :class:`~llava_sessions.sampling.SamplingParams` checks it.
+    pydantic constraints from it and :class:`~llava_sessions.sampling.sampler.SamplingParams` checks it.
     """
 
     message: str

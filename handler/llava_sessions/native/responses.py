@@ -1,16 +1,22 @@
-"""The wire protocol's replies: pydantic models of every response body (outbound; docs/api.md).
+"""The native dialect's replies: pydantic models of every response body (docs/api.md) and their encoders.
 
-The codec (``llava_sessions.codec``) renders engine results through these models, so a reply's shape
-is stated once. Requests are ``llava_sessions.protocol``'s.
+The ``encode_*`` functions render engine results through these models, so a reply's shape is stated
+once; the AWS sample's shapes (``start_session``, ``send_text_prompt``) are chosen here by the
+command's ``legacy`` flag. Every error of this dialect is written by :func:`encode_error` (a whole
+body) or :func:`encode_stream_error` (a stream's last line). Requests are :mod:`.protocol`'s. No torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import ServiceError
+from ..errors import ServiceError
+from ..results import AddImageResult, Answer, OpenResult, TokenEvent
+from ..wire.contract import format_expires
+from .commands import GenerateCommand, OpenCommand
 
 __all__ = [
     "AddImageResponse",
@@ -25,6 +31,15 @@ __all__ = [
     "StartSessionResponse",
     "StreamLine",
     "TokenInfo",
+    "encode_add_image",
+    "encode_answer",
+    "encode_close",
+    "encode_error",
+    "encode_open",
+    "encode_reset",
+    "encode_stream_end",
+    "encode_stream_error",
+    "encode_tokens",
 ]
 
 
@@ -195,3 +210,102 @@ class SendTextPromptResponse(_Outbound):
     """Reply to the AWS sample's ``send_text_prompt``."""
 
     response_text: str
+
+
+def _token(event: TokenEvent) -> TokenInfo:
+    return TokenInfo(id=event.id, text=event.text, logprob=event.logprob, special=event.special)
+
+
+def encode_open(command: OpenCommand, result: OpenResult, timings_ms: Mapping[str, float]) -> bytes:
+    """The reply to an open: ``{"session_id", "expires_at", "image_tokens", "timings"}``, or the
+    AWS sample's ``{"session_id"}``. ``timings_ms``: phase name → milliseconds (``fetch``, ...)."""
+    if command.legacy:
+        return StartSessionResponse(session_id=result.session_id).model_dump_json().encode()
+    timings = {f"{k}_ms": v for k, v in timings_ms.items()}
+    return (
+        OpenSessionResponse(
+            session_id=result.session_id,
+            expires_at=format_expires(result.expires_at),
+            image_tokens=result.image_tokens,
+            timings=timings,
+        )
+        .model_dump_json()
+        .encode()
+    )
+
+
+def encode_add_image(result: AddImageResult, timings_ms: Mapping[str, float]) -> bytes:
+    """The reply to an added image: ``{"session_id", "image_tokens", "images", "prefix_tokens",
+    "cached_tokens", "timings"}``. ``timings_ms``: phase name → milliseconds."""
+    return (
+        AddImageResponse(
+            session_id=result.session_id,
+            image_tokens=result.image_tokens,
+            images=result.images,
+            prefix_tokens=result.prefix_tokens,
+            cached_tokens=result.cached_tokens,
+            timings={f"{k}_ms": v for k, v in timings_ms.items()},
+        )
+        .model_dump_json()
+        .encode()
+    )
+
+
+def encode_reset(session_id: str) -> bytes:
+    """The reply to a reset: ``{"session_id", "reset": true}``."""
+    return ResetResponse(session_id=session_id).model_dump_json().encode()
+
+
+def encode_close(session_id: str) -> bytes:
+    """The reply to a close (one shape for both: the AWS sample reads ``success``, ours ``closed``)."""
+    return CloseResponse(session_id=session_id).model_dump_json().encode()
+
+
+def generation_details(answer: Answer, with_tokens: bool) -> GenerationDetails:
+    """The ``details`` object of an answer; ``with_tokens`` adds the per-token list."""
+    t = answer.timings
+    timings = {f"{k}_ms": v for k, v in t.items() if k != "decode_tokens_per_s"}
+    timings["decode_tokens_per_s"] = t.get("decode_tokens_per_s", 0.0)
+    tokens = [_token(e) for e in answer.tokens] if with_tokens else None
+    return GenerationDetails(
+        finish_reason=answer.finish_reason,
+        prompt_tokens=answer.prompt_tokens,
+        cached_tokens=answer.cached_tokens,
+        generated_tokens=answer.generated_tokens,
+        max_new_tokens=answer.max_new_tokens,
+        truncated_turns=answer.truncated_turns,
+        seed=answer.seed,
+        restored_from=answer.restored_from,
+        tokens=tokens,
+        timings=timings,
+    )
+
+
+def encode_answer(command: GenerateCommand, answer: Answer) -> bytes:
+    """The whole reply to a non-streamed question: ``{"generated_text", "details"}``, or the AWS
+    sample's ``{"response_text"}``."""
+    if command.legacy:
+        return SendTextPromptResponse(response_text=answer.text).model_dump_json().encode()
+    details = generation_details(answer, command.details)
+    return GenerateResponse(generated_text=answer.text, details=details).model_dump_json().encode()
+
+
+def encode_tokens(events: Sequence[TokenEvent]) -> bytes:
+    """Stream lines for ``events``: ``{"token": {...}, "generated_text": null, "details": null}`` each."""
+    return b"".join(StreamLine(token=_token(e)).to_line() for e in events)
+
+
+def encode_stream_end(command: GenerateCommand, answer: Answer, last: TokenEvent) -> bytes:
+    """The last stream line: the ``last`` generated token with ``generated_text`` and ``details``."""
+    details = generation_details(answer, command.details)
+    return StreamLine(token=_token(last), generated_text=answer.text, details=details).to_line()
+
+
+def encode_stream_error(error: ServiceError) -> bytes:
+    """The terminal line of a stream that failed after its first chunk: ``{"error": {code, message}}``."""
+    return StreamLine.for_error(error).to_line()
+
+
+def encode_error(error: ServiceError) -> bytes:
+    """A whole error reply body: ``{"error": {"code", "message"}}``."""
+    return ErrorBody.from_error(error).model_dump_json().encode()

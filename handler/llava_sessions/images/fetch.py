@@ -6,7 +6,7 @@ Two steps, both raising :class:`~llava_sessions.errors.ServiceError` with a stab
   URLs are vetted hop by hop against SSRF (scheme, host allowlist, every resolved address) and
   the connection goes to the vetted address itself, so a DNS answer cannot change in between
   (no rebinding window).
-- :func:`decode_image` (``llava_sessions.image_decode``, re-exported here) turns those bytes into
+- :func:`decode_image` (``llava_sessions.images.decode``, re-exported here) turns those bytes into
   one loaded RGB ``PIL.Image.Image``, refusing decompression bombs before any pixel is decoded.
 
 No torch here. Error messages never contain internal addresses or exception text; the details
@@ -31,12 +31,12 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 
-from .errors import ErrorCode, ServiceError
-from .image_decode import DECODE_FORMATS, decode_image
+from ..errors import ErrorCode, ServiceError
+from .decode import DECODE_FORMATS, decode_image
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .protocol import ImageSource
+    from ..config import Settings
+    from .source import ImageSource
 
 __all__ = ["DECODE_FORMATS", "decode_image", "fetch_image_bytes"]
 
@@ -95,7 +95,7 @@ def fetch_image_bytes(source: ImageSource, settings: Settings, *, s3_client: Any
       and the container's credentials.
 
     Args:
-        source: a validated :class:`~llava_sessions.protocol.ImageSource`.
+        source: a validated :class:`~llava_sessions.images.source.ImageSource`.
         settings: limits and fetch policy (:class:`~llava_sessions.config.Settings`).
         s3_client: optional boto3 S3 client (tests pass one wrapped in botocore's Stubber).
 

@@ -1,12 +1,14 @@
-"""OpenAI chat completions on the wire: a request body to a :class:`ChatCommand`, answers to
-``chat.completion`` objects, streams to ``chat.completion.chunk`` events, errors to OpenAI's error object.
+"""The chat dialect's replies: ``chat.completion`` objects, ``chat.completion.chunk`` streams, OpenAI's error object.
 
 The reply shapes are OpenAI's API reference ("The chat completion object", "The chat completion chunk
 object"; ``openai.types.chat.ChatCompletion`` / ``ChatCompletionChunk`` validate them in the tests).
 Streams are server-sent events (``data: {...}`` events ending with ``data: [DONE]``, as OpenAI, vLLM
 and TGI send them), or JSON lines (one chunk per line, no ``[DONE]``: LMI's form) when the request's
 ``Accept`` is ``application/jsonlines``. Each event is written whole in its own frame (several
-SageMaker stream wrappers assume one event per PayloadPart: shared/notes/chat-protocol.md). No torch.
+SageMaker stream wrappers assume one event per PayloadPart: shared/notes/chat-protocol.md). Every error
+of this dialect is written by :func:`encode_error` (a whole body) or :meth:`ChatStream.error` (a
+stream's last events). AWS's session bodies answer :func:`encode_new_session` / :func:`encode_closed`.
+No torch.
 """
 
 from __future__ import annotations
@@ -15,132 +17,30 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from .chat_protocol import ChatCompletionRequest, ChatConversation
-from .config import Settings
-from .errors import ErrorCode, ServiceError
-from .protocol import ImageSource
-from .results import Answer, TokenEvent
-from .sampling_params import SamplingParams
+from ..errors import ServiceError
+from ..results import Answer, TokenEvent
+from ..wire.contract import format_expires
+from ..wire.framing import EVENT_STREAM, JSON_LINES
+from .commands import ChatCommand
 
 __all__ = [
     "EVENT_STREAM",
-    "ChatCommand",
     "ChatCompletionChunk",
     "ChatCompletionResponse",
     "ChatStream",
-    "NewSessionCommand",
-    "chat_command",
+    "encode_closed",
     "encode_completion",
-    "encode_openai_error",
-    "image_source_of",
+    "encode_error",
+    "encode_new_session",
+    "openai_error",
     "openai_error_type",
 ]
 
-#: Content type of server-sent events.
-EVENT_STREAM = "text/event-stream"
 
-
-@dataclass(frozen=True)
-class ChatCommand:
-    """Answer a whole resent conversation (OpenAI ``messages``).
-
-    Attributes:
-        conversation: the messages as our conversation (system, turns, question; image URLs).
-        images: where each image of ``conversation.image_urls`` comes from, in the same order.
-        params: sampling parameters with the server's defaults applied.
-        clip_max_new_tokens: the request set no answer limit: clip the default to the room left.
-        stream: answer as a stream of chunks; include_usage: end it with a usage chunk.
-        top_logprobs: most likely alternatives per token (with ``params.logprobs``).
-        model: the model name the reply carries (the served model's).
-    """
-
-    kind: ClassVar[str] = "chat"
-
-    conversation: ChatConversation
-    images: tuple[ImageSource, ...]
-    params: SamplingParams
-    clip_max_new_tokens: bool
-    stream: bool
-    include_usage: bool
-    model: str
-
-
-@dataclass(frozen=True)
-class NewSessionCommand:
-    """AWS's ``{"requestType": "NEW_SESSION"}``: open a session with no image yet."""
-
-    kind: ClassVar[str] = "new_session"
-
-
-def image_source_of(url: str, param: str) -> ImageSource:
-    """The image source an ``image_url`` names: ``s3://`` → S3, ``data:`` → base64, else a URL.
-
-    Raises:
-        ServiceError: invalid_parameter naming ``param`` (a data URI that is not a base64 image, a
-            malformed S3 URI, a URL over 8,192 characters).
-    """
-    try:
-        if url.startswith("s3://"):
-            return ImageSource(s3_uri=url)
-        if url.startswith("data:"):
-            if not url.startswith("data:image/") or ";base64," not in url[:100]:
-                raise ServiceError(
-                    ErrorCode.INVALID_PARAMETER,
-                    f"{param}: a data URI must look like data:image/<type>;base64,<data>",
-                    param=param,
-                )
-            return ImageSource(base64=url)
-        return ImageSource(url=url)
-    except ValidationError:
-        raise ServiceError(
-            ErrorCode.INVALID_PARAMETER,
-            f"{param}: must be an https URL, an s3://bucket/key URI or a data:image/...;base64, URI",
-            param=param,
-        ) from None
-
-
-def chat_command(request: ChatCompletionRequest, settings: Settings, model: str) -> ChatCommand:
-    """The command of a validated chat-completions request, with the server's defaults.
-
-    ``temperature`` unset is OpenAI's default 1.0 (sampled); 0 is greedy. The request's ``model`` is
-    accepted and the reply names the served model (``model``), as vLLM's and TGI's servers do.
-
-    Raises:
-        ServiceError: invalid_request (message order), invalid_parameter (image URLs).
-    """
-    conversation = request.conversation()
-    sources: list[ImageSource] = []
-    for i, msg in enumerate(request.messages):
-        if not isinstance(msg.content, str):
-            for j, part in enumerate(msg.content):
-                if part.type == "image_url":
-                    sources.append(image_source_of(part.image_url.url, f"messages[{i}].content[{j}].image_url.url"))
-    limit = request.answer_limit
-    temperature = 1.0 if request.temperature is None else request.temperature
-    params = SamplingParams(
-        max_new_tokens=limit or settings.default_max_new_tokens,
-        temperature=temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        repetition_penalty=request.repetition_penalty,
-        do_sample=temperature > 0,
-        seed=request.seed,
-        stop=request.stop_list,
-        logprobs=request.logprobs,
-        frequency_penalty=request.frequency_penalty,
-        presence_penalty=request.presence_penalty,
-        top_logprobs=request.top_logprobs or 0,
-    )
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return ChatCommand(conversation, tuple(sources), params, limit is None, request.stream, include_usage, model)
-
-
-# ---------------------------------------------------------------------------------------------- replies
 class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -243,7 +143,7 @@ def openai_error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
-def encode_openai_error(error: ServiceError) -> dict[str, Any]:
+def openai_error(error: ServiceError) -> dict[str, Any]:
     """OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``; ``code`` is our
     stable error code."""
     return {
@@ -331,7 +231,7 @@ class ChatStream:
     @property
     def content_type(self) -> str:
         """``text/event-stream`` or ``application/jsonlines``."""
-        return EVENT_STREAM if self.sse else "application/jsonlines"
+        return EVENT_STREAM if self.sse else JSON_LINES
 
     def _frame(self, payload: str) -> bytes:
         return f"data: {payload}\n\n".encode() if self.sse else f"{payload}\n".encode()
@@ -375,7 +275,32 @@ class ChatStream:
 
     def error(self, error: ServiceError) -> list[bytes]:
         """The frames of a stream that fails after it began: OpenAI's error object, then ``[DONE]``."""
-        return [self._frame(json.dumps(encode_openai_error(error)))] + self._done()
+        return [self._frame(json.dumps(openai_error(error)))] + self._done()
 
     def _done(self) -> list[bytes]:
         return [b"data: [DONE]\n\n"] if self.sse else []
+
+
+def encode_error(error: ServiceError) -> bytes:
+    """A whole error reply body in this dialect: OpenAI's error object (:func:`openai_error`)."""
+    return json.dumps(openai_error(error)).encode()
+
+
+def encode_new_session(session_id: str, expires_at: int) -> bytes:
+    """The reply to AWS's ``{"requestType": "NEW_SESSION"}``: ``{"session_id", "expires_at"}``
+    (``expires_at``: epoch seconds, written as UTC ``YYYY-MM-DDTHH:MM:SSZ``)."""
+    return json.dumps({"session_id": session_id, "expires_at": format_expires(expires_at)}).encode()
+
+
+class SessionClosed(_Out):
+    """The reply to AWS's ``{"requestType": "CLOSE"}``: the session, ``closed`` and ``success``
+    (the AWS sample's client reads ``success``)."""
+
+    session_id: str
+    closed: Literal[True] = True
+    success: Literal[True] = True
+
+
+def encode_closed(session_id: str) -> bytes:
+    """The reply to AWS's ``{"requestType": "CLOSE"}`` (:class:`SessionClosed`)."""
+    return SessionClosed(session_id=session_id).model_dump_json().encode()

@@ -2,7 +2,7 @@
 
 A session changes only through its own methods, which keep ``cached_ids``, the KV cache's length,
 the images and their feature rows in step (:meth:`Session.check_invariants`); the store
-(``llava_sessions.sessions``) keeps the ledger in step with it.
+(``llava_sessions.sessions.store``) keeps the ledger in step with it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from ..model.kv_cache import cache_len, crop_cache
 from .conversation import Chat, Turn, common_prefix_len, image_key
 from .ledger import Tier, tier_of
-from .model.kv_cache import cache_len, crop_cache
 
 __all__ = ["Session", "SessionSnapshot"]
 
@@ -45,7 +45,7 @@ class Session:
     Attributes:
         session_id: the id (``ts-seq-<uuid>`` minted by TorchServe, or any uuid4-based id).
         images: the encoded images as received (host), in conversation order (the opening one first).
-        image_keys: each image's content key (:func:`~llava_sessions.conversation.image_key`).
+        image_keys: each image's content key (:func:`~llava_sessions.sessions.conversation.image_key`).
         image_urls: URL or S3 URI → content key of the images fetched for this session (a URL is
             fetched once per session).
         image_sizes: each image's decoded (height, width), pixels.
@@ -90,7 +90,7 @@ class Session:
 
     @property
     def tier(self) -> Tier:
-        """The tier the session is in now (:func:`~llava_sessions.ledger.tier_of`)."""
+        """The tier the session is in now (:func:`~llava_sessions.sessions.ledger.tier_of`)."""
         return tier_of(cache_len(self.kv_cache), self.feature_bytes)
 
     @property

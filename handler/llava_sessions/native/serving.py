@@ -1,0 +1,204 @@
+"""The native dialect's serving: a decoded body → its command → the engine → this dialect's frames.
+
+Replies are JSON bodies, or JSON lines in the SageMaker LMI / TGI shape for a streamed answer
+(:mod:`.responses`). TorchServe fixes status and headers with a job's first frame, so everything
+that decides a status happens at admission: for an open or an added image the fetch, the decode,
+the id and the room for it (the vision tower and the prefix prefill then run in scheduler steps);
+for a question the session and context checks. An error found later is the body: the last JSON
+line of a stream, or the JSON error body of a whole answer (status 200).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Settings
+from ..engine import Generation, ImageTask, SessionEngine
+from ..errors import ServiceError
+from ..images.decode import decode_image
+from ..metrics import WorkerMetrics
+from ..results import AddImageResult, OpenResult, elapsed_ms
+from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
+from ..wire.framing import JSON_LINES, Framing, Row, RowResult
+from ..wire.jobs import Job, JobTable
+from . import responses
+from .commands import AddImageCommand, GenerateCommand, OpenCommand, ResetCommand, decode_command
+
+__all__ = ["NativeServing"]
+
+
+class NativeServing:
+    """Admission and emission of native requests (module docstring).
+
+    Args:
+        settings: the handler settings.
+        engine: the session engine.
+        jobs: the jobs in flight and the replies both dialects share.
+        fetch: ``(ImageSource, Settings) -> bytes``.
+        metrics: where answers are observed.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: SessionEngine,
+        jobs: JobTable,
+        fetch: Callable[..., bytes],
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.jobs = jobs
+        self.framing: Framing = jobs.framing
+        self.fetch = fetch
+        self.metrics = metrics
+
+    encode_error = staticmethod(responses.encode_error)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, row: Row, data: Any, now: float) -> RowResult | Job:
+        """Admit one decoded native body: an open, an added image or a question becomes a job; a
+        reset or a close is answered at once.
+
+        Raises:
+            ServiceError: the body's (400), the session's (missing id, gone, busy), the image's,
+                the engine's admission (context, limits, overloaded).
+        """
+        command = decode_command(data, self.settings)
+        if isinstance(command, OpenCommand):
+            return self._admit_open(row, command, now)
+        sid = self.jobs.session_of(row, command.kind)
+        if isinstance(command, AddImageCommand):
+            return self._admit_image(row, sid, command, now)
+        if isinstance(command, ResetCommand):
+            self.engine.reset(sid)
+            return RowResult(responses.encode_reset(sid), headers={SESSION_ID_HEADER: sid})
+        if not isinstance(command, GenerateCommand):  # close
+            self.engine.close(sid)
+            return RowResult(responses.encode_close(sid), headers=self.framing.closed(sid))
+        self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
+        self.jobs.check_generation_slot()
+        gen = self.engine.start(
+            sid,
+            command.prompt,
+            command.params,
+            remember=command.remember,
+            context_policy=command.context_policy,
+            clip_max_new_tokens=command.clip_max_new_tokens,
+        )
+        return Job(row.request_id, sid, self, command, now, work=gen)
+
+    def _admit_open(self, row: Row, command: OpenCommand, now: float) -> RowResult | Job:
+        """Admit an open: the id, then the image path (:meth:`_admit_image`); a failed open leaves
+        no session behind and ends its own TorchServe job group."""
+        own_group = bool(row.session_id) and row.session_id != NEW_SESSION_LITERAL
+        sid = self.jobs.new_session_id(row)
+        try:
+            return self._admit_image(row, sid, command, now, own_group=own_group)
+        except ServiceError as err:
+            return self.jobs.error(self, sid if own_group else None, err)
+
+    def _admit_image(
+        self, row: Row, sid: str, command: OpenCommand | AddImageCommand, now: float, *, own_group: bool = True
+    ) -> Job:
+        """Admit an open or an added image: everything that decides its status happens here (the
+        session's state, the fetch, the decode, room for it); the vision tower and the prefill
+        then run in scheduler steps.
+
+        Raises:
+            ServiceError: from the fetch, the decode and the engine's admission.
+        """
+        if isinstance(command, AddImageCommand):
+            self.engine.check_idle(sid)  # before any fetch: a gone or busy session is the precise answer
+        t0 = time.perf_counter()
+        sources = [command.image, *(command.history_images if isinstance(command, OpenCommand) else ())]
+        data = [self.fetch(source, self.settings) for source in sources]
+        t_fetched = time.perf_counter()
+        images = [decode_image(b, max_pixels=self.settings.max_image_pixels) for b in data]
+        t_decoded = time.perf_counter()
+        if isinstance(command, OpenCommand):
+            task = self.engine.begin_open(
+                sid,
+                data[0],
+                command.system_prompt,
+                image=images[0],
+                history=list(command.history),
+                history_images=list(zip(data[1:], images[1:], strict=True)),
+            )
+        else:
+            task = self.engine.begin_add_image(sid, data[0], image=images[0])
+        job = Job(row.request_id, sid, self, command, now, work=task, own_group=own_group, t0=t0)
+        job.intake_timings = {"fetch": elapsed_ms(t0, t_fetched), "decode": elapsed_ms(t_fetched, t_decoded)}
+        return job
+
+    # ------------------------------------------------------------------ output
+    def emit(self, job: Job) -> RowResult:
+        """The row's frame for this call: an open's or an added image's (:meth:`_emit_image_task`),
+        a streamed answer's new lines, or a whole answer once it is done."""
+        if isinstance(job.work, ImageTask):
+            return self._emit_image_task(job, job.work)
+        gen, command = job.work, job.command
+        assert isinstance(command, GenerateCommand) and isinstance(gen, Generation)
+        finished = gen.done or job.error is not None
+        headers = {SESSION_ID_HEADER: job.session_id}
+        if command.stream:
+            return self._emit_stream(job, gen, command, finished)
+        if not finished:
+            return self.framing.frame(b"", continued=job.continued, last=False, headers=headers)
+        self.jobs.forget(job)
+        if job.error is not None:
+            return self.jobs.error(self, job.session_id, job.error, continued=job.continued)
+        assert gen.answer is not None
+        self.metrics.observe_answer(gen.answer)
+        body = responses.encode_answer(command, gen.answer)
+        return self.framing.frame(body, continued=job.continued, last=True, headers=headers)
+
+    def _emit_stream(self, job: Job, gen: Generation, command: GenerateCommand, finished: bool) -> RowResult:
+        """A streamed answer's lines for this call; the last token goes out with ``generated_text``
+        and ``details`` (TGI's shape); an error after the first frame is the last line."""
+        new = gen.events[job.emitted :]
+        job.emitted = len(gen.events)
+        if not finished:
+            return self._lines(job, responses.encode_tokens(new), last=False)
+        self.jobs.forget(job)
+        if job.error is None:
+            assert gen.answer is not None and new, "an answer ends in the step that generated its last token"
+            self.metrics.observe_answer(gen.answer)
+            end = responses.encode_stream_end(command, gen.answer, new[-1])
+            return self._lines(job, responses.encode_tokens(new[:-1]) + end, last=True)
+        body = responses.encode_tokens(new)
+        if not job.continued and not body:
+            return self.jobs.error(self, job.session_id, job.error)
+        self.metrics.count_error(job.error)
+        return self._lines(job, body + responses.encode_stream_error(job.error), last=True)
+
+    def _lines(self, job: Job, body: bytes, *, last: bool) -> RowResult:
+        headers = {SESSION_ID_HEADER: job.session_id}
+        return self.framing.frame(body, continued=job.continued, last=last, headers=headers, content_type=JSON_LINES)
+
+    def _emit_image_task(self, job: Job, task: ImageTask) -> RowResult:
+        """An open's or added image's output: empty frames (with the session headers and status 200)
+        until it is done, then its body; an error after the first frame is the body (its status is
+        already out). An open's headers carry the new session id and its ``Expires``."""
+        if task.kind_of_task == "open":
+            value = session_header_value(job.session_id, task.session.expires_at)
+            headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+        else:
+            headers = {SESSION_ID_HEADER: job.session_id}
+        if not task.done and job.error is None:
+            return self.framing.frame(b"", continued=job.continued, last=False, headers=headers)
+        self.jobs.forget(job)
+        if job.error is not None:
+            task.close()
+            return self.jobs.error(self, job.session_id if job.own_group else None, job.error, continued=job.continued)
+        result = task.result
+        assert result is not None
+        timings = {**job.intake_timings, **result.timings, "total": elapsed_ms(job.t0)}
+        if isinstance(job.command, OpenCommand) and isinstance(result, OpenResult):
+            body = responses.encode_open(job.command, result, timings)
+        else:
+            assert isinstance(result, AddImageResult)
+            body = responses.encode_add_image(result, timings)
+        return self.framing.frame(body, continued=job.continued, last=True, headers=headers)

@@ -1,0 +1,138 @@
+"""TorchServe's framing, in one place: rows in from the worker's context, a dialect's frames out to it.
+
+TorchServe's sequence + continuous batching (shared/notes/torchserve-sagemaker.md, verified):
+
+- a row's stopping criterion decides its framing: None, one whole response; False, a chunk whose
+  job comes back (without its body) in a later ``handle()`` call; True, the last chunk;
+- status, headers and content type go out with a job's FIRST frame, even an empty one; later ones
+  reach TorchServe, not the client; an empty chunk sends nothing to the client;
+- a first frame that is also the last chunk gets no response head (the client hangs): it must be a
+  whole response;
+- the sequence-end header (``ctx.header_key_sequence_end``) ends the request's job group at once;
+- raising out of ``handle()`` fails every row of the batch, and ``send_intermediate_predict_response``
+  crashes sequence continuous batching: neither is used.
+
+:func:`read_rows` and :func:`write_results` are the entry's two sides; :class:`Framing` is what the
+service and both dialects build each row's answer with. No torch, no TorchServe import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .contract import CLOSED_SESSION_ID_HEADER
+
+__all__ = ["EVENT_STREAM", "JSON", "JSON_LINES", "Framing", "Row", "RowResult", "read_rows", "write_results"]
+
+#: Content type of whole replies.
+JSON = "application/json"
+#: Content type of JSON-lines streams (SageMaker LMI / TGI; a chat stream when ``Accept`` asks for it).
+JSON_LINES = "application/jsonlines"
+#: Content type of server-sent events (OpenAI's chat streams).
+EVENT_STREAM = "text/event-stream"
+
+
+@dataclass
+class Row:
+    """One row of a TorchServe batch.
+
+    Attributes:
+        request_id: TorchServe's request id (stable across a job's continuations).
+        session_id: the sequence id header's value (``X-Amzn-SageMaker-Session-Id``), or None.
+        minted: TorchServe minted ``session_id`` because the request came without one.
+        body: the request body (bytes, or the dict TorchServe decoded); None on continuations.
+        accept: the request's ``Accept`` header (``application/jsonlines`` asks a chat stream in
+            JSON lines rather than server-sent events), or None.
+    """
+
+    request_id: str
+    session_id: str | None
+    minted: bool
+    body: Any
+    accept: str | None = None
+
+
+@dataclass
+class RowResult:
+    """What to answer for one row: ``body`` bytes, HTTP ``status``, response ``headers``,
+    ``content_type``, and ``stop`` for the stopping criterion (None: whole response; False: a
+    chunk, more follow; True: the last chunk)."""
+
+    body: bytes
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    content_type: str = JSON
+    stop: bool | None = None
+
+
+class Framing:
+    """Build each row's answer under TorchServe's framing rules (module docstring).
+
+    Args:
+        end_header: TorchServe's sequence-end response header name (``ctx.header_key_sequence_end``).
+    """
+
+    def __init__(self, end_header: str = CLOSED_SESSION_ID_HEADER) -> None:
+        self.end_header = end_header
+
+    @staticmethod
+    def frame(
+        body: bytes,
+        *,
+        continued: bool,
+        last: bool,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        content_type: str = JSON,
+    ) -> RowResult:
+        """One frame of a job's answer.
+
+        Args:
+            body: the frame's bytes (b"" sends nothing but keeps the job).
+            continued: an earlier ``handle()`` call already sent this job a frame (its status and
+                headers are out).
+            last: the job's answer ends with this frame. A last frame that is also the first is
+                one whole response (``stop`` None), else the last chunk (True); not last: False.
+            status, headers, content_type: what the first frame fixes (ignored by TorchServe later).
+        """
+        stop: bool | None = (True if continued else None) if last else False
+        return RowResult(body, status=status, headers=dict(headers or {}), content_type=content_type, stop=stop)
+
+    def end_sequence(self, session_id: str) -> dict[str, str]:
+        """Headers that end ``session_id``'s TorchServe job group (the frontend frees it at once)."""
+        return {self.end_header: session_id}
+
+    def closed(self, session_id: str) -> dict[str, str]:
+        """Headers of a reply whose session is gone: SageMaker's ``X-Amzn-SageMaker-Closed-Session-Id``
+        (boto3's ``ClosedSessionId``) and the sequence end."""
+        return {CLOSED_SESSION_ID_HEADER: session_id, **self.end_sequence(session_id)}
+
+
+def read_rows(data: Sequence[Any], context: Any) -> list[Row]:
+    """TorchServe's batch as rows: each row's request id, sequence id, whether TorchServe minted it
+    (its start header), body and ``Accept`` header (``context``: TorchServe's ``Context``)."""
+    start = context.header_key_sequence_start
+    return [
+        Row(
+            request_id=context.get_request_id(i),
+            session_id=context.get_sequence_id(i),
+            minted=bool(context.get_request_header(i, start)),
+            body=(row or {}).get("body", (row or {}).get("data")),
+            accept=context.get_request_header(i, "Accept") or context.get_request_header(i, "accept"),
+        )
+        for i, row in enumerate(data)
+    ]
+
+
+def write_results(context: Any, results: Sequence[RowResult]) -> list[bytes]:
+    """Set each row's status, content type, headers and stopping criterion on TorchServe's
+    ``context``; return the bodies, one per row, for ``handle()`` to return."""
+    for i, result in enumerate(results):
+        context.set_response_status(result.status, "", i)
+        context.set_response_content_type(i, result.content_type)
+        for key, value in result.headers.items():
+            context.set_response_header(i, key, value)
+    context.stopping_criteria = [lambda _output, stop=r.stop: stop for r in results]
+    return [r.body for r in results]

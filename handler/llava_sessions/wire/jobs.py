@@ -1,0 +1,178 @@
+"""The requests in flight between ``handle()`` calls, and what every dialect's answers share.
+
+A :class:`Job` is one admitted request (an open, an added image, an answer) whose work the engine
+steps across TorchServe's calls; it carries the :class:`Dialect` its request came in, decided once
+where the body was decoded, so every later frame and error is written by that dialect's encoder.
+:class:`JobTable` holds the jobs and the replies both dialects give alike (an error row, a new
+session's id, the generation slots). Nothing here knows a dialect's shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..engine import Generation, ImageTask, SessionEngine
+from ..errors import ErrorCode, ServiceError, overloaded
+from .contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, SESSION_ID_RE
+from .framing import Framing, Row, RowResult
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..metrics import WorkerMetrics
+
+__all__ = ["Dialect", "Job", "JobTable"]
+
+log = logging.getLogger(__name__)
+
+
+class Dialect(Protocol):
+    """What the service asks of a dialect (``native``, ``chat``): admit a decoded body, emit a job's
+    frame for this call, and write an error in its own shape."""
+
+    def admit(self, row: Row, data: Any, now: float) -> RowResult | Job:
+        """Admit one decoded body: an answer now, or a job to step. Raises ServiceError."""
+        ...
+
+    def emit(self, job: Job) -> RowResult:
+        """The job's frame for this ``handle()`` call."""
+        ...
+
+    def encode_error(self, error: ServiceError) -> bytes:
+        """A whole error reply body in this dialect's shape."""
+        ...
+
+
+@dataclass
+class Job:
+    """An open, an added image or an answer in flight, across ``handle()`` calls (keyed by
+    TorchServe's request id).
+
+    Attributes:
+        dialect: the dialect the request came in; its frames and errors are that dialect's.
+        command: the dialect's command for the request.
+        work: the engine's state of it (``Generation`` or ``ImageTask``).
+        own_group: the TorchServe job group is this session's own (not the shared ``NEW_SESSION``).
+        calls: ``handle()`` calls this job was part of (more than one: its first frame is out).
+        one_shot: a chat request without a session: its session is removed when it ends.
+        opened: a chat request that opened its session (``NEW_SESSION``): new-session headers.
+        stream: a streamed chat answer's events; frames: a chat stream's last events, one per call.
+        urls: image URL → content key, kept by the session when the answer ends.
+    """
+
+    request_id: str
+    session_id: str
+    dialect: Dialect
+    command: Any
+    last_seen: float
+    work: Generation | ImageTask
+    own_group: bool = True
+    t0: float = 0.0  # admission time (perf_counter), for an open's total_ms
+    intake_timings: dict[str, float] = field(default_factory=dict)  # an image's fetch and decode, ms
+    calls: int = 0
+    ahead: int = 0  # steps run by run_ahead() since the job was last in a handle() call
+    emitted: int = 0  # token events already sent (streaming)
+    error: ServiceError | None = None
+    one_shot: bool = False
+    opened: bool = False
+    stream: Any = None
+    frames: list[bytes] = field(default_factory=list)
+    urls: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def continued(self) -> bool:
+        """An earlier ``handle()`` call already sent this job a frame (its status and headers are out)."""
+        return self.calls > 1
+
+
+class JobTable:
+    """The jobs in flight (by TorchServe request id) and the replies both dialects share.
+
+    Args:
+        settings: the handler settings (``max_concurrent_generations``).
+        engine: the session engine (a session's existence, closing one-shot sessions).
+        framing: TorchServe's framing (error rows, closed headers).
+        metrics: where errors are counted.
+    """
+
+    def __init__(self, settings: Settings, engine: SessionEngine, framing: Framing, metrics: WorkerMetrics) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.framing = framing
+        self.metrics = metrics
+        self.jobs: dict[str, Job] = {}
+
+    def check_generation_slot(self) -> None:
+        """Raise ``overloaded`` when ``max_concurrent_generations`` answers are in flight."""
+        if sum(isinstance(j.work, Generation) for j in self.jobs.values()) >= self.settings.max_concurrent_generations:
+            raise overloaded("too many generations in flight on this worker; retry shortly", "generation_slot")
+
+    def new_session_id(self, row: Row) -> str:
+        """The id a new session gets: TorchServe's minted or the client's own, else (the shared
+        ``NEW_SESSION`` group, or no sequence batching) a new ``llava-<uuid4>``.
+
+        Raises:
+            ServiceError: invalid_request (an id not valid, or already open).
+        """
+        sid = row.session_id
+        if sid is None or sid == NEW_SESSION_LITERAL:
+            sid = f"llava-{uuid.uuid4()}"
+        elif not row.minted and not SESSION_ID_RE.match(sid):
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"{SESSION_ID_HEADER} is not a valid session id")
+        if sid in self.engine.store:
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
+        return sid
+
+    @staticmethod
+    def session_of(row: Row, kind: str) -> str:
+        """The open session ``row`` names for a ``kind`` request (generate, close, ...).
+
+        Raises:
+            ServiceError: missing_session_id (no header, ``NEW_SESSION``, or an id TorchServe minted).
+        """
+        sid = row.session_id
+        if row.minted or not sid or sid == NEW_SESSION_LITERAL:
+            raise ServiceError(
+                ErrorCode.MISSING_SESSION_ID, f"{kind} needs the {SESSION_ID_HEADER} header of an open session"
+            )
+        return sid
+
+    def forget(self, job: Job, *, abandon: bool = False) -> None:
+        """Drop ``job`` from the jobs in flight (``abandon``: its work is closed first, its session
+        left as before it); a one-shot chat request's session goes with it."""
+        self.jobs.pop(job.request_id, None)
+        if abandon:
+            job.work.close()
+        if job.one_shot:
+            self.close_quietly(job.session_id)
+
+    def close_quietly(self, session_id: str) -> None:
+        """Close ``session_id`` if it is open and idle; never raises."""
+        try:
+            self.engine.close(session_id)
+        except ServiceError:
+            pass
+
+    def error(
+        self, dialect: Dialect, session_id: str | None, err: ServiceError, *, continued: bool = False
+    ) -> RowResult:
+        """A JSON error row in ``dialect``'s shape for the request of TorchServe job group ``session_id``.
+
+        A request that leaves no open session behind (unknown, expired or evicted id, failed
+        open, missing id) gets the closed/sequence-end header: TorchServe frees the job group at
+        once and the router learns the session is gone. The shared ``NEW_SESSION`` group is
+        never ended. ``continued``: the job's first frame went out (this is its last chunk).
+        """
+        self.metrics.count_error(err)
+        if err.code is ErrorCode.IMAGE_FETCH_FAILED:  # the operator's to fix (credentials, a role, the network)
+            log.warning("image fetch failed: %s", err.message, extra={"session_id": session_id})
+        headers: dict[str, str] = {}
+        if session_id and session_id != NEW_SESSION_LITERAL and session_id not in self.engine.store:
+            headers.update(self.framing.closed(session_id))
+        if err.retry_after_s:
+            headers["Retry-After"] = str(err.retry_after_s)
+        return self.framing.frame(
+            dialect.encode_error(err), continued=continued, last=True, status=err.status, headers=headers
+        )
