@@ -42,9 +42,9 @@ import zipfile
 from pathlib import Path
 
 from llava_client import SessionClient
+from llava_tools.cli import parse_assignment
 from llava_tools.samples import sample_photo
 from llava_tools.serve import LocalServer
-from llava_tools.serve import _parse_assignment as parse_assignment
 
 LEVELS = (1, 2, 4, 8, 16)
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")

@@ -29,9 +29,9 @@ import requests
 
 from concurrency import burst, others_paused  # benchmarks/concurrency.py (this script's folder is on sys.path)
 from llava_client import SessionClient
+from llava_tools.cli import parse_assignment
 from llava_tools.samples import sample_photo
 from llava_tools.serve import LocalServer
-from llava_tools.serve import _parse_assignment as parse_assignment
 
 QUESTION = "Describe this image in great detail, please."
 

@@ -10,8 +10,7 @@ import json
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from llava_sessions.chat.commands import chat_command
-from llava_sessions.chat.protocol import parse_chat_body
+from llava_sessions.chat.protocol import chat_command, parse_chat_body
 from llava_sessions.chat.responses import ChatStream, encode_completion
 from llava_sessions.config import Settings
 from llava_sessions.errors import ErrorCode, ServiceError

@@ -1,7 +1,7 @@
 """The handler in a real TorchServe (tiny model, CPU): the SageMaker stateful-session contract.
 
 Each server here is a real ``torchserve`` on 127.0.0.1 with free ports and its own TMPDIR, started
-by :class:`llava_tools.serve.LocalServer` and stopped (exactly its own processes) at teardown.
+by :class:`llava_tools.server.LocalServer` and stopped (exactly its own processes) at teardown.
 """
 
 from __future__ import annotations

@@ -133,9 +133,9 @@ LAYERS: list[set[str]] = [
     {"sessions", "sampling", "wire", "native", "chat", "engine.scheduler", "model.kv_cache", "model.loading"},
     {"sampling.params", "images.decode", "model.templating", "wire.framing", "engine.memory", "engine.sharing"},
     {"wire.inbound", "images.fetch", "model.runner", "sampling.sampler"},
-    {"images.source", "images", "model", "engine.sequence", "chat.protocol"},
-    {"native.protocol", "chat.commands", "sessions.session", "engine.admission", "engine.updates"},
-    {"native.commands", "chat.responses", "sessions.store", "engine.decode_batch"},
+    {"images.source", "images", "model", "engine.sequence"},
+    {"native.protocol", "chat.protocol", "sessions.session", "engine.admission", "engine.updates"},
+    {"chat.responses", "sessions.store", "engine.decode_batch"},
     {"native.responses", "engine.model_runner"},
     {"engine.engine"},
     {"engine"},
@@ -168,7 +168,9 @@ def _is_module(name: str, root: Path) -> bool:
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
-def core_import_graph(root: Path = CORE, *, typing_too: bool = False) -> dict[str, set[str]]:
+def core_import_graph(
+    root: Path = CORE, *, typing_too: bool = False, package: str = "llava_sessions"
+) -> dict[str, set[str]]:
     """Run-time imports between the core's modules (imports under ``if TYPE_CHECKING:`` are types
     only: edges only with ``typing_too``). Importing a module of another package also runs that
     package's ``__init__``: an edge too."""
@@ -190,8 +192,8 @@ def core_import_graph(root: Path = CORE, *, typing_too: bool = False) -> dict[st
             if node.level:
                 base = package[: len(package) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and node.module.startswith("llava_sessions"):
-                target = node.module.removeprefix("llava_sessions").lstrip(".") or "__init__"
+            elif node.module and node.module.split(".")[0] == package:
+                target = node.module.removeprefix(package).lstrip(".") or "__init__"
             else:
                 continue
             subs = [f"{target}.{a.name}" if target else a.name for a in node.names]
@@ -269,10 +271,8 @@ def test_the_dialects_results_and_conversation_import_no_torch() -> None:
         f"llava_sessions.{name}"
         for name in (
             "native.protocol",
-            "native.commands",
             "native.responses",
             "chat.protocol",
-            "chat.commands",
             "chat.responses",
             "wire.framing",
             "wire.inbound",
@@ -307,17 +307,20 @@ def test_session_fields_change_only_through_the_session_and_the_store() -> None:
     assert edits == []
 
 
-#: 500 lines a module and 50 a function (its code, the docstring aside): sizes a reader can hold.
+#: 500 lines a module and 50 a function (its code, the docstring aside) in the core; 60 a function in
+#: the tools and the client: sizes a reader can hold.
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 50
+MAX_TOOL_FUNCTION_LINES = 60
 
 
-def test_core_modules_and_functions_stay_small() -> None:
+def oversized(folder: Path, max_function_lines: int) -> list[str]:
+    """Modules of ``folder`` over :data:`MAX_MODULE_LINES` and functions over ``max_function_lines``."""
     big = []
-    for path in sorted(CORE.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         text = path.read_text()
         if len(text.splitlines()) > MAX_MODULE_LINES:
-            big.append(f"{path.relative_to(CORE)}: {len(text.splitlines())} lines")
+            big.append(f"{path.relative_to(folder)}: {len(text.splitlines())} lines")
         for node in ast.walk(ast.parse(text)):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -325,6 +328,88 @@ def test_core_modules_and_functions_stay_small() -> None:
             has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
             start = body[1].lineno if has_doc and len(body) > 1 else body[0].lineno
             assert node.end_lineno is not None
-            if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
-                big.append(f"{path.relative_to(CORE)}:{node.lineno} {node.name}")
-    assert big == []
+            if node.end_lineno - start + 1 > max_function_lines:
+                big.append(f"{path.relative_to(folder)}:{node.lineno} {node.name}")
+    return big
+
+
+def test_core_modules_and_functions_stay_small() -> None:
+    assert oversized(CORE, MAX_FUNCTION_LINES) == []
+
+
+@pytest.mark.parametrize("folder", [TOOLS, CLIENT], ids=["tools", "client"])
+def test_tool_and_client_modules_and_functions_stay_small(folder: Path) -> None:
+    assert oversized(folder, MAX_TOOL_FUNCTION_LINES) == []
+
+
+def private_imports(folder: Path) -> list[str]:
+    """``from <module> import _name`` of another module's private names, in ``folder``'s modules (a
+    package's private module itself, ``from . import _chat``, is its own to import)."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module not in ("__future__", None):
+                found += [
+                    f"{path.relative_to(folder)}: {node.module} {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    return found
+
+
+@pytest.mark.parametrize("folder", [CORE, TOOLS, CLIENT], ids=["core", "tools", "client"])
+def test_no_module_imports_another_modules_private_names(folder: Path) -> None:
+    assert private_imports(folder) == []
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle a depth-first walk of ``graph`` meets, each as the modules on it."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt in graph and not state.get(nxt):
+                walk(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if not state.get(node):
+            walk(node)
+    return found
+
+
+@pytest.mark.parametrize("root", [CORE, TOOLS, CLIENT], ids=["core", "tools", "client"])
+def test_no_import_cycle_type_only_imports_counted(root: Path) -> None:
+    """Helpers get the few collaborators they use, never the object that made them: no module
+    imports one that imports it back, even for type hints only."""
+    graph = core_import_graph(root, typing_too=True, package=root.name)
+    assert graph and cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_type_only_cycle(tmp_path: Path) -> None:
+    pkg = tmp_path / "core"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n")
+    assert cycles(core_import_graph(pkg)) == []
+    assert cycles(core_import_graph(pkg, typing_too=True)) == [["a", "b", "a"]]
+
+
+def test_only_the_store_books_a_sessions_memory() -> None:
+    """The ledger follows each session through its own methods (``on_change``): no module calls the
+    store's ledger update, and memory is taken only through the store's allocator API."""
+    calls = []
+    for path in sorted(CORE.rglob("*.py")):
+        if path.relative_to(CORE).as_posix() in ("sessions/store.py", "sessions/ledger.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("_sync", "sync", "set_usage", "reserve"):
+                calls.append(f"{path.relative_to(CORE)}:{node.lineno} {node.attr}")
+    assert calls == []

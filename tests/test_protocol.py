@@ -74,6 +74,12 @@ def fail(body, **limits) -> ServiceError:
 def test_public_api_is_pinned() -> None:
     assert sorted(protocol.__all__) == sorted(
         [
+            "AddImageCommand",
+            "CloseCommand",
+            "Command",
+            "GenerateCommand",
+            "OpenCommand",
+            "ResetCommand",
             "AddImageRequest",
             "REQUEST_TYPES",
             "SAMPLING_BOUNDS",

@@ -158,7 +158,7 @@ def test_the_log_config_is_the_quiet_one_unless_named(tmp_path: Path, monkeypatc
     home (the repository, or the image's $LLAVA_HOME), else TorchServe's own."""
     import xml.etree.ElementTree as ET
 
-    from llava_tools.serve import default_log_config_path
+    from llava_tools.torchserve_files import default_log_config_path
 
     monkeypatch.delenv("LLAVA_TS_LOG_CONFIG", raising=False)
     assert default_log_config_path() == REPO / "config" / "log4j2.xml"
@@ -184,7 +184,8 @@ def test_model_config_keeps_torchserve_limits_above_the_handlers() -> None:
 def test_local_model_config_applies_workers_and_overrides(tmp_path: Path) -> None:
     import yaml
 
-    from llava_tools.serve import LocalServer, _parse_assignment
+    from llava_tools.cli import parse_assignment as _parse_assignment
+    from llava_tools.serve import LocalServer
 
     server = LocalServer(
         tmp_path,
@@ -207,6 +208,7 @@ def test_job_groups_follow_the_replicas_sessions(tmp_path: Path, monkeypatch) ->
     import yaml
 
     import llava_tools.serve as serve
+    import llava_tools.torchserve_files as ts_files
     from llava_sessions.config import job_groups
 
     def written(**kw) -> dict:
@@ -219,8 +221,8 @@ def test_job_groups_follow_the_replicas_sessions(tmp_path: Path, monkeypatch) ->
     assert (two["batchSize"], two["maxNumSequence"]) == (88, 88)
     kept = written(overrides={"devices": "cpu,cpu", "max_sessions": 40}, model_config_overrides={"batchSize": 24})
     assert (kept["batchSize"], kept["maxNumSequence"]) == (24, 88)
-    assert serve.visible_gpus() == 0  # no NVIDIA driver here; a GPU count cannot run here for real:
-    monkeypatch.setattr(serve, "visible_gpus", lambda env=None: 4)  # what torch would count on 4 GPUs
+    assert ts_files.visible_gpus() == 0  # no NVIDIA driver here; a GPU count cannot run here for real:
+    monkeypatch.setattr(ts_files, "visible_gpus", lambda env=None: 4)  # what torch would count on 4 GPUs
     four = written()
     assert (four["batchSize"], four["maxNumSequence"]) == (264, 264)
     assert written(overrides={"device": "cpu"})["batchSize"] == 72  # device cpu: one replica whatever the GPUs

@@ -25,13 +25,11 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ._base_client import BaseClient
 from ._exceptions import LlavaError, status_error_from_body
 from ._images import ImageInput, fit_payload, image_budget, image_payload
-
-if TYPE_CHECKING:
-    from ._client import SessionClient
 
 __all__ = ["ChatReply", "ChatSession", "image_part"]
 
@@ -125,19 +123,19 @@ def chat_request(messages: list[dict[str, Any]], stream: bool, params: dict[str,
     return body
 
 
-def complete(client: SessionClient, messages: list[dict[str, Any]], session_id: str, **params: Any) -> ChatReply:
+def complete(client: BaseClient, messages: list[dict[str, Any]], session_id: str, **params: Any) -> ChatReply:
     """Send the conversation (in session ``session_id``, or ``""`` for none) and return the reply."""
-    data, _ = client._invoke(chat_request(messages, False, params), session_id, retry_safe=True)
+    data, _ = client.invoke(chat_request(messages, False, params), session_id, retry_safe=True)
     return ChatReply.from_completion(data)
 
 
-def stream(client: SessionClient, messages: list[dict[str, Any]], session_id: str, **params: Any) -> Iterator[str]:
+def stream(client: BaseClient, messages: list[dict[str, Any]], session_id: str, **params: Any) -> Iterator[str]:
     """Send the conversation and yield the answer's text pieces as they come (JSON-lines chunks).
 
     Raises:
         APIStatusError: the request was refused, or the stream ended in an error object.
     """
-    lines = client._invoke_stream(chat_request(messages, True, params), session_id, retry_safe=True)
+    lines = client.invoke_stream(chat_request(messages, True, params), session_id, retry_safe=True)
     for line in lines:
         text = line.decode("utf-8").strip()
         if text.startswith("data:"):
@@ -163,7 +161,7 @@ class ChatSession:
         session_id: the server's session id.
     """
 
-    def __init__(self, client: SessionClient, session_id: str) -> None:
+    def __init__(self, client: BaseClient, session_id: str) -> None:
         self._client = client
         self.session_id = session_id
         self.closed = False
@@ -198,6 +196,6 @@ class ChatSession:
             return
         self.closed = True
         try:
-            self._client._invoke({"requestType": "CLOSE"}, self.session_id, retry_safe=True)
+            self._client.invoke({"requestType": "CLOSE"}, self.session_id, retry_safe=True)
         except SessionGone:
             pass

@@ -1,6 +1,6 @@
 """What the engine returns: token events, answers, opened sessions and added images (plain data, no torch).
 
-The codec renders these and the metrics observe them, so neither needs the torch engine.
+The dialects render these and the metrics observe them, so neither needs the torch engine.
 """
 
 from __future__ import annotations

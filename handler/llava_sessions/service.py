@@ -5,7 +5,7 @@ row is a new request or a job that asked to continue (its stopping criterion ret
 Each :meth:`SessionService.handle` call
 
 1. admits the new rows: loads each body (:func:`.wire.inbound.load_body`), decides its dialect
-   (:func:`.chat.serving.is_chat_body`: OpenAI chat and AWS's session bodies; else the native
+   (:func:`.wire.inbound.is_chat_body`: OpenAI chat and AWS's session bodies; else the native
    ``type`` bodies) and hands it to that dialect's serving, which answers at once or returns a
    :class:`~.wire.jobs.Job` carrying the dialect; a refused request is that dialect's error row;
 2. advances every job in the batch by a bounded slice (``step_max_tokens`` steps, within
@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from .chat.serving import ChatServing, is_chat_body
+from .chat.serving import ChatServing
 from .config import Settings
 from .engine import SessionEngine
 from .errors import ErrorCode, ServiceError
@@ -32,7 +32,7 @@ from .native.serving import NativeServing
 from .sessions.conversation import Chat
 from .wire.contract import CLOSED_SESSION_ID_HEADER
 from .wire.framing import Framing, Row, RowResult
-from .wire.inbound import load_body
+from .wire.inbound import is_chat_body, load_body
 from .wire.jobs import Dialect, Job, JobTable
 
 __all__ = ["Row", "RowResult", "SessionService"]

@@ -11,7 +11,7 @@ which is :func:`main`:
    ``llava/`` model folder that ``llava-deploy`` uploads (TorchServe's no-archive layout: handler,
    package, ``model-config.yaml`` and the checkpoint files side by side); then that
    ``model-config.yaml`` (with the deploy-time ``--set`` values) is used.
-2. start TorchServe with :class:`ContainerServer`, a :class:`~llava_tools.serve.LocalServer`
+2. start TorchServe with :class:`ContainerServer`, a :class:`~llava_tools.server.LocalServer`
    whose ``config.properties`` is the image's ``config/config.properties`` (token auth off, 6 MiB
    bodies, Prometheus metrics, the SageMaker session headers as sequence keys) with this run's
    addresses filled in: inference on ``0.0.0.0:8080``, management / metrics / gRPC on free loopback
@@ -46,15 +46,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .serve import (
-    _SEQUENCE_HEADER_KEYS,
+from .cli import run_until_signal
+from .server import LocalServer
+from .torchserve_files import (
     MULTI_WORKER_REFUSAL,
-    LocalServer,
+    SEQUENCE_HEADER_KEYS,
     ServerStartError,
     default_handler_path,
     default_log_config_path,
     default_model_config_path,
-    run_until_signal,
 )
 
 __all__ = [
@@ -160,7 +160,7 @@ class ContainerServer(LocalServer):
 
     Every key of ``ts_config`` is kept except the per-run ones (addresses, ports, model store),
     which :class:`LocalServer` fills in. The sequence header keys in the file must name the same
-    headers as :mod:`llava_tools.serve` exports to the workers (``TS_REQUEST_SEQUENCE_*``).
+    headers as :mod:`llava_tools.torchserve_files` exports to the workers (``TS_REQUEST_SEQUENCE_*``).
 
     Args:
         model_dir: the checkpoint folder.
@@ -177,7 +177,7 @@ class ContainerServer(LocalServer):
     def _config_properties(self, store: Path) -> str:
         generated = _parse_properties(super()._config_properties(store))
         from_file = _parse_properties(self.ts_config_path.read_text())
-        for key, _, header in _SEQUENCE_HEADER_KEYS:
+        for key, _, header in SEQUENCE_HEADER_KEYS:
             if from_file.get(key, header) != header:
                 raise ServerStartError(
                     f"{self.ts_config_path}: {key}={from_file[key]} but the workers are told "
@@ -186,7 +186,7 @@ class ContainerServer(LocalServer):
         merged = dict(from_file)
         for key in _PER_RUN_KEYS:
             merged[key] = generated[key]
-        for key, _, header in _SEQUENCE_HEADER_KEYS:
+        for key, _, header in SEQUENCE_HEADER_KEYS:
             merged[key] = header
         lines = [f"# Written by llava-container-serve from {self.ts_config_path} (per-run addresses filled in)."]
         lines += [f"{key}={value}" for key, value in merged.items()]

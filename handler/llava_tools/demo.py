@@ -3,7 +3,7 @@
 This is what ``make demo`` runs. Without ``--model-dir`` it builds the ``tiny`` random-weight
 checkpoint (answers are gibberish; everything else is the real serving path). Then it
 
-1. starts a local TorchServe with the handler (:class:`llava_tools.serve.LocalServer`, free port),
+1. starts a local TorchServe with the handler (:class:`llava_tools.server.LocalServer`, free port),
 2. opens a session on a real photograph (scikit-image's astronaut, saved as JPEG),
 3. asks three questions: one streamed (pieces printed as they arrive), one that refers to the
    previous answer (remembered history), one independent (``remember=False``),

@@ -199,6 +199,34 @@ def _train_tokenizer(vocab_size: int = 2048, *, chatml: bool = False):
     return fast
 
 
+def _tower_kwargs(
+    spec: Any, vocab_size: int, pad_token_id: int, bos_token_id: int | None, eos_token_id: int, arch: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The text model's and the vision tower's config keywords of ``spec`` (a :data:`SIZES` entry)."""
+    text_kwargs: dict[str, Any] = dict(
+        vocab_size=spec.vocab_size or vocab_size,
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_intermediate,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
+        max_position_embeddings=spec.max_positions if arch == "llava" else spec.max_positions_anyres,
+        rms_norm_eps=1e-5 if arch != "llava-onevision" else 1e-6,
+        initializer_range=spec.init_range,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=False,
+    )
+    vision_kwargs: dict[str, Any] = dict(
+        hidden_size=spec.vision_hidden,
+        intermediate_size=spec.vision_intermediate,
+        num_hidden_layers=spec.vision_layers,
+        num_attention_heads=spec.vision_heads,
+        patch_size=14,
+    )
+    return text_kwargs, vision_kwargs
+
+
 def build_config(
     size: str,
     vocab_size: int,
@@ -231,27 +259,7 @@ def build_config(
     spec, _ = SIZES[size], ARCHS[arch]
     if size == "7b" and arch != "llava":
         raise ValueError("--size 7b is llava-1.5-7b's exact shape; build llava-next / llava-onevision as tiny or bench")
-    text_kwargs: dict[str, Any] = dict(
-        vocab_size=spec.vocab_size or vocab_size,
-        hidden_size=spec.text_hidden,
-        intermediate_size=spec.text_intermediate,
-        num_hidden_layers=spec.text_layers,
-        num_attention_heads=spec.text_heads,
-        max_position_embeddings=spec.max_positions if arch == "llava" else spec.max_positions_anyres,
-        rms_norm_eps=1e-5 if arch != "llava-onevision" else 1e-6,
-        initializer_range=spec.init_range,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        tie_word_embeddings=False,
-    )
-    vision_kwargs: dict[str, Any] = dict(
-        hidden_size=spec.vision_hidden,
-        intermediate_size=spec.vision_intermediate,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
-        patch_size=14,
-    )
+    text_kwargs, vision_kwargs = _tower_kwargs(spec, vocab_size, pad_token_id, bos_token_id, eos_token_id, arch)
     vision: Any
     text: Any
     if arch == "llava-onevision":

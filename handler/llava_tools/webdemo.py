@@ -2,7 +2,7 @@
 
 Like ``make demo``: without ``--model-dir`` it builds the ``tiny`` random-weight checkpoint (its
 answers are gibberish; the serving path is the real one). It starts ``llava-serve``'s
-:class:`~llava_tools.serve.LocalServer` on a free port and the ``llava-web`` page
+:class:`~llava_tools.server.LocalServer` on a free port and the ``llava-web`` page
 (:class:`llava_client.web.ChatPage`) talking to it, prints the page's URL, and serves until
 Ctrl-C (SIGINT) or SIGTERM, then closes the page's sessions and stops exactly the TorchServe it
 started. Exit status 0 after a signal, 1 when the server or the page could not start or the server
@@ -19,7 +19,8 @@ from pathlib import Path
 from llava_client import SessionClient
 from llava_client.web import ChatPage, WebChat
 
-from .serve import LocalServer, run_until_signal
+from .cli import run_until_signal
+from .server import LocalServer
 
 __all__ = ["WebDemo", "main"]
 
@@ -27,7 +28,7 @@ __all__ = ["WebDemo", "main"]
 class WebDemo:
     """A local server and the chat page in front of it, started and stopped as one.
 
-    Has what :func:`llava_tools.serve.run_until_signal` drives: ``start``, ``stop``,
+    Has what :func:`llava_tools.cli.run_until_signal` drives: ``start``, ``stop``,
     ``abort_start``, ``running`` (the server's) and ``tail_logs``.
 
     Args:

@@ -14,23 +14,28 @@
 (``llava_sessions.wire.inbound.load_body``);
 :meth:`ChatCompletionRequest.conversation` maps the messages onto our conversation model (system
 prompt, remembered turns with the images opening each user message, the last user message as the
-question). No torch here.
+question); :func:`chat_command` makes the :class:`ChatCommand` the serving runs (OpenAI's parameters
+as ours, ``temperature`` 1.0 by default; image URLs as image sources). No torch here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from ..config import Settings
 from ..errors import ErrorCode, ServiceError
+from ..images.source import ImageSource
+from ..sampling.params import SamplingParams
 from ..wire.contract import NEW_SESSION_LITERAL
 from ..wire.inbound import Inbound, check_text, validation_error
 
 __all__ = [
     "UNSUPPORTED_FIELDS",
+    "ChatCommand",
     "ChatCompletionRequest",
     "ChatConversation",
     "ChatMessage",
@@ -38,6 +43,8 @@ __all__ = [
     "SessionControlRequest",
     "TextPart",
     "parse_chat_body",
+    "chat_command",
+    "image_source_of",
     "parse_session_body",
 ]
 
@@ -343,3 +350,94 @@ def parse_session_body(data: dict) -> SessionControlRequest:
         return SessionControlRequest.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc, strip_tag=False, hints=_SESSION_BODY_HINTS) from None
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class ChatCommand:
+    """Answer a whole resent conversation (OpenAI ``messages``).
+
+    Attributes:
+        conversation: the messages as our conversation (system, turns, question; image URLs).
+        images: where each image of ``conversation.image_urls`` comes from, in the same order.
+        params: sampling parameters with the server's defaults applied.
+        clip_max_new_tokens: the request set no answer limit: clip the default to the room left.
+        stream: answer as a stream of chunks; include_usage: end it with a usage chunk.
+        top_logprobs: most likely alternatives per token (with ``params.logprobs``).
+        model: the model name the reply carries (the served model's).
+    """
+
+    kind: ClassVar[str] = "chat"
+
+    conversation: ChatConversation
+    images: tuple[ImageSource, ...]
+    params: SamplingParams
+    clip_max_new_tokens: bool
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+def image_source_of(url: str, param: str) -> ImageSource:
+    """The image source an ``image_url`` names: ``s3://`` → S3, ``data:`` → base64, else a URL.
+
+    Raises:
+        ServiceError: invalid_parameter naming ``param`` (a data URI that is not a base64 image, a
+            malformed S3 URI, a URL over 8,192 characters).
+    """
+    try:
+        if url.startswith("s3://"):
+            return ImageSource(s3_uri=url)
+        if url.startswith("data:"):
+            if not url.startswith("data:image/") or ";base64," not in url[:100]:
+                raise ServiceError(
+                    ErrorCode.INVALID_PARAMETER,
+                    f"{param}: a data URI must look like data:image/<type>;base64,<data>",
+                    param=param,
+                )
+            return ImageSource(base64=url)
+        return ImageSource(url=url)
+    except ValidationError:
+        raise ServiceError(
+            ErrorCode.INVALID_PARAMETER,
+            f"{param}: must be an https URL, an s3://bucket/key URI or a data:image/...;base64, URI",
+            param=param,
+        ) from None
+
+
+def chat_command(request: ChatCompletionRequest, settings: Settings, model: str) -> ChatCommand:
+    """The command of a validated chat-completions request, with the server's defaults.
+
+    ``temperature`` unset is OpenAI's default 1.0 (sampled); 0 is greedy. The request's ``model`` is
+    accepted and the reply names the served model (``model``), as vLLM's and TGI's servers do.
+
+    Raises:
+        ServiceError: invalid_request (message order), invalid_parameter (image URLs).
+    """
+    conversation = request.conversation()
+    sources: list[ImageSource] = []
+    for i, msg in enumerate(request.messages):
+        if not isinstance(msg.content, str):
+            for j, part in enumerate(msg.content):
+                if part.type == "image_url":
+                    sources.append(image_source_of(part.image_url.url, f"messages[{i}].content[{j}].image_url.url"))
+    limit = request.answer_limit
+    temperature = 1.0 if request.temperature is None else request.temperature
+    params = SamplingParams(
+        max_new_tokens=limit or settings.default_max_new_tokens,
+        temperature=temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        repetition_penalty=request.repetition_penalty,
+        do_sample=temperature > 0,
+        seed=request.seed,
+        stop=request.stop_list,
+        logprobs=request.logprobs,
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        top_logprobs=request.top_logprobs or 0,
+    )
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return ChatCommand(conversation, tuple(sources), params, limit is None, request.stream, include_usage, model)

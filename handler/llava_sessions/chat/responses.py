@@ -25,7 +25,7 @@ from ..errors import ServiceError
 from ..results import Answer, TokenEvent
 from ..wire.contract import format_expires
 from ..wire.framing import EVENT_STREAM, JSON_LINES
-from .commands import ChatCommand
+from .protocol import ChatCommand
 
 __all__ = [
     "EVENT_STREAM",

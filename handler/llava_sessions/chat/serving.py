@@ -32,22 +32,15 @@ from ..metrics import WorkerMetrics
 from ..results import elapsed_ms
 from ..sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
-from ..wire.framing import JSON, Framing, Row, RowResult
-from ..wire.jobs import Job, JobTable
+from ..wire.framing import JSON, Row, RowResult
+from ..wire.jobs import Job, JobTable, Serving
 from . import responses
-from .commands import ChatCommand, chat_command
-from .protocol import parse_chat_body, parse_session_body
+from .protocol import ChatCommand, chat_command, parse_chat_body, parse_session_body
 
-__all__ = ["JSON_LINES_ACCEPT", "ChatServing", "is_chat_body"]
+__all__ = ["JSON_LINES_ACCEPT", "ChatServing"]
 
 #: The ``Accept`` value that asks a chat stream in JSON lines (LMI's form) rather than server-sent events.
 JSON_LINES_ACCEPT = "application/jsonlines"
-
-
-def is_chat_body(data: Any) -> bool:
-    """Whether a decoded body is this dialect's: an object with ``messages`` (OpenAI chat
-    completions) or ``requestType`` (AWS's session bodies)."""
-    return isinstance(data, dict) and ("messages" in data or "requestType" in data)
 
 
 def _name_of(source: ImageSource) -> str:
@@ -59,15 +52,11 @@ def _name_of(source: ImageSource) -> str:
     return source.url or source.s3_uri or ""
 
 
-class ChatServing:
+class ChatServing(Serving):
     """Admission and emission of chat requests (module docstring).
 
     Args:
-        settings: the handler settings.
-        engine: the session engine.
-        jobs: the jobs in flight and the replies both dialects share.
-        fetch: ``(ImageSource, Settings) -> bytes``.
-        metrics: where answers are observed.
+        settings, engine, jobs, fetch, metrics: as :class:`Serving`.
         model_name: the served model's name (every reply carries it).
         token_text: token id → its text (``logprobs``).
     """
@@ -83,12 +72,7 @@ class ChatServing:
         model_name: str,
         token_text: Callable[[int], str],
     ) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.jobs = jobs
-        self.framing: Framing = jobs.framing
-        self.fetch = fetch
-        self.metrics = metrics
+        super().__init__(settings, engine, jobs, fetch, metrics)
         self.model_name = model_name
         self.token_text = token_text
 

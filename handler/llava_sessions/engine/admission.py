@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,32 +21,60 @@ from ..results import ContextPolicy, elapsed_ms
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
 from ..sessions.conversation import Chat, ChatTarget, Turn, common_prefix_len
+from .memory import new_session_bytes
 from .sequence import Generation, ImageTask
 from .sharing import reusable_len
 
 if TYPE_CHECKING:
+    from ..model import LlavaRunner
     from ..sessions.session import Session
-    from .engine import SessionEngine
+    from ..sessions.store import SessionStore
+    from .sequence import Driver
+    from .sharing import ImageSharing
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "EngineLimits"]
 
 
 #: What a resent conversation that does not fit can do (the client owns the history).
 _CHAT_CONTEXT_HINT = "lower max_tokens, or send a shorter conversation (drop the oldest messages or images)"
 
 
+@dataclass
+class EngineLimits:
+    """Per-request limits: ``max_new_tokens_cap`` and ``max_prompt_tokens`` (tokens of one prompt);
+    per-session limits: ``max_images`` (images a session holds, the opening one included) and
+    ``max_image_tokens`` (placeholder tokens of all its images; 0: only the model's context)."""
+
+    max_new_tokens_cap: int = 1024
+    max_prompt_tokens: int = 2048
+    max_images: int = 8
+    max_image_tokens: int = 0
+
+
 class Admission:
     """The engine's admission of opens, added images and questions (see the module docstring).
 
     Args:
-        engine: the engine whose store, runner and limits decide, and which steps the work made here.
+        store: the sessions and their memory; runner: the model (token counts, templates, bytes);
+        limits: per-request and per-session limits; sharing: what other sessions hold;
+        decode_image: encoded bytes -> image; driver: what the work made here calls back into.
     """
 
-    def __init__(self, engine: SessionEngine) -> None:
-        self.engine = engine
-        self.store = engine.store
-        self.runner = engine.runner
-        self.limits = engine.limits
+    def __init__(
+        self,
+        store: SessionStore,
+        runner: LlavaRunner,
+        limits: EngineLimits,
+        sharing: ImageSharing,
+        decode_image: Callable[[bytes], Any],
+        driver: Driver,
+    ) -> None:
+        self.store = store
+        self.runner = runner
+        self.limits = limits
+        self.sharing = sharing
+        self.decode_image = decode_image
+        self.driver = driver
 
     # ------------------------------------------------------------------ images
     def open(
@@ -75,15 +104,12 @@ class Admission:
         self._check_context(prefix, f"{what} {len(prefix)} tokens", "")
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
         try:
-            self._reserve(session, self.engine.new_session_bytes(len(prefix), sum(tokens)), "a new session")
+            self._allocate(session, new_session_bytes(self.runner, len(prefix), sum(tokens)), "a new session")
         except ServiceError:
             self.store.remove(session_id)
             raise
-        task = ImageTask(self.engine, "open", session, images, prefix, t0, decode_ms)
-        rows = [
-            self.engine.sharing.rows(session, k, n, len(tokens))
-            for k, n in zip(session.image_keys, tokens, strict=True)
-        ]
+        task = ImageTask(self.driver, "open", session, images, prefix, t0, decode_ms)
+        rows = [self.sharing.rows(session, k, n, len(tokens)) for k, n in zip(session.image_keys, tokens, strict=True)]
         if all(r is not None for r in rows):
             task.shared_rows = rows
         return task
@@ -107,9 +133,9 @@ class Admission:
         reuse = 0 if relayout else common_prefix_len(session.cached_ids, prefix)
         runner = self.runner
         need = feature_tokens * runner.feature_bytes_per_token + (len(prefix) - reuse) * runner.kv_bytes_per_token
-        self._reserve(session, need, "the image now")
+        self._allocate(session, need, "the image now")
         return ImageTask(
-            self.engine, "add_image", session, [image], prefix, t0, decode_ms, new_image=(image_bytes, sizes, tokens)
+            self.driver, "add_image", session, [image], prefix, t0, decode_ms, new_image=(image_bytes, sizes, tokens)
         )
 
     def _decoded(self, data: bytes, image: Any) -> tuple[Any, float | None]:
@@ -117,7 +143,7 @@ class Admission:
         if image is not None:
             return image, None
         t0 = time.perf_counter()
-        image = self.engine.decode_image(data)
+        image = self.decode_image(data)
         return image, elapsed_ms(t0)
 
     def _layout(self, sizes: list[tuple[int, int]], new_images: list[Any]) -> tuple[list[tuple[int, int]], list[int]]:
@@ -157,12 +183,12 @@ class Admission:
                 f"{what}, over the model's context of {self.runner.max_positions} tokens{hint}",
             )
 
-    def _reserve(self, session: Session, num_bytes: int, purpose: str) -> None:
+    def _allocate(self, session: Session, num_bytes: int, purpose: str) -> None:
         """Mark ``session`` busy and reserve ``num_bytes`` of device memory for it (demoting idle
         sessions); on a shortage it is idle again and ``overloaded`` is raised."""
-        self.store.set_busy(session, True)
-        if not self.store.reserve(num_bytes, keep=session):
-            self.store.set_busy(session, False)
+        self.store.pin(session)
+        if not self.store.allocate(num_bytes, keep=session):
+            self.store.unpin(session)
             raise overloaded(f"not enough device memory for {purpose}", "session_room")
 
     # ------------------------------------------------------------------ questions
@@ -184,7 +210,7 @@ class Admission:
             params = dataclasses.replace(params, max_new_tokens=max_new)
         runner = self.runner
         gen = Generation(
-            self.engine,
+            self.driver,
             session,
             prompt,
             ids,
@@ -194,7 +220,7 @@ class Admission:
             IncrementalDetokenizer(runner.tokenizer),
             truncated_turns=dropped,
         )
-        self.store.set_busy(session, True)
+        self.store.pin(session)
         return gen
 
     def _check_prompt(self, prompt: str, params: SamplingParams, *, allow_blank: bool = False) -> None:
@@ -270,16 +296,16 @@ class Admission:
         keep = 0
         if session.kv_cache is not None:
             keep = reusable_len(session, ids, keys, tokens, self.runner.image_token_id)
-        sharing = self.engine.sharing
+        sharing = self.sharing
         rows = [sharing.rows(session, img.key, n, len(sizes)) for img, n in zip(target.images, tokens, strict=True)]
         runner = self.runner
         same_images = keys == session.image_keys and tokens == session.image_tokens
         # a new set of features is a new tensor (every row copied or encoded), the old one freed after
         feature_bytes = 0 if same_images else sum(tokens) * runner.feature_bytes_per_token
-        self._reserve(session, feature_bytes + (len(ids) - keep + max_new) * runner.kv_bytes_per_token, "this turn")
+        self._allocate(session, feature_bytes + (len(ids) - keep + max_new) * runner.kv_bytes_per_token, "this turn")
         to_encode = self._hold_conversation(session, target, tokens, keep, rows, same_images=same_images)
         gen = Generation(
-            self.engine,
+            self.driver,
             session,
             target.question,
             ids,
@@ -315,7 +341,6 @@ class Admission:
             to_encode = [(i, target.images[i].image) for i in missing]
         else:
             session.set_features(torch.cat([r for r in rows if r is not None]) if rows else None)
-        self.store.sync(session)
         return to_encode
 
     # ------------------------------------------------------------------ shared

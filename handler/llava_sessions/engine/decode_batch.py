@@ -133,7 +133,7 @@ class DecodeBatch:
         width = max(lengths)
         need = len(members) * (width + self.grow_columns) * self.runner.kv_bytes_per_token
         self.store.batch_bytes = 0 if old is None else old.nbytes()
-        if not self.store.reserve(need, keep=None):
+        if not self.store.allocate(need, keep=None):
             raise overloaded("not enough device memory to decode now; retry later", "step_memory")
         cache = oom_retry(
             lambda: self.runner.new_batch_cache(len(members), width + self.grow_columns), self.store, keep=None
@@ -148,7 +148,6 @@ class DecodeBatch:
             else:
                 self.runner.load_row(cache, row, g.session.kv_cache, width)
                 g.session.lend_kv()  # the row holds it now (the session is busy: never demoted)
-                self.store.sync(g.session)
             mask[row, width - n : width] = 1
         cache.set_length(width)
         for row, g in enumerate(members):

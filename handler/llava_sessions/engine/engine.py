@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
 from ..sampling.params import SamplingParams
 from ..sessions.conversation import ChatTarget, Turn, common_prefix_len
 from ..sessions.store import SessionStore
-from .admission import Admission
+from .admission import Admission, EngineLimits
 from .decode_batch import DecodeBatch
+from .memory import new_session_bytes
 from .model_runner import ModelRunner
 from .scheduler import PrefillPiece, schedule
 from .sequence import Generation, ImageTask, Phase, Work
@@ -36,18 +36,6 @@ from .updates import StateUpdates
 __all__ = ["EngineLimits", "SessionEngine"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineLimits:
-    """Per-request limits: ``max_new_tokens_cap`` and ``max_prompt_tokens`` (tokens of one prompt);
-    per-session limits: ``max_images`` (images a session holds, the opening one included) and
-    ``max_image_tokens`` (placeholder tokens of all its images; 0: only the model's context)."""
-
-    max_new_tokens_cap: int = 1024
-    max_prompt_tokens: int = 2048
-    max_images: int = 8
-    max_image_tokens: int = 0
 
 
 class SessionEngine:
@@ -85,11 +73,9 @@ class SessionEngine:
         self.limits = limits or EngineLimits()
         self.model = ModelRunner(runner, store)
         self.check_invariants = check_invariants
-        self.num_reused_tokens = 0
-        self.num_generated_tokens = 0
         self.sharing = ImageSharing(store, runner, enabled=share_images)
-        self._admission = Admission(self)
-        self._update = StateUpdates(self)
+        self._admission = Admission(store, runner, self.limits, self.sharing, decode_image, driver=self)
+        self._update = StateUpdates(store, self.model, self.sharing, decode_image)
 
     @property
     def batch(self) -> DecodeBatch:
@@ -101,12 +87,19 @@ class SessionEngine:
         """Prompt tokens prefilled since start."""
         return self.model.num_prefilled_tokens
 
+    @property
+    def num_reused_tokens(self) -> int:
+        """Prompt tokens served from a KV cache since start (for metrics)."""
+        return self._update.num_reused_tokens
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens sampled since start, finished answers or not (for metrics)."""
+        return self._update.num_generated_tokens
+
     def new_session_bytes(self, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
-        """Device bytes a new session takes in the ``kv`` tier: its image features (``num_image_tokens``,
-        default one base tile, x hidden x dtype bytes) plus the KV cache of its ``num_prefix_tokens``."""
-        image_tokens = self.runner.num_image_tokens if num_image_tokens is None else num_image_tokens
-        runner = self.runner
-        return image_tokens * runner.feature_bytes_per_token + num_prefix_tokens * runner.kv_bytes_per_token
+        """Device bytes a new session takes in the ``kv`` tier (:func:`~.memory.new_session_bytes`)."""
+        return new_session_bytes(self.runner, num_prefix_tokens, num_image_tokens)
 
     # ------------------------------------------------------------------ sessions
     def open(
@@ -260,7 +253,6 @@ class SessionEngine:
         session.forget_history()
         if session.kv_cache is not None:
             session.crop_kv(common_prefix_len(session.cached_ids, self.runner.template.prefix_ids(session.chat())))
-        self.store.sync(session)
         self._check()
 
     def close(self, session_id: str) -> None:
@@ -392,7 +384,6 @@ class SessionEngine:
             if piece.num_tokens == 0:
                 return  # the restore's vision tower took this step's share
             logits, _ = self.model.prefill(w.session, w.prompt_ids, piece.num_tokens, w.timings)
-            self.store.sync(w.session)
             if len(w.session.cached_ids) == len(w.prompt_ids):
                 w.prefilled_all()
                 self._update.accept(w, logits)
@@ -403,7 +394,6 @@ class SessionEngine:
                 return  # the vision tower took this step's share
         if len(w.session.cached_ids) < len(w.prefix):
             self.model.prefill(w.session, w.prefix, piece.num_tokens, w.timings)
-            self.store.sync(w.session)
         if len(w.session.cached_ids) == len(w.prefix):
             self._update.finish_image_task(w)
 

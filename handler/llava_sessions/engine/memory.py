@@ -69,3 +69,10 @@ def oom_retry(fn: Callable[[], T], store: SessionStore, *, keep: Session | None)
             if is_oom(exc2):
                 raise overloaded("the device is out of memory; retry later", "step_memory") from exc2
             raise
+
+
+def new_session_bytes(runner: LlavaRunner, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
+    """Device bytes a new session takes in the ``kv`` tier: its image features (``num_image_tokens``,
+    default one base tile, x hidden x dtype bytes) plus the KV cache of its ``num_prefix_tokens``."""
+    image_tokens = runner.num_image_tokens if num_image_tokens is None else num_image_tokens
+    return image_tokens * runner.feature_bytes_per_token + num_prefix_tokens * runner.kv_bytes_per_token

@@ -112,5 +112,4 @@ class ImageSharing:
         if best is None:
             return own
         session.adopt_kv(self.runner.copy_prefix(best.kv_cache, best_len), ids[:best_len])
-        self.store.sync(session)
         return best_len

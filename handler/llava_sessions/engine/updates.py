@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +25,9 @@ from .sequence import Generation, ImageTask, Work
 
 if TYPE_CHECKING:
     from ..sessions.session import Session
-    from .engine import SessionEngine
+    from ..sessions.store import SessionStore
+    from .model_runner import ModelRunner
+    from .sharing import ImageSharing
 
 __all__ = ["StateUpdates"]
 
@@ -35,13 +38,24 @@ class StateUpdates:
     """The engine's changes to work and sessions around the forward passes (module docstring).
 
     Args:
-        engine: the engine (its store, model runner and counters).
+        store: the sessions and their memory; model: the model runner (its runner's sizes and
+        template); sharing: what other sessions hold; decode_image: encoded bytes -> image.
+
+    Attributes:
+        num_reused_tokens / num_generated_tokens: counters for metrics (prompt tokens served from a
+            KV cache; tokens sampled, finished answers or not).
     """
 
-    def __init__(self, engine: SessionEngine) -> None:
-        self.engine = engine
-        self.store = engine.store
-        self.model = engine.model
+    def __init__(
+        self, store: SessionStore, model: ModelRunner, sharing: ImageSharing, decode_image: Callable[[bytes], Any]
+    ) -> None:
+        self.store = store
+        self.model = model
+        self.runner = model.runner
+        self.sharing = sharing
+        self.decode_image = decode_image
+        self.num_reused_tokens = 0
+        self.num_generated_tokens = 0
 
     # ------------------------------------------------------------------ answers
     def start_generation(self, gen: Generation) -> None:
@@ -57,31 +71,27 @@ class StateUpdates:
             self._encode_missing(gen)
         restored = self._restore(session)
         if gen.resent:  # a resent conversation: a prefix another session holds may serve more
-            self.engine.sharing.adopt_prefix(session, gen.prompt_ids, session.image_keys, session.image_tokens)
+            self.sharing.adopt_prefix(session, gen.prompt_ids, session.image_keys, session.image_tokens)
             gen.images_to_encode = []
         reuse = gen.num_reusable_tokens()
-        need = (len(gen.prompt_ids) - reuse + gen.params.max_new_tokens) * self.engine.runner.kv_bytes_per_token
-        if not self.store.reserve(need, keep=session):
+        need = (len(gen.prompt_ids) - reuse + gen.params.max_new_tokens) * self.runner.kv_bytes_per_token
+        if not self.store.allocate(need, keep=session):
             raise overloaded("not enough device memory for this answer now; retry later", "step_memory")
         session.crop_kv(reuse)
-        self.store.sync(session)
-        self.engine.num_reused_tokens += reuse
+        self.num_reused_tokens += reuse
         gen.started(restored, reuse, elapsed_ms(t0))
 
     def _encode_missing(self, gen: Generation) -> None:
         """Run the vision tower on the images of a resent conversation no session held, and give the
         session every image's features in order."""
         session = gen.session
-        images = [
-            img if img is not None else self.engine.decode_image(session.images[i]) for i, img in gen.images_to_encode
-        ]
+        images = [img if img is not None else self.decode_image(session.images[i]) for i, img in gen.images_to_encode]
         indexes = [i for i, _ in gen.images_to_encode]
         feats = self.model.encode_at(session, indexes, images)
         rows = list(gen.feature_rows)
         for i, f in zip(indexes, feats, strict=True):
             rows[i] = f
         session.set_features(torch.cat(rows) if rows else None)
-        self.store.sync(session)
 
     def _restore(self, session: Session) -> RestoredFrom | None:
         """Bring a demoted session back to a prefillable state; returns the tier it came from."""
@@ -93,9 +103,9 @@ class StateUpdates:
         if tier is Tier.KV:
             return None
         if tier is Tier.IMAGE:
-            images = [self.engine.decode_image(data) for data in session.images]
-            need = sum(session.image_tokens) * self.engine.runner.feature_bytes_per_token
-            if not self.store.reserve(need, keep=session):
+            images = [self.decode_image(data) for data in session.images]
+            need = sum(session.image_tokens) * self.runner.feature_bytes_per_token
+            if not self.store.allocate(need, keep=session):
                 raise overloaded("not enough device memory to restore the session", "session_room")
             session.set_features(self.model.encode(session, images))
         session.start_kv(self.model.new_cache())
@@ -127,8 +137,8 @@ class StateUpdates:
         """Sample ``gen``'s next token from ``logits [vocab]`` (float32) and record it; finish the
         answer when it ends there."""
         token, logprob, top = gen.sampler.next_token(logits)
-        self.engine.num_generated_tokens += 1
-        finish = gen.append(token, logprob, self.engine.runner.eos_token_ids, top)
+        self.num_generated_tokens += 1
+        finish = gen.append(token, logprob, self.runner.eos_token_ids, top)
         if finish:
             self._finish_generation(gen, finish)
 
@@ -145,12 +155,11 @@ class StateUpdates:
         if gen.remember:
             session.remember(Turn(gen.prompt, gen.detokenizer.text, session.pending_images))
         else:  # keep what the next question can reuse: the history's stable prefix
-            stable = self.engine.runner.template.prefix_ids(session.chat())
+            stable = self.runner.template.prefix_ids(session.chat())
             session.crop_kv(max(gen.num_reused_tokens, common_prefix_len(gen.prompt_ids, stable)))
         session.check_invariants()
-        self.store.set_busy(session, False)
+        self.store.release(session)
         gen.finish(finish_reason)
-        self.store.enforce(keep=session)
 
     # ------------------------------------------------------------------ image tasks
     def encode_image_task(self, task: ImageTask) -> None:
@@ -164,19 +173,18 @@ class StateUpdates:
             rows = task.shared_rows
             session.set_features(torch.cat(rows) if rows else self.model.encode(session, task.images))
             session.start_kv(self.model.new_cache())
-            task.num_reused_tokens = self.engine.sharing.adopt_prefix(
+            task.num_reused_tokens = self.sharing.adopt_prefix(
                 session, task.prefix, session.image_keys, session.image_tokens
             )
-            self.engine.num_reused_tokens += task.num_reused_tokens
+            self.num_reused_tokens += task.num_reused_tokens
         else:
             self._join_added_image(task)
         task.images = []
         task.encoded = True
         task.timings["encode"] = elapsed_ms(t)
-        self.store.sync(session)
 
     def _join_added_image(self, task: ImageTask) -> None:
-        session, runner = task.session, self.engine.runner
+        session, runner = task.session, self.runner
         assert task.new_image is not None
         data, sizes, tokens = task.new_image
         task.snapshot = session.snapshot()
@@ -184,7 +192,7 @@ class StateUpdates:
         had_features = session.image_features
         session.add_image(data, sizes, tokens)
         if relayout or had_features is None:  # every image (re-)encoded as laid out now
-            images = [self.engine.decode_image(d) for d in session.images[:-1]] + task.images
+            images = [self.decode_image(d) for d in session.images[:-1]] + task.images
             session.set_features(self.model.encode(session, images))
         else:
             session.set_features(torch.cat([had_features, self.model.encode(session, task.images)], dim=0))
@@ -196,12 +204,11 @@ class StateUpdates:
         else:
             session.crop_kv(keep)
         task.num_reused_tokens = len(session.cached_ids)
-        self.engine.num_reused_tokens += task.num_reused_tokens
+        self.num_reused_tokens += task.num_reused_tokens
 
     def finish_image_task(self, task: ImageTask) -> None:
         """The prefix is cached: the session is idle again (within the budget) and the task has its result."""
-        self.store.set_busy(task.session, False)
-        self.store.enforce(keep=task.session)
+        self.store.release(task.session)
         task.finish()
 
     # ------------------------------------------------------------------ failures
@@ -218,7 +225,7 @@ class StateUpdates:
         image rolled back, an open's session removed."""
         work.end()
         session = work.session
-        self.store.set_busy(session, False)
+        self.store.unpin(session)
         if isinstance(work, Generation):
             self._put_back_answer(work)
         elif work.kind_of_task == "open":
@@ -229,9 +236,7 @@ class StateUpdates:
                     pass
             return
         elif work.snapshot is not None:
-            session.rollback(work.snapshot, self.engine.runner.template.prefix_ids)
-        if session.session_id in self.store:
-            self.store.sync(session)
+            session.rollback(work.snapshot, self.runner.template.prefix_ids)
 
     def _put_back_answer(self, gen: Generation) -> None:
         session = gen.session

@@ -1,4 +1,7 @@
-"""The native dialect's requests: pydantic models of its JSON bodies over ``POST /invocations``.
+"""The native dialect's requests: pydantic models of its JSON bodies over ``POST /invocations``, and
+the commands they become (:class:`OpenCommand`, :class:`GenerateCommand`, :class:`AddImageCommand`,
+:class:`ResetCommand`, :class:`CloseCommand`; a command remembers whether it came in the AWS
+sample's shape, and only the encoders look at that).
 
 Requests are a union discriminated on ``"type"``:
 
@@ -27,7 +30,8 @@ No torch here.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     Field,
@@ -39,11 +43,19 @@ from pydantic_core import PydanticCustomError
 
 from ..errors import ErrorCode, ServiceError
 from ..images.source import S3_URI_RE, ImageSource
-from ..sampling.params import SAMPLING_BOUNDS, SamplingBound
+from ..results import ContextPolicy
+from ..sampling.params import SAMPLING_BOUNDS, SamplingBound, SamplingParams
+from ..sessions.conversation import Turn
 from ..wire.inbound import SAFE_KEY_RE, Inbound, check_text, invalid, load_body, validation_error
 
 __all__ = [
     "REQUEST_TYPES",
+    "AddImageCommand",
+    "CloseCommand",
+    "Command",
+    "GenerateCommand",
+    "OpenCommand",
+    "ResetCommand",
     "SAMPLING_BOUNDS",
     "AddImageRequest",
     "CloseSessionRequest",
@@ -364,3 +376,75 @@ def _check_limits(request: Any, *, max_prompt_chars: int, max_new_tokens_cap: in
                 ErrorCode.INVALID_PARAMETER,
                 f"{name}: longer than {max_prompt_chars} characters ({len(text)} given); shorten it",
             )
+
+
+# ============================================================================================
+# Commands: what a validated request asks of the engine, the server's defaults applied
+# ============================================================================================
+
+
+@dataclass(frozen=True)
+class OpenCommand:
+    """Open a session on ``image`` (``legacy``: reply in the AWS sample's ``start_session`` shape)."""
+
+    kind: ClassVar[str] = "open_session"
+
+    image: ImageSource
+    system_prompt: str | None
+    history: tuple[Turn, ...] = ()
+    legacy: bool = False
+    history_images: tuple[ImageSource, ...] = ()  # the images the history's turns place, in order
+
+
+@dataclass(frozen=True)
+class GenerateCommand:
+    """Answer ``prompt`` in the session.
+
+    Attributes:
+        prompt: the question (plain text).
+        params: sampling parameters with the server's defaults applied.
+        remember: the turn joins the history.
+        stream: reply as JSON lines, a chunk per ``handle()`` call.
+        details: include the per-token list in the reply's details.
+        legacy: reply in the AWS sample's ``send_text_prompt`` shape (``{"response_text"}``).
+        context_policy: ``truncate`` or ``error`` when the turn does not fit the context.
+        clip_max_new_tokens: ``params.max_new_tokens`` is the server default, not the request's,
+            so it may be clipped to the room left.
+    """
+
+    kind: ClassVar[str] = "generate"
+
+    prompt: str
+    params: SamplingParams
+    remember: bool = True
+    stream: bool = False
+    details: bool = False
+    legacy: bool = False
+    context_policy: ContextPolicy = "truncate"
+    clip_max_new_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class AddImageCommand:
+    """Append ``image`` to the session's conversation."""
+
+    kind: ClassVar[str] = "add_image"
+
+    image: ImageSource
+
+
+@dataclass(frozen=True)
+class ResetCommand:
+    """Forget the conversation, keep the images."""
+
+    kind: ClassVar[str] = "reset"
+
+
+@dataclass(frozen=True)
+class CloseCommand:
+    """Close the session."""
+
+    kind: ClassVar[str] = "close_session"
+
+
+Command = Union[OpenCommand, GenerateCommand, AddImageCommand, ResetCommand, CloseCommand]  # noqa: UP007

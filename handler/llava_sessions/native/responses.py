@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import ServiceError
 from ..results import AddImageResult, Answer, OpenResult, TokenEvent
 from ..wire.contract import format_expires
-from .commands import GenerateCommand, OpenCommand
+from .protocol import GenerateCommand, OpenCommand
 
 __all__ = [
     "AddImageResponse",

@@ -11,49 +11,83 @@ line of a stream, or the JSON error body of a whole answer (status 200).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
-from ..engine import Generation, ImageTask, SessionEngine
+from ..engine import Generation, ImageTask
 from ..errors import ServiceError
 from ..images.decode import decode_image
-from ..metrics import WorkerMetrics
 from ..results import AddImageResult, OpenResult, elapsed_ms
+from ..sampling.params import SamplingParams
+from ..sessions.conversation import Turn
 from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
-from ..wire.framing import JSON_LINES, Framing, Row, RowResult
-from ..wire.jobs import Job, JobTable
+from ..wire.framing import JSON_LINES, Row, RowResult
+from ..wire.jobs import Job, Serving
 from . import responses
-from .commands import AddImageCommand, GenerateCommand, OpenCommand, ResetCommand, decode_command
+from .protocol import (
+    AddImageCommand,
+    AddImageRequest,
+    CloseCommand,
+    CloseSessionRequest,
+    Command,
+    GenerateCommand,
+    GenerateRequest,
+    OpenCommand,
+    OpenSessionRequest,
+    ResetCommand,
+    validate_request,
+)
 
-__all__ = ["NativeServing"]
+__all__ = ["NativeServing", "decode_command"]
 
 
-class NativeServing:
-    """Admission and emission of native requests (module docstring).
+def decode_command(data: Any, settings: Settings) -> Command:
+    """Validate one decoded native body (:func:`.protocol.validate_request`) and return its command,
+    with the server's defaults applied.
 
-    Args:
-        settings: the handler settings.
-        engine: the session engine.
-        jobs: the jobs in flight and the replies both dialects share.
-        fetch: ``(ImageSource, Settings) -> bytes``.
-        metrics: where answers are observed.
+    Raises:
+        ServiceError: ``invalid_request`` / ``invalid_parameter`` (400).
     """
+    s = settings
+    request = validate_request(data, max_prompt_chars=s.max_prompt_chars, max_new_tokens_cap=s.max_new_tokens_cap)
+    legacy = request.legacy
+    canonical = request.canonical()
+    if isinstance(canonical, OpenSessionRequest):
+        history = tuple(Turn(t.prompt, t.answer, len(t.images)) for t in canonical.history)
+        images = tuple(image for t in canonical.history for image in t.images)
+        return OpenCommand(canonical.image, canonical.system_prompt or s.system_prompt, history, legacy, images)
+    if isinstance(canonical, GenerateRequest):
+        p = canonical.parameters
+        params = SamplingParams(
+            max_new_tokens=p.max_new_tokens or s.default_max_new_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            repetition_penalty=p.repetition_penalty,
+            do_sample=p.do_sample,
+            seed=p.seed,
+            stop=tuple(p.stop),
+            logprobs=p.details or canonical.stream,
+        )
+        return GenerateCommand(
+            canonical.prompt,
+            params,
+            remember=canonical.remember,
+            stream=canonical.stream,
+            details=p.details,
+            legacy=legacy,
+            context_policy=canonical.context_policy or s.context_policy,
+            clip_max_new_tokens=p.max_new_tokens is None,
+        )
+    if isinstance(canonical, AddImageRequest):
+        return AddImageCommand(canonical.image)
+    if isinstance(canonical, CloseSessionRequest):
+        return CloseCommand()
+    return ResetCommand()
 
-    def __init__(
-        self,
-        settings: Settings,
-        engine: SessionEngine,
-        jobs: JobTable,
-        fetch: Callable[..., bytes],
-        metrics: WorkerMetrics,
-    ) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.jobs = jobs
-        self.framing: Framing = jobs.framing
-        self.fetch = fetch
-        self.metrics = metrics
+
+class NativeServing(Serving):
+    """Admission and emission of native requests (module docstring); built as :class:`Serving`."""
 
     encode_error = staticmethod(responses.encode_error)
 

@@ -1,4 +1,4 @@
-"""Sampling parameters and their ranges: plain data, no torch (the codec builds them, the sampler reads them).
+"""Sampling parameters and their ranges: plain data, no torch (the dialects build them, the sampler reads them).
 
 :data:`SAMPLING_BOUNDS` is the one statement of the numeric ranges: the wire models
 (``llava_sessions.native.protocol``) take their pydantic constraints from it and :class:`SamplingParams`

@@ -1,4 +1,4 @@
-"""Next-token selection and incremental detokenization (the parameters: :mod:`.sampling_params`).
+"""Next-token selection and incremental detokenization (the parameters: :mod:`.params`).
 
 The logits processors are transformers' own (the ones ``model.generate`` uses), so greedy and
 seeded sampling follow the library's semantics exactly.

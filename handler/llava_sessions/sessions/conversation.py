@@ -1,6 +1,6 @@
 """The conversation as the chat template sees it: remembered turns, their images, the next question.
 
-Plain data, no torch: the engine, the codec and the store share it. Token-id helpers that need no
+Plain data, no torch: the engine, the dialects and the store share it. Token-id helpers that need no
 model (:func:`common_prefix_len`) live here too.
 """
 

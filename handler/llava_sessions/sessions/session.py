@@ -38,9 +38,11 @@ class Session:
     """One client's conversation about one image or more, and what of it is cached on the device.
 
     The fields are read freely; they change only through the methods below (and the store's
-    :meth:`SessionStore.set_busy`), which keep the invariant :meth:`check_invariants` asserts:
-    ``cached_ids`` are exactly the tokens in ``kv_cache``, except while the KV is lent to the decode
-    batch (``kv_lent``). After a change the engine calls :meth:`SessionStore.sync` so the ledger follows.
+    :meth:`SessionStore.pin` / :meth:`SessionStore.unpin`), which keep the invariant
+    :meth:`check_invariants` asserts: ``cached_ids`` are exactly the tokens in ``kv_cache``, except
+    while the KV is lent to the decode batch (``kv_lent``). Every method that changes what the session
+    holds marks it ``changed``; the store brings its ledger up to date from the changed sessions before
+    each decision it takes, so no caller books memory by hand and nothing here calls the store.
 
     Attributes:
         session_id: the id (``ts-seq-<uuid>`` minted by TorchServe, or any uuid4-based id).
@@ -62,6 +64,8 @@ class Session:
         last_used: last request time (epoch s) for LRU and the idle timeout.
         busy: a generation or image task is in flight; a busy session is never demoted or evicted.
         num_restores: how many times a demoted session was rebuilt.
+        changed: what the session holds (KV tokens, features, host bytes) changed since the store's
+            ledger last recorded it.
     """
 
     session_id: str
@@ -82,6 +86,7 @@ class Session:
     kv_lent: bool = False
     busy: bool = False
     num_restores: int = 0
+    changed: bool = field(default=True, repr=False, compare=False)
 
     # ------------------------------------------------------------------ reading
     def chat(self) -> Chat:
@@ -119,10 +124,15 @@ class Session:
         if not self.busy and self.images and self.image_features is None:
             assert cache_len(self.kv_cache) == 0, "an idle session holds no KV cache without its images' features"
 
+    def _changed(self) -> None:
+        """Mark a change of what the session holds (KV tokens, features, host bytes) for the ledger."""
+        self.changed = True
+
     # ------------------------------------------------------------------ the KV cache
     def start_kv(self, cache: Any) -> None:
         """Start caching from nothing in the empty ``cache`` (an open, a restore)."""
         self.kv_cache, self.cached_ids = cache, []
+        self._changed()
 
     def record_prefill(self, ids: list[int]) -> None:
         """The KV cache was extended in place to hold ``ids`` (a prefill chunk ran): record them.
@@ -133,6 +143,7 @@ class Session:
         if cache_len(self.kv_cache) != len(ids):
             raise ValueError(f"the cache holds {cache_len(self.kv_cache)} positions, not {len(ids)}")
         self.cached_ids = list(ids)
+        self._changed()
 
     def crop_kv(self, length: int) -> None:
         """Keep the first ``length`` cached positions (cache compacted, ``cached_ids`` sliced).
@@ -144,6 +155,7 @@ class Session:
             return
         crop_cache(self.kv_cache, length)
         self.cached_ids = self.cached_ids[:length]
+        self._changed()
 
     def keep_kv(self, length: int) -> None:
         """Keep the first ``length`` cached positions after a failed or abandoned step; drop the KV
@@ -163,6 +175,7 @@ class Session:
     def lend_kv(self) -> Any:
         """Hand the KV cache to the decode batch (its row holds it from now on); returns it."""
         cache, self.kv_cache, self.kv_lent = self.kv_cache, None, True
+        self._changed()
         return cache
 
     def adopt_kv(self, cache: Any, ids: list[int]) -> None:
@@ -174,25 +187,30 @@ class Session:
         if cache_len(cache) != len(ids):
             raise ValueError(f"the cache holds {cache_len(cache)} positions, not {len(ids)}")
         self.kv_cache, self.cached_ids = cache, list(ids)
+        self._changed()
 
     def take_back_kv(self, cache: Any, ids: list[int]) -> None:
         """The decode batch gives the KV back: ``cache`` holds ``ids`` (the prompt and the answer so far)."""
         self.kv_cache, self.cached_ids, self.kv_lent = cache, list(ids), False
+        self._changed()
 
     def drop_kv(self) -> None:
         """Demote ``kv`` → ``features``: free the KV cache."""
         self.kv_cache, self.cached_ids, self.kv_lent = None, [], False
+        self._changed()
 
     def drop_features(self) -> None:
         """Demote to ``image``: free the KV cache and the image features."""
         self.drop_kv()
         self.image_features = None
+        self._changed()
 
     # ------------------------------------------------------------------ images and conversation
     def set_features(self, features: torch.Tensor | None) -> None:
         """Hold ``features`` ``[sum(image_tokens), hidden]``: every image's rows, in order (None: none
         held, the images are encoded again when needed)."""
         self.image_features = features
+        self._changed()
 
     def add_image(self, data: bytes, image_sizes: list[tuple[int, int]], image_tokens: list[int]) -> None:
         """Append an encoded image (it opens the next question); ``image_sizes`` / ``image_tokens``
@@ -201,6 +219,7 @@ class Session:
         self.image_keys = [*self.image_keys, image_key(data)]
         self.image_sizes, self.image_tokens = list(image_sizes), list(image_tokens)
         self.pending_images += 1
+        self._changed()
 
     def set_conversation(
         self,
@@ -218,6 +237,7 @@ class Session:
         self.images = [data for _, data, _, _ in images]
         self.image_sizes = [size for _, _, size, _ in images]
         self.image_tokens = [tokens for _, _, _, tokens in images]
+        self._changed()
 
     def remember_url(self, url: str, key: str) -> None:
         """Remember that ``url`` gave the image of content ``key`` (it is not fetched again)."""
@@ -247,21 +267,25 @@ class Session:
             self.drop_kv()
         else:
             self.keep_kv(common_prefix_len(self.cached_ids, keep_ids(self.chat())))
+        self._changed()
 
     def remember(self, turn: Turn) -> None:
         """Append ``turn`` to the history (the pending images open it)."""
         self.history.append(turn)
         self.pending_images = 0
+        self._changed()
 
     def drop_oldest_turns(self, n: int) -> None:
         """Drop the ``n`` oldest turns; their images open the first turn kept (or the next question)."""
         kept = self.chat().without_oldest(n)
         self.history, self.pending_images = list(kept.turns), kept.pending_images
+        self._changed()
 
     def forget_history(self) -> None:
         """Forget every turn, keep the images: every image opens the next question."""
         self.history = []
         self.pending_images = len(self.images)
+        self._changed()
 
     def count_restore(self) -> None:
         """Count one rebuild of a demoted session."""

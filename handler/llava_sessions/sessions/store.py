@@ -15,7 +15,11 @@ session answers exactly as if it had never been demoted. The store keeps the ses
 tensors, TTL, tombstones); every byte decision is its :class:`~.ledger.SessionLedger`'s, a ledger of
 plain integers (KV tokens x bytes per token, feature bytes, host bytes: the image bytes plus the
 UTF-8 conversation text) apart from the tensors, like vLLM v1's KV-cache manager. The store tells the
-ledger what a session holds (:meth:`SessionStore.sync`) and applies the demotions it decides.
+ledger what the sessions hold (each session marks its own changes, :attr:`Session.changed`, and the
+store records the changed ones before every decision and every read of its numbers) and applies the
+demotions it decides. Its memory API is vLLM's and nano-vllm's: :meth:`SessionStore.can_allocate`,
+:meth:`SessionStore.allocate` (room made by demoting idle sessions), :meth:`SessionStore.pin` /
+:meth:`SessionStore.unpin` (an answering session is never demoted), :meth:`SessionStore.remove`.
 
 Over the device budget the least-recently-used idle sessions are demoted one tier at a time:
 first KV caches are dropped (LRU first), then image features. Past the host cap, and only
@@ -61,7 +65,8 @@ class SessionStore:
     Admission in phases, like vLLM's managers: :meth:`add` a session (host cap enforced),
     :meth:`reserve` device bytes before growing one (LRU demotion of the others), :meth:`enforce`
     after growth, :meth:`remove` on close. The numbers behind each decision are the ledger's
-    (:attr:`ledger`); :meth:`sync` records what a session's tensors hold after the engine changed them.
+    (:attr:`ledger`); before each decision or read it records what the changed sessions hold
+    (:attr:`Session.changed`).
 
     Args:
         device_budget_bytes: most bytes of KV caches + image features (+ the decode batch) at once.
@@ -91,7 +96,7 @@ class SessionStore:
     ) -> None:
         if device_budget_bytes <= 0 or host_budget_bytes <= 0:
             raise ValueError("budgets must be > 0 bytes")
-        self.ledger = SessionLedger(
+        self._ledger = SessionLedger(
             kv_bytes_per_token=kv_bytes_per_token,
             device_budget_bytes=device_budget_bytes,
             host_budget_bytes=host_budget_bytes,
@@ -115,55 +120,71 @@ class SessionStore:
     @property
     def device_budget_bytes(self) -> int:
         """The device byte budget."""
-        return self.ledger.device_budget_bytes
+        return self._ledger.device_budget_bytes
 
     @property
     def host_budget_bytes(self) -> int:
         """The host byte cap."""
-        return self.ledger.host_budget_bytes
+        return self._ledger.host_budget_bytes
 
     @property
     def batch_bytes(self) -> int:
         """Device bytes of the engine's decode batch (the KV of running answers lives there)."""
-        return self.ledger.num_external_bytes
+        return self._ledger.num_external_bytes
 
     @batch_bytes.setter
     def batch_bytes(self, num_bytes: int) -> None:
-        self.ledger.num_external_bytes = num_bytes
+        self._ledger.num_external_bytes = num_bytes
 
     def sessions(self) -> list[Session]:
         """Sessions, least recently used first."""
-        return [self._sessions[sid] for sid in self.ledger.lru()]
+        return [self._sessions[sid] for sid in self._ledger.lru()]
 
     def device_bytes(self) -> int:
-        """Bytes of KV caches + image features over all sessions, plus the decode batch's (O(1))."""
-        return self.ledger.num_device_bytes
+        """Bytes of KV caches + image features over all sessions, plus the decode batch's (O(sessions))."""
+        self._refresh()
+        return self._ledger.num_device_bytes
 
     def host_bytes(self) -> int:
-        """Bytes of encoded images + conversations over all sessions (O(1))."""
-        return self.ledger.num_host_bytes
+        """Bytes of encoded images + conversations over all sessions (O(sessions))."""
+        self._refresh()
+        return self._ledger.num_host_bytes
 
     def bytes_by_tier(self) -> dict[str, int]:
         """``{"kv": KV bytes (the decode batch's included), "features": feature bytes, "image": host bytes}``."""
-        led = self.ledger
+        self._refresh()
+        led = self._ledger
         return {
             "kv": led.num_kv_bytes + led.num_external_bytes,
             "features": led.num_feature_bytes,
             "image": led.num_host_bytes,
         }
 
-    def sync(self, session: Session) -> None:
+    @property
+    def ledger(self) -> SessionLedger:
+        """The ledger, up to date with what every session holds now."""
+        self._refresh()
+        return self._ledger
+
+    def _refresh(self) -> None:
+        """Record in the ledger what every changed session holds now (O(sessions) flag reads)."""
+        for session in self._sessions.values():
+            if session.changed:
+                self._sync(session)
+
+    def _sync(self, session: Session) -> None:
         """Record in the ledger what ``session`` holds now (its KV tokens, feature and host bytes,
-        whether it is answering). Call after changing its tensors, history or busy flag."""
+        whether it is answering)."""
         if self._sessions.get(session.session_id) is not session:
             return
-        self.ledger.set_usage(
+        session.changed = False
+        self._ledger.set_usage(
             session.session_id,
             num_kv_tokens=cache_len(session.kv_cache),
             num_feature_bytes=session.feature_bytes,
             num_host_bytes=session.host_bytes,
         )
-        self.ledger.pin(session.session_id, session.busy)
+        self._ledger.pin(session.session_id, session.busy)
 
     def new_session(
         self,
@@ -193,18 +214,30 @@ class SessionStore:
             image_keys=[image_key(data) for data in images],
         )
 
-    def set_busy(self, session: Session, busy: bool) -> None:
-        """Mark ``session`` as answering (pinned: never demoted or evicted) or idle, in the ledger too."""
-        session.busy = busy
-        self.sync(session)
+    def pin(self, session: Session) -> None:
+        """Mark ``session`` as answering: pinned, never demoted nor evicted (in the ledger too)."""
+        session.busy = True
+        self._sync(session)
+
+    def unpin(self, session: Session) -> None:
+        """Mark ``session`` idle again (in the ledger too): it may be demoted or evicted from now on."""
+        session.busy = False
+        self._sync(session)
+
+    def release(self, session: Session) -> None:
+        """End ``session``'s request: :meth:`unpin` it, then demote or evict other idle sessions
+        while over a budget (:meth:`enforce`; ``session`` itself stays)."""
+        self.unpin(session)
+        self.enforce(keep=session)
 
     def check_invariants(self) -> None:
         """Assert every session's own invariants (:meth:`Session.check_invariants`) and that the
         ledger holds what each session holds (KV tokens, feature and host bytes, pinned iff busy)."""
-        assert len(self.ledger) == len(self._sessions)
+        self._refresh()
+        assert len(self._ledger) == len(self._sessions)
         for session in self._sessions.values():
             session.check_invariants()
-            entry = self.ledger.entry(session.session_id)
+            entry = self._ledger.entry(session.session_id)
             held = (cache_len(session.kv_cache), session.feature_bytes, session.host_bytes, session.busy)
             assert (entry.num_kv_tokens, entry.num_feature_bytes, entry.num_host_bytes, entry.pinned) == held, (
                 session.session_id,
@@ -227,8 +260,8 @@ class SessionStore:
         if session.host_bytes > self.host_budget_bytes:
             raise overloaded("the session does not fit in host memory", "session_room")
         self._sessions[session.session_id] = session
-        self.ledger.add(session.session_id, session.host_bytes)
-        self.sync(session)
+        self._ledger.add(session.session_id, session.host_bytes)
+        self._sync(session)
         self._tombstones.pop(session.session_id, None)
         self.enforce(keep=session)
 
@@ -249,7 +282,7 @@ class SessionStore:
             }
             raise ServiceError(code, messages[code])
         session.last_used = self.clock()
-        self.ledger.touch(session_id)
+        self._ledger.touch(session_id)
         return session
 
     def peek(self, session_id: str) -> Session | None:
@@ -278,7 +311,7 @@ class SessionStore:
 
     def _drop(self, session: Session, code: ErrorCode) -> None:
         del self._sessions[session.session_id]
-        self.ledger.remove(session.session_id)
+        self._ledger.remove(session.session_id)
         session.drop_features()
         self._bury(session.session_id, code)
 
@@ -292,7 +325,12 @@ class SessionStore:
             self._tombstones.popitem(last=False)
 
     # ------------------------------------------------------------------ budget
-    def reserve(self, num_bytes: int, keep: Session | None) -> bool:
+    def can_allocate(self, num_bytes: int, keep: Session | None = None) -> bool:
+        """Whether :meth:`allocate` would find room for ``num_bytes`` (nothing changes)."""
+        self._refresh()
+        return self._ledger.can_allocate(num_bytes, keep=None if keep is None else keep.session_id)
+
+    def allocate(self, num_bytes: int, keep: Session | None) -> bool:
         """Make room for ``num_bytes`` more device bytes for ``keep`` by demoting other idle sessions.
 
         Returns:
@@ -300,9 +338,8 @@ class SessionStore:
             even demoting every other idle session to the ``image`` tier would not be enough (then
             nothing is demoted, nothing is lost).
         """
-        if keep is not None:
-            self.sync(keep)
-        demotions = self.ledger.allocate(num_bytes, keep=None if keep is None else keep.session_id)
+        self._refresh()
+        demotions = self._ledger.allocate(num_bytes, keep=None if keep is None else keep.session_id)
         if demotions is None:
             return False
         self._apply(demotions)
@@ -319,27 +356,23 @@ class SessionStore:
         if session.busy or to is Tier.KV:
             raise ValueError("only an idle session is demoted, to features or image")
         session.drop_kv() if to is Tier.FEATURES else session.drop_features()
-        self.sync(session)
 
     def demote_all(self, keep: Session | None) -> None:
         """Demote every idle session but ``keep`` to the ``image`` tier (after an out-of-memory error)."""
-        if keep is not None:
-            self.sync(keep)
-        self._apply(self.ledger.demote_all(keep=None if keep is None else keep.session_id))
+        self._refresh()
+        self._apply(self._ledger.demote_all(keep=None if keep is None else keep.session_id))
 
     def enforce(self, keep: Session | None = None) -> bool:
         """Demote LRU idle sessions (never ``keep``) until within the device budget, then evict
         LRU idle sessions while over the host cap. Returns True when within both."""
-        keep_id = None
-        if keep is not None:
-            self.sync(keep)
-            keep_id = keep.session_id
-        self._apply(self.ledger.enforce(keep=keep_id))
-        for sid in self.ledger.evictions(keep=keep_id):
+        keep_id = None if keep is None else keep.session_id
+        self._refresh()
+        self._apply(self._ledger.enforce(keep=keep_id))
+        for sid in self._ledger.evictions(keep=keep_id):
             self._drop(self._sessions[sid], ErrorCode.SESSION_EVICTED)
             self.stats.num_evicted += 1
             log.warning("session evicted: host memory cap reached", extra={"session_id": sid})
-        led = self.ledger
+        led = self._ledger
         return led.num_device_bytes <= led.device_budget_bytes and led.num_host_bytes <= led.host_budget_bytes
 
     def _apply(self, demotions: list[Demotion]) -> None:

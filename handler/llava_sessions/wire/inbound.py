@@ -1,4 +1,5 @@
-"""What every inbound body of both dialects shares: the body's size and JSON (:func:`load_body`), the
+"""What every inbound body of both dialects shares: the body's size and JSON (:func:`load_body`), its
+dialect (:func:`is_chat_body`), the
 rules of their models (:class:`Inbound`, :func:`check_text`), and how a refused body is worded
 (pydantic's validation errors as one typed ServiceError: :func:`validation_error`).
 
@@ -19,7 +20,7 @@ from pydantic_core import PydanticCustomError
 from ..errors import ErrorCode, ServiceError
 from ..sampling.params import SAMPLING_BOUNDS
 
-__all__ = ["SAFE_KEY_RE", "Inbound", "check_text", "invalid", "load_body", "validation_error"]
+__all__ = ["SAFE_KEY_RE", "Inbound", "check_text", "invalid", "is_chat_body", "load_body", "validation_error"]
 
 # Error types that mean "wrong shape" (400 invalid_request) rather than "bad value" (invalid_parameter).
 _STRUCTURAL = frozenset(
@@ -212,3 +213,10 @@ def load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes:
         return json.loads(body, parse_constant=_no_constants)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise invalid("request body is not valid JSON (UTF-8)") from None
+
+
+def is_chat_body(data: Any) -> bool:
+    """Whether a decoded body is the chat dialect's (``llava_sessions.chat``): an object with
+    ``messages`` (OpenAI chat completions) or ``requestType`` (AWS's session bodies); any other body
+    is the native dialect's. The one place a request's dialect is decided."""
+    return isinstance(data, dict) and ("messages" in data or "requestType" in data)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from ..config import Settings
     from ..metrics import WorkerMetrics
 
-__all__ = ["Dialect", "Job", "JobTable"]
+__all__ = ["Dialect", "Job", "JobTable", "Serving"]
 
 log = logging.getLogger(__name__)
 
@@ -176,3 +177,31 @@ class JobTable:
         return self.framing.frame(
             dialect.encode_error(err), continued=continued, last=True, status=err.status, headers=headers
         )
+
+
+class Serving:
+    """What both dialects' serving stands on (their base): the settings, the engine, the jobs in
+    flight with the replies both give alike, TorchServe's framing, the image fetch and the metrics.
+
+    Args:
+        settings: the handler settings.
+        engine: the session engine.
+        jobs: the jobs in flight (:class:`JobTable`; its ``framing`` is TorchServe's).
+        fetch: ``(ImageSource, Settings) -> bytes``.
+        metrics: where answers are observed.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: SessionEngine,
+        jobs: JobTable,
+        fetch: Callable[..., bytes],
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.jobs = jobs
+        self.framing = jobs.framing
+        self.fetch = fetch
+        self.metrics = metrics

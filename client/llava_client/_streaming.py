@@ -1,0 +1,140 @@
+"""The text pieces of a native streamed answer as they arrive: :class:`AnswerStream`.
+
+Streams: :meth:`Session.stream` sends the request at once (errors before the first token raise
+there) and returns an :class:`AnswerStream`, an iterator of text pieces and a context manager.
+Leaving the ``with`` block (or calling ``close()``) early closes the HTTP response / event stream.
+An error reported mid-stream raises from the iteration. ``stream.answer`` is the :class:`Answer`
+once the last line arrived (None before). An answer cut short is abandoned: it is not added to
+:attr:`Session.history`, and TorchServe drops the job when its client disconnects, so the server
+does not remember it either (what SageMaker's front end does on a client disconnect is unverified).
+Until the handler notices the dropped job, the session may answer 409 :class:`SessionBusy`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Generator, Iterator
+
+from ._exceptions import APIConnectionError, LlavaError, status_error_from_body
+from ._transport import LineStream
+from ._types import Answer, Token
+
+__all__ = ["AnswerStream"]
+
+log = logging.getLogger("llava_client")
+
+
+def ms_since(t0: float) -> float:
+    """Milliseconds from ``t0`` (``time.perf_counter()`` seconds) to now, to 3 decimals."""
+    return round((time.perf_counter() - t0) * 1000.0, 3)
+
+
+class AnswerStream:
+    """The text pieces of an answer as they arrive: an iterator and a context manager.
+
+    ``for piece in stream`` yields non-empty text pieces (their concatenation is the answer text).
+    When the last line arrives, :attr:`answer` is set and the iteration ends. An error reported
+    mid-stream raises (typed, e.g. :class:`Overloaded`); a connection that breaks raises
+    :class:`APIConnectionError`. Leaving ``with`` (or :meth:`close`) early closes the response.
+
+    Attributes:
+        answer: the :class:`Answer` once complete, else None.
+        session_id: the session the answer belongs to.
+    """
+
+    def __init__(
+        self, lines: LineStream, *, on_answer: Callable[[Answer], None] | None, t0: float, session_id: str
+    ) -> None:
+        self._lines = lines
+        self._on_answer = on_answer
+        self._t0 = t0
+        self._ttft_ms: float | None = None
+        self._pieces: list[str] = []
+        self._tokens: list[Token] = []
+        self._closed = False
+        self._gen = self._iterate()
+        self.answer: Answer | None = None
+        self.session_id = session_id
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def __enter__(self) -> AnswerStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def text(self) -> str:
+        """The text received so far."""
+        return "".join(self._pieces)
+
+    @property
+    def client_ttft_ms(self) -> float | None:
+        """Milliseconds from the call to the first token's arrival here (None before it)."""
+        return self._ttft_ms
+
+    def until_done(self) -> Answer:
+        """Consume the rest of the stream and return the :class:`Answer`."""
+        for _ in self:
+            pass
+        if self.answer is None:
+            raise LlavaError("the stream was closed before the answer was complete")
+        return self.answer
+
+    def close(self) -> None:
+        """Stop reading and release the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gen.close()
+        self._lines.close()
+        if self.answer is None:
+            log.info(
+                "stream of session %s closed before its end: the answer is abandoned (not remembered)", self.session_id
+            )
+
+    def _iterate(self) -> Generator[str, None, None]:
+        try:
+            for raw in self._lines:
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    raise LlavaError(f"malformed stream line from the server: {raw[:200]!r}") from None
+                if not isinstance(line, dict):
+                    raise LlavaError("malformed stream line from the server (not a JSON object)")
+                if line.get("error"):
+                    raise status_error_from_body(200, line)
+                token = line.get("token")
+                if token:  # every line of an answer has one; the last also has generated_text and details
+                    if self._ttft_ms is None:
+                        self._ttft_ms = ms_since(self._t0)
+                    text = str(token.get("text") or "")
+                    self._tokens.append(Token(int(token.get("id", -1)), text, token.get("logprob")))
+                    if text:
+                        self._pieces.append(text)
+                        yield text
+                if line.get("generated_text") is not None or line.get("details") is not None:
+                    total_ms = ms_since(self._t0)
+                    final = line.get("generated_text")
+                    answer = Answer.from_wire(
+                        str(final if final is not None else self.text),
+                        line.get("details"),
+                        tokens=self._tokens,
+                        client_ttft_ms=self._ttft_ms if self._ttft_ms is not None else total_ms,
+                        client_total_ms=total_ms,
+                    )
+                    self.answer = answer
+                    if self._on_answer is not None:
+                        self._on_answer(answer)
+                    return
+            raise APIConnectionError("the stream ended before its last line")
+        finally:
+            self._closed = True
+            self._lines.close()

@@ -1,0 +1,188 @@
+"""How many sessions an instance holds (:func:`capacity_plan`) and the Application Auto Scaling
+requests that scale instances or inference-component copies on them (:func:`scaling_requests`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .spec import DTYPE_BYTES, INSTANCE_GPUS, PLANNED_SESSION_TOKENS, VARIANT_NAME, DeployError
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """What one instance of a type holds: ``replicas`` (one per GPU, ``devices=auto``), and per
+    replica the KV budget (bytes) and the sessions it holds in the KV tier at
+    :data:`PLANNED_SESSION_TOKENS` tokens each, capped by ``max_sessions`` (per replica);
+    ``sessions`` is the instance's total."""
+
+    instance_type: str
+    replicas: int
+    gpu_bytes: int
+    weights_bytes: int
+    kv_budget_bytes: int
+    session_bytes: int
+    sessions_per_replica: int
+    sessions: int
+    max_sessions: int
+
+    def describe(self) -> str:
+        """Two lines for the deploy output."""
+        gib = 2**30
+        return (
+            f"{self.instance_type}: {self.replicas} GPU(s) of {self.gpu_bytes / gib:.0f} GiB -> {self.replicas} "
+            f"replica(s) (devices=auto), each {self.weights_bytes / gib:.1f} GiB of weights and a "
+            f"{self.kv_budget_bytes / gib:.1f} GiB KV budget\n"
+            f"expected capacity: {self.sessions_per_replica} sessions per replica at {PLANNED_SESSION_TOKENS} tokens "
+            f"({self.session_bytes / 2**20:.0f} MiB each; max_sessions {self.max_sessions} per replica), "
+            f"{self.sessions} per instance; more instances (--max-instances) hold more"
+        )
+
+
+def capacity_plan(
+    instance_type: str, model_dir: str | os.PathLike, *, fraction: float = 0.8, max_sessions: int = 64
+) -> CapacityPlan | None:
+    """Plan one instance of ``instance_type`` for the checkpoint in ``model_dir`` (its config.json
+    and weight files), or None when the type is not in :data:`INSTANCE_GPUS` or the folder has no
+    readable config. Weights count their file bytes; a session's KV is 2 x layers x kv_heads x
+    head_dim x dtype bytes per token at :data:`PLANNED_SESSION_TOKENS` tokens, plus its image
+    features (image tokens x hidden x dtype bytes); the budget is ``fraction`` of what the weights
+    leave on a GPU (``device_budget_fraction``)."""
+    gpus = INSTANCE_GPUS.get(instance_type)
+    root = Path(model_dir)
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if gpus is None:
+        return None
+    text = config.get("text_config") or {}
+    hidden = int(text.get("hidden_size", 4096))
+    layers = int(text.get("num_hidden_layers", 32))
+    heads = int(text.get("num_attention_heads", 32))
+    kv_heads = int(text.get("num_key_value_heads", heads))
+    dtype_bytes = DTYPE_BYTES.get(str(config.get("torch_dtype") or text.get("torch_dtype") or "float16"), 2)
+    dtype_bytes = 2 if dtype_bytes == 4 else dtype_bytes  # the container serves fp16 on a GPU (dtype auto)
+    image_tokens = (int(config.get("vision_config", {}).get("image_size", 336)) // 14) ** 2
+    weights = sum(p.stat().st_size for p in root.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in root.glob("*.bin")
+    )
+    count, gib = gpus
+    gpu_bytes = gib * 2**30
+    budget = max(0, int((gpu_bytes - weights) * fraction))
+    session_bytes = 2 * layers * kv_heads * (hidden // heads) * dtype_bytes * PLANNED_SESSION_TOKENS
+    session_bytes += image_tokens * hidden * dtype_bytes
+    per_replica = budget // session_bytes
+    return CapacityPlan(
+        instance_type=instance_type,
+        replicas=count,
+        gpu_bytes=gpu_bytes,
+        weights_bytes=weights,
+        kv_budget_bytes=budget,
+        session_bytes=session_bytes,
+        sessions_per_replica=min(per_replica, max_sessions),
+        sessions=min(per_replica, max_sessions) * count,
+        max_sessions=max_sessions,
+    )
+
+
+#: ``--scaling-metric`` → the target-tracking metric (Application Auto Scaling, SageMaker variants).
+SCALING_METRICS: dict[str, dict[str, Any]] = {
+    # invocations per instance per minute (AWS's predefined SageMaker metric)
+    "invocations": {
+        "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"}
+    },
+    # an inference component's invocations per copy per minute, and requests in flight per copy
+    "invocations-per-copy": {
+        "PredefinedMetricSpecification": {"PredefinedMetricType": "SageMakerInferenceComponentInvocationsPerCopy"}
+    },
+    "concurrent-requests-per-copy": {
+        "PredefinedMetricSpecification": {
+            "PredefinedMetricType": "SageMakerInferenceComponentConcurrentRequestsPerCopyHighResolution"
+        }
+    },
+    # average GPU memory utilisation in percent: grows with the sessions held (their KV caches)
+    "gpu-memory": {
+        "CustomizedMetricSpecification": {
+            "MetricName": "GPUMemoryUtilization",
+            "Namespace": "/aws/sagemaker/Endpoints",
+            "Statistic": "Average",
+        }
+    },
+}
+
+
+def scaling_requests(
+    endpoint_name: str,
+    *,
+    min_instances: int,
+    max_instances: int,
+    metric: str,
+    target: float,
+    cooldown_s: int = 300,
+    gpus: int = 1,
+    component: str = "",
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``register_scalable_target`` and ``put_scaling_policy`` parameters of a target-tracking
+    policy on the endpoint's ``AllTraffic`` variant (AWS: "Automatic scaling of Amazon SageMaker
+    models").
+
+    ``target`` of ``gpu-memory`` is per GPU (0-100 %): SageMaker's ``GPUMemoryUtilization`` sums an
+    instance's GPUs (0-100 x GPUs %; AWS: "Monitor Amazon SageMaker with CloudWatch", endpoint
+    instance metrics), so the policy's value is ``target x gpus``. With ``component`` (an inference
+    component's name) the copies scale (``sagemaker:inference-component:DesiredCopyCount``) on a
+    per-copy metric, and ``min_instances`` / ``max_instances`` count copies.
+
+    Raises:
+        DeployError: a bad range, metric or target, or a metric of the other kind of resource.
+    """
+    if not 1 <= min_instances <= max_instances:
+        raise DeployError(f"need 1 <= --min-instances <= --max-instances, got {min_instances}..{max_instances}")
+    if metric not in SCALING_METRICS:
+        raise DeployError(f"--scaling-metric must be one of {sorted(SCALING_METRICS)}, got {metric!r}")
+    if target <= 0 or (metric == "gpu-memory" and target > 100):
+        raise DeployError(f"--scaling-target {target} out of range for {metric}")
+    if (metric in COMPONENT_METRICS) != bool(component):
+        raise DeployError(
+            f"--scaling-metric {metric} scales "
+            + ("an inference component's copies: add --inference-component" if not component else "instances")
+            + (f"; with --inference-component use one of {sorted(COMPONENT_METRICS)}" if component else "")
+        )
+    resource, dimension = scalable_target(endpoint_name, component)
+    common = {"ServiceNamespace": "sagemaker", "ResourceId": resource, "ScalableDimension": dimension}
+    spec = json.loads(json.dumps(SCALING_METRICS[metric]))
+    custom = spec.get("CustomizedMetricSpecification")
+    if custom is not None:
+        custom["Dimensions"] = [
+            {"Name": "EndpointName", "Value": endpoint_name},
+            {"Name": "VariantName", "Value": VARIANT_NAME},
+        ]
+    register = {**common, "MinCapacity": min_instances, "MaxCapacity": max_instances}
+    policy = {
+        **common,
+        "PolicyName": f"{component or endpoint_name}-{metric}",
+        "PolicyType": "TargetTrackingScaling",
+        "TargetTrackingScalingPolicyConfiguration": {
+            "TargetValue": float(target) * (gpus if metric == "gpu-memory" else 1),
+            **spec,
+            "ScaleInCooldown": cooldown_s,
+            "ScaleOutCooldown": cooldown_s,
+        },
+    }
+    return register, policy
+
+
+#: ``--scaling-metric`` values that scale an inference component's copies (per-copy metrics).
+COMPONENT_METRICS = frozenset({"invocations-per-copy", "concurrent-requests-per-copy"})
+
+
+def scalable_target(endpoint_name: str, component: str = "") -> tuple[str, str]:
+    """The Application Auto Scaling resource id and dimension of the endpoint's variant (instances)
+    or of an inference component (copies)."""
+    if component:
+        return f"inference-component/{component}", "sagemaker:inference-component:DesiredCopyCount"
+    return f"endpoint/{endpoint_name}/variant/{VARIANT_NAME}", "sagemaker:variant:DesiredInstanceCount"

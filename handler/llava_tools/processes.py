@@ -1,0 +1,169 @@
+"""Process and loopback helpers of the local servers: free ports, console scripts, process groups.
+
+Used by :mod:`.server` (TorchServe under ``llava-serve``) and the other tools that start or stop
+processes. Nothing here knows TorchServe's configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = [
+    "OPENER",
+    "alive",
+    "connect_host",
+    "console_script",
+    "group_members",
+    "http_status",
+    "load_psutil",
+    "pick_ports",
+    "stop_process_group",
+    "temp_base",
+]
+
+#: Longest temp-dir path we accept: TorchServe puts unix sockets (<= 107 bytes) in it.
+MAX_TEMP_BASE_CHARS = 60
+
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+
+
+def alive(psutil, pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not); ``psutil``: :func:`load_psutil`'s module."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def load_psutil():
+    """The ``psutil`` module (imported on first use)."""
+    import psutil  # optional dependency (extras "serve"/"dev"); only needed to find processes
+
+    return psutil
+
+
+def connect_host(host: str) -> str:
+    """The address a client connects to for a server bound to ``host`` (a wildcard: loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0") else host
+
+
+def http_status(url: str) -> int | None:
+    """The HTTP status of a GET of ``url`` within 2 s, or None (no answer)."""
+    try:
+        with OPENER.open(url, timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def temp_base() -> str:
+    """Where a server's temp dir goes: the system's, unless too long for TorchServe's unix sockets."""
+    base = tempfile.gettempdir()
+    return base if len(base) <= MAX_TEMP_BASE_CHARS else "/tmp"
+
+
+def console_script(name: str) -> str:
+    """Return the console script ``name`` of this interpreter's environment, else from PATH."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found; install the 'serve' extra (torchserve 0.12.0)")
+    return found
+
+
+def pick_ports(host: str, inference_port: int) -> dict[str, int]:
+    """Return free ports: inference on ``host`` (unless given), the rest on 127.0.0.1."""
+    names = ["inference", "management", "metrics", "grpc_inference", "grpc_management"]
+    sockets = []
+    ports: dict[str, int] = {}
+    try:
+        for name in names:
+            if name == "inference" and inference_port:
+                ports[name] = inference_port
+                continue
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host if name == "inference" else "127.0.0.1", 0))
+            sockets.append(sock)  # hold all until every port is picked: no duplicates
+            ports[name] = sock.getsockname()[1]
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def group_members(pgid: int) -> list[int]:
+    """Return the live (non-zombie) pids of process group ``pgid``."""
+    psutil = load_psutil()
+    members = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                members.append(process.pid)
+        except (OSError, psutil.Error):
+            continue
+    return members
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group led by ``proc``, SIGKILL what is left after ``grace_s``.
+
+    ``proc`` was started with ``start_new_session=True``, so its pid is the group id and the group
+    holds exactly the launcher, the Java frontend and the Python workers. Descendants that left the
+    group are also tracked by pid (snapshot before signalling).
+    """
+    psutil = load_psutil()
+    pgid = proc.pid
+    try:
+        tracked = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tracked = []
+
+    def alive() -> list:
+        left = []
+        for process in tracked:
+            try:
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    left.append(process)
+            except psutil.Error:
+                continue
+        return left
+
+    def signal_all(signum: int) -> None:
+        try:
+            os.killpg(pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for process in alive():
+            try:
+                process.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not alive() and not group_members(pgid):
+            break
+        time.sleep(0.1)
+    else:
+        signal_all(signal.SIGKILL)
+        psutil.wait_procs(tracked, timeout=5)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,174 @@
+"""The local endpoint's routing and transport: sticky sessions over TorchServe backends, least-loaded
+placement, health probes, and the one HTTP call to a backend's ``/invocations``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["PROBE_INTERVAL_S", "BackendGone", "BackendRef", "BackendTimeout", "Router", "forward", "ping"]
+
+#: Seconds between /ping probes of a backend marked down.
+PROBE_INTERVAL_S = 1.0
+
+
+@dataclass
+class BackendRef:
+    """One backend as the router sees it."""
+
+    index: int
+    url: str
+    log_dir: str = ""
+    healthy: bool = True
+    last_probe: float = 0.0
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """``(host, port)`` of the backend's inference API."""
+        parts = urlsplit(self.url)
+        return parts.hostname or "127.0.0.1", parts.port or 80
+
+
+class Router:
+    """Sticky session routing over backends: id → backend index, least-loaded placement.
+
+    Thread-safe. ``sessions`` counts only sessions this router saw open and not yet close.
+    """
+
+    def __init__(self, backends: Sequence[BackendRef], *, probe_interval_s: float = PROBE_INTERVAL_S) -> None:
+        if not backends:
+            raise ValueError("at least one backend")
+        self.backends = list(backends)
+        self.probe_interval_s = probe_interval_s
+        self._sessions: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def lookup(self, session_id: str) -> int | None:
+        """Return the backend index holding ``session_id``, or None if unknown."""
+        with self._lock:
+            return self._sessions.get(session_id)
+
+    def least_loaded(self, exclude: Set[int] = frozenset()) -> int | None:
+        """Return the healthy backend with the fewest sessions (lowest index on ties), or None."""
+        self._probe_down(exclude)
+        with self._lock:
+            counts = {b.index: 0 for b in self.backends if b.healthy and b.index not in exclude}
+            for index in self._sessions.values():
+                if index in counts:
+                    counts[index] += 1
+        if not counts:
+            return None
+        return min(counts, key=lambda index: (counts[index], index))
+
+    def opened(self, session_id: str, index: int) -> None:
+        """Record that ``session_id`` lives on backend ``index``."""
+        with self._lock:
+            self._sessions[session_id] = index
+
+    def closed(self, session_id: str) -> None:
+        """Forget ``session_id`` (no error if unknown)."""
+        with self._lock:
+            self._sessions.pop(session_id, None)
+
+    def mark_down(self, index: int) -> list[str]:
+        """Mark backend ``index`` down and forget its sessions; return the forgotten ids."""
+        with self._lock:
+            backend = self.backends[index]
+            backend.healthy = False
+            backend.last_probe = time.monotonic()
+            lost = [sid for sid, where in self._sessions.items() if where == index]
+            for sid in lost:
+                del self._sessions[sid]
+        return lost
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return the ``/debug/sessions`` view."""
+        with self._lock:
+            sessions = dict(self._sessions)
+        return {
+            "backends": [
+                {
+                    "index": b.index,
+                    "url": b.url,
+                    "healthy": b.healthy,
+                    "sessions": sum(1 for index in sessions.values() if index == b.index),
+                    "log_dir": b.log_dir,
+                }
+                for b in self.backends
+            ],
+            "sessions": sessions,
+        }
+
+    def _probe_down(self, exclude: Set[int]) -> None:
+        now = time.monotonic()
+        for backend in self.backends:
+            if backend.healthy or backend.index in exclude or now - backend.last_probe < self.probe_interval_s:
+                continue
+            backend.last_probe = now
+            if ping(backend) == 200:
+                backend.healthy = True
+
+
+def ping(backend: BackendRef, timeout_s: float = 1.0) -> int | None:
+    """The status of the backend's ``GET /ping``, or None (no answer within ``timeout_s``)."""
+    host, port = backend.host_port
+    connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        connection.request("GET", "/ping")
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        connection.close()
+
+
+class BackendGone(Exception):
+    """The backend did not answer: refused (nothing sent) or dropped the connection."""
+
+    def __init__(self, reason: str, *, refused: bool) -> None:
+        super().__init__(reason)
+        self.refused = refused
+
+
+class BackendTimeout(Exception):
+    """The backend accepted the request but did not answer within the read timeout."""
+
+
+def forward(
+    backend: BackendRef, body: bytes, headers: Mapping[str, str], timeout_s: float
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST ``body`` with ``headers`` to the backend's ``/invocations``; return the open connection
+    and its response (the caller reads and closes them).
+
+    Raises:
+        BackendGone: refused or unreachable (``refused``: nothing was sent) or the connection dropped.
+        BackendTimeout: no answer within ``timeout_s`` seconds.
+    """
+    host, port = backend.host_port
+    connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        connection.connect()
+    except ConnectionRefusedError as exc:
+        connection.close()
+        raise BackendGone(f"refused the connection ({exc})", refused=True) from None
+    except OSError as exc:
+        connection.close()
+        raise BackendGone(f"unreachable ({exc})", refused=True) from None
+    try:
+        connection.request("POST", "/invocations", body=body, headers=dict(headers))
+        response = connection.getresponse()
+    except TimeoutError:
+        connection.close()
+        raise BackendTimeout() from None
+    except (OSError, http.client.HTTPException) as exc:
+        connection.close()
+        raise BackendGone(f"dropped the connection ({type(exc).__name__})", refused=False) from None
+    return connection, response

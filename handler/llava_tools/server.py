@@ -1,0 +1,496 @@
+"""A local TorchServe serving the handler: :class:`LocalServer` (start, wait until ready, supervise, stop).
+
+``LocalServer`` builds a no-archive model folder from ``model-config.yaml`` and the handler
+(:mod:`.torchserve_files`), writes a ``config.properties`` with free loopback ports, starts
+``torchserve --foreground`` in its own process group with its own ``TMPDIR`` and working directory
+(so pid file, unix sockets and ``./logs`` are its own), waits until the model's worker is READY, and
+on :meth:`LocalServer.stop` ends exactly that process group. It never calls ``torchserve --stop``
+(which acts on a pid file) and never kills by name. The ``llava-serve`` command line is :mod:`.serve`.
+
+Usage::
+
+    with LocalServer("models/tiny", overrides={"max_sessions": 4}) as server:
+        requests.post(server.url + "/invocations", json=...)
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from . import torchserve_files as ts_files
+from .processes import (
+    alive,
+    connect_host,
+    console_script,
+    http_status,
+    load_psutil,
+    pick_ports,
+    stop_process_group,
+    temp_base,
+)
+from .torchserve_files import ServerStartError, default_handler_path, default_log_config_path, default_model_config_path
+
+__all__ = ["DEFAULT_STOP_GRACE_S", "LocalServer", "ServerStartError"]
+
+#: Seconds between SIGTERM to the process group and SIGKILL.
+DEFAULT_STOP_GRACE_S = 20.0
+_POLL_S = 0.25
+
+
+class _WorkerDied(ServerStartError):
+    """A worker died before TorchServe was ready, and not of a failed load (``pids``)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        super().__init__(f"worker {pids} died during start-up")
+        self.pids = pids
+
+
+class LocalServer:
+    """One TorchServe instance on loopback serving the handler with one model directory.
+
+    Args:
+        model_dir: the checkpoint directory; its absolute path is written to ``handler.model_dir``.
+        port: inference port; 0 picks a free one.
+        host: inference bind address.
+        workers: number of TorchServe workers (``minWorkers`` = ``maxWorkers``).
+        config: model-config YAML to start from; default: the repository's ``model-config.yaml``.
+        overrides: values for keys of the ``handler:`` section (validated by the handler).
+        model_config_overrides: values for top-level TorchServe keys (``batchSize``,
+            ``sequenceMaxIdleMSec``, ...), applied after ``workers``.
+        startup_timeout_s: seconds to wait for a READY worker and ``/ping`` 200.
+        env: extra environment variables for TorchServe and its workers.
+        handler: the TorchServe handler file; default: ``handler/llava_handler.py``.
+        log_config: TorchServe's log4j2 configuration (``torchserve --log-config``); default:
+            :func:`default_log_config_path`.
+        stop_grace_s: seconds between SIGTERM and SIGKILL in :meth:`stop`.
+        supervise: restart TorchServe when a worker dies (see :meth:`_supervise`).
+        keep_logs: keep TorchServe's ``logs`` folder when the server stops (moved to
+            ``<tmp>/llava-serve-logs-<time>-<pid>``, :attr:`kept_logs`); a failed start always keeps it.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        workers: int = 1,
+        config: str | os.PathLike | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        model_config_overrides: Mapping[str, Any] | None = None,
+        startup_timeout_s: float = 120.0,
+        env: Mapping[str, str] | None = None,
+        handler: str | os.PathLike | None = None,
+        log_config: str | os.PathLike | None = None,
+        stop_grace_s: float = DEFAULT_STOP_GRACE_S,
+        supervise: bool = True,
+        keep_logs: bool = False,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self.model_dir = Path(model_dir).resolve()
+        self.host = host
+        self.workers = workers
+        self.config_path = Path(config) if config is not None else default_model_config_path()
+        self.overrides = dict(overrides or {})
+        self.model_config_overrides = dict(model_config_overrides or {})
+        self.startup_timeout_s = startup_timeout_s
+        self.env = dict(env or {})
+        self.handler_path = Path(handler) if handler is not None else default_handler_path()
+        self.log_config_path = Path(log_config) if log_config is not None else default_log_config_path()
+        self.stop_grace_s = stop_grace_s
+        self._requested_port = port
+        self._ports: dict[str, int] = {}
+        self._temp_dir: Path | None = None
+        self._proc: subprocess.Popen | None = None
+        self._console: IO[bytes] | None = None
+        self._lock = threading.Lock()
+        self._abort = threading.Event()
+        self._stopping = threading.Event()
+        self._command: list[str] = []
+        self._child_env_cache: dict[str, str] = {}
+        self._ready_pids: set[int] = set()  # worker pids READY when the last start became ready
+        self._watched: set[int] = set()
+        self._supervisor: threading.Thread | None = None
+        self.supervise = supervise
+        self.supervise_interval_s = 0.5
+        #: How many times the supervisor relaunched TorchServe after a worker died.
+        self.restarts = 0
+        self.keep_logs = keep_logs
+        #: Where the logs were kept when the server stopped (``keep_logs``, or a failed start), or None.
+        self.kept_logs: Path | None = None
+
+    # ---- public surface -------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Inference base URL (``/ping``, ``/invocations``, ``/predictions/llava``)."""
+        return f"http://{connect_host(self.host)}:{self._port('inference')}"
+
+    @property
+    def management_url(self) -> str:
+        """Management API base URL (``/models/llava``)."""
+        return f"http://127.0.0.1:{self._port('management')}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Metrics API base URL (``/metrics``)."""
+        return f"http://127.0.0.1:{self._port('metrics')}"
+
+    @property
+    def temp_dir(self) -> Path:
+        """This server's private directory (TMPDIR, working dir, model store); removed by stop()."""
+        if self._temp_dir is None:
+            raise RuntimeError("server not started")
+        return self._temp_dir
+
+    @property
+    def log_dir(self) -> Path:
+        """TorchServe's ``logs`` directory (``model_log.log`` holds handler output)."""
+        return self.temp_dir / "logs"
+
+    @property
+    def running(self) -> bool:
+        """Whether TorchServe is up or being restarted by the supervisor (False: it died, or its
+        restart failed). Waits while a restart swaps the process group, so a caller never sees the
+        gap between the old launcher's exit and the new one's start."""
+        with self._lock:
+            return self._proc is not None and self._proc.poll() is None
+
+    def frontend_pid(self) -> int | None:
+        """Return the pid of TorchServe's Java frontend, or None if it is not running."""
+        frontend = self._frontend_process()
+        return frontend.pid if frontend is not None else None
+
+    def worker_pids(self) -> list[int]:
+        """Return the pids of TorchServe's Python worker processes (children of the frontend)."""
+        psutil = load_psutil()
+        frontend = self._frontend_process()
+        if frontend is None:
+            return []
+        pids = []
+        try:
+            children = frontend.children(recursive=True)
+        except psutil.Error:
+            return []
+        for child in children:
+            try:
+                if any("model_service_worker" in part for part in child.cmdline()):
+                    pids.append(child.pid)
+            except psutil.Error:
+                continue
+        return sorted(pids)
+
+    def tail_logs(self, n: int = 50) -> str:
+        """Return the last ``n`` lines of TorchServe's frontend log and of the handler's log.
+
+        ``ts_log.log`` is the frontend, ``model_log.log`` what the worker (our handler) printed;
+        before the frontend has created ``logs/`` the launcher's console output is used.
+        """
+        if self._temp_dir is None:
+            return ""
+        files = [self.log_dir / "ts_log.log", self.log_dir / "model_log.log"]
+        if not any(path.is_file() for path in files):
+            files = [self._temp_dir / "console.log"]
+        parts = []
+        for path in files:
+            if path.is_file():
+                lines = path.read_text(errors="replace").splitlines()[-n:]
+                parts.append(f"==> {path.name} <==\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def start(self) -> LocalServer:
+        """Build the model folder, start TorchServe and wait until the worker serves.
+
+        Returns:
+            self.
+
+        Raises:
+            ServerStartError: the archiver failed, TorchServe exited, or no READY worker and
+                ``/ping`` 200 within ``startup_timeout_s`` (the server is stopped first).
+            FileNotFoundError: ``model_dir``, the config or the handler file does not exist.
+            RuntimeError: already started.
+        """
+        with self._lock:
+            if self._proc is not None:
+                raise RuntimeError("server already started")
+            for path, what in (
+                (self.model_dir, "model dir"),
+                (self.config_path, "model config"),
+                (self.handler_path, "handler file"),
+                (self.log_config_path, "log config"),
+            ):
+                if path is not None and not path.exists():
+                    raise FileNotFoundError(f"{what} not found: {path}")
+            self._temp_dir = Path(tempfile.mkdtemp(prefix="llava-serve-", dir=temp_base()))
+            atexit.register(self.stop)
+        try:
+            self._check_settings()
+            self._prepare_and_launch()
+            self._wait_ready()
+            if self.supervise:
+                self._start_supervisor()
+        except BaseException as exc:
+            tail = self.tail_logs(40)
+            self.stop(keep_logs=True)
+            if isinstance(exc, ServerStartError):
+                kept = f"\nlogs kept in {self.kept_logs}" if self.kept_logs else ""
+                raise ServerStartError(f"{exc}\n{tail}{kept}") from None
+            raise
+        return self
+
+    def abort_start(self) -> None:
+        """Make a :meth:`start` in progress (another thread, a signal handler) give up soon."""
+        self._abort.set()
+
+    def stop(self, *, keep_logs: bool = False) -> None:
+        """Stop the TorchServe process group this object started and remove its temp dir (its
+        ``logs`` folder moved out first when ``keep_logs`` or the ``keep_logs`` setting says so:
+        :attr:`kept_logs`).
+
+        SIGTERM to the group, then SIGKILL to whatever is left after ``stop_grace_s``. Idempotent.
+        """
+        self._stopping.set()
+        with self._lock:
+            proc, self._proc = self._proc, None
+            temp_dir, self._temp_dir = self._temp_dir, None
+            atexit.unregister(self.stop)
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None and supervisor is not threading.current_thread():
+            supervisor.join(timeout=self.stop_grace_s + 5)
+        if proc is not None:
+            stop_process_group(proc, self.stop_grace_s)
+        if self._console is not None:
+            self._console.close()
+            self._console = None
+        if temp_dir is not None:
+            if (keep_logs or self.keep_logs) and (temp_dir / "logs").is_dir():
+                kept = Path(tempfile.gettempdir()) / f"llava-serve-logs-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+                try:
+                    shutil.move(str(temp_dir / "logs"), kept)
+                    self.kept_logs = kept
+                except OSError:
+                    pass
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = self.url if self.running else "stopped"
+        return f"LocalServer({str(self.model_dir)!r}, {state})"
+
+    # ---- start-up phases ------------------------------------------------------------------
+
+    def _port(self, name: str) -> int:
+        if name not in self._ports:
+            raise RuntimeError("server not started")
+        return self._ports[name]
+
+    def _prepare_and_launch(self) -> None:
+        temp = self.temp_dir
+        tmp = temp / "tmp"
+        store = temp / "model-store"
+        tmp.mkdir()
+        store.mkdir()
+        self._ports = pick_ports(self.host, self._requested_port)
+
+        model_config = self._write_model_config(temp / "model-config.yaml")
+        self._child_env_cache = env = ts_files.child_env(self.env, tmp)
+        ts_files.archive(self.handler_path, model_config, store, temp, env)
+        ts_config = temp / "config.properties"
+        ts_config.write_text(self._config_properties(store))
+        try:
+            torchserve = console_script("torchserve")
+        except FileNotFoundError as exc:
+            raise ServerStartError(str(exc)) from None
+        self._command = [
+            torchserve,
+            "--start",
+            "--foreground",
+            "--ts-config",
+            str(ts_config),
+            "--model-store",
+            str(store),
+            "--ncs",
+            "--disable-token-auth",
+        ]
+        if self.log_config_path is not None:
+            self._command += ["--log-config", str(self.log_config_path)]
+        self._launch()
+
+    def _launch(self) -> None:
+        temp = self.temp_dir
+        self._console = open(temp / "console.log", "ab")  # noqa: SIM115 - closed in stop()
+        self._proc = subprocess.Popen(
+            self._command,
+            cwd=temp,
+            env=self._child_env_cache,
+            stdin=subprocess.DEVNULL,
+            stdout=self._console,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: stop() signals exactly this group
+        )
+
+    # ---- supervision ----------------------------------------------------------------------
+
+    def _start_supervisor(self) -> None:
+        self._watched = self._ready_pids or set(self.worker_pids())
+        self._supervisor = threading.Thread(target=self._supervise, name="llava-serve-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Restart TorchServe when one of its workers dies.
+
+        TorchServe 0.12 with sequence continuous batching does not recover a killed worker: the
+        dead worker stays UNLOADING and every request waits (pytorch/serve issues 2423 and 2870;
+        reproduced here). A dead worker has lost its sessions anyway, so the supervisor stops
+        this server's process group and starts it again on the same ports; clients then get
+        ``404 session_not_found`` for the lost sessions (and reopen them) within seconds.
+        """
+        psutil = load_psutil()
+        while not self._stopping.wait(self.supervise_interval_s):
+            with self._lock:
+                proc = self._proc
+            if proc is None:
+                return
+            dead = [pid for pid in self._watched if not alive(psutil, pid)]
+            # fewer watched workers than configured: one died between READY and the pid capture
+            if not dead and len(self._watched) >= self.workers:
+                continue
+            print(
+                f"llava-serve: worker {dead or '(one of them)'} died; restarting TorchServe (its sessions are lost)",
+                file=sys.stderr,
+                flush=True,
+            )
+            with self._lock:
+                if self._proc is None or self._stopping.is_set():
+                    return
+                stop_process_group(self._proc, self.stop_grace_s)
+                if self._console is not None:
+                    self._console.close()
+                self._launch()
+                self.restarts += 1
+            try:
+                self._wait_ready()
+            except _WorkerDied as died:
+                self._watched = set(died.pids)  # the next tick restarts again
+                continue
+            except ServerStartError as exc:
+                if not self._stopping.is_set():  # stop() during the restart is no failure
+                    print(f"llava-serve: restart failed: {exc}", file=sys.stderr, flush=True)
+                    with self._lock:  # down for good: `running` turns False and the CLI exits 1
+                        if self._proc is not None:
+                            stop_process_group(self._proc, self.stop_grace_s)
+                return
+            self._watched = self._ready_pids or set(self.worker_pids())
+
+    def _write_model_config(self, path: Path) -> Path:
+        """Write this server's model-config.yaml (:func:`~llava_tools.torchserve_files.model_config`) to ``path``."""
+        config = ts_files.model_config(
+            self.config_path,
+            model_dir=self.model_dir,
+            workers=self.workers,
+            overrides=self.overrides,
+            model_config_overrides=self.model_config_overrides,
+            env={**os.environ, **self.env},
+        )
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return path
+
+    def _wait_ready(self) -> None:
+        """Wait until every worker is READY and ``/ping`` answers 200.
+
+        Raises:
+            ServerStartError: TorchServe exited, the handler failed to load, the start-up timeout
+                passed, or (:class:`_WorkerDied`) a worker died without a load failure (killed).
+        """
+        psutil = load_psutil()
+        deadline = time.monotonic() + self.startup_timeout_s
+        status = "no answer from the management API"
+        seen: set[int] = set()  # every worker pid this start reported, whatever its state
+        while True:
+            if self._abort.is_set():
+                raise ServerStartError("start-up aborted")
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise ServerStartError(f"TorchServe exited during start-up (exit code {code})")
+            if self._load_failed():
+                raise ServerStartError(f"the handler failed to load the model: {self._worker_error()}")
+            ready, status, workers = self._model_ready()
+            seen |= workers.keys()
+            dead = sorted(pid for pid in seen if not alive(psutil, pid))
+            if dead:
+                # a worker that failed to load says so in its log as it exits (next turn raises that);
+                # one killed (even the moment it turned READY) stays UNLOADING for good in TorchServe
+                if not self._load_failed(wait_s=1.0):
+                    raise _WorkerDied(dead)
+                continue
+            if ready and http_status(self.url + "/ping") == 200:
+                # the supervisor watches these: a worker killed right after is still seen dying
+                self._ready_pids = {pid for pid, state in workers.items() if state == "READY"}
+                return
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"TorchServe not ready after {self.startup_timeout_s:.0f} s ({status})")
+            time.sleep(_POLL_S)
+
+    def _check_settings(self) -> None:
+        """Validate the handler settings the worker will read (the config's ``handler:`` section, the
+        overrides, ``LLAVA_*`` variables) before anything starts, as the worker would.
+
+        Raises:
+            ServerStartError: a setting is unknown (with the closest valid key) or out of range.
+        """
+        from llava_sessions.config import Settings
+
+        config = yaml.safe_load(self.config_path.read_text()) or {}
+        section = {**dict((config.get("handler") if isinstance(config, dict) else None) or {}), **self.overrides}
+        try:
+            Settings.check_names(self.overrides, "in --set")
+            Settings.from_sources(section, {**os.environ, **self.env})
+        except ValueError as exc:
+            raise ServerStartError(f"invalid handler settings: {exc}") from None
+
+    def _config_properties(self, store: Path) -> str:
+        return ts_files.config_properties(self.host, self._ports, store, self.workers)
+
+    def _worker_error(self, wait_s: float = 5.0) -> str:
+        return ts_files.worker_error(self.log_dir, wait_s)
+
+    def _load_failed(self, wait_s: float = 0.0) -> bool:
+        return ts_files.load_failed(self.log_dir, wait_s)
+
+    def _model_ready(self) -> tuple[bool, str, dict[int, str]]:
+        return ts_files.model_status(self.management_url, self.workers)
+
+    def _frontend_process(self):
+        psutil = load_psutil()
+        proc = self._proc
+        if not self.running or proc is None:
+            return None
+        try:
+            for child in psutil.Process(proc.pid).children():
+                if child.name().startswith("java"):
+                    return child
+        except psutil.Error:
+            pass
+        return None
