@@ -21,7 +21,7 @@ import torch
 
 from ..errors import overloaded
 from ..model import BatchKVCache, LlavaRunner, cache_len
-from .memory import oom_retry
+from .memory import oom_attempts
 from .scheduler import BatchLayout
 
 if TYPE_CHECKING:
@@ -87,18 +87,18 @@ class DecodeBatch:
             positions[g.row] = g.next_position
             mask[g.row, col] = 1
 
-        def run() -> torch.Tensor:
-            try:
-                return self.runner.decode_batch(cache, tokens, positions, mask[:, : col + 1])
-            except BaseException:
-                cache.set_length(col)  # a failed step leaves no column behind
-                raise
-
         try:
-            return oom_retry(run, self.store, keep=None)
+            for attempt in oom_attempts(self.store, keep=None):
+                with attempt:
+                    try:
+                        logits = self.runner.decode_batch(cache, tokens, positions, mask[:, : col + 1])
+                    except BaseException:
+                        cache.set_length(col)  # a failed step leaves no column behind
+                        raise
         except BaseException:
             mask[:, col] = 0
             raise
+        return logits
 
     def release(self, gen: Generation) -> Any:
         """Take ``gen`` out of the batch; returns its row's valid columns as a new ``DynamicCache``
@@ -135,9 +135,9 @@ class DecodeBatch:
         self.store.batch_bytes = 0 if old is None else old.nbytes()
         if not self.store.allocate(need, keep=None):
             raise overloaded("not enough device memory to decode now; retry later", "step_memory")
-        cache = oom_retry(
-            lambda: self.runner.new_batch_cache(len(members), width + self.grow_columns), self.store, keep=None
-        )
+        for attempt in oom_attempts(self.store, keep=None):
+            with attempt:
+                cache = self.runner.new_batch_cache(len(members), width + self.grow_columns)
         mask = torch.zeros(len(members), cache.capacity, dtype=torch.long, device=self.runner.device)
         for row, (g, src_cols, n) in enumerate(zip(members, old_columns, lengths, strict=True)):
             if src_cols is not None:

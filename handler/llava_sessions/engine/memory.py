@@ -1,4 +1,4 @@
-"""Device memory: the default budget, and one retry after a CUDA out-of-memory error.
+"""Device memory: the default budget, what a new session takes, and one retry after a CUDA out-of-memory error.
 
 Booking is the ledger's (``llava_sessions.sessions.ledger``) and the store's; this module measures what is
 there and turns an allocator failure into demotions of idle sessions, then a typed ``overloaded``.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,11 +20,9 @@ if TYPE_CHECKING:
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
 
-__all__ = ["available_host_bytes", "default_device_budget", "is_oom", "oom_retry"]
+__all__ = ["OomAttempt", "available_host_bytes", "default_device_budget", "is_oom", "new_session_bytes", "oom_attempts"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def available_host_bytes() -> int:
@@ -47,28 +45,46 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def oom_retry(fn: Callable[[], T], store: SessionStore, *, keep: Session | None) -> T:
-    """Run ``fn``; on a CUDA out-of-memory error demote every idle session but ``keep`` and retry once.
+class OomAttempt:
+    """One attempt of a forward pass (:func:`oom_attempts`): a context manager that, on the device
+    allocator running out of memory, demotes every idle session but ``keep`` and lets the caller's
+    loop try again, or, on the last attempt, raises ``overloaded``."""
 
-    Raises:
-        ServiceError: overloaded, when the retry runs out of memory too.
-        Exception: whatever else ``fn`` raises.
-    """
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001
-        if not is_oom(exc):
-            raise
+    def __init__(self, store: SessionStore, keep: Session | None, *, last: bool) -> None:
+        self.store, self.keep, self.last = store, keep, last
+        self.failed = False
+
+    def __enter__(self) -> OomAttempt:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+        if exc is None or not is_oom(exc):
+            return False  # done, or an error that is not the allocator's: it propagates
+        if self.last:
+            raise overloaded("the device is out of memory; retry later", "step_memory") from exc
         log.warning("out of memory; demoting idle sessions and retrying once")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        store.demote_all(keep=keep)
-        try:
-            return fn()
-        except Exception as exc2:  # noqa: BLE001
-            if is_oom(exc2):
-                raise overloaded("the device is out of memory; retry later", "step_memory") from exc2
-            raise
+        self.store.demote_all(keep=self.keep)
+        self.failed = True
+        return True  # swallowed: the loop makes the second attempt
+
+
+def oom_attempts(store: SessionStore, *, keep: Session | None) -> Iterator[OomAttempt]:
+    """Attempts of a forward pass, run in the caller's own frame (no callback)::
+
+        for attempt in oom_attempts(store, keep=session):
+            with attempt:
+                out = runner.prefill(...)
+
+    The first runs it; after an out-of-memory error every idle session but ``keep`` is demoted and
+    a second runs it again; a second out-of-memory error raises ServiceError(overloaded). Any other
+    error propagates from the attempt that raised it.
+    """
+    first = OomAttempt(store, keep, last=False)
+    yield first
+    if first.failed:
+        yield OomAttempt(store, keep, last=True)
 
 
 def new_session_bytes(runner: LlavaRunner, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:

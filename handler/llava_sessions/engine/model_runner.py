@@ -4,7 +4,7 @@ nano-vllm's ``model_runner.py``: no policy here (what runs and how many tokens i
 :class:`~.scheduler.StepPlan`'s), no bookkeeping beyond recording what a pass put in a session's KV
 cache. Every forward pass of the engine goes through this class: the vision tower, a prefill chunk,
 the decode batch's step; each is retried once after a CUDA out-of-memory error with the idle sessions
-demoted (:func:`~.memory.oom_retry`).
+demoted (:func:`~.memory.oom_attempts`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from ..model import LlavaRunner, cache_len
 from ..results import elapsed_ms
 from .decode_batch import DecodeBatch
-from .memory import oom_retry
+from .memory import oom_attempts
 
 if TYPE_CHECKING:
     from ..sessions.session import Session
@@ -58,7 +58,9 @@ class ModelRunner:
             RuntimeError: the model gave another row count than the processor's (a bug).
         """
         num_images = len(session.images)
-        feats = oom_retry(lambda: self.runner.encode_images(images, num_images), self.store, keep=session)
+        for attempt in oom_attempts(self.store, keep=session):
+            with attempt:
+                feats = self.runner.encode_images(images, num_images)
         expected = session.image_tokens[num_images - len(images) :]
         got = [int(f.shape[0]) for f in feats]
         if got != expected:
@@ -77,7 +79,9 @@ class ModelRunner:
             RuntimeError: the model gave another row count than the processor's (a bug).
         """
         num_images = len(session.images)
-        feats = oom_retry(lambda: self.runner.encode_images(images, num_images), self.store, keep=session)
+        for attempt in oom_attempts(self.store, keep=session):
+            with attempt:
+                feats = self.runner.encode_images(images, num_images)
         expected = [session.image_tokens[i] for i in indexes]
         got = [int(f.shape[0]) for f in feats]
         if got != expected:
@@ -101,9 +105,9 @@ class ModelRunner:
         start = cache_len(session.kv_cache)
         end = len(ids) if num_tokens is None else min(len(ids), start + max(1, num_tokens))
         runner = self.runner
-        logits = oom_retry(
-            lambda: runner.prefill(session.kv_cache, ids[:end], session.image_features), self.store, keep=session
-        )
+        for attempt in oom_attempts(self.store, keep=session):
+            with attempt:
+                logits = runner.prefill(session.kv_cache, ids[:end], session.image_features)
         session.record_prefill(ids[:end])
         self.num_prefilled_tokens += end - start
         timings["prefill"] = round(timings.get("prefill", 0.0) + elapsed_ms(t0), 3)
