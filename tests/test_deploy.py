@@ -735,3 +735,20 @@ def test_delete_removes_the_endpoint_s_inference_components_first() -> None:
         assert main(["--endpoint-name", "llava-chat", "--delete"], clients=c.__getitem__) == 0
         sm_stub.assert_no_pending_responses()
         as_stub.assert_no_pending_responses()
+
+
+def test_python_dash_m_runs_the_cli_as_the_console_script_does() -> None:
+    """``python -m llava_tools.deploy`` (the package's ``__main__``) is ``llava-deploy``: a dry-run
+    delete prints its calls and exits 0; a missing required option exits 2."""
+    dry = subprocess.run(
+        [sys.executable, "-m", "llava_tools.deploy", "--endpoint-name", "ep-1", "--delete", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert "would call sagemaker.delete_endpoint(" in dry.stdout and '"EndpointName": "ep-1"' in dry.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "llava_tools.deploy", "--delete"], capture_output=True, text=True, timeout=120
+    )
+    assert missing.returncode == 2 and "--endpoint-name" in missing.stderr

@@ -104,7 +104,7 @@ class BaseClient:
         transport: an :class:`~llava_client.HttpTransport`, a :class:`~llava_client.SageMakerTransport`,
             or anything with their ``invoke`` / ``invoke_stream`` / ``close``.
         max_retries: retries after the first attempt (see :func:`should_retry`).
-        auto_recover: reopen and replay a session the server lost (see the module docstring).
+        auto_recover: reopen and replay a session the server lost (:mod:`llava_client._sessions`).
         max_body_bytes: largest request body sent (SageMaker's limit by default).
         restart_wait_s: seconds a request that could not connect is retried (past ``max_retries``),
             to ride out a server restart, once the server has answered this client; 0 turns this off.

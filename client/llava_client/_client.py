@@ -62,17 +62,11 @@ log = logging.getLogger("llava_client")
 class SessionClient(BaseClient):
     """Opens image chat sessions over an injected transport.
 
-    Args:
-        transport: an :class:`~llava_client.HttpTransport`, a :class:`~llava_client.SageMakerTransport`,
-            or anything with their ``invoke`` / ``invoke_stream`` / ``close``.
-        max_retries: retries after the first attempt (see :func:`should_retry`).
-        auto_recover: reopen and replay a session the server lost (see the module docstring).
-        max_body_bytes: largest request body sent (SageMaker's limit by default).
-        restart_wait_s: seconds a request that could not connect is retried (past ``max_retries``),
-            to ride out a server restart, once the server has answered this client; 0 turns this off.
+    Args: the transport, ``max_retries``, ``auto_recover``, ``max_body_bytes``, ``restart_wait_s``, as
+    :class:`~llava_client._base_client.BaseClient` (retries and the request limit live there).
 
     Use :meth:`from_url` / :meth:`from_endpoint` for the common cases. ``with SessionClient(...)``
-    closes the transport at the end. Retries: :class:`~llava_client._base_client.BaseClient`.
+    closes the transport at the end.
     """
 
     @classmethod
