@@ -26,6 +26,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, TypeVar
 
 from ._exceptions import (
@@ -38,7 +39,7 @@ from ._exceptions import (
     status_error_from_body,
 )
 from ._images import MAX_BODY_BYTES, Downsized, ImageInput, fit_payload, image_budget, image_payload
-from ._transport import LineStream, RawResponse, Transport
+from ._transport import LineStream, RawResponse, Transport, parse_expires, parse_session_header
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
@@ -231,3 +232,17 @@ class BaseClient:
             retry_safe=retry_safe,
             what="streamed chat" if "messages" in request else "streamed generate",
         )
+
+    def invoke_open(self, request: dict[str, Any], what: str) -> tuple[str, datetime | None, dict]:
+        """Send a request that opens a session (``open_session``, AWS's ``NEW_SESSION``); return its
+        id and expiry (from ``X-Amzn-SageMaker-New-Session-Id``, else the body) and the reply's JSON.
+
+        Raises:
+            LlavaError: the reply named no session id (``what`` says which request). Others: :meth:`invoke`'s.
+        """
+        data, raw = self.invoke(request, None, retry_safe=True)
+        session_id, expires_at = parse_session_header(raw.new_session_id)
+        session_id = session_id or data.get("session_id")
+        if not session_id:
+            raise LlavaError(f"the server's {what} reply named no session id")
+        return session_id, expires_at or parse_expires(data.get("expires_at")), data

@@ -38,11 +38,10 @@ from ._base_client import (
     should_retry,
 )
 from ._chat import ChatReply, ChatSession
-from ._exceptions import LlavaError
 from ._images import MAX_BODY_BYTES, ImageInput, describe_image
 from ._sessions import Session, open_session_request
 from ._streaming import AnswerStream
-from ._transport import DEFAULT_TIMEOUT, HttpTransport, parse_session_header
+from ._transport import DEFAULT_TIMEOUT, HttpTransport
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
@@ -135,11 +134,7 @@ class SessionClient(BaseClient):
         Raises:
             APIStatusError, APIConnectionError: as for any call.
         """
-        data, raw = self.invoke({"requestType": "NEW_SESSION"}, None, retry_safe=True)
-        session_id, _ = parse_session_header(raw.new_session_id)
-        session_id = session_id or data.get("session_id")
-        if not session_id:
-            raise LlavaError("the server's NEW_SESSION reply named no session id")
+        session_id, _, _ = self.invoke_open({"requestType": "NEW_SESSION"}, "NEW_SESSION")
         return ChatSession(self, session_id)
 
     def complete(self, messages: list[dict[str, Any]], **params: Any) -> ChatReply:

@@ -28,7 +28,6 @@ from ._chat import ChatReply
 from ._exceptions import LlavaError, SessionGone
 from ._images import Downsized, ImageInput
 from ._streaming import AnswerStream, ms_since
-from ._transport import parse_expires, parse_session_header
 from ._types import AddedImage, Answer, GenerationParams, Recovery
 
 __all__ = ["Opened", "Session", "open_session_request"]
@@ -70,13 +69,7 @@ def open_session_request(
         request["system_prompt"] = system_prompt
     if history:
         request["history"] = history
-    data, raw = client.invoke(request, None, retry_safe=True)
-    session_id, expires_at = parse_session_header(raw.new_session_id)
-    session_id = session_id or data.get("session_id")
-    if not session_id:
-        raise LlavaError("the server's open_session reply named no session id")
-    if expires_at is None:
-        expires_at = parse_expires(data.get("expires_at"))
+    session_id, expires_at, data = client.invoke_open(request, "open_session")
     return Opened(session_id, expires_at, data.get("image_tokens"), dict(data.get("timings") or {}))
 
 

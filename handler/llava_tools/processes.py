@@ -1,4 +1,4 @@
-"""Process and loopback helpers of the local servers: free ports, console scripts, process groups.
+"""Process and loopback helpers of the local servers: free ports, process groups, HTTP probes.
 
 Used by :mod:`.server` (TorchServe under ``llava-serve``) and the other tools that start or stop
 processes. Nothing here knows TorchServe's configuration.
@@ -7,22 +7,18 @@ processes. Nothing here knows TorchServe's configuration.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 __all__ = [
     "OPENER",
     "alive",
     "connect_host",
-    "console_script",
     "group_members",
     "http_status",
     "load_psutil",
@@ -72,17 +68,6 @@ def temp_base() -> str:
     """Where a server's temp dir goes: the system's, unless too long for TorchServe's unix sockets."""
     base = tempfile.gettempdir()
     return base if len(base) <= MAX_TEMP_BASE_CHARS else "/tmp"
-
-
-def console_script(name: str) -> str:
-    """Return the console script ``name`` of this interpreter's environment, else from PATH."""
-    candidate = Path(sys.executable).parent / name
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which(name)
-    if found is None:
-        raise FileNotFoundError(f"{name} not found; install the 'serve' extra (torchserve 0.12.0)")
-    return found
 
 
 def pick_ports(host: str, inference_port: int) -> dict[str, int]:

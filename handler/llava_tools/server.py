@@ -33,7 +33,6 @@ from . import torchserve_files as ts_files
 from .processes import (
     alive,
     connect_host,
-    console_script,
     http_status,
     load_psutil,
     pick_ports,
@@ -319,12 +318,8 @@ class LocalServer:
         ts_files.archive(self.handler_path, model_config, store, temp, env)
         ts_config = temp / "config.properties"
         ts_config.write_text(self._config_properties(store))
-        try:
-            torchserve = console_script("torchserve")
-        except FileNotFoundError as exc:
-            raise ServerStartError(str(exc)) from None
         self._command = [
-            torchserve,
+            ts_files.console_script("torchserve"),
             "--start",
             "--foreground",
             "--ts-config",
@@ -434,15 +429,15 @@ class LocalServer:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
                 raise ServerStartError(f"TorchServe exited during start-up (exit code {code})")
-            if self._load_failed():
-                raise ServerStartError(f"the handler failed to load the model: {self._worker_error()}")
-            ready, status, workers = self._model_ready()
+            if ts_files.load_failed(self.log_dir):
+                raise ServerStartError(f"the handler failed to load the model: {ts_files.worker_error(self.log_dir)}")
+            ready, status, workers = ts_files.model_status(self.management_url, self.workers)
             seen |= workers.keys()
             dead = sorted(pid for pid in seen if not alive(psutil, pid))
             if dead:
                 # a worker that failed to load says so in its log as it exits (next turn raises that);
                 # one killed (even the moment it turned READY) stays UNLOADING for good in TorchServe
-                if not self._load_failed(wait_s=1.0):
+                if not ts_files.load_failed(self.log_dir, wait_s=1.0):
                     raise _WorkerDied(dead)
                 continue
             if ready and http_status(self.url + "/ping") == 200:
@@ -472,15 +467,6 @@ class LocalServer:
 
     def _config_properties(self, store: Path) -> str:
         return ts_files.config_properties(self.host, self._ports, store, self.workers)
-
-    def _worker_error(self, wait_s: float = 5.0) -> str:
-        return ts_files.worker_error(self.log_dir, wait_s)
-
-    def _load_failed(self, wait_s: float = 0.0) -> bool:
-        return ts_files.load_failed(self.log_dir, wait_s)
-
-    def _model_ready(self) -> tuple[bool, str, dict[int, str]]:
-        return ts_files.model_status(self.management_url, self.workers)
 
     def _frontend_process(self):
         psutil = load_psutil()

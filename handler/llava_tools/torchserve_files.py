@@ -25,7 +25,7 @@ import llava_sessions
 from llava_sessions.wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SESSION_ID_HEADER
 
 from .cli import StartError
-from .processes import OPENER, console_script
+from .processes import OPENER
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -35,6 +35,7 @@ __all__ = [
     "ServerStartError",
     "archive",
     "child_env",
+    "console_script",
     "config_properties",
     "default_handler_path",
     "default_log_config_path",
@@ -79,6 +80,21 @@ POLL_S = 0.25
 
 class ServerStartError(StartError):
     """TorchServe could not be prepared or did not become ready; the message ends with a log tail."""
+
+
+def console_script(name: str) -> str:
+    """Return the console script ``name`` of this interpreter's environment, else from PATH.
+
+    Raises:
+        ServerStartError: neither has it (the 'serve' extra is not installed).
+    """
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise ServerStartError(f"{name} not found; install the 'serve' extra (torchserve 0.12.0)")
+    return found
 
 
 def default_handler_path() -> Path:
@@ -193,12 +209,8 @@ def archive(handler: Path, model_config_path: Path, store: Path, temp: Path, env
     # level down so it lands as <model>/llava_sessions/ and stays importable as a package.
     extra = temp / "extra"
     shutil.copytree(CORE_DIR, extra / CORE_DIR.name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    try:
-        archiver = console_script("torch-model-archiver")
-    except FileNotFoundError as exc:
-        raise ServerStartError(str(exc)) from None
     command = [
-        archiver,
+        console_script("torch-model-archiver"),
         "--model-name",
         MODEL_NAME,
         "--version",

@@ -32,7 +32,7 @@ from ..metrics import WorkerMetrics
 from ..results import elapsed_ms
 from ..sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
-from ..wire.framing import JSON, Row, RowResult
+from ..wire.framing import Row, RowResult
 from ..wire.jobs import Job, JobTable, Serving
 from . import responses
 from .protocol import ChatCommand, chat_command, parse_chat_body, parse_session_body
@@ -214,9 +214,13 @@ class ChatServing(Serving):
         """One stream frame (the job is forgotten with its last)."""
         if last:
             self.jobs.forget(job)
-        content_type = job.stream.content_type if job.stream is not None else JSON
+        assert job.stream is not None, "frames one per call belong to a streamed answer"
         return self.framing.frame(
-            body, continued=job.continued, last=last, headers=self._headers(job, last), content_type=content_type
+            body,
+            continued=job.continued,
+            last=last,
+            headers=self._headers(job, last),
+            content_type=job.stream.content_type,
         )
 
     def _headers(self, job: Job, last: bool) -> dict[str, str]:

@@ -19,7 +19,8 @@ ledger what the sessions hold (each session marks its own changes, :attr:`Sessio
 store records the changed ones before every decision and every read of its numbers) and applies the
 demotions it decides. Its memory API is vLLM's and nano-vllm's: :meth:`SessionStore.can_allocate`,
 :meth:`SessionStore.allocate` (room made by demoting idle sessions), :meth:`SessionStore.pin` /
-:meth:`SessionStore.unpin` (an answering session is never demoted), :meth:`SessionStore.remove`.
+:meth:`SessionStore.unpin` (an answering session is never demoted), :meth:`SessionStore.release`,
+:meth:`SessionStore.remove`.
 
 Over the device budget the least-recently-used idle sessions are demoted one tier at a time:
 first KV caches are dropped (LRU first), then image features. Past the host cap, and only
@@ -63,8 +64,8 @@ class SessionStore:
     """All sessions of one worker, under a device byte budget and a host byte cap.
 
     Admission in phases, like vLLM's managers: :meth:`add` a session (host cap enforced),
-    :meth:`reserve` device bytes before growing one (LRU demotion of the others), :meth:`enforce`
-    after growth, :meth:`remove` on close. The numbers behind each decision are the ledger's
+    :meth:`allocate` device bytes before growing one (LRU demotion of the others) with it
+    :meth:`pin` ned, :meth:`release` it after (unpinned, then :meth:`enforce`), :meth:`remove` on close. The numbers behind each decision are the ledger's
     (:attr:`ledger`); before each decision or read it records what the changed sessions hold
     (:attr:`Session.changed`).
 
