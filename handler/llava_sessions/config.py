@@ -208,9 +208,28 @@ class Settings(BaseModel):
     )
     share_images: bool = Field(
         True,
-        description="Sessions and one-shot chat requests on one worker reuse each other's image features and "
-        "conversation-prefix KV cache, matched by the image's exact bytes; false keeps each session to its own "
-        "(tenants then cannot time each other's images).",
+        description="Sessions and chat requests without a session on one worker reuse each other's image features "
+        "and conversation-prefix KV cache, matched by the image's exact bytes, within equal cache_salts (see "
+        "unsalted_cache); false keeps each session to its own whatever the salt, and turns the conversation cache off.",
+    )
+    conversation_cache_share: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Share of the device budget that chat requests without a session may keep as conversation-"
+        "cache entries (their images, features and KV, so the conversation resent with its next turn prefills only "
+        "what is new, as vLLM's prefix cache); entries go first, oldest first, whenever room is needed, and a "
+        "session is never demoted for one. 0 = off.",
+    )
+    conversation_cache_entries: int = Field(
+        64, ge=0, description="Most conversation-cache entries one worker holds (oldest dropped first)."
+    )
+    unsalted_cache: Literal["shared", "isolated"] = Field(
+        "shared",
+        description="What requests without a cache_salt share: 'shared' (as vLLM: every unsalted request may reuse "
+        "the image features, held images, image uuids and prefix KV of every other unsalted one, so a client can "
+        "time whether another sent an image) or 'isolated' (nothing beyond their own session; no conversation "
+        "cache for them). Requests with a cache_salt share only with an equal salt either way.",
     )
     served_model_name: str = Field(
         "", description="The model name OpenAI chat replies carry; empty: the checkpoint folder's name."

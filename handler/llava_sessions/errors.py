@@ -21,6 +21,7 @@ class ErrorCode(str, Enum):
     IMAGE_INVALID = "image_invalid"  # 400: not a decodable image
     IMAGE_FETCH_FAILED = "image_fetch_failed"  # 400: URL / S3 object could not be fetched
     IMAGE_URL_FORBIDDEN = "image_url_forbidden"  # 400: URL scheme, host or address refused
+    IMAGE_UUID_NOT_FOUND = "image_uuid_not_found"  # 400: an image named by uuid that nothing (in its salt) holds
     SESSION_NOT_FOUND = "session_not_found"  # 404: unknown id (never opened here, or closed)
     SESSION_EXPIRED = "session_expired"  # 404: past its TTL or idle timeout
     SESSION_EVICTED = "session_evicted"  # 404: dropped because the host-memory cap was reached
@@ -41,6 +42,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.IMAGE_INVALID: 400,
     ErrorCode.IMAGE_FETCH_FAILED: 400,
     ErrorCode.IMAGE_URL_FORBIDDEN: 400,
+    ErrorCode.IMAGE_UUID_NOT_FOUND: 400,
     ErrorCode.SESSION_NOT_FOUND: 404,
     ErrorCode.SESSION_EXPIRED: 404,
     ErrorCode.SESSION_EVICTED: 404,

@@ -60,6 +60,8 @@ class WorkerMetrics:
         self._writing = False
         self._writer: threading.Thread | None = None
         self.errors_by_code: Counter[str] = Counter()
+        self.num_cache_hits = 0
+        self.num_cache_misses = 0
         self._ttft_ms: list[float] = []
         self._decode_tokens_per_s: list[float] = []
 
@@ -67,6 +69,14 @@ class WorkerMetrics:
         """Record a finished answer's ``ttft`` (ms) and ``decode_tokens_per_s``."""
         self._ttft_ms.append(answer.timings.get("ttft", 0.0))
         self._decode_tokens_per_s.append(answer.timings.get("decode_tokens_per_s", 0.0))
+
+    def observe_cache(self, hit: bool) -> None:
+        """Count a chat request without a session as a conversation-cache hit (some of its prompt
+        was served from cached KV) or a miss."""
+        if hit:
+            self.num_cache_hits += 1
+        else:
+            self.num_cache_misses += 1
 
     def count_error(self, error: ServiceError) -> None:
         """Count one error reply by its code."""
@@ -83,6 +93,8 @@ class WorkerMetrics:
                 ("SessionBytes", ("kv",)): by_tier["kv"],
                 ("SessionBytes", ("features",)): by_tier["features"],
                 ("SessionBytes", ("image",)): by_tier["image"],
+                ("ConversationCacheEntries", ()): store.num_cache_entries,
+                ("ConversationCacheBytes", ()): store.num_cache_bytes,
             },
             "counters": {
                 ("Demotions", ("kv",)): st.num_demotions_kv,
@@ -90,6 +102,9 @@ class WorkerMetrics:
                 ("Restores", ()): st.num_restores,
                 ("SessionsEvicted", ()): st.num_evicted,
                 ("SessionsExpired", ()): st.num_expired,
+                ("ConversationCacheHits", ()): self.num_cache_hits,
+                ("ConversationCacheMisses", ()): self.num_cache_misses,
+                ("ConversationCacheEvictions", ()): st.num_cache_evictions,
                 ("ReusedPromptTokens", ()): engine.num_reused_tokens,
                 ("PrefilledPromptTokens", ()): engine.num_prefilled_tokens,
                 ("GeneratedTokens", ()): engine.num_generated_tokens,
@@ -176,7 +191,7 @@ class WorkerMetrics:
                     sent_key = (name, (*dims, label))
                     if self._gauges_sent.get(sent_key) != value:
                         self._gauges_sent[sent_key] = value
-                        unit = "Bytes" if name == "SessionBytes" else "Count"
+                        unit = "Bytes" if name.endswith("Bytes") else "Count"
                         updates.append((name, dims, label, value, MetricTypes.GAUGE, unit))
                 for (name, dims), value in payload["counters"].items():
                     sent_key = (name, (*dims, label))

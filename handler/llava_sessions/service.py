@@ -215,7 +215,8 @@ class SessionService:
         return self.jobs.error(self.native, None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
 
     def placement_stats(self) -> dict[str, int]:
-        """What a replica router places new sessions by: ``free_bytes`` (device budget left, bytes),
+        """What a replica router places new sessions by: ``free_bytes`` (device budget left, bytes;
+        conversation-cache entries count as free: they go first when room is needed),
         ``num_sessions``, ``max_sessions`` and ``new_session_bytes`` (what one new session's image
         features and prefix KV cost, bytes)."""
         engine, store = self.engine, self.engine.store
@@ -224,7 +225,7 @@ class SessionService:
             chat = Chat(self.settings.system_prompt, image_tokens=(runner.num_image_tokens,))
             self._new_session_bytes = engine.new_session_bytes(len(runner.template.prefix_ids(chat)))
         return {
-            "free_bytes": store.device_budget_bytes - store.device_bytes(),
+            "free_bytes": store.device_budget_bytes - store.device_bytes() + store.num_cache_bytes,
             "num_sessions": len(store),
             "new_session_bytes": self._new_session_bytes,
             "max_sessions": self.settings.max_sessions,

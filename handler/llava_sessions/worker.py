@@ -200,6 +200,9 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
             max_prompt_tokens=settings.max_prompt_tokens,
             max_images=settings.max_images_per_session,
             max_image_tokens=settings.max_image_tokens_per_session,
+            cache_share=settings.conversation_cache_share,
+            cache_entries=settings.conversation_cache_entries,
         ),
         share_images=settings.share_images,
+        unsalted=settings.unsalted_cache,
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..config import Settings
@@ -31,12 +31,13 @@ from ..errors import ErrorCode, ServiceError
 from ..images.source import ImageSource
 from ..sampling.params import SamplingParams
 from ..wire.contract import NEW_SESSION_LITERAL
-from ..wire.inbound import Inbound, check_text, validation_error
+from ..wire.inbound import CacheSalt, ImageUuid, Inbound, check_text, validation_error
 
 __all__ = [
     "UNSUPPORTED_FIELDS",
     "ChatCommand",
     "ChatCompletionRequest",
+    "ChatImage",
     "ChatConversation",
     "ChatMessage",
     "ImagePart",
@@ -90,10 +91,20 @@ class ImageUrl(Inbound):
 
 
 class ImagePart(Inbound):
-    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part."""
+    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part, in vLLM's shape with an
+    optional ``uuid`` (the client's name for the image): ``{"type": "image_url", "image_url": null,
+    "uuid": "u1"}`` names an image an earlier request of the same salt sent with that uuid, without
+    its bytes."""
 
     type: Literal["image_url"]
-    image_url: ImageUrl
+    image_url: ImageUrl | None
+    uuid: ImageUuid | None = None
+
+    @model_validator(mode="after")
+    def _url_or_uuid(self) -> ImagePart:
+        if self.image_url is None and self.uuid is None:
+            raise PydanticCustomError("image_reference", "give image_url, or a uuid an earlier request sent")
+        return self
 
 
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
@@ -125,11 +136,11 @@ class ChatMessage(Inbound):
             return self.content
         return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
 
-    def image_urls(self) -> list[str]:
-        """The message's image URLs, in order."""
+    def image_parts(self) -> list[ImagePart]:
+        """The message's image parts, in order."""
         if isinstance(self.content, str):
             return []
-        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+        return [p for p in self.content if isinstance(p, ImagePart)]
 
 
 class StreamOptions(Inbound):
@@ -169,6 +180,7 @@ class ChatCompletionRequest(Inbound):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    cache_salt: CacheSalt | None = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -194,7 +206,7 @@ class ChatCompletionRequest(Inbound):
         system: str | None = None
         start = 0
         if msgs[0].role in ("system", "developer"):
-            if msgs[0].image_urls():
+            if msgs[0].image_parts():
                 raise _bad("messages[0].content", "a system message holds text only")
             system, start = msgs[0].text(), 1
         rest = msgs[start:]
@@ -208,39 +220,34 @@ class ChatCompletionRequest(Inbound):
                     "message may lead, then user and assistant messages alternate, ending with the user's; "
                     "merge consecutive messages of one role",
                 )
-            if want == "assistant" and msg.image_urls():
+            if want == "assistant" and msg.image_parts():
                 raise _bad(f"messages[{i}].content", "an assistant message holds text only")
         if not rest or rest[-1].role != "user":
             raise _bad("messages", "the last message must be the user's (the question to answer)")
         turns = []
         for k in range(0, len(rest) - 1, 2):
             user, assistant = rest[k], rest[k + 1]
-            turns.append(_Turn(user.text(), assistant.text(), tuple(user.image_urls())))
+            turns.append(_Turn(user.text(), assistant.text(), len(user.image_parts())))
         question = rest[-1]
-        return ChatConversation(system, tuple(turns), question.text(), tuple(question.image_urls()))
+        return ChatConversation(system, tuple(turns), question.text(), len(question.image_parts()))
 
 
 @dataclass(frozen=True)
 class _Turn:
     prompt: str
     answer: str
-    image_urls: tuple[str, ...]
+    images: int
 
 
 @dataclass(frozen=True)
 class ChatConversation:
     """A messages list as our conversation: ``system_prompt``, remembered ``turns`` (each with the
-    image URLs opening its user message, in order), the ``question`` and its ``question_images``."""
+    number of images opening its user message), the ``question`` and the images opening it."""
 
     system_prompt: str | None
     turns: tuple[_Turn, ...]
     question: str
-    question_images: tuple[str, ...]
-
-    @property
-    def image_urls(self) -> list[str]:
-        """Every image URL in conversation order."""
-        return [u for t in self.turns for u in t.image_urls] + list(self.question_images)
+    question_images: int
 
 
 class SessionControlRequest(Inbound):
@@ -360,8 +367,9 @@ class ChatCommand:
     """Answer a whole resent conversation (OpenAI ``messages``).
 
     Attributes:
-        conversation: the messages as our conversation (system, turns, question; image URLs).
-        images: where each image of ``conversation.image_urls`` comes from, in the same order.
+        conversation: the messages as our conversation (system, turns, question; image counts).
+        images: every image of the conversation in order: where its bytes come from, or its uuid alone.
+        salt: the request's ``cache_salt`` (None: unsalted).
         params: sampling parameters with the server's defaults applied.
         clip_max_new_tokens: the request set no answer limit: clip the default to the room left.
         stream: answer as a stream of chunks; include_usage: end it with a usage chunk.
@@ -372,12 +380,23 @@ class ChatCommand:
     kind: ClassVar[str] = "chat"
 
     conversation: ChatConversation
-    images: tuple[ImageSource, ...]
+    images: tuple[ChatImage, ...]
     params: SamplingParams
     clip_max_new_tokens: bool
     stream: bool
     include_usage: bool
     model: str
+    salt: str | None = None
+
+
+@dataclass(frozen=True)
+class ChatImage:
+    """One image of a chat request: ``source`` (None for a reference by ``uuid`` alone), the client's
+    ``uuid`` for it (or None), and ``param``, where it sits in the request (for errors)."""
+
+    source: ImageSource | None
+    uuid: str | None
+    param: str
 
 
 def image_source_of(url: str, param: str) -> ImageSource:
@@ -417,12 +436,15 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
         ServiceError: invalid_request (message order), invalid_parameter (image URLs).
     """
     conversation = request.conversation()
-    sources: list[ImageSource] = []
+    images: list[ChatImage] = []
     for i, msg in enumerate(request.messages):
         if not isinstance(msg.content, str):
             for j, part in enumerate(msg.content):
                 if part.type == "image_url":
-                    sources.append(image_source_of(part.image_url.url, f"messages[{i}].content[{j}].image_url.url"))
+                    param = f"messages[{i}].content[{j}]"
+                    url = part.image_url
+                    source = None if url is None else image_source_of(url.url, f"{param}.image_url.url")
+                    images.append(ChatImage(source, part.uuid, param))
     limit = request.answer_limit
     temperature = 1.0 if request.temperature is None else request.temperature
     params = SamplingParams(
@@ -440,4 +462,13 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
         top_logprobs=request.top_logprobs or 0,
     )
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return ChatCommand(conversation, tuple(sources), params, limit is None, request.stream, include_usage, model)
+    return ChatCommand(
+        conversation,
+        tuple(images),
+        params,
+        limit is None,
+        request.stream,
+        include_usage,
+        model,
+        request.cache_salt,
+    )

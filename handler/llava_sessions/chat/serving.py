@@ -17,6 +17,7 @@ text), hashed, and decoded only when no session holds them. Every error is OpenA
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import uuid
@@ -25,14 +26,15 @@ from typing import Any
 
 from ..config import Settings
 from ..engine import Generation, SessionEngine
-from ..errors import ServiceError
+from ..errors import ErrorCode, ServiceError
 from ..images.decode import decode_image
 from ..images.source import ImageSource
 from ..metrics import WorkerMetrics
-from ..results import elapsed_ms
+from ..results import Answer, elapsed_ms
 from ..sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
 from ..wire.framing import Row, RowResult
+from ..wire.inbound import request_salt
 from ..wire.jobs import Job, JobTable, Serving
 from . import responses
 from .protocol import ChatCommand, chat_command, parse_chat_body, parse_session_body
@@ -95,7 +97,9 @@ class ChatServing(Serving):
             self.engine.close(sid)
             return RowResult(responses.encode_closed(sid), headers=self.framing.closed(sid))
         request = parse_chat_body(data, max_new_tokens_cap=s.max_new_tokens_cap, max_prompt_chars=s.max_prompt_chars)
-        return self._admit_chat(row, chat_command(request, s, self.model_name), now)
+        command = chat_command(request, s, self.model_name)
+        salt = request_salt(command.salt, row.custom_attributes)
+        return self._admit_chat(row, dataclasses.replace(command, salt=salt), now)
 
     def _open_session(self, row: Row) -> RowResult:
         """Answer ``{"requestType": "NEW_SESSION"}``: a session with no image, the new-session headers.
@@ -122,18 +126,20 @@ class ChatServing(Serving):
             engine.check_idle(sid)  # a gone or busy session is the more precise answer, before any fetch
         own_sid = None if (opens or one_shot) else sid
         t0 = time.perf_counter()
-        target, urls = self._target(own_sid, command)
+        target, urls, uuids = self._target(own_sid, command)
         intake = elapsed_ms(t0)
         if own_sid is None:
             own_sid = sid if row.minted and sid else f"llava-{uuid.uuid4()}"
-            engine.open_empty(own_sid)
+            engine.open_empty(own_sid, salt=command.salt)
         try:
-            gen = engine.start_chat(own_sid, target, command.params, clip_max_new_tokens=command.clip_max_new_tokens)
+            gen = engine.start_chat(
+                own_sid, target, command.params, clip_max_new_tokens=command.clip_max_new_tokens, salt=command.salt
+            )
         except ServiceError:
             if own_sid != sid or one_shot:
                 self.jobs.close_quietly(own_sid)
             raise
-        engine.remember_urls(own_sid, urls)
+        engine.remember_urls(own_sid, urls, uuids)
         job = Job(row.request_id, own_sid, self, command, now, work=gen, own_group=not opens and bool(sid), t0=t0)
         job.one_shot, job.urls, job.intake_timings = one_shot, urls, {"intake": intake}
         job.opened = opens
@@ -142,32 +148,65 @@ class ChatServing(Serving):
             job.stream = responses.ChatStream(command, sse=sse, token_text=self.token_text)
         return job
 
-    def _target(self, sid: str | None, command: ChatCommand) -> tuple[ChatTarget, dict[str, str]]:
+    def _target(self, sid: str | None, command: ChatCommand) -> tuple[ChatTarget, dict[str, str], dict[str, str]]:
         """The conversation as the engine takes it: every image as content key, bytes and size (fetched
-        unless the session fetched its URL before; decoded unless a session holds it)."""
-        engine, settings = self.engine, self.settings
+        unless the session fetched its URL before, found by ``uuid`` for a reference; decoded unless a
+        session of the request's salt holds it); and what to remember: ``url → key``, ``uuid → key``.
+
+        Raises:
+            ServiceError: image_uuid_not_found (a reference nothing of the salt holds), the fetch's
+                and the decode's errors.
+        """
+        settings, salt = self.settings, command.salt
         inputs: list[ImageInput] = []
         urls: dict[str, str] = {}
-        for source in command.images:
-            name = _name_of(source)
-            key = engine.url_key(sid, name)
-            held = engine.image_held(sid, key) if key else None
-            if held is not None and key is not None:
-                inputs.append(ImageInput(key, held[0], held[1]))
-                continue
-            data = self.fetch(source, settings)
-            key = image_key(data)
-            urls[name] = key
-            held = engine.image_held(sid, key)
-            if held is not None:
-                inputs.append(ImageInput(key, data, held[1]))
-                continue
-            image = decode_image(data, max_pixels=settings.max_image_pixels)
-            inputs.append(ImageInput(key, data, (int(image.height), int(image.width)), image))
+        uuids: dict[str, str] = {}
+        for image in command.images:
+            if image.source is None:
+                inputs.append(self._referenced(sid, image.uuid or "", image.param, salt))
+            else:
+                inputs.append(self._image_input(sid, image.source, salt, urls))
+            if image.uuid is not None:
+                uuids[image.uuid] = inputs[-1].key
         conv = command.conversation
-        turns = tuple(Turn(t.prompt, t.answer, len(t.image_urls)) for t in conv.turns)
+        turns = tuple(Turn(t.prompt, t.answer, t.images) for t in conv.turns)
         system = conv.system_prompt if conv.system_prompt is not None else settings.system_prompt
-        return ChatTarget(system, turns, conv.question, len(conv.question_images), tuple(inputs)), urls
+        return ChatTarget(system, turns, conv.question, conv.question_images, tuple(inputs)), urls, uuids
+
+    def _referenced(self, sid: str | None, uuid: str, param: str, salt: str | None) -> ImageInput:
+        """The image a ``uuid`` names, as the session or a session or cache entry of ``salt`` holds it.
+
+        Raises:
+            ServiceError: image_uuid_not_found.
+        """
+        key = self.engine.uuid_key(sid, uuid, salt)
+        held = self.engine.image_held(sid, key, salt) if key is not None else None
+        if key is None or held is None:
+            raise ServiceError(
+                ErrorCode.IMAGE_UUID_NOT_FOUND,
+                f"{param}.uuid: no image {uuid!r} is held for this request (it was never sent with this "
+                "cache_salt, or it was evicted); send the image_url with its uuid again",
+                param=f"{param}.uuid",
+            )
+        return ImageInput(key, held[0], held[1])
+
+    def _image_input(self, sid: str | None, source: ImageSource, salt: str | None, urls: dict[str, str]) -> ImageInput:
+        """An image sent by URL, S3 URI or base64: fetched unless the session fetched it before (its
+        ``url → key`` recorded in ``urls``), decoded unless a session of ``salt`` holds it."""
+        engine, settings = self.engine, self.settings
+        name = _name_of(source)
+        key = engine.url_key(sid, name)
+        held = engine.image_held(sid, key, salt) if key else None
+        if held is not None and key is not None:
+            return ImageInput(key, held[0], held[1])
+        data = self.fetch(source, settings)
+        key = image_key(data)
+        urls[name] = key
+        held = engine.image_held(sid, key, salt)
+        if held is not None:
+            return ImageInput(key, data, held[1])
+        image = decode_image(data, max_pixels=settings.max_image_pixels)
+        return ImageInput(key, data, (int(image.height), int(image.width)), image)
 
     # ------------------------------------------------------------------ output
     def emit(self, job: Job) -> RowResult:
@@ -185,7 +224,7 @@ class ChatServing(Serving):
             if job.error is not None:
                 return self._error(job)
             assert gen.answer is not None
-            self.metrics.observe_answer(gen.answer)
+            self._observe(job, gen.answer)
             body = responses.encode_completion(job.command, gen.answer, self.token_text)
             return self.framing.frame(body, continued=job.continued, last=True, headers=self._headers(job, True))
         new = gen.events[job.emitted :]
@@ -194,7 +233,7 @@ class ChatServing(Serving):
             return self._frame(job, job.stream.tokens(new, gen.detokenizer.text), last=False)
         if job.error is None:
             assert gen.answer is not None
-            self.metrics.observe_answer(gen.answer)
+            self._observe(job, gen.answer)
             job.frames = job.stream.end(gen.answer, new)
         elif not job.continued:
             self.jobs.forget(job)
@@ -202,9 +241,15 @@ class ChatServing(Serving):
         else:
             self.metrics.count_error(job.error)
             job.frames = job.stream.error(job.error)
-        if job.one_shot:  # its session is done with: freed now, not when the last event has gone out
-            self.jobs.close_quietly(job.session_id)
+        if job.one_shot:  # its session is done with: cached or freed now, not when the last event has gone out
+            self.jobs.end_one_shot(job)
         return self._frame(job, job.frames.pop(0), last=not job.frames)
+
+    def _observe(self, job: Job, answer: Answer) -> None:
+        """Record an answer (and, without a session, whether the conversation cache served it)."""
+        self.metrics.observe_answer(answer)
+        if job.one_shot:
+            self.metrics.observe_cache(hit=answer.cached_tokens > 0)
 
     def _error(self, job: Job) -> RowResult:
         assert job.error is not None

@@ -43,12 +43,16 @@ _CHAT_CONTEXT_HINT = "lower max_tokens, or send a shorter conversation (drop the
 class EngineLimits:
     """Per-request limits: ``max_new_tokens_cap`` and ``max_prompt_tokens`` (tokens of one prompt);
     per-session limits: ``max_images`` (images a session holds, the opening one included) and
-    ``max_image_tokens`` (placeholder tokens of all its images; 0: only the model's context)."""
+    ``max_image_tokens`` (placeholder tokens of all its images; 0: only the model's context); the
+    conversation cache's: ``cache_share`` (the share of the device budget its entries may hold, 0
+    to 1; 0: off) and ``cache_entries`` (most entries held)."""
 
     max_new_tokens_cap: int = 1024
     max_prompt_tokens: int = 2048
     max_images: int = 8
     max_image_tokens: int = 0
+    cache_share: float = 0.5
+    cache_entries: int = 64
 
 
 class Admission:
@@ -85,6 +89,7 @@ class Admission:
         image: Any,
         history: list[Turn] | None,
         history_images: Sequence[tuple[bytes, Any]],
+        salt: str | None = None,
     ) -> ImageTask:
         """Admit a new session (``SessionEngine.begin_open``, which documents the errors)."""
         history = list(history or [])
@@ -99,6 +104,7 @@ class Admission:
             history[0] = dataclasses.replace(history[0], images=history[0].images + 1)
         data = [image_bytes] + [b for b, _ in history_images]
         session = self.store.new_session(session_id, system_prompt, data, sizes, tokens, history)
+        session.set_salt(salt)
         prefix = self.runner.template.prefix_ids(session.chat())
         what = "the image and the restored history are" if history else "the image is"
         self._check_context(prefix, f"{what} {len(prefix)} tokens", "")
@@ -274,13 +280,14 @@ class Admission:
 
     # ------------------------------------------------------------------ resent conversations
     def conversation(
-        self, session_id: str, target: ChatTarget, params: SamplingParams, clip_max_new_tokens: bool
+        self, session_id: str, target: ChatTarget, params: SamplingParams, clip_max_new_tokens: bool, salt: str | None
     ) -> Generation:
         """Admit a resent whole conversation (``SessionEngine.start_chat``, which documents the errors):
         the session comes to hold it, keeping the feature rows of every image it (or, when sharing,
         any session) holds and its KV cache up to the first token or image that differs; the images
         left to encode and the prefix to prefill run in the answer's steps."""
         session = self.idle_session(session_id)
+        session.set_salt(salt)  # what it comes to hold is shared within the salt of the request that sent it
         texts = [target.question, *(text for t in target.turns for text in (t.prompt, t.answer))]
         self._check_no_placeholder([*texts, target.system_prompt or ""], "messages")
         self._check_prompt(target.question, params, allow_blank=True)

@@ -16,10 +16,12 @@ prefill, sample and finish after it, undo on failure). No HTTP, no JSON, no Torc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..errors import ServiceError
 from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
 from ..sampling.params import SamplingParams
 from ..sessions.conversation import ChatTarget, Turn, common_prefix_len
@@ -30,8 +32,11 @@ from .memory import new_session_bytes
 from .model_runner import ModelRunner
 from .scheduler import PrefillPiece, schedule
 from .sequence import Generation, ImageTask, Phase, Work
-from .sharing import ImageSharing
+from .sharing import ImageSharing, Unsalted, reusable_len
 from .updates import StateUpdates
+
+if TYPE_CHECKING:
+    from ..sessions.session import Session
 
 __all__ = ["EngineLimits", "SessionEngine"]
 
@@ -50,6 +55,7 @@ class SessionEngine:
             (:meth:`SessionStore.check_invariants`); for tests.
         share_images: a session may use image features and prefix KV another session holds
             (:class:`~.sharing.ImageSharing`); False: only its own (``share_images: false``).
+        unsalted: what requests without a ``cache_salt`` share (:data:`~.sharing.Unsalted`).
 
     Attributes:
         model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
@@ -66,6 +72,7 @@ class SessionEngine:
         *,
         check_invariants: bool = False,
         share_images: bool = True,
+        unsalted: Unsalted = "shared",
     ) -> None:
         self.runner = runner
         self.store = store
@@ -73,7 +80,7 @@ class SessionEngine:
         self.limits = limits or EngineLimits()
         self.model = ModelRunner(runner, store)
         self.check_invariants = check_invariants
-        self.sharing = ImageSharing(store, runner, enabled=share_images)
+        self.sharing = ImageSharing(store, runner, enabled=share_images, unsalted=unsalted)
         self._admission = Admission(store, runner, self.limits, self.sharing, decode_image, driver=self)
         self._update = StateUpdates(store, self.model, self.sharing, decode_image)
 
@@ -111,6 +118,7 @@ class SessionEngine:
         image: Any = None,
         history: list[Turn] | None = None,
         history_images: Sequence[tuple[bytes, Any]] = (),
+        salt: str | None = None,
     ) -> OpenResult:
         """Open a session in one call (:meth:`begin_open`, then its steps without a token budget).
 
@@ -118,7 +126,13 @@ class SessionEngine:
             ServiceError: as :meth:`begin_open`, and image_invalid / overloaded from its steps.
         """
         task = self.begin_open(
-            session_id, image_bytes, system_prompt, image=image, history=history, history_images=history_images
+            session_id,
+            image_bytes,
+            system_prompt,
+            image=image,
+            history=history,
+            history_images=history_images,
+            salt=salt,
         )
         result = self._run_whole(task)
         assert isinstance(result, OpenResult)
@@ -133,6 +147,7 @@ class SessionEngine:
         image: Any = None,
         history: list[Turn] | None = None,
         history_images: Sequence[tuple[bytes, Any]] = (),
+        salt: str | None = None,
     ) -> ImageTask:
         """Admit a new session on an image and return its :class:`~.sequence.ImageTask` (the vision
         tower and the prefix prefill run in later :meth:`step` calls); the session is busy until done.
@@ -147,6 +162,7 @@ class SessionEngine:
             system_prompt: optional system message, templated first.
             image: ``image_bytes`` already decoded (RGB PIL image), to skip decoding here.
             history: past turns to restore (their prompts must not contain the image placeholder).
+            salt: the request's ``cache_salt``: image features are shared only within it.
 
         Raises:
             ServiceError: image_invalid / image_too_large (bad image), image_limit_exceeded,
@@ -154,7 +170,7 @@ class SessionEngine:
                 invalid_parameter (the image placeholder in a history turn, image counts that do not
                 match), context_length_exceeded (image and history too long).
         """
-        task = self._admission.open(session_id, image_bytes, system_prompt, image, history, history_images)
+        task = self._admission.open(session_id, image_bytes, system_prompt, image, history, history_images, salt)
         self._check()
         return task
 
@@ -187,39 +203,84 @@ class SessionEngine:
         self._check()
         return task
 
-    def open_empty(self, session_id: str, system_prompt: str | None = None) -> OpenResult:
-        """Open a session that holds no image yet (AWS's ``{"requestType": "NEW_SESSION"}``): its
-        conversation comes with the next request's messages. Nothing runs on the model.
+    def open_empty(self, session_id: str, system_prompt: str | None = None, *, salt: str | None = None) -> OpenResult:
+        """Open a session that holds no image yet (AWS's ``{"requestType": "NEW_SESSION"}``, or a chat
+        request without a session): its conversation comes with the next request's messages. Nothing
+        runs on the model.
 
         Raises:
             ServiceError: invalid_request (id already open), overloaded (``max_sessions`` reached).
         """
         session = self.store.new_session(session_id, system_prompt, [], [], [], [])
+        session.set_salt(salt)
         self.store.add(session)
         self._check()
         return OpenResult(session_id, session.expires_at, 0, 0, {})
 
-    def image_held(self, session_id: str | None, key: str) -> tuple[bytes, tuple[int, int]] | None:
+    def image_held(
+        self, session_id: str | None, key: str, salt: str | None = None
+    ) -> tuple[bytes, tuple[int, int]] | None:
         """The encoded bytes and (height, width) of the image of content ``key`` if the session
-        ``session_id`` (or, when sharing, any session) holds it; else None. Never raises."""
-        return self.sharing.held(self.store.peek(session_id) if session_id else None, key)
+        ``session_id`` (or, when sharing, a session of the scope of ``salt``) holds it; else None.
+        Never raises."""
+        return self.sharing.held(self.store.peek(session_id) if session_id else None, key, salt)
+
+    def uuid_key(self, session_id: str | None, uuid: str, salt: str | None = None) -> str | None:
+        """The content key of the image the client named ``uuid`` (vLLM's per-part field) in the
+        session ``session_id`` or a session or cache entry of the scope of ``salt``; None if none
+        remembers it. Never raises."""
+        return self.sharing.uuid_key(self.store.peek(session_id) if session_id else None, uuid, salt)
 
     def url_key(self, session_id: str | None, url: str) -> str | None:
         """The content key of the image the session fetched from ``url`` before, or None."""
         session = self.store.peek(session_id) if session_id else None
         return None if session is None else session.image_urls.get(url)
 
-    def remember_urls(self, session_id: str, urls: dict[str, str]) -> None:
+    def remember_urls(self, session_id: str, urls: dict[str, str], uuids: dict[str, str] | None = None) -> None:
         """Remember which image each URL gave (``url → content key``) so it is not fetched again in
-        this session. Never raises (a session gone meanwhile is skipped)."""
+        this session, and which image each client ``uuid`` names. Never raises (a session gone
+        meanwhile is skipped)."""
         session = self.store.peek(session_id)
         if session is None:
             return
         for url, key in urls.items():
             session.remember_url(url, key)
+        for uuid, key in (uuids or {}).items():
+            session.remember_uuid(uuid, key)
+
+    def retain(self, session_id: str) -> bool:
+        """End a chat request that had no session: keep its state (images, features, KV of prompt
+        and answer) as a conversation-cache entry (:meth:`SessionStore.retain`), so the same
+        conversation resent with its next turn (or another starting alike, within the same salt)
+        prefills only what is new; the entry it was copied from goes when the new one serves all
+        it served. Removed instead when the cache is off or the request's scope shares nothing.
+        Returns whether it is held. Never raises."""
+        session = self.store.peek(session_id)
+        if session is None or session.busy or session.anonymous:
+            return False
+        limits = self.limits
+        if limits.cache_share <= 0 or self.sharing.scope(session.salt) is None or session.kv_cache is None:
+            with contextlib.suppress(ServiceError):  # expired meanwhile: gone already
+                self.store.remove(session_id)
+            return False
+        source = self.store.peek(session.source_id) if session.source_id else None
+        drop = source if source is not None and source.anonymous and self._serves(session, source) else None
+        budget = int(self.store.device_budget_bytes * min(limits.cache_share, 1.0))
+        return self.store.retain(session, max_bytes=budget, max_entries=limits.cache_entries, drop=drop)
+
+    def _serves(self, new: Session, old: Session) -> bool:
+        """Whether ``new``'s KV cache serves all of ``old``'s conversation up to its next question."""
+        ids = self.runner.template.prefix_ids(old.chat())
+        return reusable_len(new, ids, old.image_keys, old.image_tokens, self.runner.image_token_id) == len(ids)
 
     def start_chat(
-        self, session_id: str, target: ChatTarget, params: SamplingParams, *, clip_max_new_tokens: bool = False
+        self,
+        session_id: str,
+        target: ChatTarget,
+        params: SamplingParams,
+        *,
+        clip_max_new_tokens: bool = False,
+        salt: str | None = None,
     ) -> Generation:
         """Admit a whole conversation resent by the client (OpenAI ``messages``) and return the
         :class:`~.sequence.Generation` answering its last user message.
@@ -231,14 +292,15 @@ class SessionEngine:
         that differs (or a longer prefix another session holds is copied), so a resent history costs
         its new tokens and an edited earlier message re-prefills from the edit. The answer joins the
         history, and the answer is the tokens a from-scratch ``generate`` on the same templated
-        conversation gives. A conversation that does not fit is refused, never truncated.
+        conversation gives. A conversation that does not fit is refused, never truncated. ``salt``:
+        the request's ``cache_salt``; state is found in and shared with its scope only.
 
         Raises:
             ServiceError: session_* (gone), session_busy, invalid_parameter (the image placeholder in
                 a message, max_new_tokens over the cap, a question too long), image_limit_exceeded,
                 context_length_exceeded, overloaded (no device memory now).
         """
-        gen = self._admission.conversation(session_id, target, params, clip_max_new_tokens)
+        gen = self._admission.conversation(session_id, target, params, clip_max_new_tokens, salt)
         self._check()
         return gen
 

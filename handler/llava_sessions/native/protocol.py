@@ -46,7 +46,7 @@ from ..images.source import S3_URI_RE, ImageSource
 from ..results import ContextPolicy
 from ..sampling.params import SAMPLING_BOUNDS, SamplingBound, SamplingParams
 from ..sessions.conversation import Turn
-from ..wire.inbound import SAFE_KEY_RE, Inbound, check_text, invalid, load_body, validation_error
+from ..wire.inbound import SAFE_KEY_RE, CacheSalt, Inbound, check_text, invalid, load_body, validation_error
 
 __all__ = [
     "REQUEST_TYPES",
@@ -142,6 +142,7 @@ class OpenSessionRequest(_RequestBase):
     image: ImageSource
     system_prompt: str | None = None
     history: Annotated[list[HistoryTurn], Field(max_length=256)] = Field(default_factory=list)
+    cache_salt: CacheSalt | None = None
 
     @field_validator("system_prompt")
     @classmethod
@@ -394,6 +395,7 @@ class OpenCommand:
     history: tuple[Turn, ...] = ()
     legacy: bool = False
     history_images: tuple[ImageSource, ...] = ()  # the images the history's turns place, in order
+    salt: str | None = None  # the open's cache_salt: what the session holds is shared within it only
 
 
 @dataclass(frozen=True)

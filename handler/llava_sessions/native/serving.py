@@ -22,6 +22,7 @@ from ..sampling.params import SamplingParams
 from ..sessions.conversation import Turn
 from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
 from ..wire.framing import JSON_LINES, Row, RowResult
+from ..wire.inbound import request_salt
 from ..wire.jobs import Job, Serving
 from . import responses
 from .protocol import (
@@ -55,7 +56,8 @@ def decode_command(data: Any, settings: Settings) -> Command:
     if isinstance(canonical, OpenSessionRequest):
         history = tuple(Turn(t.prompt, t.answer, len(t.images)) for t in canonical.history)
         images = tuple(image for t in canonical.history for image in t.images)
-        return OpenCommand(canonical.image, canonical.system_prompt or s.system_prompt, history, legacy, images)
+        system = canonical.system_prompt or s.system_prompt
+        return OpenCommand(canonical.image, system, history, legacy, images, canonical.cache_salt)
     if isinstance(canonical, GenerateRequest):
         p = canonical.parameters
         params = SamplingParams(
@@ -160,6 +162,7 @@ class NativeServing(Serving):
                 image=images[0],
                 history=list(command.history),
                 history_images=list(zip(data[1:], images[1:], strict=True)),
+                salt=request_salt(command.salt, row.custom_attributes),
             )
         else:
             task = self.engine.begin_add_image(sid, data[0], image=images[0])

@@ -46,13 +46,15 @@ def tier_of(num_kv_tokens: int, num_feature_bytes: int) -> Tier:
 @dataclass
 class LedgerEntry:
     """One session's memory: ``num_kv_tokens`` on the device, ``num_feature_bytes`` of image
-    features on the device, ``num_host_bytes`` on the host; ``pinned`` while it answers."""
+    features on the device, ``num_host_bytes`` on the host; ``pinned`` while it answers; ``cached``
+    for a conversation-cache entry (no client holds it: it goes first, whole, when room is needed)."""
 
     session_id: str
     num_kv_tokens: int = 0
     num_feature_bytes: int = 0
     num_host_bytes: int = 0
     pinned: bool = False
+    cached: bool = False
 
     @property
     def tier(self) -> Tier:
@@ -179,6 +181,36 @@ class SessionLedger:
         """
         self._entries[session_id].pinned = pinned
 
+    def mark_cached(self, session_id: str) -> None:
+        """Make a session's entry a conversation-cache entry (dropped before any session is demoted).
+
+        Raises:
+            KeyError: unknown id.
+        """
+        self._entries[session_id].cached = True
+
+    def device_bytes_of(self, entry: LedgerEntry) -> int:
+        """Device bytes ``entry`` holds (KV + features)."""
+        return entry.num_kv_tokens * self.kv_bytes_per_token + entry.num_feature_bytes
+
+    @property
+    def num_cache_bytes(self) -> int:
+        """Device bytes of the conversation-cache entries (O(entries))."""
+        return sum(self.device_bytes_of(e) for e in self._entries.values() if e.cached)
+
+    def cache_over(self, limit: int, keep: str | None = None) -> list[str]:
+        """Unpinned conversation-cache entries but ``keep`` to drop, least recently used first, until
+        their device bytes are at most ``limit`` (as far as possible). Not booked: the caller removes them."""
+        over = self.num_cache_bytes - limit
+        out: list[str] = []
+        for e in self._entries.values():
+            if over <= 0:
+                break
+            if e.cached and not e.pinned and e.session_id != keep:
+                out.append(e.session_id)
+                over -= self.device_bytes_of(e)
+        return out
+
     def set_usage(
         self,
         session_id: str,
@@ -224,7 +256,8 @@ class SessionLedger:
     def allocate(self, num_bytes: int, keep: str | None = None) -> list[Demotion] | None:
         """Make room for ``num_bytes`` more device bytes by demoting unpinned sessions but ``keep``.
 
-        KV caches go first (least recently used first), then features, so a session loses its
+        Conversation-cache entries go first (least recently used first, whole), then KV caches
+        (least recently used first), then features, so a session loses its
         cheapest-to-rebuild state before another loses its image features. The demotions are
         booked here; the caller frees the tensors they name. ``num_bytes`` itself is not booked:
         record it with :meth:`set_usage` once it is held.
@@ -255,7 +288,8 @@ class SessionLedger:
         budget (as far as possible). Not booked: the caller :meth:`remove` s them."""
         over = self._num_host_bytes - self.host_budget_bytes
         out: list[str] = []
-        for e in self._entries.values():
+        entries = self._entries.values()
+        for e in [*(e for e in entries if e.cached), *(e for e in entries if not e.cached)]:
             if over <= 0:
                 break
             if e.pinned or e.session_id == keep:
@@ -266,7 +300,14 @@ class SessionLedger:
 
     def _demote_until(self, limit: int, keep: str | None) -> list[Demotion]:
         out: list[Demotion] = []
-        for to in (Tier.FEATURES, Tier.IMAGE):  # first KV caches (big), then features (small)
+        for e in self._entries.values():  # conversation-cache entries first, whole (the store drops them)
+            if self.num_device_bytes <= limit:
+                return out
+            freed = self.device_bytes_of(e)
+            if e.cached and not e.pinned and e.session_id != keep and freed:
+                self.set_usage(e.session_id, num_kv_tokens=0, num_feature_bytes=0)
+                out.append(Demotion(e.session_id, Tier.IMAGE, freed))
+        for to in (Tier.FEATURES, Tier.IMAGE):  # then KV caches (big), then features (small)
             for e in self._entries.values():  # least recently used first
                 if self.num_device_bytes <= limit:
                     return out

@@ -50,6 +50,14 @@ class Session:
         image_keys: each image's content key (:func:`~llava_sessions.sessions.conversation.image_key`).
         image_urls: URL or S3 URI → content key of the images fetched for this session (a URL is
             fetched once per session).
+        image_uuids: a client's image ``uuid`` (vLLM's per-part field) → content key: a later
+            request may name the image by it instead of sending the bytes.
+        salt: the ``cache_salt`` of the requests that made this state (None: unsalted); what it
+            holds is shared only with requests of an equal salt (:class:`~llava_sessions.engine.sharing.ImageSharing`).
+        anonymous: a conversation-cache entry: the state a chat request without a session left
+            behind (no client names it; dropped first when memory is short, never a session's loss).
+        source_id: the entry whose prefix this session copied last (its earlier turn, when a
+            stateless conversation is resent), or None.
         image_sizes: each image's decoded (height, width), pixels.
         image_tokens: each image's placeholder tokens in the conversation as it is now.
         pending_images: images added since the last remembered turn (they open the next question).
@@ -79,6 +87,10 @@ class Session:
     pending_images: int = 1
     image_keys: list[str] = field(default_factory=list)
     image_urls: dict[str, str] = field(default_factory=dict)
+    image_uuids: dict[str, str] = field(default_factory=dict)
+    salt: str | None = None
+    anonymous: bool = False
+    source_id: str | None = None
     history: list[Turn] = field(default_factory=list)
     image_features: torch.Tensor | None = None
     kv_cache: Any = None
@@ -242,6 +254,18 @@ class Session:
     def remember_url(self, url: str, key: str) -> None:
         """Remember that ``url`` gave the image of content ``key`` (it is not fetched again)."""
         self.image_urls[url] = key
+
+    def set_salt(self, salt: str | None) -> None:
+        """Hold what comes next under ``salt`` (the ``cache_salt`` of the request that sends it)."""
+        self.salt = salt
+
+    def copied_from(self, source_id: str) -> None:
+        """Record that the KV prefix now held was copied from ``source_id``'s cache."""
+        self.source_id = source_id
+
+    def remember_uuid(self, uuid: str, key: str) -> None:
+        """Remember that the client's image ``uuid`` names the image of content ``key``."""
+        self.image_uuids[uuid] = key
 
     def snapshot(self) -> SessionSnapshot:
         """What :meth:`rollback` puts back (before an added image)."""

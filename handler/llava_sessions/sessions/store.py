@@ -58,6 +58,7 @@ class StoreStats:
     num_demotions_kv: int = 0
     num_demotions_features: int = 0
     num_restores: int = 0
+    num_cache_evictions: int = 0
 
 
 class SessionStore:
@@ -113,7 +114,18 @@ class SessionStore:
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
-        return len(self._sessions)
+        """Open sessions (conversation-cache entries not counted)."""
+        return sum(not s.anonymous for s in self._sessions.values())
+
+    @property
+    def num_cache_entries(self) -> int:
+        """Conversation-cache entries held (:meth:`retain`)."""
+        return sum(s.anonymous for s in self._sessions.values())
+
+    @property
+    def num_cache_bytes(self) -> int:
+        """Device bytes the conversation-cache entries hold."""
+        return self.ledger.num_cache_bytes
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
@@ -256,7 +268,7 @@ class SessionStore:
         self.sweep()
         if session.session_id in self._sessions:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
-        if len(self._sessions) >= self.max_sessions:
+        if len(self) >= self.max_sessions:
             raise overloaded(f"this worker holds its maximum of {self.max_sessions} sessions", "session_room")
         if session.host_bytes > self.host_budget_bytes:
             raise overloaded("the session does not fit in host memory", "session_room")
@@ -274,7 +286,7 @@ class SessionStore:
         """
         self.sweep()
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or session.anonymous:  # a conversation-cache entry is no client's session
             code = self._tombstones.get(session_id, ErrorCode.SESSION_NOT_FOUND)
             messages = {
                 ErrorCode.SESSION_EXPIRED: "the session has expired; open a new one",
@@ -285,6 +297,13 @@ class SessionStore:
         session.last_used = self.clock()
         self._ledger.touch(session_id)
         return session
+
+    def touch(self, session: Session) -> None:
+        """Mark ``session`` (a session or a conversation-cache entry whose state was just reused) most
+        recently used, without the checks of :meth:`get`."""
+        if self._sessions.get(session.session_id) is session:
+            session.last_used = self.clock()
+            self._ledger.touch(session.session_id)
 
     def peek(self, session_id: str) -> Session | None:
         """The open session ``session_id`` or None, without marking it used or sweeping."""
@@ -306,15 +325,54 @@ class SessionStore:
         expired = [s for s in self._sessions.values() if not s.busy and self._is_expired(s, now)]
         for s in expired:
             self._drop(s, ErrorCode.SESSION_EXPIRED)
-            self.stats.num_expired += 1
-            log.info("session expired", extra={"session_id": s.session_id})
+            if not s.anonymous:
+                self.stats.num_expired += 1
+                log.info("session expired", extra={"session_id": s.session_id})
         return len(expired)
 
     def _drop(self, session: Session, code: ErrorCode) -> None:
         del self._sessions[session.session_id]
         self._ledger.remove(session.session_id)
         session.drop_features()
-        self._bury(session.session_id, code)
+        if session.anonymous:  # no client knows its id: nothing to tell anyone
+            self.stats.num_cache_evictions += code is ErrorCode.SESSION_EVICTED
+        else:
+            self._bury(session.session_id, code)
+
+    # ------------------------------------------------------------------ the conversation cache
+    def retain(self, session: Session, *, max_bytes: int, max_entries: int, drop: Session | None = None) -> bool:
+        """Keep the state a chat request without a session leaves (its images, features and KV of
+        prompt and answer) as an anonymous conversation-cache entry, instead of removing it.
+
+        Entries are dropped, least recently used first and whole, before any session is demoted or
+        evicted (:meth:`SessionLedger.allocate`); here, until they hold at most ``max_bytes`` device
+        bytes and ``max_entries`` entries, and until the device budget holds without demoting a
+        session (the new entry itself goes when it does not fit beside the sessions).
+
+        Args:
+            session: the request's idle session (not yet an entry).
+            max_bytes: the share of the device budget entries may hold, bytes.
+            max_entries: most entries held.
+            drop: an entry the new one makes redundant (the same conversation's earlier turn), dropped first.
+
+        Returns:
+            Whether the entry is held.
+        """
+        if self._sessions.get(session.session_id) is not session or session.busy:
+            return False
+        session.anonymous = True
+        self._ledger.mark_cached(session.session_id)
+        self._sync(session)
+        if drop is not None and drop.anonymous and not drop.busy and drop.session_id in self._sessions:
+            self._drop(drop, ErrorCode.SESSION_NOT_FOUND)
+        self._refresh()
+        for sid in self._ledger.cache_over(max_bytes):
+            self._drop(self._sessions[sid], ErrorCode.SESSION_EVICTED)
+        entries = [s for s in self.sessions() if s.anonymous and not s.busy]
+        for old in entries[: max(0, len(entries) - max_entries)]:
+            self._drop(old, ErrorCode.SESSION_EVICTED)
+        self.enforce()
+        return session.session_id in self._sessions
 
     def _is_expired(self, s: Session, now: float) -> bool:
         return now >= s.expires_at or (self.idle_timeout_s > 0 and now - s.last_used >= self.idle_timeout_s)
@@ -370,9 +428,11 @@ class SessionStore:
         self._refresh()
         self._apply(self._ledger.enforce(keep=keep_id))
         for sid in self._ledger.evictions(keep=keep_id):
-            self._drop(self._sessions[sid], ErrorCode.SESSION_EVICTED)
-            self.stats.num_evicted += 1
-            log.warning("session evicted: host memory cap reached", extra={"session_id": sid})
+            evicted = self._sessions[sid]
+            self._drop(evicted, ErrorCode.SESSION_EVICTED)
+            if not evicted.anonymous:
+                self.stats.num_evicted += 1
+                log.warning("session evicted: host memory cap reached", extra={"session_id": sid})
         led = self._ledger
         return led.num_device_bytes <= led.device_budget_bytes and led.num_host_bytes <= led.host_budget_bytes
 
@@ -380,7 +440,9 @@ class SessionStore:
         """Free the tensors the ledger's demotions name (already booked there)."""
         for d in demotions:
             s = self._sessions[d.session_id]
-            if d.to is Tier.FEATURES:
+            if s.anonymous:  # a conversation-cache entry goes whole
+                self._drop(s, ErrorCode.SESSION_EVICTED)
+            elif d.to is Tier.FEATURES:
                 s.drop_kv()
                 self.stats.num_demotions_kv += 1
             else:

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 
 __all__ = [
     "CLOSED_SESSION_ID_HEADER",
+    "CUSTOM_ATTRIBUTES_HEADER",
     "EXPIRES_FORMAT",
     "MAX_SESSION_HEADER_CHARS",
     "NEW_SESSION_ID_HEADER",
@@ -35,6 +36,8 @@ SESSION_ID_HEADER = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_ID_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 #: Response header boto3 reads as ``ClosedSessionId``.
 CLOSED_SESSION_ID_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+#: SageMaker's pass-through request header (boto3 ``CustomAttributes``); may carry ``cache_salt=<salt>``.
+CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
 #: The ``SessionId`` a client passes to ``invoke_endpoint`` to open a session.
 NEW_SESSION_LITERAL = "NEW_SESSION"
 #: botocore's ``SessionIdHeader`` pattern, as botocore writes it (and quotes it in its errors).

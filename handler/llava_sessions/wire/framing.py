@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .contract import CLOSED_SESSION_ID_HEADER
+from .contract import CLOSED_SESSION_ID_HEADER, CUSTOM_ATTRIBUTES_HEADER
 
 __all__ = ["EVENT_STREAM", "JSON", "JSON_LINES", "Framing", "Row", "RowResult", "read_rows", "write_results"]
 
@@ -45,6 +45,8 @@ class Row:
         body: the request body (bytes, or the dict TorchServe decoded); None on continuations.
         accept: the request's ``Accept`` header (``application/jsonlines`` asks a chat stream in
             JSON lines rather than server-sent events), or None.
+        custom_attributes: SageMaker's ``X-Amzn-SageMaker-Custom-Attributes`` header (it may carry
+            ``cache_salt=<salt>``), or None.
     """
 
     request_id: str
@@ -52,6 +54,7 @@ class Row:
     minted: bool
     body: Any
     accept: str | None = None
+    custom_attributes: str | None = None
 
 
 @dataclass
@@ -121,6 +124,8 @@ def read_rows(data: Sequence[Any], context: Any) -> list[Row]:
             minted=bool(context.get_request_header(i, start)),
             body=(row or {}).get("body", (row or {}).get("data")),
             accept=context.get_request_header(i, "Accept") or context.get_request_header(i, "accept"),
+            custom_attributes=context.get_request_header(i, CUSTOM_ATTRIBUTES_HEADER)
+            or context.get_request_header(i, CUSTOM_ATTRIBUTES_HEADER.lower()),
         )
         for i, row in enumerate(data)
     ]

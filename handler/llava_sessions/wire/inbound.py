@@ -12,15 +12,34 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.params import SAMPLING_BOUNDS
 
-__all__ = ["SAFE_KEY_RE", "Inbound", "check_text", "invalid", "is_chat_body", "load_body", "validation_error"]
+__all__ = [
+    "CACHE_SALT_HINT",
+    "SAFE_KEY_RE",
+    "CacheSalt",
+    "ImageUuid",
+    "Inbound",
+    "check_text",
+    "invalid",
+    "is_chat_body",
+    "load_body",
+    "request_salt",
+    "validation_error",
+]
+
+#: What a ``cache_salt`` must be: printable ASCII (spaces included), 1 to 256 characters.
+CACHE_SALT_HINT = "must be a string of 1 to 256 printable ASCII characters"
+#: vLLM's top-level ``cache_salt``: requests share cached state only when their salts are equal.
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x20-\x7e]+$")]
+#: vLLM's per-image ``uuid``: a client's name for an image, so later turns may send the name alone.
+ImageUuid = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 
 # Error types that mean "wrong shape" (400 invalid_request) rather than "bad value" (invalid_parameter).
 _STRUCTURAL = frozenset(
@@ -33,6 +52,7 @@ _STRUCTURAL = frozenset(
         "union_tag_invalid",
         "union_tag_not_found",
         "image_source",
+        "image_reference",
     }
 )
 
@@ -43,6 +63,8 @@ _FIELD_HINTS = {
     "details": "must be true or false",
     "stream": "must be true or false",
     "remember": "must be true or false",
+    "cache_salt": CACHE_SALT_HINT,
+    "uuid": "must be a string of 1 to 256 printable ASCII characters without spaces",
 }
 
 _GENERIC = {
@@ -220,3 +242,35 @@ def is_chat_body(data: Any) -> bool:
     ``messages`` (OpenAI chat completions) or ``requestType`` (AWS's session bodies); any other body
     is the native dialect's. The one place a request's dialect is decided."""
     return isinstance(data, dict) and ("messages" in data or "requestType" in data)
+
+
+_SALT_RE = re.compile(r"^[\x20-\x7e]{1,256}\Z")
+
+
+def request_salt(body_salt: str | None, custom_attributes: str | None) -> str | None:
+    """A request's ``cache_salt``: the body's field, or ``cache_salt=<salt>`` among the
+    ``;``-separated ``key=value`` pairs of SageMaker's ``X-Amzn-SageMaker-Custom-Attributes`` header
+    (boto3's ``CustomAttributes``, the one header SageMaker passes to the container), or None.
+
+    Raises:
+        ServiceError: invalid_parameter (``param`` ``cache_salt``): the header's salt is not 1 to 256
+            printable ASCII characters, or the body and the header give different salts.
+    """
+    header_salt = None
+    for pair in (custom_attributes or "").split(";"):
+        key, sep, value = pair.partition("=")
+        if sep and key.strip() == "cache_salt":
+            header_salt = value.strip()
+    if header_salt is not None and not _SALT_RE.match(header_salt):
+        raise ServiceError(
+            ErrorCode.INVALID_PARAMETER,
+            f"cache_salt (X-Amzn-SageMaker-Custom-Attributes): {CACHE_SALT_HINT}",
+            param="cache_salt",
+        )
+    if body_salt is not None and header_salt is not None and body_salt != header_salt:
+        raise ServiceError(
+            ErrorCode.INVALID_PARAMETER,
+            "cache_salt: the body and X-Amzn-SageMaker-Custom-Attributes give different salts; give one",
+            param="cache_salt",
+        )
+    return body_salt if body_salt is not None else header_salt

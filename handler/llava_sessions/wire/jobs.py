@@ -142,12 +142,20 @@ class JobTable:
 
     def forget(self, job: Job, *, abandon: bool = False) -> None:
         """Drop ``job`` from the jobs in flight (``abandon``: its work is closed first, its session
-        left as before it); a one-shot chat request's session goes with it."""
+        left as before it); a one-shot chat request's session ends with it (:meth:`end_one_shot`)."""
         self.jobs.pop(job.request_id, None)
         if abandon:
             job.work.close()
         if job.one_shot:
+            self.end_one_shot(job, failed=abandon)
+
+    def end_one_shot(self, job: Job, *, failed: bool = False) -> None:
+        """End a chat request without a session: an answered one's state stays as a conversation-cache
+        entry (:meth:`SessionEngine.retain`); a failed or abandoned one's is removed. Never raises."""
+        if failed or job.error is not None:
             self.close_quietly(job.session_id)
+        else:
+            self.engine.retain(job.session_id)
 
     def close_quietly(self, session_id: str) -> None:
         """Close ``session_id`` if it is open and idle; never raises."""

@@ -1,0 +1,271 @@
+"""The conversation cache: chat requests without a session, resent turn after turn, at a session's cost.
+
+In the engine (fp32 on CPU, the ``tiny`` checkpoint, real photographs), as the chat dialect drives it
+for a request without a session: a fresh session per request (:meth:`SessionEngine.open_empty`), the
+resent conversation (:meth:`SessionEngine.start_chat`), then :meth:`SessionEngine.retain`. Every answer
+is compared with ``model.generate`` from scratch on the same chat-templated conversation.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.sessions.conversation import image_key
+from llava_sessions.sessions.ledger import Tier
+from llava_sessions.sessions.store import SessionStore
+from test_chat_engine import EncodeCounter, chat, reference
+from test_engine import decode, ids
+
+_ids = itertools.count()
+
+
+def make_engine(runner, *, budget: int = 10**10, share: float = 0.5, entries: int = 64, unsalted="shared"):
+    store = SessionStore(
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        device_budget_bytes=budget,
+        host_budget_bytes=10**9,
+        max_sessions=16,
+        ttl_s=1200,
+    )
+    limits = EngineLimits(max_new_tokens_cap=4096, cache_share=share, cache_entries=entries)
+    return SessionEngine(runner, store, decode, limits, check_invariants=True, unsalted=unsalted)
+
+
+def stateless(eng, system, turns, question, q_images, *, salt=None):
+    """One chat request without a session, as the chat dialect runs it; returns its answer."""
+    sid = f"one-shot-{next(_ids)}"
+    eng.open_empty(sid, salt=salt)
+    from test_chat_engine import target
+
+    gen = eng.start_chat(sid, target(system, turns, question, q_images), _greedy(), salt=salt)
+    for _ in gen:
+        pass
+    eng.retain(sid)
+    eng.store.check_invariants()
+    return gen.answer
+
+
+def _greedy():
+    from test_engine import GREEDY
+
+    return GREEDY
+
+
+def entries(eng):
+    return [s for s in eng.store.sessions() if s.anonymous]
+
+
+def test_resent_turns_without_a_session_are_exact_and_prefill_only_what_is_new(runner, photos, monkeypatch):
+    eng = make_engine(runner)
+    cat = photos["chelsea"]
+    a1 = stateless(eng, None, [], "What is in the picture?", [cat])
+    assert ids(a1) == reference(runner, None, [], "What is in the picture?", [cat])
+    assert a1.cached_tokens == 0
+    assert len(entries(eng)) == 1 and len(eng.store) == 0  # an entry, not a session
+    counter = EncodeCounter(runner, monkeypatch)
+    turns = [("What is in the picture?", a1.text, [cat])]
+    a2 = stateless(eng, None, turns, "What colour is it?", [])
+    assert ids(a2) == reference(runner, None, turns, "What colour is it?", [])
+    assert counter.calls == 0  # the image's features came with the entry
+    assert a2.cached_tokens >= a1.prompt_tokens  # everything up to the first answer was served
+    assert len(entries(eng)) == 1  # the first turn's entry went: the second serves all it served
+    turns.append(("What colour is it?", a2.text, []))
+    a3 = stateless(eng, None, turns, "And the background?", [])
+    assert ids(a3) == reference(runner, None, turns, "And the background?", [])
+    assert a3.cached_tokens >= a2.prompt_tokens
+    assert a3.cached_tokens / a3.prompt_tokens >= 0.9
+
+
+def test_conversations_sharing_a_first_turn_share_its_prefix(runner, photos, monkeypatch):
+    eng = make_engine(runner)
+    cat = photos["chelsea"]
+    a = stateless(eng, "Be brief.", [], "What animal is it?", [cat])
+    counter = EncodeCounter(runner, monkeypatch)
+    b = stateless(eng, "Be brief.", [], "Where is it sitting?", [cat])
+    assert ids(b) == reference(runner, "Be brief.", [], "Where is it sitting?", [cat])
+    assert counter.calls == 0 and b.cached_tokens >= runner.num_image_tokens
+    assert len(entries(eng)) == 2  # two branches: neither serves all the other does
+    assert a.text != "" or b.text != ""
+
+
+def test_salts_share_nothing_but_with_an_equal_salt(runner, photos, monkeypatch):
+    eng = make_engine(runner)
+    cat = photos["chelsea"]
+    key = image_key(cat)
+    stateless(eng, None, [], "What is in the picture?", [cat], salt="tenant-a")
+    assert eng.image_held(None, key, "tenant-a") is not None
+    assert eng.image_held(None, key, "tenant-b") is None  # a held image is not offered across salts
+    assert eng.image_held(None, key, None) is None  # nor to unsalted requests
+    counter = EncodeCounter(runner, monkeypatch)
+    b = stateless(eng, None, [], "What is in the picture?", [cat], salt="tenant-b")
+    assert b.cached_tokens == 0 and counter.calls == 1  # neither KV nor features crossed
+    unsalted = stateless(eng, None, [], "What is in the picture?", [cat])
+    assert unsalted.cached_tokens == 0 and counter.calls == 2
+    again = stateless(eng, None, [], "What is in the picture?", [cat], salt="tenant-a")
+    assert again.cached_tokens >= again.prompt_tokens - 1 and counter.calls == 2  # an equal salt shares
+    assert ids(again) == ids(b) == ids(unsalted)
+
+
+def test_isolated_unsalted_requests_share_nothing_and_keep_nothing(runner, photos, monkeypatch):
+    eng = make_engine(runner, unsalted="isolated")
+    cat = photos["chelsea"]
+    stateless(eng, None, [], "What is in the picture?", [cat])
+    assert entries(eng) == []  # nothing to share it with: not kept
+    eng.open_empty("s")
+    chat(eng, "s", None, [], "What is in the picture?", [cat])
+    counter = EncodeCounter(runner, monkeypatch)
+    b = stateless(eng, None, [], "What is in the picture?", [cat])
+    assert b.cached_tokens == 0 and counter.calls == 1  # the session's image is not offered
+    c = stateless(eng, None, [], "What is in the picture?", [cat], salt="t")
+    assert c.cached_tokens == 0  # a salt shares only with its equal
+    assert len(entries(eng)) == 1
+
+
+def test_a_uuid_resolves_within_its_salt_only(runner, photos):
+    eng = make_engine(runner)
+    cat = photos["chelsea"]
+    sid = "one-shot-uuid"
+    eng.open_empty(sid, salt="a")
+    eng.remember_urls(sid, {}, {"cat-1": image_key(cat)})
+    from test_chat_engine import target
+
+    for _ in eng.start_chat(sid, target(None, [], "What is it?", [cat]), _greedy(), salt="a"):
+        pass
+    eng.retain(sid)
+    assert eng.uuid_key(None, "cat-1", "a") == image_key(cat)
+    assert eng.uuid_key(None, "cat-1", "b") is None
+    assert eng.uuid_key(None, "cat-1", None) is None
+    assert eng.uuid_key(None, "dog-1", "a") is None
+
+
+def test_entries_go_first_oldest_first_and_sessions_are_never_demoted_for_them(runner, photos):
+    cat, rocket, coffee = photos["chelsea"], photos["rocket"], photos["coffee"]
+    probe = make_engine(runner)
+    stateless(probe, None, [], "What is it?", [cat])
+    one = probe.store.num_cache_bytes
+    eng = make_engine(runner, budget=int(one * 4.5), share=1.0)  # a session, two entries, a request
+    eng.open_empty("s")
+    chat(eng, "s", None, [], "What is it?", [photos["astronaut"]])
+    stateless(eng, None, [], "What is it?", [cat])
+    stateless(eng, None, [], "What is it?", [rocket])
+    first = [s.image_keys[0] for s in entries(eng)]
+    assert first == [image_key(cat), image_key(rocket)]
+    answer = stateless(eng, None, [], "What is it?", [coffee])
+    assert ids(answer) == reference(runner, None, [], "What is it?", [coffee])
+    kept = [s.image_keys[0] for s in entries(eng)]
+    assert image_key(cat) not in kept and image_key(coffee) in kept  # the oldest went
+    assert eng.store.peek("s").tier is Tier.KV  # the session kept its KV cache
+    assert eng.store.stats.num_cache_evictions >= 1 and eng.store.stats.num_demotions_kv == 0
+
+
+def test_the_share_bounds_what_entries_hold(runner, photos):
+    probe = make_engine(runner)
+    stateless(probe, None, [], "What is it?", [photos["chelsea"]])
+    one = probe.store.num_cache_bytes
+    eng = make_engine(runner, budget=one * 10, share=0.25)  # about two entries' worth
+    for name in ("chelsea", "rocket", "coffee", "astronaut"):
+        stateless(eng, None, [], "What is it?", [photos[name]])
+    assert eng.store.num_cache_bytes <= one * 10 * 0.25
+    assert 1 <= len(entries(eng)) <= 2
+    off = make_engine(runner, share=0.0)
+    stateless(off, None, [], "What is it?", [photos["chelsea"]])
+    assert entries(off) == [] and len(off.store.sessions()) == 0
+
+
+def test_an_entry_is_no_clients_session(runner, photos):
+    from llava_sessions.errors import ErrorCode, ServiceError
+
+    eng = make_engine(runner)
+    stateless(eng, None, [], "What is it?", [photos["chelsea"]])
+    (entry,) = entries(eng)
+    with pytest.raises(ServiceError) as err:
+        eng.start(entry.session_id, "Hello?")
+    assert err.value.code is ErrorCode.SESSION_NOT_FOUND
+
+
+# ---------------------------------------------------------------------------------------------- the chat dialect
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dir):
+    from llava_sessions.worker import build_service
+
+    return build_service({"model_dir": str(tiny_model_dir), "device": "cpu", "device_budget_bytes": 10**9})
+
+
+def _complete(service, body: dict, *, attributes: str | None = None) -> tuple[int, dict]:
+    """A chat request without a session through the service (TorchServe minted its id), to its end."""
+    import json
+
+    from llava_sessions.wire.framing import Row
+
+    rid = f"r{next(_ids)}"
+    sid = f"ts-seq-{next(_ids)}"
+    out = service.handle([Row(rid, sid, True, body, custom_attributes=attributes)])[0]
+    while out.stop is False:
+        out = service.handle([Row(rid, sid, False, None)])[0]
+    return out.status, json.loads(out.body)
+
+
+def _image_part(png: bytes | None, uuid: str | None = None) -> dict:
+    import base64
+
+    url = None if png is None else {"url": "data:image/png;base64," + base64.b64encode(png).decode()}
+    return {"type": "image_url", "image_url": url, **({"uuid": uuid} if uuid else {})}
+
+
+def _body(parts_and_text: list[tuple[list[dict], str, str | None]], **extra) -> dict:
+    messages: list[dict] = []
+    for parts, text, answer in parts_and_text:
+        messages.append({"role": "user", "content": [*parts, {"type": "text", "text": text}]})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    return {"messages": messages, "temperature": 0, "max_tokens": 8, **extra}
+
+
+def test_images_by_uuid_resolve_within_their_salt_and_a_miss_names_the_uuid(service, runner, photos):
+    cat = photos["chelsea"]
+    status, first = _complete(service, _body([([_image_part(cat, "cat-1")], "What is it?", None)], cache_salt="t1"))
+    assert status == 200
+    answer = first["choices"][0]["message"]["content"]
+    follow = [([_image_part(None, "cat-1")], "What is it?", answer), ([], "And its colour?", None)]
+    status, second = _complete(service, _body(follow, cache_salt="t1"))
+    assert status == 200
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+    with_bytes = [([_image_part(cat)], "What is it?", answer), ([], "And its colour?", None)]
+    status, resent = _complete(service, _body(with_bytes, cache_salt="t1"))
+    assert resent["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    for salt in ("t2", None):  # another salt, or none, cannot name t1's image
+        extra = {"cache_salt": salt} if salt else {}
+        status, missed = _complete(service, _body(follow, **extra))
+        assert status == 400 and missed["error"]["code"] == "image_uuid_not_found"
+        assert "'cat-1'" in missed["error"]["message"] and missed["error"]["param"] == "messages[0].content[0].uuid"
+    # the salt may come in SageMaker's CustomAttributes header instead
+    status, by_header = _complete(service, _body(follow), attributes="app=x; cache_salt=t1")
+    assert status == 200 and by_header["choices"] == second["choices"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "attributes"),
+    [
+        ({"cache_salt": ""}, None),
+        ({"cache_salt": "tab\there"}, None),
+        ({"cache_salt": "x" * 257}, None),
+        ({"cache_salt": 7}, None),
+        ({}, "cache_salt=caf\u00e9"),
+        ({"cache_salt": "a"}, "cache_salt=b"),
+    ],
+)
+def test_a_bad_salt_is_a_typed_400(service, photos, extra, attributes):
+    status, err = _complete(service, _body([([], "Hello?", None)], **extra), attributes=attributes)
+    assert status == 400 and err["error"]["code"] in ("invalid_parameter", "invalid_request")
+    assert err["error"]["param"] == "cache_salt"
+
+
+def test_an_image_part_needs_a_url_or_a_uuid(service):
+    status, err = _complete(service, _body([([{"type": "image_url", "image_url": None}], "Hi?", None)]))
+    assert status == 400 and err["error"]["code"] == "invalid_request"
+    assert "uuid" in err["error"]["message"]
