@@ -27,6 +27,7 @@ from ._client import (
     SessionClient,
     should_retry,
 )
+from ._conversation import Conversation
 from ._exceptions import (
     APIConnectionError,
     APIStatusError,
@@ -69,6 +70,7 @@ __all__ = [
     "ChatReply",
     "ChatSession",
     "ContextLengthExceeded",
+    "Conversation",
     "GenerationParams",
     "HttpTransport",
     "ImageInput",

@@ -125,7 +125,12 @@ def chat_request(messages: list[dict[str, Any]], stream: bool, params: dict[str,
 
 def complete(client: BaseClient, messages: list[dict[str, Any]], session_id: str, **params: Any) -> ChatReply:
     """Send the conversation (in session ``session_id``, or ``""`` for none) and return the reply."""
-    data, _ = client.invoke(chat_request(messages, False, params), session_id, retry_safe=True)
+    return complete_body(client, chat_request(messages, False, params), session_id)
+
+
+def complete_body(client: BaseClient, body: dict[str, Any], session_id: str) -> ChatReply:
+    """Send a chat-completions request body (a resent conversation: safe to retry) and return the reply."""
+    data, _ = client.invoke(body, session_id, retry_safe=True)
     return ChatReply.from_completion(data)
 
 
@@ -135,7 +140,16 @@ def stream(client: BaseClient, messages: list[dict[str, Any]], session_id: str, 
     Raises:
         APIStatusError: the request was refused, or the stream ended in an error object.
     """
-    lines = client.invoke_stream(chat_request(messages, True, params), session_id, retry_safe=True)
+    return stream_body(client, chat_request(messages, True, params), session_id)
+
+
+def stream_body(client: BaseClient, body: dict[str, Any], session_id: str) -> Iterator[str]:
+    """Send a streamed chat-completions request body; yield the answer's text pieces as they come.
+
+    Raises:
+        APIStatusError: the request was refused, or the stream ended in an error object.
+    """
+    lines = client.invoke_stream(body, session_id, retry_safe=True)
     for line in lines:
         text = line.decode("utf-8").strip()
         if text.startswith("data:"):

@@ -38,6 +38,7 @@ from ._base_client import (
     should_retry,
 )
 from ._chat import ChatReply, ChatSession
+from ._conversation import Conversation
 from ._images import MAX_BODY_BYTES, ImageInput, describe_image
 from ._sessions import Session, open_session_request
 from ._streaming import AnswerStream
@@ -86,10 +87,12 @@ class SessionClient(BaseClient):
         timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
         endpoint_url: str | None = None,
         inference_component_name: str | None = None,
+        prefix_aware_id: str | None = None,
         **kwargs: Any,
     ) -> SessionClient:
         """A client for a SageMaker endpoint (see :class:`~llava_client.SageMakerTransport`);
-        ``endpoint_url``: another SageMaker runtime URL (``llava-local-endpoint``: dummy credentials)."""
+        ``endpoint_url``: another SageMaker runtime URL (``llava-local-endpoint``: dummy credentials);
+        ``prefix_aware_id``: the application's id for ``PREFIX_AWARE`` routing (``PrefixAwareId``)."""
         from .sagemaker import SageMakerTransport
 
         transport = SageMakerTransport(
@@ -100,6 +103,7 @@ class SessionClient(BaseClient):
             timeout=timeout,
             endpoint_url=endpoint_url,
             inference_component_name=inference_component_name,
+            prefix_aware_id=prefix_aware_id,
         )
         return cls(transport, **kwargs)
 
@@ -136,6 +140,19 @@ class SessionClient(BaseClient):
         """
         session_id, _, _ = self.invoke_open({"requestType": "NEW_SESSION"}, "NEW_SESSION")
         return ChatSession(self, session_id)
+
+    def conversation(
+        self,
+        *,
+        session: ChatSession | None = None,
+        system_prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Conversation:
+        """A conversation this client keeps and resends each turn, each image's bytes sent once and
+        named by its ``uuid`` afterwards (:mod:`llava_client._conversation`): without a session the
+        server's conversation cache serves the resent part; with ``session`` (a :meth:`chat_session`)
+        the session does. ``cache_salt``: shared cached state only within an equal salt."""
+        return Conversation(self, session=session, system_prompt=system_prompt, cache_salt=cache_salt)
 
     def complete(self, messages: list[dict[str, Any]], **params: Any) -> ChatReply:
         """A one-shot chat completion: ``messages`` (OpenAI's format; images as ``image_url`` parts,

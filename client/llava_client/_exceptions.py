@@ -50,6 +50,7 @@ CODE_STATUS: dict[str, int] = {
     "image_invalid": 400,
     "image_fetch_failed": 400,
     "image_url_forbidden": 400,
+    "image_uuid_not_found": 400,
     "session_not_found": 404,
     "session_expired": 404,
     "session_evicted": 404,

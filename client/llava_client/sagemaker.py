@@ -57,6 +57,9 @@ class SageMakerTransport:
         timeout: seconds, or ``(connect, read)`` seconds, for the client made here.
         target_variant: optional ``TargetVariant`` sent with every call.
         inference_component_name: optional ``InferenceComponentName`` sent with every call.
+        prefix_aware_id: sent as ``PrefixAwareId`` with every call: the application's id, so that
+            ``PREFIX_AWARE`` routing keeps apart applications whose prompts start alike (botocore's
+            ``sagemaker-runtime`` model: ``X-Amzn-SageMaker-Prefix-Aware-Id``, 1 to 64 characters).
         endpoint_url: the SageMaker runtime's URL for the client made here (``llava-local-endpoint``'s
             ``http://127.0.0.1:8090``); botocore still signs requests, so it needs credentials, dummy
             ones for a local endpoint (``AWS_ACCESS_KEY_ID=x AWS_SECRET_ACCESS_KEY=x``).
@@ -76,6 +79,7 @@ class SageMakerTransport:
         target_variant: str | None = None,
         inference_component_name: str | None = None,
         endpoint_url: str | None = None,
+        prefix_aware_id: str | None = None,
     ) -> None:
         if not endpoint_name:
             raise ValueError("endpoint_name is required")
@@ -95,6 +99,8 @@ class SageMakerTransport:
             self._extra["TargetVariant"] = target_variant
         if inference_component_name:
             self._extra["InferenceComponentName"] = inference_component_name
+        if prefix_aware_id:
+            self._extra["PrefixAwareId"] = prefix_aware_id
 
     def __repr__(self) -> str:
         return f"SageMakerTransport({self.endpoint_name!r})"

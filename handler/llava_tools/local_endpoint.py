@@ -132,6 +132,8 @@ class LocalEndpoint:
     ) -> None:
         if backends < 1:
             raise ValueError(f"backends must be >= 1, got {backends}")
+        # each backend stands for a container: TorchServe itself, as SageMaker reaches it (no front)
+        server_kwargs.setdefault("openai_routes", False)
         self.servers = [LocalServer(model_dir, **server_kwargs) for _ in range(backends)]
         self.port = port
         self.host = host

@@ -50,7 +50,11 @@ __all__ = ["DEFAULT_READ_TIMEOUT_S", "RouterServer"]
 #: Seconds to wait for a backend's reply (per read); SageMaker allows 60 s for a whole reply.
 DEFAULT_READ_TIMEOUT_S = 120.0
 
-_PATH_RE = re.compile(r"^/endpoints/([^/]+)/(invocations|invocations-response-stream)$")
+_PATH_RE = re.compile(r"^/endpoints/([^/]+)/(invocations|invocations-response-stream|openai/v1/chat/completions)$")
+#: SageMaker's OpenAI-compatible route (May 2026): ``<runtime>/endpoints/<name>/openai/v1`` is the
+#: ``base_url`` of the openai package; which container path it reaches is not documented, so it is
+#: sent to ``/invocations``, where the chat dialect answers (shared/notes/chat-protocol.md).
+OPENAI_OPERATION = "openai/v1/chat/completions"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -99,6 +103,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         endpoint, operation = match.group(1), match.group(2)
         stream = operation == "invocations-response-stream"
+        raw = operation == OPENAI_OPERATION
         if self.server.endpoint_name and endpoint != self.server.endpoint_name:
             self._aws_error(400, "ValidationError", f"Endpoint {endpoint} of account 000000000000 not found.")
             return
@@ -121,9 +126,11 @@ class _Handler(BaseHTTPRequestHandler):
                 "NEW_SESSION is not supported by InvokeEndpointWithResponseStream; open with InvokeEndpoint.",
             )
             return
-        self._invoke(endpoint, body, session_id or None, stream)
+        self._invoke(endpoint, body, session_id or None, stream, raw=raw)
 
-    def _invoke(self, endpoint: str, body: bytes, session_id: str | None, stream: bool) -> None:
+    def _invoke(self, endpoint: str, body: bytes, session_id: str | None, stream: bool, *, raw: bool = False) -> None:
+        """Send ``body`` to a backend (the session's, else the least loaded) and relay its reply:
+        SageMaker's shapes, or (``raw``: the OpenAI route) the container's reply as it came."""
         router = self.server.router
         opening = session_id is None or session_id == NEW_SESSION_LITERAL
         index = None if session_id is None or opening else router.lookup(session_id)
@@ -163,7 +170,10 @@ class _Handler(BaseHTTPRequestHandler):
                 tried.add(index)
                 index = None
         try:
-            self._relay(endpoint, index, connection, response, stream, session_id if sticky else None)
+            if raw:
+                self._relay_raw(index, response)
+            else:
+                self._relay(endpoint, index, connection, response, stream, session_id if sticky else None)
         finally:
             connection.close()
 
@@ -262,6 +272,31 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client went away; the backend's reply is dropped
+
+    def _relay_raw(self, index: int, response: http.client.HTTPResponse) -> None:
+        """Relay the container's reply as it came (status, content type, session headers, body;
+        a chunked one chunk by chunk): the OpenAI route hands the client the container's own reply."""
+        passed = self._track(index, response)
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.getheader("Content-Type", "application/json"))
+        self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
+        for key, value in passed.items():
+            self.send_header(key, value)
+        try:
+            if not response.chunked:
+                data = response.read()
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            while piece := response.read1(MAX_EVENT_PAYLOAD_BYTES):
+                self._write_chunk(piece)
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (OSError, http.client.HTTPException):
+            self.close_connection = True  # the client went away, or the backend broke off
 
     def _write_chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")

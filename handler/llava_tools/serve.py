@@ -5,6 +5,10 @@ Usage::
     llava-serve --model-dir models/tiny --port 8080
     llava-serve --model-dir models/tiny --set session_ttl_s=60 --set max_sessions=8
 
+Beside TorchServe's ``/ping``, ``/invocations`` and ``/predictions/llava``, the port serves OpenAI's
+``/v1/chat/completions`` and ``/v1/models`` (:mod:`.openai_front`): ``openai.OpenAI(base_url=
+"http://127.0.0.1:8080/v1", api_key="unused")`` works as it is.
+
 The server itself (start, supervision, stop) is :class:`~llava_tools.server.LocalServer`, also
 importable from here.
 """
@@ -60,6 +64,12 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep TorchServe's logs folder when the server stops (its path is printed); a failed start keeps it",
     )
+    parser.add_argument(
+        "--no-openai-routes",
+        dest="openai_routes",
+        action="store_false",
+        help="serve TorchServe itself on --port, without OpenAI's /v1/chat/completions and /v1/models beside it",
+    )
     parser.add_argument("--handler", default=None, help=argparse.SUPPRESS)  # dev/test: other handler
     return parser
 
@@ -81,13 +91,20 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout_s=args.startup_timeout,
         handler=args.handler,
         keep_logs=args.keep_logs,
+        openai_routes=args.openai_routes,
     )
     return run_until_signal(
         "llava-serve",
         server,
         starting=f"starting TorchServe (model dir {server.model_dir})",
         ready=lambda: (
-            f"ready at {server.url} (metrics {server.metrics_url}/metrics; model dir {server.model_dir}; "
+            f"ready at {server.url}"
+            + (
+                f" (OpenAI base_url {server.openai_base_url}; TorchServe itself at {server.torchserve_url})"
+                if server.openai_routes
+                else ""
+            )
+            + f" (metrics {server.metrics_url}/metrics; model dir {server.model_dir}; "
             f"logs {server.log_dir}; "
             f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"
         ),

@@ -30,6 +30,7 @@ from typing import IO, Any
 import yaml
 
 from . import torchserve_files as ts_files
+from .openai_front import OPENAI_PREFIX, OpenAIFront
 from .processes import (
     alive,
     connect_host,
@@ -77,6 +78,10 @@ class LocalServer:
         supervise: restart TorchServe when a worker dies (see :meth:`_supervise`).
         keep_logs: keep TorchServe's ``logs`` folder when the server stops (moved to
             ``<tmp>/llava-serve-logs-<time>-<pid>``, :attr:`kept_logs`); a failed start always keeps it.
+        openai_routes: serve OpenAI's ``/v1/chat/completions`` and ``/v1/models`` on the public port
+            beside TorchServe's own paths (:class:`~llava_tools.openai_front.OpenAIFront`; TorchServe
+            then listens on a loopback port of its own, :attr:`torchserve_url`); False: TorchServe
+            itself on the public port.
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
@@ -98,6 +103,7 @@ class LocalServer:
         stop_grace_s: float = DEFAULT_STOP_GRACE_S,
         supervise: bool = True,
         keep_logs: bool = False,
+        openai_routes: bool = True,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -132,6 +138,8 @@ class LocalServer:
         #: How many times the supervisor relaunched TorchServe after a worker died.
         self.restarts = 0
         self.keep_logs = keep_logs
+        self.openai_routes = openai_routes
+        self._front: OpenAIFront | None = None
         #: Where the logs were kept when the server stopped (``keep_logs``, or a failed start), or None.
         self.kept_logs: Path | None = None
 
@@ -139,8 +147,25 @@ class LocalServer:
 
     @property
     def url(self) -> str:
-        """Inference base URL (``/ping``, ``/invocations``, ``/predictions/llava``)."""
-        return f"http://{connect_host(self.host)}:{self._port('inference')}"
+        """Inference base URL (``/ping``, ``/invocations``, ``/predictions/llava``; with
+        ``openai_routes``, ``/v1/chat/completions`` and ``/v1/models`` too)."""
+        return f"http://{connect_host(self.host)}:{self._port('public')}"
+
+    @property
+    def openai_base_url(self) -> str:
+        """The ``base_url`` for the ``openai`` package (``<url>/v1``).
+
+        Raises:
+            RuntimeError: started without ``openai_routes``, or not started.
+        """
+        if not self.openai_routes:
+            raise RuntimeError("this server was started without openai_routes")
+        return self.url + OPENAI_PREFIX
+
+    @property
+    def torchserve_url(self) -> str:
+        """TorchServe's own inference base URL (the same as :attr:`url` without ``openai_routes``)."""
+        return f"http://127.0.0.1:{self._port('inference')}" if self.openai_routes else self.url
 
     @property
     def management_url(self) -> str:
@@ -275,6 +300,9 @@ class LocalServer:
             supervisor.join(timeout=self.stop_grace_s + 5)
         if proc is not None:
             stop_process_group(proc, self.stop_grace_s)
+        front, self._front = self._front, None
+        if front is not None:
+            front.stop()
         if self._console is not None:
             self._console.close()
             self._console = None
@@ -305,13 +333,34 @@ class LocalServer:
             raise RuntimeError("server not started")
         return self._ports[name]
 
+    def _bind_ports(self) -> None:
+        """Pick TorchServe's ports; with ``openai_routes``, bind the front on the public port first
+        (TorchServe then gets loopback ports of its own).
+
+        Raises:
+            ServerStartError: the public port is taken.
+        """
+        if not self.openai_routes:
+            self._ports = pick_ports(self.host, self._requested_port)
+            self._ports["public"] = self._ports["inference"]
+            return
+        if self._front is None:
+            name = str(self.overrides.get("served_model_name") or "") or self.model_dir.name
+            try:
+                self._front = OpenAIFront((self.host, self._requested_port), ("127.0.0.1", 0), name).start()
+            except OSError as exc:
+                raise ServerStartError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from None
+        self._ports = pick_ports("127.0.0.1", 0)
+        self._front.backend = ("127.0.0.1", self._ports["inference"])
+        self._ports["public"] = self._front.port
+
     def _prepare_and_launch(self) -> None:
         temp = self.temp_dir
         tmp = temp / "tmp"
         store = temp / "model-store"
         tmp.mkdir()
         store.mkdir()
-        self._ports = pick_ports(self.host, self._requested_port)
+        self._bind_ports()
 
         model_config = self._write_model_config(temp / "model-config.yaml")
         self._child_env_cache = env = ts_files.child_env(self.env, tmp)
@@ -466,7 +515,8 @@ class LocalServer:
             raise ServerStartError(f"invalid handler settings: {exc}") from None
 
     def _config_properties(self, store: Path) -> str:
-        return ts_files.config_properties(self.host, self._ports, store, self.workers)
+        host = "127.0.0.1" if self.openai_routes else self.host
+        return ts_files.config_properties(host, self._ports, store, self.workers)
 
     def _frontend_process(self):
         psutil = load_psutil()

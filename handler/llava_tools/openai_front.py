@@ -1,0 +1,289 @@
+"""OpenAI's routes beside TorchServe's own, on one port: ``llava-serve``'s public face.
+
+TorchServe's inference API serves ``/ping``, ``/invocations`` and ``/predictions/<model>``, but not
+OpenAI's paths. So that the ``openai`` package, LangChain's ``ChatOpenAI`` and eval harnesses work by
+setting ``base_url="http://<host>:<port>/v1"``, this front listens on the public port and:
+
+- ``POST /v1/chat/completions``: sends the body unchanged to TorchServe's ``/invocations``, where the
+  handler's chat dialect answers it exactly as it answers SageMaker (``llava_sessions.chat``); a
+  stream comes back as server-sent events ending ``data: [DONE]``, relayed chunk by chunk;
+- ``GET /v1/models`` (and ``/v1/models/<id>``): the served model, in OpenAI's ``Model`` shape;
+- anything else: relayed to TorchServe as it came (method, path, headers, body), so ``/ping``,
+  ``/invocations`` and ``/predictions/llava`` answer as before.
+
+The session header, ``Accept`` and SageMaker's custom attributes pass through both ways; an
+``Authorization`` header (the openai package always sends one) is not forwarded. In the container
+SageMaker reaches TorchServe's ``/invocations`` directly: no front there.
+
+Each hop costs what the extra relay costs, so the front moves bytes, not objects: per client
+connection a thread reads the request head (RFC 9112 framing: ``Content-Length`` bodies, a chunked
+reply relayed chunk by chunk) and keeps one kept-alive connection to TorchServe; no header is parsed
+beyond what routing and framing need. ``benchmarks/openai_front.py`` measures the added latency side
+by side (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import socketserver
+import threading
+import time
+from typing import IO, Any
+
+__all__ = ["OPENAI_PREFIX", "OpenAIFront"]
+
+#: Where OpenAI's routes start (the ``base_url`` a client sets ends with it).
+OPENAI_PREFIX = "/v1"
+#: Longest request or reply head relayed, bytes (TorchServe's own limit is 8 KiB per line).
+MAX_HEAD_BYTES = 65536
+#: Request headers not forwarded to TorchServe: the hop's own (RFC 9110 section 7.6.1) and the
+#: client's credentials.
+_NOT_FORWARDED = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgrade", b"expect", b"authorization"}
+)
+
+
+class _Closed(Exception):
+    """The peer closed the connection (or sent something that is not HTTP/1.1)."""
+
+
+_Fields = list[tuple[bytes, bytes, bytes]]
+
+
+def _read_head(reader: IO[bytes] | io.BufferedIOBase) -> tuple[bytes, _Fields]:
+    """The start line and the header fields of a message: ``(lower-cased name, name as sent, value)``
+    (TorchServe matches header names case-sensitively: they are relayed as sent).
+
+    Raises:
+        _Closed: end of stream before a whole head, or a head over :data:`MAX_HEAD_BYTES`.
+    """
+    start = reader.readline(MAX_HEAD_BYTES)
+    while start in (b"\r\n", b"\n"):  # RFC 9112 section 2.2: empty lines before a request are ignored
+        start = reader.readline(MAX_HEAD_BYTES)
+    if not start.endswith(b"\n"):
+        raise _Closed()
+    fields: _Fields = []
+    size = len(start)
+    while True:
+        line = reader.readline(MAX_HEAD_BYTES)
+        size += len(line)
+        if not line.endswith(b"\n") or size > MAX_HEAD_BYTES:
+            raise _Closed()
+        if line in (b"\r\n", b"\n"):
+            return start.rstrip(b"\r\n"), fields
+        name, _, value = line.partition(b":")
+        name = name.strip()
+        fields.append((name.lower(), name, value.strip()))
+
+
+def _field(fields: _Fields, name: bytes) -> bytes | None:
+    """The value of the field ``name`` (lower case), or None."""
+    return next((v for n, _, v in fields if n == name), None)
+
+
+def _response(status: int, reason: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+        % (status, reason.encode(), content_type, len(body))
+    ) + body
+
+
+def _openai_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """OpenAI's error object (``openai.APIError`` reads ``error.message`` and ``error.code``)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return _response(status, reason, json.dumps(body).encode())
+
+
+class _Backend:
+    """One kept-alive connection to TorchServe."""
+
+    def __init__(self, address: tuple[str, int], timeout_s: float) -> None:
+        self.sock = socket.create_connection(address, timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.reader = self.sock.makefile("rb")
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
+
+
+class _Connection(socketserver.StreamRequestHandler):
+    """One client connection: its requests in turn, each answered here or relayed to TorchServe."""
+
+    server: OpenAIFront
+    disable_nagle_algorithm = True
+
+    def handle(self) -> None:
+        self.backend: _Backend | None = None
+        try:
+            while self._one_request():
+                pass
+        except (_Closed, OSError):
+            pass
+        finally:
+            if self.backend is not None:
+                self.backend.close()
+
+    def _one_request(self) -> bool:
+        """Serve one request; returns whether the connection stays open."""
+        start, fields = _read_head(self.rfile)
+        method, _, rest = start.partition(b" ")
+        target = rest.rpartition(b" ")[0]
+        if _field(fields, b"transfer-encoding") is not None:
+            self.wfile.write(_response(411, "Length Required", b'{"code": 411, "message": "send a Content-Length"}'))
+            return False
+        if _field(fields, b"expect") == b"100-continue":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = self.rfile.read(int(_field(fields, b"content-length") or 0))
+        keep = (_field(fields, b"connection") or b"").lower() != b"close"
+        path = target.partition(b"?")[0]
+        if path.startswith(OPENAI_PREFIX.encode() + b"/") or path == OPENAI_PREFIX.encode():
+            local = self._openai(method, path)
+            if local is not None:
+                self.wfile.write(local)
+                return keep
+            target = b"/invocations"
+        head = [b"%s %s HTTP/1.1" % (method, target), b"Host: torchserve"]
+        head += [b"%s: %s" % (name, v) for n, name, v in fields if n not in _NOT_FORWARDED and n != b"host"]
+        request = b"\r\n".join(head) + b"\r\n\r\n" + body
+        if not self._relay(request, method == b"HEAD"):
+            return False
+        return keep
+
+    def _openai(self, method: bytes, path: bytes) -> bytes | None:
+        """OpenAI's routes answered here (None: chat completions, relayed to ``/invocations``)."""
+        server = self.server
+        if method == b"POST" and path == b"/v1/chat/completions":
+            return None
+        if method == b"GET" and path == b"/v1/models":
+            return _response(200, "OK", json.dumps({"object": "list", "data": [server.model_card()]}).encode())
+        if method == b"GET" and path.startswith(b"/v1/models/"):
+            if path.removeprefix(b"/v1/models/").decode(errors="replace") == server.model_name:
+                return _response(200, "OK", json.dumps(server.model_card()).encode())
+            return _openai_error(404, "Not Found", "no such model on this server", "model_not_found")
+        message = f"{method.decode(errors='replace')} {path.decode(errors='replace')} is not served here"
+        return _openai_error(404, "Not Found", message + "; use POST /v1/chat/completions", "not_found")
+
+    def _relay(self, request: bytes, head_only: bool) -> bool:
+        """Send ``request`` to TorchServe and relay its reply; returns False when the client
+        connection must close (TorchServe unreachable or broke off)."""
+        try:
+            start, fields = self._send(request)
+        except (_Closed, OSError):
+            message = "the model server is not answering; it may be starting or restarting"
+            self.wfile.write(_openai_error(502, "Bad Gateway", message, "backend_unavailable"))
+            return False
+        backend = self.backend
+        assert backend is not None
+        kept = [b"%s: %s" % (name, v) for n, name, v in fields if n != b"connection"]
+        head = b"\r\n".join([start, *kept]) + b"\r\n\r\n"
+        length = _field(fields, b"content-length")
+        status = start.split(b" ", 2)[1] if start.count(b" ") else b"502"
+        no_body = head_only or status in (b"204", b"304") or status.startswith(b"1")
+        if no_body or length is not None:
+            self.wfile.write(head + (b"" if no_body else backend.reader.read(int(length or 0))))
+        elif (_field(fields, b"transfer-encoding") or b"").lower() == b"chunked":
+            self.wfile.write(head)
+            self._relay_chunks(backend.reader)
+        else:  # delimited by TorchServe closing the connection
+            self.wfile.write(head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1) + backend.reader.read())
+            return False
+        if (_field(fields, b"connection") or b"").lower() == b"close":
+            backend.close()
+            self.backend = None
+        return True
+
+    def _send(self, request: bytes) -> tuple[bytes, _Fields]:
+        """Send on the kept-alive connection and read the reply's head; a connection TorchServe closed
+        while idle is replaced once (the request never reached it then).
+
+        Raises:
+            _Closed, OSError: TorchServe does not answer.
+        """
+        for attempt in (0, 1):
+            reused = self.backend is not None
+            if self.backend is None:
+                self.backend = _Backend(self.server.backend, self.server.read_timeout_s)
+            try:
+                self.backend.sock.sendall(request)
+                return _read_head(self.backend.reader)
+            except (_Closed, OSError):
+                self.backend.close()
+                self.backend = None
+                if not reused or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _relay_chunks(self, reader: IO[bytes] | io.BufferedIOBase) -> None:
+        """Relay a chunked body chunk by chunk as it arrives, up to its last chunk and trailer.
+
+        Raises:
+            _Closed: TorchServe broke off.
+        """
+        write = self.wfile.write
+        while True:
+            size_line = reader.readline(MAX_HEAD_BYTES)
+            if not size_line.endswith(b"\n"):
+                raise _Closed()
+            size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+            if size == 0:
+                trailer = b""
+                while (line := reader.readline(MAX_HEAD_BYTES)) not in (b"\r\n", b"\n", b""):
+                    trailer += line
+                write(size_line + trailer + b"\r\n")
+                return
+            write(size_line + reader.read(size + 2))  # the chunk and its CRLF
+
+
+class OpenAIFront(socketserver.ThreadingTCPServer):
+    """The public port of ``llava-serve``: OpenAI's routes, and TorchServe's relayed (module docstring).
+
+    Args:
+        address: ``(host, port)`` to bind; port 0 picks a free one.
+        backend: TorchServe's inference ``(host, port)`` (settable later: a restart may move it).
+        model_name: the served model's name (``/v1/models``).
+        read_timeout_s: seconds to wait on one read from TorchServe.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(
+        self, address: tuple[str, int], backend: tuple[str, int], model_name: str, *, read_timeout_s: float = 600.0
+    ) -> None:
+        super().__init__(address, _Connection)
+        self.backend = backend
+        self.model_name = model_name
+        self.read_timeout_s = read_timeout_s
+        self.created = int(time.time())
+        self._thread: threading.Thread | None = None
+
+    def model_card(self) -> dict[str, Any]:
+        """The served model as OpenAI's ``Model`` object (``id``, ``object``, ``created``, ``owned_by``)."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llava-sessions"}
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return int(self.server_address[1])
+
+    def start(self) -> OpenAIFront:
+        """Serve in a daemon thread; return self."""
+        self._thread = threading.Thread(target=self.serve_forever, name="llava-openai-front", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket. Idempotent."""
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.server_close()

@@ -1,0 +1,206 @@
+"""OpenAI's routes, driven by the ``openai`` package itself: ``llava-serve``'s ``/v1`` and the local
+SageMaker endpoint's ``/endpoints/<name>/openai/v1``, a real TorchServe behind each (tiny model, CPU).
+
+Every reply is validated with the package's own models (``ChatCompletion``, ``ChatCompletionChunk``,
+``Model``) from the raw JSON, and answers are compared with ``model.generate`` from scratch.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import openai
+import pytest
+from openai.types import Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from server_fixtures import start_local_server
+from test_chat_engine import reference
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def server(request, tiny_model_dir):
+    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer, startup_timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def local_endpoint(request, tiny_model_dir):
+    from llava_tools.local_endpoint import LocalEndpoint
+
+    ep = LocalEndpoint(tiny_model_dir, backends=1, endpoint_name="llava", startup_timeout_s=120)
+    request.addfinalizer(ep.stop)
+    return ep.start()
+
+
+def data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def text_of(runner, ids: list[int]) -> str:
+    return runner.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def clients(server, local_endpoint) -> dict[str, openai.OpenAI]:
+    return {
+        "llava-serve": openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0),
+        "local endpoint": openai.OpenAI(
+            base_url=f"{local_endpoint.url}/endpoints/llava/openai/v1", api_key="unused", max_retries=0
+        ),
+    }
+
+
+def create(client: openai.OpenAI, **kw) -> ChatCompletion:
+    """A completion, validated from the raw JSON by the package's own model."""
+    raw = client.chat.completions.with_raw_response.create(model="llava", temperature=0, max_tokens=N, **kw)
+    return ChatCompletion.model_validate(json.loads(raw.http_response.text))
+
+
+def test_models_lists_the_served_model(server, tiny_model_dir):
+    client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
+    (model,) = client.models.list().data
+    assert Model.model_validate(model.to_dict()).id == tiny_model_dir.name
+    assert client.models.retrieve(tiny_model_dir.name).id == tiny_model_dir.name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
+
+
+def test_plain_image_and_streamed_turns_through_the_openai_package(server, local_endpoint, runner, photos):
+    cat = photos["chelsea"]
+    want = text_of(runner, reference(runner, None, [], "What is it?", [cat])[:N])
+    for where, client in clients(server, local_endpoint).items():
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_uri(cat)}, "uuid": "cat"},
+                    {"type": "text", "text": "What is it?"},
+                ],
+            }
+        ]
+        first = create(client, messages=messages, extra_body={"cache_salt": where})
+        assert first.choices[0].message.content == want, where
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None
+        chunks = list(
+            client.chat.completions.create(
+                model="llava",
+                messages=messages,
+                temperature=0,
+                max_tokens=N,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        for chunk in chunks:
+            ChatCompletionChunk.model_validate(chunk.to_dict())
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want, where
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+        # the next turn resent without a session, the image named by its uuid alone
+        follow = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": None, "uuid": "cat"},
+                    {"type": "text", "text": "What is it?"},
+                ],
+            },
+            {"role": "assistant", "content": want},
+            {"role": "user", "content": "And its colour?"},
+        ]
+        second = create(client, messages=follow, extra_body={"cache_salt": where})
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens, where
+        turns = [("What is it?", want, [cat])]
+        assert second.choices[0].message.content == text_of(
+            runner, reference(runner, None, turns, "And its colour?", [])[:N]
+        )
+
+
+def test_errors_are_the_packages_exceptions(server, local_endpoint):
+    for where, client in clients(server, local_endpoint).items():
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="llava", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+        assert err.value.status_code == 400, where
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="llava",
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": None, "uuid": "nobody"}]}],
+            )
+        assert err.value.code == "image_uuid_not_found", where
+
+
+def test_torchserve_paths_still_answer_through_the_front(server):
+    import requests
+
+    assert requests.get(server.url + "/ping", timeout=10).json()["status"] == "Healthy"
+    reply = requests.post(server.url + "/invocations", json={"type": "generate", "prompt": "hi"}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "missing_session_id"
+    assert requests.post(server.url + "/v1/completions", json={}, timeout=10).status_code == 404
+
+
+def test_our_client_resends_without_a_session_and_sends_each_image_once(server, local_endpoint, runner, photos):
+    from llava_client import SessionClient
+    from test_local_endpoint import runtime_client
+
+    cat = photos["chelsea"]
+    greedy = {"max_tokens": N, "temperature": 0}
+    clients = {
+        "http": SessionClient.from_url(server.url),
+        "sagemaker": SessionClient.from_endpoint(
+            "llava", client=runtime_client(local_endpoint.url), prefix_aware_id="app-1"
+        ),
+    }
+    for where, client in clients.items():
+        chat = client.conversation(cache_salt=f"client-{where}")
+        first = chat.ask("What is it?", images=[cat], **greedy)
+        with_bytes = chat.last_request_bytes
+        second = chat.ask("And its colour?", **greedy)
+        assert chat.last_request_bytes < 2_000 < with_bytes, where  # the image went as its uuid
+        turns = [("What is it?", first.text, [cat])]
+        assert second.text == text_of(runner, reference(runner, None, turns, "And its colour?", [])[:N]), where
+        assert second.cached_tokens >= first.prompt_tokens, where
+        third = "".join(chat.ask_stream("Where is it?", **greedy))
+        turns.append(("And its colour?", second.text, []))
+        assert third == text_of(runner, reference(runner, None, turns, "Where is it?", [])[:N]), where
+        assert chat.messages[-1] == {"role": "assistant", "content": third}
+        # under another salt the server holds no image of this conversation: the turn is sent once
+        # more with the image's bytes, and answered
+        chat.cache_salt = f"client-{where}-moved"
+        fourth = chat.ask("Is it indoors?", **greedy)
+        assert chat.last_request_bytes > with_bytes / 2 and fourth.cached_tokens == 0, where
+        turns.append(("Where is it?", third, []))
+        assert fourth.text == text_of(runner, reference(runner, None, turns, "Is it indoors?", [])[:N]), where
+
+
+def test_prefix_aware_id_is_botocores_own_parameter():
+    import boto3
+    from botocore.stub import Stubber
+
+    from llava_client import SageMakerTransport
+
+    runtime = boto3.client(
+        "sagemaker-runtime", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    transport = SageMakerTransport("llava", client=runtime, prefix_aware_id="app-1")
+    with Stubber(runtime) as stub:  # the stub validates the parameters against botocore's model
+        stub.add_response(
+            "invoke_endpoint",
+            {"Body": _streaming_body(b"{}"), "ContentType": "application/json"},
+            {
+                "EndpointName": "llava",
+                "Body": b"{}",
+                "ContentType": "application/json",
+                "Accept": "application/json",
+                "PrefixAwareId": "app-1",
+            },
+        )
+        transport.invoke(b"{}", session_id="")
+
+
+def _streaming_body(data: bytes):
+    import io
+
+    from botocore.response import StreamingBody
+
+    return StreamingBody(io.BytesIO(data), len(data))
