@@ -48,6 +48,7 @@ PUBLIC_API = [
     "ChatReply",
     "ChatSession",
     "ContextLengthExceeded",
+    "Conversation",
     "GenerationParams",
     "HttpTransport",
     "ImageInput",

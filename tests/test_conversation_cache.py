@@ -269,3 +269,72 @@ def test_an_image_part_needs_a_url_or_a_uuid(service):
     status, err = _complete(service, _body([([{"type": "image_url", "image_url": None}], "Hi?", None)]))
     assert status == 400 and err["error"]["code"] == "invalid_request"
     assert "uuid" in err["error"]["message"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_replicas_send_a_resent_conversation_where_its_prefix_is_cached(tiny_model_dir, photos):
+    """Two replica processes: a sessionless conversation's next turn goes back to the replica that
+    answered its first (its conversation cache is there), not to the one with most room."""
+    import base64
+    import json
+
+    from llava_sessions.replicas import ReplicaRouter
+    from llava_sessions.wire.affinity import prefix_key
+    from llava_sessions.wire.framing import Row
+    from llava_sessions.worker import build_service
+
+    router = build_service({"model_dir": str(tiny_model_dir), "devices": "cpu,cpu", "device_budget_bytes": 10**9})
+    assert isinstance(router, ReplicaRouter)
+    try:
+
+        def run(sid, body):
+            rid = f"r{next(_ids)}"
+            out = router.handle([Row(rid, sid, sid is None or sid.startswith("ts-"), body)])[0]
+            while out.stop is False:
+                out = router.handle([Row(rid, sid, False, None)])[0]
+            return json.loads(out.body)
+
+        cat = "data:image/png;base64," + base64.b64encode(photos["chelsea"]).decode()
+        turn1 = _body([([{"type": "image_url", "image_url": {"url": cat}}], "What is it?", None)])
+        first = run(f"ts-seq-{next(_ids)}", turn1)
+        key = prefix_key(turn1)
+        home = router.prefixes[key]
+        # a session opened now goes where room is most, ties to the lowest index; then most room is elsewhere
+        opened = run(None, {"type": "open_session", "image": {"base64": base64.b64encode(photos["rocket"]).decode()}})
+        assert router.placement[opened["session_id"]] == home  # so most room is now the other replica
+        answer = first["choices"][0]["message"]["content"]
+        turn2 = _body(
+            [([{"type": "image_url", "image_url": {"url": cat}}], "What is it?", answer), ([], "Colour?", None)]
+        )
+        assert prefix_key(turn2) == key
+        second = run(f"ts-seq-{next(_ids)}", turn2)
+        assert router.prefixes[key] == home
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+    finally:
+        router.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_local_endpoint_routes_sessionless_turns_as_prefix_aware_routing_does(request, tiny_model_dir, photos):
+    """Two backends behind ``llava-local-endpoint --routing prefix-aware``: a stateless conversation
+    resent with its image's bytes goes back to the backend that served its first turn (the first
+    PrefixLength bytes are the same), where its conversation cache is; least-loaded would send it
+    elsewhere here."""
+    from llava_client import SessionClient
+    from llava_tools.local_endpoint import LocalEndpoint
+    from test_local_endpoint import runtime_client
+
+    ep = LocalEndpoint(tiny_model_dir, backends=2, routing="prefix-aware", prefix_length=1024, startup_timeout_s=120)
+    request.addfinalizer(ep.stop)
+    ep.start()
+    client = SessionClient.from_endpoint("llava", client=runtime_client(ep.url), prefix_aware_id="tests")
+    client.open_session(photos["rocket"])  # a session on backend 0
+    chat = client.conversation(references=False)
+    first = chat.ask("What is it?", images=[photos["chelsea"]], max_tokens=8, temperature=0)  # least loaded: 1
+    client.open_session(photos["coffee"])  # least loaded: backend 1, so least loaded is now 0 again
+    placed = ep.router.snapshot()["backends"]
+    assert [b["sessions"] for b in placed] == [1, 1]
+    second = chat.ask("And its colour?", max_tokens=8, temperature=0)
+    assert second.cached_tokens >= first.prompt_tokens  # the backend that holds its first turn answered

@@ -358,6 +358,52 @@ def test_existing_endpoint_is_updated(tmp_path: Path) -> None:
         sm_stub.assert_no_pending_responses()
 
 
+def test_prefix_aware_routing_writes_the_variants_routing_config(capsys) -> None:
+    """``--routing prefix-aware``: the variant's ``RoutingConfig``, checked by the Stubber against
+    botocore's own ``sagemaker`` model (its parameter names and ranges)."""
+    c = clients()
+    base = ["--endpoint-name", "llava-chat", "--model-data-uri", "s3://my-bucket/llava/v1/", "--image-uri", IMAGE]
+    base += ["--role-arn", ROLE, "--model-name", "llava-chat-m1", "--endpoint-config-name", "llava-chat-c1"]
+    routing = {
+        "RoutingStrategy": "PREFIX_AWARE",
+        "PrefixAwareRoutingConfig": {"PrefixLength": 4096, "ConcurrencyThreshold": 8},
+    }
+    with Stubber(c["sagemaker"]) as sm_stub:
+        sm_stub.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"}, None)
+        sm_stub.add_response(
+            "create_endpoint_config",
+            {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:endpoint-config/c"},
+            {
+                "EndpointConfigName": "llava-chat-c1",
+                "ProductionVariants": [
+                    {
+                        **EXPECTED_CONFIG["ProductionVariants"][0],
+                        "InitialInstanceCount": 1,
+                        "ContainerStartupHealthCheckTimeoutInSeconds": 1200,
+                        "ModelDataDownloadTimeoutInSeconds": 1800,
+                        "RoutingConfig": routing,
+                    }
+                ],
+            },
+        )
+        not_found(sm_stub, "describe_endpoint", {"EndpointName": "llava-chat"})
+        sm_stub.add_response(
+            "create_endpoint",
+            {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llava-chat"},
+            {"EndpointName": "llava-chat", "EndpointConfigName": "llava-chat-c1"},
+        )
+        args = [*base, "--routing", "prefix-aware", "--prefix-length", "4096", "--concurrency-threshold", "8"]
+        assert main([*args, "--no-wait"], clients=c.__getitem__) == 0
+        sm_stub.assert_no_pending_responses()
+    for bad, message in (
+        (["--routing", "prefix-aware", "--prefix-length", "100"], "--prefix-length must be 1024..65536"),
+        (["--prefix-length", "2048"], "go with --routing prefix-aware"),
+        (["--routing", "prefix-aware", "--concurrency-threshold", "0"], "--concurrency-threshold must be 1..1024"),
+    ):
+        assert main([*base, *bad, "--no-wait"], clients=c.__getitem__) == 1
+        assert message in capsys.readouterr().err
+
+
 def test_failed_endpoint_reports_the_failure_reason(capsys) -> None:
     c = clients()
     args = [

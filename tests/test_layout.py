@@ -129,7 +129,16 @@ def test_the_design_doc_names_every_module_of_both_packages() -> None:
 #: (images, inbound bodies, framing), the model and the session state, the engine, the jobs in flight,
 #: the two dialects side by side, the service, the replicas and the wiring.
 LAYERS: list[set[str]] = [
-    {"errors", "config", "results", "metrics", "wire.contract", "sessions.conversation", "sessions.ledger"},
+    {
+        "errors",
+        "config",
+        "results",
+        "metrics",
+        "wire.contract",
+        "wire.affinity",
+        "sessions.conversation",
+        "sessions.ledger",
+    },
     {"sessions", "sampling", "wire", "native", "chat", "engine.scheduler", "model.kv_cache", "model.loading"},
     {"sampling.params", "images.decode", "model.templating", "wire.framing", "engine.memory", "engine.sharing"},
     {"wire.inbound", "images.fetch", "model.runner", "sampling.sampler"},

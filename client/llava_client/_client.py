@@ -147,12 +147,16 @@ class SessionClient(BaseClient):
         session: ChatSession | None = None,
         system_prompt: str | None = None,
         cache_salt: str | None = None,
+        references: bool = True,
     ) -> Conversation:
         """A conversation this client keeps and resends each turn, each image's bytes sent once and
         named by its ``uuid`` afterwards (:mod:`llava_client._conversation`): without a session the
         server's conversation cache serves the resent part; with ``session`` (a :meth:`chat_session`)
-        the session does. ``cache_salt``: shared cached state only within an equal salt."""
-        return Conversation(self, session=session, system_prompt=system_prompt, cache_salt=cache_salt)
+        the session does. ``cache_salt``: shared cached state only within an equal salt; ``references``:
+        False sends every image's bytes every turn (SageMaker ``PREFIX_AWARE`` over several instances)."""
+        return Conversation(
+            self, session=session, system_prompt=system_prompt, cache_salt=cache_salt, references=references
+        )
 
     def complete(self, messages: list[dict[str, Any]], **params: Any) -> ChatReply:
         """A one-shot chat completion: ``messages`` (OpenAI's format; images as ``image_url`` parts,

@@ -52,6 +52,9 @@ class Conversation:
         session: a :class:`~llava_client.ChatSession` to send every turn in, or None (no session).
         system_prompt: an optional system message, first in the conversation.
         cache_salt: the salt sent with every request (None: none).
+        references: send an image's bytes once, then its uuid alone (False: its bytes every turn,
+            for SageMaker's ``PREFIX_AWARE`` routing over several instances, which keys on the body's
+            first bytes: a reference changes them, resent bytes keep them).
 
     Attributes:
         messages: the conversation as OpenAI messages, images with their bytes (what a reader sees).
@@ -65,8 +68,10 @@ class Conversation:
         session: ChatSession | None = None,
         system_prompt: str | None = None,
         cache_salt: str | None = None,
+        references: bool = True,
     ) -> None:
         self._client = client
+        self.references = references
         self.session = session
         self.cache_salt = cache_salt
         self.messages: list[dict[str, Any]] = []
@@ -149,7 +154,7 @@ class Conversation:
 
     def _body(self, params: dict[str, Any], *, stream: bool, references: bool) -> dict[str, Any]:
         """The request: the conversation with each image already sent as its uuid alone (``references``)."""
-        messages = [self._wire(m) if references else m for m in self.messages]
+        messages = [self._wire(m) if references and self.references else m for m in self.messages]
         body = _chat.chat_request(messages, stream, params)
         if self.cache_salt is not None:
             body["cache_salt"] = self.cache_salt

@@ -12,8 +12,11 @@ are refused: they lose ``NEW_SESSION`` follow-ups, docs/design.md) receives ever
   so the replicas' forward passes run at the same time in different processes (two model copies in
   threads of one interpreter serialise on the GIL: 1.07-1.17x measured, vs 1.85x in processes);
 - **placement**: a row of a job in flight goes to its replica; a row naming a placed session to that
-  session's replica; anything else (no header, an empty one, ``NEW_SESSION``, a TorchServe-minted
-  id, an unknown id) to the replica with the most room, ties to the fewest sessions, as each
+  session's replica; a chat request without a session (no header, or a TorchServe-minted id) to the
+  replica that last answered a request of its prefix key (:func:`~.wire.affinity.prefix_key`: its
+  salt, system prompt and first user message), where the conversation cache holds its turns; anything
+  else (``NEW_SESSION``, an unknown id, a first turn) to the replica with the most room, ties to the
+  fewest sessions, as each
   replica reported after its last call (counted forward within a batch). Room is the free KV budget
   in sessions (free bytes / one new session's features + prefix KV), capped by the replica's free
   session slots, so equal GPUs fill evenly and a fuller or smaller device gets fewer. An answer carrying
@@ -33,6 +36,7 @@ import logging
 import multiprocessing
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -43,6 +47,7 @@ from .errors import ErrorCode, ServiceError
 from .metrics import WorkerMetrics
 from .native.responses import encode_error
 from .service import SessionService
+from .wire.affinity import prefix_key
 from .wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER
 from .wire.framing import Framing, Row, RowResult
 
@@ -52,6 +57,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds a replica may take to load its model before the worker gives up on it.
 REPLICA_START_TIMEOUT_S = 3600.0
+#: Prefix keys remembered (least recently answered forgotten first).
+MAX_PREFIX_KEYS = 100_000
 
 
 def replica_settings(settings: Settings, device: str, num_replicas: int) -> Settings:
@@ -144,7 +151,9 @@ class ReplicaRouter:
         self._ctx = multiprocessing.get_context("spawn")
         self.replicas = [_Replica(i, d) for i, d in enumerate(devices)]
         self.placement: dict[str, int] = {}  # session id -> replica
+        self.prefixes: OrderedDict[str, int] = OrderedDict()  # prefix key of a sessionless chat -> replica
         self._jobs: dict[str, int] = {}  # request id of a job in flight -> replica
+        self._keys: dict[str, str] = {}  # request id of a sessionless chat in flight -> its prefix key
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="llava-replica")
         for replica in self.replicas:
@@ -239,6 +248,14 @@ class ReplicaRouter:
             return known
         if not tallies or row.body is None:  # no replica, or a job whose replica is gone
             return -1
+        if row.minted or not row.session_id:  # no session: where its prefix was answered, if anywhere
+            key = prefix_key(row.body, row.custom_attributes)
+            if key is not None:
+                with self._lock:
+                    self._keys[row.request_id] = key
+                    holder = self.prefixes.get(key)
+                if holder is not None and holder in tallies:
+                    return holder
         best = max(tallies, key=lambda i: (_room(tallies[i]), -tallies[i]["num_sessions"], -i))
         tallies[best]["free_bytes"] -= tallies[best].get("new_session_bytes", 0)
         tallies[best]["num_sessions"] += 1
@@ -266,6 +283,8 @@ class ReplicaRouter:
             lost = [sid for sid, i in self.placement.items() if i == replica.index]
             for sid in lost:
                 del self.placement[sid]
+            for key in [k for k, i in self.prefixes.items() if i == replica.index]:
+                del self.prefixes[key]
             for rid in [rid for rid, i in self._jobs.items() if i == replica.index]:
                 del self._jobs[rid]
         log.error(
@@ -282,6 +301,12 @@ class ReplicaRouter:
                 self._jobs[row.request_id] = index
             else:
                 self._jobs.pop(row.request_id, None)
+                key = self._keys.pop(row.request_id, None)
+                if key is not None and index >= 0 and result.status == 200:
+                    self.prefixes[key] = index
+                    self.prefixes.move_to_end(key)
+                    if len(self.prefixes) > MAX_PREFIX_KEYS:
+                        self.prefixes.popitem(last=False)
             new_id = headers.get(NEW_SESSION_ID_HEADER.lower())
             if new_id and index >= 0:
                 self.placement[new_id.split(";", 1)[0].strip()] = index

@@ -169,6 +169,7 @@ class ContainerServer(LocalServer):
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, ts_config: str | os.PathLike, **kwargs: Any) -> None:
+        kwargs.setdefault("openai_routes", False)  # SageMaker reaches TorchServe's /invocations itself
         super().__init__(model_dir, **kwargs)
         self.ts_config_path = Path(ts_config)
         if not self.ts_config_path.is_file():

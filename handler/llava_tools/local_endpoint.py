@@ -17,6 +17,14 @@ mirrors public AWS material and is unverified against a live endpoint):
 
 - ``POST /endpoints/{name}/invocations`` and ``.../invocations-response-stream``; any endpoint name
   is accepted unless ``--endpoint-name`` is given (others then get ``ValidationError``).
+- ``--routing prefix-aware`` (SageMaker's ``PREFIX_AWARE``, ``--prefix-length``,
+  ``--concurrency-threshold``): a request without a session goes to the backend that served the same
+  ``PrefixAwareId`` and first ``PrefixLength`` body bytes last (on the OpenAI route: characters of
+  the messages' text), so a stateless conversation resent with its bytes finds its conversation cache;
+  unless that backend has ``ConcurrencyThreshold`` requests outstanding. Default: least loaded.
+- ``POST /endpoints/{name}/openai/v1/chat/completions``: SageMaker's OpenAI-compatible route (the
+  ``openai`` package's ``base_url`` is ``.../endpoints/{name}/openai/v1``), sent to ``/invocations``
+  and answered with the container's own reply (an SSE stream relayed as it comes).
 - Sticky sessions by ``X-Amzn-SageMaker-Session-Id``. ``NEW_SESSION`` (or no id) goes to the
   least-loaded healthy backend (fewest sessions this router placed there). ``NEW_SESSION`` is
   forwarded as the literal header, as SageMaker forwards the value boto3 sends: TorchServe puts
@@ -111,6 +119,10 @@ class LocalEndpoint:
         verbose: log each request to stderr.
         pass_new_session: forward an open's literal ``NEW_SESSION`` (as SageMaker does), or no
             header (False: TorchServe mints the id); see :class:`RouterServer`.
+        routing: ``least-outstanding`` (requests without a session: the backend with the fewest
+            sessions) or ``prefix-aware`` (SageMaker's ``PREFIX_AWARE``: where the same
+            ``PrefixAwareId`` and first ``prefix_length`` body bytes were served last, unless it has
+            ``concurrency_threshold`` requests outstanding).
         **server_kwargs: keyword arguments of :class:`LocalServer` for every backend
             (``overrides``, ``model_config_overrides``, ``handler``, ``startup_timeout_s``, ...).
 
@@ -128,8 +140,16 @@ class LocalEndpoint:
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         verbose: bool = False,
         pass_new_session: bool = True,
+        routing: str = "least-outstanding",
+        prefix_length: int = 1024,
+        concurrency_threshold: int = 1024,
         **server_kwargs: Any,
     ) -> None:
+        if routing not in ("least-outstanding", "prefix-aware"):
+            raise ValueError(f"routing must be least-outstanding or prefix-aware, got {routing!r}")
+        if not 1024 <= prefix_length <= 65536 or not 1 <= concurrency_threshold <= 1024:
+            raise ValueError("prefix_length must be 1024..65536 and concurrency_threshold 1..1024 (SageMaker's ranges)")
+        self.routing, self.prefix_length, self.concurrency_threshold = routing, prefix_length, concurrency_threshold
         if backends < 1:
             raise ValueError(f"backends must be >= 1, got {backends}")
         # each backend stands for a container: TorchServe itself, as SageMaker reaches it (no front)
@@ -162,7 +182,9 @@ class LocalEndpoint:
                 for future in [pool.submit(server.start) for server in self.servers]:
                     future.result()
             refs = [BackendRef(i, s.url, str(s.log_dir)) for i, s in enumerate(self.servers)]
-            self.router = Router(refs)
+            self.router = Router(
+                refs, prefix_aware=self.routing == "prefix-aware", concurrency_threshold=self.concurrency_threshold
+            )
             self._httpd = RouterServer(
                 (self.host, self.port),
                 self.router,
@@ -170,6 +192,7 @@ class LocalEndpoint:
                 read_timeout_s=self.read_timeout_s,
                 verbose=self.verbose,
                 pass_new_session=self.pass_new_session,
+                prefix_length=self.prefix_length,
             ).start()
         except BaseException:
             self.stop()
@@ -244,6 +267,17 @@ def _build_parser() -> argparse.ArgumentParser:
         help="open without the session header, so TorchServe mints ts-seq-<uuid> ids (default: forward the "
         "literal NEW_SESSION, as SageMaker does; the handler then mints llava-<uuid>)",
     )
+    parser.add_argument(
+        "--routing",
+        choices=["least-outstanding", "prefix-aware"],
+        default="least-outstanding",
+        help="requests without a session: to the least-loaded backend, or as SageMaker's PREFIX_AWARE (where "
+        "the same PrefixAwareId and first --prefix-length body bytes were served last)",
+    )
+    parser.add_argument("--prefix-length", type=int, default=1024, help="PREFIX_AWARE's PrefixLength, 1024..65536")
+    parser.add_argument(
+        "--concurrency-threshold", type=int, default=1024, help="PREFIX_AWARE's ConcurrencyThreshold, 1..1024"
+    )
     parser.add_argument("--handler", default=None, help=argparse.SUPPRESS)  # tests: another TorchServe handler
     return parser
 
@@ -254,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535 or args.backends < 1:
         print("llava-local-endpoint: --port must be 0..65535 and --backends >= 1", file=sys.stderr)
         return 2
+    if not 1024 <= args.prefix_length <= 65536 or not 1 <= args.concurrency_threshold <= 1024:
+        print(
+            "llava-local-endpoint: --prefix-length must be 1024..65536, --concurrency-threshold 1..1024",
+            file=sys.stderr,
+        )
+        return 2
     endpoint = LocalEndpoint(
         args.model_dir,
         backends=args.backends,
@@ -262,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         read_timeout_s=args.read_timeout,
         verbose=args.verbose,
         pass_new_session=args.pass_new_session,
+        routing=args.routing,
+        prefix_length=args.prefix_length,
+        concurrency_threshold=args.concurrency_threshold,
         overrides=dict(args.overrides),
         model_config_overrides=dict(args.model_config_overrides),
         startup_timeout_s=args.startup_timeout,

@@ -11,6 +11,10 @@ setting ``base_url="http://<host>:<port>/v1"``, this front listens on the public
 - anything else: relayed to TorchServe as it came (method, path, headers, body), so ``/ping``,
   ``/invocations`` and ``/predictions/llava`` answer as before.
 
+While TorchServe refuses connections (``llava-serve`` restarts it after a worker died) a request
+waits for it, up to ``restart_wait_s`` (then ``503 overloaded`` with ``Retry-After``): nothing was sent,
+so a client sees a restart as it saw it without the front, a slower answer or a retry.
+
 The session header, ``Accept`` and SageMaker's custom attributes pass through both ways; an
 ``Authorization`` header (the openai package always sends one) is not forwarded. In the container
 SageMaker reaches TorchServe's ``/invocations`` directly: no front there.
@@ -38,6 +42,8 @@ __all__ = ["OPENAI_PREFIX", "OpenAIFront"]
 OPENAI_PREFIX = "/v1"
 #: Longest request or reply head relayed, bytes (TorchServe's own limit is 8 KiB per line).
 MAX_HEAD_BYTES = 65536
+#: Seconds between two connection attempts while TorchServe restarts.
+RESTART_POLL_S = 0.2
 #: Request headers not forwarded to TorchServe: the hop's own (RFC 9110 section 7.6.1) and the
 #: client's credentials.
 _NOT_FORWARDED = frozenset(
@@ -83,18 +89,20 @@ def _field(fields: _Fields, name: bytes) -> bytes | None:
     return next((v for n, _, v in fields if n == name), None)
 
 
-def _response(status: int, reason: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
+def _response(status: int, reason: str, body: bytes, extra: bytes = b"") -> bytes:
     return (
-        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
-        % (status, reason.encode(), content_type, len(body))
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n"
+        % (status, reason.encode(), len(body), extra)
     ) + body
 
 
-def _openai_error(status: int, reason: str, message: str, code: str) -> bytes:
-    """OpenAI's error object (``openai.APIError`` reads ``error.message`` and ``error.code``)."""
+def _openai_error(status: int, reason: str, message: str, code: str, *, retry_after_s: int = 0) -> bytes:
+    """OpenAI's error object (``openai.APIError`` reads ``error.message`` and ``error.code``; our
+    dialects' clients read the same two fields), with ``Retry-After`` when given."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return _response(status, reason, json.dumps(body).encode())
+    extra = b"Retry-After: %d\r\n" % retry_after_s if retry_after_s else b""
+    return _response(status, reason, json.dumps(body).encode(), extra)
 
 
 class _Backend:
@@ -172,8 +180,12 @@ class _Connection(socketserver.StreamRequestHandler):
         connection must close (TorchServe unreachable or broke off)."""
         try:
             start, fields = self._send(request)
+        except ConnectionRefusedError:  # still restarting after restart_wait_s: nothing was sent
+            message = "the model server is restarting; retry shortly"
+            self.wfile.write(_openai_error(503, "Service Unavailable", message, "overloaded", retry_after_s=5))
+            return False
         except (_Closed, OSError):
-            message = "the model server is not answering; it may be starting or restarting"
+            message = "the model server broke off its reply"
             self.wfile.write(_openai_error(502, "Bad Gateway", message, "backend_unavailable"))
             return False
         backend = self.backend
@@ -206,7 +218,7 @@ class _Connection(socketserver.StreamRequestHandler):
         for attempt in (0, 1):
             reused = self.backend is not None
             if self.backend is None:
-                self.backend = _Backend(self.server.backend, self.server.read_timeout_s)
+                self.backend = self._connect()
             try:
                 self.backend.sock.sendall(request)
                 return _read_head(self.backend.reader)
@@ -216,6 +228,23 @@ class _Connection(socketserver.StreamRequestHandler):
                 if not reused or attempt:
                     raise
         raise AssertionError("unreachable")
+
+    def _connect(self) -> _Backend:
+        """A new connection to TorchServe. While it refuses connections (``llava-serve`` restarts it
+        after a worker died) the request waits, up to ``restart_wait_s``: nothing was sent, so the
+        client sees the restart as a slower answer, not as an error.
+
+        Raises:
+            OSError: TorchServe still refuses (or cannot be reached) after ``restart_wait_s``.
+        """
+        deadline = time.monotonic() + self.server.restart_wait_s
+        while True:
+            try:
+                return _Backend(self.server.backend, self.server.read_timeout_s)
+            except ConnectionRefusedError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(RESTART_POLL_S)
 
     def _relay_chunks(self, reader: IO[bytes] | io.BufferedIOBase) -> None:
         """Relay a chunked body chunk by chunk as it arrives, up to its last chunk and trailer.
@@ -246,6 +275,8 @@ class OpenAIFront(socketserver.ThreadingTCPServer):
         backend: TorchServe's inference ``(host, port)`` (settable later: a restart may move it).
         model_name: the served model's name (``/v1/models``).
         read_timeout_s: seconds to wait on one read from TorchServe.
+        restart_wait_s: seconds a request waits for TorchServe to accept connections again (a
+            restart); then ``503 overloaded`` with ``Retry-After``.
 
     Raises:
         OSError: the address cannot be bound.
@@ -256,10 +287,17 @@ class OpenAIFront(socketserver.ThreadingTCPServer):
     request_queue_size = 128
 
     def __init__(
-        self, address: tuple[str, int], backend: tuple[str, int], model_name: str, *, read_timeout_s: float = 600.0
+        self,
+        address: tuple[str, int],
+        backend: tuple[str, int],
+        model_name: str,
+        *,
+        read_timeout_s: float = 600.0,
+        restart_wait_s: float = 30.0,
     ) -> None:
         super().__init__(address, _Connection)
         self.backend = backend
+        self.restart_wait_s = restart_wait_s
         self.model_name = model_name
         self.read_timeout_s = read_timeout_s
         self.created = int(time.time())

@@ -1,5 +1,6 @@
 """The local endpoint's routing and transport: sticky sessions over TorchServe backends, least-loaded
-placement, health probes, and the one HTTP call to a backend's ``/invocations``.
+placement, SageMaker's ``PREFIX_AWARE`` strategy for requests without a session, health probes, and
+the one HTTP call to a backend's ``/invocations``.
 """
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 import http.client
 import threading
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,19 +37,64 @@ class BackendRef:
         return parts.hostname or "127.0.0.1", parts.port or 80
 
 
+#: Prefix keys a router remembers (least recently served forgotten first).
+MAX_PREFIXES = 100_000
+
+
 class Router:
     """Sticky session routing over backends: id → backend index, least-loaded placement.
+
+    With ``prefix_aware``, a request without a session goes where a request of the same prefix key
+    was last served (SageMaker's ``PREFIX_AWARE``: the key is the ``PrefixAwareId`` and the body's first
+    ``PrefixLength`` bytes; the caller makes it), unless that backend has ``concurrency_threshold``
+    requests outstanding or is down; otherwise to the least-loaded one.
 
     Thread-safe. ``sessions`` counts only sessions this router saw open and not yet close.
     """
 
-    def __init__(self, backends: Sequence[BackendRef], *, probe_interval_s: float = PROBE_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        backends: Sequence[BackendRef],
+        *,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        prefix_aware: bool = False,
+        concurrency_threshold: int = 1024,
+    ) -> None:
         if not backends:
             raise ValueError("at least one backend")
         self.backends = list(backends)
         self.probe_interval_s = probe_interval_s
+        self.prefix_aware = prefix_aware
+        self.concurrency_threshold = concurrency_threshold
         self._sessions: dict[str, int] = {}
+        self._prefixes: OrderedDict[Hashable, int] = OrderedDict()
+        self._outstanding: dict[int, int] = {b.index: 0 for b in self.backends}
         self._lock = threading.Lock()
+
+    def for_prefix(self, key: Hashable) -> int | None:
+        """The healthy backend that last served ``key`` and has room under the concurrency threshold, or None."""
+        if not self.prefix_aware:
+            return None
+        with self._lock:
+            index = self._prefixes.get(key)
+            if index is None or not self.backends[index].healthy:
+                return None
+            return index if self._outstanding[index] < self.concurrency_threshold else None
+
+    def served(self, key: Hashable, index: int) -> None:
+        """Record that backend ``index`` served a request of prefix ``key``."""
+        if not self.prefix_aware:
+            return
+        with self._lock:
+            self._prefixes[key] = index
+            self._prefixes.move_to_end(key)
+            if len(self._prefixes) > MAX_PREFIXES:
+                self._prefixes.popitem(last=False)
+
+    def outstanding(self, index: int, delta: int) -> None:
+        """Count a request to backend ``index`` in (``+1``) or out (``-1``)."""
+        with self._lock:
+            self._outstanding[index] += delta
 
     def lookup(self, session_id: str) -> int | None:
         """Return the backend index holding ``session_id``, or None if unknown."""

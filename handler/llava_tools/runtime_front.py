@@ -45,7 +45,10 @@ from .sagemaker_wire import (
     stream_error_event,
 )
 
-__all__ = ["DEFAULT_READ_TIMEOUT_S", "RouterServer"]
+__all__ = ["DEFAULT_READ_TIMEOUT_S", "PREFIX_AWARE_ID_HEADER", "RouterServer"]
+
+#: botocore's header for ``InvokeEndpoint``'s ``PrefixAwareId`` (sagemaker-runtime service model).
+PREFIX_AWARE_ID_HEADER = "X-Amzn-SageMaker-Prefix-Aware-Id"
 
 #: Seconds to wait for a backend's reply (per read); SageMaker allows 60 s for a whole reply.
 DEFAULT_READ_TIMEOUT_S = 120.0
@@ -135,6 +138,9 @@ class _Handler(BaseHTTPRequestHandler):
         opening = session_id is None or session_id == NEW_SESSION_LITERAL
         index = None if session_id is None or opening else router.lookup(session_id)
         sticky = index is not None
+        prefix = self._prefix_key(body, raw) if session_id is None and router.prefix_aware else None
+        if prefix is not None:
+            index = router.for_prefix(prefix)
         forward_id = None if opening else session_id
         if session_id == NEW_SESSION_LITERAL and self.server.pass_new_session:
             forward_id = NEW_SESSION_LITERAL
@@ -169,13 +175,36 @@ class _Handler(BaseHTTPRequestHandler):
                     return
                 tried.add(index)
                 index = None
+        router.outstanding(index, +1)
         try:
+            if prefix is not None and response.status < 400:
+                router.served(prefix, index)
             if raw:
                 self._relay_raw(index, response)
             else:
                 self._relay(endpoint, index, connection, response, stream, session_id if sticky else None)
         finally:
+            router.outstanding(index, -1)
             connection.close()
+
+    def _prefix_key(self, body: bytes, openai: bool) -> tuple[str, Any]:
+        """SageMaker's ``PREFIX_AWARE`` key of a request without a session: its ``PrefixAwareId`` and
+        the body's first ``PrefixLength`` bytes (on the OpenAI route: the first ``PrefixLength``
+        characters of the messages' text), as botocore's ``PrefixAwareRoutingConfig`` documents."""
+        app = self.headers.get(PREFIX_AWARE_ID_HEADER) or ""
+        length = self.server.prefix_length
+        if not openai:
+            return app, body[:length]
+        try:
+            messages = json.loads(body).get("messages") or []
+        except (ValueError, AttributeError, RecursionError):
+            return app, body[:length]
+        texts = []
+        for message in messages if isinstance(messages, list) else []:
+            content = message.get("content") if isinstance(message, dict) else None
+            parts = content if isinstance(content, list) else [{"text": content}]
+            texts += [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return app, "".join(texts)[:length]
 
     def _backend_headers(self, session_id: str | None, stream: bool) -> dict[str, str]:
         """What a backend is sent: the content type, ``Accept`` (a stream's from SageMaker's own
@@ -325,6 +354,7 @@ class RouterServer(ThreadingHTTPServer):
         endpoint_name: accept only this endpoint name (default: any).
         read_timeout_s: seconds to wait on a backend read.
         verbose: log each request to stderr.
+        prefix_length: ``PREFIX_AWARE``'s ``PrefixLength`` (with a router made ``prefix_aware``).
         pass_new_session: forward an open's literal ``NEW_SESSION`` header to the backend, as
             SageMaker does (the handler then mints the id); False sends no header (TorchServe mints
             it, as the AWS TorchServe sample expects). The handler serves both
@@ -343,8 +373,10 @@ class RouterServer(ThreadingHTTPServer):
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         verbose: bool = False,
         pass_new_session: bool = True,
+        prefix_length: int = 1024,
     ) -> None:
         super().__init__(address, _Handler)
+        self.prefix_length = prefix_length
         self.router = router
         self.endpoint_name = endpoint_name
         self.read_timeout_s = read_timeout_s

@@ -139,7 +139,7 @@ class LocalServer:
         self.restarts = 0
         self.keep_logs = keep_logs
         self.openai_routes = openai_routes
-        self._front: OpenAIFront | None = None
+        self._front: OpenAIFront | None = None  # the public port's front (``openai_routes``)
         #: Where the logs were kept when the server stopped (``keep_logs``, or a failed start), or None.
         self.kept_logs: Path | None = None
 
@@ -147,17 +147,12 @@ class LocalServer:
 
     @property
     def url(self) -> str:
-        """Inference base URL (``/ping``, ``/invocations``, ``/predictions/llava``; with
-        ``openai_routes``, ``/v1/chat/completions`` and ``/v1/models`` too)."""
+        """Inference base URL (``/ping``, ``/invocations``, ``/predictions/llava``; ``/v1/...`` with ``openai_routes``)."""
         return f"http://{connect_host(self.host)}:{self._port('public')}"
 
     @property
     def openai_base_url(self) -> str:
-        """The ``base_url`` for the ``openai`` package (``<url>/v1``).
-
-        Raises:
-            RuntimeError: started without ``openai_routes``, or not started.
-        """
+        """The ``base_url`` for the ``openai`` package (``<url>/v1``). Raises RuntimeError without ``openai_routes``."""
         if not self.openai_routes:
             raise RuntimeError("this server was started without openai_routes")
         return self.url + OPENAI_PREFIX
@@ -222,22 +217,9 @@ class LocalServer:
         return sorted(pids)
 
     def tail_logs(self, n: int = 50) -> str:
-        """Return the last ``n`` lines of TorchServe's frontend log and of the handler's log.
-
-        ``ts_log.log`` is the frontend, ``model_log.log`` what the worker (our handler) printed;
-        before the frontend has created ``logs/`` the launcher's console output is used.
-        """
-        if self._temp_dir is None:
-            return ""
-        files = [self.log_dir / "ts_log.log", self.log_dir / "model_log.log"]
-        if not any(path.is_file() for path in files):
-            files = [self._temp_dir / "console.log"]
-        parts = []
-        for path in files:
-            if path.is_file():
-                lines = path.read_text(errors="replace").splitlines()[-n:]
-                parts.append(f"==> {path.name} <==\n" + "\n".join(lines))
-        return "\n".join(parts)
+        """The last ``n`` lines of TorchServe's frontend log and of the handler's log
+        (:func:`~llava_tools.torchserve_files.tail_logs`); "" before a start."""
+        return "" if self._temp_dir is None else ts_files.tail_logs(self._temp_dir, n)
 
     def start(self) -> LocalServer:
         """Build the model folder, start TorchServe and wait until the worker serves.
@@ -344,12 +326,11 @@ class LocalServer:
             self._ports = pick_ports(self.host, self._requested_port)
             self._ports["public"] = self._ports["inference"]
             return
-        if self._front is None:
-            name = str(self.overrides.get("served_model_name") or "") or self.model_dir.name
-            try:
-                self._front = OpenAIFront((self.host, self._requested_port), ("127.0.0.1", 0), name).start()
-            except OSError as exc:
-                raise ServerStartError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from None
+        name = str(self.overrides.get("served_model_name") or "") or self.model_dir.name
+        try:
+            self._front = self._front or OpenAIFront((self.host, self._requested_port), ("127.0.0.1", 0), name).start()
+        except OSError as exc:
+            raise ServerStartError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from None
         self._ports = pick_ports("127.0.0.1", 0)
         self._front.backend = ("127.0.0.1", self._ports["inference"])
         self._ports["public"] = self._front.port
@@ -498,21 +479,8 @@ class LocalServer:
             time.sleep(_POLL_S)
 
     def _check_settings(self) -> None:
-        """Validate the handler settings the worker will read (the config's ``handler:`` section, the
-        overrides, ``LLAVA_*`` variables) before anything starts, as the worker would.
-
-        Raises:
-            ServerStartError: a setting is unknown (with the closest valid key) or out of range.
-        """
-        from llava_sessions.config import Settings
-
-        config = yaml.safe_load(self.config_path.read_text()) or {}
-        section = {**dict((config.get("handler") if isinstance(config, dict) else None) or {}), **self.overrides}
-        try:
-            Settings.check_names(self.overrides, "in --set")
-            Settings.from_sources(section, {**os.environ, **self.env})
-        except ValueError as exc:
-            raise ServerStartError(f"invalid handler settings: {exc}") from None
+        """Validate the handler settings before anything starts (:func:`~llava_tools.torchserve_files.check_settings`)."""
+        ts_files.check_settings(self.config_path, self.overrides, {**os.environ, **self.env})
 
     def _config_properties(self, store: Path) -> str:
         host = "127.0.0.1" if self.openai_routes else self.host

@@ -302,3 +302,36 @@ def model_status(management_url: str, num_workers: int) -> tuple[bool, str, dict
     states = [w.get("status") for w in workers]
     by_pid = {int(w["pid"]): str(w.get("status")) for w in workers if int(w.get("pid") or -1) > 0}
     return states.count("READY") >= num_workers, f"worker states {states}", by_pid
+
+
+def tail_logs(temp_dir: Path, n: int = 50) -> str:
+    """The last ``n`` lines of TorchServe's frontend log and of the handler's log under a server's
+    ``temp_dir``: ``logs/ts_log.log`` is the frontend, ``logs/model_log.log`` what the worker (our
+    handler) printed; before the frontend has created ``logs/`` the launcher's ``console.log``."""
+    files = [temp_dir / "logs" / "ts_log.log", temp_dir / "logs" / "model_log.log"]
+    if not any(path.is_file() for path in files):
+        files = [temp_dir / "console.log"]
+    parts = []
+    for path in files:
+        if path.is_file():
+            lines = path.read_text(errors="replace").splitlines()[-n:]
+            parts.append(f"==> {path.name} <==\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+def check_settings(config_path: Path, overrides: Mapping[str, Any], env: Mapping[str, str]) -> None:
+    """Validate the handler settings a worker will read (the config's ``handler:`` section, the
+    ``overrides``, ``LLAVA_*`` variables of ``env``) as the worker would, before anything starts.
+
+    Raises:
+        ServerStartError: a setting is unknown (with the closest valid key) or out of range.
+    """
+    from llava_sessions.config import Settings
+
+    config = yaml.safe_load(config_path.read_text()) or {}
+    section = {**dict((config.get("handler") if isinstance(config, dict) else None) or {}), **overrides}
+    try:
+        Settings.check_names(dict(overrides), "in --set")
+        Settings.from_sources(section, env)
+    except ValueError as exc:
+        raise ServerStartError(f"invalid handler settings: {exc}") from None

@@ -22,6 +22,7 @@ from .spec import (
     DEFAULT_RESPONSE_TIMEOUT_S,
     DEFAULT_STARTUP_TIMEOUT_S,
     INSTANCE_GPUS,
+    ROUTING_STRATEGIES,
     DeployError,
     DeploySpec,
     default_environment,
@@ -94,7 +95,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_scaling_arguments(parser: argparse.ArgumentParser) -> None:
-    """The inference-component and autoscaling options of ``llava-deploy``."""
+    """The inference-component, autoscaling and routing options of ``llava-deploy``."""
     component = parser.add_argument_group(
         "inference component (the endpoint config holds no model; one component places copies of it on the "
         "instances' GPUs)"
@@ -129,6 +130,26 @@ def _add_scaling_arguments(parser: argparse.ArgumentParser) -> None:
         default=70.0,
         help="the metric's target value (default 70); for gpu-memory, percent per GPU (llava-deploy multiplies "
         "it by the instance's GPUs: SageMaker's GPUMemoryUtilization is their sum)",
+    )
+    _add_routing_arguments(parser)
+
+
+def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--routing`` and its PREFIX_AWARE options (the production variant's ``RoutingConfig``)."""
+    routing = parser.add_argument_group("routing (the production variant's RoutingConfig)")
+    routing.add_argument(
+        "--routing",
+        choices=sorted(ROUTING_STRATEGIES),
+        default="",
+        help="RoutingStrategy: prefix-aware sends a request without a session to the instance that served its "
+        "body's first --prefix-length bytes, so a stateless conversation (LiteLLM, LangChain, the openai package) "
+        "finds its conversation cache; sessions stay sticky whatever it is (default: SageMaker's)",
+    )
+    routing.add_argument(
+        "--prefix-length", type=int, default=None, help="PREFIX_AWARE's PrefixLength, 1024..65536 bytes"
+    )
+    routing.add_argument(
+        "--concurrency-threshold", type=int, default=None, help="PREFIX_AWARE's ConcurrencyThreshold, 1..1024"
     )
 
 
@@ -211,6 +232,9 @@ def _spec(args: argparse.Namespace, environment: dict[str, str]) -> DeploySpec:
         copies=args.copies,
         accelerators_per_copy=args.accelerators_per_copy,
         memory_per_copy_mb=args.memory_per_copy_mb,
+        routing=args.routing,
+        prefix_length=args.prefix_length,
+        concurrency_threshold=args.concurrency_threshold,
     )
     spec.validate()
     return spec

@@ -28,6 +28,16 @@ _NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # endpoint / confi
 _ROLE_RE = re.compile(r"^arn:aws[a-z\-]*:iam::\d{12}:role/?[a-zA-Z_0-9+=,.@\-_/]+$")
 _ENV_KEY_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _MAX_ENV_ENTRIES = 100
+#: ``--routing`` values and the ``RoutingStrategy`` each writes (botocore's ``sagemaker`` model;
+#: KV_AWARE is left out: only "supported containers such as the vLLM DLC", its protocol undocumented).
+ROUTING_STRATEGIES = {
+    "least-outstanding": "LEAST_OUTSTANDING_REQUESTS",
+    "random": "RANDOM",
+    "prefix-aware": "PREFIX_AWARE",
+}
+#: ``PrefixAwareRoutingConfig``'s ranges (botocore's ``sagemaker`` model).
+PREFIX_LENGTH_RANGE = (1024, 65536)
+CONCURRENCY_THRESHOLD_RANGE = (1, 1024)
 
 
 #: GPUs per instance and GiB of memory per GPU, of the SageMaker instance types people serve LLaVA
@@ -96,9 +106,26 @@ class DeploySpec:
     copies: int = 1  # the component's copies (CopyCount)
     accelerators_per_copy: int = 1  # GPUs per copy (NumberOfAcceleratorDevicesRequired)
     memory_per_copy_mb: int = DEFAULT_COPY_MEMORY_MB  # host memory per copy (MinMemoryRequiredInMb)
+    routing: str = ""  # the variant's RoutingStrategy by its CLI name (ROUTING_STRATEGIES); empty: SageMaker's default
+    prefix_length: int | None = None  # PREFIX_AWARE's PrefixLength (bytes of the body): 1024..65536
+    concurrency_threshold: int | None = None  # PREFIX_AWARE's ConcurrencyThreshold: 1..1024
+
+    def _validate_routing(self) -> None:
+        if self.routing and self.routing not in ROUTING_STRATEGIES:
+            raise DeployError(f"unknown routing {self.routing!r}; one of {', '.join(ROUTING_STRATEGIES)}")
+        given = self.prefix_length is not None or self.concurrency_threshold is not None
+        if given and self.routing != "prefix-aware":
+            raise DeployError("--prefix-length and --concurrency-threshold go with --routing prefix-aware")
+        for name, value, (low, high) in (
+            ("--prefix-length", self.prefix_length, PREFIX_LENGTH_RANGE),
+            ("--concurrency-threshold", self.concurrency_threshold, CONCURRENCY_THRESHOLD_RANGE),
+        ):
+            if value is not None and not low <= value <= high:
+                raise DeployError(f"{name} must be {low}..{high} (SageMaker's range), got {value}")
 
     def validate(self) -> None:
         """Raise :class:`DeployError` naming the first invalid field."""
+        self._validate_routing()
         if self.inference_component:
             if not _NAME_RE.match(self.inference_component):
                 raise DeployError(f"invalid inference component name {self.inference_component!r}")
@@ -156,6 +183,21 @@ def default_environment(response_timeout_s: int = DEFAULT_RESPONSE_TIMEOUT_S) ->
     return env
 
 
+def routing_config(spec: DeploySpec) -> dict[str, Any] | None:
+    """The variant's ``RoutingConfig`` (botocore's ``ProductionVariantRoutingConfig``) for ``spec``, or
+    None for SageMaker's default. ``prefix-aware``: ``PREFIX_AWARE`` with its ``PrefixAwareRoutingConfig``
+    (a request without a session goes to the instance that served its body's first ``PrefixLength``
+    bytes, keeping a stateless conversation where the conversation cache holds it)."""
+    if not spec.routing:
+        return None
+    config: dict[str, Any] = {"RoutingStrategy": ROUTING_STRATEGIES[spec.routing]}
+    prefix = {"PrefixLength": spec.prefix_length, "ConcurrencyThreshold": spec.concurrency_threshold}
+    prefix = {k: v for k, v in prefix.items() if v is not None}
+    if prefix:
+        config["PrefixAwareRoutingConfig"] = prefix
+    return config
+
+
 def model_request(spec: DeploySpec) -> dict[str, Any]:
     """Return the ``create_model`` parameters for ``spec``."""
     return {
@@ -188,10 +230,11 @@ def endpoint_config_request(spec: DeploySpec) -> dict[str, Any]:
                     "VariantName": VARIANT_NAME,
                     "InstanceType": spec.instance_type,
                     "InitialInstanceCount": spec.instance_count,
-                    "RoutingConfig": {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"},
+                    "RoutingConfig": routing_config(spec) or {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"},
                 }
             ],
         }
+    routing = routing_config(spec)
     return {
         "EndpointConfigName": spec.endpoint_config_name,
         "ProductionVariants": [
@@ -202,6 +245,7 @@ def endpoint_config_request(spec: DeploySpec) -> dict[str, Any]:
                 "InitialInstanceCount": spec.instance_count,
                 "ContainerStartupHealthCheckTimeoutInSeconds": spec.startup_timeout_s,
                 "ModelDataDownloadTimeoutInSeconds": spec.download_timeout_s,
+                **({"RoutingConfig": routing} if routing else {}),
             }
         ],
     }
