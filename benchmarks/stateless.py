@@ -141,13 +141,15 @@ def part1(url: str, repeats: int) -> None:
     print(f"   stateless / session TTFT: {med['stateless'] / med['session']:.2f}x (goal <= 1.3x)")
 
 
-def interleaved(url: str, n: int = 8) -> tuple[list[list[dict[str, Any]]], float]:
-    """``n`` stateless conversations, turn by turn interleaved; returns the replies and the cached share of turns 2+."""
+def interleaved(url: str, n: int = 8, *, newest_first: bool = False) -> tuple[list[list[dict[str, Any]]], float]:
+    """``n`` stateless conversations, turn by turn interleaved (turn 1 of each, then turn 2 of each, ...;
+    ``newest_first``: turns 2+ from the last conversation back, so a cache that keeps only some of them
+    shows which it kept); returns the replies and the cached share of turns 2+."""
     images = [photo(200 + i) for i in range(n)]
     answers: list[list[str]] = [[] for _ in range(n)]
     replies: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-    for _ in TURNS:
-        for i in range(n):
+    for t in range(len(TURNS)):
+        for i in reversed(range(n)) if newest_first and t else range(n):
             reply = turn(url, messages_for(images[i], answers[i]))
             answers[i].append(reply["text"])
             replies[i].append(reply)
@@ -161,8 +163,9 @@ def part3(url: str, repeats: int) -> None:
         image = photo(300 + 2 * r)
         first = turn(url, messages_for(image, []), salt="tenant-a")
         hit.append(turn(url, messages_for(image, []), salt="tenant-a"))
-        other.append(turn(url, messages_for(image, []), salt="tenant-b"))
-        new.append(turn(url, messages_for(photo(301 + 2 * r), []), salt="tenant-c"))
+        pair = [("b", image), ("c", photo(301 + 2 * r))]
+        for name, picture in pair if r % 2 == 0 else pair[::-1]:  # alternate which goes first
+            (other if name == "b" else new).append(turn(url, messages_for(picture, []), salt=f"tenant-{name}"))
         assert other[-1]["text"] == first["text"], "a salt changes what is shared, never the answer"
     med = {
         name: statistics.median(x["ttft_ms"] for x in rows)
@@ -215,22 +218,22 @@ def main() -> None:
         common = {"startup_timeout_s": 900, "openai_routes": False}
         with LocalServer(model_dir, **common) as server:
             part1(server.url, args.repeats)
-            replies, share = interleaved(server.url)
+            replies, share = interleaved(server.url, newest_first=True)
             print("2. 8 interleaved stateless conversations, 3 turns each")
             print(f"   default budget: turns 2+ cached {100 * share:5.1f}% of prompt tokens (goal >= 90%)")
-            part3(server.url, args.repeats)
             entry = _metric(server, "ConversationCacheBytes") / max(1.0, _metric(server, "ConversationCacheEntries"))
-        small = int(entry * 3.5)  # about three conversations' entries, with room for the one answering
+            part3(server.url, max(args.repeats, 5))
+        small = int(entry * 4.5)  # about three 3-turn entries beside the one answering
         overrides = {"device_budget_bytes": small, "conversation_cache_share": 1.0}
         with LocalServer(model_dir, overrides=overrides, **common) as server:
-            tight, tight_share = interleaved(server.url)
+            tight, tight_share = interleaved(server.url, newest_first=True)
         same = all(
             a["text"] == b["text"] for x, y in zip(replies, tight, strict=True) for a, b in zip(x, y, strict=True)
         )
         hits = ["hit" if conv[1]["cached_tokens"] >= conv[0]["prompt_tokens"] else "miss" for conv in tight]
         print(f"   device budget {small:,} B (about 3 entries): turns 2+ cached {100 * tight_share:5.1f}%")
         print(f"   answers identical to the default budget's: {same}")
-        print(f"   turn 2 of conversations 1..8 (turn 1 of all sent first, oldest first): {' '.join(hits)}")
+        print(f"   turn 2 of conversations 1..8 (turns 1 sent 1..8, turns 2 sent 8..1): {' '.join(hits)}")
     part4()
 
 

@@ -315,26 +315,56 @@ def test_replicas_send_a_resent_conversation_where_its_prefix_is_cached(tiny_mod
         router.close()
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_the_local_endpoint_routes_sessionless_turns_as_prefix_aware_routing_does(request, tiny_model_dir, photos):
-    """Two backends behind ``llava-local-endpoint --routing prefix-aware``: a stateless conversation
-    resent with its image's bytes goes back to the backend that served its first turn (the first
-    PrefixLength bytes are the same), where its conversation cache is; least-loaded would send it
-    elsewhere here."""
-    from llava_client import SessionClient
-    from llava_tools.local_endpoint import LocalEndpoint
-    from test_local_endpoint import runtime_client
+def _native_open(service, png: bytes, *, attributes: str | None = None) -> dict:
+    import base64
+    import json
 
-    ep = LocalEndpoint(tiny_model_dir, backends=2, routing="prefix-aware", prefix_length=1024, startup_timeout_s=120)
-    request.addfinalizer(ep.stop)
-    ep.start()
-    client = SessionClient.from_endpoint("llava", client=runtime_client(ep.url), prefix_aware_id="tests")
-    client.open_session(photos["rocket"])  # a session on backend 0
-    chat = client.conversation(references=False)
-    first = chat.ask("What is it?", images=[photos["chelsea"]], max_tokens=8, temperature=0)  # least loaded: 1
-    client.open_session(photos["coffee"])  # least loaded: backend 1, so least loaded is now 0 again
-    placed = ep.router.snapshot()["backends"]
-    assert [b["sessions"] for b in placed] == [1, 1]
-    second = chat.ask("And its colour?", max_tokens=8, temperature=0)
-    assert second.cached_tokens >= first.prompt_tokens  # the backend that holds its first turn answered
+    from llava_sessions.wire.framing import Row
+
+    rid = f"r{next(_ids)}"
+    sid = f"ts-seq-{next(_ids)}"
+    body = {"type": "open_session", "image": {"base64": base64.b64encode(png).decode()}}
+    out = service.handle([Row(rid, sid, True, body, custom_attributes=attributes)])[0]
+    while out.stop is False:
+        out = service.handle([Row(rid, sid, False, None)])[0]
+    assert out.status == 200, out.body
+    return json.loads(out.body)
+
+
+def test_native_opens_share_a_held_image_only_within_their_salt(service, photos):
+    """The native dialect's salt (SageMaker's custom attributes, or the open's ``cache_salt``): an open
+    on an image another session holds copies its features and prefix only under an equal salt."""
+    coffee = photos["coffee"]
+    engine = service.engine
+
+    def reused(attributes: str | None) -> int:
+        """Prefix tokens the open copied from another session (the engine's counter)."""
+        before = engine.num_reused_tokens
+        opened = _native_open(service, coffee, attributes=attributes)
+        source = engine.store.peek(opened["session_id"]).source_id
+        assert (source is not None) == (engine.num_reused_tokens > before)
+        return engine.num_reused_tokens - before
+
+    assert reused("cache_salt=native-a") == 0
+    assert reused("cache_salt=native-b") == 0
+    assert reused(None) == 0  # unsalted: another scope too
+    assert reused("tenant=x;cache_salt=native-a") >= runner_image_tokens(engine)
+
+
+def runner_image_tokens(engine) -> int:
+    return engine.runner.num_image_tokens
+
+
+def test_the_metrics_count_hits_misses_entries_and_bytes(service, photos):
+    before = service.metrics.snapshot(service.engine)
+    astronaut = photos["astronaut"]
+    status, first = _complete(service, _body([([_image_part(astronaut)], "Who is it?", None)], cache_salt="m"))
+    answer = first["choices"][0]["message"]["content"]
+    follow = [([_image_part(astronaut)], "Who is it?", answer), ([], "Where?", None)]
+    status, second = _complete(service, _body(follow, cache_salt="m"))
+    assert status == 200
+    after = service.metrics.snapshot(service.engine)
+    counters = {k: after["counters"][k] - before["counters"].get(k, 0) for k in after["counters"]}
+    assert counters[("ConversationCacheHits", ())] == 1 and counters[("ConversationCacheMisses", ())] == 1
+    assert after["gauges"][("ConversationCacheEntries", ())] >= 1
+    assert after["gauges"][("ConversationCacheBytes", ())] > 0

@@ -28,9 +28,12 @@ def server(request, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def local_endpoint(request, tiny_model_dir):
+    """Two backends with SageMaker's PREFIX_AWARE routing. While no session is open, every request
+    without one goes to backend 0 (least loaded, ties to the lowest index) or where its prefix went:
+    the tests before the last keep it that way."""
     from llava_tools.local_endpoint import LocalEndpoint
 
-    ep = LocalEndpoint(tiny_model_dir, backends=1, endpoint_name="llava", startup_timeout_s=120)
+    ep = LocalEndpoint(tiny_model_dir, backends=2, endpoint_name="llava", routing="prefix-aware", startup_timeout_s=120)
     request.addfinalizer(ep.stop)
     return ep.start()
 
@@ -171,6 +174,14 @@ def test_our_client_resends_without_a_session_and_sends_each_image_once(server, 
         assert chat.last_request_bytes > with_bytes / 2 and fourth.cached_tokens == 0, where
         turns.append(("Where is it?", third, []))
         assert fourth.text == text_of(runner, reference(runner, None, turns, "Is it indoors?", [])[:N]), where
+        # the same in a session: the image's bytes once, then its uuid (the session remembers it)
+        with client.chat_session() as session:
+            in_session = client.conversation(session=session)
+            opened = in_session.ask("What is it?", images=[cat], **greedy)
+            assert opened.text == first.text, where
+            follow = in_session.ask("And its colour?", **greedy)
+            assert in_session.last_request_bytes < 2_000 and follow.text == second.text, where
+            assert follow.cached_tokens >= opened.prompt_tokens, where
 
 
 def test_prefix_aware_id_is_botocores_own_parameter():
@@ -204,3 +215,82 @@ def _streaming_body(data: bytes):
     from botocore.response import StreamingBody
 
     return StreamingBody(io.BytesIO(data), len(data))
+
+
+def test_llava_chat_stateless_sends_the_image_once(server, photos, tmp_path):
+    """``llava-chat --stateless`` as the user runs it: no session, the image's bytes in the first turn
+    only, the second turn answered from the conversation cache."""
+    import re
+    import subprocess
+    import sys
+
+    photo = tmp_path / "cat.png"
+    photo.write_bytes(photos["chelsea"])
+    args = ["--url", server.url, "--image", str(photo), "--stateless", "--cache-salt", "cli", "-v"]
+    done = subprocess.run(
+        [sys.executable, "-m", "llava_client.cli", *args, "--max-new-tokens", "4"],
+        input="What is it?\nAnd its colour?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    sent = [int(n.replace(",", "")) for n in re.findall(r"\[([\d,]+) bytes sent\]", done.stderr)]
+    assert len(sent) == 2 and sent[1] < 2_000 < sent[0], done.stderr
+    assert len(done.stdout.strip().splitlines()) == 2
+    bad = subprocess.run(
+        [sys.executable, "-m", "llava_client.cli", "--url", server.url, "--image", str(photo), "--cache-salt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--cache-salt goes with --stateless" in bad.stderr
+
+
+def test_the_front_waits_out_a_restart_then_says_503_with_retry_after():
+    """Nothing listens behind the front (TorchServe restarting): a request waits ``restart_wait_s``, then
+    gets ``503 overloaded`` with ``Retry-After``; OpenAI's own routes answer without TorchServe."""
+    import socket
+    import time
+
+    import requests
+
+    from llava_tools.openai_front import OpenAIFront
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    closed_port = probe.getsockname()[1]
+    probe.close()
+    front = OpenAIFront(("127.0.0.1", 0), ("127.0.0.1", closed_port), "m", restart_wait_s=1.0).start()
+    try:
+        url = f"http://127.0.0.1:{front.port}"
+        t0 = time.monotonic()
+        r = requests.post(url + "/v1/chat/completions", json={"messages": []}, timeout=10)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5" and r.json()["error"]["code"] == "overloaded"
+        assert time.monotonic() - t0 >= 1.0
+        assert requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"] == "m"
+        assert requests.post(url + "/v1/embeddings", json={}, timeout=5).status_code == 404
+        with socket.create_connection(("127.0.0.1", front.port), timeout=5) as raw:
+            raw.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n{}")
+            assert raw.recv(100).startswith(b"HTTP/1.1 400 ")
+    finally:
+        front.stop()
+
+
+def test_the_local_endpoint_routes_sessionless_turns_as_prefix_aware_routing_does(local_endpoint, photos):
+    """``llava-local-endpoint --routing prefix-aware``: a stateless conversation resent with its
+    image's bytes goes back to the backend that served its first turn (the same first PrefixLength
+    bytes), where its conversation cache is; least-loaded would send it to the other one here. (Last
+    in this module: it leaves sessions open.)"""
+    from llava_client import SessionClient
+    from test_local_endpoint import runtime_client
+
+    client = SessionClient.from_endpoint("llava", client=runtime_client(local_endpoint.url), prefix_aware_id="tests")
+    assert [b["sessions"] for b in local_endpoint.router.snapshot()["backends"]] == [0, 0]
+    client.open_session(photos["rocket"])  # a session on backend 0
+    chat = client.conversation(references=False)
+    first = chat.ask("What is it?", images=[photos["astronaut"]], max_tokens=8, temperature=0)  # least loaded: 1
+    client.open_session(photos["coffee"])  # least loaded: backend 1, so least loaded is now 0 again
+    assert [b["sessions"] for b in local_endpoint.router.snapshot()["backends"]] == [1, 1]
+    second = chat.ask("And its colour?", max_tokens=8, temperature=0)
+    assert second.cached_tokens >= first.prompt_tokens  # the backend that holds its first turn answered

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _chat
@@ -84,7 +84,7 @@ class Conversation:
         where = f"session {self.session.session_id!r}" if self.session is not None else "no session"
         return f"Conversation({len(self.messages)} messages, {where})"
 
-    def add_user(self, text: str, images: list[ImageInput] | tuple[ImageInput, ...] = ()) -> None:
+    def add_user(self, text: str, images: Sequence[ImageInput] = ()) -> None:
         """Append a user message: ``images`` (paths, bytes, PIL images, URLs; :func:`~llava_client.image_part`)
         then ``text``."""
         parts: list[dict[str, Any]] = []
@@ -94,7 +94,7 @@ class Conversation:
             parts.append({**part, "uuid": hashlib.sha256(url.encode()).hexdigest()[:32]})
         self.messages.append({"role": "user", "content": [*parts, {"type": "text", "text": text}]})
 
-    def ask(self, text: str, images: list[ImageInput] | tuple[ImageInput, ...] = (), **params: Any) -> ChatReply:
+    def ask(self, text: str, images: Sequence[ImageInput] = (), **params: Any) -> ChatReply:
         """Ask ``text`` (after ``images``, if any) and return the reply; both join the conversation.
         ``params``: OpenAI's (``max_tokens``, ``temperature``, ...).
 
@@ -110,9 +110,7 @@ class Conversation:
         self.messages.append(reply.message)
         return reply
 
-    def ask_stream(
-        self, text: str, images: list[ImageInput] | tuple[ImageInput, ...] = (), **params: Any
-    ) -> Iterator[str]:
+    def ask_stream(self, text: str, images: Sequence[ImageInput] = (), **params: Any) -> Iterator[str]:
         """As :meth:`ask`, the answer's text pieces as they come; the answer joins the conversation
         once the stream ends (a stream broken off leaves the question out)."""
         self.add_user(text, images)

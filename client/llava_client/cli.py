@@ -59,6 +59,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=120.0, metavar="S", help="read timeout in seconds (default 120)"
     )
     parser.add_argument(
+        "--stateless",
+        action="store_true",
+        help="hold no session: resend the conversation every turn, as OpenAI clients do (the server's "
+        "conversation cache serves the part it saw; the image goes once, then by its uuid)",
+    )
+    parser.add_argument("--cache-salt", metavar="SALT", help="with --stateless: the cache_salt sent with every turn")
+    parser.add_argument(
         "-v",
         "--verbose",
         action="store_true",
@@ -101,8 +108,8 @@ class _Chat:
     def note(self, text: str) -> None:
         print(text, file=self.err, flush=True)
 
-    def ask(self, question: str, *, prefix: str = "") -> Answer | None:
-        """Stream one answer to stdout; return it (None if interrupted)."""
+    def ask(self, question: str, *, prefix: str = "") -> bool:
+        """Stream one answer to stdout; returns False when interrupted."""
         assert self.session is not None
         params = {}
         if self.args.max_new_tokens is not None:
@@ -119,7 +126,7 @@ class _Chat:
         except KeyboardInterrupt:
             self.out.write("\n")
             self.note("[interrupted]")
-            return None
+            return False
         finally:
             self.out.flush()
         self.out.write("\n")
@@ -129,7 +136,7 @@ class _Chat:
             self.note(_truncation(answer))
         if answer is not None and self.args.verbose:
             self.note(_stats(answer))
-        return answer
+        return True
 
     def command(self, line: str) -> bool:
         """Run a /command; return False to quit."""
@@ -182,6 +189,56 @@ class _Chat:
         return status
 
 
+class _StatelessChat(_Chat):
+    """``--stateless``: no session; a :class:`~llava_client.Conversation` resent every turn."""
+
+    def open(self, image: str) -> None:
+        self.conversation = self.client.conversation(
+            system_prompt=self.args.system_prompt, cache_salt=self.args.cache_salt
+        )
+        self.images = [image]  # they open the next question
+
+    def close(self) -> None:
+        """Nothing is held on the server."""
+
+    def ask(self, question: str, *, prefix: str = "") -> bool:
+        """Stream one answer to stdout (with --verbose, the bytes the turn sent); False if interrupted."""
+        params = {"temperature": self.args.temperature or 0.0}
+        if self.args.max_new_tokens is not None:
+            params["max_tokens"] = self.args.max_new_tokens
+        self.out.write(prefix)
+        try:
+            for piece in self.conversation.ask_stream(question, self.images, **params):
+                self.out.write(piece)
+                self.out.flush()
+        except KeyboardInterrupt:
+            self.note("\n[interrupted]")
+            return False
+        self.images = []
+        self.out.write("\n")
+        self.out.flush()
+        if self.args.verbose:
+            self.note(f"[{self.conversation.last_request_bytes:,} bytes sent]")
+        return True
+
+    def command(self, line: str) -> bool:
+        """As :meth:`_Chat.command`, on the conversation the client holds."""
+        name, _, rest = line.partition(" ")
+        if name == "/reset":
+            kept = [m for m in self.conversation.messages if m["role"] == "system"]
+            self.conversation.messages[:] = kept
+            self.note("[conversation forgotten; send an image again with /add or /image]")
+            return True
+        if name in ("/add", "/image") and rest.strip():
+            if name == "/image":
+                self.open(rest.strip())
+            else:
+                self.images.append(rest.strip())
+            self.note(f"[{rest.strip()} opens the next question]")
+            return True
+        return super().command(line)
+
+
 def _stats(answer: Answer) -> str:
     usage = answer.usage
     server = answer.ttft_ms
@@ -215,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.endpoint_url and not args.endpoint:
         parser.error("--endpoint-url goes with --endpoint")
+    if args.cache_salt and not args.stateless:
+        parser.error("--cache-salt goes with --stateless")
     logging.basicConfig(level=logging.WARNING, format="llava-chat: %(message)s")
     if args.endpoint:
         client = SessionClient.from_endpoint(
@@ -222,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         client = SessionClient.from_url(args.url, timeout=(10.0, args.timeout))
-    chat = _Chat(client, args, sys.stdout, sys.stderr)
+    chat = (_StatelessChat if args.stateless else _Chat)(client, args, sys.stdout, sys.stderr)
     try:
         try:
             chat.open(args.image)
@@ -231,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if args.question:
             try:
-                return 0 if chat.ask(args.question) is not None else 130
+                return 0 if chat.ask(args.question) else 130
             except LlavaError as exc:
                 chat.note(f"error: {exc}")
                 return 1

@@ -145,7 +145,11 @@ class _Connection(socketserver.StreamRequestHandler):
             return False
         if _field(fields, b"expect") == b"100-continue":
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        body = self.rfile.read(int(_field(fields, b"content-length") or 0))
+        length = _field(fields, b"content-length") or b"0"
+        if not length.isdigit():
+            self.wfile.write(_response(400, "Bad Request", b'{"code": 400, "message": "bad Content-Length"}'))
+            return False
+        body = self.rfile.read(int(length))
         keep = (_field(fields, b"connection") or b"").lower() != b"close"
         path = target.partition(b"?")[0]
         if path.startswith(OPENAI_PREFIX.encode() + b"/") or path == OPENAI_PREFIX.encode():

@@ -70,6 +70,9 @@ class LlavaRunner:
         # OneVision lays out each image of a several-image conversation as one base tile + a newline
         # row (its get_image_features takes batch_num_images; processing_llava_onevision.replace_image_token)
         self._multi_image_base_tile = "batch_num_images" in inspect.signature(model.get_image_features).parameters
+        # the KV cache's keyword: ``cache`` since transformers 5.24 (``past_key_values`` is deprecated there
+        # and removed in 5.40), ``past_key_values`` before it
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_positions: int = int(text.max_position_embeddings)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -283,8 +286,8 @@ class LlavaRunner:
             inputs_embeds=embeds,
             attention_mask=attention_mask,
             position_ids=torch.tensor(positions, device=self.device).unsqueeze(1),
-            past_key_values=batch,
             use_cache=True,
+            **{self._cache_kw: batch},
             logits_to_keep=1,
         )
         return out.logits[:, -1].float()
@@ -297,8 +300,8 @@ class LlavaRunner:
             inputs_embeds=embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_kw: cache},
             logits_to_keep=1,
         )
         return out.logits[0, -1].float()
