@@ -4,7 +4,9 @@
   entrypoint accept it; shared/notes/chat-protocol.md). The request is OpenAI's "Create chat
   completion" (platform.openai.com/docs/api-reference/chat/create), restricted to what a LLaVA model
   can honour: roles ``system`` (or ``developer``), ``user``, ``assistant``; ``content`` a string or a
-  list of ``text`` and ``image_url`` parts (``https://``, ``s3://`` or ``data:image/...;base64,``).
+  list of ``text`` and ``image_url`` parts (``https://``, ``s3://`` or ``data:image/...;base64,``;
+  vLLM's per-part ``uuid`` names an image, and ``"image_url": null`` with a ``uuid`` refers to one an
+  earlier request sent); vLLM's top-level ``cache_salt`` scopes what the request shares.
   A field we cannot honour (``n`` > 1, ``tools``, ``response_format``, audio parts, ...) is refused
   with a 400 that names it, never ignored.
 - **AWS's session bodies**: ``{"requestType": "NEW_SESSION"}`` and ``{"requestType": "CLOSE"}``

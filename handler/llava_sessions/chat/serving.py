@@ -5,14 +5,17 @@ A chat request names its session in the ``X-Amzn-SageMaker-Session-Id`` header a
 - an open session's id: the session comes to hold the resent conversation and answers its last user
   message (:meth:`SessionEngine.start_chat`);
 - ``NEW_SESSION``: a session is opened for it (the reply carries the new-session headers);
-- none (TorchServe minted an id, or there is no sequence batching): a one-shot request. It runs in a
-  session of its own that is removed when it ends (its images and prefix may come from other
-  sessions with ``share_images``); TorchServe's job group is ended with the last frame.
+- none (TorchServe minted an id, or there is no sequence batching): a stateless request. It runs in a
+  session of its own (its images and prefix may come from sessions and conversation-cache entries of
+  its ``cache_salt``), kept when it answered as a conversation-cache entry (``SessionEngine.retain``),
+  so the same conversation resent with its next turn prefills only that turn; TorchServe's job group
+  is ended with the last frame.
 
 ``{"requestType": "NEW_SESSION"}`` opens a session with no image (:meth:`SessionEngine.open_empty`),
 ``{"requestType": "CLOSE"}`` closes the header's. Images are fetched once per session per URL (the
 session remembers which content a URL gave, and an inline image's content by the hash of its base64
-text), hashed, and decoded only when no session holds them. Every error is OpenAI's error object.
+text), hashed, and decoded only when no session of the salt holds them; an image part may name an
+earlier image by its ``uuid`` alone. Every error is OpenAI's error object.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ class Job:
         work: the engine's state of it (``Generation`` or ``ImageTask``).
         own_group: the TorchServe job group is this session's own (not the shared ``NEW_SESSION``).
         calls: ``handle()`` calls this job was part of (more than one: its first frame is out).
-        one_shot: a chat request without a session: its session is removed when it ends.
+        one_shot: a chat request without a session: its session becomes a conversation-cache entry
+            when it answered, and is removed otherwise (:meth:`JobTable.end_one_shot`).
         opened: a chat request that opened its session (``NEW_SESSION``): new-session headers.
         stream: a streamed chat answer's events; frames: a chat stream's last events, one per call.
         urls: image URL → content key, kept by the session when the answer ends.
@@ -93,7 +94,7 @@ class JobTable:
 
     Args:
         settings: the handler settings (``max_concurrent_generations``).
-        engine: the session engine (a session's existence, closing one-shot sessions).
+        engine: the session engine (a session's existence, ending stateless requests' sessions).
         framing: TorchServe's framing (error rows, closed headers).
         metrics: where errors are counted.
     """
