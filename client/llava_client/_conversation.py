@@ -58,7 +58,6 @@ class Conversation:
 
     Attributes:
         messages: the conversation as OpenAI messages, images with their bytes (what a reader sees).
-        last_request_bytes: the size of the last request's body, bytes.
     """
 
     def __init__(
@@ -78,7 +77,7 @@ class Conversation:
         if system_prompt is not None:
             self.messages.append({"role": "system", "content": system_prompt})
         self._sent: set[str] = set()  # uuids the server received in an answered request
-        self.last_request_bytes = 0
+        self._last_body: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         where = f"session {self.session.session_id!r}" if self.session is not None else "no session"
@@ -156,8 +155,15 @@ class Conversation:
         body = _chat.chat_request(messages, stream, params)
         if self.cache_salt is not None:
             body["cache_salt"] = self.cache_salt
-        self.last_request_bytes = len(json.dumps(body, separators=(",", ":")).encode())
+        self._last_body = body
         return body
+
+    @property
+    def last_request_bytes(self) -> int:
+        """The size of the last request's body as compact JSON, bytes (0 before any); measured when asked."""
+        if self._last_body is None:
+            return 0
+        return len(json.dumps(self._last_body, separators=(",", ":")).encode())
 
     def _wire(self, message: dict[str, Any]) -> dict[str, Any]:
         content = message.get("content")

@@ -246,11 +246,7 @@ class SessionLedger:
     def can_allocate(self, num_bytes: int, keep: str | None = None) -> bool:
         """Whether ``num_bytes`` more device bytes fit once every unpinned session but ``keep`` is
         demoted to the ``image`` tier (nothing changes)."""
-        freeable = sum(
-            e.num_kv_tokens * self.kv_bytes_per_token + e.num_feature_bytes
-            for e in self._entries.values()
-            if not e.pinned and e.session_id != keep
-        )
+        freeable = sum(self.device_bytes_of(e) for e in self._entries.values() if not e.pinned and e.session_id != keep)
         return self.num_device_bytes - freeable + num_bytes <= self.device_budget_bytes
 
     def allocate(self, num_bytes: int, keep: str | None = None) -> list[Demotion] | None:

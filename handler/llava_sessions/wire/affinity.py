@@ -14,18 +14,14 @@ import hashlib
 import json
 from typing import Any
 
+from .contract import salt_of_attributes
+
 __all__ = ["prefix_key"]
 
 
 def _salt(data: dict, custom_attributes: str | None) -> str:
     salt = data.get("cache_salt")
-    if isinstance(salt, str):
-        return salt
-    for pair in (custom_attributes or "").split(";"):
-        key, sep, value = pair.partition("=")
-        if sep and key.strip() == "cache_salt":
-            return value.strip()
-    return ""
+    return salt if isinstance(salt, str) else salt_of_attributes(custom_attributes) or ""
 
 
 def _part_identity(part: Any) -> Any:

@@ -19,6 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.params import SAMPLING_BOUNDS
+from .contract import salt_of_attributes
 
 __all__ = [
     "CACHE_SALT_HINT",
@@ -256,11 +257,7 @@ def request_salt(body_salt: str | None, custom_attributes: str | None) -> str | 
         ServiceError: invalid_parameter (``param`` ``cache_salt``): the header's salt is not 1 to 256
             printable ASCII characters, or the body and the header give different salts.
     """
-    header_salt = None
-    for pair in (custom_attributes or "").split(";"):
-        key, sep, value = pair.partition("=")
-        if sep and key.strip() == "cache_salt":
-            header_salt = value.strip()
+    header_salt = salt_of_attributes(custom_attributes)
     if header_salt is not None and not _SALT_RE.match(header_salt):
         raise ServiceError(
             ErrorCode.INVALID_PARAMETER,
