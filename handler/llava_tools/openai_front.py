@@ -32,9 +32,10 @@ import io
 import json
 import socket
 import socketserver
-import threading
 import time
 from typing import IO, Any
+
+from .processes import BackgroundServing
 
 __all__ = ["OPENAI_PREFIX", "OpenAIFront"]
 
@@ -271,7 +272,7 @@ class _Connection(socketserver.StreamRequestHandler):
             write(size_line + reader.read(size + 2))  # the chunk and its CRLF
 
 
-class OpenAIFront(socketserver.ThreadingTCPServer):
+class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
     """The public port of ``llava-serve``: OpenAI's routes, and TorchServe's relayed (module docstring).
 
     Args:
@@ -289,6 +290,7 @@ class OpenAIFront(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
+    thread_name = "llava-openai-front"
 
     def __init__(
         self,
@@ -305,7 +307,6 @@ class OpenAIFront(socketserver.ThreadingTCPServer):
         self.model_name = model_name
         self.read_timeout_s = read_timeout_s
         self.created = int(time.time())
-        self._thread: threading.Thread | None = None
 
     def model_card(self) -> dict[str, Any]:
         """The served model as OpenAI's ``Model`` object (``id``, ``object``, ``created``, ``owned_by``)."""
@@ -315,17 +316,3 @@ class OpenAIFront(socketserver.ThreadingTCPServer):
     def port(self) -> int:
         """The bound port."""
         return int(self.server_address[1])
-
-    def start(self) -> OpenAIFront:
-        """Serve in a daemon thread; return self."""
-        self._thread = threading.Thread(target=self.serve_forever, name="llava-openai-front", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop serving and close the listening socket. Idempotent."""
-        if self._thread is not None:
-            self.shutdown()
-            self._thread.join(timeout=5)
-            self._thread = None
-        self.server_close()

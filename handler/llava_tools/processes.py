@@ -9,14 +9,18 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import socketserver
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from typing import TypeVar
 
 __all__ = [
     "OPENER",
+    "BackgroundServing",
     "alive",
     "connect_host",
     "group_members",
@@ -152,3 +156,29 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+_Serving = TypeVar("_Serving", bound="BackgroundServing")
+
+
+class BackgroundServing(socketserver.BaseServer):
+    """``start()`` / ``stop()`` for a ``socketserver`` server served from a daemon thread; mix it in
+    before the server class (``class S(BackgroundServing, ThreadingHTTPServer)``). ``thread_name``
+    names the thread."""
+
+    thread_name = "llava-server"
+    _thread: threading.Thread | None = None
+
+    def start(self: _Serving) -> _Serving:
+        """Serve in a daemon thread; return self."""
+        self._thread = threading.Thread(target=self.serve_forever, name=self.thread_name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket. Idempotent."""
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.server_close()

@@ -11,7 +11,6 @@ import http.client
 import json
 import re
 import sys
-import threading
 import uuid
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,6 +27,7 @@ from llava_sessions.wire.contract import (
     session_id_of,
 )
 
+from .processes import BackgroundServing
 from .routing import BackendGone, BackendTimeout, Router, forward, ping
 from .sagemaker_wire import (
     EVENT_STREAM_CONTENT_TYPE,
@@ -345,7 +345,7 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
 
-class RouterServer(ThreadingHTTPServer):
+class RouterServer(BackgroundServing, ThreadingHTTPServer):
     """The SageMaker-runtime HTTP front over a :class:`Router` (backends given by URL).
 
     Args:
@@ -363,6 +363,7 @@ class RouterServer(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    thread_name = "llava-local-endpoint"
 
     def __init__(
         self,
@@ -382,26 +383,9 @@ class RouterServer(ThreadingHTTPServer):
         self.read_timeout_s = read_timeout_s
         self.verbose = verbose
         self.pass_new_session = pass_new_session
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         """Base URL (``endpoint_url`` for boto3)."""
         host, port = self.server_address[:2]
         return f"http://{host!s}:{port}"
-
-    def start(self) -> RouterServer:
-        """Serve in a daemon thread; return self."""
-        self._thread = threading.Thread(target=self.serve_forever, name="llava-local-endpoint", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop serving and close the socket."""
-        if self._thread is not None:
-            self.shutdown()
-            self._thread = None
-        self.server_close()
-
-
-# ---- the whole thing -----------------------------------------------------------------------------
