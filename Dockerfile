@@ -75,7 +75,7 @@ ENV LLAVA_HOME=/opt/llava \
     HF_HUB_OFFLINE=1 \
     TS_REQUEST_SEQUENCE_ID=X-Amzn-SageMaker-Session-Id \
     TS_REQUEST_SEQUENCE_START=X-Amzn-SageMaker-New-Session-Id \
-    TS_REQUEST_SEQUENCE_END=X-Amzn-SageMaker-Closed-Session-Id
+    TS_REQUEST_SEQUENCE_END=X-Llava-Sequence-End
 
 # SAGEMAKER_BIND_TO_PORT is honoured (multi-container endpoints).
 LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true

@@ -6,7 +6,9 @@ package's own models (``ChatCompletion``, ``ChatCompletionChunk``) and read with
 from __future__ import annotations
 
 import base64
+import http.server
 import json
+import threading
 
 import pytest
 from botocore.exceptions import ClientError
@@ -26,7 +28,7 @@ def endpoint(request, tiny_model_dir):
     ep = LocalEndpoint(
         tiny_model_dir,
         backends=1,
-        overrides={"step_max_tokens": 2},
+        overrides={"step_max_tokens": 2, "allow_http": True, "allow_private_networks": True},
         model_config_overrides={"batchSize": 8, "maxNumSequence": 16},
         startup_timeout_s=120,
     )
@@ -450,42 +452,117 @@ def test_a_phone_size_photo_is_downsized_by_the_client_and_said(endpoint, runtim
     assert "[the image was downsized from 3000x4000" in done.stderr
 
 
-def test_new_session_as_the_literal_or_minted_by_torchserve(endpoint, runtime, runner, photos):
+def test_new_session_minted_by_torchserve_by_default_or_as_the_literal(endpoint, runtime, runner, photos):
     """What SageMaker forwards for ``SessionId="NEW_SESSION"`` decides who mints the id. The local
-    endpoint forwards the literal by default: the handler mints ``llava-<uuid>``, and a ``messages``
-    request sent with ``NEW_SESSION`` opens its session. With ``--mint-session-ids`` (no header, as the
-    AWS TorchServe sample expects) TorchServe mints ``ts-seq-<uuid>``: native opens and AWS's session
-    bodies work the same, and such a ``messages`` request is one-shot (no session is left)."""
+    endpoint forwards no header by default (what the AWS TorchServe sample's notebook asserts of a real
+    endpoint): TorchServe mints ``ts-seq-<uuid>``, native opens and AWS's session bodies open as
+    before, and a ``messages`` request sent with ``NEW_SESSION`` is one-shot (no session is left).
+    With ``--new-session-literal`` the handler mints ``llava-<uuid>`` and that request opens its session."""
+    opened = invoke(
+        runtime,
+        {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}},
+        "NEW_SESSION",
+    )
+    native_id = opened["NewSessionId"].split(";")[0]
+    assert native_id.startswith("ts-seq-")
+    follow = json.loads(
+        invoke(runtime, {"type": "generate", "prompt": "What is it?", "parameters": {"max_new_tokens": 3}}, native_id)[
+            "Body"
+        ].read()
+    )
+    assert follow["details"]["cached_tokens"] > 500
+    session_id = new_session(runtime)
+    assert session_id.startswith("ts-seq-")
+    first = complete(runtime, [user("What is this?", photos["rocket"])], session_id)
+    assert first.choices[0].message.content
     reply = invoke(runtime, {"messages": [user("What is this?", photos["rocket"])], "max_tokens": N}, "NEW_SESSION")
-    opened_by_chat = reply["NewSessionId"].split(";")[0]
-    assert opened_by_chat.startswith("llava-")  # minted by the handler, not TorchServe's ts-seq-
+    assert "NewSessionId" not in reply and "ClosedSessionId" not in reply  # one-shot: answered, nothing kept
     ChatCompletion.model_validate_json(reply["Body"].read())
-    again = complete(runtime, [user("What is this?", photos["rocket"])], opened_by_chat)
-    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
-    assert invoke(runtime, {"requestType": "CLOSE"}, opened_by_chat)["ClosedSessionId"] == opened_by_chat
-    endpoint._httpd.pass_new_session = False  # the same router, the other way of forwarding an open
+    for sid in (native_id, session_id):
+        assert invoke(runtime, {"requestType": "CLOSE"}, sid)["ClosedSessionId"] == sid
+    endpoint._httpd.pass_new_session = True  # the same router, the other way of forwarding an open
     try:
-        opened = invoke(
-            runtime,
-            {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}},
-            "NEW_SESSION",
-        )
-        native_id = opened["NewSessionId"].split(";")[0]
-        assert native_id.startswith("ts-seq-")
-        follow = json.loads(
-            invoke(
-                runtime, {"type": "generate", "prompt": "What is it?", "parameters": {"max_new_tokens": 3}}, native_id
-            )["Body"].read()
-        )
-        assert follow["details"]["cached_tokens"] > 500
-        session_id = new_session(runtime)
-        assert session_id.startswith("ts-seq-")
-        first = complete(runtime, [user("What is this?", photos["rocket"])], session_id)
-        assert first.choices[0].message.content
         reply = invoke(runtime, {"messages": [user("What is this?", photos["rocket"])], "max_tokens": N}, "NEW_SESSION")
-        assert "NewSessionId" not in reply  # one-shot: answered, nothing kept
+        opened_by_chat = reply["NewSessionId"].split(";")[0]
+        assert opened_by_chat.startswith("llava-")  # minted by the handler, not TorchServe's ts-seq-
         ChatCompletion.model_validate_json(reply["Body"].read())
-        for sid in (native_id, session_id):
-            assert invoke(runtime, {"requestType": "CLOSE"}, sid)["ClosedSessionId"] == sid
+        again = complete(runtime, [user("What is this?", photos["rocket"])], opened_by_chat)
+        assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+        assert invoke(runtime, {"requestType": "CLOSE"}, opened_by_chat)["ClosedSessionId"] == opened_by_chat
     finally:
-        endpoint._httpd.pass_new_session = True
+        endpoint._httpd.pass_new_session = False
+
+
+class _ImageHost(http.server.BaseHTTPRequestHandler):
+    """A local image host on 127.0.0.1 (the sample's notebook names an image on the web)."""
+
+    payload = b""
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(self.payload)))
+        self.end_headers()
+        self.wfile.write(self.payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_aws_sample_notebook_s_client_cells_run_unchanged(endpoint, photos):
+    """Step 4 of the AWS TorchServe LLaVA sample's notebook (``llava_stateful_deploy_infer.ipynb``),
+    its client code as written there, against the local endpoint through plain boto3: open with
+    ``SessionId="NEW_SESSION"`` and ``assert open_response.session_id.startswith("ts-seq-")``, two
+    prompts, close. Only ``endpoint_name``, ``smr`` and ``image_url`` are this machine's."""
+    from aws_sample_data_types import (
+        CloseSessionRequest,
+        CloseSessionResponse,
+        OpenSessionResponse,
+        StartSessionRequest,
+        TextPromptRequest,
+        TextPromptResponse,
+    )
+
+    _ImageHost.payload = photos["rocket"]
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHost)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    smr = runtime_client(endpoint.url)
+    endpoint_name = "llava"
+    image_url = f"http://127.0.0.1:{host.server_address[1]}/pexels-photo.png"
+    try:
+        # ---- the notebook's cells from here (4.1 to 4.4) ----
+        def send_and_check_request(r, seq_id):
+            response = smr.invoke_endpoint(
+                EndpointName=endpoint_name, Body=r.to_json(), ContentType="application/json", SessionId=seq_id
+            )
+            assert response["ResponseMetadata"]["HTTPStatusCode"] == 200, f"Sending request failed: {r}"
+            return response["Body"].readlines()[0]
+
+        open_request = StartSessionRequest(type="start_session", path=image_url)
+        open_response = send_and_check_request(open_request, "NEW_SESSION")
+        open_response = OpenSessionResponse.from_json(open_response)
+        assert open_response.session_id.startswith("ts-seq-")
+
+        text_prompt_request1 = TextPromptRequest(
+            type="send_text_prompt", session_id=open_response.session_id, prompt_text="describe the picture"
+        )
+        text_prompt_response1 = send_and_check_request(text_prompt_request1, open_response.session_id)
+        text_prompt_response1 = TextPromptResponse.from_json(text_prompt_response1)
+        assert text_prompt_response1.response_text
+
+        text_prompt_request2 = TextPromptRequest(
+            type="send_text_prompt",
+            session_id=open_response.session_id,
+            prompt_text="is there a mountain in the picture, describe it",
+        )
+        text_prompt_response2 = send_and_check_request(text_prompt_request2, open_response.session_id)
+        text_prompt_response2 = TextPromptResponse.from_json(text_prompt_response2)
+        assert text_prompt_response2.response_text
+
+        close_request = CloseSessionRequest(type="close_session", session_id=open_response.session_id)
+        close_response = send_and_check_request(close_request, open_response.session_id)
+        close_response = CloseSessionResponse.from_json(close_response)
+        assert close_response.success
+        # ---- end of the notebook's cells ----
+    finally:
+        host.shutdown()

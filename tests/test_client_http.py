@@ -426,18 +426,15 @@ def test_a_dropped_stream_stops_decoding_within_a_step_and_leaves_no_turn(server
         session.close()
 
 
-def test_bodies_over_our_limit_and_over_torchserve_s_get_typed_413s(server):
-    """Our limit (SageMaker's 6 MiB) answers in our shape; a body past TorchServe's own limit gets
-    TorchServe's 413 body, typed the same by the client."""
+def test_bodies_over_our_limit_get_typed_413s_the_client_raises_as_payload_too_large(server):
+    """Over SageMaker's 6 MiB limit, just over it and past TorchServe's old 6,553,600: the handler's
+    typed 413 each time, raised by the client as PayloadTooLarge."""
     client = SessionClient.from_url(server.url, max_retries=0, max_body_bytes=32 << 20)
-    ours = os.urandom(4_750_000)  # about 6.33 MB of JSON once base64-encoded: over 6,291,456
-    with pytest.raises(PayloadTooLarge) as info:
-        client.open_session(ours)
-    assert info.value.status_code == 413 and info.value.code == "payload_too_large"
-    theirs = os.urandom(5_300_000)  # about 7.07 MB: over TorchServe's max_request_size (6,553,600)
-    with pytest.raises(PayloadTooLarge) as info:
-        client.open_session(theirs)
-    assert info.value.status_code == 413 and info.value.code != "payload_too_large", info.value.body
+    for size in (4_750_000, 5_300_000):  # about 6.33 MB and 7.07 MB of JSON once base64-encoded
+        with pytest.raises(PayloadTooLarge) as info:
+            client.open_session(os.urandom(size))
+        assert info.value.status_code == 413 and info.value.code == "payload_too_large", info.value.body
+        assert "6,291,456-byte limit" in str(info.value)
     client.close()
 
 

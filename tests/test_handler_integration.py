@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 SID = "X-Amzn-SageMaker-Session-Id"
 NEW = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED = "X-Amzn-SageMaker-Closed-Session-Id"
+END = "X-Llava-Sequence-End"  # TorchServe's sequence-end key (config.properties), our own name
 
 
 def _botocore_pattern(shape: str) -> re.Pattern:
@@ -225,14 +226,107 @@ def test_errors_have_codes_and_statuses(server, photos):
     for body, s, status, code in cases:
         r = post(server, body, session_id=s)
         assert (r.status_code, r.json()["error"]["code"]) == (status, code), (body, r.text)
-        if code in ("session_not_found", "missing_session_id", "image_invalid", "image_url_forbidden"):
-            assert CLOSED in r.headers  # no session left behind: the job group is freed at once
+        assert NEW not in r.headers
+        if code == "session_not_found":  # the client held this id: it is told the session is gone
+            assert r.headers[CLOSED] == s and r.headers[END] == s
+        elif code in ("missing_session_id", "image_invalid", "image_url_forbidden"):
+            # TorchServe minted the group for a request without a session: freed at once, and no
+            # closed header (the client never had that id)
+            assert CLOSED not in r.headers and r.headers[END].startswith("ts-seq-")
         else:
-            assert CLOSED not in r.headers  # the session is intact
+            assert CLOSED not in r.headers and END not in r.headers  # the session is intact
     r = requests.post(server.url + "/invocations", data=b"{not json", headers={SID: sid}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
     r = post(server, {"type": "generate", "prompt": "Still here?", "parameters": {"max_new_tokens": 2}}, session_id=sid)
     assert r.status_code == 200
+    post(server, {"type": "close_session"}, session_id=sid)
+
+
+SESSION_HEADERS = (SID, NEW, CLOSED)
+
+
+def _session_headers(r) -> dict[str, str]:
+    return {k: r.headers[k] for k in SESSION_HEADERS if k in r.headers}
+
+
+def test_session_headers_only_where_a_session_changed(server, photos):
+    """Every reply kind, over TorchServe: the new-session headers only on a reply that opened a
+    session, the closed header only on one that closed (or found gone) a session the client held.
+    One-shot chats and refused opens end the job group TorchServe minted under our own end header."""
+    image = {"base64": base64.b64encode(photos["coffee"]).decode()}
+    chat_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image["base64"]}}
+    chat_turn = [{"role": "user", "content": [chat_part, {"type": "text", "text": "What is this?"}]}]
+
+    sid, r = open_session(server, photos["coffee"])  # native open
+    assert set(_session_headers(r)) == {SID, NEW} and END not in r.headers
+    r = post(server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=sid)
+    assert _session_headers(r) == {SID: sid} and END not in r.headers
+    body = {"type": "generate", "prompt": "Hi", "stream": True, "parameters": {"max_new_tokens": 2}}
+    r = post(server, body, session_id=sid)
+    assert r.status_code == 200 and _session_headers(r) == {SID: sid}
+    r = post(server, {"messages": chat_turn, "max_tokens": 2}, session_id=sid)  # chat in the session
+    assert r.status_code == 200 and _session_headers(r) == {SID: sid}, r.text
+    r = post(server, {"type": "close_session"}, session_id=sid)  # native close
+    assert _session_headers(r) == {CLOSED: sid} and r.headers[END] == sid
+
+    for stream in (False, True):  # chat without a session: a one-shot
+        r = post(server, {"messages": chat_turn, "max_tokens": 2, "stream": stream})
+        assert r.status_code == 200 and _session_headers(r) == {}, r.text
+    r = post(server, {"requestType": "NEW_SESSION"})  # AWS's session bodies
+    opened = r.json()["session_id"]
+    assert set(_session_headers(r)) == {SID, NEW} and r.headers[NEW].startswith(opened + ";")
+    r = post(server, {"messages": chat_turn, "max_tokens": 2}, session_id=opened)
+    assert r.status_code == 200 and _session_headers(r) == {SID: opened}
+    r = post(server, {"requestType": "CLOSE"}, session_id=opened)
+    assert _session_headers(r) == {CLOSED: opened}
+
+    held, _ = open_session(server, photos["coffee"])
+    refused = [  # (body, session header, the closed header expected)
+        ({"type": "generate", "prompt": "x", "parameters": {"top_p": 0}}, held, None),
+        ({"messages": chat_turn, "max_tokens": 0}, held, None),
+        ({"messages": chat_turn, "max_tokens": 0}, None, None),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, None, None),
+        ({"requestType": "CLOSE"}, None, None),
+        ({"type": "generate", "prompt": "x"}, None, None),
+        ({"type": "open_session", "image": {"base64": "@@@"}}, None, None),
+        ({"type": "open_session", "image": image}, held, None),  # an id already open
+        ({"type": "generate", "prompt": "x"}, "gone-1", "gone-1"),
+        ({"messages": chat_turn, "max_tokens": 2}, "gone-2", "gone-2"),
+        ({"requestType": "CLOSE"}, "gone-3", "gone-3"),
+    ]
+    for body, session_id, closed in refused:
+        r = post(server, body, session_id=session_id)
+        assert 400 <= r.status_code < 500 and r.json()["error"]["code"], (body, r.text)
+        expected = {CLOSED: closed} if closed else {}
+        assert {k: v for k, v in _session_headers(r).items() if k != SID} == expected, (body, r.headers)
+        assert NEW not in r.headers
+    r = post(server, {"type": "generate", "prompt": "Still?", "parameters": {"max_new_tokens": 2}}, session_id=held)
+    assert r.status_code == 200
+    post(server, {"type": "close_session"}, session_id=held)
+
+
+def test_bodies_over_the_limit_get_the_dialect_s_typed_413(server, photos):
+    """SageMaker's 6,291,456-byte limit: a 7 MB body in either dialect gets that dialect's typed 413
+    naming the limit (TorchServe's own limit is far above it); one past TorchServe's own limit gets
+    the typed 413 from llava-serve's front. The session open before is untouched."""
+    sid, _ = open_session(server, photos["coffee"])
+    blob = base64.b64encode(b"\x00" * 5_300_000).decode()  # 7.07 MB of JSON
+    native = {"type": "generate", "prompt": "x", "image": {"base64": blob}}
+    chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": blob}}]}]}
+    r = post(server, native, session_id=sid)
+    assert r.status_code == 413 and set(r.json()["error"]) == {"code", "message"}  # the native shape
+    assert r.json()["error"]["code"] == "payload_too_large"
+    assert "6,291,456-byte limit" in r.json()["error"]["message"] and CLOSED not in r.headers
+    r = post(server, chat)
+    error = r.json()["error"]
+    assert r.status_code == 413 and (error["code"], error["type"]) == ("payload_too_large", "invalid_request_error")
+    assert "6,291,456-byte limit" in error["message"] and _session_headers(r) == {}
+    huge = b'{"messages": "' + b"A" * (65 << 20) + b'"}'  # past TorchServe's max_request_size (64 MiB)
+    r = requests.post(server.url + "/v1/chat/completions", data=huge, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
+    assert "67,108,864-byte limit" in r.json()["error"]["message"]
+    r = post(server, {"type": "generate", "prompt": "Still?", "parameters": {"max_new_tokens": 2}}, session_id=sid)
+    assert r.status_code == 200 and r.json()["details"]["cached_tokens"] > 500
     post(server, {"type": "close_session"}, session_id=sid)
 
 

@@ -427,6 +427,26 @@ def test_many_errors_are_summarised() -> None:
     assert error.message.endswith("and 4 more")
 
 
+@pytest.mark.parametrize(
+    ("body", "chat"),
+    [
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', True),
+        (b'{"model": "x", "messages"  : []}', True),
+        (b'{"requestType": "CLOSE"}', True),
+        ({"requestType": "CLOSE"}, True),
+        ('{"messages":[]}', True),
+        (b'{"type": "open_session", "image": {"base64": "QUJD"}}', False),
+        (b'{"type": "generate", "prompt": "quote \\"messages\\": here"}', False),  # inside a string
+        (b'{"type": "generate", "prompt": "messages"}', False),  # a value, not a key
+        (b"\xff\xfe not json", False),
+    ],
+)
+def test_a_body_too_large_to_decode_gets_its_dialect_from_its_raw_keys(body, chat) -> None:
+    from llava_sessions.wire.inbound import names_chat_keys
+
+    assert names_chat_keys(body) is chat
+
+
 @pytest.mark.parametrize("form", ["bytes", "str", "dict"])
 def test_body_over_the_limit_is_413(form: str) -> None:
     obj = {"type": "open_session", "image": {"base64": "A" * 5000}}
@@ -434,7 +454,7 @@ def test_body_over_the_limit_is_413(form: str) -> None:
     body = {"bytes": text.encode(), "str": text, "dict": obj}[form]
     error = fail(body)
     assert (error.code, error.status) == (ErrorCode.PAYLOAD_TOO_LARGE, 413)
-    assert "4096 bytes" in error.message
+    assert re.match(r"request body is 5,0\d\d bytes, over the 4,096-byte limit", error.message), error.message
     # exactly at the limit is fine
     at_limit = json.dumps({"type": "open_session", "image": {"base64": ""}})
     pad = 4096 - len(at_limit)

@@ -10,6 +10,7 @@ import pytest
 from llava_sessions.config import Settings
 from llava_sessions.service import Row, SessionService
 from llava_sessions.sessions.ledger import Tier
+from llava_sessions.wire.contract import SEQUENCE_END_HEADER
 from llava_sessions.worker import build_service
 
 
@@ -66,14 +67,11 @@ def test_batch_rows_are_answered_independently(service, photos):
         "missing_session_id",
         "image_invalid",
     ]
-    # rows that leave no session behind end their TorchServe job group; the open one does not
-    assert "X-Amzn-SageMaker-Closed-Session-Id" not in out[0].headers
-    assert [r.headers.get("X-Amzn-SageMaker-Closed-Session-Id") for r in out[1:]] == [
-        "ts-seq-b",
-        "ghost",
-        "ts-seq-c",
-        "ts-seq-d",
-    ]
+    # rows that leave no session behind end their TorchServe job group; the open one does not.
+    # Only the client's own id that is gone reads as a closed session: the minted groups were none.
+    assert "X-Amzn-SageMaker-Closed-Session-Id" not in out[0].headers and SEQUENCE_END_HEADER not in out[0].headers
+    assert [r.headers.get(SEQUENCE_END_HEADER) for r in out[1:]] == ["ts-seq-b", "ghost", "ts-seq-c", "ts-seq-d"]
+    assert [r.headers.get("X-Amzn-SageMaker-Closed-Session-Id") for r in out[1:]] == [None, "ghost", None, None]
     assert all(r.stop is None for r in out[1:])  # whole responses
     assert out[0].stop is False and out[0].body == b""  # the open goes on in later steps: headers went first
     opened = finish(service, rows[:1], out[:1])["r1"]

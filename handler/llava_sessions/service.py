@@ -30,9 +30,9 @@ from .images.fetch import fetch_image_bytes
 from .metrics import WorkerMetrics
 from .native.serving import NativeServing
 from .sessions.conversation import Chat
-from .wire.contract import CLOSED_SESSION_ID_HEADER
+from .wire.contract import SEQUENCE_END_HEADER
 from .wire.framing import Framing, Row, RowResult
-from .wire.inbound import is_chat_body, load_body
+from .wire.inbound import is_chat_body, load_body, names_chat_keys
 from .wire.jobs import Dialect, Job, JobTable
 
 __all__ = ["Row", "RowResult", "SessionService"]
@@ -60,7 +60,7 @@ class SessionService:
         settings: Settings,
         engine: SessionEngine,
         *,
-        end_header: str = CLOSED_SESSION_ID_HEADER,
+        end_header: str = SEQUENCE_END_HEADER,
         fetch: Callable[..., bytes] = fetch_image_bytes,
         metrics: WorkerMetrics | None = None,
         model_name: str = "llava",
@@ -126,7 +126,9 @@ class SessionService:
                 dialect = self.chat
             return dialect.admit(row, data, now)
         except ServiceError as err:
-            return self.jobs.error(dialect, row.session_id, err)
+            if err.code is ErrorCode.PAYLOAD_TOO_LARGE and names_chat_keys(row.body):
+                dialect = self.chat  # too large to decode: its dialect is read from its raw keys
+            return self.jobs.error(dialect, row.session_id, err, held=not row.minted)
         except Exception:  # noqa: BLE001 - never raise out of handle()
             log.exception("request failed", extra={"request_id": row.request_id})
             return self.jobs.error(dialect, None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))

@@ -20,7 +20,7 @@ from .model import LlavaRunner
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions.store import SessionStore
-from .wire.contract import CLOSED_SESSION_ID_HEADER
+from .wire.contract import SEQUENCE_END_HEADER
 
 __all__ = ["build_engine", "build_local_service", "build_service", "quiet_worker_logs"]
 
@@ -39,7 +39,7 @@ def build_service(
     env: Mapping[str, str] | None = None,
     archive_dir: str | None = None,
     gpu_id: int | None = None,
-    end_header: str = CLOSED_SESSION_ID_HEADER,
+    end_header: str = SEQUENCE_END_HEADER,
     metrics: Any = None,
     batch_size: int | None = None,
 ) -> SessionService | ReplicaRouter:
@@ -112,7 +112,7 @@ def build_local_service(
     env: Mapping[str, str] | None = None,
     archive_dir: str | None = None,
     gpu_id: int | None = None,
-    end_header: str = CLOSED_SESSION_ID_HEADER,
+    end_header: str = SEQUENCE_END_HEADER,
     metrics: Any = None,
     device: str = "",
     replica: int = 0,

@@ -27,10 +27,10 @@ mirrors public AWS material and is unverified against a live endpoint):
   and answered with the container's own reply (an SSE stream relayed as it comes).
 - Sticky sessions by ``X-Amzn-SageMaker-Session-Id``. ``NEW_SESSION`` (or no id) goes to the
   least-loaded healthy backend (fewest sessions this router placed there). ``NEW_SESSION`` is
-  forwarded as the literal header, as SageMaker forwards the value boto3 sends: TorchServe puts
-  every such open in its one ``NEW_SESSION`` job group and the handler mints ``llava-<uuid4>``.
-  ``--mint-session-ids`` removes the header instead, so TorchServe mints ``ts-seq-<uuid>`` (what
-  the AWS TorchServe sample expects); an absent id is always forwarded absent. Either way the
+  forwarded as no header, so TorchServe mints ``ts-seq-<uuid>``: the AWS TorchServe sample's
+  notebook asserts exactly that of a real endpoint. ``--new-session-literal`` forwards the literal
+  header instead (TorchServe puts every such open in its one ``NEW_SESSION`` job group and the
+  handler mints ``llava-<uuid4>``); an absent id is always forwarded absent. Either way the
   handler answers ``X-Amzn-SageMaker-New-Session-Id`` and the router remembers id → backend. A
   known id goes to its backend. An id the router does not know goes to the least-loaded backend as
   is; the container answers ``404 session_not_found`` with the Closed header (as an instance that
@@ -64,7 +64,8 @@ mirrors public AWS material and is unverified against a live endpoint):
   ``NEW_SESSION`` is refused here (``ValidationError``), as SageMaker does.
 - Bodies over 6 MiB (6,291,456 bytes) and session ids outside botocore's pattern
   ``^[a-zA-Z0-9](-*[a-zA-Z0-9])*$`` are refused with ``ValidationError``.
-- ``GET /ping``: 200 when every backend's ``/ping`` answers 200, else 503.
+- ``GET /ping``: 200 while at least one backend's ``/ping`` answers 200 (a backend's front says 200
+  only while its worker serves), else 503; the router listens only once every backend served.
   ``GET /debug/sessions``: ``{"backends": [{"index", "url", "healthy", "sessions", "log_dir"}],
   "sessions": {id: index}}``.
 
@@ -117,8 +118,8 @@ class LocalEndpoint:
         endpoint_name: accept only this endpoint name (default: any).
         read_timeout_s: seconds to wait on a backend read.
         verbose: log each request to stderr.
-        pass_new_session: forward an open's literal ``NEW_SESSION`` (as SageMaker does), or no
-            header (False: TorchServe mints the id); see :class:`RouterServer`.
+        pass_new_session: forward an open's literal ``NEW_SESSION`` header, or (False, the
+            default) no header, so TorchServe mints the id; see :class:`RouterServer`.
         routing: ``least-outstanding`` (requests without a session: the backend with the fewest
             sessions) or ``prefix-aware`` (SageMaker's ``PREFIX_AWARE``: where the same
             ``PrefixAwareId`` and first ``prefix_length`` body bytes were served last, unless it has
@@ -139,7 +140,7 @@ class LocalEndpoint:
         endpoint_name: str | None = None,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         verbose: bool = False,
-        pass_new_session: bool = True,
+        pass_new_session: bool = False,
         routing: str = "least-outstanding",
         prefix_length: int = 1024,
         concurrency_threshold: int = 1024,
@@ -152,7 +153,7 @@ class LocalEndpoint:
         self.routing, self.prefix_length, self.concurrency_threshold = routing, prefix_length, concurrency_threshold
         if backends < 1:
             raise ValueError(f"backends must be >= 1, got {backends}")
-        # each backend stands for a container: TorchServe itself, as SageMaker reaches it (no front)
+        # each backend stands for a container: its front (the truthful /ping) without the /v1 routes
         server_kwargs.setdefault("openai_routes", False)
         self.servers = [LocalServer(model_dir, **server_kwargs) for _ in range(backends)]
         self.port = port
@@ -261,11 +262,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--verbose", action="store_true", help="log every request")
     parser.add_argument(
-        "--mint-session-ids",
+        "--new-session-literal",
         dest="pass_new_session",
-        action="store_false",
-        help="open without the session header, so TorchServe mints ts-seq-<uuid> ids (default: forward the "
-        "literal NEW_SESSION, as SageMaker does; the handler then mints llava-<uuid>)",
+        action="store_true",
+        help="forward an open's literal NEW_SESSION header (the handler mints llava-<uuid>); default: no header, "
+        "so TorchServe mints ts-seq-<uuid>, as the AWS TorchServe sample's notebook shows a real endpoint does",
     )
     parser.add_argument(
         "--routing",

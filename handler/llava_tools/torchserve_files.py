@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,13 +23,14 @@ from typing import Any
 import yaml
 
 import llava_sessions
-from llava_sessions.wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SESSION_ID_HEADER
+from llava_sessions.wire.contract import NEW_SESSION_ID_HEADER, SEQUENCE_END_HEADER, SESSION_ID_HEADER
 
 from .cli import StartError
-from .processes import OPENER
+from .processes import OPENER, load_psutil
 
 __all__ = [
-    "MAX_BODY_BYTES",
+    "MAX_REQUEST_BYTES",
+    "MAX_RESPONSE_BYTES",
     "MODEL_NAME",
     "MULTI_WORKER_REFUSAL",
     "SEQUENCE_HEADER_KEYS",
@@ -40,27 +42,35 @@ __all__ = [
     "default_handler_path",
     "default_log_config_path",
     "default_model_config_path",
+    "keep_logs",
     "load_failed",
     "model_config",
     "model_status",
     "visible_gpus",
     "worker_error",
+    "worker_pids_of",
 ]
 
 #: Name the model is registered under (``/predictions/llava``; ``/invocations`` needs no name).
 MODEL_NAME = "llava"
 
 #: Frontend keys (config.properties) -> the env var the Python worker reads the same name from
-#: (ts/context.py, Context.__init__). Both sides must name the same header: SageMaker's session
-#: headers double as TorchServe's sequence header keys (id / start / end).
+#: (ts/context.py, Context.__init__). Both sides must name the same header: SageMaker's session id
+#: header doubles as TorchServe's sequence id key; the start key is the new-session header (a request
+#: header the frontend adds); the end key is our own (contract.SEQUENCE_END_HEADER), so ending a job
+#: group TorchServe minted never tells a client that a session closed.
 SEQUENCE_HEADER_KEYS = (
     ("ts_header_key_sequence_id", "TS_REQUEST_SEQUENCE_ID", SESSION_ID_HEADER),
     ("ts_header_key_sequence_start", "TS_REQUEST_SEQUENCE_START", NEW_SESSION_ID_HEADER),
-    ("ts_header_key_sequence_end", "TS_REQUEST_SEQUENCE_END", CLOSED_SESSION_ID_HEADER),
+    ("ts_header_key_sequence_end", "TS_REQUEST_SEQUENCE_END", SEQUENCE_END_HEADER),
 )
 
-#: SageMaker's body limit is 6,291,456 bytes; TorchServe's own limit sits just above it.
-MAX_BODY_BYTES = 6_553_600
+#: TorchServe's request limit, bytes: far above SageMaker's 6,291,456 so that the handler, not
+#: TorchServe's bare 413, refuses a body over the handler's ``max_body_bytes`` (with the dialect's
+#: typed ``payload_too_large``); llava-serve's front answers past this one the same way.
+MAX_REQUEST_BYTES = 64 << 20
+#: TorchServe's response limit, bytes (replies are small; SageMaker's limit sits just under it).
+MAX_RESPONSE_BYTES = 6_553_600
 #: Why more than one TorchServe worker per model is refused (docs/design.md, "One worker").
 MULTI_WORKER_REFUSAL = (
     "more than one TorchServe worker per model is refused: TorchServe does not keep a session on one "
@@ -251,8 +261,8 @@ def config_properties(host: str, ports: Mapping[str, int], store: Path, workers:
         f"model_store={store}",
         "load_models=ALL",
         f"default_workers_per_model={workers}",
-        f"max_request_size={MAX_BODY_BYTES}",
-        f"max_response_size={MAX_BODY_BYTES}",
+        f"max_request_size={MAX_REQUEST_BYTES}",
+        f"max_response_size={MAX_RESPONSE_BYTES}",
     ]
     lines += [f"{key}={header}" for key, _, header in SEQUENCE_HEADER_KEYS]
     return "\n".join(lines) + "\n"
@@ -302,6 +312,38 @@ def model_status(management_url: str, num_workers: int) -> tuple[bool, str, dict
     states = [w.get("status") for w in workers]
     by_pid = {int(w["pid"]): str(w.get("status")) for w in workers if int(w.get("pid") or -1) > 0}
     return states.count("READY") >= num_workers, f"worker states {states}", by_pid
+
+
+def worker_pids_of(frontend: Any) -> list[int]:
+    """The pids of TorchServe's Python workers (``ts/model_service_worker.py`` processes) under the
+    frontend's ``psutil.Process``, sorted; [] when it is gone."""
+    psutil = load_psutil()
+    pids = []
+    try:
+        children = frontend.children(recursive=True)
+    except psutil.Error:
+        return []
+    for child in children:
+        try:
+            if any("model_service_worker" in part for part in child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:
+            continue
+    return sorted(pids)
+
+
+def keep_logs(temp_dir: Path) -> Path | None:
+    """Move a server's ``logs`` folder out of ``temp_dir`` (about to be removed) to
+    ``<tmp>/llava-serve-logs-<time>-<pid>``; returns where, or None (no logs, or the move failed)."""
+    logs = temp_dir / "logs"
+    if not logs.is_dir():
+        return None
+    kept = Path(tempfile.gettempdir()) / f"llava-serve-logs-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    try:
+        shutil.move(str(logs), kept)
+    except OSError:
+        return None
+    return kept
 
 
 def tail_logs(temp_dir: Path, n: int = 50) -> str:

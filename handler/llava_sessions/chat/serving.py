@@ -143,7 +143,10 @@ class ChatServing(Serving):
                 self.jobs.close_quietly(own_sid)
             raise
         engine.remember_urls(own_sid, urls, uuids)
-        job = Job(row.request_id, own_sid, self, command, now, work=gen, own_group=not opens and bool(sid), t0=t0)
+        held = not (opens or one_shot)
+        job = Job(
+            row.request_id, own_sid, self, command, now, work=gen, own_group=not opens and bool(sid), held=held, t0=t0
+        )
         job.one_shot, job.urls, job.intake_timings = one_shot, urls, {"intake": intake}
         job.opened = opens
         if command.stream:
@@ -256,7 +259,8 @@ class ChatServing(Serving):
 
     def _error(self, job: Job) -> RowResult:
         assert job.error is not None
-        return self.jobs.error(self, job.session_id if job.own_group else None, job.error, continued=job.continued)
+        sid = job.session_id if job.own_group else None
+        return self.jobs.error(self, sid, job.error, held=job.held, continued=job.continued)
 
     def _frame(self, job: Job, body: bytes, *, last: bool) -> RowResult:
         """One stream frame (the job is forgotten with its last)."""

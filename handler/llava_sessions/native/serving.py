@@ -134,7 +134,7 @@ class NativeServing(Serving):
         try:
             return self._admit_image(row, sid, command, now, own_group=own_group)
         except ServiceError as err:
-            return self.jobs.error(self, sid if own_group else None, err)
+            return self.jobs.error(self, sid if own_group else None, err, held=False)
 
     def _admit_image(
         self, row: Row, sid: str, command: OpenCommand | AddImageCommand, now: float, *, own_group: bool = True
@@ -166,7 +166,8 @@ class NativeServing(Serving):
             )
         else:
             task = self.engine.begin_add_image(sid, data[0], image=images[0])
-        job = Job(row.request_id, sid, self, command, now, work=task, own_group=own_group, t0=t0)
+        held = not isinstance(command, OpenCommand)
+        job = Job(row.request_id, sid, self, command, now, work=task, own_group=own_group, held=held, t0=t0)
         job.intake_timings = {"fetch": elapsed_ms(t0, t_fetched), "decode": elapsed_ms(t_fetched, t_decoded)}
         return job
 
@@ -186,7 +187,7 @@ class NativeServing(Serving):
             return self.framing.frame(b"", continued=job.continued, last=False, headers=headers)
         self.jobs.forget(job)
         if job.error is not None:
-            return self.jobs.error(self, job.session_id, job.error, continued=job.continued)
+            return self.jobs.error(self, job.session_id, job.error, held=job.held, continued=job.continued)
         assert gen.answer is not None
         self.metrics.observe_answer(gen.answer)
         body = responses.encode_answer(command, gen.answer)
@@ -207,7 +208,7 @@ class NativeServing(Serving):
             return self._lines(job, responses.encode_tokens(new[:-1]) + end, last=True)
         body = responses.encode_tokens(new)
         if not job.continued and not body:
-            return self.jobs.error(self, job.session_id, job.error)
+            return self.jobs.error(self, job.session_id, job.error, held=job.held)
         self.metrics.count_error(job.error)
         return self._lines(job, body + responses.encode_stream_error(job.error), last=True)
 
@@ -229,7 +230,9 @@ class NativeServing(Serving):
         self.jobs.forget(job)
         if job.error is not None:
             task.close()
-            return self.jobs.error(self, job.session_id if job.own_group else None, job.error, continued=job.continued)
+            return self.jobs.error(
+                self, job.session_id if job.own_group else None, job.error, held=job.held, continued=job.continued
+            )
         result = task.result
         assert result is not None
         timings = {**job.intake_timings, **result.timings, "total": elapsed_ms(job.t0)}

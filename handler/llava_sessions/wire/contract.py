@@ -25,6 +25,7 @@ __all__ = [
     "SESSION_ID_HEADER",
     "SESSION_ID_PATTERN",
     "SESSION_ID_RE",
+    "SEQUENCE_END_HEADER",
     "format_expires",
     "salt_of_attributes",
     "session_header_value",
@@ -37,6 +38,12 @@ SESSION_ID_HEADER = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION_ID_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 #: Response header boto3 reads as ``ClosedSessionId``.
 CLOSED_SESSION_ID_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+#: TorchServe's sequence-end key (``ts_header_key_sequence_end`` / ``TS_REQUEST_SEQUENCE_END``): a
+#: handler response header of this name ends the request's job group at once. Our own name, not
+#: SageMaker's closed-session header: a job group TorchServe minted for a one-shot or a refused open
+#: is no session the client had, so its end must not read as ``ClosedSessionId`` (TorchServe sends
+#: every handler header on to the client).
+SEQUENCE_END_HEADER = "X-Llava-Sequence-End"
 #: SageMaker's pass-through request header (boto3 ``CustomAttributes``); may carry ``cache_salt=<salt>``.
 CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
 #: The ``SessionId`` a client passes to ``invoke_endpoint`` to open a session.

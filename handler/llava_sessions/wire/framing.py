@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .contract import CLOSED_SESSION_ID_HEADER, CUSTOM_ATTRIBUTES_HEADER
+from .contract import CLOSED_SESSION_ID_HEADER, CUSTOM_ATTRIBUTES_HEADER, SEQUENCE_END_HEADER
 
 __all__ = ["EVENT_STREAM", "JSON", "JSON_LINES", "Framing", "Row", "RowResult", "read_rows", "write_results"]
 
@@ -77,7 +77,7 @@ class Framing:
         end_header: TorchServe's sequence-end response header name (``ctx.header_key_sequence_end``).
     """
 
-    def __init__(self, end_header: str = CLOSED_SESSION_ID_HEADER) -> None:
+    def __init__(self, end_header: str = SEQUENCE_END_HEADER) -> None:
         self.end_header = end_header
 
     @staticmethod

@@ -31,7 +31,9 @@ __all__ = [
     "invalid",
     "is_chat_body",
     "load_body",
+    "names_chat_keys",
     "request_salt",
+    "too_large",
     "validation_error",
 ]
 
@@ -209,10 +211,7 @@ def load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes:
         except (TypeError, ValueError, RecursionError):
             raise invalid("request body is not a JSON object") from None
         if size > max_body_bytes:
-            raise ServiceError(
-                ErrorCode.PAYLOAD_TOO_LARGE,
-                f"request body is over {max_body_bytes} bytes; send large images by url or s3_uri",
-            )
+            raise too_large(size, max_body_bytes)
         return body
     if isinstance(body, str):
         size = len(body.encode("utf-8", "surrogatepass"))
@@ -222,10 +221,7 @@ def load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes:
     else:
         raise invalid("request body must be a JSON object")
     if size > max_body_bytes:
-        raise ServiceError(
-            ErrorCode.PAYLOAD_TOO_LARGE,
-            f"request body is over {max_body_bytes} bytes; send large images by url or s3_uri",
-        )
+        raise too_large(size, max_body_bytes)
     if size == 0:
         raise invalid("request body is empty; send a JSON object with a 'type' field")
 
@@ -236,6 +232,37 @@ def load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes:
         return json.loads(body, parse_constant=_no_constants)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise invalid("request body is not valid JSON (UTF-8)") from None
+
+
+def too_large(size: int, max_body_bytes: int) -> ServiceError:
+    """``payload_too_large`` (413) for a ``size``-byte body over ``max_body_bytes``, both in the message."""
+    return ServiceError(
+        ErrorCode.PAYLOAD_TOO_LARGE,
+        f"request body is {size:,} bytes, over the {max_body_bytes:,}-byte limit; send large images by url or s3_uri",
+    )
+
+
+#: A chat body's top-level keys as they appear in raw JSON.
+_CHAT_KEYS = (b'"messages"', b'"requestType"')
+
+
+def names_chat_keys(body: bytes | bytearray | memoryview | str | dict) -> bool:
+    """Whether a body too large to decode is the chat dialect's: its raw JSON has a ``messages`` or
+    ``requestType`` key (:func:`is_chat_body` once decoded): the quoted name, not escaped inside a
+    string, then a colon. Base64 has no quote, so image bytes never match; a substring search
+    scans tens of MB in milliseconds."""
+    if isinstance(body, dict):
+        return is_chat_body(body)
+    raw = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else bytes(body)
+    for key in _CHAT_KEYS:
+        at = raw.find(key)
+        while at >= 0:
+            if (at == 0 or raw[at - 1] != 0x5C) and raw[at + len(key) : at + len(key) + 64].lstrip()[
+                :1
+            ] == b":":  # 0x5C: backslash
+                return True
+            at = raw.find(key, at + 1)
+    return False
 
 
 def is_chat_body(data: Any) -> bool:

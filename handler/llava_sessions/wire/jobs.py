@@ -56,6 +56,8 @@ class Job:
         command: the dialect's command for the request.
         work: the engine's state of it (``Generation`` or ``ImageTask``).
         own_group: the TorchServe job group is this session's own (not the shared ``NEW_SESSION``).
+        held: the client held this session before the request (not an open, not a one-shot): if
+            the session is gone when the job fails, the reply says it closed.
         calls: ``handle()`` calls this job was part of (more than one: its first frame is out).
         one_shot: a chat request without a session: its session becomes a conversation-cache entry
             when it answered, and is removed otherwise (:meth:`JobTable.end_one_shot`).
@@ -71,6 +73,7 @@ class Job:
     last_seen: float
     work: Generation | ImageTask
     own_group: bool = True
+    held: bool = True
     t0: float = 0.0  # admission time (perf_counter), for an open's total_ms
     intake_timings: dict[str, float] = field(default_factory=dict)  # an image's fetch and decode, ms
     calls: int = 0
@@ -166,21 +169,33 @@ class JobTable:
             pass
 
     def error(
-        self, dialect: Dialect, session_id: str | None, err: ServiceError, *, continued: bool = False
+        self,
+        dialect: Dialect,
+        session_id: str | None,
+        err: ServiceError,
+        *,
+        held: bool = True,
+        continued: bool = False,
     ) -> RowResult:
         """A JSON error row in ``dialect``'s shape for the request of TorchServe job group ``session_id``.
 
-        A request that leaves no open session behind (unknown, expired or evicted id, failed
-        open, missing id) gets the closed/sequence-end header: TorchServe frees the job group at
-        once and the router learns the session is gone. The shared ``NEW_SESSION`` group is
-        never ended. ``continued``: the job's first frame went out (this is its last chunk).
+        A request that leaves no open session behind ends its job group at once (TorchServe's
+        sequence end). Only where the client ``held`` that session (it named an id it had: unknown,
+        expired, evicted) does the reply also say the session closed (SageMaker's
+        ``X-Amzn-SageMaker-Closed-Session-Id``, boto3's ``ClosedSessionId``): a failed open or a
+        one-shot's group, minted by TorchServe, is no session the client ever had. The shared
+        ``NEW_SESSION`` group is never ended. ``continued``: the job's first frame went out (this is
+        its last chunk).
         """
         self.metrics.count_error(err)
         if err.code is ErrorCode.IMAGE_FETCH_FAILED:  # the operator's to fix (credentials, a role, the network)
             log.warning("image fetch failed: %s", err.message, extra={"session_id": session_id})
         headers: dict[str, str] = {}
         if session_id and session_id != NEW_SESSION_LITERAL and session_id not in self.engine.store:
-            headers.update(self.framing.closed(session_id))
+            if held and SESSION_ID_RE.match(session_id):
+                headers.update(self.framing.closed(session_id))
+            else:
+                headers.update(self.framing.end_sequence(session_id))
         if err.retry_after_s:
             headers["Retry-After"] = str(err.retry_after_s)
         return self.framing.frame(
