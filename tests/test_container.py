@@ -60,7 +60,7 @@ def test_resolve_model_prefers_sagemaker_then_baked_and_reads_the_artifact(tmp_p
 def _container_properties(tmp_path: Path, ts_config: Path) -> dict[str, str]:
     server = ContainerServer(tmp_path, ts_config=ts_config, host="0.0.0.0", port=8080)
     server._ports = {
-        "inference": 8080,
+        "inference": 40000,  # TorchServe's own, on loopback (the front holds 8080)
         "management": 40001,
         "metrics": 40002,
         "grpc_inference": 40003,
@@ -72,7 +72,7 @@ def _container_properties(tmp_path: Path, ts_config: Path) -> dict[str, str]:
 def test_container_config_is_the_image_file_with_this_runs_addresses(tmp_path: Path) -> None:
     written = _container_properties(tmp_path, TS_CONFIG)
     from_file = _parse_properties(TS_CONFIG.read_text())
-    assert written["inference_address"] == "http://0.0.0.0:8080"
+    assert written["inference_address"] == "http://127.0.0.1:40000"  # behind the front on 0.0.0.0:8080
     assert written["management_address"] == "http://127.0.0.1:40001"  # loopback only
     assert written["metrics_address"] == "http://127.0.0.1:40002"
     assert written["model_store"] == str(tmp_path / "store") and written["load_models"] == "ALL"
@@ -144,9 +144,11 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         processes = psutil.Process(serve.pid).children(recursive=True)
         assert any(p.name().startswith("java") for p in processes)
         written = (log_dir.parent / "config.properties").read_text()
+        # TorchServe on loopback; the public port (bound on 0.0.0.0) is the front's, whose /ping is truthful
         assert (
             written.startswith("# Written by llava-container-serve from")
-            and "inference_address=http://0.0.0.0:" in written
+            and "inference_address=http://127.0.0.1:" in written
+            and f"inference_address=http://127.0.0.1:{url.rsplit(':', 1)[1]}" not in written
         )
         java = next(p for p in processes if p.name().startswith("java"))
         assert f"-Dlog4j.configurationFile=file://{REPO / 'config' / 'log4j2.xml'}" in java.cmdline()
@@ -196,14 +198,15 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         deadline = time.monotonic() + 60
         while True:
             assert serve.poll() is None, "".join(output.lines)
-            try:
-                reopened = requests.post(
-                    url + "/invocations", json={"type": "open_session", "image": {"base64": image}}, timeout=60
-                )
-                if reopened.status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass  # the restart window: the port is closed until TorchServe is back
+            reopened = requests.post(
+                url + "/invocations", json={"type": "open_session", "image": {"base64": image}}, timeout=60
+            )
+            if reopened.status_code == 200:
+                break
+            # the restart window: /ping 503 (SageMaker sees it), requests a typed 503 with Retry-After
+            assert reopened.status_code == 503 and reopened.json()["error"]["code"] == "model_not_ready", reopened.text
+            assert int(reopened.headers["Retry-After"]) >= 1
+            assert requests.get(url + "/ping", timeout=2).status_code in (503, 200)
             assert time.monotonic() < deadline, "no new session within 60 s of the worker's death"
             time.sleep(0.5)
 

@@ -247,9 +247,11 @@ def test_llava_chat_stateless_sends_the_image_once(server, photos, tmp_path):
     assert bad.returncode == 2 and "--cache-salt goes with --stateless" in bad.stderr
 
 
-def test_the_front_waits_out_a_restart_then_says_503_with_retry_after():
-    """Nothing listens behind the front (TorchServe restarting): a request waits ``restart_wait_s``, then
-    gets ``503 overloaded`` with ``Retry-After``; OpenAI's own routes answer without TorchServe."""
+def test_the_front_s_ping_and_503s_follow_whether_the_worker_serves():
+    """Nothing listens behind the front. Until it is told the worker serves, ``/ping`` answers 503 and
+    a request a typed ``503 overloaded`` at once, whose ``Retry-After`` counts down a restart's expected
+    duration; OpenAI's own routes answer without TorchServe. Told it serves while TorchServe still
+    refuses, a request waits ``restart_wait_s``, then gets the same 503."""
     import socket
     import time
 
@@ -264,12 +266,31 @@ def test_the_front_waits_out_a_restart_then_says_503_with_retry_after():
     front = OpenAIFront(("127.0.0.1", 0), ("127.0.0.1", closed_port), "m", restart_wait_s=1.0).start()
     try:
         url = f"http://127.0.0.1:{front.port}"
+        ping = requests.get(url + "/ping", timeout=5)
+        assert (ping.status_code, ping.json(), ping.headers["Retry-After"]) == (503, {"status": "Unhealthy"}, "5")
         t0 = time.monotonic()
-        r = requests.post(url + "/v1/chat/completions", json={"messages": []}, timeout=10)
-        assert r.status_code == 503 and r.headers["Retry-After"] == "5" and r.json()["error"]["code"] == "overloaded"
-        assert time.monotonic() - t0 >= 1.0
+        for path in ("/invocations", "/v1/chat/completions"):
+            r = requests.post(url + path, json={"messages": []}, timeout=10)
+            assert (
+                r.status_code == 503
+                and r.headers["Retry-After"] == "5"
+                and r.json()["error"]["code"] == "model_not_ready"
+            )
+        assert time.monotonic() - t0 < 1.0  # at once: nothing to wait for
+        front.set_ready(False, expected_s=12.0)  # a restart whose last start took 12 s
+        r = requests.post(url + "/invocations", json={}, timeout=10)
+        assert r.status_code == 503 and 11 <= int(r.headers["Retry-After"]) <= 12
         assert requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"] == "m"
         assert requests.post(url + "/v1/embeddings", json={}, timeout=5).status_code == 404
+
+        front.set_ready(True)
+        assert requests.get(url + "/ping", timeout=5).json() == {"status": "Healthy"}
+        t0 = time.monotonic()
+        r = requests.post(url + "/v1/chat/completions", json={"messages": []}, timeout=10)
+        assert (
+            r.status_code == 503 and r.headers["Retry-After"] == "5" and r.json()["error"]["code"] == "model_not_ready"
+        )
+        assert time.monotonic() - t0 >= 1.0
         with socket.create_connection(("127.0.0.1", front.port), timeout=5) as raw:
             raw.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n{}")
             assert raw.recv(100).startswith(b"HTTP/1.1 400 ")

@@ -134,4 +134,22 @@ def test_two_replicas_place_route_and_survive_a_replica_death(request, tiny_mode
         time.sleep(1)
     alive = [p for p in worker.children() if "spawn_main" in " ".join(p.cmdline())]
     assert len(alive) == 2 and replicas[1].pid not in [p.pid for p in alive]
+
+    # both die: once the worker knows, a new request no replica can take gets a typed 503 with
+    # Retry-After (not a 500), until they are back
+    for process in alive:
+        process.kill()
+    seen = []
+    deadline = time.monotonic() + 120
+    while True:
+        r = _post(server.url, {"type": "open_session", "image": image})
+        seen.append((r.status_code, r.json().get("error", {}).get("code")))
+        if r.status_code == 200:
+            break
+        assert r.status_code in (500, 503), r.text
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "model_not_ready" and r.headers["Retry-After"] == "5", r.text
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.5)
+    assert (503, "model_not_ready") in seen and seen.count((500, "internal_error")) <= 2, seen
     assert server.restarts == 0  # the worker itself never died

@@ -7,6 +7,7 @@ Closed-Session-Id response header ending the job group, and a clean stop on SIGT
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ import pytest
 import requests
 import torch
 
+from llava_tools.processes import pick_ports
 from server_fixtures import OutputLines, stop_process, write_echo_handler
 
 psutil = pytest.importorskip("psutil")
@@ -28,6 +30,7 @@ psutil = pytest.importorskip("psutil")
 SESSION = "X-Amzn-SageMaker-Session-Id"
 NEW_SESSION = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION = "X-Amzn-SageMaker-Closed-Session-Id"
+SEQUENCE_END = "X-Llava-Sequence-End"  # TorchServe's sequence-end key: our own, not SageMaker's closed header
 READY = re.compile(r"llava-serve: ready at (http://\S+) .*logs (\S+);")
 MINTED_ID = re.compile(r"^ts-seq-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
@@ -89,7 +92,7 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         assert first["env"] == {
             "TS_REQUEST_SEQUENCE_ID": SESSION,
             "TS_REQUEST_SEQUENCE_START": NEW_SESSION,
-            "TS_REQUEST_SEQUENCE_END": CLOSED_SESSION,
+            "TS_REQUEST_SEQUENCE_END": SEQUENCE_END,
         }
         assert SESSION in first["headers"] and NEW_SESSION in first["headers"]
 
@@ -107,12 +110,12 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         refused = _invoke(url, {"turn": 1})
         assert refused.status_code == 503, refused.text
 
-        # The handler sets the Closed header: it reaches the client with its exact name, and
+        # The handler sets the sequence-end header: it reaches the client with its exact name, and
         # TorchServe drops the job group at once, so a new session is accepted right after.
         closed = _invoke(url, {"close": True}, {SESSION: session_id})
         assert closed.status_code == 200, closed.text
-        assert closed.headers.get(CLOSED_SESSION) == session_id
-        assert CLOSED_SESSION in list(closed.headers.keys())
+        assert closed.headers.get(SEQUENCE_END) == session_id
+        assert SEQUENCE_END in list(closed.headers.keys())
         reopened = _invoke(url, {"turn": 1})
         assert reopened.status_code == 200, reopened.text
         assert MINTED_ID.match(reopened.json()["session_id"])
@@ -142,15 +145,15 @@ def _properties(path: Path) -> dict[str, str]:
 
 
 def test_container_config_names_the_sagemaker_session_headers() -> None:
-    from llava_sessions.wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SESSION_ID_HEADER
+    from llava_sessions.wire.contract import NEW_SESSION_ID_HEADER, SEQUENCE_END_HEADER, SESSION_ID_HEADER
 
     props = _properties(REPO / "config" / "config.properties")
     assert props["ts_header_key_sequence_id"] == SESSION_ID_HEADER == SESSION
     assert props["ts_header_key_sequence_start"] == NEW_SESSION_ID_HEADER == NEW_SESSION
-    assert props["ts_header_key_sequence_end"] == CLOSED_SESSION_ID_HEADER == CLOSED_SESSION
+    assert props["ts_header_key_sequence_end"] == SEQUENCE_END_HEADER == SEQUENCE_END
     assert props["inference_address"] == "http://0.0.0.0:8080"
     assert props["disable_token_authorization"] == "true"
-    assert int(props["max_request_size"]) > 6_291_456 and int(props["max_response_size"]) > 6_291_456
+    assert int(props["max_request_size"]) == 64 << 20 and int(props["max_response_size"]) > 6_291_456
 
 
 def test_the_log_config_is_the_quiet_one_unless_named(tmp_path: Path, monkeypatch) -> None:
@@ -298,6 +301,28 @@ def _worker_pids(cli_pid: int) -> list[int]:
     return pids
 
 
+def _poll_ping_until_healthy(url: str, cli: subprocess.Popen, output, timeout_s: float) -> list[dict]:
+    """Poll ``/ping`` (and send an invocation while it is not 200) every 0.1 s from the CLI's start
+    until ``/ping`` says 200; returns what each poll before that saw."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert cli.poll() is None, "".join(output.lines)
+        try:
+            ping = requests.get(url + "/ping", timeout=2).status_code
+        except requests.ConnectionError:
+            ping = None
+        if ping == 200:
+            return seen
+        invoke = None
+        if ping is not None:
+            r = _invoke(url, {"type": "generate", "prompt": "hi"}, {SESSION: "early-1"}, timeout_s=5)
+            invoke = (r.status_code, r.json()["error"]["code"], "Retry-After" in r.headers)
+        seen.append({"ping": ping, "invoke": invoke})
+        time.sleep(0.1)
+    raise AssertionError(f"/ping not 200 within {timeout_s} s")
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_cli_survives_killed_workers_and_sessions_come_back(tmp_path: Path, tiny_model_dir: Path, photos) -> None:
@@ -305,12 +330,25 @@ def test_cli_survives_killed_workers_and_sessions_come_back(tmp_path: Path, tiny
     answers 404 with the closed header, and llava_client restores the conversation exactly."""
     from llava_client import SessionClient
 
-    command = [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", "0", "--startup-timeout", "120"]
+    port = pick_ports("127.0.0.1", 0)["inference"]
+    command = [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", str(port), "--startup-timeout", "120"]
     cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
         output = OutputLines(cli.stdout)
-        url = output.wait_for(READY, timeout_s=150).group(1)
-        client = SessionClient.from_url(url)  # the default rides out the restart (restart_wait_s)
+        url = f"http://127.0.0.1:{port}"
+        # SageMaker's health check from the first second: no 200 until a request would be served; a
+        # request meanwhile gets a typed 503 with Retry-After; the first request after the first 200
+        # is answered (before, /ping said Healthy seconds before the model was loaded)
+        refusals = _poll_ping_until_healthy(url, cli, output, timeout_s=150)
+        assert refusals, "the front answered nothing before the model served"
+        assert {r["ping"] for r in refusals} <= {503, None} and any(r["ping"] == 503 for r in refusals)
+        assert all(r["invoke"] in (None, (503, "model_not_ready", True)) for r in refusals), refusals
+        sent = time.monotonic()
+        first = _invoke(url, {"type": "open_session", "image": {"base64": base64.b64encode(photos["rocket"]).decode()}})
+        assert first.status_code == 200, first.text
+        print(f"first open after the first /ping 200: {time.monotonic() - sent:.2f} s")
+        assert url == output.wait_for(READY, timeout_s=30).group(1)
+        client = SessionClient.from_url(url)  # the default rides out the restart (Retry-After)
         session = client.open_session(photos["coffee"])
         session.ask("What is in this image?", max_new_tokens=6, temperature=0)
         before = session.ask("And the colours?", remember=False, max_new_tokens=6, temperature=0).text
@@ -321,21 +359,24 @@ def test_cli_survives_killed_workers_and_sessions_come_back(tmp_path: Path, tiny
             os.kill(workers[0], signal.SIGKILL)
             output.wait_for(re.compile(r"died; restarting TorchServe"), timeout_s=30)
             deadline = time.monotonic() + 40
-            while True:  # the restart window: the front holds a request until TorchServe is back (or 503)
+            statuses = []
+            while True:  # the restart window: /ping 503 and a typed 503 with Retry-After, until it is back
                 assert cli.poll() is None, "".join(output.lines)
-                try:
-                    r = _invoke(url, {"type": "generate", "prompt": "hi"}, {SESSION: old_id}, timeout_s=40)
-                    if r.status_code == 404:
-                        break
-                except requests.ConnectionError:
-                    pass
+                r = _invoke(url, {"type": "generate", "prompt": "hi"}, {SESSION: old_id}, timeout_s=40)
+                statuses.append(r.status_code)
+                if r.status_code == 404:
+                    break
+                assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready", r.text
+                assert 1 <= int(r.headers["Retry-After"]) <= 30
+                assert requests.get(url + "/ping", timeout=2).status_code in (503, 200)
                 assert time.monotonic() < deadline, f"no 404 within 40 s after kill {kill}"
                 time.sleep(0.5)
+            assert statuses[0] == 503, statuses  # the supervisor said the worker died: not serving
             assert r.json()["error"]["code"] == "session_not_found" and r.headers[CLOSED_SESSION] == old_id
             again = session.ask("And the colours?", remember=False, max_new_tokens=6, temperature=0)
             assert session.recoveries == kill and session.id != old_id and again.text == before
         # a third kill, and the next question at once: the default client waits out the restart
-        # (refused connections for up to restart_wait_s), then restores the session
+        # (the 503s' Retry-After counts down the last start's duration), then restores the session
         workers = _worker_pids(cli.pid)
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)

@@ -10,11 +10,11 @@ backoff honouring ``Retry-After``, and only where a repeat cannot duplicate work
   ``overloaded``, 409 ``session_busy``), or SageMaker throttled (429);
 - a stream only before its response started (never once a token arrived).
 
-A restarting server refuses connections for a few seconds (docs/api.md, "When a worker dies"):
-once the server has answered this client, a request that could not connect at all is retried for up
-to ``restart_wait_s`` seconds (default :data:`DEFAULT_RESTART_WAIT_S`) from its first refusal, past
-``max_retries``, with the same backoff capped at :data:`MAX_RESTART_RETRY_DELAY_S`; nothing ran, so
-any request may be repeated. A server that never answered (a wrong port, a server not started) gets
+A restarting server answers ``503 model_not_ready`` (its front, with ``Retry-After``) or refuses
+connections for a few seconds (docs/api.md, "When a worker dies"): once the server has answered this
+client, such a request is retried for up to ``restart_wait_s`` seconds (default
+:data:`DEFAULT_RESTART_WAIT_S`) from the first, past ``max_retries``, with the same backoff capped at
+:data:`MAX_RESTART_RETRY_DELAY_S`; nothing ran, so any request may be repeated. A server that never answered (a wrong port, a server not started) gets
 only ``max_retries``: the error, naming the URL, comes within a few seconds.
 """
 
@@ -78,14 +78,14 @@ def should_retry(error: LlavaError, *, retry_safe: bool) -> bool:
     Connection errors and timeouts: when ``retry_safe``, or when the request surely never left
     (``request_sent`` false). 429: always. 409 ``session_busy``: always (the handler refuses it
     before any work while another request of the session is in flight). 503: when ``retry_safe``,
-    or when the handler refused it before any work (code ``overloaded``). Nothing else.
+    or when it was refused before any work (code ``overloaded`` or ``model_not_ready``). Nothing else.
     """
     if isinstance(error, APIConnectionError):
         return retry_safe or not error.request_sent
     if isinstance(error, (RateLimited, SessionBusy)):
         return True
     if isinstance(error, Overloaded):
-        return retry_safe or error.code == "overloaded"
+        return retry_safe or error.code in ("overloaded", "model_not_ready")
     return False
 
 
@@ -184,7 +184,9 @@ class BaseClient:
                 self._reached = True
                 return result
             except LlavaError as err:
-                refused = isinstance(err, APIConnectionError) and not err.request_sent
+                refused = (isinstance(err, APIConnectionError) and not err.request_sent) or (
+                    isinstance(err, Overloaded) and err.code == "model_not_ready"  # a front whose server restarts
+                )
                 if not isinstance(err, APIConnectionError):
                     self._reached = True  # it answered: a later refusal is a restart, not a wrong address
                 if refused and first_refusal is None:

@@ -60,6 +60,7 @@ CODE_STATUS: dict[str, int] = {
     "context_length_exceeded": 422,
     "image_limit_exceeded": 422,
     "overloaded": 503,
+    "model_not_ready": 503,
     "internal_error": 500,
 }
 

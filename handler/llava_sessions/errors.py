@@ -31,6 +31,7 @@ class ErrorCode(str, Enum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 422: prompt + max_new_tokens > max positions
     IMAGE_LIMIT_EXCEEDED = "image_limit_exceeded"  # 422: images or image tokens per session over the limit
     OVERLOADED = "overloaded"  # 503: no memory or generation slot now; retry later
+    MODEL_NOT_READY = "model_not_ready"  # 503: the model is loading, or reloading after a worker died
     INTERNAL_ERROR = "internal_error"  # 500: a bug; details only in the server log
 
 
@@ -52,6 +53,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 422,
     ErrorCode.IMAGE_LIMIT_EXCEEDED: 422,
     ErrorCode.OVERLOADED: 503,
+    ErrorCode.MODEL_NOT_READY: 503,
     ErrorCode.INTERNAL_ERROR: 500,
 }
 

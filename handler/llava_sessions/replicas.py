@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 REPLICA_START_TIMEOUT_S = 3600.0
 #: Prefix keys remembered (least recently answered forgotten first).
 MAX_PREFIX_KEYS = 100_000
+#: ``Retry-After`` (seconds) of a new request that no live replica can take.
+REPLICA_RETRY_AFTER_S = 5
 
 
 def replica_settings(settings: Settings, device: str, num_replicas: int) -> Settings:
@@ -233,7 +235,12 @@ class ReplicaRouter:
         for index, positions in parts.items():
             answers = futures[index].result() if index >= 0 else None
             for k, i in enumerate(positions):
-                result = answers[k] if answers is not None else self.internal_error(chunk=i in continuing)
+                if answers is not None:
+                    result = answers[k]
+                elif index < 0 and i not in continuing:  # no replica alive to take a new request
+                    result = self.not_ready()
+                else:
+                    result = self.internal_error(chunk=i in continuing)
                 results[i] = result
                 self._book(rows[i], result, index)
         return [r if r is not None else RowResult(b"") for r in results]
@@ -320,6 +327,18 @@ class ReplicaRouter:
         ``chunk``: the row continues a job whose first frame went out (this one is its last)."""
         err = ServiceError(ErrorCode.INTERNAL_ERROR, "the model replica serving this request stopped")
         return Framing.frame(encode_error(err), continued=chunk, last=True, status=err.status)
+
+    @staticmethod
+    def not_ready() -> RowResult:
+        """A ``503 model_not_ready`` row with ``Retry-After``: no replica is alive to take a new request
+        (they are being started again)."""
+        err = ServiceError(
+            ErrorCode.MODEL_NOT_READY,
+            "no model replica can take this request yet (restarting after a crash); retry shortly",
+            retry_after_s=REPLICA_RETRY_AFTER_S,
+        )
+        headers = {"Retry-After": str(REPLICA_RETRY_AFTER_S)}
+        return Framing.frame(encode_error(err), continued=False, last=True, status=err.status, headers=headers)
 
     def emit_metrics(self) -> None:
         """Metrics are published as each replica answers (:meth:`_call`); nothing left to do."""

@@ -1,4 +1,4 @@
-"""The container's ``serve`` entrypoint: TorchServe on 0.0.0.0:8080 for a SageMaker endpoint.
+"""The container's ``serve`` entrypoint: TorchServe behind its front on 0.0.0.0:8080 for a SageMaker endpoint.
 
 SageMaker starts a model container as ``docker run IMAGE serve`` and then expects ``GET /ping`` and
 ``POST /invocations`` on port 8080; it stops it with SIGTERM and sends SIGKILL 30 s later. The image
@@ -14,15 +14,17 @@ which is :func:`main`:
 2. start TorchServe with :class:`ContainerServer`, a :class:`~llava_tools.server.LocalServer`
    whose ``config.properties`` is the image's ``config/config.properties`` (token auth off, 6 MiB
    bodies, Prometheus metrics, the SageMaker session headers as sequence keys) with this run's
-   addresses filled in: inference on ``0.0.0.0:8080``, management / metrics / gRPC on free loopback
-   ports. Like every ``LocalServer`` it raises ``batchSize`` / ``maxNumSequence`` to fit
+   addresses filled in: TorchServe's inference, management, metrics and gRPC on free loopback
+   ports, and on ``0.0.0.0:8080`` the front (:mod:`llava_tools.openai_front`) whose ``/ping`` says
+   200 only while the worker serves (TorchServe's own says Healthy before the model is loaded). Like every ``LocalServer`` it raises ``batchSize`` / ``maxNumSequence`` to fit
    ``max_sessions`` on every replica (one per GPU it sees). The handler code is always the image's
    own (``$LLAVA_HOME/handler``), so code and image never disagree; the ``llava_handler.py`` and
    ``llava_sessions/`` inside an uploaded artifact are there for a stock TorchServe and are not
    used here.
 3. keep the supervisor on: TorchServe 0.12 with sequence continuous batching never recovers a
-   killed worker while ``/ping`` keeps answering 200, so the supervisor restarts TorchServe (the
-   dead worker's sessions then answer ``404 session_not_found``). If TorchServe exits on its own,
+   killed worker while its own ``/ping`` keeps answering 200, so the supervisor restarts TorchServe
+   (the dead worker's sessions then answer ``404 session_not_found``); meanwhile ``/ping`` answers
+   503 and requests a typed ``503 overloaded`` with ``Retry-After``. If TorchServe exits on its own,
    this process exits 1 and SageMaker replaces the container.
 4. on SIGTERM / SIGINT: stop TorchServe's process group (SIGTERM, SIGKILL after ``--stop-grace``,
    default 15 s) and exit 0, well inside SageMaker's 30 s.
@@ -169,7 +171,7 @@ class ContainerServer(LocalServer):
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, ts_config: str | os.PathLike, **kwargs: Any) -> None:
-        kwargs.setdefault("openai_routes", False)  # SageMaker reaches TorchServe's /invocations itself
+        kwargs.setdefault("openai_routes", False)  # the front on 8080 serves /ping and relays /invocations
         super().__init__(model_dir, **kwargs)
         self.ts_config_path = Path(ts_config)
         if not self.ts_config_path.is_file():

@@ -1,23 +1,28 @@
-"""OpenAI's routes beside TorchServe's own, on one port: ``llava-serve``'s public face.
+"""The public port of ``llava-serve`` and of the container: a truthful ``/ping``, OpenAI's routes,
+TorchServe's own paths relayed.
 
-TorchServe's inference API serves ``/ping``, ``/invocations`` and ``/predictions/<model>``, but not
-OpenAI's paths. So that the ``openai`` package, LangChain's ``ChatOpenAI`` and eval harnesses work by
-setting ``base_url="http://<host>:<port>/v1"``, this front listens on the public port and:
+TorchServe's ``/ping`` answers Healthy from about a second after start, long before the model is
+loaded, and again after a worker died (its worker threads count as healthy whatever their state);
+SageMaker reads ``/ping`` 200 as "ready for ``/invocations``". TorchServe's inference API also has no
+OpenAI paths. So TorchServe listens on a loopback port and this front on the public one:
 
+- ``GET /ping``: 200 ``{"status": "Healthy"}`` only while the worker serves (its owner, ``llava-serve``'s
+  :class:`~llava_tools.server.LocalServer`, calls :meth:`OpenAIFront.set_ready` once the worker is READY
+  and clears it while it restarts TorchServe), else 503; any other request while it does not serve
+  gets a typed ``503 model_not_ready`` with ``Retry-After`` at once;
 - ``POST /v1/chat/completions``: sends the body unchanged to TorchServe's ``/invocations``, where the
   handler's chat dialect answers it exactly as it answers SageMaker (``llava_sessions.chat``); a
   stream comes back as server-sent events ending ``data: [DONE]``, relayed chunk by chunk;
-- ``GET /v1/models`` (and ``/v1/models/<id>``): the served model, in OpenAI's ``Model`` shape;
-- anything else: relayed to TorchServe as it came (method, path, headers, body), so ``/ping``,
-  ``/invocations`` and ``/predictions/llava`` answer as before.
+- ``GET /v1/models`` (and ``/v1/models/<id>``): the served model, in OpenAI's ``Model`` shape
+  (both ``/v1`` routes only with ``routes``);
+- a body past TorchServe's own ``max_request_size``: the typed ``413 payload_too_large``;
+- anything else: relayed to TorchServe as it came (method, path, headers, body).
 
-While TorchServe refuses connections (``llava-serve`` restarts it after a worker died) a request
-waits for it, up to ``restart_wait_s`` (then ``503 overloaded`` with ``Retry-After``): nothing was sent,
-so a client sees a restart as it saw it without the front, a slower answer or a retry.
+If TorchServe still refuses connections while flagged serving, a request waits for it, up to
+``restart_wait_s`` (then ``503 model_not_ready`` with ``Retry-After``): nothing was sent.
 
 The session header, ``Accept`` and SageMaker's custom attributes pass through both ways; an
-``Authorization`` header (the openai package always sends one) is not forwarded. In the container
-SageMaker reaches TorchServe's ``/invocations`` directly: no front there.
+``Authorization`` header (the openai package always sends one) is not forwarded.
 
 Each hop costs what the extra relay costs, so the front moves bytes, not objects: per client
 connection a thread reads the request head (RFC 9112 framing: ``Content-Length`` bodies, a chunked
@@ -30,12 +35,14 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import socket
 import socketserver
 import time
 from typing import IO, Any
 
 from .processes import BackgroundServing
+from .torchserve_files import MAX_REQUEST_BYTES
 
 __all__ = ["OPENAI_PREFIX", "OpenAIFront"]
 
@@ -43,6 +50,12 @@ __all__ = ["OPENAI_PREFIX", "OpenAIFront"]
 OPENAI_PREFIX = "/v1"
 #: Longest request or reply head relayed, bytes (TorchServe's own limit is 8 KiB per line).
 MAX_HEAD_BYTES = 65536
+#: Bytes read at a time while dropping a body that is refused before it reaches TorchServe.
+DRAIN_PIECE_BYTES = 1 << 20
+#: ``Retry-After`` (seconds) of the 503 answered while the worker does not serve, when no estimate
+#: of its return is known (the first start); a restart's estimate is clamped to 1..MAX_RETRY_AFTER_S.
+RETRY_AFTER_S = 5
+MAX_RETRY_AFTER_S = 30
 #: Seconds between two connection attempts while TorchServe restarts.
 RESTART_POLL_S = 0.2
 #: Request headers not forwarded to TorchServe: the hop's own (RFC 9110 section 7.6.1) and the
@@ -106,6 +119,14 @@ def _openai_error(status: int, reason: str, message: str, code: str, *, retry_af
     return _response(status, reason, json.dumps(body).encode(), extra)
 
 
+def _ping(ready: bool, retry_after_s: int) -> bytes:
+    """SageMaker's health check: 200 only while the worker serves (TorchServe's own ``/ping`` says
+    Healthy from before the model is loaded and after a worker died), else 503."""
+    if ready:
+        return _response(200, "OK", b'{"status": "Healthy"}')
+    return _response(503, "Service Unavailable", b'{"status": "Unhealthy"}', b"Retry-After: %d\r\n" % retry_after_s)
+
+
 class _Backend:
     """One kept-alive connection to TorchServe."""
 
@@ -150,21 +171,47 @@ class _Connection(socketserver.StreamRequestHandler):
         if not length.isdigit():
             self.wfile.write(_response(400, "Bad Request", b'{"code": 400, "message": "bad Content-Length"}'))
             return False
+        if int(length) > self.server.max_request_bytes:
+            return self._refuse_large(int(length))
         body = self.rfile.read(int(length))
         keep = (_field(fields, b"connection") or b"").lower() != b"close"
         path = target.partition(b"?")[0]
-        if path.startswith(OPENAI_PREFIX.encode() + b"/") or path == OPENAI_PREFIX.encode():
+        server = self.server
+        if path == b"/ping":
+            self.wfile.write(_ping(server.ready, server.retry_after_s()))
+            return keep
+        if server.routes and (path.startswith(OPENAI_PREFIX.encode() + b"/") or path == OPENAI_PREFIX.encode()):
             local = self._openai(method, path)
             if local is not None:
                 self.wfile.write(local)
                 return keep
             target = b"/invocations"
+        if not server.ready:
+            message = "the model is not serving yet (starting, or restarting after a worker died); retry shortly"
+            retry_after_s = server.retry_after_s()
+            self.wfile.write(
+                _openai_error(503, "Service Unavailable", message, "model_not_ready", retry_after_s=retry_after_s)
+            )
+            return keep
         head = [b"%s %s HTTP/1.1" % (method, target), b"Host: torchserve"]
         head += [b"%s: %s" % (name, v) for n, name, v in fields if n not in _NOT_FORWARDED and n != b"host"]
         request = b"\r\n".join(head) + b"\r\n\r\n" + body
         if not self._relay(request, method == b"HEAD"):
             return False
         return keep
+
+    def _refuse_large(self, length: int) -> bool:
+        """Answer a body over TorchServe's own limit (which would get its bare 413) with the typed
+        ``payload_too_large``: read and drop the body first (a client that is still sending would
+        otherwise see a reset, not the answer), then close. OpenAI's error object carries
+        ``error.code`` and ``error.message``, which both dialects' clients read."""
+        left = length
+        while left > 0 and (piece := self.rfile.read(min(left, DRAIN_PIECE_BYTES))):
+            left -= len(piece)
+        limit = self.server.max_request_bytes
+        message = f"request body is {length:,} bytes, over the {limit:,}-byte limit; send large images by url or s3_uri"
+        self.wfile.write(_openai_error(413, "Payload Too Large", message, "payload_too_large"))
+        return False
 
     def _openai(self, method: bytes, path: bytes) -> bytes | None:
         """OpenAI's routes answered here (None: chat completions, relayed to ``/invocations``)."""
@@ -187,7 +234,7 @@ class _Connection(socketserver.StreamRequestHandler):
             start, fields = self._send(request)
         except ConnectionRefusedError:  # still restarting after restart_wait_s: nothing was sent
             message = "the model server is restarting; retry shortly"
-            self.wfile.write(_openai_error(503, "Service Unavailable", message, "overloaded", retry_after_s=5))
+            self.wfile.write(_openai_error(503, "Service Unavailable", message, "model_not_ready", retry_after_s=5))
             return False
         except (_Closed, OSError):
             message = "the model server broke off its reply"
@@ -281,7 +328,13 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         model_name: the served model's name (``/v1/models``).
         read_timeout_s: seconds to wait on one read from TorchServe.
         restart_wait_s: seconds a request waits for TorchServe to accept connections again (a
-            restart); then ``503 overloaded`` with ``Retry-After``.
+            restart); then ``503 model_not_ready`` with ``Retry-After``.
+        max_request_bytes: TorchServe's ``max_request_size``: a longer body gets the typed
+            ``413 payload_too_large`` here (shorter ones over the handler's own limit get it there).
+        routes: serve OpenAI's ``/v1`` routes (False: every path is relayed as it came).
+
+    Until :meth:`set_ready` says the worker serves, ``GET /ping`` answers 503 and every other
+    request a typed ``503 model_not_ready`` with ``Retry-After`` (its body read first).
 
     Raises:
         OSError: the address cannot be bound.
@@ -300,13 +353,40 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         *,
         read_timeout_s: float = 600.0,
         restart_wait_s: float = 30.0,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        routes: bool = True,
     ) -> None:
         super().__init__(address, _Connection)
+        self.max_request_bytes = max_request_bytes
+        self.routes = routes
+        #: Whether the worker behind serves (:meth:`set_ready`).
+        self.ready = False
+        self._back_at: float | None = None  # when a restart should be done (time.monotonic()), if known
         self.backend = backend
         self.restart_wait_s = restart_wait_s
         self.model_name = model_name
         self.read_timeout_s = read_timeout_s
         self.created = int(time.time())
+
+    def set_ready(self, ready: bool, expected_s: float | None = None) -> None:
+        """Say whether the worker behind serves requests (``llava-serve`` sets it once the worker is
+        READY, clears it while it restarts TorchServe, and leaves it clear if that failed).
+
+        Args:
+            ready: it serves.
+            expected_s: not serving: seconds until it should serve again (the last start's
+                duration), which the 503s' ``Retry-After`` counts down; None: unknown.
+        """
+        self._back_at = None if ready or expected_s is None else time.monotonic() + expected_s
+        self.ready = ready
+
+    def retry_after_s(self) -> int:
+        """``Retry-After`` of a 503 while the worker does not serve: the seconds left until a restart
+        should be done (1..MAX_RETRY_AFTER_S), else :data:`RETRY_AFTER_S`."""
+        back_at = self._back_at
+        if back_at is None:
+            return RETRY_AFTER_S
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(back_at - time.monotonic())))
 
     def model_card(self) -> dict[str, Any]:
         """The served model as OpenAI's ``Model`` object (``id``, ``object``, ``created``, ``owned_by``)."""

@@ -89,8 +89,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         router = self.server.router
         if path == "/ping":
-            statuses = [ping(b) for b in router.backends]
-            ok = all(s == 200 for s in statuses)
+            statuses = [ping(b) for b in router.backends]  # each backend's front: 200 only while it serves
+            ok = 200 in statuses  # the endpoint serves while one instance does (it listens once all served)
             self._send_json(200 if ok else 503, {"status": "Healthy" if ok else "Unhealthy", "backends": statuses})
         elif path == "/debug/sessions":
             self._send_json(200, router.snapshot())
@@ -355,10 +355,11 @@ class RouterServer(BackgroundServing, ThreadingHTTPServer):
         read_timeout_s: seconds to wait on a backend read.
         verbose: log each request to stderr.
         prefix_length: ``PREFIX_AWARE``'s ``PrefixLength`` (with a router made ``prefix_aware``).
-        pass_new_session: forward an open's literal ``NEW_SESSION`` header to the backend, as
-            SageMaker does (the handler then mints the id); False sends no header (TorchServe mints
-            it, as the AWS TorchServe sample expects). The handler serves both
-            (shared/notes/torchserve-sagemaker.md).
+        pass_new_session: forward an open's literal ``NEW_SESSION`` header to the backend (the
+            handler then mints ``llava-<uuid4>``); False (the default) sends no header, so TorchServe
+            mints ``ts-seq-<uuid4>``: what the AWS TorchServe sample's notebook asserts a real endpoint
+            does. The handler serves both, as AWS's session manager does
+            (shared/notes/chat-protocol.md).
     """
 
     daemon_threads = True
@@ -373,7 +374,7 @@ class RouterServer(BackgroundServing, ThreadingHTTPServer):
         endpoint_name: str | None = None,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         verbose: bool = False,
-        pass_new_session: bool = True,
+        pass_new_session: bool = False,
         prefix_length: int = 1024,
     ) -> None:
         super().__init__(address, _Handler)

@@ -68,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--no-openai-routes",
         dest="openai_routes",
         action="store_false",
-        help="serve TorchServe itself on --port, without OpenAI's /v1/chat/completions and /v1/models beside it",
+        help="serve only TorchServe's own paths on --port, without OpenAI's /v1/chat/completions and /v1/models",
     )
     parser.add_argument("--handler", default=None, help=argparse.SUPPRESS)  # dev/test: other handler
     return parser

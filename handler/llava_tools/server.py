@@ -79,9 +79,10 @@ class LocalServer:
         keep_logs: keep TorchServe's ``logs`` folder when the server stops (moved to
             ``<tmp>/llava-serve-logs-<time>-<pid>``, :attr:`kept_logs`); a failed start always keeps it.
         openai_routes: serve OpenAI's ``/v1/chat/completions`` and ``/v1/models`` on the public port
-            beside TorchServe's own paths (:class:`~llava_tools.openai_front.OpenAIFront`; TorchServe
-            then listens on a loopback port of its own, :attr:`torchserve_url`); False: TorchServe
-            itself on the public port.
+            beside TorchServe's own paths. Either way the public port is the front's
+            (:class:`~llava_tools.openai_front.OpenAIFront`): it answers ``/ping`` itself, 200 only
+            while the worker serves, and a request while it does not with a typed 503 and
+            ``Retry-After``; TorchServe listens on a loopback port of its own (:attr:`torchserve_url`).
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
@@ -131,6 +132,7 @@ class LocalServer:
         self._command: list[str] = []
         self._child_env_cache: dict[str, str] = {}
         self._ready_pids: set[int] = set()  # worker pids READY when the last start became ready
+        self._launched_at = self._start_s = 0.0  # TorchServe's last launch (monotonic), its start's seconds
         self._watched: set[int] = set()
         self._supervisor: threading.Thread | None = None
         self.supervise = supervise
@@ -139,7 +141,7 @@ class LocalServer:
         self.restarts = 0
         self.keep_logs = keep_logs
         self.openai_routes = openai_routes
-        self._front: OpenAIFront | None = None  # the public port's front (``openai_routes``)
+        self._front: OpenAIFront | None = None  # the public port's front
         #: Where the logs were kept when the server stopped (``keep_logs``, or a failed start), or None.
         self.kept_logs: Path | None = None
 
@@ -159,8 +161,8 @@ class LocalServer:
 
     @property
     def torchserve_url(self) -> str:
-        """TorchServe's own inference base URL (the same as :attr:`url` without ``openai_routes``)."""
-        return f"http://127.0.0.1:{self._port('inference')}" if self.openai_routes else self.url
+        """TorchServe's own inference base URL (loopback; the public :attr:`url` is the front's)."""
+        return f"http://127.0.0.1:{self._port('inference')}"
 
     @property
     def management_url(self) -> str:
@@ -199,22 +201,8 @@ class LocalServer:
 
     def worker_pids(self) -> list[int]:
         """Return the pids of TorchServe's Python worker processes (children of the frontend)."""
-        psutil = load_psutil()
         frontend = self._frontend_process()
-        if frontend is None:
-            return []
-        pids = []
-        try:
-            children = frontend.children(recursive=True)
-        except psutil.Error:
-            return []
-        for child in children:
-            try:
-                if any("model_service_worker" in part for part in child.cmdline()):
-                    pids.append(child.pid)
-            except psutil.Error:
-                continue
-        return sorted(pids)
+        return [] if frontend is None else ts_files.worker_pids_of(frontend)
 
     def tail_logs(self, n: int = 50) -> str:
         """The last ``n`` lines of TorchServe's frontend log and of the handler's log
@@ -289,13 +277,8 @@ class LocalServer:
             self._console.close()
             self._console = None
         if temp_dir is not None:
-            if (keep_logs or self.keep_logs) and (temp_dir / "logs").is_dir():
-                kept = Path(tempfile.gettempdir()) / f"llava-serve-logs-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-                try:
-                    shutil.move(str(temp_dir / "logs"), kept)
-                    self.kept_logs = kept
-                except OSError:
-                    pass
+            if keep_logs or self.keep_logs:
+                self.kept_logs = ts_files.keep_logs(temp_dir) or self.kept_logs
             shutil.rmtree(temp_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalServer:
@@ -316,19 +299,16 @@ class LocalServer:
         return self._ports[name]
 
     def _bind_ports(self) -> None:
-        """Pick TorchServe's ports; with ``openai_routes``, bind the front on the public port first
-        (TorchServe then gets loopback ports of its own).
+        """Bind the front on the public port first (not ready: ``/ping`` 503 until the worker
+        serves), then pick TorchServe's own loopback ports.
 
         Raises:
             ServerStartError: the public port is taken.
         """
-        if not self.openai_routes:
-            self._ports = pick_ports(self.host, self._requested_port)
-            self._ports["public"] = self._ports["inference"]
-            return
         name = str(self.overrides.get("served_model_name") or "") or self.model_dir.name
+        address = (self.host, self._requested_port)
         try:
-            self._front = self._front or OpenAIFront((self.host, self._requested_port), ("127.0.0.1", 0), name).start()
+            self._front = self._front or OpenAIFront(address, ("127.0.0.1", 0), name, routes=self.openai_routes).start()
         except OSError as exc:
             raise ServerStartError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from None
         self._ports = pick_ports("127.0.0.1", 0)
@@ -366,6 +346,7 @@ class LocalServer:
     def _launch(self) -> None:
         temp = self.temp_dir
         self._console = open(temp / "console.log", "ab")  # noqa: SIM115 - closed in stop()
+        self._launched_at = time.monotonic()
         self._proc = subprocess.Popen(
             self._command,
             cwd=temp,
@@ -402,6 +383,7 @@ class LocalServer:
             # fewer watched workers than configured: one died between READY and the pid capture
             if not dead and len(self._watched) >= self.workers:
                 continue
+            self._serving(False)  # until it is back: /ping 503, requests a typed 503 with Retry-After
             print(
                 f"llava-serve: worker {dead or '(one of them)'} died; restarting TorchServe (its sessions are lost)",
                 file=sys.stderr,
@@ -470,21 +452,28 @@ class LocalServer:
                 if not ts_files.load_failed(self.log_dir, wait_s=1.0):
                     raise _WorkerDied(dead)
                 continue
-            if ready and http_status(self.url + "/ping") == 200:
+            if ready and http_status(self.torchserve_url + "/ping") == 200:
                 # the supervisor watches these: a worker killed right after is still seen dying
                 self._ready_pids = {pid for pid, state in workers.items() if state == "READY"}
+                self._start_s = time.monotonic() - self._launched_at
+                self._serving(True)
                 return
             if time.monotonic() > deadline:
                 raise ServerStartError(f"TorchServe not ready after {self.startup_timeout_s:.0f} s ({status})")
             time.sleep(_POLL_S)
+
+    def _serving(self, ready: bool) -> None:
+        """Tell the front whether the worker serves (its ``/ping`` and its 503s follow; a restart's
+        ``Retry-After`` counts down from the last start's duration)."""
+        if self._front is not None:
+            self._front.set_ready(ready, self._start_s)
 
     def _check_settings(self) -> None:
         """Validate the handler settings before anything starts (:func:`~llava_tools.torchserve_files.check_settings`)."""
         ts_files.check_settings(self.config_path, self.overrides, {**os.environ, **self.env})
 
     def _config_properties(self, store: Path) -> str:
-        host = "127.0.0.1" if self.openai_routes else self.host
-        return ts_files.config_properties(host, self._ports, store, self.workers)
+        return ts_files.config_properties("127.0.0.1", self._ports, store, self.workers)
 
     def _frontend_process(self):
         psutil = load_psutil()
