@@ -28,7 +28,7 @@ NOW = dt.datetime(2026, 11, 22, 9, 0, tzinfo=dt.timezone.utc)
 SEQUENCE_ENV = {
     "TS_REQUEST_SEQUENCE_ID": "X-Amzn-SageMaker-Session-Id",
     "TS_REQUEST_SEQUENCE_START": "X-Amzn-SageMaker-New-Session-Id",
-    "TS_REQUEST_SEQUENCE_END": "X-Amzn-SageMaker-Closed-Session-Id",
+    "TS_REQUEST_SEQUENCE_END": "X-Llava-Sequence-End",
 }
 
 

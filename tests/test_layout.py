@@ -155,7 +155,7 @@ LAYERS: list[set[str]] = [
     {"native.responses", "engine.model_runner"},
     {"engine.engine"},
     {"engine"},
-    {"wire.jobs"},
+    {"wire.jobs", "wire.intake"},
     {"native.serving", "chat.serving"},
     {"service"},
     {"replicas"},

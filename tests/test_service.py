@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import base64
+import http.server
 import json
+import threading
+import time
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -278,3 +282,144 @@ def test_a_chat_image_url_is_fetched_once_per_session(tiny_model_dir, photos):
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---- image fetches beside the scheduling loop ------------------------------------------------
+
+
+class _SlowImageHost(http.server.BaseHTTPRequestHandler):
+    """An image host on 127.0.0.1: ``?delay=S`` answers after S seconds, ``?status=N`` with status N."""
+
+    payload = b""
+
+    def do_GET(self):  # noqa: N802
+        query = parse_qs(urlsplit(self.path).query)
+        time.sleep(float(query.get("delay", ["0"])[0]))
+        status = int(query.get("status", ["200"])[0])
+        body = self.payload if status == 200 else b"no"
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:
+            pass  # the fetch gave up first
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host(photos):
+    _SlowImageHost.payload = photos["rocket"]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowImageHost)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/photo.png"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fetching(tiny_model_dir) -> SessionService:
+    """A service that may fetch from 127.0.0.1, with a 1.5 s fetch deadline and a 0.1 s wait while busy."""
+    return build_service(
+        {
+            "model_dir": str(tiny_model_dir),
+            "device": "cpu",
+            "step_max_tokens": 2,
+            "device_budget_bytes": 10**9,
+            "allow_http": True,
+            "allow_private_networks": True,
+            "fetch_total_timeout_s": 1.5,
+            "image_fetch_wait_ms": 100,
+        }
+    )
+
+
+def _url_open(rid, url):
+    return Row(rid, None, False, {"type": "open_session", "image": {"url": url}})
+
+
+def test_a_slow_image_host_stalls_only_the_request_that_named_it(fetching, image_host, photos):
+    """A stream runs while another request's image host takes 1 s: every handle() call still returns
+    within a few hundred ms with the stream's new tokens; the open answers 200 at once (its headers
+    carry the id its session then gets) and its session opens when the bytes are in."""
+    (opened,) = open_sessions(fetching, open_row("f-o1", "fs-1", photos["astronaut"]))
+    sid = json.loads(opened.body)["session_id"]
+    body = {"type": "generate", "prompt": "Describe it.", "stream": True, "parameters": {"max_new_tokens": 200}}
+    stream = Row("f-g1", sid, False, body)
+    first = fetching.handle([stream])
+    assert first[0].stop is False
+    opening = _url_open("f-o2", f"{image_host}?delay=1.0")
+    rows = [Row("f-g1", sid, False, None), opening]
+    calls, tokens_while_fetching, answered = [], 0, None
+    while answered is None:
+        t0 = time.perf_counter()
+        out = fetching.handle(rows)
+        calls.append(time.perf_counter() - t0)
+        by_id = dict(zip([r.request_id for r in rows], out, strict=True))
+        opened = by_id["f-o2"]
+        if opened.stop is False and not opened.body and "f-g1" in by_id and by_id["f-g1"].body:
+            tokens_while_fetching += 1
+        if len(calls) == 1:  # the open's first frame: 200 with its session's headers, no body yet
+            assert (opened.status, opened.stop, opened.body) == (200, False, b"")
+            first_headers = opened.headers
+        if opened.stop is not False:
+            answered = opened
+        rows = [Row(r.request_id, r.session_id, False, None) for r, o in zip(rows, out, strict=True) if o.stop is False]
+    assert max(calls) < 0.6, calls  # the 1 s fetch never held a call (0.1 s wait + a slice)
+    assert sum(calls) >= 0.9 and tokens_while_fetching >= 2, (calls, tokens_while_fetching)
+    opened_id = json.loads(answered.body)["session_id"]
+    assert answered.stop is True and first_headers["X-Amzn-SageMaker-New-Session-Id"].startswith(opened_id + ";")
+    if rows:  # the stream, if it is still going
+        finish(fetching, rows, fetching.handle(rows))
+    for s in (sid, opened_id):
+        fetching.handle([Row(f"c-{s}", s, False, {"type": "close_session"})])
+
+
+def test_a_fetch_failure_with_nothing_else_running_gets_its_typed_4xx(fetching, image_host):
+    """Nothing else generates: the request's first call waits for its fetch, so the refusal is its
+    status: 404 at the host, a host past the deadline."""
+    out = fetching.handle([_url_open("f-e1", f"{image_host}?status=404&token=s3cret")])
+    error = json.loads(out[0].body)["error"]
+    assert (out[0].status, error["code"]) == (400, "image_fetch_failed") and out[0].stop is None
+    assert "127.0.0.1 answered HTTP 404" in error["message"] and "s3cret" not in error["message"]
+    t0 = time.perf_counter()
+    out = fetching.handle([_url_open("f-e2", f"{image_host}?delay=3")])
+    assert (out[0].status, json.loads(out[0].body)["error"]["code"]) == (400, "image_fetch_timeout")
+    assert 1.4 <= time.perf_counter() - t0 < 2.5
+    assert not fetching.intakes and not fetching.jobs.jobs
+
+
+def test_a_fetch_that_fails_after_its_reply_began_ends_it_with_the_typed_error(fetching, image_host, photos):
+    """A stream runs, so a slow fetch's request answers 200 after 0.1 s; the timeout then ends it with
+    the typed error as its body (native), or as a stream's error event and ``[DONE]`` (chat)."""
+    (opened,) = open_sessions(fetching, open_row("f-o3", "fs-3", photos["coffee"]))
+    sid = json.loads(opened.body)["session_id"]
+    body = {"type": "generate", "prompt": "Describe it.", "stream": True, "parameters": {"max_new_tokens": 400}}
+    running = fetching.handle([Row("f-g3", sid, False, body)])
+    assert running[0].stop is False
+    chat = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{image_host}?delay=3"}}]}
+        ],
+        "stream": True,
+    }
+    rows = [
+        Row("f-g3", sid, False, None),
+        _url_open("f-l1", f"{image_host}?delay=3"),
+        Row("f-l2", "ts-seq-l2", True, chat),
+    ]
+    out = fetching.handle(rows)
+    assert [o.status for o in out[1:]] == [200, 200] and [o.stop for o in out[1:]] == [False, False]
+    assert out[2].content_type == "text/event-stream" and out[2].headers == {}
+    last = finish(fetching, rows, out)
+    native = json.loads(last["f-l1"].body)["error"]
+    assert last["f-l1"].stop is True and native["code"] == "image_fetch_timeout"
+    events = last["f-l2"].body.decode()
+    assert last["f-l2"].stop is True and events.endswith("data: [DONE]\n\n"), events
+    assert json.loads(events.split("\n\n")[0].removeprefix("data: "))["error"]["code"] == "image_fetch_timeout"
+    assert last["f-l2"].headers == {"X-Llava-Sequence-End": "ts-seq-l2"}  # the one-shot's job group ends
+    assert not fetching.intakes
+    fetching.handle([Row("c-f3", sid, False, {"type": "close_session"})])

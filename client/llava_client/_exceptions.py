@@ -49,6 +49,7 @@ CODE_STATUS: dict[str, int] = {
     "missing_session_id": 400,
     "image_invalid": 400,
     "image_fetch_failed": 400,
+    "image_fetch_timeout": 400,
     "image_url_forbidden": 400,
     "image_uuid_not_found": 400,
     "session_not_found": 404,

@@ -176,13 +176,14 @@ class Settings(BaseModel):
         (),
         description='If non-empty, only these image URL hosts: exact ("img.example.com") or suffix (".example.com"); comma-separated.',
     )
-    fetch_connect_timeout_s: float = Field(
-        5.0, gt=0.0, description="Connect timeout for image URLs and S3, in seconds."
-    )
-    fetch_read_timeout_s: float = Field(
-        20.0, gt=0.0, description="Read timeout for image URLs and S3, in seconds; also bounds a whole URL download."
-    )
+    fetch_connect_timeout_s: float = Field(5.0, gt=0.0, description="Image URL and S3 connect timeout, seconds.")
+    fetch_read_timeout_s: float = Field(20.0, gt=0.0, description="Image URL and S3 socket read timeout, seconds.")
+    fetch_total_timeout_s: float = Field(25.0, gt=0.0, description="Deadline of a whole image fetch, seconds.")
     max_redirects: int = Field(3, ge=0, description="Most HTTP redirects followed for an image URL.")
+    image_fetch_workers: int = Field(4, ge=1, le=64, description="Threads fetching images beside the loop.")
+    image_fetch_wait_ms: int = Field(
+        250, ge=0, le=60_000, description="While answers generate, wait this long for a new request's image fetch."
+    )
 
     # --- scheduling -------------------------------------------------------------------------
     max_concurrent_generations: int = Field(

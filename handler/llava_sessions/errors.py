@@ -20,6 +20,7 @@ class ErrorCode(str, Enum):
     MISSING_SESSION_ID = "missing_session_id"  # 400: generate/reset/close without a session id
     IMAGE_INVALID = "image_invalid"  # 400: not a decodable image
     IMAGE_FETCH_FAILED = "image_fetch_failed"  # 400: URL / S3 object could not be fetched
+    IMAGE_FETCH_TIMEOUT = "image_fetch_timeout"  # 400: the image's host did not deliver it within the deadline
     IMAGE_URL_FORBIDDEN = "image_url_forbidden"  # 400: URL scheme, host or address refused
     IMAGE_UUID_NOT_FOUND = "image_uuid_not_found"  # 400: an image named by uuid that nothing (in its salt) holds
     SESSION_NOT_FOUND = "session_not_found"  # 404: unknown id (never opened here, or closed)
@@ -42,6 +43,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.MISSING_SESSION_ID: 400,
     ErrorCode.IMAGE_INVALID: 400,
     ErrorCode.IMAGE_FETCH_FAILED: 400,
+    ErrorCode.IMAGE_FETCH_TIMEOUT: 400,
     ErrorCode.IMAGE_URL_FORBIDDEN: 400,
     ErrorCode.IMAGE_UUID_NOT_FOUND: 400,
     ErrorCode.SESSION_NOT_FOUND: 404,

@@ -8,6 +8,8 @@ Each :meth:`SessionService.handle` call
    (:func:`.wire.inbound.is_chat_body`: OpenAI chat and AWS's session bodies; else the native
    ``type`` bodies) and hands it to that dialect's serving, which answers at once or returns a
    :class:`~.wire.jobs.Job` carrying the dialect; a refused request is that dialect's error row;
+   a request naming a URL or S3 image waits as an :class:`~.wire.intake.Intake` while a thread
+   fetches it beside the loop, and is admitted from its body once the bytes are in;
 2. advances every job in the batch by a bounded slice (``step_max_tokens`` steps, within
    ``step_max_ms``; at least one), interleaving jobs token by token (:meth:`SessionEngine.step`);
 3. returns one :class:`RowResult` per row, each written by its job's dialect under TorchServe's
@@ -18,9 +20,12 @@ A body that is not JSON, too large or empty has no dialect yet: it is answered i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 
 from .chat.serving import ChatServing
 from .config import Settings
@@ -33,6 +38,7 @@ from .sessions.conversation import Chat
 from .wire.contract import SEQUENCE_END_HEADER
 from .wire.framing import Framing, Row, RowResult
 from .wire.inbound import is_chat_body, load_body, names_chat_keys
+from .wire.intake import FetchPending, ImageIntake, Intake
 from .wire.jobs import Dialect, Job, JobTable
 
 __all__ = ["Row", "RowResult", "SessionService"]
@@ -69,6 +75,9 @@ class SessionService:
         self.engine = engine
         self.metrics = metrics or WorkerMetrics()
         self.jobs = JobTable(settings, engine, Framing(end_header), self.metrics)
+        self.intake = ImageIntake(fetch, settings.image_fetch_workers)  # URL / S3 fetches beside the loop
+        self.intakes: dict[str, Intake] = {}  # request id -> a request waiting for its images
+        fetch = self.intake
         self.native = NativeServing(settings, engine, self.jobs, fetch, self.metrics)
         tokenizer = getattr(engine.runner, "tokenizer", None)
         token_text: Callable[[int], str] = (
@@ -88,20 +97,30 @@ class SessionService:
         now = time.monotonic()
         results: list[RowResult | None] = [None] * len(rows)
         active: list[tuple[int, Job]] = []
+        waiting: list[tuple[int, Intake]] = []
         self._drop_abandoned(rows)
         for i, row in enumerate(rows):
             job = self.jobs.jobs.get(row.request_id)
             if job is None:
-                admitted = self._admit(row, now)
+                intake = self.intakes.get(row.request_id)
+                admitted = intake if intake is not None else self._admit(row, now)
+                if isinstance(admitted, Intake):
+                    admitted.last_seen = now
+                    waiting.append((i, admitted))
+                    continue
                 if isinstance(admitted, RowResult):
+                    self.jobs.done_admitting(row.request_id)
                     results[i] = admitted
                     continue
-                job = admitted
-                self.jobs.jobs[row.request_id] = job
-            job.last_seen = now
-            job.calls += 1
-            job.ahead = 0
-            active.append((i, job))
+                job = self._enter(admitted, calls=0)
+            active.append((i, self._seen(job, now)))
+        busy = bool(active) or any(not j.work.done for j in self.jobs.jobs.values())
+        for i, intake in waiting:
+            resumed = self._resume(intake, now, busy)
+            if isinstance(resumed, RowResult):
+                results[i] = resumed
+            else:
+                active.append((i, self._seen(resumed, now)))
         self._advance([job for _, job in active])
         for i, job in active:
             try:
@@ -114,9 +133,24 @@ class SessionService:
         self._reap(now)
         return [r if r is not None else RowResult(b"") for r in results]
 
-    def _admit(self, row: Row, now: float) -> RowResult | Job:
+    def _enter(self, job: Job, *, calls: int) -> Job:
+        """Put an admitted job in the table (``calls``: ``handle()`` calls its request already had)."""
+        self.jobs.jobs[job.request_id] = job
+        self.jobs.done_admitting(job.request_id)
+        job.calls = calls
+        return job
+
+    @staticmethod
+    def _seen(job: Job, now: float) -> Job:
+        job.last_seen = now
+        job.calls += 1
+        job.ahead = 0
+        return job
+
+    def _admit(self, row: Row, now: float) -> RowResult | Job | Intake:
         """Decode the row's body, decide its dialect, let that dialect admit it; a refusal is the
-        dialect's error row (a body with no dialect yet: the native one's). Never raises."""
+        dialect's error row (a body with no dialect yet: the native one's); a request that needs an
+        image still being fetched waits as an :class:`Intake`. Never raises."""
         dialect: Dialect = self.native
         try:
             if row.body is None:
@@ -124,14 +158,56 @@ class SessionService:
             data = load_body(row.body, self.settings.max_body_bytes)
             if is_chat_body(data):
                 dialect = self.chat
-            return dialect.admit(row, data, now)
+            fetches: dict[str, Future] = {}
+            try:
+                with self.intake.admitting(fetches):
+                    return dialect.admit(row, data, now)
+            except FetchPending as pending:
+                intake = Intake(row, dialect, data, fetches, pending.future, since=now)
+                self.intakes[row.request_id] = intake
+                return intake
         except ServiceError as err:
+            self.jobs.done_admitting(row.request_id)
             if err.code is ErrorCode.PAYLOAD_TOO_LARGE and names_chat_keys(row.body):
                 dialect = self.chat  # too large to decode: its dialect is read from its raw keys
             return self.jobs.error(dialect, row.session_id, err, held=not row.minted)
         except Exception:  # noqa: BLE001 - never raise out of handle()
             log.exception("request failed", extra={"request_id": row.request_id})
             return self.jobs.error(dialect, None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
+
+    def _resume(self, intake: Intake, now: float, busy: bool) -> RowResult | Job:
+        """A request waiting for its images: admitted once they are in (the next image's fetch may
+        then start), else its first frame (after waiting up to ``image_fetch_wait_ms`` while other
+        answers run, up to the fetch's own deadline when none does) or an empty continuation."""
+        settings, row = self.settings, intake.row
+        wait_s = 0.0 if intake.framed else settings.image_fetch_wait_ms / 1000.0
+        if not busy and not intake.framed:
+            wait_s = settings.fetch_total_timeout_s + 1.0
+        deadline = time.monotonic() + wait_s
+        while True:
+            futures.wait([intake.future], timeout=max(0.0, deadline - time.monotonic()))
+            if not intake.future.done():
+                if intake.framed:
+                    return self.jobs.framing.frame(b"", continued=True, last=False)
+                intake.framed = True
+                return intake.dialect.pending_frame(row, intake.data)
+            try:
+                with self.intake.admitting(intake.fetches):
+                    admitted = intake.dialect.admit(row, intake.data, now)
+            except FetchPending as pending:
+                intake.future = pending.future
+                continue
+            except ServiceError as err:
+                del self.intakes[row.request_id]
+                self.jobs.done_admitting(row.request_id)
+                if intake.framed:
+                    return intake.dialect.late_error(row, intake.data, err)
+                return self.jobs.error(intake.dialect, row.session_id, err, held=not row.minted)
+            del self.intakes[row.request_id]
+            if isinstance(admitted, RowResult):  # answered at once (a refused open answers, not raises)
+                self.jobs.done_admitting(row.request_id)
+                return dataclasses.replace(admitted, stop=True) if intake.framed else admitted
+            return self._enter(admitted, calls=1 if intake.framed else 0)
 
     # ------------------------------------------------------------------ scheduling
     def _advance(self, jobs: list[Job]) -> None:
@@ -198,14 +274,23 @@ class SessionService:
         """
         table = self.jobs.jobs
         in_batch = {row.request_id for row in rows}
-        new_sessions = {row.session_id for row in rows if row.request_id not in table and row.session_id}
+        new_sessions = {
+            row.session_id
+            for row in rows
+            if row.request_id not in table and row.request_id not in self.intakes and row.session_id
+        }
         for rid, job in list(table.items()):
             if job.session_id in new_sessions and rid not in in_batch:
                 self.jobs.forget(job, abandon=True)
                 log.info("dropped a job its client abandoned", extra={"session_id": job.session_id})
 
     def _reap(self, now: float) -> None:
-        """Abandon jobs TorchServe stopped bringing back (their sessions become usable again)."""
+        """Abandon jobs TorchServe stopped bringing back (their sessions become usable again), and
+        requests waiting for images it stopped bringing back."""
+        for rid, intake in list(self.intakes.items()):
+            if now - intake.last_seen > STALE_JOB_S:
+                del self.intakes[rid]
+                self.jobs.done_admitting(rid)
         for job in list(self.jobs.jobs.values()):
             if now - job.last_seen > STALE_JOB_S:
                 self.jobs.forget(job, abandon=True)

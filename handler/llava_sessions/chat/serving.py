@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,7 @@ from ..metrics import WorkerMetrics
 from ..results import Answer, elapsed_ms
 from ..sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
-from ..wire.framing import Row, RowResult
+from ..wire.framing import JSON, Row, RowResult
 from ..wire.inbound import request_salt
 from ..wire.jobs import Job, JobTable, Serving
 from . import responses
@@ -92,17 +91,57 @@ class ChatServing(Serving):
             ServiceError: the body's (400), the session's (missing id, gone, busy), the images'
                 (fetch, decode, limits), the conversation's (context, placeholder), overloaded.
         """
-        s = self.settings
         if "messages" not in data:
             if parse_session_body(data).requestType == NEW_SESSION_LITERAL:
                 return self._open_session(row)
             sid = self.jobs.session_of(row, "close_session")
             self.engine.close(sid)
             return RowResult(responses.encode_closed(sid), headers=self.framing.closed(sid))
-        request = parse_chat_body(data, max_new_tokens_cap=s.max_new_tokens_cap, max_prompt_chars=s.max_prompt_chars)
-        command = chat_command(request, s, self.model_name)
+        command = self._command(data)
         salt = request_salt(command.salt, row.custom_attributes)
         return self._admit_chat(row, dataclasses.replace(command, salt=salt), now)
+
+    def pending_frame(self, row: Row, data: Any) -> RowResult:
+        """The first frame of a ``messages`` request waiting for its images: the headers its answer
+        will have (none without a session; the new session's on an open) and, for a stream, the
+        stream's content type."""
+        command = self._command(data)
+        sid = row.session_id
+        headers: dict[str, str] = {}
+        if sid == NEW_SESSION_LITERAL:  # opens its session: the id it will get, expiring a TTL from now
+            value = session_header_value(
+                self.jobs.fresh_id(row.request_id), int(time.time()) + self.settings.session_ttl_s
+            )
+            headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+        elif sid and not row.minted:
+            headers = {SESSION_ID_HEADER: sid}
+        content_type = self._stream_of(row, command).content_type if command.stream else JSON
+        return self.framing.frame(b"", continued=False, last=False, headers=headers, content_type=content_type)
+
+    def late_error(self, row: Row, data: Any, err: ServiceError) -> RowResult:
+        """A ``messages`` request refused after its first frame went out: a stream's error events, or
+        the error object as the reply's body; a one-shot's TorchServe job group ends."""
+        sid = row.session_id
+        one_shot = row.minted or not sid
+        group = sid if sid and sid != NEW_SESSION_LITERAL else None
+        command = self._command(data)
+        if not command.stream:
+            return self.jobs.error(self, group, err, held=not one_shot, continued=True)
+        self.metrics.count_error(err)
+        body = b"".join(self._stream_of(row, command).error(err))
+        headers = self.framing.end_sequence(group) if group and one_shot else {}
+        return self.framing.frame(body, continued=True, last=True, headers=headers)
+
+    def _command(self, data: Any) -> ChatCommand:
+        """The ``messages`` body as the dialect's command (raises the body's ServiceError)."""
+        s = self.settings
+        request = parse_chat_body(data, max_new_tokens_cap=s.max_new_tokens_cap, max_prompt_chars=s.max_prompt_chars)
+        return chat_command(request, s, self.model_name)
+
+    def _stream_of(self, row: Row, command: ChatCommand) -> responses.ChatStream:
+        """The stream of a streamed answer: server-sent events unless ``Accept`` asks for JSON lines."""
+        sse = JSON_LINES_ACCEPT not in (row.accept or "").lower()
+        return responses.ChatStream(command, sse=sse, token_text=self.token_text)
 
     def _open_session(self, row: Row) -> RowResult:
         """Answer ``{"requestType": "NEW_SESSION"}``: a session with no image, the new-session headers.
@@ -132,7 +171,7 @@ class ChatServing(Serving):
         target, urls, uuids = self._target(own_sid, command)
         intake = elapsed_ms(t0)
         if own_sid is None:
-            own_sid = sid if row.minted and sid else f"llava-{uuid.uuid4()}"
+            own_sid = sid if row.minted and sid else self.jobs.fresh_id(row.request_id)
             engine.open_empty(own_sid, salt=command.salt)
         try:
             gen = engine.start_chat(
@@ -150,8 +189,7 @@ class ChatServing(Serving):
         job.one_shot, job.urls, job.intake_timings = one_shot, urls, {"intake": intake}
         job.opened = opens
         if command.stream:
-            sse = JSON_LINES_ACCEPT not in (row.accept or "").lower()
-            job.stream = responses.ChatStream(command, sse=sse, token_text=self.token_text)
+            job.stream = self._stream_of(row, command)
         return job
 
     def _target(self, sid: str | None, command: ChatCommand) -> tuple[ChatTarget, dict[str, str], dict[str, str]]:

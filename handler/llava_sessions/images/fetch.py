@@ -86,9 +86,10 @@ def fetch_image_bytes(source: ImageSource, settings: Settings, *, s3_client: Any
       (the URL's host is replaced by the IP; ``Host`` header, TLS SNI and certificate
       verification still use the original name through a pinned ``HTTPAdapter``), so no second
       DNS lookup happens. Environment proxies and ``.netrc`` are not used (``trust_env=False``).
-      The whole fetch, redirects included, must finish within ``fetch_connect_timeout_s +
-      fetch_read_timeout_s`` seconds; each socket read within ``fetch_read_timeout_s``. The DNS
-      lookup itself (``getaddrinfo``) is bounded by the system resolver's timeouts, not these.
+      The whole fetch, redirects included, must finish within ``fetch_total_timeout_s``; each
+      connect within ``fetch_connect_timeout_s`` and each socket read within
+      ``fetch_read_timeout_s``. The DNS lookup itself (``getaddrinfo``) is bounded by the system
+      resolver's timeouts, not these. Errors name the URL's host, never its path or query.
     - ``s3_uri`` (``s3://bucket/key``): ``head_object`` first (``ContentLength`` over the cap is
       refused), then ``get_object`` with ``Range: bytes=0-<cap>`` and a capped read. ``s3_client``
       is a boto3 S3 client; by default one is created (and reused) with the settings' timeouts
@@ -175,6 +176,15 @@ def _forbidden(message: str) -> ServiceError:
 
 def _fetch_failed(message: str) -> ServiceError:
     return ServiceError(ErrorCode.IMAGE_FETCH_FAILED, message)
+
+
+def _timed_out(where: str, settings: Settings) -> ServiceError:
+    """``image_fetch_timeout``: ``where`` (the URL's host, or the S3 bucket; never the path or query,
+    which may hold credentials) did not deliver within the fetch deadline."""
+    return ServiceError(
+        ErrorCode.IMAGE_FETCH_TIMEOUT,
+        f"fetching the image from {where} did not finish within {settings.fetch_total_timeout_s:g} s",
+    )
 
 
 def _address_allowed(address: _IPAddress, *, allow_private: bool) -> bool:
@@ -288,7 +298,7 @@ class _PinnedAdapter(HTTPAdapter):
 
 def _fetch_url(url: str, settings: Settings, *, verify: bool | str = True) -> bytes:
     """Fetch ``url`` hop by hop (see :func:`fetch_image_bytes`). ``verify`` is for tests' CAs."""
-    deadline = time.monotonic() + settings.fetch_connect_timeout_s + settings.fetch_read_timeout_s
+    deadline = time.monotonic() + settings.fetch_total_timeout_s
     current = url
     for _hop in range(settings.max_redirects + 1):
         target = _vet_url(current, settings)
@@ -297,12 +307,12 @@ def _fetch_url(url: str, settings: Settings, *, verify: bool | str = True) -> by
             if response.status_code in _REDIRECT_STATUSES:
                 location = response.headers.get("Location")
                 if not location:
-                    raise _fetch_failed("the image URL redirected without a Location")
+                    raise _fetch_failed(f"the image URL's host {target.host} redirected without a Location")
                 current = urljoin(current, location)
                 continue
             if response.status_code != 200:
-                raise _fetch_failed(f"the image URL answered HTTP {response.status_code}")
-            return _read_capped(response, settings.max_image_bytes, deadline)
+                raise _fetch_failed(f"the image URL's host {target.host} answered HTTP {response.status_code}")
+            return _read_capped(response, settings, deadline, target.host)
         finally:
             response.close()
             session.close()
@@ -323,7 +333,7 @@ def _open(
     for address in target.addresses[:_MAX_ADDRESSES_TRIED]:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _fetch_failed("fetching the image URL timed out")
+            raise _timed_out(target.host, settings)
         session = requests.Session()
         session.trust_env = False
         session.mount(f"{target.scheme}://", _PinnedAdapter(server_name))
@@ -345,7 +355,7 @@ def _open(
         except requests.exceptions.Timeout as exc:
             session.close()
             logger.debug("image URL timeout: %r", exc)
-            raise _fetch_failed("fetching the image URL timed out") from None
+            raise _timed_out(target.host, settings) from None
         except requests.exceptions.ConnectionError as exc:
             session.close()
             logger.debug("image URL connection to one address failed: %r", exc)
@@ -353,16 +363,17 @@ def _open(
         except requests.exceptions.RequestException as exc:
             session.close()
             logger.debug("image URL request failed: %r", exc)
-            raise _fetch_failed("the image URL could not be fetched") from None
-    raise _fetch_failed("could not connect to the image URL's host")
+            raise _fetch_failed(f"the image could not be fetched from {target.host}") from None
+    raise _fetch_failed(f"could not connect to the image URL's host {target.host}")
 
 
-def _read_capped(response: requests.Response, cap: int, deadline: float) -> bytes:
-    """Read the body, refusing more than ``cap`` bytes or reading past ``deadline`` (monotonic s).
+def _read_capped(response: requests.Response, settings: Settings, deadline: float, host: str) -> bytes:
+    """Read the body, refusing more than ``max_image_bytes`` or reading past ``deadline`` (monotonic s).
 
     ``read1`` returns whatever arrived (instead of waiting for a full chunk), so a server that
     drips bytes cannot hold the fetch past the deadline by more than one socket read timeout.
     """
+    cap = settings.max_image_bytes
     declared = response.headers.get("Content-Length")
     if declared is not None and declared.strip().isdigit() and int(declared) > cap:
         raise ServiceError(ErrorCode.IMAGE_TOO_LARGE, f"the image is over {cap} bytes")
@@ -378,15 +389,15 @@ def _read_capped(response: requests.Response, cap: int, deadline: float) -> byte
             if len(body) > cap:
                 raise ServiceError(ErrorCode.IMAGE_TOO_LARGE, f"the image is over {cap} bytes")
             if time.monotonic() > deadline:
-                raise _fetch_failed("fetching the image URL timed out")
+                raise _timed_out(host, settings)
     except ServiceError:
         raise
     except (urllib3.exceptions.TimeoutError, TimeoutError) as exc:
         logger.debug("image URL body read timed out: %r", exc)
-        raise _fetch_failed("fetching the image URL timed out") from None
+        raise _timed_out(host, settings) from None
     except Exception as exc:  # urllib3 ProtocolError / DecodeError, OSError, ...  # noqa: BLE001
         logger.debug("image URL body read failed: %r", exc)
-        raise _fetch_failed("the image URL's body could not be read") from None
+        raise _fetch_failed(f"the image's body from {host} could not be read") from None
     return bytes(body)
 
 
@@ -415,9 +426,44 @@ def _default_s3_client(settings: Settings) -> Any:
         return client
 
 
-def _fetch_s3(uri: str, settings: Settings, s3_client: Any) -> bytes:
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+def _s3_error(exc: Exception, bucket: str, settings: Settings) -> ServiceError:
+    """The typed error of a failed S3 fetch: not found / denied / no credentials / timed out (naming the
+    bucket only) / could not be fetched."""
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectTimeoutError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
 
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = str(error.get("Code", ""))
+        shown = code if _S3_CODE_RE.match(code) else "an error"
+        cause = f" (S3 answered {shown}, HTTP {status})" if status else f" (S3 answered {shown})"
+        if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket") or status == 404:
+            return _fetch_failed(f"the S3 image object was not found{cause}")
+        if code in ("403", "AccessDenied", "Forbidden") or status == 403:
+            return _fetch_failed(
+                f"access to the S3 image object was denied{cause}: the server's role needs s3:GetObject on it"
+            )
+        return _fetch_failed(f"the S3 image object could not be fetched{cause}")
+    if isinstance(exc, NoCredentialsError):
+        return _fetch_failed(
+            "the server has no AWS credentials to read S3 (NoCredentialsError): give its role or environment "
+            "credentials, or send the image by URL or base64"
+        )
+    if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError, TimeoutError)):
+        return _timed_out(f"S3 bucket {bucket}", settings)
+    if isinstance(exc, (BotoCoreError, OSError)):
+        return _fetch_failed(f"the S3 image object could not be fetched ({type(exc).__name__})")
+    logger.debug("S3 image fetch failed: %r", exc)  # urllib3 errors from the body stream
+    return _fetch_failed("the S3 image object could not be fetched")
+
+
+def _fetch_s3(uri: str, settings: Settings, s3_client: Any) -> bytes:
     match = _S3_URI_RE.match(uri)
     if match is None:
         raise ServiceError(ErrorCode.INVALID_PARAMETER, "image.s3_uri: must look like s3://bucket/key")
@@ -439,29 +485,8 @@ def _fetch_s3(uri: str, settings: Settings, s3_client: Any) -> bytes:
             stream.close()
     except ServiceError:
         raise
-    except ClientError as exc:
-        error = exc.response.get("Error", {})
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        code = str(error.get("Code", ""))
-        shown = code if _S3_CODE_RE.match(code) else "an error"
-        cause = f" (S3 answered {shown}, HTTP {status})" if status else f" (S3 answered {shown})"
-        if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket") or status == 404:
-            raise _fetch_failed(f"the S3 image object was not found{cause}") from None
-        if code in ("403", "AccessDenied", "Forbidden") or status == 403:
-            raise _fetch_failed(
-                f"access to the S3 image object was denied{cause}: the server's role needs s3:GetObject on it"
-            ) from None
-        raise _fetch_failed(f"the S3 image object could not be fetched{cause}") from None
-    except NoCredentialsError:
-        raise _fetch_failed(
-            "the server has no AWS credentials to read S3 (NoCredentialsError): give its role or environment "
-            "credentials, or send the image by URL or base64"
-        ) from None
-    except (BotoCoreError, OSError) as exc:
-        raise _fetch_failed(f"the S3 image object could not be fetched ({type(exc).__name__})") from None
-    except Exception as exc:  # urllib3 errors from the body stream  # noqa: BLE001
-        logger.debug("S3 image fetch failed: %r", exc)
-        raise _fetch_failed("the S3 image object could not be fetched") from None
+    except Exception as exc:  # noqa: BLE001 - every S3 failure becomes a typed error
+        raise _s3_error(exc, bucket, settings) from None
     if len(data) > cap:
         raise ServiceError(ErrorCode.IMAGE_TOO_LARGE, f"the image is over {cap} bytes")
     return data

@@ -93,6 +93,23 @@ class NativeServing(Serving):
 
     encode_error = staticmethod(responses.encode_error)
 
+    def pending_frame(self, row: Row, data: Any) -> RowResult:
+        """The first frame of an open or an added image waiting for its image: the session headers
+        its answer will have (an open's new id, expiring a TTL from now)."""
+        if isinstance(decode_command(data, self.settings), OpenCommand):
+            value = session_header_value(self.jobs.new_session_id(row), int(time.time()) + self.settings.session_ttl_s)
+            headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+        else:
+            headers = {SESSION_ID_HEADER: row.session_id or ""}
+        return self.framing.frame(b"", continued=False, last=False, headers=headers)
+
+    def late_error(self, row: Row, data: Any, err: ServiceError) -> RowResult:
+        """An open or added image refused after its first frame went out: the error as the reply's
+        body; a refused open ends its own TorchServe job group."""
+        sid = row.session_id if row.session_id != NEW_SESSION_LITERAL else None
+        held = not isinstance(decode_command(data, self.settings), OpenCommand)
+        return self.jobs.error(self, sid, err, held=held, continued=True)
+
     # ------------------------------------------------------------------ admission
     def admit(self, row: Row, data: Any, now: float) -> RowResult | Job:
         """Admit one decoded native body: an open, an added image or a question becomes a job; a

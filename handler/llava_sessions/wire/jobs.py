@@ -45,6 +45,15 @@ class Dialect(Protocol):
         """A whole error reply body in this dialect's shape."""
         ...
 
+    def pending_frame(self, row: Row, data: Any) -> RowResult:
+        """The first frame of a request still waiting for its images (:mod:`.intake`): no body, the
+        status, headers and content type its answer will have."""
+        ...
+
+    def late_error(self, row: Row, data: Any, err: ServiceError) -> RowResult:
+        """The last frame of a request whose first frame went out and whose admission then failed."""
+        ...
+
 
 @dataclass
 class Job:
@@ -108,6 +117,7 @@ class JobTable:
         self.framing = framing
         self.metrics = metrics
         self.jobs: dict[str, Job] = {}
+        self._fresh_ids: dict[str, str] = {}  # request id -> the session id it was given
 
     def check_generation_slot(self) -> None:
         """Raise ``overloaded`` when ``max_concurrent_generations`` answers are in flight."""
@@ -123,12 +133,21 @@ class JobTable:
         """
         sid = row.session_id
         if sid is None or sid == NEW_SESSION_LITERAL:
-            sid = f"llava-{uuid.uuid4()}"
+            sid = self.fresh_id(row.request_id)
         elif not row.minted and not SESSION_ID_RE.match(sid):
             raise ServiceError(ErrorCode.INVALID_REQUEST, f"{SESSION_ID_HEADER} is not a valid session id")
         if sid in self.engine.store:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
         return sid
+
+    def fresh_id(self, request_id: str) -> str:
+        """A new ``llava-<uuid4>`` session id for a request, the same each time while it waits for its
+        images (its first frame may have carried it); :meth:`done_admitting` forgets it."""
+        return self._fresh_ids.setdefault(request_id, f"llava-{uuid.uuid4()}")
+
+    def done_admitting(self, request_id: str) -> None:
+        """The request is admitted (or refused): its :meth:`fresh_id` is no longer needed."""
+        self._fresh_ids.pop(request_id, None)
 
     @staticmethod
     def session_of(row: Row, kind: str) -> str:
