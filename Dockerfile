@@ -7,43 +7,45 @@
 #   docker run --gpus all -p 8080:8080 -v "$PWD/models/7b:/opt/ml/model:ro" llava-sessions serve
 #
 # SageMaker runs `docker run IMAGE serve`: tini (PID 1, forwards SIGTERM, reaps orphans) runs
-# /usr/local/bin/serve -> llava-container-serve, which starts TorchServe on 0.0.0.0:8080 with the
-# model from /opt/ml/model (else the baked /opt/llava/model), restarts it when a worker dies, and
-# on SIGTERM stops it and exits 0 within 30 s (handler/llava_tools/container.py).
+# /usr/local/bin/serve -> llava-container-serve, which starts TorchServe (on loopback, behind its
+# front on 0.0.0.0:8080: a /ping that is 200 only while the model serves) with the model from
+# /opt/ml/model (else the baked /opt/llava/model), restarts it when a worker dies, and on SIGTERM
+# stops it and exits 0 within 30 s (handler/llava_tools/container.py).
 
-# An AWS Deep Learning Container for PyTorch inference (CUDA torch, Java 17 for TorchServe).
-# Overridable: another region's registry (same 763104351884 account), a newer tag from
-# https://github.com/aws/deep-learning-containers/blob/master/available_images.md, or any image
-# with CUDA torch >= 2.4, Python >= 3.10 and a Java 17 runtime.
-ARG BASE_IMAGE=763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-inference:2.6.0-gpu-py312-cu124-ubuntu22.04-sagemaker
+# The stack the tests run (config/constraints.txt, `make test-container-stack`): Python 3.11 on Debian
+# bookworm, torch 2.13's CUDA build from PyPI (its CUDA libraries come as wheels; the host needs only
+# the NVIDIA driver, as SageMaker's GPU hosts have), the same transformers, TorchServe and the rest.
+# Overridable with any Debian bookworm image with Python 3.11 (docs/design.md, "One stack").
+ARG BASE_IMAGE=python:3.11.7-slim-bookworm
 FROM ${BASE_IMAGE}
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# tini from Ubuntu 22.04 (the base image's distribution).
-ARG TINI_VERSION=0.19.0-1
+# tini (PID 1) pinned; Java 17 for TorchServe's frontend follows Debian's security updates (an old
+# openjdk build leaves the mirror when a new one lands, so a pin would break the build).
+ARG TINI_VERSION=0.19.0-1+b3
+# hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" \
+    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" openjdk-17-jre-headless \
     && rm -rf /var/lib/apt/lists/*
 
-# Runtime dependencies, pinned. The base image's CUDA torch (and torchvision/torchaudio) are held
-# at their installed versions by a constraints file: pip fails rather than replace them.
-RUN pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio)==' > /tmp/torch-constraints.txt \
-    && pip install --no-cache-dir --constraint /tmp/torch-constraints.txt \
-        torchserve==0.12.0 \
-        torch-model-archiver==0.12.0 \
-        transformers==5.23.0 \
-        tokenizers==0.23.3 \
-        safetensors==0.8.0 \
-        huggingface-hub==2.4.0 \
-        pydantic==2.14.3 \
-        pillow==13.0.0 \
-        pyyaml==6.0.3 \
-        requests==2.34.2 \
-        boto3==1.44.5 \
-        psutil==7.2.2 \
-        packaging==26.3 \
-    && pip list --format=freeze | grep -iE '^(torch|torchvision|torchaudio)==' | diff /tmp/torch-constraints.txt - \
+# Runtime dependencies: every version from config/constraints.txt, the file the tests install from.
+COPY config/constraints.txt /opt/llava/config/constraints.txt
+RUN pip install --no-cache-dir --constraint /opt/llava/config/constraints.txt \
+        torch \
+        torchserve \
+        torch-model-archiver \
+        transformers \
+        tokenizers \
+        safetensors \
+        huggingface-hub \
+        pydantic \
+        pillow \
+        pyyaml \
+        requests \
+        boto3 \
+        psutil \
+        packaging \
     && java -version
 
 # Optional: bake a checkpoint into the image at a pinned commit (before the code is copied, so a

@@ -1,4 +1,5 @@
-# Entry points: make install | make demo | make test  (and make web, make notebook, make lint, make bench)
+# Entry points: make install | make demo | make test  (and make web, make notebook, make lint, make bench,
+# make test-container-stack)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,13 +8,16 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install system-deps test demo web notebook bench lint clean
+.PHONY: install system-deps test test-container-stack demo web notebook bench lint clean
 
-$(VENV)/.installed: pyproject.toml
+# config/constraints.txt: the one stack, the versions the container installs too (Dockerfile)
+CONSTRAINTS := config/constraints.txt
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,web]"
+	$(PIP) install -q -c $(CONSTRAINTS) "$(TORCH_SPEC)"
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev,web]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -24,6 +28,18 @@ system-deps:
 
 test: install system-deps
 	$(PY) -m pytest -q -ra
+
+# The container's stack on its own: a fresh venv with what the image installs (the package, not
+# editable, its serve extra, config/constraints.txt), the project folder found through LLAVA_HOME
+# as in the image, and the exactness and handler-contract tests run against it.
+STACK_VENV ?= .venv-stack
+STACK_TESTS ?= tests/test_chat_engine.py tests/test_handler_integration.py
+test-container-stack: system-deps
+	test -x $(STACK_VENV)/bin/python || $(PYTHON) -m venv $(STACK_VENV)
+	$(STACK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(STACK_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "$(TORCH_SPEC)" ".[serve]" pytest pytest-timeout scikit-image
+	$(STACK_VENV)/bin/python -c "import llava_sessions as m; assert 'site-packages' in m.__file__, m.__file__"
+	LLAVA_HOME=$(CURDIR) $(STACK_VENV)/bin/python -m pytest -q -ra -p no:cacheprovider $(STACK_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check handler client tests benchmarks docker

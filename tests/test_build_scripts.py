@@ -23,10 +23,9 @@ except ModuleNotFoundError:  # Python 3.10
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "build_and_push.sh"
 DOCKERFILE = REPO / "Dockerfile"
-DLC_RE = re.compile(
-    r"^763104351884\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com/pytorch-inference:"
-    r"\d+\.\d+\.\d+-gpu-py3\d+-cu\d+-ubuntu\d+\.\d+-sagemaker$"
-)
+CONSTRAINTS = REPO / "config" / "constraints.txt"
+#: An AWS Deep Learning Container, as a --base-image override (its registry needs a login).
+DLC = "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-inference:2.6.0-gpu-py312-cu124-ubuntu22.04-sagemaker"
 
 
 def tool(name: str) -> str:
@@ -63,27 +62,48 @@ def test_dockerfile_is_hadolint_clean() -> None:
 # ---- Dockerfile contents ---------------------------------------------------------------------------
 
 
-def test_dockerfile_runs_serve_on_a_sagemaker_dlc_with_pinned_dependencies() -> None:
+def _constraints() -> dict[str, str]:
+    """``config/constraints.txt`` as normalized name -> pinned version."""
+    pins = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def test_dockerfile_runs_serve_on_the_tested_stack() -> None:
+    """One stack: the image's Python is the suite's, and it installs every dependency from the
+    constraints file the Makefile installs the tests from."""
     text = DOCKERFILE.read_text()
-    assert DLC_RE.match(default_base_image()), default_base_image()
+    base = re.fullmatch(r"python:(\d+)\.(\d+)\.\d+-slim-bookworm", default_base_image())
+    assert base, default_base_image()
+    assert (int(base.group(1)), int(base.group(2))) == sys.version_info[:2]  # the suite's interpreter
     assert 'ENTRYPOINT ["/usr/bin/tini", "--"]' in text and 'CMD ["serve"]' in text
     assert "COPY --chmod=0755 docker/serve /usr/local/bin/serve" in text
-    assert "--constraint /tmp/torch-constraints.txt" in text  # the base image's CUDA torch stays
-    assert "EXPOSE 8080" in text
-    pins = dict(re.findall(r"^\s+([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.]*) \\$", text, re.M))
-    assert pins["torchserve"] == "0.12.0" and pins["torch-model-archiver"] == "0.12.0"
-    assert pins["transformers"] == "5.23.0"
+    assert "COPY config/constraints.txt /opt/llava/config/constraints.txt" in text
+    assert "pip install --no-cache-dir --constraint /opt/llava/config/constraints.txt" in text
+    assert "EXPOSE 8080" in text and "openjdk-17-jre-headless" in text
+    assert "==" not in text.split("--constraint", 1)[1].split("java -version")[0]  # versions only in the file
+    makefile = (REPO / "Makefile").read_text()
+    assert "CONSTRAINTS := config/constraints.txt" in makefile and makefile.count("-c $(CONSTRAINTS)") >= 3
+
+
+def test_the_constraints_pin_every_dependency_and_the_suite_runs_them() -> None:
+    from importlib.metadata import version
+
+    pins = _constraints()
     if tomllib is None:
         pytest.skip("tomllib needs Python 3.11")
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     required = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["serve"]]
-    normalized = {name.lower().replace("_", "-"): version for name, version in pins.items()}
     for requirement in required:
         name = requirement.name.lower().replace("_", "-")
-        if name == "torch":
-            continue  # the base image's
-        assert name in normalized, f"{name} is a dependency but not pinned in the Dockerfile"
-        assert requirement.specifier.contains(normalized[name]), (name, normalized[name], str(requirement))
+        assert name in pins, f"{name} is a dependency but not pinned in config/constraints.txt"
+        assert requirement.specifier.contains(pins[name]), (name, pins[name], str(requirement))
+    installed = {name: version(name).split("+")[0] for name in pins}  # torch's local tag: +cpu here, CUDA there
+    assert installed == pins
 
 
 def test_dockerfile_copies_exist_and_are_not_docker_ignored() -> None:
@@ -161,6 +181,8 @@ def test_dry_run_prints_every_command_and_runs_none(fake_path) -> None:
         "123456789012",
         "--tag",
         "v1",
+        "--base-image",
+        DLC,  # a base image in ECR: the script logs in to its registry too
         "--build-arg",
         "BAKE_MODEL_ID=llava-hf/llava-1.5-7b-hf",
     )
@@ -176,7 +198,7 @@ def test_dry_run_prints_every_command_and_runs_none(fake_path) -> None:
         "+ aws ecr get-login-password --region us-east-1 | docker login --username AWS --password-stdin "
         "763104351884.dkr.ecr.us-east-1.amazonaws.com",
         f"+ aws ecr get-login-password --region eu-west-1 | docker login --username AWS --password-stdin {registry}",
-        f"+ env DOCKER_BUILDKIT=1 docker build --platform linux/amd64 --build-arg BASE_IMAGE={default_base_image()} "
+        f"+ env DOCKER_BUILDKIT=1 docker build --platform linux/amd64 --build-arg BASE_IMAGE={DLC} "
         f"--build-arg BAKE_MODEL_ID=llava-hf/llava-1.5-7b-hf --tag llava-sessions:v1 --file {DOCKERFILE} {REPO}",
         f"+ docker tag llava-sessions:v1 {registry}/llava-sessions:v1",
         f"+ docker push {registry}/llava-sessions:v1",
@@ -194,10 +216,7 @@ def test_a_run_creates_the_repository_logs_in_builds_tags_and_pushes(fake_path) 
         "aws ecr describe-repositories --repository-names team/llava --region eu-west-1",
         "aws ecr create-repository --repository-name team/llava --region eu-west-1 "
         "--image-scanning-configuration scanOnPush=true",
-        "aws ecr get-login-password --region us-east-1",
-        "docker login --username AWS --password-stdin 763104351884.dkr.ecr.us-east-1.amazonaws.com "
-        "<<< token-for-us-east-1",
-        "aws ecr get-login-password --region eu-west-1",
+        "aws ecr get-login-password --region eu-west-1",  # the default base image is not in ECR: no login there
         f"docker login --username AWS --password-stdin {registry} <<< token-for-eu-west-1",
         f"docker build --platform linux/amd64 --build-arg BASE_IMAGE={default_base_image()} "
         f"--tag team/llava:2026-11-22 --file {DOCKERFILE} {REPO}",

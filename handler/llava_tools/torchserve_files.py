@@ -81,7 +81,9 @@ MULTI_WORKER_REFUSAL = (
 
 #: The worker core (the only package the TorchServe worker imports) and the handler folder beside it.
 CORE_DIR = Path(llava_sessions.__file__).resolve().parent
-REPO_ROOT = CORE_DIR.parent.parent
+#: The project folder (``handler/``, ``config/``, ``model-config.yaml``): ``$LLAVA_HOME`` (the image's
+#: ``/opt/llava``; a non-editable install), else the source checkout the worker core runs from.
+REPO_ROOT = Path(os.environ["LLAVA_HOME"]) if os.environ.get("LLAVA_HOME") else CORE_DIR.parent.parent
 
 
 #: Seconds between reads of a log that is being waited for.
@@ -108,8 +110,8 @@ def console_script(name: str) -> str:
 
 
 def default_handler_path() -> Path:
-    """Return the path of the TorchServe entry ``handler/llava_handler.py``."""
-    return CORE_DIR.parent / "llava_handler.py"
+    """Return the path of the TorchServe entry ``handler/llava_handler.py`` of the project folder."""
+    return REPO_ROOT / "handler" / "llava_handler.py"
 
 
 def default_model_config_path() -> Path:
