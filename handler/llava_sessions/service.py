@@ -163,7 +163,7 @@ class SessionService:
                 with self.intake.admitting(fetches):
                     return dialect.admit(row, data, now)
             except FetchPending as pending:
-                intake = Intake(row, dialect, data, fetches, pending.future, since=now)
+                intake = Intake(row, dialect, data, fetches, pending.future)
                 self.intakes[row.request_id] = intake
                 return intake
         except ServiceError as err:
@@ -197,9 +197,14 @@ class SessionService:
             except FetchPending as pending:
                 intake.future = pending.future
                 continue
-            except ServiceError as err:
+            except Exception as exc:  # noqa: BLE001 - a ServiceError is the request's; anything else a bug
                 del self.intakes[row.request_id]
                 self.jobs.done_admitting(row.request_id)
+                if isinstance(exc, ServiceError):
+                    err = exc
+                else:
+                    log.exception("request failed", extra={"request_id": row.request_id})
+                    err = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error")
                 if intake.framed:
                     return intake.dialect.late_error(row, intake.data, err)
                 return self.jobs.error(intake.dialect, row.session_id, err, held=not row.minted)

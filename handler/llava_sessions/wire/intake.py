@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .framing import Row
@@ -47,7 +47,6 @@ class Intake:
         data: the decoded body, admitted again once the fetch is done.
         fetches: image source (URL or S3 URI) → its fetch (bytes, or the fetch's ServiceError).
         future: the fetch the last admission waited on.
-        since: when the request arrived (``time.monotonic()``).
         framed: its first frame went out (status 200 and headers): its answer continues the reply.
         last_seen: the last ``handle()`` call it was in (``time.monotonic()``).
     """
@@ -57,10 +56,8 @@ class Intake:
     data: Any
     fetches: dict[str, Future]
     future: Future
-    since: float
     framed: bool = False
     last_seen: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 class ImageIntake:
@@ -106,7 +103,3 @@ class ImageIntake:
         if not future.done():
             raise FetchPending(future)
         return future.result()
-
-    def shutdown(self) -> None:
-        """Stop the pool (fetches under way finish in their threads)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
