@@ -305,6 +305,21 @@ def test_session_headers_only_where_a_session_changed(server, photos):
     post(server, {"type": "close_session"}, session_id=held)
 
 
+def test_header_names_are_matched_whatever_their_case(server, photos):
+    """HTTP/2 clients and many libraries send header names in lower case: the session header still
+    names the session (TorchServe matches it by exact case; the front forwards it in that case)."""
+    sid, _ = open_session(server, photos["coffee"])
+    body = {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2, "details": True}}
+    for name in (SID.lower(), SID.upper()):
+        r = requests.post(server.url + "/invocations", data=json.dumps(body), headers={name: sid}, timeout=60)
+        assert r.status_code == 200 and r.headers[SID] == sid, (name, r.text)
+        assert r.json()["details"]["cached_tokens"] > 500  # its session's KV cache: not a new sequence
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = requests.post(server.url + "/v1/chat/completions", json=chat, headers={SID.lower(): sid}, timeout=60)
+    assert r.status_code == 200 and r.headers[SID] == sid, r.text
+    post(server, {"type": "close_session"}, session_id=sid)
+
+
 def test_bodies_over_the_limit_get_the_dialect_s_typed_413(server, photos):
     """SageMaker's 6,291,456-byte limit: a 7 MB body in either dialect gets that dialect's typed 413
     naming the limit (TorchServe's own limit is far above it); one past TorchServe's own limit gets

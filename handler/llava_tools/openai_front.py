@@ -41,6 +41,8 @@ import socketserver
 import time
 from typing import IO, Any
 
+from llava_sessions.wire.contract import CUSTOM_ATTRIBUTES_HEADER, SESSION_ID_HEADER
+
 from .processes import BackgroundServing
 from .torchserve_files import MAX_REQUEST_BYTES
 
@@ -58,6 +60,19 @@ RETRY_AFTER_S = 5
 MAX_RETRY_AFTER_S = 30
 #: Seconds between two connection attempts while TorchServe restarts.
 RESTART_POLL_S = 0.2
+#: Header names TorchServe (its sequence id) and the handler look up by exact case, forwarded in it
+#: whatever case the client sent (HTTP names are case-insensitive, RFC 9110 section 5.1; HTTP/2
+#: clients and many libraries send lower case): a lower-case session header would otherwise open a
+#: new TorchServe sequence and the request would run without its session.
+_CANONICAL = {
+    name.lower().encode(): name.encode()
+    for name in (
+        SESSION_ID_HEADER,
+        CUSTOM_ATTRIBUTES_HEADER,
+        "Accept",
+        "Content-Type",
+    )
+}
 #: Request headers not forwarded to TorchServe: the hop's own (RFC 9110 section 7.6.1) and the
 #: client's credentials.
 _NOT_FORWARDED = frozenset(
@@ -194,7 +209,11 @@ class _Connection(socketserver.StreamRequestHandler):
             )
             return keep
         head = [b"%s %s HTTP/1.1" % (method, target), b"Host: torchserve"]
-        head += [b"%s: %s" % (name, v) for n, name, v in fields if n not in _NOT_FORWARDED and n != b"host"]
+        head += [
+            b"%s: %s" % (_CANONICAL.get(n, name), v)
+            for n, name, v in fields
+            if n not in _NOT_FORWARDED and n != b"host"
+        ]
         request = b"\r\n".join(head) + b"\r\n\r\n" + body
         if not self._relay(request, method == b"HEAD"):
             return False
