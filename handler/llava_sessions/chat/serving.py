@@ -34,7 +34,7 @@ from ..images.source import ImageSource
 from ..metrics import WorkerMetrics
 from ..results import Answer, elapsed_ms
 from ..sessions.conversation import ChatTarget, ImageInput, Turn, image_key
-from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
+from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
 from ..wire.framing import JSON, Row, RowResult
 from ..wire.inbound import request_salt
 from ..wire.jobs import Job, JobTable, Serving
@@ -109,10 +109,7 @@ class ChatServing(Serving):
         sid = row.session_id
         headers: dict[str, str] = {}
         if sid == NEW_SESSION_LITERAL:  # opens its session: the id it will get, expiring a TTL from now
-            value = session_header_value(
-                self.jobs.fresh_id(row.request_id), int(time.time()) + self.settings.session_ttl_s
-            )
-            headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+            headers = opened_headers(self.jobs.fresh_id(row.request_id), int(time.time()) + self.settings.session_ttl_s)
         elif sid and not row.minted:
             headers = {SESSION_ID_HEADER: sid}
         content_type = self._stream_of(row, command).content_type if command.stream else JSON
@@ -151,10 +148,9 @@ class ChatServing(Serving):
         """
         sid = self.jobs.new_session_id(row)
         result = self.engine.open_empty(sid)
-        value = session_header_value(sid, result.expires_at)
         return RowResult(
             responses.encode_new_session(sid, result.expires_at),
-            headers={SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value},
+            headers=opened_headers(sid, result.expires_at),
         )
 
     def _admit_chat(self, row: Row, command: ChatCommand, now: float) -> Job:
@@ -322,6 +318,5 @@ class ChatServing(Serving):
         if job.opened:
             session = self.engine.store.peek(job.session_id)
             if session is not None:
-                value = session_header_value(job.session_id, session.expires_at)
-                return {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+                return opened_headers(job.session_id, session.expires_at)
         return {SESSION_ID_HEADER: job.session_id}

@@ -20,7 +20,7 @@ from ..images.decode import decode_image
 from ..results import AddImageResult, OpenResult, elapsed_ms
 from ..sampling.params import SamplingParams
 from ..sessions.conversation import Turn
-from ..wire.contract import NEW_SESSION_ID_HEADER, NEW_SESSION_LITERAL, SESSION_ID_HEADER, session_header_value
+from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
 from ..wire.framing import JSON_LINES, Row, RowResult
 from ..wire.inbound import request_salt
 from ..wire.jobs import Job, Serving
@@ -97,8 +97,7 @@ class NativeServing(Serving):
         """The first frame of an open or an added image waiting for its image: the session headers
         its answer will have (an open's new id, expiring a TTL from now)."""
         if isinstance(decode_command(data, self.settings), OpenCommand):
-            value = session_header_value(self.jobs.new_session_id(row), int(time.time()) + self.settings.session_ttl_s)
-            headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+            headers = opened_headers(self.jobs.new_session_id(row), int(time.time()) + self.settings.session_ttl_s)
         else:
             headers = {SESSION_ID_HEADER: row.session_id or ""}
         return self.framing.frame(b"", continued=False, last=False, headers=headers)
@@ -238,8 +237,7 @@ class NativeServing(Serving):
         until it is done, then its body; an error after the first frame is the body (its status is
         already out). An open's headers carry the new session id and its ``Expires``."""
         if task.kind_of_task == "open":
-            value = session_header_value(job.session_id, task.session.expires_at)
-            headers = {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
+            headers = opened_headers(job.session_id, task.session.expires_at)
         else:
             headers = {SESSION_ID_HEADER: job.session_id}
         if not task.done and job.error is None:

@@ -27,6 +27,7 @@ __all__ = [
     "SESSION_ID_RE",
     "SEQUENCE_END_HEADER",
     "format_expires",
+    "opened_headers",
     "salt_of_attributes",
     "session_header_value",
     "session_id_of",
@@ -92,6 +93,14 @@ def session_header_value(session_id: str, expires_epoch_s: int) -> str:
             f"session ids must be at most {MAX_SESSION_HEADER_CHARS - len(value) + len(session_id)} characters"
         )
     return value
+
+
+def opened_headers(session_id: str, expires_epoch_s: int) -> dict[str, str]:
+    """The headers of a reply that opened ``session_id``: ``X-Amzn-SageMaker-Session-Id`` and
+    ``X-Amzn-SageMaker-New-Session-Id`` (boto3's ``NewSessionId``), both
+    :func:`session_header_value`. Raises ValueError as it does."""
+    value = session_header_value(session_id, expires_epoch_s)
+    return {SESSION_ID_HEADER: value, NEW_SESSION_ID_HEADER: value}
 
 
 def session_id_of(header_value: str | None) -> str | None:
