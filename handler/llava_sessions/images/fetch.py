@@ -178,13 +178,17 @@ def _fetch_failed(message: str) -> ServiceError:
     return ServiceError(ErrorCode.IMAGE_FETCH_FAILED, message)
 
 
-def _timed_out(where: str, settings: Settings) -> ServiceError:
-    """``image_fetch_timeout``: ``where`` (the URL's host, or the S3 bucket; never the path or query,
-    which may hold credentials) did not deliver within the fetch deadline."""
-    return ServiceError(
-        ErrorCode.IMAGE_FETCH_TIMEOUT,
-        f"fetching the image from {where} did not finish within {settings.fetch_total_timeout_s:g} s",
-    )
+def _timed_out(where: str, limit: str) -> ServiceError:
+    """``image_fetch_timeout`` naming ``where`` (a host or bucket, never a path or query) and ``limit``."""
+    return ServiceError(ErrorCode.IMAGE_FETCH_TIMEOUT, f"fetching the image from {where} timed out ({limit})")
+
+
+def _total(settings: Settings) -> str:
+    return f"the {settings.fetch_total_timeout_s:g} s fetch deadline"
+
+
+def _read(settings: Settings) -> str:
+    return f"no bytes for the {settings.fetch_read_timeout_s:g} s read timeout"
 
 
 def _address_allowed(address: _IPAddress, *, allow_private: bool) -> bool:
@@ -333,7 +337,7 @@ def _open(
     for address in target.addresses[:_MAX_ADDRESSES_TRIED]:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _timed_out(target.host, settings)
+            raise _timed_out(target.host, _total(settings))
         session = requests.Session()
         session.trust_env = False
         session.mount(f"{target.scheme}://", _PinnedAdapter(server_name))
@@ -355,7 +359,11 @@ def _open(
         except requests.exceptions.Timeout as exc:
             session.close()
             logger.debug("image URL timeout: %r", exc)
-            raise _timed_out(target.host, settings) from None
+            connect = isinstance(exc, requests.exceptions.ConnectTimeout)
+            limit = f"the {settings.fetch_connect_timeout_s:g} s connect timeout" if connect else _read(settings)
+            if remaining < (settings.fetch_connect_timeout_s if connect else settings.fetch_read_timeout_s):
+                limit = _total(settings)  # what was left of the deadline was the shorter limit
+            raise _timed_out(target.host, limit) from None
         except requests.exceptions.ConnectionError as exc:
             session.close()
             logger.debug("image URL connection to one address failed: %r", exc)
@@ -389,12 +397,12 @@ def _read_capped(response: requests.Response, settings: Settings, deadline: floa
             if len(body) > cap:
                 raise ServiceError(ErrorCode.IMAGE_TOO_LARGE, f"the image is over {cap} bytes")
             if time.monotonic() > deadline:
-                raise _timed_out(host, settings)
+                raise _timed_out(host, _total(settings))
     except ServiceError:
         raise
     except (urllib3.exceptions.TimeoutError, TimeoutError) as exc:
         logger.debug("image URL body read timed out: %r", exc)
-        raise _timed_out(host, settings) from None
+        raise _timed_out(host, _read(settings)) from None
     except Exception as exc:  # urllib3 ProtocolError / DecodeError, OSError, ...  # noqa: BLE001
         logger.debug("image URL body read failed: %r", exc)
         raise _fetch_failed(f"the image's body from {host} could not be read") from None
@@ -456,7 +464,7 @@ def _s3_error(exc: Exception, bucket: str, settings: Settings) -> ServiceError:
             "credentials, or send the image by URL or base64"
         )
     if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError, TimeoutError)):
-        return _timed_out(f"S3 bucket {bucket}", settings)
+        return _timed_out(f"S3 bucket {bucket}", "the S3 client's connect or read timeout")
     if isinstance(exc, (BotoCoreError, OSError)):
         return _fetch_failed(f"the S3 image object could not be fetched ({type(exc).__name__})")
     logger.debug("S3 image fetch failed: %r", exc)  # urllib3 errors from the body stream

@@ -22,9 +22,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..images.source import ImageSource
 from .framing import Row
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 __all__ = ["FetchPending", "ImageIntake", "Intake"]
 
@@ -86,14 +90,14 @@ class ImageIntake:
         finally:
             self._current = None
 
-    def __call__(self, source: Any, settings: Any) -> bytes:
+    def __call__(self, source: ImageSource, settings: Settings) -> bytes:
         """The encoded image ``source`` names (see the class docstring).
 
         Raises:
             FetchPending: inside :meth:`admitting`, its fetch is not done yet.
             ServiceError: the fetch's own errors (:func:`~llava_sessions.images.fetch.fetch_image_bytes`).
         """
-        name = getattr(source, "url", None) or getattr(source, "s3_uri", None)
+        name = source.url or source.s3_uri  # inline base64 decodes in place
         fetches = self._current
         if fetches is None or not name:
             return self._fetch(source, settings)
