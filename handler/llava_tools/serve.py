@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             + (
                 f" (OpenAI base_url {server.openai_base_url}; TorchServe itself at {server.torchserve_url})"
                 if server.openai_routes
-                else ""
+                else f" (TorchServe itself at {server.torchserve_url})"
             )
             + f" (metrics {server.metrics_url}/metrics; model dir {server.model_dir}; "
             f"logs {server.log_dir}; "
