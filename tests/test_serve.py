@@ -103,10 +103,16 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         assert again.json()["start"] is None
         assert again.json()["pid"] == first["pid"]
 
-        # The lookup is case-sensitive: a lower-case key is no session header, so this is a NEW
-        # sequence, refused because the one allowed sequence is open.
+        # Through the front header names are case-blind: it forwards the session header in the case
+        # TorchServe looks it up by. TorchServe's own lookup is case-sensitive: on its own port a
+        # lower-case key is no session header, so that is a NEW sequence, refused because the one
+        # allowed sequence is open.
         lower = _invoke(url, {"turn": 3}, {SESSION.lower(): session_id})
-        assert lower.status_code == 503 or lower.json()["session_id"] != session_id
+        assert lower.status_code == 200 and lower.json()["session_id"] == session_id, lower.text
+        torchserve = re.search(r"TorchServe itself at (\S+?)\)", ready.group(0))
+        assert torchserve, ready.group(0)
+        direct = _invoke(torchserve.group(1), {"turn": 3}, {SESSION.lower(): session_id})
+        assert direct.status_code == 503 or direct.json()["session_id"] != session_id
         refused = _invoke(url, {"turn": 1})
         assert refused.status_code == 503, refused.text
 
