@@ -14,7 +14,7 @@ Measured side by side in one run:
    asks at once for ``--new-tokens`` greedy tokens; tokens generated / wall time from the first
    step to the last; ratio to one session alone. Levels run in rounds; the median round counts.
 3. **Inter-token latency while sessions open**: ``--streams`` answers decode (a) alone and (b)
-   while an open (vision tower + prefix prefill, chunked by the step token budget) is always in
+   while an open (vision tower + prefix prefill, chunked by the step's time budget) is always in
    flight; each scheduler step is one inter-token gap of every stream. p50 / p99 and the ratio.
 4. **Sessions held hot at once**: the device budget the worker would use
    (``device_budget_fraction`` of free memory) divided by what one session holds in the KV tier
@@ -39,13 +39,19 @@ from pathlib import Path
 import torch
 
 from llava_sessions.config import Settings
-from llava_sessions.engine import EngineLimits, Generation, ImageTask, SessionEngine, default_device_budget
+from llava_sessions.engine import (
+    EngineLimits,
+    Generation,
+    ImageTask,
+    SessionEngine,
+    TimeBudget,
+    default_device_budget,
+)
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.conversation import Chat
 from llava_sessions.sessions.store import SessionStore
-from llava_sessions.worker import AUTO_STEP_TOKEN_BUDGET
 from llava_tools.samples import sample_photo
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
@@ -83,7 +89,7 @@ def build_runner(args: argparse.Namespace) -> LlavaRunner:
     return LlavaRunner.from_pretrained(folder, device=args.device, dtype=args.dtype)
 
 
-def run_together(engine: SessionEngine, work: list, budget: int | None) -> tuple[float, list[float]]:
+def run_together(engine: SessionEngine, work: list, budget: int | TimeBudget | None) -> tuple[float, list[float]]:
     """Step ``work`` until all of it is done; returns (wall s, durations in ms of steps that decoded)."""
     device = engine.runner.device
     steps: list[float] = []
@@ -163,7 +169,7 @@ def aggregate(engine: SessionEngine, images: list[bytes], levels: list[int], rou
 
 
 def itl_while_opening(
-    engine: SessionEngine, images: list[bytes], streams: int, new_tokens: int, budget: int, rounds: int
+    engine: SessionEngine, images: list[bytes], streams: int, new_tokens: int, budget: TimeBudget, rounds: int
 ) -> dict:
     """Step durations (= inter-token gaps) of ``streams`` answers, quiet vs with opens in flight."""
     sids = [f"itl{i}" for i in range(streams)]
@@ -202,7 +208,10 @@ def itl_while_opening(
     q99, b99 = pct(quiet, 99), pct(busy, 99)
     return {
         "streams": streams,
-        "step_token_budget": budget,
+        "step_budget": {
+            "max_step_ms_while_decoding": budget.step_ms,
+            "max_prefill_tokens_per_pass": budget.max_pass_tokens,
+        },
         "opens_completed": opened,
         "quiet_ms": {"p50": pct(quiet, 50), "p99": q99},
         "opening_ms": {"p50": pct(busy, 50), "p99": b99},
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     images = [sample_photo(p) for p in PHOTOS]
     levels = [int(x) for x in args.levels.split(",")]
-    budget = AUTO_STEP_TOKEN_BUDGET[runner.device.type == "cuda"]
+    budget = TimeBudget(settings.max_step_ms_while_decoding, settings.max_prefill_tokens_per_pass)  # the default
     device = runner.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict = {

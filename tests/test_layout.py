@@ -137,6 +137,7 @@ LAYERS: list[set[str]] = [
         "wire.contract",
         "sessions.conversation",
         "sessions.ledger",
+        "engine.costs",
     },
     {"sessions", "sampling", "wire", "native", "chat", "engine.scheduler", "model.kv_cache", "model.loading"},
     {

@@ -1,14 +1,17 @@
-"""The scheduler's rules, without a model: plain data in, a plain-data StepPlan out (milliseconds)."""
+"""The scheduler's rules, without a model: plain data in, a plain-data StepPlan out (milliseconds);
+the cost model it is sized by, on numbers."""
 
 from __future__ import annotations
 
 import pytest
 
+from llava_sessions.engine.costs import CostModel, StepCost
 from llava_sessions.engine.scheduler import (
     MIN_PREFILL_TOKENS,
     BatchLayout,
     PrefillPiece,
     StepPlan,
+    TimeBudget,
     WorkView,
     needs_rebuild,
     schedule,
@@ -91,3 +94,93 @@ def test_when_the_decode_batch_is_rebuilt(batch: BatchLayout, joining: bool, reb
 def test_no_decode_rows_no_rebuild_and_an_empty_plan() -> None:
     assert schedule([question(5)], 64, BatchLayout()).rebuild is False
     assert schedule([], 64).empty and schedule([], None) == StepPlan()
+
+
+# ---------------------------------------------------------------- the time budget (rules 7-8)
+#: A prefill pass of n tokens: 20 + n ms; a decode step 30 ms; the vision tower 50 ms.
+COST = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0)
+TIMED = TimeBudget(step_ms=150.0, max_pass_tokens=4096)
+
+
+def test_nothing_decoding_a_cold_turn_runs_its_vision_tower_and_whole_prompt_in_one_step() -> None:
+    plan = schedule([image(589)], TIMED, BatchLayout(), COST)
+    assert plan.prefill == (PrefillPiece(0, True, 589),)
+    question_plan = schedule([question(700, vision=True)], TIMED, BatchLayout(), COST)
+    assert question_plan.prefill == (PrefillPiece(0, True, 700),)  # a restore from the image tier alike
+
+
+def test_nothing_decoding_one_pass_is_capped_by_max_pass_tokens() -> None:
+    plan = schedule([question(10_000)], TimeBudget(150.0, 4096), BatchLayout(), COST)
+    assert plan.prefill == (PrefillPiece(0, False, 4096),)
+
+
+def test_nothing_decoding_later_pieces_run_only_in_the_time_left() -> None:
+    # the first question is whole and costs 20 + 10 ms; the second gets what fits in the 120 ms left
+    plan = schedule([question(10), question(500), image(600)], TIMED, BatchLayout(), COST)
+    assert plan.prefill == (PrefillPiece(0, False, 10), PrefillPiece(1, False, 100))
+    # after a whole long prompt no time is left: the next waits for the next step (and decodes beside it)
+    assert schedule([image(600), image(600)], TIMED, BatchLayout(), COST).prefill == (PrefillPiece(0, True, 600),)
+
+
+def test_while_decoding_the_prefill_chunk_fits_the_step_time_left_by_the_decode_step() -> None:
+    plan = schedule([decoding(), decoding(), question(500)], TIMED, ROWS, COST)
+    assert plan.decode == (0, 1)
+    assert plan.prefill == (PrefillPiece(2, False, 100),)  # 150 - 30 (decode) - 20 (fixed) = 100 tokens
+    slower = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=2.0, decode_ms=30.0, vision_ms=50.0)
+    assert schedule([decoding(), question(500)], TIMED, ROWS, slower).prefill == (PrefillPiece(1, False, 50),)
+
+
+def test_while_decoding_a_vision_tower_takes_its_cost_and_the_rest_prefills_in_the_same_pass() -> None:
+    plan = schedule([decoding(), image(600)], TIMED, ROWS, COST)
+    assert plan.prefill == (PrefillPiece(1, True, 50),)  # 150 - 30 - 50 (tower) - 20 (fixed) = 50 tokens
+    tight = schedule([decoding(), image(600)], TimeBudget(90.0, 4096), ROWS, COST)
+    assert tight.prefill == (PrefillPiece(1, True, 0),)  # the tower alone: it still moves
+
+
+def test_while_decoding_the_first_piece_always_moves_and_later_ones_need_room() -> None:
+    slow_decode = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=200.0, vision_ms=50.0)
+    plan = schedule([decoding(), question(500), question(40)], TIMED, ROWS, slow_decode)
+    assert plan.prefill == (PrefillPiece(1, False, MIN_PREFILL_TOKENS),)
+    # a second piece runs when 16 tokens of it fit: 150 - 30 - (20 + 30) = 70 ms left for question(40)
+    fits = schedule([decoding(), question(30), question(40)], TIMED, ROWS, COST)
+    assert fits.prefill == (PrefillPiece(1, False, 30), PrefillPiece(2, False, 40))
+    # and an image after it only when its tower fits too
+    no_tower = schedule([decoding(), question(60), image(600)], TIMED, ROWS, COST)
+    assert no_tower.prefill == (PrefillPiece(1, False, 60),)
+
+
+def test_the_time_budget_keeps_rules_1_3_and_6() -> None:
+    plan = schedule([image(50, vision=False), decoding(has_row=False), question(3)], TIMED, ROWS, COST)
+    assert plan.decode == (1,) and plan.rebuild
+    assert [p.index for p in plan.prefill] == [2, 0]
+
+
+def test_the_cost_model_fits_fixed_and_per_token_cost_from_timed_passes() -> None:
+    model = CostModel(StepCost(prefill_fixed_ms=5.0, prefill_token_ms=0.1), decay=0.9)
+    for _ in range(40):
+        for n in (16, 64, 300, 589):
+            model.prefill(n, 30.0 + 0.8 * n)  # the device: 30 ms fixed, 0.8 ms a token
+    cost = model.estimate()
+    assert cost.prefill_fixed_ms == pytest.approx(30.0, rel=0.02)
+    assert cost.prefill_token_ms == pytest.approx(0.8, rel=0.02)
+    assert cost.tokens_within(30.0 + 0.8 * 100) in (99, 100) and cost.tokens_within(10.0) == 0
+
+
+def test_the_cost_model_with_passes_of_one_length_keeps_the_fixed_cost_and_follows_the_total() -> None:
+    model = CostModel(StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0), decay=0.5)
+    for _ in range(60):
+        model.prefill(64, 20.0 + 64 * 3.0)  # a slower device than the prior
+    cost = model.estimate()
+    assert cost.prefill_ms(64) == pytest.approx(212.0, rel=0.01)
+    assert cost.prefill_fixed_ms == pytest.approx(20.0, abs=1.0)
+
+
+def test_the_cost_model_follows_the_decode_step_and_the_vision_tower_and_ignores_nonsense() -> None:
+    model = CostModel(decay=0.5)
+    for _ in range(30):
+        model.decode(12.0)
+        model.vision(2, 90.0)  # two images: 45 ms each
+    model.prefill(0, 5.0)
+    model.decode(float("nan"))
+    cost = model.estimate()
+    assert cost.decode_ms == pytest.approx(12.0) and cost.vision_ms == pytest.approx(45.0)

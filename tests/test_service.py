@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import http.server
 import json
 import threading
@@ -12,6 +13,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from llava_sessions.config import Settings
+from llava_sessions.engine import CostModel, StepCost
 from llava_sessions.service import Row, SessionService
 from llava_sessions.sessions.ledger import Tier
 from llava_sessions.wire.contract import SEQUENCE_END_HEADER
@@ -77,9 +79,8 @@ def test_batch_rows_are_answered_independently(service, photos):
     assert [r.headers.get(SEQUENCE_END_HEADER) for r in out[1:]] == ["ts-seq-b", "ghost", "ts-seq-c", "ts-seq-d"]
     assert [r.headers.get("X-Amzn-SageMaker-Closed-Session-Id") for r in out[1:]] == [None, "ghost", None, None]
     assert all(r.stop is None for r in out[1:])  # whole responses
-    assert out[0].stop is False and out[0].body == b""  # the open goes on in later steps: headers went first
-    opened = finish(service, rows[:1], out[:1])["r1"]
-    assert opened.stop is True and json.loads(opened.body)["session_id"] == "ts-seq-a"
+    # nothing else decodes: the open's vision tower and whole prefix ran in this call, in one pass
+    assert out[0].stop is None and json.loads(out[0].body)["session_id"] == "ts-seq-a"
     service.handle([Row("r6", "ts-seq-a", False, {"type": "close_session"})])
 
 
@@ -119,6 +120,77 @@ def test_stream_and_plain_answers_advance_in_slices(service, photos):
         while service.engine.store.get(sid).busy:  # let g3/g4 finish
             service.handle([Row("g3", "s1", False, None), Row("g7", "s2", False, None)])
         service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
+
+
+def chat_image_body(image: bytes, *, stream: bool, max_tokens: int = 4) -> dict:
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in this image?"}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream}
+    return {**body, "temperature": 0}
+
+
+def test_a_streamed_chat_sends_its_role_chunk_before_any_forward_pass(tiny_model_dir, photos):
+    """Issue 33 item 2: the first event leaves in the call that admitted the request, with nothing
+    run on the model yet (the image decoded and checked: a bad one still gets its 4xx)."""
+    svc = build_service({"model_dir": str(tiny_model_dir), "device": "cpu", "device_budget_bytes": 10**9})
+    prefilled = svc.engine.num_prefilled_tokens
+    rows = [Row("s1", "ts-seq-s1", True, chat_image_body(photos["coffee"], stream=True))]
+    first = svc.handle(rows)[0]
+    assert first.status == 200 and first.stop is False and first.content_type == "text/event-stream"
+    event = json.loads(first.body.decode().removeprefix("data: "))
+    assert event["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert svc.engine.num_prefilled_tokens == prefilled  # no forward pass before it went out
+    last = finish(svc, rows, [first])["s1"]
+    assert last.body.endswith(b"data: [DONE]\n\n")
+    assert svc.engine.num_prefilled_tokens > prefilled
+    bad = svc.handle([Row("s2", "ts-seq-s2", True, chat_image_body(b"not an image", stream=True))])[0]
+    assert bad.status == 400 and json.loads(bad.body)["error"]["code"] == "image_invalid"
+
+
+class CountedCosts(CostModel):
+    """The runner's cost model, recording each prefill pass's length; ``pinned``: it learns nothing
+    (the scheduler then sizes every step by ``prior``)."""
+
+    def __init__(self, prior: StepCost, *, pinned: bool) -> None:
+        super().__init__(prior)
+        self.pinned = pinned
+        self.passes: list[int] = []
+
+    def prefill(self, num_tokens: int, ms: float) -> None:
+        self.passes.append(num_tokens)
+        if not self.pinned:
+            super().prefill(num_tokens, ms)
+
+    def decode(self, ms: float) -> None:
+        if not self.pinned:
+            super().decode(ms)
+
+
+def test_a_lone_cold_turn_is_prefilled_in_one_pass_and_one_beside_a_stream_in_timed_chunks(tiny_model_dir, photos):
+    """Issue 33 item 1 through the service's default (adaptive) budget: with nothing decoding, the
+    vision tower and the whole prompt run in the first step; while an answer decodes, a new image's
+    prompt is prefilled in chunks sized by the pass costs, and its answer is the same token for token."""
+    svc = build_service(
+        {"model_dir": str(tiny_model_dir), "device": "cpu", "device_budget_bytes": 10**9, "step_max_tokens": 1}
+    )
+    learning = svc.engine.model.costs = CountedCosts(StepCost(), pinned=False)
+    alone = [Row("a1", "ts-seq-a1", True, chat_image_body(photos["chelsea"], stream=False, max_tokens=6))]
+    answer_alone = json.loads(finish(svc, alone, svc.handle(alone))["a1"].body)
+    prompt_tokens = answer_alone["usage"]["prompt_tokens"]
+    assert learning.passes == [prompt_tokens]
+    runner = [Row("b1", "ts-seq-b1", True, chat_image_body(photos["coffee"], stream=False, max_tokens=60))]
+    svc.handle(runner)  # its prompt in one pass: nothing else decodes
+    svc.handle([Row("b1", "ts-seq-b1", False, None)])  # it decodes now
+    # 40 ms a step, 5 of them the decode step, 5 a pass's fixed cost, 1 ms a token: 30 tokens a chunk
+    # (the first also pays the vision tower's 20 ms: 10 tokens)
+    pinned = svc.engine.model.costs = CountedCosts(StepCost(5.0, 1.0, 5.0, 20.0), pinned=True)
+    svc.step_budget = dataclasses.replace(svc.step_budget, step_ms=40.0)
+    other_salt = {**alone[0].body, "cache_salt": "elsewhere"}  # shares nothing with a1: a full prefill
+    rows = [Row("b1", "ts-seq-b1", False, None), Row("a2", "ts-seq-a2", True, other_salt)]
+    last = finish(svc, rows, svc.handle(rows))
+    assert json.loads(last["b1"].body)["usage"]["completion_tokens"] == 60  # it decoded throughout
+    assert pinned.passes[0] == 10 and set(pinned.passes[1:-1]) == {30} and sum(pinned.passes) == prompt_tokens
+    assert json.loads(last["a2"].body)["choices"][0]["message"] == answer_alone["choices"][0]["message"]
 
 
 def test_jobs_run_ahead_between_calls_by_at_most_a_slice_and_answer_the_same(service, photos):

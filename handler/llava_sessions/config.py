@@ -27,26 +27,14 @@ ENV_PREFIX = "LLAVA_"
 #: ``LLAVA_*`` variables that are not handler settings: read by the tools (llava-serve, the container
 #: entrypoint, llava-deploy, build_and_push.sh, the benchmarks) and the notebook. Any other ``LLAVA_*``
 #: variable must name a setting (a typo is refused, with the closest name).
-TOOL_ENV_VARS = frozenset(
-    {
-        "LLAVA_HOME",
-        "LLAVA_CONTAINER_MODEL_DIR",
-        "LLAVA_CONTAINER_PORT",
-        "LLAVA_CONTAINER_HOST",
-        "LLAVA_TS_LOG_CONFIG",
-        "LLAVA_NOTEBOOK_SAGEMAKER",
-        "LLAVA_DEPLOY",
-        "LLAVA_S3_PREFIX",
-        "LLAVA_KEEP_ENDPOINT",
-        "LLAVA_IMAGE_URI",
-        "LLAVA_SAGEMAKER_ROLE_ARN",
-        "LLAVA_INSTANCE_TYPE",
-        "LLAVA_ENDPOINT_NAME",
-        "LLAVA_ECR_REPOSITORY",
-        "LLAVA_FLOOR_BODY_FILE",
-        "LLAVA_FLOOR_MODEL_DIR",
-    }
-)
+# fmt: off
+TOOL_ENV_VARS = frozenset({
+    "LLAVA_HOME", "LLAVA_CONTAINER_MODEL_DIR", "LLAVA_CONTAINER_PORT", "LLAVA_CONTAINER_HOST", "LLAVA_TS_LOG_CONFIG",
+    "LLAVA_NOTEBOOK_SAGEMAKER", "LLAVA_DEPLOY", "LLAVA_S3_PREFIX", "LLAVA_KEEP_ENDPOINT", "LLAVA_IMAGE_URI",
+    "LLAVA_SAGEMAKER_ROLE_ARN", "LLAVA_INSTANCE_TYPE", "LLAVA_ENDPOINT_NAME", "LLAVA_ECR_REPOSITORY",
+    "LLAVA_FLOOR_BODY_FILE", "LLAVA_FLOOR_MODEL_DIR",
+})
+# fmt: on
 
 _GIB = 1024**3
 _MIB = 1024**2
@@ -195,9 +183,22 @@ class Settings(BaseModel):
     step_token_budget: int = Field(
         0,
         ge=0,
-        description="Most tokens one scheduler step runs (vLLM's max_num_batched_tokens): the running answers' "
-        "decode rows first, then prefill chunks of opens, restores and new questions (at least 16 tokens). "
-        "0 = auto: 512 on a GPU, 64 on the CPU.",
+        description="0 = adaptive: a step's prefill is sized in time from each forward pass's measured cost "
+        "(max_step_ms_while_decoding, max_prefill_tokens_per_pass). A number fixes it in tokens (vLLM's "
+        "max_num_batched_tokens): decode rows first, then prefill chunks (at least 16 tokens).",
+    )
+    max_step_ms_while_decoding: float = Field(
+        150.0,
+        gt=0.0,
+        le=60_000.0,
+        description="While answers decode, the most ms one step takes (their inter-token "
+        "gap): new prompts prefill in chunks that fit beside the decode step. Adaptive budget only.",
+    )
+    max_prefill_tokens_per_pass: int = Field(
+        8192,
+        ge=16,
+        description="Most prompt tokens one prefill pass runs (its activation memory); with nothing "
+        "decoding a prompt up to this long is prefilled in one pass. Adaptive budget only.",
     )
     step_max_ms: float = Field(
         100.0, gt=0.0, description="Most milliseconds one scheduler call spends before replying."

@@ -11,7 +11,8 @@ Each :meth:`SessionService.handle` call
    a request naming a URL or S3 image waits as an :class:`~.wire.intake.Intake` while a thread
    fetches it beside the loop, and is admitted from its body once the bytes are in;
 2. advances every job in the batch by a bounded slice (``step_max_tokens`` steps, within
-   ``step_max_ms``; at least one), interleaving jobs token by token (:meth:`SessionEngine.step`);
+   ``step_max_ms``; at least one), interleaving jobs token by token (:meth:`SessionEngine.step`),
+   except in a call that admitted a chat stream: its first event goes out before any forward pass;
 3. returns one :class:`RowResult` per row, each written by its job's dialect under TorchServe's
    framing (:mod:`.wire.framing`). Nothing raises out of :meth:`handle`.
 
@@ -29,7 +30,7 @@ from concurrent.futures import Future
 
 from .chat.serving import ChatServing
 from .config import Settings
-from .engine import SessionEngine
+from .engine import SessionEngine, TimeBudget
 from .errors import ErrorCode, ServiceError
 from .images.fetch import fetch_image_bytes
 from .metrics import WorkerMetrics
@@ -87,6 +88,9 @@ class SessionService:
             settings, engine, self.jobs, fetch, self.metrics, model_name=model_name, token_text=token_text
         )
         self._new_session_bytes: int | None = None
+        self.step_budget: int | TimeBudget = settings.step_token_budget or TimeBudget(
+            settings.max_step_ms_while_decoding, settings.max_prefill_tokens_per_pass
+        )
 
     # ------------------------------------------------------------------ entry
     def handle(self, rows: list[Row]) -> list[RowResult]:
@@ -121,7 +125,10 @@ class SessionService:
                 results[i] = resumed
             else:
                 active.append((i, self._seen(resumed, now)))
-        self._advance([job for _, job in active])
+        if not any(job.calls == 1 and job.stream is not None for _, job in active):
+            self._advance([job for _, job in active])
+        # else a stream was just admitted: its first event (the role chunk) goes out now, before any
+        # forward pass; every job steps on the next call, one TorchServe round trip later
         for i, job in active:
             try:
                 results[i] = job.dialect.emit(job)
@@ -231,7 +238,7 @@ class SessionService:
 
     def _engine_step(self, running: list[Job]) -> None:
         """One scheduler step over ``running``; a job whose work failed gets its typed error."""
-        self.engine.step([j.work for j in running], prefill_budget=self.settings.step_token_budget)
+        self.engine.step([j.work for j in running], prefill_budget=self.step_budget)
         for job in running:
             exc = job.work.error
             if exc is None or job.error is not None:

@@ -26,12 +26,6 @@ __all__ = ["build_engine", "build_local_service", "build_service", "quiet_worker
 
 log = logging.getLogger(__name__)
 
-#: ``step_token_budget`` when set to 0 (auto), by "is the device a GPU". On this project's 2-core CPU
-#: with the bench model a 64-token prefill chunk costs about two decode steps (benchmarks/concurrency.py:
-#: inter-token p99 while sessions open 1.6x the quiet case at 64, 2.0x at 128); on a GPU, decode is
-#: memory-bound and a 512-token chunk costs little more than a decode step.
-AUTO_STEP_TOKEN_BUDGET = {True: 512, False: 64}
-
 
 def build_service(
     handler_section: Mapping[str, Any],
@@ -142,10 +136,6 @@ def build_local_service(
         gpu_id=settings.gpu_id if settings.gpu_id is not None else gpu_id,
         dtype=settings.dtype,
     )
-    if settings.step_token_budget == 0:  # auto: a GPU prefills a chunk for about a decode step's cost
-        settings = settings.model_copy(
-            update={"step_token_budget": AUTO_STEP_TOKEN_BUDGET[runner.device.type == "cuda"]}
-        )
     engine = build_engine(settings, runner)
     log.warning(
         "llava-sessions ready",

@@ -4,6 +4,7 @@
 module            owns
 ================= ==============================================================================
 ``scheduler``     ``schedule()`` → ``StepPlan``: what one step runs (plain data, no torch)
+``costs``         ``CostModel``: what each kind of forward pass costs, measured (the scheduler's input)
 ``sequence``      ``Generation``, ``ImageTask``: work in flight as state (no forward passes)
 ``admission``     checks a request and makes its work (the one path for an image)
 ``model_runner``  ``ModelRunner``: executes a plan's forward passes (vision, prefill, batched decode)
@@ -14,23 +15,27 @@ module            owns
 ================= ==============================================================================
 
 Imports point down: ``engine`` → ``admission`` / ``updates`` → ``model_runner`` → ``decode_batch``
-→ ``memory``; ``sequence`` → ``scheduler``; none of them imports ``engine`` at run time.
+→ ``memory``; ``sequence`` → ``scheduler`` → ``costs``; none of them imports ``engine`` at run time.
 """
 
 from __future__ import annotations
 
+from .costs import CostModel, StepCost
 from .engine import EngineLimits, SessionEngine
 from .memory import available_host_bytes, default_device_budget
-from .scheduler import MIN_PREFILL_TOKENS, StepPlan, schedule
+from .scheduler import MIN_PREFILL_TOKENS, StepPlan, TimeBudget, schedule
 from .sequence import Generation, ImageTask
 
 __all__ = [
     "MIN_PREFILL_TOKENS",
+    "CostModel",
     "EngineLimits",
     "Generation",
     "ImageTask",
     "SessionEngine",
+    "StepCost",
     "StepPlan",
+    "TimeBudget",
     "available_host_bytes",
     "default_device_budget",
     "schedule",

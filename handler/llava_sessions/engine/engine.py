@@ -30,7 +30,7 @@ from .admission import Admission, EngineLimits
 from .decode_batch import DecodeBatch
 from .memory import new_session_bytes
 from .model_runner import ModelRunner
-from .scheduler import PrefillPiece, schedule
+from .scheduler import PrefillPiece, TimeBudget, schedule
 from .sequence import Generation, ImageTask, Phase, Work
 from .sharing import ImageSharing, Unsalted, reusable_len
 from .updates import StateUpdates
@@ -409,16 +409,17 @@ class SessionEngine:
         return gen.answer
 
     # ------------------------------------------------------------------ the step
-    def step(self, work: Sequence[Work], *, prefill_budget: int | None = None) -> None:
+    def step(self, work: Sequence[Work], *, prefill_budget: int | TimeBudget | None = None) -> None:
         """Run one engine step over ``work``: schedule it (:func:`~.scheduler.schedule`: decode rows
-        first, then prefill pieces, questions before images, within ``prefill_budget`` tokens; None:
-        every piece runs whole), execute the plan and apply what it produced.
+        first, then prefill pieces, questions before images, within ``prefill_budget``: tokens, or a
+        :class:`~.scheduler.TimeBudget` sized by the passes' measured costs; None: every piece runs
+        whole), execute the plan and apply what it produced.
 
         A piece of work whose step fails gets its ``error`` set and its session put back as before
         (an open's session is removed); the others are untouched. Never raises ``Exception``.
         """
         live = [w for w in work if not w.done]
-        plan = schedule([w.view() for w in live], prefill_budget, self.batch.layout())
+        plan = schedule([w.view() for w in live], prefill_budget, self.batch.layout(), self.model.costs.estimate())
         if plan.decode:
             self._update.decode([self._as_generation(live[i]) for i in plan.decode], rebuild=plan.rebuild)
         for piece in plan.prefill:

@@ -4,7 +4,8 @@ nano-vllm's ``model_runner.py``: no policy here (what runs and how many tokens i
 :class:`~.scheduler.StepPlan`'s), no bookkeeping beyond recording what a pass put in a session's KV
 cache. Every forward pass of the engine goes through this class: the vision tower, a prefill chunk,
 the decode batch's step; each is retried once after a CUDA out-of-memory error with the idle sessions
-demoted (:func:`~.memory.oom_attempts`).
+demoted (:func:`~.memory.oom_attempts`). Each pass is timed into :attr:`ModelRunner.costs`, the cost
+model the scheduler sizes a step by (:mod:`.costs`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from ..model import LlavaRunner, cache_len
 from ..results import elapsed_ms
+from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
 
@@ -38,6 +40,7 @@ class ModelRunner:
     Attributes:
         batch: the running answers' :class:`~.decode_batch.DecodeBatch`.
         num_prefilled_tokens: tokens prefilled since start (a counter for metrics).
+        costs: the measured cost of each kind of pass (:class:`~.costs.CostModel`).
     """
 
     def __init__(self, runner: LlavaRunner, store: SessionStore) -> None:
@@ -45,6 +48,15 @@ class ModelRunner:
         self.store = store
         self.batch = DecodeBatch(runner, store)
         self.num_prefilled_tokens = 0
+        self.costs = CostModel()
+
+    def _ms_since(self, t0: float) -> float:
+        """Wall ms since ``t0`` (perf_counter), the device's queued work included (a CUDA device is
+        synchronized first, so the time is the pass's, not its launch's)."""
+        device = getattr(self.runner, "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) * 1000.0
 
     def encode(self, session: Session, images: Sequence[Any]) -> torch.Tensor:
         """Run the vision tower on ``images`` (the session's last ``len(images)``, decoded), laid out
@@ -58,9 +70,11 @@ class ModelRunner:
             RuntimeError: the model gave another row count than the processor's (a bug).
         """
         num_images = len(session.images)
+        t0 = time.perf_counter()
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
                 feats = self.runner.encode_images(images, num_images)
+        self.costs.vision(len(images), self._ms_since(t0))
         expected = session.image_tokens[num_images - len(images) :]
         got = [int(f.shape[0]) for f in feats]
         if got != expected:
@@ -79,9 +93,11 @@ class ModelRunner:
             RuntimeError: the model gave another row count than the processor's (a bug).
         """
         num_images = len(session.images)
+        t0 = time.perf_counter()
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
                 feats = self.runner.encode_images(images, num_images)
+        self.costs.vision(len(images), self._ms_since(t0))
         expected = [session.image_tokens[i] for i in indexes]
         got = [int(f.shape[0]) for f in feats]
         if got != expected:
@@ -110,6 +126,7 @@ class ModelRunner:
                 logits = runner.prefill(session.kv_cache, ids[:end], session.image_features)
         session.record_prefill(ids[:end])
         self.num_prefilled_tokens += end - start
+        self.costs.prefill(end - start, self._ms_since(t0))
         timings["prefill"] = round(timings.get("prefill", 0.0) + elapsed_ms(t0), 3)
         return logits, end - start
 
@@ -119,7 +136,11 @@ class ModelRunner:
         Returns:
             Logits ``[B, vocab]`` float32, indexed by each generation's ``row``.
         """
-        return self.batch.forward(gens, rebuild=rebuild)
+        t0 = time.perf_counter()
+        logits = self.batch.forward(gens, rebuild=rebuild)
+        if not rebuild:  # a rebuild copies every row's KV once: not what a step costs from then on
+            self.costs.decode(self._ms_since(t0))
+        return logits
 
     def new_cache(self) -> Any:
         """An empty ``DynamicCache`` for a session."""

@@ -23,6 +23,18 @@ The rules, in order:
    are still live (compaction).
 
 With no budget (``None``) every piece of work runs whole: vision tower, then its whole prefill.
+
+**A time budget** (:class:`TimeBudget`, the default; Sarathi-Serve's latency-sized token budget) replaces
+rules 2, 4 and 5 with these, given the measured :class:`~.costs.StepCost` of each kind of pass:
+
+7. **Nothing decoding: a lone prefill runs whole.** The first piece runs its vision tower and all its
+   tokens (up to ``max_pass_tokens``, the memory cap of one pass) in this step: a cold turn costs one
+   full forward, not one per chunk.
+8. **Answers decoding: the step stays within ``step_ms``.** The decode step's measured cost comes off
+   the step's time; each piece then takes its vision tower's cost and the tokens that fit in what is
+   left (``fixed + n * per_token``). The first piece always moves (its vision tower, or at least
+   :data:`MIN_PREFILL_TOKENS` tokens); a later piece runs only when the vision tower it needs and
+   :data:`MIN_PREFILL_TOKENS` tokens fit in the time left. Rules 1, 3 and 6 hold as before.
 """
 
 from __future__ import annotations
@@ -31,7 +43,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["MIN_PREFILL_TOKENS", "BatchLayout", "PrefillPiece", "StepPlan", "WorkView", "needs_rebuild", "schedule"]
+from .costs import StepCost
+
+__all__ = [
+    "MIN_PREFILL_TOKENS",
+    "BatchLayout",
+    "PrefillPiece",
+    "StepPlan",
+    "TimeBudget",
+    "WorkView",
+    "needs_rebuild",
+    "schedule",
+]
 
 #: Prefill tokens a step runs at least, whatever the decode rows took of its budget.
 MIN_PREFILL_TOKENS = 16
@@ -71,6 +94,15 @@ class BatchLayout:
 
 
 @dataclass(frozen=True)
+class TimeBudget:
+    """A step budget in time (rules 7-8): ``step_ms``, the most ms a step's passes take while answers
+    decode (their inter-token gap); ``max_pass_tokens``, the most tokens one prefill pass runs."""
+
+    step_ms: float
+    max_pass_tokens: int
+
+
+@dataclass(frozen=True)
 class PrefillPiece:
     """Run work ``index``'s vision tower when ``vision``, then prefill ``num_tokens`` of its tokens
     (0: none this step; None: all that are left)."""
@@ -103,16 +135,25 @@ def needs_rebuild(batch: BatchLayout, joining: bool) -> bool:
     return batch.length + 1 > batch.capacity or batch.num_live * 2 < batch.num_rows
 
 
-def schedule(work: Sequence[WorkView], token_budget: int | None, batch: BatchLayout = BatchLayout()) -> StepPlan:
-    """Plan one step over ``work`` (in arrival order) within ``token_budget`` tokens (None: no limit).
+def schedule(
+    work: Sequence[WorkView],
+    token_budget: int | TimeBudget | None,
+    batch: BatchLayout = BatchLayout(),
+    cost: StepCost | None = None,
+) -> StepPlan:
+    """Plan one step over ``work`` (in arrival order) within ``token_budget``: a number of tokens
+    (rules 1-6), a :class:`TimeBudget` with the passes' measured ``cost`` (rules 1, 3, 6, 7, 8; None:
+    :class:`~.costs.StepCost`'s defaults), or None (no limit).
 
     Returns:
-        The :class:`StepPlan`: rules 1-6 of the module docstring.
+        The :class:`StepPlan`.
     """
     decode = tuple(i for i, w in enumerate(work) if w.decoding)
     rebuild = bool(decode) and needs_rebuild(batch, any(not work[i].has_row for i in decode))
-    share = None if token_budget is None else max(token_budget - len(decode), MIN_PREFILL_TOKENS)
     order = [i for kind in ("question", "image") for i, w in enumerate(work) if w.kind == kind and not w.decoding]
+    if isinstance(token_budget, TimeBudget):
+        return StepPlan(decode, rebuild, _timed(work, order, token_budget, cost or StepCost(), bool(decode)))
+    share = None if token_budget is None else max(token_budget - len(decode), MIN_PREFILL_TOKENS)
     pieces: list[PrefillPiece] = []
     for i in order:
         if share is not None and share <= 0:
@@ -127,3 +168,27 @@ def schedule(work: Sequence[WorkView], token_budget: int | None, batch: BatchLay
         if share is not None:
             share -= num
     return StepPlan(decode, rebuild, tuple(pieces))
+
+
+def _timed(
+    work: Sequence[WorkView], order: list[int], budget: TimeBudget, cost: StepCost, decoding: bool
+) -> tuple[PrefillPiece, ...]:
+    """Rules 7-8: the prefill pieces of a step under a time budget."""
+    ms_left = budget.step_ms - (cost.decode_ms if decoding else 0.0)
+    pieces: list[PrefillPiece] = []
+    for i in order:
+        w = work[i]
+        vision_ms = cost.vision_ms if w.needs_vision else 0.0
+        least = min(w.num_prefill_tokens, MIN_PREFILL_TOKENS)
+        if pieces and ms_left < vision_ms + cost.prefill_ms(least):
+            break
+        ms_left -= vision_ms
+        if not pieces and not decoding:
+            num = min(w.num_prefill_tokens, budget.max_pass_tokens)
+        else:
+            num = min(w.num_prefill_tokens, budget.max_pass_tokens, cost.tokens_within(ms_left))
+            if not pieces and not w.needs_vision:
+                num = max(num, least)
+        pieces.append(PrefillPiece(i, w.needs_vision, num))
+        ms_left -= cost.prefill_ms(num) if num else 0.0
+    return tuple(pieces)

@@ -20,7 +20,7 @@ from ..results import AddImageResult, Answer, FinishReason, OpenResult, Restored
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
 from ..sessions.conversation import common_prefix_len
-from .scheduler import WorkView
+from .scheduler import TimeBudget, WorkView
 
 if TYPE_CHECKING:
     from ..sessions.session import Session, SessionSnapshot
@@ -41,7 +41,7 @@ class Phase(enum.Enum):
 class Driver(Protocol):
     """What a piece of work calls back into: the engine that made it."""
 
-    def step(self, work: Sequence[Work], *, prefill_budget: int | None = None) -> None:
+    def step(self, work: Sequence[Work], *, prefill_budget: int | TimeBudget | None = None) -> None:
         """Run one engine step over ``work``."""
 
     def abandon(self, work: Work) -> None:

@@ -1,0 +1,106 @@
+"""What a forward pass costs, measured as the runner runs: the input the scheduler sizes a step by.
+
+Sarathi-Serve sizes a step's prefill share from a latency target and the measured cost of a forward
+pass (Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve", OSDI
+2024). Here a prefill pass of ``n`` tokens is modelled as ``fixed + n * per_token`` ms, fitted by
+exponentially weighted least squares over the passes the model runner times; the decode step and the
+vision tower are exponentially weighted means of their own timings. Plain Python, no torch: the
+scheduler's rules are tested on a :class:`StepCost` alone (tests/test_scheduler.py), the fit on
+numbers (tests/test_scheduler.py as well).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["CostModel", "StepCost"]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The cost of one step's forward passes, in ms.
+
+    Attributes:
+        prefill_fixed_ms: a prefill pass's cost whatever its length (launch, weights read, the
+            sampling of its last position).
+        prefill_token_ms: what each prompt token adds to a prefill pass.
+        decode_ms: one batched decode step of the running answers.
+        vision_ms: one image through the vision tower and the projector.
+
+    The defaults are the bench model's on a 2-core CPU, fp32 (docs/design.md); the runner replaces
+    them with its own measurements after its first passes.
+    """
+
+    prefill_fixed_ms: float = 20.0
+    prefill_token_ms: float = 1.0
+    decode_ms: float = 35.0
+    vision_ms: float = 50.0
+
+    def prefill_ms(self, num_tokens: int) -> float:
+        """The estimated ms of one prefill pass of ``num_tokens`` tokens."""
+        return self.prefill_fixed_ms + num_tokens * self.prefill_token_ms
+
+    def tokens_within(self, ms: float) -> int:
+        """The most tokens one prefill pass runs within ``ms`` (0 when not even its fixed cost fits)."""
+        if ms <= self.prefill_fixed_ms:
+            return 0
+        return int((ms - self.prefill_fixed_ms) / max(self.prefill_token_ms, 1e-6))
+
+
+class CostModel:
+    """Running estimates of :class:`StepCost` from timed passes.
+
+    Args:
+        prior: the estimate before any pass of a kind is timed.
+        decay: each new timing multiplies the weight of the older ones by this (0.9: about the last
+            ten passes count).
+
+    The prefill line is refitted after every pass when the recent passes' lengths spread enough to
+    tell the fixed cost from the per-token one (a standard deviation of at least a fifth of their
+    mean); otherwise the last fixed cost so fitted (the prior's at first, at most half the recent
+    mean) is kept and the rest of the recent mean is attributed to the tokens.
+    """
+
+    def __init__(self, prior: StepCost = StepCost(), decay: float = 0.9) -> None:
+        self.decay = decay
+        self._cost = prior
+        self._fixed = prior.prefill_fixed_ms
+        self._sums = [0.0] * 5  # weights, n, n^2, ms, n*ms
+
+    def estimate(self) -> StepCost:
+        """The current estimate."""
+        return self._cost
+
+    def prefill(self, num_tokens: int, ms: float) -> None:
+        """Record a prefill pass of ``num_tokens`` tokens that took ``ms``."""
+        if num_tokens <= 0 or not math.isfinite(ms) or ms < 0:
+            return
+        d = self.decay
+        values = (1.0, float(num_tokens), float(num_tokens) ** 2, ms, num_tokens * ms)
+        self._sums = [s * d + v for s, v in zip(self._sums, values, strict=True)]
+        w, sn, snn, sm, snm = self._sums
+        mean_n, mean_ms = sn / w, sm / w
+        var_n = snn / w - mean_n**2
+        if var_n >= max(1.0, (0.2 * mean_n) ** 2):
+            slope = (snm / w - mean_n * mean_ms) / var_n
+            if slope > 0 and mean_ms - slope * mean_n >= 0:
+                self._fixed = mean_ms - slope * mean_n
+        fixed = min(self._fixed, 0.5 * mean_ms)
+        self._set(prefill_fixed_ms=fixed, prefill_token_ms=max((mean_ms - fixed) / mean_n, 1e-4))
+
+    def decode(self, ms: float) -> None:
+        """Record a batched decode step that took ``ms``."""
+        if math.isfinite(ms) and ms >= 0:
+            self._set(decode_ms=self._mean(self._cost.decode_ms, ms))
+
+    def vision(self, num_images: int, ms: float) -> None:
+        """Record ``num_images`` images through the vision tower in ``ms``."""
+        if num_images > 0 and math.isfinite(ms) and ms >= 0:
+            self._set(vision_ms=self._mean(self._cost.vision_ms, ms / num_images))
+
+    def _mean(self, old: float, new: float) -> float:
+        return old * self.decay + new * (1.0 - self.decay)
+
+    def _set(self, **changes: float) -> None:
+        self._cost = StepCost(**{**self._cost.__dict__, **changes})
