@@ -1,5 +1,5 @@
 # Entry points: make install | make demo | make test  (and make web, make notebook, make lint, make bench,
-# make test-container-stack)
+# make bench-peer, make test-container-stack)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install system-deps test test-container-stack demo web notebook bench lint clean
+.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer lint clean
 
 # config/constraints.txt: the one stack, the versions the container installs too (Dockerfile)
 CONSTRAINTS := config/constraints.txt
@@ -60,6 +60,16 @@ bench: install
 	$(PY) benchmarks/followup_latency.py --model bench
 	$(PY) benchmarks/followup_latency.py --model bench --arch llava-next --image-size 672
 	$(PY) benchmarks/chat_protocol.py --model bench
+
+# ours beside `transformers serve` (transformers' own OpenAI server), the peer in its own venv built
+# from the same wheels: our torch, then transformers[serving] at the version config/constraints.txt pins
+PEER_VENV ?= .venv-peer
+TRANSFORMERS_PIN = $(shell grep -m1 '^transformers==' $(CONSTRAINTS))
+bench-peer: install
+	test -x $(PEER_VENV)/bin/transformers || ( $(PYTHON) -m venv $(PEER_VENV) && \
+	  $(PEER_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "$(TORCH_SPEC)" && \
+	  $(PEER_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "$(subst transformers==,transformers[serving]==,$(TRANSFORMERS_PIN))" pillow )
+	$(PY) benchmarks/vs_transformers_serve.py --model bench --peer-venv $(PEER_VENV)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
