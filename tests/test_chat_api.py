@@ -242,6 +242,7 @@ def test_both_dialects_in_one_session(runtime, runner, photos):
         ),
         ({"requestType": "OPEN"}, 400, "invalid_parameter", "requestType"),
         ({"requestType": "CLOSE", "extra": 1}, 400, "invalid_request", "extra"),
+        ({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}, 400, "invalid_parameter", "ignore_eos"),
     ],
 )
 def test_refusals_are_openai_error_objects(runtime, body, status, code, param):
@@ -566,3 +567,42 @@ def test_the_aws_sample_notebook_s_client_cells_run_unchanged(endpoint, photos):
         # ---- end of the notebook's cells ----
     finally:
         host.shutdown()
+
+
+def test_fields_wrappers_add_are_ignored_as_vllm_ignores_them(runtime, runner, photos):
+    """LiteLLM puts ``sagemaker_base_url`` in the body, Strands a ``format`` inside ``image_url``: the
+    request is answered as without them (the same greedy tokens), not refused."""
+    cat = photos["chelsea"]
+    plain = complete(runtime, [user("What is in the picture?", cat)])
+    wrapped = user("What is in the picture?", cat)
+    wrapped["content"][0]["image_url"]["format"] = "image/png"
+    body = {
+        "messages": [wrapped],
+        "max_tokens": N,
+        "temperature": 0,
+        "sagemaker_base_url": "https://runtime.sagemaker.us-east-1.amazonaws.com",
+        "skip_special_tokens": True,  # vLLM's, set to what this server does anyway
+    }
+    reply = ChatCompletion.model_validate_json(invoke(runtime, body)["Body"].read())
+    assert reply.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_messages_as_vllm_accepts_them_answer_as_their_merged_conversation(runtime, runner, photos):
+    """Issue 32 item 5 end to end: two system messages, consecutive user messages, an assistant
+    message with null content beside its text, an ``input_image`` part, a part without ``type``: the
+    answer is ``model.generate``'s on the merged conversation (each run of one role joined with
+    newlines, its images first), token for token."""
+    cat = photos["chelsea"]
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "developer", "content": "Use English."},
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_uri(cat)}]},
+        {"role": "user", "content": "What is in the picture?"},
+        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": [{"text": "And its colour?"}]},
+    ]
+    reply = complete(runtime, messages)
+    turns = [("\nWhat is in the picture?", "\nA cat.", [cat])]
+    expected = reference(runner, "Answer briefly.\nUse English.", turns, "And its colour?", [])
+    assert reply.choices[0].message.content == text_of(runner, expected)

@@ -51,7 +51,7 @@ def test_defaults_follow_openai():
 
 def test_message_order_and_image_urls_are_checked_by_name():
     request = parse_chat_body(
-        {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]},
         max_new_tokens_cap=1024,
         max_prompt_chars=100,
     )
@@ -123,3 +123,99 @@ def test_usage_chunk_when_asked():
     chunks = [ChatCompletionChunk.model_validate_json(f) for f in frames]
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == 4
     assert chunks[0].choices[0].finish_reason == "length" and chunks[0].usage is None
+
+
+def test_fields_nobody_defines_are_ignored_and_named_once_in_a_warning(caplog):
+    """Issue 32 item 4, as vLLM does: LiteLLM's ``sagemaker_base_url`` and Strands' ``format`` inside
+    ``image_url`` are ignored; each name is logged once at WARNING, never its value."""
+    from llava_sessions.chat.fields import ignored_names
+
+    part = {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "format": "image/png"}}
+    body = {
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}],
+        "sagemaker_base_url": "https://secret.example/value-1",
+    }
+    with caplog.at_level("WARNING", logger="llava_sessions.chat.fields"):
+        for _ in range(3):
+            request = parse_chat_body(body, max_new_tokens_cap=1024, max_prompt_chars=100)
+    cmd = chat_command(request, SETTINGS, "m")
+    assert cmd.conversation.question == "hi" and cmd.conversation.question_images == 1
+    assert {"sagemaker_base_url", "messages[].content[].image_url.format"} <= ignored_names()
+    logged = [r.getMessage() for r in caplog.records]
+    # once per process: an earlier test may have logged a name already, never twice
+    assert all(logged.count(line) == 1 for line in logged)
+    assert not any("secret" in line or "image/png" in line for line in logged)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("min_tokens", 5), ("ignore_eos", True), ("stop_token_ids", [2]), ("structured_outputs", {"json": {}})],
+)
+def test_vllm_fields_we_do_not_honour_are_refused_by_name_unless_they_ask_what_we_do(field, value):
+    with pytest.raises(ServiceError) as err:
+        command(**{field: value})
+    assert err.value.code is ErrorCode.INVALID_PARAMETER and err.value.param == field
+    assert "vLLM's" in err.value.message
+    with pytest.raises(ServiceError) as err:
+        command(response_format={"type": "json_object"})  # OpenAI's, still refused
+    assert err.value.param == "response_format"
+    same = command(min_tokens=0, ignore_eos=False, skip_special_tokens=True, stop_token_ids=[])
+    assert same.params.max_new_tokens == SETTINGS.default_max_new_tokens
+
+
+def conversation_of(messages: list[dict]):
+    request = parse_chat_body({"messages": messages}, max_new_tokens_cap=1024, max_prompt_chars=1000)
+    return chat_command(request, SETTINGS, "m")
+
+
+def test_messages_as_vllm_takes_them_map_onto_one_conversation():
+    """Issue 32 item 5: system and developer messages lead (merged), consecutive messages of one role
+    are one message, an assistant's content may be null, an image URL may be a bare string, in an
+    ``input_image`` part, or a part without ``type``."""
+    url = "https://example.com/a.png"
+    cmd = conversation_of(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": [{"type": "input_text", "text": "Answer in English."}]},
+            {"role": "user", "content": [{"type": "image_url", "image_url": url}]},
+            {"role": "user", "content": [{"text": "What is it?"}, {"image_url": url + "?2"}]},
+            {"role": "assistant", "content": None},
+            {"role": "assistant", "content": "A cat."},
+            {
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": url + "?3"}, {"type": "input_text", "text": "And?"}],
+            },
+        ]
+    )
+    conv = cmd.conversation
+    assert conv.system_prompt == "Be brief.\nAnswer in English."
+    assert [(t.prompt, t.answer, t.images) for t in conv.turns] == [("\nWhat is it?", "\nA cat.", 2)]
+    assert (conv.question, conv.question_images) == ("And?", 1)
+    assert [(i.source.url, i.param) for i in cmd.images] == [
+        (url, "messages[2].content[0]"),
+        (url + "?2", "messages[3].content[1]"),
+        (url + "?3", "messages[6].content[0]"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "says"),
+    [
+        (
+            [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}, {"role": "user", "content": "b"}],
+            "messages[1].role",
+            "may only lead",
+        ),
+        ([{"role": "user", "content": None}], "messages[0].content", "required"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "messages", "last message"),
+        (
+            [{"role": "system", "content": [{"type": "image_url", "image_url": "https://example.com/a.png"}]}],
+            "messages[0].content",
+            "text only",
+        ),
+    ],
+)
+def test_what_the_chat_template_cannot_express_is_a_typed_400(messages, param, says):
+    with pytest.raises(ServiceError) as err:
+        conversation_of(messages)
+    assert err.value.status == 400 and err.value.param == param and says in err.value.message

@@ -126,6 +126,8 @@ def test_code_statuses_match_the_server():
         (413, "image_too_large", PayloadTooLarge),
         (422, "context_length_exceeded", ContextLengthExceeded),
         (422, "image_limit_exceeded", llava_client.ImageLimitExceeded),
+        (400, "context_length_exceeded", ContextLengthExceeded),  # the chat dialect's status, OpenAI's
+        (400, "image_limit_exceeded", llava_client.ImageLimitExceeded),
         (429, "ThrottlingException", RateLimited),
         (503, "overloaded", Overloaded),
         (503, "ServiceUnavailableException", Overloaded),

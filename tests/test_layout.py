@@ -150,7 +150,7 @@ LAYERS: list[set[str]] = [
         "engine.sharing",
     },
     {"wire.inbound", "images.fetch", "model.runner", "sampling.sampler"},
-    {"images.source", "images", "model", "engine.sequence"},
+    {"images.source", "images", "model", "engine.sequence", "chat.fields"},
     {"native.protocol", "chat.protocol", "sessions.session", "engine.admission", "engine.updates"},
     {"chat.responses", "sessions.store", "engine.decode_batch"},
     {"native.responses", "engine.model_runner"},

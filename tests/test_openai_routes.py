@@ -131,6 +131,13 @@ def test_errors_are_the_packages_exceptions(server, local_endpoint):
                 messages=[{"role": "user", "content": [{"type": "image_url", "image_url": None, "uuid": "nobody"}]}],
             )
         assert err.value.code == "image_uuid_not_found", where
+        # a conversation too long for the context: OpenAI's and vLLM's 400 context_length_exceeded
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="llava", messages=[{"role": "user", "content": "hi " * 200}], max_tokens=1000
+            )
+        assert err.value.status_code == 400 and err.value.code == "context_length_exceeded", where
+        assert err.value.body["type"] == "invalid_request_error"
 
 
 def test_torchserve_paths_still_answer_through_the_front(server):

@@ -121,6 +121,7 @@ def test_public_api_is_pinned() -> None:
             "encode_stream_end",
             "encode_stream_error",
             "encode_tokens",
+            "error_status",
         ]
     )
     for module in (protocol, responses):

@@ -151,11 +151,13 @@ class PayloadTooLarge(APIStatusError):
 
 
 class ContextLengthExceeded(APIStatusError):
-    """422: history + prompt + ``max_new_tokens`` do not fit the model's context."""
+    """``context_length_exceeded``: history + prompt + ``max_new_tokens`` do not fit the model's
+    context (422 in the native dialect, 400 in the chat dialect, as OpenAI and vLLM answer it)."""
 
 
 class ImageLimitExceeded(APIStatusError):
-    """422 ``image_limit_exceeded``: the session holds the server's maximum of images or image tokens."""
+    """``image_limit_exceeded`` (422 native, 400 chat): the session holds the server's maximum of
+    images or image tokens."""
 
 
 class RateLimited(APIStatusError):
@@ -182,6 +184,8 @@ _BY_CODE: dict[str, type[APIStatusError]] = {
     "session_not_found": SessionNotFound,
     "session_expired": SessionExpired,
     "session_evicted": SessionEvicted,
+    "context_length_exceeded": ContextLengthExceeded,
+    "image_limit_exceeded": ImageLimitExceeded,
 }
 
 _BY_STATUS: dict[int, type[APIStatusError]] = {
@@ -197,14 +201,13 @@ _BY_STATUS: dict[int, type[APIStatusError]] = {
 def error_class(status_code: int, code: str | None) -> type[APIStatusError]:
     """Return the exception class for an error response: the one mapping of (status, code) → type.
 
-    A session code picks its :class:`SessionGone` subclass (whatever the status); otherwise the
-    status decides; a 404 without a session code (e.g. a wrong URL) is a plain
+    A session code picks its :class:`SessionGone` subclass, and ``context_length_exceeded`` /
+    ``image_limit_exceeded`` theirs, whatever the status (the chat dialect answers them 400, the
+    native one 422); otherwise the status decides; a 404 without a session code (e.g. a wrong URL) is a plain
     :class:`APIStatusError`, so it never triggers session recovery.
     """
     if code in _BY_CODE:
         return _BY_CODE[code]
-    if code == "image_limit_exceeded":
-        return ImageLimitExceeded
     if status_code in _BY_STATUS:
         return _BY_STATUS[status_code]
     if status_code >= 500:

@@ -7,8 +7,10 @@
   list of ``text`` and ``image_url`` parts (``https://``, ``s3://`` or ``data:image/...;base64,``;
   vLLM's per-part ``uuid`` names an image, and ``"image_url": null`` with a ``uuid`` refers to one an
   earlier request sent); vLLM's top-level ``cache_salt`` scopes what the request shares.
-  A field we cannot honour (``n`` > 1, ``tools``, ``response_format``, audio parts, ...) is refused
-  with a 400 that names it, never ignored.
+  A field OpenAI or vLLM defines that we cannot honour (``n`` > 1, ``tools``, ``response_format``,
+  ``min_tokens``, audio parts, ...) is refused with a 400 that names it, never ignored; a field nobody
+  defines (LiteLLM's ``sagemaker_base_url``, Strands' ``image_url.format``) is ignored with a warning,
+  as vLLM does (:mod:`.fields`).
 - **AWS's session bodies**: ``{"requestType": "NEW_SESSION"}`` and ``{"requestType": "CLOSE"}``
   (aws/model-hosting-container-standards' convention; extra fields refused, as there).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..config import Settings
@@ -34,9 +36,9 @@ from ..images.source import ImageSource
 from ..sampling.params import SamplingParams
 from ..wire.contract import NEW_SESSION_LITERAL
 from ..wire.inbound import CacheSalt, ImageUuid, Inbound, check_text, validation_error
+from .fields import ChatInbound, check_unsupported
 
 __all__ = [
-    "UNSUPPORTED_FIELDS",
     "ChatCommand",
     "ChatCompletionRequest",
     "ChatImage",
@@ -51,31 +53,14 @@ __all__ = [
     "parse_session_body",
 ]
 
-#: OpenAI request fields this server cannot honour, each refused by name with what to do instead.
-UNSUPPORTED_FIELDS: dict[str, str] = {
-    "tools": "tool calling is not supported by this model server",
-    "tool_choice": "tool calling is not supported by this model server",
-    "functions": "function calling is not supported by this model server",
-    "function_call": "function calling is not supported by this model server",
-    "parallel_tool_calls": "tool calling is not supported by this model server",
-    "response_format": "structured output (response_format) is not supported; ask for the format in the prompt",
-    "logit_bias": "logit_bias is not supported",
-    "audio": "audio output is not supported",
-    "modalities": "only text output is supported; leave modalities out",
-    "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "reasoning_effort is not supported by this model",
-    "web_search_options": "web search is not supported",
-    "store": "stored completions are not supported",
-    "metadata": "stored completions (metadata) are not supported",
-    "service_tier": "service tiers are not supported",
-    "verbosity": "verbosity is not supported by this model",
-}
 
+class TextPart(ChatInbound):
+    """A ``{"type": "text", "text": ...}`` content part (vLLM also takes ``input_text``, and a part
+    with ``text`` alone)."""
 
-class TextPart(Inbound):
-    """A ``{"type": "text", "text": ...}`` content part."""
+    _where: ClassVar[str] = "messages[].content[]."
 
-    type: Literal["text"]
+    type: Literal["text", "input_text"]
     text: str
 
     @field_validator("text")
@@ -84,23 +69,37 @@ class TextPart(Inbound):
         return check_text(value)
 
 
-class ImageUrl(Inbound):
+class ImageUrl(ChatInbound):
     """``image_url``'s object: ``url`` (https, s3 or a base64 data URI) and OpenAI's ``detail`` hint
     (accepted; the model sees every image at its own input resolution)."""
+
+    _where: ClassVar[str] = "messages[].content[].image_url."
 
     url: Annotated[str, Field(min_length=1)]
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImagePart(Inbound):
+class ImagePart(ChatInbound):
     """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part, in vLLM's shape with an
     optional ``uuid`` (the client's name for the image): ``{"type": "image_url", "image_url": null,
     "uuid": "u1"}`` names an image an earlier request of the same salt sent with that uuid, without
     its bytes."""
 
-    type: Literal["image_url"]
-    image_url: ImageUrl | None
+    _where: ClassVar[str] = "messages[].content[]."
+
+    type: Literal["image_url", "input_image"]
+    image_url: ImageUrl | Annotated[str, Field(min_length=1)] | None
     uuid: ImageUuid | None = None
+
+    @property
+    def url(self) -> tuple[str, str] | None:
+        """``(the URL, where it sits in the part)``: ``image_url.url``, or ``image_url`` itself when
+        given as a bare string (as vLLM takes it, and in ``input_image`` parts); None: by uuid alone."""
+        if self.image_url is None:
+            return None
+        if isinstance(self.image_url, str):
+            return self.image_url, "image_url"
+        return self.image_url.url, "image_url.url"
 
     @model_validator(mode="after")
     def _url_or_uuid(self) -> ImagePart:
@@ -112,12 +111,16 @@ class ImagePart(Inbound):
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class ChatMessage(Inbound):
+class ChatMessage(ChatInbound):
     """One message: ``role`` and ``content`` (a string, or a list of text and image parts; images in
-    user messages only). ``name`` is accepted (it does not reach the chat template)."""
+    user messages only; an assistant's may be null, as OpenAI's replies with tool calls have it). A
+    part without ``type`` is typed by its one key (``image_url`` or ``text``), as vLLM does. ``name``
+    is accepted (it does not reach the chat template)."""
+
+    _where: ClassVar[str] = "messages[]."
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[Part], Field(min_length=1, max_length=64)]
+    content: str | Annotated[list[Part], Field(min_length=1, max_length=64)] | None
     name: Annotated[str, Field(max_length=64)] | None = None
     # what a reply's message carries when a client appends it to the conversation as it came
     # (OpenAI's ChatCompletionMessage): accepted when empty; tool calls are refused before this
@@ -127,31 +130,48 @@ class ChatMessage(Inbound):
     audio: None = None
     annotations: list[Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _type_bare_parts(cls, data: Any) -> Any:
+        content = data.get("content") if isinstance(data, dict) else None
+        if not isinstance(content, list):
+            return data
+        typed = []
+        for part in content:
+            if isinstance(part, dict) and "type" not in part and len(part.keys() & {"image_url", "text"}) == 1:
+                part = {"type": "image_url" if "image_url" in part else "text", **part}
+            typed.append(part)
+        return {**data, "content": typed}
+
     @field_validator("content")
     @classmethod
-    def _valid(cls, value: Any) -> Any:
+    def _valid(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("content_required", "required in system and user messages")
         return check_text(value) if isinstance(value, str) else value
 
     def text(self) -> str:
         """The message's text: the string, or its text parts joined with newlines (vLLM's joining)."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
 
     def image_parts(self) -> list[ImagePart]:
         """The message's image parts, in order."""
-        if isinstance(self.content, str):
+        if self.content is None or isinstance(self.content, str):
             return []
         return [p for p in self.content if isinstance(p, ImagePart)]
 
 
-class StreamOptions(Inbound):
+class StreamOptions(ChatInbound):
     """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the usage."""
+
+    _where: ClassVar[str] = "stream_options."
 
     include_usage: bool = False
 
 
-class ChatCompletionRequest(Inbound):
+class ChatCompletionRequest(ChatInbound):
     """OpenAI's chat-completions request, as far as a LLaVA model can honour it (module docstring).
 
     Sampling: ``temperature`` defaults to OpenAI's 1.0 (sampled answers); 0 is greedy. ``top_k``
@@ -197,41 +217,62 @@ class ChatCompletionRequest(Inbound):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> ChatConversation:
-        """Map the messages onto a conversation: an optional leading system message, then user and
-        assistant messages alternating, ending with the user's question.
+        """Map the messages onto a conversation: leading system (or developer) messages as the system
+        prompt, then user and assistant turns alternating, ending with the user's question.
+        Consecutive messages of one role are one message: their texts joined with newlines, their
+        images in order (the llava-hf templates place a message's images before its text).
 
         Raises:
-            ServiceError: invalid_request naming ``messages[i]`` when the order is not that, or an
-                assistant message holds an image.
+            ServiceError: invalid_request naming ``messages[i]`` when the order is not that (a system
+                message after the first turn, an answer last), or an assistant or system message holds
+                an image.
         """
-        msgs = self.messages
+        runs: list[tuple[str, list[int]]] = []  # (role, message indexes), consecutive roles merged
+        for i, msg in enumerate(self.messages):
+            role: str = "system" if msg.role == "developer" else msg.role
+            if runs and runs[-1][0] == role:
+                runs[-1][1].append(i)
+            else:
+                runs.append((role, [i]))
         system: str | None = None
-        start = 0
-        if msgs[0].role in ("system", "developer"):
-            if msgs[0].image_parts():
-                raise _bad("messages[0].content", "a system message holds text only")
-            system, start = msgs[0].text(), 1
-        rest = msgs[start:]
-        for offset, msg in enumerate(rest):
-            i = start + offset
+        if runs[0][0] == "system":
+            system = self._joined(runs.pop(0)[1], "a system message holds text only")
+        for offset, (role, indexes) in enumerate(runs):
             want = "user" if offset % 2 == 0 else "assistant"
-            if msg.role != want:
+            if role == "system":
                 raise _bad(
-                    f"messages[{i}].role",
-                    f"expected {'a user' if want == 'user' else 'an assistant'} message here: one system "
-                    "message may lead, then user and assistant messages alternate, ending with the user's; "
-                    "merge consecutive messages of one role",
+                    f"messages[{indexes[0]}].role",
+                    "system and developer messages may only lead the conversation (the chat template has "
+                    "no place for one later); put its text in a user message",
                 )
-            if want == "assistant" and msg.image_parts():
-                raise _bad(f"messages[{i}].content", "an assistant message holds text only")
-        if not rest or rest[-1].role != "user":
+            if role != want:
+                raise _bad(
+                    f"messages[{indexes[0]}].role",
+                    f"expected {'a user' if want == 'user' else 'an assistant'} message here: system messages "
+                    "may lead, then user and assistant messages alternate, ending with the user's",
+                )
+            if role == "assistant":
+                self._joined(indexes, "an assistant message holds text only")
+        if not runs or runs[-1][0] != "user":
             raise _bad("messages", "the last message must be the user's (the question to answer)")
-        turns = []
-        for k in range(0, len(rest) - 1, 2):
-            user, assistant = rest[k], rest[k + 1]
-            turns.append(_Turn(user.text(), assistant.text(), len(user.image_parts())))
-        question = rest[-1]
-        return ChatConversation(system, tuple(turns), question.text(), len(question.image_parts()))
+        turns = [_Turn(self._joined(u), self._joined(a), self._images(u)) for (_, u), (_, a) in _pairs(runs[:-1])]
+        question = runs[-1][1]
+        return ChatConversation(system, tuple(turns), self._joined(question), self._images(question))
+
+    def _joined(self, indexes: list[int], no_images: str | None = None) -> str:
+        """The text of the messages at ``indexes``, joined with newlines; ``no_images``: refuse an image."""
+        for i in indexes:
+            if no_images and self.messages[i].image_parts():
+                raise _bad(f"messages[{i}].content", no_images)
+        return "\n".join(self.messages[i].text() for i in indexes)
+
+    def _images(self, indexes: list[int]) -> int:
+        return sum(len(self.messages[i].image_parts()) for i in indexes)
+
+
+def _pairs(runs: list[tuple[str, list[int]]]) -> list[tuple[tuple[str, list[int]], tuple[str, list[int]]]]:
+    """``[a, b, c, d]`` → ``[(a, b), (c, d)]``: user and assistant runs as turns."""
+    return [(runs[k], runs[k + 1]) for k in range(0, len(runs) - 1, 2)]
 
 
 @dataclass(frozen=True)
@@ -281,35 +322,6 @@ def _bad(param: str, message: str) -> ServiceError:
     return ServiceError(ErrorCode.INVALID_REQUEST, f"{param}: {message}", param=param)
 
 
-def _check_unsupported(data: dict) -> None:
-    for name, why in UNSUPPORTED_FIELDS.items():
-        if name in data and data[name] is not None:
-            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name}: {why}", param=name)
-    n = data.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        raise ServiceError(ErrorCode.INVALID_PARAMETER, "n: one choice per request (n = 1) is supported", param="n")
-    messages = data.get("messages")
-    if not isinstance(messages, list):
-        return
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            continue
-        role = msg.get("role")
-        if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
-            raise _bad(f"messages[{i}].role", "tool and function messages are not supported by this model server")
-        content = msg.get("content")
-        for j, part in enumerate(content if isinstance(content, list) else []):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind not in ("text", "image_url"):
-                shown = kind if kind.isidentifier() and len(kind) <= 32 else "this type"
-                raise ServiceError(
-                    ErrorCode.INVALID_PARAMETER,
-                    f"messages[{i}].content[{j}].type: {shown!r} parts are not supported; "
-                    "this model reads 'text' and 'image_url' parts",
-                    param=f"messages[{i}].content[{j}].type",
-                )
-
-
 def parse_chat_body(data: dict, *, max_new_tokens_cap: int, max_prompt_chars: int) -> ChatCompletionRequest:
     """Validate a decoded chat-completions body.
 
@@ -323,7 +335,7 @@ def parse_chat_body(data: dict, *, max_new_tokens_cap: int, max_prompt_chars: in
             invalid_parameter (a value out of range, a field or part type we cannot honour), each
             naming its field in ``message`` and ``param``.
     """
-    _check_unsupported(data)
+    check_unsupported(data)
     try:
         request = ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
@@ -440,12 +452,12 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
     conversation = request.conversation()
     images: list[ChatImage] = []
     for i, msg in enumerate(request.messages):
-        if not isinstance(msg.content, str):
+        if isinstance(msg.content, list):
             for j, part in enumerate(msg.content):
-                if part.type == "image_url":
+                if isinstance(part, ImagePart):
                     param = f"messages[{i}].content[{j}]"
-                    url = part.image_url
-                    source = None if url is None else image_source_of(url.url, f"{param}.image_url.url")
+                    url = part.url
+                    source = None if url is None else image_source_of(url[0], f"{param}.{url[1]}")
                     images.append(ChatImage(source, part.uuid, param))
     limit = request.answer_limit
     temperature = 1.0 if request.temperature is None else request.temperature

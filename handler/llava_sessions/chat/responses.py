@@ -35,6 +35,7 @@ __all__ = [
     "encode_closed",
     "encode_completion",
     "encode_error",
+    "error_status",
     "encode_new_session",
     "openai_error",
     "openai_error_type",
@@ -149,7 +150,7 @@ def openai_error(error: ServiceError) -> dict[str, Any]:
     return {
         "error": {
             "message": error.message,
-            "type": openai_error_type(error.status),
+            "type": openai_error_type(error_status(error)),
             "param": error.param,
             "code": error.code.value,
         }
@@ -284,6 +285,13 @@ class ChatStream:
 def encode_error(error: ServiceError) -> bytes:
     """A whole error reply body in this dialect: OpenAI's error object (:func:`openai_error`)."""
     return json.dumps(openai_error(error)).encode()
+
+
+def error_status(error: ServiceError) -> int:
+    """The HTTP status of ``error`` in this dialect: OpenAI's and vLLM's, 400 for a request they refuse
+    as it stands (a conversation too long for the context, too many images), where the native
+    dialect answers 422; every other status as :data:`~llava_sessions.errors.HTTP_STATUS` gives it."""
+    return 400 if error.status == 422 else error.status
 
 
 def encode_new_session(session_id: str, expires_at: int) -> bytes:

@@ -81,6 +81,7 @@ class ChatServing(Serving):
         self.token_text = token_text
 
     encode_error = staticmethod(responses.encode_error)
+    error_status = staticmethod(responses.error_status)
 
     # ------------------------------------------------------------------ admission
     def admit(self, row: Row, data: Any, now: float) -> RowResult | Job:

@@ -35,6 +35,7 @@ __all__ = [
     "encode_answer",
     "encode_close",
     "encode_error",
+    "error_status",
     "encode_open",
     "encode_reset",
     "encode_stream_end",
@@ -309,3 +310,8 @@ def encode_stream_error(error: ServiceError) -> bytes:
 def encode_error(error: ServiceError) -> bytes:
     """A whole error reply body: ``{"error": {"code", "message"}}``."""
     return ErrorBody.from_error(error).model_dump_json().encode()
+
+
+def error_status(error: ServiceError) -> int:
+    """The HTTP status of ``error`` in this dialect: :data:`~llava_sessions.errors.HTTP_STATUS`'s."""
+    return error.status

@@ -92,6 +92,7 @@ class NativeServing(Serving):
     """Admission and emission of native requests (module docstring); built as :class:`Serving`."""
 
     encode_error = staticmethod(responses.encode_error)
+    error_status = staticmethod(responses.error_status)
 
     def pending_frame(self, row: Row, data: Any) -> RowResult:
         """The first frame of an open or an added image waiting for its image: the session headers

@@ -45,6 +45,10 @@ class Dialect(Protocol):
         """A whole error reply body in this dialect's shape."""
         ...
 
+    def error_status(self, error: ServiceError) -> int:
+        """The HTTP status this dialect answers ``error`` with."""
+        ...
+
     def pending_frame(self, row: Row, data: Any) -> RowResult:
         """The first frame of a request still waiting for its images (:mod:`.intake`): no body, the
         status, headers and content type its answer will have."""
@@ -218,7 +222,7 @@ class JobTable:
         if err.retry_after_s:
             headers["Retry-After"] = str(err.retry_after_s)
         return self.framing.frame(
-            dialect.encode_error(err), continued=continued, last=True, status=err.status, headers=headers
+            dialect.encode_error(err), continued=continued, last=True, status=dialect.error_status(err), headers=headers
         )
 
 

@@ -1,0 +1,177 @@
+"""Which fields of a chat body are honoured, refused by name, or ignored with a warning.
+
+Three kinds, as vLLM's OpenAI server treats them (its request models ignore fields they do not
+define and log them; issue 32 item 4):
+
+- **Defined and honoured**: the fields :mod:`.protocol`'s models declare.
+- **Defined elsewhere, not honoured here**: OpenAI's (``tools``, ``response_format``, ``audio``, ...)
+  and vLLM's sampling and structured-output extensions this server does not implement
+  (``min_tokens``, ``ignore_eos``, ``structured_outputs``, ...): a 400 ``invalid_parameter`` that
+  names the field (:func:`check_unsupported`), so a user never silently gets something other than
+  what was asked; a vLLM field set to what this server does anyway (``skip_special_tokens: true``,
+  ``min_tokens: 0``, ...) is accepted. ``session_id`` is refused too: the session travels in a header.
+- **Defined by nobody**: what wrappers add (LiteLLM's ``sagemaker_base_url``, Strands' ``format``
+  inside ``image_url``): ignored, and each such name (never its value) logged once per process at
+  WARNING (:class:`ChatInbound`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+from pydantic import ConfigDict, model_validator
+
+from ..errors import ErrorCode, ServiceError
+from ..wire.inbound import Inbound
+
+__all__ = ["SAME_AS_OURS", "UNSUPPORTED_FIELDS", "ChatInbound", "check_unsupported", "ignored_names"]
+
+log = logging.getLogger(__name__)
+
+_VLLM = "vLLM's {} is not supported by this server"
+
+#: Request fields OpenAI or vLLM define that this server does not honour, each refused by name with
+#: what to do instead (OpenAI: platform.openai.com/docs/api-reference/chat/create; vLLM:
+#: docs.vllm.ai "OpenAI-Compatible Server", extra parameters of the chat API).
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "tools": "tool calling is not supported by this model server",
+    "tool_choice": "tool calling is not supported by this model server",
+    "functions": "function calling is not supported by this model server",
+    "function_call": "function calling is not supported by this model server",
+    "parallel_tool_calls": "tool calling is not supported by this model server",
+    "response_format": "structured output (response_format) is not supported; ask for the format in the prompt",
+    "logit_bias": "logit_bias is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported; leave modalities out",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported by this model",
+    "web_search_options": "web search is not supported",
+    "store": "stored completions are not supported",
+    "metadata": "stored completions (metadata) are not supported",
+    "service_tier": "service tiers are not supported",
+    "verbosity": "verbosity is not supported by this model",
+    "session_id": "unknown field; the session travels in the X-Amzn-SageMaker-Session-Id header (boto3: SessionId=)",
+    **{
+        name: _VLLM.format(name)
+        for name in (
+            "min_tokens",
+            "min_p",
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "stop_token_ids",
+            "include_stop_str_in_output",
+            "bad_words",
+            "allowed_token_ids",
+            "prompt_logprobs",
+            "truncate_prompt_tokens",
+            "length_penalty",
+            "use_beam_search",
+            "best_of",
+            "echo",
+            "add_generation_prompt",
+            "continue_final_message",
+            "add_special_tokens",
+            "chat_template",
+            "chat_template_kwargs",
+            "mm_processor_kwargs",
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "guided_decoding_backend",
+            "logits_processors",
+            "return_tokens_as_token_ids",
+            "priority",
+            "request_id",
+            "kv_transfer_params",
+            "vllm_xargs",
+        )
+    },
+}
+
+#: vLLM fields whose value is what this server does anyway: that value is accepted (and ignored).
+SAME_AS_OURS: dict[str, object] = {
+    "min_tokens": 0,
+    "min_p": 0.0,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "stop_token_ids": [],
+    "bad_words": [],
+    "echo": False,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "use_beam_search": False,
+    "best_of": 1,
+    "length_penalty": 1.0,
+    "priority": 0,
+}
+
+_warned: set[str] = set()
+_UNSET = object()
+
+
+def ignored_names() -> frozenset[str]:
+    """The field names ignored so far in this process (each logged once), as ``where.name``."""
+    return frozenset(_warned)
+
+
+class ChatInbound(Inbound):
+    """Base of the chat dialect's request models: a field the model does not define is accepted and
+    ignored (it reaches nothing: only declared fields are read), and its name logged once at WARNING.
+    ``_where``: how the field's place is named in that log line (``image_url.``, ``messages[].``)."""
+
+    model_config = ConfigDict(extra="allow")
+    _where: ClassVar[str] = ""
+
+    @model_validator(mode="after")
+    def _warn_ignored(self) -> ChatInbound:
+        for name in self.model_extra or {}:
+            where = f"{self._where}{name}" if name.isidentifier() and len(name) <= 64 else f"{self._where}<field>"
+            if where not in _warned:
+                _warned.add(where)
+                log.warning("ignored request field: %s", where)
+        return self
+
+
+def check_unsupported(data: dict) -> None:
+    """Refuse what a chat body asks that this server cannot honour, before its models validate it.
+
+    Raises:
+        ServiceError: invalid_parameter naming a field of :data:`UNSUPPORTED_FIELDS`, ``n`` > 1, or a
+            content part type other than ``text`` / ``image_url``; invalid_request naming
+            ``messages[i].role`` for tool and function messages.
+    """
+    for name, why in UNSUPPORTED_FIELDS.items():
+        value = data.get(name)
+        if value is not None and value != SAME_AS_OURS.get(name, _UNSET):
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name}: {why}", param=name)
+    n = data.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        raise ServiceError(ErrorCode.INVALID_PARAMETER, "n: one choice per request (n = 1) is supported", param="n")
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            continue
+        role = msg.get("role")
+        if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
+            param = f"messages[{i}].role"
+            message = "tool and function messages are not supported by this model server"
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"{param}: {message}", param=param)
+        content = msg.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in ("text", "image_url", "input_text", "input_image"):
+                shown = kind if kind.isidentifier() and len(kind) <= 32 else "this type"
+                raise ServiceError(
+                    ErrorCode.INVALID_PARAMETER,
+                    f"messages[{i}].content[{j}].type: {shown!r} parts are not supported; "
+                    "this model reads 'text' and 'image_url' parts (or 'input_text' and 'input_image')",
+                    param=f"messages[{i}].content[{j}].type",
+                )
