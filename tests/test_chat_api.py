@@ -242,7 +242,7 @@ def test_both_dialects_in_one_session(runtime, runner, photos):
         ),
         ({"requestType": "OPEN"}, 400, "invalid_parameter", "requestType"),
         ({"requestType": "CLOSE", "extra": 1}, 400, "invalid_request", "extra"),
-        ({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}, 400, "invalid_parameter", "ignore_eos"),
+        ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "invalid_parameter", "echo"),
     ],
 )
 def test_refusals_are_openai_error_objects(runtime, body, status, code, param):

@@ -10,7 +10,8 @@ import json
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from llava_sessions.chat.protocol import chat_command, parse_chat_body
+from llava_sessions.chat.command import chat_command
+from llava_sessions.chat.protocol import parse_chat_body
 from llava_sessions.chat.responses import ChatStream, encode_completion
 from llava_sessions.config import Settings
 from llava_sessions.errors import ErrorCode, ServiceError
@@ -149,7 +150,7 @@ def test_fields_nobody_defines_are_ignored_and_named_once_in_a_warning(caplog):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("min_tokens", 5), ("ignore_eos", True), ("stop_token_ids", [2]), ("structured_outputs", {"json": {}})],
+    [("echo", True), ("use_beam_search", True), ("guided_json", {}), ("structured_outputs", {"json": {}})],
 )
 def test_vllm_fields_we_do_not_honour_are_refused_by_name_unless_they_ask_what_we_do(field, value):
     with pytest.raises(ServiceError) as err:
@@ -159,7 +160,7 @@ def test_vllm_fields_we_do_not_honour_are_refused_by_name_unless_they_ask_what_w
     with pytest.raises(ServiceError) as err:
         command(response_format={"type": "json_object"})  # OpenAI's, still refused
     assert err.value.param == "response_format"
-    same = command(min_tokens=0, ignore_eos=False, skip_special_tokens=True, stop_token_ids=[])
+    same = command(echo=False, best_of=1, skip_special_tokens=True, spaces_between_special_tokens=True)
     assert same.params.max_new_tokens == SETTINGS.default_max_new_tokens
 
 

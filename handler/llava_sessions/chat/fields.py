@@ -6,10 +6,10 @@ define and log them; issue 32 item 4):
 - **Defined and honoured**: the fields :mod:`.protocol`'s models declare.
 - **Defined elsewhere, not honoured here**: OpenAI's (``tools``, ``response_format``, ``audio``, ...)
   and vLLM's sampling and structured-output extensions this server does not implement
-  (``min_tokens``, ``ignore_eos``, ``structured_outputs``, ...): a 400 ``invalid_parameter`` that
+  (``structured_outputs``, ``guided_json``, ``echo``, ...): a 400 ``invalid_parameter`` that
   names the field (:func:`check_unsupported`), so a user never silently gets something other than
   what was asked; a vLLM field set to what this server does anyway (``skip_special_tokens: true``,
-  ``min_tokens: 0``, ...) is accepted. ``session_id`` is refused too: the session travels in a header.
+  ``echo: false``, ...) is accepted. ``session_id`` is refused too: the session travels in a header.
 - **Defined by nobody**: what wrappers add (LiteLLM's ``sagemaker_base_url``, Strands' ``format``
   inside ``image_url``): ignored, and each such name (never its value) logged once per process at
   WARNING (:class:`ChatInbound`).
@@ -41,7 +41,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "function_call": "function calling is not supported by this model server",
     "parallel_tool_calls": "tool calling is not supported by this model server",
     "response_format": "structured output (response_format) is not supported; ask for the format in the prompt",
-    "logit_bias": "logit_bias is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported; leave modalities out",
     "prediction": "predicted outputs are not supported",
@@ -55,13 +54,8 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     **{
         name: _VLLM.format(name)
         for name in (
-            "min_tokens",
-            "min_p",
-            "ignore_eos",
             "skip_special_tokens",
             "spaces_between_special_tokens",
-            "stop_token_ids",
-            "include_stop_str_in_output",
             "bad_words",
             "allowed_token_ids",
             "prompt_logprobs",
@@ -94,13 +88,8 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 
 #: vLLM fields whose value is what this server does anyway: that value is accepted (and ignored).
 SAME_AS_OURS: dict[str, object] = {
-    "min_tokens": 0,
-    "min_p": 0.0,
-    "ignore_eos": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
-    "include_stop_str_in_output": False,
-    "stop_token_ids": [],
     "bad_words": [],
     "echo": False,
     "add_generation_prompt": True,

@@ -8,7 +8,7 @@
   vLLM's per-part ``uuid`` names an image, and ``"image_url": null`` with a ``uuid`` refers to one an
   earlier request sent); vLLM's top-level ``cache_salt`` scopes what the request shares.
   A field OpenAI or vLLM defines that we cannot honour (``n`` > 1, ``tools``, ``response_format``,
-  ``min_tokens``, audio parts, ...) is refused with a 400 that names it, never ignored; a field nobody
+  ``structured_outputs``, audio parts, ...) is refused with a 400 that names it, never ignored; a field nobody
   defines (LiteLLM's ``sagemaker_base_url``, Strands' ``image_url.format``) is ignored with a warning,
   as vLLM does (:mod:`.fields`).
 - **AWS's session bodies**: ``{"requestType": "NEW_SESSION"}`` and ``{"requestType": "CLOSE"}``
@@ -18,8 +18,7 @@
 (``llava_sessions.wire.inbound.load_body``);
 :meth:`ChatCompletionRequest.conversation` maps the messages onto our conversation model (system
 prompt, remembered turns with the images opening each user message, the last user message as the
-question); :func:`chat_command` makes the :class:`ChatCommand` the serving runs (OpenAI's parameters
-as ours, ``temperature`` 1.0 by default; image URLs as image sources). No torch here.
+question); :mod:`.command` makes the command the serving runs from it. No torch here.
 """
 
 from __future__ import annotations
@@ -30,26 +29,19 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..config import Settings
 from ..errors import ErrorCode, ServiceError
-from ..images.source import ImageSource
-from ..sampling.params import SamplingParams
 from ..wire.contract import NEW_SESSION_LITERAL
 from ..wire.inbound import CacheSalt, ImageUuid, Inbound, check_text, validation_error
 from .fields import ChatInbound, check_unsupported
 
 __all__ = [
-    "ChatCommand",
     "ChatCompletionRequest",
-    "ChatImage",
     "ChatConversation",
     "ChatMessage",
     "ImagePart",
     "SessionControlRequest",
     "TextPart",
     "parse_chat_body",
-    "chat_command",
-    "image_source_of",
     "parse_session_body",
 ]
 
@@ -175,7 +167,9 @@ class ChatCompletionRequest(ChatInbound):
     """OpenAI's chat-completions request, as far as a LLaVA model can honour it (module docstring).
 
     Sampling: ``temperature`` defaults to OpenAI's 1.0 (sampled answers); 0 is greedy. ``top_k``
-    and ``repetition_penalty`` are accepted as vLLM and TGI accept them. ``max_completion_tokens``
+    and ``repetition_penalty`` are accepted as vLLM and TGI accept them, and vLLM's ``min_p``,
+    ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and ``include_stop_str_in_output`` as vLLM
+    defines them; ``logit_bias`` as OpenAI's (token id as a string → -100..100). ``max_completion_tokens``
     (or the older ``max_tokens``) bounds the answer; unset, the server's default, clipped to the
     room the context leaves.
     """
@@ -199,6 +193,12 @@ class ChatCompletionRequest(ChatInbound):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=300)] | None = None
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
@@ -210,6 +210,21 @@ class ChatCompletionRequest(ChatInbound):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs.
+
+        Raises:
+            ServiceError: invalid_parameter when a key is not a token id (a decimal integer).
+        """
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdecimal() and len(key) <= 9):
+                raise ServiceError(
+                    ErrorCode.INVALID_PARAMETER, "logit_bias: keys must be token ids (decimal)", param="logit_bias"
+                )
+            pairs.append((int(key), bias))
+        return tuple(pairs)
 
     @property
     def answer_limit(self) -> int | None:
@@ -371,118 +386,3 @@ def parse_session_body(data: dict) -> SessionControlRequest:
         return SessionControlRequest.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc, strip_tag=False, hints=_SESSION_BODY_HINTS) from None
-
-
-# ---------------------------------------------------------------------------------------------- commands
-
-
-@dataclass(frozen=True)
-class ChatCommand:
-    """Answer a whole resent conversation (OpenAI ``messages``).
-
-    Attributes:
-        conversation: the messages as our conversation (system, turns, question; image counts).
-        images: every image of the conversation in order: where its bytes come from, or its uuid alone.
-        salt: the request's ``cache_salt`` (None: unsalted).
-        params: sampling parameters with the server's defaults applied.
-        clip_max_new_tokens: the request set no answer limit: clip the default to the room left.
-        stream: answer as a stream of chunks; include_usage: end it with a usage chunk.
-        top_logprobs: most likely alternatives per token (with ``params.logprobs``).
-        model: the model name the reply carries (the served model's).
-    """
-
-    kind: ClassVar[str] = "chat"
-
-    conversation: ChatConversation
-    images: tuple[ChatImage, ...]
-    params: SamplingParams
-    clip_max_new_tokens: bool
-    stream: bool
-    include_usage: bool
-    model: str
-    salt: str | None = None
-
-
-@dataclass(frozen=True)
-class ChatImage:
-    """One image of a chat request: ``source`` (None for a reference by ``uuid`` alone), the client's
-    ``uuid`` for it (or None), and ``param``, where it sits in the request (for errors)."""
-
-    source: ImageSource | None
-    uuid: str | None
-    param: str
-
-
-def image_source_of(url: str, param: str) -> ImageSource:
-    """The image source an ``image_url`` names: ``s3://`` → S3, ``data:`` → base64, else a URL.
-
-    Raises:
-        ServiceError: invalid_parameter naming ``param`` (a data URI that is not a base64 image, a
-            malformed S3 URI, a URL over 8,192 characters).
-    """
-    try:
-        if url.startswith("s3://"):
-            return ImageSource(s3_uri=url)
-        if url.startswith("data:"):
-            if not url.startswith("data:image/") or ";base64," not in url[:100]:
-                raise ServiceError(
-                    ErrorCode.INVALID_PARAMETER,
-                    f"{param}: a data URI must look like data:image/<type>;base64,<data>",
-                    param=param,
-                )
-            return ImageSource(base64=url)
-        return ImageSource(url=url)
-    except ValidationError:
-        raise ServiceError(
-            ErrorCode.INVALID_PARAMETER,
-            f"{param}: must be an https URL, an s3://bucket/key URI or a data:image/...;base64, URI",
-            param=param,
-        ) from None
-
-
-def chat_command(request: ChatCompletionRequest, settings: Settings, model: str) -> ChatCommand:
-    """The command of a validated chat-completions request, with the server's defaults.
-
-    ``temperature`` unset is OpenAI's default 1.0 (sampled); 0 is greedy. The request's ``model`` is
-    accepted and the reply names the served model (``model``), as vLLM's and TGI's servers do.
-
-    Raises:
-        ServiceError: invalid_request (message order), invalid_parameter (image URLs).
-    """
-    conversation = request.conversation()
-    images: list[ChatImage] = []
-    for i, msg in enumerate(request.messages):
-        if isinstance(msg.content, list):
-            for j, part in enumerate(msg.content):
-                if isinstance(part, ImagePart):
-                    param = f"messages[{i}].content[{j}]"
-                    url = part.url
-                    source = None if url is None else image_source_of(url[0], f"{param}.{url[1]}")
-                    images.append(ChatImage(source, part.uuid, param))
-    limit = request.answer_limit
-    temperature = 1.0 if request.temperature is None else request.temperature
-    params = SamplingParams(
-        max_new_tokens=limit or settings.default_max_new_tokens,
-        temperature=temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        repetition_penalty=request.repetition_penalty,
-        do_sample=temperature > 0,
-        seed=request.seed,
-        stop=request.stop_list,
-        logprobs=request.logprobs,
-        frequency_penalty=request.frequency_penalty,
-        presence_penalty=request.presence_penalty,
-        top_logprobs=request.top_logprobs or 0,
-    )
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return ChatCommand(
-        conversation,
-        tuple(images),
-        params,
-        limit is None,
-        request.stream,
-        include_usage,
-        model,
-        request.cache_salt,
-    )

@@ -25,7 +25,7 @@ from ..errors import ServiceError
 from ..results import Answer, TokenEvent
 from ..wire.contract import format_expires
 from ..wire.framing import EVENT_STREAM, JSON_LINES
-from .protocol import ChatCommand
+from .command import ChatCommand
 
 __all__ = [
     "EVENT_STREAM",
@@ -166,10 +166,14 @@ def _usage(answer: Answer) -> Usage:
     )
 
 
-def _final_text(text: str, stop: Sequence[str]) -> str:
-    """``text`` up to the first stop sequence (OpenAI leaves the stop sequence out)."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]
+def _final_text(text: str, stop: Sequence[str], keep: bool = False) -> str:
+    """``text`` up to the first stop sequence (OpenAI leaves the stop sequence out; ``keep``: up to
+    its end, vLLM's ``include_stop_str_in_output``)."""
+    found = [(i, len(s)) for i, s in ((text.find(s), s) for s in stop) if i >= 0]
+    if not found:
+        return text
+    cut, length = min(found)
+    return text[: cut + length] if keep else text[:cut]
 
 
 def _logprobs(events: Sequence[TokenEvent], token_text: Callable[[int], str]) -> ChoiceLogprobs:
@@ -200,7 +204,7 @@ def encode_completion(
         model=command.model,
         choices=[
             Choice(
-                message=Message(content=_final_text(answer.text, command.params.stop)),
+                message=Message(content=_final_text(answer.text, command.params.stop, command.keep_stop)),
                 logprobs=logprobs,
                 finish_reason=answer.finish_reason,
             )
@@ -262,7 +266,7 @@ class ChatStream:
     def end(self, answer: Answer, last: Sequence[TokenEvent]) -> list[bytes]:
         """The last frames: the chunk with the rest of the content and the ``finish_reason``, the
         usage chunk when asked for, and ``[DONE]`` (server-sent events)."""
-        final = _final_text(answer.text, self.command.params.stop)
+        final = _final_text(answer.text, self.command.params.stop, self.command.keep_stop)
         content = final[len(self._sent) :] if final.startswith(self._sent) else ""
         logprobs = _logprobs(last, self.token_text) if self.command.params.logprobs else None
         frames = [

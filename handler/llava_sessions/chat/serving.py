@@ -39,7 +39,8 @@ from ..wire.framing import JSON, Row, RowResult
 from ..wire.inbound import request_salt
 from ..wire.jobs import Job, JobTable, Serving
 from . import responses
-from .protocol import ChatCommand, chat_command, parse_chat_body, parse_session_body
+from .command import ChatCommand, chat_command
+from .protocol import parse_chat_body, parse_session_body
 
 __all__ = ["JSON_LINES_ACCEPT", "ChatServing"]
 

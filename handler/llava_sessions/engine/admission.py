@@ -222,7 +222,7 @@ class Admission:
             ids,
             params,
             remember,
-            Sampler(params, runner.device, ids),
+            Sampler(params, runner.device, ids, runner.eos_token_ids),
             IncrementalDetokenizer(runner.tokenizer),
             truncated_turns=dropped,
         )
@@ -318,7 +318,7 @@ class Admission:
             ids,
             params,
             True,
-            Sampler(params, runner.device, ids),
+            Sampler(params, runner.device, ids, runner.eos_token_ids),
             IncrementalDetokenizer(runner.tokenizer),
         )
         gen.set_images_to_encode(to_encode, rows)

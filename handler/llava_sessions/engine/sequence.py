@@ -171,8 +171,8 @@ class Generation:
         top: tuple[tuple[int, float], ...] = (),
     ) -> FinishReason | None:
         """Record a sampled token (``top``: the most likely ``(id, logprob)`` pairs at its position);
-        return why the answer ends with it (EOS or a stop sequence: ``stop``; ``max_new_tokens``
-        reached: ``length``), or None."""
+        return why the answer ends with it (EOS unless ``ignore_eos``, one of ``stop_token_ids`` or a
+        stop sequence: ``stop``; ``max_new_tokens`` reached: ``length``), or None."""
         now = time.perf_counter()
         if not self._events:
             self._t_first = now
@@ -183,7 +183,12 @@ class Generation:
         text = detok.push(token)
         finish: FinishReason | None = None
         window = detok.text[max(0, before - self._max_stop) :]
-        if special or (self._max_stop and any(s in window for s in self.params.stop)):
+        params = self.params
+        if (
+            (special and not params.ignore_eos)
+            or token in params.stop_token_ids
+            or (self._max_stop and any(s in window for s in params.stop))
+        ):
             finish = "stop"
         elif len(self._events) + 1 >= self.params.max_new_tokens:
             finish = "length"

@@ -56,6 +56,8 @@ SAMPLING_BOUNDS: dict[str, SamplingBound] = {
     "frequency_penalty": SamplingBound("must be a number between -2 and 2", ge=-2.0, le=2.0),
     "presence_penalty": SamplingBound("must be a number between -2 and 2", ge=-2.0, le=2.0),
     "top_logprobs": SamplingBound("must be an integer between 0 and 20", ge=0, le=20),
+    "min_p": SamplingBound("must be a number between 0 and 1", ge=0.0, le=1.0),
+    "min_tokens": SamplingBound("must be an integer >= 0", ge=0),
 }
 
 
@@ -81,6 +83,14 @@ class SamplingParams:
             ``count`` is how often it was generated so far in this answer (the formula of OpenAI's
             API reference, "Frequency and presence penalties"; vLLM applies it the same way).
         top_logprobs: with ``logprobs``, also give this many most likely tokens at each position.
+        min_p: drop tokens whose probability is under ``min_p`` x the most likely one's (0 or None =
+            off; transformers' ``MinPLogitsWarper``, vLLM's ``min_p``); sampling only.
+        min_tokens: the answer's end-of-sequence and ``stop_token_ids`` tokens are masked until this
+            many tokens are generated (vLLM's ``min_tokens``).
+        ignore_eos: an end-of-sequence token does not end the answer (vLLM's ``ignore_eos``).
+        stop_token_ids: token ids that end the answer (``stop``) besides end-of-sequence (vLLM's).
+        logit_bias: ``(token id, bias)`` pairs added to the logits before anything else (OpenAI's
+            ``logit_bias``, -100..100: -100 bans a token, 100 all but forces it).
     """
 
     max_new_tokens: int = 256
@@ -95,6 +105,11 @@ class SamplingParams:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     top_logprobs: int = 0
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         """Check the ranges of :data:`SAMPLING_BOUNDS` (the wire's rules).

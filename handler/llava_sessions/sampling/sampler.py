@@ -17,17 +17,27 @@ __all__ = ["IncrementalDetokenizer", "Sampler", "SamplingParams"]
 
 
 class Sampler:
-    """Pick next tokens for one answer: repetition penalty, then greedy or temperature/top-k/top-p sampling.
+    """Pick next tokens for one answer: logit bias, ``min_tokens``' mask, OpenAI's penalties, repetition
+    penalty, then greedy or temperature/top-k/top-p/min-p sampling.
 
     Args:
         params: the answer's parameters.
         device: where logits live (the generator is created there).
         prompt_ids: the prompt's token ids (the repetition penalty covers them, as in ``generate``).
+        eos_token_ids: the model's end-of-sequence ids (masked with ``stop_token_ids`` while fewer than
+            ``params.min_tokens`` tokens are generated).
     """
 
-    def __init__(self, params: SamplingParams, device: torch.device, prompt_ids: list[int]) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        device: torch.device,
+        prompt_ids: list[int],
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         from transformers.generation.logits_process import (
             LogitsProcessorList,
+            MinPLogitsWarper,
             RepetitionPenaltyLogitsProcessor,
             TemperatureLogitsWarper,
             TopKLogitsWarper,
@@ -51,12 +61,31 @@ class Sampler:
                 procs.append(TopKLogitsWarper(params.top_k))
             if params.top_p is not None and params.top_p < 1.0:
                 procs.append(TopPLogitsWarper(params.top_p))
+            if params.min_p:
+                procs.append(MinPLogitsWarper(params.min_p))
             self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         self._procs = procs
         self._freq = params.frequency_penalty or 0.0
         self._presence = params.presence_penalty or 0.0
         self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated
+        self._bias = params.logit_bias
+        self._ends = sorted(set(eos_token_ids) | set(params.stop_token_ids)) if params.min_tokens else []
+        self._generated = 0
+
+    def _shape(self, scores: torch.Tensor) -> torch.Tensor:
+        """Logit bias and ``min_tokens``' mask on ``scores [1, vocab]`` (a new tensor when changed)."""
+        if self._bias:
+            scores = scores.clone()
+            vocab = scores.shape[-1]
+            for token, bias in self._bias:
+                if 0 <= token < vocab:
+                    scores[0, token] += bias
+        if self._ends and self._generated < self.params.min_tokens:
+            ends = [t for t in self._ends if t < scores.shape[-1]]
+            scores = scores.clone() if not self._bias else scores
+            scores[0, ends] = float("-inf")
+        return scores
 
     def _penalize(self, scores: torch.Tensor) -> torch.Tensor:
         """OpenAI's frequency and presence penalties on ``scores [1, vocab]`` (a new tensor)."""
@@ -73,7 +102,7 @@ class Sampler:
             distribution when ``params.logprobs``, else None; ``top``: the ``params.top_logprobs``
             most likely ``(token_id, logprob)`` pairs, most likely first (empty unless asked for).
         """
-        scores = self._penalize(logits.unsqueeze(0))
+        scores = self._penalize(self._shape(logits.unsqueeze(0)))
         if len(self._procs):
             ids = self._ids if self._ids is not None else torch.empty(1, 0, dtype=torch.long, device=self.device)
             scores = self._procs(cast(torch.LongTensor, ids), scores)
@@ -96,6 +125,7 @@ class Sampler:
             if self._counts is None:
                 self._counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
             self._counts[token] += 1
+        self._generated += 1
         return token, logprob, top
 
 

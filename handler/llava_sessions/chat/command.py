@@ -1,0 +1,139 @@
+"""A validated chat request as the command the chat serving runs: OpenAI's and vLLM's parameters as ours
+(``temperature`` 1.0 by default, as OpenAI's), image URLs as image sources. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import ValidationError
+
+from ..config import Settings
+from ..errors import ErrorCode, ServiceError
+from ..images.source import ImageSource
+from ..sampling.params import SamplingParams
+from .protocol import ChatCompletionRequest, ChatConversation, ImagePart
+
+__all__ = ["ChatCommand", "ChatImage", "chat_command", "image_source_of"]
+
+
+@dataclass(frozen=True)
+class ChatCommand:
+    """Answer a whole resent conversation (OpenAI ``messages``).
+
+    Attributes:
+        conversation: the messages as our conversation (system, turns, question; image counts).
+        images: every image of the conversation in order: where its bytes come from, or its uuid alone.
+        salt: the request's ``cache_salt`` (None: unsalted).
+        params: sampling parameters with the server's defaults applied.
+        clip_max_new_tokens: the request set no answer limit: clip the default to the room left.
+        stream: answer as a stream of chunks; include_usage: end it with a usage chunk.
+        top_logprobs: most likely alternatives per token (with ``params.logprobs``).
+        model: the model name the reply carries (the served model's).
+        keep_stop: the reply's text keeps the stop sequence it ended on (vLLM's
+            ``include_stop_str_in_output``; OpenAI leaves it out).
+    """
+
+    kind: ClassVar[str] = "chat"
+
+    conversation: ChatConversation
+    images: tuple[ChatImage, ...]
+    params: SamplingParams
+    clip_max_new_tokens: bool
+    stream: bool
+    include_usage: bool
+    model: str
+    salt: str | None = None
+    keep_stop: bool = False
+
+
+@dataclass(frozen=True)
+class ChatImage:
+    """One image of a chat request: ``source`` (None for a reference by ``uuid`` alone), the client's
+    ``uuid`` for it (or None), and ``param``, where it sits in the request (for errors)."""
+
+    source: ImageSource | None
+    uuid: str | None
+    param: str
+
+
+def image_source_of(url: str, param: str) -> ImageSource:
+    """The image source an ``image_url`` names: ``s3://`` → S3, ``data:`` → base64, else a URL.
+
+    Raises:
+        ServiceError: invalid_parameter naming ``param`` (a data URI that is not a base64 image, a
+            malformed S3 URI, a URL over 8,192 characters).
+    """
+    try:
+        if url.startswith("s3://"):
+            return ImageSource(s3_uri=url)
+        if url.startswith("data:"):
+            if not url.startswith("data:image/") or ";base64," not in url[:100]:
+                raise ServiceError(
+                    ErrorCode.INVALID_PARAMETER,
+                    f"{param}: a data URI must look like data:image/<type>;base64,<data>",
+                    param=param,
+                )
+            return ImageSource(base64=url)
+        return ImageSource(url=url)
+    except ValidationError:
+        raise ServiceError(
+            ErrorCode.INVALID_PARAMETER,
+            f"{param}: must be an https URL, an s3://bucket/key URI or a data:image/...;base64, URI",
+            param=param,
+        ) from None
+
+
+def chat_command(request: ChatCompletionRequest, settings: Settings, model: str) -> ChatCommand:
+    """The command of a validated chat-completions request, with the server's defaults.
+
+    ``temperature`` unset is OpenAI's default 1.0 (sampled); 0 is greedy. The request's ``model`` is
+    accepted and the reply names the served model (``model``), as vLLM's and TGI's servers do.
+
+    Raises:
+        ServiceError: invalid_request (message order), invalid_parameter (image URLs).
+    """
+    conversation = request.conversation()
+    images: list[ChatImage] = []
+    for i, msg in enumerate(request.messages):
+        if isinstance(msg.content, list):
+            for j, part in enumerate(msg.content):
+                if isinstance(part, ImagePart):
+                    param = f"messages[{i}].content[{j}]"
+                    url = part.url
+                    source = None if url is None else image_source_of(url[0], f"{param}.{url[1]}")
+                    images.append(ChatImage(source, part.uuid, param))
+    limit = request.answer_limit
+    temperature = 1.0 if request.temperature is None else request.temperature
+    params = SamplingParams(
+        max_new_tokens=limit or settings.default_max_new_tokens,
+        temperature=temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        repetition_penalty=request.repetition_penalty,
+        do_sample=temperature > 0,
+        seed=request.seed,
+        stop=request.stop_list,
+        logprobs=request.logprobs,
+        frequency_penalty=request.frequency_penalty,
+        min_p=request.min_p,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        logit_bias=request.token_biases(),
+        presence_penalty=request.presence_penalty,
+        top_logprobs=request.top_logprobs or 0,
+    )
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return ChatCommand(
+        conversation,
+        tuple(images),
+        params,
+        limit is None,
+        request.stream,
+        include_usage,
+        model,
+        request.cache_salt,
+        request.include_stop_str_in_output,
+    )

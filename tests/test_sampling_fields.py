@@ -1,0 +1,99 @@
+"""vLLM's and OpenAI's sampling fields in the chat dialect, each tested for its effect, not only accepted
+(issue 32 item 2): ``logit_bias``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``min_p``,
+``include_stop_str_in_output``. The service runs in process on the tiny model (real transformers,
+tokenizer and chat template); every reply is validated with the ``openai`` package's own model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from openai.types.chat import ChatCompletion
+
+from llava_sessions.service import Row, SessionService
+from llava_sessions.worker import build_service
+
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def svc(tiny_model_dir) -> SessionService:
+    return build_service({"model_dir": str(tiny_model_dir), "device": "cpu", "device_budget_bytes": 10**9})
+
+
+def ask(svc: SessionService, max_tokens: int = 10, **params) -> ChatCompletion:
+    """One greedy chat turn without a session, driven to its last frame."""
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a story about a cat."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **params,
+    }
+    rid = f"s{next(_ids)}"
+    out = svc.handle([Row(rid, f"ts-seq-{rid}", True, body)])[0]
+    while out.stop is False:
+        out = svc.handle([Row(rid, f"ts-seq-{rid}", True, None)])[0]
+    assert out.status == 200, out.body
+    return ChatCompletion.model_validate_json(out.body)
+
+
+def ids_of(runner, text: str) -> list[int]:
+    return runner.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_logit_bias_forces_and_bans_tokens(svc, runner):
+    base = ask(svc)
+    first = ids_of(runner, base.choices[0].message.content)[0]
+    banned = ask(svc, logit_bias={str(first): -100})
+    assert first not in ids_of(runner, banned.choices[0].message.content)[:1]
+    forced_id = ids_of(runner, " cat")[-1]
+    forced = ask(svc, max_tokens=4, logit_bias={str(forced_id): 100})
+    assert ids_of(runner, forced.choices[0].message.content) == [forced_id] * 4
+    assert forced.choices[0].finish_reason == "length"
+
+
+def test_end_of_sequence_with_min_tokens_and_ignore_eos(svc, runner):
+    eos = next(iter(runner.eos_token_ids))
+    ends = ask(svc, logit_bias={str(eos): 100})
+    assert ends.choices[0].finish_reason == "stop" and ends.usage.completion_tokens == 1
+    later = ask(svc, logit_bias={str(eos): 100}, min_tokens=3)
+    assert later.choices[0].finish_reason == "stop" and later.usage.completion_tokens == 4  # 3, then EOS
+    never = ask(svc, max_tokens=6, logit_bias={str(eos): 100}, ignore_eos=True)
+    assert never.choices[0].finish_reason == "length" and never.usage.completion_tokens == 6
+
+
+def test_stop_token_ids_end_the_answer_there(svc, runner):
+    base = ask(svc)
+    third = ids_of(runner, base.choices[0].message.content)[2]
+    stopped = ask(svc, stop_token_ids=[third])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert ids_of(runner, stopped.choices[0].message.content)[-1] == third
+    assert len(ids_of(runner, stopped.choices[0].message.content)) <= 3
+
+
+def test_min_p_of_one_keeps_only_the_most_likely_token(svc):
+    greedy = ask(svc).choices[0].message.content
+    for seed in (1, 2):  # sampled at temperature 1, yet only the argmax survives min_p = 1
+        sampled = ask(svc, temperature=1.0, seed=seed, min_p=1.0)
+        assert sampled.choices[0].message.content == greedy
+    assert ask(svc, temperature=1.0, seed=1).choices[0].message.content != greedy  # sampling does differ
+
+
+def test_include_stop_str_in_output_keeps_the_stop_sequence(svc):
+    text = ask(svc, max_tokens=12).choices[0].message.content
+    stop = text[3:5]
+    assert stop.strip() and stop not in text[:3]
+    left_out = ask(svc, max_tokens=12, stop=[stop]).choices[0].message.content
+    kept = ask(svc, max_tokens=12, stop=[stop], include_stop_str_in_output=True).choices[0].message.content
+    assert kept == left_out + stop and text.startswith(kept)
+
+
+def test_the_fields_are_refused_out_of_range_and_logit_bias_names_token_ids(svc):
+    cases = [({"min_p": 2}, "min_p"), ({"min_tokens": -1}, "min_tokens"), ({"logit_bias": {"cat": 5}}, "logit_bias")]
+    for params, param in cases:
+        body = {"messages": [{"role": "user", "content": "hi"}], **params}
+        out = svc.handle([Row("bad", "ts-seq-bad", True, body)])[0]
+        error = json.loads(out.body)["error"]
+        assert out.status == 400 and error["param"] == param, (params, error)
