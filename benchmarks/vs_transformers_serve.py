@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,8 @@ class Target:
 
 
 def cold_turn(t: Target) -> dict[str, float]:
+    """A never-seen photo's turn, streamed (first event and TTFT, ms), then another's with
+    ``max_tokens=1`` (wall ms)."""
     r = t.stream([user(QUESTIONS[0], fresh_photo())], 16)
     one = t.stream([user(QUESTIONS[0], fresh_photo())], 1)
     return {"first_event_ms": r["first_ms"], "cold_ttft_ms": r["ttft_ms"], "cold_max_tokens_1_ms": one["total_ms"]}
@@ -157,26 +160,17 @@ def resent_chat(t: Target, session_url: str | None = None) -> float:
 
 
 def one_stream(t: Target, new_tokens: int) -> float:
+    """End-to-end tokens/s of one streamed image turn of ``new_tokens`` tokens."""
     r = t.stream([user(QUESTIONS[0], fresh_photo())], new_tokens)
     return r["tokens"] / (r["total_ms"] / 1000.0)
 
 
 def concurrent(t: Target, n: int, new_tokens: int) -> dict[str, float]:
+    """``n`` image streams sent at once: total tokens/s over the wall time, and their median TTFT (ms)."""
     photos = [fresh_photo() for _ in range(n)]
-    results: list[dict[str, Any]] = [{} for _ in range(n)]
-    barrier = threading.Barrier(n + 1)
-
-    def one(k: int) -> None:
-        barrier.wait()
-        results[k] = t.stream([user(QUESTIONS[0], photos[k])], new_tokens)
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(n)]
-    for th in threads:
-        th.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for th in threads:
-        th.join()
+    with ThreadPoolExecutor(max_workers=n) as pool:  # all n sent at once
+        t0 = time.perf_counter()
+        results = list(pool.map(lambda p: t.stream([user(QUESTIONS[0], p)], new_tokens), photos))
     wall = time.perf_counter() - t0
     return {
         "concurrent_tokens_per_s": sum(r["tokens"] for r in results) / wall,
@@ -215,12 +209,16 @@ def pause(t: Target, new_tokens: int) -> dict[str, float]:
 
 
 def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def start_peer(venv: Path, model_dir: str, threads: int) -> tuple[subprocess.Popen, str]:
+    """Start ``transformers serve`` from ``venv`` on ``model_dir`` (CPU, fp32, ``threads`` OpenMP
+    threads, its own process group, its log in the temp folder); returns it and its URL once
+    ``/v1/models`` answers. Exits the script when it dies or does not answer in 600 s."""
     port = free_port()
     exe = venv / "bin" / "transformers"
     if not exe.exists():
@@ -280,6 +278,7 @@ def measure(
 
 
 def report(med: dict[str, dict[str, float]], n: int) -> None:
+    """Print each measure's medians, ours and the peer's, and their ratio."""
     ours, peer = med["ours"], med["peer"]
     lines = [
         ("cold image turn, first event (role chunk) ms", "first_event_ms", "lower"),

@@ -140,9 +140,14 @@ def test_a_streamed_chat_sends_its_role_chunk_before_any_forward_pass(tiny_model
     event = json.loads(first.body.decode().removeprefix("data: "))
     assert event["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert svc.engine.num_prefilled_tokens == prefilled  # no forward pass before it went out
-    last = finish(svc, rows, [first])["s1"]
-    assert last.body.endswith(b"data: [DONE]\n\n")
-    assert svc.engine.num_prefilled_tokens > prefilled
+    # another stream arrives with the first one's next call: this call steps (never two held back in
+    # a row, so streams arriving at every call cannot starve the running ones)
+    second = Row("s3", "ts-seq-s3", True, chat_image_body(photos["chelsea"], stream=True))
+    out = svc.handle([Row("s1", "ts-seq-s1", True, None), second])
+    assert svc.engine.num_prefilled_tokens > prefilled and out[1].status == 200
+    rows = [Row("s1", "ts-seq-s1", True, None), Row("s3", "ts-seq-s3", True, None)]
+    last = finish(svc, rows, out)
+    assert all(frame.body.endswith(b"data: [DONE]\n\n") for frame in last.values())
     bad = svc.handle([Row("s2", "ts-seq-s2", True, chat_image_body(b"not an image", stream=True))])[0]
     assert bad.status == 400 and json.loads(bad.body)["error"]["code"] == "image_invalid"
 

@@ -12,7 +12,8 @@ Each :meth:`SessionService.handle` call
    fetches it beside the loop, and is admitted from its body once the bytes are in;
 2. advances every job in the batch by a bounded slice (``step_max_tokens`` steps, within
    ``step_max_ms``; at least one), interleaving jobs token by token (:meth:`SessionEngine.step`),
-   except in a call that admitted a chat stream: its first event goes out before any forward pass;
+   except in a call that admitted a chat stream: its first event goes out before any forward pass
+   (never in two calls in a row);
 3. returns one :class:`RowResult` per row, each written by its job's dialect under TorchServe's
    framing (:mod:`.wire.framing`). Nothing raises out of :meth:`handle`.
 
@@ -88,6 +89,7 @@ class SessionService:
             settings, engine, self.jobs, fetch, self.metrics, model_name=model_name, token_text=token_text
         )
         self._new_session_bytes: int | None = None
+        self._held_back = False  # the last call ran no step (a stream's first event went out first)
         self.step_budget: int | TimeBudget = settings.step_token_budget or TimeBudget(
             settings.max_step_ms_while_decoding, settings.max_prefill_tokens_per_pass
         )
@@ -125,10 +127,15 @@ class SessionService:
                 results[i] = resumed
             else:
                 active.append((i, self._seen(resumed, now)))
-        if not any(job.calls == 1 and job.stream is not None for _, job in active):
+        # a chat stream just admitted: its first event (the role chunk) goes out now, before any forward
+        # pass, and every job steps on the next call, one TorchServe round trip later; never two calls in
+        # a row, so new streams arriving at every call cannot starve the running ones
+        fresh = any(job.calls == 1 and job.stream is not None for _, job in active)
+        if fresh and not self._held_back:
+            self._held_back = True
+        else:
+            self._held_back = False
             self._advance([job for _, job in active])
-        # else a stream was just admitted: its first event (the role chunk) goes out now, before any
-        # forward pass; every job steps on the next call, one TorchServe round trip later
         for i, job in active:
             try:
                 results[i] = job.dialect.emit(job)
