@@ -11,6 +11,7 @@ numbers (tests/test_scheduler.py as well).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -103,4 +104,4 @@ class CostModel:
         return old * self.decay + new * (1.0 - self.decay)
 
     def _set(self, **changes: float) -> None:
-        self._cost = StepCost(**{**self._cost.__dict__, **changes})
+        self._cost = dataclasses.replace(self._cost, **changes)

@@ -90,7 +90,8 @@ class SamplingParams:
         ignore_eos: an end-of-sequence token does not end the answer (vLLM's ``ignore_eos``).
         stop_token_ids: token ids that end the answer (``stop``) besides end-of-sequence (vLLM's).
         logit_bias: ``(token id, bias)`` pairs added to the logits before anything else (OpenAI's
-            ``logit_bias``, -100..100: -100 bans a token, 100 all but forces it).
+            ``logit_bias``, -100..100: -100 bans a token, 100 all but forces it). An id outside the
+            model's vocabulary (here or in ``stop_token_ids``) has no effect.
     """
 
     max_new_tokens: int = 256

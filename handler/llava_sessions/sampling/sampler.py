@@ -74,17 +74,18 @@ class Sampler:
         self._generated = 0
 
     def _shape(self, scores: torch.Tensor) -> torch.Tensor:
-        """Logit bias and ``min_tokens``' mask on ``scores [1, vocab]`` (a new tensor when changed)."""
-        if self._bias:
-            scores = scores.clone()
-            vocab = scores.shape[-1]
-            for token, bias in self._bias:
-                if 0 <= token < vocab:
-                    scores[0, token] += bias
-        if self._ends and self._generated < self.params.min_tokens:
-            ends = [t for t in self._ends if t < scores.shape[-1]]
-            scores = scores.clone() if not self._bias else scores
-            scores[0, ends] = float("-inf")
+        """Logit bias and ``min_tokens``' mask on ``scores [1, vocab]`` (a new tensor when changed;
+        token ids outside the vocabulary change nothing)."""
+        masking = bool(self._ends) and self._generated < self.params.min_tokens
+        if not self._bias and not masking:
+            return scores
+        scores = scores.clone()
+        vocab = scores.shape[-1]
+        for token, bias in self._bias:
+            if token < vocab:
+                scores[0, token] += bias
+        if masking:
+            scores[0, [t for t in self._ends if t < vocab]] = float("-inf")
         return scores
 
     def _penalize(self, scores: torch.Tensor) -> torch.Tensor:
