@@ -20,17 +20,14 @@ from llava_sessions.wire.contract import SEQUENCE_END_HEADER
 from llava_sessions.worker import build_service
 
 
+def tiny_service(model_dir, **settings) -> SessionService:
+    """A service on the tiny model, CPU, a 1 GB device budget, and ``settings`` over that."""
+    return build_service({"model_dir": str(model_dir), "device": "cpu", "device_budget_bytes": 10**9, **settings})
+
+
 @pytest.fixture(scope="module")
 def service(tiny_model_dir) -> SessionService:
-    return build_service(
-        {
-            "model_dir": str(tiny_model_dir),
-            "device": "cpu",
-            "step_max_tokens": 2,
-            "max_concurrent_generations": 2,
-            "device_budget_bytes": 10**9,
-        }
-    )
+    return tiny_service(tiny_model_dir, step_max_tokens=2, max_concurrent_generations=2)
 
 
 def open_row(rid, sid, image):
@@ -132,7 +129,7 @@ def chat_image_body(image: bytes, *, stream: bool, max_tokens: int = 4) -> dict:
 def test_a_streamed_chat_sends_its_role_chunk_before_any_forward_pass(tiny_model_dir, photos):
     """Issue 33 item 2: the first event leaves in the call that admitted the request, with nothing
     run on the model yet (the image decoded and checked: a bad one still gets its 4xx)."""
-    svc = build_service({"model_dir": str(tiny_model_dir), "device": "cpu", "device_budget_bytes": 10**9})
+    svc = tiny_service(tiny_model_dir)
     prefilled = svc.engine.num_prefilled_tokens
     rows = [Row("s1", "ts-seq-s1", True, chat_image_body(photos["coffee"], stream=True))]
     first = svc.handle(rows)[0]
@@ -175,9 +172,7 @@ def test_a_lone_cold_turn_is_prefilled_in_one_pass_and_one_beside_a_stream_in_ti
     """Issue 33 item 1 through the service's default (adaptive) budget: with nothing decoding, the
     vision tower and the whole prompt run in the first step; while an answer decodes, a new image's
     prompt is prefilled in chunks sized by the pass costs, and its answer is the same token for token."""
-    svc = build_service(
-        {"model_dir": str(tiny_model_dir), "device": "cpu", "device_budget_bytes": 10**9, "step_max_tokens": 1}
-    )
+    svc = tiny_service(tiny_model_dir, step_max_tokens=1)
     learning = svc.engine.model.costs = CountedCosts(StepCost(), pinned=False)
     alone = [Row("a1", "ts-seq-a1", True, chat_image_body(photos["chelsea"], stream=False, max_tokens=6))]
     answer_alone = json.loads(finish(svc, alone, svc.handle(alone))["a1"].body)
@@ -321,15 +316,7 @@ def test_a_chat_image_url_is_fetched_once_per_session(tiny_model_dir, photos):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/cat.png"
     try:
-        svc = build_service(
-            {
-                "model_dir": str(tiny_model_dir),
-                "device": "cpu",
-                "device_budget_bytes": 10**9,
-                "allow_http": True,
-                "allow_private_networks": True,
-            }
-        )
+        svc = tiny_service(tiny_model_dir, allow_http=True, allow_private_networks=True)
 
         def chat(sid, messages):
             rows = [Row(f"r{len(hits)}-{sid}-{len(messages)}", sid, False, {"messages": messages, "max_tokens": 3})]
@@ -400,17 +387,13 @@ def image_host(photos):
 @pytest.fixture(scope="module")
 def fetching(tiny_model_dir) -> SessionService:
     """A service that may fetch from 127.0.0.1, with a 1.5 s fetch deadline and a 0.1 s wait while busy."""
-    return build_service(
-        {
-            "model_dir": str(tiny_model_dir),
-            "device": "cpu",
-            "step_max_tokens": 2,
-            "device_budget_bytes": 10**9,
-            "allow_http": True,
-            "allow_private_networks": True,
-            "fetch_total_timeout_s": 1.5,
-            "image_fetch_wait_ms": 100,
-        }
+    return tiny_service(
+        tiny_model_dir,
+        step_max_tokens=2,
+        allow_http=True,
+        allow_private_networks=True,
+        fetch_total_timeout_s=1.5,
+        image_fetch_wait_ms=100,
     )
 
 
