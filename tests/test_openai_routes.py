@@ -322,3 +322,53 @@ def test_the_local_endpoint_routes_sessionless_turns_as_prefix_aware_routing_doe
     assert [b["sessions"] for b in local_endpoint.router.snapshot()["backends"]] == [1, 1]
     second = chat.ask("And its colour?", max_tokens=8, temperature=0)
     assert second.cached_tokens >= first.prompt_tokens  # the backend that holds its first turn answered
+
+
+def test_overload_is_a_503_the_openai_package_raises_and_retries_after_retry_after(request, tiny_model_dir):
+    """Issue 32 item 6: with every generation slot taken, a request gets ``503 overloaded`` with
+    ``Retry-After``; the package raises its own ``InternalServerError`` for it (retries off), and with
+    its retries on it waits the ``Retry-After`` and is answered once the slot is free."""
+    import threading
+
+    server = start_local_server(
+        tiny_model_dir,
+        addfinalizer=request.addfinalizer,
+        startup_timeout_s=120,
+        overrides={"max_concurrent_generations": 1},
+    )
+    strict = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
+    patient = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=8)
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    started = threading.Event()
+    finished: list[str] = []
+
+    def long_answer() -> None:
+        stream = strict.chat.completions.create(
+            model="llava",
+            messages=messages,
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                started.set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finished.append(chunk.choices[0].finish_reason)
+
+    runner = threading.Thread(target=long_answer)
+    runner.start()
+    try:
+        assert started.wait(60)
+        with pytest.raises(openai.InternalServerError) as err:
+            strict.chat.completions.create(model="llava", messages=messages, max_tokens=2)
+        assert err.value.status_code == 503 and err.value.code == "overloaded"
+        assert int(err.value.response.headers["retry-after"]) >= 1
+        assert not finished  # the long answer still held the slot
+        reply = patient.chat.completions.with_raw_response.create(model="llava", messages=messages, max_tokens=2)
+        assert reply.retries_taken >= 1  # waited out the Retry-After, then answered
+        ChatCompletion.model_validate_json(reply.http_response.text)
+    finally:
+        runner.join(120)
+    assert finished == ["length"]
