@@ -97,3 +97,15 @@ def test_the_fields_are_refused_out_of_range_and_logit_bias_names_token_ids(svc)
         out = svc.handle([Row("bad", "ts-seq-bad", True, body)])[0]
         error = json.loads(out.body)["error"]
         assert out.status == 400 and error["param"] == param, (params, error)
+
+
+def test_skip_special_tokens_false_writes_them_but_an_ending_eos_writes_nothing(svc, runner):
+    eos = next(iter(runner.eos_token_ids))
+    eos_text = runner.tokenizer.convert_ids_to_tokens(eos)
+    kept = ask(svc, max_tokens=3, logit_bias={str(eos): 100}, ignore_eos=True, skip_special_tokens=False)
+    assert kept.choices[0].message.content == eos_text * 3 and kept.choices[0].finish_reason == "length"
+    skipped = ask(svc, max_tokens=3, logit_bias={str(eos): 100}, ignore_eos=True)
+    assert skipped.choices[0].message.content == "" and skipped.usage.completion_tokens == 3
+    # as vLLM: the EOS that ends an answer is not exposed, whatever skip_special_tokens says
+    ended = ask(svc, logit_bias={str(eos): 100}, skip_special_tokens=False)
+    assert ended.choices[0].message.content == "" and ended.choices[0].finish_reason == "stop"

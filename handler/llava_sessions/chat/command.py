@@ -122,6 +122,7 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
         ignore_eos=request.ignore_eos,
         stop_token_ids=tuple(request.stop_token_ids or ()),
         logit_bias=request.token_biases(),
+        skip_special_tokens=request.skip_special_tokens,
         presence_penalty=request.presence_penalty,
         top_logprobs=request.top_logprobs or 0,
     )

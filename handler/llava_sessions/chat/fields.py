@@ -8,8 +8,8 @@ define and log them; issue 32 item 4):
   and vLLM's sampling and structured-output extensions this server does not implement
   (``structured_outputs``, ``guided_json``, ``echo``, ...): a 400 ``invalid_parameter`` that
   names the field (:func:`check_unsupported`), so a user never silently gets something other than
-  what was asked; a vLLM field set to what this server does anyway (``skip_special_tokens: true``,
-  ``echo: false``, ...) is accepted. ``session_id`` is refused too: the session travels in a header.
+  what was asked; a vLLM field set to what this server does anyway (``echo: false``,
+  ``spaces_between_special_tokens: true``, ...) is accepted. ``session_id`` is refused too: the session travels in a header.
 - **Defined by nobody**: what wrappers add (LiteLLM's ``sagemaker_base_url``, Strands' ``format``
   inside ``image_url``): ignored, and each such name (never its value) logged once per process at
   WARNING (:class:`ChatInbound`).
@@ -54,7 +54,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     **{
         name: _VLLM.format(name)
         for name in (
-            "skip_special_tokens",
             "spaces_between_special_tokens",
             "bad_words",
             "allowed_token_ids",
@@ -88,7 +87,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 
 #: vLLM fields whose value is what this server does anyway: that value is accepted (and ignored).
 SAME_AS_OURS: dict[str, object] = {
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "bad_words": [],
     "echo": False,

@@ -168,7 +168,7 @@ class ChatCompletionRequest(ChatInbound):
 
     Sampling: ``temperature`` defaults to OpenAI's 1.0 (sampled answers); 0 is greedy. ``top_k``
     and ``repetition_penalty`` are accepted as vLLM and TGI accept them, and vLLM's ``min_p``,
-    ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and ``include_stop_str_in_output`` as vLLM
+    ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output`` and ``skip_special_tokens`` as vLLM
     defines them; ``logit_bias`` as OpenAI's (token id as a string → -100..100). ``max_completion_tokens``
     (or the older ``max_tokens``) bounds the answer; unset, the server's default, clipped to the
     room the context leaves.
@@ -199,6 +199,7 @@ class ChatCompletionRequest(ChatInbound):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=300)] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None

@@ -223,7 +223,7 @@ class Admission:
             params,
             remember,
             Sampler(params, runner.device, ids, runner.eos_token_ids),
-            IncrementalDetokenizer(runner.tokenizer),
+            IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
             truncated_turns=dropped,
         )
         self.store.pin(session)
@@ -319,7 +319,7 @@ class Admission:
             params,
             True,
             Sampler(params, runner.device, ids, runner.eos_token_ids),
-            IncrementalDetokenizer(runner.tokenizer),
+            IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
         )
         gen.set_images_to_encode(to_encode, rows)
         return gen

@@ -178,17 +178,14 @@ class Generation:
             self._t_first = now
         self._t_last = now
         special = token in eos_token_ids
+        params = self.params
+        ends_on_eos = special and not params.ignore_eos
         detok = self.detokenizer
         before = len(detok.text)
-        text = detok.push(token)
+        text = "" if ends_on_eos else detok.push(token)  # an EOS that ends the answer writes no text
         finish: FinishReason | None = None
         window = detok.text[max(0, before - self._max_stop) :]
-        params = self.params
-        if (
-            (special and not params.ignore_eos)
-            or token in params.stop_token_ids
-            or (self._max_stop and any(s in window for s in params.stop))
-        ):
+        if ends_on_eos or token in params.stop_token_ids or (self._max_stop and any(s in window for s in params.stop)):
             finish = "stop"
         elif len(self._events) + 1 >= self.params.max_new_tokens:
             finish = "length"

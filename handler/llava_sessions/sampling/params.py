@@ -92,6 +92,8 @@ class SamplingParams:
         logit_bias: ``(token id, bias)`` pairs added to the logits before anything else (OpenAI's
             ``logit_bias``, -100..100: -100 bans a token, 100 all but forces it). An id outside the
             model's vocabulary (here or in ``stop_token_ids``) has no effect.
+        skip_special_tokens: the answer's text leaves special tokens out (True, vLLM's default);
+            False writes them (vLLM's ``skip_special_tokens``).
     """
 
     max_new_tokens: int = 256
@@ -111,6 +113,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         """Check the ranges of :data:`SAMPLING_BOUNDS` (the wire's rules).

@@ -136,21 +136,24 @@ class IncrementalDetokenizer:
     The two-window method of TGI and vLLM: decode ``ids[prefix:]`` and ``ids[prefix:read]`` and emit
     the difference once it no longer ends in an incomplete UTF-8 sequence (U+FFFD), so no multi-byte
     character is broken and tokenizers that strip a leading space (SentencePiece) lose no space.
-    Special tokens (EOS) contribute no text.
+    Special tokens (EOS) contribute no text unless ``skip_special_tokens`` is False.
 
     Args:
         tokenizer: a transformers tokenizer (``decode`` with ``skip_special_tokens``).
+        skip_special_tokens: leave special tokens' text out (vLLM's default, and ``generate``'s
+            usual decoding); False writes them (``</s>``) as vLLM's ``skip_special_tokens: false`` does.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
         self._prefix = 0
         self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the new text it completes (possibly empty)."""
