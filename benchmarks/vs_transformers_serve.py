@@ -182,7 +182,6 @@ def pause(t: Target, new_tokens: int) -> dict[str, float]:
     """A running stream's longest gap while a new image request arrives and is answered, and its
     longest gap in a stream with nothing else happening."""
     quiet = t.stream([user(QUESTIONS[0], fresh_photo())], new_tokens)
-    window: list[float] = []
     started = threading.Event()
     count = [0]
 
@@ -201,10 +200,10 @@ def pause(t: Target, new_tokens: int) -> dict[str, float]:
     started.wait(timeout=600)
     t0 = time.perf_counter()
     t.stream([user(QUESTIONS[0], fresh_photo())], 1)
-    window = [t0, time.perf_counter()]
+    t1 = time.perf_counter()
     th.join()
     times = result["times"]
-    gaps = [(b - a) * 1000.0 for a, b in zip(times, times[1:], strict=False) if b >= window[0] and a <= window[1]]
+    gaps = [(b - a) * 1000.0 for a, b in zip(times, times[1:], strict=False) if b >= t0 and a <= t1]
     return {"pause_new_image_ms": max(gaps, default=0.0), "pause_quiet_ms": max(quiet["gaps_ms"], default=0.0)}
 
 

@@ -35,8 +35,8 @@ __all__ = [
     "encode_closed",
     "encode_completion",
     "encode_error",
-    "error_status",
     "encode_new_session",
+    "error_status",
     "openai_error",
     "openai_error_type",
 ]

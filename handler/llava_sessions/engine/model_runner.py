@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..model import LlavaRunner, cache_len
-from ..results import elapsed_ms
 from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
@@ -126,8 +125,9 @@ class ModelRunner:
                 logits = runner.prefill(session.kv_cache, ids[:end], session.image_features)
         session.record_prefill(ids[:end])
         self.num_prefilled_tokens += end - start
-        self.costs.prefill(end - start, self._ms_since(t0))
-        timings["prefill"] = round(timings.get("prefill", 0.0) + elapsed_ms(t0), 3)
+        ms = self._ms_since(t0)
+        self.costs.prefill(end - start, ms)
+        timings["prefill"] = round(timings.get("prefill", 0.0) + ms, 3)
         return logits, end - start
 
     def decode(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
