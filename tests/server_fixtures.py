@@ -10,10 +10,12 @@
 
 - :data:`ECHO_HANDLER_SOURCE` / :func:`write_echo_handler`: a model-free TorchServe handler that
   does sequence continuous batching the way ours does, for tests of the serving plumbing.
+- :class:`ImageHost`: an image host on 127.0.0.1 that can be slow or fail, and counts its fetches.
 """
 
 from __future__ import annotations
 
+import http.server
 import os
 import queue
 import re
@@ -24,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import pytest
 
@@ -31,6 +34,7 @@ from llava_tools.serve import LocalServer
 
 __all__ = [
     "ECHO_HANDLER_SOURCE",
+    "ImageHost",
     "OutputLines",
     "stop_process",
     "local_server_factory",
@@ -39,6 +43,55 @@ __all__ = [
     "start_local_server",
     "write_echo_handler",
 ]
+
+
+class ImageHost:
+    """An image host on 127.0.0.1 (a real HTTP server in a thread): ``GET <path>?delay=S&status=N``
+    answers ``payload`` after S seconds with status N (200 by default). ``hits``: the paths asked, in
+    order. Use as a context manager (it stops on exit)."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.hits: list[str] = []
+        host = self
+
+        class _Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                host.hits.append(urlsplit(self.path).path)
+                query = parse_qs(urlsplit(self.path).query)
+                time.sleep(float(query.get("delay", ["0"])[0]))
+                status = int(query.get("status", ["200"])[0])
+                body = host.payload if status == 200 else b"no"
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "image/png")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:
+                    pass  # the fetch gave up first
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def url(self, path: str = "/photo.png", **query: Any) -> str:
+        """The URL of ``path`` with ``query`` (``delay``, ``status``)."""
+        tail = "?" + urlencode(query) if query else ""
+        return f"http://127.0.0.1:{self._server.server_address[1]}{path}{tail}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> ImageHost:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def start_local_server(

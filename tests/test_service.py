@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import http.server
 import json
-import threading
 import time
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -18,6 +15,7 @@ from llava_sessions.service import Row, SessionService
 from llava_sessions.sessions.ledger import Tier
 from llava_sessions.wire.contract import SEQUENCE_END_HEADER
 from llava_sessions.worker import build_service
+from server_fixtures import ImageHost
 
 
 def tiny_service(model_dir, **settings) -> SessionService:
@@ -294,27 +292,8 @@ def test_details_carry_the_drawn_seed_and_where_a_session_was_restored_from(serv
 def test_a_chat_image_url_is_fetched_once_per_session(tiny_model_dir, photos):
     """OpenAI messages with an http image URL (a real local server): the session remembers which
     content the URL gave, so the resent conversation does not fetch it again; another session does."""
-    import http.server
-    import threading
-
-    hits: list[str] = []
-
-    class Images(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            hits.append(self.path)
-            body = photos["chelsea"]
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+    host = ImageHost(photos["chelsea"])
+    hits, url = host.hits, host.url("/cat.png")
     try:
         svc = tiny_service(tiny_model_dir, allow_http=True, allow_private_networks=True)
 
@@ -344,44 +323,17 @@ def test_a_chat_image_url_is_fetched_once_per_session(tiny_model_dir, photos):
         chat(new_session(), messages[:1])
         assert len(hits) == 2  # another session fetches it itself
     finally:
-        server.shutdown()
-        server.server_close()
+        host.close()
 
 
 # ---- image fetches beside the scheduling loop ------------------------------------------------
 
 
-class _SlowImageHost(http.server.BaseHTTPRequestHandler):
-    """An image host on 127.0.0.1: ``?delay=S`` answers after S seconds, ``?status=N`` with status N."""
-
-    payload = b""
-
-    def do_GET(self):  # noqa: N802
-        query = parse_qs(urlsplit(self.path).query)
-        time.sleep(float(query.get("delay", ["0"])[0]))
-        status = int(query.get("status", ["200"])[0])
-        body = self.payload if status == 200 else b"no"
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        except OSError:
-            pass  # the fetch gave up first
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def image_host(photos):
-    _SlowImageHost.payload = photos["rocket"]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowImageHost)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/photo.png"
-    server.shutdown()
+    """An image host on 127.0.0.1: ``?delay=S`` answers after S seconds, ``?status=N`` with status N."""
+    with ImageHost(photos["rocket"]) as host:
+        yield host.url()
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ TOOL_ENV_VARS = frozenset({
     "LLAVA_HOME", "LLAVA_CONTAINER_MODEL_DIR", "LLAVA_CONTAINER_PORT", "LLAVA_CONTAINER_HOST", "LLAVA_TS_LOG_CONFIG",
     "LLAVA_NOTEBOOK_SAGEMAKER", "LLAVA_DEPLOY", "LLAVA_S3_PREFIX", "LLAVA_KEEP_ENDPOINT", "LLAVA_IMAGE_URI",
     "LLAVA_SAGEMAKER_ROLE_ARN", "LLAVA_INSTANCE_TYPE", "LLAVA_ENDPOINT_NAME", "LLAVA_ECR_REPOSITORY",
-    "LLAVA_FLOOR_BODY_FILE", "LLAVA_FLOOR_MODEL_DIR",
+    "LLAVA_FLOOR_BODY_FILE", "LLAVA_FLOOR_MODEL_DIR", "LLAVA_IMAGE_RELAY",
 })
 # fmt: on
 
@@ -140,9 +140,7 @@ class Settings(BaseModel):
         8, ge=1, description="Most images one session holds (the opening one and those add_image appends)."
     )
     max_image_tokens_per_session: int = Field(
-        0,
-        ge=0,
-        description="Most image tokens (context positions) of all a session's images; 0 = only the model's context.",
+        0, ge=0, description="Most image tokens (context positions) of all a session's images; 0: the context's."
     )
     max_body_bytes: int = Field(
         _SAGEMAKER_MAX_BODY_BYTES,
@@ -172,6 +170,8 @@ class Settings(BaseModel):
     image_fetch_wait_ms: int = Field(
         250, ge=0, le=60_000, description="While answers generate, wait this long for a new request's image fetch."
     )
+    image_memory_bytes: int = Field(256 * _MIB, ge=0, description="Bytes of fetched images the front keeps (0: none).")
+    image_memory_ttl_s: float = Field(600.0, gt=0.0, description="How long the front keeps a fetched image, seconds.")
 
     # --- scheduling -------------------------------------------------------------------------
     max_concurrent_generations: int = Field(

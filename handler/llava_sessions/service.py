@@ -61,6 +61,8 @@ class SessionService:
         fetch: ``(ImageSource, Settings) -> bytes`` (injectable so tests can use a local server).
         metrics: where answers and errors are observed (:class:`WorkerMetrics`); a private one if None.
         model_name: the served model's name (OpenAI chat replies carry it).
+        image_relay: the public port's front that fetches a request's images before relaying it
+            (:class:`~llava_sessions.wire.intake.ImageIntake`'s ``relay``), or None.
     """
 
     def __init__(
@@ -72,12 +74,13 @@ class SessionService:
         fetch: Callable[..., bytes] = fetch_image_bytes,
         metrics: WorkerMetrics | None = None,
         model_name: str = "llava",
+        image_relay: str | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics or WorkerMetrics()
         self.jobs = JobTable(settings, engine, Framing(end_header), self.metrics)
-        self.intake = ImageIntake(fetch, settings.image_fetch_workers)  # URL / S3 fetches beside the loop
+        self.intake = ImageIntake(fetch, settings.image_fetch_workers, image_relay)  # URL / S3 fetches beside the loop
         self.intakes: dict[str, Intake] = {}  # request id -> a request waiting for its images
         fetch = self.intake
         self.native = NativeServing(settings, engine, self.jobs, fetch, self.metrics)
@@ -174,7 +177,7 @@ class SessionService:
                 dialect = self.chat
             fetches: dict[str, Future] = {}
             try:
-                with self.intake.admitting(fetches):
+                with self.intake.admitting(fetches, row.image_ticket):
                     return dialect.admit(row, data, now)
             except FetchPending as pending:
                 intake = Intake(row, dialect, data, fetches, pending.future)
@@ -206,7 +209,7 @@ class SessionService:
                 intake.framed = True
                 return intake.dialect.pending_frame(row, intake.data)
             try:
-                with self.intake.admitting(intake.fetches):
+                with self.intake.admitting(intake.fetches, row.image_ticket):
                     admitted = intake.dialect.admit(row, intake.data, now)
             except FetchPending as pending:
                 intake.future = pending.future

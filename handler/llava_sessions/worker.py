@@ -20,7 +20,7 @@ from .model import LlavaRunner
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions.store import SessionStore
-from .wire.contract import SEQUENCE_END_HEADER
+from .wire.contract import IMAGE_RELAY_ENV, SEQUENCE_END_HEADER
 
 __all__ = ["build_engine", "build_local_service", "build_service", "quiet_worker_logs"]
 
@@ -152,6 +152,7 @@ def build_local_service(
         end_header=end_header,
         metrics=WorkerMetrics(metrics, interval_s=settings.metrics_interval_ms / 1000.0),
         model_name=settings.served_model_name or Path(model_dir).resolve().name,
+        image_relay=(env or {}).get(IMAGE_RELAY_ENV) or None,
     )
 
 

@@ -16,6 +16,10 @@ OpenAI paths. So TorchServe listens on a loopback port and this front on the pub
 - ``GET /v1/models`` (and ``/v1/models/<id>``): the served model, in OpenAI's ``Model`` shape
   (both ``/v1`` routes only with ``routes``);
 - a body past TorchServe's own ``max_request_size``: the typed ``413 payload_too_large``;
+- a POST naming URL or S3 images (with ``images``): those are fetched first, then the request is
+  relayed with their ticket, and the worker's ``GET /_llava/images/<ticket>?source=...`` lookups
+  are answered here (:mod:`llava_tools.image_relay`: a slow or failing image host then holds only
+  its own request, and a failed fetch always gets its typed 4xx);
 - anything else: relayed to TorchServe as it came (method, path, headers, body).
 
 If TorchServe still refuses connections while flagged serving, a request waits for it, up to
@@ -27,7 +31,7 @@ The session header, ``Accept`` and SageMaker's custom attributes pass through bo
 Each hop costs what the extra relay costs, so the front moves bytes, not objects: per client
 connection a thread reads the request head (RFC 9112 framing: ``Content-Length`` bodies, a chunked
 reply relayed chunk by chunk) and keeps one kept-alive connection to TorchServe; no header is parsed
-beyond what routing and framing need. ``benchmarks/openai_front.py`` measures the added latency side
+beyond what routing and framing need, and a body is decoded only when it may name an image URL. ``benchmarks/openai_front.py`` measures the added latency side
 by side (docs/design.md).
 """
 
@@ -40,9 +44,16 @@ import socket
 import socketserver
 import time
 from typing import IO, Any
+from urllib.parse import parse_qs
 
-from llava_sessions.wire.contract import CUSTOM_ATTRIBUTES_HEADER, SESSION_ID_HEADER
+from llava_sessions.wire.contract import (
+    CUSTOM_ATTRIBUTES_HEADER,
+    IMAGE_RELAY_PATH,
+    IMAGE_TICKET_HEADER,
+    SESSION_ID_HEADER,
+)
 
+from .image_relay import ImageRelay
 from .processes import BackgroundServing
 from .torchserve_files import MAX_REQUEST_BYTES
 
@@ -73,10 +84,11 @@ _CANONICAL = {
         "Content-Type",
     )
 }
-#: Request headers not forwarded to TorchServe: the hop's own (RFC 9110 section 7.6.1) and the
-#: client's credentials.
+#: Request headers not forwarded to TorchServe: the hop's own (RFC 9110 section 7.6.1), the
+#: client's credentials, and the image ticket only this front writes.
 _NOT_FORWARDED = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgrade", b"expect", b"authorization"}
+    | {IMAGE_TICKET_HEADER.lower().encode()}
 )
 
 
@@ -142,6 +154,19 @@ def _ping(ready: bool, retry_after_s: int) -> bytes:
     return _response(503, "Service Unavailable", b'{"status": "Unhealthy"}', b"Retry-After: %d\r\n" % retry_after_s)
 
 
+def _relayed_image(images: ImageRelay, target: bytes) -> bytes:
+    """The worker's lookup ``GET /_llava/images/<ticket>?source=<url>``: the image this front fetched
+    for that request (``application/octet-stream``), or its fetch's error object."""
+    path, _, query = target.partition(b"?")
+    ticket = path[len(IMAGE_RELAY_PATH) :].decode("latin-1")
+    source = parse_qs(query.decode("latin-1")).get("source", [""])[0]
+    status, body = images.answer(ticket, source)
+    if isinstance(body, bytes):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n"
+        return head % len(body) + body
+    return _response(status, "Image Fetch", json.dumps(body).encode())
+
+
 class _Backend:
     """One kept-alive connection to TorchServe."""
 
@@ -195,6 +220,9 @@ class _Connection(socketserver.StreamRequestHandler):
         if path == b"/ping":
             self.wfile.write(_ping(server.ready, server.retry_after_s()))
             return keep
+        if server.images is not None and method == b"GET" and path.startswith(IMAGE_RELAY_PATH.encode()):
+            self.wfile.write(_relayed_image(server.images, target))
+            return keep
         if server.routes and (path.startswith(OPENAI_PREFIX.encode() + b"/") or path == OPENAI_PREFIX.encode()):
             local = self._openai(method, path)
             if local is not None:
@@ -214,9 +242,19 @@ class _Connection(socketserver.StreamRequestHandler):
             for n, name, v in fields
             if n not in _NOT_FORWARDED and n != b"host"
         ]
+        ticket, images = None, server.images
+        if images is not None and method == b"POST":
+            attributes = _field(fields, CUSTOM_ATTRIBUTES_HEADER.lower().encode())
+            ticket = images.prefetch(body, attributes.decode("latin-1") if attributes else None)
+        if ticket is not None:
+            head.append(b"%s: %s" % (IMAGE_TICKET_HEADER.encode(), ticket.encode()))
         request = b"\r\n".join(head) + b"\r\n\r\n" + body
-        if not self._relay(request, method == b"HEAD"):
-            return False
+        try:
+            if not self._relay(request, method == b"HEAD"):
+                return False
+        finally:
+            if images is not None and ticket is not None:
+                images.release(ticket)
         return keep
 
     def _refuse_large(self, length: int) -> bool:
@@ -351,6 +389,8 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         max_request_bytes: TorchServe's ``max_request_size``: a longer body gets the typed
             ``413 payload_too_large`` here (shorter ones over the handler's own limit get it there).
         routes: serve OpenAI's ``/v1`` routes (False: every path is relayed as it came).
+        images: fetch a request's URL and S3 images before relaying it, and answer the worker's
+            lookups of them (:mod:`llava_tools.image_relay`); None: the worker fetches them.
 
     Until :meth:`set_ready` says the worker serves, ``GET /ping`` answers 503 and every other
     request a typed ``503 model_not_ready`` with ``Retry-After`` (its body read first).
@@ -374,8 +414,10 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         restart_wait_s: float = 30.0,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         routes: bool = True,
+        images: ImageRelay | None = None,
     ) -> None:
         super().__init__(address, _Connection)
+        self.images = images
         self.max_request_bytes = max_request_bytes
         self.routes = routes
         #: Whether the worker behind serves (:meth:`set_ready`).

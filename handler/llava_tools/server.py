@@ -25,11 +25,14 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import yaml
 
+from llava_sessions.wire.contract import IMAGE_RELAY_ENV
+
 from . import torchserve_files as ts_files
+from .image_relay import ImageRelay
 from .openai_front import OPENAI_PREFIX, OpenAIFront
 from .processes import (
     alive,
@@ -41,6 +44,9 @@ from .processes import (
     temp_base,
 )
 from .torchserve_files import ServerStartError, default_handler_path, default_log_config_path, default_model_config_path
+
+if TYPE_CHECKING:
+    from llava_sessions.config import Settings
 
 __all__ = ["DEFAULT_STOP_GRACE_S", "LocalServer", "ServerStartError"]
 
@@ -142,6 +148,7 @@ class LocalServer:
         self.keep_logs = keep_logs
         self.openai_routes = openai_routes
         self._front: OpenAIFront | None = None  # the public port's front
+        self._settings: Settings | None = None  # the handler settings the worker will read
         #: Where the logs were kept when the server stopped (``keep_logs``, or a failed start), or None.
         self.kept_logs: Path | None = None
 
@@ -235,7 +242,8 @@ class LocalServer:
             self._temp_dir = Path(tempfile.mkdtemp(prefix="llava-serve-", dir=temp_base()))
             atexit.register(self.stop)
         try:
-            self._check_settings()
+            # the handler settings the worker will read, validated before anything starts
+            self._settings = ts_files.check_settings(self.config_path, self.overrides, {**os.environ, **self.env})
             self._prepare_and_launch()
             self._wait_ready()
             if self.supervise:
@@ -308,7 +316,10 @@ class LocalServer:
         name = str(self.overrides.get("served_model_name") or "") or self.model_dir.name
         address = (self.host, self._requested_port)
         try:
-            self._front = self._front or OpenAIFront(address, ("127.0.0.1", 0), name, routes=self.openai_routes).start()
+            if self._front is None:
+                images = ImageRelay(self._settings) if self._settings is not None else None
+                front = OpenAIFront(address, ("127.0.0.1", 0), name, routes=self.openai_routes, images=images)
+                self._front = front.start()
         except OSError as exc:
             raise ServerStartError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from None
         self._ports = pick_ports("127.0.0.1", 0)
@@ -324,7 +335,8 @@ class LocalServer:
         self._bind_ports()
 
         model_config = self._write_model_config(temp / "model-config.yaml")
-        self._child_env_cache = env = ts_files.child_env(self.env, tmp)
+        relay = {IMAGE_RELAY_ENV: f"http://{connect_host(self.host)}:{self._port('public')}"}
+        self._child_env_cache = env = ts_files.child_env({**self.env, **relay}, tmp)
         ts_files.archive(self.handler_path, model_config, store, temp, env)
         ts_config = temp / "config.properties"
         ts_config.write_text(self._config_properties(store))
@@ -467,10 +479,6 @@ class LocalServer:
         ``Retry-After`` counts down from the last start's duration)."""
         if self._front is not None:
             self._front.set_ready(ready, self._start_s)
-
-    def _check_settings(self) -> None:
-        """Validate the handler settings before anything starts (:func:`~llava_tools.torchserve_files.check_settings`)."""
-        ts_files.check_settings(self.config_path, self.overrides, {**os.environ, **self.env})
 
     def _config_properties(self, store: Path) -> str:
         return ts_files.config_properties("127.0.0.1", self._ports, store, self.workers)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -27,6 +27,9 @@ from llava_sessions.wire.contract import NEW_SESSION_ID_HEADER, SEQUENCE_END_HEA
 
 from .cli import StartError
 from .processes import OPENER, load_psutil
+
+if TYPE_CHECKING:
+    from llava_sessions.config import Settings
 
 __all__ = [
     "MAX_REQUEST_BYTES",
@@ -363,19 +366,19 @@ def tail_logs(temp_dir: Path, n: int = 50) -> str:
     return "\n".join(parts)
 
 
-def check_settings(config_path: Path, overrides: Mapping[str, Any], env: Mapping[str, str]) -> None:
-    """Validate the handler settings a worker will read (the config's ``handler:`` section, the
-    ``overrides``, ``LLAVA_*`` variables of ``env``) as the worker would, before anything starts.
+def check_settings(config_path: Path, overrides: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
+    """The handler settings a worker will read (the config's ``handler:`` section, the
+    ``overrides``, ``LLAVA_*`` variables of ``env``), validated as the worker would, before anything starts.
 
     Raises:
         ServerStartError: a setting is unknown (with the closest valid key) or out of range.
     """
-    from llava_sessions.config import Settings
+    from llava_sessions.config import Settings  # noqa: F811 - at run time, not at import
 
     config = yaml.safe_load(config_path.read_text()) or {}
     section = {**dict((config.get("handler") if isinstance(config, dict) else None) or {}), **overrides}
     try:
         Settings.check_names(dict(overrides), "in --set")
-        Settings.from_sources(section, env)
+        return Settings.from_sources(section, env)
     except ValueError as exc:
         raise ServerStartError(f"invalid handler settings: {exc}") from None

@@ -19,6 +19,9 @@ __all__ = [
     "CLOSED_SESSION_ID_HEADER",
     "CUSTOM_ATTRIBUTES_HEADER",
     "EXPIRES_FORMAT",
+    "IMAGE_RELAY_ENV",
+    "IMAGE_RELAY_PATH",
+    "IMAGE_TICKET_HEADER",
     "MAX_SESSION_HEADER_CHARS",
     "NEW_SESSION_ID_HEADER",
     "NEW_SESSION_LITERAL",
@@ -47,6 +50,15 @@ CLOSED_SESSION_ID_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
 SEQUENCE_END_HEADER = "X-Llava-Sequence-End"
 #: SageMaker's pass-through request header (boto3 ``CustomAttributes``); may carry ``cache_salt=<salt>``.
 CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
+#: Our own request header from the public port's front to the worker: the id of the image fetches
+#: the front made for this request before relaying it (``llava_tools.image_relay``). The front drops
+#: it from what clients send; the worker asks the front for those images by it.
+IMAGE_TICKET_HEADER = "X-Llava-Image-Ticket"
+#: The worker's environment variable naming the front's base URL (``http://127.0.0.1:<port>``) that
+#: answers ``GET <IMAGE_RELAY_PATH><ticket>?source=<url>`` with the fetched image or the fetch's error.
+IMAGE_RELAY_ENV = "LLAVA_IMAGE_RELAY"
+#: The front's path prefix of those image lookups.
+IMAGE_RELAY_PATH = "/_llava/images/"
 #: The ``SessionId`` a client passes to ``invoke_endpoint`` to open a session.
 NEW_SESSION_LITERAL = "NEW_SESSION"
 #: botocore's ``SessionIdHeader`` pattern, as botocore writes it (and quotes it in its errors).

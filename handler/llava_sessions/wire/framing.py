@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .contract import CLOSED_SESSION_ID_HEADER, CUSTOM_ATTRIBUTES_HEADER, SEQUENCE_END_HEADER
+from .contract import CLOSED_SESSION_ID_HEADER, CUSTOM_ATTRIBUTES_HEADER, IMAGE_TICKET_HEADER, SEQUENCE_END_HEADER
 
 __all__ = ["EVENT_STREAM", "JSON", "JSON_LINES", "Framing", "Row", "RowResult", "read_rows", "write_results"]
 
@@ -47,6 +47,8 @@ class Row:
             JSON lines rather than server-sent events), or None.
         custom_attributes: SageMaker's ``X-Amzn-SageMaker-Custom-Attributes`` header (it may carry
             ``cache_salt=<salt>``), or None.
+        image_ticket: the front's ticket for the images it fetched for this request
+            (:data:`~llava_sessions.wire.contract.IMAGE_TICKET_HEADER`), or None.
     """
 
     request_id: str
@@ -55,6 +57,7 @@ class Row:
     body: Any
     accept: str | None = None
     custom_attributes: str | None = None
+    image_ticket: str | None = None
 
 
 @dataclass
@@ -115,7 +118,8 @@ class Framing:
 
 def read_rows(data: Sequence[Any], context: Any) -> list[Row]:
     """TorchServe's batch as rows: each row's request id, sequence id, whether TorchServe minted it
-    (its start header), body and ``Accept`` header (``context``: TorchServe's ``Context``)."""
+    (its start header), body, ``Accept``, custom attributes and the front's image ticket
+    (``context``: TorchServe's ``Context``)."""
     start = context.header_key_sequence_start
     return [
         Row(
@@ -126,6 +130,7 @@ def read_rows(data: Sequence[Any], context: Any) -> list[Row]:
             accept=context.get_request_header(i, "Accept") or context.get_request_header(i, "accept"),
             custom_attributes=context.get_request_header(i, CUSTOM_ATTRIBUTES_HEADER)
             or context.get_request_header(i, CUSTOM_ATTRIBUTES_HEADER.lower()),
+            image_ticket=context.get_request_header(i, IMAGE_TICKET_HEADER),
         )
         for i, row in enumerate(data)
     ]

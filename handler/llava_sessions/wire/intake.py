@@ -13,24 +13,37 @@ its typed 4xx), and at most ``image_fetch_wait_ms`` while answers are being gene
 the request's first frame goes out (status 200, the dialect's headers) and a failure arrives later
 as the reply's body, in the dialect's shape, as any error after the first frame does.
 
+Behind the public port's front (``llava-serve``, the container, the local endpoint's instances) a
+request reaches the worker only once the front fetched its URL and S3 images
+(``llava_tools.image_relay``): its row carries the front's ticket, and the pool asks the front for
+those bytes, or the fetch's error, over loopback (a millisecond, well inside the wait above), so a
+failed fetch always gets its typed 4xx. A source the front did not fetch is fetched here as above.
+
 No torch here; nothing here knows a dialect's shapes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import requests
+
+from ..errors import ErrorCode, ServiceError
 from ..images.source import ImageSource
+from .contract import IMAGE_RELAY_PATH
 from .framing import Row
 
 if TYPE_CHECKING:
     from ..config import Settings
 
 __all__ = ["FetchPending", "ImageIntake", "Intake"]
+
+log = logging.getLogger(__name__)
 
 
 class FetchPending(Exception):
@@ -71,24 +84,30 @@ class ImageIntake:
     request being admitted is looked up in that request's fetches: done, its bytes (or its error,
     raised); not there yet, submitted to the pool; not done, :class:`FetchPending` is raised.
 
+    A request that came with the front's ticket gets its sources from the front (``relay``).
+
     Args:
         fetch: the fetch itself, ``(ImageSource, Settings) -> bytes`` (e.g. ``fetch_image_bytes``).
         workers: threads in the pool (``image_fetch_workers``).
+        relay: the front's base URL (:data:`~llava_sessions.wire.contract.IMAGE_RELAY_ENV`), or None.
     """
 
-    def __init__(self, fetch: Callable[..., bytes], workers: int) -> None:
+    def __init__(self, fetch: Callable[..., bytes], workers: int, relay: str | None = None) -> None:
         self._fetch = fetch
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llava-fetch")
         self._current: dict[str, Future] | None = None
+        self._ticket: str | None = None
+        self._relay = relay.rstrip("/") if relay else None
 
     @contextmanager
-    def admitting(self, fetches: dict[str, Future]) -> Iterator[None]:
-        """Within this block, URL and S3 sources are served from (or added to) ``fetches``."""
-        self._current = fetches
+    def admitting(self, fetches: dict[str, Future], ticket: str | None = None) -> Iterator[None]:
+        """Within this block, URL and S3 sources are served from (or added to) ``fetches``; new ones
+        come from the front under ``ticket`` (the request's image ticket) when there is one."""
+        self._current, self._ticket = fetches, ticket if self._relay else None
         try:
             yield
         finally:
-            self._current = None
+            self._current = self._ticket = None
 
     def __call__(self, source: ImageSource, settings: Settings) -> bytes:
         """The encoded image ``source`` names (see the class docstring).
@@ -102,8 +121,30 @@ class ImageIntake:
         if fetches is None or not name:
             return self._fetch(source, settings)
         future = fetches.get(name)
-        if future is None:
+        if future is None and self._ticket:
+            future = fetches[name] = self._pool.submit(self._relayed, self._ticket, name, source, settings)
+        elif future is None:
             future = fetches[name] = self._pool.submit(self._fetch, source, settings)
         if not future.done():
             raise FetchPending(future)
         return future.result()
+
+    def _relayed(self, ticket: str, name: str, source: ImageSource, settings: Settings) -> bytes:
+        """What the front fetched for ``name`` under ``ticket``: its bytes, or its error raised here;
+        fetched here instead when the front does not know it (its error code is none of ours) or
+        cannot be asked.
+
+        Raises:
+            ServiceError: the front's fetch failed (its code, message and param), or this one did.
+        """
+        url = f"{self._relay}{IMAGE_RELAY_PATH}{ticket}"
+        try:
+            reply = requests.get(url, params={"source": name}, timeout=(2.0, settings.fetch_total_timeout_s + 5.0))
+            if reply.status_code == 200:
+                return reply.content
+            error = reply.json()["error"]
+            code = ErrorCode(error["code"])  # ValueError: not a fetch's error (an unknown ticket or source)
+        except (requests.RequestException, ValueError, KeyError, TypeError):
+            log.debug("the front's image relay has no answer for this source; fetching here", exc_info=True)
+            return self._fetch(source, settings)
+        raise ServiceError(code, str(error.get("message", "")), param=error.get("param"))
