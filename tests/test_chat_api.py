@@ -195,10 +195,10 @@ def test_both_dialects_in_one_session(runtime, runner, photos):
             "tools",
         ),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
             400,
             "invalid_parameter",
-            "response_format",
+            "response_format.type",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},

@@ -150,7 +150,7 @@ def test_fields_nobody_defines_are_ignored_and_named_once_in_a_warning(caplog):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("echo", True), ("use_beam_search", True), ("guided_json", {}), ("structured_outputs", {"json": {}})],
+    [("echo", True), ("use_beam_search", True), ("guided_json", {}), ("guided_choice", ["a"])],
 )
 def test_vllm_fields_we_do_not_honour_are_refused_by_name_unless_they_ask_what_we_do(field, value):
     with pytest.raises(ServiceError) as err:
@@ -158,8 +158,9 @@ def test_vllm_fields_we_do_not_honour_are_refused_by_name_unless_they_ask_what_w
     assert err.value.code is ErrorCode.INVALID_PARAMETER and err.value.param == field
     assert "vLLM's" in err.value.message
     with pytest.raises(ServiceError) as err:
-        command(response_format={"type": "json_object"})  # OpenAI's, still refused
-    assert err.value.param == "response_format"
+        command(prediction={"type": "content", "content": "x"})  # OpenAI's, refused too
+    assert err.value.param == "prediction"
+    assert command(response_format={"type": "json_object"}).params.grammar  # honoured (test_structured_outputs)
     same = command(echo=False, best_of=1, skip_special_tokens=True, spaces_between_special_tokens=True)
     assert same.params.max_new_tokens == SETTINGS.default_max_new_tokens
 

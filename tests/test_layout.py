@@ -142,6 +142,7 @@ LAYERS: list[set[str]] = [
     {"sessions", "sampling", "wire", "native", "chat", "engine.scheduler", "model.kv_cache", "model.loading"},
     {
         "sampling.params",
+        "sampling.grammar",
         "images.decode",
         "model.templating",
         "wire.framing",

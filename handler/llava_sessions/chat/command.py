@@ -92,7 +92,8 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
     accepted and the reply names the served model (``model``), as vLLM's and TGI's servers do.
 
     Raises:
-        ServiceError: invalid_request (message order), invalid_parameter (image URLs).
+        ServiceError: invalid_request (message order), invalid_parameter (image URLs, a structured
+            output's schema or pattern).
     """
     conversation = request.conversation()
     images: list[ChatImage] = []
@@ -125,6 +126,7 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
         skip_special_tokens=request.skip_special_tokens,
         presence_penalty=request.presence_penalty,
         top_logprobs=request.top_logprobs or 0,
+        grammar=request.grammar(),
     )
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return ChatCommand(

@@ -4,9 +4,8 @@ Three kinds, as vLLM's OpenAI server treats them (its request models ignore fiel
 define and log them; issue 32 item 4):
 
 - **Defined and honoured**: the fields :mod:`.protocol`'s models declare.
-- **Defined elsewhere, not honoured here**: OpenAI's (``tools``, ``response_format``, ``audio``, ...)
-  and vLLM's sampling and structured-output extensions this server does not implement
-  (``structured_outputs``, ``guided_json``, ``echo``, ...): a 400 ``invalid_parameter`` that
+- **Defined elsewhere, not honoured here**: OpenAI's (``tools``, ``audio``, ...) and vLLM's
+  extensions this server does not implement (``guided_json``, ``echo``, ...): a 400 ``invalid_parameter`` that
   names the field (:func:`check_unsupported`), so a user never silently gets something other than
   what was asked; a vLLM field set to what this server does anyway (``echo: false``,
   ``spaces_between_special_tokens: true``, ...) is accepted. ``session_id`` is refused too: the session travels in a header.
@@ -40,7 +39,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "functions": "function calling is not supported by this model server",
     "function_call": "function calling is not supported by this model server",
     "parallel_tool_calls": "tool calling is not supported by this model server",
-    "response_format": "structured output (response_format) is not supported; ask for the format in the prompt",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported; leave modalities out",
     "prediction": "predicted outputs are not supported",
@@ -50,6 +48,10 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "metadata": "stored completions (metadata) are not supported",
     "service_tier": "service tiers are not supported",
     "verbosity": "verbosity is not supported by this model",
+    **{
+        name: f"vLLM's older {name} is not supported; use structured_outputs (or response_format)"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
+    },
     "session_id": "unknown field; the session travels in the X-Amzn-SageMaker-Session-Id header (boto3: SessionId=)",
     **{
         name: _VLLM.format(name)
@@ -69,12 +71,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
             "chat_template",
             "chat_template_kwargs",
             "mm_processor_kwargs",
-            "structured_outputs",
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "guided_decoding_backend",
             "logits_processors",
             "return_tokens_as_token_ids",
             "priority",

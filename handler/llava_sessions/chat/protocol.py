@@ -7,8 +7,10 @@
   list of ``text`` and ``image_url`` parts (``https://``, ``s3://`` or ``data:image/...;base64,``;
   vLLM's per-part ``uuid`` names an image, and ``"image_url": null`` with a ``uuid`` refers to one an
   earlier request sent); vLLM's top-level ``cache_salt`` scopes what the request shares.
-  A field OpenAI or vLLM defines that we cannot honour (``n`` > 1, ``tools``, ``response_format``,
-  ``structured_outputs``, audio parts, ...) is refused with a 400 that names it, never ignored; a field nobody
+  Structured outputs: OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+  ``structured_outputs`` (``json``, ``regex``, ``choice``, ``json_object``) become the answer's
+  grammar (:meth:`ChatCompletionRequest.grammar`). A field OpenAI or vLLM defines that we cannot
+  honour (``n`` > 1, ``tools``, audio parts, ...) is refused with a 400 that names it, never ignored; a field nobody
   defines (LiteLLM's ``sagemaker_base_url``, Strands' ``image_url.format``) is ignored with a warning,
   as vLLM does (:mod:`.fields`).
 - **AWS's session bodies**: ``{"requestType": "NEW_SESSION"}`` and ``{"requestType": "CLOSE"}``
@@ -23,6 +25,7 @@ question); :mod:`.command` makes the command the serving runs from it. No torch 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -30,6 +33,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from pydantic_core import PydanticCustomError
 
 from ..errors import ErrorCode, ServiceError
+from ..sampling.grammar import choice_grammar, json_grammar, regex_grammar
 from ..wire.contract import NEW_SESSION_LITERAL
 from ..wire.inbound import CacheSalt, ImageUuid, Inbound, check_text, validation_error
 from .fields import ChatInbound, check_unsupported
@@ -39,7 +43,10 @@ __all__ = [
     "ChatConversation",
     "ChatMessage",
     "ImagePart",
+    "JsonSchemaFormat",
+    "ResponseFormat",
     "SessionControlRequest",
+    "StructuredOutputs",
     "TextPart",
     "parse_chat_body",
     "parse_session_body",
@@ -163,6 +170,59 @@ class StreamOptions(ChatInbound):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(ChatInbound):
+    """``response_format.json_schema``: OpenAI's ``name``, ``description``, ``schema`` and ``strict``
+    (the answer always follows ``schema``: ``strict`` changes nothing here)."""
+
+    _where: ClassVar[str] = "response_format.json_schema."
+
+    name: Annotated[str, Field(max_length=64)] | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(ChatInbound):
+    """OpenAI's ``response_format``: ``text`` (free), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON matching ``json_schema.schema``)."""
+
+    _where: ClassVar[str] = "response_format."
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("json_schema_required", "type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputs(ChatInbound):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema, or its text),
+    ``regex``, ``choice`` or ``json_object``; its ``grammar`` and ``structural_tag`` are refused
+    by name."""
+
+    _where: ClassVar[str] = "structured_outputs."
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=1024)]], Field(max_length=256)] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+    structural_tag: Any = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputs:
+        for name in ("grammar", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise PydanticCustomError("unsupported", f"{name} is not supported; use json, regex or choice")
+        given = [self.json_schema is not None, self.regex is not None, self.choice is not None, bool(self.json_object)]
+        if sum(given) != 1:
+            raise PydanticCustomError("one_kind", "give exactly one of json, regex, choice, json_object")
+        return self
+
+
 class ChatCompletionRequest(ChatInbound):
     """OpenAI's chat-completions request, as far as a LLaVA model can honour it (module docstring).
 
@@ -204,6 +264,8 @@ class ChatCompletionRequest(ChatInbound):
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     cache_salt: CacheSalt | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -226,6 +288,35 @@ class ChatCompletionRequest(ChatInbound):
                 )
             pairs.append((int(key), bias))
         return tuple(pairs)
+
+    def grammar(self) -> str | None:
+        """The structured output asked (``response_format`` or ``structured_outputs``) as a grammar
+        (:mod:`~llava_sessions.sampling.grammar`), or None for free text.
+
+        Raises:
+            ServiceError: invalid_parameter: both fields ask for one, or the schema or pattern is not
+                one the grammar library accepts (its reason, naming the field).
+        """
+        fmt, so = self.response_format, self.structured_outputs
+        if so is not None and fmt is not None and fmt.type != "text":
+            message = "give response_format or structured_outputs, not both"
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, message, param="structured_outputs")
+        if so is not None:
+            if so.regex is not None:
+                return regex_grammar(so.regex, "structured_outputs.regex")
+            if so.choice is not None:
+                return choice_grammar(so.choice, "structured_outputs.choice")
+            schema = so.json_schema
+            if isinstance(schema, str):
+                schema = _schema_text(schema, "structured_outputs.json")
+            return json_grammar(schema, "structured_outputs.json")
+        if fmt is None or fmt.type == "text":
+            return None
+        schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
+        if fmt.type == "json_schema" and schema is None:
+            message = "response_format.json_schema.schema: required for type json_schema"
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, message, param="response_format")
+        return json_grammar(schema, "response_format.json_schema.schema" if schema else "response_format")
 
     @property
     def answer_limit(self) -> int | None:
@@ -336,6 +427,21 @@ _HINTS = {
 
 def _bad(param: str, message: str) -> ServiceError:
     return ServiceError(ErrorCode.INVALID_REQUEST, f"{param}: {message}", param=param)
+
+
+def _schema_text(text: str, param: str) -> dict[str, Any]:
+    """A JSON schema given as its text (vLLM's ``structured_outputs.json`` may be a string).
+
+    Raises:
+        ServiceError: invalid_parameter naming ``param``: not a JSON object.
+    """
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        schema = None
+    if not isinstance(schema, dict):
+        raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{param}: must be a JSON schema object", param=param)
+    return schema
 
 
 def parse_chat_body(data: dict, *, max_new_tokens_cap: int, max_prompt_chars: int) -> ChatCompletionRequest:

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..results import ContextPolicy, elapsed_ms
+from ..sampling.grammar import GrammarMatcher
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
 from ..sessions.conversation import Chat, ChatTarget, Turn, common_prefix_len
@@ -210,6 +211,7 @@ class Admission:
         """Admit a question (``SessionEngine.start``, which documents the policy and the errors)."""
         session = self.idle_session(session_id)
         self._check_prompt(prompt, params)
+        grammar = _grammar(self.runner, params)
         chat = session.chat()
         ids, dropped, max_new = self._fit(chat, prompt, params.max_new_tokens, context_policy, clip_max_new_tokens)
         if max_new != params.max_new_tokens:
@@ -222,7 +224,7 @@ class Admission:
             ids,
             params,
             remember,
-            Sampler(params, runner.device, ids, runner.eos_token_ids),
+            Sampler(params, runner.device, ids, runner.eos_token_ids, grammar),
             IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
             truncated_turns=dropped,
         )
@@ -291,6 +293,7 @@ class Admission:
         texts = [target.question, *(text for t in target.turns for text in (t.prompt, t.answer))]
         self._check_no_placeholder([*texts, target.system_prompt or ""], "messages")
         self._check_prompt(target.question, params, allow_blank=True)
+        grammar = _grammar(self.runner, params)
         sizes = [img.size for img in target.images]
         tokens = self._layout_sizes(sizes)
         chat = Chat(target.system_prompt, target.turns, target.pending_images, tuple(tokens))
@@ -318,7 +321,7 @@ class Admission:
             ids,
             params,
             True,
-            Sampler(params, runner.device, ids, runner.eos_token_ids),
+            Sampler(params, runner.device, ids, runner.eos_token_ids, grammar),
             IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
         )
         gen.set_images_to_encode(to_encode, rows)
@@ -368,3 +371,12 @@ class Admission:
         token = self.runner.image_token
         if any(token in text for text in texts):
             raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{where} must not contain the image placeholder {token!r}")
+
+
+def _grammar(runner: Any, params: SamplingParams) -> GrammarMatcher | None:
+    """The structured output's matcher of an answer (before anything is held for it), or None.
+
+    Raises:
+        ServiceError: invalid_parameter: the grammar cannot start on this model's tokenizer.
+    """
+    return runner.grammars.matcher(params.grammar) if params.grammar is not None else None

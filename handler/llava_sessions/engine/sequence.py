@@ -171,8 +171,9 @@ class Generation:
         top: tuple[tuple[int, float], ...] = (),
     ) -> FinishReason | None:
         """Record a sampled token (``top``: the most likely ``(id, logprob)`` pairs at its position);
-        return why the answer ends with it (EOS unless ``ignore_eos``, one of ``stop_token_ids`` or a
-        stop sequence: ``stop``; ``max_new_tokens`` reached: ``length``), or None."""
+        return why the answer ends with it (EOS unless ``ignore_eos``, one of ``stop_token_ids``, a
+        stop sequence, or a structured output's grammar complete: ``stop``; ``max_new_tokens``
+        reached: ``length``), or None."""
         now = time.perf_counter()
         if not self._events:
             self._t_first = now
@@ -185,7 +186,14 @@ class Generation:
         text = "" if ends_on_eos else detok.push(token)  # an EOS that ends the answer writes no text
         finish: FinishReason | None = None
         window = detok.text[max(0, before - self._max_stop) :]
-        if ends_on_eos or token in params.stop_token_ids or (self._max_stop and any(s in window for s in params.stop)):
+        grammar = self.sampler.grammar
+        if (
+            ends_on_eos
+            or token in params.stop_token_ids
+            or (self._max_stop and any(s in window for s in params.stop))
+            or grammar is not None
+            and grammar.done
+        ):
             finish = "stop"
         elif len(self._events) + 1 >= self.params.max_new_tokens:
             finish = "length"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ErrorCode, ServiceError
+from ..sampling.grammar import Grammars
 from .kv_cache import BatchKVCache, cache_len
 from .loading import load_model
 from .templating import ChatTemplate
@@ -47,6 +48,7 @@ class LlavaRunner:
         feature_bytes_per_token: device bytes of one image-feature row (hidden × dtype size).
         template: the chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
         eos_token_ids: token ids that end an answer.
+        grammars: structured outputs' matchers over the tokenizer (:class:`~llava_sessions.sampling.grammar.Grammars`).
     """
 
     def __init__(self, model: Any, processor: Any) -> None:
@@ -85,6 +87,8 @@ class LlavaRunner:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
+        #: Structured outputs' matchers over this tokenizer (built on first use).
+        self.grammars = Grammars(self.tokenizer, sorted(self.eos_token_ids))
 
     # ------------------------------------------------------------------ loading
     @classmethod

@@ -94,6 +94,8 @@ class SamplingParams:
             model's vocabulary (here or in ``stop_token_ids``) has no effect.
         skip_special_tokens: the answer's text leaves special tokens out (True, vLLM's default);
             False writes them (vLLM's ``skip_special_tokens``).
+        grammar: structured output: the answer must match this llguidance grammar (its JSON text,
+            :mod:`.grammar`; a JSON schema, any JSON object, a regex or a choice); None: free text.
     """
 
     max_new_tokens: int = 256
@@ -114,6 +116,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         """Check the ranges of :data:`SAMPLING_BOUNDS` (the wire's rules).

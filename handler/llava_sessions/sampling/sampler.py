@@ -7,18 +7,21 @@ seeded sampling follow the library's semantics exactly.
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .params import SamplingParams
 
+if TYPE_CHECKING:
+    from .grammar import GrammarMatcher
+
 __all__ = ["IncrementalDetokenizer", "Sampler", "SamplingParams"]
 
 
 class Sampler:
-    """Pick next tokens for one answer: logit bias, ``min_tokens``' mask, OpenAI's penalties, repetition
-    penalty, then greedy or temperature/top-k/top-p/min-p sampling.
+    """Pick next tokens for one answer: a structured output's grammar mask, logit bias, ``min_tokens``'
+    mask, OpenAI's penalties, repetition penalty, then greedy or temperature/top-k/top-p/min-p sampling.
 
     Args:
         params: the answer's parameters.
@@ -26,6 +29,8 @@ class Sampler:
         prompt_ids: the prompt's token ids (the repetition penalty covers them, as in ``generate``).
         eos_token_ids: the model's end-of-sequence ids (masked with ``stop_token_ids`` while fewer than
             ``params.min_tokens`` tokens are generated).
+        grammar: structured output (``params.grammar``'s matcher): only the tokens it allows are
+            candidates, before anything else; None: free.
     """
 
     def __init__(
@@ -34,6 +39,7 @@ class Sampler:
         device: torch.device,
         prompt_ids: list[int],
         eos_token_ids: frozenset[int] = frozenset(),
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         from transformers.generation.logits_process import (
             LogitsProcessorList,
@@ -72,20 +78,28 @@ class Sampler:
         self._bias = params.logit_bias
         self._ends = sorted(set(eos_token_ids) | set(params.stop_token_ids)) if params.min_tokens else []
         self._generated = 0
+        self.grammar = grammar
 
     def _shape(self, scores: torch.Tensor) -> torch.Tensor:
-        """Logit bias and ``min_tokens``' mask on ``scores [1, vocab]`` (a new tensor when changed;
-        token ids outside the vocabulary change nothing)."""
+        """The grammar's mask, logit bias and ``min_tokens``' mask on ``scores [1, vocab]`` (a new
+        tensor when changed; token ids outside the vocabulary change nothing). ``min_tokens`` yields
+        to the grammar: where the grammar allows only an end, the answer ends."""
         masking = bool(self._ends) and self._generated < self.params.min_tokens
-        if not self._bias and not masking:
+        if not self._bias and not masking and self.grammar is None:
             return scores
         scores = scores.clone()
         vocab = scores.shape[-1]
+        if self.grammar is not None:
+            allowed = self.grammar.allowed(scores.device)
+            scores[0, : allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
+            scores[0, allowed.shape[0] :] = float("-inf")
         for token, bias in self._bias:
             if token < vocab:
                 scores[0, token] += bias
         if masking:
-            scores[0, [t for t in self._ends if t < vocab]] = float("-inf")
+            ends = [t for t in self._ends if t < vocab]
+            if self.grammar is None or bool(torch.isfinite(scores[0]).sum() > torch.isfinite(scores[0, ends]).sum()):
+                scores[0, ends] = float("-inf")
         return scores
 
     def _penalize(self, scores: torch.Tensor) -> torch.Tensor:
@@ -127,6 +141,8 @@ class Sampler:
                 self._counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
             self._counts[token] += 1
         self._generated += 1
+        if self.grammar is not None:
+            self.grammar.consume(token)
         return token, logprob, top
 
 
