@@ -44,6 +44,7 @@ RUN pip install --no-cache-dir --constraint /opt/llava/config/constraints.txt \
         pyyaml \
         requests \
         boto3 \
+        llguidance \
         psutil \
         packaging \
     && java -version
