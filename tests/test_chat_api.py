@@ -209,10 +209,10 @@ def test_both_dialects_in_one_session(runtime, runner, photos):
         ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "invalid_request", "messages[0].role"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "invalid_parameter", "temperature"),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},  # only the context bounds it
             400,
-            "invalid_parameter",
-            "max_tokens",
+            "context_length_exceeded",
+            None,
         ),
         (
             {
@@ -267,12 +267,17 @@ def test_the_client_speaks_the_chat_dialect_over_http_and_sagemaker(endpoint, ru
             assert isinstance(one_shot, ChatReply)
             assert one_shot.text == text_of(runner, reference(runner, None, [], "What is this?", [coffee]))
             ChatCompletion.model_validate(one_shot.raw)
-            assert "".join(client.stream_chat(messages, max_tokens=N, temperature=0)) == one_shot.text
+            with client.stream_chat(messages, max_tokens=N, temperature=0) as stream:
+                events = list(stream)
+            assert "".join(e.text for e in events) == stream.text == one_shot.text
+            assert (events[-1].finish_reason, events[-1].usage) == (one_shot.finish_reason, stream.usage)
+            assert stream.usage.completion_tokens == one_shot.completion_tokens
+            assert all(e.finish_reason is None for e in events[:-1])
             with client.chat_session() as chat:
                 first = chat.complete(messages, max_tokens=N, temperature=0)
                 assert first.text == one_shot.text
                 messages += [first.message, {"role": "user", "content": "Tell me more."}]
-                streamed = "".join(chat.stream(messages, max_tokens=N, temperature=0))
+                streamed = chat.stream(messages, max_tokens=N, temperature=0).until_done()
                 again = chat.complete(messages, max_tokens=N, temperature=0)
                 assert streamed == again.text and again.cached_tokens >= first.prompt_tokens
             assert chat.closed

@@ -16,14 +16,13 @@ from llava_sessions.chat.responses import ChatStream, encode_completion
 from llava_sessions.config import Settings
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.results import Answer, TokenEvent
+from llava_sessions.sampling.params import UNTIL_CONTEXT_END
 
 SETTINGS = Settings()
 
 
 def command(**body):
-    request = parse_chat_body(
-        {"messages": [{"role": "user", "content": "hi"}], **body}, max_new_tokens_cap=1024, max_prompt_chars=10_000
-    )
+    request = parse_chat_body({"messages": [{"role": "user", "content": "hi"}], **body}, max_prompt_chars=10_000)
     return chat_command(request, SETTINGS, "llava-test")
 
 
@@ -42,7 +41,7 @@ def answer(events: list[TokenEvent], finish="stop") -> Answer:
 def test_defaults_follow_openai():
     cmd = command()
     assert cmd.params.temperature == 1.0 and cmd.params.sampling  # OpenAI's default temperature samples
-    assert cmd.clip_max_new_tokens and cmd.params.max_new_tokens == SETTINGS.default_max_new_tokens
+    assert cmd.clip_max_new_tokens and cmd.params.max_new_tokens == UNTIL_CONTEXT_END  # until the context ends
     assert not command(temperature=0).params.sampling
     cmd = command(max_completion_tokens=7, max_tokens=99, stop="END", seed=3, logprobs=True, top_logprobs=2)
     assert cmd.params.max_new_tokens == 7 and cmd.params.stop == ("END",) and cmd.params.seed == 3
@@ -53,7 +52,6 @@ def test_defaults_follow_openai():
 def test_message_order_and_image_urls_are_checked_by_name():
     request = parse_chat_body(
         {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]},
-        max_new_tokens_cap=1024,
         max_prompt_chars=100,
     )
     with pytest.raises(ServiceError) as err:
@@ -61,7 +59,6 @@ def test_message_order_and_image_urls_are_checked_by_name():
     assert err.value.param == "messages[1].role" and err.value.code is ErrorCode.INVALID_REQUEST
     request = parse_chat_body(
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "s3://b"}}]}]},
-        max_new_tokens_cap=1024,
         max_prompt_chars=100,
     )
     with pytest.raises(ServiceError) as err:
@@ -138,7 +135,7 @@ def test_fields_nobody_defines_are_ignored_and_named_once_in_a_warning(caplog):
     }
     with caplog.at_level("WARNING", logger="llava_sessions.chat.fields"):
         for _ in range(3):
-            request = parse_chat_body(body, max_new_tokens_cap=1024, max_prompt_chars=100)
+            request = parse_chat_body(body, max_prompt_chars=100)
     cmd = chat_command(request, SETTINGS, "m")
     assert cmd.conversation.question == "hi" and cmd.conversation.question_images == 1
     assert {"sagemaker_base_url", "messages[].content[].image_url.format"} <= ignored_names()
@@ -162,11 +159,11 @@ def test_vllm_fields_we_do_not_honour_are_refused_by_name_unless_they_ask_what_w
     assert err.value.param == "prediction"
     assert command(response_format={"type": "json_object"}).params.grammar  # honoured (test_structured_outputs)
     same = command(echo=False, best_of=1, skip_special_tokens=True, spaces_between_special_tokens=True)
-    assert same.params.max_new_tokens == SETTINGS.default_max_new_tokens
+    assert same.params.max_new_tokens == UNTIL_CONTEXT_END and same.clip_max_new_tokens  # no limit: the context's
 
 
 def conversation_of(messages: list[dict]):
-    request = parse_chat_body({"messages": messages}, max_new_tokens_cap=1024, max_prompt_chars=1000)
+    request = parse_chat_body({"messages": messages}, max_prompt_chars=1000)
     return chat_command(request, SETTINGS, "m")
 
 

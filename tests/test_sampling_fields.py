@@ -109,3 +109,59 @@ def test_skip_special_tokens_false_writes_them_but_an_ending_eos_writes_nothing(
     # as vLLM: the EOS that ends an answer is not exposed, whatever skip_special_tokens says
     ended = ask(svc, logit_bias={str(eos): 100}, skip_special_tokens=False)
     assert ended.choices[0].message.content == "" and ended.choices[0].finish_reason == "stop"
+
+
+def test_spaces_between_special_tokens_either_way_writes_what_vllm_s_fast_detokenizer_writes(svc, runner):
+    """vLLM decodes a fast tokenizer's tokens (llava-hf's are fast ones) with the tokenizers library's
+    own decoder, which takes no such option: either value, the same text, the tokenizer's decode."""
+    eos = next(iter(runner.eos_token_ids))
+    forced = {str(eos): 100}
+    texts = {
+        spaces: ask(
+            svc,
+            max_tokens=3,
+            logit_bias=forced,
+            ignore_eos=True,
+            skip_special_tokens=False,
+            spaces_between_special_tokens=spaces,
+        )
+        .choices[0]
+        .message.content
+        for spaces in (True, False)
+    }
+    assert texts[True] == texts[False] == runner.tokenizer.decode([eos] * 3, skip_special_tokens=False)
+
+
+# ---- max_tokens: up to the context, none = until the context ends (issue 32 item 2) ---------------
+
+
+@pytest.fixture(scope="module")
+def capped(tiny_model_dir) -> SessionService:
+    """A worker whose native cap is 32 new tokens (the chat dialect's answers are bounded by the context)."""
+    settings = {"model_dir": str(tiny_model_dir), "device": "cpu", "device_budget_bytes": 10**9}
+    return build_service({**settings, "max_new_tokens_cap": 32, "default_max_new_tokens": 16})
+
+
+def test_max_tokens_goes_past_the_native_cap_up_to_what_the_context_leaves(capped, runner):
+    long = ask(capped, max_tokens=48, ignore_eos=True)
+    assert long.usage.completion_tokens == 48 and long.choices[0].finish_reason == "length"
+    context = runner.max_positions
+    body = {"messages": [{"role": "user", "content": "Tell me a story about a cat."}], "max_tokens": context}
+    out = capped.handle([Row("too-long", "ts-seq-too-long", True, body)])[0]
+    error = json.loads(out.body)["error"]
+    assert (out.status, error["code"]) == (400, "context_length_exceeded") and str(context) in error["message"]
+    native = {"type": "generate", "prompt": "hi", "parameters": {"max_new_tokens": 48}}
+    refused = capped.handle([Row("native", "ts-seq-native", True, native)])[0]
+    assert refused.status == 400 and "max_new_tokens" in json.loads(refused.body)["error"]["message"]
+
+
+def test_no_max_tokens_runs_until_the_context_ends(capped, runner):
+    """As vLLM and OpenAI: no limit but the context (the server's default is a native request's)."""
+    body = {"messages": [{"role": "user", "content": "Tell me a story about a cat."}], "temperature": 0}
+    rid = "no-limit"
+    out = capped.handle([Row(rid, f"ts-seq-{rid}", True, {**body, "ignore_eos": True})])[0]
+    while out.stop is False:
+        out = capped.handle([Row(rid, f"ts-seq-{rid}", True, None)])[0]
+    reply = ChatCompletion.model_validate_json(out.body)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == runner.max_positions

@@ -125,9 +125,9 @@ class Settings(BaseModel):
     )
 
     # --- request limits ---------------------------------------------------------------------
-    max_new_tokens_cap: int = Field(1024, ge=1, description="Largest max_new_tokens a request may ask for.")
+    max_new_tokens_cap: int = Field(1024, ge=1, description="Largest max_new_tokens (native; chat: the context's).")
     default_max_new_tokens: int = Field(
-        256, ge=1, description="max_new_tokens when a request gives none; <= max_new_tokens_cap."
+        256, ge=1, description="Native max_new_tokens when none is given; a chat answer's memory at its start."
     )
     context_policy: Literal["truncate", "error"] = Field(
         "truncate",

@@ -189,6 +189,7 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
         EngineLimits(
             max_new_tokens_cap=settings.max_new_tokens_cap,
             max_prompt_tokens=settings.max_prompt_tokens,
+            planned_new_tokens=settings.default_max_new_tokens,
             max_images=settings.max_images_per_session,
             max_image_tokens=settings.max_image_tokens_per_session,
             cache_share=settings.conversation_cache_share,

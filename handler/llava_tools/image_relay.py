@@ -141,9 +141,7 @@ class ImageRelay:
             if is_chat_body(data):
                 if "messages" not in data:
                     return None, {}
-                request = parse_chat_body(
-                    data, max_new_tokens_cap=s.max_new_tokens_cap, max_prompt_chars=s.max_prompt_chars
-                )
+                request = parse_chat_body(data, max_prompt_chars=s.max_prompt_chars)
                 command = chat_command(request, s, "")
                 found = [image.source for image in command.images if image.source is not None]
                 body_salt = command.salt

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from ..config import Settings
 from ..errors import ErrorCode, ServiceError
 from ..images.source import ImageSource
-from ..sampling.params import SamplingParams
+from ..sampling.params import UNTIL_CONTEXT_END, SamplingParams
 from .protocol import ChatCompletionRequest, ChatConversation, ImagePart
 
 __all__ = ["ChatCommand", "ChatImage", "chat_command", "image_source_of"]
@@ -27,7 +27,9 @@ class ChatCommand:
         images: every image of the conversation in order: where its bytes come from, or its uuid alone.
         salt: the request's ``cache_salt`` (None: unsalted).
         params: sampling parameters with the server's defaults applied.
-        clip_max_new_tokens: the request set no answer limit: clip the default to the room left.
+        clip_max_new_tokens: the request set no answer limit: it runs until the context ends
+            (``params.max_new_tokens`` is :data:`~llava_sessions.sampling.params.UNTIL_CONTEXT_END`,
+            lowered to the room the context leaves).
         stream: answer as a stream of chunks; include_usage: end it with a usage chunk.
         top_logprobs: most likely alternatives per token (with ``params.logprobs``).
         model: the model name the reply carries (the served model's).
@@ -108,7 +110,7 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
     limit = request.answer_limit
     temperature = 1.0 if request.temperature is None else request.temperature
     params = SamplingParams(
-        max_new_tokens=limit or settings.default_max_new_tokens,
+        max_new_tokens=limit or UNTIL_CONTEXT_END,
         temperature=temperature,
         top_p=request.top_p,
         top_k=request.top_k,

@@ -8,7 +8,7 @@ define and log them; issue 32 item 4):
   extensions this server does not implement (``guided_json``, ``echo``, ...): a 400 ``invalid_parameter`` that
   names the field (:func:`check_unsupported`), so a user never silently gets something other than
   what was asked; a vLLM field set to what this server does anyway (``echo: false``,
-  ``spaces_between_special_tokens: true``, ...) is accepted. ``session_id`` is refused too: the session travels in a header.
+  ``use_beam_search: false``, ...) is accepted. ``session_id`` is refused too: the session travels in a header.
 - **Defined by nobody**: what wrappers add (LiteLLM's ``sagemaker_base_url``, Strands' ``format``
   inside ``image_url``): ignored, and each such name (never its value) logged once per process at
   WARNING (:class:`ChatInbound`).
@@ -56,7 +56,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     **{
         name: _VLLM.format(name)
         for name in (
-            "spaces_between_special_tokens",
             "bad_words",
             "allowed_token_ids",
             "prompt_logprobs",
@@ -83,7 +82,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 
 #: vLLM fields whose value is what this server does anyway: that value is accepted (and ignored).
 SAME_AS_OURS: dict[str, object] = {
-    "spaces_between_special_tokens": True,
     "bad_words": [],
     "echo": False,
     "add_generation_prompt": True,

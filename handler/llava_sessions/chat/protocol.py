@@ -230,8 +230,8 @@ class ChatCompletionRequest(ChatInbound):
     and ``repetition_penalty`` are accepted as vLLM and TGI accept them, and vLLM's ``min_p``,
     ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output`` and ``skip_special_tokens`` as vLLM
     defines them; ``logit_bias`` as OpenAI's (token id as a string → -100..100). ``max_completion_tokens``
-    (or the older ``max_tokens``) bounds the answer; unset, the server's default, clipped to the
-    room the context leaves.
+    (or the older ``max_tokens``) bounds the answer, up to the room the context leaves; unset, the
+    answer may run until the context ends, as in vLLM and OpenAI.
     """
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=512)]
@@ -260,6 +260,8 @@ class ChatCompletionRequest(ChatInbound):
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=300)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's; its fast detokenizer (llava-hf's tokenizers are fast ones) writes the same text either way
+    spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
@@ -444,12 +446,12 @@ def _schema_text(text: str, param: str) -> dict[str, Any]:
     return schema
 
 
-def parse_chat_body(data: dict, *, max_new_tokens_cap: int, max_prompt_chars: int) -> ChatCompletionRequest:
-    """Validate a decoded chat-completions body.
+def parse_chat_body(data: dict, *, max_prompt_chars: int) -> ChatCompletionRequest:
+    """Validate a decoded chat-completions body. ``max_tokens`` / ``max_completion_tokens`` are
+    bounded only by the room the context leaves (checked at admission), as vLLM and OpenAI bound them.
 
     Args:
         data: the JSON object (it has ``messages``).
-        max_new_tokens_cap: largest ``max_tokens`` / ``max_completion_tokens`` accepted.
         max_prompt_chars: longest message text, characters.
 
     Raises:
@@ -462,10 +464,6 @@ def parse_chat_body(data: dict, *, max_new_tokens_cap: int, max_prompt_chars: in
         request = ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc, strip_tag=False, hints=_HINTS) from None
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = getattr(request, name)
-        if value is not None and value > max_new_tokens_cap:
-            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name}: must be <= {max_new_tokens_cap}", param=name)
     if request.top_logprobs and not request.logprobs:
         raise ServiceError(
             ErrorCode.INVALID_PARAMETER, "top_logprobs: needs logprobs set to true", param="top_logprobs"

@@ -134,7 +134,7 @@ class ChatServing(Serving):
     def _command(self, data: Any) -> ChatCommand:
         """The ``messages`` body as the dialect's command (raises the body's ServiceError)."""
         s = self.settings
-        request = parse_chat_body(data, max_new_tokens_cap=s.max_new_tokens_cap, max_prompt_chars=s.max_prompt_chars)
+        request = parse_chat_body(data, max_prompt_chars=s.max_prompt_chars)
         return chat_command(request, s, self.model_name)
 
     def _stream_of(self, row: Row, command: ChatCommand) -> responses.ChatStream:

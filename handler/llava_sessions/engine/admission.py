@@ -42,7 +42,9 @@ _CHAT_CONTEXT_HINT = "lower max_tokens, or send a shorter conversation (drop the
 
 @dataclass
 class EngineLimits:
-    """Per-request limits: ``max_new_tokens_cap`` and ``max_prompt_tokens`` (tokens of one prompt);
+    """Per-request limits: ``max_new_tokens_cap`` (a native question's; a chat answer's is the
+    context), ``max_prompt_tokens`` (tokens of one prompt) and ``planned_new_tokens`` (the new
+    tokens memory is made room for at the start of a chat answer without a limit);
     per-session limits: ``max_images`` (images a session holds, the opening one included) and
     ``max_image_tokens`` (placeholder tokens of all its images; 0: only the model's context); the
     conversation cache's: ``cache_share`` (the share of the device budget its entries may hold, 0
@@ -50,6 +52,7 @@ class EngineLimits:
 
     max_new_tokens_cap: int = 1024
     max_prompt_tokens: int = 2048
+    planned_new_tokens: int = 256
     max_images: int = 8
     max_image_tokens: int = 0
     cache_share: float = 0.5
@@ -231,12 +234,14 @@ class Admission:
         self.store.pin(session)
         return gen
 
-    def _check_prompt(self, prompt: str, params: SamplingParams, *, allow_blank: bool = False) -> None:
-        if not allow_blank and (not prompt or not prompt.strip()):
+    def _check_prompt(self, prompt: str, params: SamplingParams, *, chat: bool = False) -> None:
+        """A question's text and limits (``chat``: a resent conversation's, which may be blank and
+        whose answer only the context bounds)."""
+        if not chat and (not prompt or not prompt.strip()):
             raise ServiceError(ErrorCode.INVALID_PARAMETER, "prompt must not be empty")
         self._check_no_placeholder([prompt], "prompt")
         cap = self.limits.max_new_tokens_cap
-        if params.max_new_tokens > cap:
+        if not chat and params.max_new_tokens > cap:
             raise ServiceError(ErrorCode.INVALID_PARAMETER, f"max_new_tokens must be <= {cap}")
         # a token covers at least one UTF-8 byte (SentencePiece may add one leading-space piece), so
         # only a prompt of more bytes than the cap can be over it: shorter ones skip the tokenizer
@@ -264,8 +269,8 @@ class Admission:
             while dropped < len(chat.turns) and len(ids) + max_new > limit:
                 dropped += 1
                 ids = template.conversation_ids(chat.without_oldest(dropped), prompt)
-            if len(ids) + max_new > limit and clip and len(ids) < limit:
-                max_new = limit - len(ids)
+        if len(ids) + max_new > limit and clip and len(ids) < limit:
+            max_new = limit - len(ids)
         if len(ids) + max_new > limit:
             hint = hint or (
                 "lower max_new_tokens or shorten the question"
@@ -273,10 +278,13 @@ class Admission:
                 else "lower max_new_tokens, reset the session (it forgets the turns), open a new one or use "
                 "context_policy truncate"
             )
+            if clip:  # no limit was asked: the prompt alone leaves no room
+                needs = f"{len(ids)} prompt tokens + at least 1 new token"
+            else:
+                needs = f"{len(ids)} prompt tokens + {max_new} new tokens = {len(ids) + max_new}"
             raise ServiceError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"this turn needs {len(ids)} prompt tokens + {max_new} new tokens = "
-                f"{len(ids) + max_new}, over the model's context of {limit} tokens; {hint}",
+                f"this turn needs {needs}, over the model's context of {limit} tokens; {hint}",
             )
         return ids, dropped, max_new
 
@@ -292,7 +300,7 @@ class Admission:
         session.set_salt(salt)  # what it comes to hold is shared within the salt of the request that sent it
         texts = [target.question, *(text for t in target.turns for text in (t.prompt, t.answer))]
         self._check_no_placeholder([*texts, target.system_prompt or ""], "messages")
-        self._check_prompt(target.question, params, allow_blank=True)
+        self._check_prompt(target.question, params, chat=True)
         grammar = _grammar(self.runner, params)
         sizes = [img.size for img in target.images]
         tokens = self._layout_sizes(sizes)
@@ -312,7 +320,8 @@ class Admission:
         same_images = keys == session.image_keys and tokens == session.image_tokens
         # a new set of features is a new tensor (every row copied or encoded), the old one freed after
         feature_bytes = 0 if same_images else sum(tokens) * runner.feature_bytes_per_token
-        self._allocate(session, feature_bytes + (len(ids) - keep + max_new) * runner.kv_bytes_per_token, "this turn")
+        room = min(max_new, self.limits.planned_new_tokens) if clip_max_new_tokens else max_new
+        self._allocate(session, feature_bytes + (len(ids) - keep + room) * runner.kv_bytes_per_token, "this turn")
         to_encode = self._hold_conversation(session, target, tokens, keep, rows, same_images=same_images)
         gen = Generation(
             self.driver,
@@ -323,6 +332,7 @@ class Admission:
             True,
             Sampler(params, runner.device, ids, runner.eos_token_ids, grammar),
             IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
+            room_tokens=room,
         )
         gen.set_images_to_encode(to_encode, rows)
         return gen

@@ -60,6 +60,8 @@ class Generation:
         params: sampling parameters (``max_new_tokens`` possibly clipped to the room left).
         remember: the turn joins the history when the answer completes.
         truncated_turns: oldest turns the conversation leaves to fit the context.
+        room_tokens: new tokens device memory is made room for when it starts (``max_new_tokens``;
+            fewer for an answer without a limit, whose KV then grows with the decode batch).
         phase: :class:`Phase`.
         row: this answer's row in the decode batch, while it has one.
         num_reused_tokens: prompt tokens served from the session's KV cache.
@@ -81,6 +83,7 @@ class Generation:
         detokenizer: IncrementalDetokenizer,
         *,
         truncated_turns: int = 0,
+        room_tokens: int | None = None,
     ) -> None:
         self._driver = driver
         self.session = session
@@ -89,6 +92,7 @@ class Generation:
         self.params = params
         self.remember = remember
         self.truncated_turns = truncated_turns
+        self.room_tokens = params.max_new_tokens if room_tokens is None else room_tokens
         self.sampler = sampler
         self.detokenizer = detokenizer
         self.phase = Phase.WAITING

@@ -74,7 +74,7 @@ class StateUpdates:
             self.sharing.adopt_prefix(session, gen.prompt_ids, session.image_keys, session.image_tokens)
             gen.images_to_encode = []
         reuse = gen.num_reusable_tokens()
-        need = (len(gen.prompt_ids) - reuse + gen.params.max_new_tokens) * self.runner.kv_bytes_per_token
+        need = (len(gen.prompt_ids) - reuse + gen.room_tokens) * self.runner.kv_bytes_per_token
         if not self.store.allocate(need, keep=session):
             raise overloaded("not enough device memory for this answer now; retry later", "step_memory")
         session.crop_kv(reuse)

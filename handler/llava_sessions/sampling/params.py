@@ -12,9 +12,12 @@ from typing import Any
 
 from ..errors import ErrorCode, ServiceError
 
-__all__ = ["SAMPLING_BOUNDS", "SamplingBound", "SamplingParams"]
+__all__ = ["SAMPLING_BOUNDS", "UNTIL_CONTEXT_END", "SamplingBound", "SamplingParams"]
 
 _MAX_SEED = 2**63 - 1
+#: ``max_new_tokens`` of an answer the request gave no limit (vLLM's and OpenAI's: until the context
+#: ends); admission lowers it to the room the context leaves (``clip_max_new_tokens``).
+UNTIL_CONTEXT_END = 2**31 - 1
 
 
 @dataclass(frozen=True)
