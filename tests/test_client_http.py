@@ -465,3 +465,54 @@ def test_llava_chat_at_a_terminal_recovers_from_an_error_and_exits_0(server, pho
     assert "llava> " in out
     piped = _llava_chat("--url", server.url, "--image", photo_path, stdin="/add /no/such/image.png\n")
     assert piped.returncode == 1 and "error:" in piped.stderr
+
+
+# ---- the chat dialect's stream object and a lost chat session (issue 32 item 7) -------------------
+
+
+def _chat_messages(photos) -> list[dict]:
+    from llava_client import image_part
+
+    return [{"role": "user", "content": [image_part(photos["coffee"]), {"type": "text", "text": "What is this?"}]}]
+
+
+def test_a_chat_stream_is_events_then_its_end_and_closes_when_left_early(client, server, photos):
+    from llava_client import ChatStream
+
+    messages = _chat_messages(photos)
+    whole = client.complete(messages, max_tokens=12, temperature=0)
+    with client.stream_chat(messages, max_tokens=12, temperature=0) as stream:
+        assert isinstance(stream, ChatStream)
+        events = list(stream)
+    assert [e.text for e in events[:-1]] and all(e.text and e.finish_reason is None for e in events[:-1])
+    end = events[-1]
+    assert (end.text, end.finish_reason) == ("", whole.finish_reason) and stream.text == whole.text
+    assert end.usage == stream.usage and end.usage.completion_tokens == whole.completion_tokens
+    assert end.usage.prompt_tokens == whole.prompt_tokens
+    port = int(server.url.rsplit(":", 1)[1])
+    others = _established_to(port)  # idle keep-alive connections of the module's client
+    with SessionClient.from_url(server.url, timeout=(5.0, 60.0)) as fresh, fresh.chat_session() as chat:
+        with chat.stream(messages, max_tokens=200, temperature=0, ignore_eos=True) as early:
+            assert next(early).text and _established_to(port) - others  # the response is open
+        assert _established_to(port) - others == set() and not early.done
+        with pytest.raises(LlavaError):
+            early.until_done()
+        # the session answers again once the server dropped the abandoned answer (409s are retried)
+        assert chat.complete(messages, max_tokens=4, temperature=0).completion_tokens == 4
+
+
+def test_a_chat_session_the_server_lost_is_reopened_and_the_conversation_resent_once(client, server, photos, caplog):
+    messages = _chat_messages(photos)
+    with client.chat_session() as chat:
+        first = chat.complete(messages, max_tokens=6, temperature=0)
+        for call in ("complete", "stream"):
+            old_id = chat.session_id
+            assert raw_post(server, {"requestType": "CLOSE"}, old_id).status_code == 200  # behind its back
+            with caplog.at_level(logging.WARNING, logger="llava_client"):
+                caplog.clear()
+                if call == "complete":
+                    text = chat.complete(messages, max_tokens=6, temperature=0).text
+                else:
+                    text = chat.stream(messages, max_tokens=6, temperature=0).until_done()
+            assert chat.session_id != old_id and text == first.text  # the same greedy answer, resent
+            assert f"chat session {old_id} is gone" in caplog.text and chat.session_id in caplog.text

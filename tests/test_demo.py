@@ -1,27 +1,37 @@
-"""``python -m llava_tools.demo`` (what ``make demo`` runs) end to end: tiny model, real TorchServe."""
+"""``make demo`` end to end, as the README's quick start runs it (``python -m llava_tools.demo`` on the
+embedded tiny model, a real TorchServe), and ``make demo MODEL_DIR=...`` on another checkpoint."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration
 
 
-def test_demo_runs_a_scripted_session():
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _make_demo(*args: str) -> subprocess.CompletedProcess:
+    """``make demo ARGS`` in the repository, as a reader runs it."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(
-        [sys.executable, "-m", "llava_tools.demo", "--max-new-tokens", "12"],
+    return subprocess.run(
+        ["make", "--no-print-directory", "demo", *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
         env=env,
         stdin=subprocess.DEVNULL,
     )
+
+
+def test_demo_runs_a_scripted_session():
+    done = _make_demo()
     out = done.stdout
     assert done.returncode == 0, f"stdout:\n{out}\nstderr:\n{done.stderr[-4000:]}"
     head = out[:1500]
@@ -45,3 +55,15 @@ def test_demo_runs_a_scripted_session():
     # it ends with what to run next: a server of one's own and the clients
     tail = out[out.index("Next steps") :]
     assert "llava-serve --model-dir" in tail and "llava-chat --url" in tail and "llava-web --url" in tail
+
+
+def test_demo_runs_on_the_checkpoint_model_dir_names(tmp_path):
+    """The README's ``make demo MODEL_DIR=/path/to/llava-1.5-7b-hf``, its placeholder a tiny
+    LLaVA-NeXT folder (one of the families the README names)."""
+    from llava_tools.tiny_model import write_checkpoint
+
+    model_dir = write_checkpoint("tiny", tmp_path / "next", seed=0, arch="llava-next")
+    done = _make_demo(f"MODEL_DIR={model_dir}")
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert str(model_dir) in done.stdout and "RANDOM weights" not in done.stdout[:1500]
+    assert "Q3 (independent)" in done.stdout and "stopped the server" in done.stdout

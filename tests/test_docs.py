@@ -1,5 +1,16 @@
-"""Docs that are generated from code stay in sync with it."""
+"""The docs stay true: generated tables in sync with the code, and every Python and shell snippet in
+``README.md`` and ``docs/`` run by a test as written (issue 32 item 8), against the local SageMaker
+endpoint (boto3 pointed at it by ``AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME``, as a reader's environment
+would point it at AWS), with only the reader's own placeholders filled in (``EP``, ``/path/to/...``,
+``data:image/jpeg;base64,...``, ``<URI>``, the port of the endpoint this test started)."""
 
+from __future__ import annotations
+
+import base64
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,6 +18,52 @@ import pytest
 from llava_sessions.config import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+#: Every runnable snippet (its file and first line) and the test that runs it. A new snippet must be
+#: added here with its test: ``test_every_snippet_is_run_by_a_test`` fails otherwise.
+SNIPPETS: dict[tuple[str, str], str] = {
+    (
+        "README.md",
+        "make demo    # install, build a tiny random-weight LLaVA, start llava-serve, run a scripted session",
+    ): ("tests/test_demo.py runs `make demo`; `make test` is the suite itself (CI runs it)"),
+    (
+        "README.md",
+        "make demo MODEL_DIR=/path/to/llava-1.5-7b-hf      # or llava-v1.6-mistral-7b-hf, llava-onevision-qwen2-7b-ov-hf",
+    ): ("tests/test_demo.py"),
+    ("README.md", "from llava_client import SessionClient"): "test_python_snippets_run_against_the_local_endpoint",
+    ("README.md", "import boto3"): "test_python_snippets_run_against_the_local_endpoint",
+    (
+        "README.md",
+        "./build_and_push.sh --repository llava-sessions --region us-east-1          # prints the image URI",
+    ): ("test_the_deploy_snippet_runs_with_dry_run"),
+    ("api.md", "import boto3, json"): "test_python_snippets_run_against_the_local_endpoint",
+    ("api.md", 'chat = client.conversation(cache_salt="tenant-42")   # no session; or session=client.chat_session()'): (
+        "test_python_snippets_run_against_the_local_endpoint"
+    ),
+}
+
+
+def snippets() -> list[tuple[str, str, str]]:
+    """``(file name, language, body)`` of every fenced ``python`` / ``bash`` block of the docs
+    (indented ones in lists too, dedented)."""
+    found = []
+    for path in DOCS:
+        for indent, lang, body in re.findall(r"^( *)```(python|bash|sh)\n(.*?)^\1```", path.read_text(), re.M | re.S):
+            lines = [line[len(indent) :] for line in body.splitlines()]
+            found.append((path.name, lang, "\n".join(lines) + "\n"))
+    return found
+
+
+def snippet(name: str, first_line: str) -> str:
+    (body,) = [b for n, _, b in snippets() if n == name and b.splitlines()[0] == first_line]
+    return body
+
+
+def test_every_snippet_is_run_by_a_test():
+    listed = {(n, b.splitlines()[0]) for n, _, b in snippets()}
+    assert sorted(listed - set(SNIPPETS)) == [], "a new snippet: run it in a test and list it in SNIPPETS"
+    assert sorted(set(SNIPPETS) - listed) == [], "a snippet listed here is gone from the docs"
 
 
 def test_configuration_table_matches_settings():
@@ -14,23 +71,81 @@ def test_configuration_table_matches_settings():
     assert Settings.env_table().strip() in text
 
 
-@pytest.mark.integration
-def test_readme_client_example_runs_as_written_on_the_default_tiny_model(tmp_path, photos, monkeypatch, request):
-    """The README's Python example, unchanged but for where the client connects, against the model
-    ``make demo`` builds (several images need its 4,096 positions): it used to end in a 422."""
-    import re
-
+@pytest.fixture(scope="module")
+def endpoint(request, tmp_path_factory):
+    """The local SageMaker endpoint on the model ``make demo`` builds (several images need its 4,096
+    positions), boto3 pointed at it as a reader's environment points it at AWS."""
+    from llava_tools.local_endpoint import LocalEndpoint
     from llava_tools.tiny_model import write_checkpoint
-    from server_fixtures import start_local_server
 
-    text = (ROOT / "README.md").read_text()
-    api = text[text.index("## API") :]
-    block = re.search(r"```python\n(.*?)```", api, re.S).group(1)
-    assert 'SessionClient.from_endpoint("my-llava-endpoint")' in block and 'add_image("second.jpg")' in block
-    model_dir = write_checkpoint("tiny", tmp_path / "tiny", seed=0)
-    server = start_local_server(model_dir, addfinalizer=request.addfinalizer)
-    block = block.replace('SessionClient.from_endpoint("my-llava-endpoint")', f"SessionClient.from_url({server.url!r})")
+    model_dir = write_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+    ep = LocalEndpoint(model_dir, backends=1, startup_timeout_s=120)
+    request.addfinalizer(ep.stop)
+    return ep.start()
+
+
+@pytest.mark.integration
+def test_python_snippets_run_against_the_local_endpoint(endpoint, photos, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME", endpoint.url)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     (tmp_path / "photo.jpg").write_bytes(photos["chelsea"])
     (tmp_path / "second.jpg").write_bytes(photos["rocket"])
     monkeypatch.chdir(tmp_path)
-    exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - the README's own code
+    data_uri = "data:image/png;base64," + base64.b64encode(photos["coffee"]).decode()
+
+    readme = snippet("README.md", "from llava_client import SessionClient")
+    assert 'SessionClient.from_endpoint("my-llava-endpoint")' in readme  # as written: boto3 finds the endpoint
+    exec(compile(readme, "README.md", "exec"), {})  # noqa: S102 - the docs' own code
+
+    local = snippet("README.md", "import boto3").replace("http://127.0.0.1:8090", endpoint.url)
+    scope: dict = {}
+    exec(compile(local, "README.md", "exec"), scope)  # noqa: S102
+    opened = scope["runtime"].invoke_endpoint(
+        EndpointName="any",
+        SessionId="NEW_SESSION",
+        ContentType="application/json",
+        Body=b'{"requestType": "NEW_SESSION"}',
+    )
+    assert opened["NewSessionId"]
+
+    boto = snippet("api.md", "import boto3, json")
+    assert "data:image/jpeg;base64,..." in boto
+    exec(compile(boto.replace("data:image/jpeg;base64,...", data_uri), "api.md", "exec"), {"EP": "my-llava-endpoint"})  # noqa: S102
+
+    from llava_client import SessionClient
+
+    with SessionClient.from_endpoint("my-llava-endpoint") as client:
+        conversation = snippet(
+            "api.md",
+            'chat = client.conversation(cache_salt="tenant-42")   # no session; or session=client.chat_session()',
+        )
+        scope = {"client": client}
+        exec(compile(conversation, "api.md", "exec"), scope)  # noqa: S102
+        assert len(scope["chat"].messages) == 4  # two questions, two answers
+
+
+@pytest.mark.integration
+def test_the_deploy_snippet_runs_with_dry_run(tmp_path):
+    """The deploy commands as written, each with ``--dry-run`` (no Docker, no AWS here): the image
+    URI the first prints fills the second's ``<URI>``; the checkpoint placeholder is a tiny one."""
+    from llava_tools.tiny_model import write_checkpoint
+
+    model_dir = write_checkpoint("tiny", tmp_path / "tiny", seed=0)
+    body = snippet(
+        "README.md",
+        "./build_and_push.sh --repository llava-sessions --region us-east-1          # prints the image URI",
+    )
+    commands = [c.strip() for c in re.sub(r"\\\n\s*", " ", body).splitlines() if c.strip() and not c.startswith("#")]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    uri = ""
+    for command in commands:
+        command = command.split("  #")[0].replace("/path/to/llava-1.5-7b-hf", str(model_dir)).replace("<URI>", uri)
+        done = subprocess.run(
+            f"{command} --dry-run", shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+        if command.startswith("./build_and_push.sh"):
+            uri = done.stdout.strip().splitlines()[-1].split()[-1]
+            assert ".dkr.ecr.us-east-1.amazonaws.com/llava-sessions:" in uri, done.stdout[-500:]

@@ -48,6 +48,7 @@ from ._exceptions import (
     error_class,
 )
 from ._images import ImageInput
+from ._streaming import ChatStream, ChatStreamEvent, ChatUsage
 from ._transport import DEFAULT_TIMEOUT, HttpTransport, RawResponse, Transport, parse_session_header
 from ._types import AddedImage, Answer, GenerationParams, Recovery, Token, Usage
 from .sagemaker import SageMakerTransport
@@ -69,6 +70,9 @@ __all__ = [
     "AnswerStream",
     "ChatReply",
     "ChatSession",
+    "ChatStream",
+    "ChatStreamEvent",
+    "ChatUsage",
     "ContextLengthExceeded",
     "Conversation",
     "GenerationParams",

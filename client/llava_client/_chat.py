@@ -11,25 +11,28 @@ its cache of that conversation (the images are not re-encoded, the history not r
     with client.chat_session() as chat:                 # {"requestType": "NEW_SESSION"} ... CLOSE
         reply = chat.complete(messages, max_tokens=64)
         messages += [reply.message, {"role": "user", "content": "And the colours?"}]
-        for piece in chat.stream(messages):
-            print(piece, end="")
+        with chat.stream(messages) as stream:           # a ChatStream: text deltas, then the end
+            for event in stream:
+                print(event.text, end="")
+        print(stream.finish_reason, stream.usage)
 
 ``client.complete(messages)`` and ``client.stream_chat(messages)`` are one-shot requests (no session).
-Replies are the server's OpenAI ``chat.completion`` objects (:attr:`ChatReply.raw`).
+Replies are the server's OpenAI ``chat.completion`` objects (:attr:`ChatReply.raw`). A chat session
+the server lost (a worker restart, its TTL, an eviction) is opened again and the conversation resent
+to it, once, with a WARNING log line: the conversation is all the server needs.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ._base_client import BaseClient
-from ._exceptions import LlavaError, status_error_from_body
+from ._exceptions import LlavaError, SessionGone
 from ._images import ImageInput, fit_payload, image_budget, image_payload
+from ._streaming import ChatStream
 
 __all__ = ["ChatReply", "ChatSession", "image_part"]
 
@@ -116,10 +119,12 @@ class ChatReply:
 
 def chat_request(messages: list[dict[str, Any]], stream: bool, params: dict[str, Any]) -> dict[str, Any]:
     """The request body: ``messages``, ``stream`` and the OpenAI parameters given (``max_tokens``,
-    ``temperature``, ``top_p``, ``stop``, ``seed``, ...)."""
+    ``temperature``, ``top_p``, ``stop``, ``seed``, ...); a stream asks for its usage at the end
+    (``stream_options.include_usage``) unless ``params`` say otherwise."""
     body: dict[str, Any] = {"messages": messages, **params}
     if stream:
         body["stream"] = True
+        body.setdefault("stream_options", {"include_usage": True})
     return body
 
 
@@ -134,35 +139,22 @@ def complete_body(client: BaseClient, body: dict[str, Any], session_id: str) -> 
     return ChatReply.from_completion(data)
 
 
-def stream(client: BaseClient, messages: list[dict[str, Any]], session_id: str, **params: Any) -> Iterator[str]:
-    """Send the conversation and yield the answer's text pieces as they come (JSON-lines chunks).
+def stream(client: BaseClient, messages: list[dict[str, Any]], session_id: str, **params: Any) -> ChatStream:
+    """Send the conversation; return its :class:`ChatStream` (the request is sent now).
 
     Raises:
-        APIStatusError: the request was refused, or the stream ended in an error object.
+        APIStatusError: the request was refused (iterating raises one the stream reports).
     """
     return stream_body(client, chat_request(messages, True, params), session_id)
 
 
-def stream_body(client: BaseClient, body: dict[str, Any], session_id: str) -> Iterator[str]:
-    """Send a streamed chat-completions request body; yield the answer's text pieces as they come.
+def stream_body(client: BaseClient, body: dict[str, Any], session_id: str) -> ChatStream:
+    """Send a streamed chat-completions request body now; return its :class:`ChatStream`.
 
     Raises:
-        APIStatusError: the request was refused, or the stream ended in an error object.
+        APIStatusError: the request was refused.
     """
-    lines = client.invoke_stream(body, session_id, retry_safe=True)
-    for line in lines:
-        text = line.decode("utf-8").strip()
-        if text.startswith("data:"):
-            text = text[5:].strip()
-        if not text or text == "[DONE]":
-            continue
-        chunk = json.loads(text)
-        if chunk.get("error"):
-            raise status_error_from_body(200, chunk)
-        for choice in chunk.get("choices") or ():
-            piece = (choice.get("delta") or {}).get("content")
-            if piece:
-                yield piece
+    return ChatStream(client.invoke_stream(body, session_id, retry_safe=True), session_id=session_id)
 
 
 class ChatSession:
@@ -191,21 +183,46 @@ class ChatSession:
 
     def complete(self, messages: list[dict[str, Any]], **params: Any) -> ChatReply:
         """Answer the conversation's last user message (``params``: OpenAI's, e.g. ``max_tokens``).
+        A session the server lost is opened again and the conversation resent, once (logged).
 
         Raises:
-            SessionGone: the server no longer holds the session (open a new one and resend: the
-                conversation is all the server needs). APIStatusError, APIConnectionError: as any call.
+            SessionGone: the session was lost twice in a row. APIStatusError, APIConnectionError: as any call.
         """
-        return complete(self._client, messages, self.session_id, **params)
+        return self.complete_body(chat_request(messages, False, params))
 
-    def stream(self, messages: list[dict[str, Any]], **params: Any) -> Iterator[str]:
-        """As :meth:`complete`, the answer's text pieces as they come."""
-        return stream(self._client, messages, self.session_id, **params)
+    def stream(self, messages: list[dict[str, Any]], **params: Any) -> ChatStream:
+        """As :meth:`complete`, a :class:`ChatStream` of the answer (sent now)."""
+        return self.stream_body(chat_request(messages, True, params))
+
+    def complete_body(self, body: dict[str, Any]) -> ChatReply:
+        """As :meth:`complete`, for a whole request body."""
+        try:
+            return complete_body(self._client, body, self.session_id)
+        except SessionGone as gone:
+            self._reopen(gone)
+            return complete_body(self._client, body, self.session_id)
+
+    def stream_body(self, body: dict[str, Any]) -> ChatStream:
+        """As :meth:`stream`, for a whole request body."""
+        try:
+            return stream_body(self._client, body, self.session_id)
+        except SessionGone as gone:
+            self._reopen(gone)
+            return stream_body(self._client, body, self.session_id)
+
+    def _reopen(self, gone: SessionGone) -> None:
+        """Open a new session in place of one the server lost (the next call resends the conversation)."""
+        old = self.session_id
+        self.session_id, _, _ = self._client.invoke_open({"requestType": "NEW_SESSION"}, "NEW_SESSION")
+        log.warning(
+            "chat session %s is gone on the server (%s); reopened as %s, resending the conversation",
+            old,
+            gone.code or gone.status_code,
+            self.session_id,
+        )
 
     def close(self) -> None:
         """Close the session on the server (``{"requestType": "CLOSE"}``); a session already gone is fine."""
-        from ._exceptions import SessionGone
-
         if self.closed:
             return
         self.closed = True

@@ -25,7 +25,6 @@ Streams: :mod:`._streaming`; retries: :mod:`._base_client`; recovery of a lost s
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 from . import _chat
@@ -41,7 +40,7 @@ from ._chat import ChatReply, ChatSession
 from ._conversation import Conversation
 from ._images import MAX_BODY_BYTES, ImageInput, describe_image
 from ._sessions import Session, open_session_request
-from ._streaming import AnswerStream
+from ._streaming import AnswerStream, ChatStream
 from ._transport import DEFAULT_TIMEOUT, HttpTransport
 
 __all__ = [
@@ -168,6 +167,7 @@ class SessionClient(BaseClient):
         """
         return _chat.complete(self, messages, "", **params)
 
-    def stream_chat(self, messages: list[dict[str, Any]], **params: Any) -> Iterator[str]:
-        """As :meth:`complete`, the answer's text pieces as they come."""
+    def stream_chat(self, messages: list[dict[str, Any]], **params: Any) -> ChatStream:
+        """As :meth:`complete`, a :class:`~llava_client.ChatStream` of the answer (sent now): text
+        deltas as they come, the last event with ``finish_reason`` and ``usage``."""
         return _chat.stream(self, messages, "", **params)

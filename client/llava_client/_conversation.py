@@ -101,8 +101,11 @@ class Conversation:
             APIStatusError, APIConnectionError: as any call (the question is then not kept).
         """
         self.add_user(text, images)
+        session = self.session
         try:
-            reply = self._send(lambda body: _chat.complete_body(self._client, body, self._session_id()), params)
+            reply = self._send(
+                session.complete_body if session else lambda body: _chat.complete_body(self._client, body, ""), params
+            )
         except BaseException:
             self.messages.pop()
             raise
@@ -115,17 +118,15 @@ class Conversation:
         self.add_user(text, images)
         pieces: list[str] = []
         try:
-            body = self._body(params, stream=True, references=True)
             try:
-                for piece in _chat.stream_body(self._client, body, self._session_id()):
+                for piece in self._stream(self._body(params, stream=True, references=True)):
                     pieces.append(piece)
                     yield piece
             except APIStatusError as err:
                 if err.code != UUID_MISS or pieces:
                     raise
                 self._sent.clear()  # the server lost an image: send them all again, once
-                body = self._body(params, stream=True, references=False)
-                for piece in _chat.stream_body(self._client, body, self._session_id()):
+                for piece in self._stream(self._body(params, stream=True, references=False)):
                     pieces.append(piece)
                     yield piece
         except BaseException:
@@ -146,8 +147,13 @@ class Conversation:
         self._mark_sent()
         return reply
 
-    def _session_id(self) -> str:
-        return self.session.session_id if self.session is not None else ""
+    def _stream(self, body: dict[str, Any]) -> Iterator[str]:
+        """The answer's text pieces (in the session, which reopens once if the server lost it)."""
+        session = self.session
+        with session.stream_body(body) if session else _chat.stream_body(self._client, body, "") as stream:
+            for event in stream:
+                if event.text:
+                    yield event.text
 
     def _body(self, params: dict[str, Any], *, stream: bool, references: bool) -> dict[str, Any]:
         """The request: the conversation with each image already sent as its uuid alone (``references``)."""

@@ -1,4 +1,6 @@
-"""The text pieces of a native streamed answer as they arrive: :class:`AnswerStream`.
+"""Streamed answers as they arrive: :class:`AnswerStream` (a native ``generate``: text pieces) and
+:class:`ChatStream` (a chat completion: :class:`ChatStreamEvent` deltas, the last carrying
+``finish_reason`` and ``usage``, as openai-python's stream object ends with them).
 
 Streams: :meth:`Session.stream` sends the request at once (errors before the first token raise
 there) and returns an :class:`AnswerStream`, an iterator of text pieces and a context manager.
@@ -16,12 +18,14 @@ import json
 import logging
 import time
 from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from ._exceptions import APIConnectionError, LlavaError, status_error_from_body
 from ._transport import LineStream
 from ._types import Answer, Token
 
-__all__ = ["AnswerStream"]
+__all__ = ["AnswerStream", "ChatStream", "ChatStreamEvent", "ChatUsage"]
 
 log = logging.getLogger("llava_client")
 
@@ -138,3 +142,140 @@ class AnswerStream:
         finally:
             self._closed = True
             self._lines.close()
+
+
+@dataclass(frozen=True)
+class ChatUsage:
+    """A chat answer's token counts: ``prompt_tokens``, ``completion_tokens``, and ``cached_tokens``
+    (prompt tokens the server served from its cache)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @classmethod
+    def from_wire(cls, usage: dict[str, Any]) -> ChatUsage:
+        """OpenAI's ``usage`` object."""
+        details = usage.get("prompt_tokens_details") or {}
+        return cls(
+            int(usage.get("prompt_tokens", 0)),
+            int(usage.get("completion_tokens", 0)),
+            int(details.get("cached_tokens", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class ChatStreamEvent:
+    """One event of a :class:`ChatStream`: ``text``, the answer's next piece (may be empty on the
+    last event); the last event alone carries ``finish_reason`` (``stop``, ``length``) and ``usage``
+    (:class:`ChatUsage`, None if the server sent none). ``str(event)`` is its text."""
+
+    text: str
+    finish_reason: str | None = None
+    usage: ChatUsage | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class ChatStream:
+    """A streamed chat completion: an iterator of :class:`ChatStreamEvent` and a context manager.
+
+    Text deltas come as they arrive; the last event carries ``finish_reason`` and ``usage``, which
+    :attr:`finish_reason` and :attr:`usage` keep. An error object in the stream raises (typed, by its
+    code); a connection that breaks raises :class:`APIConnectionError`. Leaving ``with`` (or
+    :meth:`close`) early closes the response.
+
+    Attributes:
+        finish_reason, usage: the last event's, once it came (None before).
+        session_id: the session it answers in (``""``: none).
+    """
+
+    def __init__(self, lines: LineStream, *, session_id: str, on_done: Callable[[ChatStream], None] | None = None):
+        self._lines = lines
+        self._pieces: list[str] = []
+        self._closed = False
+        self._on_done = on_done
+        self._gen = self._iterate()
+        self.finish_reason: str | None = None
+        self.usage: ChatUsage | None = None
+        self.session_id = session_id
+        self.done = False
+
+    def __iter__(self) -> Iterator[ChatStreamEvent]:
+        return self
+
+    def __next__(self) -> ChatStreamEvent:
+        return next(self._gen)
+
+    def __enter__(self) -> ChatStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def text(self) -> str:
+        """The text received so far."""
+        return "".join(self._pieces)
+
+    def until_done(self) -> str:
+        """Consume the rest of the stream; return the whole answer's text.
+
+        Raises:
+            LlavaError: the stream was closed before its end. Others: as iterating.
+        """
+        for _ in self:
+            pass
+        if not self.done:
+            raise LlavaError("the stream was closed before the answer was complete")
+        return self.text
+
+    def close(self) -> None:
+        """Stop reading and release the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gen.close()
+        self._lines.close()
+
+    def _iterate(self) -> Generator[ChatStreamEvent, None, None]:
+        try:
+            for raw in self._lines:
+                text = raw.decode("utf-8").strip()
+                text = text[5:].strip() if text.startswith("data:") else text
+                if not text:
+                    continue
+                if text == "[DONE]":
+                    break
+                chunk = _chunk(text)
+                if chunk.get("usage"):
+                    self.usage = ChatUsage.from_wire(chunk["usage"])
+                for choice in chunk.get("choices") or ():
+                    self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        self._pieces.append(piece)
+                        yield ChatStreamEvent(piece)
+            if self.finish_reason is None:
+                raise APIConnectionError("the stream ended before its last chunk")
+            self.done = True
+            if self._on_done is not None:
+                self._on_done(self)
+            yield ChatStreamEvent("", self.finish_reason, self.usage)
+        finally:
+            self._closed = True
+            self._lines.close()
+
+
+def _chunk(text: str) -> dict[str, Any]:
+    """A ``chat.completion.chunk`` of the stream (an error object raises, typed by its code)."""
+    try:
+        chunk = json.loads(text)
+    except ValueError:
+        raise LlavaError(f"malformed stream line from the server: {text[:200]!r}") from None
+    if not isinstance(chunk, dict):
+        raise LlavaError("malformed stream line from the server (not a JSON object)")
+    if chunk.get("error"):
+        raise status_error_from_body(200, chunk)
+    return chunk
