@@ -165,3 +165,56 @@ def test_no_max_tokens_runs_until_the_context_ends(capped, runner):
     reply = ChatCompletion.model_validate_json(out.body)
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.prompt_tokens + reply.usage.completion_tokens == runner.max_positions
+
+
+# ---- OpenAI's penalties, top_k, repetition_penalty, seed, max_completion_tokens through the chat dialect
+
+
+def test_presence_and_frequency_penalties_follow_openai_s_formula():
+    """On fixed logits: a token's logit is lowered by count x frequency_penalty + (count > 0) x
+    presence_penalty, count being how often this answer generated it (OpenAI's API reference)."""
+    import torch
+
+    from llava_sessions.sampling.params import SamplingParams
+    from llava_sessions.sampling.sampler import Sampler
+
+    logits = torch.tensor([3.0, 2.0, 0.5, 0.0])  # token 0 leads token 1 by 1.0
+
+    def greedy(**penalties) -> list[int]:
+        sampler = Sampler(SamplingParams(temperature=0, **penalties), torch.device("cpu"), [1, 2])
+        return [sampler.next_token(logits.clone())[0] for _ in range(5)]
+
+    assert greedy() == [0, 0, 0, 0, 0]
+    assert greedy(presence_penalty=1.5) == [0, 1, 0, 0, 0]  # each loses 1.5 once, whatever its count
+    assert greedy(frequency_penalty=0.6) == [0, 0, 1, 0, 1]  # 3 - 0.6k against 2 - 0.6j
+    assert greedy(presence_penalty=-2.0) == [0, 0, 0, 0, 0]  # negative: repetition encouraged
+
+
+def test_the_penalties_top_k_and_repetition_penalty_reach_the_chat_answer(svc):
+    base = ask(svc, max_tokens=24, logprobs=True)
+
+    def tokens(reply: ChatCompletion) -> list[str]:
+        return [t.token for t in reply.choices[0].logprobs.content]
+
+    def most_repeated(reply: ChatCompletion) -> int:
+        seen = tokens(reply)
+        return max(seen.count(t) for t in seen)
+
+    assert most_repeated(base) > 1  # the random model repeats itself: something for a penalty to remove
+    for field in ("frequency_penalty", "presence_penalty"):
+        penalized = ask(svc, max_tokens=24, logprobs=True, **{field: 2.0})
+        assert tokens(penalized) != tokens(base) and most_repeated(penalized) < most_repeated(base), field
+    # CTRL's penalty (divides a seen token's positive logit, multiplies a negative one) at 100
+    unrepeated = ask(svc, max_tokens=24, logprobs=True, repetition_penalty=100.0)
+    assert tokens(unrepeated) != tokens(base) and most_repeated(unrepeated) < most_repeated(base)
+    greedy = base.choices[0].message.content
+    for seed in (1, 2):  # sampled at temperature 1, yet top_k = 1 keeps only the argmax
+        assert ask(svc, max_tokens=24, temperature=1.0, seed=seed, top_k=1).choices[0].message.content == greedy
+
+
+def test_a_seed_repeats_a_sampled_answer_and_max_completion_tokens_bounds_it(svc):
+    first, again, other = (ask(svc, max_tokens=16, temperature=1.0, seed=s) for s in (7, 7, 8))
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.choices[0].message.content != other.choices[0].message.content
+    bounded = ask(svc, max_tokens=16, max_completion_tokens=5, ignore_eos=True)  # the newer name wins
+    assert bounded.usage.completion_tokens == 5 and bounded.choices[0].finish_reason == "length"

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ._base_client import BaseClient
 from ._exceptions import LlavaError, SessionGone
@@ -37,6 +38,8 @@ from ._streaming import ChatStream
 __all__ = ["ChatReply", "ChatSession", "image_part"]
 
 log = logging.getLogger("llava_client")
+
+_T = TypeVar("_T")
 
 
 def image_part(image: ImageInput, *, max_bytes: int | None = None) -> dict[str, Any]:
@@ -196,30 +199,30 @@ class ChatSession:
 
     def complete_body(self, body: dict[str, Any]) -> ChatReply:
         """As :meth:`complete`, for a whole request body."""
-        try:
-            return complete_body(self._client, body, self.session_id)
-        except SessionGone as gone:
-            self._reopen(gone)
-            return complete_body(self._client, body, self.session_id)
+        return self._reopening(lambda session_id: complete_body(self._client, body, session_id))
 
     def stream_body(self, body: dict[str, Any]) -> ChatStream:
         """As :meth:`stream`, for a whole request body."""
-        try:
-            return stream_body(self._client, body, self.session_id)
-        except SessionGone as gone:
-            self._reopen(gone)
-            return stream_body(self._client, body, self.session_id)
+        return self._reopening(lambda session_id: stream_body(self._client, body, session_id))
 
-    def _reopen(self, gone: SessionGone) -> None:
-        """Open a new session in place of one the server lost (the next call resends the conversation)."""
-        old = self.session_id
-        self.session_id, _, _ = self._client.invoke_open({"requestType": "NEW_SESSION"}, "NEW_SESSION")
-        log.warning(
-            "chat session %s is gone on the server (%s); reopened as %s, resending the conversation",
-            old,
-            gone.code or gone.status_code,
-            self.session_id,
-        )
+    def _reopening(self, send: Callable[[str], _T]) -> _T:
+        """``send(session_id)``; if the server lost the session, once more in a new one (logged).
+
+        Raises:
+            SessionGone: the new session was lost too.
+        """
+        try:
+            return send(self.session_id)
+        except SessionGone as gone:
+            old = self.session_id
+            self.session_id, _, _ = self._client.invoke_open({"requestType": "NEW_SESSION"}, "NEW_SESSION")
+            log.warning(
+                "chat session %s is gone on the server (%s); reopened as %s, resending the conversation",
+                old,
+                gone.code or gone.status_code,
+                self.session_id,
+            )
+        return send(self.session_id)
 
     def close(self) -> None:
         """Close the session on the server (``{"requestType": "CLOSE"}``); a session already gone is fine."""

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ._exceptions import APIConnectionError, LlavaError, status_error_from_body
 from ._transport import LineStream
@@ -29,13 +29,60 @@ __all__ = ["AnswerStream", "ChatStream", "ChatStreamEvent", "ChatUsage"]
 
 log = logging.getLogger("llava_client")
 
+_E = TypeVar("_E")
+_S = TypeVar("_S", bound="_Stream")
+
 
 def ms_since(t0: float) -> float:
     """Milliseconds from ``t0`` (``time.perf_counter()`` seconds) to now, to 3 decimals."""
     return round((time.perf_counter() - t0) * 1000.0, 3)
 
 
-class AnswerStream:
+class _Stream(Generic[_E]):
+    """What both streams share: an iterator over ``_iterate()``'s items and a context manager that
+    closes the response when left (:meth:`close`, idempotent); :attr:`text` joins ``_pieces``."""
+
+    def __init__(self, lines: LineStream, session_id: str) -> None:
+        self._lines = lines
+        self._pieces: list[str] = []
+        self._closed = False
+        self._gen = self._iterate()
+        self.session_id = session_id
+
+    def _iterate(self) -> Generator[_E, None, None]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[_E]:
+        return self
+
+    def __next__(self) -> _E:
+        return next(self._gen)
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def text(self) -> str:
+        """The text received so far."""
+        return "".join(self._pieces)
+
+    def close(self) -> None:
+        """Stop reading and release the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gen.close()
+        self._lines.close()
+        self._closed_early()
+
+    def _closed_early(self) -> None:
+        """Called by :meth:`close` (a stream read to its end is closed already)."""
+
+
+class AnswerStream(_Stream[str]):
     """The text pieces of an answer as they arrive: an iterator and a context manager.
 
     ``for piece in stream`` yields non-empty text pieces (their concatenation is the answer text).
@@ -51,33 +98,12 @@ class AnswerStream:
     def __init__(
         self, lines: LineStream, *, on_answer: Callable[[Answer], None] | None, t0: float, session_id: str
     ) -> None:
-        self._lines = lines
         self._on_answer = on_answer
         self._t0 = t0
         self._ttft_ms: float | None = None
-        self._pieces: list[str] = []
         self._tokens: list[Token] = []
-        self._closed = False
-        self._gen = self._iterate()
         self.answer: Answer | None = None
-        self.session_id = session_id
-
-    def __iter__(self) -> Iterator[str]:
-        return self
-
-    def __next__(self) -> str:
-        return next(self._gen)
-
-    def __enter__(self) -> AnswerStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return "".join(self._pieces)
+        super().__init__(lines, session_id)
 
     @property
     def client_ttft_ms(self) -> float | None:
@@ -92,13 +118,7 @@ class AnswerStream:
             raise LlavaError("the stream was closed before the answer was complete")
         return self.answer
 
-    def close(self) -> None:
-        """Stop reading and release the connection. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._gen.close()
-        self._lines.close()
+    def _closed_early(self) -> None:
         if self.answer is None:
             log.info(
                 "stream of session %s closed before its end: the answer is abandoned (not remembered)", self.session_id
@@ -178,7 +198,7 @@ class ChatStreamEvent:
         return self.text
 
 
-class ChatStream:
+class ChatStream(_Stream[ChatStreamEvent]):
     """A streamed chat completion: an iterator of :class:`ChatStreamEvent` and a context manager.
 
     Text deltas come as they arrive; the last event carries ``finish_reason`` and ``usage``, which
@@ -191,33 +211,11 @@ class ChatStream:
         session_id: the session it answers in (``""``: none).
     """
 
-    def __init__(self, lines: LineStream, *, session_id: str, on_done: Callable[[ChatStream], None] | None = None):
-        self._lines = lines
-        self._pieces: list[str] = []
-        self._closed = False
-        self._on_done = on_done
-        self._gen = self._iterate()
+    def __init__(self, lines: LineStream, *, session_id: str) -> None:
         self.finish_reason: str | None = None
         self.usage: ChatUsage | None = None
-        self.session_id = session_id
         self.done = False
-
-    def __iter__(self) -> Iterator[ChatStreamEvent]:
-        return self
-
-    def __next__(self) -> ChatStreamEvent:
-        return next(self._gen)
-
-    def __enter__(self) -> ChatStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    @property
-    def text(self) -> str:
-        """The text received so far."""
-        return "".join(self._pieces)
+        super().__init__(lines, session_id)
 
     def until_done(self) -> str:
         """Consume the rest of the stream; return the whole answer's text.
@@ -230,14 +228,6 @@ class ChatStream:
         if not self.done:
             raise LlavaError("the stream was closed before the answer was complete")
         return self.text
-
-    def close(self) -> None:
-        """Stop reading and release the connection. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._gen.close()
-        self._lines.close()
 
     def _iterate(self) -> Generator[ChatStreamEvent, None, None]:
         try:
@@ -260,8 +250,6 @@ class ChatStream:
             if self.finish_reason is None:
                 raise APIConnectionError("the stream ended before its last chunk")
             self.done = True
-            if self._on_done is not None:
-                self._on_done(self)
             yield ChatStreamEvent("", self.finish_reason, self.usage)
         finally:
             self._closed = True

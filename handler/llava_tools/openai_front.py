@@ -31,8 +31,8 @@ The session header, ``Accept`` and SageMaker's custom attributes pass through bo
 Each hop costs what the extra relay costs, so the front moves bytes, not objects: per client
 connection a thread reads the request head (RFC 9112 framing: ``Content-Length`` bodies, a chunked
 reply relayed chunk by chunk) and keeps one kept-alive connection to TorchServe; no header is parsed
-beyond what routing and framing need, and a body is decoded only when it may name an image URL. ``benchmarks/openai_front.py`` measures the added latency side
-by side (docs/design.md).
+beyond what routing and framing need, and a body is decoded only when it may name an image URL.
+``benchmarks/openai_front.py`` measures the added latency side by side (docs/design.md).
 """
 
 from __future__ import annotations

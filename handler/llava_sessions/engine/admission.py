@@ -216,7 +216,8 @@ class Admission:
         self._check_prompt(prompt, params)
         grammar = _grammar(self.runner, params)
         chat = session.chat()
-        ids, dropped, max_new = self._fit(chat, prompt, params.max_new_tokens, context_policy, clip_max_new_tokens)
+        clip = clip_max_new_tokens and context_policy == "truncate"  # `error` changes nothing (docs/api.md)
+        ids, dropped, max_new = self._fit(chat, prompt, params.max_new_tokens, context_policy, clip)
         if max_new != params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=max_new)
         runner = self.runner
@@ -257,7 +258,8 @@ class Admission:
     def _fit(
         self, chat: Chat, prompt: str, max_new: int, policy: ContextPolicy, clip: bool, *, hint: str | None = None
     ) -> tuple[list[int], int, int]:
-        """The conversation's ids fitted to the context: ``(ids, oldest turns dropped, max_new_tokens)``.
+        """The conversation's ids fitted to the context: ``(ids, oldest turns dropped, max_new_tokens)``;
+        ``truncate`` drops the oldest turns first, then ``clip`` lowers a default ``max_new`` to the room left.
 
         Raises:
             ServiceError: context_length_exceeded.
