@@ -755,3 +755,33 @@ def test_empty_s3_object_is_image_invalid(s3) -> None:
     stubber.add_response("head_object", {"ContentLength": 0}, {"Bucket": "my-bucket", "Key": "empty.png"})
     error = error_of(fetch_image_bytes, ImageSource(s3_uri="s3://my-bucket/empty.png"), Settings(), s3_client=client)
     assert error.code == ErrorCode.IMAGE_INVALID
+
+
+class _TricklingBody(io.RawIOBase):
+    """An object body that gives 100 bytes every 0.2 s, forever (a trickling S3 connection)."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        time.sleep(0.2)
+        n = min(100, len(buffer))
+        buffer[:n] = b"x" * n
+        return n
+
+
+def test_an_s3_object_that_trickles_ends_at_the_total_deadline(s3) -> None:
+    """Each read brings bytes (no read timeout fires), but the whole fetch stops at
+    ``fetch_total_timeout_s`` with ``image_fetch_timeout`` naming the bucket only."""
+    client, stubber = s3
+    stubber.add_response("head_object", {"ContentLength": 10**6}, {"Bucket": "slow-b", "Key": "k.png"})
+    body = StreamingBody(io.BufferedReader(_TricklingBody(), buffer_size=100), 10**6)
+    stubber.add_response("get_object", {"Body": body}, {"Bucket": "slow-b", "Key": "k.png", "Range": "bytes=0-2000000"})
+    settings = Settings(max_image_bytes=2_000_000, fetch_total_timeout_s=1.0)
+    t0 = time.monotonic()
+    error = error_of(fetch_image_bytes, ImageSource(s3_uri="s3://slow-b/k.png"), settings, s3_client=client)
+    assert time.monotonic() - t0 < 3.0
+    assert (error.code, error.status) == (ErrorCode.IMAGE_FETCH_TIMEOUT, 400)
+    assert (
+        "S3 bucket slow-b" in error.message and "1 s fetch deadline" in error.message and "k.png" not in error.message
+    )

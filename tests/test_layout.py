@@ -144,6 +144,7 @@ LAYERS: list[set[str]] = [
         "sampling.params",
         "sampling.grammar",
         "images.decode",
+        "images.s3",
         "model.templating",
         "wire.framing",
         "wire.affinity",

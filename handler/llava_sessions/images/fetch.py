@@ -21,7 +21,6 @@ import ipaddress
 import logging
 import re
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from requests.adapters import HTTPAdapter
 
 from ..errors import ErrorCode, ServiceError
 from .decode import DECODE_FORMATS, decode_image
+from .s3 import fetch_s3
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -57,9 +57,6 @@ _CHUNK_BYTES = 64 * 1024
 _MAX_ADDRESSES_TRIED = 3
 _HOST_CHARS_RE = re.compile(r"^[a-z0-9._-]{1,253}\Z")
 _BAD_URL_CHARS_RE = re.compile(r"[\x00-\x20\x7f]")
-_S3_URI_RE = re.compile(r"^s3://([^/\s]{3,255})/(.{1,1024})\Z", re.DOTALL)
-#: An S3 error code as botocore reports it (``AccessDenied``, ``NoSuchKey``, ``403``): shown in messages.
-_S3_CODE_RE = re.compile(r"^[A-Za-z0-9]{1,64}\Z")
 _WHITESPACE = str.maketrans("", "", " \t\r\n")
 _USER_AGENT = "llava-sessions-image-fetch/0.1"
 
@@ -91,7 +88,8 @@ def fetch_image_bytes(source: ImageSource, settings: Settings, *, s3_client: Any
       ``fetch_read_timeout_s``. The DNS lookup itself (``getaddrinfo``) is bounded by the system
       resolver's timeouts, not these. Errors name the URL's host, never its path or query.
     - ``s3_uri`` (``s3://bucket/key``): ``head_object`` first (``ContentLength`` over the cap is
-      refused), then ``get_object`` with ``Range: bytes=0-<cap>`` and a capped read. ``s3_client``
+      refused), then ``get_object`` with ``Range: bytes=0-<cap>`` and a capped read within the
+      total deadline (:func:`~llava_sessions.images.s3.fetch_s3`). ``s3_client``
       is a boto3 S3 client; by default one is created (and reused) with the settings' timeouts
       and the container's credentials.
 
@@ -115,7 +113,7 @@ def fetch_image_bytes(source: ImageSource, settings: Settings, *, s3_client: Any
     elif source.url is not None:
         data = _fetch_url(source.url, settings)
     elif source.s3_uri is not None:
-        data = _fetch_s3(source.s3_uri, settings, s3_client)
+        data = fetch_s3(source.s3_uri, settings, s3_client)
     else:  # ImageSource validation makes this unreachable
         raise ServiceError(ErrorCode.INVALID_REQUEST, "image: give exactly one of url, s3_uri, base64")
     if not data:
@@ -407,94 +405,3 @@ def _read_capped(response: requests.Response, settings: Settings, deadline: floa
         logger.debug("image URL body read failed: %r", exc)
         raise _fetch_failed(f"the image's body from {host} could not be read") from None
     return bytes(body)
-
-
-# ============================================================================================
-# S3
-# ============================================================================================
-
-_S3_CLIENTS: dict[tuple[float, float], Any] = {}
-_S3_LOCK = threading.Lock()
-
-
-def _default_s3_client(settings: Settings) -> Any:
-    """One boto3 S3 client per timeout pair, created once (clients are thread-safe, creation is not)."""
-    key = (settings.fetch_connect_timeout_s, settings.fetch_read_timeout_s)
-    with _S3_LOCK:
-        client = _S3_CLIENTS.get(key)
-        if client is None:
-            import boto3
-            from botocore.config import Config
-
-            config = Config(
-                connect_timeout=key[0], read_timeout=key[1], retries={"max_attempts": 2, "mode": "standard"}
-            )
-            client = boto3.session.Session().client("s3", config=config)
-            _S3_CLIENTS[key] = client
-        return client
-
-
-def _s3_error(exc: Exception, bucket: str, settings: Settings) -> ServiceError:
-    """The typed error of a failed S3 fetch: not found / denied / no credentials / timed out (naming the
-    bucket only) / could not be fetched."""
-    from botocore.exceptions import (
-        BotoCoreError,
-        ClientError,
-        ConnectTimeoutError,
-        NoCredentialsError,
-        ReadTimeoutError,
-    )
-
-    if isinstance(exc, ClientError):
-        error = exc.response.get("Error", {})
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        code = str(error.get("Code", ""))
-        shown = code if _S3_CODE_RE.match(code) else "an error"
-        cause = f" (S3 answered {shown}, HTTP {status})" if status else f" (S3 answered {shown})"
-        if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket") or status == 404:
-            return _fetch_failed(f"the S3 image object was not found{cause}")
-        if code in ("403", "AccessDenied", "Forbidden") or status == 403:
-            return _fetch_failed(
-                f"access to the S3 image object was denied{cause}: the server's role needs s3:GetObject on it"
-            )
-        return _fetch_failed(f"the S3 image object could not be fetched{cause}")
-    if isinstance(exc, NoCredentialsError):
-        return _fetch_failed(
-            "the server has no AWS credentials to read S3 (NoCredentialsError): give its role or environment "
-            "credentials, or send the image by URL or base64"
-        )
-    if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError, TimeoutError)):
-        return _timed_out(f"S3 bucket {bucket}", "the S3 client's connect or read timeout")
-    if isinstance(exc, (BotoCoreError, OSError)):
-        return _fetch_failed(f"the S3 image object could not be fetched ({type(exc).__name__})")
-    logger.debug("S3 image fetch failed: %r", exc)  # urllib3 errors from the body stream
-    return _fetch_failed("the S3 image object could not be fetched")
-
-
-def _fetch_s3(uri: str, settings: Settings, s3_client: Any) -> bytes:
-    match = _S3_URI_RE.match(uri)
-    if match is None:
-        raise ServiceError(ErrorCode.INVALID_PARAMETER, "image.s3_uri: must look like s3://bucket/key")
-    bucket, key = match.group(1), match.group(2)
-    cap = settings.max_image_bytes
-    try:
-        client = s3_client if s3_client is not None else _default_s3_client(settings)
-        head = client.head_object(Bucket=bucket, Key=key)
-        size = int(head.get("ContentLength", 0))
-        if size > cap:
-            raise ServiceError(ErrorCode.IMAGE_TOO_LARGE, f"the image is over {cap} bytes")
-        if size == 0:
-            raise ServiceError(ErrorCode.IMAGE_INVALID, "the image is empty (0 bytes)")
-        obj = client.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{cap}")
-        stream = obj["Body"]
-        try:
-            data = stream.read(cap + 1)
-        finally:
-            stream.close()
-    except ServiceError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every S3 failure becomes a typed error
-        raise _s3_error(exc, bucket, settings) from None
-    if len(data) > cap:
-        raise ServiceError(ErrorCode.IMAGE_TOO_LARGE, f"the image is over {cap} bytes")
-    return data
