@@ -127,14 +127,7 @@ class AnswerStream(_Stream[str]):
     def _iterate(self) -> Generator[str, None, None]:
         try:
             for raw in self._lines:
-                try:
-                    line = json.loads(raw)
-                except ValueError:
-                    raise LlavaError(f"malformed stream line from the server: {raw[:200]!r}") from None
-                if not isinstance(line, dict):
-                    raise LlavaError("malformed stream line from the server (not a JSON object)")
-                if line.get("error"):
-                    raise status_error_from_body(200, line)
+                line = _json_line(raw)
                 token = line.get("token")
                 if token:  # every line of an answer has one; the last also has generated_text and details
                     if self._ttft_ms is None:
@@ -238,7 +231,7 @@ class ChatStream(_Stream[ChatStreamEvent]):
                     continue
                 if text == "[DONE]":
                     break
-                chunk = _chunk(text)
+                chunk = _json_line(text)
                 if chunk.get("usage"):
                     self.usage = ChatUsage.from_wire(chunk["usage"])
                 for choice in chunk.get("choices") or ():
@@ -256,14 +249,18 @@ class ChatStream(_Stream[ChatStreamEvent]):
             self._lines.close()
 
 
-def _chunk(text: str) -> dict[str, Any]:
-    """A ``chat.completion.chunk`` of the stream (an error object raises, typed by its code)."""
+def _json_line(raw: bytes | str) -> dict[str, Any]:
+    """One JSON object of a stream (a native answer's line, a ``chat.completion.chunk``).
+
+    Raises:
+        LlavaError: not a JSON object. APIStatusError: it is an error object (typed by its code).
+    """
     try:
-        chunk = json.loads(text)
+        line = json.loads(raw)
     except ValueError:
-        raise LlavaError(f"malformed stream line from the server: {text[:200]!r}") from None
-    if not isinstance(chunk, dict):
+        raise LlavaError(f"malformed stream line from the server: {raw[:200]!r}") from None
+    if not isinstance(line, dict):
         raise LlavaError("malformed stream line from the server (not a JSON object)")
-    if chunk.get("error"):
-        raise status_error_from_body(200, chunk)
-    return chunk
+    if line.get("error"):
+        raise status_error_from_body(200, line)
+    return line
