@@ -193,7 +193,7 @@ class ResponseFormat(ChatInbound):
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
             raise PydanticCustomError("json_schema_required", "type json_schema needs json_schema.schema")
         return self
 
@@ -314,11 +314,9 @@ class ChatCompletionRequest(ChatInbound):
             return json_grammar(schema, "structured_outputs.json")
         if fmt is None or fmt.type == "text":
             return None
-        schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
-        if fmt.type == "json_schema" and schema is None:
-            message = "response_format.json_schema.schema: required for type json_schema"
-            raise ServiceError(ErrorCode.INVALID_PARAMETER, message, param="response_format")
-        return json_grammar(schema, "response_format.json_schema.schema" if schema else "response_format")
+        if fmt.json_schema is None or fmt.type == "json_object":  # json_schema's schema: checked by the model
+            return json_grammar(None, "response_format")
+        return json_grammar(fmt.json_schema.json_schema, "response_format.json_schema.schema")
 
     @property
     def answer_limit(self) -> int | None:

@@ -98,7 +98,8 @@ class Sampler:
                 scores[0, token] += bias
         if masking:
             ends = [t for t in self._ends if t < vocab]
-            if self.grammar is None or bool(torch.isfinite(scores[0]).sum() > torch.isfinite(scores[0, ends]).sum()):
+            allowed = torch.isfinite(scores[0])
+            if self.grammar is None or bool(allowed.sum() > allowed[ends].sum()):  # something besides an end
                 scores[0, ends] = float("-inf")
         return scores
 
