@@ -16,6 +16,7 @@ import torch
 from llava_sessions.engine import EngineLimits, Generation, SessionEngine
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import cache_len
+from llava_sessions.model.fused import FUSED_ATTENTION
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.conversation import Turn
 from llava_sessions.sessions.store import SessionStore, Tier
@@ -218,3 +219,38 @@ def test_an_open_abandoned_midway_leaves_no_session(runner, photos):
     assert not task.done and "half" in eng.store and eng.store.get("half").busy
     task.close()
     assert "half" not in eng.store and eng.store.device_bytes() == 0
+
+
+def test_a_fused_pass_that_fails_midway_runs_its_parts_apart_and_loses_nothing(runner, photos):
+    """The decode step and a prefill chunk share one forward pass (rule 9 of the scheduler). When that
+    pass fails after some layers wrote their keys (here: the last layer raises, once per pass, twice),
+    the batch's column and the session's cache are put back, each part runs alone, and every answer
+    still equals the one computed alone."""
+    expected = alone(runner, photos)
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    eng.store.demote("b", Tier.FEATURES)
+    ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
+    eng.step([ga])
+    gb = eng.start("b", CASES[1][3], CASES[1][4], remember=False)
+    failures = {"left": 2, "seen": 0}
+
+    def fail_fused_pass(module, args):
+        if runner.config.text_config._attn_implementation == FUSED_ATTENTION:
+            failures["seen"] += 1
+            if failures["left"] > 0:
+                failures["left"] -= 1
+                raise RuntimeError("a fault in the fused pass")
+
+    hook = runner.model.model.language_model.layers[-1].register_forward_pre_hook(fail_fused_pass)
+    try:
+        while not (ga.done and gb.done):
+            eng.step([w for w in (ga, gb) if not w.done], prefill_budget=64)
+    finally:
+        hook.remove()
+    assert failures == {"left": 0, "seen": failures["seen"]} and failures["seen"] >= 3
+    assert ga.error is None and gb.error is None
+    assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
+    assert [t.id for t in gb.answer.tokens] == [t.id for t in expected["b"]]
+    s = eng.store.get("b")
+    assert not s.busy and cache_len(s.kv_cache) == len(s.cached_ids)

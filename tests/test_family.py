@@ -247,3 +247,29 @@ def test_a_context_too_small_for_another_image_is_a_422(family, photos) -> None:
     with pytest.raises(ServiceError) as e:
         eng.add_image("s", photos["astronaut"])
     assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and len(eng.store.get("s").images) == 2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_chunks_riding_the_decode_step_match_generate(family, small_photos, arch) -> None:
+    """A question's prompt and an open's prefix prefilled in chunks inside the running answers' decode
+    passes (rule 9 of the scheduler): every answer, and the session opened so, as ``generate`` gives."""
+    runner, (img1, img2, img3) = (
+        family[arch],
+        (small_photos["astronaut"], small_photos["coffee"], small_photos["rocket"]),
+    )
+    eng = engine(runner)
+    eng.open("running", img1)
+    eng.open("asking", img2)
+    q = "What is in this image?"
+    running = eng.start("running", q, GREEDY, remember=False)
+    eng.step([running])  # prefilled alone: it decodes from the next step on
+    asking = eng.start("asking", q, GREEDY, remember=False)
+    opening = eng.begin_open("opened", img3)
+    work = [running, asking, opening]
+    while not all(w.done for w in work):
+        eng.step([w for w in work if not w.done], prefill_budget=24)
+    assert eng.model.num_fused_passes >= 3
+    assert running.error is None and asking.error is None and opening.error is None
+    assert ids(running.answer) == reference(runner, [([img1], q, None)])[0]
+    assert ids(asking.answer) == reference(runner, [([img2], q, None)])[0]
+    assert ids(eng.generate("opened", q, GREEDY)) == reference(runner, [([img3], q, None)])[0]

@@ -123,18 +123,52 @@ def test_nothing_decoding_later_pieces_run_only_in_the_time_left() -> None:
 
 
 def test_while_decoding_the_prefill_chunk_fits_the_step_time_left_by_the_decode_step() -> None:
-    plan = schedule([decoding(), decoding(), question(500)], TIMED, ROWS, COST)
-    assert plan.decode == (0, 1)
+    # rule 8 alone (every chunk a pass of its own; rule 9 below)
+    plan = schedule([decoding(), decoding(), question(500)], TIMED, ROWS, COST, fuse=False)
+    assert plan.decode == (0, 1) and not plan.fuse
     assert plan.prefill == (PrefillPiece(2, False, 100),)  # 150 - 30 (decode) - 20 (fixed) = 100 tokens
     slower = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=2.0, decode_ms=30.0, vision_ms=50.0)
-    assert schedule([decoding(), question(500)], TIMED, ROWS, slower).prefill == (PrefillPiece(1, False, 50),)
+    assert schedule([decoding(), question(500)], TIMED, ROWS, slower, fuse=False).prefill == (
+        PrefillPiece(1, False, 50),
+    )
 
 
 def test_while_decoding_a_vision_tower_takes_its_cost_and_the_rest_prefills_in_the_same_pass() -> None:
-    plan = schedule([decoding(), image(600)], TIMED, ROWS, COST)
+    plan = schedule([decoding(), image(600)], TIMED, ROWS, COST, fuse=False)
     assert plan.prefill == (PrefillPiece(1, True, 50),)  # 150 - 30 - 50 (tower) - 20 (fixed) = 50 tokens
-    tight = schedule([decoding(), image(600)], TimeBudget(90.0, 4096), ROWS, COST)
+    tight = schedule([decoding(), image(600)], TimeBudget(90.0, 4096), ROWS, COST, fuse=False)
     assert tight.prefill == (PrefillPiece(1, True, 0),)  # the tower alone: it still moves
+
+
+# ---------------------------------------------------------------- the first chunk rides the decode step (rule 9)
+def test_while_decoding_the_first_chunk_rides_the_decode_pass_and_costs_its_tokens_only() -> None:
+    plan = schedule([decoding(), decoding(), question(500)], TIMED, ROWS, COST)
+    assert plan.fuse and plan.decode == (0, 1)
+    assert plan.prefill == (PrefillPiece(2, False, 120),)  # 150 - 30 (decode) = 120 tokens, no fixed cost
+    # after its vision tower alike: 150 - 30 - 50 (tower) = 70 tokens
+    assert schedule([decoding(), image(600)], TIMED, ROWS, COST).prefill == (PrefillPiece(1, True, 70),)
+    # a second piece is a pass of its own: its fixed cost counts (150 - 30 - 40 = 80 ms: 16 + 20 fit)
+    two = schedule([decoding(), question(40), question(500)], TIMED, ROWS, COST)
+    assert two.fuse and two.prefill == (PrefillPiece(1, False, 40), PrefillPiece(2, False, 60))
+
+
+def test_nothing_rides_without_decode_rows_or_without_a_chunk() -> None:
+    assert not schedule([image(589)], TIMED, BatchLayout(), COST).fuse  # nothing decoding: a pass of its own
+    tight = schedule([decoding(), image(600)], TimeBudget(80.0, 4096), ROWS, COST)
+    assert tight.prefill == (PrefillPiece(1, True, 0),) and not tight.fuse  # the tower alone: no chunk
+    assert not schedule([decoding()], TIMED, ROWS, COST).fuse
+    # a token budget fuses alike (its chunk sizes do not change), unless fusing is off
+    counted = schedule([decoding(), question(100)], 64, ROWS)
+    assert counted.fuse and counted.prefill == (PrefillPiece(1, False, 63),)
+    assert not schedule([decoding(), question(100)], 64, ROWS, fuse=False).fuse
+    assert not schedule([decoding(), image(600)], 64, ROWS).fuse  # a vision piece spends a token budget's share
+
+
+def test_the_cost_model_counts_a_fused_pass_as_the_decode_step_plus_the_chunks_tokens() -> None:
+    model = CostModel(StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0), decay=0.0)
+    model.fused(100, 140.0)  # 100 tokens at 1 ms: the other 40 ms are the decode step's
+    assert model.estimate().decode_ms == pytest.approx(40.0)
+    assert model.estimate().prefill_token_ms == 1.0 and model.estimate().prefill_fixed_ms == 20.0
 
 
 def test_while_decoding_the_first_piece_always_moves_and_later_ones_need_room() -> None:

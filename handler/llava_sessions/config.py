@@ -101,9 +101,7 @@ class Settings(BaseModel):
     session_ttl_s: int = Field(
         1200, gt=0, description="Absolute lifetime of a session from open, in seconds (the SageMaker Expires instant)."
     )
-    idle_timeout_s: int = Field(
-        0, ge=0, description="A session idle this many seconds expires; 0 disables the idle timeout."
-    )
+    idle_timeout_s: int = Field(0, ge=0, description="A session idle this many seconds expires; 0: no idle timeout.")
     device_budget_bytes: int = Field(
         0, ge=0, description="Device bytes for session caches; 0 means use device_budget_fraction."
     )
@@ -200,9 +198,8 @@ class Settings(BaseModel):
         description="Most prompt tokens one prefill pass runs (its activation memory); with nothing "
         "decoding a prompt up to this long is prefilled in one pass. Adaptive budget only.",
     )
-    step_max_ms: float = Field(
-        100.0, gt=0.0, description="Most milliseconds one scheduler call spends before replying."
-    )
+    step_max_ms: float = Field(100.0, gt=0.0, description="Most ms one scheduler call spends before replying.")
+    fuse_prefill: bool = Field(True, description="While answers decode, a prefill chunk rides their forward pass.")
 
     # --- misc -------------------------------------------------------------------------------
     system_prompt: str | None = Field(

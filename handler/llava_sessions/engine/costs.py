@@ -38,15 +38,18 @@ class StepCost:
     decode_ms: float = 35.0
     vision_ms: float = 50.0
 
-    def prefill_ms(self, num_tokens: int) -> float:
-        """The estimated ms of one prefill pass of ``num_tokens`` tokens."""
-        return self.prefill_fixed_ms + num_tokens * self.prefill_token_ms
+    def prefill_ms(self, num_tokens: int, *, fused: bool = False) -> float:
+        """The estimated ms of one prefill pass of ``num_tokens`` tokens (``fused``: of a chunk that
+        rides the decode step's pass, which pays the fixed cost: its tokens only)."""
+        return (0.0 if fused else self.prefill_fixed_ms) + num_tokens * self.prefill_token_ms
 
-    def tokens_within(self, ms: float) -> int:
-        """The most tokens one prefill pass runs within ``ms`` (0 when not even its fixed cost fits)."""
-        if ms <= self.prefill_fixed_ms:
+    def tokens_within(self, ms: float, *, fused: bool = False) -> int:
+        """The most tokens one prefill pass (``fused``: a chunk riding the decode step) runs within
+        ``ms`` (0 when not even its fixed cost fits)."""
+        fixed = 0.0 if fused else self.prefill_fixed_ms
+        if ms <= fixed:
             return 0
-        return int((ms - self.prefill_fixed_ms) / max(self.prefill_token_ms, 1e-6))
+        return int((ms - fixed) / max(self.prefill_token_ms, 1e-6))
 
 
 class CostModel:
@@ -94,6 +97,11 @@ class CostModel:
         """Record a batched decode step that took ``ms``."""
         if math.isfinite(ms) and ms >= 0:
             self._set(decode_ms=self._mean(self._cost.decode_ms, ms))
+
+    def fused(self, num_tokens: int, ms: float) -> None:
+        """Record a decode step that carried a prefill chunk of ``num_tokens`` tokens in ``ms``: the
+        chunk's tokens at the current per-token cost, the rest is the decode step's."""
+        self.decode(max(0.0, ms - num_tokens * self._cost.prefill_token_ms))
 
     def vision(self, num_images: int, ms: float) -> None:
         """Record ``num_images`` images through the vision tower in ``ms``."""

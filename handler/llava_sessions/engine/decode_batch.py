@@ -25,6 +25,7 @@ from .memory import oom_attempts
 from .scheduler import BatchLayout
 
 if TYPE_CHECKING:
+    from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Generation
 
@@ -74,19 +75,9 @@ class DecodeBatch:
             ServiceError: overloaded (no device memory for the batch, or out of memory twice).
             Exception: the forward pass failed (the batch is left as before the step).
         """
-        if rebuild:
-            self._build([g for g in gens if g.row is None])
+        tokens, positions, col = self._inputs(gens, rebuild)
         cache, mask = self.cache, self.mask
         assert cache is not None and mask is not None
-        col = cache.length
-        tokens = [0] * len(self.rows)
-        positions = [0] * len(self.rows)
-        for g in gens:
-            assert g.row is not None, "an answer without a row decodes only after a rebuild"
-            tokens[g.row] = g.events[-1].id
-            positions[g.row] = g.next_position
-            mask[g.row, col] = 1
-
         try:
             for attempt in oom_attempts(self.store, keep=None):
                 with attempt:
@@ -99,6 +90,51 @@ class DecodeBatch:
             mask[:, col] = 0
             raise
         return logits
+
+    def forward_with_chunk(
+        self, gens: list[Generation], *, rebuild: bool, session: Session, ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, with the prefill of ``ids`` beyond ``session``'s KV cache in the same
+        forward pass (:meth:`LlavaRunner.fused_step <llava_sessions.model.LlavaRunner.fused_step>`).
+
+        Returns:
+            ``(logits [B, vocab], logits [vocab])`` float32: the rows' (by ``row``), the chunk's last
+            position's.
+
+        Raises:
+            ServiceError: overloaded (as :meth:`forward`). Exception: the forward pass failed (the
+            batch and the session's cache are left as before the step).
+        """
+        tokens, positions, col = self._inputs(gens, rebuild)
+        cache, mask = self.cache, self.mask
+        assert cache is not None and mask is not None
+        try:
+            for attempt in oom_attempts(self.store, keep=session):
+                with attempt:
+                    out = self.runner.fused_step(
+                        cache, tokens, positions, mask[:, : col + 1], session.kv_cache, ids, session.image_features
+                    )
+        except BaseException:
+            mask[:, col] = 0
+            raise
+        return out
+
+    def _inputs(self, gens: list[Generation], rebuild: bool) -> tuple[list[int], list[int], int]:
+        """Lay the batch out anew when ``rebuild``, open the next column to ``gens``' rows; returns
+        every row's input token and position (0 for a row that sits out) and that column."""
+        if rebuild:
+            self._build([g for g in gens if g.row is None])
+        cache, mask = self.cache, self.mask
+        assert cache is not None and mask is not None
+        col = cache.length
+        tokens = [0] * len(self.rows)
+        positions = [0] * len(self.rows)
+        for g in gens:
+            assert g.row is not None, "an answer without a row decodes only after a rebuild"
+            tokens[g.row] = g.events[-1].id
+            positions[g.row] = g.next_position
+            mask[g.row, col] = 1
+        return tokens, positions, col
 
     def release(self, gen: Generation) -> Any:
         """Take ``gen`` out of the batch; returns its row's valid columns as a new ``DynamicCache``

@@ -30,8 +30,8 @@ from .admission import Admission, EngineLimits
 from .decode_batch import DecodeBatch
 from .memory import new_session_bytes
 from .model_runner import ModelRunner
-from .scheduler import PrefillPiece, TimeBudget, schedule
-from .sequence import Generation, ImageTask, Phase, Work
+from .scheduler import TimeBudget, schedule
+from .sequence import Generation, ImageTask, Work
 from .sharing import ImageSharing, Unsalted, reusable_len
 from .updates import StateUpdates
 
@@ -56,6 +56,8 @@ class SessionEngine:
         share_images: a session may use image features and prefix KV another session holds
             (:class:`~.sharing.ImageSharing`); False: only its own (``share_images: false``).
         unsalted: what requests without a ``cache_salt`` share (:data:`~.sharing.Unsalted`).
+        fuse_prefill: a step's first prefill chunk runs in the decode step's forward pass while
+            answers decode (rule 9 of :mod:`.scheduler`); False: a pass of its own.
 
     Attributes:
         model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
@@ -73,8 +75,10 @@ class SessionEngine:
         check_invariants: bool = False,
         share_images: bool = True,
         unsalted: Unsalted = "shared",
+        fuse_prefill: bool = True,
     ) -> None:
         self.runner = runner
+        self.fuse = fuse_prefill
         self.store = store
         self.decode_image = decode_image
         self.limits = limits or EngineLimits()
@@ -419,18 +423,18 @@ class SessionEngine:
         (an open's session is removed); the others are untouched. Never raises ``Exception``.
         """
         live = [w for w in work if not w.done]
-        plan = schedule([w.view() for w in live], prefill_budget, self.batch.layout(), self.model.costs.estimate())
-        if plan.decode:
-            self._update.decode([self._as_generation(live[i]) for i in plan.decode], rebuild=plan.rebuild)
-        for piece in plan.prefill:
-            w = live[piece.index]
-            try:
-                self._run_piece(w, piece)
-            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
-                self._update.fail(w, exc)
-            except BaseException:
-                self._update.fail(w, RuntimeError("interrupted"))
-                raise
+        plan = schedule(
+            [w.view() for w in live], prefill_budget, self.batch.layout(), self.model.costs.estimate(), fuse=self.fuse
+        )
+        gens = [self._as_generation(live[i]) for i in plan.decode]
+        pieces = list(plan.prefill)
+        if plan.fuse:
+            first = pieces.pop(0)
+            self._update.decode_with_chunk(gens, plan.rebuild, live[first.index], first)
+        elif gens:
+            self._update.decode(gens, rebuild=plan.rebuild)
+        for piece in pieces:
+            self._update.run_piece(live[piece.index], piece)
         self._check()
 
     def abandon(self, work: Work) -> None:
@@ -438,27 +442,6 @@ class SessionEngine:
         an open's session is removed. No-op once the work is done."""
         if not work.done:
             self._update.put_back(work)
-
-    def _run_piece(self, w: Work, piece: PrefillPiece) -> None:
-        """Execute one prefill piece of the plan: the vision tower or a restore, then a prefill chunk."""
-        if isinstance(w, Generation):
-            if w.phase is Phase.WAITING:
-                self._update.start_generation(w)
-            if piece.num_tokens == 0:
-                return  # the restore's vision tower took this step's share
-            logits, _ = self.model.prefill(w.session, w.prompt_ids, piece.num_tokens, w.timings)
-            if len(w.session.cached_ids) == len(w.prompt_ids):
-                w.prefilled_all()
-                self._update.accept(w, logits)
-            return
-        if piece.vision or not w.encoded:  # not a vision piece: features another session holds
-            self._update.encode_image_task(w)
-            if piece.vision and piece.num_tokens == 0:
-                return  # the vision tower took this step's share
-        if len(w.session.cached_ids) < len(w.prefix):
-            self.model.prefill(w.session, w.prefix, piece.num_tokens, w.timings)
-        if len(w.session.cached_ids) == len(w.prefix):
-            self._update.finish_image_task(w)
 
     def _run_whole(self, task: ImageTask) -> Any:
         """Step ``task`` alone without a budget until done; returns its result or raises its error."""

@@ -39,6 +39,7 @@ class ModelRunner:
     Attributes:
         batch: the running answers' :class:`~.decode_batch.DecodeBatch`.
         num_prefilled_tokens: tokens prefilled since start (a counter for metrics).
+        num_fused_passes: decode steps that carried a prefill chunk (:meth:`decode_with_chunk`).
         costs: the measured cost of each kind of pass (:class:`~.costs.CostModel`).
     """
 
@@ -47,6 +48,7 @@ class ModelRunner:
         self.store = store
         self.batch = DecodeBatch(runner, store)
         self.num_prefilled_tokens = 0
+        self.num_fused_passes = 0
         self.costs = CostModel()
 
     def _ms_since(self, t0: float) -> float:
@@ -141,6 +143,39 @@ class ModelRunner:
         if not rebuild:  # a rebuild copies every row's KV once: not what a step costs from then on
             self.costs.decode(self._ms_since(t0))
         return logits
+
+    def decode_with_chunk(
+        self,
+        gens: list[Generation],
+        *,
+        rebuild: bool,
+        session: Session,
+        ids: list[int],
+        num_tokens: int | None,
+        timings: dict[str, float],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of ``gens`` and the prefill of the next ``num_tokens`` of ``ids`` beyond
+        ``session``'s cache (as :meth:`prefill`) in ONE forward pass
+        (:meth:`DecodeBatch.forward_with_chunk`); the session records the ids its cache now holds.
+
+        Returns:
+            ``(logits [B, vocab] by row, logits [vocab] of the chunk's last position)``, float32.
+
+        Raises:
+            ServiceError: overloaded. Exception: the pass failed (nothing it touched changed).
+        """
+        t0 = time.perf_counter()
+        start = cache_len(session.kv_cache)
+        end = len(ids) if num_tokens is None else min(len(ids), start + max(1, num_tokens))
+        rows, last = self.batch.forward_with_chunk(gens, rebuild=rebuild, session=session, ids=ids[:end])
+        session.record_prefill(ids[:end])
+        self.num_prefilled_tokens += end - start
+        self.num_fused_passes += 1
+        ms = self._ms_since(t0)
+        if not rebuild:
+            self.costs.fused(end - start, ms)
+        timings["prefill"] = round(timings.get("prefill", 0.0) + ms, 3)
+        return rows, last
 
     def new_cache(self) -> Any:
         """An empty ``DynamicCache`` for a session."""

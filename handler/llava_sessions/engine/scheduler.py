@@ -35,6 +35,13 @@ rules 2, 4 and 5 with these, given the measured :class:`~.costs.StepCost` of eac
    left (``fixed + n * per_token``). The first piece always moves (its vision tower, or at least
    :data:`MIN_PREFILL_TOKENS` tokens); a later piece runs only when the vision tower it needs and
    :data:`MIN_PREFILL_TOKENS` tokens fit in the time left. Rules 1, 3 and 6 hold as before.
+
+Under either budget:
+
+9. **The first chunk rides the decode step.** While answers decode, the first piece's prefill chunk
+   runs in the decode step's forward pass (Sarathi-Serve's stall-free batching: the pass's fixed
+   cost is paid once), so under a time budget it costs its tokens only (``n * per_token``); the
+   step's other pieces are passes of their own.
 """
 
 from __future__ import annotations
@@ -115,11 +122,13 @@ class PrefillPiece:
 @dataclass(frozen=True)
 class StepPlan:
     """One step: ``decode`` (indexes of the answers that decode one token together), ``rebuild``
-    (lay the decode batch out anew first), ``prefill`` (pieces, in the order they run)."""
+    (lay the decode batch out anew first), ``prefill`` (pieces, in the order they run), ``fuse``
+    (rule 9: the first piece's chunk runs in the decode step's forward pass)."""
 
     decode: tuple[int, ...] = ()
     rebuild: bool = False
     prefill: tuple[PrefillPiece, ...] = ()
+    fuse: bool = False
 
     @property
     def empty(self) -> bool:
@@ -140,10 +149,13 @@ def schedule(
     token_budget: int | TimeBudget | None,
     batch: BatchLayout = BatchLayout(),
     cost: StepCost | None = None,
+    *,
+    fuse: bool = True,
 ) -> StepPlan:
     """Plan one step over ``work`` (in arrival order) within ``token_budget``: a number of tokens
     (rules 1-6), a :class:`TimeBudget` with the passes' measured ``cost`` (rules 1, 3, 6, 7, 8; None:
-    :class:`~.costs.StepCost`'s defaults), or None (no limit).
+    :class:`~.costs.StepCost`'s defaults), or None (no limit); ``fuse``: rule 9 holds (False: every
+    prefill chunk is a pass of its own).
 
     Returns:
         The :class:`StepPlan`.
@@ -152,8 +164,19 @@ def schedule(
     rebuild = bool(decode) and needs_rebuild(batch, any(not work[i].has_row for i in decode))
     order = [i for kind in ("question", "image") for i, w in enumerate(work) if w.kind == kind and not w.decoding]
     if isinstance(token_budget, TimeBudget):
-        return StepPlan(decode, rebuild, _timed(work, order, token_budget, cost or StepCost(), bool(decode)))
-    share = None if token_budget is None else max(token_budget - len(decode), MIN_PREFILL_TOKENS)
+        fused = fuse and bool(decode)
+        pieces = _timed(work, order, token_budget, cost or StepCost(), bool(decode), fused)
+    else:
+        pieces = _counted(work, order, token_budget, len(decode))
+    fused = fuse and bool(decode) and bool(pieces) and pieces[0].num_tokens != 0
+    return StepPlan(decode, rebuild, pieces, fused)
+
+
+def _counted(
+    work: Sequence[WorkView], order: list[int], token_budget: int | None, num_decode: int
+) -> tuple[PrefillPiece, ...]:
+    """Rules 2, 4 and 5: the prefill pieces of a step under a token budget (None: every piece whole)."""
+    share = None if token_budget is None else max(token_budget - num_decode, MIN_PREFILL_TOKENS)
     pieces: list[PrefillPiece] = []
     for i in order:
         if share is not None and share <= 0:
@@ -167,13 +190,14 @@ def schedule(
         pieces.append(PrefillPiece(i, False, num))
         if share is not None:
             share -= num
-    return StepPlan(decode, rebuild, tuple(pieces))
+    return tuple(pieces)
 
 
 def _timed(
-    work: Sequence[WorkView], order: list[int], budget: TimeBudget, cost: StepCost, decoding: bool
+    work: Sequence[WorkView], order: list[int], budget: TimeBudget, cost: StepCost, decoding: bool, fused: bool
 ) -> tuple[PrefillPiece, ...]:
-    """Rules 7-8: the prefill pieces of a step under a time budget."""
+    """Rules 7-9: the prefill pieces of a step under a time budget (``fused``: the first piece's chunk
+    rides the decode step's pass and costs its tokens only)."""
     ms_left = budget.step_ms - (cost.decode_ms if decoding else 0.0)
     pieces: list[PrefillPiece] = []
     for i in order:
@@ -186,9 +210,10 @@ def _timed(
         if not pieces and not decoding:
             num = min(w.num_prefill_tokens, budget.max_pass_tokens)
         else:
-            num = min(w.num_prefill_tokens, budget.max_pass_tokens, cost.tokens_within(ms_left))
+            rides = fused and not pieces
+            num = min(w.num_prefill_tokens, budget.max_pass_tokens, cost.tokens_within(ms_left, fused=rides))
             if not pieces and not w.needs_vision:
                 num = max(num, least)
         pieces.append(PrefillPiece(i, w.needs_vision, num))
-        ms_left -= cost.prefill_ms(num) if num else 0.0
+        ms_left -= cost.prefill_ms(num, fused=fused and len(pieces) == 1) if num else 0.0
     return tuple(pieces)

@@ -1,6 +1,7 @@
 """What a step's pieces need and produce, applied to the work in flight and its session.
 
-Before a prefill: a demoted session is restored (its features re-encoded from the ``image`` tier)
+Each prefill piece of a step's plan runs here (:meth:`StateUpdates.run_piece`; the first rides the decode
+step's pass when the plan says so: :meth:`StateUpdates.decode_with_chunk`). Before a prefill: a demoted session is restored (its features re-encoded from the ``image`` tier)
 and its cache cropped to the tokens the answer reuses, with the memory reserved; an image task's
 images join the session and are encoded. After a forward pass: the next token is sampled and
 recorded, and a finished answer or task updates its session (the remembered turn, the cache kept
@@ -10,6 +11,7 @@ before the request (an open's session is removed). Forward passes themselves are
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +23,8 @@ from ..errors import ServiceError, overloaded
 from ..results import FinishReason, RestoredFrom, elapsed_ms
 from ..sessions.conversation import Turn, common_prefix_len
 from ..sessions.ledger import Tier
-from .sequence import Generation, ImageTask, Work
+from .scheduler import PrefillPiece
+from .sequence import Generation, ImageTask, Phase, Work
 
 if TYPE_CHECKING:
     from ..sessions.session import Session
@@ -126,6 +129,11 @@ class StateUpdates:
             for g in gens:
                 self.put_back(g)
             raise
+        self.accept_rows(gens, logits)
+
+    def accept_rows(self, gens: list[Generation], logits: torch.Tensor) -> None:
+        """Sample each of ``gens``' next token from its row of ``logits [B, vocab]`` (float32, the
+        decode step's); one that fails to sample fails alone."""
         for g in gens:
             assert g.row is not None
             try:
@@ -251,3 +259,93 @@ class StateUpdates:
             log.exception("could not read a session back from the decode batch")
             session.drop_kv()
         session.keep_kv(len(session.cached_ids) if not gen.prefilled else gen.num_reused_tokens)
+
+    def run_piece(self, w: Work, piece: PrefillPiece) -> None:
+        """Execute one prefill piece of a step's plan: what comes before its chunk (a waiting answer's
+        start, an image's vision tower), then the chunk in a pass of its own. A failure is ``w``'s
+        alone (its ``error`` set, its session put back)."""
+        self._piece(w, piece, fallback=False)
+
+    def _piece(self, w: Work, piece: PrefillPiece, *, fallback: bool) -> bool:
+        """Run ``piece`` of ``w``: its work before the chunk and, unless ``fallback`` (the chunk is the
+        caller's), its chunk. A failure is ``w``'s alone (its ``error`` set, its session put back).
+
+        Returns:
+            Whether a chunk is left to run (``fallback`` only).
+        """
+        try:
+            if not self._before_chunk(w, piece):
+                return False
+            if fallback:
+                return True
+            self._after_chunk(w, self.model.prefill(w.session, self._ids(w), piece.num_tokens, w.timings)[0])
+        except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
+            self.fail(w, exc)
+        except BaseException:
+            self.fail(w, RuntimeError("interrupted"))
+            raise
+        return False
+
+    def decode_with_chunk(self, gens: list[Generation], rebuild: bool, w: Work, piece: PrefillPiece) -> None:
+        """Rule 9 (:mod:`.scheduler`): the decode step of ``gens`` and ``piece``'s chunk in one forward
+        pass. When the piece runs no chunk after all, the decode step runs alone; when the pass
+        fails, each part runs again on its own, so each failure stays its own request's."""
+        if not self._piece(w, piece, fallback=True):
+            self.decode(gens, rebuild=rebuild)
+            return
+        try:
+            rows, last = self.model.decode_with_chunk(
+                gens,
+                rebuild=rebuild,
+                session=w.session,
+                ids=self._ids(w),
+                num_tokens=piece.num_tokens,
+                timings=w.timings,
+            )
+        except Exception:  # noqa: BLE001 - whose failure it is, the parts alone tell
+            log.debug("the fused decode and prefill pass failed; running them apart", exc_info=True)
+            self.decode(gens, rebuild=rebuild)
+            self._piece(w, dataclasses.replace(piece, vision=False), fallback=False)
+            return
+        except BaseException:
+            for g in gens:
+                self.put_back(g)
+            self.fail(w, RuntimeError("interrupted"))
+            raise
+        self.accept_rows(gens, rows)
+        try:
+            self._after_chunk(w, last)
+        except Exception as exc:  # noqa: BLE001
+            self.fail(w, exc)
+
+    def _before_chunk(self, w: Work, piece: PrefillPiece) -> bool:
+        """What runs before a piece's prefill chunk: a waiting answer's start (restore, memory, crop),
+        an image's vision tower. Returns False when the piece runs no chunk this step (the vision
+        tower took its share, or the image's prefix is all cached: then its task is finished)."""
+        if isinstance(w, Generation):
+            if w.phase is Phase.WAITING:
+                self.start_generation(w)
+            return piece.num_tokens != 0
+        if piece.vision or not w.encoded:  # not a vision piece: features another session holds
+            self.encode_image_task(w)
+            if piece.vision and piece.num_tokens == 0:
+                return False  # the vision tower took this step's share
+        if len(w.session.cached_ids) < len(w.prefix):
+            return True
+        self.finish_image_task(w)
+        return False
+
+    def _after_chunk(self, w: Work, logits: Any) -> None:
+        """What follows a prefill chunk: an answer whose prompt is all prefilled samples its first
+        token; an image whose prefix is all cached is done."""
+        if isinstance(w, Generation):
+            if len(w.session.cached_ids) == len(w.prompt_ids):
+                w.prefilled_all()
+                self.accept(w, logits)
+        elif len(w.session.cached_ids) == len(w.prefix):
+            self.finish_image_task(w)
+
+    @staticmethod
+    def _ids(w: Work) -> list[int]:
+        """The full token ids ``w`` prefills (an answer's prompt, an image's prefix)."""
+        return w.prompt_ids if isinstance(w, Generation) else w.prefix

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import Grammars
+from .fused import FusedCache, fused_attention_on
 from .kv_cache import BatchKVCache, cache_len
 from .loading import load_model
 from .templating import ChatTemplate
@@ -295,6 +296,58 @@ class LlavaRunner:
             logits_to_keep=1,
         )
         return out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def fused_step(
+        self,
+        batch: BatchKVCache,
+        token_ids: list[int],
+        positions: list[int],
+        attention_mask: torch.Tensor,
+        cache: Any,
+        ids: list[int],
+        image_features: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for every row of ``batch`` and the prefill of ``ids`` beyond ``cache``, in
+        one forward pass (:mod:`.fused`; Sarathi-Serve's fused step).
+
+        Args:
+            batch, token_ids, positions, attention_mask: as :meth:`decode_batch`.
+            cache, ids, image_features: as :meth:`prefill` (``cache`` is not a row of ``batch``).
+
+        Returns:
+            ``(logits [B, vocab], logits [vocab])`` float32: the decode rows', as :meth:`decode_batch`
+            gives them (the same values), and the chunk's last position's, as :meth:`prefill` gives
+            them (within float rounding: the chunk's matrix products have another shape).
+
+        Raises:
+            Exception: the forward pass failed; ``batch`` and ``cache`` are as before the call.
+        """
+        start, col = cache_len(cache), batch.length
+        if start >= len(ids):
+            raise ValueError(f"nothing to prefill: cache holds {start} of {len(ids)} tokens")
+        rows = len(token_ids)
+        chunk = self._embed(ids[start:], ids[:start].count(self.image_token_id), image_features)
+        embeds = torch.cat([self.model.get_input_embeddings()(torch.tensor([token_ids], device=self.device)), chunk], 1)
+        n = chunk.shape[1]
+        position_ids = torch.tensor([list(positions) + list(range(start, start + n))], device=self.device)
+        keep = torch.tensor([*range(rows), rows + n - 1], device=self.device)
+        fused = FusedCache(batch, attention_mask.bool(), cache, start, rows)
+        try:
+            with fused_attention_on(self.config.text_config):
+                out = self.model(
+                    inputs_embeds=embeds,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    **{self._cache_kw: fused},
+                    logits_to_keep=keep,
+                )
+        except BaseException:
+            batch.set_length(col)
+            fused.undo()
+            raise
+        logits = out.logits[0].float()
+        return logits[:rows], logits[rows]
 
     def _forward(self, cache: Any, embeds: torch.Tensor, start: int) -> torch.Tensor:
         n = embeds.shape[1]

@@ -1,0 +1,149 @@
+"""One forward pass for a decode step and a prefill chunk together (Sarathi-Serve's fused step).
+
+Sarathi-Serve (Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM Inference with
+Sarathi-Serve", OSDI 2024) runs a prefill chunk in the same forward pass as the running answers'
+decode step: the weights are read once and the pass's fixed cost (per-layer launches, on this CPU
+~20 ms of the bench model's ~35 ms decode step) is paid once. Here the pass's input is one sequence of
+``B + C`` tokens: the ``B`` decode rows' next tokens, then the chunk's ``C`` tokens. Everything but
+attention is per token, so the model's own layers run it unchanged; attention is where the two parts
+differ, and :func:`fused_attention` (registered as :data:`FUSED_ATTENTION` with transformers'
+``AttentionInterface``) runs the model's own SDPA attention twice: the decode rows over the decode
+batch's KV (``[B, kv_heads, length, head_dim]``, one row each, as a decode step does) and the chunk
+over its session's KV (causal from the chunk's first position, as a prefill does).
+
+:class:`FusedCache` is what the layers see as their cache: :meth:`FusedCache.update` writes the decode
+rows' keys and values at the batch's next column and appends the chunk's to the session's
+``DynamicCache``, and hands attention both parts. The model's mask builder is skipped (the attention
+name has no mask function), the masks being the two parts' own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .kv_cache import BatchKVCache
+
+__all__ = ["FUSED_ATTENTION", "FusedCache", "fused_attention", "fused_attention_on"]
+
+#: The attention implementation's name while a fused pass runs (transformers' ``AttentionInterface``).
+FUSED_ATTENTION = "llava_fused_step"
+
+
+class _Parts(NamedTuple):
+    """What attention gets for one layer: the decode rows' keys or values ``[B, kv_heads, length,
+    head_dim]`` and the session's ``[1, kv_heads, start + C, head_dim]``."""
+
+    batch: torch.Tensor
+    session: torch.Tensor
+    cache: FusedCache
+
+
+class FusedCache(Cache):
+    """The cache a fused pass's layers update: the decode batch's rows and one session's KV.
+
+    Args:
+        batch: the decode batch's cache; the rows write their token at column ``batch.length``.
+        row_mask: ``[B, batch.length + 1]`` bool, where each decode row may attend (its own valid
+            columns and the new one).
+        session_cache: the chunk's session ``DynamicCache`` (``[1, kv_heads, start, head_dim]`` per
+            layer; grows by ``C``).
+        start: positions the session's cache holds before the chunk.
+        num_rows: ``B``, the decode rows (the first ``B`` tokens of the pass).
+    """
+
+    def __init__(
+        self, batch: BatchKVCache, row_mask: torch.Tensor, session_cache: Any, start: int, num_rows: int
+    ) -> None:
+        super().__init__(layers=list(session_cache.layers))
+        self.batch = batch
+        self.row_mask = row_mask[:, None, None, :]
+        self.session_cache = session_cache
+        self.start = start
+        self.num_rows = num_rows
+        self._chunk_mask: torch.Tensor | None = None
+
+    def chunk_mask(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
+        """The chunk's causal mask ``[1, 1, C, start + C]`` bool (None from position 0: SDPA's own
+        causal mask, as the model's prefill uses)."""
+        if self.start == 0:
+            return None
+        if self._chunk_mask is None:
+            cols = torch.arange(self.start + num_tokens, device=device)
+            rows = torch.arange(self.start, self.start + num_tokens, device=device)
+            self._chunk_mask = (cols[None, :] <= rows[:, None])[None, None]
+        return self._chunk_mask
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[Any, Any]:
+        """Write one layer's new keys and values ``[1, kv_heads, B + C, head_dim]``: the first ``B``
+        into the batch's rows at its next column, the rest onto the session's cache.
+
+        Returns:
+            The layer's keys and values as ``_Parts`` (the batch's written columns, the session's all).
+        """
+        b = self.num_rows
+        layer = self.batch.batch_layers[layer_idx]
+        bk, bv = layer.update(_rows(key_states, b), _rows(value_states, b))
+        sk, sv = self.session_cache.update(key_states[:, :, b:], value_states[:, :, b:], layer_idx)
+        return _Parts(bk, sk, self), _Parts(bv, sv, self)
+
+    def undo(self) -> None:
+        """Take the chunk's positions back off every layer of the session's cache (after a failed
+        pass, whichever layers it reached)."""
+        for layer in self.session_cache.layers:
+            keys = getattr(layer, "keys", None)
+            if isinstance(keys, torch.Tensor) and keys.shape[-2] > self.start:
+                layer.keys = layer.keys[:, :, : self.start].clone()
+                layer.values = layer.values[:, :, : self.start].clone()
+
+
+def _rows(states: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The decode rows' part of a pass's ``[1, heads, B + C, head_dim]`` states, one row each:
+    ``[B, heads, 1, head_dim]``."""
+    return states[0, :, :num_rows].transpose(0, 1).unsqueeze(2)
+
+
+def fused_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: Any,
+    value: Any,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of a fused pass (``query`` ``[1, heads, B + C, head_dim]``; ``key`` / ``value`` the
+    :class:`FusedCache`'s parts): the model's SDPA attention for the decode rows over their batch rows,
+    then for the chunk over its session; returns ``[1, B + C, heads, head_dim]`` and no weights."""
+    cache = key.cache
+    kwargs.pop("is_causal", None)
+    b = cache.num_rows
+    rows, _ = sdpa_attention_forward(
+        module, _rows(query, b), key.batch, value.batch, cache.row_mask, is_causal=False, **kwargs
+    )
+    q_chunk = query[:, :, b:]
+    mask = cache.chunk_mask(q_chunk.shape[2], query.device)
+    chunk, _ = sdpa_attention_forward(module, q_chunk, key.session, value.session, mask, **kwargs)
+    return torch.cat([rows.transpose(0, 1).reshape(1, b, *rows.shape[2:]), chunk], dim=1), None
+
+
+AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+
+
+@contextmanager
+def fused_attention_on(config: Any) -> Iterator[None]:
+    """While inside, the layers of the text model configured by ``config`` attend with
+    :func:`fused_attention` (the implementation's name is restored on leaving)."""
+    before = config._attn_implementation
+    config._attn_implementation = FUSED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
