@@ -146,6 +146,7 @@ LAYERS: list[set[str]] = [
         "images.decode",
         "images.s3",
         "model.templating",
+        "model.fused",
         "wire.framing",
         "wire.affinity",
         "engine.memory",

@@ -165,12 +165,21 @@ class CountedCosts(CostModel):
         if not self.pinned:
             super().decode(ms)
 
+    def fused(self, num_tokens: int, ms: float) -> None:  # a chunk that rode the decode step's pass
+        self.passes.append(num_tokens)
+        if not self.pinned:
+            super().fused(num_tokens, ms)
 
-def test_a_lone_cold_turn_is_prefilled_in_one_pass_and_one_beside_a_stream_in_timed_chunks(tiny_model_dir, photos):
+
+@pytest.mark.parametrize(("fuse", "first", "chunk"), [(True, 15, 35), (False, 10, 30)])
+def test_a_lone_cold_turn_is_prefilled_in_one_pass_and_one_beside_a_stream_in_timed_chunks(
+    tiny_model_dir, photos, fuse, first, chunk
+):
     """Issue 33 item 1 through the service's default (adaptive) budget: with nothing decoding, the
     vision tower and the whole prompt run in the first step; while an answer decodes, a new image's
-    prompt is prefilled in chunks sized by the pass costs, and its answer is the same token for token."""
-    svc = tiny_service(tiny_model_dir, step_max_tokens=1)
+    prompt is prefilled in chunks sized by the pass costs (riding the decode step's pass, or with
+    ``fuse_prefill`` off passes of their own), and its answer is the same token for token."""
+    svc = tiny_service(tiny_model_dir, step_max_tokens=1, fuse_prefill=fuse)
     learning = svc.engine.model.costs = CountedCosts(StepCost(), pinned=False)
     alone = [Row("a1", "ts-seq-a1", True, chat_image_body(photos["chelsea"], stream=False, max_tokens=6))]
     answer_alone = json.loads(finish(svc, alone, svc.handle(alone))["a1"].body)
@@ -179,15 +188,17 @@ def test_a_lone_cold_turn_is_prefilled_in_one_pass_and_one_beside_a_stream_in_ti
     runner = [Row("b1", "ts-seq-b1", True, chat_image_body(photos["coffee"], stream=False, max_tokens=60))]
     svc.handle(runner)  # its prompt in one pass: nothing else decodes
     svc.handle([Row("b1", "ts-seq-b1", False, None)])  # it decodes now
-    # 40 ms a step, 5 of them the decode step, 5 a pass's fixed cost, 1 ms a token: 30 tokens a chunk
-    # (the first also pays the vision tower's 20 ms: 10 tokens)
+    # 40 ms a step, 5 of them the decode step, 1 ms a token: 35 tokens a chunk riding the decode step's
+    # pass, whose fixed cost is paid, or 30 in a pass of its own (5 ms fixed); the first chunk also pays
+    # the vision tower's 20 ms: 15 or 10 tokens
     pinned = svc.engine.model.costs = CountedCosts(StepCost(5.0, 1.0, 5.0, 20.0), pinned=True)
     svc.step_budget = dataclasses.replace(svc.step_budget, step_ms=40.0)
     other_salt = {**alone[0].body, "cache_salt": "elsewhere"}  # shares nothing with a1: a full prefill
     rows = [Row("b1", "ts-seq-b1", False, None), Row("a2", "ts-seq-a2", True, other_salt)]
     last = finish(svc, rows, svc.handle(rows))
     assert json.loads(last["b1"].body)["usage"]["completion_tokens"] == 60  # it decoded throughout
-    assert pinned.passes[0] == 10 and set(pinned.passes[1:-1]) == {30} and sum(pinned.passes) == prompt_tokens
+    assert pinned.passes[0] == first and set(pinned.passes[1:-1]) == {chunk} and sum(pinned.passes) == prompt_tokens
+    assert (svc.engine.model.num_fused_passes > 0) is fuse
     assert json.loads(last["a2"].body)["choices"][0]["message"] == answer_alone["choices"][0]["message"]
 
 
