@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from llava_sessions.engine import EngineLimits, Generation, SessionEngine
+from llava_sessions.errors import ErrorCode, overloaded
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import cache_len
-from llava_sessions.model.fused import FUSED_ATTENTION
+from llava_sessions.model.fused import FUSED_ATTENTION, fusable
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.conversation import Turn
 from llava_sessions.sessions.store import SessionStore, Tier
@@ -254,3 +255,46 @@ def test_a_fused_pass_that_fails_midway_runs_its_parts_apart_and_loses_nothing(r
     assert [t.id for t in gb.answer.tokens] == [t.id for t in expected["b"]]
     s = eng.store.get("b")
     assert not s.busy and cache_len(s.kv_cache) == len(s.cached_ids)
+
+
+def test_a_riding_piece_that_cannot_start_fails_alone_and_the_decode_step_still_runs(runner, photos):
+    """The first piece of a step rides the decode step's pass only once it has started; when its start
+    fails (here: no device memory for the answer, the store's overloaded), it fails alone and the
+    running answer decodes its token in that step, exactly as without it."""
+    expected = alone(runner, photos)
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
+    eng.step([ga])
+    gb = eng.start("b", CASES[1][3], CASES[1][4], remember=False)
+
+    def no_room(gen: Generation) -> None:
+        raise overloaded("not enough device memory for this answer now; retry later", "step_memory")
+
+    eng._update.start_generation = no_room  # type: ignore[method-assign]
+    before = len(ga.events)
+    eng.step([ga, gb])
+    del eng._update.start_generation
+    assert gb.done and gb.error is not None and gb.error.code is ErrorCode.OVERLOADED
+    assert len(ga.events) == before + 1 and eng.model.num_fused_passes == 0  # the decode step ran alone
+    assert not eng.store.get("b").busy
+    while not ga.done:
+        eng.step([ga])
+    assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
+
+
+def test_only_a_model_attending_to_the_whole_context_runs_fused_passes(runner):
+    """The fused pass computes full attention: a sliding window (Mistral's default 4,096 tokens, Qwen2's
+    when ``use_sliding_window``) keeps every chunk a pass of its own."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    assert runner.fusable and fusable(LlamaConfig()) and fusable(Qwen2Config())
+    assert fusable(MistralConfig(sliding_window=None))
+    assert not fusable(MistralConfig())  # sliding_window=4096
+    assert not fusable(
+        Qwen2Config(use_sliding_window=True, sliding_window=256, max_window_layers=1, num_hidden_layers=4)
+    )
+    unfused = copy.copy(runner)
+    unfused.fusable = False
+    eng = SessionEngine(unfused, make_engine(runner).store, decode, fuse_prefill=True)
+    assert not eng.fuse

@@ -57,7 +57,8 @@ class SessionEngine:
             (:class:`~.sharing.ImageSharing`); False: only its own (``share_images: false``).
         unsalted: what requests without a ``cache_salt`` share (:data:`~.sharing.Unsalted`).
         fuse_prefill: a step's first prefill chunk runs in the decode step's forward pass while
-            answers decode (rule 9 of :mod:`.scheduler`); False: a pass of its own.
+            answers decode (rule 9 of :mod:`.scheduler`), where the model allows it
+            (``runner.fusable``); False: a pass of its own.
 
     Attributes:
         model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
@@ -78,7 +79,7 @@ class SessionEngine:
         fuse_prefill: bool = True,
     ) -> None:
         self.runner = runner
-        self.fuse = fuse_prefill
+        self.fuse = fuse_prefill and bool(getattr(runner, "fusable", False))
         self.store = store
         self.decode_image = decode_image
         self.limits = limits or EngineLimits()

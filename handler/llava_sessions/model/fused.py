@@ -30,10 +30,22 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv_cache import BatchKVCache
 
-__all__ = ["FUSED_ATTENTION", "FusedCache", "fused_attention", "fused_attention_on"]
+__all__ = ["FUSED_ATTENTION", "FusedCache", "fusable", "fused_attention", "fused_attention_on"]
 
 #: The attention implementation's name while a fused pass runs (transformers' ``AttentionInterface``).
 FUSED_ATTENTION = "llava_fused_step"
+
+
+def fusable(text_config: Any) -> bool:
+    """Whether a text model of ``text_config`` may run fused passes: every layer attends to the whole
+    context (no ``sliding_window`` in effect, no ``sliding_attention`` in ``layer_types``), which is
+    what :func:`fused_attention` computes. Mistral's default 4,096-token window, or Qwen2's with
+    ``use_sliding_window``, is not: such a model keeps every chunk a pass of its own."""
+    window = getattr(text_config, "sliding_window", None)
+    if getattr(text_config, "use_sliding_window", True) is False:
+        window = None
+    layer_types = getattr(text_config, "layer_types", None) or []
+    return window is None and all(t == "full_attention" for t in layer_types)
 
 
 class _Parts(NamedTuple):

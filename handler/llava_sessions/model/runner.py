@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import Grammars
-from .fused import FusedCache, fused_attention_on
+from .fused import FusedCache, fusable, fused_attention_on
 from .kv_cache import BatchKVCache, cache_len
 from .loading import load_model
 from .templating import ChatTemplate
@@ -50,6 +50,8 @@ class LlavaRunner:
         template: the chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
         eos_token_ids: token ids that end an answer.
         grammars: structured outputs' matchers over the tokenizer (:class:`~llava_sessions.sampling.grammar.Grammars`).
+        fusable: the text model may run a decode step and a prefill chunk in one pass
+            (:meth:`fused_step`; :func:`~llava_sessions.model.fused.fusable`).
     """
 
     def __init__(self, model: Any, processor: Any) -> None:
@@ -77,6 +79,7 @@ class LlavaRunner:
         # and removed in 5.40), ``past_key_values`` before it
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_positions: int = int(text.max_position_embeddings)
+        self.fusable: bool = fusable(text)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.kv_bytes_per_token: int = 2 * text.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
