@@ -162,7 +162,8 @@ class ModelRunner:
             ``(logits [B, vocab] by row, logits [vocab] of the chunk's last position)``, float32.
 
         Raises:
-            ServiceError: overloaded. Exception: the pass failed (nothing it touched changed).
+            ServiceError: overloaded. Exception: the pass failed (the batch's next column and the
+            session's cache are as before it; a rebuild of the batch stays).
         """
         t0 = time.perf_counter()
         start = cache_len(session.kv_cache)
