@@ -119,17 +119,12 @@ class ModelRunner:
             ServiceError: overloaded (out of device memory twice). Exception: the forward pass failed.
         """
         t0 = time.perf_counter()
-        start = cache_len(session.kv_cache)
-        end = len(ids) if num_tokens is None else min(len(ids), start + max(1, num_tokens))
+        start, end = self._chunk(session, ids, num_tokens)
         runner = self.runner
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
                 logits = runner.prefill(session.kv_cache, ids[:end], session.image_features)
-        session.record_prefill(ids[:end])
-        self.num_prefilled_tokens += end - start
-        ms = self._ms_since(t0)
-        self.costs.prefill(end - start, ms)
-        timings["prefill"] = round(timings.get("prefill", 0.0) + ms, 3)
+        self.costs.prefill(end - start, self._record(session, ids[:end], start, t0, timings))
         return logits, end - start
 
     def decode(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
@@ -166,17 +161,29 @@ class ModelRunner:
             session's cache are as before it; a rebuild of the batch stays).
         """
         t0 = time.perf_counter()
-        start = cache_len(session.kv_cache)
-        end = len(ids) if num_tokens is None else min(len(ids), start + max(1, num_tokens))
+        start, end = self._chunk(session, ids, num_tokens)
         rows, last = self.batch.forward_with_chunk(gens, rebuild=rebuild, session=session, ids=ids[:end])
-        session.record_prefill(ids[:end])
-        self.num_prefilled_tokens += end - start
         self.num_fused_passes += 1
-        ms = self._ms_since(t0)
-        if not rebuild:
+        ms = self._record(session, ids[:end], start, t0, timings)
+        if not rebuild:  # a rebuild copies every row's KV once: not what a step costs from then on
             self.costs.fused(end - start, ms)
-        timings["prefill"] = round(timings.get("prefill", 0.0) + ms, 3)
         return rows, last
+
+    @staticmethod
+    def _chunk(session: Session, ids: list[int], num_tokens: int | None) -> tuple[int, int]:
+        """``(start, end)`` of the chunk that prefills the next ``num_tokens`` of ``ids`` beyond the
+        session's cache (None: all of them; at least one)."""
+        start = cache_len(session.kv_cache)
+        return start, len(ids) if num_tokens is None else min(len(ids), start + max(1, num_tokens))
+
+    def _record(self, session: Session, ids: list[int], start: int, t0: float, timings: dict[str, float]) -> float:
+        """After a pass that prefilled ``ids[start:]``: the session records the ids its cache holds,
+        the counters and ``timings["prefill"]`` the pass; returns its ms."""
+        session.record_prefill(ids)
+        self.num_prefilled_tokens += len(ids) - start
+        ms = self._ms_since(t0)
+        timings["prefill"] = round(timings.get("prefill", 0.0) + ms, 3)
+        return ms
 
     def new_cache(self) -> Any:
         """An empty ``DynamicCache`` for a session."""

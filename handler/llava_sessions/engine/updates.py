@@ -265,19 +265,20 @@ class StateUpdates:
         """Execute one prefill piece of a step's plan: what comes before its chunk (a waiting answer's
         start, an image's vision tower), then the chunk in a pass of its own. A failure is ``w``'s
         alone (its ``error`` set, its session put back)."""
-        self._piece(w, piece, fallback=False)
+        self._piece(w, piece, stop_before_chunk=False)
 
-    def _piece(self, w: Work, piece: PrefillPiece, *, fallback: bool) -> bool:
-        """Run ``piece`` of ``w``: its work before the chunk and, unless ``fallback`` (the chunk is the
-        caller's), its chunk. A failure is ``w``'s alone (its ``error`` set, its session put back).
+    def _piece(self, w: Work, piece: PrefillPiece, *, stop_before_chunk: bool) -> bool:
+        """Run ``piece`` of ``w``: its work before the chunk and, unless ``stop_before_chunk`` (the
+        caller runs the chunk), its chunk. A failure is ``w``'s alone (its ``error`` set, its session
+        put back).
 
         Returns:
-            Whether a chunk is left to run (``fallback`` only).
+            Whether a chunk is left for the caller to run (``stop_before_chunk`` only).
         """
         try:
             if not self._before_chunk(w, piece):
                 return False
-            if fallback:
+            if stop_before_chunk:
                 return True
             self._after_chunk(w, self.model.prefill(w.session, self._ids(w), piece.num_tokens, w.timings)[0])
         except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
@@ -291,7 +292,7 @@ class StateUpdates:
         """Rule 9 (:mod:`.scheduler`): the decode step of ``gens`` and ``piece``'s chunk in one forward
         pass. When the piece runs no chunk after all, the decode step runs alone; when the pass
         fails, each part runs again on its own, so each failure stays its own request's."""
-        if not self._piece(w, piece, fallback=True):
+        if not self._piece(w, piece, stop_before_chunk=True):
             self.decode(gens, rebuild=rebuild)
             return
         try:
@@ -306,7 +307,7 @@ class StateUpdates:
         except Exception:  # noqa: BLE001 - whose failure it is, the parts alone tell
             log.debug("the fused decode and prefill pass failed; running them apart", exc_info=True)
             self.decode(gens, rebuild=rebuild)
-            self._piece(w, dataclasses.replace(piece, vision=False), fallback=False)
+            self._piece(w, dataclasses.replace(piece, vision=False), stop_before_chunk=False)
             return
         except BaseException:
             for g in gens:
