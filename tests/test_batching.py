@@ -298,3 +298,31 @@ def test_only_a_model_attending_to_the_whole_context_runs_fused_passes(runner):
     unfused.fusable = False
     eng = SessionEngine(unfused, make_engine(runner).store, decode, fuse_prefill=True)
     assert not eng.fuse
+
+
+def test_a_decode_step_out_of_memory_midway_is_undone_and_retried_exactly(runner, photos):
+    """A decode step whose pass runs out of device memory after some layers wrote their column (the
+    CUDA allocator's error, raised here by the last layer once) leaves no column behind: the retry
+    writes the same column, and the answers equal the ones computed alone."""
+    expected = alone(runner, photos)
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    gens = [eng.start(sid, q, p, remember=False) for sid, _ph, _h, q, p in CASES[:2]]
+    eng.step(gens)  # both prefilled: they decode together from now on
+    fired = {"left": 1}
+
+    def out_of_memory(module, args):
+        if args[0].shape[1] == 1 and fired["left"] > 0:  # a decode step's pass, once
+            fired["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    hook = runner.model.model.language_model.layers[-1].register_forward_pre_hook(out_of_memory)
+    try:
+        while not all(g.done for g in gens):
+            eng.step([g for g in gens if not g.done])
+    finally:
+        hook.remove()
+    assert fired["left"] == 0
+    for g, (sid, *_rest) in zip(gens, CASES[:2], strict=True):
+        assert g.error is None, g.error
+        assert [t.id for t in g.answer.tokens] == [t.id for t in expected[sid]]

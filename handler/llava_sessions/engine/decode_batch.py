@@ -80,12 +80,8 @@ class DecodeBatch:
         assert cache is not None and mask is not None
         try:
             for attempt in oom_attempts(self.store, keep=None):
-                with attempt:
-                    try:
-                        logits = self.runner.decode_batch(cache, tokens, positions, mask[:, : col + 1])
-                    except BaseException:
-                        cache.set_length(col)  # a failed step leaves no column behind
-                        raise
+                with attempt:  # a failed pass leaves no column behind (the runner's own rollback)
+                    logits = self.runner.decode_batch(cache, tokens, positions, mask[:, : col + 1])
         except BaseException:
             mask[:, col] = 0
             raise

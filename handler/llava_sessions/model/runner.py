@@ -287,17 +287,25 @@ class LlavaRunner:
 
         Returns:
             Logits ``[B, vocab]`` float32.
+
+        Raises:
+            Exception: the forward pass failed; ``batch`` is as before the call (no column written).
         """
+        col = batch.length
         ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)
         embeds = self.model.get_input_embeddings()(ids)
-        out = self.model(
-            inputs_embeds=embeds,
-            attention_mask=attention_mask,
-            position_ids=torch.tensor(positions, device=self.device).unsqueeze(1),
-            use_cache=True,
-            **{self._cache_kw: batch},
-            logits_to_keep=1,
-        )
+        try:
+            out = self.model(
+                inputs_embeds=embeds,
+                attention_mask=attention_mask,
+                position_ids=torch.tensor(positions, device=self.device).unsqueeze(1),
+                use_cache=True,
+                **{self._cache_kw: batch},
+                logits_to_keep=1,
+            )
+        except BaseException:
+            batch.set_length(col)
+            raise
         return out.logits[:, -1].float()
 
     @torch.inference_mode()
