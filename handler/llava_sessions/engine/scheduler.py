@@ -164,8 +164,7 @@ def schedule(
     rebuild = bool(decode) and needs_rebuild(batch, any(not work[i].has_row for i in decode))
     order = [i for kind in ("question", "image") for i, w in enumerate(work) if w.kind == kind and not w.decoding]
     if isinstance(token_budget, TimeBudget):
-        fused = fuse and bool(decode)
-        pieces = _timed(work, order, token_budget, cost or StepCost(), bool(decode), fused)
+        pieces = _timed(work, order, token_budget, cost or StepCost(), bool(decode), fuse and bool(decode))
     else:
         pieces = _counted(work, order, token_budget, len(decode))
     fused = fuse and bool(decode) and bool(pieces) and pieces[0].num_tokens != 0
@@ -202,6 +201,7 @@ def _timed(
     pieces: list[PrefillPiece] = []
     for i in order:
         w = work[i]
+        rides = fused and not pieces  # the first piece's chunk, in the decode step's pass
         vision_ms = cost.vision_ms if w.needs_vision else 0.0
         least = min(w.num_prefill_tokens, MIN_PREFILL_TOKENS)
         if pieces and ms_left < vision_ms + cost.prefill_ms(least):
@@ -210,10 +210,9 @@ def _timed(
         if not pieces and not decoding:
             num = min(w.num_prefill_tokens, budget.max_pass_tokens)
         else:
-            rides = fused and not pieces
             num = min(w.num_prefill_tokens, budget.max_pass_tokens, cost.tokens_within(ms_left, fused=rides))
             if not pieces and not w.needs_vision:
                 num = max(num, least)
         pieces.append(PrefillPiece(i, w.needs_vision, num))
-        ms_left -= cost.prefill_ms(num, fused=fused and len(pieces) == 1) if num else 0.0
+        ms_left -= cost.prefill_ms(num, fused=rides) if num else 0.0
     return tuple(pieces)
