@@ -436,3 +436,27 @@ def test_only_the_store_books_a_sessions_memory() -> None:
             if isinstance(node, ast.Attribute) and node.attr in ("_sync", "sync", "set_usage", "reserve"):
                 calls.append(f"{path.relative_to(CORE)}:{node.lineno} {node.attr}")
     assert calls == []
+
+
+def test_only_the_steps_plan_gets_device_memory() -> None:
+    """Scheduler rule 10: device memory is made room for only where a step executes its plan (a
+    piece's start grant, a rebuilt batch's), never at admission, an answer's start or a batch build;
+    admission may only ask whether room can be made (``can_allocate``)."""
+    sites = []
+    for path in sorted(CORE.rglob("*.py")):
+        if path.relative_to(CORE).parts[0] == "sessions":
+            continue  # the store and the ledger implement the allocator
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and node.attr == "allocate" and _is_store(node.value):
+                    sites.append(f"{path.relative_to(CORE).as_posix()}:{fn.name}")
+    assert sorted(set(sites)) == ["engine/updates.py:_batch_room", "engine/updates.py:_before_chunk"]
+
+
+def _is_store(node: ast.expr) -> bool:
+    """Whether ``node`` names the session store (``store``, ``self.store``, ``x._store``)."""
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return name.lstrip("_") == "store"

@@ -218,3 +218,31 @@ def test_the_cost_model_follows_the_decode_step_and_the_vision_tower_and_ignores
     model.decode(float("nan"))
     cost = model.estimate()
     assert cost.decode_ms == pytest.approx(12.0) and cost.vision_ms == pytest.approx(45.0)
+
+
+def test_rule_10_a_piece_that_starts_its_work_carries_its_start_bytes_later_pieces_none() -> None:
+    work = [
+        WorkView("question", num_prefill_tokens=30, start_bytes=4000),  # waiting: its start comes with it
+        WorkView("question", num_prefill_tokens=30),  # started in an earlier step: nothing more to grant
+        WorkView("image", needs_vision=True, num_prefill_tokens=600, start_bytes=90_000),
+    ]
+    plan = schedule(work, 64)
+    assert plan.prefill == (PrefillPiece(0, False, 30, 4000), PrefillPiece(1, False, 30, 0))
+    assert schedule(work, None).prefill[2] == PrefillPiece(2, True, None, 90_000)
+    assert plan.batch_bytes == 0  # nothing decodes: no batch
+
+
+def test_rule_10_a_rebuild_carries_the_new_layouts_bytes() -> None:
+    per_token, grow = 10, 64
+    batch = BatchLayout(4, 3, 100, 164, longest_row=90, grow_columns=grow, kv_bytes_per_token=per_token)
+    joining = WorkView("question", decoding=True, has_row=False, num_kv_tokens=120)
+    row = WorkView("question", decoding=True, has_row=True, num_kv_tokens=90)
+    plan = schedule([row, joining, row, row], None, batch)
+    assert plan.rebuild and plan.batch_bytes == (3 + 1) * (120 + grow) * per_token  # the joining row is longest
+    short = WorkView("question", decoding=True, has_row=False, num_kv_tokens=12)
+    assert schedule([row, short], None, batch).batch_bytes == (3 + 1) * (90 + grow) * per_token
+    # no batch yet: the joining rows alone; no rebuild: nothing granted
+    empty = BatchLayout(grow_columns=grow, kv_bytes_per_token=per_token)
+    assert schedule([joining, short], None, empty).batch_bytes == 2 * (120 + grow) * per_token
+    steady = BatchLayout(4, 4, 100, 164, longest_row=100, grow_columns=grow, kv_bytes_per_token=per_token)
+    assert schedule([row] * 4, None, steady) == StepPlan(decode=(0, 1, 2, 3))

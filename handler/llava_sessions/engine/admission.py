@@ -3,7 +3,8 @@
 Everything that decides a request's status happens here, before any forward pass (TorchServe fixes
 the status and headers with a job's first frame: shared/notes/torchserve-sagemaker.md). An image, the
 opening one or an added one, takes one path: decode, the image limits, its placeholder count, the
-conversation's context, then the device memory it needs, reserved before the session is marked busy.
+conversation's context, then whether room can be made for the device memory it needs (the step's
+plan makes that room: scheduler rule 10), checked once the session is marked busy.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..results import ContextPolicy, elapsed_ms
@@ -113,12 +112,13 @@ class Admission:
         what = "the image and the restored history are" if history else "the image is"
         self._check_context(prefix, f"{what} {len(prefix)} tokens", "")
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
+        need = new_session_bytes(self.runner, len(prefix), sum(tokens))
         try:
-            self._allocate(session, new_session_bytes(self.runner, len(prefix), sum(tokens)), "a new session")
+            self._check_room(session, need, "a new session")
         except ServiceError:
             self.store.remove(session_id)
             raise
-        task = ImageTask(self.driver, "open", session, images, prefix, t0, decode_ms)
+        task = ImageTask(self.driver, "open", session, images, prefix, t0, decode_ms, start_bytes=need)
         rows = [self.sharing.rows(session, k, n, len(tokens)) for k, n in zip(session.image_keys, tokens, strict=True)]
         if all(r is not None for r in rows):
             task.shared_rows = rows
@@ -143,9 +143,17 @@ class Admission:
         reuse = 0 if relayout else common_prefix_len(session.cached_ids, prefix)
         runner = self.runner
         need = feature_tokens * runner.feature_bytes_per_token + (len(prefix) - reuse) * runner.kv_bytes_per_token
-        self._allocate(session, need, "the image now")
+        self._check_room(session, need, "the image now")
         return ImageTask(
-            self.driver, "add_image", session, [image], prefix, t0, decode_ms, new_image=(image_bytes, sizes, tokens)
+            self.driver,
+            "add_image",
+            session,
+            [image],
+            prefix,
+            t0,
+            decode_ms,
+            new_image=(image_bytes, sizes, tokens),
+            start_bytes=need,
         )
 
     def _decoded(self, data: bytes, image: Any) -> tuple[Any, float | None]:
@@ -193,11 +201,12 @@ class Admission:
                 f"{what}, over the model's context of {self.runner.max_positions} tokens{hint}",
             )
 
-    def _allocate(self, session: Session, num_bytes: int, purpose: str) -> None:
-        """Mark ``session`` busy and reserve ``num_bytes`` of device memory for it (demoting idle
-        sessions); on a shortage it is idle again and ``overloaded`` is raised."""
+    def _check_room(self, session: Session, num_bytes: int, purpose: str) -> None:
+        """Mark ``session`` busy and check that room can be made for ``num_bytes`` of device memory
+        (demoting idle sessions; nothing is demoted here: the step's plan makes the room, scheduler
+        rule 10); on a shortage it is idle again and ``overloaded`` is raised."""
         self.store.pin(session)
-        if not self.store.allocate(num_bytes, keep=session):
+        if not self.store.can_allocate(num_bytes, keep=session):
             self.store.unpin(session)
             raise overloaded(f"not enough device memory for {purpose}", "session_room")
 
@@ -232,8 +241,19 @@ class Admission:
             IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
             truncated_turns=dropped,
         )
+        gen.start_bytes = self._start_bytes(gen)
         self.store.pin(session)
         return gen
+
+    def _start_bytes(self, gen: Generation) -> int:
+        """Device bytes ``gen``'s start needs room for: a demoted session's image features, the KV of
+        the prompt tokens its cache does not serve and of ``room_tokens`` new ones."""
+        session, runner = gen.session, self.runner
+        restore = bool(session.images) and session.image_features is None
+        features = sum(session.image_tokens) * runner.feature_bytes_per_token if restore else 0
+        return (
+            features + (len(gen.prompt_ids) - gen.num_reusable_tokens() + gen.room_tokens) * runner.kv_bytes_per_token
+        )
 
     def _check_prompt(self, prompt: str, params: SamplingParams, *, chat: bool = False) -> None:
         """A question's text and limits (``chat``: a resent conversation's, which may be blank and
@@ -319,12 +339,13 @@ class Admission:
         sharing = self.sharing
         rows = [sharing.rows(session, img.key, n, len(sizes)) for img, n in zip(target.images, tokens, strict=True)]
         runner = self.runner
-        same_images = keys == session.image_keys and tokens == session.image_tokens
-        # a new set of features is a new tensor (every row copied or encoded), the old one freed after
-        feature_bytes = 0 if same_images else sum(tokens) * runner.feature_bytes_per_token
+        unchanged = keys == session.image_keys and tokens == session.image_tokens and session.image_features is not None
+        # a new set of features is a new tensor (every row copied or encoded when the answer starts)
+        feature_bytes = 0 if unchanged else sum(tokens) * runner.feature_bytes_per_token
         room = min(max_new, self.limits.planned_new_tokens) if clip_max_new_tokens else max_new
-        self._allocate(session, feature_bytes + (len(ids) - keep + room) * runner.kv_bytes_per_token, "this turn")
-        to_encode = self._hold_conversation(session, target, tokens, keep, rows, same_images=same_images)
+        need = feature_bytes + (len(ids) - keep + room) * runner.kv_bytes_per_token
+        self._check_room(session, need, "this turn")
+        to_encode = self._hold_conversation(session, target, tokens, keep, rows, unchanged=unchanged)
         gen = Generation(
             self.driver,
             session,
@@ -335,18 +356,18 @@ class Admission:
             Sampler(params, runner.device, ids, runner.eos_token_ids, grammar),
             IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
             room_tokens=room,
+            start_bytes=need,
         )
-        gen.set_images_to_encode(to_encode, rows)
+        gen.set_images_to_encode(to_encode, rows, assemble=not unchanged)
         return gen
 
     def _hold_conversation(
-        self, session: Session, target: ChatTarget, tokens: list[int], keep: int, rows: list[Any], *, same_images: bool
+        self, session: Session, target: ChatTarget, tokens: list[int], keep: int, rows: list[Any], *, unchanged: bool
     ) -> list[tuple[int, Any]]:
         """Make ``session`` hold ``target``: its KV cache cropped to the ``keep`` tokens that serve it,
-        the features of every image whose ``rows`` were found (kept as they are when ``same_images``:
-        the session's images, laid out as before); returns the images left to encode (``(index,
-        decoded image or None)``: the vision tower runs in the answer's first step)."""
-        unchanged = same_images and session.image_features is not None
+        its features kept when ``unchanged`` (the session's images, laid out as before), else freed
+        (the answer's start assembles them from the ``rows`` found held and the vision tower's);
+        returns the images left to encode (``(index, decoded image or None)``)."""
         session.crop_kv(keep)
         session.set_conversation(
             target.system_prompt,
@@ -354,16 +375,10 @@ class Admission:
             target.pending_images,
             [(img.key, img.data, img.size, n) for img, n in zip(target.images, tokens, strict=True)],
         )
-        missing = [i for i, r in enumerate(rows) if r is None]
-        to_encode: list[tuple[int, Any]] = []
         if unchanged:
-            pass  # the same images as before: their features stay as they are
-        elif missing:
-            session.set_features(None)
-            to_encode = [(i, target.images[i].image) for i in missing]
-        else:
-            session.set_features(torch.cat([r for r in rows if r is not None]) if rows else None)
-        return to_encode
+            return []  # the same images as before: their features stay as they are
+        session.set_features(None)
+        return [(i, target.images[i].image) for i, r in enumerate(rows) if r is None]
 
     # ------------------------------------------------------------------ shared
     def idle_session(self, session_id: str) -> Session:

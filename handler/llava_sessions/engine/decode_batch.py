@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import overloaded
 from ..model import BatchKVCache, LlavaRunner, cache_len
 from .memory import oom_attempts
 from .scheduler import BatchLayout
@@ -57,10 +56,13 @@ class DecodeBatch:
 
     def layout(self) -> BatchLayout:
         """The batch's shape, for the scheduler."""
-        cache = self.cache
+        cache, per_token = self.cache, self.runner.kv_bytes_per_token
         if cache is None:
-            return BatchLayout()
-        return BatchLayout(len(self.rows), self.num_live, cache.length, cache.capacity)
+            return BatchLayout(grow_columns=self.grow_columns, kv_bytes_per_token=per_token)
+        longest = max((g.next_position for g in self.rows if g is not None), default=0)  # a row's KV tokens
+        return BatchLayout(
+            len(self.rows), self.num_live, cache.length, cache.capacity, longest, self.grow_columns, per_token
+        )
 
     def forward(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
         """Run one decode step for ``gens`` (each prefilled) in one forward pass, after laying the
@@ -72,7 +74,7 @@ class DecodeBatch:
             Logits ``[B, vocab]`` float32, indexed by each generation's ``row``.
 
         Raises:
-            ServiceError: overloaded (no device memory for the batch, or out of memory twice).
+            ServiceError: overloaded (out of memory twice).
             Exception: the forward pass failed (the batch is left as before the step).
         """
         tokens, positions, col = self._inputs(gens, rebuild)
@@ -148,7 +150,8 @@ class DecodeBatch:
         return kv
 
     def _build(self, joining: list[Generation]) -> None:
-        """Lay out the live rows and ``joining`` (whose KV their sessions lend) anew."""
+        """Lay out the live rows and ``joining`` (whose KV their sessions lend) anew, in the device
+        memory the step's plan made room for (:attr:`~.scheduler.StepPlan.batch_bytes`)."""
         members = [g for g in self.rows if g is not None] + joining
         old, old_mask = self.cache, self.mask
         old_columns: list[torch.Tensor | None] = []
@@ -162,11 +165,7 @@ class DecodeBatch:
             else:
                 old_columns.append(None)
                 lengths.append(cache_len(g.session.kv_cache))
-        width = max(lengths)
-        need = len(members) * (width + self.grow_columns) * self.runner.kv_bytes_per_token
-        self.store.batch_bytes = 0 if old is None else old.nbytes()
-        if not self.store.allocate(need, keep=None):
-            raise overloaded("not enough device memory to decode now; retry later", "step_memory")
+        width = max(lengths)  # room for the new layout was made with the step's plan (scheduler rule 10)
         for attempt in oom_attempts(self.store, keep=None):
             with attempt:
                 cache = self.runner.new_batch_cache(len(members), width + self.grow_columns)

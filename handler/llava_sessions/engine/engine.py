@@ -418,7 +418,9 @@ class SessionEngine:
         """Run one engine step over ``work``: schedule it (:func:`~.scheduler.schedule`: decode rows
         first, then prefill pieces, questions before images, within ``prefill_budget``: tokens, or a
         :class:`~.scheduler.TimeBudget` sized by the passes' measured costs; None: every piece runs
-        whole), execute the plan and apply what it produced.
+        whole), execute the plan and apply what it produced. Device memory comes with the plan only
+        (scheduler rule 10): room is made for a rebuilt decode batch and for each work's start just
+        before they run.
 
         A piece of work whose step fails gets its ``error`` set and its session put back as before
         (an open's session is removed); the others are untouched. Never raises ``Exception``.
@@ -431,9 +433,9 @@ class SessionEngine:
         pieces = list(plan.prefill)
         if plan.fuse:
             first = pieces.pop(0)
-            self._update.decode_with_chunk(gens, plan.rebuild, live[first.index], first)
+            self._update.decode_with_chunk(gens, plan.rebuild, live[first.index], first, plan.batch_bytes)
         elif gens:
-            self._update.decode(gens, rebuild=plan.rebuild)
+            self._update.decode(gens, rebuild=plan.rebuild, batch_bytes=plan.batch_bytes)
         for piece in pieces:
             self._update.run_piece(live[piece.index], piece)
         self._check()

@@ -42,6 +42,15 @@ Under either budget:
    runs in the decode step's forward pass (Sarathi-Serve's stall-free batching: the pass's fixed
    cost is paid once), so under a time budget it costs its tokens only (``n * per_token``); the
    step's other pieces are passes of their own.
+
+And always:
+
+10. **Memory comes with the plan** (nano-vllm's ``BlockManager.allocate`` inside ``schedule``, vLLM v1's
+    ``KVCacheManager.allocate_slots``). A piece that starts its work carries the device bytes that
+    start needs (:attr:`PrefillPiece.grant_bytes`: :attr:`WorkView.start_bytes`), a rebuild carries
+    the new batch's (:attr:`StepPlan.batch_bytes`: ``(live rows + joining) x (longest row +
+    grow_columns) x kv_bytes_per_token``). The engine makes room for exactly these before it runs
+    them; nothing else gets device memory (admission only checks that room can be made).
 """
 
 from __future__ import annotations
@@ -80,6 +89,8 @@ class WorkView:
         has_row: it already holds a row of the decode batch (a decoding answer without one joins).
         needs_vision: its next piece runs the vision tower (rule 4).
         num_prefill_tokens: tokens it has left to prefill (after the vision piece, if any).
+        start_bytes: device bytes its first piece needs room for (0 once started; rule 10).
+        num_kv_tokens: a decoding answer's tokens in its KV cache (its row's length in the batch).
     """
 
     kind: WorkKind
@@ -87,17 +98,24 @@ class WorkView:
     has_row: bool = False
     needs_vision: bool = False
     num_prefill_tokens: int = 0
+    start_bytes: int = 0
+    num_kv_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class BatchLayout:
     """The decode batch's shape: ``num_rows`` rows (``num_live`` of them running answers), ``length``
-    columns written, ``capacity`` columns allocated (0: no batch)."""
+    columns written, ``capacity`` columns allocated (0: no batch); ``longest_row``, the most tokens a
+    live row holds; a build allocates ``grow_columns`` past the longest row, ``kv_bytes_per_token``
+    bytes per row and column (rule 10)."""
 
     num_rows: int = 0
     num_live: int = 0
     length: int = 0
     capacity: int = 0
+    longest_row: int = 0
+    grow_columns: int = 0
+    kv_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,23 +130,27 @@ class TimeBudget:
 @dataclass(frozen=True)
 class PrefillPiece:
     """Run work ``index``'s vision tower when ``vision``, then prefill ``num_tokens`` of its tokens
-    (0: none this step; None: all that are left)."""
+    (0: none this step; None: all that are left), once room is made for ``grant_bytes`` device bytes
+    (its work's start; rule 10)."""
 
     index: int
     vision: bool
     num_tokens: int | None
+    grant_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """One step: ``decode`` (indexes of the answers that decode one token together), ``rebuild``
     (lay the decode batch out anew first), ``prefill`` (pieces, in the order they run), ``fuse``
-    (rule 9: the first piece's chunk runs in the decode step's forward pass)."""
+    (rule 9: the first piece's chunk runs in the decode step's forward pass), ``batch_bytes`` (the
+    device bytes of the rebuilt batch, room made for them first; rule 10)."""
 
     decode: tuple[int, ...] = ()
     rebuild: bool = False
     prefill: tuple[PrefillPiece, ...] = ()
     fuse: bool = False
+    batch_bytes: int = 0
 
     @property
     def empty(self) -> bool:
@@ -168,7 +190,16 @@ def schedule(
     else:
         pieces = _counted(work, order, token_budget, len(decode))
     fused = fuse and bool(decode) and bool(pieces) and pieces[0].num_tokens != 0
-    return StepPlan(decode, rebuild, pieces, fused)
+    pieces = tuple(PrefillPiece(p.index, p.vision, p.num_tokens, work[p.index].start_bytes) for p in pieces)
+    return StepPlan(decode, rebuild, pieces, fused, _batch_bytes(work, decode, batch) if rebuild else 0)
+
+
+def _batch_bytes(work: Sequence[WorkView], decode: tuple[int, ...], batch: BatchLayout) -> int:
+    """Rule 10: the device bytes of the decode batch laid out anew with the answers of ``decode`` that
+    have no row joining its live rows."""
+    joining = [work[i].num_kv_tokens for i in decode if not work[i].has_row]
+    width = max([batch.longest_row if batch.num_live else 0, *joining])
+    return (batch.num_live + len(joining)) * (width + batch.grow_columns) * batch.kv_bytes_per_token
 
 
 def _counted(

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from ..errors import ServiceError, overloaded
 from ..results import AddImageResult, Answer, FinishReason, OpenResult, RestoredFrom, TokenEvent, elapsed_ms
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
@@ -62,6 +63,8 @@ class Generation:
         truncated_turns: oldest turns the conversation leaves to fit the context.
         room_tokens: new tokens device memory is made room for when it starts (``max_new_tokens``;
             fewer for an answer without a limit, whose KV then grows with the decode batch).
+        start_bytes: device bytes its start needs room for (a restore's or a resent conversation's
+            image features, the uncached prompt's KV and ``room_tokens``'); the step's plan grants them.
         phase: :class:`Phase`.
         row: this answer's row in the decode batch, while it has one.
         num_reused_tokens: prompt tokens served from the session's KV cache.
@@ -84,6 +87,7 @@ class Generation:
         *,
         truncated_turns: int = 0,
         room_tokens: int | None = None,
+        start_bytes: int = 0,
     ) -> None:
         self._driver = driver
         self.session = session
@@ -93,6 +97,7 @@ class Generation:
         self.remember = remember
         self.truncated_turns = truncated_turns
         self.room_tokens = params.max_new_tokens if room_tokens is None else room_tokens
+        self.start_bytes = start_bytes
         self.sampler = sampler
         self.detokenizer = detokenizer
         self.phase = Phase.WAITING
@@ -109,14 +114,21 @@ class Generation:
         self._max_stop = max((len(s) for s in params.stop), default=0)
         self.images_to_encode: list[tuple[int, Any]] = []
         self.feature_rows: list[Any] = []
+        self.features_pending = False  # the session's features are assembled when the answer starts
         self.resent = False  # a whole conversation resent (OpenAI messages), not one question
 
-    def set_images_to_encode(self, images: list[tuple[int, Any]], rows: list[Any]) -> None:
+    def set_images_to_encode(self, images: list[tuple[int, Any]], rows: list[Any], *, assemble: bool) -> None:
         """A resent conversation's images the vision tower must encode before the prefill: ``(index
         in the conversation, decoded image or None)``, and every image's feature rows found held
-        (``[tokens_i, hidden]``, None for those to encode)."""
+        (``[tokens_i, hidden]``, None for those to encode); ``assemble``: the session's features are
+        made of them when the answer starts (False: the session keeps its own)."""
         self.images_to_encode, self.feature_rows = list(images), list(rows)
+        self.features_pending = assemble
         self.resent = True
+
+    def no_room(self) -> ServiceError:
+        """The error of a start refused device memory (503 ``overloaded``)."""
+        return overloaded("not enough device memory for this answer now; retry later", "step_memory")
 
     # ------------------------------------------------------------------ reading
     @property
@@ -147,12 +159,15 @@ class Generation:
         """What the scheduler sees: a decode row, or a prefill (after the vision tower when the
         session must be restored from the ``image`` tier)."""
         if self.phase is Phase.DECODING:
-            return WorkView("question", decoding=True, has_row=self.row is not None)
+            return WorkView("question", decoding=True, has_row=self.row is not None, num_kv_tokens=self.next_position)
         if self.phase is Phase.WAITING:
             session = self.session
-            restore_vision = bool(self.images_to_encode) or (session.image_features is None and bool(session.images))
+            restore = not self.features_pending and session.image_features is None and bool(session.images)
+            restore_vision = bool(self.images_to_encode) or restore
             uncached = len(self.prompt_ids) - (0 if restore_vision else self.num_reusable_tokens())
-            return WorkView("question", needs_vision=restore_vision, num_prefill_tokens=uncached)
+            return WorkView(
+                "question", needs_vision=restore_vision, num_prefill_tokens=uncached, start_bytes=self.start_bytes
+            )
         return WorkView("question", num_prefill_tokens=len(self.prompt_ids) - len(self.session.cached_ids))
 
     # ------------------------------------------------------------------ changes (the engine's)
@@ -272,6 +287,8 @@ class ImageTask:
         encoded: the vision tower ran; num_reused_tokens: prefix tokens kept from the KV cache.
         shared_rows: an open's images' feature rows found in other sessions (``share_images``): no
             vision tower runs, and the prefix KV another session holds is copied.
+        start_bytes: device bytes its first piece needs room for (features and the prefix's KV); the
+            step's plan grants them.
         timings: ms: ``decode`` (when decoded by the engine), ``encode``, ``prefill``, ``total``.
     """
 
@@ -287,6 +304,8 @@ class ImageTask:
         t0: float,
         decode_ms: float | None,
         new_image: tuple[bytes, list[tuple[int, int]], list[int]] | None = None,
+        *,
+        start_bytes: int = 0,
     ) -> None:
         self._driver = driver
         self.kind_of_task = kind_of_task
@@ -294,6 +313,7 @@ class ImageTask:
         self.images = images
         self.prefix = prefix
         self.new_image = new_image
+        self.start_bytes = start_bytes
         self.snapshot: SessionSnapshot | None = None
         self.encoded = False
         self.shared_rows: list[Any] | None = None  # every image's feature rows, held by other sessions
@@ -312,7 +332,12 @@ class ImageTask:
     def view(self) -> WorkView:
         """What the scheduler sees: the vision tower first, then the prefix's uncached tokens."""
         if not self.encoded:
-            return WorkView("image", needs_vision=self.shared_rows is None, num_prefill_tokens=len(self.prefix))
+            return WorkView(
+                "image",
+                needs_vision=self.shared_rows is None,
+                num_prefill_tokens=len(self.prefix),
+                start_bytes=self.start_bytes,
+            )
         return WorkView("image", num_prefill_tokens=len(self.prefix) - len(self.session.cached_ids))
 
     def finish(self) -> OpenResult | AddImageResult:
@@ -334,6 +359,11 @@ class ImageTask:
                 timings=timings,
             )
         return self.result
+
+    def no_room(self) -> ServiceError:
+        """The error of a start refused device memory (503 ``overloaded``)."""
+        what = "a new session" if self.kind_of_task == "open" else "the image now"
+        return overloaded(f"not enough device memory for {what}", "session_room")
 
     def fail(self, exc: Exception) -> None:
         """Record ``exc`` as the task's error (the engine undoes the task)."""

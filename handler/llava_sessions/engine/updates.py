@@ -63,39 +63,37 @@ class StateUpdates:
 
     # ------------------------------------------------------------------ answers
     def start_generation(self, gen: Generation) -> None:
-        """Make the session prefillable for ``gen``: restore a demoted session, reserve the answer's
-        memory, crop the cache to the tokens it reuses.
+        """Make the session prefillable for ``gen`` in the device memory the step's plan made room for
+        (:attr:`~.scheduler.PrefillPiece.grant_bytes`): assemble a resent conversation's features or
+        restore a demoted session, crop the cache to the tokens it reuses.
 
         Raises:
-            ServiceError: overloaded (no device memory); the restore's image errors.
+            ServiceError: the restore's image errors.
         """
         session = gen.session
         t0 = time.perf_counter()
-        if gen.images_to_encode:
-            self._encode_missing(gen)
+        if gen.features_pending:
+            self._assemble_features(gen)
         restored = self._restore(session)
         if gen.resent:  # a resent conversation: a prefix another session holds may serve more
             self.sharing.adopt_prefix(session, gen.prompt_ids, session.image_keys, session.image_tokens)
-            gen.images_to_encode = []
         reuse = gen.num_reusable_tokens()
-        need = (len(gen.prompt_ids) - reuse + gen.room_tokens) * self.runner.kv_bytes_per_token
-        if not self.store.allocate(need, keep=session):
-            raise overloaded("not enough device memory for this answer now; retry later", "step_memory")
         session.crop_kv(reuse)
         self.num_reused_tokens += reuse
         gen.started(restored, reuse, elapsed_ms(t0))
 
-    def _encode_missing(self, gen: Generation) -> None:
-        """Run the vision tower on the images of a resent conversation no session held, and give the
-        session every image's features in order."""
+    def _assemble_features(self, gen: Generation) -> None:
+        """Give the session of a resent conversation every image's features in order: the rows found
+        held, and the vision tower's on the images no session held."""
         session = gen.session
         images = [img if img is not None else self.decode_image(session.images[i]) for i, img in gen.images_to_encode]
         indexes = [i for i, _ in gen.images_to_encode]
-        feats = self.model.encode_at(session, indexes, images)
         rows = list(gen.feature_rows)
-        for i, f in zip(indexes, feats, strict=True):
-            rows[i] = f
+        if indexes:
+            for i, f in zip(indexes, self.model.encode_at(session, indexes, images), strict=True):
+                rows[i] = f
         session.set_features(torch.cat(rows) if rows else None)
+        gen.images_to_encode, gen.features_pending = [], False
 
     def _restore(self, session: Session) -> RestoredFrom | None:
         """Bring a demoted session back to a prefillable state; returns the tier it came from."""
@@ -108,18 +106,18 @@ class StateUpdates:
             return None
         if tier is Tier.IMAGE:
             images = [self.decode_image(data) for data in session.images]
-            need = sum(session.image_tokens) * self.runner.feature_bytes_per_token
-            if not self.store.allocate(need, keep=session):
-                raise overloaded("not enough device memory to restore the session", "session_room")
             session.set_features(self.model.encode(session, images))
         session.start_kv(self.model.new_cache())
         session.count_restore()
         self.store.stats.num_restores += 1
         return "features" if tier is Tier.FEATURES else "image"
 
-    def decode(self, gens: list[Generation], *, rebuild: bool) -> None:
-        """Run the decode step of ``gens`` together and sample each one's next token; a failed
-        forward pass fails every one of them (their sessions put back)."""
+    def decode(self, gens: list[Generation], *, rebuild: bool, batch_bytes: int = 0) -> None:
+        """Run the decode step of ``gens`` together and sample each one's next token, once room is
+        made for ``batch_bytes`` (a rebuilt batch's, the plan's); no room or a failed forward pass
+        fails every one of them (their sessions put back)."""
+        if not self._batch_room(gens, batch_bytes):
+            return
         try:
             logits = self.model.decode(gens, rebuild=rebuild)
         except Exception as exc:  # noqa: BLE001 - the batched step failed: each of its answers fails
@@ -131,6 +129,15 @@ class StateUpdates:
                 self.put_back(g)
             raise
         self.accept_rows(gens, logits)
+
+    def _batch_room(self, gens: list[Generation], batch_bytes: int) -> bool:
+        """Make room for a rebuilt decode batch's ``batch_bytes`` (scheduler rule 10); when none can
+        be made, each of ``gens`` fails with ``overloaded``. Returns whether room was made."""
+        if not batch_bytes or self.store.allocate(batch_bytes, keep=None):
+            return True
+        for g in gens:
+            self.fail(g, overloaded("not enough device memory to decode now; retry later", "step_memory"))
+        return False
 
     def accept_rows(self, gens: list[Generation], logits: torch.Tensor) -> None:
         """Sample each of ``gens``' next token from its row of ``logits [B, vocab]`` (float32, the
@@ -249,7 +256,7 @@ class StateUpdates:
 
     def _put_back_answer(self, gen: Generation) -> None:
         session = gen.session
-        if gen.images_to_encode:  # a resent conversation's images were never encoded: rebuild from them
+        if gen.features_pending:  # a resent conversation's features were never assembled: rebuild from images
             session.drop_features()
             return
         try:
@@ -288,12 +295,19 @@ class StateUpdates:
             raise
         return False
 
-    def decode_with_chunk(self, gens: list[Generation], rebuild: bool, w: Work, piece: PrefillPiece) -> None:
+    def decode_with_chunk(
+        self, gens: list[Generation], rebuild: bool, w: Work, piece: PrefillPiece, batch_bytes: int = 0
+    ) -> None:
         """Rule 9 (:mod:`.scheduler`): the decode step of ``gens`` and ``piece``'s chunk in one forward
-        pass. When the piece runs no chunk after all, the decode step runs alone; when the pass
-        fails, each part runs again on its own, so each failure stays its own request's."""
+        pass (``batch_bytes``: as :meth:`decode`). When the piece runs no chunk after all, the decode
+        step runs alone; when the batch gets no room or the pass fails, each part runs on its own, so
+        each failure stays its own request's."""
         if not self._piece(w, piece, stop_before_chunk=True):
-            self.decode(gens, rebuild=rebuild)
+            self.decode(gens, rebuild=rebuild, batch_bytes=batch_bytes)
+            return
+        alone = dataclasses.replace(piece, vision=False, grant_bytes=0)  # its start ran: the chunk is left
+        if not self._batch_room(gens, batch_bytes):
+            self._piece(w, alone, stop_before_chunk=False)
             return
         try:
             rows, last = self.model.decode_with_chunk(
@@ -307,7 +321,7 @@ class StateUpdates:
         except Exception:  # noqa: BLE001 - whose failure it is, the parts alone tell
             log.debug("the fused decode and prefill pass failed; running them apart", exc_info=True)
             self.decode(gens, rebuild=rebuild)
-            self._piece(w, dataclasses.replace(piece, vision=False), stop_before_chunk=False)
+            self._piece(w, alone, stop_before_chunk=False)
             return
         except BaseException:
             for g in gens:
@@ -321,9 +335,12 @@ class StateUpdates:
             self.fail(w, exc)
 
     def _before_chunk(self, w: Work, piece: PrefillPiece) -> bool:
-        """What runs before a piece's prefill chunk: a waiting answer's start (restore, memory, crop),
-        an image's vision tower. Returns False when the piece runs no chunk this step (the vision
-        tower took its share, or the image's prefix is all cached: then its task is finished)."""
+        """What runs before a piece's prefill chunk: room made for its ``grant_bytes`` (scheduler rule
+        10: the work's start; ``overloaded`` when none can be made), a waiting answer's start
+        (restore, crop), an image's vision tower. Returns False when the piece runs no chunk this step
+        (the vision tower took its share, or the image's prefix is all cached: then its task is finished)."""
+        if piece.grant_bytes and not self.store.allocate(piece.grant_bytes, keep=w.session):
+            raise w.no_room()
         if isinstance(w, Generation):
             if w.phase is Phase.WAITING:
                 self.start_generation(w)

@@ -1,0 +1,108 @@
+"""Scheduler rule 10 on the real engine: device memory comes with a step's plan only.
+
+Admission checks that room can be made (its 503 comes before any forward pass) and demotes nothing;
+the step that starts a piece of work makes room for the bytes its plan grants, and a rebuilt decode
+batch gets exactly the bytes the plan computed. fp32 on CPU, the ``tiny`` checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.engine.scheduler import schedule
+from llava_sessions.errors import ErrorCode
+from llava_sessions.images.fetch import decode_image
+from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.sessions.store import SessionStore, Tier
+
+decode = functools.partial(decode_image, max_pixels=40_000_000)
+Q = "What is in this image?"
+
+
+def make_engine(runner, budget: int = 10**10) -> SessionEngine:
+    store = SessionStore(
+        device_budget_bytes=budget,
+        host_budget_bytes=10**9,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        max_sessions=16,
+        ttl_s=1200,
+    )
+    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=512), check_invariants=True)
+
+
+def tiers(eng: SessionEngine) -> dict[str, Tier]:
+    return {s.session_id: s.tier for s in eng.store.sessions()}
+
+
+def test_admission_demotes_nothing_the_open_s_first_step_makes_its_room(runner, photos):
+    probe = make_engine(runner)
+    probe.open("p", photos["astronaut"])
+    one = probe.store.device_bytes()
+    eng = make_engine(runner, int(2.3 * one))  # room for two sessions
+    eng.open("a", photos["astronaut"])
+    eng.open("b", photos["coffee"])
+    held = eng.store.device_bytes()
+    task = eng.begin_open("c", photos["rocket"])
+    assert task.view().start_bytes == eng.new_session_bytes(len(task.prefix), sum(task.session.image_tokens))
+    # admitted (room can be made), but nothing demoted nor allocated before the step runs
+    assert tiers(eng) == {"a": Tier.KV, "b": Tier.KV, "c": Tier.IMAGE} and eng.store.device_bytes() == held
+    assert eng.store.stats.num_demotions_kv == 0
+    eng.step([task])  # the vision tower's piece carries the grant: room made, least recent first
+    assert eng.store.stats.num_demotions_kv == 1 and tiers(eng)["a"] is not Tier.KV
+    while not task.done:
+        eng.step([task])
+    assert task.error is None and tiers(eng)["c"] is Tier.KV
+    assert eng.store.device_bytes() <= eng.store.device_budget_bytes
+
+
+def test_a_rebuilt_batch_takes_exactly_the_bytes_its_plan_granted(runner, photos):
+    eng = make_engine(runner)
+    for sid, photo in (("a", "astronaut"), ("b", "coffee"), ("c", "rocket")):
+        eng.open(sid, photos[photo])
+    gens = [eng.start("a", Q, SamplingParams(max_new_tokens=12))]
+    rebuilds = 0
+    for step in range(40):
+        if step in (3, 6):  # answers join a running batch: it is laid out anew, longer rows first
+            gens.append(eng.start("bc"[step // 3 - 1], Q + " Be brief." * step, SamplingParams(max_new_tokens=12)))
+        live = [g for g in gens if not g.done]
+        if not live:
+            break
+        plan = schedule([g.view() for g in live], None, eng.batch.layout(), fuse=eng.fuse)
+        eng.step(live)
+        if plan.rebuild and eng.batch.cache is not None:
+            rebuilds += 1
+            assert plan.batch_bytes == eng.batch.cache.nbytes() == eng.store.batch_bytes > 0
+    assert rebuilds >= 3 and all(g.error is None for g in gens)
+
+
+def test_a_start_refused_memory_fails_alone_and_the_session_stays(runner, photos):
+    """Two questions start in one step; the budget has room for the first's start only. The second
+    fails with a 503 ``overloaded`` (its grant refused: the other session is answering, it cannot be
+    demoted) and its session is as it was; the first answers exactly as alone (its decode batch's
+    room is made by demoting the refused session, idle again), and the refused one answers after."""
+    params, one = SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=1)
+    probe = make_engine(runner)
+    probe.open("a", photos["astronaut"])
+    probe.open("b", photos["coffee"])
+    held = probe.store.device_bytes()
+    expected = probe.generate("a", Q, params, remember=False)
+    need_a = probe.start("a", Q, params, remember=False).start_bytes
+    eng = make_engine(runner, held + need_a + runner.kv_bytes_per_token // 2)
+    eng.open("a", photos["astronaut"])
+    eng.open("b", photos["coffee"])
+    assert eng.store.device_bytes() == held
+    ga = eng.start("a", Q, params, remember=False)
+    gb = eng.start("b", Q, one, remember=False)
+    assert gb.start_bytes > params.max_new_tokens * runner.kv_bytes_per_token * 2  # more than the first leaves
+    eng.step([ga, gb])
+    assert gb.done and gb.error is not None and gb.error.code is ErrorCode.OVERLOADED
+    assert gb.error.retry_after_s and "device memory" in gb.error.message
+    assert not ga.done and not eng.store.get("b").busy and tiers(eng) == {"a": Tier.KV, "b": Tier.KV}
+    eng.step([ga])  # the first decode step lays the batch out: its room is made first
+    assert eng.store.device_bytes() <= eng.store.device_budget_bytes and tiers(eng)["b"] is not Tier.KV
+    while not ga.done:
+        eng.step([ga])
+    assert ga.error is None and [t.id for t in ga.answer.tokens] == [t.id for t in expected.tokens]
+    again = eng.generate("b", Q, one, remember=False)
+    assert again.tokens and eng.store.device_bytes() <= eng.store.device_budget_bytes
