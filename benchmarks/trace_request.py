@@ -8,7 +8,11 @@ runs), and records every Python call and return in the worker's code (``handler/
 - **files**: distinct modules of the worker the request passes through;
 - **returns**: function returns in them;
 - **calls back up**: calls into a module that is already on the stack below the caller's module (the
-  request went down from it and comes back up into it: the shape the layout rules forbid).
+  request went down from it and comes back up into it: the shape the layout rules forbid);
+- **the wire's way down / back**: modules called while no module of the engine (``engine/``,
+  ``model/``, ``sessions/``) is on the stack, before the engine's first ``step`` (down: the body
+  read, validated, its images fetched, the engine's API called) and after it (back: the frames
+  written).
 
 Requests: one OpenAI chat turn with an image (inline base64) in a session opened with AWS's
 ``{"requestType": "NEW_SESSION"}``, and one native ``generate`` in a session opened on the same image.
@@ -36,6 +40,10 @@ sys.path.insert(0, str(REPO / "handler"))
 from llava_handler import LlavaHandler  # noqa: E402
 from llava_tools.samples import sample_photo  # noqa: E402
 from llava_tools.tiny_model import write_checkpoint  # noqa: E402
+
+#: The engine's API module, and the modules below the wire (the wire's way does not count them).
+ENGINE_API = "llava_sessions/engine/engine.py"
+ENGINE_LAYER = ("llava_sessions/engine/", "llava_sessions/model/", "llava_sessions/sessions/")
 
 SESSION = "X-Amzn-SageMaker-Session-Id"
 START = "X-Amzn-SageMaker-New-Session-Id"
@@ -100,6 +108,9 @@ class Tracer:
         self.back_up = 0
         self.back_up_pairs: Counter[tuple[str, str]] = Counter()
         self.stack: list[str] = []
+        self.down: list[str] = []  # the wire's way, in the order first called
+        self.back: list[str] = []
+        self.stepped = False
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         name = frame.f_code.co_filename
@@ -111,6 +122,12 @@ class Tracer:
                 self.back_up += 1
                 self.back_up_pairs[(self.stack[-1], module)] += 1
             self.files.add(module)
+            if module == ENGINE_API and frame.f_code.co_name == "step":
+                self.stepped = True
+            if not any(m.startswith(ENGINE_LAYER) for m in [*self.stack, module]):
+                way = self.back if self.stepped else self.down
+                if module not in way:
+                    way.append(module)
             self.stack.append(module)
         else:
             self.returns += 1
@@ -159,6 +176,8 @@ def main() -> int:
         tracer, out = traced(lambda body=body, sid=sid: serve(handler, model_dir, body, sid))
         assert b'"error"' not in out, out[:300]
         rows.append((name, len(tracer.files), tracer.returns, tracer.back_up, sorted(tracer.files)))
+        print(f"{name}: the wire's way down, {len(tracer.down)} files: {', '.join(tracer.down)}")
+        print(f"{name}: the wire's way back, {len(tracer.back)} files: {', '.join(tracer.back)}")
         ups = ", ".join(f"{a} -> {b} x{n}" for (a, b), n in tracer.back_up_pairs.most_common())
         print(f"{name}: calls back up: {ups or 'none'}")
     print(f"{'request':<26} {'files':>6} {'returns':>8} {'calls back up':>14}")

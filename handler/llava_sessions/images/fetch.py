@@ -126,12 +126,14 @@ def fetch_image_bytes(source: ImageSource, settings: Settings, *, s3_client: Any
 # ============================================================================================
 
 
+_NOT_BASE64 = "image.base64 is not valid base64"
+
+
 def _decode_base64(text: str, cap: int) -> bytes:
-    invalid = ServiceError(ErrorCode.IMAGE_INVALID, "image.base64 is not valid base64")
     if text.startswith("data:"):
         header, sep, text = text.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise invalid
+            raise ServiceError(ErrorCode.IMAGE_INVALID, _NOT_BASE64)
     text = text.translate(_WHITESPACE)
     padding = len(text) - len(text.rstrip("="))
     if len(text) // 4 * 3 - padding > cap:
@@ -139,7 +141,7 @@ def _decode_base64(text: str, cap: int) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise invalid from None
+        raise ServiceError(ErrorCode.IMAGE_INVALID, _NOT_BASE64) from None
 
 
 # ============================================================================================
