@@ -106,3 +106,20 @@ def test_a_start_refused_memory_fails_alone_and_the_session_stays(runner, photos
     assert ga.error is None and [t.id for t in ga.answer.tokens] == [t.id for t in expected.tokens]
     again = eng.generate("b", Q, one, remember=False)
     assert again.tokens and eng.store.device_bytes() <= eng.store.device_budget_bytes
+
+
+def test_work_listed_twice_in_a_step_runs_once(runner, photos):
+    """``SessionEngine.step`` is public: an answer passed twice (a caller's slip) decodes one token
+    per step and stays exact, instead of joining the decode batch twice."""
+    params = SamplingParams(max_new_tokens=6)
+    expected = make_engine(runner)
+    expected.open("a", photos["astronaut"])
+    want = [t.id for t in expected.generate("a", Q, params, remember=False).tokens]
+    eng = make_engine(runner)
+    eng.open("a", photos["astronaut"])
+    gen = eng.start("a", Q, params, remember=False)
+    steps = 0
+    while not gen.done:
+        eng.step([gen, gen])
+        steps += 1
+    assert gen.error is None and [t.id for t in gen.answer.tokens] == want and steps == len(want)
