@@ -226,8 +226,12 @@ def test_rule_10_a_piece_that_starts_its_work_carries_its_start_bytes_later_piec
         WorkView("question", num_prefill_tokens=30),  # started in an earlier step: nothing more to grant
         WorkView("image", needs_vision=True, num_prefill_tokens=600, start_bytes=90_000),
     ]
-    plan = schedule(work, 64)
-    assert plan.prefill == (PrefillPiece(0, False, 30, 4000), PrefillPiece(1, False, 30, 0))
+    plan = schedule(work, 64)  # the image's vision tower takes what is left of the share: its start too
+    assert plan.prefill == (
+        PrefillPiece(0, False, 30, 4000),
+        PrefillPiece(1, False, 30, 0),
+        PrefillPiece(2, True, 0, 90_000),
+    )
     assert schedule(work, None).prefill[2] == PrefillPiece(2, True, None, 90_000)
     assert plan.batch_bytes == 0  # nothing decodes: no batch
 

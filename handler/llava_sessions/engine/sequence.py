@@ -64,7 +64,7 @@ class Generation:
         room_tokens: new tokens device memory is made room for when it starts (``max_new_tokens``;
             fewer for an answer without a limit, whose KV then grows with the decode batch).
         start_bytes: device bytes its start needs room for (a restore's or a resent conversation's
-            image features, the uncached prompt's KV and ``room_tokens``'); the step's plan grants them.
+            image features, the KV of its uncached prompt and of ``room_tokens``); the step's plan grants them.
         phase: :class:`Phase`.
         row: this answer's row in the decode batch, while it has one.
         num_reused_tokens: prompt tokens served from the session's KV cache.

@@ -5,9 +5,9 @@ decode step's pass when the plan says so: :meth:`StateUpdates.decode_with_chunk`
 comes with the plan only (scheduler rule 10): room is made here, for a piece's ``grant_bytes`` and a
 rebuilt batch's ``batch_bytes``, and nowhere else. Before a prefill: a demoted session is restored
 (its features re-encoded from the ``image`` tier) and its cache cropped to the tokens the answer
-reuses; an image task's images join the session and are encoded. After a forward pass: the next token is sampled and
-recorded, and a finished answer or task updates its session (the remembered turn, the cache kept
-for the next question) and releases it. On failure or abandonment: the session is put back as it was
+reuses; an image task's images join the session and are encoded. After a forward pass: the next
+token is sampled and recorded, and a finished answer or task updates its session (the remembered
+turn, the cache kept for the next question) and releases it. On failure or abandonment: the session is put back as it was
 before the request (an open's session is removed). Forward passes themselves are the model runner's.
 """
 
