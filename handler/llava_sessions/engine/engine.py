@@ -422,8 +422,9 @@ class SessionEngine:
         (scheduler rule 10): room is made for a rebuilt decode batch and for each work's start just
         before they run.
 
-        Work listed twice in ``work`` runs once. A piece of work whose step fails gets its ``error`` set and its session put back as before
-        (an open's session is removed); the others are untouched. Never raises ``Exception``.
+        Work listed twice in ``work`` runs once. A piece of work whose step fails gets its ``error``
+        set and its session put back as before (an open's session is removed); the others are
+        untouched. Never raises ``Exception``.
         """
         live = list({id(w): w for w in work if not w.done}.values())  # work listed twice runs once
         plan = schedule(
