@@ -21,7 +21,7 @@ from ..sampling.grammar import GrammarMatcher
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
 from ..sessions.conversation import Chat, ChatTarget, Turn, common_prefix_len
-from .memory import new_session_bytes
+from .memory import device_bytes, new_session_bytes
 from .sequence import Generation, ImageTask
 from .sharing import reusable_len
 
@@ -141,8 +141,7 @@ class Admission:
         relayout = tokens[:-1] != session.image_tokens
         feature_tokens = sum(tokens) if relayout or session.image_features is None else tokens[-1]
         reuse = 0 if relayout else common_prefix_len(session.cached_ids, prefix)
-        runner = self.runner
-        need = feature_tokens * runner.feature_bytes_per_token + (len(prefix) - reuse) * runner.kv_bytes_per_token
+        need = device_bytes(self.runner, len(prefix) - reuse, feature_tokens)
         self._check_room(session, need, "the image now")
         return ImageTask(
             self.driver,
@@ -248,12 +247,10 @@ class Admission:
     def _start_bytes(self, gen: Generation) -> int:
         """Device bytes ``gen``'s start needs room for: a demoted session's image features, the KV of
         the prompt tokens its cache does not serve and of ``room_tokens`` new ones."""
-        session, runner = gen.session, self.runner
+        session = gen.session
         restore = bool(session.images) and session.image_features is None
-        features = sum(session.image_tokens) * runner.feature_bytes_per_token if restore else 0
-        return (
-            features + (len(gen.prompt_ids) - gen.num_reusable_tokens() + gen.room_tokens) * runner.kv_bytes_per_token
-        )
+        kv_tokens = len(gen.prompt_ids) - gen.num_reusable_tokens() + gen.room_tokens
+        return device_bytes(self.runner, kv_tokens, sum(session.image_tokens) if restore else 0)
 
     def _check_prompt(self, prompt: str, params: SamplingParams, *, chat: bool = False) -> None:
         """A question's text and limits (``chat``: a resent conversation's, which may be blank and
@@ -341,9 +338,8 @@ class Admission:
         runner = self.runner
         unchanged = keys == session.image_keys and tokens == session.image_tokens and session.image_features is not None
         # a new set of features is a new tensor (every row copied or encoded when the answer starts)
-        feature_bytes = 0 if unchanged else sum(tokens) * runner.feature_bytes_per_token
         room = min(max_new, self.limits.planned_new_tokens) if clip_max_new_tokens else max_new
-        need = feature_bytes + (len(ids) - keep + room) * runner.kv_bytes_per_token
+        need = device_bytes(runner, len(ids) - keep + room, 0 if unchanged else sum(tokens))
         self._check_room(session, need, "this turn")
         to_encode = self._hold_conversation(session, target, tokens, keep, rows, unchanged=unchanged)
         gen = Generation(

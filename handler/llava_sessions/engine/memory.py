@@ -20,7 +20,15 @@ if TYPE_CHECKING:
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
 
-__all__ = ["OomAttempt", "available_host_bytes", "default_device_budget", "is_oom", "new_session_bytes", "oom_attempts"]
+__all__ = [
+    "OomAttempt",
+    "available_host_bytes",
+    "default_device_budget",
+    "device_bytes",
+    "is_oom",
+    "new_session_bytes",
+    "oom_attempts",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +95,14 @@ def oom_attempts(store: SessionStore, *, keep: Session | None) -> Iterator[OomAt
         yield OomAttempt(store, keep, last=True)
 
 
+def device_bytes(runner: LlavaRunner, num_kv_tokens: int, num_feature_tokens: int = 0) -> int:
+    """Device bytes of ``num_kv_tokens`` tokens of KV cache (``kv_bytes_per_token`` each) and
+    ``num_feature_tokens`` rows of image features (hidden x dtype bytes each)."""
+    return num_feature_tokens * runner.feature_bytes_per_token + num_kv_tokens * runner.kv_bytes_per_token
+
+
 def new_session_bytes(runner: LlavaRunner, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
     """Device bytes a new session takes in the ``kv`` tier: its image features (``num_image_tokens``,
-    default one base tile, x hidden x dtype bytes) plus the KV cache of its ``num_prefix_tokens``."""
+    default one base tile) plus the KV cache of its ``num_prefix_tokens`` (:func:`device_bytes`)."""
     image_tokens = runner.num_image_tokens if num_image_tokens is None else num_image_tokens
-    return image_tokens * runner.feature_bytes_per_token + num_prefix_tokens * runner.kv_bytes_per_token
+    return device_bytes(runner, num_prefix_tokens, image_tokens)
