@@ -18,7 +18,10 @@ Requests: one OpenAI chat turn with an image (inline base64) in a session opened
 ``{"requestType": "NEW_SESSION"}``, and one native ``generate`` in a session opened on the same image.
 The counts do not depend on the machine; run it on two checkouts to compare them.
 
-Usage: python benchmarks/trace_request.py [--max-tokens 4]
+Usage: python benchmarks/trace_request.py [--max-tokens 4] [--json PATH]
+
+``--json`` also writes the counts and the wire's ways per request (``tests/test_layout.py`` holds
+them to the layout's goal: at most 12 files each way, no call back up).
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ def traced(call: Callable[[], bytes]) -> tuple[Tracer, bytes]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--json", type=Path, help="write the counts and the wire's ways here")
     args = parser.parse_args()
     model_dir = write_checkpoint("tiny", Path(tempfile.mkdtemp()) / "tiny", seed=0, max_positions=1024)
     handler = LlavaHandler()
@@ -167,7 +171,7 @@ def main() -> int:
     generate = {"type": "generate", "prompt": "What is it?", "parameters": {"max_new_tokens": args.max_tokens}}
     opened = json.loads(serve(handler, model_dir, {"type": "open_session", "image": {"base64": photo}}, None))
     serve(handler, model_dir, generate, opened["session_id"])  # warm: every lazy import and cache is made
-    rows = []
+    rows, report = [], {}
     for name, body in (("chat turn with an image", chat), ("native generate", generate)):
         if body is chat:
             sid = json.loads(serve(handler, model_dir, {"requestType": "NEW_SESSION"}, None))["session_id"]
@@ -176,6 +180,13 @@ def main() -> int:
         tracer, out = traced(lambda body=body, sid=sid: serve(handler, model_dir, body, sid))
         assert b'"error"' not in out, out[:300]
         rows.append((name, len(tracer.files), tracer.returns, tracer.back_up, sorted(tracer.files)))
+        report[name] = {
+            "files": sorted(tracer.files),
+            "returns": tracer.returns,
+            "calls_back_up": tracer.back_up,
+            "down": tracer.down,
+            "back": tracer.back,
+        }
         print(f"{name}: the wire's way down, {len(tracer.down)} files: {', '.join(tracer.down)}")
         print(f"{name}: the wire's way back, {len(tracer.back)} files: {', '.join(tracer.back)}")
         ups = ", ".join(f"{a} -> {b} x{n}" for (a, b), n in tracer.back_up_pairs.most_common())
@@ -185,6 +196,8 @@ def main() -> int:
         print(f"{name:<26} {files:>6} {returns:>8} {back_up:>14}")
     for name, *_, modules in rows:
         print(f"\n{name}: {', '.join(modules)}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -29,7 +29,7 @@ from llava_sessions import images
 from llava_sessions.config import Settings
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images import decode_image, fetch, fetch_image_bytes
-from llava_sessions.images.source import ImageSource
+from llava_sessions.wire.inbound import ImageSource
 
 MAX_PIXELS = 40_000_000
 

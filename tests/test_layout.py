@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -148,12 +149,11 @@ LAYERS: list[set[str]] = [
         "model.templating",
         "model.fused",
         "wire.framing",
-        "wire.affinity",
         "engine.memory",
         "engine.sharing",
     },
     {"wire.inbound", "images.fetch", "model.runner", "sampling.sampler"},
-    {"images.source", "images", "model", "engine.sequence", "chat.fields"},
+    {"images", "model", "engine.sequence", "chat.fields", "wire.affinity"},
     {"native.protocol", "chat.protocol", "sessions.session", "engine.admission", "engine.updates"},
     {"chat.command", "sessions.store", "engine.decode_batch"},
     {"chat.responses"},
@@ -460,3 +460,25 @@ def _is_store(node: ast.expr) -> bool:
     """Whether ``node`` names the session store (``store``, ``self.store``, ``x._store``)."""
     name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
     return name.lstrip("_") == "store"
+
+
+def test_a_requests_way_through_the_wire_keeps_the_layouts_goal(tmp_path: Path) -> None:
+    """``benchmarks/trace_request.py`` on the tiny model (every call recorded with ``sys.setprofile``):
+    a chat turn with an image and a native ``generate`` each pass at most 12 of the worker's files
+    on the wire's way down (body read, validated, images fetched, the engine's API called) and on its
+    way back (the frames written), and no call returns into a module the request already left."""
+    out = tmp_path / "trace.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "trace_request.py"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report) == {"chat turn with an image", "native generate"}
+    for name, way in report.items():
+        assert "llava_handler.py" in way["down"] and "llava_sessions/wire/framing.py" in way["back"], name
+        assert len(way["down"]) <= 12, (name, way["down"])
+        assert len(way["back"]) <= 12, (name, way["back"])
+        assert way["calls_back_up"] == 0, name

@@ -44,9 +44,8 @@ from llava_sessions.chat.protocol import parse_chat_body
 from llava_sessions.config import Settings
 from llava_sessions.errors import ServiceError
 from llava_sessions.images.fetch import fetch_image_bytes
-from llava_sessions.images.source import ImageSource
 from llava_sessions.native.protocol import AddImageRequest, OpenSessionRequest, validate_request
-from llava_sessions.wire.inbound import is_chat_body, load_body, request_salt
+from llava_sessions.wire.inbound import ImageSource, is_chat_body, load_body, request_salt
 
 __all__ = ["ImageRelay"]
 

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from ..config import Settings
 from ..errors import ErrorCode, ServiceError
-from ..images.source import ImageSource
 from ..sampling.params import UNTIL_CONTEXT_END, SamplingParams
+from ..wire.inbound import ImageSource
 from .protocol import ChatCompletionRequest, ChatConversation, ImagePart
 
 __all__ = ["ChatCommand", "ChatImage", "chat_command", "image_source_of"]

@@ -30,13 +30,12 @@ from ..config import Settings
 from ..engine import Generation, SessionEngine
 from ..errors import ErrorCode, ServiceError
 from ..images.decode import decode_image
-from ..images.source import ImageSource
 from ..metrics import WorkerMetrics
-from ..results import Answer, elapsed_ms
+from ..results import Answer
 from ..sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
 from ..wire.framing import JSON, Row, RowResult
-from ..wire.inbound import request_salt
+from ..wire.inbound import ImageSource, request_salt
 from ..wire.jobs import Job, JobTable, Serving
 from . import responses
 from .command import ChatCommand, chat_command
@@ -167,7 +166,6 @@ class ChatServing(Serving):
         own_sid = None if (opens or one_shot) else sid
         t0 = time.perf_counter()
         target, urls, uuids = self._target(own_sid, command)
-        intake = elapsed_ms(t0)
         if own_sid is None:
             own_sid = sid if row.minted and sid else self.jobs.fresh_id(row.request_id)
             engine.open_empty(own_sid, salt=command.salt)
@@ -184,7 +182,7 @@ class ChatServing(Serving):
         job = Job(
             row.request_id, own_sid, self, command, now, work=gen, own_group=not opens and bool(sid), held=held, t0=t0
         )
-        job.one_shot, job.urls, job.intake_timings = one_shot, urls, {"intake": intake}
+        job.one_shot, job.urls = one_shot, urls
         job.opened = opens
         if command.stream:
             job.stream = self._stream_of(row, command)

@@ -1,4 +1,4 @@
-"""Images both dialects take: where one comes from (:mod:`.source`), its fetch under the SSRF guard
+"""Images both dialects take: where one comes from (``wire/inbound.py``'s ``ImageSource``), its fetch under the SSRF guard
 (:mod:`.fetch`), its decode under a pixel cap (:mod:`.decode`). No torch."""
 
 from .decode import DECODE_FORMATS, decode_image

@@ -36,7 +36,7 @@ from .s3 import fetch_s3
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from .source import ImageSource
+    from ..wire.inbound import ImageSource
 
 __all__ = ["DECODE_FORMATS", "decode_image", "fetch_image_bytes"]
 
@@ -94,7 +94,7 @@ def fetch_image_bytes(source: ImageSource, settings: Settings, *, s3_client: Any
       and the container's credentials.
 
     Args:
-        source: a validated :class:`~llava_sessions.images.source.ImageSource`.
+        source: a validated :class:`~llava_sessions.wire.inbound.ImageSource`.
         settings: limits and fetch policy (:class:`~llava_sessions.config.Settings`).
         s3_client: optional boto3 S3 client (tests pass one wrapped in botocore's Stubber).
 

@@ -24,7 +24,7 @@ unknown fields; error messages name the field and never echo prompts or image by
 
 The replies' models (streamed lines in the SageMaker LMI / TGI JSON-lines format included) live in
 :mod:`.responses`, the SageMaker session headers in ``llava_sessions.wire.contract``, image
-sources in ``llava_sessions.images.source``.
+sources in ``llava_sessions.wire.inbound``.
 No torch here.
 """
 
@@ -42,11 +42,20 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..errors import ErrorCode, ServiceError
-from ..images.source import S3_URI_RE, ImageSource
 from ..results import ContextPolicy
 from ..sampling.params import SAMPLING_BOUNDS, SamplingBound, SamplingParams
 from ..sessions.conversation import Turn
-from ..wire.inbound import SAFE_KEY_RE, CacheSalt, Inbound, check_text, invalid, load_body, validation_error
+from ..wire.inbound import (
+    S3_URI_RE,
+    SAFE_KEY_RE,
+    CacheSalt,
+    ImageSource,
+    Inbound,
+    check_text,
+    invalid,
+    load_body,
+    validation_error,
+)
 
 __all__ = [
     "REQUEST_TYPES",

@@ -14,7 +14,7 @@ import hashlib
 import json
 from typing import Any
 
-from .contract import salt_of_attributes
+from .inbound import salt_of_attributes
 
 __all__ = ["prefix_key"]
 

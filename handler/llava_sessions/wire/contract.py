@@ -31,7 +31,6 @@ __all__ = [
     "SEQUENCE_END_HEADER",
     "format_expires",
     "opened_headers",
-    "salt_of_attributes",
     "session_header_value",
     "session_id_of",
 ]
@@ -120,15 +119,3 @@ def session_id_of(header_value: str | None) -> str | None:
     if not header_value:
         return None
     return header_value.split(";", 1)[0].strip() or None
-
-
-def salt_of_attributes(custom_attributes: str | None) -> str | None:
-    """The ``cache_salt=<salt>`` pair among the ``;``-separated ``key=value`` pairs of SageMaker's
-    ``X-Amzn-SageMaker-Custom-Attributes`` header (boto3 ``CustomAttributes``), stripped; None when
-    absent. Not checked here (``llava_sessions.wire.inbound.request_salt`` checks it)."""
-    salt = None
-    for pair in (custom_attributes or "").split(";"):
-        key, sep, value = pair.partition("=")
-        if sep and key.strip() == "cache_salt":
-            salt = value.strip()
-    return salt

@@ -1,7 +1,9 @@
 """What every inbound body of both dialects shares: the body's size and JSON (:func:`load_body`), its
-dialect (:func:`is_chat_body`), the
-rules of their models (:class:`Inbound`, :func:`check_text`), and how a refused body is worded
-(pydantic's validation errors as one typed ServiceError: :func:`validation_error`).
+dialect (:func:`is_chat_body`), its ``cache_salt`` (:func:`request_salt`), the rules of their models
+(:class:`Inbound`, :func:`check_text`), where an image comes from (:class:`ImageSource`: a URL,
+vetted when fetched by ``images/fetch.py``; an S3 URI of the shape ``s3://bucket/key``; or base64,
+a ``data:image/...;base64,`` prefix accepted), and how a refused body is worded (pydantic's
+validation errors as one typed ServiceError: :func:`validation_error`).
 
 Messages name the field (``parameters.top_p: must be > 0 and <= 1``) and are built from the error
 type and the limits only, never from the input, so a prompt or image bytes never echo back. A wrong
@@ -12,19 +14,20 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.params import SAMPLING_BOUNDS
-from .contract import salt_of_attributes
 
 __all__ = [
     "CACHE_SALT_HINT",
     "SAFE_KEY_RE",
+    "S3_URI_RE",
     "CacheSalt",
+    "ImageSource",
     "ImageUuid",
     "Inbound",
     "check_text",
@@ -33,6 +36,7 @@ __all__ = [
     "load_body",
     "names_chat_keys",
     "request_salt",
+    "salt_of_attributes",
     "too_large",
     "validation_error",
 ]
@@ -138,6 +142,53 @@ def check_text(value: str) -> str:
     except UnicodeEncodeError:
         raise PydanticCustomError("invalid_unicode", "must be valid Unicode text") from None
     return value
+
+
+#: What an S3 URI must look like: ``s3://<bucket of 3-255 characters>/<key>``.
+S3_URI_RE = re.compile(r"^s3://[^/\s]{3,255}/[^\s].{0,1023}\Z", re.DOTALL)
+
+
+class ImageSource(Inbound):
+    """Where an image comes from: exactly one of ``url``, ``s3_uri`` or ``base64``.
+
+    ``url`` is vetted when fetched (scheme, host, resolved address: see ``images/fetch.py``);
+    ``s3_uri`` must look like ``s3://bucket/key``; ``base64`` is the encoded file (a
+    ``data:image/...;base64,`` prefix is accepted).
+    """
+
+    url: Annotated[str, Field(min_length=1, max_length=8192)] | None = None
+    s3_uri: Annotated[str, Field(min_length=1, max_length=1100)] | None = None
+    base64: Annotated[str, Field(min_length=1)] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _not_data(cls, value: str | None) -> str | None:
+        if value is not None and value[:5].lower() == "data:":
+            raise PydanticCustomError("data_uri_in_url", "a data: URI goes in image.base64 (url is fetched)")
+        return value
+
+    @field_validator("s3_uri")
+    @classmethod
+    def _s3_shape(cls, value: str | None) -> str | None:
+        if value is not None and not S3_URI_RE.match(value):
+            raise PydanticCustomError("s3_uri_format", "must look like s3://bucket/key")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ImageSource:
+        given = [name for name in ("url", "s3_uri", "base64") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError("image_source", "give exactly one of url, s3_uri, base64")
+        return self
+
+    @property
+    def kind(self) -> Literal["url", "s3_uri", "base64"]:
+        """Which source is set: ``"url"``, ``"s3_uri"`` or ``"base64"``."""
+        if self.url is not None:
+            return "url"
+        if self.s3_uri is not None:
+            return "s3_uri"
+        return "base64"
 
 
 def invalid(message: str) -> ServiceError:
@@ -270,6 +321,18 @@ def is_chat_body(data: Any) -> bool:
     ``messages`` (OpenAI chat completions) or ``requestType`` (AWS's session bodies); any other body
     is the native dialect's. The one place a request's dialect is decided."""
     return isinstance(data, dict) and ("messages" in data or "requestType" in data)
+
+
+def salt_of_attributes(custom_attributes: str | None) -> str | None:
+    """The ``cache_salt=<salt>`` pair among the ``;``-separated ``key=value`` pairs of SageMaker's
+    ``X-Amzn-SageMaker-Custom-Attributes`` header (boto3 ``CustomAttributes``), stripped; None when
+    absent. Not checked here (:func:`request_salt` checks it)."""
+    salt = None
+    for pair in (custom_attributes or "").split(";"):
+        key, sep, value = pair.partition("=")
+        if sep and key.strip() == "cache_salt":
+            salt = value.strip()
+    return salt
 
 
 _SALT_RE = re.compile(r"^[\x20-\x7e]{1,256}\Z")

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 import requests
 
 from ..errors import ErrorCode, ServiceError
-from ..images.source import ImageSource
 from .contract import IMAGE_RELAY_PATH
 from .framing import Row
+from .inbound import ImageSource
 
 if TYPE_CHECKING:
     from ..config import Settings
