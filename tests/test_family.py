@@ -97,6 +97,37 @@ def test_the_tool_writes_each_architecture_and_the_runner_loads_it_by_config(fam
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_the_vision_tower_runs_only_the_layers_its_features_are_read_from(family, small_photos, arch) -> None:
+    """llava-1.5 and LLaVA-NeXT read layer -2: the runner's tower drops the last layer; OneVision reads
+    -1 and keeps them all. ``generate`` on the trimmed model scores every step bit-identically to the
+    untrimmed checkpoint's, as loaded by transformers."""
+    import transformers
+
+    runner = family[arch]
+    folder = runner.model.name_or_path
+    full = getattr(transformers, checkpoint_architecture(folder)).from_pretrained(folder, dtype=torch.float32).eval()
+    layers = full.config.vision_config.num_hidden_layers
+    dropped = 0 if arch == "llava-onevision" else 1
+    assert runner.config.vision_config.num_hidden_layers == layers - dropped
+    tower = runner.model.model.vision_tower
+    encoder = getattr(tower, "encoder", None) or tower.vision_model.encoder
+    assert len(encoder.layers) == layers - dropped
+    chat = [{"role": "user", "content": [{"type": "image", "image": decode(small_photos["astronaut"])}]}]
+    chat[0]["content"].append({"type": "text", "text": "What is it?"})
+    inputs = runner.processor.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    scores = []
+    for model in (runner.model, full):
+        with torch.inference_mode():
+            out = model.generate(
+                **inputs, max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True
+            )
+        scores.append(torch.stack(out.scores))
+    assert torch.equal(scores[0], scores[1])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_image_tokens_follow_the_processor_for_every_size(family, arch) -> None:
     """The engine's count of an image's placeholders is the processor's (anyres: by image size)."""
     runner = family[arch]

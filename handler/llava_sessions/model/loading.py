@@ -3,13 +3,19 @@
 Architectures (:data:`ARCHITECTURES`, chosen by ``config.json``'s ``architectures``): llava-1.5
 (``LlavaForConditionalGeneration``), LLaVA-NeXT (``LlavaNextForConditionalGeneration``, "anyres"
 tiling) and LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``, anyres_max_9; Qwen2).
-``from_pretrained`` works on local folders only (no model hub here).
+``from_pretrained`` works on local folders only (no model hub here). The vision tower keeps only the
+layers its feature layer needs (:func:`trim_vision_tower`); on a CPU device the process's allocator
+keeps what a forward pass frees for the next one (:func:`keep_freed_cpu_memory`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +25,12 @@ __all__ = [
     "ARCHITECTURES",
     "checkpoint_architecture",
     "image_only_processor_class",
+    "keep_freed_cpu_memory",
     "load_model",
     "load_processor",
     "resolve_device",
     "resolve_dtype",
+    "trim_vision_tower",
 ]
 
 log = logging.getLogger(__name__)
@@ -140,7 +148,10 @@ def load_model(
     architecture = checkpoint_architecture(path)
     dev = resolve_device(device, gpu_id)
     torch_dtype = resolve_dtype(dtype, dev)
+    if dev.type == "cpu":
+        keep_freed_cpu_memory()
     loaded: Any = getattr(transformers, architecture).from_pretrained(path, dtype=torch_dtype)
+    trim_vision_tower(loaded)
     model = loaded.to(dev)
     processor = load_processor(path)
     log.info(
@@ -148,3 +159,79 @@ def load_model(
         extra={"model_dir": str(path), "architecture": architecture, "device": str(dev), "dtype": str(torch_dtype)},
     )
     return model.eval(), processor
+
+
+def trim_vision_tower(model: Any) -> int:
+    """Drop the vision encoder's layers above the one its image features are read from, as vLLM builds
+    LLaVA's vision tower only up to ``vision_feature_layer`` (``vllm/model_executor/models/llava.py``,
+    ``_get_num_hidden_layers``). llava-1.5 and LLaVA-NeXT read layer -2 (``hidden_states[-2]``): the
+    last CLIP layer and the post-layernorm run for nothing (1 of 24 layers of CLIP ViT-L/14; 1 of 6,
+    ~6 ms of ~43 ms per image, for the ``bench`` checkpoint on this CPU).
+
+    ``config.vision_feature_layer`` becomes the same layer counted from the front (``hidden_states``
+    has ``num_hidden_layers + 1`` entries, the embeddings first), so the model's own
+    ``get_image_features`` and ``generate`` select it as before: the features are bit-identical.
+    A tower without an ``encoder.layers`` list, or one whose last layer is read (OneVision's -1), is
+    left as is.
+
+    Returns:
+        The number of layers dropped.
+    """
+    config = model.config
+    tower = getattr(model, "vision_tower", None) or getattr(getattr(model, "model", None), "vision_tower", None)
+    encoder = getattr(tower, "encoder", None) or getattr(getattr(tower, "vision_model", None), "encoder", None)
+    layers = getattr(encoder, "layers", None)
+    wanted = config.vision_feature_layer
+    if encoder is None or not isinstance(layers, torch.nn.ModuleList) or wanted is None:
+        return 0
+    n = len(layers)
+    front = [i if i >= 0 else n + 1 + i for i in ([wanted] if isinstance(wanted, int) else wanted)]
+    keep = max(front)
+    if not 0 < keep < n:
+        return 0
+    encoder.layers = layers[:keep]
+    config.vision_feature_layer = front[0] if isinstance(wanted, int) else front
+    config.vision_config.num_hidden_layers = keep
+    return n - keep
+
+
+#: glibc's ``mallopt(3)`` parameter numbers (``<malloc.h>``).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Blocks above this size are mapped on their own and returned to the kernel when freed (a session's
+#: KV tensors of a large model): glibc's own ceiling for its dynamic threshold on 64-bit
+#: (``DEFAULT_MMAP_THRESHOLD_MAX``), fixed from the start instead of learnt. Bytes.
+CPU_MMAP_THRESHOLD_BYTES = 32 * 2**20
+#: Free memory at the top of the heap kept for reuse before the rest goes back to the kernel. Bytes.
+CPU_TRIM_THRESHOLD_BYTES = 512 * 2**20
+#: glibc's environment variables for the same two parameters: when either is set, the operator chose.
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def keep_freed_cpu_memory(env: Mapping[str, str] = os.environ) -> bool:
+    """Let this process's allocator keep the memory a forward pass frees for the next one, on a CPU
+    device (tensors there come from ``malloc``).
+
+    With glibc's defaults a prefill's activations (blocks of megabytes) are mapped and unmapped, or
+    trimmed off the heap, every pass, so each pass faults its pages in again: 30,000 minor faults
+    and ~60 ms of system time per cold image turn of the ``bench`` checkpoint on 2 cores, against
+    9,000 and ~18 ms with :data:`CPU_MMAP_THRESHOLD_BYTES` / :data:`CPU_TRIM_THRESHOLD_BYTES` set
+    through ``mallopt(3)`` (docs/design.md). PyTorch's performance tuning guide recommends a caching
+    allocator on CPU (jemalloc, tcmalloc) for the same reason; this is glibc's own setting.
+
+    Args:
+        env: the process environment; when it sets ``MALLOC_MMAP_THRESHOLD_`` or
+            ``MALLOC_TRIM_THRESHOLD_`` (glibc's variables for the same settings), nothing is changed.
+
+    Returns:
+        Whether the thresholds were set (False: the environment chose, or the C library is not glibc).
+    """
+    if any(name in env for name in _MALLOC_ENV):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, CPU_MMAP_THRESHOLD_BYTES) and mallopt(_M_TRIM_THRESHOLD, CPU_TRIM_THRESHOLD_BYTES)
+    )
