@@ -67,7 +67,22 @@ def alone(runner, photos) -> dict[str, list]:
     return {sid: eng.generate(sid, q, p, remember=False).tokens for sid, _ph, _h, q, p in CASES}
 
 
-def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photos):
+@pytest.mark.parametrize("poisoned", [False, True], ids=["fresh", "nan-filled"])
+def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photos, poisoned, monkeypatch):
+    """Rows of different lengths join and leave. ``nan-filled``: every batch cache is filled with NaN
+    as it is allocated (the worst its uninitialized memory may hold; only each row's left pads are
+    zeroed by the build), and the answers are still exact."""
+    if poisoned:
+        allocate = runner.new_batch_cache
+
+        def nan_filled(num_rows: int, capacity: int):
+            cache = allocate(num_rows, capacity)
+            for layer in cache.batch_layers:
+                layer.keys.fill_(float("nan"))
+                layer.values.fill_(float("nan"))
+            return cache
+
+        monkeypatch.setattr(runner, "new_batch_cache", nan_filled)
     expected = alone(runner, photos)
     eng = make_engine(runner)
     open_all(eng, photos)

@@ -179,6 +179,7 @@ class DecodeBatch:
             else:
                 self.runner.load_row(cache, row, g.session.kv_cache, width)
                 g.session.lend_kv()  # the row holds it now (the session is busy: never demoted)
+            cache.zero_leading(row, width - n)
             mask[row, width - n : width] = 1
         cache.set_length(width)
         for row, g in enumerate(members):

@@ -54,10 +54,12 @@ class BatchKVLayer(StaticLayer):
     length: int = 0
 
     def allocate(self, num_rows: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate zeroed ``[num_rows, num_heads, max_cache_len, head_dim]`` keys and values; length 0."""
+        """Allocate ``[num_rows, num_heads, max_cache_len, head_dim]`` keys and values, uninitialized
+        (a column is written before attention reads it, except a row's left pads: the builder zeroes
+        those, :meth:`BatchKVCache.zero_leading`); length 0."""
         shape = (num_rows, num_heads, self.max_cache_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
         self.dtype, self.device = dtype, device
         self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim = num_rows, num_heads, head_dim, head_dim
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
@@ -113,6 +115,14 @@ class BatchKVCache(Cache):
         for layer in self.batch_layers:
             layer.length = length
             layer.cumulative_length.fill_(length)
+
+    def zero_leading(self, row: int, columns: int) -> None:
+        """Zero ``row``'s first ``columns`` columns in every layer: its left pads, which attention reads
+        (masked out: zeros keep a NaN or an infinity of uninitialized memory out of the scores)."""
+        if columns > 0:
+            for layer in self.batch_layers:
+                layer.keys[row, :, :columns].zero_()
+                layer.values[row, :, :columns].zero_()
 
     def nbytes(self) -> int:
         """Device bytes of the preallocated keys and values."""

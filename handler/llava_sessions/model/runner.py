@@ -227,7 +227,8 @@ class LlavaRunner:
 
     # ------------------------------------------------------------------ batched decode
     def new_batch_cache(self, num_rows: int, capacity: int) -> BatchKVCache:
-        """Allocate a :class:`BatchKVCache` of ``num_rows`` rows × ``capacity`` columns, zeroed.
+        """Allocate a :class:`BatchKVCache` of ``num_rows`` rows × ``capacity`` columns, uninitialized
+        (the caller zeroes each row's left pads: :meth:`BatchKVCache.zero_leading`).
 
         Bytes: ``num_rows × capacity × kv_bytes_per_token``.
         """
