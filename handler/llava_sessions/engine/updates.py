@@ -7,8 +7,9 @@ rebuilt batch's ``batch_bytes``, and nowhere else. Before a prefill: a demoted s
 (its features re-encoded from the ``image`` tier) and its cache cropped to the tokens the answer
 reuses; an image task's images join the session and are encoded. After a forward pass: the next
 token is sampled and recorded, and a finished answer or task updates its session (the remembered
-turn, the cache kept for the next question) and releases it. On failure or abandonment: the session is put back as it was
-before the request (an open's session is removed). Forward passes themselves are the model runner's.
+turn, the cache kept for the next question) and releases it. On failure or abandonment: the session
+is put back as it was before the request (an open's session is removed). Forward passes themselves
+are the model runner's.
 """
 
 from __future__ import annotations
