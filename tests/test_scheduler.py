@@ -97,9 +97,10 @@ def test_no_decode_rows_no_rebuild_and_an_empty_plan() -> None:
 
 
 # ---------------------------------------------------------------- the time budget (rules 7-8)
-#: A prefill pass of n tokens: 20 + n ms; a decode step 30 ms; the vision tower 50 ms.
-COST = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0)
-TIMED = TimeBudget(step_ms=150.0, max_pass_tokens=4096)
+#: A prefill pass of n tokens: 20 + n ms; a decode step 30 ms (alone too); the vision tower 50 ms.
+COST = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0, decode_alone_ms=30.0)
+#: Rules 7-9 with image work held to ``step_ms`` alone (the hold on image work has its own tests below).
+TIMED = TimeBudget(step_ms=150.0, max_pass_tokens=4096, image_step_ratio=None)
 
 
 def test_nothing_decoding_a_cold_turn_runs_its_vision_tower_and_whole_prompt_in_one_step() -> None:
@@ -169,6 +170,9 @@ def test_the_cost_model_counts_a_fused_pass_as_the_decode_step_plus_the_chunks_t
     model.fused(100, 140.0)  # 100 tokens at 1 ms: the other 40 ms are the decode step's
     assert model.estimate().decode_ms == pytest.approx(40.0)
     assert model.estimate().prefill_token_ms == 1.0 and model.estimate().prefill_fixed_ms == 20.0
+    assert model.estimate().decode_alone_ms == StepCost().decode_alone_ms  # only a decode step alone sets it
+    model.decode(25.0)
+    assert model.estimate().decode_ms == pytest.approx(25.0) and model.estimate().decode_alone_ms == pytest.approx(25.0)
 
 
 def test_while_decoding_the_first_piece_always_moves_and_later_ones_need_room() -> None:
@@ -181,6 +185,46 @@ def test_while_decoding_the_first_piece_always_moves_and_later_ones_need_room() 
     # and an image after it only when its tower fits too
     no_tower = schedule([decoding(), question(60), image(600)], TIMED, ROWS, COST)
     assert no_tower.prefill == (PrefillPiece(1, False, 60),)
+
+
+# ---------------------------------------------------------------- image work held to the decode step alone (rule 8)
+HELD = TimeBudget(step_ms=150.0, max_pass_tokens=4096)  # the default: image work within 2 decode steps alone
+
+
+def test_while_decoding_image_work_is_held_to_twice_the_decode_step_alone() -> None:
+    # 2 x 30 ms: 30 ms beside the decode step, its chunk riding the decode pass (30 tokens), not 120
+    assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, COST).prefill == (PrefillPiece(1, False, 30),)
+    assert schedule([decoding(), question(500)], HELD, ROWS, COST).prefill == (PrefillPiece(1, False, 120),)
+    # the vision tower (50 ms) does not fit beside the decode step: it runs alone, and still moves
+    tower = schedule([decoding(), image(600)], HELD, ROWS, COST)
+    assert tower.prefill == (PrefillPiece(1, True, 0),) and not tower.fuse
+    # the first piece always moves: at least 16 tokens however little is left
+    tight = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0, decode_alone_ms=20.0)
+    assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, tight).prefill == (
+        PrefillPiece(1, False, MIN_PREFILL_TOKENS),
+    )
+
+
+def test_the_hold_is_measured_against_the_decode_step_alone_and_what_the_step_planned_first() -> None:
+    # chunks riding the decode pass raised its share to 40 ms; the hold is still 2 x 30: 20 tokens
+    riding = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=40.0, vision_ms=50.0, decode_alone_ms=30.0)
+    assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, riding).prefill == (PrefillPiece(1, False, 20),)
+    # a question first takes the step's budget; an image after it only within the hold (60 - 30 - 20 = 10 ms: no)
+    plan = schedule([decoding(), question(20), image(600, vision=False)], HELD, ROWS, COST)
+    assert plan.prefill == (PrefillPiece(1, False, 20),)
+    # a step budget below the hold wins; a ratio of None holds image work to the step budget alone
+    assert schedule([decoding(), image(600, vision=False)], TimeBudget(40.0, 4096), ROWS, COST).prefill == (
+        PrefillPiece(1, False, MIN_PREFILL_TOKENS),
+    )
+    five = TimeBudget(150.0, 4096, image_step_ratio=5.0)
+    assert schedule([decoding(), image(600, vision=False)], five, ROWS, COST).prefill == (PrefillPiece(1, False, 120),)
+
+
+def test_nothing_decoding_image_work_is_not_held() -> None:
+    assert schedule([image(589)], HELD, BatchLayout(), COST).prefill == (PrefillPiece(0, True, 589),)
+    # after a whole question, an image gets what the step's budget has left (150 - 30 - 20 (fixed) = 100 tokens)
+    plan = schedule([question(10), image(600, vision=False)], HELD, BatchLayout(), COST)
+    assert plan.prefill == (PrefillPiece(0, False, 10), PrefillPiece(1, False, 100))
 
 
 def test_the_time_budget_keeps_rules_1_3_and_6() -> None:

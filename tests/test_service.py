@@ -202,6 +202,33 @@ def test_a_lone_cold_turn_is_prefilled_in_one_pass_and_one_beside_a_stream_in_ti
     assert json.loads(last["a2"].body)["choices"][0]["message"] == answer_alone["choices"][0]["message"]
 
 
+def test_an_open_beside_a_stream_is_held_to_its_decode_steps_and_opens_the_same_session(tiny_model_dir, photos):
+    """Issue 33's p99 goal through the service: while an answer decodes, a session opening on an image
+    (no first token waits on it) prefills in chunks that keep each step within
+    ``max_step_ratio_while_opening`` (5 here) decode steps alone, not ``max_step_ms_while_decoding``;
+    the session it opens answers the same as one opened alone."""
+    svc = tiny_service(tiny_model_dir, step_max_tokens=1, max_step_ratio_while_opening=5, share_images=False)
+    learning = svc.engine.model.costs = CountedCosts(StepCost(), pinned=False)
+    open_sessions(svc, open_row("o1", "ts-seq-o1", photos["chelsea"]))
+    prefix_tokens = learning.passes[0]
+    assert learning.passes == [prefix_tokens]  # alone: its whole prefix in one pass
+    runner = [Row("b1", "ts-seq-b1", True, chat_image_body(photos["coffee"], stream=False, max_tokens=200))]
+    svc.handle(runner)
+    svc.handle([Row("b1", "ts-seq-b1", False, None)])  # it decodes now
+    # the step's 40 ms would give a chunk 35 tokens; an open is held to 5 x 5 ms (the decode step
+    # alone): 20 tokens a chunk riding the decode step's pass, after a first step of the tower alone
+    pinned = svc.engine.model.costs = CountedCosts(StepCost(5.0, 1.0, 5.0, 20.0, decode_alone_ms=5.0), pinned=True)
+    svc.step_budget = dataclasses.replace(svc.step_budget, step_ms=40.0)
+    rows = [Row("b1", "ts-seq-b1", False, None), open_row("o2", "ts-seq-o2", photos["chelsea"])]
+    last = finish(svc, rows, svc.handle(rows))
+    assert json.loads(last["b1"].body)["usage"]["completion_tokens"] == 200  # it decoded throughout
+    assert set(pinned.passes[:-1]) == {20} and sum(pinned.passes) == prefix_tokens, pinned.passes
+    assert svc.engine.model.num_fused_passes >= len(pinned.passes)
+    q = {"type": "generate", "prompt": "What is in this image?", "parameters": {"max_new_tokens": 8}}
+    a1, a2 = (answer_of(svc, f"q{i}", f"ts-seq-o{i}", q) for i in (1, 2))
+    assert a2["generated_text"] == a1["generated_text"]
+
+
 def test_jobs_run_ahead_between_calls_by_at_most_a_slice_and_answer_the_same(service, photos):
     """What a replica process does while no call waits: the jobs in flight go on by one step per
     run_ahead(), at most step_max_tokens (2) past the last call each; the next call emits what they

@@ -192,6 +192,13 @@ class Settings(BaseModel):
         description="While answers decode, the most ms one step takes (their inter-token "
         "gap): new prompts prefill in chunks that fit beside the decode step. Adaptive budget only.",
     )
+    max_step_ratio_while_opening: float = Field(
+        2.0,
+        ge=1.0,
+        le=1000.0,
+        description="While answers decode, a step that prefills an open or an added image (no first token waits on "
+        "it) takes at most this many decode steps alone (2: their gap at most doubles). Adaptive budget only.",
+    )
     max_prefill_tokens_per_pass: int = Field(
         8192,
         ge=16,
@@ -306,11 +313,7 @@ class Settings(BaseModel):
 
     # ---------------------------------------------------------------------------------------
     @classmethod
-    def from_sources(
-        cls,
-        handler_section: Mapping[str, Any] | None,
-        env: Mapping[str, str] | None = None,
-    ) -> Settings:
+    def from_sources(cls, handler_section: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> Settings:
         """Build settings from the yaml ``handler:`` section, then ``LLAVA_*`` environment overrides.
 
         Args:
@@ -370,10 +373,7 @@ class Settings(BaseModel):
     @classmethod
     def env_table(cls) -> str:
         """Return a markdown table of every setting: env var, field, default, description."""
-        lines = [
-            "| env var | field | default | description |",
-            "|---|---|---|---|",
-        ]
+        lines = ["| env var | field | default | description |", "|---|---|---|---|"]
         for name, info in cls.model_fields.items():
             default = info.default
             if isinstance(default, tuple):

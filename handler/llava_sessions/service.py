@@ -94,7 +94,9 @@ class SessionService:
         self._new_session_bytes: int | None = None
         self._held_back = False  # the last call ran no step (a stream's first event went out first)
         self.step_budget: int | TimeBudget = settings.step_token_budget or TimeBudget(
-            settings.max_step_ms_while_decoding, settings.max_prefill_tokens_per_pass
+            settings.max_step_ms_while_decoding,
+            settings.max_prefill_tokens_per_pass,
+            settings.max_step_ratio_while_opening,
         )
 
     # ------------------------------------------------------------------ entry

@@ -26,8 +26,11 @@ class StepCost:
         prefill_fixed_ms: a prefill pass's cost whatever its length (launch, weights read, the
             sampling of its last position).
         prefill_token_ms: what each prompt token adds to a prefill pass.
-        decode_ms: one batched decode step of the running answers.
+        decode_ms: one batched decode step of the running answers (a step that carries a prefill
+            chunk attributes what its tokens do not explain to this: the step's share to plan by).
         vision_ms: one image through the vision tower and the projector.
+        decode_alone_ms: a decode step with no chunk riding it: the running answers' own
+            inter-token gap, the reference a step with image work is held to (scheduler rule 8).
 
     The defaults are the bench model's on a 2-core CPU, fp32 (docs/design.md); the runner replaces
     them with its own measurements after its first passes.
@@ -37,6 +40,7 @@ class StepCost:
     prefill_token_ms: float = 1.0
     decode_ms: float = 35.0
     vision_ms: float = 50.0
+    decode_alone_ms: float = 35.0
 
     def prefill_ms(self, num_tokens: int, *, fused: bool = False) -> float:
         """The estimated ms of one prefill pass of ``num_tokens`` tokens (``fused``: of a chunk that
@@ -96,12 +100,16 @@ class CostModel:
     def decode(self, ms: float) -> None:
         """Record a batched decode step that took ``ms``."""
         if math.isfinite(ms) and ms >= 0:
-            self._set(decode_ms=self._mean(self._cost.decode_ms, ms))
+            cost = self._cost
+            self._set(decode_ms=self._mean(cost.decode_ms, ms), decode_alone_ms=self._mean(cost.decode_alone_ms, ms))
 
     def fused(self, num_tokens: int, ms: float) -> None:
         """Record a decode step that carried a prefill chunk of ``num_tokens`` tokens in ``ms``: the
-        chunk's tokens at the current per-token cost, the rest is the decode step's."""
-        self.decode(max(0.0, ms - num_tokens * self._cost.prefill_token_ms))
+        chunk's tokens at the current per-token cost, the rest is the decode step's share
+        (``decode_ms``; ``decode_alone_ms`` is left as it was)."""
+        if math.isfinite(ms) and ms >= 0:
+            share = max(0.0, ms - num_tokens * self._cost.prefill_token_ms)
+            self._set(decode_ms=self._mean(self._cost.decode_ms, share))
 
     def vision(self, num_images: int, ms: float) -> None:
         """Record ``num_images`` images through the vision tower in ``ms``."""

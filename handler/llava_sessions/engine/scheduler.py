@@ -35,6 +35,11 @@ rules 2, 4 and 5 with these, given the measured :class:`~.costs.StepCost` of eac
    left (``fixed + n * per_token``). The first piece always moves (its vision tower, or at least
    :data:`MIN_PREFILL_TOKENS` tokens); a later piece runs only when the vision tower it needs and
    :data:`MIN_PREFILL_TOKENS` tokens fit in the time left. Rules 1, 3 and 6 hold as before.
+   **Image work is held to the decode step alone.** An open or an added image (no first token waits
+   on it) plans only within ``image_step_ratio`` times a decode step with no chunk riding it
+   (:attr:`~.costs.StepCost.decode_alone_ms`), or ``step_ms`` if less: while sessions open, the
+   running answers' inter-token gap grows at most that many times (2: it at most doubles). The
+   first piece still always moves.
 
 Under either budget:
 
@@ -121,10 +126,13 @@ class BatchLayout:
 @dataclass(frozen=True)
 class TimeBudget:
     """A step budget in time (rules 7-8): ``step_ms``, the most ms a step's passes take while answers
-    decode (their inter-token gap); ``max_pass_tokens``, the most tokens one prefill pass runs."""
+    decode (their inter-token gap); ``max_pass_tokens``, the most tokens one prefill pass runs;
+    ``image_step_ratio``, the most a step that plans image work takes while answers decode, in
+    decode steps alone (None: ``step_ms`` alone)."""
 
     step_ms: float
     max_pass_tokens: int
+    image_step_ratio: float | None = 2.0
 
 
 @dataclass(frozen=True)
@@ -228,10 +236,13 @@ def _timed(
 ) -> tuple[PrefillPiece, ...]:
     """Rules 7-9: the prefill pieces of a step under a time budget (``fused``: the first piece's chunk
     rides the decode step's pass and costs its tokens only)."""
-    ms_left = budget.step_ms - (cost.decode_ms if decoding else 0.0)
+    spent = cost.decode_ms if decoding else 0.0  # ms planned so far
+    ratio = budget.image_step_ratio
+    image_ms = budget.step_ms if not decoding or ratio is None else min(budget.step_ms, ratio * cost.decode_alone_ms)
     pieces: list[PrefillPiece] = []
     for i in order:
         w = work[i]
+        ms_left = (image_ms if w.kind == "image" else budget.step_ms) - spent
         rides = fused and not pieces  # the first piece's chunk, in the decode step's pass
         vision_ms = cost.vision_ms if w.needs_vision else 0.0
         least = min(w.num_prefill_tokens, MIN_PREFILL_TOKENS)
@@ -245,5 +256,5 @@ def _timed(
             if not pieces and not w.needs_vision:
                 num = max(num, least)
         pieces.append(PrefillPiece(i, w.needs_vision, num))
-        ms_left -= cost.prefill_ms(num, fused=rides) if num else 0.0
+        spent += vision_ms + (cost.prefill_ms(num, fused=rides) if num else 0.0)
     return tuple(pieces)
