@@ -10,14 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: A pass's activations: ten 4 MiB tensors written, alive together, then freed; twenty passes. Prints
 #: whether the thresholds were set and the minor page faults of the twenty passes.
 PASSES = """
-import resource, sys, torch
+import resource, torch
 from llava_sessions.model.loading import keep_freed_cpu_memory
-applied = keep_freed_cpu_memory() if sys.argv[1] == "keep" else False
+applied = keep_freed_cpu_memory()
 def passes(n):
     for _ in range(n):
         activations = [torch.ones(2**20) for _ in range(10)]
@@ -29,9 +31,9 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _passes(mode: str, **env: str) -> tuple[bool, int]:
+def _passes(**env: str) -> tuple[bool, int]:
     run = subprocess.run(
-        [sys.executable, "-c", PASSES, mode],
+        [sys.executable, "-c", PASSES],
         capture_output=True,
         text=True,
         timeout=120,
@@ -46,16 +48,19 @@ def _passes(mode: str, **env: str) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
-def test_freed_activations_are_reused_without_faulting_their_pages_in_again() -> None:
-    """With glibc's defaults every pass faults its 40 MiB in again (10,240 pages a pass, 204,800 in
-    all); kept, at most one pass's worth in all (0 measured alone, 1,024 beside the suite)."""
-    applied, faults = _passes("default")
-    assert not applied and faults >= 20 * 10 * 1024 * 0.9
-    applied, faults = _passes("keep")
+@pytest.mark.parametrize("hash_seed", ["0", "2", "3"])
+def test_freed_activations_are_reused_without_faulting_their_pages_in_again(hash_seed: str) -> None:
+    """Kept: at most one pass's worth of faults in all (0 measured). With glibc's defaults the heap's
+    top is trimmed, and every pass faults its 40 MiB in again (10,240 pages a pass), only when no small
+    allocation happens to lie above the freed blocks: that depends on the interpreter's heap layout
+    (here ``PYTHONHASHSEED`` 0 and 2 trimmed, 204,160 faults; 3 did not, 1,024; a CI machine 11,233),
+    so the baseline that always faults is the operator's own trim threshold, the next test."""
+    applied, faults = _passes(PYTHONHASHSEED=hash_seed)
     assert applied and faults <= 10 * 1024
 
 
 def test_the_operators_glibc_variables_win() -> None:
-    """``MALLOC_TRIM_THRESHOLD_`` in the environment: nothing is changed (here: trim everything)."""
-    applied, faults = _passes("keep", MALLOC_TRIM_THRESHOLD_="0")
+    """``MALLOC_TRIM_THRESHOLD_`` in the environment: nothing is changed (here: trim everything, so
+    every pass faults its 40 MiB in again, whatever the heap's layout)."""
+    applied, faults = _passes(MALLOC_TRIM_THRESHOLD_="0")
     assert not applied and faults >= 20 * 10 * 1024 * 0.9
