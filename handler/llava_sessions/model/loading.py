@@ -212,10 +212,10 @@ def keep_freed_cpu_memory(env: Mapping[str, str] = os.environ) -> bool:
     device (tensors there come from ``malloc``).
 
     With glibc's defaults a prefill's activations (blocks of megabytes) are mapped and unmapped, or
-    trimmed off the heap, every pass, so each pass faults its pages in again: 30,000 minor faults
-    and ~60 ms of system time per cold image turn of the ``bench`` checkpoint on 2 cores, against
-    9,000 and ~18 ms with :data:`CPU_MMAP_THRESHOLD_BYTES` / :data:`CPU_TRIM_THRESHOLD_BYTES` set
-    through ``mallopt(3)`` (docs/design.md). PyTorch's performance tuning guide recommends a caching
+    trimmed off the heap (when no small allocation lies above them), every pass, so each pass faults
+    its pages in again: 30,000 minor faults and ~60 ms of system time per cold image turn of the
+    ``bench`` checkpoint on 2 cores, against 9,000 and ~18 ms with :data:`CPU_MMAP_THRESHOLD_BYTES`
+    / :data:`CPU_TRIM_THRESHOLD_BYTES` set through ``mallopt(3)`` (docs/design.md). PyTorch's performance tuning guide recommends a caching
     allocator on CPU (jemalloc, tcmalloc) for the same reason; this is glibc's own setting.
 
     Args:
