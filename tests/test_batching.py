@@ -71,7 +71,9 @@ def alone(runner, photos) -> dict[str, list]:
 def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photos, poisoned, monkeypatch):
     """Rows of different lengths join and leave. ``nan-filled``: every batch cache is filled with NaN
     as it is allocated (the worst its uninitialized memory may hold; only each row's left pads are
-    zeroed by the build), and the answers are still exact."""
+    zeroed by the build), and the answers are still exact (against answers alone computed before any
+    cache is poisoned, so a leak both paths read cannot pass)."""
+    expected = alone(runner, photos)
     if poisoned:
         allocate = runner.new_batch_cache
 
@@ -83,7 +85,6 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
             return cache
 
         monkeypatch.setattr(runner, "new_batch_cache", nan_filled)
-    expected = alone(runner, photos)
     eng = make_engine(runner)
     open_all(eng, photos)
     gens: dict[str, Generation] = {}

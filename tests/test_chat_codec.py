@@ -126,21 +126,27 @@ def test_usage_chunk_when_asked():
 def test_fields_nobody_defines_are_ignored_and_named_once_in_a_warning(caplog):
     """Issue 32 item 4, as vLLM does: LiteLLM's ``sagemaker_base_url`` and Strands' ``format`` inside
     ``image_url`` are ignored; each name is logged once at WARNING, never its value."""
+    import uuid
+
     from llava_sessions.chat.fields import ignored_names
 
+    fresh = f"client_field_{uuid.uuid4().hex[:12]}"  # a name no earlier test can have logged
     part = {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "format": "image/png"}}
     body = {
         "messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}],
         "sagemaker_base_url": "https://secret.example/value-1",
+        fresh: "secret-value-2",
     }
     with caplog.at_level("WARNING", logger="llava_sessions.chat.fields"):
         for _ in range(3):
             request = parse_chat_body(body, max_prompt_chars=100)
     cmd = chat_command(request, SETTINGS, "m")
     assert cmd.conversation.question == "hi" and cmd.conversation.question_images == 1
-    assert {"sagemaker_base_url", "messages[].content[].image_url.format"} <= ignored_names()
-    logged = [r.getMessage() for r in caplog.records]
-    # once per process: an earlier test may have logged a name already, never twice
+    assert {"sagemaker_base_url", "messages[].content[].image_url.format", fresh} <= ignored_names()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    logged = [r.getMessage() for r in warnings]
+    assert logged.count(f"ignored request field: {fresh}") == 1  # logged, once, over three requests
+    # once per process: an earlier test may have logged the other names already, never twice
     assert all(logged.count(line) == 1 for line in logged)
     assert not any("secret" in line or "image/png" in line for line in logged)
 

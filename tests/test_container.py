@@ -153,9 +153,7 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         java = next(p for p in processes if p.name().startswith("java"))
         assert f"-Dlog4j.configurationFile=file://{REPO / 'config' / 'log4j2.xml'}" in java.cmdline()
 
-        started = time.monotonic()
-        assert requests.get(url + "/ping", timeout=2).status_code == 200
-        assert time.monotonic() - started < 2  # SageMaker's /ping deadline
+        assert requests.get(url + "/ping", timeout=2).status_code == 200  # within SageMaker's 2 s /ping deadline
 
         image = base64.b64encode(photos["astronaut"]).decode()
         opened = requests.post(
@@ -210,10 +208,8 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
             assert time.monotonic() < deadline, "no new session within 60 s of the worker's death"
             time.sleep(0.5)
 
-        sent = time.monotonic()
         serve.send_signal(signal.SIGTERM)
-        assert serve.wait(timeout=30) == 0
-        assert time.monotonic() - sent < 30
+        assert serve.wait(timeout=30) == 0  # within SageMaker's 30 s before its SIGKILL
         _, alive = psutil.wait_procs(processes, timeout=5)
         assert not alive, alive
         assert not log_dir.parent.exists()  # its temp dir is removed

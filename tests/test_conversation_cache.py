@@ -83,12 +83,12 @@ def test_conversations_sharing_a_first_turn_share_its_prefix(runner, photos, mon
     eng = make_engine(runner)
     cat = photos["chelsea"]
     a = stateless(eng, "Be brief.", [], "What animal is it?", [cat])
+    assert ids(a) == reference(runner, "Be brief.", [], "What animal is it?", [cat])
     counter = EncodeCounter(runner, monkeypatch)
     b = stateless(eng, "Be brief.", [], "Where is it sitting?", [cat])
     assert ids(b) == reference(runner, "Be brief.", [], "Where is it sitting?", [cat])
     assert counter.calls == 0 and b.cached_tokens >= runner.num_image_tokens
     assert len(entries(eng)) == 2  # two branches: neither serves all the other does
-    assert a.text != "" or b.text != ""
 
 
 def test_salts_share_nothing_but_with_an_equal_salt(runner, photos, monkeypatch):

@@ -6,6 +6,7 @@ would point it at AWS), with only the reader's own placeholders filled in (``EP`
 
 from __future__ import annotations
 
+import ast
 import base64
 import os
 import re
@@ -20,26 +21,29 @@ from llava_sessions.config import Settings
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-#: Every runnable snippet (its file and first line) and the test that runs it. A new snippet must be
-#: added here with its test: ``test_every_snippet_is_run_by_a_test`` fails otherwise.
+#: Every runnable snippet (its file and first line) and the test that runs it, as ``file::function``.
+#: A new snippet must be added here with its test: ``test_every_snippet_is_run_by_a_test`` fails
+#: otherwise, and when a named test does not exist (or, in this file, does not read that snippet).
 SNIPPETS: dict[tuple[str, str], str] = {
     (
         "README.md",
         "make demo    # install, build a tiny random-weight LLaVA, start llava-serve, run a scripted session",
-    ): ("tests/test_demo.py runs `make demo`; `make test` is the suite itself (CI runs it)"),
+    ): "tests/test_demo.py::test_demo_runs_a_scripted_session",  # `make test` is the suite itself (CI runs it)
     (
         "README.md",
         "make demo MODEL_DIR=/path/to/llava-1.5-7b-hf      # or llava-v1.6-mistral-7b-hf, llava-onevision-qwen2-7b-ov-hf",
-    ): ("tests/test_demo.py"),
-    ("README.md", "from llava_client import SessionClient"): "test_python_snippets_run_against_the_local_endpoint",
-    ("README.md", "import boto3"): "test_python_snippets_run_against_the_local_endpoint",
+    ): "tests/test_demo.py::test_demo_runs_on_the_checkpoint_model_dir_names",
+    ("README.md", "from llava_client import SessionClient"): (
+        "tests/test_docs.py::test_python_snippets_run_against_the_local_endpoint"
+    ),
+    ("README.md", "import boto3"): "tests/test_docs.py::test_python_snippets_run_against_the_local_endpoint",
     (
         "README.md",
         "./build_and_push.sh --repository llava-sessions --region us-east-1          # prints the image URI",
-    ): ("test_the_deploy_snippet_runs_with_dry_run"),
-    ("api.md", "import boto3, json"): "test_python_snippets_run_against_the_local_endpoint",
+    ): "tests/test_docs.py::test_the_deploy_snippet_runs_with_dry_run",
+    ("api.md", "import boto3, json"): "tests/test_docs.py::test_python_snippets_run_against_the_local_endpoint",
     ("api.md", 'chat = client.conversation(cache_salt="tenant-42")   # no session; or session=client.chat_session()'): (
-        "test_python_snippets_run_against_the_local_endpoint"
+        "tests/test_docs.py::test_python_snippets_run_against_the_local_endpoint"
     ),
 }
 
@@ -64,6 +68,19 @@ def test_every_snippet_is_run_by_a_test():
     listed = {(n, b.splitlines()[0]) for n, _, b in snippets()}
     assert sorted(listed - set(SNIPPETS)) == [], "a new snippet: run it in a test and list it in SNIPPETS"
     assert sorted(set(SNIPPETS) - listed) == [], "a snippet listed here is gone from the docs"
+    for (name, first_line), node in SNIPPETS.items():
+        path, function = node.split("::")
+        tree = ast.parse((ROOT / path).read_text())
+        tests = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
+        assert function in tests, f"{node} (named for {name}'s {first_line!r}) is not a test"
+        if path == "tests/test_docs.py":  # this file's tests pick their snippet by its first line
+            read = {
+                (a.args[0].value, a.args[1].value)
+                for a in ast.walk(tests[function])
+                if isinstance(a, ast.Call) and getattr(a.func, "id", "") == "snippet" and len(a.args) == 2
+                if all(isinstance(x, ast.Constant) for x in a.args)
+            }
+            assert (name, first_line) in read, f"{node} does not read {name}'s {first_line!r}"
 
 
 def test_configuration_table_matches_settings():

@@ -411,6 +411,10 @@ def test_truncate_clips_an_unset_max_new_tokens_only_when_no_turn_is_left(runner
     q = "Tell me more."
     alone = len(runner.template.conversation_ids(Chat(None, image_tokens=(576,)), q))
     too_many = runner.max_positions - alone + 50  # does not fit even with every turn dropped
+    # under context_policy error an unset max_new_tokens is not clipped: the turn is refused, whole
+    with pytest.raises(ServiceError) as e:
+        eng.start("s", q, SamplingParams(max_new_tokens=too_many), context_policy="error", clip_max_new_tokens=True)
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and len(eng.history("s")) == 1
     clipped = eng.generate("s", q, SamplingParams(max_new_tokens=too_many), clip_max_new_tokens=True)
     assert clipped.truncated_turns == 1 and clipped.max_new_tokens == runner.max_positions - alone
     assert eng.history("s")[0].prompt == q

@@ -184,14 +184,12 @@ def test_two_sessions_interleave_without_blocking_or_leaking(server, photos):
             data += c
         return stamps, json.loads(data.splitlines()[-1])["generated_text"]
 
-    t0 = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
         fa, fb = pool.submit(timed_stream, a), pool.submit(timed_stream, b)
         (sa, ta), (sb, tb) = fa.result(), fb.result()
-    elapsed = time.monotonic() - t0
     assert ta == alone[a] and tb == alone[b]  # each its own image's answer
-    assert elapsed < 30  # nowhere near sequenceMaxIdleMSec: neither waited for the other to idle out
-    assert sb[0] < sa[-1] and sa[0] < sb[-1]  # their chunks interleaved in time
+    # their chunks interleaved in time: neither waited for the other to end (or to idle out)
+    assert sb[0] < sa[-1] and sa[0] < sb[-1]
     for s in (a, b):
         post(server, {"type": "close_session"}, session_id=s)
 
@@ -556,11 +554,11 @@ def test_past_max_num_sequence_torchserve_answers_its_own_503_at_once(small_serv
 
     sids = [open_session(small_server, photos["coffee"])[0] for _ in range(3)]
     try:
-        t0 = time.monotonic()
         r = post(
             small_server, {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}}
         )
-        assert r.status_code == 503 and time.monotonic() - t0 < 5
+        # the frontend's own 503 (its body type below): a request queued for a job group would get 200 later
+        assert r.status_code == 503
         assert r.json()["type"] == "ServiceUnavailableException" and "Retry-After" not in r.headers
         with SessionClient.from_url(small_server.url, max_retries=0) as client, pytest.raises(Overloaded) as info:
             client.open_session(photos["coffee"])
@@ -583,13 +581,12 @@ def test_past_max_sessions_the_handler_answers_overloaded_with_retry_after(reque
     )
     sids = [open_session(server, photos["coffee"])[0] for _ in range(3)]
     for literal in (None, "NEW_SESSION", None, "NEW_SESSION", None, None):  # more than the 2 spare groups
-        t0 = time.monotonic()
         r = post(
             server,
             {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}},
             session_id=literal,
         )
-        assert r.status_code == 503 and time.monotonic() - t0 < 5, r.text
+        assert r.status_code == 503, r.text  # ours, refused at admission (a queued request would open later)
         assert r.json()["error"]["code"] == "overloaded" and int(r.headers["Retry-After"]) > 0
     with SessionClient.from_url(server.url, max_retries=0) as client:
         with pytest.raises(Overloaded) as info:

@@ -194,11 +194,15 @@ def test_returned_image_is_loaded_and_independent(astronaut_png: bytes) -> None:
 def test_decompression_bomb_is_refused_before_decoding() -> None:
     bomb = png_bomb()
     assert len(bomb) < 200_000
-    started = time.perf_counter()
     error = error_of(decode_image, bomb, max_pixels=MAX_PIXELS)
     assert (error.code, error.status) == (ErrorCode.IMAGE_TOO_LARGE, 413)
     assert "40000000 pixels" in error.message
-    assert time.perf_counter() - started < 1.0
+    # no pixel is decoded: a bomb over the cap (but under Pillow's own guard) whose pixel data is cut
+    # in half is refused as too large, where decoding it finds the truncation
+    small = png_bomb(7000, 7000)
+    cut = small[: len(small) // 2]
+    assert error_of(decode_image, cut, max_pixels=MAX_PIXELS).code == ErrorCode.IMAGE_TOO_LARGE
+    assert error_of(decode_image, cut, max_pixels=10**8).code == ErrorCode.IMAGE_INVALID
     # Pillow's own guard (Image.MAX_IMAGE_PIXELS) also maps to image_too_large.
     assert error_of(decode_image, bomb, max_pixels=10**12).code == ErrorCode.IMAGE_TOO_LARGE
 
@@ -542,21 +546,18 @@ def test_declared_length_over_the_cap(http_server: str) -> None:
 
 def test_undeclared_body_over_the_cap_is_cut_off(http_server: str) -> None:
     settings = Settings(allow_private_networks=True, allow_http=True, max_image_bytes=100_000)
-    started = time.perf_counter()
     error = error_of(fetch_image_bytes, url_source(f"{http_server}/undeclared-huge"), settings)
     assert error.code == ErrorCode.IMAGE_TOO_LARGE
-    assert time.perf_counter() - started < 2.0
 
 
 def test_read_timeout(http_server: str) -> None:
     settings = Settings(
         allow_private_networks=True, allow_http=True, fetch_connect_timeout_s=1.0, fetch_read_timeout_s=0.3
     )
-    started = time.perf_counter()
+    # the headers come after 2 s: the message names the read timeout that fired first
     error = error_of(fetch_image_bytes, url_source(f"{http_server}/slow-headers?s=2"), settings)
     assert (error.code, error.status) == (ErrorCode.IMAGE_FETCH_TIMEOUT, 400)
     assert error.message == "fetching the image from 127.0.0.1 timed out (no bytes for the 0.3 s read timeout)"
-    assert time.perf_counter() - started < 1.5
 
 
 def test_slow_drip_hits_the_total_deadline(http_server: str) -> None:
@@ -573,7 +574,7 @@ def test_slow_drip_hits_the_total_deadline(http_server: str) -> None:
     error = error_of(fetch_image_bytes, url_source(f"{http_server}/drip"), settings)
     elapsed = time.perf_counter() - started
     assert error.code == ErrorCode.IMAGE_FETCH_TIMEOUT and "(the 0.7 s fetch deadline)" in error.message
-    assert 0.6 <= elapsed < 1.5
+    assert elapsed >= 0.6  # it waited for the deadline (the drip itself never ends: the message says which fired)
 
 
 def test_connection_refused_is_fetch_failed(dev: Settings) -> None:
@@ -778,9 +779,7 @@ def test_an_s3_object_that_trickles_ends_at_the_total_deadline(s3) -> None:
     body = StreamingBody(io.BufferedReader(_TricklingBody(), buffer_size=100), 10**6)
     stubber.add_response("get_object", {"Body": body}, {"Bucket": "slow-b", "Key": "k.png", "Range": "bytes=0-2000000"})
     settings = Settings(max_image_bytes=2_000_000, fetch_total_timeout_s=1.0)
-    t0 = time.monotonic()
     error = error_of(fetch_image_bytes, ImageSource(s3_uri="s3://slow-b/k.png"), settings, s3_client=client)
-    assert time.monotonic() - t0 < 3.0
     assert (error.code, error.status) == (ErrorCode.IMAGE_FETCH_TIMEOUT, 400)
     assert (
         "S3 bucket slow-b" in error.message and "1 s fetch deadline" in error.message and "k.png" not in error.message

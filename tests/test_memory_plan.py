@@ -87,6 +87,7 @@ def test_a_start_refused_memory_fails_alone_and_the_session_stays(runner, photos
     probe.open("b", photos["coffee"])
     held = probe.store.device_bytes()
     expected = probe.generate("a", Q, params, remember=False)
+    expected_b = probe.generate("b", Q, one, remember=False)
     need_a = probe.start("a", Q, params, remember=False).start_bytes
     eng = make_engine(runner, held + need_a + runner.kv_bytes_per_token // 2)
     eng.open("a", photos["astronaut"])
@@ -104,8 +105,9 @@ def test_a_start_refused_memory_fails_alone_and_the_session_stays(runner, photos
     while not ga.done:
         eng.step([ga])
     assert ga.error is None and [t.id for t in ga.answer.tokens] == [t.id for t in expected.tokens]
-    again = eng.generate("b", Q, one, remember=False)
-    assert again.tokens and eng.store.device_bytes() <= eng.store.device_budget_bytes
+    again = eng.generate("b", Q, one, remember=False)  # as it answers alone (restored from its demotion)
+    assert [t.id for t in again.tokens] == [t.id for t in expected_b.tokens] and again.tokens
+    assert eng.store.device_bytes() <= eng.store.device_budget_bytes
 
 
 def test_work_listed_twice_in_a_step_runs_once(runner, photos):

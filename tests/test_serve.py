@@ -259,15 +259,14 @@ def test_cli_refuses_a_mistyped_setting_at_once_naming_the_closest_key(
 ) -> None:
     """A typo in ``--set`` or an ``LLAVA_*`` variable (or a value that does not parse) is refused before
     TorchServe starts (it used to wait out the start-up timeout, or pass silently)."""
-    t0 = time.monotonic()
     result = subprocess.run(
         [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", "0", *extra],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=60,  # against a hang (a start-up timeout waited out would also not name the setting)
         env={**os.environ, "TMPDIR": str(tmp_path), **env},
     )
-    assert result.returncode == 1 and time.monotonic() - t0 < 20
+    assert result.returncode == 1
     assert says in result.stdout + result.stderr
 
 
@@ -277,8 +276,7 @@ def test_cli_refuses_a_mistyped_setting_at_once_naming_the_closest_key(
 def test_cli_exits_within_seconds_with_the_worker_s_own_error(tmp_path: Path, tiny_model_dir: Path) -> None:
     """A worker whose handler raises while loading (not a RuntimeError, which TorchServe reports as
     "Failed to load model") dies and TorchServe restarts it forever: llava-serve stops with its error."""
-    t0 = time.monotonic()
-    result = subprocess.run(
+    result = subprocess.run(  # restarting the worker forever would run into the timeout
         [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", "0", "--set", "device=cuda"],
         capture_output=True,
         text=True,
@@ -286,7 +284,7 @@ def test_cli_exits_within_seconds_with_the_worker_s_own_error(tmp_path: Path, ti
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     out = result.stdout + result.stderr
-    assert result.returncode == 1 and time.monotonic() - t0 < 60, out[-2000:]
+    assert result.returncode == 1, out[-2000:]
     assert "the handler failed to load the model: ValueError: device=cuda but CUDA is not available" in out
     # the logs of a failed start are kept, and where is said
     kept = re.search(r"logs kept in (\S+)", out)

@@ -98,9 +98,10 @@ def test_an_answer_cut_by_max_tokens_ends_with_length(svc):
     assert text and (text.startswith('{"animal":"') or '{"animal":"'.startswith(text))
 
 
-def test_constrained_and_free_rows_in_one_batch_are_token_identical_to_each_alone(svc):
+def test_constrained_and_free_rows_in_one_batch_are_token_identical_to_each_alone(svc, monkeypatch):
     """Greedy, fp32: each answer alone, then all four admitted in one call (their decode steps
-    batched, two rows constrained and two free)."""
+    batched, two rows constrained and two free: the decode batch's passes are watched, and one
+    decodes all four rows)."""
     bodies = [
         _body("Describe the cat.", **AS_SCHEMA, logprobs=True),
         _body("What is on the table?", max_tokens=12, logprobs=True),
@@ -108,7 +109,14 @@ def test_constrained_and_free_rows_in_one_batch_are_token_identical_to_each_alon
         _body("Tell me a story.", max_tokens=20, logprobs=True),
     ]
     alone = [ask(svc, body)[0] for body in bodies]
+    batch, widths = svc.engine.batch, []
+    for name in ("forward", "forward_with_chunk"):  # the real passes, watched: how many rows each decodes
+        real = getattr(batch, name)
+        monkeypatch.setattr(
+            batch, name, lambda gens, *a, _real=real, **k: widths.append(len(gens)) or _real(gens, *a, **k)
+        )
     together = ask(svc, *bodies)
+    assert max(widths) == 4  # all four decoded as rows of one pass, constrained and free together
 
     def tokens(reply: ChatCompletion) -> list[str]:
         return [t.token for t in reply.choices[0].logprobs.content]

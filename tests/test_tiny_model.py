@@ -6,7 +6,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -43,13 +42,15 @@ def test_cli_writes_a_llava_hf_folder_deterministically(tmp_path):
     assert digest(other)["model.safetensors"] != a["model.safetensors"]
 
 
-def test_tiny_loads_fast_and_templates_like_llava_15(tiny_model_dir):
+def test_tiny_is_small_and_templates_like_llava_15(tiny_model_dir):
+    """The tests' checkpoint stays small (what makes it quick to load is its size, checked here, not
+    timed), and templates as llava-1.5 does."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    t0 = time.perf_counter()
+    assert (tiny_model_dir / "model.safetensors").stat().st_size < 2_000_000  # 984 kB when written
     model = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir)
     processor = AutoProcessor.from_pretrained(tiny_model_dir)
-    assert time.perf_counter() - t0 < 2.0
+    assert sum(p.numel() for p in model.parameters()) < 500_000
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     assert text == "USER: <image>\nWhat is this? ASSISTANT:"

@@ -65,13 +65,20 @@ class ImageRelay:
             ``image_memory_ttl_s``, body and prompt limits).
         fetch: ``(ImageSource, Settings) -> bytes``, raising ServiceError (``fetch_image_bytes``).
         workers: threads fetching at once (all requests together).
+        clock: seconds for the TTL (``time.monotonic``; a test passes one it controls).
     """
 
     def __init__(
-        self, settings: Settings, *, fetch: Callable[..., bytes] = fetch_image_bytes, workers: int = 8
+        self,
+        settings: Settings,
+        *,
+        fetch: Callable[..., bytes] = fetch_image_bytes,
+        workers: int = 8,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self._fetch = fetch
+        self._clock = clock
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llava-front-fetch")
         self._lock = threading.Lock()
         self._memory: OrderedDict[_Key, tuple[float, bytes]] = OrderedDict()  # key -> (kept at, bytes)
@@ -157,7 +164,7 @@ class ImageRelay:
 
     def _start(self, key: _Key, source: ImageSource) -> Future:
         """The fetch of ``source``: kept (done at once), in flight for another request, or started."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             kept = self._memory.get(key)
             if kept is not None and now - kept[0] < self.settings.image_memory_ttl_s:
@@ -175,7 +182,7 @@ class ImageRelay:
             data = self._fetch(source, self.settings)
             with self._lock:
                 self.fetches += 1
-                self._keep(key, data, time.monotonic())
+                self._keep(key, data, self._clock())
             return data
         finally:
             with self._lock:
