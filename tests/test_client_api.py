@@ -219,3 +219,62 @@ def test_cli_help_is_plain_text(command):
     )
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout and "``" not in done.stdout and ":class:" not in done.stdout
+
+
+class _Lines:
+    """A streamed reply's lines held in memory (what the transports hand the streams)."""
+
+    def __init__(self, *lines: dict | str) -> None:
+        self.lines = [line.encode() if isinstance(line, str) else json.dumps(line).encode() for line in lines]
+        self.closed = False
+
+    def __iter__(self):
+        return iter(self.lines)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _token(text: str, last: str | None = None) -> dict:
+    return {"token": {"id": 1, "text": text, "logprob": None}, "generated_text": last, "details": None}
+
+
+_CUT = {"token": None, "generated_text": None, "details": None, "error": {"code": "model_not_ready", "message": "x"}}
+
+
+def test_a_stream_cut_by_a_dead_worker_goes_on_where_it_stopped_or_raises_if_the_answer_differs():
+    """The front ends a stream whose worker died with ``model_not_ready``; the stream sends the request
+    again and gives only what comes after the text already given. The pieces of the resent answer
+    may be cut elsewhere; an answer that differs raises the error, and other errors raise as before."""
+    from llava_client import AnswerStream, ChatStream
+
+    again = _Lines(_token("Hel"), _token("lo wor"), _token("ld", last="Hello world"))
+    stream = AnswerStream(
+        _Lines(_token("Hell"), _token("o"), _CUT), on_answer=None, t0=0.0, session_id="s", resend=lambda: again
+    )
+    sent = list(stream)
+    assert sent == ["Hell", "o", " wor", "ld"] and stream.text == "Hello world" and stream.resumes == 1
+    assert stream.answer is not None and [t.text for t in stream.answer.tokens] == ["Hel", "lo wor", "ld"]
+
+    differs = AnswerStream(
+        _Lines(_token("Hell"), _CUT), on_answer=None, t0=0.0, session_id="s", resend=lambda: _Lines(_token("Help"))
+    )
+    with pytest.raises(Overloaded) as raised:
+        list(differs)
+    assert raised.value.code == "model_not_ready"
+    other = {"token": None, "generated_text": None, "details": None, "error": {"code": "overloaded", "message": "x"}}
+    no_resend = AnswerStream(_Lines(_token("a"), other), on_answer=None, t0=0.0, session_id="s", resend=lambda: again)
+    with pytest.raises(Overloaded) as raised:
+        list(no_resend)
+    assert raised.value.code == "overloaded" and no_resend.resumes == 0
+
+    def chunk(text: str, finish: str | None = None) -> str:
+        return "data: " + json.dumps({"choices": [{"delta": {"content": text}, "finish_reason": finish}]})
+
+    cut = "data: " + json.dumps({"error": {"code": "model_not_ready", "message": "x", "type": "server_error"}})
+    chat = ChatStream(
+        _Lines(chunk("A b"), cut, "data: [DONE]"),
+        session_id="",
+        resend=lambda: _Lines(chunk("A"), chunk(" b c"), chunk("", "stop"), "data: [DONE]"),
+    )
+    assert [e.text for e in chat] == ["A b", " c", ""] and chat.finish_reason == "stop" and chat.resumes == 1

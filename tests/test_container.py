@@ -193,20 +193,14 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         assert len(workers) == 1
         workers[0].kill()
         output.wait_for(re.compile(r"died; restarting TorchServe"), timeout_s=30)
-        deadline = time.monotonic() + 60
-        while True:
-            assert serve.poll() is None, "".join(output.lines)
-            reopened = requests.post(
-                url + "/invocations", json={"type": "open_session", "image": {"base64": image}}, timeout=60
-            )
-            if reopened.status_code == 200:
-                break
-            # the restart window: /ping 503 (SageMaker sees it), requests a typed 503 with Retry-After
-            assert reopened.status_code == 503 and reopened.json()["error"]["code"] == "model_not_ready", reopened.text
-            assert int(reopened.headers["Retry-After"]) >= 1
-            assert requests.get(url + "/ping", timeout=2).status_code in (503, 200)
-            assert time.monotonic() < deadline, "no new session within 60 s of the worker's death"
-            time.sleep(0.5)
+        assert requests.get(url + "/ping", timeout=2).status_code == 503  # restarting: SageMaker sees it
+        # a request meanwhile is held until the worker serves again, and answered (none raises)
+        reopened = requests.post(
+            url + "/invocations", json={"type": "open_session", "image": {"base64": image}}, timeout=60
+        )
+        assert reopened.status_code == 200, reopened.text
+        assert requests.get(url + "/ping", timeout=2).status_code == 200
+        output.wait_for(re.compile(r"ready again at "), timeout_s=30)
 
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0  # within SageMaker's 30 s before its SIGKILL

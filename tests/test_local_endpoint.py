@@ -488,8 +488,9 @@ def test_cli_serves_boto3_and_stops_every_backend_on_sigterm(tmp_path: Path) -> 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_cli_keeps_serving_when_a_backend_worker_dies(tiny_model_dir: Path, photos) -> None:
-    """SIGKILL the worker of one backend of a running ``llava-local-endpoint``: the CLI keeps serving,
-    and llava_client over boto3 restores the session it lost with the same greedy answer."""
+    """SIGKILL the workers of a running ``llava-local-endpoint``'s backends: the CLI keeps serving, three
+    requests of plain boto3 sent at once are answered (none raises: each waits out its backend's
+    restart), and llava_client over boto3 restores the session it lost with the same greedy answer."""
     from llava_client import SageMakerTransport, SessionClient
 
     script = Path(sys.executable).parent / "llava-local-endpoint"
@@ -511,19 +512,15 @@ def test_cli_keeps_serving_when_a_backend_worker_dies(tiny_model_dir: Path, phot
             if "model_service_worker" in " ".join(p.cmdline())
         ]
         assert len(workers) == 2
+        chat = json.dumps({"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4})
         for worker in workers:  # whichever backend holds the session, its worker dies
             worker.kill()
-        output.wait_for(re.compile(r"died; restarting TorchServe"), timeout_s=30)
-        deadline = time.monotonic() + 60
-        while True:
-            assert cli.poll() is None, "".join(output.lines)
-            try:
-                again = session.ask("Anything else?", remember=False, max_new_tokens=6, temperature=0)
-                break
-            except Exception:  # noqa: BLE001 - the restart window: backends come back within seconds
-                assert time.monotonic() < deadline, "the session was not restored within 60 s"
-                time.sleep(1.0)
-        assert session.id != old_id and session.recoveries >= 1 and again.text == before
+        # at once, plain boto3: each request is held while its backend restarts, and answered
+        for _ in range(3):
+            reply = rt.invoke_endpoint(EndpointName="llava-local", Body=chat.encode(), ContentType="application/json")
+            assert json.loads(reply["Body"].read())["choices"][0]["message"]["content"] is not None
+        again = session.ask("Anything else?", remember=False, max_new_tokens=6, temperature=0)
+        assert session.id != old_id and session.recoveries == 1 and again.text == before
         session.close()
         assert cli.poll() is None
     finally:

@@ -256,9 +256,10 @@ def test_llava_chat_stateless_sends_the_image_once(server, photos, tmp_path):
 
 def test_the_front_s_ping_and_503s_follow_whether_the_worker_serves():
     """Nothing listens behind the front. Until it is told the worker serves, ``/ping`` answers 503 and
-    a request a typed ``503 overloaded`` at once, whose ``Retry-After`` counts down a restart's expected
-    duration; OpenAI's own routes answer without TorchServe. Told it serves while TorchServe still
-    refuses, a request waits ``restart_wait_s``, then gets the same 503."""
+    a request a typed ``503 model_not_ready`` at once, whose ``Retry-After`` counts down a restart's
+    expected duration; OpenAI's own routes answer without TorchServe. Told it serves while TorchServe
+    still refuses, a request waits ``restart_wait_s``, then gets the same 503; told it does not serve
+    after it did (a restart), a request waits ``restart_wait_s`` for it too."""
     import math
     import socket
     import time
@@ -298,10 +299,16 @@ def test_the_front_s_ping_and_503s_follow_whether_the_worker_serves():
         assert requests.get(url + "/ping", timeout=5).json() == {"status": "Healthy"}
         t0 = time.monotonic()
         r = requests.post(url + "/v1/chat/completions", json={"messages": []}, timeout=10)
-        assert (
-            r.status_code == 503 and r.headers["Retry-After"] == "5" and r.json()["error"]["code"] == "model_not_ready"
-        )
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+        assert r.headers["Retry-After"] == "12"  # the last start's duration: what a restart takes
         assert time.monotonic() - t0 >= wait_s
+        # it served before: not serving now is a restart, which a request waits out (held, up to
+        # restart_wait_s), then gets the same 503 counting down what is left of the restart
+        front.set_ready(False, expected_s=20.0)
+        t0 = time.monotonic()
+        r = requests.post(url + "/invocations", json={}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+        assert time.monotonic() - t0 >= wait_s and int(r.headers["Retry-After"]) <= 20 - wait_s + 1
         with socket.create_connection(("127.0.0.1", front.port), timeout=5) as raw:
             raw.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n{}")
             assert raw.recv(100).startswith(b"HTTP/1.1 400 ")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ from ._base_client import BaseClient
 from ._exceptions import LlavaError, SessionGone
 from ._images import ImageInput, fit_payload, image_budget, image_payload
 from ._streaming import ChatStream
+from ._transport import LineStream
 
 __all__ = ["ChatReply", "ChatSession", "image_part"]
 
@@ -123,11 +125,15 @@ class ChatReply:
 def chat_request(messages: list[dict[str, Any]], stream: bool, params: dict[str, Any]) -> dict[str, Any]:
     """The request body: ``messages``, ``stream`` and the OpenAI parameters given (``max_tokens``,
     ``temperature``, ``top_p``, ``stop``, ``seed``, ...); a stream asks for its usage at the end
-    (``stream_options.include_usage``) unless ``params`` say otherwise."""
+    (``stream_options.include_usage``) unless ``params`` say otherwise, and a sampled stream
+    (``temperature`` unset is OpenAI's 1.0) gets a ``seed`` of its own when it has none, so a stream
+    sent again after a dead worker comes out the same (:func:`stream_body`)."""
     body: dict[str, Any] = {"messages": messages, **params}
     if stream:
         body["stream"] = True
         body.setdefault("stream_options", {"include_usage": True})
+        if body.get("temperature", 1.0) != 0 and body.get("seed") is None:
+            body["seed"] = random.getrandbits(31)
     return body
 
 
@@ -151,13 +157,18 @@ def stream(client: BaseClient, messages: list[dict[str, Any]], session_id: str, 
     return stream_body(client, chat_request(messages, True, params), session_id)
 
 
-def stream_body(client: BaseClient, body: dict[str, Any], session_id: str) -> ChatStream:
-    """Send a streamed chat-completions request body now; return its :class:`ChatStream`.
+def stream_body(
+    client: BaseClient, body: dict[str, Any], session_id: str, resend: Callable[[], LineStream] | None = None
+) -> ChatStream:
+    """Send a streamed chat-completions request body now; return its :class:`ChatStream`, which a
+    dead worker's ``model_not_ready`` mid-answer sends again (``resend``, default: ``body`` in
+    ``session_id`` once more) and continues where it stopped.
 
     Raises:
         APIStatusError: the request was refused.
     """
-    return ChatStream(client.invoke_stream(body, session_id, retry_safe=True), session_id=session_id)
+    again = resend or (lambda: client.invoke_stream(body, session_id, retry_safe=True))
+    return ChatStream(client.invoke_stream(body, session_id, retry_safe=True), session_id=session_id, resend=again)
 
 
 class ChatSession:
@@ -201,9 +212,16 @@ class ChatSession:
         """As :meth:`complete`, for a whole request body."""
         return self._reopening(lambda session_id: complete_body(self._client, body, session_id))
 
-    def stream_body(self, body: dict[str, Any]) -> ChatStream:
-        """As :meth:`stream`, for a whole request body."""
-        return self._reopening(lambda session_id: stream_body(self._client, body, session_id))
+    def stream_body(self, body: dict[str, Any], resend_body: dict[str, Any] | None = None) -> ChatStream:
+        """As :meth:`stream`, for a whole request body (``resend_body``: what to send if a dead worker
+        cut the answer, default ``body``; the session, lost with the worker, is reopened for it)."""
+        client = self._client
+
+        def resend() -> LineStream:
+            again = resend_body or body
+            return self._reopening(lambda session_id: client.invoke_stream(again, session_id, retry_safe=True))
+
+        return self._reopening(lambda session_id: stream_body(client, body, session_id, resend))
 
     def _reopening(self, send: Callable[[str], _T]) -> _T:
         """``send(session_id)``; if the server lost the session, once more in a new one (logged).

@@ -148,9 +148,13 @@ class Conversation:
         return reply
 
     def _stream(self, body: dict[str, Any]) -> Iterator[str]:
-        """The answer's text pieces (in the session, which reopens once if the server lost it)."""
-        session = self.session
-        with session.stream_body(body) if session else _chat.stream_body(self._client, body, "") as stream:
+        """The answer's text pieces (in the session, which reopens once if the server lost it). A dead
+        worker's cut answer is sent again with every image's bytes (the restarted worker knows no uuid),
+        the same seed, and goes on where it stopped."""
+        session, client = self.session, self._client
+        whole = {**body, "messages": self.messages} if self.references else body
+        resend = None if session else (lambda: client.invoke_stream(whole, "", retry_safe=True))
+        with session.stream_body(body, whole) if session else _chat.stream_body(client, body, "", resend) as stream:
             for event in stream:
                 if event.text:
                     yield event.text

@@ -16,6 +16,7 @@ concurrent request on a session with 409 :class:`SessionBusy`).
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from ._chat import ChatReply
 from ._exceptions import LlavaError, SessionGone
 from ._images import Downsized, ImageInput
 from ._streaming import AnswerStream, ms_since
+from ._transport import LineStream
 from ._types import AddedImage, Answer, GenerationParams, Recovery
 
 __all__ = ["Opened", "Session", "open_session_request"]
@@ -243,13 +245,22 @@ class Session:
         Use the result as ``with session.stream(q) as s: for piece in s: ...``; then ``s.answer``.
         Arguments and errors as :meth:`ask`; an error reported mid-stream raises from the iteration.
         """
+        sampled = bool(do_sample) or (temperature is not None and temperature > 0)
+        if sampled and seed is None:  # a stream sent again after a dead worker comes out the same
+            seed = random.getrandbits(31)
         params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop, details)
         request = _generate_request(prompt, params, stream=True, remember=remember, context_policy=context_policy)
         t0 = time.perf_counter()
-        lines = self._with_recovery(lambda: self._client.invoke_stream(request, self.id, retry_safe=not remember))
+
+        def send() -> LineStream:  # a session lost with a dead worker is recovered here (its history replayed)
+            return self._with_recovery(lambda: self._client.invoke_stream(request, self.id, retry_safe=not remember))
 
         return AnswerStream(
-            lines, on_answer=lambda answer: self._record(prompt, answer, remember), t0=t0, session_id=self.id
+            send(),
+            on_answer=lambda answer: self._record(prompt, answer, remember),
+            t0=t0,
+            session_id=self.id,
+            resend=send,
         )
 
     def _record(self, prompt: str, answer: Answer, remember: bool) -> None:

@@ -38,16 +38,37 @@ def ms_since(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000.0, 3)
 
 
+#: Times one stream is sent again after its server's worker died mid-answer.
+MAX_STREAM_RESUMES = 2
+#: The code of the error event a stream ends with when its server's worker died mid-answer (the
+#: server's front writes it: nothing of the answer survived, and the worker restarts).
+WORKER_LOST_CODE = "model_not_ready"
+
+
 class _Stream(Generic[_E]):
     """What both streams share: an iterator over ``_iterate()``'s items and a context manager that
-    closes the response when left (:meth:`close`, idempotent); :attr:`text` joins ``_pieces``."""
+    closes the response when left (:meth:`close`, idempotent); :attr:`text` joins ``_pieces``.
 
-    def __init__(self, lines: LineStream, session_id: str) -> None:
+    Riding out a dead worker (``resend``): a stream that ends with ``model_not_ready`` (its server's
+    worker died mid-answer; nothing of the answer survived) is sent again through ``resend()`` (the
+    client's retries wait out the restart, and a lost session is recovered there), and the answer
+    goes on where it stopped: the resent answer's first characters, which must be the text already
+    given, are skipped (greedy answers, and sampled ones with a seed, come out the same; the clients
+    give every sampled request a seed). An answer that comes out otherwise raises the error.
+    """
+
+    def __init__(self, lines: LineStream, session_id: str, resend: Callable[[], LineStream] | None = None) -> None:
         self._lines = lines
         self._pieces: list[str] = []
         self._closed = False
+        self._resend = resend
+        self._skip: str | None = None  # after a resend: the text already given, to skip
+        self._replayed = ""  # after a resend: the resent answer's text so far, while it is skipped
+        self._error: LlavaError | None = None  # the error a resend rides out
         self._gen = self._iterate()
         self.session_id = session_id
+        #: Times this stream was sent again after a dead worker.
+        self.resumes = 0
 
     def _iterate(self) -> Generator[_E, None, None]:
         raise NotImplementedError
@@ -81,6 +102,44 @@ class _Stream(Generic[_E]):
     def _closed_early(self) -> None:
         """Called by :meth:`close` (a stream read to its end is closed already)."""
 
+    def _resumed(self, error: LlavaError) -> bool:
+        """After ``error`` ended the stream mid-answer: whether it was sent again (``self._lines`` is
+        the new reply's; the text given so far is skipped from it by :meth:`_given`)."""
+        if (
+            self._resend is None
+            or getattr(error, "code", None) != WORKER_LOST_CODE
+            or self.resumes >= MAX_STREAM_RESUMES
+        ):
+            return False
+        log.warning("the server's worker died mid-answer (%s); sending the request again", error)
+        self._lines.close()
+        self._lines = self._resend()
+        self.resumes += 1
+        self._skip, self._replayed, self._error = self.text, "", error
+        return True
+
+    def _given(self, piece: str) -> str:
+        """Record ``piece`` of the answer; return what of it is new to the reader (after a resend,
+        the text already given is skipped).
+
+        Raises:
+            LlavaError: the resent answer differs from the text already given.
+        """
+        if self._skip is None:
+            self._pieces.append(piece)
+            return piece
+        self._replayed += piece
+        skip, replayed = self._skip, self._replayed
+        if not (skip.startswith(replayed) or replayed.startswith(skip)):
+            assert self._error is not None
+            raise self._error  # an answer that differs cannot go on where the other stopped
+        if len(replayed) <= len(skip):
+            return ""
+        self._skip = None
+        rest = replayed[len(skip) :]
+        self._pieces.append(rest)
+        return rest
+
 
 class AnswerStream(_Stream[str]):
     """The text pieces of an answer as they arrive: an iterator and a context manager.
@@ -96,14 +155,20 @@ class AnswerStream(_Stream[str]):
     """
 
     def __init__(
-        self, lines: LineStream, *, on_answer: Callable[[Answer], None] | None, t0: float, session_id: str
+        self,
+        lines: LineStream,
+        *,
+        on_answer: Callable[[Answer], None] | None,
+        t0: float,
+        session_id: str,
+        resend: Callable[[], LineStream] | None = None,
     ) -> None:
         self._on_answer = on_answer
         self._t0 = t0
         self._ttft_ms: float | None = None
         self._tokens: list[Token] = []
         self.answer: Answer | None = None
-        super().__init__(lines, session_id)
+        super().__init__(lines, session_id, resend)
 
     @property
     def client_ttft_ms(self) -> float | None:
@@ -126,35 +191,50 @@ class AnswerStream(_Stream[str]):
 
     def _iterate(self) -> Generator[str, None, None]:
         try:
-            for raw in self._lines:
-                line = _json_line(raw)
-                token = line.get("token")
-                if token:  # every line of an answer has one; the last also has generated_text and details
-                    if self._ttft_ms is None:
-                        self._ttft_ms = ms_since(self._t0)
-                    text = str(token.get("text") or "")
-                    self._tokens.append(Token(int(token.get("id", -1)), text, token.get("logprob")))
-                    if text:
-                        self._pieces.append(text)
-                        yield text
-                if line.get("generated_text") is not None or line.get("details") is not None:
-                    total_ms = ms_since(self._t0)
-                    final = line.get("generated_text")
-                    answer = Answer.from_wire(
-                        str(final if final is not None else self.text),
-                        line.get("details"),
-                        tokens=self._tokens,
-                        client_ttft_ms=self._ttft_ms if self._ttft_ms is not None else total_ms,
-                        client_total_ms=total_ms,
-                    )
-                    self.answer = answer
-                    if self._on_answer is not None:
-                        self._on_answer(answer)
+            while True:
+                try:
+                    yield from self._read()
                     return
-            raise APIConnectionError("the stream ended before its last line")
+                except LlavaError as err:
+                    if not self._resumed(err):
+                        raise
+                    self._tokens = []  # the resent answer's tokens are the answer's (the same ones)
         finally:
             self._closed = True
             self._lines.close()
+
+    def _read(self) -> Generator[str, None, None]:
+        """The answer's text pieces from ``self._lines``; sets :attr:`answer` at the last line.
+
+        Raises:
+            LlavaError: an error line (typed), a malformed line, or (:class:`APIConnectionError`) the
+                stream ended before its last line.
+        """
+        for raw in self._lines:
+            line = _json_line(raw)
+            token = line.get("token")
+            if token:  # every line of an answer has one; the last also has generated_text and details
+                if self._ttft_ms is None:
+                    self._ttft_ms = ms_since(self._t0)
+                text = str(token.get("text") or "")
+                self._tokens.append(Token(int(token.get("id", -1)), text, token.get("logprob")))
+                if text and (new := self._given(text)):
+                    yield new
+            if line.get("generated_text") is not None or line.get("details") is not None:
+                total_ms = ms_since(self._t0)
+                final = line.get("generated_text")
+                answer = Answer.from_wire(
+                    str(final if final is not None else self.text),
+                    line.get("details"),
+                    tokens=self._tokens,
+                    client_ttft_ms=self._ttft_ms if self._ttft_ms is not None else total_ms,
+                    client_total_ms=total_ms,
+                )
+                self.answer = answer
+                if self._on_answer is not None:
+                    self._on_answer(answer)
+                return
+        raise APIConnectionError("the stream ended before its last line")
 
 
 @dataclass(frozen=True)
@@ -204,11 +284,11 @@ class ChatStream(_Stream[ChatStreamEvent]):
         session_id: the session it answers in (``""``: none).
     """
 
-    def __init__(self, lines: LineStream, *, session_id: str) -> None:
+    def __init__(self, lines: LineStream, *, session_id: str, resend: Callable[[], LineStream] | None = None) -> None:
         self.finish_reason: str | None = None
         self.usage: ChatUsage | None = None
         self.done = False
-        super().__init__(lines, session_id)
+        super().__init__(lines, session_id, resend)
 
     def until_done(self) -> str:
         """Consume the rest of the stream; return the whole answer's text.
@@ -224,29 +304,43 @@ class ChatStream(_Stream[ChatStreamEvent]):
 
     def _iterate(self) -> Generator[ChatStreamEvent, None, None]:
         try:
-            for raw in self._lines:
-                text = raw.decode("utf-8").strip()
-                text = text[5:].strip() if text.startswith("data:") else text
-                if not text:
-                    continue
-                if text == "[DONE]":
+            while True:
+                try:
+                    yield from self._read()
                     break
-                chunk = _json_line(text)
-                if chunk.get("usage"):
-                    self.usage = ChatUsage.from_wire(chunk["usage"])
-                for choice in chunk.get("choices") or ():
-                    self.finish_reason = choice.get("finish_reason") or self.finish_reason
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        self._pieces.append(piece)
-                        yield ChatStreamEvent(piece)
-            if self.finish_reason is None:
-                raise APIConnectionError("the stream ended before its last chunk")
+                except LlavaError as err:
+                    if not self._resumed(err):
+                        raise
             self.done = True
             yield ChatStreamEvent("", self.finish_reason, self.usage)
         finally:
             self._closed = True
             self._lines.close()
+
+    def _read(self) -> Generator[ChatStreamEvent, None, None]:
+        """The answer's text deltas from ``self._lines``, up to its ``finish_reason``.
+
+        Raises:
+            LlavaError: an error event (typed), a malformed event, or (:class:`APIConnectionError`)
+                the stream ended before its last chunk.
+        """
+        for raw in self._lines:
+            text = raw.decode("utf-8").strip()
+            text = text[5:].strip() if text.startswith("data:") else text
+            if not text:
+                continue
+            if text == "[DONE]":
+                break
+            chunk = _json_line(text)
+            if chunk.get("usage"):
+                self.usage = ChatUsage.from_wire(chunk["usage"])
+            for choice in chunk.get("choices") or ():
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                piece = (choice.get("delta") or {}).get("content")
+                if piece and (new := self._given(piece)):
+                    yield ChatStreamEvent(new)
+        if self.finish_reason is None:
+            raise APIConnectionError("the stream ended before its last chunk")
 
 
 def _json_line(raw: bytes | str) -> dict[str, Any]:

@@ -42,6 +42,7 @@ import json
 import math
 import socket
 import socketserver
+import threading
 import time
 from typing import IO, Any
 from urllib.parse import parse_qs
@@ -50,6 +51,7 @@ from llava_sessions.wire.contract import (
     CUSTOM_ATTRIBUTES_HEADER,
     IMAGE_RELAY_PATH,
     IMAGE_TICKET_HEADER,
+    NEW_SESSION_LITERAL,
     SESSION_ID_HEADER,
 )
 
@@ -94,6 +96,33 @@ _NOT_FORWARDED = frozenset(
 
 class _Closed(Exception):
     """The peer closed the connection (or sent something that is not HTTP/1.1)."""
+
+
+class _WorkerLost(Exception):
+    """TorchServe gave no reply to relay (its worker died with the request in flight): nothing was
+    relayed to the client yet."""
+
+
+#: What a request cut by a dead worker is told (``503 model_not_ready``, or a stream's last event).
+WORKER_LOST = "the model server stopped while answering (its worker died and restarts); retry shortly"
+#: TorchServe's own status for a request whose worker died in flight (``{"type": "InternalServerException",
+#: "message": "Worker died."}``), answered as ``503 model_not_ready`` here.
+TORCHSERVE_WORKER_DIED = b"507"
+#: Reply headers TorchServe adds for its own use (its stream flag, its caching headers), not relayed
+#: to clients; its ``x-request-id`` is (OpenAI's clients read it as the request's id).
+_INTERNAL = frozenset({b"ts_stream_next", b"pragma", b"cache-control", b"expires"})
+
+
+def _cut_stream_tail(content_type: bytes, message: str) -> bytes:
+    """The last event of a stream whose worker died after its body began, in the stream's dialect:
+    an SSE ``data:`` event with OpenAI's error object, then ``data: [DONE]`` (the chat dialect's
+    ``text/event-stream``); one JSON line whose ``error`` both JSON-lines dialects read (the native
+    stream's ``{"token": null, ..., "error": {...}}`` and the chat dialect's OpenAI error object)."""
+    error = {"message": message, "type": "server_error", "param": None, "code": "model_not_ready"}
+    if content_type.split(b";")[0].strip().lower() == b"text/event-stream":
+        return b"data: %s\n\ndata: [DONE]\n\n" % json.dumps({"error": error}).encode()
+    line = {"token": None, "generated_text": None, "details": None, "error": error}
+    return json.dumps(line).encode() + b"\n"
 
 
 _Fields = list[tuple[bytes, bytes, bytes]]
@@ -229,12 +258,9 @@ class _Connection(socketserver.StreamRequestHandler):
                 self.wfile.write(local)
                 return keep
             target = b"/invocations"
-        if not server.ready:
+        if not server.ready and not server.wait_ready():
             message = "the model is not serving yet (starting, or restarting after a worker died); retry shortly"
-            retry_after_s = server.retry_after_s()
-            self.wfile.write(
-                _openai_error(503, "Service Unavailable", message, "model_not_ready", retry_after_s=retry_after_s)
-            )
+            self.wfile.write(self._not_ready(message))
             return keep
         head = [b"%s %s HTTP/1.1" % (method, target), b"Host: torchserve"]
         head += [
@@ -249,9 +275,20 @@ class _Connection(socketserver.StreamRequestHandler):
         if ticket is not None:
             head.append(b"%s: %s" % (IMAGE_TICKET_HEADER.encode(), ticket.encode()))
         request = b"\r\n".join(head) + b"\r\n\r\n" + body
+        session = _field(fields, SESSION_ID_HEADER.lower().encode())
+        stateless = session in (None, b"", NEW_SESSION_LITERAL.encode())
         try:
-            if not self._relay(request, method == b"HEAD"):
-                return False
+            for attempt in (0, 1):
+                try:
+                    if not self._relay(request, method == b"HEAD"):
+                        return False
+                    break
+                except _WorkerLost:
+                    # a request holding no session state is sent again once the restart is done (nothing
+                    # of it survived the worker); a session's request gets the typed, retryable 503
+                    if attempt or not stateless or not server.restarting() or not server.wait_ready():
+                        self.wfile.write(self._not_ready(WORKER_LOST))
+                        return False
         finally:
             if images is not None and ticket is not None:
                 images.release(ticket)
@@ -284,31 +321,49 @@ class _Connection(socketserver.StreamRequestHandler):
         message = f"{method.decode(errors='replace')} {path.decode(errors='replace')} is not served here"
         return _openai_error(404, "Not Found", message + "; use POST /v1/chat/completions", "not_found")
 
+    def _not_ready(self, message: str) -> bytes:
+        """The typed, retryable ``503 model_not_ready`` with ``Retry-After`` (the restart's countdown)."""
+        retry_after_s = self.server.retry_after_s()
+        return _openai_error(503, "Service Unavailable", message, "model_not_ready", retry_after_s=retry_after_s)
+
     def _relay(self, request: bytes, head_only: bool) -> bool:
         """Send ``request`` to TorchServe and relay its reply; returns False when the client
-        connection must close (TorchServe unreachable or broke off)."""
+        connection must close (TorchServe unreachable or broke off).
+
+        A stream cut after its body began ends with ``model_not_ready`` as its last event
+        (:func:`_cut_stream_tail`).
+
+        Raises:
+            _WorkerLost: nothing was relayed, and TorchServe gave no reply, its own ``507 Worker
+                died.``, or a chunked reply cut before its first byte of body (a worker killed with
+                the request in flight: TorchServe sends the head with the first, empty frame).
+        """
         try:
             start, fields = self._send(request)
         except ConnectionRefusedError:  # still restarting after restart_wait_s: nothing was sent
-            message = "the model server is restarting; retry shortly"
-            self.wfile.write(_openai_error(503, "Service Unavailable", message, "model_not_ready", retry_after_s=5))
+            self.wfile.write(self._not_ready("the model server is restarting; retry shortly"))
+            return False
+        except TimeoutError:
+            message = f"the model server sent nothing for {self.server.read_timeout_s:g} s"
+            self.wfile.write(_openai_error(504, "Gateway Timeout", message, "backend_timeout"))
             return False
         except (_Closed, OSError):
-            message = "the model server broke off its reply"
-            self.wfile.write(_openai_error(502, "Bad Gateway", message, "backend_unavailable"))
-            return False
+            raise _WorkerLost() from None
         backend = self.backend
         assert backend is not None
-        kept = [b"%s: %s" % (name, v) for n, name, v in fields if n != b"connection"]
+        kept = [b"%s: %s" % (name, v) for n, name, v in fields if n != b"connection" and n not in _INTERNAL]
         head = b"\r\n".join([start, *kept]) + b"\r\n\r\n"
         length = _field(fields, b"content-length")
         status = start.split(b" ", 2)[1] if start.count(b" ") else b"502"
         no_body = head_only or status in (b"204", b"304") or status.startswith(b"1")
+        if status == TORCHSERVE_WORKER_DIED:
+            self.backend = None
+            backend.close()
+            raise _WorkerLost()
         if no_body or length is not None:
             self.wfile.write(head + (b"" if no_body else backend.reader.read(int(length or 0))))
         elif (_field(fields, b"transfer-encoding") or b"").lower() == b"chunked":
-            self.wfile.write(head)
-            self._relay_chunks(backend.reader)
+            self._relay_chunks(backend.reader, head, _field(fields, b"content-type") or b"")
         else:  # delimited by TorchServe closing the connection
             self.wfile.write(head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1) + backend.reader.read())
             return False
@@ -355,25 +410,38 @@ class _Connection(socketserver.StreamRequestHandler):
                     raise
                 time.sleep(RESTART_POLL_S)
 
-    def _relay_chunks(self, reader: IO[bytes] | io.BufferedIOBase) -> None:
-        """Relay a chunked body chunk by chunk as it arrives, up to its last chunk and trailer.
+    def _relay_chunks(self, reader: IO[bytes] | io.BufferedIOBase, head: bytes, content_type: bytes) -> None:
+        """Relay a chunked body chunk by chunk as it arrives, up to its last chunk and trailer. The
+        head goes out with the first chunk (TorchServe sends it with a first frame that may be
+        empty): a reply cut before any chunk can still be answered with a status of its own.
 
         Raises:
-            _Closed: TorchServe broke off.
+            _WorkerLost: TorchServe broke off before the first chunk (nothing was written).
         """
         write = self.wfile.write
-        while True:
-            size_line = reader.readline(MAX_HEAD_BYTES)
-            if not size_line.endswith(b"\n"):
-                raise _Closed()
-            size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
-            if size == 0:
-                trailer = b""
-                while (line := reader.readline(MAX_HEAD_BYTES)) not in (b"\r\n", b"\n", b""):
-                    trailer += line
-                write(size_line + trailer + b"\r\n")
-                return
-            write(size_line + reader.read(size + 2))  # the chunk and its CRLF
+        pending: bytes | None = head
+        try:
+            while True:
+                size_line = reader.readline(MAX_HEAD_BYTES)
+                if not size_line.endswith(b"\n"):
+                    raise _Closed()
+                size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+                if size == 0:
+                    trailer = b""
+                    while (line := reader.readline(MAX_HEAD_BYTES)) not in (b"\r\n", b"\n", b""):
+                        trailer += line
+                    write((pending or b"") + size_line + trailer + b"\r\n")
+                    return
+                piece = reader.read(size + 2)  # the chunk and its CRLF
+                if len(piece) != size + 2:
+                    raise _Closed()
+                write((pending or b"") + size_line + piece)
+                pending = None
+        except (_Closed, OSError, ValueError):
+            if pending is not None:
+                raise _WorkerLost() from None
+            tail = _cut_stream_tail(content_type, WORKER_LOST)
+            write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
 
 
 class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
@@ -422,7 +490,10 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         self.routes = routes
         #: Whether the worker behind serves (:meth:`set_ready`).
         self.ready = False
+        self._served = False  # it served once: a later "not ready" is a restart, which requests wait out
+        self._ready_changed = threading.Condition()
         self._back_at: float | None = None  # when a restart should be done (time.monotonic()), if known
+        self._restart_s = 0.0  # the last start's duration, seconds (a restart's expected duration)
         self.backend = backend
         self.restart_wait_s = restart_wait_s
         self.model_name = model_name
@@ -438,15 +509,36 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
             expected_s: not serving: seconds until it should serve again (the last start's
                 duration), which the 503s' ``Retry-After`` counts down; None: unknown.
         """
-        self._back_at = None if ready or expected_s is None else time.monotonic() + expected_s
-        self.ready = ready
+        with self._ready_changed:
+            self._back_at = None if ready or expected_s is None else time.monotonic() + expected_s
+            if expected_s:
+                self._restart_s = expected_s
+            self.ready = ready
+            self._served |= ready
+            self._ready_changed.notify_all()
+
+    def restarting(self, grace_s: float = 1.0) -> bool:
+        """Whether the worker is restarting (it served before and does not now), waiting up to
+        ``grace_s`` for the supervisor to say so after a request was cut (it sees a death at once)."""
+        with self._ready_changed:
+            self._ready_changed.wait_for(lambda: not self.ready, timeout=grace_s)
+            return self._served and not self.ready
+
+    def wait_ready(self) -> bool:
+        """While the worker restarts (it served before), wait up to ``restart_wait_s`` for it to serve
+        again, as a request waits for TorchServe to accept connections; before the first start, do not
+        wait (SageMaker sends no traffic before ``/ping`` says 200). Returns whether it serves."""
+        with self._ready_changed:
+            if self._served:
+                self._ready_changed.wait_for(lambda: self.ready, timeout=self.restart_wait_s)
+            return self.ready
 
     def retry_after_s(self) -> int:
         """``Retry-After`` of a 503 while the worker does not serve: the seconds left until a restart
         should be done (1..MAX_RETRY_AFTER_S), else :data:`RETRY_AFTER_S`."""
         back_at = self._back_at
-        if back_at is None:
-            return RETRY_AFTER_S
+        if back_at is None:  # serving (a request just cut: the worker died, a restart takes the last start's time)
+            return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self._restart_s))) if self._restart_s else RETRY_AFTER_S
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(back_at - time.monotonic())))
 
     def model_card(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ processes. Nothing here knows TorchServe's configuration.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import socketserver
@@ -23,6 +24,7 @@ __all__ = [
     "BackgroundServing",
     "alive",
     "connect_host",
+    "exited",
     "group_members",
     "http_status",
     "load_psutil",
@@ -43,6 +45,33 @@ def alive(psutil, pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def exited(psutil, pids: set[int], timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` for any of ``pids`` to exit; return those that are gone (empty: all
+    still run). On Linux the wait is on pid file descriptors (``os.pidfd_open``, Linux 5.3), so a
+    death is seen the moment it happens, not at the next poll; elsewhere it polls at the end of
+    ``timeout_s``. ``psutil``: :func:`load_psutil`'s module."""
+    fds: dict[int, int] = {}
+    gone = [pid for pid in pids if not alive(psutil, pid)]
+    try:
+        if not gone and hasattr(os, "pidfd_open"):
+            for pid in pids:
+                try:
+                    fds[os.pidfd_open(pid)] = pid
+                except OSError:  # gone already (or no pidfd here: polled below)
+                    fds.clear()
+                    break
+            if len(fds) == len(pids):
+                readable, _, _ = select.select(list(fds), [], [], timeout_s)
+                return sorted(fds[fd] for fd in readable)
+        if not gone:
+            time.sleep(timeout_s)
+            gone = [pid for pid in pids if not alive(psutil, pid)]
+        return sorted(gone)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def load_psutil():

@@ -37,6 +37,7 @@ from .openai_front import OPENAI_PREFIX, OpenAIFront
 from .processes import (
     alive,
     connect_host,
+    exited,
     http_status,
     load_psutil,
     pick_ports,
@@ -386,16 +387,20 @@ class LocalServer:
         ``404 session_not_found`` for the lost sessions (and reopen them) within seconds.
         """
         psutil = load_psutil()
-        while not self._stopping.wait(self.supervise_interval_s):
+        while not self._stopping.is_set():
             with self._lock:
                 proc = self._proc
             if proc is None:
                 return
-            dead = [pid for pid in self._watched if not alive(psutil, pid)]
+            # a death is seen as it happens (pid file descriptors), so the front holds new requests at once
+            dead = exited(psutil, set(self._watched), self.supervise_interval_s)
+            if self._stopping.is_set():
+                return
             # fewer watched workers than configured: one died between READY and the pid capture
             if not dead and len(self._watched) >= self.workers:
                 continue
-            self._serving(False)  # until it is back: /ping 503, requests a typed 503 with Retry-After
+            died_at = time.monotonic()
+            self._serving(False)  # until it is back: /ping 503, new requests held, cut ones a typed 503
             print(
                 f"llava-serve: worker {dead or '(one of them)'} died; restarting TorchServe (its sessions are lost)",
                 file=sys.stderr,
@@ -422,6 +427,12 @@ class LocalServer:
                             stop_process_group(self._proc, self.stop_grace_s)
                 return
             self._watched = self._ready_pids or set(self.worker_pids())
+            print(
+                f"llava-serve: ready again at {self.url} ({time.monotonic() - died_at:.1f} s after the worker "
+                f"died; restart {self.restarts}; its sessions answer 404 session_not_found)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _write_model_config(self, path: Path) -> Path:
         """Write this server's model-config.yaml (:func:`~llava_tools.torchserve_files.model_config`) to ``path``."""
