@@ -45,6 +45,7 @@ PUBLIC_API = [
     "AddedImage",
     "Answer",
     "AnswerStream",
+    "AuthenticationError",
     "ChatReply",
     "ChatSession",
     "ChatStream",
@@ -278,3 +279,29 @@ def test_a_stream_cut_by_a_dead_worker_goes_on_where_it_stopped_or_raises_if_the
         resend=lambda: _Lines(chunk("A"), chunk(" b c"), chunk("", "stop"), "data: [DONE]"),
     )
     assert [e.text for e in chat] == ["A b", " c", ""] and chat.finish_reason == "stop" and chat.resumes == 1
+
+
+def test_llava_chat_without_aws_configuration_says_what_to_set_in_one_line(tmp_path):
+    """``llava-chat --endpoint`` with no region, then no credentials: one line naming what to set, exit
+    1, no traceback (it printed 49 to 79 lines)."""
+    import os
+    import subprocess
+    import sys
+
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {"HOME": str(tmp_path)}
+    (tmp_path / "x.png").write_bytes(_png())
+    command = [sys.executable, "-m", "llava_client.cli", "--endpoint", "my-llava", "--image", "x.png", "-q", "hi"]
+    for extra, says in (([], "--region"), (["--region", "us-east-1"], "AWS_ACCESS_KEY_ID")):
+        done = subprocess.run([*command, *extra], capture_output=True, text=True, timeout=60, env=bare, cwd=tmp_path)
+        assert done.returncode == 1 and says in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), "white").save(out, "PNG")
+    return out.getvalue()

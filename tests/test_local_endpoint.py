@@ -528,6 +528,49 @@ def test_cli_keeps_serving_when_a_backend_worker_dies(tiny_model_dir: Path, phot
     assert cli.returncode == 0
 
 
+def test_an_api_key_is_presented_by_boto3_as_its_access_key_and_by_openai_as_bearer(endpoint, photos):
+    """``llava-local-endpoint --api-key K``: boto3 signing with ``aws_access_key_id=K`` and the openai
+    package with ``api_key=K`` are served; another key gets a typed 401 (boto3's ``ClientError``
+    ``UnrecognizedClientException``, OpenAI's ``invalid_api_key``); ``/ping`` needs none."""
+    import botocore.exceptions
+    import openai
+
+    from llava_tools.runtime_front import RouterServer
+
+    keyed = RouterServer(("127.0.0.1", 0), endpoint.router, api_key="local-key").start()
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+        good = boto3.client(
+            "sagemaker-runtime",
+            endpoint_url=keyed.url,
+            region_name="us-east-1",
+            aws_access_key_id="local-key",
+            aws_secret_access_key="x",
+        )
+        reply = good.invoke_endpoint(EndpointName="e", Body=body, ContentType="application/json")
+        assert json.loads(reply["Body"].read())["choices"]
+        with pytest.raises(botocore.exceptions.ClientError) as refused:
+            runtime_client(keyed.url).invoke_endpoint(EndpointName="e", Body=body, ContentType="application/json")
+        assert refused.value.response["Error"]["Code"] == "UnrecognizedClientException"
+        assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 401
+        base = keyed.url + "/endpoints/e/openai/v1"
+        chat = [{"role": "user", "content": "Hi"}]
+        assert (
+            openai.OpenAI(base_url=base, api_key="local-key")
+            .chat.completions.create(model="m", messages=chat, max_tokens=2)
+            .choices
+        )
+        with pytest.raises(openai.AuthenticationError) as raised:
+            openai.OpenAI(base_url=base, api_key="other", max_retries=0).chat.completions.create(
+                model="m", messages=chat, max_tokens=2
+            )
+        assert raised.value.code == "invalid_api_key"
+        assert requests.get(keyed.url + "/ping", timeout=10).status_code == 200
+        assert requests.get(keyed.url + "/debug/sessions", timeout=10).status_code == 401
+    finally:
+        keyed.stop()
+
+
 def test_web_page_over_the_sagemaker_runtime(endpoint, runtime, photos, tmp_path):
     """The page's logic (``WebChat``) through boto3's sagemaker-runtime, and ``llava-web --endpoint
     --endpoint-url`` serving the page against this endpoint until SIGTERM."""

@@ -226,7 +226,7 @@ def _streaming_body(data: bytes):
 
 def test_llava_chat_stateless_sends_the_image_once(server, photos, tmp_path):
     """``llava-chat --stateless`` as the user runs it: no session, the image's bytes in the first turn
-    only, the second turn answered from the conversation cache."""
+    only, the second turn answered from the conversation cache; ``-v`` and ``/reset`` as in a session."""
     import re
     import subprocess
     import sys
@@ -236,15 +236,22 @@ def test_llava_chat_stateless_sends_the_image_once(server, photos, tmp_path):
     args = ["--url", server.url, "--image", str(photo), "--stateless", "--cache-salt", "cli", "-v"]
     done = subprocess.run(
         [sys.executable, "-m", "llava_client.cli", *args, "--max-new-tokens", "4"],
-        input="What is it?\nAnd its colour?\n",
+        input="What is it?\nAnd its colour?\n/reset\nWhat is it?\n",
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    sent = [int(n.replace(",", "")) for n in re.findall(r"\[([\d,]+) bytes sent\]", done.stderr)]
-    assert len(sent) == 2 and sent[1] < 2_000 < sent[0], done.stderr
-    assert len(done.stdout.strip().splitlines()) == 2
+    sent = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) bytes sent\]", done.stderr)]
+    assert len(sent) == 3 and sent[1] < 2_000 < sent[0], done.stderr
+    assert len(done.stdout.strip().splitlines()) == 3
+    # -v says what its help promises, as in a session: time to first token and reused prompt tokens
+    stats = re.findall(r"\[time to first token (\d+) ms; reused (\d+) of (\d+) prompt tokens;", done.stderr)
+    assert len(stats) == 3 and int(stats[1][1]) > 576, done.stderr  # turn 2 reused the first turn's prefix
+    # /reset keeps the images, as in a session: the next question carries the image again (its
+    # uuid: the server holds it), and is the first question's prompt again
+    assert "[conversation forgotten; same images]" in done.stderr
+    assert stats[2][2] == stats[0][2] and sent[2] < 2_000
     bad = subprocess.run(
         [sys.executable, "-m", "llava_client.cli", "--url", server.url, "--image", str(photo), "--cache-salt", "x"],
         capture_output=True,

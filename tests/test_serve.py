@@ -430,3 +430,66 @@ def test_a_killed_worker_costs_no_error(tmp_path: Path, tiny_model_dir: Path, ph
     finally:
         stop_process(cli)
     assert cli.returncode == 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_an_api_key_guards_every_route_but_ping_and_ready_at_names_the_bind_address(
+    tmp_path: Path, tiny_model_dir: Path, photos
+) -> None:
+    """Issue 45 item 2, as vLLM's ``--api-key``: ``llava-serve --host 0.0.0.0 --api-key K`` says it is
+    ready at its real bind address; ``/ping`` needs no key; ``/invocations`` and ``/v1`` without the
+    key, or with another, get a typed 401 in their dialect; with it (``llava_client`` reads
+    ``LLAVA_API_KEY``, the openai package its ``api_key``) they are served. Without a key, binding
+    beyond loopback is warned about."""
+    import openai
+
+    from llava_client import AuthenticationError, SessionClient
+
+    key = "k-" + "5" * 30
+    port = pick_ports("127.0.0.1", 0)["inference"]
+    command = [*_llava_serve(), "--model-dir", str(tiny_model_dir), "--port", str(port), "--host", "0.0.0.0"]
+    cli = subprocess.Popen(
+        [*command, "--api-key", key], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ)
+    )
+    try:
+        output = OutputLines(cli.stdout)
+        line = output.wait_for(READY, timeout_s=150).group(0)
+        assert line.startswith(f"llava-serve: ready at http://0.0.0.0:{port} (from this machine: http://127.0.0.1:")
+        assert "(API key required)" in line and "WARNING" not in "".join(output.lines)
+        url = f"http://127.0.0.1:{port}"
+        assert requests.get(url + "/ping", timeout=5).status_code == 200
+        opening = {"type": "open_session", "image": {"base64": base64.b64encode(photos["rocket"]).decode()}}
+        for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            refused = requests.post(url + "/invocations", json=opening, headers=auth, timeout=30)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            assert refused.headers["WWW-Authenticate"] == "Bearer"
+        with pytest.raises(openai.AuthenticationError) as raised:
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert raised.value.code == "invalid_api_key"
+        chat = [{"role": "user", "content": "Hi"}]
+        served = openai.OpenAI(base_url=url + "/v1", api_key=key).chat.completions.create(
+            model=tiny_model_dir.name, messages=chat, max_tokens=2
+        )
+        assert served.choices[0].message.content is not None
+        with pytest.raises(AuthenticationError) as typed:
+            SessionClient.from_url(url).open_session(photos["rocket"])
+        assert typed.value.status_code == 401 and typed.value.code == "invalid_api_key"
+        os.environ["LLAVA_API_KEY"] = key
+        try:
+            with SessionClient.from_url(url) as client:
+                client.open_session(photos["rocket"]).close()
+        finally:
+            del os.environ["LLAVA_API_KEY"]
+    finally:
+        stop_process(cli)
+    assert cli.returncode == 0
+    # beyond loopback without a key: said before anything starts (here the folder is not a model)
+    bare = subprocess.run(
+        [*_llava_serve(), "--model-dir", str(tmp_path), "--port", "0", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "LLAVA_API_KEY"} | {"TMPDIR": str(tmp_path)},
+    )
+    assert "WARNING: serving on 0.0.0.0 without --api-key" in bare.stderr, bare.stderr

@@ -25,6 +25,7 @@ Streams: :mod:`._streaming`; retries: :mod:`._base_client`; recovery of a lost s
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from . import _chat
@@ -42,6 +43,9 @@ from ._images import MAX_BODY_BYTES, ImageInput, describe_image
 from ._sessions import Session, open_session_request
 from ._streaming import AnswerStream, ChatStream
 from ._transport import DEFAULT_TIMEOUT, HttpTransport
+
+#: The environment variable a server's API key is read from (``llava-serve --api-key``'s too).
+API_KEY_ENV = "LLAVA_API_KEY"
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
@@ -70,10 +74,19 @@ class SessionClient(BaseClient):
 
     @classmethod
     def from_url(
-        cls, base_url: str, *, timeout: float | tuple[float, float] = DEFAULT_TIMEOUT, **kwargs: Any
+        cls,
+        base_url: str,
+        *,
+        timeout: float | tuple[float, float] = DEFAULT_TIMEOUT,
+        api_key: str | None = None,
+        **kwargs: Any,
     ) -> SessionClient:
-        """A client for ``{base_url}/invocations`` over plain HTTP (``llava-serve``, a local container)."""
-        return cls(HttpTransport(base_url, timeout=timeout), **kwargs)
+        """A client for ``{base_url}/invocations`` over plain HTTP (``llava-serve``, a local container);
+        ``api_key``: the server's ``--api-key``, sent as ``Authorization: Bearer <key>`` (default: the
+        ``LLAVA_API_KEY`` environment variable, if set)."""
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        return cls(HttpTransport(base_url, timeout=timeout, headers=headers), **kwargs)
 
     @classmethod
     def from_endpoint(

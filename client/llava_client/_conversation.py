@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ._base_client import BaseClient
     from ._chat import ChatReply, ChatSession
     from ._images import ImageInput
+    from ._streaming import ChatUsage
 
 __all__ = ["Conversation"]
 
@@ -78,6 +79,9 @@ class Conversation:
             self.messages.append({"role": "system", "content": system_prompt})
         self._sent: set[str] = set()  # uuids the server received in an answered request
         self._last_body: dict[str, Any] | None = None
+        #: The last streamed answer's usage (:class:`~llava_client.ChatUsage`: prompt, completion and
+        #: cached tokens), or None before one (or when the server sent none).
+        self.last_usage: ChatUsage | None = None
 
     def __repr__(self) -> str:
         where = f"session {self.session.session_id!r}" if self.session is not None else "no session"
@@ -158,6 +162,7 @@ class Conversation:
             for event in stream:
                 if event.text:
                     yield event.text
+            self.last_usage = stream.usage
 
     def _body(self, params: dict[str, Any], *, stream: bool, references: bool) -> dict[str, Any]:
         """The request: the conversation with each image already sent as its uuid alone (``references``)."""

@@ -24,6 +24,7 @@ __all__ = [
     "APIConnectionError",
     "APIStatusError",
     "APITimeoutError",
+    "AuthenticationError",
     "ContextLengthExceeded",
     "ImageLimitExceeded",
     "InternalServerError",
@@ -126,6 +127,11 @@ class InvalidRequest(APIStatusError):
     """400: malformed request, bad parameter, missing session id, or an image that cannot be used."""
 
 
+class AuthenticationError(APIStatusError):
+    """401 ``invalid_api_key``: the server requires an API key (``llava-serve --api-key``) and the
+    request carried none or another (``SessionClient.from_url(..., api_key=...)``, ``LLAVA_API_KEY``)."""
+
+
 class SessionGone(APIStatusError):
     """404: the session no longer exists on the server (base of the three reasons)."""
 
@@ -189,6 +195,7 @@ _BY_CODE: dict[str, type[APIStatusError]] = {
 }
 
 _BY_STATUS: dict[int, type[APIStatusError]] = {
+    401: AuthenticationError,
     400: InvalidRequest,
     409: SessionBusy,
     413: PayloadTooLarge,

@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from typing import TextIO
 
-from ._client import Session, SessionClient
+from ._client import API_KEY_ENV, Session, SessionClient
 from ._exceptions import LlavaError
 from ._types import Answer
 
@@ -44,6 +45,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     where.add_argument("--url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve)")
     parser.add_argument("--region", metavar="R", help="AWS region of the endpoint")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"with --url: the server's --api-key, sent as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
     parser.add_argument(
         "--endpoint-url",
         metavar="URL",
@@ -197,37 +203,47 @@ class _StatelessChat(_Chat):
             system_prompt=self.args.system_prompt, cache_salt=self.args.cache_salt
         )
         self.images = [image]  # they open the next question
+        self.sent: list[str] = []  # the images the conversation holds (sent with earlier questions)
 
     def close(self) -> None:
         """Nothing is held on the server."""
 
     def ask(self, question: str, *, prefix: str = "") -> bool:
-        """Stream one answer to stdout (with --verbose, the bytes the turn sent); False if interrupted."""
+        """Stream one answer to stdout (with --verbose: time to first token, reused tokens and the bytes
+        the turn sent); False if interrupted."""
         params = {"temperature": self.args.temperature or 0.0}
         if self.args.max_new_tokens is not None:
             params["max_tokens"] = self.args.max_new_tokens
         self.out.write(prefix)
+        t0, ttft_ms = time.perf_counter(), None
         try:
             for piece in self.conversation.ask_stream(question, self.images, **params):
+                if ttft_ms is None:
+                    ttft_ms = (time.perf_counter() - t0) * 1000.0
                 self.out.write(piece)
                 self.out.flush()
         except KeyboardInterrupt:
             self.note("\n[interrupted]")
             return False
+        self.sent += self.images
         self.images = []
         self.out.write("\n")
         self.out.flush()
         if self.args.verbose:
-            self.note(f"[{self.conversation.last_request_bytes:,} bytes sent]")
+            usage = self.conversation.last_usage
+            reused = f"reused {usage.cached_tokens} of {usage.prompt_tokens} prompt tokens; " if usage else ""
+            first = f"time to first token {ttft_ms:.0f} ms; " if ttft_ms is not None else ""
+            self.note(f"[{first}{reused}{self.conversation.last_request_bytes:,} bytes sent]")
         return True
 
     def command(self, line: str) -> bool:
         """As :meth:`_Chat.command`, on the conversation the client holds."""
         name, _, rest = line.partition(" ")
-        if name == "/reset":
+        if name == "/reset":  # as in a session: the turns go, every image opens the next question
             kept = [m for m in self.conversation.messages if m["role"] == "system"]
             self.conversation.messages[:] = kept
-            self.note("[conversation forgotten; send an image again with /add or /image]")
+            self.images, self.sent = self.sent + self.images, []
+            self.note("[conversation forgotten; same images]")
             return True
         if name in ("/add", "/image") and rest.strip():
             if name == "/image":
@@ -237,6 +253,21 @@ class _StatelessChat(_Chat):
             self.note(f"[{rest.strip()} opens the next question]")
             return True
         return super().command(line)
+
+
+def _aws_hint(exc: Exception) -> str:
+    """One line for an error of boto3's configuration (no region, no credentials), with what to set;
+    any other error as it is."""
+    name = type(exc).__name__
+    if name == "NoRegionError":
+        return f"{exc} (pass --region, or set AWS_REGION)"
+    if name in ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound"):
+        return (
+            f"{exc} (set AWS credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)"
+        )
+    if type(exc).__module__.startswith("botocore"):
+        return f"{name}: {exc}"
+    raise exc
 
 
 def _stats(answer: Answer) -> str:
@@ -274,19 +305,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--endpoint-url goes with --endpoint")
     if args.cache_salt and not args.stateless:
         parser.error("--cache-salt goes with --stateless")
+    if args.api_key and not args.url:
+        parser.error("--api-key goes with --url (an endpoint is reached with AWS credentials)")
     logging.basicConfig(level=logging.WARNING, format="llava-chat: %(message)s")
-    if args.endpoint:
-        client = SessionClient.from_endpoint(
-            args.endpoint, region_name=args.region, timeout=(10.0, args.timeout), endpoint_url=args.endpoint_url
-        )
-    else:
-        client = SessionClient.from_url(args.url, timeout=(10.0, args.timeout))
+    try:
+        if args.endpoint:
+            client = SessionClient.from_endpoint(
+                args.endpoint, region_name=args.region, timeout=(10.0, args.timeout), endpoint_url=args.endpoint_url
+            )
+        else:
+            client = SessionClient.from_url(args.url, timeout=(10.0, args.timeout), api_key=args.api_key)
+    except Exception as exc:  # noqa: BLE001 - botocore's configuration errors (no region), told in one line
+        print(f"llava-chat: {_aws_hint(exc)}", file=sys.stderr)
+        return 1
     chat = (_StatelessChat if args.stateless else _Chat)(client, args, sys.stdout, sys.stderr)
     try:
         try:
             chat.open(args.image)
         except (LlavaError, OSError) as exc:
             chat.note(f"llava-chat: could not open a session on {args.image}: {exc}")
+            return 1
+        except Exception as exc:  # noqa: BLE001 - botocore's (no credentials): one line, not a traceback
+            chat.note(f"llava-chat: could not open a session on {args.image}: {_aws_hint(exc)}")
             return 1
         if args.question:
             try:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import run_until_signal
-from .server import LocalServer
+from .server import API_KEY_ENV, LocalServer
 from .torchserve_files import (
     MULTI_WORKER_REFUSAL,
     SEQUENCE_HEADER_KEYS,
@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             stop_grace_s=args.stop_grace,
             supervise=True,
             env={"TOKENIZERS_PARALLELISM": env.get("TOKENIZERS_PARALLELISM", "false")},
+            # off unless set: SageMaker authenticates every caller (SigV4) before the container
+            api_key=env.get(API_KEY_ENV) or None,
         )
     except (FileNotFoundError, ValueError) as exc:
         print(f"llava-container-serve: {exc}", file=sys.stderr, flush=True)
@@ -315,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
             f"handler {args.handler}, TorchServe config {args.ts_config})"
         ),
         ready=lambda: (
-            f"ready at {server.url} (metrics {server.metrics_url}/metrics; logs {server.log_dir}; "
+            f"ready at {server.bind_url}"
+            + (" (API key required)" if server.api_key else "")
+            + f" (metrics {server.metrics_url}/metrics; logs {server.log_dir}; "
             f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"
         ),
     )

@@ -76,6 +76,7 @@ process group, TMPDIR and ports: :class:`~llava_tools.server.LocalServer`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -91,7 +92,7 @@ from .sagemaker_wire import (
     payload_part_event,
     stream_error_event,
 )
-from .server import LocalServer
+from .server import API_KEY_ENV, LocalServer
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -144,6 +145,7 @@ class LocalEndpoint:
         routing: str = "least-outstanding",
         prefix_length: int = 1024,
         concurrency_threshold: int = 1024,
+        api_key: str | None = None,
         **server_kwargs: Any,
     ) -> None:
         if routing not in ("least-outstanding", "prefix-aware"):
@@ -162,6 +164,7 @@ class LocalEndpoint:
         self.read_timeout_s = read_timeout_s
         self.verbose = verbose
         self.pass_new_session = pass_new_session
+        self.api_key = api_key or None
         self.router: Router | None = None
         self._httpd: RouterServer | None = None
 
@@ -194,6 +197,7 @@ class LocalEndpoint:
                 verbose=self.verbose,
                 pass_new_session=self.pass_new_session,
                 prefix_length=self.prefix_length,
+                api_key=self.api_key,
             ).start()
         except BaseException:
             self.stop()
@@ -279,6 +283,12 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--concurrency-threshold", type=int, default=1024, help="PREFIX_AWARE's ConcurrencyThreshold, 1..1024"
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require this key on every request but /ping (default: ${API_KEY_ENV}): boto3 signs with it "
+        "as its aws_access_key_id, the openai package sends it as its api_key",
+    )
     parser.add_argument("--handler", default=None, help=argparse.SUPPRESS)  # tests: another TorchServe handler
     return parser
 
@@ -306,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         routing=args.routing,
         prefix_length=args.prefix_length,
         concurrency_threshold=args.concurrency_threshold,
+        api_key=args.api_key,
         overrides=dict(args.overrides),
         model_config_overrides=dict(args.model_config_overrides),
         startup_timeout_s=args.startup_timeout,

@@ -37,6 +37,7 @@ beyond what routing and framing need, and a body is decoded only when it may nam
 
 from __future__ import annotations
 
+import hmac
 import io
 import json
 import math
@@ -175,6 +176,14 @@ def _openai_error(status: int, reason: str, message: str, code: str, *, retry_af
     return _response(status, reason, json.dumps(body).encode(), extra)
 
 
+def _unauthorized() -> bytes:
+    """``401 invalid_api_key`` (OpenAI's error object and code, which both dialects' clients read), with
+    ``WWW-Authenticate: Bearer`` (RFC 6750)."""
+    message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    return _response(401, "Unauthorized", json.dumps(body).encode(), b"WWW-Authenticate: Bearer\r\n")
+
+
 def _ping(ready: bool, retry_after_s: int) -> bytes:
     """SageMaker's health check: 200 only while the worker serves (TorchServe's own ``/ping`` says
     Healthy from before the model is loaded and after a worker died), else 503."""
@@ -250,7 +259,10 @@ class _Connection(socketserver.StreamRequestHandler):
             self.wfile.write(_ping(server.ready, server.retry_after_s()))
             return keep
         if server.images is not None and method == b"GET" and path.startswith(IMAGE_RELAY_PATH.encode()):
-            self.wfile.write(_relayed_image(server.images, target))
+            self.wfile.write(_relayed_image(server.images, target))  # the worker's lookup: its ticket is the secret
+            return keep
+        if not server.authorized(_field(fields, b"authorization")):
+            self.wfile.write(_unauthorized())
             return keep
         if server.routes and (path.startswith(OPENAI_PREFIX.encode() + b"/") or path == OPENAI_PREFIX.encode()):
             local = self._openai(method, path)
@@ -459,6 +471,9 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         routes: serve OpenAI's ``/v1`` routes (False: every path is relayed as it came).
         images: fetch a request's URL and S3 images before relaying it, and answer the worker's
             lookups of them (:mod:`llava_tools.image_relay`); None: the worker fetches them.
+        api_key: when set, every request but ``GET /ping`` (and the worker's image lookups, whose
+            ticket is their secret) must carry ``Authorization: Bearer <api_key>`` (vLLM's
+            ``--api-key`` rule), compared in constant time; else ``401 invalid_api_key``.
 
     Until :meth:`set_ready` says the worker serves, ``GET /ping`` answers 503 and every other
     request a typed ``503 model_not_ready`` with ``Retry-After`` (its body read first).
@@ -483,9 +498,11 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         max_request_bytes: int = MAX_REQUEST_BYTES,
         routes: bool = True,
         images: ImageRelay | None = None,
+        api_key: str | None = None,
     ) -> None:
         super().__init__(address, _Connection)
         self.images = images
+        self._expected_auth = ("Bearer " + api_key).encode() if api_key else None
         self.max_request_bytes = max_request_bytes
         self.routes = routes
         #: Whether the worker behind serves (:meth:`set_ready`).
@@ -516,6 +533,12 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
             self.ready = ready
             self._served |= ready
             self._ready_changed.notify_all()
+
+    def authorized(self, authorization: bytes | None) -> bool:
+        """Whether a request with this ``Authorization`` header value may be served (always, without an
+        API key); compared in constant time (``hmac.compare_digest``)."""
+        expected = self._expected_auth
+        return expected is None or hmac.compare_digest(authorization or b"", expected)
 
     def restarting(self, grace_s: float = 1.0) -> bool:
         """Whether the worker is restarting (it served before and does not now), waiting up to

@@ -25,6 +25,7 @@ __all__ = [
     "alive",
     "connect_host",
     "exited",
+    "is_loopback",
     "group_members",
     "http_status",
     "load_psutil",
@@ -79,6 +80,11 @@ def load_psutil():
     import psutil  # optional dependency (extras "serve"/"dev"); only needed to find processes
 
     return psutil
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only."""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def connect_host(host: str) -> str:

@@ -7,6 +7,7 @@ are :mod:`.sagemaker_wire`'s, the routing and the call to a backend :mod:`.routi
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import json
 import re
@@ -58,6 +59,23 @@ _PATH_RE = re.compile(r"^/endpoints/([^/]+)/(invocations|invocations-response-st
 #: ``base_url`` of the openai package; which container path it reaches is not documented, so it is
 #: sent to ``/invocations``, where the chat dialect answers (shared/notes/chat-protocol.md).
 OPENAI_OPERATION = "openai/v1/chat/completions"
+#: What a request without the ``--api-key`` is told (boto3 raises it as ``ClientError``).
+API_KEY_REFUSED = (
+    "missing or wrong API key: sign with it as the AWS access key id (boto3: aws_access_key_id=<key>) "
+    "or send 'Authorization: Bearer <key>'"
+)
+_SIGV4_CREDENTIAL = re.compile(r"^AWS4-HMAC-SHA256 Credential=([^/,\s]+)/")
+
+
+def presented_key(authorization: str | None) -> str:
+    """The API key an ``Authorization`` header presents: a ``Bearer`` token (the openai package), or
+    the access key id of an AWS Signature Version 4 (boto3 signs every request so: its
+    ``Credential=<access key id>/<date>/<region>/sagemaker/aws4_request``); ``""`` for none."""
+    value = (authorization or "").strip()
+    if value.startswith("Bearer "):
+        return value[len("Bearer ") :].strip()
+    match = _SIGV4_CREDENTIAL.match(value)
+    return match.group(1) if match else ""
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -92,6 +110,8 @@ class _Handler(BaseHTTPRequestHandler):
             statuses = [ping(b) for b in router.backends]  # each backend's front: 200 only while it serves
             ok = 200 in statuses  # the endpoint serves while one instance does (it listens once all served)
             self._send_json(200 if ok else 503, {"status": "Healthy" if ok else "Unhealthy", "backends": statuses})
+        elif not self.server.authorized(self.headers.get("Authorization")):
+            self._aws_error(401, "UnrecognizedClientException", API_KEY_REFUSED)
         elif path == "/debug/sessions":
             self._send_json(200, router.snapshot())
         else:
@@ -107,6 +127,14 @@ class _Handler(BaseHTTPRequestHandler):
         endpoint, operation = match.group(1), match.group(2)
         stream = operation == "invocations-response-stream"
         raw = operation == OPENAI_OPERATION
+        if not self.server.authorized(self.headers.get("Authorization")):
+            if raw:  # the openai package's route: OpenAI's 401
+                message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+                error = {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+                self._send_json(401, {"error": error}, {"WWW-Authenticate": "Bearer"})
+            else:
+                self._aws_error(401, "UnrecognizedClientException", API_KEY_REFUSED)
+            return
         if self.server.endpoint_name and endpoint != self.server.endpoint_name:
             self._aws_error(400, "ValidationError", f"Endpoint {endpoint} of account 000000000000 not found.")
             return
@@ -355,6 +383,9 @@ class RouterServer(BackgroundServing, ThreadingHTTPServer):
         read_timeout_s: seconds to wait on a backend read.
         verbose: log each request to stderr.
         prefix_length: ``PREFIX_AWARE``'s ``PrefixLength`` (with a router made ``prefix_aware``).
+        api_key: when set, every request but ``GET /ping`` must present it (:func:`presented_key`;
+            compared in constant time), else 401 (``UnrecognizedClientException``; OpenAI's
+            ``invalid_api_key`` on the OpenAI route). The real SageMaker checks IAM credentials instead.
         pass_new_session: forward an open's literal ``NEW_SESSION`` header to the backend (the
             handler then mints ``llava-<uuid4>``); False (the default) sends no header, so TorchServe
             mints ``ts-seq-<uuid4>``: what the AWS TorchServe sample's notebook asserts a real endpoint
@@ -376,14 +407,22 @@ class RouterServer(BackgroundServing, ThreadingHTTPServer):
         verbose: bool = False,
         pass_new_session: bool = False,
         prefix_length: int = 1024,
+        api_key: str | None = None,
     ) -> None:
         super().__init__(address, _Handler)
+        self.api_key = api_key or None
         self.prefix_length = prefix_length
         self.router = router
         self.endpoint_name = endpoint_name
         self.read_timeout_s = read_timeout_s
         self.verbose = verbose
         self.pass_new_session = pass_new_session
+
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether a request with this ``Authorization`` header may be served (always, without a key)."""
+        if self.api_key is None:
+            return True
+        return hmac.compare_digest(presented_key(authorization).encode(), self.api_key.encode())
 
     @property
     def url(self) -> str:

@@ -16,10 +16,12 @@ importable from here.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .cli import parse_assignment, run_until_signal
-from .server import LocalServer, ServerStartError
+from .processes import is_loopback
+from .server import API_KEY_ENV, LocalServer, ServerStartError
 from .torchserve_files import MODEL_NAME, MULTI_WORKER_REFUSAL
 
 __all__ = [
@@ -37,7 +39,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model-dir", required=True, help="Hugging Face LLaVA checkpoint directory")
     parser.add_argument("--port", type=int, default=8080, help="inference port (0: any free port)")
-    parser.add_argument("--host", default="127.0.0.1", help="inference bind address")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default loopback only; 0.0.0.0: every interface, see --api-key)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer <key>' on every request but /ping (default: ${API_KEY_ENV}; "
+        "none: anyone who reaches the port may use the model)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="TorchServe workers: 1 (more are refused)")
     parser.add_argument("--config", default=None, help="model-config.yaml to start from")
     parser.add_argument(
@@ -92,13 +104,23 @@ def main(argv: list[str] | None = None) -> int:
         handler=args.handler,
         keep_logs=args.keep_logs,
         openai_routes=args.openai_routes,
+        api_key=args.api_key,
     )
+    if not args.api_key and not is_loopback(args.host):
+        print(
+            f"llava-serve: WARNING: serving on {args.host} without --api-key: anyone who reaches this port can "
+            "use the model (docs/api.md, Serving beyond localhost)",
+            file=sys.stderr,
+            flush=True,
+        )
     return run_until_signal(
         "llava-serve",
         server,
         starting=f"starting TorchServe (model dir {server.model_dir})",
         ready=lambda: (
-            f"ready at {server.url}"
+            f"ready at {server.bind_url}"
+            + ("" if server.bind_url == server.url else f" (from this machine: {server.url})")
+            + (" (API key required)" if server.api_key else "")
             + (
                 f" (OpenAI base_url {server.openai_base_url}; TorchServe itself at {server.torchserve_url})"
                 if server.openai_routes

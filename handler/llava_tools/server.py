@@ -49,7 +49,10 @@ from .torchserve_files import ServerStartError, default_handler_path, default_lo
 if TYPE_CHECKING:
     from llava_sessions.config import Settings
 
-__all__ = ["DEFAULT_STOP_GRACE_S", "LocalServer", "ServerStartError"]
+__all__ = ["API_KEY_ENV", "DEFAULT_STOP_GRACE_S", "LocalServer", "ServerStartError"]
+
+#: The environment variable ``llava-serve``, ``llava-local-endpoint`` and the container read the API key from.
+API_KEY_ENV = "LLAVA_API_KEY"
 
 #: Seconds between SIGTERM to the process group and SIGKILL.
 DEFAULT_STOP_GRACE_S = 20.0
@@ -90,6 +93,8 @@ class LocalServer:
             (:class:`~llava_tools.openai_front.OpenAIFront`): it answers ``/ping`` itself, 200 only
             while the worker serves, and a request while it does not with a typed 503 and
             ``Retry-After``; TorchServe listens on a loopback port of its own (:attr:`torchserve_url`).
+        api_key: the public port requires ``Authorization: Bearer <api_key>`` on every request but
+            ``/ping`` (``401 invalid_api_key`` otherwise); None or empty: no key (the default).
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
@@ -112,6 +117,7 @@ class LocalServer:
         supervise: bool = True,
         keep_logs: bool = False,
         openai_routes: bool = True,
+        api_key: str | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -148,6 +154,8 @@ class LocalServer:
         self.restarts = 0
         self.keep_logs = keep_logs
         self.openai_routes = openai_routes
+        #: The key every request but ``/ping`` must carry as ``Authorization: Bearer <key>`` (None: open).
+        self.api_key = api_key or None
         self._front: OpenAIFront | None = None  # the public port's front
         self._settings: Settings | None = None  # the handler settings the worker will read
         #: Where the logs were kept when the server stopped (``keep_logs``, or a failed start), or None.
@@ -159,6 +167,11 @@ class LocalServer:
     def url(self) -> str:
         """Inference base URL (``/ping``, ``/invocations``, ``/predictions/llava``; ``/v1/...`` with ``openai_routes``)."""
         return f"http://{connect_host(self.host)}:{self._port('public')}"
+
+    @property
+    def bind_url(self) -> str:
+        """The public port as bound: ``http://<host>:<port>`` (``0.0.0.0`` for every interface)."""
+        return f"http://{self.host}:{self._port('public')}"
 
     @property
     def openai_base_url(self) -> str:
@@ -319,7 +332,9 @@ class LocalServer:
         try:
             if self._front is None:
                 images = ImageRelay(self._settings) if self._settings is not None else None
-                front = OpenAIFront(address, ("127.0.0.1", 0), name, routes=self.openai_routes, images=images)
+                front = OpenAIFront(
+                    address, ("127.0.0.1", 0), name, routes=self.openai_routes, images=images, api_key=self.api_key
+                )
                 self._front = front.start()
         except OSError as exc:
             raise ServerStartError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from None
