@@ -404,6 +404,46 @@ def test_prefix_aware_routing_writes_the_variants_routing_config(capsys) -> None
         assert message in capsys.readouterr().err
 
 
+def test_prefix_aware_routing_always_carries_the_fields_botocores_model_documents_as_required(capsys) -> None:
+    """Issue 45 item 3: AWS rejects ``PREFIX_AWARE`` without ``PrefixLength`` and ``ConcurrencyThreshold``.
+    botocore's model marks them required only in their documentation ("Required when RoutingStrategy
+    is PREFIX_AWARE"), so the members that say so are read from it, and each ``RoutingConfig`` the
+    dry run writes must carry them and pass botocore's own validation of ``CreateEndpointConfig``."""
+    import re
+
+    import botocore.session
+    from botocore.validate import ParamValidator
+
+    model = botocore.session.get_session().get_service_model("sagemaker")
+    shape = model.shape_for("ProductionVariantRoutingConfig").members["PrefixAwareRoutingConfig"]
+    documented = re.compile(r"Required when <code>RoutingStrategy</code> is <code>PREFIX_AWARE</code>")
+    required = {name for name, member in shape.members.items() if documented.search(member.documentation)}
+    assert required == {"PrefixLength", "ConcurrencyThreshold"}
+    base = ["--endpoint-name", "llava-chat", "--model-data-uri", "s3://my-bucket/llava/v1/", "--image-uri", IMAGE]
+    base += ["--role-arn", ROLE, "--dry-run"]
+    written = []
+    for extra, gpus in ((["--instance-type", "ml.g5.12xlarge"], 4), (["--prefix-length", "2048"], 1)):
+        assert main([*base, "--routing", "prefix-aware", *extra]) == 0
+        out, err = capsys.readouterr()
+        assert "prefix-aware routing acts only when two or more instances" in err  # one instance here
+        at = out.index('"RoutingConfig": ') + len('"RoutingConfig": ')
+        config, _ = json.JSONDecoder().raw_decode(out[at:])
+        written.append(config)
+        assert config["RoutingStrategy"] == "PREFIX_AWARE" and set(config["PrefixAwareRoutingConfig"]) == required
+        assert config["PrefixAwareRoutingConfig"]["ConcurrencyThreshold"] == 16 * gpus
+        request = {
+            "EndpointConfigName": "c",
+            "ProductionVariants": [
+                {"VariantName": "v", "ModelName": "m", "InstanceType": "ml.g5.2xlarge", "RoutingConfig": config}
+            ],
+        }
+        report = ParamValidator().validate(request, model.operation_model("CreateEndpointConfig").input_shape)
+        assert not report.has_errors(), report.generate_report()
+    assert [c["PrefixAwareRoutingConfig"]["PrefixLength"] for c in written] == [1024, 2048]
+    assert main([*base, "--routing", "prefix-aware", "--instance-count", "2"]) == 0
+    assert "two or more instances" not in capsys.readouterr().err
+
+
 def test_failed_endpoint_reports_the_failure_reason(capsys) -> None:
     c = clients()
     args = [

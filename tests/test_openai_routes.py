@@ -341,6 +341,33 @@ def test_the_local_endpoint_routes_sessionless_turns_as_prefix_aware_routing_doe
     second = chat.ask("And its colour?", max_tokens=8, temperature=0)
     assert second.cached_tokens >= first.prompt_tokens  # the backend that holds its first turn answered
 
+    # SageMaker's OpenAI route keys on the messages' text characters: a turn naming its image by uuid
+    # alone keeps the key of the turn that sent the bytes, so it reaches the backend holding the image
+    # (another backend would answer image_uuid_not_found)
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(photos["chelsea"]).decode()
+    oai = openai.OpenAI(base_url=f"{local_endpoint.url}/endpoints/llava/openai/v1", api_key="x", max_retries=0)
+    opening = [
+        {"type": "image_url", "image_url": {"url": url}, "uuid": "cat-1"},
+        {"type": "text", "text": "What animal is it?"},
+    ]
+    turn1 = oai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": opening}], max_tokens=4, temperature=0
+    )
+    router = local_endpoint.router
+    (served,) = [i for key, i in router._prefixes.items() if "What animal is it?" in str(key)]
+    while router.least_loaded() == served:  # least loaded would now send the next turn elsewhere
+        client.open_session(photos["coffee"])
+    by_uuid = [{"type": "image_url", "image_url": None, "uuid": "cat-1"}, opening[1]]
+    history = [
+        {"role": "user", "content": by_uuid},
+        {"role": "assistant", "content": turn1.choices[0].message.content},
+        {"role": "user", "content": "And its colour?"},
+    ]
+    turn2 = oai.chat.completions.create(model="m", messages=history, max_tokens=4, temperature=0)
+    assert turn2.usage.prompt_tokens_details.cached_tokens >= turn1.usage.prompt_tokens
+
 
 def test_overload_is_a_503_the_openai_package_raises_and_retries_after_retry_after(request, tiny_model_dir):
     """Issue 32 item 6: with every generation slot taken, a request gets ``503 overloaded`` with

@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 __all__ = ["PROBE_INTERVAL_S", "BackendGone", "BackendRef", "BackendTimeout", "Router", "forward", "ping"]
@@ -72,14 +72,32 @@ class Router:
         self._lock = threading.Lock()
 
     def for_prefix(self, key: Hashable) -> int | None:
-        """The healthy backend that last served ``key`` and has room under the concurrency threshold, or None."""
+        """The healthy backend that last served ``key``, or the longest key that begins ``key`` (a
+        conversation's next turn begins with its last turn's text: SageMaker "routes requests that share
+        the same prefix to the same instance"), and has room under the concurrency threshold; or None.
+        A key is ``(PrefixAwareId, prefix)``, the prefix ``bytes`` or ``str``."""
         if not self.prefix_aware:
             return None
         with self._lock:
             index = self._prefixes.get(key)
+            if index is None:
+                index = self._longest_prefix_of(key)
             if index is None or not self.backends[index].healthy:
                 return None
             return index if self._outstanding[index] < self.concurrency_threshold else None
+
+    def _longest_prefix_of(self, key: Hashable) -> int | None:
+        """The backend of the longest stored key of the same ``PrefixAwareId`` whose prefix begins
+        ``key``'s (a linear scan of at most ``MAX_PREFIXES``: a development tool's router)."""
+        if not (isinstance(key, tuple) and len(key) == 2):
+            return None
+        app, prefix = key
+        best, best_len = None, 0
+        for stored, index in self._prefixes.items():
+            other_app, other = cast(tuple, stored)
+            if other_app == app and type(other) is type(prefix) and len(other) > best_len and prefix.startswith(other):
+                best, best_len = index, len(other)
+        return best
 
     def served(self, key: Hashable, index: int) -> None:
         """Record that backend ``index`` served a request of prefix ``key``."""

@@ -268,6 +268,14 @@ def _scaling(args: argparse.Namespace, spec: DeploySpec) -> tuple[dict[str, Any]
             target=args.scaling_target,
             component=spec.inference_component,
         )
+    most = max(args.instance_count, args.max_instances or 0)
+    if args.routing == "prefix-aware" and most < 2 and not spec.inference_component:
+        print(
+            "llava-deploy: warning: prefix-aware routing acts only when two or more instances can serve a request "
+            f"(SageMaker's RoutingStrategy documentation); this endpoint has {most}: give --instance-count 2 or "
+            "--max-instances 2 or more",
+            file=sys.stderr,
+        )
     if args.max_instances is not None or args.min_instances is not None:
         if args.no_wait:
             raise DeployError("autoscaling needs the endpoint InService: drop --no-wait")

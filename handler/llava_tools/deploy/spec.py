@@ -35,9 +35,19 @@ ROUTING_STRATEGIES = {
     "random": "RANDOM",
     "prefix-aware": "PREFIX_AWARE",
 }
-#: ``PrefixAwareRoutingConfig``'s ranges (botocore's ``sagemaker`` model).
+#: ``PrefixAwareRoutingConfig``'s ranges (botocore's ``sagemaker`` model, whose documentation says
+#: both fields are "Required when RoutingStrategy is PREFIX_AWARE": they are always written).
 PREFIX_LENGTH_RANGE = (1024, 65536)
 CONCURRENCY_THRESHOLD_RANGE = (1, 1024)
+#: ``PrefixLength`` when ``--prefix-length`` is not given: the smallest SageMaker takes. On
+#: ``InvokeEndpoint`` it counts body bytes, which for our bodies hold the system prompt, the first
+#: question and the start of the first image (a uuid reference changes them: docs/design.md); on
+#: SageMaker's OpenAI-compatible route it counts characters of the messages' text content.
+DEFAULT_PREFIX_LENGTH = 1024
+#: ``ConcurrencyThreshold`` per GPU when ``--concurrency-threshold`` is not given: the handler's
+#: ``max_concurrent_generations`` (16 answers decode together per replica, one replica per GPU); past
+#: it an instance queues, so the next stateless request goes to another instance.
+DEFAULT_CONCURRENCY_PER_GPU = 16
 
 
 #: GPUs per instance and GiB of memory per GPU, of the SageMaker instance types people serve LLaVA
@@ -187,14 +197,20 @@ def routing_config(spec: DeploySpec) -> dict[str, Any] | None:
     """The variant's ``RoutingConfig`` (botocore's ``ProductionVariantRoutingConfig``) for ``spec``, or
     None for SageMaker's default. ``prefix-aware``: ``PREFIX_AWARE`` with its ``PrefixAwareRoutingConfig``
     (a request without a session goes to the instance that served its body's first ``PrefixLength``
-    bytes, keeping a stateless conversation where the conversation cache holds it)."""
+    bytes, keeping a stateless conversation where the conversation cache holds it), both of its fields
+    always given (:data:`DEFAULT_PREFIX_LENGTH`, :data:`DEFAULT_CONCURRENCY_PER_GPU` x the instance's GPUs)."""
     if not spec.routing:
         return None
     config: dict[str, Any] = {"RoutingStrategy": ROUTING_STRATEGIES[spec.routing]}
-    prefix = {"PrefixLength": spec.prefix_length, "ConcurrencyThreshold": spec.concurrency_threshold}
-    prefix = {k: v for k, v in prefix.items() if v is not None}
-    if prefix:
-        config["PrefixAwareRoutingConfig"] = prefix
+    if spec.routing == "prefix-aware":  # both fields, always: "Required when RoutingStrategy is PREFIX_AWARE"
+        gpus = INSTANCE_GPUS.get(spec.instance_type, (1, 0))[0]
+        threshold = spec.concurrency_threshold or min(
+            CONCURRENCY_THRESHOLD_RANGE[1], DEFAULT_CONCURRENCY_PER_GPU * gpus
+        )
+        config["PrefixAwareRoutingConfig"] = {
+            "PrefixLength": spec.prefix_length or DEFAULT_PREFIX_LENGTH,
+            "ConcurrencyThreshold": threshold,
+        }
     return config
 
 
