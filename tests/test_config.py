@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -201,3 +204,75 @@ def test_every_llava_variable_the_tools_read_is_a_setting_or_listed_as_theirs() 
     settings = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
     constants = {"LLAVA_NEXT_CHAT_TEMPLATE"}  # a Python constant of the tiny-model builder, not a variable
     assert names - settings - constants - TOOL_ENV_VARS == set()
+
+
+# ---- one source: the Settings fields, model-config.yaml's handler section and the README's table ----
+
+_MODEL_CONFIG = Path(__file__).resolve().parents[1] / "model-config.yaml"
+_README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def shipped_handler_section(keys: list[str]) -> str:
+    """model-config.yaml's ``handler:`` section as it must read for ``keys``: each key's value is its
+    ``Settings`` default and its comment is its ``Settings`` description, wrapped at 100 columns."""
+    import textwrap
+
+    lines = ["handler:"]
+    for key in keys:
+        info = Settings.model_fields[key]
+        lines += textwrap.wrap(
+            info.description or "", 100, initial_indent="  # ", subsequent_indent="  # ", break_on_hyphens=False
+        )
+        default = info.default
+        if isinstance(default, tuple):
+            value = ",".join(default)
+        elif isinstance(default, bool):
+            value = str(default).lower()
+        elif isinstance(default, float) and default.is_integer():
+            value = str(int(default))
+        elif default == "":
+            value = '""'
+        else:
+            value = str(default)
+        lines.append(f"  {key}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def short_default(key: str) -> str:
+    """A setting's default as the README's table writes it (``2 GiB``, ``auto``, ``true``, ``150``)."""
+    default = Settings.model_fields[key].default
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, int) and default >= 1 << 30 and default % (1 << 30) == 0:
+        return f"{default >> 30} GiB"
+    if isinstance(default, float) and default.is_integer():
+        return str(int(default))
+    return str(default)
+
+
+def test_model_config_yaml_ships_the_settings_defaults_with_their_descriptions():
+    """Issue 45 item 4: the handler section of model-config.yaml is the Settings' defaults with their
+    descriptions as comments (it said 8 GiB of host memory for the image-feature tier, where the
+    setting is 2 GiB of image bytes and conversations), so the three cannot drift apart."""
+    import yaml
+
+    text = _MODEL_CONFIG.read_text()
+    section = text[text.index("\nhandler:\n") + 1 :]
+    keys = list(yaml.safe_load(text)["handler"])
+    assert section == shipped_handler_section(keys), "model-config.yaml's handler section, as it must read:\n" + (
+        shipped_handler_section(keys)
+    )
+
+
+def test_the_readme_settings_table_shows_the_settings_defaults():
+    """Every row of the README's configuration table names settings and their defaults
+    (``a`` / ``b`` rows: each in turn), equal to ``Settings``'."""
+    table = _README.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 10
+    for keys, defaults in rows:
+        names = re.findall(r"`(\w+)`", keys)
+        shown = [d.strip().strip("`") for d in defaults.split(" / ")]
+        assert len(names) == len(shown), keys
+        for name, value in zip(names, shown, strict=True):
+            assert value.split(" (")[0] == short_default(name), (name, value, short_default(name))

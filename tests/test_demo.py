@@ -55,6 +55,8 @@ def test_demo_runs_a_scripted_session():
     # it ends with what to run next: a server of one's own and the clients
     tail = out[out.index("Next steps") :]
     assert "llava-serve --model-dir" in tail and "llava-chat --url" in tail and "llava-web --url" in tail
+    # the commands live in the venv make installed: a fresh shell is told to activate it first
+    assert "source .venv/bin/activate" in tail and (ROOT / ".venv" / "bin" / "llava-serve").exists()
 
 
 def test_demo_runs_on_the_checkpoint_model_dir_names(tmp_path):

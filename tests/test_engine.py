@@ -437,3 +437,19 @@ def test_an_abandoned_truncating_answer_changes_no_history(runner, photos):
     assert [t.prompt for t in eng.history("s")] == ["What is in this image?", "What colour is it?"]
     again = eng.generate("s", "What colour is it?", GREEDY, remember=False)
     assert again.truncated_turns == 0
+
+
+def test_a_prompt_over_max_prompt_tokens_names_the_setting(runner, photos):
+    """Issue 45 item 5: a message over the limit is refused naming the setting that limits it, so an
+    operator knows what to raise (it said only "at most 2048 are allowed")."""
+    eng = SessionEngine(
+        runner,
+        SessionStore(kv_bytes_per_token=runner.kv_bytes_per_token, device_budget_bytes=10**10, host_budget_bytes=10**9),
+        decode,
+        EngineLimits(max_new_tokens_cap=4096, max_prompt_tokens=16),
+    )
+    eng.open("s", photos["coffee"])
+    with pytest.raises(ServiceError) as e:
+        eng.start("s", "Describe every object in this image, one by one, with its colour and its place.")
+    assert e.value.code is ErrorCode.INVALID_PARAMETER and e.value.message.startswith("prompt is ")
+    assert "at most 16 are allowed (the server's max_prompt_tokens setting)" in e.value.message

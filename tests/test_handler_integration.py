@@ -330,14 +330,17 @@ def test_bodies_over_the_limit_get_the_dialect_s_typed_413(server, photos):
     assert r.status_code == 413 and set(r.json()["error"]) == {"code", "message"}  # the native shape
     assert r.json()["error"]["code"] == "payload_too_large"
     assert "6,291,456-byte limit" in r.json()["error"]["message"] and CLOSED not in r.headers
+    assert "url or s3_uri" in r.json()["error"]["message"]  # the native dialect's own fields
     r = post(server, chat)
     error = r.json()["error"]
     assert r.status_code == 413 and (error["code"], error["type"]) == ("payload_too_large", "invalid_request_error")
     assert "6,291,456-byte limit" in error["message"] and _session_headers(r) == {}
+    # an OpenAI client has no s3_uri: it is told of the field it has
+    assert "s3_uri" not in error["message"] and "image_url.url" in error["message"]
     huge = b'{"messages": "' + b"A" * (65 << 20) + b'"}'  # past TorchServe's max_request_size (64 MiB)
     r = requests.post(server.url + "/v1/chat/completions", data=huge, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
-    assert "67,108,864-byte limit" in r.json()["error"]["message"]
+    assert "67,108,864-byte limit" in r.json()["error"]["message"] and "s3_uri" not in r.json()["error"]["message"]
     r = post(server, {"type": "generate", "prompt": "Still?", "parameters": {"max_new_tokens": 2}}, session_id=sid)
     assert r.status_code == 200 and r.json()["details"]["cached_tokens"] > 500
     post(server, {"type": "close_session"}, session_id=sid)

@@ -735,6 +735,7 @@ def test_s3_errors_are_fetch_failed(s3, error_code: str, status: int, fragment: 
     assert (error.code, error.status) == (ErrorCode.IMAGE_FETCH_FAILED, 400)
     assert fragment in error.message and "arn:" not in error.message
     assert f"S3 answered {error_code}, HTTP {status}" in error.message  # the cause, S3's own code
+    assert "bucket my-bucket" in error.message and "a.png" not in error.message  # the bucket, never the key
 
 
 def test_s3_without_credentials_says_so(monkeypatch) -> None:
@@ -749,6 +750,32 @@ def test_s3_without_credentials_says_so(monkeypatch) -> None:
     client = boto3.session.Session(region_name="us-east-1").client("s3")
     error = error_of(fetch_image_bytes, ImageSource(s3_uri="s3://my-bucket/a.png"), Settings(), s3_client=client)
     assert error.code == ErrorCode.IMAGE_FETCH_FAILED and "NoCredentialsError" in error.message
+    assert "bucket my-bucket" in error.message
+
+
+def test_every_url_fetch_failure_names_the_host(dev: Settings) -> None:
+    """docs/api.md: ``image_fetch_failed`` names the URL's host (or the S3 bucket), never its path or
+    query: an unresolvable host, one whose TLS certificate does not verify, one that refuses."""
+    import threading
+
+    unresolvable = error_of(fetch_image_bytes, url_source("https://no-such-host.invalid/a.png?t=1"), Settings())
+    assert unresolvable.code == ErrorCode.IMAGE_FETCH_FAILED
+    assert "no-such-host.invalid" in unresolvable.message and "a.png" not in unresolvable.message
+    with socket.socket() as plain:  # a TLS client meets a server that is no TLS server: verification fails
+        plain.bind(("127.0.0.1", 0))
+        plain.listen(1)
+        port = plain.getsockname()[1]
+
+        def answer() -> None:
+            conn, _ = plain.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        bad_tls = error_of(fetch_image_bytes, url_source(f"https://127.0.0.1:{port}/secret/a.png"), dev)
+    assert bad_tls.code == ErrorCode.IMAGE_FETCH_FAILED, bad_tls.message
+    assert "127.0.0.1" in bad_tls.message and "secret" not in bad_tls.message
 
 
 def test_empty_s3_object_is_image_invalid(s3) -> None:

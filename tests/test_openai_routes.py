@@ -12,6 +12,7 @@ import json
 
 import openai
 import pytest
+import requests
 from openai.types import Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -23,7 +24,10 @@ N = 8
 
 @pytest.fixture(scope="module")
 def server(request, tiny_model_dir):
-    return start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer, startup_timeout_s=120)
+    overrides = {"served_model_name": ["llava", "llava-1.5-7b-hf"]}  # vLLM's served names, with an alias
+    return start_local_server(
+        tiny_model_dir, addfinalizer=request.addfinalizer, startup_timeout_s=120, overrides=overrides
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +67,46 @@ def create(client: openai.OpenAI, **kw) -> ChatCompletion:
 
 def test_models_lists_the_served_model(server, tiny_model_dir):
     client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
-    (model,) = client.models.list().data
-    assert Model.model_validate(model.to_dict()).id == tiny_model_dir.name
-    assert client.models.retrieve(tiny_model_dir.name).id == tiny_model_dir.name
+    models = client.models.list().data
+    assert [Model.model_validate(m.to_dict()).id for m in models] == ["llava", "llava-1.5-7b-hf"]
+    assert client.models.retrieve("llava-1.5-7b-hf").id == "llava-1.5-7b-hf"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-5")
+
+
+def test_an_unknown_model_is_vllms_404_and_invocations_take_any_name(server):
+    """Issue 45 item 5, as vLLM: on ``/v1`` a model the server does not serve is ``404
+    model_not_found`` (a misconfigured client notices); each ``served_model_name`` alias is served
+    and its reply carries it; ``/invocations`` answers whatever ``model`` a SageMaker client sends."""
+    client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
+    chat = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-4o", messages=chat, max_tokens=2)
+    assert raised.value.code == "model_not_found" and raised.value.body["param"] == "model"
+    assert "gpt-4o" in raised.value.message and "`llava`" in raised.value.message
+    for name in ("llava", "llava-1.5-7b-hf"):
+        assert client.chat.completions.create(model=name, messages=chat, max_tokens=2).model == name
+    anywhere = requests.post(
+        server.url + "/invocations", json={"model": "gpt-4o", "messages": chat, "max_tokens": 2}, timeout=60
+    )
+    assert anywhere.status_code == 200 and anywhere.json()["model"] == "llava"
+
+
+def test_v1_errors_and_replies_are_openais_alone(server):
+    """A body that is not JSON on ``/v1`` gets OpenAI's whole error object (``type``, ``param``, ``code``,
+    ``message``), and a non-streamed reply carries none of TorchServe's own headers."""
+    r = requests.post(server.url + "/v1/chat/completions", data=b"{not json", timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and set(error) == {"message", "type", "param", "code"}, r.text
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_request")
+    reply = requests.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "llava", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert reply.status_code == 200 and reply.json()["object"] == "chat.completion"
+    internal = {"ts_stream_next", "pragma", "cache-control", "expires"}
+    assert not internal & {name.lower() for name in reply.headers}, dict(reply.headers)
 
 
 def test_plain_image_and_streamed_turns_through_the_openai_package(server, local_endpoint, runner, photos):
@@ -379,7 +418,7 @@ def test_overload_is_a_503_the_openai_package_raises_and_retries_after_retry_aft
         tiny_model_dir,
         addfinalizer=request.addfinalizer,
         startup_timeout_s=120,
-        overrides={"max_concurrent_generations": 1},
+        overrides={"max_concurrent_generations": 1, "served_model_name": ["llava"]},
     )
     strict = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
     patient = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=8)

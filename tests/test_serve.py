@@ -376,7 +376,7 @@ def test_a_killed_worker_costs_no_error(tmp_path: Path, tiny_model_dir: Path, ph
         assert len(long_answer.tokens) == 400  # long enough to be mid-answer at the kill
         oai = openai.OpenAI(base_url=url + "/v1", api_key="unused")  # its default retries
         chat = [{"role": "user", "content": "Say something."}]
-        oai_before = oai.chat.completions.create(model="m", messages=chat, max_tokens=5, temperature=0)
+        oai_before = oai.chat.completions.create(model=tiny_model_dir.name, messages=chat, max_tokens=5, temperature=0)
 
         # kill 1, while a stream is mid-answer and a session's question is in flight: the stream goes on
         # where it stopped (sent again in the session restored from its history), the question in flight
@@ -417,7 +417,7 @@ def test_a_killed_worker_costs_no_error(tmp_path: Path, tiny_model_dir: Path, ph
         with client.chat_session() as chat_session:
             assert chat_session.complete(chat, max_tokens=4, temperature=0).text
         for _ in range(3):
-            reply = oai.chat.completions.create(model="m", messages=chat, max_tokens=5, temperature=0)
+            reply = oai.chat.completions.create(model=tiny_model_dir.name, messages=chat, max_tokens=5, temperature=0)
             assert reply.choices[0].message.content == oai_before.choices[0].message.content
         direct = requests.post(url + "/v1/chat/completions", json={"messages": chat, "max_tokens": 2}, timeout=60)
         assert direct.status_code == 200, direct.text

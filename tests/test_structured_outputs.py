@@ -182,7 +182,9 @@ def test_the_openai_package_parses_an_image_s_fields_into_a_pydantic_model(reque
         people: int = Field(ge=0, le=9)
         outdoors: bool
 
-    server = start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer)
+    server = start_local_server(
+        tiny_model_dir, addfinalizer=request.addfinalizer, overrides={"served_model_name": ["llava"]}
+    )
     client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
     image = "data:image/png;base64," + base64.b64encode(photos["astronaut"]).decode()
     content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "Describe the photo."}]

@@ -53,6 +53,7 @@ CODE_STATUS: dict[str, int] = {
     "image_fetch_timeout": 400,
     "image_url_forbidden": 400,
     "image_uuid_not_found": 400,
+    "model_not_found": 404,
     "session_not_found": 404,
     "session_expired": 404,
     "session_evicted": 404,

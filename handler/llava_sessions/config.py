@@ -32,7 +32,7 @@ TOOL_ENV_VARS = frozenset({
     "LLAVA_HOME", "LLAVA_CONTAINER_MODEL_DIR", "LLAVA_CONTAINER_PORT", "LLAVA_CONTAINER_HOST", "LLAVA_TS_LOG_CONFIG",
     "LLAVA_NOTEBOOK_SAGEMAKER", "LLAVA_DEPLOY", "LLAVA_S3_PREFIX", "LLAVA_KEEP_ENDPOINT", "LLAVA_IMAGE_URI",
     "LLAVA_SAGEMAKER_ROLE_ARN", "LLAVA_INSTANCE_TYPE", "LLAVA_ENDPOINT_NAME", "LLAVA_ECR_REPOSITORY",
-    "LLAVA_FLOOR_BODY_FILE", "LLAVA_FLOOR_MODEL_DIR", "LLAVA_IMAGE_RELAY",
+    "LLAVA_FLOOR_BODY_FILE", "LLAVA_FLOOR_MODEL_DIR", "LLAVA_IMAGE_RELAY", "LLAVA_API_KEY",
 })
 # fmt: on
 
@@ -77,7 +77,7 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
     # --- model and device -------------------------------------------------------------------
-    model_dir: str = Field("", description="Local llava-hf checkpoint folder.")
+    model_dir: str = Field("", description="Local llava-hf checkpoint folder (shipped empty: the tools write it).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description='"auto" (cuda when available, else cpu), "cpu" or "cuda".'
     )
@@ -237,8 +237,11 @@ class Settings(BaseModel):
         "time whether another sent an image) or 'isolated' (nothing beyond their own session; no conversation "
         "cache for them). Requests with a cache_salt share only with an equal salt either way.",
     )
-    served_model_name: str = Field(
-        "", description="The model name OpenAI chat replies carry; empty: the checkpoint folder's name."
+    served_model_name: tuple[str, ...] = Field(
+        (),
+        description="Names the model answers to on OpenAI's /v1 route (vLLM's --served-model-name; /invocations "
+        "takes any): another gets 404 model_not_found; a reply carries the one its request named, else the first; "
+        "empty: the checkpoint folder's name.",
     )
     metrics_interval_ms: int = Field(
         1000,

@@ -23,6 +23,7 @@ class ErrorCode(str, Enum):
     IMAGE_FETCH_TIMEOUT = "image_fetch_timeout"  # 400: the image's host did not deliver it within the deadline
     IMAGE_URL_FORBIDDEN = "image_url_forbidden"  # 400: URL scheme, host or address refused
     IMAGE_UUID_NOT_FOUND = "image_uuid_not_found"  # 400: an image named by uuid that nothing (in its salt) holds
+    MODEL_NOT_FOUND = "model_not_found"  # 404: the OpenAI route names a model this server does not serve
     SESSION_NOT_FOUND = "session_not_found"  # 404: unknown id (never opened here, or closed)
     SESSION_EXPIRED = "session_expired"  # 404: past its TTL or idle timeout
     SESSION_EVICTED = "session_evicted"  # 404: dropped because the host-memory cap was reached
@@ -46,6 +47,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.IMAGE_FETCH_TIMEOUT: 400,
     ErrorCode.IMAGE_URL_FORBIDDEN: 400,
     ErrorCode.IMAGE_UUID_NOT_FOUND: 400,
+    ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.SESSION_NOT_FOUND: 404,
     ErrorCode.SESSION_EXPIRED: 404,
     ErrorCode.SESSION_EVICTED: 404,

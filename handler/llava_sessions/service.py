@@ -39,7 +39,7 @@ from .native.serving import NativeServing
 from .sessions.conversation import Chat
 from .wire.contract import SEQUENCE_END_HEADER
 from .wire.framing import Framing, Row, RowResult
-from .wire.inbound import is_chat_body, load_body, names_chat_keys
+from .wire.inbound import for_chat, is_chat_body, load_body, names_chat_keys
 from .wire.intake import FetchPending, ImageIntake, Intake
 from .wire.jobs import Dialect, Job, JobTable
 
@@ -60,7 +60,8 @@ class SessionService:
         end_header: TorchServe's sequence-end response header name (``ctx.header_key_sequence_end``).
         fetch: ``(ImageSource, Settings) -> bytes`` (injectable so tests can use a local server).
         metrics: where answers and errors are observed (:class:`WorkerMetrics`); a private one if None.
-        model_name: the served model's name (OpenAI chat replies carry it).
+        model_names: the names the served model answers to (``served_model_name``, else the checkpoint
+            folder's): OpenAI's route refuses others (404); chat replies carry one of them.
         image_relay: the public port's front that fetches a request's images before relaying it
             (:class:`~llava_sessions.wire.intake.ImageIntake`'s ``relay``), or None.
     """
@@ -73,7 +74,7 @@ class SessionService:
         end_header: str = SEQUENCE_END_HEADER,
         fetch: Callable[..., bytes] = fetch_image_bytes,
         metrics: WorkerMetrics | None = None,
-        model_name: str = "llava",
+        model_names: tuple[str, ...] = ("llava",),
         image_relay: str | None = None,
     ) -> None:
         self.settings = settings
@@ -89,7 +90,7 @@ class SessionService:
             (lambda i: tokenizer.decode([i])) if tokenizer is not None else (lambda i: str(i))
         )
         self.chat = ChatServing(
-            settings, engine, self.jobs, fetch, self.metrics, model_name=model_name, token_text=token_text
+            settings, engine, self.jobs, fetch, self.metrics, model_names=model_names, token_text=token_text
         )
         self._new_session_bytes: int | None = None
         self._held_back = False  # the last call ran no step (a stream's first event went out first)
@@ -170,7 +171,7 @@ class SessionService:
         """Decode the row's body, decide its dialect, let that dialect admit it; a refusal is the
         dialect's error row (a body with no dialect yet: the native one's); a request that needs an
         image still being fetched waits as an :class:`Intake`. Never raises."""
-        dialect: Dialect = self.native
+        dialect: Dialect = self.chat if row.openai_route else self.native  # before the body is read
         try:
             if row.body is None:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, "empty request body")
@@ -188,7 +189,7 @@ class SessionService:
         except ServiceError as err:
             self.jobs.done_admitting(row.request_id)
             if err.code is ErrorCode.PAYLOAD_TOO_LARGE and names_chat_keys(row.body):
-                dialect = self.chat  # too large to decode: its dialect is read from its raw keys
+                dialect, err = self.chat, for_chat(err)  # too large to decode: its dialect is read from its raw keys
             return self.jobs.error(dialect, row.session_id, err, held=not row.minted)
         except Exception:  # noqa: BLE001 - never raise out of handle()
             log.exception("request failed", extra={"request_id": row.request_id})

@@ -151,7 +151,7 @@ def build_local_service(
         engine,
         end_header=end_header,
         metrics=WorkerMetrics(metrics, interval_s=settings.metrics_interval_ms / 1000.0),
-        model_name=settings.served_model_name or Path(model_dir).resolve().name,
+        model_names=settings.served_model_name or (Path(model_dir).resolve().name,),
         image_relay=(env or {}).get(IMAGE_RELAY_ENV) or None,
     )
 

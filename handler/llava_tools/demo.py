@@ -106,13 +106,14 @@ def run(model_dir: Path | None, *, max_new_tokens: int, work_dir: Path) -> int:
         f"{second.prompt_tokens - second.cached_tokens} new ones."
     )
     _say()
-    _say(_NEXT_STEPS)
+    _say(_NEXT_STEPS.replace("{venv}", _venv()))
     return 0
 
 
 #: What to run next, printed at the end (a server of your own, then a client of your choice).
 _NEXT_STEPS = """Next steps
 ----------
+  source {venv}/bin/activate                           # the commands below live there ({venv}/bin)
   llava-tiny-model --out ./tiny-llava                  # or any llava-hf checkpoint folder
   llava-serve --model-dir ./tiny-llava --port 8080     # a server of your own (Ctrl-C stops it)
   llava-chat --url http://127.0.0.1:8080 --image photo.jpg        # a terminal chat
@@ -120,6 +121,16 @@ _NEXT_STEPS = """Next steps
   curl -s localhost:8080/invocations -H 'Content-Type: application/json' \
        -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
 Protocol: docs/api.md; Python client: README.md (API)."""
+
+
+def _venv() -> str:
+    """The virtual environment this demo runs in (``make install``'s ``.venv``), as a path relative to
+    the working directory when it is below it."""
+    prefix = Path(sys.prefix)
+    try:
+        return str(prefix.relative_to(Path.cwd()))
+    except ValueError:
+        return str(prefix)
 
 
 def _chat(client: SessionClient, photo: Path, max_new_tokens: int) -> list[_Turn]:

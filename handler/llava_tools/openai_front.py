@@ -53,8 +53,10 @@ from llava_sessions.wire.contract import (
     IMAGE_RELAY_PATH,
     IMAGE_TICKET_HEADER,
     NEW_SESSION_LITERAL,
+    OPENAI_ROUTE_HEADER,
     SESSION_ID_HEADER,
 )
+from llava_sessions.wire.inbound import CHAT_LARGE_IMAGE_HINT, LARGE_IMAGE_HINT
 
 from .image_relay import ImageRelay
 from .processes import BackgroundServing
@@ -91,7 +93,7 @@ _CANONICAL = {
 #: client's credentials, and the image ticket only this front writes.
 _NOT_FORWARDED = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgrade", b"expect", b"authorization"}
-    | {IMAGE_TICKET_HEADER.lower().encode()}
+    | {IMAGE_TICKET_HEADER.lower().encode(), OPENAI_ROUTE_HEADER.lower().encode()}
 )
 
 
@@ -250,11 +252,11 @@ class _Connection(socketserver.StreamRequestHandler):
             self.wfile.write(_response(400, "Bad Request", b'{"code": 400, "message": "bad Content-Length"}'))
             return False
         if int(length) > self.server.max_request_bytes:
-            return self._refuse_large(int(length))
+            return self._refuse_large(int(length), target.startswith(OPENAI_PREFIX.encode()))
         body = self.rfile.read(int(length))
         keep = (_field(fields, b"connection") or b"").lower() != b"close"
         path = target.partition(b"?")[0]
-        server = self.server
+        server, openai_route = self.server, False
         if path == b"/ping":
             self.wfile.write(_ping(server.ready, server.retry_after_s()))
             return keep
@@ -269,7 +271,7 @@ class _Connection(socketserver.StreamRequestHandler):
             if local is not None:
                 self.wfile.write(local)
                 return keep
-            target = b"/invocations"
+            target, openai_route = b"/invocations", True
         if not server.ready and not server.wait_ready():
             message = "the model is not serving yet (starting, or restarting after a worker died); retry shortly"
             self.wfile.write(self._not_ready(message))
@@ -286,6 +288,8 @@ class _Connection(socketserver.StreamRequestHandler):
             ticket = images.prefetch(body, attributes.decode("latin-1") if attributes else None)
         if ticket is not None:
             head.append(b"%s: %s" % (IMAGE_TICKET_HEADER.encode(), ticket.encode()))
+        if openai_route:
+            head.append(b"%s: 1" % OPENAI_ROUTE_HEADER.encode())
         request = b"\r\n".join(head) + b"\r\n\r\n" + body
         session = _field(fields, SESSION_ID_HEADER.lower().encode())
         stateless = session in (None, b"", NEW_SESSION_LITERAL.encode())
@@ -306,7 +310,7 @@ class _Connection(socketserver.StreamRequestHandler):
                 images.release(ticket)
         return keep
 
-    def _refuse_large(self, length: int) -> bool:
+    def _refuse_large(self, length: int, openai_route: bool) -> bool:
         """Answer a body over TorchServe's own limit (which would get its bare 413) with the typed
         ``payload_too_large``: read and drop the body first (a client that is still sending would
         otherwise see a reset, not the answer), then close. OpenAI's error object carries
@@ -315,7 +319,8 @@ class _Connection(socketserver.StreamRequestHandler):
         while left > 0 and (piece := self.rfile.read(min(left, DRAIN_PIECE_BYTES))):
             left -= len(piece)
         limit = self.server.max_request_bytes
-        message = f"request body is {length:,} bytes, over the {limit:,}-byte limit; send large images by url or s3_uri"
+        hint = CHAT_LARGE_IMAGE_HINT if openai_route else f"{LARGE_IMAGE_HINT} (a chat body: its image_url.url)"
+        message = f"request body is {length:,} bytes, over the {limit:,}-byte limit; {hint}"
         self.wfile.write(_openai_error(413, "Payload Too Large", message, "payload_too_large"))
         return False
 
@@ -325,10 +330,12 @@ class _Connection(socketserver.StreamRequestHandler):
         if method == b"POST" and path == b"/v1/chat/completions":
             return None
         if method == b"GET" and path == b"/v1/models":
-            return _response(200, "OK", json.dumps({"object": "list", "data": [server.model_card()]}).encode())
+            cards = [server.model_card(name) for name in server.model_names]
+            return _response(200, "OK", json.dumps({"object": "list", "data": cards}).encode())
         if method == b"GET" and path.startswith(b"/v1/models/"):
-            if path.removeprefix(b"/v1/models/").decode(errors="replace") == server.model_name:
-                return _response(200, "OK", json.dumps(server.model_card()).encode())
+            name = path.removeprefix(b"/v1/models/").decode(errors="replace")
+            if name in server.model_names:
+                return _response(200, "OK", json.dumps(server.model_card(name)).encode())
             return _openai_error(404, "Not Found", "no such model on this server", "model_not_found")
         message = f"{method.decode(errors='replace')} {path.decode(errors='replace')} is not served here"
         return _openai_error(404, "Not Found", message + "; use POST /v1/chat/completions", "not_found")
@@ -462,7 +469,8 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
     Args:
         address: ``(host, port)`` to bind; port 0 picks a free one.
         backend: TorchServe's inference ``(host, port)`` (settable later: a restart may move it).
-        model_name: the served model's name (``/v1/models``).
+        model_name: the served model's names (``served_model_name``: one, or a list of aliases, the
+            first the main one), as ``/v1/models`` lists them.
         read_timeout_s: seconds to wait on one read from TorchServe.
         restart_wait_s: seconds a request waits for TorchServe to accept connections again (a
             restart); then ``503 model_not_ready`` with ``Retry-After``.
@@ -491,7 +499,7 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         self,
         address: tuple[str, int],
         backend: tuple[str, int],
-        model_name: str,
+        model_name: str | tuple[str, ...],
         *,
         read_timeout_s: float = 600.0,
         restart_wait_s: float = 30.0,
@@ -513,7 +521,8 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         self._restart_s = 0.0  # the last start's duration, seconds (a restart's expected duration)
         self.backend = backend
         self.restart_wait_s = restart_wait_s
-        self.model_name = model_name
+        #: The names the served model answers to on ``/v1`` (the first is the main one).
+        self.model_names: tuple[str, ...] = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         self.read_timeout_s = read_timeout_s
         self.created = int(time.time())
 
@@ -564,9 +573,11 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
             return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self._restart_s))) if self._restart_s else RETRY_AFTER_S
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(back_at - time.monotonic())))
 
-    def model_card(self) -> dict[str, Any]:
-        """The served model as OpenAI's ``Model`` object (``id``, ``object``, ``created``, ``owned_by``)."""
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llava-sessions"}
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        """The served model under ``name`` (default: its first name) as OpenAI's ``Model`` object
+        (``id``, ``object``, ``created``, ``owned_by``)."""
+        model_id = name or self.model_names[0]
+        return {"id": model_id, "object": "model", "created": self.created, "owned_by": "llava-sessions"}
 
     @property
     def port(self) -> int:

@@ -327,7 +327,8 @@ class LocalServer:
         Raises:
             ServerStartError: the public port is taken.
         """
-        name = str(self.overrides.get("served_model_name") or "") or self.model_dir.name
+        served = self._settings.served_model_name if self._settings is not None else ()
+        name = served or (self.model_dir.name,)
         address = (self.host, self._requested_port)
         try:
             if self._front is None:

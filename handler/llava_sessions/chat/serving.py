@@ -61,7 +61,9 @@ class ChatServing(Serving):
 
     Args:
         settings, engine, jobs, fetch, metrics: as :class:`Serving`.
-        model_name: the served model's name (every reply carries it).
+        model_names: the names the model answers to (``served_model_name``): a request on OpenAI's
+            route naming another gets ``404 model_not_found``; a reply carries the name its request
+            gave when it is one of them, else the first.
         token_text: token id → its text (``logprobs``).
     """
 
@@ -73,11 +75,11 @@ class ChatServing(Serving):
         fetch: Callable[..., bytes],
         metrics: WorkerMetrics,
         *,
-        model_name: str,
+        model_names: tuple[str, ...],
         token_text: Callable[[int], str],
     ) -> None:
         super().__init__(settings, engine, jobs, fetch, metrics)
-        self.model_name = model_name
+        self.model_names = model_names
         self.token_text = token_text
 
     encode_error = staticmethod(responses.encode_error)
@@ -98,7 +100,7 @@ class ChatServing(Serving):
             sid = self.jobs.session_of(row, "close_session")
             self.engine.close(sid)
             return RowResult(responses.encode_closed(sid), headers=self.framing.closed(sid))
-        command = self._command(data)
+        command = self._command(row, data)
         salt = request_salt(command.salt, row.custom_attributes)
         return self._admit_chat(row, dataclasses.replace(command, salt=salt), now)
 
@@ -106,7 +108,7 @@ class ChatServing(Serving):
         """The first frame of a ``messages`` request waiting for its images: the headers its answer
         will have (none without a session; the new session's on an open) and, for a stream, the
         stream's content type."""
-        command = self._command(data)
+        command = self._command(row, data)
         sid = row.session_id
         headers: dict[str, str] = {}
         if sid == NEW_SESSION_LITERAL:  # opens its session: the id it will get, expiring a TTL from now
@@ -122,7 +124,7 @@ class ChatServing(Serving):
         sid = row.session_id
         one_shot = row.minted or not sid
         group = sid if sid and sid != NEW_SESSION_LITERAL else None
-        command = self._command(data)
+        command = self._command(row, data)
         if not command.stream:
             return self.jobs.error(self, group, err, held=not one_shot, continued=True)
         self.metrics.count_error(err)
@@ -130,11 +132,24 @@ class ChatServing(Serving):
         headers = self.framing.end_sequence(group) if group and one_shot else {}
         return self.framing.frame(body, continued=True, last=True, headers=headers)
 
-    def _command(self, data: Any) -> ChatCommand:
-        """The ``messages`` body as the dialect's command (raises the body's ServiceError)."""
-        s = self.settings
+    def _command(self, row: Row, data: Any) -> ChatCommand:
+        """The ``messages`` body as the dialect's command.
+
+        Raises:
+            ServiceError: the body's (400); ``model_not_found`` (404) for a request on OpenAI's route
+                naming a model this server does not serve (vLLM's rule; ``/invocations`` takes any
+                name, as SageMaker clients send what they like).
+        """
+        s, names = self.settings, self.model_names
         request = parse_chat_body(data, max_prompt_chars=s.max_prompt_chars)
-        return chat_command(request, s, self.model_name)
+        if row.openai_route and request.model is not None and request.model not in names:
+            served = ", ".join(f"`{n}`" for n in names)
+            raise ServiceError(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"The model `{request.model}` does not exist here; this server serves {served} (GET /v1/models)",
+                param="model",
+            )
+        return chat_command(request, s, request.model if request.model in names else names[0])
 
     def _stream_of(self, row: Row, command: ChatCommand) -> responses.ChatStream:
         """The stream of a streamed answer: server-sent events unless ``Accept`` asks for JSON lines."""

@@ -269,7 +269,8 @@ class Admission:
         if num_prompt > self.limits.max_prompt_tokens:
             raise ServiceError(
                 ErrorCode.INVALID_PARAMETER,
-                f"prompt is {num_prompt} tokens; at most {self.limits.max_prompt_tokens} are allowed",
+                f"prompt is {num_prompt} tokens; at most {self.limits.max_prompt_tokens} are allowed (the server's "
+                "max_prompt_tokens setting): shorten the message, or raise max_prompt_tokens",
             )
 
     def _fit(

@@ -272,7 +272,7 @@ def _resolve(host: str, port: int) -> tuple[_IPAddress, ...]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError) as exc:
         logger.debug("image URL host resolution failed: %r", exc)
-        raise _fetch_failed("could not resolve the image URL's host") from None
+        raise _fetch_failed(f"could not resolve the image URL's host {host}") from None
     seen: dict[_IPAddress, None] = {}
     for family, _type, _proto, _canon, sockaddr in infos:
         if family not in (socket.AF_INET, socket.AF_INET6):
@@ -282,7 +282,7 @@ def _resolve(host: str, port: int) -> tuple[_IPAddress, ...]:
         except ValueError:
             continue
     if not seen:
-        raise _fetch_failed("could not resolve the image URL's host")
+        raise _fetch_failed(f"could not resolve the image URL's host {host}")
     return tuple(seen)
 
 
@@ -320,7 +320,7 @@ def _fetch_url(url: str, settings: Settings, *, verify: bool | str = True) -> by
         finally:
             response.close()
             session.close()
-    raise _fetch_failed(f"the image URL redirected more than {settings.max_redirects} times")
+    raise _fetch_failed(f"the image URL's host {target.host} redirected more than {settings.max_redirects} times")
 
 
 def _open(
@@ -355,7 +355,9 @@ def _open(
         except requests.exceptions.SSLError as exc:
             session.close()
             logger.debug("image URL TLS failure: %r", exc)
-            raise _fetch_failed("the image URL's TLS certificate could not be verified") from None
+            raise _fetch_failed(
+                f"the TLS certificate of the image URL's host {target.host} could not be verified"
+            ) from None
         except requests.exceptions.Timeout as exc:
             session.close()
             logger.debug("image URL timeout: %r", exc)

@@ -137,20 +137,20 @@ def _s3_error(exc: Exception, bucket: str) -> ServiceError:
         shown = code if _S3_CODE_RE.match(code) else "an error"
         cause = f" (S3 answered {shown}, HTTP {status})" if status else f" (S3 answered {shown})"
         if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket") or status == 404:
-            return _failed(f"the S3 image object was not found{cause}")
+            return _failed(f"the S3 image object was not found in bucket {bucket}{cause}")
         if code in ("403", "AccessDenied", "Forbidden") or status == 403:
             return _failed(
-                f"access to the S3 image object was denied{cause}: the server's role needs s3:GetObject on it"
+                f"access to the S3 image object in bucket {bucket} was denied{cause}: the server's role needs s3:GetObject on it"
             )
-        return _failed(f"the S3 image object could not be fetched{cause}")
+        return _failed(f"the S3 image object in bucket {bucket} could not be fetched{cause}")
     if isinstance(exc, NoCredentialsError):
         return _failed(
-            "the server has no AWS credentials to read S3 (NoCredentialsError): give its role or environment "
+            f"the server has no AWS credentials to read S3 bucket {bucket} (NoCredentialsError): give its role or environment "
             "credentials, or send the image by URL or base64"
         )
     if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError, TimeoutError)):
         return _timed_out(bucket, "the S3 client's connect or read timeout")
     if isinstance(exc, (BotoCoreError, OSError)):
-        return _failed(f"the S3 image object could not be fetched ({type(exc).__name__})")
+        return _failed(f"the S3 image object in bucket {bucket} could not be fetched ({type(exc).__name__})")
     logger.debug("S3 image fetch failed: %r", exc)  # urllib3 errors from the body stream
-    return _failed("the S3 image object could not be fetched")
+    return _failed(f"the S3 image object in bucket {bucket} could not be fetched")

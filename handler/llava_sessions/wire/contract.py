@@ -22,6 +22,7 @@ __all__ = [
     "IMAGE_RELAY_ENV",
     "IMAGE_RELAY_PATH",
     "IMAGE_TICKET_HEADER",
+    "OPENAI_ROUTE_HEADER",
     "MAX_SESSION_HEADER_CHARS",
     "NEW_SESSION_ID_HEADER",
     "NEW_SESSION_LITERAL",
@@ -53,6 +54,10 @@ CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
 #: the front made for this request before relaying it (``llava_tools.image_relay``). The front drops
 #: it from what clients send; the worker asks the front for those images by it.
 IMAGE_TICKET_HEADER = "X-Llava-Image-Ticket"
+#: Set (``1``) by the front on a request it relays from OpenAI's ``/v1/chat/completions``: the worker
+#: then answers it in the chat dialect even when its body cannot be read, and checks its ``model``
+#: against ``served_model_name`` (``/invocations`` accepts any). A client's own is not relayed.
+OPENAI_ROUTE_HEADER = "X-Llava-Openai-Route"
 #: The worker's environment variable naming the front's base URL (``http://127.0.0.1:<port>``) that
 #: answers ``GET <IMAGE_RELAY_PATH><ticket>?source=<url>`` with the fetched image or the fetch's error.
 IMAGE_RELAY_ENV = "LLAVA_IMAGE_RELAY"

@@ -22,7 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .contract import CLOSED_SESSION_ID_HEADER, CUSTOM_ATTRIBUTES_HEADER, IMAGE_TICKET_HEADER, SEQUENCE_END_HEADER
+from .contract import (
+    CLOSED_SESSION_ID_HEADER,
+    CUSTOM_ATTRIBUTES_HEADER,
+    IMAGE_TICKET_HEADER,
+    OPENAI_ROUTE_HEADER,
+    SEQUENCE_END_HEADER,
+)
 
 __all__ = ["EVENT_STREAM", "JSON", "JSON_LINES", "Framing", "Row", "RowResult", "read_rows", "write_results"]
 
@@ -49,6 +55,8 @@ class Row:
             ``cache_salt=<salt>``), or None.
         image_ticket: the front's ticket for the images it fetched for this request
             (:data:`~llava_sessions.wire.contract.IMAGE_TICKET_HEADER`), or None.
+        openai_route: the front relayed it from OpenAI's ``/v1/chat/completions``
+            (:data:`~llava_sessions.wire.contract.OPENAI_ROUTE_HEADER`).
     """
 
     request_id: str
@@ -58,6 +66,7 @@ class Row:
     accept: str | None = None
     custom_attributes: str | None = None
     image_ticket: str | None = None
+    openai_route: bool = False
 
 
 @dataclass
@@ -131,6 +140,7 @@ def read_rows(data: Sequence[Any], context: Any) -> list[Row]:
             custom_attributes=context.get_request_header(i, CUSTOM_ATTRIBUTES_HEADER)
             or context.get_request_header(i, CUSTOM_ATTRIBUTES_HEADER.lower()),
             image_ticket=context.get_request_header(i, IMAGE_TICKET_HEADER),
+            openai_route=bool(context.get_request_header(i, OPENAI_ROUTE_HEADER)),
         )
         for i, row in enumerate(data)
     ]

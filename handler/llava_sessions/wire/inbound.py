@@ -24,6 +24,8 @@ from ..sampling.params import SAMPLING_BOUNDS
 
 __all__ = [
     "CACHE_SALT_HINT",
+    "CHAT_LARGE_IMAGE_HINT",
+    "LARGE_IMAGE_HINT",
     "SAFE_KEY_RE",
     "S3_URI_RE",
     "CacheSalt",
@@ -31,6 +33,7 @@ __all__ = [
     "ImageUuid",
     "Inbound",
     "check_text",
+    "for_chat",
     "invalid",
     "is_chat_body",
     "load_body",
@@ -285,12 +288,25 @@ def load_body(body: bytes | bytearray | memoryview | str | dict, max_body_bytes:
         raise invalid("request body is not valid JSON (UTF-8)") from None
 
 
+#: What a too-large body is told to do with its images, in each dialect's own fields (an OpenAI client
+#: has no ``s3_uri``: its ``image_url.url`` takes an ``s3://`` URI).
+LARGE_IMAGE_HINT = "send large images by url or s3_uri"
+CHAT_LARGE_IMAGE_HINT = "send large images by URL (image_url.url: https://... or s3://bucket/key)"
+
+
 def too_large(size: int, max_body_bytes: int) -> ServiceError:
     """``payload_too_large`` (413) for a ``size``-byte body over ``max_body_bytes``, both in the message."""
     return ServiceError(
         ErrorCode.PAYLOAD_TOO_LARGE,
-        f"request body is {size:,} bytes, over the {max_body_bytes:,}-byte limit; send large images by url or s3_uri",
+        f"request body is {size:,} bytes, over the {max_body_bytes:,}-byte limit; {LARGE_IMAGE_HINT}",
     )
+
+
+def for_chat(error: ServiceError) -> ServiceError:
+    """``error`` as the chat dialect words it (a too-large body's hint names ``image_url.url``)."""
+    if error.code is not ErrorCode.PAYLOAD_TOO_LARGE:
+        return error
+    return ServiceError(error.code, error.message.replace(LARGE_IMAGE_HINT, CHAT_LARGE_IMAGE_HINT))
 
 
 #: A chat body's top-level keys as they appear in raw JSON.
