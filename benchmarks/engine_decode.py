@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from llava_sessions.config import Settings
+from llava_sessions.conversation import Chat
 from llava_sessions.engine import (
     EngineLimits,
     Generation,
@@ -50,7 +51,6 @@ from llava_sessions.engine import (
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
-from llava_sessions.sessions.conversation import Chat
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.samples import sample_photo
 

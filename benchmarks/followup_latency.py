@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
-from llava_sessions.sessions.conversation import Chat
 from llava_sessions.sessions.store import SessionStore, Tier
 from llava_tools.samples import sample_photo
 

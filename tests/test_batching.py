@@ -13,13 +13,13 @@ import functools
 import pytest
 import torch
 
+from llava_sessions.conversation import Turn
 from llava_sessions.engine import EngineLimits, Generation, SessionEngine
 from llava_sessions.errors import ErrorCode, overloaded
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import cache_len
 from llava_sessions.model.fused import FUSED_ATTENTION, fusable
 from llava_sessions.sampling.sampler import SamplingParams
-from llava_sessions.sessions.conversation import Turn
 from llava_sessions.sessions.store import SessionStore, Tier
 
 decode = functools.partial(decode_image, max_pixels=40_000_000)

@@ -13,9 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
+from llava_sessions.conversation import ChatTarget, ImageInput, Turn
 from llava_sessions.errors import ErrorCode, ServiceError
+from llava_sessions.images.fetch import image_key
 from llava_sessions.sampling.sampler import SamplingParams
-from llava_sessions.sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from test_engine import GREEDY, N, decode, ids, make_engine
 
 

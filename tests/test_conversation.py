@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llava_sessions.sessions.conversation import Chat, Turn, common_prefix_len
+from llava_sessions.conversation import Chat, Turn, common_prefix_len
 
 
 def naive_common_prefix_len(a: list[int], b: list[int]) -> int:

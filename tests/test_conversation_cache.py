@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 from llava_sessions.engine import EngineLimits, SessionEngine
-from llava_sessions.sessions.conversation import image_key
+from llava_sessions.images.fetch import image_key
 from llava_sessions.sessions.ledger import Tier
 from llava_sessions.sessions.store import SessionStore
 from test_chat_engine import EncodeCounter, chat, reference

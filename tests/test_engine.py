@@ -10,11 +10,11 @@ import functools
 import pytest
 import torch
 
+from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.sampling.sampler import SamplingParams
-from llava_sessions.sessions.conversation import Chat
 from llava_sessions.sessions.store import SessionStore, Tier
 
 N = 12  # max_new_tokens in exactness tests
@@ -343,7 +343,7 @@ def test_open_refused_when_full_or_no_room(runner, photos):
 
 
 def test_open_with_history_restores_the_conversation_exactly(runner, photos):
-    from llava_sessions.sessions.conversation import Turn
+    from llava_sessions.conversation import Turn
 
     eng = make_engine(runner)
     img = photos["chelsea"]

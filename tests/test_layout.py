@@ -136,7 +136,7 @@ LAYERS: list[set[str]] = [
         "results",
         "metrics",
         "wire.contract",
-        "sessions.conversation",
+        "conversation",
         "sessions.ledger",
         "engine.costs",
     },
@@ -245,6 +245,41 @@ def test_the_core_imports_point_down_only() -> None:
     assert upward_edges(graph, LAYERS) == []
 
 
+#: The core's floors, one sub-package (or plain top-level module) each, lowest first: a module imports
+#: (at run time) only from lower floors or its own package. Plain data, then what the model stands on,
+#: the model, the sessions' state, the engine, the wire, the two dialects side by side, the service,
+#: the replicas, the wiring.
+FLOORS: list[set[str]] = [
+    {"errors", "config", "results", "metrics", "conversation"},
+    {"sampling", "images"},
+    {"model"},
+    {"sessions"},
+    {"engine"},
+    {"wire"},
+    {"native", "chat"},
+    {"service"},
+    {"replicas"},
+    {"worker"},
+    {"__init__"},
+]
+
+
+def test_no_core_package_imports_up_a_floor() -> None:
+    """Issue 45 item 5: between the core's sub-packages every import goes down a floor of
+    :data:`FLOORS` (``model/templating.py`` imported ``sessions/conversation.py``, one floor up:
+    the conversation's plain data now sits at the bottom, beside the results)."""
+    floor = {name: i for i, names in enumerate(FLOORS) for name in names}
+    graph = core_import_graph()
+    assert sorted({m.split(".")[0] for m in graph} - set(floor)) == [], "a package without a floor"
+    up = sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if a.split(".")[0] != b.split(".")[0] and floor[b.split(".")[0]] >= floor[a.split(".")[0]]
+    )
+    assert up == []
+
+
 def test_the_dialects_do_not_import_each_other_and_nothing_below_imports_the_wire() -> None:
     graph = core_import_graph(typing_too=True)
     crossing = [
@@ -301,7 +336,7 @@ def test_the_dialects_results_and_conversation_import_no_torch() -> None:
             "wire.inbound",
             "images",
             "results",
-            "sessions.conversation",
+            "conversation",
             "sessions.ledger",
             "sampling.params",
         )

@@ -31,12 +31,12 @@ from concurrent.futures import Future
 
 from .chat.serving import ChatServing
 from .config import Settings
+from .conversation import Chat
 from .engine import SessionEngine, TimeBudget
 from .errors import ErrorCode, ServiceError
 from .images.fetch import fetch_image_bytes
 from .metrics import WorkerMetrics
 from .native.serving import NativeServing
-from .sessions.conversation import Chat
 from .wire.contract import SEQUENCE_END_HEADER
 from .wire.framing import Framing, Row, RowResult
 from .wire.inbound import for_chat, is_chat_body, load_body, names_chat_keys

@@ -27,12 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
+from ..conversation import ChatTarget, ImageInput, Turn
 from ..engine import Generation, SessionEngine
 from ..errors import ErrorCode, ServiceError
 from ..images.decode import decode_image
+from ..images.fetch import image_key
 from ..metrics import WorkerMetrics
 from ..results import Answer
-from ..sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
 from ..wire.framing import JSON, Row, RowResult
 from ..wire.inbound import ImageSource, request_salt

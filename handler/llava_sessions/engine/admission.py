@@ -15,12 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..conversation import Chat, ChatTarget, Turn, common_prefix_len
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..results import ContextPolicy, elapsed_ms
 from ..sampling.grammar import GrammarMatcher
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
-from ..sessions.conversation import Chat, ChatTarget, Turn, common_prefix_len
 from .memory import device_bytes, new_session_bytes
 from .sequence import Generation, ImageTask
 from .sharing import reusable_len

@@ -21,10 +21,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..conversation import ChatTarget, Turn, common_prefix_len
 from ..errors import ServiceError
 from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
 from ..sampling.params import SamplingParams
-from ..sessions.conversation import ChatTarget, Turn, common_prefix_len
 from ..sessions.store import SessionStore
 from .admission import Admission, EngineLimits
 from .decode_batch import DecodeBatch

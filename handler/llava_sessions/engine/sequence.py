@@ -16,11 +16,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from ..conversation import common_prefix_len
 from ..errors import ServiceError, overloaded
 from ..results import AddImageResult, Answer, FinishReason, OpenResult, RestoredFrom, TokenEvent, elapsed_ms
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
-from ..sessions.conversation import common_prefix_len
 from .scheduler import TimeBudget, WorkView
 
 if TYPE_CHECKING:

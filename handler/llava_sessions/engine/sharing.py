@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ..sessions.conversation import common_prefix_len, image_starts
+from ..conversation import common_prefix_len, image_starts
 
 if TYPE_CHECKING:
     from ..model import LlavaRunner

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError, overloaded
 from ..results import FinishReason, RestoredFrom, elapsed_ms
-from ..sessions.conversation import Turn, common_prefix_len
 from ..sessions.ledger import Tier
 from .scheduler import PrefillPiece
 from .sequence import Generation, ImageTask, Phase, Work

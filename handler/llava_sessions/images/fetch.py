@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import ipaddress
 import logging
 import re
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from ..config import Settings
     from ..wire.inbound import ImageSource
 
-__all__ = ["DECODE_FORMATS", "decode_image", "fetch_image_bytes"]
+__all__ = ["DECODE_FORMATS", "decode_image", "fetch_image_bytes", "image_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,16 @@ _USER_AGENT = "llava-sessions-image-fetch/0.1"
 # ============================================================================================
 # Public API
 # ============================================================================================
+
+
+def image_key(data: bytes) -> str:
+    """The content key of an encoded image: SHA-256 of its bytes, hex (64 characters).
+
+    Images are recognised by their exact bytes, never by URL or token ids alone (cross-request
+    caches keyed without the image content have served one image's answers for another: vLLM issue
+    20261, shared/notes/chat-protocol.md).
+    """
+    return hashlib.sha256(data).hexdigest()
 
 
 def fetch_image_bytes(source: ImageSource, settings: Settings, *, s3_client: Any = None) -> bytes:

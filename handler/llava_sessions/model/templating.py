@@ -1,4 +1,4 @@
-"""Chat templating and tokenization: a :class:`~llava_sessions.sessions.conversation.Chat` to token ids.
+"""Chat templating and tokenization: a :class:`~llava_sessions.conversation.Chat` to token ids.
 
 The checkpoint's own chat template renders the conversation (never a hand-written prompt string,
 shared/notes/llava-transformers.md), and each ``<image>`` expands to the processor's count of
@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ..sessions.conversation import Chat, common_prefix_len
+from ..conversation import Chat, common_prefix_len
 
 __all__ = ["PREFIX_MEMO_SIZE", "ChatTemplate"]
 

@@ -41,10 +41,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..conversation import Turn
 from ..errors import ErrorCode, ServiceError
 from ..results import ContextPolicy
 from ..sampling.params import SAMPLING_BOUNDS, SamplingBound, SamplingParams
-from ..sessions.conversation import Turn
 from ..wire.inbound import (
     S3_URI_RE,
     SAFE_KEY_RE,

@@ -14,12 +14,12 @@ import time
 from typing import Any
 
 from ..config import Settings
+from ..conversation import Turn
 from ..engine import Generation, ImageTask
 from ..errors import ServiceError
 from ..images.decode import decode_image
 from ..results import AddImageResult, OpenResult, elapsed_ms
 from ..sampling.params import SamplingParams
-from ..sessions.conversation import Turn
 from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
 from ..wire.framing import JSON_LINES, Row, RowResult
 from ..wire.inbound import request_salt

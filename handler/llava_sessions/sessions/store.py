@@ -38,9 +38,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..conversation import Turn
 from ..errors import ErrorCode, ServiceError, overloaded
+from ..images.fetch import image_key
 from ..model.kv_cache import cache_len
-from .conversation import Turn, image_key
 from .ledger import Demotion, SessionLedger, Tier
 from .session import Session, SessionSnapshot
 

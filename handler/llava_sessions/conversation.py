@@ -6,21 +6,10 @@ model (:func:`common_prefix_len`) live here too.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Chat", "ChatTarget", "ImageInput", "Turn", "common_prefix_len", "image_key", "image_starts"]
-
-
-def image_key(data: bytes) -> str:
-    """The content key of an encoded image: SHA-256 of its bytes, hex (64 characters).
-
-    Images are recognised by their exact bytes, never by URL or token ids alone (cross-request
-    caches keyed without the image content have served one image's answers for another: vLLM issue
-    20261, shared/notes/chat-protocol.md).
-    """
-    return hashlib.sha256(data).hexdigest()
+__all__ = ["Chat", "ChatTarget", "ImageInput", "Turn", "common_prefix_len", "image_starts"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +57,7 @@ class Chat:
 
 @dataclass(frozen=True)
 class ImageInput:
-    """An image of a resent conversation: its content ``key`` (:func:`image_key`), the encoded
+    """An image of a resent conversation: its content ``key`` (:func:`~llava_sessions.images.fetch.image_key`), the encoded
     ``data``, its (height, width) ``size`` in pixels and the ``image`` decoded (RGB PIL), or None when
     the worker already holds its features or bytes (then it is decoded only if it must be encoded)."""
 
