@@ -10,7 +10,7 @@
 # /usr/local/bin/serve -> llava-container-serve, which starts TorchServe (on loopback, behind its
 # front on 0.0.0.0:8080: a /ping that is 200 only while the model serves) with the model from
 # /opt/ml/model (else the baked /opt/llava/model), restarts it when a worker dies, and on SIGTERM
-# stops it and exits 0 within 30 s (handler/llava_tools/container.py).
+# stops it and exits 0 within 30 s (handler/llava_tools/serve/container.py).
 
 # The stack the tests run (config/constraints.txt, `make test-container-stack`): Python 3.11 on Debian
 # bookworm, torch 2.13's CUDA build from PyPI (its CUDA libraries come as wheels; the host needs only
@@ -67,7 +67,7 @@ COPY config/ /opt/llava/config/
 COPY handler/ /opt/llava/handler/
 COPY client/ /opt/llava/client/
 RUN pip install --no-cache-dir --no-deps /opt/llava \
-    && python -c "import llava_tools.container, llava_sessions.worker, ts"
+    && python -c "import llava_tools.serve.container, llava_sessions.worker, ts"
 COPY --chmod=0755 docker/serve /usr/local/bin/serve
 
 # LLAVA_HOME: where the entrypoint finds config/, model-config.yaml and handler/. The sequence

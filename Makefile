@@ -33,7 +33,7 @@ test: install system-deps
 # editable, its serve extra, config/constraints.txt), the project folder found through LLAVA_HOME
 # as in the image, and the exactness and handler-contract tests run against it.
 STACK_VENV ?= .venv-stack
-STACK_TESTS ?= tests/test_chat_engine.py tests/test_handler_integration.py
+STACK_TESTS ?= tests/core/test_chat_engine.py tests/core/test_handler_integration.py
 test-container-stack: system-deps
 	test -x $(STACK_VENV)/bin/python || $(PYTHON) -m venv $(STACK_VENV)
 	$(STACK_VENV)/bin/python -m pip install -q --upgrade pip
@@ -50,7 +50,7 @@ demo: install
 	$(PY) -m llava_tools.demo $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),)
 
 web: install
-	$(PY) -m llava_tools.webdemo $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),) $(if $(PORT),--port $(PORT),)
+	$(PY) -m llava_tools.demo.web $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),) $(if $(PORT),--port $(PORT),)
 
 # the notebook top to bottom, locally (its own TorchServe on the tiny model; no AWS)
 notebook: install system-deps

@@ -33,7 +33,7 @@ from PIL import Image
 
 from llava_sessions.wire.jobs import Row
 from llava_sessions.worker import build_local_service
-from llava_tools.samples import sample_photo
+from llava_tools.demo.samples import sample_photo
 
 TURNS = ["What is in this image?", "What colour is the suit?", "Is there a flag in the picture?"]
 QUESTION = "Describe the background in one sentence."

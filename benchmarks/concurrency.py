@@ -43,7 +43,7 @@ from pathlib import Path
 
 from llava_client import SessionClient
 from llava_tools.cli import parse_assignment
-from llava_tools.samples import sample_photo
+from llava_tools.demo.samples import sample_photo
 from llava_tools.serve import LocalServer
 
 LEVELS = (1, 2, 4, 8, 16)

@@ -52,7 +52,7 @@ from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
-from llava_tools.samples import sample_photo
+from llava_tools.demo.samples import sample_photo
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
 QUESTION = "Describe this image in great detail, please."

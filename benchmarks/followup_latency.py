@@ -36,7 +36,7 @@ from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
-from llava_tools.samples import sample_photo
+from llava_tools.demo.samples import sample_photo
 
 QUESTIONS = [
     "What is in this image?",

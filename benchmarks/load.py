@@ -37,7 +37,7 @@ from pathlib import Path
 import psutil
 
 from llava_client import LlavaError, SessionClient, SessionGone
-from llava_tools.samples import sample_photo
+from llava_tools.demo.samples import sample_photo
 from llava_tools.serve import LocalServer
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat")

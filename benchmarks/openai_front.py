@@ -1,7 +1,7 @@
 """What ``llava-serve``'s OpenAI front costs per request, side by side with TorchServe reached directly.
 
 One TorchServe serving the floor handler (``benchmarks/floor_handler.py``: it answers at once, no
-model), fronted by :class:`~llava_tools.openai_front.OpenAIFront` as ``llava-serve`` runs it. The same
+model), fronted by :class:`~llava_tools.serve.front.OpenAIFront` as ``llava-serve`` runs it. The same
 small JSON body goes, interleaved request by request over keep-alive connections, to
 
 - TorchServe's own ``/invocations`` (the floor: no front),

@@ -30,7 +30,7 @@ import requests
 from concurrency import burst, others_paused  # benchmarks/concurrency.py (this script's folder is on sys.path)
 from llava_client import SessionClient
 from llava_tools.cli import parse_assignment
-from llava_tools.samples import sample_photo
+from llava_tools.demo.samples import sample_photo
 from llava_tools.serve import LocalServer
 
 QUESTION = "Describe this image in great detail, please."

@@ -11,7 +11,7 @@ and the gaps between consecutive chunks are taken at the client
 the slow open sent three ways, on two servers started in turn in one run:
 
 - through the public port's front (``llava-serve``'s, the container's): the front fetches the image
-  before the request reaches TorchServe (``llava_tools.image_relay``), so the worker never waits;
+  before the request reaches TorchServe (``llava_tools.serve.image_relay``), so the worker never waits;
 - straight to TorchServe, default settings: the worker fetches beside its loop, and the request's
   first call waits at most ``image_fetch_wait_ms`` = 250 ms while answers run;
 - straight to TorchServe with ``image_fetch_wait_ms=60000``: its first call waits for the whole
@@ -39,7 +39,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import requests
 
-from llava_tools.samples import sample_photo
+from llava_tools.demo.samples import sample_photo
 from llava_tools.serve import LocalServer
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")

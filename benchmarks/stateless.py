@@ -35,8 +35,8 @@ from typing import Any
 import requests
 from PIL import Image
 
-from llava_tools.samples import sample_photo
-from llava_tools.server import LocalServer
+from llava_tools.demo.samples import sample_photo
+from llava_tools.serve.server import LocalServer
 
 TURNS = ["What is in this image?", "What colour is the suit?", "Is there a flag in the picture?"]
 SID = "X-Amzn-SageMaker-Session-Id"

@@ -20,7 +20,7 @@ The counts do not depend on the machine; run it on two checkouts to compare them
 
 Usage: python benchmarks/trace_request.py [--max-tokens 4] [--json PATH]
 
-``--json`` also writes the counts and the wire's ways per request (``tests/test_layout.py`` holds
+``--json`` also writes the counts and the wire's ways per request (``tests/project/test_layout.py`` holds
 them to the layout's goal: at most 12 files each way, no call back up).
 """
 
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "handler"))
 
 from llava_handler import LlavaHandler  # noqa: E402
-from llava_tools.samples import sample_photo  # noqa: E402
+from llava_tools.demo.samples import sample_photo  # noqa: E402
 from llava_tools.tiny_model import write_checkpoint  # noqa: E402
 
 #: The engine's API module, and the modules below the wire (the wire's way does not count them).

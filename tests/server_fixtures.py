@@ -1,6 +1,6 @@
 """Helpers to run a real local TorchServe in tests (import from conftest.py or a test module).
 
-- :func:`start_local_server` starts a :class:`~llava_tools.server.LocalServer` and registers its
+- :func:`start_local_server` starts a :class:`~llava_tools.serve.server.LocalServer` and registers its
   stop with a finalizer (``request.addfinalizer``), so a failing test never leaks a TorchServe.
 - ``local_server_factory`` (function scope) and ``session_server_factory`` (session scope) are
   fixtures returning ``factory(model_dir, **LocalServer_kwargs) -> LocalServer``; every server they

@@ -41,7 +41,7 @@ __all__ = [
 log = logging.getLogger("llava_client")
 
 # The client's copy of the SageMaker session contract (the server's is llava_sessions.wire.contract; the
-# client installs without the server, and tests/test_layout.py keeps the two equal).
+# client installs without the server, and tests/project/test_layout.py keeps the two equal).
 #: Request header naming the session (and the open reply's ``<id>; Expires=<UTC>``).
 SESSION_ID_HEADER = "X-Amzn-SageMaker-Session-Id"
 #: Open reply header boto3 reads as ``NewSessionId``.

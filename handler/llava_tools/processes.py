@@ -1,6 +1,6 @@
 """Process and loopback helpers of the local servers: free ports, process groups, HTTP probes.
 
-Used by :mod:`.server` (TorchServe under ``llava-serve``) and the other tools that start or stop
+Used by :mod:`.serve` (TorchServe under ``llava-serve``) and the other tools that start or stop
 processes. Nothing here knows TorchServe's configuration.
 """
 

@@ -5,8 +5,8 @@ pass (Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM Inference with 
 2024). Here a prefill pass of ``n`` tokens is modelled as ``fixed + n * per_token`` ms, fitted by
 exponentially weighted least squares over the passes the model runner times; the decode step and the
 vision tower are exponentially weighted means of their own timings. Plain Python, no torch: the
-scheduler's rules are tested on a :class:`StepCost` alone (tests/test_scheduler.py), the fit on
-numbers (tests/test_scheduler.py as well).
+scheduler's rules are tested on a :class:`StepCost` alone (tests/core/test_scheduler.py), the fit on
+numbers (tests/core/test_scheduler.py as well).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 vLLM's token-budget idea (``max_num_batched_tokens``; vLLM v1 ``Scheduler.schedule`` returns a
 ``SchedulerOutput``), nano-vllm's cut (``engine/scheduler.py`` decides, the model runner executes).
-No torch, no tensors, no sessions: the rules are unit-tested without a model (tests/test_scheduler.py).
+No torch, no tensors, no sessions: the rules are unit-tested without a model (tests/core/test_scheduler.py).
 
 The rules, in order:
 

@@ -3,7 +3,7 @@
 The one place these facts are written on the server side; the worker core (protocol, service) and
 the tools (local server, container entrypoint, local SageMaker endpoint) import them from here.
 ``llava_client`` keeps its own copy (it installs without the server), held equal by
-``tests/test_layout.py``.
+``tests/project/test_layout.py``.
 
 Sources: botocore's ``sagemaker-runtime`` service model (``SessionIdHeader``,
 ``NewSessionResponseHeader``, ``SessionIdOrNewSessionConstantAllowList``) and the AWS TorchServe
@@ -51,7 +51,7 @@ SEQUENCE_END_HEADER = "X-Llava-Sequence-End"
 #: SageMaker's pass-through request header (boto3 ``CustomAttributes``); may carry ``cache_salt=<salt>``.
 CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
 #: Our own request header from the public port's front to the worker: the id of the image fetches
-#: the front made for this request before relaying it (``llava_tools.image_relay``). The front drops
+#: the front made for this request before relaying it (``llava_tools.serve.image_relay``). The front drops
 #: it from what clients send; the worker asks the front for those images by it.
 IMAGE_TICKET_HEADER = "X-Llava-Image-Ticket"
 #: Set (``1``) by the front on a request it relays from OpenAI's ``/v1/chat/completions``: the worker

@@ -15,7 +15,7 @@ as the reply's body, in the dialect's shape, as any error after the first frame 
 
 Behind the public port's front (``llava-serve``, the container, the local endpoint's instances) a
 request reaches the worker only once the front fetched its URL and S3 images
-(``llava_tools.image_relay``): its row carries the front's ticket, and the pool asks the front for
+(``llava_tools.serve.image_relay``): its row carries the front's ticket, and the pool asks the front for
 those bytes, or the fetch's error, over loopback (a millisecond, well inside the wait above), so a
 failed fetch always gets its typed 4xx. A source the front did not fetch is fetched here as above.
 

@@ -13,7 +13,7 @@ Steps (each printed; ``--dry-run`` prints them and calls nothing):
    uploaded uncompressed under ``s3://bucket/prefix/`` (``--s3-uri``). SageMaker copies it to
    ``/opt/ml/model/`` (``S3DataType: S3Prefix``, ``CompressionType: None``: no tar.gz to pack or to
    unpack, each file downloaded as is); the container's ``serve`` finds ``/opt/ml/model/llava/``
-   and uses its checkpoint and ``model-config.yaml`` (llava_tools/container.py). The handler and
+   and uses its checkpoint and ``model-config.yaml`` (llava_tools/serve/container.py). The handler and
    package in the artifact also make it loadable by a stock TorchServe
    (``--model-store /opt/ml/model``); our image runs its own copy of the code.
 2. ``create_model``: the image (``build_and_push.sh`` prints its URI), the execution role, the

@@ -17,8 +17,8 @@ import yaml
 import llava_sessions
 from llava_sessions.config import Settings, job_groups
 
-from ..container import PACKAGED_MODEL_NAME, llava_home
-from ..torchserve_files import default_handler_path, default_model_config_path
+from ..serve.container import PACKAGED_MODEL_NAME, llava_home
+from ..serve.torchserve_files import default_handler_path, default_model_config_path
 from .spec import DeployError
 
 #: ``archiverVersion`` written to MANIFEST.json (the torch-model-archiver the image pins).

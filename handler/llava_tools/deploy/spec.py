@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..torchserve_files import SEQUENCE_HEADER_KEYS
+from ..serve.torchserve_files import SEQUENCE_HEADER_KEYS
 
 VARIANT_NAME = "AllTraffic"
 DEFAULT_INSTANCE_TYPE = "ml.g5.2xlarge"

@@ -1,0 +1,384 @@
+"""What a local TorchServe is given (the model config, ``config.properties``, the no-archive model
+folder, the environment) and what it says back (its workers' states, their logs), the same way for
+``llava-serve``, the container and ``llava-deploy``.
+
+Facts: shared/notes/torchserve-sagemaker.md (sequence header keys set twice, body limits,
+``--extra-files`` copying a folder's contents).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+import llava_sessions
+from llava_sessions.wire.contract import NEW_SESSION_ID_HEADER, SEQUENCE_END_HEADER, SESSION_ID_HEADER
+
+from ..cli import StartError
+from ..processes import OPENER, load_psutil
+
+if TYPE_CHECKING:
+    from llava_sessions.config import Settings
+
+__all__ = [
+    "MAX_REQUEST_BYTES",
+    "MAX_RESPONSE_BYTES",
+    "MODEL_NAME",
+    "MULTI_WORKER_REFUSAL",
+    "SEQUENCE_HEADER_KEYS",
+    "ServerStartError",
+    "archive",
+    "child_env",
+    "console_script",
+    "config_properties",
+    "default_handler_path",
+    "default_log_config_path",
+    "default_model_config_path",
+    "keep_logs",
+    "load_failed",
+    "model_config",
+    "model_status",
+    "visible_gpus",
+    "worker_error",
+    "worker_pids_of",
+]
+
+#: Name the model is registered under (``/predictions/llava``; ``/invocations`` needs no name).
+MODEL_NAME = "llava"
+
+#: Frontend keys (config.properties) -> the env var the Python worker reads the same name from
+#: (ts/context.py, Context.__init__). Both sides must name the same header: SageMaker's session id
+#: header doubles as TorchServe's sequence id key; the start key is the new-session header (a request
+#: header the frontend adds); the end key is our own (contract.SEQUENCE_END_HEADER), so ending a job
+#: group TorchServe minted never tells a client that a session closed.
+SEQUENCE_HEADER_KEYS = (
+    ("ts_header_key_sequence_id", "TS_REQUEST_SEQUENCE_ID", SESSION_ID_HEADER),
+    ("ts_header_key_sequence_start", "TS_REQUEST_SEQUENCE_START", NEW_SESSION_ID_HEADER),
+    ("ts_header_key_sequence_end", "TS_REQUEST_SEQUENCE_END", SEQUENCE_END_HEADER),
+)
+
+#: TorchServe's request limit, bytes: far above SageMaker's 6,291,456 so that the handler, not
+#: TorchServe's bare 413, refuses a body over the handler's ``max_body_bytes`` (with the dialect's
+#: typed ``payload_too_large``); llava-serve's front answers past this one the same way.
+MAX_REQUEST_BYTES = 64 << 20
+#: TorchServe's response limit, bytes (replies are small; SageMaker's limit sits just under it).
+MAX_RESPONSE_BYTES = 6_553_600
+#: Why more than one TorchServe worker per model is refused (docs/design.md, "One worker").
+MULTI_WORKER_REFUSAL = (
+    "more than one TorchServe worker per model is refused: TorchServe does not keep a session on one "
+    "worker when clients send the literal id NEW_SESSION (one shared job group; their follow-ups reach "
+    "the other worker and get 404), and it does not balance sessions over workers. Run one worker; for "
+    "more model copies run llava-local-endpoint --backends N"
+)
+
+#: The worker core (the only package the TorchServe worker imports) and the handler folder beside it.
+CORE_DIR = Path(llava_sessions.__file__).resolve().parent
+#: The project folder (``handler/``, ``config/``, ``model-config.yaml``): ``$LLAVA_HOME`` (the image's
+#: ``/opt/llava``; a non-editable install), else the source checkout the worker core runs from.
+REPO_ROOT = Path(os.environ["LLAVA_HOME"]) if os.environ.get("LLAVA_HOME") else CORE_DIR.parent.parent
+
+
+#: Seconds between reads of a log that is being waited for.
+POLL_S = 0.25
+
+
+class ServerStartError(StartError):
+    """TorchServe could not be prepared or did not become ready; the message ends with a log tail."""
+
+
+def console_script(name: str) -> str:
+    """Return the console script ``name`` of this interpreter's environment, else from PATH.
+
+    Raises:
+        ServerStartError: neither has it (the 'serve' extra is not installed).
+    """
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise ServerStartError(f"{name} not found; install the 'serve' extra (torchserve 0.12.0)")
+    return found
+
+
+def default_handler_path() -> Path:
+    """Return the path of the TorchServe entry ``handler/llava_handler.py`` of the project folder."""
+    return REPO_ROOT / "handler" / "llava_handler.py"
+
+
+def default_model_config_path() -> Path:
+    """Return the path of the repository's ``model-config.yaml``."""
+    return REPO_ROOT / "model-config.yaml"
+
+
+def default_log_config_path(home: Path | None = None) -> Path | None:
+    """TorchServe's log4j2 configuration: ``$LLAVA_TS_LOG_CONFIG``, else the quiet
+    ``config/log4j2.xml`` of ``home`` (default: the repository), else None (TorchServe's own,
+    which logs every request at DEBUG)."""
+    named = os.environ.get("LLAVA_TS_LOG_CONFIG", "").strip()
+    if named:
+        return Path(named)
+    path = (home or REPO_ROOT) / "config" / "log4j2.xml"
+    return path if path.is_file() else None
+
+
+def visible_gpus(env: Mapping[str, str] | None = None) -> int:
+    """CUDA devices a worker started with ``env`` would see: 0 where no NVIDIA driver is loaded
+    (no ``/proc/driver/nvidia``), else ``torch.cuda.device_count()`` counted in a child process, so
+    this supervisor never imports torch nor touches CUDA (``CUDA_VISIBLE_DEVICES`` in ``env``
+    applies). 0 when the count fails."""
+    if not Path("/proc/driver/nvidia").exists():
+        return 0
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(env) if env is not None else None,
+        )
+        return int(done.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
+
+
+def model_config(
+    source: Path,
+    *,
+    model_dir: Path,
+    workers: int,
+    overrides: Mapping[str, Any],
+    model_config_overrides: Mapping[str, Any],
+    env: Mapping[str, str],
+) -> dict[str, Any]:
+    """The model-config.yaml a local TorchServe gets: ``source`` with ``workers`` workers, the
+    top-level ``model_config_overrides``, ``handler.model_dir`` and the handler ``overrides``, and
+    job groups for what the worker's replicas may hold (:func:`size_job_groups`).
+
+    Raises:
+        ServerStartError: ``source`` is not a YAML mapping.
+    """
+    config = yaml.safe_load(source.read_text()) or {}
+    if not isinstance(config, dict):
+        raise ServerStartError(f"{source}: expected a YAML mapping")
+    config["minWorkers"] = workers
+    config["maxWorkers"] = workers
+    config.update(model_config_overrides)
+    handler_section = dict(config.get("handler") or {})
+    handler_section["model_dir"] = str(model_dir)
+    handler_section.update(overrides)
+    config["handler"] = handler_section
+    size_job_groups(config, keep=set(model_config_overrides), env=env)
+    return config
+
+
+def size_job_groups(config: dict[str, Any], *, keep: set[str], env: Mapping[str, str]) -> None:
+    """Raise ``batchSize`` and ``maxNumSequence`` (in place) to what the worker's replicas may hold
+    (:func:`~llava_sessions.config.job_groups`): ``max_sessions`` is per replica, and ``devices: auto``
+    starts one replica per visible GPU (:func:`visible_gpus`), so a 4-GPU instance with the shipped 64
+    gets 264. Keys named in ``keep`` stay as given; ``env``: the worker's environment (``LLAVA_*``)."""
+    from llava_sessions.config import Settings, job_groups, resolve_devices
+
+    settings = Settings.from_sources(config["handler"], env)
+    replicas = len(resolve_devices(settings, cuda_count=lambda: visible_gpus(env)))
+    need = job_groups(settings.max_sessions, replicas)
+    for key in ("batchSize", "maxNumSequence"):
+        if key not in keep and int(config.get(key) or 0) < need:
+            config[key] = need
+
+
+def child_env(extra: Mapping[str, str], tmp: Path) -> dict[str, str]:
+    """The environment of TorchServe and its workers: this process's, ``extra``, the sequence header
+    names the worker reads, and ``tmp`` as TMPDIR / TEMP (the archiver's staging dir, the launcher's
+    pid file, and ``java.io.tmpdir``, where the frontend puts the workers' unix sockets)."""
+    env = dict(os.environ)
+    env.pop("TS_CONFIG_FILE", None)  # the launcher would prefer it over --ts-config
+    env.update(extra)
+    for _, env_name, header in SEQUENCE_HEADER_KEYS:
+        env[env_name] = header
+    env["TMPDIR"] = str(tmp)
+    env["TEMP"] = str(tmp)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def archive(handler: Path, model_config_path: Path, store: Path, temp: Path, env: dict[str, str]) -> None:
+    """Write the no-archive model folder ``store/llava`` with ``torch-model-archiver``: the
+    ``handler`` file, the worker core as the package ``llava_sessions/`` beside it, the config.
+
+    Raises:
+        ServerStartError: the archiver failed (its stderr in the message).
+    """
+    # --extra-files copies a directory's CONTENTS into the model root; stage the package one
+    # level down so it lands as <model>/llava_sessions/ and stays importable as a package.
+    extra = temp / "extra"
+    shutil.copytree(CORE_DIR, extra / CORE_DIR.name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    command = [
+        console_script("torch-model-archiver"),
+        "--model-name",
+        MODEL_NAME,
+        "--version",
+        "1.0",
+        "--handler",
+        str(handler.resolve()),
+        "--extra-files",
+        str(extra),
+        "--config-file",
+        str(model_config_path),
+        "--archive-format",
+        "no-archive",
+        "--export-path",
+        str(store),
+    ]
+    result = subprocess.run(command, cwd=temp, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ServerStartError(f"torch-model-archiver failed ({result.returncode}): {result.stderr.strip()}")
+
+
+def config_properties(host: str, ports: Mapping[str, int], store: Path, workers: int) -> str:
+    """TorchServe's ``config.properties``: inference on ``host``, the other APIs on 127.0.0.1 at
+    ``ports`` (:func:`~llava_tools.processes.pick_ports`), no token auth, Prometheus metrics with the
+    handler's own registered as first emitted, the body limits, the sequence header keys."""
+    lines = [
+        "# Written by llava-serve for one local run.",
+        f"inference_address=http://{host}:{ports['inference']}",
+        f"management_address=http://127.0.0.1:{ports['management']}",
+        f"metrics_address=http://127.0.0.1:{ports['metrics']}",
+        "grpc_inference_address=127.0.0.1",
+        f"grpc_inference_port={ports['grpc_inference']}",
+        "grpc_management_address=127.0.0.1",
+        f"grpc_management_port={ports['grpc_management']}",
+        "disable_token_authorization=true",
+        "disable_system_metrics=true",
+        "metrics_mode=prometheus",
+        "model_metrics_auto_detect=true",
+        f"model_store={store}",
+        "load_models=ALL",
+        f"default_workers_per_model={workers}",
+        f"max_request_size={MAX_REQUEST_BYTES}",
+        f"max_response_size={MAX_RESPONSE_BYTES}",
+    ]
+    lines += [f"{key}={header}" for key, _, header in SEQUENCE_HEADER_KEYS]
+    return "\n".join(lines) + "\n"
+
+
+def worker_error(log_dir: Path, wait_s: float = 5.0) -> str:
+    """The worker's own error in model_log.log (``ValueError: ...``: the first exception line, the
+    handler's; TorchServe's own follows it), or where to look. The frontend copies the worker's
+    traceback a line at a time, after the line that says it died: wait up to ``wait_s`` for it."""
+    model_log = log_dir / "model_log.log"
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = model_log.read_text(errors="replace") if model_log.is_file() else ""
+        found = re.findall(r"MODEL_LOG - ((?:\w+\.)*\w*(?:Error|Exception): .*)$", text, re.M)
+        if found:
+            return found[0]
+        if time.monotonic() > deadline:
+            return f"see {model_log}"
+        time.sleep(POLL_S)
+
+
+def load_failed(log_dir: Path, wait_s: float = 0.0) -> bool:
+    """Whether the handler's log says it failed to load, waiting up to ``wait_s`` for it to."""
+    # TorchServe would restart the worker with back-off forever; a local run fails fast. TorchServe
+    # 0.12 logs "Failed to load model" for a RuntimeError only; any other exception from the
+    # handler's initialize kills the worker process ("Backend worker process died.").
+    model_log = log_dir / "model_log.log"
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = model_log.read_text(errors="replace") if model_log.is_file() else ""
+        if "Failed to load model" in text or "Backend worker process died" in text:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+
+
+def model_status(management_url: str, num_workers: int) -> tuple[bool, str, dict[int, str]]:
+    """(every worker READY, a status line, each reported worker's state by pid) from TorchServe's
+    management API (a worker not started yet reports pid -1 and is left out)."""
+    try:
+        with OPENER.open(f"{management_url}/models/{MODEL_NAME}", timeout=2) as response:
+            described = json.loads(response.read())
+    except (OSError, ValueError) as exc:
+        return False, f"management API: {exc}", {}
+    workers = described[0].get("workers", []) if described else []
+    states = [w.get("status") for w in workers]
+    by_pid = {int(w["pid"]): str(w.get("status")) for w in workers if int(w.get("pid") or -1) > 0}
+    return states.count("READY") >= num_workers, f"worker states {states}", by_pid
+
+
+def worker_pids_of(frontend: Any) -> list[int]:
+    """The pids of TorchServe's Python workers (``ts/model_service_worker.py`` processes) under the
+    frontend's ``psutil.Process``, sorted; [] when it is gone."""
+    psutil = load_psutil()
+    pids = []
+    try:
+        children = frontend.children(recursive=True)
+    except psutil.Error:
+        return []
+    for child in children:
+        try:
+            if any("model_service_worker" in part for part in child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:
+            continue
+    return sorted(pids)
+
+
+def keep_logs(temp_dir: Path) -> Path | None:
+    """Move a server's ``logs`` folder out of ``temp_dir`` (about to be removed) to
+    ``<tmp>/llava-serve-logs-<time>-<pid>``; returns where, or None (no logs, or the move failed)."""
+    logs = temp_dir / "logs"
+    if not logs.is_dir():
+        return None
+    kept = Path(tempfile.gettempdir()) / f"llava-serve-logs-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    try:
+        shutil.move(str(logs), kept)
+    except OSError:
+        return None
+    return kept
+
+
+def tail_logs(temp_dir: Path, n: int = 50) -> str:
+    """The last ``n`` lines of TorchServe's frontend log and of the handler's log under a server's
+    ``temp_dir``: ``logs/ts_log.log`` is the frontend, ``logs/model_log.log`` what the worker (our
+    handler) printed; before the frontend has created ``logs/`` the launcher's ``console.log``."""
+    files = [temp_dir / "logs" / "ts_log.log", temp_dir / "logs" / "model_log.log"]
+    if not any(path.is_file() for path in files):
+        files = [temp_dir / "console.log"]
+    parts = []
+    for path in files:
+        if path.is_file():
+            lines = path.read_text(errors="replace").splitlines()[-n:]
+            parts.append(f"==> {path.name} <==\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+def check_settings(config_path: Path, overrides: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
+    """The handler settings a worker will read (the config's ``handler:`` section, the
+    ``overrides``, ``LLAVA_*`` variables of ``env``), validated as the worker would, before anything starts.
+
+    Raises:
+        ServerStartError: a setting is unknown (with the closest valid key) or out of range.
+    """
+    from llava_sessions.config import Settings  # noqa: F811 - at run time, not at import
+
+    config = yaml.safe_load(config_path.read_text()) or {}
+    section = {**dict((config.get("handler") if isinstance(config, dict) else None) or {}), **overrides}
+    try:
+        Settings.check_names(dict(overrides), "in --set")
+        return Settings.from_sources(section, env)
+    except ValueError as exc:
+        raise ServerStartError(f"invalid handler settings: {exc}") from None

@@ -1,0 +1,7 @@
+"""``python -m llava_tools.tiny_model``: ``llava-tiny-model``."""
+
+import sys
+
+from .builder import main
+
+sys.exit(main())

@@ -1,0 +1,71 @@
+"""``make demo`` end to end, as the README's quick start runs it (``python -m llava_tools.demo`` on the
+embedded tiny model, a real TorchServe), and ``make demo MODEL_DIR=...`` on another checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _make_demo(*args: str) -> subprocess.CompletedProcess:
+    """``make demo ARGS`` in the repository, as a reader runs it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(
+        ["make", "--no-print-directory", "demo", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_demo_runs_a_scripted_session():
+    done = _make_demo()
+    out = done.stdout
+    assert done.returncode == 0, f"stdout:\n{out}\nstderr:\n{done.stderr[-4000:]}"
+    head = out[:1500]
+    assert "RANDOM weights" in head and "gibberish" in head and "make demo MODEL_DIR=" in head
+    transcript = out[out.index("Transcript") :]
+    assert [q for q in ("Q1 (streamed)", "Q2 (uses history)", "Q3 (independent)") if q in transcript] == [
+        "Q1 (streamed)",
+        "Q2 (uses history)",
+        "Q3 (independent)",
+    ]
+    turns = re.findall(
+        r"time to first token: (\d+) ms measured here, (\d+) ms reported by the server \| "
+        r"reused tokens: (\d+) of (\d+) prompt tokens",
+        transcript,
+    )
+    assert len(turns) == 3
+    reused = [int(r) for _, _, r, _ in turns]
+    assert all(r > 500 for r in reused)  # the image prefix, cached at open, is reused by every turn
+    assert reused[1] > reused[0]  # turn 2 also reuses turn 1
+    assert "stopped the server" in out and "closed session" in out
+    # it ends with what to run next: a server of one's own and the clients
+    tail = out[out.index("Next steps") :]
+    assert "llava-serve --model-dir" in tail and "llava-chat --url" in tail and "llava-web --url" in tail
+    # the commands live in the venv make installed: a fresh shell is told to activate it first
+    assert "source .venv/bin/activate" in tail and (ROOT / ".venv" / "bin" / "llava-serve").exists()
+
+
+def test_demo_runs_on_the_checkpoint_model_dir_names(tmp_path):
+    """The README's ``make demo MODEL_DIR=/path/to/llava-1.5-7b-hf``, its placeholder a tiny
+    LLaVA-NeXT folder (one of the families the README names)."""
+    from llava_tools.tiny_model import write_checkpoint
+
+    model_dir = write_checkpoint("tiny", tmp_path / "next", seed=0, arch="llava-next")
+    done = _make_demo(f"MODEL_DIR={model_dir}")
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert str(model_dir) in done.stdout and "RANDOM weights" not in done.stdout[:1500]
+    assert "Q3 (independent)" in done.stdout and "stopped the server" in done.stdout

@@ -1,0 +1,75 @@
+"""benchmarks/load.py stays runnable: a short run with a worker killed mid-way and a stream dropped mid-way
+loses no session and leaves room for a full max_sessions afterwards."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+
+
+def _benchmark(name: str):
+    """Load ``benchmarks/<name>.py`` as a module (the folder is on sys.path, as when run as a script)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))  # replicas.py imports concurrency.burst
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_load_run_with_a_killed_worker_recovers_every_session(tiny_model_dir):
+    load = _benchmark("load")
+    args = argparse.Namespace(
+        model="tiny",
+        model_dir=str(tiny_model_dir),
+        users=3,
+        duration_s=18,
+        questions=3,
+        think_s=0.3,
+        max_new_tokens=6,
+        kill_worker_at=7.0,
+        kill_worker_every=None,
+        droppers=1,
+    )
+    result = load.run(args)
+    print(json.dumps(result))
+    assert result["questions"] >= 6 and result["ttft_ms"]["p50"] is not None
+    assert result["sessions_lost"] == 0, json.dumps(result)
+    assert result["fault"]["server_restarts"] == 1
+    assert result["peak_host_rss_bytes"] > 0
+    assert result["dropped_streams"]["count"] >= 1  # a user dropped a stream and the session answered again
+    after = result["sessions_opened_after_the_run"]
+    assert after["opened"] == after["asked"], after  # no session or job group left behind
+
+
+def test_engine_decode_benchmark_runs_and_batched_greedy_answers_match_alone(tiny_model_dir, tmp_path):
+    """The in-process benchmark (the GPU rows' script) runs on the CPU; its exactness part holds."""
+    bench = _benchmark("engine_decode")
+    out = tmp_path / "report.json"
+    argv = ["--model-dir", str(tiny_model_dir), "--levels", "1,2,4", "--rounds", "1", "--new-tokens", "8"]
+    assert bench.main([*argv, "--streams", "2", "--check-sessions", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["exactness"]["identical"] == 3, report["exactness"]
+    assert len(set(report["exactness"]["context_tokens"])) == 3  # three different context lengths
+    assert report["aggregate"]["1"]["ratio_to_one"] == 1.0 and report["aggregate"]["4"]["tokens_per_s"] > 0
+    assert report["itl"]["opens_completed"] >= 1 and report["hot"]["sessions_hot_by_budget"] > 0
+
+
+def test_replicas_benchmark_runs_places_evenly_and_answers_alike(tiny_model_dir, tmp_path):
+    """benchmarks/replicas.py stays runnable: 2 replicas vs 1 side by side, sessions 2 + 2, same answers."""
+    bench = _benchmark("replicas")
+    out = tmp_path / "replicas.json"
+    argv = ["--model-dir", str(tiny_model_dir), "--rounds", "1", "--new-tokens", "6", "--per-replica", "2"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["sessions_by_replica_in_two"] == {"0": 2.0, "1": 2.0}
+    assert report["greedy_answers_identical"] is True and report["tokens_per_s"]["two_replicas"] > 0
