@@ -1,5 +1,5 @@
 # Entry points: make install | make demo | make test  (and make web, make notebook, make lint, make bench,
-# make bench-peer, make test-container-stack)
+# make bench-peer, make bench-gpu, make test-container-stack)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer lint clean
+.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer bench-gpu gpu-wheels lint clean
 
 # config/constraints.txt: the one stack, the versions the container installs too (Dockerfile)
 CONSTRAINTS := config/constraints.txt
@@ -70,6 +70,21 @@ bench-peer: install
 	  $(PEER_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "$(TORCH_SPEC)" && \
 	  $(PEER_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "$(subst transformers==,transformers[serving]==,$(TRANSFORMERS_PIN))" pillow )
 	$(PY) benchmarks/vs_transformers_serve.py --model bench --peer-venv $(PEER_VENV)
+
+# the GPU table (benchmarks/gpu.py): the 7b-shaped llava-1.5 built on the card in bf16, in process (no
+# TorchServe); BENCH_GPU_ARGS="--device cpu --model tiny --dtype auto" runs the same code on a CPU
+BENCH_GPU_ARGS ?=
+bench-gpu: install
+	$(PY) benchmarks/gpu.py $(BENCH_GPU_ARGS)
+
+# the wheels a bare GPU machine (python 3.12, its own torch and transformers 5.17, no network) lacks
+# for benchmarks/gpu.py, into .whl/ (ignored): our transformers, llguidance and pydantic (docs/design.md)
+GPU_WHEELS = $(shell grep -E '^(transformers|llguidance|pydantic|pydantic-core|annotated-types|typing-extensions|typing-inspection)==' $(CONSTRAINTS))
+gpu-wheels: install
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 \
+	  -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -73,3 +73,27 @@ def test_replicas_benchmark_runs_places_evenly_and_answers_alike(tiny_model_dir,
     report = json.loads(out.read_text())
     assert report["sessions_by_replica_in_two"] == {"0": 2.0, "1": 2.0}
     assert report["greedy_answers_identical"] is True and report["tokens_per_s"]["two_replicas"] > 0
+
+
+def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
+    """``benchmarks/gpu.py --device cpu --model tiny`` (issue 43 item 5) runs the same code as on a card
+    and writes every measure of the table, each latency beside the floor measured in the run."""
+    import subprocess
+
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--model", "tiny", "--dtype", "auto", "--levels", "1,2", "--new-tokens", "4"]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu.py"), *args, "--repeats", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["floor"]["floor_ms"] > 0 and report["floor"]["weight_bytes"] > 0
+    assert report["batch_one"]["ms_per_token"] > 0 and report["batch_one"]["context_tokens"] > 500
+    assert 0 <= report["batch_one"]["host_ms_per_step"] <= report["batch_one"]["ms_per_token"] + 1
+    assert set(report["aggregate"]) == {"1", "2"} and report["aggregate"]["1"]["vs_one"] == 1.0
+    assert report["turns"]["follow_up"]["ttft_ms"] > 0 and report["turns"]["cold_image_turn_ms"] > 0
+    assert report["peer"]["ms_per_token"] > 0 and report["peer"]["compiled"] is False
+    assert "x floor" in done.stdout and "batch-1 decode vs transformers" in done.stdout

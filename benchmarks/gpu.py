@@ -1,0 +1,362 @@
+"""The GPU table in one device call (``make bench-gpu``): our engine on the card against its own floor.
+
+In process, without TorchServe (the device machine has no Java): the ``7b``-shaped random llava-1.5
+(its exact architecture, built on the device in bf16: no 13 GB file to carry) driven through the
+:class:`~llava_sessions.engine.SessionEngine` and its scheduler step, measured side by side in one run:
+
+1. **Weight-read floor**: the model's weight bytes divided by the device's copy bandwidth measured
+   here (a 1 GiB device-to-device copy reads and writes it: bandwidth = 2 x bytes / time). A decode
+   step or a short follow-up must read every weight once, so no engine beats it at batch 1.
+2. **Batch-1 decode**, ms per token, on a session whose context is about ``--context`` tokens (the
+   image prefix and a question; the answer's own tokens on top), with the **host ms per step**: the
+   step's wall time less its forward passes' span on the device (scheduling, sampling, bookkeeping,
+   what a launch-bound step adds).
+3. **Aggregate tokens/s** at ``--levels`` concurrent sessions (each asks for ``--new-tokens`` greedy
+   tokens at once; decode only, their prefills before the clock), and the ratio to one session.
+4. **Follow-up TTFT**: a ~30-token question on a held session of ``--context`` tokens.
+5. **A cold image turn**: open on a new image and the first token of its first question (decode,
+   preprocess, vision tower, projector, prefill).
+6. **The peer**: transformers' own fastest batch-1 path on the same card, ``generate`` with a static
+   cache compiled (``cache_implementation="static"``; transformers compiles the decode step itself on
+   a GPU with a static cache, as its docs describe), ms per token after a warm-up generate.
+
+Every ratio is to the floor measured in the same run. ``python benchmarks/gpu.py --device cpu --model
+tiny`` runs the same code as a smoke test (the peer then runs eager: transformers compiles only on a
+GPU). ``--json`` writes the table.
+
+Usage:
+    python benchmarks/gpu.py                                   # the 7b shape on cuda, bf16
+    python benchmarks/gpu.py --device cpu --model tiny --levels 1,2 --new-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_decode import build_runner, run_together, sync
+from llava_sessions.conversation import Chat
+from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.images.fetch import decode_image
+from llava_sessions.model import LlavaRunner
+from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.sessions.store import SessionStore
+from llava_tools.demo.samples import sample_photo
+
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
+#: A follow-up question of about 30 tokens (llava-1.5's tokenizer).
+FOLLOW_UP = "Looking again at the whole picture, which colours stand out most, and where in the frame are they placed?"
+QUESTION = "Describe this image in great detail, please."
+
+
+class ForwardClock:
+    """The span of the model's forward passes on the device, per engine step: CUDA events around each
+    ``model.forward`` (wall time on a CPU), summed until :meth:`take`."""
+
+    def __init__(self, runner: LlavaRunner) -> None:
+        self.device = runner.device
+        self.spans: list[tuple[Any, Any]] = []
+        self.model = model = runner.model
+        forward = model.forward
+
+        @functools.wraps(forward)  # generate() reads the forward's signature
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start, end = self._mark(), None
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                end = self._mark()
+                self.spans.append((start, end))
+
+        model.forward = timed
+
+    def close(self) -> None:
+        """Stop timing: the model's own forward again."""
+        del self.model.forward
+
+    def _mark(self) -> Any:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def take(self) -> float:
+        """Milliseconds of forward passes since the last call (the device synchronized first)."""
+        sync(self.device)
+        if self.device.type == "cuda":
+            ms = sum(start.elapsed_time(end) for start, end in self.spans)
+        else:
+            ms = sum((end - start) * 1000.0 for start, end in self.spans)
+        self.spans.clear()
+        return ms
+
+
+def weight_floor(runner: LlavaRunner) -> dict[str, float]:
+    """The weight-read floor: weight bytes / the device's measured copy bandwidth (median of 5 copies
+    of the weights' size, at least 64 MiB and at most 1 GiB)."""
+    device = runner.device
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    size = max(64 << 20, min(1 << 30, weight_bytes))
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    bandwidth = 2 * size / statistics.median(times[1:])  # a copy reads and writes every byte
+    del src, dst
+    return {
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "floor_ms": round(weight_bytes / bandwidth * 1000, 3),
+    }
+
+
+def open_with_context(engine: SessionEngine, sid: str, image: bytes, context: int) -> int:
+    """Open ``sid`` on ``image`` and remember turns until its context holds about ``context`` tokens;
+    returns the tokens it holds."""
+    engine.open(sid, image)
+    turn = 0
+    while engine.store.ledger.entry(sid).num_kv_tokens + 40 < context and turn < 64:
+        engine.generate(sid, f"Question {turn}: what else do you see?", SamplingParams(max_new_tokens=24))
+        turn += 1
+    return engine.store.ledger.entry(sid).num_kv_tokens
+
+
+def batch_one_decode(engine: SessionEngine, clock: ForwardClock, image: bytes, context: int, new_tokens: int) -> dict:
+    """ms per token of one answer's decode steps at about ``context`` tokens, and the host ms per step."""
+    held = open_with_context(engine, "b1", image, context)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    engine.generate("b1", QUESTION, SamplingParams(max_new_tokens=4), remember=False)  # warm
+    gen = engine.start("b1", QUESTION, params, remember=False)
+    while not gen.prefilled:  # the prefill before the clock
+        engine.step([gen])
+    clock.take()
+    walls, hosts = [], []
+    while not gen.done:
+        s0 = time.perf_counter()
+        engine.step([gen])
+        sync(engine.runner.device)
+        wall = (time.perf_counter() - s0) * 1000
+        walls.append(wall)
+        hosts.append(wall - clock.take())
+    engine.close("b1")
+    return {
+        "context_tokens": held,
+        "ms_per_token": round(statistics.median(walls), 3),
+        "host_ms_per_step": round(statistics.median(hosts), 3),
+        "steps": len(walls),
+    }
+
+
+def aggregate(engine: SessionEngine, images: list[bytes], levels: list[int], new_tokens: int) -> dict:
+    """Decode tokens/s with ``n`` sessions answering at once, per level, and the ratio to one."""
+    sids = [f"agg{i}" for i in range(max(levels))]
+    for i, sid in enumerate(sids):
+        engine.open(sid, images[i % len(images)])
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    warm = [engine.start(sid, QUESTION, SamplingParams(max_new_tokens=4), remember=False) for sid in sids]
+    run_together(engine, warm, None)
+    rows = {}
+    for n in levels:
+        gens = [engine.start(sid, QUESTION, params, remember=False) for sid in sids[:n]]
+        while not all(g.prefilled for g in gens):  # prefills before the clock: this measures decode
+            engine.step([g for g in gens if not g.prefilled])
+        wall, steps = run_together(engine, gens, None)
+        tokens = sum(len(g.answer.tokens) - 1 for g in gens if g.answer is not None)
+        rows[n] = {"tokens_per_s": tokens / wall, "step_ms": statistics.median(steps) if steps else 0.0}
+    for sid in sids:
+        engine.close(sid)
+    one = rows[levels[0]]["tokens_per_s"] if levels[0] == 1 else None
+    return {
+        str(n): {
+            "tokens_per_s": round(r["tokens_per_s"], 1),
+            "vs_one": round(r["tokens_per_s"] / one, 2) if one else None,
+            "step_ms": round(r["step_ms"], 3),
+        }
+        for n, r in rows.items()
+    }
+
+
+def first_token_ms(engine: SessionEngine, start: Callable[[], Any]) -> float:
+    """ms from ``start()`` (a request admitted) to its first token, the device synchronized."""
+    device = engine.runner.device
+    sync(device)
+    t0 = time.perf_counter()
+    work = start()
+    if hasattr(work, "prefilled"):
+        while not work.prefilled and not work.done:
+            engine.step([work])
+    sync(device)
+    ms = (time.perf_counter() - t0) * 1000
+    while not work.done:
+        engine.step([work])
+    return ms
+
+
+def turns(engine: SessionEngine, images: list[bytes], context: int, repeats: int) -> dict:
+    """Follow-up TTFT on a held session of about ``context`` tokens, and a cold image turn (open on a
+    never-seen image + its first question's first token), medians of ``repeats``."""
+    held = open_with_context(engine, "fu", images[0], context)
+    new = len(engine.runner.template.conversation_ids(engine.store.get("fu").chat(), FOLLOW_UP)) - held
+    params = SamplingParams(max_new_tokens=2)
+    follow = [
+        first_token_ms(engine, lambda: engine.start("fu", FOLLOW_UP, params, remember=False))
+        for _ in range(repeats + 1)
+    ][1:]
+    engine.close("fu")
+    cold = []
+    for i in range(repeats + 1):
+        image = _fresh(images[i % len(images)], i)  # never seen: no shared features or prefix
+        sync(engine.runner.device)
+        t0 = time.perf_counter()
+        engine.open(f"cold{i}", image)
+        sync(engine.runner.device)
+        open_ms = (time.perf_counter() - t0) * 1000
+        ttft = first_token_ms(engine, lambda i=i: engine.start(f"cold{i}", QUESTION, params, remember=False))
+        cold.append(open_ms + ttft)
+        engine.close(f"cold{i}")
+    return {
+        "follow_up": {"context_tokens": held, "new_tokens": new, "ttft_ms": round(statistics.median(follow), 3)},
+        "cold_image_turn_ms": round(statistics.median(cold[1:]), 3),
+    }
+
+
+def _fresh(image: bytes, salt: int) -> bytes:
+    """``image`` with one pixel changed: new bytes, so nothing another session holds matches it."""
+    import io
+
+    from PIL import Image
+
+    picture = Image.open(io.BytesIO(image)).convert("RGB")
+    picture.putpixel((0, 0), (salt % 256, 7, 11))
+    out = io.BytesIO()
+    picture.save(out, "PNG")
+    return out.getvalue()
+
+
+@torch.inference_mode()
+def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> dict:
+    """transformers' own batch-1 path: ``generate`` with a static cache (compiled by transformers on a
+    GPU), greedy, ``new_tokens`` tokens; ms per token from the second run (the first compiles)."""
+    processor, model = runner.processor, runner.model
+    picture = decode_image(image, max_pixels=40_000_000)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(images=[picture], text=prompt, return_tensors="pt").to(runner.device, runner.dtype)
+    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+    kwargs["cache_implementation"] = "static"
+    times = []
+    for _ in range(3):
+        sync(runner.device)
+        t0 = time.perf_counter()
+        model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False, cache_implementation="static")
+        sync(runner.device)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(**inputs, **kwargs)
+        sync(runner.device)
+        times.append(((time.perf_counter() - t0) - prefill) * 1000 / (new_tokens - 1))
+    return {
+        "ms_per_token": round(statistics.median(times[1:]), 3),
+        "compiled": runner.device.type == "cuda",
+        "prompt_tokens": int(inputs["input_ids"].shape[1]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="7b", choices=["tiny", "bench", "7b"])
+    ap.add_argument("--model-dir", default=None, help="a checkpoint folder instead of a random-weight one")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (auto: the device's)")
+    ap.add_argument("--levels", default="1,8,32,64", help="concurrent sessions, comma-separated (start with 1)")
+    ap.add_argument("--context", type=int, default=600, help="a held session's context, tokens")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-peer", action="store_true", help="leave transformers' static-cache generate out")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    runner = build_runner(args)
+    device = runner.device
+    store = SessionStore(
+        device_budget_bytes=1 << 45, host_budget_bytes=1 << 40, kv_bytes_per_token=runner.kv_bytes_per_token
+    )
+    decode = functools.partial(decode_image, max_pixels=40_000_000)
+    engine = SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096))
+    images = [sample_photo(p) for p in PHOTOS]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report: dict[str, Any] = {
+        "model": args.model_dir or args.model,
+        "device": f"{device} ({name})",
+        "dtype": str(runner.dtype),
+        "torch": torch.__version__,
+        "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
+    }
+    floor = report["floor"] = weight_floor(runner)
+    print("floor", json.dumps(floor), flush=True)
+    clock = ForwardClock(runner)
+    report["batch_one"] = batch_one_decode(engine, clock, images[1], args.context, args.new_tokens)
+    clock.close()
+    print("batch_one", json.dumps(report["batch_one"]), flush=True)
+    levels = [int(x) for x in args.levels.split(",")]
+    report["aggregate"] = aggregate(engine, images, levels, args.new_tokens)
+    print("aggregate", json.dumps(report["aggregate"]), flush=True)
+    report["turns"] = turns(engine, images, args.context, args.repeats)
+    print("turns", json.dumps(report["turns"]), flush=True)
+    if not args.skip_peer:
+        report["peer"] = peer_static_generate(runner, images[2], args.new_tokens)
+        print("peer", json.dumps(report["peer"]), flush=True)
+    if device.type == "cuda":
+        report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+    report["seconds"] = round(time.perf_counter() - t_start, 1)
+    print_table(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """The table, every latency with its ratio to the floor measured in the same run."""
+    floor = report["floor"]["floor_ms"]
+    b1, t = report["batch_one"], report["turns"]
+    print(f"\n{report['model']} on {report['device']}, {report['dtype']}, torch {report['torch']}")
+    print(f"weight-read floor: {floor:.2f} ms ({report['floor']['weight_bytes'] / 1e9:.2f} GB at "
+          f"{report['floor']['copy_bandwidth_gb_s']} GB/s)")  # fmt: skip
+    rows = [
+        (f"batch-1 decode, context {b1['context_tokens']}", b1["ms_per_token"], "ms/token"),
+        ("  of it host work per step", b1["host_ms_per_step"], "ms"),
+        (f"follow-up TTFT ({t['follow_up']['new_tokens']} new tokens)", t["follow_up"]["ttft_ms"], "ms"),
+        ("cold image turn (open + first token)", t["cold_image_turn_ms"], "ms"),
+    ]
+    if "peer" in report:
+        how = "compiled" if report["peer"]["compiled"] else "eager"
+        rows.append((f"transformers static-cache generate ({how})", report["peer"]["ms_per_token"], "ms/token"))
+    for label, value, unit in rows:
+        print(f"{label:<48}{value:>10.2f} {unit:<9}{value / floor:>7.2f}x floor")
+    if "peer" in report:
+        print(f"{'batch-1 decode vs transformers':<48}{b1['ms_per_token'] / report['peer']['ms_per_token']:>10.2f}x")
+    for n, row in report["aggregate"].items():
+        ratio = f"{row['vs_one']:.1f}x one" if row["vs_one"] else ""
+        print(f"{n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio}")
+    print(f"(run took {report['seconds']} s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
