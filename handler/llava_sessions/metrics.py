@@ -108,6 +108,7 @@ class WorkerMetrics:
                 ("ReusedPromptTokens", ()): engine.num_reused_tokens,
                 ("PrefilledPromptTokens", ()): engine.num_prefilled_tokens,
                 ("GeneratedTokens", ()): engine.num_generated_tokens,
+                ("Preemptions", ()): engine.num_preemptions,
                 **{("Errors", (code,)): n for code, n in self.errors_by_code.items()},
             },
         }

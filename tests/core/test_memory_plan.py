@@ -11,6 +11,7 @@ import functools
 
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.engine.scheduler import schedule
+from llava_sessions.engine.sequence import Phase
 from llava_sessions.errors import ErrorCode
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.sampling.sampler import SamplingParams
@@ -125,3 +126,43 @@ def test_work_listed_twice_in_a_step_runs_once(runner, photos):
         eng.step([gen, gen])
         steps += 1
     assert gen.error is None and [t.id for t in gen.answer.tokens] == want and steps == len(want)
+
+
+def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly(runner, photos):
+    """Issue 43 item 4, vLLM's rule, on the decode batch as it stands: three answers whose starts fit
+    but whose growth together does not. Where the batch cannot grow, the newest answer is preempted
+    (its row leaves the batch unread, its KV is dropped) instead of every answer failing
+    ``overloaded`` mid-stream; it waits, recomputes its prompt's and its tokens' KV, and goes on:
+    every answer ends with the tokens it gives alone (greedy, and a seeded sampled one), none
+    fails, the preempted one's stream pauses meanwhile, and the preemptions are counted."""
+    sessions = {"a": "astronaut", "b": "coffee", "c": "rocket"}
+    params = {
+        "a": SamplingParams(max_new_tokens=120, ignore_eos=True),
+        "b": SamplingParams(max_new_tokens=120, ignore_eos=True, temperature=0.9, seed=7),
+        "c": SamplingParams(max_new_tokens=120, ignore_eos=True),
+    }
+    probe = make_engine(runner)
+    for sid, photo in sessions.items():
+        probe.open(sid, photos[photo])
+    held = probe.store.device_bytes()
+    alone = {sid: [t.id for t in probe.generate(sid, Q, params[sid], remember=False).tokens] for sid in sessions}
+    row = (700 + 64 + 120) * runner.kv_bytes_per_token  # one answer's row at its end, with the batch's spare
+    eng = make_engine(runner, int(held + 1.2 * row))  # room for about one answer growing at a time
+    for sid, photo in sessions.items():
+        eng.open(sid, photos[photo])
+    gens = [eng.start(sid, Q, params[sid], remember=False) for sid in sessions]
+    paused_steps = 0
+    while not all(g.done for g in gens):
+        waiting = {id(g): len(g.events) for g in gens if g.num_preemptions and g.phase is Phase.WAITING}
+        eng.step([g for g in gens if not g.done])
+        for g in gens:  # its stream pauses: no token while it waits and recomputes its KV
+            if id(g) in waiting:
+                assert len(g.events) == waiting[id(g)] and not g.done
+                paused_steps += 1
+    assert all(g.error is None for g in gens), [repr(g.error) for g in gens]
+    assert paused_steps >= 1
+    assert {g.session_id: [t.id for t in g.answer.tokens] for g in gens} == alone
+    assert eng.num_preemptions == sum(g.num_preemptions for g in gens) >= 1
+    assert max(g.num_preemptions for g in gens[1:]) >= 1 and gens[0].num_preemptions == 0  # the oldest never
+    assert eng.store.device_bytes() <= eng.store.device_budget_bytes
+    assert sorted(g.answer.cached_tokens > 500 for g in gens) == [True, True, True]  # reported as first started

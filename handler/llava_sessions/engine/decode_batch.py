@@ -149,6 +149,28 @@ class DecodeBatch:
             self._free()
         return kv
 
+    def drop(self, gen: Generation) -> None:
+        """Take ``gen`` out of the batch without reading its row back (it is preempted: its KV is
+        recomputed when it resumes); the row's columns stay until the next rebuild."""
+        if gen.row is None:
+            return
+        self.rows[gen.row] = None
+        gen.row = None
+        if self.num_live == 0:
+            self._free()
+
+    def bytes_without(self, gens: list[Generation], leaving: list[Generation]) -> int:
+        """Device bytes of the batch laid out anew for its live rows and ``gens`` (the joining ones),
+        all but ``leaving``: ``rows x (longest row + grow_columns) x kv_bytes_per_token`` (scheduler
+        rule 10's arithmetic)."""
+        gone = {id(g) for g in leaving}
+        rows = [g for g in self.rows if g is not None] + [g for g in gens if g.row is None]
+        rows = [g for g in rows if id(g) not in gone]
+        if not rows:
+            return 0
+        width = max(g.next_position for g in rows)
+        return len(rows) * (width + self.grow_columns) * self.runner.kv_bytes_per_token
+
     def _build(self, joining: list[Generation]) -> None:
         """Lay out the live rows and ``joining`` (whose KV their sessions lend) anew, in the device
         memory the step's plan made room for (:attr:`~.scheduler.StepPlan.batch_bytes`)."""

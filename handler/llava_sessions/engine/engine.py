@@ -62,8 +62,8 @@ class SessionEngine:
 
     Attributes:
         model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
-        num_reused_tokens / num_generated_tokens: counters for metrics (prompt tokens served from a
-            KV cache; tokens sampled, finished answers or not).
+        num_reused_tokens / num_generated_tokens / num_preemptions: counters for metrics (prompt
+            tokens served from a KV cache; tokens sampled, finished answers or not; answers preempted).
     """
 
     def __init__(
@@ -108,6 +108,11 @@ class SessionEngine:
     def num_generated_tokens(self) -> int:
         """Tokens sampled since start, finished answers or not (for metrics)."""
         return self._update.num_generated_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        """Answers preempted since start so that older ones could grow (for metrics)."""
+        return self._update.num_preemptions
 
     def new_session_bytes(self, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
         """Device bytes a new session takes in the ``kv`` tier (:func:`~.memory.new_session_bytes`)."""

@@ -30,8 +30,9 @@ __all__ = ["Driver", "Generation", "ImageTask", "Phase", "Work"]
 
 
 class Phase(enum.Enum):
-    """Where an answer is: ``WAITING`` (not started: a demoted session is restored first),
-    ``PREFILLING`` (its prompt in chunks), ``DECODING`` (a row of the decode batch), ``DONE``."""
+    """Where an answer is: ``WAITING`` (not started: a demoted session is restored first; or
+    preempted: its KV dropped, it resumes from here), ``PREFILLING`` (its prompt in chunks; a resumed
+    answer's prompt and tokens so far), ``DECODING`` (a row of the decode batch), ``DONE``."""
 
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -69,6 +70,9 @@ class Generation:
         row: this answer's row in the decode batch, while it has one.
         num_reused_tokens: prompt tokens served from the session's KV cache.
         restored_from: the tier a demoted session was rebuilt from (None: a KV hit).
+        num_preemptions: times the engine preempted it to let older answers grow (vLLM's rule: the
+            newest goes); it resumes exactly, its KV recomputed (:attr:`prefill_ids`).
+        created: when it was admitted (``time.perf_counter()`` s): the newest is preempted first.
         timings: ms: ``restore``, ``prefill`` (accumulated), then ``ttft``, ``total``, ``decode_tokens_per_s``.
     """
 
@@ -105,11 +109,12 @@ class Generation:
         self.row: int | None = None
         self.num_reused_tokens = 0
         self.restored_from: RestoredFrom | None = None
+        self.num_preemptions = 0
         self.answer: Answer | None = None
         self.error: Exception | None = None
         self.timings: dict[str, float] = {}
         self._events: list[TokenEvent] = []
-        self._t0 = time.perf_counter()
+        self._t0 = self.created = time.perf_counter()
         self._t_first = self._t_last = 0.0
         self._max_stop = max((len(s) for s in params.stop), default=0)
         self.images_to_encode: list[tuple[int, Any]] = []
@@ -151,9 +156,22 @@ class Generation:
         """Position id of the token the next decode step feeds (the last one sampled)."""
         return len(self.prompt_ids) + len(self._events) - 1
 
+    @property
+    def resuming(self) -> bool:
+        """It was preempted after its first token: its prefill recomputes the KV of the prompt and the
+        tokens so far, and samples nothing (its next token is fed by the decode step that follows)."""
+        return bool(self._events) and self.phase is not Phase.DECODING
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The token ids whose KV must be cached before it decodes: the prompt, and once it has
+        tokens (a resumed answer) every token but the last (the next decode step feeds that one)."""
+        return self.prompt_ids + [e.id for e in self._events[:-1]] if self._events else self.prompt_ids
+
     def num_reusable_tokens(self) -> int:
-        """Prompt tokens the session's KV cache serves now (at least one token is always prefilled)."""
-        return min(common_prefix_len(self.session.cached_ids, self.prompt_ids), len(self.prompt_ids) - 1)
+        """Prefill tokens the session's KV cache serves now (at least one token is always prefilled)."""
+        ids = self.prefill_ids
+        return min(common_prefix_len(self.session.cached_ids, ids), len(ids) - 1)
 
     def view(self) -> WorkView:
         """What the scheduler sees: a decode row, or a prefill (after the vision tower when the
@@ -164,18 +182,26 @@ class Generation:
             session = self.session
             restore = not self.features_pending and session.image_features is None and bool(session.images)
             restore_vision = bool(self.images_to_encode) or restore
-            uncached = len(self.prompt_ids) - (0 if restore_vision else self.num_reusable_tokens())
+            uncached = len(self.prefill_ids) - (0 if restore_vision else self.num_reusable_tokens())
             return WorkView(
                 "question", needs_vision=restore_vision, num_prefill_tokens=uncached, start_bytes=self.start_bytes
             )
-        return WorkView("question", num_prefill_tokens=len(self.prompt_ids) - len(self.session.cached_ids))
+        return WorkView("question", num_prefill_tokens=len(self.prefill_ids) - len(self.session.cached_ids))
 
     # ------------------------------------------------------------------ changes (the engine's)
     def started(self, restored_from: RestoredFrom | None, num_reused_tokens: int, restore_ms: float) -> None:
-        """The session is ready to prefill: restored (or a KV hit) and cropped to the reused tokens."""
+        """The session is ready to prefill: restored (or a KV hit) and cropped to the reused tokens
+        (a resumed answer keeps what its first start reported)."""
         self.phase = Phase.PREFILLING
-        self.restored_from, self.num_reused_tokens = restored_from, num_reused_tokens
-        self.timings["restore"] = restore_ms
+        if not self._events:
+            self.restored_from, self.num_reused_tokens = restored_from, num_reused_tokens
+            self.timings["restore"] = restore_ms
+
+    def preempt(self, start_bytes: int) -> None:
+        """The engine dropped its row and KV to let older answers grow: it waits, then resumes with
+        the KV of :attr:`prefill_ids` recomputed (``start_bytes``: the device bytes that needs)."""
+        self.phase, self.row, self.start_bytes = Phase.WAITING, None, start_bytes
+        self.num_preemptions += 1
 
     def prefilled_all(self) -> None:
         """The prompt is in the KV cache: the first token is sampled next, then it decodes."""

@@ -7,9 +7,10 @@ rebuilt batch's ``batch_bytes``, and nowhere else. Before a prefill: a demoted s
 (its features re-encoded from the ``image`` tier) and its cache cropped to the tokens the answer
 reuses; an image task's images join the session and are encoded. After a forward pass: the next
 token is sampled and recorded, and a finished answer or task updates its session (the remembered
-turn, the cache kept for the next question) and releases it. On failure or abandonment: the session
-is put back as it was before the request (an open's session is removed). Forward passes themselves
-are the model runner's.
+turn, the cache kept for the next question) and releases it. When the decode batch cannot grow, the
+newest answers are preempted (vLLM's rule) and resume later with their KV recomputed. On failure or
+abandonment: the session is put back as it was before the request (an open's session is removed).
+Forward passes themselves are the model runner's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError, overloaded
 from ..results import FinishReason, RestoredFrom, elapsed_ms
 from ..sessions.ledger import Tier
+from .memory import device_bytes
 from .scheduler import PrefillPiece
 from .sequence import Generation, ImageTask, Phase, Work
 
@@ -50,6 +52,7 @@ class StateUpdates:
     Attributes:
         num_reused_tokens / num_generated_tokens: counters for metrics (prompt tokens served from a
             KV cache; tokens sampled, finished answers or not).
+        num_preemptions: answers preempted so that older ones could grow (:meth:`_batch_room`).
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class StateUpdates:
         self.decode_image = decode_image
         self.num_reused_tokens = 0
         self.num_generated_tokens = 0
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ answers
     def start_generation(self, gen: Generation) -> None:
@@ -78,7 +82,7 @@ class StateUpdates:
             self._assemble_features(gen)
         restored = self._restore(session)
         if gen.resent:  # a resent conversation: a prefix another session holds may serve more
-            self.sharing.adopt_prefix(session, gen.prompt_ids, session.image_keys, session.image_tokens)
+            self.sharing.adopt_prefix(session, gen.prefill_ids, session.image_keys, session.image_tokens)
         reuse = gen.num_reusable_tokens()
         session.crop_kv(reuse)
         self.num_reused_tokens += reuse
@@ -116,9 +120,10 @@ class StateUpdates:
 
     def decode(self, gens: list[Generation], *, rebuild: bool, batch_bytes: int = 0) -> None:
         """Run the decode step of ``gens`` together and sample each one's next token, once room is
-        made for ``batch_bytes`` (a rebuilt batch's, the plan's); no room or a failed forward pass
-        fails every one of them (their sessions put back)."""
-        if not self._batch_room(gens, batch_bytes):
+        made for ``batch_bytes`` (a rebuilt batch's, the plan's: the newest answers are preempted
+        when it cannot be made); a failed forward pass fails every one of them (their sessions put back)."""
+        gens = self._batch_room(gens, batch_bytes)
+        if not gens:
             return
         try:
             logits = self.model.decode(gens, rebuild=rebuild)
@@ -132,14 +137,43 @@ class StateUpdates:
             raise
         self.accept_rows(gens, logits)
 
-    def _batch_room(self, gens: list[Generation], batch_bytes: int) -> bool:
-        """Make room for a rebuilt decode batch's ``batch_bytes`` (scheduler rule 10); when none can
-        be made, each of ``gens`` fails with ``overloaded``. Returns whether room was made."""
+    def _batch_room(self, gens: list[Generation], batch_bytes: int) -> list[Generation]:
+        """Make room for a rebuilt decode batch's ``batch_bytes`` (scheduler rule 10). When none can be
+        made, preempt the newest answers, one at a time, until the batch without them fits (vLLM's
+        rule: an answer never fails because another grew; a preempted one pauses and resumes
+        exactly, :meth:`_preempt`); the oldest always decodes, and fails with ``overloaded`` only when
+        even it alone cannot get room. Returns the answers that decode this step."""
         if not batch_bytes or self.store.allocate(batch_bytes, keep=None):
-            return True
+            return gens
+        batch = self.model.batch
+        live = {id(g): g for g in [*(r for r in batch.rows if r is not None), *gens]}
+        newest_first = sorted(live.values(), key=lambda g: g.created, reverse=True)
+        leaving: list[Generation] = []
+        for g in newest_first[:-1]:
+            leaving.append(g)
+            room = batch.bytes_without(gens, leaving)
+            if not room or self.store.allocate(room, keep=None):
+                for gone in leaving:
+                    self._preempt(gone)
+                return [g for g in gens if g not in leaving]
         for g in gens:
             self.fail(g, overloaded("not enough device memory to decode now; retry later", "step_memory"))
-        return False
+        return []
+
+    def _preempt(self, gen: Generation) -> None:
+        """Preempt ``gen``: its row leaves the batch unread and its session's KV is dropped (no copy;
+        the session keeps its image features), so it waits, then recomputes the KV of its prompt and
+        tokens so far (:attr:`~.sequence.Generation.prefill_ids`) and decodes on: the same tokens, as
+        greedy decoding and a seeded sampler give them. Its stream pauses meanwhile."""
+        batch = self.model.batch
+        batch.drop(gen)
+        gen.session.drop_kv()
+        left = max(1, gen.room_tokens - len(gen.events))
+        # it resumes once room is made for its KV and for the batch it will join (the rebuild lays every
+        # row out anew beside the old batch): resuming sooner would only be preempted again
+        joined = batch.bytes_without([gen], [])
+        gen.preempt(device_bytes(self.runner, len(gen.prefill_ids) + left, 0) + joined)
+        self.num_preemptions += 1
 
     def accept_rows(self, gens: list[Generation], logits: torch.Tensor) -> None:
         """Sample each of ``gens``' next token from its row of ``logits [B, vocab]`` (float32, the
@@ -308,7 +342,8 @@ class StateUpdates:
             self.decode(gens, rebuild=rebuild, batch_bytes=batch_bytes)
             return
         alone = dataclasses.replace(piece, vision=False, grant_bytes=0)  # its start ran: the chunk is left
-        if not self._batch_room(gens, batch_bytes):
+        gens = self._batch_room(gens, batch_bytes)
+        if not gens:
             self._piece(w, alone, stop_before_chunk=False)
             return
         try:
@@ -342,6 +377,8 @@ class StateUpdates:
         (restore, crop), an image's vision tower. Returns False when the piece runs no chunk this step
         (the vision tower took its share, or the image's prefix is all cached: then its task is finished)."""
         if piece.grant_bytes and not self.store.allocate(piece.grant_bytes, keep=w.session):
+            if isinstance(w, Generation) and w.resuming:
+                return False  # a preempted answer waits for room (older answers end and free it)
             raise w.no_room()
         if isinstance(w, Generation):
             if w.phase is Phase.WAITING:
@@ -360,13 +397,16 @@ class StateUpdates:
         """What follows a prefill chunk: an answer whose prompt is all prefilled samples its first
         token; an image whose prefix is all cached is done."""
         if isinstance(w, Generation):
-            if len(w.session.cached_ids) == len(w.prompt_ids):
+            if len(w.session.cached_ids) == len(w.prefill_ids):
+                resumed = w.resuming  # its next token is known: the decode step feeds it
                 w.prefilled_all()
-                self.accept(w, logits)
+                if not resumed:
+                    self.accept(w, logits)
         elif len(w.session.cached_ids) == len(w.prefix):
             self.finish_image_task(w)
 
     @staticmethod
     def _ids(w: Work) -> list[int]:
-        """The full token ids ``w`` prefills (an answer's prompt, an image's prefix)."""
-        return w.prompt_ids if isinstance(w, Generation) else w.prefix
+        """The full token ids ``w`` prefills (an answer's prompt, and a resumed one's tokens so far;
+        an image's prefix)."""
+        return w.prefill_ids if isinstance(w, Generation) else w.prefix
