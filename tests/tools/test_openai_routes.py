@@ -186,6 +186,11 @@ def test_torchserve_paths_still_answer_through_the_front(server):
     reply = requests.post(server.url + "/invocations", json={"type": "generate", "prompt": "hi"}, timeout=30)
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "missing_session_id"
     assert requests.post(server.url + "/v1/completions", json={}, timeout=10).status_code == 404
+    # only POST /v1/chat/completions itself is relayed as a chat turn: a path that merely begins with
+    # "/v1" goes to TorchServe as it is, which serves no such route
+    chat = {"model": "llava", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    stray = requests.post(server.url + "/v1chat/completions", json=chat, timeout=30)
+    assert stray.status_code == 404, stray.text
 
 
 def test_our_client_resends_without_a_session_and_sends_each_image_once(server, local_endpoint, runner, photos):

@@ -85,6 +85,9 @@ from .http_wire import (
 from .image_relay import ImageRelay
 from .torchserve_files import MAX_REQUEST_BYTES
 
+CHAT_COMPLETIONS_PATH = OPENAI_PREFIX.encode() + b"/chat/completions"
+"""The one OpenAI route relayed to TorchServe (as ``/invocations``); the front answers the rest."""
+
 __all__ = ["OPENAI_PREFIX", "OpenAIFront"]
 
 
@@ -127,7 +130,7 @@ class _Connection(socketserver.StreamRequestHandler):
         if local is not None:
             self.wfile.write(local)
             return keep
-        openai_route = target.partition(b"?")[0].startswith(OPENAI_PREFIX.encode()) and self.server.routes
+        openai_route = self.server.routes and method == b"POST" and target.partition(b"?")[0] == CHAT_COMPLETIONS_PATH
         if not self.server.ready and not self.server.wait_ready():
             message = "the model is not serving yet (starting, or restarting after a worker died); retry shortly"
             self.wfile.write(self._not_ready(message))
@@ -196,7 +199,7 @@ class _Connection(socketserver.StreamRequestHandler):
     def _openai(self, method: bytes, path: bytes) -> bytes | None:
         """OpenAI's routes answered here (None: chat completions, relayed to ``/invocations``)."""
         server = self.server
-        if method == b"POST" and path == b"/v1/chat/completions":
+        if method == b"POST" and path == CHAT_COMPLETIONS_PATH:
             return None
         if method == b"GET" and path == b"/v1/models":
             cards = [server.model_card(name) for name in server.model_names]
