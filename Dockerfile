@@ -45,6 +45,7 @@ RUN pip install --no-cache-dir --constraint /opt/llava/config/constraints.txt \
         requests \
         boto3 \
         llguidance \
+        av \
         psutil \
         packaging \
     && java -version

@@ -23,6 +23,7 @@ class ErrorCode(str, Enum):
     IMAGE_FETCH_TIMEOUT = "image_fetch_timeout"  # 400: the image's host did not deliver it within the deadline
     IMAGE_URL_FORBIDDEN = "image_url_forbidden"  # 400: URL scheme, host or address refused
     IMAGE_UUID_NOT_FOUND = "image_uuid_not_found"  # 400: an image named by uuid that nothing (in its salt) holds
+    VIDEO_INVALID = "video_invalid"  # 400: not a readable video (container, codec, no frames, truncated)
     MODEL_NOT_FOUND = "model_not_found"  # 404: the OpenAI route names a model this server does not serve
     SESSION_NOT_FOUND = "session_not_found"  # 404: unknown id (never opened here, or closed)
     SESSION_EXPIRED = "session_expired"  # 404: past its TTL or idle timeout
@@ -30,6 +31,7 @@ class ErrorCode(str, Enum):
     SESSION_BUSY = "session_busy"  # 409: the session already has a generation in flight
     PAYLOAD_TOO_LARGE = "payload_too_large"  # 413: request body over the limit
     IMAGE_TOO_LARGE = "image_too_large"  # 413: image bytes or pixels over the limit
+    VIDEO_TOO_LARGE = "video_too_large"  # 413: video bytes, frame pixels or frames to decode over the limit
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 422: prompt + max_new_tokens > max positions
     IMAGE_LIMIT_EXCEEDED = "image_limit_exceeded"  # 422: images or image tokens per session over the limit
     OVERLOADED = "overloaded"  # 503: no memory or generation slot now; retry later
@@ -47,6 +49,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.IMAGE_FETCH_TIMEOUT: 400,
     ErrorCode.IMAGE_URL_FORBIDDEN: 400,
     ErrorCode.IMAGE_UUID_NOT_FOUND: 400,
+    ErrorCode.VIDEO_INVALID: 400,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.SESSION_NOT_FOUND: 404,
     ErrorCode.SESSION_EXPIRED: 404,
@@ -54,6 +57,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SESSION_BUSY: 409,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.IMAGE_TOO_LARGE: 413,
+    ErrorCode.VIDEO_TOO_LARGE: 413,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 422,
     ErrorCode.IMAGE_LIMIT_EXCEEDED: 422,
     ErrorCode.OVERLOADED: 503,

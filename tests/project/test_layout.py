@@ -146,6 +146,7 @@ LAYERS: list[set[str]] = [
         "sampling.grammar",
         "images.decode",
         "images.s3",
+        "video.decode",
         "model.templating",
         "model.fused",
         "wire.framing",
@@ -153,7 +154,7 @@ LAYERS: list[set[str]] = [
         "engine.sharing",
     },
     {"wire.inbound", "images.fetch", "model.runner", "sampling.sampler"},
-    {"images", "model", "engine.sequence", "chat.fields", "wire.affinity"},
+    {"images", "video", "model", "engine.sequence", "chat.fields", "wire.affinity"},
     {"native.protocol", "chat.protocol", "sessions.session", "engine.admission", "engine.updates"},
     {"chat.command", "sessions.store", "engine.decode_batch"},
     {"chat.responses"},
@@ -251,7 +252,7 @@ def test_the_core_imports_point_down_only() -> None:
 #: the replicas, the wiring.
 FLOORS: list[set[str]] = [
     {"errors", "config", "results", "metrics", "conversation"},
-    {"sampling", "images"},
+    {"sampling", "images", "video"},
     {"model"},
     {"sessions"},
     {"engine"},
@@ -335,6 +336,7 @@ def test_the_dialects_results_and_conversation_import_no_torch() -> None:
             "wire.framing",
             "wire.inbound",
             "images",
+            "video",
             "results",
             "conversation",
             "sessions.ledger",
