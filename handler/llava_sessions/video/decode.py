@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from io import BytesIO
 from typing import Any
@@ -188,51 +189,39 @@ def decode_video(
         return SampledVideo(np.stack(frames), tuple(indices), tuple(times), info, num_decoded)
 
 
-class _open:
+@contextmanager
+def _open(data: bytes, limits: VideoLimits) -> Iterator[tuple[Any, VideoInfo]]:
     """``with _open(data, limits) as (container, info)``: the clip opened by its own demuxer, its
-    header checked; closes the container. Raises as :func:`probe_video`."""
+    header checked; the container is closed on leaving. Raises as :func:`probe_video`."""
+    import av  # PyAV: imported on first use, so a worker that serves no video never loads FFmpeg
 
-    def __init__(self, data: bytes, limits: VideoLimits) -> None:
-        self.data, self.limits = data, limits
-        self.container: Any = None
-
-    def __enter__(self) -> tuple[Any, VideoInfo]:
-        import av  # PyAV: imported on first use, so a worker that serves no video never loads FFmpeg
-
-        data, limits = self.data, self.limits
-        if not data:
-            raise _invalid("the video is empty (0 bytes)")
-        if len(data) > limits.max_bytes:
-            raise _too_large(f"the video is {len(data)} bytes, over the {limits.max_bytes}-byte limit")
-        demuxer = _demuxer(data)
-        if demuxer is None:
-            accepted = ", ".join(VIDEO_CONTAINERS.values())
-            raise _invalid(f"not a recognised video container (accepted: {accepted}; no playlists)")
-        options = {"enable_drefs": "0", "use_absolute_path": "0"} if demuxer == "mov" else {}
+    if not data:
+        raise _invalid("the video is empty (0 bytes)")
+    if len(data) > limits.max_bytes:
+        raise _too_large(f"the video is {len(data)} bytes, over the {limits.max_bytes}-byte limit")
+    demuxer = _demuxer(data)
+    if demuxer is None:
+        accepted = ", ".join(VIDEO_CONTAINERS.values())
+        raise _invalid(f"not a recognised video container (accepted: {accepted}; no playlists)")
+    options = {"enable_drefs": "0", "use_absolute_path": "0"} if demuxer == "mov" else {}
+    unreadable = _invalid(f"the {VIDEO_CONTAINERS[demuxer]} file is truncated or corrupt")
+    try:
+        container = av.open(BytesIO(data), format=demuxer, container_options=options, metadata_errors="ignore")
+    except Exception as exc:  # av.error.* for unreadable input, and ValueError/OSError/IndexError  # noqa: BLE001
+        logger.debug("video open failed: %r", exc)
+        raise unreadable from None
+    try:
         try:
-            self.container = av.open(BytesIO(data), format=demuxer, container_options=options, metadata_errors="ignore")
-            info = _info(self.container, VIDEO_CONTAINERS[demuxer])
+            info = _info(container, VIDEO_CONTAINERS[demuxer])
         except ServiceError:
-            self.close()
             raise
-        except Exception as exc:  # av.error.* for unreadable input, and ValueError/OSError/IndexError  # noqa: BLE001
-            self.close()
-            logger.debug("video open failed: %r", exc)
-            raise _invalid(f"the {VIDEO_CONTAINERS[demuxer]} file is truncated or corrupt") from None
-        try:
-            _check(info, limits)
-        except ServiceError:
-            self.close()
-            raise
-        return self.container, info
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.container is not None:
-            self.container.close()
-            self.container = None
+        except Exception as exc:  # a header PyAV reads but cannot describe  # noqa: BLE001
+            logger.debug("video header unreadable: %r", exc)
+            raise unreadable from None
+        _check(info, limits)
+        yield container, info
+    finally:
+        container.close()
 
 
 def _demuxer(data: bytes) -> str | None:
