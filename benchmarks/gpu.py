@@ -18,7 +18,8 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    preprocess, vision tower, projector, prefill).
 6. **The peer**: transformers' own fastest batch-1 path on the same card, ``generate`` with a static
    cache compiled (``cache_implementation="static"``; transformers compiles the decode step itself on
-   a GPU with a static cache, as its docs describe), ms per token after a warm-up generate.
+   a GPU with a static cache, as its docs describe), ms per token: the median gap between its generated
+   tokens, read by a streamer inside the call, after a warm-up generate.
 
 Every ratio is to the floor measured in the same run. ``python benchmarks/gpu.py --device cpu --model
 tiny`` runs the same code as a smoke test (the peer then runs eager: transformers compiles only on a
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from engine_decode import build_runner, run_together, sync
 from llava_sessions.conversation import Chat
@@ -250,29 +253,44 @@ def _fresh(image: bytes, salt: int) -> bytes:
 
 
 @torch.inference_mode()
+class TokenClock(BaseStreamer):
+    """A ``generate`` streamer that stamps each token as it reaches the host: transformers calls
+    :meth:`put` once with the prompt, then once per generated token (after its ``.cpu()``, so the
+    device has finished the step); the gaps between generated tokens are the decode steps."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def step_ms(self) -> list[float]:
+        """The decode steps' wall times (ms): the gaps between generated tokens (the prompt's stamp
+        and the prefill before the first token left out)."""
+        return [(b - a) * 1000 for a, b in itertools.pairwise(self.stamps[1:])]
+
+
 def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> dict:
     """transformers' own batch-1 path: ``generate`` with a static cache (compiled by transformers on a
-    GPU), greedy, ``new_tokens`` tokens; ms per token from the second run (the first compiles)."""
+    GPU), greedy, ``new_tokens`` tokens; ms per token: the median gap between generated tokens, read
+    by a streamer inside the call (:class:`TokenClock`), over every run but the first (it compiles)."""
     processor, model = runner.processor, runner.model
     picture = decode_image(image, max_pixels=40_000_000)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(images=[picture], text=prompt, return_tensors="pt").to(runner.device, runner.dtype)
     kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
-    kwargs["cache_implementation"] = "static"
-    times = []
-    for _ in range(3):
-        sync(runner.device)
-        t0 = time.perf_counter()
-        model.generate(**inputs, max_new_tokens=1, min_new_tokens=1, do_sample=False, cache_implementation="static")
-        sync(runner.device)
-        prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        model.generate(**inputs, **kwargs)
-        sync(runner.device)
-        times.append(((time.perf_counter() - t0) - prefill) * 1000 / (new_tokens - 1))
+    steps: list[float] = []
+    for run in range(3):
+        clock = TokenClock()
+        model.generate(**inputs, **kwargs, cache_implementation="static", streamer=clock)
+        if run > 0:
+            steps.extend(clock.step_ms())
     return {
-        "ms_per_token": round(statistics.median(times[1:]), 3),
+        "ms_per_token": round(statistics.median(steps), 3),
         "compiled": runner.device.type == "cuda",
         "prompt_tokens": int(inputs["input_ids"].shape[1]),
     }
