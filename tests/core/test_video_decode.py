@@ -136,6 +136,9 @@ def test_a_ten_minute_clip_is_sampled_by_seeking_never_decoded_whole():
     levels = [int(round(frame.mean())) for frame in video.frames]
     assert all(abs(seen - per_second(i)) <= 4 for seen, i in zip(levels, video.indices, strict=True)), levels
 
+    widest = decode_video(clip, num_frames=32)  # the cap's most samples fit the default decode cap
+    assert len(widest.indices) == 32 and widest.num_decoded_frames <= 32 * 250
+
     capped = refused(clip, num_frames=8, limits=VideoLimits(max_decoded_frames=100))
     assert capped.code is ErrorCode.VIDEO_TOO_LARGE and "more than 100 frames" in capped.message
 

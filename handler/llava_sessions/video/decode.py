@@ -74,15 +74,17 @@ class VideoLimits:
         max_frames: most frames sampled from one clip (each costs the vision tower and 144-197
             tokens of context on LLaVA-NeXT-Video / OneVision).
         default_num_frames: frames sampled when the request names neither ``num_frames`` nor ``fps``.
-        max_decoded_frames: most frames decoded to reach the sampled ones (a clip whose keyframes are
-            too sparse to seek costs a decode of everything before its last sample).
+        max_decoded_frames: most frames decoded to reach the sampled ones: 32 samples x a 256-frame
+            keyframe interval (x264's default is 250), each sample costing at most a decode from its
+            keyframe; a clip whose keyframes are too sparse to seek costs a decode of everything before
+            its last sample, and is refused past this.
     """
 
     max_bytes: int = 64 * 1024 * 1024
     max_frame_pixels: int = 1920 * 1088
     max_frames: int = 32
     default_num_frames: int = 8
-    max_decoded_frames: int = 4096
+    max_decoded_frames: int = 32 * 256
 
 
 @dataclass(frozen=True)
