@@ -252,7 +252,6 @@ def _fresh(image: bytes, salt: int) -> bytes:
     return out.getvalue()
 
 
-@torch.inference_mode()
 class TokenClock(BaseStreamer):
     """A ``generate`` streamer that stamps each token as it reaches the host: transformers calls
     :meth:`put` once with the prompt, then once per generated token (after its ``.cpu()``, so the
@@ -273,6 +272,7 @@ class TokenClock(BaseStreamer):
         return [(b - a) * 1000 for a, b in itertools.pairwise(self.stamps[1:])]
 
 
+@torch.inference_mode()
 def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> dict:
     """transformers' own batch-1 path: ``generate`` with a static cache (compiled by transformers on a
     GPU), greedy, ``new_tokens`` tokens; ms per token: the median gap between generated tokens, read
