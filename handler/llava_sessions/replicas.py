@@ -48,7 +48,7 @@ from .metrics import WorkerMetrics
 from .native.responses import encode_error
 from .service import SessionService
 from .wire.affinity import prefix_key
-from .wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER
+from .wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SEQUENCE_END_HEADER
 from .wire.framing import Framing, Row, RowResult
 
 __all__ = ["ReplicaRouter", "resolve_devices"]
@@ -157,6 +157,7 @@ class ReplicaRouter:
         self._jobs: dict[str, int] = {}  # request id of a job in flight -> replica
         self._keys: dict[str, str] = {}  # request id of a sessionless chat in flight -> its prefix key
         self._lock = threading.Lock()
+        self._framing = Framing(self._build.get("end_header", SEQUENCE_END_HEADER))
         self._pool = ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="llava-replica")
         for replica in self.replicas:
             self._spawn(replica)
@@ -218,7 +219,11 @@ class ReplicaRouter:
     def handle(self, rows: list[Row]) -> list[RowResult]:
         """Route the rows, let every replica with rows run its slice at once, answer each row.
 
-        Never raises: a dead replica's rows get 500 ``internal_error``.
+        Never raises: a dead replica's rows get 500 ``internal_error``, and a new request while no
+        replica is alive ``503 model_not_ready``. Either ends the TorchServe job group minted for a
+        request that came without a session (as a refused open does on a replica): left open, each
+        such group would hold one of TorchServe's ``maxNumSequence`` until its idle timeout, and
+        clients retrying through a restart would exhaust them (TorchServe's own 503 "has no worker").
         """
         parts: dict[int, list[int]] = {}
         tallies = {r.index: dict(r.stats) for r in self.replicas if r.alive}
@@ -237,10 +242,14 @@ class ReplicaRouter:
             for k, i in enumerate(positions):
                 if answers is not None:
                     result = answers[k]
-                elif index < 0 and i not in continuing:  # no replica alive to take a new request
-                    result = self.not_ready()
                 else:
-                    result = self.internal_error(chunk=i in continuing)
+                    if index < 0 and i not in continuing:  # no replica alive to take a new request
+                        result = self.not_ready()
+                    else:
+                        result = self.internal_error(chunk=i in continuing)
+                    group = rows[i].session_id
+                    if rows[i].minted and group:  # a group TorchServe minted: no session holds it
+                        result.headers.update(self._framing.end_sequence(group))
                 results[i] = result
                 self._book(rows[i], result, index)
         return [r if r is not None else RowResult(b"") for r in results]
