@@ -173,7 +173,9 @@ class WorkerMetrics:
         """Write payloads in order: per replica, the last gauges and counters and every sample.
 
         Every metric carries the ``Replica`` dimension (0..N-1): the container's total is the sum
-        over it. Time to first token goes out in seconds (Prometheus' default histogram buckets are
+        over it. A counter goes out as its increment since the last write; one that went down is a
+        replica started again after its process died, counting from 0, so all of it is the increment
+        (TorchServe refuses a negative counter update). Time to first token goes out in seconds (Prometheus' default histogram buckets are
         in seconds); the decode rate is a gauge, so only the latest answer's is sent.
         """
         try:
@@ -196,7 +198,8 @@ class WorkerMetrics:
                         updates.append((name, dims, label, value, MetricTypes.GAUGE, unit))
                 for (name, dims), value in payload["counters"].items():
                     sent_key = (name, (*dims, label))
-                    delta = value - self._counters_sent.get(sent_key, 0)
+                    sent = self._counters_sent.get(sent_key, 0)
+                    delta = value - sent if value >= sent else value  # a restarted replica counts from 0
                     if delta:
                         self._counters_sent[sent_key] = value
                         updates.append((name, dims, label, delta, MetricTypes.COUNTER, "Count"))

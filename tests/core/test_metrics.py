@@ -81,6 +81,20 @@ def test_gauges_go_out_when_they_change_counters_as_increments_samples_each(cach
     }
 
 
+def test_a_replica_started_again_counts_on_from_its_new_zero(cache, lines) -> None:
+    """A replica process that died and was started again reports its counters from 0: what it counted
+    since is the increment (TorchServe refuses a negative one, and the total must not go back)."""
+    metrics = WorkerMetrics(cache, background=False)
+    metrics.publish(payload(2, 100, 40, [], []), replica=1)
+    lines()
+    metrics.publish(payload(0, 0, 3, [], []), replica=1)  # the new process: 3 tokens so far
+    written = lines()
+    assert ("GeneratedTokens", 3, "ModelName:llava,Replica:1", "COUNTER") in written
+    assert not [line for line in written if line[1] < 0 and line[3] == "COUNTER"]
+    metrics.publish(payload(0, 0, 5, [], []), replica=1)
+    assert [(n, v) for n, v, *_ in lines() if n == "GeneratedTokens"] == [("GeneratedTokens", 2)]
+
+
 def test_the_background_writer_merges_what_queued_up_and_loses_no_sample(cache, lines) -> None:
     metrics = WorkerMetrics(cache)
     metrics.publish(payload(1, 50, 5, [10.0], [20.0]))
