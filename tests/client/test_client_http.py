@@ -43,10 +43,14 @@ GREEDY = {"max_new_tokens": 8}
 
 @pytest.fixture(scope="module")
 def server(request, tiny_model_dir):
+    # one torch thread: these tests exercise the client, and the server's two default intra-op threads
+    # share this 2-core machine with the client, TorchServe's JVM and the front. With one core kept busy
+    # (issue 46's stress-ng run) each of their parallel regions waited for a descheduled thread: a 180-token
+    # answer took 45 s instead of under 1 s, and llava-chat ran past its 120 s timeout
     return start_local_server(
         tiny_model_dir,
         addfinalizer=request.addfinalizer,
-        overrides={"step_max_tokens": 2, "allow_http": True, "allow_private_networks": True},
+        overrides={"step_max_tokens": 2, "allow_http": True, "allow_private_networks": True, "torch_threads": 1},
         model_config_overrides={"batchSize": 8, "maxNumSequence": 8},
     )
 

@@ -381,20 +381,23 @@ def test_a_killed_worker_costs_no_error(tmp_path: Path, tiny_model_dir: Path, ph
         # kill 1, while a stream is mid-answer and a session's question is in flight: the stream goes on
         # where it stopped (sent again in the session restored from its history), the question in flight
         # gets one typed, retryable 503 with Retry-After (never TorchServe's 507 or a bare 502)
+        # (the long stream starts last and the kill follows its second chunk at once: the tiny model
+        # decodes 400 tokens in a few seconds, so anything slow between them, as on a loaded machine,
+        # could let the stream end before the kill)
         old_id = session.id
-        stream = session.stream(question, remember=False, max_new_tokens=400, temperature=0)
-        given = next(stream) + next(stream)
-        in_flight: dict = {}
-        raw = {"type": "generate", "prompt": "Tell a long story.", "parameters": {"max_new_tokens": 400}}
         other = client.open_session(photos["rocket"])
         raw_session = other.id
-        sender = threading.Thread(target=lambda: in_flight.update(r=_invoke(url, raw, {SESSION: raw_session}, 60)))
-        sender.start()
-        # and a stateless conversation's stream, sampled (OpenAI's default temperature, no seed given)
+        # a stateless conversation's stream, sampled (OpenAI's default temperature, no seed given)
         conversation = client.conversation()
         pieces = conversation.ask_stream("What is it?", images=[photos["chelsea"]], max_tokens=150)
         given_chat = next(pieces)
-        time.sleep(0.5)  # the question is being answered
+        in_flight: dict = {}
+        raw = {"type": "generate", "prompt": "Tell a long story.", "parameters": {"max_new_tokens": 400}}
+        sender = threading.Thread(target=lambda: in_flight.update(r=_invoke(url, raw, {SESSION: raw_session}, 60)))
+        sender.start()
+        time.sleep(0.3)  # the question is sent and being answered
+        stream = session.stream(question, remember=False, max_new_tokens=400, temperature=0)
+        given = next(stream) + next(stream)
         _kill_worker(cli.pid)
         rest = "".join(stream)
         chat_text = given_chat + "".join(pieces)
