@@ -175,8 +175,9 @@ class WorkerMetrics:
         Every metric carries the ``Replica`` dimension (0..N-1): the container's total is the sum
         over it. A counter goes out as its increment since the last write; one that went down is a
         replica started again after its process died, counting from 0, so all of it is the increment
-        (TorchServe refuses a negative counter update). Time to first token goes out in seconds (Prometheus' default histogram buckets are
-        in seconds); the decode rate is a gauge, so only the latest answer's is sent.
+        (TorchServe refuses a negative counter update). Time to first token goes out in seconds
+        (Prometheus' default histogram buckets are in seconds); the decode rate is a gauge, so only
+        the latest answer's is sent.
         """
         try:
             from ts.metrics.metric_type_enum import MetricTypes

@@ -317,10 +317,7 @@ def _decode_at(
                     f"reaching the sampled frames takes decoding more than {limits.max_decoded_frames} frames "
                     "(a long clip with too few keyframes); send a shorter clip"
                 )
-            if frame.width * frame.height > limits.max_frame_pixels or (frame.width, frame.height) != (
-                info.width,
-                info.height,
-            ):
+            if (frame.width, frame.height) != (info.width, info.height):  # the header's size passed _check
                 raise _invalid(f"the video's frames change size ({frame.width}x{frame.height} after its header's)")
             last_time = frame.time if frame.time is not None else last_time + 1 / info.fps
             last_frame = frame
