@@ -54,6 +54,7 @@ CODE_STATUS: dict[str, int] = {
     "image_url_forbidden": 400,
     "image_uuid_not_found": 400,
     "video_invalid": 400,
+    "video_unsupported": 400,
     "model_not_found": 404,
     "session_not_found": 404,
     "session_expired": 404,

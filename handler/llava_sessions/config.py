@@ -150,6 +150,26 @@ class Settings(BaseModel):
         40_000_000, ge=1, description="Largest decoded image in pixels (width x height); decompression-bomb guard."
     )
 
+    # --- videos -----------------------------------------------------------------------------
+    max_video_bytes: int = Field(
+        64 * _MIB, ge=1, description="Largest encoded video in bytes (URL, S3 or base64; a body holds at most 6 MiB)."
+    )
+    video_num_frames: int = Field(
+        8,
+        ge=1,
+        description="Frames sampled uniformly from a video whose request names none: each costs the vision tower "
+        "and 196 context tokens on LLaVA-OneVision (8 frames: 1,569 tokens).",
+    )
+    max_video_frames: int = Field(
+        32, ge=1, description="Most frames sampled from one video (32 on LLaVA-OneVision: 6,273 tokens)."
+    )
+    max_video_frame_pixels: int = Field(
+        1920 * 1088, ge=1, description="Largest video frame in pixels (width x height), read from the header."
+    )
+    max_video_decoded_frames: int = Field(
+        32 * 256, ge=1, description="Most frames decoded to reach a video's sampled ones (keyframe seeks included)."
+    )
+
     # --- image fetching ---------------------------------------------------------------------
     allow_http: bool = Field(False, description="Accept plain http:// image URLs (https is always accepted).")
     allow_private_networks: bool = Field(

@@ -9,7 +9,79 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Chat", "ChatTarget", "ImageInput", "Turn", "common_prefix_len", "image_starts"]
+__all__ = [
+    "Chat",
+    "ChatTarget",
+    "ImageInput",
+    "Turn",
+    "VideoBytes",
+    "common_prefix_len",
+    "image_starts",
+    "is_video_size",
+    "media_size",
+    "still_images",
+    "video_indexes",
+]
+
+
+class VideoBytes(bytes):
+    """An encoded video clip (its bytes as received) and how its frames are sampled.
+
+    A session keeps its media as bytes in conversation order, the images' and the videos' alike
+    (a video is one of the session's "images" to the store, the tiers and the sharing); this type
+    tells a video apart and carries its sampling, so the bytes tier restores exactly the frames first
+    sampled, and two requests sampling one clip differently never share features
+    (:func:`~llava_sessions.images.fetch.image_key` hashes the sampling with the bytes).
+
+    Attributes:
+        num_frames: frames sampled uniformly (None: ``fps`` or the server's default).
+        fps: frames sampled per second of the clip (None: ``num_frames`` or the server's default).
+    """
+
+    num_frames: int | None
+    fps: float | None
+
+    def __new__(cls, data: bytes, num_frames: int | None = None, fps: float | None = None) -> VideoBytes:
+        out = super().__new__(cls, data)
+        out.num_frames, out.fps = num_frames, fps
+        return out
+
+    @property
+    def sampling(self) -> str:
+        """The sampling as text (``"num_frames=8"``, ``"fps=1.0"`` or ``"default"``), hashed into the key."""
+        if self.num_frames is not None:
+            return f"num_frames={self.num_frames}"
+        if self.fps is not None:
+            return f"fps={float(self.fps)!r}"
+        return "default"
+
+    def __reduce__(self) -> Any:
+        return (VideoBytes, (bytes(self), self.num_frames, self.fps))
+
+
+def media_size(item: Any) -> tuple[int, ...]:
+    """The size of a decoded medium as the layout counts it: ``(height, width)`` pixels for an image
+    (a PIL image), ``(frames, height, width)`` for a sampled video (anything with ``num_frames``)."""
+    frames = getattr(item, "num_frames", None)
+    if frames is not None:
+        return (int(frames), int(item.height), int(item.width))
+    return (int(item.height), int(item.width))
+
+
+def is_video_size(size: tuple[int, ...]) -> bool:
+    """Whether a layout size (:func:`media_size`) is a video's ``(frames, height, width)``."""
+    return len(size) == 3
+
+
+def still_images(sizes: Any) -> int:
+    """How many of the media of ``sizes`` (:func:`media_size`) are still images: what decides
+    LLaVA-OneVision's several-image layout (its processor counts images alone, videos apart)."""
+    return sum(1 for size in sizes if not is_video_size(size))
+
+
+def video_indexes(sizes: Any) -> frozenset[int]:
+    """The conversation-order indexes of the videos among media of ``sizes`` (:attr:`Chat.videos`)."""
+    return frozenset(i for i, size in enumerate(sizes) if is_video_size(size))
 
 
 @dataclass(frozen=True)
@@ -32,12 +104,16 @@ class Chat:
         pending_images: images not yet asked about: they open the next user message.
         image_tokens: placeholder tokens of every image, in conversation order
             (``len == sum(t.images for t in turns) + pending_images``).
+        videos: the conversation-order indexes of the media that are videos (the rest are images);
+            a video is counted among a turn's ``images`` as any medium and rendered as the template's
+            video part.
     """
 
     system_prompt: str | None
     turns: tuple[Turn, ...] = ()
     pending_images: int = 1
     image_tokens: tuple[int, ...] = field(default=())
+    videos: frozenset[int] = field(default=frozenset())
 
     def without_oldest(self, n: int) -> Chat:
         """The chat with its ``n`` oldest turns dropped; their images move to the first turn kept
@@ -52,18 +128,19 @@ class Chat:
             kept[0] = Turn(first.prompt, first.answer, first.images + moved)
         else:
             pending += moved
-        return Chat(self.system_prompt, tuple(kept), pending, self.image_tokens)
+        return Chat(self.system_prompt, tuple(kept), pending, self.image_tokens, self.videos)
 
 
 @dataclass(frozen=True)
 class ImageInput:
     """An image of a resent conversation: its content ``key`` (:func:`~llava_sessions.images.fetch.image_key`), the encoded
     ``data``, its (height, width) ``size`` in pixels and the ``image`` decoded (RGB PIL), or None when
-    the worker already holds its features or bytes (then it is decoded only if it must be encoded)."""
+    the worker already holds its features or bytes (then it is decoded only if it must be encoded).
+    A video is one too: ``data`` a :class:`VideoBytes`, ``size`` its ``(frames, height, width)``."""
 
     key: str
     data: bytes
-    size: tuple[int, int]
+    size: tuple[int, ...]
     image: Any = None
 
 

@@ -24,6 +24,7 @@ class ErrorCode(str, Enum):
     IMAGE_URL_FORBIDDEN = "image_url_forbidden"  # 400: URL scheme, host or address refused
     IMAGE_UUID_NOT_FOUND = "image_uuid_not_found"  # 400: an image named by uuid that nothing (in its salt) holds
     VIDEO_INVALID = "video_invalid"  # 400: not a readable video (container, codec, no frames, truncated)
+    VIDEO_UNSUPPORTED = "video_unsupported"  # 400: a video for a model without a video path (llava-1.5, NeXT)
     MODEL_NOT_FOUND = "model_not_found"  # 404: the OpenAI route names a model this server does not serve
     SESSION_NOT_FOUND = "session_not_found"  # 404: unknown id (never opened here, or closed)
     SESSION_EXPIRED = "session_expired"  # 404: past its TTL or idle timeout
@@ -50,6 +51,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.IMAGE_URL_FORBIDDEN: 400,
     ErrorCode.IMAGE_UUID_NOT_FOUND: 400,
     ErrorCode.VIDEO_INVALID: 400,
+    ErrorCode.VIDEO_UNSUPPORTED: 400,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.SESSION_NOT_FOUND: 404,
     ErrorCode.SESSION_EXPIRED: 404,

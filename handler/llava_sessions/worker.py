@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Settings, job_groups
+from .conversation import VideoBytes
 from .engine import EngineLimits, SessionEngine, available_host_bytes, default_device_budget
 from .images.decode import decode_image
 from .metrics import WorkerMetrics
@@ -20,6 +21,7 @@ from .model import LlavaRunner
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions.store import SessionStore
+from .video import VideoLimits, decode_video
 from .wire.contract import IMAGE_RELAY_ENV, SEQUENCE_END_HEADER
 
 __all__ = ["build_engine", "build_local_service", "build_service", "quiet_worker_logs"]
@@ -170,6 +172,23 @@ def _model_dir(settings: Settings, archive_dir: str | None) -> str:
     return model_dir
 
 
+def decode_media(data: bytes, *, max_pixels: int, video_limits: VideoLimits) -> Any:
+    """Decode a session's stored medium again (the engine's decode, when a medium kept as bytes must
+    be encoded): a :class:`~llava_sessions.conversation.VideoBytes` is sampled as it was first
+    (:func:`~llava_sessions.video.decode_video`), anything else is an image
+    (:func:`~llava_sessions.images.decode_image`).
+
+    Returns:
+        An RGB PIL image, or a :class:`~llava_sessions.video.SampledVideo`.
+
+    Raises:
+        ServiceError: as the two decoders (image_invalid / image_too_large, video_invalid / video_too_large).
+    """
+    if isinstance(data, VideoBytes):
+        return decode_video(data, num_frames=data.num_frames, fps=data.fps, limits=video_limits)
+    return decode_image(data, max_pixels=max_pixels)
+
+
 def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
     """The session store (its device budget: ``device_budget_bytes``, or a fraction of what is free
     now) and the engine over ``runner``, with the settings' limits."""
@@ -185,7 +204,7 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
     return SessionEngine(
         runner,
         store,
-        functools.partial(decode_image, max_pixels=settings.max_image_pixels),
+        functools.partial(decode_media, max_pixels=settings.max_image_pixels, video_limits=VideoLimits.from_settings(settings)),
         EngineLimits(
             max_new_tokens_cap=settings.max_new_tokens_cap,
             max_prompt_tokens=settings.max_prompt_tokens,

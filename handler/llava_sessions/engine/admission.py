@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..conversation import Chat, ChatTarget, Turn, common_prefix_len
+from ..conversation import Chat, ChatTarget, Turn, common_prefix_len, media_size, still_images, video_indexes
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..results import ContextPolicy, elapsed_ms
 from ..sampling.grammar import GrammarMatcher
@@ -119,7 +119,8 @@ class Admission:
             self.store.remove(session_id)
             raise
         task = ImageTask(self.driver, "open", session, images, prefix, t0, decode_ms, start_bytes=need)
-        rows = [self.sharing.rows(session, k, n, len(tokens)) for k, n in zip(session.image_keys, tokens, strict=True)]
+        stills = still_images(sizes)
+        rows = [self.sharing.rows(session, k, n, stills) for k, n in zip(session.image_keys, tokens, strict=True)]
         if all(r is not None for r in rows):
             task.shared_rows = rows
         return task
@@ -131,7 +132,9 @@ class Admission:
         t0 = time.perf_counter()
         image, decode_ms = self._decoded(image_bytes, image)
         sizes, tokens = self._layout(session.image_sizes, [image])
-        chat = Chat(session.system_prompt, tuple(session.history), session.pending_images + 1, tuple(tokens))
+        chat = Chat(
+            session.system_prompt, tuple(session.history), session.pending_images + 1, tuple(tokens), video_indexes(sizes)
+        )
         prefix = self.runner.template.prefix_ids(chat)
         self._check_context(
             prefix,
@@ -163,21 +166,22 @@ class Admission:
         image = self.decode_image(data)
         return image, elapsed_ms(t0)
 
-    def _layout(self, sizes: list[tuple[int, int]], new_images: list[Any]) -> tuple[list[tuple[int, int]], list[int]]:
+    def _layout(self, sizes: list[tuple[int, ...]], new_images: list[Any]) -> tuple[list[tuple[int, ...]], list[int]]:
         """Every image's (height, width) and placeholder count once ``new_images`` join images of
         ``sizes``, within the image limits.
 
         Raises:
             ServiceError: image_limit_exceeded (``max_images`` or ``max_image_tokens``).
         """
-        sizes = [*sizes, *((int(img.height), int(img.width)) for img in new_images)]
+        sizes = [*sizes, *(media_size(img) for img in new_images)]
         return sizes, self._layout_sizes(sizes)
 
-    def _layout_sizes(self, sizes: list[tuple[int, int]]) -> list[int]:
+    def _layout_sizes(self, sizes: list[tuple[int, ...]]) -> list[int]:
         """The placeholder count of each image of a conversation with images of ``sizes``, within
         the image limits (raises image_limit_exceeded as :meth:`_layout`)."""
         self._check_image_count(len(sizes))
-        tokens = [self.runner.image_token_count(size, len(sizes)) for size in sizes]
+        stills = still_images(sizes)
+        tokens = [self.runner.image_token_count(size, stills) for size in sizes]
         cap = self.limits.max_image_tokens
         if cap and sum(tokens) > cap:
             raise ServiceError(
@@ -324,7 +328,7 @@ class Admission:
         grammar = _grammar(self.runner, params)
         sizes = [img.size for img in target.images]
         tokens = self._layout_sizes(sizes)
-        chat = Chat(target.system_prompt, target.turns, target.pending_images, tuple(tokens))
+        chat = Chat(target.system_prompt, target.turns, target.pending_images, tuple(tokens), video_indexes(sizes))
         ids, _, max_new = self._fit(
             chat, target.question, params.max_new_tokens, "error", clip_max_new_tokens, hint=_CHAT_CONTEXT_HINT
         )
@@ -335,7 +339,8 @@ class Admission:
         if session.kv_cache is not None:
             keep = reusable_len(session, ids, keys, tokens, self.runner.image_token_id)
         sharing = self.sharing
-        rows = [sharing.rows(session, img.key, n, len(sizes)) for img, n in zip(target.images, tokens, strict=True)]
+        stills = still_images(sizes)
+        rows = [sharing.rows(session, img.key, n, stills) for img, n in zip(target.images, tokens, strict=True)]
         runner = self.runner
         unchanged = keys == session.image_keys and tokens == session.image_tokens and session.image_features is not None
         # a new set of features is a new tensor (every row copied or encoded when the answer starts)
@@ -392,9 +397,12 @@ class Admission:
         return session
 
     def _check_no_placeholder(self, texts: list[str], where: str) -> None:
-        token = self.runner.image_token
-        if any(token in text for text in texts):
-            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{where} must not contain the image placeholder {token!r}")
+        video = self.runner.template.video_token
+        for token, what in ((self.runner.image_token, "image"), (video, "video")):
+            if token and any(token in text for text in texts):
+                raise ServiceError(
+                    ErrorCode.INVALID_PARAMETER, f"{where} must not contain the {what} placeholder {token!r}"
+                )
 
 
 def _grammar(runner: Any, params: SamplingParams) -> GrammarMatcher | None:

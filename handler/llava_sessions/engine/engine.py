@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..conversation import ChatTarget, Turn, common_prefix_len
-from ..errors import ServiceError
+from ..errors import ErrorCode, ServiceError
 from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
 from ..sampling.params import SamplingParams
 from ..sessions.store import SessionStore
@@ -229,7 +229,7 @@ class SessionEngine:
 
     def image_held(
         self, session_id: str | None, key: str, salt: str | None = None
-    ) -> tuple[bytes, tuple[int, int]] | None:
+    ) -> tuple[bytes, tuple[int, ...]] | None:
         """The encoded bytes and (height, width) of the image of content ``key`` if the session
         ``session_id`` (or, when sharing, a session of the scope of ``salt``) holds it; else None.
         Never raises."""
@@ -347,6 +347,21 @@ class SessionEngine:
             ServiceError: session_not_found / _expired / _evicted, session_busy.
         """
         self._admission.idle_session(session_id)
+
+    def check_video(self) -> None:
+        """Check that the model has a video path (:attr:`~llava_sessions.model.LlavaRunner.supports_video`),
+        before a video is fetched or decoded.
+
+        Raises:
+            ServiceError: video_unsupported (400), naming the model's architecture.
+        """
+        if not self.runner.supports_video:
+            raise ServiceError(
+                ErrorCode.VIDEO_UNSUPPORTED,
+                f"this server's model ({self.runner.architecture}) has no video path; send images, or serve "
+                "a LLaVA-OneVision checkpoint for videos",
+                param="video",
+            )
 
     # ------------------------------------------------------------------ answers
     def start(

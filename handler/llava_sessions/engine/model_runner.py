@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..conversation import still_images
 from ..model import LlavaRunner, cache_len
 from .costs import CostModel
 from .decode_batch import DecodeBatch
@@ -70,13 +71,13 @@ class ModelRunner:
             ServiceError: image_invalid; overloaded (out of device memory twice).
             RuntimeError: the model gave another row count than the processor's (a bug).
         """
-        num_images = len(session.images)
+        num_images = still_images(session.image_sizes)
         t0 = time.perf_counter()
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
                 feats = self.runner.encode_images(images, num_images)
         self.costs.vision(len(images), self._ms_since(t0))
-        expected = session.image_tokens[num_images - len(images) :]
+        expected = session.image_tokens[len(session.images) - len(images) :]
         got = [int(f.shape[0]) for f in feats]
         if got != expected:
             raise RuntimeError(f"image features have {got} rows; the processor counts {expected}")
@@ -93,7 +94,7 @@ class ModelRunner:
             ServiceError: image_invalid; overloaded (out of device memory twice).
             RuntimeError: the model gave another row count than the processor's (a bug).
         """
-        num_images = len(session.images)
+        num_images = still_images(session.image_sizes)
         t0 = time.perf_counter()
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:

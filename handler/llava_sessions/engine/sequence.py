@@ -329,7 +329,7 @@ class ImageTask:
         prefix: list[int],
         t0: float,
         decode_ms: float | None,
-        new_image: tuple[bytes, list[tuple[int, int]], list[int]] | None = None,
+        new_image: tuple[bytes, list[tuple[int, ...]], list[int]] | None = None,
         *,
         start_bytes: int = 0,
     ) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ..conversation import common_prefix_len, image_starts
+from ..conversation import common_prefix_len, image_starts, still_images
 
 if TYPE_CHECKING:
     from ..model import LlavaRunner
@@ -94,7 +94,7 @@ class ImageSharing:
             return own
         return own + [s for s in self.store.sessions() if s is not session and self.scope(s.salt) == scope]
 
-    def held(self, session: Session | None, key: str, salt: str | None) -> tuple[bytes, tuple[int, int]] | None:
+    def held(self, session: Session | None, key: str, salt: str | None) -> tuple[bytes, tuple[int, ...]] | None:
         """The encoded bytes and (height, width) of the image of content ``key`` if ``session`` (or a
         session of the scope of ``salt``) holds it; else None."""
         for holder in self._candidates(session, salt):
@@ -116,11 +116,11 @@ class ImageSharing:
     def rows(self, session: Session, key: str, num_tokens: int, num_images: int) -> torch.Tensor | None:
         """The feature rows ``[num_tokens, hidden]`` (a view; copy before keeping) of the image of
         content ``key`` laid out with ``num_tokens`` placeholders in a conversation of ``num_images``
-        images, from ``session`` first, then (when enabled) any session holding them; None if none does."""
+        still images, from ``session`` first, then (when enabled) any session holding them; None if none does."""
         mode = self.runner.base_layout(num_images)
         for holder in self._candidates(session, session.salt):
             feats = holder.image_features
-            if feats is None or self.runner.base_layout(len(holder.images)) != mode:
+            if feats is None or self.runner.base_layout(still_images(holder.image_sizes)) != mode:
                 continue
             offset = 0
             for k, n in zip(holder.image_keys, holder.image_tokens, strict=True):

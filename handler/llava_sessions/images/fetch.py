@@ -31,6 +31,7 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 
+from ..conversation import VideoBytes
 from ..errors import ErrorCode, ServiceError
 from .decode import DECODE_FORMATS, decode_image
 from .s3 import fetch_s3
@@ -72,9 +73,14 @@ def image_key(data: bytes) -> str:
 
     Images are recognised by their exact bytes, never by URL or token ids alone (cross-request
     caches keyed without the image content have served one image's answers for another: vLLM issue
-    20261, shared/notes/chat-protocol.md).
+    20261, shared/notes/chat-protocol.md). A video's key (``data`` a
+    :class:`~llava_sessions.conversation.VideoBytes`) hashes its sampling after its bytes, so one clip
+    sampled two ways is two keys, and never an image's.
     """
-    return hashlib.sha256(data).hexdigest()
+    digest = hashlib.sha256(data)
+    if isinstance(data, VideoBytes):
+        digest.update(b"\x00video:" + data.sampling.encode())
+    return digest.hexdigest()
 
 
 def fetch_image_bytes(source: ImageSource, settings: Settings, *, s3_client: Any = None) -> bytes:

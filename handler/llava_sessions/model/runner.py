@@ -29,6 +29,7 @@ from .fused import FusedCache, fusable, fused_attention_on
 from .kv_cache import BatchKVCache, cache_len
 from .loading import load_model
 from .templating import ChatTemplate
+from .video import VIDEO_ARCHITECTURES, VideoPreprocessing, preprocess_frames, video_token_count
 
 __all__ = ["LlavaRunner"]
 
@@ -39,6 +40,8 @@ class LlavaRunner:
     Args:
         model: one of ``ARCHITECTURES`` (:mod:`~llava_sessions.model.loading`) in eval mode on ``device``.
         processor: its processor (image processor, tokenizer, chat template).
+        video_preprocessing: its video processor's settings (:mod:`.video`; default: the class
+            defaults), used by a model with a video path.
 
     Attributes:
         architecture: the model's class name.
@@ -52,9 +55,10 @@ class LlavaRunner:
         grammars: structured outputs' matchers over the tokenizer (:class:`~llava_sessions.sampling.grammar.Grammars`).
         fusable: the text model may run a decode step and a prefill chunk in one pass
             (:meth:`fused_step`; :func:`~llava_sessions.model.fused.fusable`).
+        supports_video: the model has a video path this runner serves (:data:`.video.VIDEO_ARCHITECTURES`).
     """
 
-    def __init__(self, model: Any, processor: Any) -> None:
+    def __init__(self, model: Any, processor: Any, video_preprocessing: VideoPreprocessing | None = None) -> None:
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -63,10 +67,17 @@ class LlavaRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.image_token_id: int = int(self.config.image_token_id)
-        #: The checkpoint's chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
-        self.template = ChatTemplate(processor, self.image_token_id)
-        self.image_token: str = self.template.image_token
         self.architecture: str = type(model).__name__
+        video_id = getattr(self.config, "video_token_id", None)
+        self.supports_video: bool = (
+            self.architecture in VIDEO_ARCHITECTURES
+            and video_id is not None
+            and getattr(processor, "video_token", None) is not None
+        )
+        self.video_preprocessing = video_preprocessing or VideoPreprocessing.from_settings({})
+        #: The checkpoint's chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
+        self.template = ChatTemplate(processor, self.image_token_id, int(video_id) if self.supports_video else None)
+        self.image_token: str = self.template.image_token
         vision = self.config.vision_config
         num_patches = (vision.image_size // vision.patch_size) ** 2
         strategy = self.config.vision_feature_select_strategy
@@ -105,7 +116,8 @@ class LlavaRunner:
             FileNotFoundError: ``model_dir`` is not a folder with a config.json.
             ValueError: bad device or dtype, or an architecture not in ``ARCHITECTURES``.
         """
-        return cls(*load_model(model_dir, device=device, gpu_id=gpu_id, dtype=dtype))
+        model, processor = load_model(model_dir, device=device, gpu_id=gpu_id, dtype=dtype)
+        return cls(model, processor, VideoPreprocessing.from_folder(model_dir))
 
     # ------------------------------------------------------------------ images
     def base_layout(self, num_images: int) -> bool:
@@ -113,12 +125,21 @@ class LlavaRunner:
         each (OneVision's several-image mode) rather than by their own size."""
         return self._multi_image_base_tile and num_images > 1
 
-    def image_token_count(self, image_size: tuple[int, int], num_images: int = 1) -> int:
+    def image_token_count(self, image_size: tuple[int, ...], num_images: int = 1) -> int:
         """Placeholder tokens of an image of ``image_size`` (height, width in pixels) in a
-        conversation holding ``num_images`` images: the processor's own count
+        conversation holding ``num_images`` still images: the processor's own count
         (``_get_num_multimodal_tokens``: 576 for llava-1.5, tiles for anyres models), or one base
-        tile + a newline row in OneVision's several-image mode.
+        tile + a newline row in OneVision's several-image mode. A video's size is ``(frames,
+        height, width)``: its count is :func:`.video.video_token_count`.
+
+        Raises:
+            ValueError: a video's size on a model without a video path (callers check
+                :attr:`supports_video` first).
         """
+        if len(image_size) == 3:
+            if not self.supports_video:
+                raise ValueError(f"{self.architecture} has no video path")
+            return video_token_count(self.config, image_size[0])
         if self.base_layout(num_images):
             return self.num_image_tokens + 1
         counter = getattr(self.processor, "_get_num_multimodal_tokens", None)
@@ -128,21 +149,31 @@ class LlavaRunner:
 
     @torch.inference_mode()
     def encode_images(self, images: Sequence[Any], num_images: int | None = None) -> list[torch.Tensor]:
-        """Preprocess RGB PIL ``images``, run the vision tower, the projector and the model's tile packing.
+        """Preprocess RGB PIL ``images``, run the vision tower, the projector and the model's tile
+        packing; a sampled video among them (anything with ``num_frames`` and ``frames``
+        ``[T, H, W, 3]`` uint8) takes the model's video path (:meth:`encode_video`).
 
         Args:
-            images: the images to encode, in conversation order.
-            num_images: images in the conversation they belong to (default ``len(images)``); decides
-                OneVision's layout (:meth:`image_token_count`).
+            images: the media to encode, in conversation order.
+            num_images: still images in the conversation they belong to (default: those among
+                ``images``); decides OneVision's layout (:meth:`image_token_count`).
 
         Returns:
-            One ``[image_tokens_i, text_hidden]`` tensor per image, model dtype, on the device;
+            One ``[image_tokens_i, text_hidden]`` tensor per medium, model dtype, on the device;
             ``image_tokens_i == image_token_count(size_i, num_images)``.
 
         Raises:
             ServiceError(image_invalid): the processor cannot handle an image.
+            ValueError: a video on a model without a video path.
         """
-        images = list(images)
+        items = list(images)
+        videos = {i for i, item in enumerate(items) if getattr(item, "num_frames", None) is not None}
+        if videos:
+            stills = [item for i, item in enumerate(items) if i not in videos]
+            total = len(stills) if num_images is None else num_images
+            still_feats = iter(self.encode_images(stills, total) if stills else [])
+            return [self.encode_video(item) if i in videos else next(still_feats) for i, item in enumerate(items)]
+        images = items
         total = len(images) if num_images is None else num_images
         base = self.base_layout(total)
         # several-image mode needs a nested batch of >= 2 images; a lone one is preprocessed twice
@@ -158,6 +189,31 @@ class LlavaRunner:
             kwargs["batch_num_images"] = torch.tensor([max(2, len(images))])
         pixel_values = out["pixel_values"][: len(images)]
         return self.encode_pixels(pixel_values, **kwargs)
+
+    @torch.inference_mode()
+    def encode_video(self, video: Any) -> torch.Tensor:
+        """Preprocess a sampled video's frames (:func:`.video.preprocess_frames`) and run the model's
+        own ``get_video_features`` (vision tower per frame, projector, pooling, newline row).
+
+        Args:
+            video: ``frames`` ``[T, H, W, 3]`` uint8 RGB (a :class:`~llava_sessions.video.SampledVideo`).
+
+        Returns:
+            ``[video_token_count(T), text_hidden]``, model dtype, on the device.
+
+        Raises:
+            ValueError: the model has no video path.
+        """
+        if not self.supports_video:
+            raise ValueError(f"{self.architecture} has no video path")
+        pixels = preprocess_frames(video.frames, self.video_preprocessing).to(self.device, self.dtype)
+        out = self.model.get_video_features(
+            pixel_values_videos=pixels,
+            vision_feature_layer=self.config.vision_feature_layer,
+            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+        )
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        return feats.reshape(-1, feats.shape[-1]).contiguous()
 
     @torch.inference_mode()
     def encode_pixels(self, pixel_values: torch.Tensor, **kwargs: Any) -> list[torch.Tensor]:

@@ -5,7 +5,9 @@ sample's shape, and only the encoders look at that).
 
 Requests are a union discriminated on ``"type"``:
 
-- ``open_session``  ``{"type", "image": {"url" | "s3_uri" | "base64"}, "system_prompt"?}``
+- ``open_session``  ``{"type", "image": {"url" | "s3_uri" | "base64"}, "system_prompt"?}``, or with
+  ``"video": {"url" | "s3_uri" | "base64", "num_frames"? | "fps"?}`` in place of ``image``
+- ``add_image``     ``{"type", "image"}``; ``add_video`` ``{"type", "video"}``
 - ``generate``      ``{"type", "prompt", "parameters"?, "stream"?, "remember"?}``
 - ``reset``         ``{"type"}``
 - ``close_session`` ``{"type", "session_id"?}``
@@ -38,6 +40,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -51,6 +54,7 @@ from ..wire.inbound import (
     CacheSalt,
     ImageSource,
     Inbound,
+    VideoSource,
     check_text,
     invalid,
     load_body,
@@ -67,6 +71,7 @@ __all__ = [
     "ResetCommand",
     "SAMPLING_BOUNDS",
     "AddImageRequest",
+    "AddVideoRequest",
     "CloseSessionRequest",
     "GenerateParameters",
     "GenerateRequest",
@@ -76,6 +81,7 @@ __all__ = [
     "Request",
     "ResetRequest",
     "SamplingBound",
+    "VideoSource",
     "SendTextPromptRequest",
     "StartSessionRequest",
     "parse_request",
@@ -119,7 +125,9 @@ class _RequestBase(Inbound):
     #: True for the AWS sample's request types; the service answers those in the sample's shape.
     legacy: ClassVar[bool] = False
 
-    def canonical(self) -> OpenSessionRequest | GenerateRequest | AddImageRequest | ResetRequest | CloseSessionRequest:
+    def canonical(
+        self,
+    ) -> OpenSessionRequest | GenerateRequest | AddImageRequest | AddVideoRequest | ResetRequest | CloseSessionRequest:
         """Return the equivalent canonical request (``self`` for canonical types)."""
         return self  # type: ignore[return-value]
 
@@ -140,7 +148,8 @@ class HistoryTurn(Inbound):
 
 
 class OpenSessionRequest(_RequestBase):
-    """Open a session on an image. Reply: :class:`OpenSessionResponse`.
+    """Open a session on an image, or on a video (``video`` in place of ``image``). Reply:
+    :class:`OpenSessionResponse`.
 
     ``history`` (optional) restores a conversation: the turns are remembered as if they had been
     asked in this session, and prefilled with the image, so the next question continues it
@@ -148,7 +157,8 @@ class OpenSessionRequest(_RequestBase):
     """
 
     type: Literal["open_session"]
-    image: ImageSource
+    image: ImageSource | None = None
+    video: VideoSource | None = None
     system_prompt: str | None = None
     history: Annotated[list[HistoryTurn], Field(max_length=256)] = Field(default_factory=list)
     cache_salt: CacheSalt | None = None
@@ -157,6 +167,17 @@ class OpenSessionRequest(_RequestBase):
     @classmethod
     def _system_text(cls, value: str | None) -> str | None:
         return value if value is None else check_text(value)
+
+    @model_validator(mode="after")
+    def _one_medium(self) -> OpenSessionRequest:
+        if (self.image is None) == (self.video is None):
+            raise PydanticCustomError("open_medium", "give exactly one of image, video")
+        return self
+
+    @property
+    def medium(self) -> ImageSource:
+        """The opening image or video (a :class:`VideoSource` is an image source with its sampling)."""
+        return self.video if self.video is not None else self.image  # type: ignore[return-value]
 
 
 class GenerateRequest(_RequestBase):
@@ -195,6 +216,14 @@ class AddImageRequest(_RequestBase):
 
     type: Literal["add_image"]
     image: ImageSource
+
+
+class AddVideoRequest(_RequestBase):
+    """Append a video to the session's conversation, as ``add_image`` does an image (on a model
+    with a video path). Reply: :class:`AddImageResponse`."""
+
+    type: Literal["add_video"]
+    video: VideoSource
 
 
 class ResetRequest(_RequestBase):
@@ -268,6 +297,7 @@ Request = Annotated[
     OpenSessionRequest
     | GenerateRequest
     | AddImageRequest
+    | AddVideoRequest
     | ResetRequest
     | CloseSessionRequest
     | StartSessionRequest
@@ -281,6 +311,7 @@ REQUEST_TYPES: tuple[str, ...] = (
     "open_session",
     "generate",
     "add_image",
+    "add_video",
     "reset",
     "close_session",
     "start_session",
@@ -294,6 +325,7 @@ NativeRequest = (
     OpenSessionRequest
     | GenerateRequest
     | AddImageRequest
+    | AddVideoRequest
     | ResetRequest
     | CloseSessionRequest
     | StartSessionRequest
@@ -395,7 +427,8 @@ def _check_limits(request: Any, *, max_prompt_chars: int, max_new_tokens_cap: in
 
 @dataclass(frozen=True)
 class OpenCommand:
-    """Open a session on ``image`` (``legacy``: reply in the AWS sample's ``start_session`` shape)."""
+    """Open a session on ``image``, an image's source or a :class:`VideoSource` (``legacy``: reply in
+    the AWS sample's ``start_session`` shape)."""
 
     kind: ClassVar[str] = "open_session"
 
@@ -437,7 +470,7 @@ class GenerateCommand:
 
 @dataclass(frozen=True)
 class AddImageCommand:
-    """Append ``image`` to the session's conversation."""
+    """Append ``image`` (an image's source or a :class:`VideoSource`) to the session's conversation."""
 
     kind: ClassVar[str] = "add_image"
 

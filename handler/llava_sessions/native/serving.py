@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from ..config import Settings
-from ..conversation import Turn
+from ..conversation import Turn, VideoBytes
 from ..engine import Generation, ImageTask
 from ..errors import ServiceError
 from ..images.decode import decode_image
@@ -22,12 +22,14 @@ from ..results import AddImageResult, OpenResult, elapsed_ms
 from ..sampling.params import SamplingParams
 from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
 from ..wire.framing import JSON_LINES, Row, RowResult
-from ..wire.inbound import request_salt
+from ..wire.inbound import VideoSource, request_salt
+from ..wire.intake import decode_video_bytes, fetch_video
 from ..wire.jobs import Job, Serving
 from . import responses
 from .protocol import (
     AddImageCommand,
     AddImageRequest,
+    AddVideoRequest,
     CloseCommand,
     CloseSessionRequest,
     Command,
@@ -57,7 +59,7 @@ def decode_command(data: Any, settings: Settings) -> Command:
         history = tuple(Turn(t.prompt, t.answer, len(t.images)) for t in canonical.history)
         images = tuple(image for t in canonical.history for image in t.images)
         system = canonical.system_prompt or s.system_prompt
-        return OpenCommand(canonical.image, system, history, legacy, images, canonical.cache_salt)
+        return OpenCommand(canonical.medium, system, history, legacy, images, canonical.cache_salt)
     if isinstance(canonical, GenerateRequest):
         p = canonical.parameters
         params = SamplingParams(
@@ -83,6 +85,8 @@ def decode_command(data: Any, settings: Settings) -> Command:
         )
     if isinstance(canonical, AddImageRequest):
         return AddImageCommand(canonical.image)
+    if isinstance(canonical, AddVideoRequest):
+        return AddImageCommand(canonical.video)
     if isinstance(canonical, CloseSessionRequest):
         return CloseCommand()
     return ResetCommand()
@@ -165,11 +169,21 @@ class NativeServing(Serving):
         """
         if isinstance(command, AddImageCommand):
             self.engine.check_idle(sid)  # before any fetch: a gone or busy session is the precise answer
+        if isinstance(command.image, VideoSource):
+            self.engine.check_video()
         t0 = time.perf_counter()
         sources = [command.image, *(command.history_images if isinstance(command, OpenCommand) else ())]
-        data = [self.fetch(source, self.settings) for source in sources]
+        data = [
+            fetch_video(self.fetch, s, self.settings) if isinstance(s, VideoSource) else self.fetch(s, self.settings)
+            for s in sources
+        ]
         t_fetched = time.perf_counter()
-        images = [decode_image(b, max_pixels=self.settings.max_image_pixels) for b in data]
+        images = [
+            decode_video_bytes(b, self.settings)
+            if isinstance(b, VideoBytes)
+            else decode_image(b, max_pixels=self.settings.max_image_pixels)
+            for b in data
+        ]
         t_decoded = time.perf_counter()
         if isinstance(command, OpenCommand):
             task = self.engine.begin_open(

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..conversation import Chat, Turn, common_prefix_len
+from ..conversation import Chat, Turn, common_prefix_len, video_indexes
 from ..images.fetch import image_key
 from ..model.kv_cache import cache_len, crop_cache
 from .ledger import Tier, tier_of
@@ -28,7 +28,7 @@ class SessionSnapshot:
 
     images: tuple[bytes, ...]
     image_keys: tuple[str, ...]
-    image_sizes: tuple[tuple[int, int], ...]
+    image_sizes: tuple[tuple[int, ...], ...]
     image_tokens: tuple[int, ...]
     pending_images: int
     image_features: torch.Tensor | None
@@ -83,7 +83,7 @@ class Session:
     opened_at: float
     expires_at: int
     last_used: float
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)
+    image_sizes: list[tuple[int, ...]] = field(default_factory=list)
     image_tokens: list[int] = field(default_factory=list)
     pending_images: int = 1
     image_keys: list[str] = field(default_factory=list)
@@ -104,7 +104,13 @@ class Session:
     # ------------------------------------------------------------------ reading
     def chat(self) -> Chat:
         """The conversation as the chat template sees it (system, turns, images)."""
-        return Chat(self.system_prompt, tuple(self.history), self.pending_images, tuple(self.image_tokens))
+        return Chat(
+            self.system_prompt,
+            tuple(self.history),
+            self.pending_images,
+            tuple(self.image_tokens),
+            video_indexes(self.image_sizes),
+        )
 
     @property
     def tier(self) -> Tier:
@@ -225,7 +231,7 @@ class Session:
         self.image_features = features
         self._changed()
 
-    def add_image(self, data: bytes, image_sizes: list[tuple[int, int]], image_tokens: list[int]) -> None:
+    def add_image(self, data: bytes, image_sizes: list[tuple[int, ...]], image_tokens: list[int]) -> None:
         """Append an encoded image (it opens the next question); ``image_sizes`` / ``image_tokens``
         are every image's, as laid out with it (the features follow with :meth:`set_features`)."""
         self.images = [*self.images, data]
@@ -239,7 +245,7 @@ class Session:
         system_prompt: str | None,
         turns: list[Turn],
         pending_images: int,
-        images: list[tuple[str, bytes, tuple[int, int], int]],
+        images: list[tuple[str, bytes, tuple[int, ...], int]],
     ) -> None:
         """Hold a resent conversation (OpenAI ``messages``): the system prompt, the remembered turns,
         the images opening the next question, and every image as ``(key, data, (height, width),

@@ -205,7 +205,7 @@ class SessionStore:
         session_id: str,
         system_prompt: str | None,
         images: list[bytes],
-        image_sizes: list[tuple[int, int]],
+        image_sizes: list[tuple[int, ...]],
         image_tokens: list[int],
         history: list[Turn] | None = None,
     ) -> Session:

@@ -86,6 +86,19 @@ class VideoLimits:
     default_num_frames: int = 8
     max_decoded_frames: int = 32 * 256
 
+    @classmethod
+    def from_settings(cls, settings: Any) -> VideoLimits:
+        """The limits a server's :class:`~llava_sessions.config.Settings` set (``max_video_bytes``,
+        ``max_video_frame_pixels``, ``max_video_frames``, ``video_num_frames`` (capped by
+        ``max_video_frames``), ``max_video_decoded_frames``)."""
+        return cls(
+            max_bytes=settings.max_video_bytes,
+            max_frame_pixels=settings.max_video_frame_pixels,
+            max_frames=settings.max_video_frames,
+            default_num_frames=min(settings.video_num_frames, settings.max_video_frames),
+            max_decoded_frames=settings.max_video_decoded_frames,
+        )
+
 
 @dataclass(frozen=True)
 class VideoInfo:
@@ -128,6 +141,21 @@ class SampledVideo:
     timestamps_s: tuple[float, ...]
     info: VideoInfo
     num_decoded_frames: int
+
+    @property
+    def num_frames(self) -> int:
+        """Frames sampled (T)."""
+        return int(self.frames.shape[0])
+
+    @property
+    def height(self) -> int:
+        """Frame height, pixels."""
+        return int(self.frames.shape[1])
+
+    @property
+    def width(self) -> int:
+        """Frame width, pixels."""
+        return int(self.frames.shape[2])
 
 
 def probe_video(data: bytes, *, limits: VideoLimits | None = None) -> VideoInfo:

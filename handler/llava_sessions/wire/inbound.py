@@ -32,6 +32,7 @@ __all__ = [
     "ImageSource",
     "ImageUuid",
     "Inbound",
+    "VideoSource",
     "check_text",
     "for_chat",
     "invalid",
@@ -192,6 +193,24 @@ class ImageSource(Inbound):
         if self.s3_uri is not None:
             return "s3_uri"
         return "base64"
+
+
+class VideoSource(ImageSource):
+    """Where a video comes from (as an image: exactly one of ``url``, ``s3_uri`` or ``base64``, a
+    ``data:video/...;base64,`` prefix accepted) and how its frames are sampled: ``num_frames`` (1 or
+    more, capped by the server's ``max_video_frames``) or ``fps`` (frames per second of the clip),
+    never both (as transformers' video processors); neither: the server's ``video_num_frames``.
+    A video is fetched under the images' rules (SSRF guard, allowlist, timeouts) with its own byte
+    cap (``max_video_bytes``)."""
+
+    num_frames: Annotated[int, Field(ge=1)] | None = None
+    fps: Annotated[float, Field(gt=0.0, le=240.0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_sampling(self) -> VideoSource:
+        if self.num_frames is not None and self.fps is not None:
+            raise PydanticCustomError("video_sampling", "give num_frames or fps, not both")
+        return self
 
 
 def invalid(message: str) -> ServiceError:

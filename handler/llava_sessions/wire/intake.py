@@ -33,15 +33,17 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
+from ..conversation import VideoBytes
 from ..errors import ErrorCode, ServiceError
+from ..video import SampledVideo, VideoLimits, decode_video
 from .contract import IMAGE_RELAY_PATH
 from .framing import Row
-from .inbound import ImageSource
+from .inbound import ImageSource, VideoSource
 
 if TYPE_CHECKING:
     from ..config import Settings
 
-__all__ = ["FetchPending", "ImageIntake", "Intake"]
+__all__ = ["FetchPending", "ImageIntake", "Intake", "decode_video_bytes", "fetch_video"]
 
 log = logging.getLogger(__name__)
 
@@ -148,3 +150,37 @@ class ImageIntake:
             log.debug("the front's image relay has no answer for this source; fetching here", exc_info=True)
             return self._fetch(source, settings)
         raise ServiceError(code, str(error.get("message", "")), param=error.get("param"))
+
+
+#: A fetch's image codes and the video codes they become for a video source.
+_VIDEO_CODES = {ErrorCode.IMAGE_TOO_LARGE: ErrorCode.VIDEO_TOO_LARGE, ErrorCode.IMAGE_INVALID: ErrorCode.VIDEO_INVALID}
+
+
+def fetch_video(fetch: Callable[..., bytes], source: VideoSource, settings: Settings) -> VideoBytes:
+    """The encoded video ``source`` names, fetched by a dialect's ``fetch`` under the images' rules
+    with the videos' byte cap (``max_video_bytes``), with its sampling attached.
+
+    Raises:
+        FetchPending: as :class:`ImageIntake`.
+        ServiceError: ``video_too_large`` (413) over ``max_video_bytes``; ``video_invalid`` (400) for
+            bad base64 or an empty file; the fetch's URL and S3 errors as for an image.
+    """
+    try:
+        data = fetch(source, settings.model_copy(update={"max_image_bytes": settings.max_video_bytes}))
+    except ServiceError as err:
+        code = _VIDEO_CODES.get(err.code)
+        if code is None:
+            raise
+        raise ServiceError(code, err.message.replace("image", "video"), param=err.param) from None
+    return VideoBytes(data, source.num_frames, source.fps)
+
+
+def decode_video_bytes(data: VideoBytes, settings: Settings) -> SampledVideo:
+    """Sample ``data``'s frames as it asks, under the settings' video limits
+    (:meth:`~llava_sessions.video.VideoLimits.from_settings`).
+
+    Raises:
+        ServiceError: as :func:`~llava_sessions.video.decode_video` (video_invalid, video_too_large,
+            invalid_parameter for ``num_frames`` over ``max_video_frames``).
+    """
+    return decode_video(data, num_frames=data.num_frames, fps=data.fps, limits=VideoLimits.from_settings(settings))

@@ -71,12 +71,14 @@ LLAVA_NEXT_CHAT_TEMPLATE = (
     "{% endfor %}"
 )
 
-#: ChatML (Qwen2, llava-onevision): ``<|im_start|>role `` + images (``<image>\\n``) + text +
-#: ``<|im_end|>\\n`` per message; the generation prompt is ``<|im_start|>assistant\\n``.
+#: ChatML (Qwen2, llava-onevision): ``<|im_start|>role `` + images (``<image>\\n``), then videos
+#: (``<video>\\n``), as llava-onevision's own template orders them, + text + ``<|im_end|>\\n`` per
+#: message; the generation prompt is ``<|im_start|>assistant\\n``.
 CHATML_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\n' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
     "{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
