@@ -204,7 +204,9 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
     return SessionEngine(
         runner,
         store,
-        functools.partial(decode_media, max_pixels=settings.max_image_pixels, video_limits=VideoLimits.from_settings(settings)),
+        functools.partial(
+            decode_media, max_pixels=settings.max_image_pixels, video_limits=VideoLimits.from_settings(settings)
+        ),
         EngineLimits(
             max_new_tokens_cap=settings.max_new_tokens_cap,
             max_prompt_tokens=settings.max_prompt_tokens,

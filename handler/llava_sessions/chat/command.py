@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from ..config import Settings
 from ..errors import ErrorCode, ServiceError
 from ..sampling.params import UNTIL_CONTEXT_END, SamplingParams
-from ..wire.inbound import ImageSource
-from .protocol import ChatCompletionRequest, ChatConversation, ImagePart
+from ..wire.inbound import ImageSource, VideoSource
+from .protocol import ChatCompletionRequest, ChatConversation, VideoPart
 
 __all__ = ["ChatCommand", "ChatImage", "chat_command", "image_source_of"]
 
@@ -24,7 +24,8 @@ class ChatCommand:
 
     Attributes:
         conversation: the messages as our conversation (system, turns, question; image counts).
-        images: every image of the conversation in order: where its bytes come from, or its uuid alone.
+        images: every image and video of the conversation in the template's order (a message's images,
+            then its videos): where its bytes come from, or its uuid alone.
         salt: the request's ``cache_salt`` (None: unsalted).
         params: sampling parameters with the server's defaults applied.
         clip_max_new_tokens: the request set no answer limit: it runs until the context ends
@@ -52,12 +53,14 @@ class ChatCommand:
 
 @dataclass(frozen=True)
 class ChatImage:
-    """One image of a chat request: ``source`` (None for a reference by ``uuid`` alone), the client's
-    ``uuid`` for it (or None), and ``param``, where it sits in the request (for errors)."""
+    """One image (or video: ``source`` a :class:`~llava_sessions.wire.inbound.VideoSource`) of a chat
+    request: ``source`` (None for a reference by ``uuid`` alone), the client's ``uuid`` for it (or
+    None), and ``param``, where it sits in the request (for errors)."""
 
     source: ImageSource | None
     uuid: str | None
     param: str
+    video: bool = False
 
 
 def image_source_of(url: str, param: str) -> ImageSource:
@@ -87,6 +90,33 @@ def image_source_of(url: str, param: str) -> ImageSource:
         ) from None
 
 
+def video_source_of(url: str, param: str, num_frames: int | None, fps: float | None) -> VideoSource:
+    """The video source a ``video_url`` names (``s3://`` → S3, ``data:video/...;base64,`` → base64,
+    else a URL), sampled by ``num_frames`` or ``fps``.
+
+    Raises:
+        ServiceError: invalid_parameter naming ``param``, as :func:`image_source_of`.
+    """
+    try:
+        if url.startswith("s3://"):
+            return VideoSource(s3_uri=url, num_frames=num_frames, fps=fps)
+        if url.startswith("data:"):
+            if not url.startswith("data:video/") or ";base64," not in url[:100]:
+                raise ServiceError(
+                    ErrorCode.INVALID_PARAMETER,
+                    f"{param}: a data URI must look like data:video/<type>;base64,<data>",
+                    param=param,
+                )
+            return VideoSource(base64=url, num_frames=num_frames, fps=fps)
+        return VideoSource(url=url, num_frames=num_frames, fps=fps)
+    except ValidationError:
+        raise ServiceError(
+            ErrorCode.INVALID_PARAMETER,
+            f"{param}: must be an https URL, an s3://bucket/key URI or a data:video/...;base64, URI",
+            param=param,
+        ) from None
+
+
 def chat_command(request: ChatCompletionRequest, settings: Settings, model: str) -> ChatCommand:
     """The command of a validated chat-completions request, with the server's defaults.
 
@@ -100,13 +130,16 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
     conversation = request.conversation()
     images: list[ChatImage] = []
     for i, msg in enumerate(request.messages):
-        if isinstance(msg.content, list):
-            for j, part in enumerate(msg.content):
-                if isinstance(part, ImagePart):
-                    param = f"messages[{i}].content[{j}]"
-                    url = part.url
-                    source = None if url is None else image_source_of(url[0], f"{param}.{url[1]}")
-                    images.append(ChatImage(source, part.uuid, param))
+        content = msg.content if isinstance(msg.content, list) else []
+        for part in msg.image_parts():  # in the template's order: a message's images, then its videos
+            param = f"messages[{i}].content[{next(j for j, p in enumerate(content) if p is part)}]"
+            url = part.url
+            source: ImageSource | None = None
+            if url is not None and isinstance(part, VideoPart):
+                source = video_source_of(url[0], f"{param}.{url[1]}", part.num_frames, part.fps)
+            elif url is not None:
+                source = image_source_of(url[0], f"{param}.{url[1]}")
+            images.append(ChatImage(source, part.uuid, param, isinstance(part, VideoPart)))
     limit = request.answer_limit
     temperature = 1.0 if request.temperature is None else request.temperature
     params = SamplingParams(

@@ -124,7 +124,7 @@ def check_unsupported(data: dict) -> None:
 
     Raises:
         ServiceError: invalid_parameter naming a field of :data:`UNSUPPORTED_FIELDS`, ``n`` > 1, or a
-            content part type other than ``text`` / ``image_url``; invalid_request naming
+            content part type other than ``text`` / ``image_url`` / ``video_url``; invalid_request naming
             ``messages[i].role`` for tool and function messages.
     """
     for name, why in UNSUPPORTED_FIELDS.items():
@@ -148,11 +148,11 @@ def check_unsupported(data: dict) -> None:
         content = msg.get("content")
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind not in ("text", "image_url", "input_text", "input_image"):
+            if isinstance(kind, str) and kind not in ("text", "image_url", "video_url", "input_text", "input_image"):
                 shown = kind if kind.isidentifier() and len(kind) <= 32 else "this type"
                 raise ServiceError(
                     ErrorCode.INVALID_PARAMETER,
-                    f"messages[{i}].content[{j}].type: {shown!r} parts are not supported; "
-                    "this model reads 'text' and 'image_url' parts (or 'input_text' and 'input_image')",
+                    f"messages[{i}].content[{j}].type: {shown!r} parts are not supported; this model server "
+                    "reads 'text', 'image_url' and 'video_url' parts (or 'input_text' and 'input_image')",
                     param=f"messages[{i}].content[{j}].type",
                 )

@@ -44,6 +44,7 @@ __all__ = [
     "ChatMessage",
     "ImagePart",
     "JsonSchemaFormat",
+    "VideoPart",
     "ResponseFormat",
     "SessionControlRequest",
     "StructuredOutputs",
@@ -107,7 +108,47 @@ class ImagePart(ChatInbound):
         return self
 
 
-Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoUrl(ChatInbound):
+    """``video_url``'s object: ``url`` (https, s3 or a ``data:video/...;base64,`` URI)."""
+
+    _where: ClassVar[str] = "messages[].content[].video_url."
+
+    url: Annotated[str, Field(min_length=1)]
+
+
+class VideoPart(ChatInbound):
+    """A ``{"type": "video_url", "video_url": {"url": ...}}`` content part (vLLM's shape, with its
+    optional ``uuid``), and how its frames are sampled, on the part as SGLang takes them:
+    ``num_frames`` or ``fps``, never both (neither: the server's ``video_num_frames``). A model
+    without a video path answers it with 400 ``video_unsupported``."""
+
+    _where: ClassVar[str] = "messages[].content[]."
+
+    type: Literal["video_url"]
+    video_url: VideoUrl | Annotated[str, Field(min_length=1)] | None
+    uuid: ImageUuid | None = None
+    num_frames: Annotated[int, Field(ge=1)] | None = None
+    fps: Annotated[float, Field(gt=0.0, le=240.0)] | None = None
+
+    @property
+    def url(self) -> tuple[str, str] | None:
+        """``(the URL, where it sits in the part)``, as :attr:`ImagePart.url`; None: by uuid alone."""
+        if self.video_url is None:
+            return None
+        if isinstance(self.video_url, str):
+            return self.video_url, "video_url"
+        return self.video_url.url, "video_url.url"
+
+    @model_validator(mode="after")
+    def _valid(self) -> VideoPart:
+        if self.video_url is None and self.uuid is None:
+            raise PydanticCustomError("video_reference", "give video_url, or a uuid an earlier request sent")
+        if self.num_frames is not None and self.fps is not None:
+            raise PydanticCustomError("video_sampling", "give num_frames or fps, not both")
+        return self
+
+
+Part = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(ChatInbound):
@@ -137,8 +178,9 @@ class ChatMessage(ChatInbound):
             return data
         typed = []
         for part in content:
-            if isinstance(part, dict) and "type" not in part and len(part.keys() & {"image_url", "text"}) == 1:
-                part = {"type": "image_url" if "image_url" in part else "text", **part}
+            keys = part.keys() & {"image_url", "video_url", "text"} if isinstance(part, dict) else set()
+            if isinstance(part, dict) and "type" not in part and len(keys) == 1:
+                part = {"type": next(iter(keys)) if keys != {"text"} else "text", **part}
             typed.append(part)
         return {**data, "content": typed}
 
@@ -155,11 +197,13 @@ class ChatMessage(ChatInbound):
             return self.content or ""
         return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
 
-    def image_parts(self) -> list[ImagePart]:
-        """The message's image parts, in order."""
+    def image_parts(self) -> list[ImagePart | VideoPart]:
+        """The message's media parts in the order the chat template renders them: its images, then its
+        videos, each in their own order (llava-onevision's template renders a message so)."""
         if self.content is None or isinstance(self.content, str):
             return []
-        return [p for p in self.content if isinstance(p, ImagePart)]
+        images: list[ImagePart | VideoPart] = [p for p in self.content if isinstance(p, ImagePart)]
+        return images + [p for p in self.content if isinstance(p, VideoPart)]
 
 
 class StreamOptions(ChatInbound):

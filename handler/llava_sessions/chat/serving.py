@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
-from ..conversation import ChatTarget, ImageInput, Turn
+from ..conversation import ChatTarget, ImageInput, Turn, VideoBytes, is_video_size, media_size
 from ..engine import Generation, SessionEngine
 from ..errors import ErrorCode, ServiceError
 from ..images.decode import decode_image
@@ -36,7 +36,8 @@ from ..metrics import WorkerMetrics
 from ..results import Answer
 from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
 from ..wire.framing import JSON, Row, RowResult
-from ..wire.inbound import ImageSource, request_salt
+from ..wire.inbound import ImageSource, VideoSource, request_salt
+from ..wire.intake import decode_video_bytes, fetch_video
 from ..wire.jobs import Job, JobTable, Serving
 from . import responses
 from .command import ChatCommand, chat_command
@@ -51,7 +52,11 @@ JSON_LINES_ACCEPT = "application/jsonlines"
 def _name_of(source: ImageSource) -> str:
     """What a session remembers an image source by: its URL or S3 URI (fetched once per session), or
     for inline data the SHA-256 of the base64 text (the same text is the same bytes: a resent image is
-    neither base64-decoded nor hashed again)."""
+    neither base64-decoded nor hashed again). A video's name adds its sampling (one clip sampled two
+    ways is two media)."""
+    if isinstance(source, VideoSource):
+        sampling = VideoBytes(b"", source.num_frames, source.fps).sampling
+        return _name_of(ImageSource(url=source.url, s3_uri=source.s3_uri, base64=source.base64)) + "#" + sampling
     if source.base64 is not None:
         return "sha256:" + hashlib.sha256(source.base64.encode()).hexdigest()
     return source.url or source.s3_uri or ""
@@ -217,9 +222,11 @@ class ChatServing(Serving):
         inputs: list[ImageInput] = []
         urls: dict[str, str] = {}
         uuids: dict[str, str] = {}
+        if any(image.video for image in command.images):
+            self.engine.check_video()
         for image in command.images:
             if image.source is None:
-                inputs.append(self._referenced(sid, image.uuid or "", image.param, salt))
+                inputs.append(self._referenced(sid, image.uuid or "", image.param, salt, video=image.video))
             else:
                 inputs.append(self._image_input(sid, image.source, salt, urls))
             if image.uuid is not None:
@@ -229,14 +236,23 @@ class ChatServing(Serving):
         system = conv.system_prompt if conv.system_prompt is not None else settings.system_prompt
         return ChatTarget(system, turns, conv.question, conv.question_images, tuple(inputs)), urls, uuids
 
-    def _referenced(self, sid: str | None, uuid: str, param: str, salt: str | None) -> ImageInput:
-        """The image a ``uuid`` names, as the session or a session or cache entry of ``salt`` holds it.
+    def _referenced(self, sid: str | None, uuid: str, param: str, salt: str | None, *, video: bool) -> ImageInput:
+        """The image (``video``: the video) a ``uuid`` names, as the session or a session or cache
+        entry of ``salt`` holds it.
 
         Raises:
-            ServiceError: image_uuid_not_found.
+            ServiceError: image_uuid_not_found (also when the uuid names a video in an image part, or
+                the reverse).
         """
         key = self.engine.uuid_key(sid, uuid, salt)
         held = self.engine.image_held(sid, key, salt) if key is not None else None
+        if held is not None and is_video_size(held[1]) != video:
+            raise ServiceError(
+                ErrorCode.IMAGE_UUID_NOT_FOUND,
+                f"{param}.uuid: {uuid!r} names {'an image' if video else 'a video'}, not "
+                f"{'a video' if video else 'an image'}",
+                param=f"{param}.uuid",
+            )
         if key is None or held is None:
             raise ServiceError(
                 ErrorCode.IMAGE_UUID_NOT_FOUND,
@@ -248,19 +264,28 @@ class ChatServing(Serving):
 
     def _image_input(self, sid: str | None, source: ImageSource, salt: str | None, urls: dict[str, str]) -> ImageInput:
         """An image sent by URL, S3 URI or base64: fetched unless the session fetched it before (its
-        ``url → key`` recorded in ``urls``), decoded unless a session of ``salt`` holds it."""
+        ``url → key`` recorded in ``urls``), decoded unless a session of ``salt`` holds it. A video
+        (``source`` a :class:`~llava_sessions.wire.inbound.VideoSource`) the same way: its key hashes
+        its bytes and sampling before any frame is decoded, so a held one is never decoded again."""
         engine, settings = self.engine, self.settings
         name = _name_of(source)
         key = engine.url_key(sid, name)
         held = engine.image_held(sid, key, salt) if key else None
         if held is not None and key is not None:
             return ImageInput(key, held[0], held[1])
-        data = self.fetch(source, settings)
+        data: bytes
+        if isinstance(source, VideoSource):
+            data = fetch_video(self.fetch, source, settings)
+        else:
+            data = self.fetch(source, settings)
         key = image_key(data)
         urls[name] = key
         held = engine.image_held(sid, key, salt)
         if held is not None:
             return ImageInput(key, data, held[1])
+        if isinstance(data, VideoBytes):
+            clip = decode_video_bytes(data, settings)
+            return ImageInput(key, data, media_size(clip), clip)
         image = decode_image(data, max_pixels=settings.max_image_pixels)
         return ImageInput(key, data, (int(image.height), int(image.width)), image)
 

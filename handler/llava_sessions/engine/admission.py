@@ -15,7 +15,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..conversation import Chat, ChatTarget, Turn, common_prefix_len, media_size, still_images, video_indexes
+from ..conversation import (
+    Chat,
+    ChatTarget,
+    Turn,
+    common_prefix_len,
+    is_video_size,
+    media_size,
+    still_images,
+    video_indexes,
+)
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..results import ContextPolicy, elapsed_ms
 from ..sampling.grammar import GrammarMatcher
@@ -109,8 +118,9 @@ class Admission:
         session = self.store.new_session(session_id, system_prompt, data, sizes, tokens, history)
         session.set_salt(salt)
         prefix = self.runner.template.prefix_ids(session.chat())
-        what = "the image and the restored history are" if history else "the image is"
-        self._check_context(prefix, f"{what} {len(prefix)} tokens", "")
+        medium = f"the video ({tokens[0]} tokens)" if is_video_size(sizes[0]) else "the image"
+        what = f"{medium} and the restored history are" if history else f"{medium} is"
+        self._check_context(prefix, f"{what} {len(prefix)} tokens in all", "")
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
         need = new_session_bytes(self.runner, len(prefix), sum(tokens))
         try:
@@ -133,13 +143,18 @@ class Admission:
         image, decode_ms = self._decoded(image_bytes, image)
         sizes, tokens = self._layout(session.image_sizes, [image])
         chat = Chat(
-            session.system_prompt, tuple(session.history), session.pending_images + 1, tuple(tokens), video_indexes(sizes)
+            session.system_prompt,
+            tuple(session.history),
+            session.pending_images + 1,
+            tuple(tokens),
+            video_indexes(sizes),
         )
         prefix = self.runner.template.prefix_ids(chat)
+        medium = f"video ({tokens[-1]} tokens)" if is_video_size(sizes[-1]) else "image"
         self._check_context(
             prefix,
-            f"with this image the conversation is {len(prefix)} tokens",
-            "; open a new session for this image (a reset forgets the turns but keeps every image)",
+            f"with this {medium} the conversation is {len(prefix)} tokens",
+            f"; open a new session for this {medium.split()[0]} (a reset forgets the turns but keeps every image)",
         )
         relayout = tokens[:-1] != session.image_tokens
         feature_tokens = sum(tokens) if relayout or session.image_features is None else tokens[-1]

@@ -76,7 +76,9 @@ class LlavaRunner:
         )
         self.video_preprocessing = video_preprocessing or VideoPreprocessing.from_settings({})
         #: The checkpoint's chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
-        self.template = ChatTemplate(processor, self.image_token_id, int(video_id) if self.supports_video else None)
+        self.template = ChatTemplate(
+            processor, self.image_token_id, int(video_id) if self.supports_video and video_id is not None else None
+        )
         self.image_token: str = self.template.image_token
         vision = self.config.vision_config
         num_patches = (vision.image_size // vision.patch_size) ** 2

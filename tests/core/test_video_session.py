@@ -1,0 +1,346 @@
+"""Video sessions (issue 44) on a tiny random-weight LLaVA-OneVision: a conversation about a video whose
+frames are decoded and encoded once.
+
+Exactness as for images: greedy answers token-identical to a from-scratch ``model.generate`` with the
+model's own video path (``pixel_values_videos``: ``get_video_features`` and the placeholder merge),
+on the conversation rendered by the checkpoint's chat template (``<video>`` expanded to the
+processor's count), fp32 on CPU. The clips are real photographs (``skimage.data``) panned across
+frames, encoded to H.264 MP4 by PyAV.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import json
+import uuid
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from llava_sessions.conversation import VideoBytes
+from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.errors import ErrorCode, ServiceError
+from llava_sessions.images.fetch import decode_image, image_key
+from llava_sessions.model import LlavaRunner
+from llava_sessions.model.video import preprocess_frames, video_token_count
+from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.service import Row
+from llava_sessions.sessions.store import SessionStore, Tier
+from llava_sessions.video import VideoLimits
+from llava_sessions.worker import build_service, decode_media
+
+av = pytest.importorskip("av")
+
+N = 8
+GREEDY = SamplingParams(max_new_tokens=N)
+decode = functools.partial(decode_media, max_pixels=40_000_000, video_limits=VideoLimits())
+#: The tiny OneVision's context: 2,048 positions, so a 16-frame video (3,137 tokens) does not fit.
+CONTEXT = 2048
+
+
+def pan_clip(photo: np.ndarray, *, num_frames: int = 16, fps: int = 8, size: tuple[int, int] = (96, 64)) -> bytes:
+    """An H.264 MP4 of ``num_frames`` crops of ``photo`` (``size`` = width, height), moving across it."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("h264", rate=fps)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(num_frames):
+            crop = np.ascontiguousarray(photo[i * 8 : i * 8 + size[1], i * 10 : i * 10 + size[0], :3])
+            frame = av.VideoFrame.from_ndarray(crop, format="rgb24").reformat(format="yuv420p")
+            frame.pts, frame.time_base = i, Fraction(1, fps)
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def ov_dir(tmp_path_factory):
+    from llava_tools.tiny_model import write_checkpoint
+
+    return write_checkpoint(
+        "tiny", tmp_path_factory.mktemp("ov"), seed=0, arch="llava-onevision", max_positions=CONTEXT
+    )
+
+
+@pytest.fixture(scope="module")
+def ov(ov_dir) -> LlavaRunner:
+    torch.manual_seed(0)
+    return LlavaRunner.from_pretrained(ov_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def clips() -> dict[str, bytes]:
+    from skimage import data
+
+    return {"astronaut": pan_clip(data.astronaut()), "coffee": pan_clip(data.coffee())}
+
+
+def engine(runner) -> SessionEngine:
+    store = SessionStore(
+        device_budget_bytes=10**10,
+        host_budget_bytes=10**9,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        max_sessions=8,
+        ttl_s=1200,
+    )
+    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096), check_invariants=True)
+
+
+def reference(runner, turns: list[tuple[list, str, str | None]]) -> list[int]:
+    """Greedy tokens of ``generate`` from scratch on ``[(media opening the user message, question,
+    answer or None for the last)]``; a medium is image bytes or a :class:`VideoBytes`. The images go
+    through the checkpoint's own processor; each ``<video>`` id is expanded to the processor's count
+    (``_get_num_multimodal_tokens``) and the model runs its own video path on the clip's pixels."""
+    chat, images, videos = [], [], []
+    for media, question, answer in turns:
+        stills = [m for m in media if not isinstance(m, VideoBytes)]
+        clips = [m for m in media if isinstance(m, VideoBytes)]
+        images += stills
+        videos += clips
+        content = [{"type": "image"}] * len(stills) + [{"type": "video"}] * len(clips)
+        chat.append({"role": "user", "content": [*content, {"type": "text", "text": question}]})
+        if answer is not None:
+            chat.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    text = runner.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    # the processor refuses <video> without its video processor (torchvision): the ids come from the
+    # tokenizer, each placeholder expanded to the processor's own count of its medium
+    pil = [decode_image(b, max_pixels=10**8) for b in images]
+    sampled = [decode(v) for v in videos]
+    counts = runner.processor._get_num_multimodal_tokens(
+        image_sizes=[(p.height, p.width) for p in pil] or None,
+        video_sizes=[(v.num_frames, v.height, v.width) for v in sampled] or None,
+    )
+    assert len(images) <= 1, "several images take OneVision's several-image layout: not counted here"
+    per_image = iter(getattr(counts, "num_image_tokens", None) or [])
+    per_video = iter(getattr(counts, "num_video_tokens", None) or [])
+    image_id, video_id = runner.config.image_token_id, runner.config.video_token_id
+    ids = []
+    for token in runner.tokenizer(text)["input_ids"]:
+        if token == image_id:
+            ids += [image_id] * next(per_image)
+        elif token == video_id:
+            ids += [video_id] * next(per_video)
+        else:
+            ids.append(token)
+    kwargs = {}
+    if images:
+        pixels = runner.processor.image_processor(images=pil, return_tensors="pt")
+        kwargs = {"pixel_values": pixels["pixel_values"], "image_sizes": pixels["image_sizes"]}
+    if sampled:
+        kwargs["pixel_values_videos"] = torch.cat(
+            [preprocess_frames(v.frames, runner.video_preprocessing) for v in sampled]
+        )
+    input_ids = torch.tensor([ids])
+    with torch.inference_mode():
+        out = runner.model.generate(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=N, do_sample=False, **kwargs
+        )
+    return out[0, input_ids.shape[1] :].tolist()
+
+
+def ids(answer) -> list[int]:
+    return [t.id for t in answer.tokens]
+
+
+def test_a_video_session_answers_as_generate_does_from_every_tier(ov, clips) -> None:
+    """Open on a 4-frame sample of a clip: 4 x 196 + 1 video tokens; the first question, a follow-up
+    (only its own tokens prefilled) and the same after demotion to the features tier and to the bytes
+    tier (the clip decoded and sampled again) each equal ``generate`` from scratch."""
+    video = VideoBytes(clips["astronaut"], num_frames=4)
+    eng = engine(ov)
+    opened = eng.open("s", video, image=decode(video))
+    assert opened.image_tokens == 4 * 196 + 1 == video_token_count(ov.config, 4)
+    q1, q2, q3, q4 = "What happens in this video?", "What color is it?", "Why?", "Where?"
+    a1 = eng.generate("s", q1, GREEDY)
+    assert ids(a1) == reference(ov, [([video], q1, None)])
+    assert a1.cached_tokens == opened.prefix_tokens
+    a2 = eng.generate("s", q2, GREEDY)
+    history = [([video], q1, a1.text)]
+    assert ids(a2) == reference(ov, [*history, ([], q2, None)])
+    assert a2.cached_tokens >= a1.prompt_tokens - 2  # the video and the first turn came from the cache
+    history.append(([], q2, a2.text))
+    eng.store.demote("s", Tier.FEATURES)
+    a3 = eng.generate("s", q3, GREEDY)
+    assert a3.restored_from == "features" and ids(a3) == reference(ov, [*history, ([], q3, None)])
+    history.append(([], q3, a3.text))
+    eng.store.demote("s", Tier.IMAGE)
+    a4 = eng.generate("s", q4, GREEDY)
+    assert a4.restored_from == "image" and ids(a4) == reference(ov, [*history, ([], q4, None)])
+
+
+def test_a_video_joins_an_image_session_and_an_image_a_video_session_exactly(ov, clips, photos) -> None:
+    """An image laid out alone (anyres: a video is not one of OneVision's several images), then a video
+    added: its frames encoded, the image's features and the first turn's KV kept; and a video session
+    that adds an image: every image counted as in the processor's several-image mode only when two
+    images are held."""
+    small = Image.open(io.BytesIO(photos["chelsea"])).convert("RGB")
+    small.thumbnail((160, 160))
+    buf = io.BytesIO()
+    small.save(buf, format="PNG")
+    image = buf.getvalue()
+    video = VideoBytes(clips["coffee"], num_frames=2)
+    eng = engine(ov)
+    opened = eng.open("s", image)
+    q1, q2, q3 = "What is in this image?", "And in the video?", "Compare them."
+    a1 = eng.generate("s", q1, GREEDY)
+    added = eng.add_image("s", video, image=decode(video))
+    assert added.images == 2 and added.image_tokens == 2 * 196 + 1
+    assert added.cached_tokens >= a1.prompt_tokens - 2  # no relayout: the image and the first turn stay cached
+    a2 = eng.generate("s", q2, GREEDY)
+    assert eng.store.get("s").image_tokens[0] == opened.image_tokens  # still laid out as a lone image
+    assert ids(a2) == reference(ov, [([image], q1, a1.text), ([video], q2, None)])
+
+    eng.open("v", video, image=decode(video))
+    b1 = eng.generate("v", q2, GREEDY)
+    eng.add_image("v", image)
+    b2 = eng.generate("v", q3, GREEDY)
+    assert ids(b2) == reference(ov, [([video], q2, b1.text), ([image], q3, None)])
+
+
+def test_one_clip_sampled_two_ways_is_two_media_and_a_video_is_never_an_image(ov, clips, photos) -> None:
+    raw = clips["astronaut"]
+    keys = {image_key(raw), image_key(VideoBytes(raw)), image_key(VideoBytes(raw, num_frames=2))}
+    assert len(keys | {image_key(VideoBytes(raw, fps=1.0))}) == 4
+    assert image_key(VideoBytes(raw, num_frames=2)) == image_key(VideoBytes(bytes(raw), num_frames=2))
+    eng = engine(ov)
+    two, three = VideoBytes(raw, num_frames=2), VideoBytes(raw, num_frames=3)
+    eng.open("a", two, image=decode(two))
+    eng.open("b", three, image=decode(three))
+    assert eng.store.get("b").image_tokens == [3 * 196 + 1]
+    with pytest.raises(ServiceError) as raised:
+        decode(VideoBytes(photos["astronaut"]))
+    assert raised.value.code is ErrorCode.VIDEO_INVALID
+    with pytest.raises(ServiceError) as raised:
+        decode(raw)  # plain bytes are an image's
+    assert raised.value.code is ErrorCode.IMAGE_INVALID
+
+
+# ------------------------------------------------------------------ both dialects, through the service
+def tiny_service(model_dir, **settings):
+    return build_service({"model_dir": str(model_dir), "device": "cpu", "device_budget_bytes": 10**9, **settings})
+
+
+def run(service, *rows: Row) -> dict[str, tuple[int, dict]]:
+    """Each row's status and decoded body, driven to its last frame."""
+    out = service.handle(list(rows))
+    last = {r.request_id: o for r, o in zip(rows, out, strict=True)}
+    pending = [Row(r.request_id, r.session_id, False, None) for r, o in zip(rows, out, strict=True) if o.stop is False]
+    while pending:
+        more = service.handle(pending)
+        last.update({r.request_id: o for r, o in zip(pending, more, strict=True)})
+        pending = [r for r, o in zip(pending, more, strict=True) if o.stop is False]
+    return {rid: (o.status, json.loads(o.body)) for rid, o in last.items()}
+
+
+@pytest.fixture(scope="module")
+def ov_service(ov_dir):
+    return tiny_service(ov_dir, max_video_frames=16, video_num_frames=2)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def test_native_open_session_on_a_video_and_add_video(ov_service, ov, clips) -> None:
+    raw = clips["astronaut"]
+    out = run(ov_service, Row("o", "ts-seq-v1", True, {"type": "open_session", "video": {"base64": b64(raw)}}))
+    status, body = out["o"]
+    assert status == 200 and body["image_tokens"] == 2 * 196 + 1  # the server's video_num_frames
+    ask = {"type": "generate", "prompt": "What happens?", "parameters": {"max_new_tokens": N}}
+    status, answer = run(ov_service, Row("g", "ts-seq-v1", False, ask))["g"]
+    assert status == 200
+    assert answer["generated_text"] == ov.tokenizer.decode(
+        reference(ov, [([VideoBytes(raw, num_frames=2)], "What happens?", None)])
+    )
+    add = {"type": "add_video", "video": {"base64": "data:video/mp4;base64," + b64(clips["coffee"]), "num_frames": 3}}
+    status, added = run(ov_service, Row("a", "ts-seq-v1", False, add))["a"]
+    assert status == 200 and added["image_tokens"] == 3 * 196 + 1
+
+
+@pytest.mark.parametrize(
+    ("medium", "code", "status", "says"),
+    [
+        ({"video": {"base64": "photo"}}, "video_invalid", 400, "container"),  # an image where a video goes
+        ({"image": {"base64": "clip"}}, "image_invalid", 400, "image"),  # and the reverse
+        ({"video": {"base64": "clip", "num_frames": 17}}, "invalid_parameter", 400, "16"),  # max_video_frames
+        ({"video": {"base64": "clip", "num_frames": 2, "fps": 1.0}}, "invalid_parameter", 400, "not both"),
+        ({"video": {"base64": "clip", "num_frames": 16}}, "context_length_exceeded", 422, "2048"),  # 3,137 tokens
+        ({"image": {"base64": "photo"}, "video": {"base64": "clip"}}, "invalid_parameter", 400, "exactly one"),
+    ],
+)
+def test_a_refused_video_is_a_typed_4xx_and_the_worker_answers_on(
+    ov_service, clips, photos, medium, code, status, says
+) -> None:
+    data = {"photo": b64(photos["astronaut"]), "clip": b64(clips["astronaut"])}
+    body = {"type": "open_session", **{k: {**v, "base64": data[v["base64"]]} for k, v in medium.items()}}
+    got_status, got = run(ov_service, Row("bad", "ts-seq-bad", True, body))["bad"]
+    assert (got_status, got["error"]["code"]) == (status, code), got
+    assert says in got["error"]["message"]
+    sid = f"ts-seq-{uuid.uuid4()}"
+    ok = run(ov_service, Row("ok", sid, True, {"type": "open_session", "video": {"base64": data["clip"]}}))
+    assert ok["ok"][0] == 200, ok
+
+
+def test_chat_video_url_parts_with_uuid_and_the_conversation_cache(ov_service, ov, clips) -> None:
+    """vLLM's ``video_url`` part (a data URI, ``num_frames`` on the part as SGLang takes it, a
+    ``uuid``): the answer equals ``generate``; the resent conversation naming the clip by its uuid alone
+    is served from the conversation cache (the clip never decoded or encoded again); a uuid of a video in an
+    ``image_url`` part is refused."""
+    raw = clips["coffee"]
+    part = {
+        "type": "video_url",
+        "video_url": {"url": "data:video/mp4;base64," + b64(raw)},
+        "num_frames": 3,
+        "uuid": "v1",
+    }
+    q1, q2 = "What happens in this video?", "And then?"
+    body = {
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": q1}]}],
+        "max_tokens": N,
+        "temperature": 0,
+    }
+    status, reply = run(ov_service, Row("c1", None, True, body))["c1"]
+    assert status == 200, reply
+    video = VideoBytes(raw, num_frames=3)
+    first_prompt = reply["usage"]["prompt_tokens"]
+    a1 = reply["choices"][0]["message"]["content"]
+    assert a1 == ov.tokenizer.decode(reference(ov, [([video], q1, None)]))
+    by_uuid = {"type": "video_url", "video_url": None, "uuid": "v1"}
+    messages = [
+        {"role": "user", "content": [by_uuid, {"type": "text", "text": q1}]},
+        {"role": "assistant", "content": a1},
+        {"role": "user", "content": q2},
+    ]
+    status, reply = run(ov_service, Row("c2", None, True, {**body, "messages": messages}))["c2"]
+    assert status == 200, reply
+    assert reply["choices"][0]["message"]["content"] == ov.tokenizer.decode(
+        reference(ov, [([video], q1, a1), ([], q2, None)])
+    )
+    # the clip and the first question came from the cache (the random model's answer text may
+    # tokenize otherwise when resent, so the cached run can end inside the answer)
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= first_prompt - 2
+    wrong = {"type": "image_url", "image_url": None, "uuid": "v1"}
+    messages[0] = {"role": "user", "content": [wrong, {"type": "text", "text": q1}]}
+    status, reply = run(ov_service, Row("c3", None, True, {**body, "messages": messages}))["c3"]
+    assert (status, reply["error"]["code"]) == (400, "image_uuid_not_found")
+    assert "names a video" in reply["error"]["message"]
+
+
+def test_a_model_without_a_video_path_answers_video_unsupported_in_both_dialects(tiny_model_dir, clips) -> None:
+    service = tiny_service(tiny_model_dir)
+    native = {"type": "open_session", "video": {"base64": b64(clips["astronaut"])}}
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(clips["astronaut"])}}
+    chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]}
+    out = run(service, Row("n", "ts-seq-n", True, native), Row("c", None, True, chat))
+    for rid in ("n", "c"):
+        status, body = out[rid]
+        assert (status, body["error"]["code"]) == (400, "video_unsupported")
+        assert "LlavaForConditionalGeneration" in body["error"]["message"]
