@@ -102,18 +102,14 @@ class Settings(BaseModel):
         1200, gt=0, description="Absolute lifetime of a session from open, in seconds (the SageMaker Expires instant)."
     )
     idle_timeout_s: int = Field(0, ge=0, description="A session idle this many seconds expires; 0: no idle timeout.")
-    device_budget_bytes: int = Field(
-        0, ge=0, description="Device bytes for session caches; 0 means use device_budget_fraction."
-    )
+    device_budget_bytes: int = Field(0, ge=0, description="Device bytes for session caches; 0: device_budget_fraction.")
     device_budget_fraction: float = Field(
         0.8,
         gt=0.0,
         le=1.0,
         description="Fraction (0 < f <= 1) of free device memory after model load for session caches.",
     )
-    host_budget_bytes: int = Field(
-        2 * _GIB, gt=0, description="Hard cap on host bytes held by sessions (image bytes + conversation)."
-    )
+    host_budget_bytes: int = Field(2 * _GIB, gt=0, description="Host bytes sessions hold (media bytes + conversation).")
     max_sessions: int = Field(
         64,
         ge=1,
@@ -135,40 +131,23 @@ class Settings(BaseModel):
     max_prompt_chars: int = Field(16000, ge=1, description="Longest prompt (and system prompt) in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens after templating.")
     max_images_per_session: int = Field(
-        8, ge=1, description="Most images one session holds (the opening one and those add_image appends)."
+        8, ge=1, description="Most images and videos one session holds, the first included."
     )
     max_image_tokens_per_session: int = Field(
         0, ge=0, description="Most image tokens (context positions) of all a session's images; 0: the context's."
     )
     max_body_bytes: int = Field(
-        _SAGEMAKER_MAX_BODY_BYTES,
-        ge=1,
-        description="Largest request body in bytes (SageMaker's invoke limit is 6 MiB).",
+        _SAGEMAKER_MAX_BODY_BYTES, ge=1, description="Largest request body (SageMaker's: 6 MiB)."
     )
     max_image_bytes: int = Field(20 * _MIB, ge=1, description="Largest encoded image in bytes (URL, S3 or base64).")
     max_image_pixels: int = Field(
         40_000_000, ge=1, description="Largest decoded image in pixels (width x height); decompression-bomb guard."
     )
 
-    # --- videos -----------------------------------------------------------------------------
-    max_video_bytes: int = Field(
-        64 * _MIB, ge=1, description="Largest encoded video in bytes (URL, S3 or base64; a body holds at most 6 MiB)."
-    )
-    video_num_frames: int = Field(
-        8,
-        ge=1,
-        description="Frames sampled uniformly from a video whose request names none: each costs the vision tower "
-        "and 196 context tokens on LLaVA-OneVision (8 frames: 1,569 tokens).",
-    )
-    max_video_frames: int = Field(
-        32, ge=1, description="Most frames sampled from one video (32 on LLaVA-OneVision: 6,273 tokens)."
-    )
-    max_video_frame_pixels: int = Field(
-        1920 * 1088, ge=1, description="Largest video frame in pixels (width x height), read from the header."
-    )
-    max_video_decoded_frames: int = Field(
-        32 * 256, ge=1, description="Most frames decoded to reach a video's sampled ones (keyframe seeks included)."
-    )
+    # --- videos (each frame: the vision tower and 196 context tokens on LLaVA-OneVision) -----
+    max_video_bytes: int = Field(64 * _MIB, ge=1, description="Largest encoded video in bytes (URL, S3 or base64).")
+    video_num_frames: int = Field(8, ge=1, description="Frames sampled from a video whose request names none.")
+    max_video_frames: int = Field(32, ge=1, description="Most frames sampled from one video (32: 6,273 tokens).")
 
     # --- image fetching ---------------------------------------------------------------------
     allow_http: bool = Field(False, description="Accept plain http:// image URLs (https is always accepted).")

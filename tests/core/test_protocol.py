@@ -81,6 +81,7 @@ def test_public_api_is_pinned() -> None:
             "OpenCommand",
             "ResetCommand",
             "AddImageRequest",
+            "AddVideoRequest",
             "REQUEST_TYPES",
             "SAMPLING_BOUNDS",
             "CloseSessionRequest",
@@ -94,6 +95,7 @@ def test_public_api_is_pinned() -> None:
             "SamplingBound",
             "SendTextPromptRequest",
             "StartSessionRequest",
+            "VideoSource",
             "parse_request",
             "validate_request",
         ]
@@ -232,7 +234,7 @@ def test_requests_are_immutable() -> None:
 
 # --- request errors ------------------------------------------------------------------------
 
-VALID_TYPES = "valid types: open_session, generate, add_image, reset, close_session, start_session, send_text_prompt"
+VALID_TYPES = "valid types: open_session, generate, add_image, add_video, reset, close_session, start_session, send_text_prompt"
 
 
 @pytest.mark.parametrize(
@@ -266,7 +268,12 @@ VALID_TYPES = "valid types: open_session, generate, add_image, reset, close_sess
             "parameters: must be a JSON object",
         ),
         ({"type": "reset", "session_id": "x"}, ErrorCode.INVALID_REQUEST, "session_id: unknown field"),
-        ({"type": "open_session"}, ErrorCode.INVALID_REQUEST, "image: field required"),
+        ({"type": "open_session"}, ErrorCode.INVALID_REQUEST, "give exactly one of image, video"),
+        (
+            {"type": "open_session", "video": {"base64": "aGk=", "num_frames": 2, "fps": 1}},
+            ErrorCode.INVALID_PARAMETER,
+            "video: give num_frames or fps, not both",
+        ),
         (
             {"type": "open_session", "image": {}},
             ErrorCode.INVALID_REQUEST,

@@ -37,7 +37,11 @@ AS_SCHEMA = {"response_format": {"type": "json_schema", "json_schema": {"name": 
 
 @pytest.fixture(scope="module")
 def svc(tiny_model_dir) -> SessionService:
-    return build_service({"model_dir": str(tiny_model_dir), "device": "cpu", "device_budget_bytes": 10**9})
+    """A service whose steps are not cut by time: while answers decode, a new prompt prefills whole
+    in the step it is admitted (under CPU load the 150 ms default spread the four prompts of the
+    batch test over more steps than the one-token choice answer lives, so no pass held all four)."""
+    settings = {"max_step_ms_while_decoding": 60_000, "step_max_ms": 600_000}
+    return build_service({"model_dir": str(tiny_model_dir), "device": "cpu", "device_budget_bytes": 10**9, **settings})
 
 
 def _body(question: str = "Describe the cat.", max_tokens: int = 160, **params) -> dict:

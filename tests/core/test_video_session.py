@@ -273,7 +273,7 @@ def test_native_open_session_on_a_video_and_add_video(ov_service, ov, clips) -> 
         ({"video": {"base64": "clip", "num_frames": 17}}, "invalid_parameter", 400, "16"),  # max_video_frames
         ({"video": {"base64": "clip", "num_frames": 2, "fps": 1.0}}, "invalid_parameter", 400, "not both"),
         ({"video": {"base64": "clip", "num_frames": 16}}, "context_length_exceeded", 422, "2048"),  # 3,137 tokens
-        ({"image": {"base64": "photo"}, "video": {"base64": "clip"}}, "invalid_parameter", 400, "exactly one"),
+        ({"image": {"base64": "photo"}, "video": {"base64": "clip"}}, "invalid_request", 400, "exactly one"),
     ],
 )
 def test_a_refused_video_is_a_typed_4xx_and_the_worker_answers_on(

@@ -148,6 +148,7 @@ LAYERS: list[set[str]] = [
         "images.s3",
         "video.decode",
         "model.templating",
+        "model.video",
         "model.fused",
         "wire.framing",
         "engine.memory",

@@ -35,8 +35,8 @@ from pydantic_core import PydanticCustomError
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import choice_grammar, json_grammar, regex_grammar
 from ..wire.contract import NEW_SESSION_LITERAL
-from ..wire.inbound import CacheSalt, ImageUuid, Inbound, check_text, validation_error
-from .fields import ChatInbound, check_unsupported
+from ..wire.inbound import CacheSalt, Inbound, check_text, validation_error
+from .fields import ChatInbound, ImagePart, Part, TextPart, VideoPart, check_unsupported
 
 __all__ = [
     "ChatCompletionRequest",
@@ -52,103 +52,6 @@ __all__ = [
     "parse_chat_body",
     "parse_session_body",
 ]
-
-
-class TextPart(ChatInbound):
-    """A ``{"type": "text", "text": ...}`` content part (vLLM also takes ``input_text``, and a part
-    with ``text`` alone)."""
-
-    _where: ClassVar[str] = "messages[].content[]."
-
-    type: Literal["text", "input_text"]
-    text: str
-
-    @field_validator("text")
-    @classmethod
-    def _valid(cls, value: str) -> str:
-        return check_text(value)
-
-
-class ImageUrl(ChatInbound):
-    """``image_url``'s object: ``url`` (https, s3 or a base64 data URI) and OpenAI's ``detail`` hint
-    (accepted; the model sees every image at its own input resolution)."""
-
-    _where: ClassVar[str] = "messages[].content[].image_url."
-
-    url: Annotated[str, Field(min_length=1)]
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class ImagePart(ChatInbound):
-    """A ``{"type": "image_url", "image_url": {"url": ...}}`` content part, in vLLM's shape with an
-    optional ``uuid`` (the client's name for the image): ``{"type": "image_url", "image_url": null,
-    "uuid": "u1"}`` names an image an earlier request of the same salt sent with that uuid, without
-    its bytes."""
-
-    _where: ClassVar[str] = "messages[].content[]."
-
-    type: Literal["image_url", "input_image"]
-    image_url: ImageUrl | Annotated[str, Field(min_length=1)] | None
-    uuid: ImageUuid | None = None
-
-    @property
-    def url(self) -> tuple[str, str] | None:
-        """``(the URL, where it sits in the part)``: ``image_url.url``, or ``image_url`` itself when
-        given as a bare string (as vLLM takes it, and in ``input_image`` parts); None: by uuid alone."""
-        if self.image_url is None:
-            return None
-        if isinstance(self.image_url, str):
-            return self.image_url, "image_url"
-        return self.image_url.url, "image_url.url"
-
-    @model_validator(mode="after")
-    def _url_or_uuid(self) -> ImagePart:
-        if self.image_url is None and self.uuid is None:
-            raise PydanticCustomError("image_reference", "give image_url, or a uuid an earlier request sent")
-        return self
-
-
-class VideoUrl(ChatInbound):
-    """``video_url``'s object: ``url`` (https, s3 or a ``data:video/...;base64,`` URI)."""
-
-    _where: ClassVar[str] = "messages[].content[].video_url."
-
-    url: Annotated[str, Field(min_length=1)]
-
-
-class VideoPart(ChatInbound):
-    """A ``{"type": "video_url", "video_url": {"url": ...}}`` content part (vLLM's shape, with its
-    optional ``uuid``), and how its frames are sampled, on the part as SGLang takes them:
-    ``num_frames`` or ``fps``, never both (neither: the server's ``video_num_frames``). A model
-    without a video path answers it with 400 ``video_unsupported``."""
-
-    _where: ClassVar[str] = "messages[].content[]."
-
-    type: Literal["video_url"]
-    video_url: VideoUrl | Annotated[str, Field(min_length=1)] | None
-    uuid: ImageUuid | None = None
-    num_frames: Annotated[int, Field(ge=1)] | None = None
-    fps: Annotated[float, Field(gt=0.0, le=240.0)] | None = None
-
-    @property
-    def url(self) -> tuple[str, str] | None:
-        """``(the URL, where it sits in the part)``, as :attr:`ImagePart.url`; None: by uuid alone."""
-        if self.video_url is None:
-            return None
-        if isinstance(self.video_url, str):
-            return self.video_url, "video_url"
-        return self.video_url.url, "video_url.url"
-
-    @model_validator(mode="after")
-    def _valid(self) -> VideoPart:
-        if self.video_url is None and self.uuid is None:
-            raise PydanticCustomError("video_reference", "give video_url, or a uuid an earlier request sent")
-        if self.num_frames is not None and self.fps is not None:
-            raise PydanticCustomError("video_sampling", "give num_frames or fps, not both")
-        return self
-
-
-Part = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class ChatMessage(ChatInbound):

@@ -88,15 +88,13 @@ class VideoLimits:
 
     @classmethod
     def from_settings(cls, settings: Any) -> VideoLimits:
-        """The limits a server's :class:`~llava_sessions.config.Settings` set (``max_video_bytes``,
-        ``max_video_frame_pixels``, ``max_video_frames``, ``video_num_frames`` (capped by
-        ``max_video_frames``), ``max_video_decoded_frames``)."""
+        """The limits a server's :class:`~llava_sessions.config.Settings` set: ``max_video_bytes``,
+        ``max_video_frames`` and ``video_num_frames`` (capped by ``max_video_frames``); the frame-size
+        and decoded-frame caps keep their defaults."""
         return cls(
             max_bytes=settings.max_video_bytes,
-            max_frame_pixels=settings.max_video_frame_pixels,
             max_frames=settings.max_video_frames,
             default_num_frames=min(settings.video_num_frames, settings.max_video_frames),
-            max_decoded_frames=settings.max_video_decoded_frames,
         )
 
 

@@ -64,6 +64,7 @@ _STRUCTURAL = frozenset(
         "union_tag_not_found",
         "image_source",
         "image_reference",
+        "open_medium",
     }
 )
 
