@@ -234,7 +234,9 @@ def test_requests_are_immutable() -> None:
 
 # --- request errors ------------------------------------------------------------------------
 
-VALID_TYPES = "valid types: open_session, generate, add_image, add_video, reset, close_session, start_session, send_text_prompt"
+VALID_TYPES = (
+    "valid types: open_session, generate, add_image, add_video, reset, close_session, start_session, send_text_prompt"
+)
 
 
 @pytest.mark.parametrize(
