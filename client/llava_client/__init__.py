@@ -15,7 +15,7 @@ See :mod:`llava_client._client` for streams, retries and session recovery; ``lla
 terminal chat; ``python -m llava_tools.demo`` for a scripted local demo.
 """
 
-from ._chat import ChatReply, ChatSession, image_part
+from ._chat import ChatReply, ChatSession, image_part, video_part
 from ._client import (
     DEFAULT_MAX_RETRIES,
     DEFAULT_RESTART_WAIT_S,
@@ -102,6 +102,7 @@ __all__ = [
     "Usage",
     "error_class",
     "image_part",
+    "video_part",
     "parse_session_header",
     "should_retry",
 ]

@@ -33,11 +33,11 @@ from typing import Any, TypeVar
 
 from ._base_client import BaseClient
 from ._exceptions import LlavaError, SessionGone
-from ._images import ImageInput, fit_payload, image_budget, image_payload
+from ._images import ImageInput, VideoInput, fit_payload, image_budget, image_payload, video_payload
 from ._streaming import ChatStream
 from ._transport import LineStream
 
-__all__ = ["ChatReply", "ChatSession", "image_part"]
+__all__ = ["ChatReply", "ChatSession", "image_part", "video_part"]
 
 log = logging.getLogger("llava_client")
 
@@ -64,6 +64,19 @@ def image_part(image: ImageInput, *, max_bytes: int | None = None) -> dict[str, 
             data = f"data:image/{kind};base64,{data}"
         return {"type": "image_url", "image_url": {"url": data}}
     return {"type": "image_url", "image_url": {"url": payload.get("url") or payload["s3_uri"]}}
+
+
+def video_part(video: VideoInput, *, num_frames: int | None = None, fps: float | None = None) -> dict[str, Any]:
+    """A ``video_url`` content part for ``video`` (vLLM's shape; ``num_frames`` or ``fps`` on the part,
+    as SGLang takes them): a local file or bytes inline as a ``data:video/...;base64,`` URI, an
+    ``http(s)://`` URL or ``s3://`` URI for the server to fetch.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist. ValueError: both ``num_frames`` and ``fps``.
+    """
+    payload = video_payload(video, num_frames=num_frames, fps=fps)
+    url = payload.pop("base64", None) or payload.pop("url", None) or payload.pop("s3_uri")
+    return {"type": "video_url", "video_url": {"url": url}, **payload}
 
 
 def _sniff(head: bytes) -> str:

@@ -39,7 +39,7 @@ from ._base_client import (
 )
 from ._chat import ChatReply, ChatSession
 from ._conversation import Conversation
-from ._images import MAX_BODY_BYTES, ImageInput, describe_image
+from ._images import MAX_BODY_BYTES, ImageInput, VideoInput, describe_image, video_payload
 from ._sessions import Session, open_session_request
 from ._streaming import AnswerStream, ChatStream
 from ._transport import DEFAULT_TIMEOUT, HttpTransport
@@ -119,12 +119,26 @@ class SessionClient(BaseClient):
         )
         return cls(transport, **kwargs)
 
-    def open_session(self, image: ImageInput, *, system_prompt: str | None = None) -> Session:
-        """Open a session on ``image`` and return it (use it as a context manager to close it).
+    def open_session(
+        self,
+        image: ImageInput | None = None,
+        *,
+        video: VideoInput | None = None,
+        num_frames: int | None = None,
+        fps: float | None = None,
+        system_prompt: str | None = None,
+    ) -> Session:
+        """Open a session on ``image``, or on ``video``, and return it (use it as a context manager to
+        close it).
 
         Args:
             image: a local path, image file bytes, a PIL image (sent inline, base64), an
                 ``http(s)://`` URL or an ``s3://bucket/key`` URI (fetched by the server).
+            video: instead of ``image``, a video (a model with a video path: LLaVA-OneVision): a local
+                MP4 or WebM file or its bytes (sent inline, within the request limit), an
+                ``http(s)://`` URL or an ``s3://`` URI; its frames are sampled uniformly by the server.
+            num_frames, fps: with ``video``, how its frames are sampled (one or neither: the server's
+                ``video_num_frames``).
             system_prompt: replaces the server's default system prompt for this session.
 
         Raises:
@@ -134,7 +148,15 @@ class SessionClient(BaseClient):
                 ``image_url_forbidden``) or the request is malformed.
             APIStatusError, APIConnectionError: as for any call.
             FileNotFoundError: a local path that does not exist.
+            ValueError: neither or both of ``image`` and ``video``.
         """
+        if (image is None) == (video is None):
+            raise ValueError("give an image or a video to open the session on")
+        if video is not None:
+            medium = {"video": video_payload(video, num_frames=num_frames, fps=fps)}
+            opened = open_session_request(self, medium, system_prompt)
+            log.debug("opened session %s on %s", opened.session_id, describe_image(medium))
+            return Session(self, opened, medium, system_prompt)
         payload, downsized = self.inline_image(image)
         opened = open_session_request(self, payload, system_prompt)
         log.debug("opened session %s on %s", opened.session_id, describe_image(payload))

@@ -36,7 +36,7 @@ from ._exceptions import APIStatusError
 if TYPE_CHECKING:
     from ._base_client import BaseClient
     from ._chat import ChatReply, ChatSession
-    from ._images import ImageInput
+    from ._images import ImageInput, VideoInput
     from ._streaming import ChatUsage
 
 __all__ = ["Conversation"]
@@ -87,24 +87,35 @@ class Conversation:
         where = f"session {self.session.session_id!r}" if self.session is not None else "no session"
         return f"Conversation({len(self.messages)} messages, {where})"
 
-    def add_user(self, text: str, images: Sequence[ImageInput] = ()) -> None:
-        """Append a user message: ``images`` (paths, bytes, PIL images, URLs; :func:`~llava_client.image_part`)
-        then ``text``."""
+    def add_user(
+        self, text: str, images: Sequence[ImageInput] = (), videos: Sequence[VideoInput | dict[str, Any]] = ()
+    ) -> None:
+        """Append a user message: ``images`` (paths, bytes, PIL images, URLs; :func:`~llava_client.image_part`),
+        then ``videos`` (paths, bytes, URLs, sampled by the server's frame count; or a part of
+        :func:`~llava_client.video_part` that names ``num_frames`` or ``fps``), then ``text``."""
         parts: list[dict[str, Any]] = []
-        for image in images:
-            part = _chat.image_part(image)
-            url = part["image_url"]["url"]
+        made = [v if isinstance(v, dict) else _chat.video_part(v) for v in videos]
+        for part in [*map(_chat.image_part, images), *made]:
+            kind = part["type"]
+            url = part[kind]["url"]
             parts.append({**part, "uuid": hashlib.sha256(url.encode()).hexdigest()[:32]})
         self.messages.append({"role": "user", "content": [*parts, {"type": "text", "text": text}]})
 
-    def ask(self, text: str, images: Sequence[ImageInput] = (), **params: Any) -> ChatReply:
-        """Ask ``text`` (after ``images``, if any) and return the reply; both join the conversation.
-        ``params``: OpenAI's (``max_tokens``, ``temperature``, ...).
+    def ask(
+        self,
+        text: str,
+        images: Sequence[ImageInput] = (),
+        *,
+        videos: Sequence[VideoInput | dict[str, Any]] = (),
+        **params: Any,
+    ) -> ChatReply:
+        """Ask ``text`` (after ``images`` and ``videos``, if any) and return the reply; both join the
+        conversation. ``params``: OpenAI's (``max_tokens``, ``temperature``, ...).
 
         Raises:
             APIStatusError, APIConnectionError: as any call (the question is then not kept).
         """
-        self.add_user(text, images)
+        self.add_user(text, images, videos)
         session = self.session
         try:
             reply = self._send(
@@ -116,10 +127,17 @@ class Conversation:
         self.messages.append(reply.message)
         return reply
 
-    def ask_stream(self, text: str, images: Sequence[ImageInput] = (), **params: Any) -> Iterator[str]:
+    def ask_stream(
+        self,
+        text: str,
+        images: Sequence[ImageInput] = (),
+        *,
+        videos: Sequence[VideoInput | dict[str, Any]] = (),
+        **params: Any,
+    ) -> Iterator[str]:
         """As :meth:`ask`, the answer's text pieces as they come; the answer joins the conversation
         once the stream ends (a stream broken off leaves the question out)."""
-        self.add_user(text, images)
+        self.add_user(text, images, videos)
         pieces: list[str] = []
         try:
             try:
@@ -185,7 +203,7 @@ class Conversation:
         if not isinstance(content, list):
             return message
         parts = [
-            {"type": "image_url", "image_url": None, "uuid": p["uuid"]} if p.get("uuid") in self._sent else p
+            {"type": p["type"], p["type"]: None, "uuid": p["uuid"]} if p.get("uuid") in self._sent else p
             for p in content
         ]
         return {**message, "content": parts}

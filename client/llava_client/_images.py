@@ -15,9 +15,11 @@ __all__ = [
     "MAX_BODY_BYTES",
     "Downsized",
     "ImageInput",
+    "VideoInput",
     "fit_payload",
     "image_budget",
     "image_payload",
+    "video_payload",
 ]
 
 #: SageMaker's request body limit (6 MiB); bigger bodies are refused by the client before sending.
@@ -76,6 +78,47 @@ def image_payload(image: ImageInput) -> dict[str, str]:
     )
 
 
+#: A local video file (path), its bytes, an ``http(s)://`` URL, an ``s3://bucket/key`` URI or a
+#: ``data:video/...;base64,`` URI. MP4/QuickTime and WebM/Matroska are what the server reads.
+VideoInput = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
+
+
+def video_payload(video: VideoInput, *, num_frames: int | None = None, fps: float | None = None) -> dict[str, Any]:
+    """Return the wire's ``video`` object for ``video``: ``{"url"}``, ``{"s3_uri"}`` or ``{"base64"}``
+    (a local file inline as a ``data:video/...;base64,`` URI; never re-encoded: send a long clip by
+    URL or S3), with ``num_frames`` or ``fps`` when given.
+
+    Raises:
+        FileNotFoundError: a path that does not exist.
+        TypeError: an unsupported type. ValueError: both ``num_frames`` and ``fps``.
+    """
+    if num_frames is not None and fps is not None:
+        raise ValueError("give num_frames or fps, not both")
+    payload: dict[str, Any]
+    if isinstance(video, str) and video[:16].lower().startswith(("http://", "https://", "s3://", "data:")):
+        lowered = video[:16].lower()
+        key = "s3_uri" if lowered.startswith("s3://") else "base64" if lowered.startswith("data:") else "url"
+        payload = {key: video}
+    elif isinstance(video, (str, os.PathLike)):
+        payload = {"base64": video_data_uri(Path(video).expanduser().read_bytes())}
+    elif isinstance(video, (bytes, bytearray, memoryview)):
+        payload = {"base64": video_data_uri(bytes(video))}
+    else:
+        raise TypeError(f"video must be a path, bytes, an http(s) URL or an s3:// URI, not {type(video).__name__}")
+    if num_frames is not None:
+        payload["num_frames"] = num_frames
+    if fps is not None:
+        payload["fps"] = fps
+    return payload
+
+
+def video_data_uri(data: bytes) -> str:
+    """``data:video/<type>;base64,...`` for a clip's bytes: ``webm`` for a Matroska/WebM file (its
+    EBML magic), else ``mp4``."""
+    kind = "webm" if data[:4] == b"\x1a\x45\xdf\xa3" else "mp4"
+    return f"data:video/{kind};base64,{_b64(data)}"
+
+
 @dataclass(frozen=True)
 class Downsized:
     """An inline image the client made smaller to fit the request limit: sizes in pixels (width,
@@ -125,8 +168,11 @@ def fit_payload(payload: dict[str, str], max_base64_chars: int) -> tuple[dict[st
     return payload, None
 
 
-def describe_image(payload: dict[str, str]) -> str:
-    """A short description of an image payload for logs and messages (never the data)."""
+def describe_image(payload: dict[str, Any]) -> str:
+    """A short description of an image payload (or a session's ``{"video": payload}``) for logs and
+    messages (never the data)."""
+    if "video" in payload:
+        return "video " + describe_image(payload["video"]).replace("inline image", "inline")
     if "url" in payload:
         return payload["url"]
     if "s3_uri" in payload:

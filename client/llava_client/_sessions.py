@@ -27,7 +27,7 @@ from . import _chat
 from ._base_client import BaseClient
 from ._chat import ChatReply
 from ._exceptions import LlavaError, SessionGone
-from ._images import Downsized, ImageInput
+from ._images import Downsized, ImageInput, VideoInput, video_payload
 from ._streaming import AnswerStream, ms_since
 from ._transport import LineStream
 from ._types import AddedImage, Answer, GenerationParams, Recovery
@@ -55,18 +55,27 @@ class _Turn:
 
     prompt: str
     answer: Answer
-    images: tuple[dict[str, str], ...] = ()  # images added before this question (the first image aside)
+    images: tuple[
+        dict[str, Any], ...
+    ] = ()  # media added before this question (the first aside); a video as {"video": payload}
+
+
+def medium_request(kind: str, medium: dict[str, Any]) -> dict[str, Any]:
+    """The body's medium: ``{"image": payload}``, or ``{"video": ...}`` for a video (a medium the
+    session keeps as ``{"video": payload}``; an image's payload never has that key)."""
+    return {"video": medium["video"]} if "video" in medium else {kind: medium}
 
 
 def open_session_request(
-    client: BaseClient, payload: dict[str, str], system_prompt: str | None, history: list[dict[str, Any]] | None = None
+    client: BaseClient, payload: dict[str, Any], system_prompt: str | None, history: list[dict[str, Any]] | None = None
 ) -> Opened:
-    """Open a session on the image ``payload`` (with ``history`` restored: a recovery).
+    """Open a session on the image ``payload``, or the video of ``{"video": payload}`` (with
+    ``history`` restored: a recovery).
 
     Raises:
         LlavaError: the reply named no session id. APIStatusError, APIConnectionError: as any call.
     """
-    request: dict[str, Any] = {"type": "open_session", "image": payload}
+    request: dict[str, Any] = {"type": "open_session", **medium_request("image", payload)}
     if system_prompt is not None:
         request["system_prompt"] = system_prompt
     if history:
@@ -130,12 +139,12 @@ class Session:
             (:class:`~llava_client._images.Downsized`, each says what was done), in order.
     """
 
-    def __init__(self, client: BaseClient, opened: Opened, image: dict[str, str], system_prompt: str | None) -> None:
+    def __init__(self, client: BaseClient, opened: Opened, image: dict[str, Any], system_prompt: str | None) -> None:
         self._client = client
         self._image = image
         self._system_prompt = system_prompt
         self._turns: list[_Turn] = []
-        self._pending_images: list[dict[str, str]] = []  # added since the last remembered turn
+        self._pending_images: list[dict[str, Any]] = []  # added since the last remembered turn
         self._closed = False
         self.recoveries = 0
         self.last_recovery: Recovery | None = None
@@ -291,6 +300,35 @@ class Session:
         self._check_open()
         return _chat.complete(self._client, messages, self.id, **params)
 
+    def add_video(self, video: VideoInput, *, num_frames: int | None = None, fps: float | None = None) -> AddedImage:
+        """Add a video to the conversation (a model with a video path: LLaVA-OneVision): the next
+        question may refer to it and to every earlier image and video. The server reuses the cached
+        conversation and encodes only the video's sampled frames.
+
+        Args:
+            video: as for :meth:`~llava_client.SessionClient.open_session`'s ``video``.
+            num_frames, fps: how its frames are sampled (one or neither: the server's default).
+
+        Returns:
+            What the server reported (:class:`AddedImage`: ``image_tokens`` are the video's).
+
+        Raises:
+            InvalidRequest: ``video_unsupported`` (the model has no video path), ``video_invalid``.
+            PayloadTooLarge: ``video_too_large``, or an inline video over ``max_body_bytes``.
+            ImageLimitExceeded, ContextLengthExceeded: as :meth:`add_image`; others as :meth:`ask`.
+        """
+        medium = {"video": video_payload(video, num_frames=num_frames, fps=fps)}
+        request = {"type": "add_video", **medium_request("video", medium)}
+        data, _ = self._with_recovery(lambda: self._client.invoke(request, self.id, retry_safe=False))
+        self._pending_images.append(medium)
+        return AddedImage(
+            image_tokens=int(data.get("image_tokens", 0)),
+            images=int(data.get("images", 0)),
+            prefix_tokens=int(data.get("prefix_tokens", 0)),
+            cached_tokens=int(data.get("cached_tokens", 0)),
+            timings=dict(data.get("timings") or {}),
+        )
+
     def add_image(self, image: ImageInput) -> AddedImage:
         """Add an image to the conversation: the next question may refer to it and to every earlier
         image. The server reuses the cached conversation and encodes only the new image.
@@ -391,12 +429,17 @@ class Session:
         history: list[dict[str, Any]] = []
         for turn in self._turns:
             entry: dict[str, Any] = {"prompt": turn.prompt, "answer": turn.answer.text}
-            if turn.images:
-                entry["images"] = list(turn.images)
+            images = [m for m in turn.images if "video" not in m]
+            videos = [m["video"] for m in turn.images if "video" in m]
+            if images:
+                entry["images"] = images
+            if videos:
+                entry["videos"] = videos
             history.append(entry)
         opened = open_session_request(client, self._image, self._system_prompt, history=history)
-        for payload in self._pending_images:  # images added since the last turn, added again
-            client.invoke({"type": "add_image", "image": payload}, opened.session_id, retry_safe=False)
+        for medium in self._pending_images:  # images and videos added since the last turn, added again
+            request = {"type": "add_video" if "video" in medium else "add_image", **medium_request("image", medium)}
+            client.invoke(request, opened.session_id, retry_safe=False)
         self._set_opened(opened)
         self.recoveries += 1
         self.last_recovery = Recovery(

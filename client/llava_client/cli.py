@@ -6,6 +6,7 @@ Examples::
     llava-chat --endpoint my-llava --region us-east-1 --image s3://bucket/photo.jpg --verbose
     llava-chat --url http://127.0.0.1:8080 --image photo.jpg -q "What is in this image?"
     printf 'What is it?\\nWhat color?\\n' | llava-chat --url http://127.0.0.1:8080 --image photo.jpg
+    llava-chat --url http://127.0.0.1:8080 --video clip.mp4 --num-frames 8 -q "What happens?"
 
 Answers stream as they are generated. Commands: ``/reset`` forgets the conversation,
 ``/add PATH|URL`` adds an image to the conversation (the next question may refer to every image),
@@ -21,6 +22,7 @@ import sys
 import time
 from typing import TextIO
 
+from ._chat import video_part
 from ._client import API_KEY_ENV, Session, SessionClient
 from ._exceptions import LlavaError
 from ._types import Answer
@@ -56,7 +58,17 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the SageMaker runtime's URL for --endpoint, e.g. llava-local-endpoint's http://127.0.0.1:8090 "
         "(boto3 still needs credentials: dummy ones do for a local endpoint)",
     )
-    parser.add_argument("--image", required=True, metavar="PATH|URL", help="local image file, http(s) URL or s3:// URI")
+    medium = parser.add_mutually_exclusive_group(required=True)
+    medium.add_argument("--image", metavar="PATH|URL", help="local image file, http(s) URL or s3:// URI")
+    medium.add_argument(
+        "--video",
+        metavar="PATH|URL",
+        help="instead of --image, a video (MP4 or WebM file, http(s) URL or s3:// URI) on a model with a video "
+        "path (LLaVA-OneVision); its frames are sampled uniformly by the server",
+    )
+    parser.add_argument(
+        "--num-frames", type=int, metavar="N", help="with --video: frames to sample (default: the server's)"
+    )
     parser.add_argument("-q", "--question", metavar="TEXT", help="ask one question, print the answer and exit")
     parser.add_argument("--system-prompt", metavar="TEXT", help="replace the server's default system prompt")
     parser.add_argument("--max-new-tokens", type=int, metavar="N", help="longest answer in tokens")
@@ -90,8 +102,13 @@ class _Chat:
         self.err = err
         self.session: Session | None = None
 
-    def open(self, image: str) -> None:
-        new = self.client.open_session(image, system_prompt=self.args.system_prompt)
+    def open(self, image: str, *, video: bool = False) -> None:
+        if video:
+            new = self.client.open_session(
+                video=image, num_frames=self.args.num_frames, system_prompt=self.args.system_prompt
+            )
+        else:
+            new = self.client.open_session(image, system_prompt=self.args.system_prompt)
         old, self.session = self.session, new
         if old is not None:
             try:
@@ -102,7 +119,8 @@ class _Chat:
             self.note(f"[{done}]")
         if self.args.verbose:
             expires = new.expires_at.strftime("%Y-%m-%d %H:%M:%SZ") if new.expires_at else "?"
-            self.note(f"[session {new.id} on {image}: {new.image_tokens} image tokens, expires {expires}]")
+            what = "video" if video else "image"
+            self.note(f"[session {new.id} on {image}: {new.image_tokens} {what} tokens, expires {expires}]")
 
     def close(self) -> None:
         if self.session is not None:
@@ -198,11 +216,12 @@ class _Chat:
 class _StatelessChat(_Chat):
     """``--stateless``: no session; a :class:`~llava_client.Conversation` resent every turn."""
 
-    def open(self, image: str) -> None:
+    def open(self, image: str, *, video: bool = False) -> None:
         self.conversation = self.client.conversation(
             system_prompt=self.args.system_prompt, cache_salt=self.args.cache_salt
         )
-        self.images = [image]  # they open the next question
+        self.images = [] if video else [image]  # they open the next question
+        self.videos = [video_part(image, num_frames=self.args.num_frames)] if video else []
         self.sent: list[str] = []  # the images the conversation holds (sent with earlier questions)
 
     def close(self) -> None:
@@ -217,7 +236,7 @@ class _StatelessChat(_Chat):
         self.out.write(prefix)
         t0, ttft_ms = time.perf_counter(), None
         try:
-            for piece in self.conversation.ask_stream(question, self.images, **params):
+            for piece in self.conversation.ask_stream(question, self.images, videos=self.videos, **params):
                 if ttft_ms is None:
                     ttft_ms = (time.perf_counter() - t0) * 1000.0
                 self.out.write(piece)
@@ -226,7 +245,7 @@ class _StatelessChat(_Chat):
             self.note("\n[interrupted]")
             return False
         self.sent += self.images
-        self.images = []
+        self.images, self.videos = [], []
         self.out.write("\n")
         self.out.flush()
         if self.args.verbose:
@@ -305,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--endpoint-url goes with --endpoint")
     if args.cache_salt and not args.stateless:
         parser.error("--cache-salt goes with --stateless")
+    if args.num_frames is not None and not args.video:
+        parser.error("--num-frames goes with --video")
     if args.api_key and not args.url:
         parser.error("--api-key goes with --url (an endpoint is reached with AWS credentials)")
     logging.basicConfig(level=logging.WARNING, format="llava-chat: %(message)s")
@@ -319,14 +340,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llava-chat: {_aws_hint(exc)}", file=sys.stderr)
         return 1
     chat = (_StatelessChat if args.stateless else _Chat)(client, args, sys.stdout, sys.stderr)
+    source = args.video or args.image
     try:
         try:
-            chat.open(args.image)
-        except (LlavaError, OSError) as exc:
-            chat.note(f"llava-chat: could not open a session on {args.image}: {exc}")
+            chat.open(source, video=bool(args.video))
+        except (LlavaError, OSError, ValueError) as exc:
+            chat.note(f"llava-chat: could not open a session on {source}: {exc}")
             return 1
         except Exception as exc:  # noqa: BLE001 - botocore's (no credentials): one line, not a traceback
-            chat.note(f"llava-chat: could not open a session on {args.image}: {_aws_hint(exc)}")
+            chat.note(f"llava-chat: could not open a session on {source}: {_aws_hint(exc)}")
             return 1
         if args.question:
             try:
@@ -336,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         interactive = sys.stdin.isatty()
         if interactive:
-            chat.note(f"Chatting about {args.image}. {_HELP}")
+            chat.note(f"Chatting about {source}. {_HELP}")
             return chat.loop(_input_lines("you> "), interactive=True)
         return chat.loop(sys.stdin, interactive=False)
     except KeyboardInterrupt:

@@ -115,6 +115,17 @@ class Chat:
     image_tokens: tuple[int, ...] = field(default=())
     videos: frozenset[int] = field(default=frozenset())
 
+    def image_after_video(self) -> bool:
+        """Whether a user message holds an image after a video: the llava-hf chat templates render a
+        message's images before its videos, so such a conversation cannot be rendered in its order."""
+        index = 0
+        for n in [t.images for t in self.turns] + [self.pending_images]:
+            kinds = [i in self.videos for i in range(index, index + n)]
+            index += n
+            if kinds != sorted(kinds):
+                return True
+        return False
+
     def without_oldest(self, n: int) -> Chat:
         """The chat with its ``n`` oldest turns dropped; their images move to the first turn kept
         (or to the next question when none is), so no image ever leaves the context."""

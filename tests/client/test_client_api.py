@@ -78,6 +78,7 @@ PUBLIC_API = [
     "Usage",
     "error_class",
     "image_part",
+    "video_part",
     "parse_session_header",
     "should_retry",
 ]

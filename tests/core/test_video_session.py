@@ -15,13 +15,12 @@ import functools
 import io
 import json
 import uuid
-from fractions import Fraction
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from clips import pan_clip
 from llava_sessions.conversation import VideoBytes
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
@@ -34,31 +33,11 @@ from llava_sessions.sessions.store import SessionStore, Tier
 from llava_sessions.video import VideoLimits
 from llava_sessions.worker import build_service, decode_media
 
-av = pytest.importorskip("av")
-
 N = 8
 GREEDY = SamplingParams(max_new_tokens=N)
 decode = functools.partial(decode_media, max_pixels=40_000_000, video_limits=VideoLimits())
 #: The tiny OneVision's context: 2,048 positions, so a 16-frame video (3,137 tokens) does not fit.
 CONTEXT = 2048
-
-
-def pan_clip(photo: np.ndarray, *, num_frames: int = 16, fps: int = 8, size: tuple[int, int] = (96, 64)) -> bytes:
-    """An H.264 MP4 of ``num_frames`` crops of ``photo`` (``size`` = width, height), moving across it."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("h264", rate=fps)
-        stream.width, stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for i in range(num_frames):
-            crop = np.ascontiguousarray(photo[i * 8 : i * 8 + size[1], i * 10 : i * 10 + size[0], :3])
-            frame = av.VideoFrame.from_ndarray(crop, format="rgb24").reformat(format="yuv420p")
-            frame.pts, frame.time_base = i, Fraction(1, fps)
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +323,33 @@ def test_a_model_without_a_video_path_answers_video_unsupported_in_both_dialects
         status, body = out[rid]
         assert (status, body["error"]["code"]) == (400, "video_unsupported")
         assert "LlavaForConditionalGeneration" in body["error"]["message"]
+
+
+def test_an_image_after_a_video_in_one_question_is_refused_natively_and_reordered_in_chat(
+    ov, ov_service, clips, photos
+) -> None:
+    """The template renders a message's images before its videos: a native add_image right after a
+    video (no question between) is a 400 that says so, and the session is as before; a chat message
+    with a video part before an image part is read in the template's order, as ``generate`` sees it."""
+    small = Image.open(io.BytesIO(photos["chelsea"])).convert("RGB")
+    small.thumbnail((160, 160))
+    buf = io.BytesIO()
+    small.save(buf, format="PNG")
+    image = buf.getvalue()
+    video = VideoBytes(clips["astronaut"], num_frames=2)
+    eng = engine(ov)
+    eng.open("v", video, image=decode(video))
+    with pytest.raises(ServiceError) as raised:
+        eng.add_image("v", image)
+    assert raised.value.code is ErrorCode.INVALID_REQUEST and "before its videos" in raised.value.message
+    assert len(eng.store.get("v").images) == 1
+    parts = [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(clips["astronaut"])}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(image)}},
+        {"type": "text", "text": "Compare them."},
+    ]
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": N, "temperature": 0}
+    status, reply = run(ov_service, Row("mixed", None, True, body))["mixed"]
+    assert status == 200, reply
+    want = reference(ov, [([image, video], "Compare them.", None)])  # 2 frames: the server's default
+    assert reply["choices"][0]["message"]["content"] == ov.tokenizer.decode(want)

@@ -117,6 +117,11 @@ class Admission:
         data = [image_bytes] + [b for b, _ in history_images]
         session = self.store.new_session(session_id, system_prompt, data, sizes, tokens, history)
         session.set_salt(salt)
+        if session.chat().image_after_video():
+            raise ServiceError(
+                ErrorCode.INVALID_REQUEST,
+                "the history's first turn adds an image to a session opened on a video; " + _ORDER,
+            )
         prefix = self.runner.template.prefix_ids(session.chat())
         medium = f"the video ({tokens[0]} tokens)" if is_video_size(sizes[0]) else "the image"
         what = f"{medium} and the restored history are" if history else f"{medium} is"
@@ -149,6 +154,8 @@ class Admission:
             tuple(tokens),
             video_indexes(sizes),
         )
+        if chat.image_after_video():
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "an image cannot follow a video in one question; " + _ORDER)
         prefix = self.runner.template.prefix_ids(chat)
         medium = f"video ({tokens[-1]} tokens)" if is_video_size(sizes[-1]) else "image"
         self._check_context(
@@ -418,6 +425,13 @@ class Admission:
                 raise ServiceError(
                     ErrorCode.INVALID_PARAMETER, f"{where} must not contain the {what} placeholder {token!r}"
                 )
+
+
+#: Why an image may not follow a video in one user message.
+_ORDER = (
+    "the chat template renders a message's images before its videos: ask about the video first, or add the "
+    "image before the video"
+)
 
 
 def _grammar(runner: Any, params: SamplingParams) -> GrammarMatcher | None:

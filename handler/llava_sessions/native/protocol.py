@@ -134,12 +134,14 @@ class _RequestBase(Inbound):
 
 class HistoryTurn(Inbound):
     """One past exchange handed to ``open_session`` to restore a conversation exactly; ``images``:
-    the images added (``add_image``) before this turn's question, in order (the session's first
-    image always opens the first turn)."""
+    the images added (``add_image``) before this turn's question, in order, and ``videos`` the videos
+    (``add_video``), which the chat template renders after them (the session's first image or video
+    always opens the first turn)."""
 
     prompt: Annotated[str, Field(min_length=1)]
     answer: str
     images: Annotated[list[ImageSource], Field(max_length=16)] = Field(default_factory=list)
+    videos: Annotated[list[VideoSource], Field(max_length=4)] = Field(default_factory=list)
 
     @field_validator("prompt", "answer")
     @classmethod

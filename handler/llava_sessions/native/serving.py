@@ -56,8 +56,8 @@ def decode_command(data: Any, settings: Settings) -> Command:
     legacy = request.legacy
     canonical = request.canonical()
     if isinstance(canonical, OpenSessionRequest):
-        history = tuple(Turn(t.prompt, t.answer, len(t.images)) for t in canonical.history)
-        images = tuple(image for t in canonical.history for image in t.images)
+        history = tuple(Turn(t.prompt, t.answer, len(t.images) + len(t.videos)) for t in canonical.history)
+        images = tuple(medium for t in canonical.history for medium in (*t.images, *t.videos))
         system = canonical.system_prompt or s.system_prompt
         return OpenCommand(canonical.medium, system, history, legacy, images, canonical.cache_salt)
     if isinstance(canonical, GenerateRequest):
@@ -169,10 +169,10 @@ class NativeServing(Serving):
         """
         if isinstance(command, AddImageCommand):
             self.engine.check_idle(sid)  # before any fetch: a gone or busy session is the precise answer
-        if isinstance(command.image, VideoSource):
-            self.engine.check_video()
         t0 = time.perf_counter()
         sources = [command.image, *(command.history_images if isinstance(command, OpenCommand) else ())]
+        if any(isinstance(s, VideoSource) for s in sources):
+            self.engine.check_video()
         data = [
             fetch_video(self.fetch, s, self.settings) if isinstance(s, VideoSource) else self.fetch(s, self.settings)
             for s in sources

@@ -1,0 +1,93 @@
+"""Video sessions served end to end (issue 44): a tiny LLaVA-OneVision behind a real TorchServe
+(``llava-serve``'s front included), through ``llava_client`` (a session on a video, an added video, a
+recovery that replays both, a stateless conversation that sends the clip once) and ``llava-chat --video``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import requests
+from skimage import data as skimage_data
+
+from clips import pan_clip
+from llava_client import SessionClient
+from server_fixtures import start_local_server
+
+pytestmark = pytest.mark.integration
+
+GREEDY = {"max_new_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    from llava_tools.tiny_model import write_checkpoint
+
+    folder = write_checkpoint("tiny", tmp_path_factory.mktemp("ov"), seed=0, arch="llava-onevision")
+    return start_local_server(folder, addfinalizer=request.addfinalizer, overrides={"video_num_frames": 2})
+
+
+@pytest.fixture(scope="module")
+def clip_paths(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clips")
+    paths = {}
+    for name in ("astronaut", "coffee"):
+        paths[name] = folder / f"{name}.mp4"
+        paths[name].write_bytes(pan_clip(getattr(skimage_data, name)()))
+    return paths
+
+
+def test_a_video_session_adds_a_video_and_recovers_exactly(server, clip_paths):
+    client = SessionClient.from_url(server.url, timeout=(5.0, 120.0))
+    first, second = clip_paths["astronaut"], clip_paths["coffee"]
+    with client, client.open_session(video=first) as session, client.open_session(video=first) as twin:
+        assert session.image_tokens == 2 * 196 + 1  # the server's video_num_frames
+        for s in (session, twin):
+            s.ask("What happens in this video?", **GREEDY)
+            added = s.add_video(second.read_bytes(), num_frames=1)
+            assert added.images == 2 and added.image_tokens == 196 + 1
+            s.ask("Compare the two videos.", **GREEDY)
+        old = session.id
+        closed = requests.post(
+            server.url + "/invocations",
+            data=json.dumps({"type": "close_session"}),
+            headers={"X-Amzn-SageMaker-Session-Id": old},
+            timeout=30,
+        )
+        assert closed.status_code == 200  # dropped behind the client's back: the history holds a video
+        answer = session.ask("Which one is brighter?", **GREEDY)
+        assert session.recoveries == 1 and session.id != old
+        expected = twin.ask("Which one is brighter?", **GREEDY)
+        assert answer.text == expected.text and answer.usage.prompt_tokens == expected.usage.prompt_tokens
+
+
+def test_a_stateless_conversation_sends_the_clip_once(server, clip_paths):
+    client = SessionClient.from_url(server.url, timeout=(5.0, 120.0))
+    with client:
+        chat = client.conversation()
+        chat.ask("What happens in this video?", videos=[clip_paths["astronaut"]], max_tokens=4, temperature=0)
+        first_bytes = chat.last_request_bytes
+        reply = chat.ask("And then?", max_tokens=4, temperature=0)
+        assert first_bytes > clip_paths["astronaut"].stat().st_size  # the clip, base64
+        assert chat.last_request_bytes < 2000  # then its uuid alone
+        assert reply.cached_tokens >= 2 * 196 + 1  # its frames' tokens came from the cache
+
+
+@pytest.mark.parametrize("stateless", [False, True], ids=["session", "stateless"])
+def test_llava_chat_takes_a_video(server, clip_paths, stateless):
+    command = [sys.executable, "-m", "llava_client.cli", "--url", server.url, "--video", str(clip_paths["coffee"])]
+    command += ["--num-frames", "1", "--max-new-tokens", "4", "--verbose", "-q", "What happens?"]
+    done = subprocess.run(command + (["--stateless"] if stateless else []), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+    if not stateless:
+        assert "197 video tokens" in done.stderr
+    wrong = subprocess.run(
+        [sys.executable, "-m", "llava_client.cli", "--url", server.url, "--image", "x.png", "--num-frames", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert wrong.returncode == 2 and "--num-frames goes with --video" in wrong.stderr
