@@ -20,7 +20,6 @@ import pytest
 import torch
 from PIL import Image
 
-from clips import pan_clip
 from llava_sessions.conversation import VideoBytes
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
@@ -32,6 +31,7 @@ from llava_sessions.service import Row
 from llava_sessions.sessions.store import SessionStore, Tier
 from llava_sessions.video import VideoLimits
 from llava_sessions.worker import build_service, decode_media
+from llava_tools.demo.samples import sample_clip
 
 N = 8
 GREEDY = SamplingParams(max_new_tokens=N)
@@ -57,9 +57,7 @@ def ov(ov_dir) -> LlavaRunner:
 
 @pytest.fixture(scope="module")
 def clips() -> dict[str, bytes]:
-    from skimage import data
-
-    return {"astronaut": pan_clip(data.astronaut()), "coffee": pan_clip(data.coffee())}
+    return {"astronaut": sample_clip("astronaut"), "coffee": sample_clip("coffee")}
 
 
 def engine(runner) -> SessionEngine:

@@ -10,10 +10,9 @@ import sys
 
 import pytest
 import requests
-from skimage import data as skimage_data
 
-from clips import pan_clip
 from llava_client import SessionClient
+from llava_tools.demo.samples import sample_clip
 from server_fixtures import start_local_server
 
 pytestmark = pytest.mark.integration
@@ -35,7 +34,7 @@ def clip_paths(tmp_path_factory):
     paths = {}
     for name in ("astronaut", "coffee"):
         paths[name] = folder / f"{name}.mp4"
-        paths[name].write_bytes(pan_clip(getattr(skimage_data, name)()))
+        paths[name].write_bytes(sample_clip(name))
     return paths
 
 
