@@ -25,7 +25,9 @@ def tiny_service(model_dir, **settings) -> SessionService:
 
 @pytest.fixture(scope="module")
 def service(tiny_model_dir) -> SessionService:
-    return tiny_service(tiny_model_dir, step_max_tokens=2, max_concurrent_generations=2)
+    """Two tokens per call (``step_max_tokens``), the call's time budget (``step_max_ms``) out of
+    reach: its tests count frames of token slices, which a slow step under CPU load cut short."""
+    return tiny_service(tiny_model_dir, step_max_tokens=2, max_concurrent_generations=2, step_max_ms=600_000)
 
 
 def open_row(rid, sid, image):
