@@ -267,8 +267,8 @@ def test_a_refused_video_is_a_typed_4xx_and_the_worker_answers_on(
 
 
 def test_chat_video_url_parts_with_uuid_and_the_conversation_cache(ov_service, ov, clips) -> None:
-    """vLLM's ``video_url`` part (a data URI, ``num_frames`` on the part as SGLang takes it, a
-    ``uuid``): the answer equals ``generate``; the resent conversation naming the clip by its uuid alone
+    """vLLM's ``video_url`` part (a data URI, ``num_frames`` on the part as SGLang takes it, or in
+    vLLM's ``mm_processor_kwargs``, a ``uuid``): the answer equals ``generate``; the resent conversation naming the clip by its uuid alone
     is served from the conversation cache (the clip never decoded or encoded again); a uuid of a video in an
     ``image_url`` part is refused."""
     raw = clips["coffee"]
@@ -290,6 +290,12 @@ def test_chat_video_url_parts_with_uuid_and_the_conversation_cache(ov_service, o
     first_prompt = reply["usage"]["prompt_tokens"]
     a1 = reply["choices"][0]["message"]["content"]
     assert a1 == ov.tokenizer.decode(reference(ov, [([video], q1, None)]))
+    # vLLM's mm_processor_kwargs samples a part that names nothing: the same 3 frames, the same answer
+    bare = {k: v for k, v in part.items() if k not in ("num_frames", "uuid")}
+    kwargs = {**body, "messages": [{"role": "user", "content": [bare, {"type": "text", "text": q1}]}]}
+    status, same = run(ov_service, Row("c0", None, True, {**kwargs, "mm_processor_kwargs": {"num_frames": 3}}))["c0"]
+    assert status == 200 and same["usage"]["prompt_tokens"] == first_prompt
+    assert same["choices"][0]["message"]["content"] == a1
     by_uuid = {"type": "video_url", "video_url": None, "uuid": "v1"}
     messages = [
         {"role": "user", "content": [by_uuid, {"type": "text", "text": q1}]},

@@ -136,7 +136,10 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
             url = part.url
             source: ImageSource | None = None
             if url is not None and isinstance(part, VideoPart):
-                source = video_source_of(url[0], f"{param}.{url[1]}", part.num_frames, part.fps)
+                frames, fps = part.num_frames, part.fps
+                if frames is None and fps is None and request.mm_processor_kwargs is not None:
+                    frames, fps = request.mm_processor_kwargs.num_frames, request.mm_processor_kwargs.fps
+                source = video_source_of(url[0], f"{param}.{url[1]}", frames, fps)
             elif url is not None:
                 source = image_source_of(url[0], f"{param}.{url[1]}")
             images.append(ChatImage(source, part.uuid, param, isinstance(part, VideoPart)))

@@ -83,7 +83,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
             "add_special_tokens",
             "chat_template",
             "chat_template_kwargs",
-            "mm_processor_kwargs",
             "logits_processors",
             "return_tokens_as_token_ids",
             "priority",

@@ -117,6 +117,22 @@ class StreamOptions(ChatInbound):
     include_usage: bool = False
 
 
+class MmProcessorKwargs(ChatInbound):
+    """vLLM's ``mm_processor_kwargs``, as far as it concerns a video: ``num_frames`` or ``fps``, the
+    sampling of every ``video_url`` part that names none (other keys are ignored with a warning)."""
+
+    _where: ClassVar[str] = "mm_processor_kwargs."
+
+    num_frames: Annotated[int, Field(ge=1)] | None = None
+    fps: Annotated[float, Field(gt=0.0, le=240.0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_sampling(self) -> MmProcessorKwargs:
+        if self.num_frames is not None and self.fps is not None:
+            raise PydanticCustomError("video_sampling", "give num_frames or fps, not both")
+        return self
+
+
 class JsonSchemaFormat(ChatInbound):
     """``response_format.json_schema``: OpenAI's ``name``, ``description``, ``schema`` and ``strict``
     (the answer always follows ``schema``: ``strict`` changes nothing here)."""
@@ -211,6 +227,7 @@ class ChatCompletionRequest(ChatInbound):
     spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    mm_processor_kwargs: MmProcessorKwargs | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     cache_salt: CacheSalt | None = None
     response_format: ResponseFormat | None = None
