@@ -141,6 +141,17 @@ def test_while_decoding_a_vision_tower_takes_its_cost_and_the_rest_prefills_in_t
     assert tight.prefill == (PrefillPiece(1, True, 0),)  # the tower alone: it still moves
 
 
+def test_while_decoding_a_vision_piece_is_allotted_the_ms_left_and_with_nothing_decoding_none() -> None:
+    """A video's frames go through the tower a few per step: the piece says how many ms they may take
+    (what the step has left after the decode step); with nothing decoding there is no bound."""
+    plan = schedule([decoding(), image(600)], TIMED, ROWS, COST, fuse=False)
+    assert plan.prefill[0].vision_ms == 120.0  # 150 - 30 (decode)
+    held = schedule([decoding(), image(600)], TimeBudget(150.0, 4096, image_step_ratio=2.0), ROWS, COST, fuse=False)
+    assert held.prefill[0].vision_ms == 30.0  # 2 x 30 (the decode step alone) - 30
+    assert schedule([image(600)], TIMED, BatchLayout(), COST).prefill[0].vision_ms is None
+    assert schedule([decoding(), question(50)], TIMED, ROWS, COST, fuse=False).prefill[0].vision_ms is None
+
+
 # ---------------------------------------------------------------- the first chunk rides the decode step (rule 9)
 def test_while_decoding_the_first_chunk_rides_the_decode_pass_and_costs_its_tokens_only() -> None:
     plan = schedule([decoding(), decoding(), question(500)], TIMED, ROWS, COST)

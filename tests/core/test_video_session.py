@@ -357,3 +357,36 @@ def test_an_image_after_a_video_in_one_question_is_refused_natively_and_reordere
     assert status == 200, reply
     want = reference(ov, [([image, video], "Compare them.", None)])  # 2 frames: the server's default
     assert reply["choices"][0]["message"]["content"] == ov.tokenizer.decode(want)
+
+
+def test_a_video_opened_beside_a_running_answer_takes_its_frames_a_few_per_step(ov, clips, monkeypatch) -> None:
+    """While an answer decodes under a time budget, an opening video's frames go through the vision
+    tower a few per step (the measured per-frame cost within the step's allotted ms), so the answer
+    keeps streaming; the session opened so, and the answer, equal ``generate``."""
+    from llava_sessions.engine.scheduler import TimeBudget
+
+    eng = engine(ov)
+    first = VideoBytes(clips["coffee"], num_frames=2)
+    eng.open("running", first, image=decode(first))
+    q = "What happens in this video?"
+    long_answer = SamplingParams(max_new_tokens=40)
+    running = eng.start("running", q, long_answer, remember=False)
+    eng.step([running])  # prefilled alone: it decodes from the next step on
+    video = VideoBytes(clips["astronaut"], num_frames=6)
+    opening = eng.begin_open("opened", video, image=decode(video))
+    chunks: list[int] = []
+    real = eng.model.encode_frames
+    monkeypatch.setattr(
+        eng.model, "encode_frames", lambda s, v, a, b: chunks.append(b - a) or real(s, v, a, b)
+    )  # the real pass, watched: how many frames each step's piece ran
+    budget = TimeBudget(step_ms=10_000, max_pass_tokens=4096, image_step_ratio=0.001)  # held to one frame a step
+    steps_with_running = 0
+    while not opening.done:
+        eng.step([w for w in (running, opening) if not w.done], prefill_budget=budget)
+        steps_with_running += not running.done
+    assert opening.error is None and chunks == [1] * 6, chunks
+    assert steps_with_running >= 5  # the answer decoded beside the frames
+    while not running.done:
+        eng.step([running])
+    assert ids(running.answer)[:N] == reference(ov, [([first], q, None)])  # reference: N tokens
+    assert ids(eng.generate("opened", q, GREEDY)) == reference(ov, [([video], q, None)])

@@ -28,7 +28,7 @@ class StepCost:
         prefill_token_ms: what each prompt token adds to a prefill pass.
         decode_ms: one batched decode step of the running answers (a step that carries a prefill
             chunk attributes what its tokens do not explain to this: the step's share to plan by).
-        vision_ms: one image through the vision tower and the projector.
+        vision_ms: one image (or one video frame) through the vision tower and the projector.
         decode_alone_ms: a decode step with no chunk riding it: the running answers' own
             inter-token gap, the reference a step with image work is held to (scheduler rule 8).
 

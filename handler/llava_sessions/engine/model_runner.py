@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..conversation import still_images
-from ..model import LlavaRunner, cache_len
+from ..model import EncodedVideo, LlavaRunner, cache_len
 from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
@@ -76,12 +76,29 @@ class ModelRunner:
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
                 feats = self.runner.encode_images(images, num_images)
-        self.costs.vision(len(images), self._ms_since(t0))
+        self.costs.vision(vision_units(images), self._ms_since(t0))
         expected = session.image_tokens[len(session.images) - len(images) :]
         got = [int(f.shape[0]) for f in feats]
         if got != expected:
             raise RuntimeError(f"image features have {got} rows; the processor counts {expected}")
         return feats[0] if len(feats) == 1 else torch.cat(feats, dim=0)
+
+    def encode_frames(self, session: Session, video: Any, start: int, stop: int) -> torch.Tensor:
+        """Run the vision tower on frames ``start:stop`` of a sampled ``video`` of ``session``'s open or
+        added video (:meth:`~llava_sessions.model.LlavaRunner.encode_video_frames`), timed per frame.
+
+        Returns:
+            Their feature rows ``[(stop - start) x rows per frame, hidden]``, model dtype, on the device.
+
+        Raises:
+            ServiceError: overloaded (out of device memory twice).
+        """
+        t0 = time.perf_counter()
+        for attempt in oom_attempts(self.store, keep=session):
+            with attempt:
+                rows = self.runner.encode_video_frames(video, start, stop)
+        self.costs.vision(stop - start, self._ms_since(t0))
+        return rows
 
     def encode_at(self, session: Session, indexes: Sequence[int], images: Sequence[Any]) -> list[torch.Tensor]:
         """Run the vision tower on ``images``, the session's images at ``indexes`` (decoded), laid out
@@ -99,7 +116,7 @@ class ModelRunner:
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
                 feats = self.runner.encode_images(images, num_images)
-        self.costs.vision(len(images), self._ms_since(t0))
+        self.costs.vision(vision_units(images), self._ms_since(t0))
         expected = [session.image_tokens[i] for i in indexes]
         got = [int(f.shape[0]) for f in feats]
         if got != expected:
@@ -189,3 +206,10 @@ class ModelRunner:
     def new_cache(self) -> Any:
         """An empty ``DynamicCache`` for a session."""
         return self.runner.new_cache()
+
+
+def vision_units(images: Sequence[Any]) -> int:
+    """What a vision pass over ``images`` ran, in the cost model's unit (an image, or a video frame):
+    each still image 1, each video its frames; a video encoded a few frames per step before
+    (:class:`~llava_sessions.model.EncodedVideo`) 0, its frames timed then."""
+    return sum(0 if isinstance(item, EncodedVideo) else int(getattr(item, "num_frames", None) or 1) for item in images)

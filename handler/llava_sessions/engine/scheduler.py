@@ -61,7 +61,7 @@ And always:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .costs import StepCost
@@ -139,12 +139,15 @@ class TimeBudget:
 class PrefillPiece:
     """Run work ``index``'s vision tower when ``vision``, then prefill ``num_tokens`` of its tokens
     (0: none this step; None: all that are left), once room is made for ``grant_bytes`` device bytes
-    (its work's start; rule 10)."""
+    (its work's start; rule 10). ``vision_ms``: the ms its vision tower may take this step, while
+    answers decode under a time budget (a video's frames then go through it a few per step; None:
+    no bound); left out of a piece's equality (a plan's shape is its work, tokens and bytes)."""
 
     index: int
     vision: bool
     num_tokens: int | None
     grant_bytes: int = 0
+    vision_ms: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,9 @@ def schedule(
     else:
         pieces = _counted(work, order, token_budget, len(decode))
     fused = fuse and bool(decode) and bool(pieces) and pieces[0].num_tokens != 0
-    pieces = tuple(PrefillPiece(p.index, p.vision, p.num_tokens, work[p.index].start_bytes) for p in pieces)
+    pieces = tuple(
+        PrefillPiece(p.index, p.vision, p.num_tokens, work[p.index].start_bytes, p.vision_ms) for p in pieces
+    )
     return StepPlan(decode, rebuild, pieces, fused, _batch_bytes(work, decode, batch) if rebuild else 0)
 
 
@@ -255,6 +260,7 @@ def _timed(
             num = min(w.num_prefill_tokens, budget.max_pass_tokens, cost.tokens_within(ms_left, fused=rides))
             if not pieces and not w.needs_vision:
                 num = max(num, least)
-        pieces.append(PrefillPiece(i, w.needs_vision, num))
+        allotted = max(ms_left + vision_ms, 0.0) if decoding and w.needs_vision else None
+        pieces.append(PrefillPiece(i, w.needs_vision, num, vision_ms=allotted))
         spent += vision_ms + (cost.prefill_ms(num, fused=rides) if num else 0.0)
     return tuple(pieces)

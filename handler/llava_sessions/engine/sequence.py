@@ -343,6 +343,8 @@ class ImageTask:
         self.snapshot: SessionSnapshot | None = None
         self.encoded = False
         self.shared_rows: list[Any] | None = None  # every image's feature rows, held by other sessions
+        #: a video's frames encoded so far (index in ``images`` → its frames' feature rows, in order)
+        self.video_rows: dict[int, list[Any]] = {}
         self.num_reused_tokens = 0
         self.result: OpenResult | AddImageResult | None = None
         self.error: Exception | None = None

@@ -25,6 +25,7 @@ import torch
 
 from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError, overloaded
+from ..model import EncodedVideo, is_sampled_video
 from ..results import FinishReason, RestoredFrom, elapsed_ms
 from ..sessions.ledger import Tier
 from .memory import device_bytes
@@ -235,6 +236,27 @@ class StateUpdates:
         task.encoded = True
         task.timings["encode"] = elapsed_ms(t)
 
+    def _encode_frames(self, task: ImageTask, allotted_ms: float) -> bool:
+        """Run the next frames of the task's first video not yet encoded through the vision tower, as
+        many as the measured per-frame cost fits in ``allotted_ms`` (at least one); a video whose
+        frames are all done becomes an :class:`~llava_sessions.model.EncodedVideo` (its rows and the
+        newline row). Returns whether frames are left (the task's other vision work waits for them)."""
+        left = [i for i, item in enumerate(task.images) if is_sampled_video(item)]
+        if not left:
+            return False
+        i = left[0]
+        video = task.images[i]
+        rows = task.video_rows.setdefault(i, [])
+        done = sum(int(r.shape[0]) for r in rows) // max(1, self.runner.video_rows_per_frame())
+        per_frame = self.model.costs.estimate().vision_ms
+        count = max(1, int(allotted_ms // per_frame)) if per_frame > 0 else 1
+        stop = min(done + count, video.num_frames)
+        rows.append(self.model.encode_frames(task.session, video, done, stop))
+        if stop == video.num_frames:
+            task.images[i] = EncodedVideo(video, torch.cat([*rows, self.runner.video_newline().to(rows[0].dtype)]))
+            del task.video_rows[i]
+        return any(is_sampled_video(item) for item in task.images)
+
     def _join_added_image(self, task: ImageTask) -> None:
         session, runner = task.session, self.runner
         assert task.new_image is not None
@@ -384,6 +406,8 @@ class StateUpdates:
             if w.phase is Phase.WAITING:
                 self.start_generation(w)
             return piece.num_tokens != 0
+        if piece.vision and piece.vision_ms is not None and self._encode_frames(w, piece.vision_ms):
+            return False  # a video's frames are left: the vision tower took this step's share
         if piece.vision or not w.encoded:  # not a vision piece: features another session holds
             self.encode_image_task(w)
             if piece.vision and piece.num_tokens == 0:

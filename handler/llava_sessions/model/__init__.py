@@ -8,6 +8,7 @@ module              owns
 ``templating``      ``ChatTemplate``: a ``Chat`` to chat-templated token ids
 ``kv_cache``        ``DynamicCache`` helpers, the decode batch's ``BatchKVCache``
 ``runner``          ``LlavaRunner``: vision tower, prefill, batched decode
+``video``           a checkpoint's video path: token counts, frame preprocessing, ``EncodedVideo``
 =================== ===============================================================
 """
 
@@ -25,15 +26,18 @@ from .loading import (
 )
 from .runner import LlavaRunner
 from .templating import ChatTemplate
+from .video import EncodedVideo, is_sampled_video
 
 __all__ = [
     "ARCHITECTURES",
     "BatchKVCache",
     "BatchKVLayer",
     "ChatTemplate",
+    "EncodedVideo",
     "LlavaRunner",
     "cache_len",
     "checkpoint_architecture",
+    "is_sampled_video",
     "crop_cache",
     "image_only_processor_class",
     "load_model",

@@ -29,7 +29,7 @@ from .fused import FusedCache, fusable, fused_attention_on
 from .kv_cache import BatchKVCache, cache_len
 from .loading import load_model
 from .templating import ChatTemplate
-from .video import VIDEO_ARCHITECTURES, VideoPreprocessing, preprocess_frames, video_token_count
+from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
 
 __all__ = ["LlavaRunner"]
 
@@ -198,7 +198,8 @@ class LlavaRunner:
         own ``get_video_features`` (vision tower per frame, projector, pooling, newline row).
 
         Args:
-            video: ``frames`` ``[T, H, W, 3]`` uint8 RGB (a :class:`~llava_sessions.video.SampledVideo`).
+            video: ``frames`` ``[T, H, W, 3]`` uint8 RGB (a :class:`~llava_sessions.video.SampledVideo`),
+                or an :class:`~.video.EncodedVideo`, whose features are returned as they are.
 
         Returns:
             ``[video_token_count(T), text_hidden]``, model dtype, on the device.
@@ -206,9 +207,38 @@ class LlavaRunner:
         Raises:
             ValueError: the model has no video path.
         """
+        if isinstance(video, EncodedVideo):
+            return video.features
+        return self._video_rows(video.frames)
+
+    @torch.inference_mode()
+    def encode_video_frames(self, video: Any, start: int, stop: int) -> torch.Tensor:
+        """The feature rows of frames ``start:stop`` of ``video`` alone (the model's video path on those
+        frames, without the newline row that ends a video): ``[(stop - start) x rows per frame,
+        text_hidden]``. A video's features are its frames' rows in order, then :meth:`video_newline`
+        (each frame goes through the tower, projector and pooling on its own).
+
+        Raises:
+            ValueError: the model has no video path.
+        """
+        return self._video_rows(video.frames[start:stop])[:-1]
+
+    def video_rows_per_frame(self) -> int:
+        """Feature rows one video frame takes (196 on OneVision at 384 px)."""
+        return video_token_count(self.config, 1) - 1
+
+    def video_newline(self) -> torch.Tensor:
+        """The row that ends a video's features (OneVision's ``image_newline``): ``[1, text_hidden]``."""
+        newline = getattr(getattr(self.model, "model", self.model), "image_newline", None)
+        if newline is None:
+            raise ValueError(f"{self.architecture} has no video path")
+        return newline.detach().reshape(1, -1)
+
+    def _video_rows(self, frames: Any) -> torch.Tensor:
+        """``get_video_features`` of ``frames`` (``[T, H, W, 3]`` uint8): ``[rows, text_hidden]``."""
         if not self.supports_video:
             raise ValueError(f"{self.architecture} has no video path")
-        pixels = preprocess_frames(video.frames, self.video_preprocessing).to(self.device, self.dtype)
+        pixels = preprocess_frames(frames, self.video_preprocessing).to(self.device, self.dtype)
         out = self.model.get_video_features(
             pixel_values_videos=pixels,
             vision_feature_layer=self.config.vision_feature_layer,

@@ -25,7 +25,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["VIDEO_ARCHITECTURES", "VideoPreprocessing", "preprocess_frames", "video_token_count"]
+__all__ = [
+    "VIDEO_ARCHITECTURES",
+    "EncodedVideo",
+    "VideoPreprocessing",
+    "is_sampled_video",
+    "preprocess_frames",
+    "video_token_count",
+]
 
 #: The architectures whose video path is served (transformers class names). llava-1.5 and LLaVA-NeXT
 #: have none; LLaVA-NeXT-Video is not served yet (docs/design.md, known limits).
@@ -91,6 +98,41 @@ class VideoPreprocessing:
             return cls.from_settings(settings)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{path}: not a video processor's settings ({exc})") from None
+
+
+@dataclass(frozen=True)
+class EncodedVideo:
+    """A sampled video whose feature rows are already computed (its frames through the vision tower a
+    few per step, then the newline row): the runner takes ``features`` as they are.
+
+    Attributes:
+        video: the sampled video (``frames`` ``[T, H, W, 3]`` uint8).
+        features: ``[video_token_count(T), text_hidden]``, model dtype, on the device.
+    """
+
+    video: Any
+    features: torch.Tensor
+
+    @property
+    def num_frames(self) -> int:
+        """Frames sampled (T)."""
+        return int(self.video.num_frames)
+
+    @property
+    def height(self) -> int:
+        """Frame height, pixels."""
+        return int(self.video.height)
+
+    @property
+    def width(self) -> int:
+        """Frame width, pixels."""
+        return int(self.video.width)
+
+
+def is_sampled_video(item: Any) -> bool:
+    """Whether a decoded medium is a video whose frames are yet to be encoded (it has ``num_frames``
+    and is not an :class:`EncodedVideo`)."""
+    return getattr(item, "num_frames", None) is not None and not isinstance(item, EncodedVideo)
 
 
 def video_token_count(config: Any, num_frames: int) -> int:
