@@ -134,7 +134,8 @@ class SessionClient(BaseClient):
         Args:
             image: a local path, image file bytes, a PIL image (sent inline, base64), an
                 ``http(s)://`` URL or an ``s3://bucket/key`` URI (fetched by the server).
-            video: instead of ``image``, a video (a model with a video path: LLaVA-OneVision): a local
+            video: instead of ``image``, a video (a model with a video path: LLaVA-OneVision or
+                LLaVA-NeXT-Video): a local
                 MP4 or WebM file or its bytes (sent inline, within the request limit), an
                 ``http(s)://`` URL or an ``s3://`` URI; its frames are sampled uniformly by the server.
             num_frames, fps: with ``video``, how its frames are sampled (one or neither: the server's

@@ -301,7 +301,7 @@ class Session:
         return _chat.complete(self._client, messages, self.id, **params)
 
     def add_video(self, video: VideoInput, *, num_frames: int | None = None, fps: float | None = None) -> AddedImage:
-        """Add a video to the conversation (a model with a video path: LLaVA-OneVision): the next
+        """Add a video to the conversation (a model with a video path: LLaVA-OneVision, LLaVA-NeXT-Video): the next
         question may refer to it and to every earlier image and video. The server reuses the cached
         conversation and encodes only the video's sampled frames.
 

@@ -64,7 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--video",
         metavar="PATH|URL",
         help="instead of --image, a video (MP4 or WebM file, http(s) URL or s3:// URI) on a model with a video "
-        "path (LLaVA-OneVision); its frames are sampled uniformly by the server",
+        "path (LLaVA-OneVision, LLaVA-NeXT-Video); its frames are sampled uniformly by the server",
     )
     parser.add_argument(
         "--num-frames", type=int, metavar="N", help="with --video: frames to sample (default: the server's)"

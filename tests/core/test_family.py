@@ -1,4 +1,5 @@
-"""The LLaVA family (llava-1.5, LLaVA-NeXT, LLaVA-OneVision) and sessions with several images.
+"""The LLaVA family (llava-1.5, LLaVA-NeXT, LLaVA-OneVision, LLaVA-NeXT-Video) and sessions with
+several images.
 
 Exactness as for llava-1.5: greedy answers token-identical to a from-scratch ``model.generate`` on the
 chat-templated conversation, built by the checkpoint's own processor (``apply_chat_template`` with the
@@ -24,7 +25,7 @@ from llava_sessions.sessions.store import SessionStore, Tier
 N = 10
 GREEDY = SamplingParams(max_new_tokens=N)
 decode = functools.partial(decode_image, max_pixels=40_000_000)
-ARCHS = ("llava", "llava-next", "llava-onevision")
+ARCHS = ("llava", "llava-next", "llava-onevision", "llava-next-video")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Video sessions (issue 44) on a tiny random-weight LLaVA-OneVision: a conversation about a video whose
-frames are decoded and encoded once.
+"""Video sessions (issue 44) on tiny random-weight LLaVA-OneVision and LLaVA-NeXT-Video checkpoints: a
+conversation about a video whose frames are decoded and encoded once.
 
 Exactness as for images: greedy answers token-identical to a from-scratch ``model.generate`` with the
 model's own video path (``pixel_values_videos``: ``get_video_features`` and the placeholder merge),
@@ -56,6 +56,32 @@ def ov(ov_dir) -> LlavaRunner:
 
 
 @pytest.fixture(scope="module")
+def next_video(tmp_path_factory) -> LlavaRunner:
+    """The tiny LLaVA-NeXT-Video, written by ``llava-tiny-model --arch llava-next-video``."""
+    from llava_tools.tiny_model import write_checkpoint
+
+    folder = write_checkpoint(
+        "tiny", tmp_path_factory.mktemp("nv"), seed=0, arch="llava-next-video", max_positions=CONTEXT
+    )
+    torch.manual_seed(0)
+    return LlavaRunner.from_pretrained(folder, device="cpu", dtype="float32")
+
+
+@pytest.fixture(params=["llava-onevision", "llava-next-video"])
+def video_model(request) -> LlavaRunner:
+    """Each architecture with a video path."""
+    return request.getfixturevalue("ov" if request.param == "llava-onevision" else "next_video")
+
+
+def processor_video_tokens(runner, video) -> int:
+    """The checkpoint processor's own count of ``video``'s placeholders (``replace_video_token`` on
+    the video's pixels)."""
+    pixels = preprocess_frames(video.frames, runner.video_preprocessing)
+    text = runner.processor.replace_video_token({"pixel_values_videos": pixels}, 0)
+    return text.count(runner.processor.video_token)
+
+
+@pytest.fixture(scope="module")
 def clips() -> dict[str, bytes]:
     return {"astronaut": sample_clip("astronaut"), "coffee": sample_clip("coffee")}
 
@@ -75,7 +101,8 @@ def reference(runner, turns: list[tuple[list, str, str | None]]) -> list[int]:
     """Greedy tokens of ``generate`` from scratch on ``[(media opening the user message, question,
     answer or None for the last)]``; a medium is image bytes or a :class:`VideoBytes`. The images go
     through the checkpoint's own processor; each ``<video>`` id is expanded to the processor's count
-    (``_get_num_multimodal_tokens``) and the model runs its own video path on the clip's pixels."""
+    (``_get_num_multimodal_tokens``, ``replace_video_token``) and the model runs its own video path
+    on the clip's pixels."""
     chat, images, videos = [], [], []
     for media, question, answer in turns:
         stills = [m for m in media if not isinstance(m, VideoBytes)]
@@ -91,13 +118,10 @@ def reference(runner, turns: list[tuple[list, str, str | None]]) -> list[int]:
     # tokenizer, each placeholder expanded to the processor's own count of its medium
     pil = [decode_image(b, max_pixels=10**8) for b in images]
     sampled = [decode(v) for v in videos]
-    counts = runner.processor._get_num_multimodal_tokens(
-        image_sizes=[(p.height, p.width) for p in pil] or None,
-        video_sizes=[(v.num_frames, v.height, v.width) for v in sampled] or None,
-    )
+    counts = runner.processor._get_num_multimodal_tokens(image_sizes=[(p.height, p.width) for p in pil] or None)
     assert len(images) <= 1, "several images take OneVision's several-image layout: not counted here"
     per_image = iter(getattr(counts, "num_image_tokens", None) or [])
-    per_video = iter(getattr(counts, "num_video_tokens", None) or [])
+    per_video = iter(processor_video_tokens(runner, v) for v in sampled)
     image_id, video_id = runner.config.image_token_id, runner.config.video_token_id
     ids = []
     for token in runner.tokenizer(text)["input_ids"]:
@@ -127,33 +151,38 @@ def ids(answer) -> list[int]:
     return [t.id for t in answer.tokens]
 
 
-def test_a_video_session_answers_as_generate_does_from_every_tier(ov, clips) -> None:
-    """Open on a 4-frame sample of a clip: 4 x 196 + 1 video tokens; the first question, a follow-up
+def test_a_video_session_answers_as_generate_does_from_every_tier(video_model, clips) -> None:
+    """Open on a 4-frame sample of a clip (the processor's count: 4 x 196 + 1 tokens on OneVision,
+    4 x 144 on LLaVA-NeXT-Video); the first question, a follow-up
     (only its own tokens prefilled) and the same after demotion to the features tier and to the bytes
     tier (the clip decoded and sampled again) each equal ``generate`` from scratch."""
     video = VideoBytes(clips["astronaut"], num_frames=4)
-    eng = engine(ov)
+    m = video_model
+    eng = engine(m)
     opened = eng.open("s", video, image=decode(video))
-    assert opened.image_tokens == 4 * 196 + 1 == video_token_count(ov.config, 4)
+    per_frame = 196 if m.architecture.startswith("LlavaOnevision") else 144
+    expected = 4 * per_frame + int(per_frame == 196)
+    assert opened.image_tokens == expected == processor_video_tokens(m, decode(video))
+    assert video_token_count(m.config, 4, m.video_preprocessing) == expected
     q1, q2, q3, q4 = "What happens in this video?", "What color is it?", "Why?", "Where?"
     a1 = eng.generate("s", q1, GREEDY)
-    assert ids(a1) == reference(ov, [([video], q1, None)])
+    assert ids(a1) == reference(m, [([video], q1, None)])
     assert a1.cached_tokens == opened.prefix_tokens
     a2 = eng.generate("s", q2, GREEDY)
     history = [([video], q1, a1.text)]
-    assert ids(a2) == reference(ov, [*history, ([], q2, None)])
+    assert ids(a2) == reference(m, [*history, ([], q2, None)])
     assert a2.cached_tokens >= a1.prompt_tokens - 2  # the video and the first turn came from the cache
     history.append(([], q2, a2.text))
     eng.store.demote("s", Tier.FEATURES)
     a3 = eng.generate("s", q3, GREEDY)
-    assert a3.restored_from == "features" and ids(a3) == reference(ov, [*history, ([], q3, None)])
+    assert a3.restored_from == "features" and ids(a3) == reference(m, [*history, ([], q3, None)])
     history.append(([], q3, a3.text))
     eng.store.demote("s", Tier.IMAGE)
     a4 = eng.generate("s", q4, GREEDY)
-    assert a4.restored_from == "image" and ids(a4) == reference(ov, [*history, ([], q4, None)])
+    assert a4.restored_from == "image" and ids(a4) == reference(m, [*history, ([], q4, None)])
 
 
-def test_a_video_joins_an_image_session_and_an_image_a_video_session_exactly(ov, clips, photos) -> None:
+def test_a_video_joins_an_image_session_and_an_image_a_video_session_exactly(video_model, clips, photos) -> None:
     """An image laid out alone (anyres: a video is not one of OneVision's several images), then a video
     added: its frames encoded, the image's features and the first turn's KV kept; and a video session
     that adds an image: every image counted as in the processor's several-image mode only when two
@@ -164,22 +193,23 @@ def test_a_video_joins_an_image_session_and_an_image_a_video_session_exactly(ov,
     small.save(buf, format="PNG")
     image = buf.getvalue()
     video = VideoBytes(clips["coffee"], num_frames=2)
-    eng = engine(ov)
+    m = video_model
+    eng = engine(m)
     opened = eng.open("s", image)
     q1, q2, q3 = "What is in this image?", "And in the video?", "Compare them."
     a1 = eng.generate("s", q1, GREEDY)
     added = eng.add_image("s", video, image=decode(video))
-    assert added.images == 2 and added.image_tokens == 2 * 196 + 1
+    assert added.images == 2 and added.image_tokens == processor_video_tokens(m, decode(video))
     assert added.cached_tokens >= a1.prompt_tokens - 2  # no relayout: the image and the first turn stay cached
     a2 = eng.generate("s", q2, GREEDY)
     assert eng.store.get("s").image_tokens[0] == opened.image_tokens  # still laid out as a lone image
-    assert ids(a2) == reference(ov, [([image], q1, a1.text), ([video], q2, None)])
+    assert ids(a2) == reference(m, [([image], q1, a1.text), ([video], q2, None)])
 
     eng.open("v", video, image=decode(video))
     b1 = eng.generate("v", q2, GREEDY)
     eng.add_image("v", image)
     b2 = eng.generate("v", q3, GREEDY)
-    assert ids(b2) == reference(ov, [([video], q2, b1.text), ([image], q3, None)])
+    assert ids(b2) == reference(m, [([video], q2, b1.text), ([image], q3, None)])
 
 
 def test_one_clip_sampled_two_ways_is_two_media_and_a_video_is_never_an_image(ov, clips, photos) -> None:
@@ -359,12 +389,15 @@ def test_an_image_after_a_video_in_one_question_is_refused_natively_and_reordere
     assert reply["choices"][0]["message"]["content"] == ov.tokenizer.decode(want)
 
 
-def test_a_video_opened_beside_a_running_answer_takes_its_frames_a_few_per_step(ov, clips, monkeypatch) -> None:
+def test_a_video_opened_beside_a_running_answer_takes_its_frames_a_few_per_step(
+    video_model, clips, monkeypatch
+) -> None:
     """While an answer decodes under a time budget, an opening video's frames go through the vision
     tower a few per step (the measured per-frame cost within the step's allotted ms), so the answer
     keeps streaming; the session opened so, and the answer, equal ``generate``."""
     from llava_sessions.engine.scheduler import TimeBudget
 
+    ov = video_model
     eng = engine(ov)
     first = VideoBytes(clips["coffee"], num_frames=2)
     eng.open("running", first, image=decode(first))

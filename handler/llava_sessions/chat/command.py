@@ -117,6 +117,31 @@ def video_source_of(url: str, param: str, num_frames: int | None, fps: float | N
         ) from None
 
 
+def _media(request: ChatCompletionRequest) -> list[ChatImage]:
+    """Every image and video part of the request, in the template's order (a message's images, then
+    its videos); a video part naming no sampling takes ``mm_processor_kwargs``'.
+
+    Raises:
+        ServiceError: invalid_parameter naming the part (:func:`image_source_of`, :func:`video_source_of`).
+    """
+    media: list[ChatImage] = []
+    for i, msg in enumerate(request.messages):
+        content = msg.content if isinstance(msg.content, list) else []
+        for part in msg.image_parts():
+            param = f"messages[{i}].content[{next(j for j, p in enumerate(content) if p is part)}]"
+            url = part.url
+            source: ImageSource | None = None
+            if url is not None and isinstance(part, VideoPart):
+                frames, fps = part.num_frames, part.fps
+                if frames is None and fps is None and request.mm_processor_kwargs is not None:
+                    frames, fps = request.mm_processor_kwargs.num_frames, request.mm_processor_kwargs.fps
+                source = video_source_of(url[0], f"{param}.{url[1]}", frames, fps)
+            elif url is not None:
+                source = image_source_of(url[0], f"{param}.{url[1]}")
+            media.append(ChatImage(source, part.uuid, param, isinstance(part, VideoPart)))
+    return media
+
+
 def chat_command(request: ChatCompletionRequest, settings: Settings, model: str) -> ChatCommand:
     """The command of a validated chat-completions request, with the server's defaults.
 
@@ -128,21 +153,7 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
             output's schema or pattern).
     """
     conversation = request.conversation()
-    images: list[ChatImage] = []
-    for i, msg in enumerate(request.messages):
-        content = msg.content if isinstance(msg.content, list) else []
-        for part in msg.image_parts():  # in the template's order: a message's images, then its videos
-            param = f"messages[{i}].content[{next(j for j, p in enumerate(content) if p is part)}]"
-            url = part.url
-            source: ImageSource | None = None
-            if url is not None and isinstance(part, VideoPart):
-                frames, fps = part.num_frames, part.fps
-                if frames is None and fps is None and request.mm_processor_kwargs is not None:
-                    frames, fps = request.mm_processor_kwargs.num_frames, request.mm_processor_kwargs.fps
-                source = video_source_of(url[0], f"{param}.{url[1]}", frames, fps)
-            elif url is not None:
-                source = image_source_of(url[0], f"{param}.{url[1]}")
-            images.append(ChatImage(source, part.uuid, param, isinstance(part, VideoPart)))
+    images = _media(request)
     limit = request.answer_limit
     temperature = 1.0 if request.temperature is None else request.temperature
     params = SamplingParams(

@@ -359,7 +359,7 @@ class SessionEngine:
             raise ServiceError(
                 ErrorCode.VIDEO_UNSUPPORTED,
                 f"this server's model ({self.runner.architecture}) has no video path; send images, or serve "
-                "a LLaVA-OneVision checkpoint for videos",
+                "a LLaVA-OneVision or LLaVA-NeXT-Video checkpoint for videos",
                 param="video",
             )
 

@@ -253,7 +253,9 @@ class StateUpdates:
         stop = min(done + count, video.num_frames)
         rows.append(self.model.encode_frames(task.session, video, done, stop))
         if stop == video.num_frames:
-            task.images[i] = EncodedVideo(video, torch.cat([*rows, self.runner.video_newline().to(rows[0].dtype)]))
+            newline = self.runner.video_newline()
+            ends = [] if newline is None else [newline.to(rows[0].dtype)]
+            task.images[i] = EncodedVideo(video, torch.cat([*rows, *ends]))
             del task.video_rows[i]
         return any(is_sampled_video(item) for item in task.images)
 

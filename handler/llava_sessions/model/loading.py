@@ -2,7 +2,8 @@
 
 Architectures (:data:`ARCHITECTURES`, chosen by ``config.json``'s ``architectures``): llava-1.5
 (``LlavaForConditionalGeneration``), LLaVA-NeXT (``LlavaNextForConditionalGeneration``, "anyres"
-tiling) and LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``, anyres_max_9; Qwen2).
+tiling), LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``, anyres_max_9; Qwen2; videos)
+and LLaVA-NeXT-Video (``LlavaNextVideoForConditionalGeneration``: LLaVA-NeXT's images, and videos).
 ``from_pretrained`` works on local folders only (no model hub here). The vision tower keeps only the
 layers its feature layer needs (:func:`trim_vision_tower`); on a CPU device the process's allocator
 keeps what a forward pass frees for the next one (:func:`keep_freed_cpu_memory`).
@@ -42,6 +43,7 @@ ARCHITECTURES: tuple[str, ...] = (
     "LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration",
+    "LlavaNextVideoForConditionalGeneration",
 )
 
 
@@ -63,13 +65,39 @@ def checkpoint_architecture(model_dir: str | Path) -> str:
 
 
 def image_only_processor_class(processor_class: type) -> Any:
-    """``processor_class`` without its video processor: LLaVA-OneVision's processor requires one, and
-    transformers' video processors need torchvision, which a server of images does not need."""
+    """``processor_class`` without its video processor: LLaVA-OneVision's and LLaVA-NeXT-Video's
+    processors require one, and transformers' video processors need torchvision, which does not
+    install beside the CPU torch wheel (a video's frames are preprocessed by :mod:`.video`).
+
+    The processors pass their attributes to ``ProcessorMixin`` positionally, in their own order
+    (LLaVA-NeXT-Video's puts the video processor first, OneVision's last), and ``from_pretrained``
+    builds them positionally in ``get_attributes`` order: here ``from_pretrained`` passes them in the
+    order of the class's own ``__init__`` (None for the video processor), whose place is dropped
+    before ``ProcessorMixin`` sees them.
+    """
+    from transformers import ProcessorMixin
+
+    everything = list(processor_class.get_attributes())  # type: ignore[attr-defined]
+    kept = [a for a in everything if a != "video_processor"]
 
     def get_attributes(cls: type) -> list[str]:
-        return [a for a in processor_class.get_attributes() if a != "video_processor"]  # type: ignore[attr-defined]
+        return list(kept)
 
-    return type(processor_class.__name__, (processor_class,), {"get_attributes": classmethod(get_attributes)})
+    def from_args_and_dict(cls: type, args: Any, processor_dict: dict[str, Any], **kwargs: Any) -> Any:
+        named = dict(zip(kept, args, strict=True))  # in the order of the class's own __init__
+        code = processor_class.__init__.__code__  # type: ignore[misc]
+        order = [n for n in code.co_varnames[1 : code.co_argcount] if n in everything]
+        ordered = tuple(named.get(name) for name in order)
+        return processor_class.from_args_and_dict.__func__(cls, ordered, processor_dict, **kwargs)  # type: ignore[attr-defined]
+
+    class _WithoutVideoProcessor(ProcessorMixin):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if "video_processor" in everything and len(args) == len(everything):
+                args = tuple(a for a, name in zip(args, everything, strict=True) if name != "video_processor")
+            ProcessorMixin.__init__(self, *args, **kwargs)
+
+    namespace = {"get_attributes": classmethod(get_attributes), "from_args_and_dict": classmethod(from_args_and_dict)}
+    return type(processor_class.__name__, (processor_class, _WithoutVideoProcessor), namespace)
 
 
 def load_processor(model_dir: str | Path) -> Any:

@@ -74,7 +74,9 @@ class LlavaRunner:
             and video_id is not None
             and getattr(processor, "video_token", None) is not None
         )
-        self.video_preprocessing = video_preprocessing or VideoPreprocessing.from_settings({})
+        self.video_preprocessing = video_preprocessing or VideoPreprocessing.from_settings({}, self.architecture)
+        #: OneVision ends a video's rows with its ``image_newline`` row; LLaVA-NeXT-Video has none.
+        self._video_newline = getattr(self.config, "spatial_pool_stride", None) is None
         #: The checkpoint's chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
         self.template = ChatTemplate(
             processor, self.image_token_id, int(video_id) if self.supports_video and video_id is not None else None
@@ -119,7 +121,7 @@ class LlavaRunner:
             ValueError: bad device or dtype, or an architecture not in ``ARCHITECTURES``.
         """
         model, processor = load_model(model_dir, device=device, gpu_id=gpu_id, dtype=dtype)
-        return cls(model, processor, VideoPreprocessing.from_folder(model_dir))
+        return cls(model, processor, VideoPreprocessing.from_folder(model_dir, type(model).__name__))
 
     # ------------------------------------------------------------------ images
     def base_layout(self, num_images: int) -> bool:
@@ -141,7 +143,7 @@ class LlavaRunner:
         if len(image_size) == 3:
             if not self.supports_video:
                 raise ValueError(f"{self.architecture} has no video path")
-            return video_token_count(self.config, image_size[0])
+            return video_token_count(self.config, image_size[0], self.video_preprocessing)
         if self.base_layout(num_images):
             return self.num_image_tokens + 1
         counter = getattr(self.processor, "_get_num_multimodal_tokens", None)
@@ -216,23 +218,30 @@ class LlavaRunner:
         """The feature rows of frames ``start:stop`` of ``video`` alone (the model's video path on those
         frames, without the newline row that ends a video): ``[(stop - start) x rows per frame,
         text_hidden]``. A video's features are its frames' rows in order, then :meth:`video_newline`
-        (each frame goes through the tower, projector and pooling on its own).
+        (each frame goes through the tower, projector and pooling on its own), when the model has one.
 
         Raises:
             ValueError: the model has no video path.
         """
-        return self._video_rows(video.frames[start:stop])[:-1]
+        rows = self._video_rows(video.frames[start:stop])
+        return rows[:-1] if self._video_newline else rows
 
     def video_rows_per_frame(self) -> int:
-        """Feature rows one video frame takes (196 on OneVision at 384 px)."""
-        return video_token_count(self.config, 1) - 1
+        """Feature rows one video frame takes (196 on OneVision at 384 px, 144 on LLaVA-NeXT-Video at 336)."""
+        return video_token_count(self.config, 1, self.video_preprocessing) - int(self._video_newline)
 
-    def video_newline(self) -> torch.Tensor:
-        """The row that ends a video's features (OneVision's ``image_newline``): ``[1, text_hidden]``."""
-        newline = getattr(getattr(self.model, "model", self.model), "image_newline", None)
-        if newline is None:
+    def video_newline(self) -> torch.Tensor | None:
+        """The row that ends a video's features (OneVision's ``image_newline``): ``[1, text_hidden]``;
+        None for a model whose videos end without one (LLaVA-NeXT-Video).
+
+        Raises:
+            ValueError: the model has no video path.
+        """
+        if not self.supports_video:
             raise ValueError(f"{self.architecture} has no video path")
-        return newline.detach().reshape(1, -1)
+        if not self._video_newline:
+            return None
+        return getattr(self.model, "model", self.model).image_newline.detach().reshape(1, -1)
 
     def _video_rows(self, frames: Any) -> torch.Tensor:
         """``get_video_features`` of ``frames`` (``[T, H, W, 3]`` uint8): ``[rows, text_hidden]``."""

@@ -1,6 +1,6 @@
 """Build random-weight LLaVA checkpoints that load exactly like a llava-hf folder.
 
-``llava-tiny-model --arch {llava,llava-next,llava-onevision} --size {tiny,bench,7b} --out DIR
+``llava-tiny-model --arch {llava,llava-next,llava-onevision,llava-next-video} --size {tiny,bench,7b} --out DIR
 [--seed N]`` writes a folder that the architecture's ``...ForConditionalGeneration.from_pretrained``
 and ``AutoProcessor.from_pretrained`` load with no hub access: the real transformers config class,
 random weights, a byte-level BPE tokenizer trained with ``tokenizers`` on a small built-in corpus,
@@ -17,6 +17,11 @@ checkpoints each one mirrors):
   SigLIP at 384 px, patch 14 (729 tokens per tile), ``anyres_max_9``; Qwen2 text model (GQA) with
   ChatML (``<|im_start|>user <image>\\n...<|im_end|>``), no BOS. With more than one image in a
   conversation each image is one base tile plus a newline token (730), as the model was trained.
+  Videos: 196 tokens per frame and a newline.
+* ``llava-next-video`` (llava-hf/LLaVA-NeXT-Video-7B-hf): ``LlavaNextVideoForConditionalGeneration``,
+  LLaVA-NeXT's CLIP tower and anyres images, and videos: each 336 px frame average-pooled to 144
+  tokens; ``USER: <image>\\n<video>\\n... ASSISTANT:``; its ``video_preprocessor_config.json`` says
+  336 (shortest edge, then a center crop).
 
 Sizes:
 
@@ -41,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llava_sessions.model.video import VIDEO_DEFAULTS
+
 #: llava-1.5 chat template in the llava-hf form: optional system text first, then per message
 #: ``ROLE: `` with images first (``<image>\\n``) and texts each followed by a space; the
 #: generation prompt is ``ASSISTANT:``.
@@ -49,6 +56,7 @@ LLAVA15_CHAT_TEMPLATE = (
     "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
     "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\n' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}{% endfor %}"
     "{% endif %}"
     "{% endfor %}"
@@ -94,6 +102,14 @@ ARCHS: dict[str, str] = {
     "llava": "LlavaForConditionalGeneration",
     "llava-next": "LlavaNextForConditionalGeneration",
     "llava-onevision": "LlavaOnevisionForConditionalGeneration",
+    "llava-next-video": "LlavaNextVideoForConditionalGeneration",
+}
+#: LLaVA-NeXT-Video's video processor settings the builder writes (llava-hf/LLaVA-NeXT-Video-7B-hf's:
+#: CLIP at 336 px), as ``video_preprocessor_config.json``.
+NEXT_VIDEO_PREPROCESSOR = {
+    **VIDEO_DEFAULTS["LlavaNextVideoForConditionalGeneration"],
+    **{"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}, "do_center_crop": True},
+    **{"video_processor_type": "LlavaNextVideoVideoProcessor", "processor_class": "LlavaNextVideoProcessor"},
 }
 #: llava-v1.6's grid pinpoints (height, width), the LlavaNextConfig default.
 NEXT_GRID_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
@@ -160,7 +176,7 @@ SIZES: dict[str, SizeSpec] = {
 }
 
 
-def _train_tokenizer(vocab_size: int = 2048, *, chatml: bool = False):
+def _train_tokenizer(vocab_size: int = 2048, *, chatml: bool = False, video: bool = False):
     """Train a byte-level BPE on the built-in corpus; returns a ``PreTrainedTokenizerFast``.
 
     BOS ``<s>`` is prepended by the post-processor, as LLaMA tokenizers do. ``chatml``: Qwen2's way
@@ -175,7 +191,7 @@ def _train_tokenizer(vocab_size: int = 2048, *, chatml: bool = False):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=SPECIAL_TOKENS + (CHATML_TOKENS if chatml else []),
+        special_tokens=SPECIAL_TOKENS + (CHATML_TOKENS if chatml else ["<video>"] if video else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -186,7 +202,7 @@ def _train_tokenizer(vocab_size: int = 2048, *, chatml: bool = False):
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
         )
-    extra = {"image_token": IMAGE_TOKEN, **({"video_token": "<video>"} if chatml else {})}
+    extra = {"image_token": IMAGE_TOKEN, **({"video_token": "<video>"} if chatml or video else {})}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None if chatml else "<s>",
@@ -299,7 +315,23 @@ def build_config(
     )
     if arch == "llava-next":
         return LlavaNextConfig(image_grid_pinpoints=NEXT_GRID_PINPOINTS, **common)
+    if arch == "llava-next-video":
+        return _next_video_config(common, image_token_id + 1 if video_token_id is None else video_token_id)
     return LlavaConfig(**common)
+
+
+def _next_video_config(common: dict[str, Any], video_token_id: int) -> Any:
+    """LLaVA-NeXT-Video's config over llava-1.5's towers (``common``): llava-v1.6's grid pinpoints for
+    images, each video frame average-pooled by 2 (LLaVA-NeXT-Video-7B-hf's)."""
+    from transformers import LlavaNextVideoConfig
+
+    return LlavaNextVideoConfig(
+        image_grid_pinpoints=NEXT_GRID_PINPOINTS,
+        video_token_index=video_token_id,
+        spatial_pool_mode="average",
+        spatial_pool_stride=2,
+        **common,
+    )
 
 
 def build_processor(tokenizer, arch: str = "llava"):
@@ -344,6 +376,15 @@ def build_processor(tokenizer, arch: str = "llava"):
     if arch == "llava-next":
         image_processor = LlavaNextImageProcessorPil(image_grid_pinpoints=NEXT_GRID_PINPOINTS, **clip)
         return LlavaNextProcessor(image_processor=image_processor, chat_template=LLAVA_NEXT_CHAT_TEMPLATE, **common)
+    if arch == "llava-next-video":
+        from transformers import LlavaNextVideoProcessor
+
+        from llava_sessions.model import image_only_processor_class
+
+        image_processor = LlavaNextImageProcessorPil(image_grid_pinpoints=NEXT_GRID_PINPOINTS, **clip)
+        return image_only_processor_class(LlavaNextVideoProcessor)(
+            image_processor=image_processor, chat_template=LLAVA15_CHAT_TEMPLATE, video_token="<video>", **common
+        )
     image_processor = CLIPImageProcessorPil(do_center_crop=True, **clip)
     return LlavaProcessor(image_processor=image_processor, chat_template=LLAVA15_CHAT_TEMPLATE, **common)
 
@@ -369,8 +410,8 @@ def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None, ar
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    chatml = arch == "llava-onevision"
-    tokenizer = _train_tokenizer(chatml=chatml)
+    chatml, video = arch == "llava-onevision", arch in ("llava-onevision", "llava-next-video")
+    tokenizer = _train_tokenizer(chatml=chatml, video=video)
     processor = build_processor(tokenizer, arch)
     config = build_config(
         size,
@@ -380,7 +421,7 @@ def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None, ar
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         arch=arch,
-        video_token_id=tokenizer.convert_tokens_to_ids("<video>") if chatml else None,
+        video_token_id=tokenizer.convert_tokens_to_ids("<video>") if video else None,
     )
     torch.manual_seed(seed)
     with torch.device(device):
@@ -426,6 +467,8 @@ def write_checkpoint(
         model.config.text_config.max_position_embeddings = max_positions
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    if arch == "llava-next-video":
+        (out / "video_preprocessor_config.json").write_text(json.dumps(NEXT_VIDEO_PREPROCESSOR, indent=1))
     (out / "llava_sessions_build.json").write_text(
         json.dumps({"arch": arch, "size": size, "seed": seed, "random_weights": True}, indent=1)
     )
