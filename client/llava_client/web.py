@@ -1,6 +1,7 @@
 """``llava-web``: a chat page about an image, in the browser, talking to the server through ``llava_client``.
 
-Drop or paste an image (that opens a session), ask questions and watch each answer stream in token
+Drop or paste an image (that opens a session), or upload a video (on a model with a video path: its
+:data:`VIDEO_FRAMES` frames sampled uniformly by the server, shown as a strip), ask questions and watch each answer stream in token
 by token; under every answer: the server's time to first token, how many prompt tokens the server
 reused from the session's KV cache, the tokens generated and the finish reason. "Reset
 conversation" forgets the history and keeps the image (and its cached prefix); "New image" closes
@@ -27,29 +28,27 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
 from ._client import Session, SessionClient
-from ._exceptions import (
-    APIConnectionError,
-    APIStatusError,
-    APITimeoutError,
-    ContextLengthExceeded,
-    InvalidRequest,
-    LlavaError,
-    Overloaded,
-    PayloadTooLarge,
-    RateLimited,
-    SessionBusy,
-    SessionGone,
-)
-from ._types import Answer
+from ._exceptions import SessionBusy
+from ._page_text import START_HINT, VIDEO_FRAMES, answer_stats, explain, sample_frames, shown, warn
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "ChatPage", "TabChat", "WebChat", "answer_stats", "build_app", "explain", "main"]
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "VIDEO_FRAMES",
+    "ChatPage",
+    "TabChat",
+    "WebChat",
+    "answer_stats",
+    "build_app",
+    "explain",
+    "main",
+    "sample_frames",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,65 +58,6 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_NEW_TOKENS_LIMIT = 1024
 
 Messages = list[dict[str, str]]
-
-#: The status line while the tab has no session.
-START_HINT = "Upload or paste an image to start a session."
-
-
-def explain(error: Exception, *, doing: str = "") -> str:
-    """One sentence for the page about ``error`` (never a stack trace).
-
-    Args:
-        error: what a ``llava_client`` call raised (any exception: unknown ones get a generic line).
-        doing: what the page was doing ("opening the image", "answering"), to start the sentence.
-    """
-    what = f"{doing[:1].upper()}{doing[1:]} failed: " if doing else ""
-    if isinstance(error, SessionBusy):
-        return f"{what}the previous answer is still being generated; wait for it to finish."
-    if isinstance(error, SessionGone):
-        return (
-            f"{what}the server no longer has this session ({error.code}) and it could not be restored; "
-            "upload the image again."
-        )
-    if isinstance(error, Overloaded | RateLimited):
-        retry_after = getattr(error, "retry_after", None)
-        wait = f" in about {retry_after:.0f} s" if retry_after else " in a moment"
-        return f"{what}the server is busy (all its session memory is in use); try again{wait}."
-    if isinstance(error, PayloadTooLarge):
-        if error.code == "image_too_large":
-            return f"{what}the image is too large for the server ({error.message})."
-        return f"{what}the image is too large to send; use a smaller image (a few MB at most)."
-    if isinstance(error, ContextLengthExceeded):
-        return f"{what}the question does not fit the model's context; reset the conversation or ask for fewer tokens."
-    if isinstance(error, InvalidRequest):
-        if error.code and error.code.startswith("image"):
-            return f"{what}the server cannot use this file as an image ({error.message}); try a JPEG or PNG."
-        return f"{what}the server refused the request: {error.message}"
-    if isinstance(error, APITimeoutError):
-        return f"{what}the server did not answer in time; try again."
-    if isinstance(error, APIConnectionError):
-        return f"{what}cannot reach the server; check that it is running (it may be restarting)."
-    if isinstance(error, APIStatusError):
-        return f"{what}the server answered {error.status_code}: {error.message}"
-    if isinstance(error, LlavaError):
-        return f"{what}{error}"
-    return f"{what}an unexpected error occurred ({type(error).__name__})."
-
-
-def answer_stats(answer: Answer) -> str:
-    """The line shown under an answer: TTFT (server and here), reused tokens, tokens, finish reason."""
-    usage = answer.usage
-    parts = []
-    if answer.ttft_ms is not None:
-        parts.append(f"TTFT {answer.ttft_ms:.0f} ms")
-    if answer.client_ttft_ms is not None:
-        parts.append(f"first token here after {answer.client_ttft_ms:.0f} ms")
-    parts.append(f"reused {usage.cached_tokens} of {usage.prompt_tokens} prompt tokens")
-    parts.append(f"{usage.generated_tokens} tokens")
-    parts.append(f"finish_reason: {answer.finish_reason}")
-    if answer.truncated_turns:
-        parts.append(f"{answer.truncated_turns} oldest turn(s) left the context")
-    return " · ".join(parts)
 
 
 @dataclass
@@ -165,7 +105,7 @@ class WebChat:
                 tab.session = self.client.open_session(image)
             except Exception as exc:  # noqa: BLE001 - shown in the page
                 log.info("open failed: %s", type(exc).__name__)
-                return [], _warn(explain(exc, doing="opening the image"))
+                return [], warn(explain(exc, doing="opening the image"))
             s = tab.session
             took = s.open_timings.get("total_ms")
             took_text = f" in {took:.0f} ms" if took is not None else ""
@@ -173,6 +113,34 @@ class WebChat:
             return [], (
                 f"Session `{s.id}` opened{took_text}: the image takes {s.image_tokens} tokens, "
                 f"its features and KV cache stay on the server. Ask a question.{note}"
+            )
+
+    def open_video(self, tab_id: str, path: str | None) -> tuple[Messages, str, list[Any]]:
+        """Close the tab's session (if any) and open one on the video at ``path``, its
+        :data:`VIDEO_FRAMES` frames sampled by the server; returns the transcript, the status and the
+        sampled frames for the strip. ``path`` None (the video was removed) only closes the session."""
+        tab = self.tab(tab_id)
+        with tab.lock:
+            closed = self._close(tab)
+            tab.messages = []
+            if path is None:
+                return [], closed or START_HINT, []
+            try:
+                tab.session = self.client.open_session(video=path, num_frames=VIDEO_FRAMES)
+            except Exception as exc:  # noqa: BLE001 - shown in the page
+                log.info("open failed: %s", type(exc).__name__)
+                return [], warn(explain(exc, doing="opening the video")), []
+            s = tab.session
+            frames = sample_frames(path)
+            took = s.open_timings.get("total_ms")
+            took_text = f" in {took:.0f} ms" if took is not None else ""
+            return (
+                [],
+                (
+                    f"Session `{s.id}` opened{took_text}: {len(frames)} frames of the video take {s.image_tokens} "
+                    "tokens, their features and KV cache stay on the server. Ask a question."
+                ),
+                frames,
             )
 
     def ask(
@@ -185,13 +153,13 @@ class WebChat:
         tab = self.tab(tab_id)
         question = (question or "").strip()
         if tab.session is None:
-            yield tab.messages, _warn("Upload or paste an image first: questions are about an image.")
+            yield tab.messages, warn("Upload or paste an image (or a video) first: questions are about it.")
             return
         if not question:
             yield tab.messages, "Type a question first."
             return
         if not tab.lock.acquire(blocking=False):
-            yield tab.messages, _warn(explain(SessionBusy("busy", status_code=409)))
+            yield tab.messages, warn(explain(SessionBusy("busy", status_code=409)))
             return
         try:
             yield from self._ask(tab, question, int(max_new_tokens), float(temperature))
@@ -214,20 +182,20 @@ class WebChat:
             with session.stream(question, max_new_tokens=max_new_tokens, **sampling) as stream:
                 for piece in stream:
                     text += piece
-                    messages[-1]["content"] = _shown(text)
+                    messages[-1]["content"] = shown(text)
                     yield messages, "Answering…"
             answer = stream.answer
         except Exception as exc:  # noqa: BLE001 - shown in the page
             log.info("answer failed: %s", type(exc).__name__)
             if text:
-                messages[-1]["content"] = _shown(text) + "\n\n*(answer interrupted)*"
+                messages[-1]["content"] = shown(text) + "\n\n*(answer interrupted)*"
             else:
                 del messages[-2:]
-            yield messages, _warn(explain(exc, doing="answering"))
+            yield messages, warn(explain(exc, doing="answering"))
             return
         assert answer is not None
         stats = answer_stats(answer)
-        messages[-1]["content"] = f"{_shown(text)}\n\n<small>{html.escape(stats)}</small>"
+        messages[-1]["content"] = f"{shown(text)}\n\n<small>{html.escape(stats)}</small>"
         note = ""
         if session.recoveries > recoveries:
             note = (
@@ -246,7 +214,7 @@ class WebChat:
             try:
                 tab.session.reset()
             except Exception as exc:  # noqa: BLE001 - shown in the page
-                return [], _warn(explain(exc, doing="resetting the conversation"))
+                return [], warn(explain(exc, doing="resetting the conversation"))
             return [], f"Conversation reset; session `{tab.session.id}` keeps the image. Ask a question."
 
     def leave(self, tab_id: str) -> None:
@@ -276,21 +244,12 @@ class WebChat:
         return f"Session `{session.id}` closed."
 
 
-def _warn(sentence: str) -> str:
-    """A status line for a problem: a warning sign, the local time (a repeated error reads as new), the sentence."""
-    return f"⚠️ [{time.strftime('%H:%M:%S')}] {sentence}"
-
-
-def _shown(text: str) -> str:
-    """Answer text for the chat bubble: control characters (random weights make them) as U+FFFD."""
-    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
-
-
 def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "") -> Any:
     """Build the Gradio page (``gradio.Blocks``) over ``chat``.
 
-    Element ids (for tests and custom CSS): ``llava-image``, ``llava-chat``, ``llava-question``,
-    ``llava-send``, ``llava-reset``, ``llava-new-image``, ``llava-status``.
+    Element ids (for tests and custom CSS): ``llava-image``, ``llava-video``, ``llava-frames``,
+    ``llava-chat``, ``llava-question``, ``llava-send``, ``llava-reset``, ``llava-new-image``,
+    ``llava-status``.
 
     Raises:
         ImportError: Gradio is not installed (``pip install 'llava-sessions[web]'``).
@@ -303,6 +262,9 @@ def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "
     def on_image(image: Any, request: gr.Request) -> tuple[Messages, str]:
         return chat.open_image(tab_id(request), image)
 
+    def on_video(path: Any, request: gr.Request) -> tuple[Messages, str, list[Any]]:
+        return chat.open_video(tab_id(request), path)
+
     def on_ask(
         question: str, max_new: float, temperature: float, request: gr.Request
     ) -> Iterator[tuple[Messages, str, str]]:
@@ -312,9 +274,9 @@ def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "
     def on_reset(request: gr.Request) -> tuple[Messages, str]:
         return chat.reset(tab_id(request))
 
-    def on_new_image(request: gr.Request) -> tuple[None, Messages, str]:
+    def on_new_image(request: gr.Request) -> tuple[None, None, list[Any], Messages, str]:
         chat.leave(tab_id(request))
-        return None, [], START_HINT
+        return None, None, [], [], START_HINT
 
     def on_clear(request: gr.Request) -> tuple[None, str]:
         chat.leave(tab_id(request))
@@ -332,6 +294,13 @@ def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "
                 image = gr.Image(
                     type="filepath", sources=["upload", "clipboard"], label="Image", elem_id="llava-image", height=320
                 )
+                video = gr.File(
+                    label="…or a video (LLaVA-OneVision, LLaVA-NeXT-Video)",
+                    file_types=[".mp4", ".mov", ".webm", ".mkv"],
+                    type="filepath",
+                    elem_id="llava-video",
+                )
+                frames = gr.Gallery(label="Sampled frames", elem_id="llava-frames", columns=VIDEO_FRAMES, height=110)
                 max_new = gr.Slider(
                     1, MAX_NEW_TOKENS_LIMIT, value=DEFAULT_MAX_NEW_TOKENS, step=1, label="Max new tokens"
                 )
@@ -347,10 +316,11 @@ def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "
                 send = gr.Button("Send", variant="primary", elem_id="llava-send")
                 status = gr.Markdown(START_HINT, elem_id="llava-status")
         image.change(on_image, [image], [chatbot, status], concurrency_limit=None)
+        video.change(on_video, [video], [chatbot, status, frames], concurrency_limit=None)
         for trigger in (send.click, question.submit):
             trigger(on_ask, [question, max_new, temperature], [chatbot, status, question], concurrency_limit=None)
         reset.click(on_reset, None, [chatbot, status], concurrency_limit=None)
-        new_image.click(on_new_image, None, [image, chatbot, status], concurrency_limit=None)
+        new_image.click(on_new_image, None, [image, video, frames, chatbot, status], concurrency_limit=None)
         chatbot.clear(on_clear, None, [image, status], concurrency_limit=None)
         app.unload(on_unload)
     return app

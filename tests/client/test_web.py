@@ -48,6 +48,8 @@ IMAGE_TOKENS = 576  # the tiny model's image placeholders (336 px, patch 14)
         (SessionNotFound("gone", status_code=404, code="session_not_found"), "upload the image again"),
         (InvalidRequest("not a recognised image file", status_code=400, code="image_invalid"), "cannot use this file"),
         (PayloadTooLarge("over 40000000 pixels", status_code=413, code="image_too_large"), "too large"),
+        (InvalidRequest("the model has no video path", status_code=400, code="video_unsupported"), "this video"),
+        (PayloadTooLarge("frames over 1920x1088", status_code=413, code="video_too_large"), "this video"),
         (ContextLengthExceeded("too long", status_code=422, code="context_length_exceeded"), "context"),
         (APIConnectionError("refused"), "cannot reach the server"),
         (RuntimeError("boom\nTraceback (most recent call last):"), "unexpected error"),

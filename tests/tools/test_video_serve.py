@@ -1,10 +1,14 @@
 """Video sessions served end to end (issue 44): a tiny LLaVA-OneVision behind a real TorchServe
 (``llava-serve``'s front included), through ``llava_client`` (a session on a video, an added video, a
-recovery that replays both, a stateless conversation that sends the clip once) and ``llava-chat --video``."""
+recovery that replays both, a stateless conversation that sends the clip once), ``llava-chat --video``
+and ``llava-web``'s page in a real browser."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -90,3 +94,38 @@ def test_llava_chat_takes_a_video(server, clip_paths, stateless):
         timeout=60,
     )
     assert wrong.returncode == 2 and "--num-frames goes with --video" in wrong.stderr
+
+
+def test_the_web_page_opens_a_video_shows_its_frames_and_answers(server, clip_paths, tmp_path):
+    """``llava-web --url``, as a subprocess, in a real browser: a video uploaded opens a session on its
+    8 sampled frames, shown as a strip, and a question about it streams its answer."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    from test_web import CHROMEDRIVER, CHROMIUM, Page, _free_port, _pending, _script, _start
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900"):
+        options.add_argument(arg)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "GRADIO_TEMP_DIR": str(tmp_path / "gradio")}
+    port = _free_port()
+    web, _, _ = _start(
+        [*_script("llava-web"), "--url", server.url, "--port", str(port)],
+        env,
+        re.compile(r"llava-web: chat page at http://127\.0\.0\.1:\d+"),
+        120,
+    )
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        page = Page(driver, f"http://127.0.0.1:{port}")
+        page.wait().until(lambda d: page._all("#llava-video input[type=file]"))
+        page._all("#llava-video input[type=file]")[0].send_keys(str(clip_paths["coffee"]))
+        status = page.wait_status(lambda s: ("opened" in s or "failed:" in s) and not _pending(s), 120)
+        assert "8 frames of the video take 1569 tokens" in status, status
+        page.wait().until(lambda d: len(page._all("#llava-frames img")) == 8)
+        assert "finish_reason" in page.ask("What happens in this video?"), page.status()
+    finally:
+        driver.quit()
+        web.send_signal(signal.SIGINT)
+        web.wait(timeout=60)
