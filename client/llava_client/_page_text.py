@@ -64,14 +64,14 @@ def explain(error: Exception, *, doing: str = "") -> str:
         retry_after = getattr(error, "retry_after", None)
         wait = f" in about {retry_after:.0f} s" if retry_after else " in a moment"
         return f"{what}the server is busy (all its session memory is in use); try again{wait}."
+    if isinstance(error, InvalidRequest | PayloadTooLarge) and error.code and error.code.startswith("video"):
+        return f"{what}the server cannot use this video ({error.message})."
     if isinstance(error, PayloadTooLarge):
         if error.code == "image_too_large":
             return f"{what}the image is too large for the server ({error.message})."
         return f"{what}the image is too large to send; use a smaller image (a few MB at most)."
     if isinstance(error, ContextLengthExceeded):
         return f"{what}the question does not fit the model's context; reset the conversation or ask for fewer tokens."
-    if isinstance(error, InvalidRequest | PayloadTooLarge) and error.code and error.code.startswith("video"):
-        return f"{what}the server cannot use this video ({error.message})."
     if isinstance(error, InvalidRequest):
         if error.code and error.code.startswith("image"):
             return f"{what}the server cannot use this file as an image ({error.message}); try a JPEG or PNG."
