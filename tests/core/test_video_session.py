@@ -423,3 +423,14 @@ def test_a_video_opened_beside_a_running_answer_takes_its_frames_a_few_per_step(
         eng.step([running])
     assert ids(running.answer)[:N] == reference(ov, [([first], q, None)])  # reference: N tokens
     assert ids(eng.generate("opened", q, GREEDY)) == reference(ov, [([video], q, None)])
+
+
+def test_a_video_over_max_video_bytes_is_413_video_too_large_before_it_is_decoded(ov_dir, clips) -> None:
+    service = tiny_service(ov_dir, max_video_bytes=1000)
+    body = {"type": "open_session", "video": {"base64": b64(clips["astronaut"])}}
+    status, got = run(service, Row("big", "ts-seq-big", True, body))["big"]
+    assert (status, got["error"]["code"]) == (413, "video_too_large") and "1000 bytes" in got["error"]["message"]
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(clips["astronaut"])}}
+    chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]}
+    status, got = run(service, Row("big-chat", None, True, chat))["big-chat"]
+    assert (status, got["error"]["code"]) == (413, "video_too_large")
