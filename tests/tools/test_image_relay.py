@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from llava_sessions.config import Settings
+from llava_sessions.wire.inbound import VideoSource
 from llava_tools.serve.image_relay import ImageRelay
 from server_fixtures import ImageHost, start_local_server
 
@@ -65,8 +66,9 @@ def test_the_relay_leaves_bodies_without_image_urls_to_the_worker_and_validates_
 
 
 def test_the_light_pass_finds_each_dialects_image_sources_and_the_salt():
-    """:func:`image_sources` reads a chat body's ``image_url`` parts (https and s3, not data URIs), a
-    native open's image and its history's, an added image, the AWS sample's path, and the salt of the
+    """:func:`image_sources` reads a chat body's ``image_url`` and ``video_url`` parts (https and s3, not
+    data URIs), a native open's image or video and its history's, an added image or video, the AWS
+    sample's path, and the salt of the
     body or the custom attributes; it builds no grammar and checks no sampling field."""
     from llava_tools.serve.image_relay import image_sources
 
@@ -100,6 +102,23 @@ def test_the_light_pass_finds_each_dialects_image_sources_and_the_salt():
     )
     assert names({"type": "start_session", "path": "s3://b-1/p.png"}) == (None, ["s3://b-1/p.png"])
     assert names({"type": "open_session", "image": {"url": 5}}) == (None, [])  # not a source: the worker says so
+    # videos: a chat video_url part, a native open's video and its history's videos, an added video;
+    # each a VideoSource, fetched under the videos' byte cap
+    video = {"type": "video_url", "video_url": {"url": "https://h.example/v.mp4"}, "num_frames": 4}
+    salt, sources = image_sources(
+        json.dumps({"messages": [{"role": "user", "content": [video]}]}).encode(), None, 10**6
+    )
+    assert list(sources) == ["https://h.example/v.mp4"] and isinstance(sources["https://h.example/v.mp4"], VideoSource)
+    on_video = {
+        "type": "open_session",
+        "video": {"url": "https://h.example/o.mp4"},
+        "history": [{"prompt": "p", "answer": "a", "videos": [{"s3_uri": "s3://b-1/h.mp4"}]}],
+    }
+    assert names(on_video) == (None, ["https://h.example/o.mp4", "s3://b-1/h.mp4"])
+    assert names({"type": "add_video", "video": {"url": "https://h.example/a.mp4"}}) == (
+        None,
+        ["https://h.example/a.mp4"],
+    )
 
 
 def test_a_failed_fetch_is_answered_with_its_typed_error_and_not_kept(host):

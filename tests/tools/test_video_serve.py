@@ -17,7 +17,7 @@ import requests
 
 from llava_client import SessionClient
 from llava_tools.demo.samples import sample_clip
-from server_fixtures import start_local_server
+from server_fixtures import ImageHost, start_local_server
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,8 @@ def server(request, tmp_path_factory):
     from llava_tools.tiny_model import write_checkpoint
 
     folder = write_checkpoint("tiny", tmp_path_factory.mktemp("ov"), seed=0, arch="llava-onevision")
-    return start_local_server(folder, addfinalizer=request.addfinalizer, overrides={"video_num_frames": 2})
+    overrides = {"video_num_frames": 2, "allow_http": True, "allow_private_networks": True}  # the clip host
+    return start_local_server(folder, addfinalizer=request.addfinalizer, overrides=overrides)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +130,21 @@ def test_the_web_page_opens_a_video_shows_its_frames_and_answers(server, clip_pa
         driver.quit()
         web.send_signal(signal.SIGINT)
         web.wait(timeout=60)
+
+
+def test_a_video_url_is_fetched_by_the_front_once_for_a_conversation_and_a_session(server, clip_paths):
+    """A ``video_url`` part and a native ``video.url`` are fetched under the image fetch rules by the
+    front (loopback allowed for this host by the server's settings), kept by it for the turns that
+    resend the conversation: the host serves the clip once for both dialects' requests."""
+    with ImageHost(clip_paths["astronaut"].read_bytes()) as host:
+        url = host.url("/clip.mp4")
+        client = SessionClient.from_url(server.url, timeout=(5.0, 120.0))
+        with client:
+            chat = client.conversation(references=False)  # the URL in every turn, as a stateless client sends it
+            chat.ask("What happens?", videos=[url], max_tokens=4, temperature=0)
+            reply = chat.ask("And then?", max_tokens=4, temperature=0)
+            assert reply.cached_tokens >= 2 * 196 + 1
+            with client.open_session(video=url) as session:
+                assert session.image_tokens == 2 * 196 + 1
+                session.ask("What happens?", **GREEDY)
+        assert host.hits == ["/clip.mp4"], host.hits

@@ -11,7 +11,8 @@ endpoint's instances) fetches first, as vLLM fetches in its API server beside th
    no field is validated, no grammar built: the dialects' validation is the worker's), fetches
    them in a thread pool with the worker's own :func:`~llava_sessions.images.fetch.fetch_image_bytes`
    under the worker's own settings (SSRF guard on every hop, allowlist, connect / read / total
-   deadlines, byte cap), and waits for all of them; only this request's connection thread waits.
+   deadlines, byte cap: a video's, ``video_url`` parts and native ``video`` sources, under
+   ``max_video_bytes``), and waits for all of them; only this request's connection thread waits.
 2. The request goes on to TorchServe with a ticket (``X-Llava-Image-Ticket``); the worker asks for
    each source by it (``GET /_llava/images/<ticket>?source=<url>``, :meth:`ImageRelay.answer`):
    the bytes, or the fetch's error, which the worker answers as any error of that request, in its
@@ -45,7 +46,7 @@ from pydantic import ValidationError
 from llava_sessions.config import Settings
 from llava_sessions.errors import ServiceError
 from llava_sessions.images.fetch import fetch_image_bytes
-from llava_sessions.wire.inbound import ImageSource, is_chat_body, load_body, request_salt
+from llava_sessions.wire.inbound import ImageSource, VideoSource, is_chat_body, load_body, request_salt
 
 __all__ = ["ImageRelay", "image_sources"]
 
@@ -158,8 +159,11 @@ class ImageRelay:
             return future
 
     def _fetch_and_keep(self, key: _Key, source: ImageSource) -> bytes:
+        settings = self.settings  # a video's under the videos' byte cap, as the worker fetches it
+        if isinstance(source, VideoSource):
+            settings = settings.model_copy(update={"max_image_bytes": settings.max_video_bytes})
         try:
-            data = self._fetch(source, self.settings)
+            data = self._fetch(source, settings)
             with self._lock:
                 self.fetches += 1
                 self._keep(key, data, self._clock())
@@ -209,45 +213,50 @@ def image_sources(
         return None, {}
     named = _chat_image_names(data) if is_chat_body(data) else _native_image_names(data)
     sources: dict[str, ImageSource] = {}
-    for name, s3 in named:
+    for name, s3, video in named:
+        kind = VideoSource if video else ImageSource
         try:
-            sources[name] = ImageSource(s3_uri=name) if s3 else ImageSource(url=name)
+            sources[name] = kind(s3_uri=name) if s3 else kind(url=name)
         except ValidationError:  # the dialect refuses it: the worker says so
             continue
     return salt, sources
 
 
-def _chat_image_names(data: dict[str, Any]) -> list[tuple[str, bool]]:
-    """``(url or s3 URI, is S3)`` of every ``image_url`` part of every message."""
+def _chat_image_names(data: dict[str, Any]) -> list[tuple[str, bool, bool]]:
+    """``(url or s3 URI, is S3, is a video)`` of every ``image_url`` and ``video_url`` part of every message."""
     found = []
     messages = data.get("messages")
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():
-            image = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
-            url = image.get("url") if isinstance(image, dict) else image
+            kind = part.get("type") if isinstance(part, dict) else None
+            medium = part.get(kind) if kind in ("image_url", "video_url") else None
+            url = medium.get("url") if isinstance(medium, dict) else medium
             if isinstance(url, str) and url[:8].lower().startswith(("http://", "https://", "s3://")):
-                found.append((url, url.startswith("s3://")))
+                found.append((url, url.startswith("s3://"), kind == "video_url"))
     return found
 
 
-def _native_image_names(data: dict[str, Any]) -> list[tuple[str, bool]]:
-    """``(url or s3 URI, is S3)`` of a native request's images: an open's and its history's, an
-    added image, the AWS sample's ``start_session`` path."""
-    kind, images = data.get("type"), []
+def _native_image_names(data: dict[str, Any]) -> list[tuple[str, bool, bool]]:
+    """``(url or s3 URI, is S3, is a video)`` of a native request's images and videos: an open's and its
+    history's, an added image or video, the AWS sample's ``start_session`` path."""
+    kind, media = data.get("type"), []
     if kind == "open_session":
         history = data.get("history")
         turns = [t for t in history if isinstance(t, dict)] if isinstance(history, list) else []
-        images = [data.get("image"), *(i for t in turns for i in (t.get("images") or []))]
-    elif kind == "add_image":
-        images = [data.get("image")]
+        media = [(data.get("image"), False), (data.get("video"), True)]
+        media += [
+            (m, video) for t in turns for key, video in (("images", False), ("videos", True)) for m in t.get(key) or []
+        ]
+    elif kind in ("add_image", "add_video"):
+        media = [(data.get(kind[4:]), kind == "add_video")]
     elif kind == "start_session" and isinstance(data.get("path"), str):
         path = data["path"]
-        return [(path, path.startswith("s3://"))] if path.startswith(("http", "s3://")) else []
+        return [(path, path.startswith("s3://"), False)] if path.startswith(("http", "s3://")) else []
     found = []
-    for image in images:
-        if isinstance(image, dict):
+    for medium, video in media:
+        if isinstance(medium, dict):
             for field, s3 in (("url", False), ("s3_uri", True)):
-                if isinstance(image.get(field), str):
-                    found.append((image[field], s3))
+                if isinstance(medium.get(field), str):
+                    found.append((medium[field], s3, video))
     return found
