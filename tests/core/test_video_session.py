@@ -434,3 +434,20 @@ def test_a_video_over_max_video_bytes_is_413_video_too_large_before_it_is_decode
     chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]}
     status, got = run(service, Row("big-chat", None, True, chat))["big-chat"]
     assert (status, got["error"]["code"]) == (413, "video_too_large")
+
+
+def test_sessions_on_one_clip_share_its_features_within_a_salt(ov, clips) -> None:
+    """A second session opened on the same clip, sampled the same way, takes the first one's feature
+    rows (found by the clip's content key) instead of running the tower; another salt does not."""
+    eng = engine(ov)
+    video = VideoBytes(clips["coffee"], num_frames=2)
+    eng.open("a", video, image=decode(video), salt="tenant-1")
+    shared = eng.begin_open("b", video, image=decode(video), salt="tenant-1")
+    assert shared.shared_rows is not None
+    apart = eng.begin_open("c", video, image=decode(video), salt="tenant-2")
+    assert apart.shared_rows is None
+    for task in (shared, apart):
+        while not task.done:
+            eng.step([task])
+    q = "What happens in this video?"
+    assert ids(eng.generate("b", q, GREEDY)) == ids(eng.generate("c", q, GREEDY)) == reference(ov, [([video], q, None)])
