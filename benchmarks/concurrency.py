@@ -106,6 +106,32 @@ def aggregate(url: str, images: list[bytes], rounds: int, new_tokens: int) -> di
     }
 
 
+def stream_gaps(sessions: list, question: str, new_tokens: int) -> list[float]:
+    """Every session streams an answer to ``question`` at once (greedy, not remembered); returns the
+    gaps between consecutive token arrivals at this client, ms, all streams together."""
+    gaps: list[float] = []
+    lock = threading.Lock()
+
+    def one(s) -> None:
+        last = None
+        mine = []
+        with s.stream(question, remember=False, max_new_tokens=new_tokens, temperature=0) as stream:
+            for _piece in stream:
+                now = time.perf_counter()
+                if last is not None:
+                    mine.append((now - last) * 1000.0)
+                last = now
+        with lock:
+            gaps.extend(mine)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return gaps
+
+
 def inter_token(url: str, images: list[bytes], streams: int, new_tokens: int, rounds: int) -> dict:
     """Client-side token arrival gaps (ms) of running streams, quiet vs while sessions open."""
     client = SessionClient.from_url(url, max_retries=2)
@@ -115,27 +141,7 @@ def inter_token(url: str, images: list[bytes], streams: int, new_tokens: int, ro
         s.ask(question, remember=False, max_new_tokens=2)
 
     def run_streams() -> list[float]:
-        gaps: list[float] = []
-        lock = threading.Lock()
-
-        def one(s) -> None:
-            last = None
-            mine = []
-            with s.stream(question, remember=False, max_new_tokens=new_tokens, temperature=0) as stream:
-                for _piece in stream:
-                    now = time.perf_counter()
-                    if last is not None:
-                        mine.append((now - last) * 1000.0)
-                    last = now
-            with lock:
-                gaps.extend(mine)
-
-        threads = [threading.Thread(target=one, args=(s,)) for s in sessions]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return gaps
+        return stream_gaps(sessions, question, new_tokens)
 
     quiet: list[float] = []
     busy: list[float] = []

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from concurrency import pct, stream_gaps  # benchmarks/concurrency.py (this script's folder is on sys.path)
 from llava_client import SessionClient, video_part
 from llava_sessions.conversation import Chat, VideoBytes
 from llava_sessions.engine import EngineLimits, SessionEngine
@@ -186,26 +187,7 @@ def gaps_while_opening(url: str, clip: Path, args: argparse.Namespace) -> dict:
         s.ask(question, remember=False, max_new_tokens=2)
 
     def run_streams() -> list[float]:
-        gaps: list[float] = []
-        lock = threading.Lock()
-
-        def one(s) -> None:
-            last, mine = None, []
-            with s.stream(question, remember=False, max_new_tokens=args.stream_tokens, temperature=0) as stream:
-                for _piece in stream:
-                    now = time.perf_counter()
-                    if last is not None:
-                        mine.append((now - last) * 1000.0)
-                    last = now
-            with lock:
-                gaps.extend(mine)
-
-        threads = [threading.Thread(target=one, args=(s,)) for s in sessions]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return gaps
+        return stream_gaps(sessions, question, args.stream_tokens)
 
     quiet, busy, opens = [], [], [0]
     for _ in range(args.repeats):
@@ -234,13 +216,6 @@ def gaps_while_opening(url: str, clip: Path, args: argparse.Namespace) -> dict:
         "videos_opened_meanwhile": opens[0],
         "p99_ratio": round(b99 / q99, 2) if q99 and b99 else None,
     }
-
-
-def pct(values: list[float], q: int) -> float | None:
-    """The ``q``-th percentile (interpolated), ms rounded to 0.01; None without values."""
-    if len(values) < 2:
-        return round(values[0], 2) if values else None
-    return round(statistics.quantiles(values, n=100)[q - 1], 2)
 
 
 def main(argv: list[str] | None = None) -> int:

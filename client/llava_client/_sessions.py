@@ -318,16 +318,7 @@ class Session:
             ImageLimitExceeded, ContextLengthExceeded: as :meth:`add_image`; others as :meth:`ask`.
         """
         medium = {"video": video_payload(video, num_frames=num_frames, fps=fps)}
-        request = {"type": "add_video", **medium_request("video", medium)}
-        data, _ = self._with_recovery(lambda: self._client.invoke(request, self.id, retry_safe=False))
-        self._pending_images.append(medium)
-        return AddedImage(
-            image_tokens=int(data.get("image_tokens", 0)),
-            images=int(data.get("images", 0)),
-            prefix_tokens=int(data.get("prefix_tokens", 0)),
-            cached_tokens=int(data.get("cached_tokens", 0)),
-            timings=dict(data.get("timings") or {}),
-        )
+        return self._add({"type": "add_video", **medium_request("video", medium)}, medium, None)
 
     def add_image(self, image: ImageInput) -> AddedImage:
         """Add an image to the conversation: the next question may refer to it and to every earlier
@@ -345,9 +336,13 @@ class Session:
             PayloadTooLarge, InvalidRequest: as for :meth:`~llava_client.SessionClient.open_session`; others as :meth:`ask`.
         """
         payload, downsized = self._client.inline_image(image)
-        request = {"type": "add_image", "image": payload}
+        return self._add({"type": "add_image", "image": payload}, payload, downsized)
+
+    def _add(self, request: dict[str, Any], medium: dict[str, Any], downsized: Downsized | None) -> AddedImage:
+        """Send an ``add_image`` / ``add_video`` ``request``; the session remembers ``medium`` (for a
+        recovery) and what was ``downsized``; returns what the server reported."""
         data, _ = self._with_recovery(lambda: self._client.invoke(request, self.id, retry_safe=False))
-        self._pending_images.append(payload)
+        self._pending_images.append(medium)
         if downsized is not None:
             self.downsized.append(downsized)
         return AddedImage(
