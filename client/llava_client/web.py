@@ -153,7 +153,7 @@ class WebChat:
         tab = self.tab(tab_id)
         question = (question or "").strip()
         if tab.session is None:
-            yield tab.messages, warn("Upload or paste an image (or a video) first: questions are about it.")
+            yield tab.messages, warn("Upload or paste an image first (or a video): questions are about it.")
             return
         if not question:
             yield tab.messages, "Type a question first."

@@ -111,7 +111,10 @@ class Page:
         self.d = driver
         self.wait = lambda timeout=60: WebDriverWait(driver, timeout, poll_frequency=0.1)
         driver.get(url)
-        self.wait().until(lambda d: self._all("#llava-image input[type=file]"))
+        # the page is built component by component: wait for the last one a test reaches for too
+        self.wait().until(
+            lambda d: self._all("#llava-image input[type=file]") and self._all("#llava-question textarea")
+        )
 
     def _all(self, css: str):
         from selenium.webdriver.common.by import By
