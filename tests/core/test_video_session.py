@@ -451,3 +451,28 @@ def test_sessions_on_one_clip_share_its_features_within_a_salt(ov, clips) -> Non
             eng.step([task])
     q = "What happens in this video?"
     assert ids(eng.generate("b", q, GREEDY)) == ids(eng.generate("c", q, GREEDY)) == reference(ov, [([video], q, None)])
+
+
+def test_a_video_then_an_image_survive_truncation_and_refuse_a_reset_typed(ov, clips, photos) -> None:
+    """A session on a video whose next turn added an image: dropping the video's turn would move the
+    video into the image's message, which the template renders images first. Truncation skips that
+    drop (a typed 422 when nothing else fits), and a reset, which would do the same, is a typed 400;
+    the session answers on, as before."""
+    small = Image.open(io.BytesIO(photos["chelsea"])).convert("RGB")
+    small.thumbnail((64, 64))
+    buf = io.BytesIO()
+    small.save(buf, format="PNG")
+    video = VideoBytes(clips["coffee"], num_frames=2)
+    eng = engine(ov)
+    eng.open("s", video, image=decode(video))
+    eng.generate("s", "What happens?", GREEDY)
+    eng.add_image("s", buf.getvalue())
+    eng.generate("s", "And here?", GREEDY)
+    held = len(eng.store.get("s").cached_ids)
+    with pytest.raises(ServiceError) as raised:
+        eng.generate("s", "Describe it all.", SamplingParams(max_new_tokens=CONTEXT - held))
+    assert raised.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    with pytest.raises(ServiceError) as raised:
+        eng.reset("s")
+    assert raised.value.code is ErrorCode.INVALID_REQUEST and "images first" in raised.value.message
+    assert len(eng.store.get("s").history) == 2 and eng.generate("s", "Why?", GREEDY).tokens

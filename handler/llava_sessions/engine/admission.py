@@ -304,6 +304,8 @@ class Admission:
     ) -> tuple[list[int], int, int]:
         """The conversation's ids fitted to the context: ``(ids, oldest turns dropped, max_new_tokens)``;
         ``truncate`` drops the oldest turns first, then ``clip`` lowers a default ``max_new`` to the room left.
+        A drop that would move a video's turn into a turn with an image is skipped (the template could
+        not render that message in the conversation's order: :meth:`Chat.image_after_video`).
 
         Raises:
             ServiceError: context_length_exceeded.
@@ -312,9 +314,12 @@ class Admission:
         ids = template.conversation_ids(chat, prompt)
         dropped = 0
         if len(ids) + max_new > limit and policy == "truncate":
-            while dropped < len(chat.turns) and len(ids) + max_new > limit:
-                dropped += 1
-                ids = template.conversation_ids(chat.without_oldest(dropped), prompt)
+            for n in range(1, len(chat.turns) + 1):
+                if len(ids) + max_new <= limit:
+                    break
+                fewer = chat.without_oldest(n)
+                if not fewer.image_after_video():
+                    ids, dropped = template.conversation_ids(fewer, prompt), n
         if len(ids) + max_new > limit and clip and len(ids) < limit:
             max_new = limit - len(ids)
         if len(ids) + max_new > limit:

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..conversation import ChatTarget, Turn, common_prefix_len
+from ..conversation import Chat, ChatTarget, Turn, common_prefix_len
 from ..errors import ErrorCode, ServiceError
 from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
 from ..sampling.params import SamplingParams
@@ -319,9 +319,17 @@ class SessionEngine:
         changes): every image now opens the next question.
 
         Raises:
-            ServiceError: session_not_found / _expired / _evicted, session_busy.
+            ServiceError: session_not_found / _expired / _evicted, session_busy; invalid_request when
+                an image follows a video among the session's media (one question could not hold them
+                in their order: the chat template renders a message's images first).
         """
         session = self._admission.idle_session(session_id)
+        if Chat(None, (), len(session.images), tuple(session.image_tokens), session.chat().videos).image_after_video():
+            raise ServiceError(
+                ErrorCode.INVALID_REQUEST,
+                "a reset would open one question with an image after a video, which the chat template renders "
+                "images first; close the session and open a new one",
+            )
         session.forget_history()
         if session.kv_cache is not None:
             session.crop_kv(common_prefix_len(session.cached_ids, self.runner.template.prefix_ids(session.chat())))
