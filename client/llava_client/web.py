@@ -291,16 +291,7 @@ def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "
         )
         with gr.Row():
             with gr.Column(scale=2):
-                image = gr.Image(
-                    type="filepath", sources=["upload", "clipboard"], label="Image", elem_id="llava-image", height=320
-                )
-                video = gr.File(
-                    label="…or a video (LLaVA-OneVision, LLaVA-NeXT-Video)",
-                    file_types=[".mp4", ".mov", ".webm", ".mkv"],
-                    type="filepath",
-                    elem_id="llava-video",
-                )
-                frames = gr.Gallery(label="Sampled frames", elem_id="llava-frames", columns=VIDEO_FRAMES, height=110)
+                image, video, frames = _media_inputs(gr)
                 max_new = gr.Slider(
                     1, MAX_NEW_TOKENS_LIMIT, value=DEFAULT_MAX_NEW_TOKENS, step=1, label="Max new tokens"
                 )
@@ -309,12 +300,7 @@ def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "
                     reset = gr.Button("Reset conversation", elem_id="llava-reset")
                     new_image = gr.Button("New image", elem_id="llava-new-image")
             with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Chat", elem_id="llava-chat", height=420)
-                question = gr.Textbox(
-                    label="Question", placeholder="Ask about the image…", elem_id="llava-question", lines=1
-                )
-                send = gr.Button("Send", variant="primary", elem_id="llava-send")
-                status = gr.Markdown(START_HINT, elem_id="llava-status")
+                chatbot, question, send, status = _chat_column(gr)
         image.change(on_image, [image], [chatbot, status], concurrency_limit=None)
         video.change(on_video, [video], [chatbot, status, frames], concurrency_limit=None)
         for trigger in (send.click, question.submit):
@@ -324,6 +310,29 @@ def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "
         chatbot.clear(on_clear, None, [image, status], concurrency_limit=None)
         app.unload(on_unload)
     return app
+
+
+def _media_inputs(gr: Any) -> tuple[Any, Any, Any]:
+    """The page's image input, its video upload and the strip of a video's sampled frames (made in
+    the caller's column)."""
+    image = gr.Image(type="filepath", sources=["upload", "clipboard"], label="Image", elem_id="llava-image", height=320)
+    video = gr.File(
+        label="…or a video (LLaVA-OneVision, LLaVA-NeXT-Video)",
+        file_types=[".mp4", ".mov", ".webm", ".mkv"],
+        type="filepath",
+        elem_id="llava-video",
+    )
+    frames = gr.Gallery(label="Sampled frames", elem_id="llava-frames", columns=VIDEO_FRAMES, height=110)
+    return image, video, frames
+
+
+def _chat_column(gr: Any) -> tuple[Any, Any, Any, Any]:
+    """The page's chat, question box, send button and status line (made in the caller's column)."""
+    chatbot = gr.Chatbot(label="Chat", elem_id="llava-chat", height=420)
+    question = gr.Textbox(label="Question", placeholder="Ask about the image…", elem_id="llava-question", lines=1)
+    send = gr.Button("Send", variant="primary", elem_id="llava-send")
+    status = gr.Markdown(START_HINT, elem_id="llava-status")
+    return chatbot, question, send, status
 
 
 def _build_parser() -> argparse.ArgumentParser:
