@@ -21,6 +21,7 @@ __all__ = [
     "media_size",
     "still_images",
     "video_indexes",
+    "video_sampling",
 ]
 
 
@@ -48,15 +49,20 @@ class VideoBytes(bytes):
 
     @property
     def sampling(self) -> str:
-        """The sampling as text (``"num_frames=8"``, ``"fps=1.0"`` or ``"default"``), hashed into the key."""
-        if self.num_frames is not None:
-            return f"num_frames={self.num_frames}"
-        if self.fps is not None:
-            return f"fps={float(self.fps)!r}"
-        return "default"
+        """The sampling as text (:func:`video_sampling`), hashed into the key."""
+        return video_sampling(self.num_frames, self.fps)
 
     def __reduce__(self) -> Any:
         return (VideoBytes, (bytes(self), self.num_frames, self.fps))
+
+
+def video_sampling(num_frames: int | None, fps: float | None) -> str:
+    """How a video's frames are sampled, as text: ``"num_frames=8"``, ``"fps=1.0"`` or ``"default"``."""
+    if num_frames is not None:
+        return f"num_frames={num_frames}"
+    if fps is not None:
+        return f"fps={float(fps)!r}"
+    return "default"
 
 
 def media_size(item: Any) -> tuple[int, ...]:

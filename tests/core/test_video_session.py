@@ -147,6 +147,15 @@ def reference(runner, turns: list[tuple[list, str, str | None]]) -> list[int]:
     return out[0, input_ids.shape[1] :].tolist()
 
 
+def small_png(data: bytes, side: int) -> bytes:
+    """The photograph ``data`` scaled to at most ``side`` pixels, as PNG (anyres counts stay small)."""
+    small = Image.open(io.BytesIO(data)).convert("RGB")
+    small.thumbnail((side, side))
+    buf = io.BytesIO()
+    small.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def ids(answer) -> list[int]:
     return [t.id for t in answer.tokens]
 
@@ -187,11 +196,7 @@ def test_a_video_joins_an_image_session_and_an_image_a_video_session_exactly(vid
     added: its frames encoded, the image's features and the first turn's KV kept; and a video session
     that adds an image: every image counted as in the processor's several-image mode only when two
     images are held."""
-    small = Image.open(io.BytesIO(photos["chelsea"])).convert("RGB")
-    small.thumbnail((160, 160))
-    buf = io.BytesIO()
-    small.save(buf, format="PNG")
-    image = buf.getvalue()
+    image = small_png(photos["chelsea"], 160)
     video = VideoBytes(clips["coffee"], num_frames=2)
     m = video_model
     eng = engine(m)
@@ -365,11 +370,7 @@ def test_an_image_after_a_video_in_one_question_is_refused_natively_and_reordere
     """The template renders a message's images before its videos: a native add_image right after a
     video (no question between) is a 400 that says so, and the session is as before; a chat message
     with a video part before an image part is read in the template's order, as ``generate`` sees it."""
-    small = Image.open(io.BytesIO(photos["chelsea"])).convert("RGB")
-    small.thumbnail((160, 160))
-    buf = io.BytesIO()
-    small.save(buf, format="PNG")
-    image = buf.getvalue()
+    image = small_png(photos["chelsea"], 160)
     video = VideoBytes(clips["astronaut"], num_frames=2)
     eng = engine(ov)
     eng.open("v", video, image=decode(video))
@@ -458,15 +459,12 @@ def test_a_video_then_an_image_survive_truncation_and_refuse_a_reset_typed(ov, c
     video into the image's message, which the template renders images first. Truncation skips that
     drop (a typed 422 when nothing else fits), and a reset, which would do the same, is a typed 400;
     the session answers on, as before."""
-    small = Image.open(io.BytesIO(photos["chelsea"])).convert("RGB")
-    small.thumbnail((64, 64))
-    buf = io.BytesIO()
-    small.save(buf, format="PNG")
+    image = small_png(photos["chelsea"], 64)
     video = VideoBytes(clips["coffee"], num_frames=2)
     eng = engine(ov)
     eng.open("s", video, image=decode(video))
     eng.generate("s", "What happens?", GREEDY)
-    eng.add_image("s", buf.getvalue())
+    eng.add_image("s", image)
     eng.generate("s", "And here?", GREEDY)
     held = len(eng.store.get("s").cached_ids)
     with pytest.raises(ServiceError) as raised:

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import ValidationError
 
@@ -16,6 +16,10 @@ from ..wire.inbound import ImageSource, VideoSource
 from .protocol import ChatCompletionRequest, ChatConversation, VideoPart
 
 __all__ = ["ChatCommand", "ChatImage", "chat_command", "image_source_of"]
+
+
+#: An image's or a video's source (:func:`_source_of`).
+_Source = TypeVar("_Source", bound=ImageSource)
 
 
 @dataclass(frozen=True)
@@ -70,24 +74,7 @@ def image_source_of(url: str, param: str) -> ImageSource:
         ServiceError: invalid_parameter naming ``param`` (a data URI that is not a base64 image, a
             malformed S3 URI, a URL over 8,192 characters).
     """
-    try:
-        if url.startswith("s3://"):
-            return ImageSource(s3_uri=url)
-        if url.startswith("data:"):
-            if not url.startswith("data:image/") or ";base64," not in url[:100]:
-                raise ServiceError(
-                    ErrorCode.INVALID_PARAMETER,
-                    f"{param}: a data URI must look like data:image/<type>;base64,<data>",
-                    param=param,
-                )
-            return ImageSource(base64=url)
-        return ImageSource(url=url)
-    except ValidationError:
-        raise ServiceError(
-            ErrorCode.INVALID_PARAMETER,
-            f"{param}: must be an https URL, an s3://bucket/key URI or a data:image/...;base64, URI",
-            param=param,
-        ) from None
+    return _source_of(ImageSource, "image", url, param, {})
 
 
 def video_source_of(url: str, param: str, num_frames: int | None, fps: float | None) -> VideoSource:
@@ -97,22 +84,27 @@ def video_source_of(url: str, param: str, num_frames: int | None, fps: float | N
     Raises:
         ServiceError: invalid_parameter naming ``param``, as :func:`image_source_of`.
     """
+    return _source_of(VideoSource, "video", url, param, {"num_frames": num_frames, "fps": fps})
+
+
+def _source_of(cls: type[_Source], kind: str, url: str, param: str, extra: dict[str, Any]) -> _Source:
+    """``cls`` (an image's or a video's source) for ``url``, whose data URI must be ``data:<kind>/``."""
     try:
         if url.startswith("s3://"):
-            return VideoSource(s3_uri=url, num_frames=num_frames, fps=fps)
+            return cls(s3_uri=url, **extra)
         if url.startswith("data:"):
-            if not url.startswith("data:video/") or ";base64," not in url[:100]:
+            if not url.startswith(f"data:{kind}/") or ";base64," not in url[:100]:
                 raise ServiceError(
                     ErrorCode.INVALID_PARAMETER,
-                    f"{param}: a data URI must look like data:video/<type>;base64,<data>",
+                    f"{param}: a data URI must look like data:{kind}/<type>;base64,<data>",
                     param=param,
                 )
-            return VideoSource(base64=url, num_frames=num_frames, fps=fps)
-        return VideoSource(url=url, num_frames=num_frames, fps=fps)
+            return cls(base64=url, **extra)
+        return cls(url=url, **extra)
     except ValidationError:
         raise ServiceError(
             ErrorCode.INVALID_PARAMETER,
-            f"{param}: must be an https URL, an s3://bucket/key URI or a data:video/...;base64, URI",
+            f"{param}: must be an https URL, an s3://bucket/key URI or a data:{kind}/...;base64, URI",
             param=param,
         ) from None
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
-from ..conversation import ChatTarget, ImageInput, Turn, VideoBytes, is_video_size, media_size
+from ..conversation import ChatTarget, ImageInput, Turn, VideoBytes, is_video_size, media_size, video_sampling
 from ..engine import Generation, SessionEngine
 from ..errors import ErrorCode, ServiceError
 from ..images.decode import decode_image
@@ -54,12 +54,13 @@ def _name_of(source: ImageSource) -> str:
     for inline data the SHA-256 of the base64 text (the same text is the same bytes: a resent image is
     neither base64-decoded nor hashed again). A video's name adds its sampling (one clip sampled two
     ways is two media)."""
-    if isinstance(source, VideoSource):
-        sampling = VideoBytes(b"", source.num_frames, source.fps).sampling
-        return _name_of(ImageSource(url=source.url, s3_uri=source.s3_uri, base64=source.base64)) + "#" + sampling
     if source.base64 is not None:
-        return "sha256:" + hashlib.sha256(source.base64.encode()).hexdigest()
-    return source.url or source.s3_uri or ""
+        name = "sha256:" + hashlib.sha256(source.base64.encode()).hexdigest()
+    else:
+        name = source.url or source.s3_uri or ""
+    if isinstance(source, VideoSource):
+        name += "#" + video_sampling(source.num_frames, source.fps)
+    return name
 
 
 class ChatServing(Serving):

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..conversation import Chat, ChatTarget, Turn, common_prefix_len
+from ..conversation import Chat, ChatTarget, Turn, common_prefix_len, video_indexes
 from ..errors import ErrorCode, ServiceError
 from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
 from ..sampling.params import SamplingParams
@@ -324,7 +324,7 @@ class SessionEngine:
                 in their order: the chat template renders a message's images first).
         """
         session = self._admission.idle_session(session_id)
-        if Chat(None, (), len(session.images), tuple(session.image_tokens), session.chat().videos).image_after_video():
+        if Chat(None, (), len(session.images), videos=video_indexes(session.image_sizes)).image_after_video():
             raise ServiceError(
                 ErrorCode.INVALID_REQUEST,
                 "a reset would open one question with an image after a video, which the chat template renders "
