@@ -1,0 +1,161 @@
+"""The KV pool in pages beside the contiguous decode batch, side by side in one run (issue 43).
+
+One model, ``--rows`` sessions on one photo, each asked its own question (prompt ~600 tokens on
+``bench``), then decoding together. Measured, interleaved round by round, medians of ``--rounds``:
+
+1. **the decode step**: ms per step of all rows in one forward pass, (a) over the contiguous,
+   left-padded :class:`~llava_sessions.model.kv_cache.BatchKVCache` the engine uses, (b) over the
+   pool through :class:`~llava_sessions.model.paged_kv.PagedBatchCache` (attention reads each row's
+   pages gathered);
+2. **a row joining**: what laying the batch out anew costs the contiguous layout (every member's KV
+   copied: bytes and ms) against the pool's (a row joins by its table: 0 bytes);
+3. **the sessions' KV bytes**: each session's own contiguous cache (the image prefix copied into
+   each) against the pool's pages held (the prefix's full pages once, by reference count).
+
+Greedy tokens of both layouts are compared for every row and step (fp32 must match).
+
+Usage: python benchmarks/kv_pages.py [--model bench] [--rows 8] [--steps 16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from llava_sessions.engine.pages import PagePool, PageTable, fork, release, reserve
+from llava_sessions.images.fetch import decode_image
+from llava_sessions.model import LlavaRunner
+from llava_sessions.model.paged_kv import KVPages, PagedBatchCache, PagedCache
+from llava_tools.demo.samples import sample_photo
+from llava_tools.tiny_model import write_checkpoint
+
+PAGE = 16
+
+
+def prompts(runner: LlavaRunner, rows: int) -> tuple[list[list[int]], torch.Tensor]:
+    """``rows`` chat-templated questions on one photo, and the photo's feature rows."""
+    image = decode_image(sample_photo("astronaut"), max_pixels=40_000_000)
+    out = []
+    for i in range(rows):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Question {i}?"}]}]
+        text = runner.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append(runner.processor(text=text, images=image, return_tensors="pt")["input_ids"][0].tolist())
+    return out, runner.encode_images([image])[0]
+
+
+def contiguous_rows(runner: LlavaRunner, ids: list[list[int]], feats: torch.Tensor, steps: int):
+    """Each row prefilled into its own ``DynamicCache``; the batch built from them (timed: a join's
+    rebuild); then ``steps`` decode steps. Returns (tokens per row, step ms, build ms, build bytes)."""
+    caches, tokens = [], []
+    for row in ids:
+        cache = runner.new_cache()
+        tokens.append([int(runner.prefill(cache, row, feats).argmax())])
+        caches.append(cache)
+    width = max(len(r) for r in ids)
+    t0 = time.perf_counter()
+    batch = runner.new_batch_cache(len(ids), width + steps + 1)
+    mask = torch.zeros(len(ids), batch.capacity, dtype=torch.long)
+    for r, cache in enumerate(caches):
+        runner.load_row(batch, r, cache, width)
+        batch.zero_leading(r, width - len(ids[r]))
+        mask[r, width - len(ids[r]) : width] = 1
+    batch.set_length(width)
+    build_ms = (time.perf_counter() - t0) * 1000
+    build_bytes = sum(len(r) for r in ids) * runner.kv_bytes_per_token
+    times = []
+    for s in range(steps):
+        col = batch.length
+        mask[:, col] = 1
+        t0 = time.perf_counter()
+        logits = runner.decode_batch(batch, [t[-1] for t in tokens], [len(r) + s for r in ids], mask[:, : col + 1])
+        times.append((time.perf_counter() - t0) * 1000)
+        for r, t in enumerate(tokens):
+            t.append(int(logits[r].argmax()))
+    own_bytes = sum(len(r) for r in ids) * runner.kv_bytes_per_token
+    return tokens, statistics.median(times), build_ms, build_bytes, own_bytes
+
+
+def paged_rows(runner: LlavaRunner, ids: list[list[int]], feats: torch.Tensor, steps: int):
+    """The rows' shared image prefix prefilled once into the pool, each row a fork of it that
+    prefills its question; then ``steps`` decode steps over the pages. Returns (tokens per row, step
+    ms, bytes the pool's pages hold after the prefills)."""
+    text = runner.config.text_config
+    num_pages = sum(-(-(len(r) + steps) // PAGE) for r in ids) + 8
+    kv = KVPages(text.num_hidden_layers, num_pages, PAGE, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu")
+    pool = PagePool(num_pages, PAGE)
+    common = min(next((i for i, (x, y) in enumerate(zip(ids[0], r, strict=False)) if x != y), len(r)) for r in ids[1:])
+    prefix = PageTable()
+    reserve(pool, prefix, common)
+    runner.prefill(PagedCache(kv, prefix, common), ids[0][:common], feats)
+    tables, tokens = [], []
+    for row in ids:
+        table = fork(pool, prefix)
+        kv.copy(reserve(pool, table, len(row) - common) or [])
+        tokens.append([int(runner.prefill(PagedCache(kv, table, len(row) - common), row, feats).argmax())])
+        tables.append(table)
+    release(pool, prefix)
+    held = (pool.num_pages - pool.num_free_pages) * kv.bytes_per_page
+    times = []
+    for _ in range(steps):
+        for table in tables:
+            reserve(pool, table, 1)
+        t0 = time.perf_counter()
+        cache = PagedBatchCache(kv, tables)
+        with torch.inference_mode():
+            out = runner.model(
+                input_ids=torch.tensor([[t[-1]] for t in tokens]),
+                attention_mask=cache.attention_mask,
+                position_ids=torch.tensor(cache.positions)[:, None],
+                use_cache=True,
+                **{runner._cache_kw: cache},
+                logits_to_keep=1,
+            )
+        times.append((time.perf_counter() - t0) * 1000)
+        for r, t in enumerate(tokens):
+            t.append(int(out.logits[r, -1].argmax()))
+    return tokens, statistics.median(times), held
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="bench", choices=["tiny", "bench"])
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    folder = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
+    write_checkpoint(args.model, folder)
+    runner = LlavaRunner.from_pretrained(folder, device="cpu", dtype="float32")
+    ids, feats = prompts(runner, args.rows)
+    rounds = []
+    for r in range(args.rounds):
+        with torch.inference_mode():
+            c_tokens, c_ms, build_ms, build_bytes, own_bytes = contiguous_rows(runner, ids, feats, args.steps)
+            p_tokens, p_ms, held = paged_rows(runner, ids, feats, args.steps)
+        row = {"contiguous_step_ms": c_ms, "paged_step_ms": p_ms, "rebuild_ms": build_ms,
+               "identical": c_tokens == p_tokens}  # fmt: skip
+        rounds.append(row)
+        print(f"round {r}", json.dumps(row), flush=True)
+    c = statistics.median(x["contiguous_step_ms"] for x in rounds)
+    p = statistics.median(x["paged_step_ms"] for x in rounds)
+    report = {
+        "model": args.model, "rows": args.rows, "prompt_tokens": [len(i) for i in ids], "page_size": PAGE,
+        "decode_step_ms": {"contiguous": round(c, 2), "paged": round(p, 2), "ratio": round(p / c, 2)},
+        "join": {"contiguous_rebuild_ms": round(statistics.median(x["rebuild_ms"] for x in rounds), 2),
+                 "contiguous_rebuild_bytes": build_bytes, "paged_bytes": 0},
+        "kv_bytes": {"contiguous": own_bytes, "paged": held, "ratio": round(held / own_bytes, 3)},
+        "identical_every_round": all(x["identical"] for x in rounds),
+    }  # fmt: skip
+    print(json.dumps(report, indent=1))
+    return 0 if report["identical_every_round"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The KV pool in pages: its bookkeeping (engine/pages.py) and the caches over it (model/paged_kv.py).
+
+Bookkeeping rules run without a model. Exactness runs the ``tiny`` checkpoint in fp32 on the CPU:
+greedy tokens through the pool equal ``model.generate``'s on the same chat-templated prompt, for a
+sequence alone, for two sessions sharing their image prefix's pages, and for rows decoding in one
+batch that join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from llava_sessions.engine.pages import PageCopy, PagePool, PageTable, fork, release, reserve, truncate
+from llava_sessions.images.fetch import decode_image
+from llava_sessions.model.paged_kv import KVPages, PagedBatchCache, PagedCache
+
+decode = functools.partial(decode_image, max_pixels=40_000_000)
+N = 8  # greedy tokens per answer
+PAGE = 16
+
+
+# ---------------------------------------------------------------------- bookkeeping, no model
+def test_allocation_is_all_or_nothing_and_free_pages_come_back() -> None:
+    pool = PagePool(4, PAGE)
+    assert pool.allocate(5) is None and pool.num_free_pages == 4  # a shortage takes nothing
+    pages = pool.allocate(3)
+    assert pages is not None and len(set(pages)) == 3 and pool.usage == 0.75
+    pool.free(pages[:1])
+    assert pool.num_free_pages == 2
+    with pytest.raises(ValueError, match="already free"):
+        pool.free(pages[:1])
+    with pytest.raises(ValueError, match="only a held page"):
+        pool.share(pages[:1])
+    with pytest.raises(ValueError, match="at least one page"):
+        PagePool(0, PAGE)
+
+
+def test_a_table_books_whole_pages_and_nothing_past_its_last() -> None:
+    pool = PagePool(8, PAGE)
+    table = PageTable()
+    assert reserve(pool, table, 1) == []
+    assert (table.num_tokens, len(table.pages)) == (1, 1)
+    assert reserve(pool, table, 31) == []
+    assert (table.num_tokens, len(table.pages)) == (32, 2)  # exactly full: no spare page
+    assert reserve(pool, table, 1) == [] and len(table.pages) == 3
+    assert table.slots(31, 33, PAGE) == [table.pages[1] * PAGE + 15, table.pages[2] * PAGE]
+    with pytest.raises(IndexError):
+        table.slots(0, 49, PAGE)
+    truncate(pool, table, 17)
+    assert (table.num_tokens, len(table.pages), pool.num_free_pages) == (17, 2, 6)
+    with pytest.raises(ValueError):
+        truncate(pool, table, 18)
+    release(pool, table)
+    assert (table.pages, table.num_tokens, pool.num_free_pages) == ([], 0, 8)
+
+
+def test_a_fork_shares_every_page_and_a_write_copies_only_a_shared_partial_last_page() -> None:
+    pool = PagePool(8, PAGE)
+    a = PageTable()
+    reserve(pool, a, 40)  # pages 0, 1 full; page 2 holds 8 positions
+    b = fork(pool, a)
+    assert b.pages == a.pages and all(pool.ref_count(p) == 2 for p in a.pages)
+    assert pool.num_free_pages == 5  # the fork took no page
+    copies = reserve(pool, b, 1)
+    assert copies == [PageCopy(a.pages[2], b.pages[2], 8)]  # copy on write of the partial page only
+    assert b.pages[:2] == a.pages[:2] and b.pages[2] != a.pages[2]
+    assert pool.ref_count(a.pages[2]) == 1 and pool.ref_count(a.pages[0]) == 2
+    assert reserve(pool, a, 1) == []  # a's partial page is its own again: written in place
+    c = fork(pool, a, 32)  # a prefix on a page boundary
+    assert c.pages == a.pages[:2] and reserve(pool, c, 5) == []  # its next write opens a new page
+    d = fork(pool, a, 20)
+    assert reserve(pool, d, 1) == [PageCopy(a.pages[1], d.pages[1], 4)]
+    with pytest.raises(ValueError):
+        fork(pool, a, 42)
+
+
+def test_a_reservation_the_pool_cannot_hold_changes_nothing() -> None:
+    pool = PagePool(3, PAGE)
+    a = PageTable()
+    reserve(pool, a, 20)
+    b = fork(pool, a)
+    before = (list(b.pages), b.num_tokens, pool.num_free_pages)
+    assert reserve(pool, b, 30) is None  # needs a copied page and two more: 3 > 1 free
+    assert (b.pages, b.num_tokens, pool.num_free_pages) == before
+    for table in (a, b):
+        release(pool, table)
+    assert pool.num_free_pages == 3
+
+
+# ---------------------------------------------------------------------- exactness, tiny model
+def templated(runner, image: bytes, question: str) -> tuple[list[int], dict]:
+    """The chat-templated prompt ids of one question on ``image`` and the processor's inputs."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = runner.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = runner.processor(text=text, images=decode(image), return_tensors="pt")
+    return inputs["input_ids"][0].tolist(), inputs
+
+
+def reference(runner, inputs: dict) -> list[int]:
+    with torch.inference_mode():
+        out = runner.model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def new_pool(runner, num_pages: int) -> tuple[PagePool, KVPages]:
+    text = runner.config.text_config
+    kv = KVPages(text.num_hidden_layers, num_pages, PAGE, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu")
+    return PagePool(num_pages, PAGE), kv
+
+
+def prefill(runner, pool, kv, table, ids, features) -> int:
+    """Prefill ``ids`` past ``table``'s positions through the pool; the greedy next token."""
+    start = table.num_tokens
+    kv.copy(reserve(pool, table, len(ids) - start) or [])
+    return int(runner.prefill(PagedCache(kv, table, len(ids) - start), ids, features).argmax())
+
+
+@pytest.fixture(scope="module")
+def two_questions(runner, photos):
+    """Two questions on one photo: prompt ids, references, the image's features, the common prefix."""
+    qa = templated(runner, photos["coffee"], "What is in this image?")
+    qb = templated(runner, photos["coffee"], "Describe the colours, please.")
+    features = runner.encode_images([decode(photos["coffee"])])[0]
+    common = next(i for i, (x, y) in enumerate(zip(qa[0], qb[0], strict=False)) if x != y)
+    return qa[0], qb[0], reference(runner, qa[1]), reference(runner, qb[1]), features, common
+
+
+def test_greedy_tokens_through_pages_equal_generate(runner, two_questions) -> None:
+    ids_a, _ids_b, ref_a, _ref_b, features, _common = two_questions
+    pool, kv = new_pool(runner, 64)
+    table = PageTable()
+    tokens = [prefill(runner, pool, kv, table, ids_a, features)]
+    while len(tokens) < N:
+        reserve(pool, table, 1)
+        tokens.append(int(runner.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
+    assert tokens == ref_a
+    assert len(table.pages) == pool.pages_for(len(ids_a) + N - 1)
+    assert (pool.num_pages - pool.num_free_pages) * kv.bytes_per_page == len(table.pages) * kv.bytes_per_page
+
+
+def test_sessions_on_one_image_share_its_prefix_pages_and_answer_exactly(runner, two_questions) -> None:
+    ids_a, ids_b, ref_a, ref_b, features, common = two_questions
+    pool, kv = new_pool(runner, 128)
+    prefix = PageTable()
+    prefill(runner, pool, kv, prefix, ids_a[:common], features)  # the image's prefix, once
+    a, b = fork(pool, prefix), fork(pool, prefix)
+    release(pool, prefix)
+    full = common // PAGE
+    assert all(pool.ref_count(p) == 2 for p in a.pages[:full])
+    answers = []
+    for table, ids in ((a, ids_a), (b, ids_b)):
+        tokens = [prefill(runner, pool, kv, table, ids, features)]
+        while len(tokens) < N:
+            reserve(pool, table, 1)
+            tokens.append(int(runner.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
+        answers.append(tokens)
+    assert answers == [ref_a, ref_b]
+    assert a.pages[:full] == b.pages[:full]  # the full prefix pages are held once
+    whole = runner.new_cache()  # a's prompt prefilled contiguously: the pages hold the same keys
+    runner.prefill(whole, ids_a, features)
+    slots = torch.tensor(a.slots(0, len(ids_a), PAGE))[None]
+    for layer, contiguous in enumerate(whole.layers):
+        keys, values = kv.gather(layer, slots)
+        torch.testing.assert_close(keys, contiguous.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(values, contiguous.values, rtol=1e-4, atol=1e-5)
+    # the only bytes copied: the prefix's partial last page, by the first session writing into it
+    # (the second then holds the old page alone and writes it in place)
+    assert kv.num_copied_bytes == (common % PAGE) * kv.bytes_per_page // PAGE
+    held = pool.num_pages - pool.num_free_pages
+    assert held == len(set(a.pages) | set(b.pages)) < len(a.pages) + len(b.pages)
+
+
+def test_rows_decode_together_exactly_and_join_or_leave_without_moving_kv(runner, two_questions) -> None:
+    ids_a, ids_b, ref_a, ref_b, features, _common = two_questions
+    pool, kv = new_pool(runner, 128)
+    tables = {"a": PageTable(), "b": PageTable()}
+    tokens = {
+        "a": [prefill(runner, pool, kv, tables["a"], ids_a, features)],
+        "b": [prefill(runner, pool, kv, tables["b"], ids_b, features)],
+    }
+    storage = [t.data_ptr() for t in kv.keys + kv.values]
+    # b sits out the first two steps and a the last two: rows join and leave between steps
+    plan = [["a"], ["a"], ["a", "b"], ["a", "b"], ["a", "b"], ["b", "a"], ["a", "b"], ["b"], ["b"]]
+    for rows in plan:
+        rows = [r for r in rows if len(tokens[r]) < N]
+        for r in rows:
+            assert reserve(pool, tables[r], 1) == []
+        cache = PagedBatchCache(kv, [tables[r] for r in rows])
+        ids = torch.tensor([[tokens[r][-1]] for r in rows])
+        with torch.inference_mode():
+            out = runner.model(
+                input_ids=ids,
+                attention_mask=cache.attention_mask,
+                position_ids=torch.tensor(cache.positions)[:, None],
+                use_cache=True,
+                **{runner._cache_kw: cache},
+                logits_to_keep=1,
+            )
+        for i, r in enumerate(rows):
+            tokens[r].append(int(out.logits[i, -1].argmax()))
+    assert (tokens["a"], tokens["b"]) == (ref_a, ref_b)
+    assert kv.num_copied_bytes == 0  # no row's KV moved, whoever joined or left
+    assert [t.data_ptr() for t in kv.keys + kv.values] == storage
