@@ -16,9 +16,11 @@ import torch
 from PIL import Image
 
 from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.engine.pages import PagePool, PageTable, reserve
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import ARCHITECTURES, LlavaRunner, checkpoint_architecture
+from llava_sessions.model.paged_kv import KVPages, PagedCache
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
 
@@ -189,6 +191,34 @@ def test_first_question_follow_up_independent_and_every_tier_match_generate(fami
     a5 = eng.generate("s", q5, GREEDY)
     history.append(([], q4, a4.text))
     assert a5.restored_from == "image" and ids(a5) == reference(runner, [*history, ([], q5, None)])[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_through_the_kv_pages_match_generate(family, small_photos, arch) -> None:
+    """The paged KV pool (model/paged_kv.py) under each architecture's own attention (OneVision's
+    Qwen2 groups its query heads over fewer KV heads): a prefill and decode steps through pages of
+    16 positions give ``generate``'s greedy tokens."""
+    runner, img = family[arch], small_photos["coffee"]
+    want, _ = reference(runner, [([img], "What is in this image?", None)])
+    chat = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": decode(img)}, {"type": "text", "text": "What is in this image?"}],
+        }
+    ]
+    prompt = runner.processor.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )["input_ids"][0].tolist()
+    features = torch.cat(runner.encode_images([decode(img)]))
+    text = runner.config.text_config
+    kv = KVPages(text.num_hidden_layers, 128, 16, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu")
+    pool, table = PagePool(128, 16), PageTable()
+    reserve(pool, table, len(prompt))
+    tokens = [int(runner.prefill(PagedCache(kv, table, len(prompt)), prompt, features).argmax())]
+    while len(tokens) < len(want):
+        reserve(pool, table, 1)
+        tokens.append(int(runner.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
+    assert tokens == want and len(table.pages) == pool.pages_for(len(prompt) + len(want) - 1)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -101,12 +101,15 @@ class KVPages:
 
 class _PagedLayer(CacheLayerMixin):
     """One decoder layer's view of the pool for one pass: where the pass writes (``write_slots``
-    ``[n]``, or ``[B]`` one per row) and what attention reads (``read_slots`` ``[1, L]`` or ``[B, L]``)."""
+    ``[n]``, or ``[B]`` one per row), what attention reads (``read_slots`` ``[1, L]`` or ``[B, L]``)
+    and how many of the read positions the pass itself writes (``num_new``: ``n``, or 1 per row)."""
 
-    def __init__(self, pages: KVPages, index: int, write_slots: torch.Tensor, read_slots: torch.Tensor) -> None:
+    def __init__(
+        self, pages: KVPages, index: int, write_slots: torch.Tensor, read_slots: torch.Tensor, num_new: int
+    ) -> None:
         super().__init__()
         self.pages, self.index = pages, index
-        self.write_slots, self.read_slots = write_slots, read_slots
+        self.write_slots, self.read_slots, self.num_new = write_slots, read_slots, num_new
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -129,13 +132,11 @@ class _PagedLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """Positions held before the pass (the longest row's, in a batch)."""
-        return int(self.read_slots.shape[-1]) - self._num_new
+        return int(self.read_slots.shape[-1]) - self.num_new
 
     def get_max_length(self) -> int:
         """No fixed maximum: the pool's free pages are the limit."""
         return -1
-
-    _num_new = 1
 
 
 def _slots(table: PageTable, start: int, stop: int, page_size: int, device: torch.device) -> torch.Tensor:
@@ -161,9 +162,7 @@ class PagedCache(Cache):
         device = pages.keys[0].device
         write = _slots(table, table.num_tokens - num_new, table.num_tokens, pages.page_size, device)
         read = _slots(table, 0, table.num_tokens, pages.page_size, device)[None]
-        layers = [_PagedLayer(pages, i, write, read) for i in range(len(pages.keys))]
-        for layer in layers:
-            layer._num_new = num_new
+        layers = [_PagedLayer(pages, i, write, read, num_new) for i in range(len(pages.keys))]
         super().__init__(layers=list(layers))
 
 
@@ -191,5 +190,5 @@ class PagedBatchCache(Cache):
             self.attention_mask[row, : table.num_tokens] = 1
         write = read[torch.arange(len(tables), device=device), [t.num_tokens - 1 for t in tables]]
         self.positions = [t.num_tokens - 1 for t in tables]
-        layers = [_PagedLayer(pages, i, write, read) for i in range(len(pages.keys))]
+        layers = [_PagedLayer(pages, i, write, read, 1) for i in range(len(pages.keys))]
         super().__init__(layers=list(layers))
