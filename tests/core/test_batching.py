@@ -12,13 +12,21 @@ import functools
 
 import pytest
 import torch
+from torch.nn.attention.bias import CausalBias
+from transformers import AttentionInterface
 
 from llava_sessions.conversation import Turn
 from llava_sessions.engine import EngineLimits, Generation, SessionEngine
 from llava_sessions.errors import ErrorCode, overloaded
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import cache_len
-from llava_sessions.model.fused import FUSED_ATTENTION, fusable
+from llava_sessions.model.fused import (
+    FUSED_ATTENTION,
+    LOWER_RIGHT_ATTENTION,
+    fusable,
+    fused_attention,
+    lower_right_attention,
+)
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
 
@@ -226,6 +234,47 @@ def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(ru
     whole.open("new", photos["rocket"])
     q, p = "What is it?", SamplingParams(max_new_tokens=10)
     assert [t.id for t in eng.generate("new", q, p).tokens] == [t.id for t in whole.generate("new", q, p).tokens]
+
+
+def test_prefills_over_cached_positions_in_the_lower_right_causal_form_answer_exactly(runner, photos, monkeypatch):
+    """On CUDA a prefill over cached positions (a follow-up, an open's later chunks, a fused pass's
+    chunk) attends with ``causal_lower_right`` so SDPA's flash kernel applies. Forced here on the CPU
+    (where PyTorch materializes that mask): every answer equals the default path's, and the
+    lower-right form really ran, alone and inside fused passes."""
+    expected = alone(runner, photos)
+    assert not runner.lower_right_prefill  # off on the CPU: nothing to gain there
+    biased = {"alone": 0, "fused": 0}
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        biased["alone"] += 1 < query.shape[2] < key.shape[2]
+        return lower_right_attention(module, query, key, value, attention_mask, **kwargs)
+
+    def fused_spy(module, query, key, value, attention_mask, **kwargs):
+        biased["fused"] += isinstance(
+            key.cache.chunk_mask(query.shape[2] - key.cache.num_rows, query.device), CausalBias
+        )
+        return fused_attention(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(runner, "lower_right_prefill", True)
+    AttentionInterface.register(LOWER_RIGHT_ATTENTION, spy)
+    AttentionInterface.register(FUSED_ATTENTION, fused_spy)
+    try:
+        assert [[t.id for t in a] for a in alone(runner, photos).values()] == [
+            [t.id for t in a] for a in expected.values()
+        ]
+        eng = make_engine(runner)
+        open_all(eng, photos)
+        ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
+        eng.step([ga])  # prefilled: it decodes from now on, and b's question rides its steps in chunks
+        gb = eng.start("b", CASES[1][3], CASES[1][4], remember=False)
+        while not (ga.done and gb.done):
+            eng.step([g for g in (ga, gb) if not g.done], prefill_budget=8)
+    finally:
+        AttentionInterface.register(LOWER_RIGHT_ATTENTION, lower_right_attention)
+        AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+    assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
+    assert [t.id for t in gb.answer.tokens] == [t.id for t in expected["b"]]
+    assert biased["alone"] > 0 and biased["fused"] > 0
 
 
 def test_an_open_abandoned_midway_leaves_no_session(runner, photos):

@@ -16,6 +16,16 @@ over its session's KV (causal from the chunk's first position, as a prefill does
 rows' keys and values at the batch's next column and appends the chunk's to the session's
 ``DynamicCache``, and hands attention both parts. The model's mask builder is skipped (the attention
 name has no mask function), the masks being the two parts' own.
+
+A prefill over cached positions (a follow-up question, a prompt's later chunk, a fused pass's chunk)
+attends with a causal mask aligned to the bottom right: its ``C`` queries see the ``start`` cached
+positions and the chunk causally. transformers builds that mask as a ``[1, 1, C, start + C]`` tensor,
+which keeps SDPA off its flash kernel on CUDA. With :attr:`LlavaRunner.lower_right_prefill
+<llava_sessions.model.LlavaRunner.lower_right_prefill>` (CUDA) the chunk attends through
+:func:`lower_right_attention` (:data:`LOWER_RIGHT_ATTENTION`) instead: the same SDPA call with
+``torch.nn.attention.bias.causal_lower_right(C, start + C)``, which PyTorch dispatches to its flash
+kernel (whose causal flag means lower right) or its memory-efficient one, materializing the mask only
+where neither applies (as on the CPU, where it is therefore off).
 """
 
 from __future__ import annotations
@@ -25,16 +35,28 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv_cache import BatchKVCache
 
-__all__ = ["FUSED_ATTENTION", "FusedCache", "fusable", "fused_attention", "fused_attention_on"]
+__all__ = [
+    "FUSED_ATTENTION",
+    "LOWER_RIGHT_ATTENTION",
+    "FusedCache",
+    "attention_on",
+    "fusable",
+    "fused_attention",
+    "lower_right_attention",
+]
 
 #: The attention implementation's name while a fused pass runs (transformers' ``AttentionInterface``).
 FUSED_ATTENTION = "llava_fused_step"
+#: The attention implementation's name while a prefill over cached positions runs in SDPA's
+#: lower-right causal form (:func:`lower_right_attention`).
+LOWER_RIGHT_ATTENTION = "llava_lower_right_prefill"
 
 
 def fusable(text_config: Any) -> bool:
@@ -69,10 +91,18 @@ class FusedCache(Cache):
             layer; grows by ``C``).
         start: positions the session's cache holds before the chunk.
         num_rows: ``B``, the decode rows (the first ``B`` tokens of the pass).
+        lower_right: the chunk attends in SDPA's lower-right causal form (:func:`lower_right_attention`).
     """
 
     def __init__(
-        self, batch: BatchKVCache, row_mask: torch.Tensor, session_cache: Any, start: int, num_rows: int
+        self,
+        batch: BatchKVCache,
+        row_mask: torch.Tensor,
+        session_cache: Any,
+        start: int,
+        num_rows: int,
+        *,
+        lower_right: bool = False,
     ) -> None:
         super().__init__(layers=list(session_cache.layers))
         self.batch = batch
@@ -80,13 +110,16 @@ class FusedCache(Cache):
         self.session_cache = session_cache
         self.start = start
         self.num_rows = num_rows
+        self.lower_right = lower_right
         self._chunk_mask: torch.Tensor | None = None
 
-    def chunk_mask(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
-        """The chunk's causal mask ``[1, 1, C, start + C]`` bool (None from position 0: SDPA's own
-        causal mask, as the model's prefill uses)."""
+    def chunk_mask(self, num_tokens: int, device: torch.device) -> Any:
+        """The chunk's causal mask ``[1, 1, C, start + C]`` bool, or its lower-right causal bias with
+        ``lower_right`` (None from position 0: SDPA's own causal mask, as the model's prefill uses)."""
         if self.start == 0:
             return None
+        if self.lower_right and num_tokens > 1:
+            return causal_lower_right(num_tokens, self.start + num_tokens)
         if self._chunk_mask is None:
             cols = torch.arange(self.start + num_tokens, device=device)
             rows = torch.arange(self.start, self.start + num_tokens, device=device)
@@ -147,15 +180,38 @@ def fused_attention(
     return torch.cat([rows.transpose(0, 1).reshape(1, b, *rows.shape[2:]), chunk], dim=1), None
 
 
+def lower_right_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of one sequence's prefill of ``C`` positions over its cache (``query`` ``[1, heads,
+    C, head_dim]``; ``key`` / ``value`` ``[1, kv_heads, start + C, head_dim]``): the model's SDPA
+    attention with ``causal_lower_right(C, start + C)`` as its mask (PyTorch's
+    ``torch.nn.attention.bias``), or SDPA's own causal form from position 0; returns ``[1, C, heads,
+    head_dim]`` and no weights. ``attention_mask`` is None (the implementation has no mask function)."""
+    kwargs.pop("is_causal", None)
+    num_queries, num_keys = query.shape[2], key.shape[2]
+    if num_queries == num_keys or num_queries == 1:
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=num_queries > 1, **kwargs)
+    mask = causal_lower_right(num_queries, num_keys)
+    return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
+
+
 AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+AttentionInterface.register(LOWER_RIGHT_ATTENTION, lower_right_attention)
 
 
 @contextmanager
-def fused_attention_on(config: Any) -> Iterator[None]:
-    """While inside, the layers of the text model configured by ``config`` attend with
-    :func:`fused_attention` (the implementation's name is restored on leaving)."""
+def attention_on(config: Any, name: str) -> Iterator[None]:
+    """While inside, the layers of the text model configured by ``config`` attend with the attention
+    implementation registered as ``name`` (:data:`FUSED_ATTENTION`, :data:`LOWER_RIGHT_ATTENTION`);
+    the implementation's name is restored on leaving."""
     before = config._attn_implementation
-    config._attn_implementation = FUSED_ATTENTION
+    config._attn_implementation = name
     try:
         yield
     finally:

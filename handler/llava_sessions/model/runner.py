@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import Grammars
-from .fused import FusedCache, fusable, fused_attention_on
+from .fused import FUSED_ATTENTION, LOWER_RIGHT_ATTENTION, FusedCache, attention_on, fusable
 from .kv_cache import BatchKVCache, cache_len
 from .loading import load_model
 from .templating import ChatTemplate
@@ -95,6 +95,9 @@ class LlavaRunner:
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_positions: int = int(text.max_position_embeddings)
         self.fusable: bool = fusable(text)
+        #: A prefill over cached positions attends in SDPA's lower-right causal form (on CUDA, where
+        #: that reaches the flash kernel; :func:`~.fused.lower_right_attention`).
+        self.lower_right_prefill: bool = self.device.type == "cuda" and self.fusable
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.kv_bytes_per_token: int = 2 * text.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
@@ -442,9 +445,9 @@ class LlavaRunner:
         n = chunk.shape[1]
         position_ids = torch.tensor([list(positions) + list(range(start, start + n))], device=self.device)
         keep = torch.tensor([*range(rows), rows + n - 1], device=self.device)
-        fused = FusedCache(batch, attention_mask.bool(), cache, start, rows)
+        fused = FusedCache(batch, attention_mask.bool(), cache, start, rows, lower_right=self.lower_right_prefill)
         try:
-            with fused_attention_on(self.config.text_config):
+            with attention_on(self.config.text_config, FUSED_ATTENTION):
                 out = self.model(
                     inputs_embeds=embeds,
                     position_ids=position_ids,
@@ -463,6 +466,14 @@ class LlavaRunner:
         n = embeds.shape[1]
         position_ids = torch.arange(start, start + n, device=self.device).unsqueeze(0)
         attention_mask = torch.ones(1, start + n, dtype=torch.long, device=self.device)
+        if self.lower_right_prefill and start > 0 and n > 1:
+            with attention_on(self.config.text_config, LOWER_RIGHT_ATTENTION):
+                return self._logits(cache, embeds, position_ids, attention_mask)
+        return self._logits(cache, embeds, position_ids, attention_mask)
+
+    def _logits(
+        self, cache: Any, embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
         out = self.model(
             inputs_embeds=embeds,
             attention_mask=attention_mask,
