@@ -14,7 +14,7 @@ One model, ``--rows`` sessions on one photo, each asked its own question (prompt
 
 Greedy tokens of both layouts are compared for every row and step (fp32 must match).
 
-Usage: python benchmarks/kv_pages.py [--model bench] [--rows 8] [--steps 16] [--rounds 3]
+Usage: python benchmarks/kv_pages.py [--model bench] [--rows 8] [--steps 16] [--rounds 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the report here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     folder = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         "identical_every_round": all(x["identical"] for x in rounds),
     }  # fmt: skip
     print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f)
     return 0 if report["identical_every_round"] else 1
 
 

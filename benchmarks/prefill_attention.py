@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--new", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json", default=None, help="also write the report here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.model == "7b":
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         "default_on_this_device": on_device,
     }
     print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f)
     return 0
 
 

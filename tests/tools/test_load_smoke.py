@@ -97,3 +97,26 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     assert report["turns"]["follow_up"]["ttft_ms"] > 0 and report["turns"]["cold_image_turn_ms"] > 0
     assert report["peer"]["ms_per_token"] > 0 and report["peer"]["compiled"] is False
     assert "x floor" in done.stdout and "batch-1 decode vs transformers" in done.stdout
+
+
+def test_the_kv_pages_benchmark_runs_and_both_layouts_answer_alike(tmp_path):
+    """benchmarks/kv_pages.py stays runnable: the pool's decode step beside the contiguous batch's,
+    greedy tokens identical, a join copying nothing, the shared prefix held once."""
+    bench = _benchmark("kv_pages")
+    out = tmp_path / "pages.json"
+    assert bench.main(["--model", "tiny", "--rows", "3", "--steps", "3", "--rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["identical_every_round"] is True and report["join"]["paged_bytes"] == 0
+    assert report["join"]["contiguous_rebuild_bytes"] > 0
+    assert report["kv_bytes"]["paged"] < report["kv_bytes"]["contiguous"]
+
+
+def test_the_prefill_attention_benchmark_runs_and_both_forms_agree(tmp_path):
+    """benchmarks/prefill_attention.py stays runnable: a follow-up's prefill with the materialized mask
+    and in the lower-right form, timed side by side, the same logits in fp32 on the CPU."""
+    bench = _benchmark("prefill_attention")
+    out = tmp_path / "prefill.json"
+    assert bench.main(["--model", "tiny", "--context", "200", "--repeats", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["max_logit_difference"] < 1e-4 and report["default_on_this_device"] is False
+    assert report["materialized_mask_ms"] > 0 and report["lower_right_ms"] > 0
