@@ -162,34 +162,38 @@ def test_ecosystem_stream_readers_parse_every_line_over_http(server, photos):
 
 
 def test_two_sessions_interleave_without_blocking_or_leaking(server, photos):
+    """While one session streams a long answer, another session's question is answered beside it: its
+    whole answer arrives while the long one is still streaming (neither waits for the other to end or
+    to idle out), and each is its own image's answer, equal to the one given alone. The long stream is
+    running when the second is sent (its first chunk is in) and outlasts it by hundreds of tokens, so
+    the order of the two requests' arrival cannot decide the outcome."""
     a, _ = open_session(server, photos["astronaut"])
     b, _ = open_session(server, photos["rocket"])
     q = "What is in this image?"
-    alone = {s: stream(server, s, q, max_new_tokens=40)[1][-1]["generated_text"] for s in (a, b)}
-    assert alone[a] != alone[b]
+    long_params, short_params = {"max_new_tokens": 300}, {"max_new_tokens": 40}
+    alone_a = stream(server, a, q, **long_params)[1][-1]
+    alone_b = stream(server, b, q, **short_params)[1][-1]
+    assert alone_a["details"]["generated_tokens"] >= 200 and alone_a["generated_text"] != alone_b["generated_text"]
 
-    def timed_stream(s):
-        t0 = time.monotonic()
-        body = {
-            "type": "generate",
-            "prompt": q,
-            "stream": True,
-            "remember": False,
-            "parameters": {"max_new_tokens": 40},
-        }
+    def timed_stream(s, params, streaming: threading.Event | None = None):
+        body = {"type": "generate", "prompt": q, "stream": True, "remember": False, "parameters": params}
         r = post(server, body, session_id=s, stream=True)
         stamps, data = [], b""
         for c in r.iter_content(chunk_size=None):
-            stamps.append(time.monotonic() - t0)
+            stamps.append(time.monotonic())
             data += c
+            if streaming is not None:
+                streaming.set()
         return stamps, json.loads(data.splitlines()[-1])["generated_text"]
 
+    a_streaming = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        fa, fb = pool.submit(timed_stream, a), pool.submit(timed_stream, b)
+        fa = pool.submit(timed_stream, a, long_params, a_streaming)
+        assert a_streaming.wait(120)  # a's answer is under way
+        fb = pool.submit(timed_stream, b, short_params)
         (sa, ta), (sb, tb) = fa.result(), fb.result()
-    assert ta == alone[a] and tb == alone[b]  # each its own image's answer
-    # their chunks interleaved in time: neither waited for the other to end (or to idle out)
-    assert sb[0] < sa[-1] and sa[0] < sb[-1]
+    assert ta == alone_a["generated_text"] and tb == alone_b["generated_text"]  # each its own image's answer
+    assert sb[-1] < sa[-1]  # b's whole answer came while a still streamed: it did not wait for a to end
     for s in (a, b):
         post(server, {"type": "close_session"}, session_id=s)
 
