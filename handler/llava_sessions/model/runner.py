@@ -56,6 +56,8 @@ class LlavaRunner:
         fusable: the text model may run a decode step and a prefill chunk in one pass
             (:meth:`fused_step`; :func:`~llava_sessions.model.fused.fusable`).
         supports_video: the model has a video path this runner serves (:data:`.video.VIDEO_ARCHITECTURES`).
+        lower_right_prefill: a prefill over cached positions attends in SDPA's lower-right causal form
+            (:func:`~.fused.lower_right_attention`; on CUDA, where that reaches the flash kernel).
     """
 
     def __init__(self, model: Any, processor: Any, video_preprocessing: VideoPreprocessing | None = None) -> None:
@@ -95,8 +97,6 @@ class LlavaRunner:
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_positions: int = int(text.max_position_embeddings)
         self.fusable: bool = fusable(text)
-        #: A prefill over cached positions attends in SDPA's lower-right causal form (on CUDA, where
-        #: that reaches the flash kernel; :func:`~.fused.lower_right_attention`).
         self.lower_right_prefill: bool = self.device.type == "cuda" and self.fusable
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
