@@ -137,17 +137,21 @@ class Page:
         box = self._all("#llava-question textarea")[0]
         box.clear()
         box.send_keys(question)
-        self.d.execute_script(  # count the status line's changes from now on
-            "window.__statusChanges = 0;"
-            "new MutationObserver(() => { window.__statusChanges += 1; })"
-            ".observe(document.getElementById('llava-status'), {subtree: true, childList: true, characterData: true});"
+        before = self.status()
+        self.d.execute_script(  # record every text the status line shows from now on
+            "window.__statusTexts = [];"
+            "const line = document.getElementById('llava-status');"
+            "new MutationObserver(() => { window.__statusTexts.push(line.innerText); })"
+            ".observe(line, {subtree: true, childList: true, characterData: true});"
         )
         self._all("#llava-send")[0].click()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = self.status()
-            changed = self.d.execute_script("return window.__statusChanges") > 0
-            if changed and "Answering…" not in status and not _pending(status):
+            # the question's own event has shown on the line ("Answering…", Gradio's overlay, or its
+            # outcome): a late re-render of the previous status, text unchanged, is not an answer
+            moved = any(text != before for text in self.d.execute_script("return window.__statusTexts"))
+            if moved and "Answering…" not in status and not _pending(status):
                 return status
             time.sleep(0.1)
         raise AssertionError(f"no answer to {question!r} in {timeout} s; the status line reads {self.status()!r}")
