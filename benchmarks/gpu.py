@@ -49,6 +49,7 @@ from transformers.generation.streamers import BaseStreamer
 from engine_decode import build_runner, run_together, sync
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.engine.model_runner import KV_PAGE_SIZE
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-peer", action="store_true", help="leave transformers' static-cache generate out")
+    ap.add_argument("--kv-page-size", type=int, default=KV_PAGE_SIZE, help="the KV pool's page (0: DynamicCaches)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         device_budget_bytes=1 << 45, host_budget_bytes=1 << 40, kv_bytes_per_token=runner.kv_bytes_per_token
     )
     decode = functools.partial(decode_image, max_pixels=40_000_000)
-    engine = SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096))
+    engine = SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096), kv_page_size=args.kv_page_size)
     images = [sample_photo(p) for p in PHOTOS]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {
@@ -341,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_peer:
         report["peer"] = peer_static_generate(runner, images[2], args.new_tokens)
         print("peer", json.dumps(report["peer"]), flush=True)
+    pool = engine.model.kv_pool
+    report["kv_pool"] = None if pool is None else {"page_size": pool.page_size, "pages": pool.pool.num_pages,
+                                                   "grows": pool.num_grows}  # fmt: skip
     if device.type == "cuda":
         report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     report["seconds"] = round(time.perf_counter() - t_start, 1)

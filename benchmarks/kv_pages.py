@@ -14,12 +14,18 @@ One model, ``--rows`` sessions on one photo, each asked its own question (prompt
 
 Greedy tokens of both layouts are compared for every row and step (fp32 must match).
 
-Usage: python benchmarks/kv_pages.py [--model bench] [--rows 8] [--steps 16] [--rounds 3] [--json FILE]
+4. **the engine**, its sessions' KV in the pool against a ``DynamicCache`` each (``kv_page_size=0``),
+   alternating round by round (``--engine-rounds``): follow-up TTFT at ``--context`` tokens, a cold
+   image turn and batch-1 decode ms per token, as ``benchmarks/gpu.py`` measures them.
+
+Usage: python benchmarks/kv_pages.py [--model bench] [--rows 8] [--steps 16] [--rounds 3]
+       [--engine-rounds 2] [--context 600] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -28,10 +34,12 @@ import time
 
 import torch
 
-from llava_sessions.engine.pages import PagePool, PageTable, fork, release, reserve
+from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.model.paged_kv import KVPages, PagedBatchCache, PagedCache
+from llava_sessions.model.pages import PagePool, PageTable, fork, release, reserve
+from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
 from llava_tools.tiny_model import write_checkpoint
 
@@ -122,12 +130,49 @@ def paged_rows(runner: LlavaRunner, ids: list[list[int]], feats: torch.Tensor, s
     return tokens, statistics.median(times), held
 
 
+def engine_side_by_side(runner: LlavaRunner, rounds: int, context: int, new_tokens: int) -> dict:
+    """The engine with its sessions' KV in the pool against ``DynamicCache``s (``kv_page_size=0``),
+    alternating round by round on one model: :mod:`gpu`'s follow-up TTFT, cold image turn and batch-1
+    decode (ms per token); medians, and pages / contiguous."""
+    from gpu import ForwardClock, batch_one_decode, turns
+
+    images = [sample_photo(p) for p in ("astronaut", "coffee", "chelsea")]
+    runs: dict[int, list[dict]] = {PAGE: [], 0: []}
+    for _ in range(rounds):
+        for page_size in runs:
+            store = SessionStore(device_budget_bytes=1 << 40, host_budget_bytes=1 << 40,
+                                 kv_bytes_per_token=runner.kv_bytes_per_token)  # fmt: skip
+            decode = functools.partial(decode_image, max_pixels=40_000_000)
+            engine = SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096), kv_page_size=page_size)
+            clock = ForwardClock(runner)
+            one = batch_one_decode(engine, clock, images[1], context, new_tokens)
+            clock.close()
+            t = turns(engine, images, context, 3)
+            runs[page_size].append({"follow_up_ttft_ms": t["follow_up"]["ttft_ms"],
+                                    "cold_image_turn_ms": t["cold_image_turn_ms"],
+                                    "decode_ms_per_token": one["ms_per_token"]})  # fmt: skip
+            print(f"engine kv_page_size={page_size}", json.dumps(runs[page_size][-1]), flush=True)
+    out: dict[str, dict] = {}
+    for key in runs[PAGE][0]:
+        paged = statistics.median(r[key] for r in runs[PAGE])
+        contiguous = statistics.median(r[key] for r in runs[0])
+        out[key] = {
+            "pages": round(paged, 2),
+            "dynamic_cache": round(contiguous, 2),
+            "ratio": round(paged / contiguous, 2),
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench", choices=["tiny", "bench"])
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engine-rounds", type=int, default=2, help="rounds of the engine side by side (0: none)")
+    ap.add_argument("--context", type=int, default=600, help="the engine's held session, tokens")
+    ap.add_argument("--new-tokens", type=int, default=32, help="the engine's batch-1 answer, tokens")
     ap.add_argument("--json", default=None, help="also write the report here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -154,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         "kv_bytes": {"contiguous": own_bytes, "paged": held, "ratio": round(held / own_bytes, 3)},
         "identical_every_round": all(x["identical"] for x in rounds),
     }  # fmt: skip
+    if args.engine_rounds:
+        report["engine"] = engine_side_by_side(runner, args.engine_rounds, args.context, args.new_tokens)
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -31,8 +31,18 @@ __all__ = ["WorkerMetrics"]
 log = logging.getLogger(__name__)
 
 #: Extra dimensions of the metrics that have them (beyond ``ModelName``).
-_DIMS = {"SessionBytes": ["Tier"], "Demotions": ["Tier"], "Errors": ["Code"]}
+_DIMS = {"SessionBytes": ["Tier"], "Demotions": ["Tier"], "Errors": ["Code"], "KVPoolBytes": ["Pages"]}
 _MetricKey = tuple[str, tuple[str, ...]]
+
+
+def _kv_pool_gauges(engine: SessionEngine) -> dict[_MetricKey, float]:
+    """The replica's KV pool, when it has one: ``KVPoolBytes`` of the pages some session holds (each
+    shared page once: below the sessions' ``kv`` bytes when they share an image prefix) and of the
+    pages allocated (held or free)."""
+    pool = engine.model.kv_pool
+    if pool is None:
+        return {}
+    return {("KVPoolBytes", ("used",)): pool.num_used_bytes(), ("KVPoolBytes", ("allocated",)): pool.pages.nbytes()}
 
 
 class WorkerMetrics:
@@ -95,6 +105,7 @@ class WorkerMetrics:
                 ("SessionBytes", ("image",)): by_tier["image"],
                 ("ConversationCacheEntries", ()): store.num_cache_entries,
                 ("ConversationCacheBytes", ()): store.num_cache_bytes,
+                **_kv_pool_gauges(engine),
             },
             "counters": {
                 ("Demotions", ("kv",)): st.num_demotions_kv,

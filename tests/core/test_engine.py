@@ -73,13 +73,17 @@ def ids(answer) -> list[int]:
 
 
 def tensor_bytes(session) -> int:
-    """Device bytes of a session counted straight from its tensors."""
+    """Device bytes of a session counted straight from its tensors: its features, and its KV cache's
+    pages in the pool (each page's keys and values in every layer)."""
     total = (
         0 if session.image_features is None else session.image_features.numel() * session.image_features.element_size()
     )
-    if session.kv_cache is not None:
-        for layer in session.kv_cache.layers:
-            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    cache = session.kv_cache
+    if cache is not None:
+        pages = cache.pool.pages
+        for keys, values in zip(pages.keys, pages.values, strict=True):
+            for page in cache.table.pages:
+                total += keys[page].numel() * keys.element_size() + values[page].numel() * values.element_size()
     return total
 
 

@@ -16,11 +16,11 @@ import torch
 from PIL import Image
 
 from llava_sessions.engine import EngineLimits, SessionEngine
-from llava_sessions.engine.pages import PagePool, PageTable, reserve
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import ARCHITECTURES, LlavaRunner, checkpoint_architecture
 from llava_sessions.model.paged_kv import KVPages, PagedCache
+from llava_sessions.model.pages import PagePool, PageTable, reserve
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
 

@@ -1,9 +1,11 @@
-"""The KV pool in pages: its bookkeeping (engine/pages.py) and the caches over it (model/paged_kv.py).
+"""The KV pool in pages: its bookkeeping (model/pages.py), the caches over it (model/paged_kv.py) and
+the engine's sessions held in it.
 
 Bookkeeping rules run without a model. Exactness runs the ``tiny`` checkpoint in fp32 on the CPU:
 greedy tokens through the pool equal ``model.generate``'s on the same chat-templated prompt, for a
-sequence alone, for two sessions sharing their image prefix's pages, and for rows decoding in one
-batch that join and leave between steps.
+sequence alone, for two sessions sharing their image prefix's pages, for rows decoding in one
+batch that join and leave between steps, and for an engine's sessions (whose every step checks the
+pool's reference counts against the sessions' page tables).
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ import functools
 import pytest
 import torch
 
-from llava_sessions.engine.pages import PageCopy, PagePool, PageTable, fork, release, reserve, truncate
+from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
-from llava_sessions.model.paged_kv import KVPages, PagedBatchCache, PagedCache
+from llava_sessions.metrics import WorkerMetrics
+from llava_sessions.model.paged_kv import KVPages, KVPool, PagedBatchCache, PagedCache, SessionKV
+from llava_sessions.model.pages import PageCopy, PagePool, PageTable, fork, release, reserve, truncate
+from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.sessions.store import SessionStore
 
 decode = functools.partial(decode_image, max_pixels=40_000_000)
 N = 8  # greedy tokens per answer
@@ -204,3 +210,101 @@ def test_rows_decode_together_exactly_and_join_or_leave_without_moving_kv(runner
     assert (tokens["a"], tokens["b"]) == (ref_a, ref_b)
     assert kv.num_copied_bytes == 0  # no row's KV moved, whoever joined or left
     assert [t.data_ptr() for t in kv.keys + kv.values] == storage
+
+
+# ---------------------------------------------------------------------- the engine's sessions in the pool
+def make_engine(runner, **engine_kw) -> SessionEngine:
+    store = SessionStore(
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        device_budget_bytes=10**10,
+        host_budget_bytes=10**9,
+        max_sessions=16,
+        ttl_s=1200,
+    )
+    limits = EngineLimits(max_new_tokens_cap=512)
+    return SessionEngine(runner, store, decode, limits, check_invariants=True, **engine_kw)
+
+
+GREEDY = SamplingParams(max_new_tokens=N, min_tokens=N)
+
+
+def test_an_engine_holds_its_sessions_kv_in_the_pool_and_an_image_prefix_once(runner, photos, two_questions) -> None:
+    """Sessions' KV lives in the replica's pool (every step checks the pool's counts against the
+    sessions' tables: check_invariants); a second session on the same image holds the first one's
+    full prefix pages by reference, the ledger books each session's pages, and closing frees all."""
+    _ids_a, _ids_b, ref_a, ref_b, _features, common = two_questions
+    eng = make_engine(runner)
+    pool = eng.model.kv_pool
+    assert pool is not None
+    eng.open("a", photos["coffee"])
+    a = eng.generate("a", "What is in this image?", GREEDY)
+    copied = pool.pages.num_copied_bytes
+    eng.open("b", photos["coffee"])
+    b = eng.generate("b", "Describe the colours, please.", GREEDY)
+    assert [t.id for t in a.tokens] == ref_a and [t.id for t in b.tokens] == ref_b
+    assert b.cached_tokens >= common - 1  # b's prompt reused a's image prefix
+    sa, sb = eng.store.get("a"), eng.store.get("b")
+    assert isinstance(sa.kv_cache, SessionKV) and isinstance(sb.kv_cache, SessionKV)
+    full = (b.cached_tokens // PAGE) - 1
+    assert full > 30 and sa.kv_cache.table.pages[:full] == sb.kv_cache.table.pages[:full]
+    assert pool.pages.num_copied_bytes - copied <= pool.pages.bytes_per_page  # one partial page at most
+    booked = eng.store.ledger.entry("b").num_kv_tokens * runner.kv_bytes_per_token
+    assert booked == len(sb.kv_cache.table.pages) * pool.pages.bytes_per_page  # the booked bytes: its pages
+    held = len(set(sa.kv_cache.table.pages) | set(sb.kv_cache.table.pages))
+    assert pool.num_used_bytes() == held * pool.pages.bytes_per_page < eng.store.ledger.num_device_bytes
+    gauges = WorkerMetrics().snapshot(eng)["gauges"]
+    assert gauges[("KVPoolBytes", ("used",))] == pool.num_used_bytes() < gauges[("SessionBytes", ("kv",))]
+    assert gauges[("KVPoolBytes", ("allocated",))] == pool.pages.nbytes() >= pool.num_used_bytes()
+    eng.close("a")
+    eng.close("b")
+    assert pool.pool.num_free_pages == pool.pool.num_pages  # nothing leaked
+
+
+def test_without_pages_sessions_keep_dynamic_caches_and_the_same_tokens(runner, photos, two_questions) -> None:
+    _ids_a, _ids_b, ref_a, _ref_b, _features, _common = two_questions
+    eng = make_engine(runner, kv_page_size=0)
+    assert eng.model.kv_pool is None
+    eng.open("a", photos["coffee"])
+    a = eng.generate("a", "What is in this image?", GREEDY)
+    assert [t.id for t in a.tokens] == ref_a and not isinstance(eng.store.get("a").kv_cache, SessionKV)
+
+
+def test_a_pool_grows_as_its_session_needs_and_keeps_what_it_holds(runner, two_questions) -> None:
+    ids_a, _ids_b, ref_a, _ref_b, features, _common = two_questions
+    text = runner.config.text_config
+    pool = KVPool(text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu", num_pages=1)
+    cache = pool.new_cache()
+    tokens = [int(runner.prefill(cache, ids_a[:100], features).argmax())]  # grows from 1 page
+    tokens = [int(runner.prefill(cache, ids_a, features).argmax())]  # grows again: the rest of the prompt
+    while len(tokens) < N:
+        tokens.append(int(runner.decode(cache, tokens[-1]).argmax()))
+    assert tokens == ref_a and pool.num_grows >= 2
+    assert cache.num_held_tokens == len(cache.table.pages) * PAGE == pool.pool.pages_for(len(ids_a) + N - 1) * PAGE
+    pool.check([cache.table])
+
+
+def test_a_pass_that_fails_midway_leaves_the_session_cache_as_before(runner, two_questions) -> None:
+    """A prefill whose forward pass fails after layer 0 wrote (an out-of-memory error in a later
+    layer) takes its positions back, so the retry runs the same pass and answers exactly."""
+    ids_a, _ids_b, ref_a, _ref_b, features, common = two_questions
+    text = runner.config.text_config
+    pool = KVPool(text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu")
+    cache = pool.new_cache()
+    runner.prefill(cache, ids_a[:common], features)
+    before = (list(cache.table.pages), cache.table.num_tokens)
+
+    def out_of_memory(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    hook = runner.model.model.language_model.layers[-1].register_forward_pre_hook(out_of_memory)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            runner.prefill(cache, ids_a, features)
+    finally:
+        hook.remove()
+    assert (cache.table.pages, cache.table.num_tokens) == before
+    pool.check([cache.table])
+    tokens = [int(runner.prefill(cache, ids_a, features).argmax())]
+    while len(tokens) < N:
+        tokens.append(int(runner.decode(cache, tokens[-1]).argmax()))
+    assert tokens == ref_a

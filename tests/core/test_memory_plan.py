@@ -21,7 +21,7 @@ decode = functools.partial(decode_image, max_pixels=40_000_000)
 Q = "What is in this image?"
 
 
-def make_engine(runner, budget: int = 10**10) -> SessionEngine:
+def make_engine(runner, budget: int = 10**10, **engine_kw) -> SessionEngine:
     store = SessionStore(
         device_budget_bytes=budget,
         host_budget_bytes=10**9,
@@ -29,7 +29,8 @@ def make_engine(runner, budget: int = 10**10) -> SessionEngine:
         max_sessions=16,
         ttl_s=1200,
     )
-    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=512), check_invariants=True)
+    limits = EngineLimits(max_new_tokens_cap=512)
+    return SessionEngine(runner, store, decode, limits, check_invariants=True, **engine_kw)
 
 
 def tiers(eng: SessionEngine) -> dict[str, Tier]:
@@ -81,16 +82,22 @@ def test_a_start_refused_memory_fails_alone_and_the_session_stays(runner, photos
     """Two questions start in one step; the budget has room for the first's start only. The second
     fails with a 503 ``overloaded`` (its grant refused: the other session is answering, it cannot be
     demoted) and its session is as it was; the first answers exactly as alone (its decode batch's
-    room is made by demoting the refused session, idle again), and the refused one answers after."""
+    room is made by demoting the refused session, idle again), and the refused one answers after.
+
+    The budget is cut to half a token past the first start's grant, and grants count tokens: the
+    sessions keep ``DynamicCache``s here (``kv_page_size=0``), since a session in the KV pool is
+    booked by whole pages, and the room a partly written last page has left would hold the second
+    start."""
+    pages = {"kv_page_size": 0}
     params, one = SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=1)
-    probe = make_engine(runner)
+    probe = make_engine(runner, **pages)
     probe.open("a", photos["astronaut"])
     probe.open("b", photos["coffee"])
     held = probe.store.device_bytes()
     expected = probe.generate("a", Q, params, remember=False)
     expected_b = probe.generate("b", Q, one, remember=False)
     need_a = probe.start("a", Q, params, remember=False).start_bytes
-    eng = make_engine(runner, held + need_a + runner.kv_bytes_per_token // 2)
+    eng = make_engine(runner, held + need_a + runner.kv_bytes_per_token // 2, **pages)
     eng.open("a", photos["astronaut"])
     eng.open("b", photos["coffee"])
     assert eng.store.device_bytes() == held

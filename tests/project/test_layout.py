@@ -139,7 +139,7 @@ LAYERS: list[set[str]] = [
         "conversation",
         "sessions.ledger",
         "engine.costs",
-        "engine.pages",
+        "model.pages",
     },
     {
         "sessions",

@@ -101,12 +101,15 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
 
 def test_the_kv_pages_benchmark_runs_and_both_layouts_answer_alike(tmp_path):
     """benchmarks/kv_pages.py stays runnable: the pool's decode step beside the contiguous batch's,
-    greedy tokens identical, a join copying nothing, the shared prefix held once."""
+    greedy tokens identical, a join copying nothing, the shared prefix held once; the engine with and
+    without its pool side by side."""
     bench = _benchmark("kv_pages")
     out = tmp_path / "pages.json"
-    assert bench.main(["--model", "tiny", "--rows", "3", "--steps", "3", "--rounds", "1", "--json", str(out)]) == 0
+    args = ["--model", "tiny", "--rows", "3", "--steps", "3", "--rounds", "1", "--engine-rounds", "1"]
+    assert bench.main([*args, "--context", "120", "--new-tokens", "4", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["identical_every_round"] is True and report["join"]["paged_bytes"] == 0
+    assert set(report["engine"]) == {"follow_up_ttft_ms", "cold_image_turn_ms", "decode_ms_per_token"}
     assert report["join"]["contiguous_rebuild_bytes"] > 0
     assert report["kv_bytes"]["paged"] < report["kv_bytes"]["contiguous"]
 

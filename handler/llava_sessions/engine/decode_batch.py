@@ -15,6 +15,7 @@ Memory: ``B × capacity × kv_bytes_per_token``; the overhead over the rows' own
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,12 +38,22 @@ class DecodeBatch:
     Args:
         runner: the model runner (allocates the cache, runs the batched forward).
         store: the session store (the batch's bytes count against the device budget).
+        new_cache: an empty session cache, which a leaving row's KV goes into (default the runner's
+            ``DynamicCache``; the engine's is in its KV pool).
         grow_columns: free columns allocated past the longest row at each build.
     """
 
-    def __init__(self, runner: LlavaRunner, store: SessionStore, *, grow_columns: int = 64) -> None:
+    def __init__(
+        self,
+        runner: LlavaRunner,
+        store: SessionStore,
+        new_cache: Callable[[], Any] | None = None,
+        *,
+        grow_columns: int = 64,
+    ) -> None:
         self.runner = runner
         self.store = store
+        self.new_cache = new_cache or runner.new_cache
         self.grow_columns = grow_columns
         self.cache: BatchKVCache | None = None
         self.mask: torch.Tensor | None = None
@@ -135,16 +146,28 @@ class DecodeBatch:
         return tokens, positions, col
 
     def release(self, gen: Generation) -> Any:
-        """Take ``gen`` out of the batch; returns its row's valid columns as a new ``DynamicCache``
-        (``[1, kv_heads, n, head_dim]`` per layer), or None when it had no row."""
+        """Take ``gen`` out of the batch; returns its session's cache with the row's positions past
+        it appended (the answer's, ``[1, kv_heads, n, head_dim]`` per layer: the prompt's were lent
+        and never changed), or, when the session holds none, a new one (``new_cache``'s) with every
+        position; None when it had no row.
+
+        Raises:
+            torch.OutOfMemoryError: no room for the positions (the row stays in the batch).
+        """
         row = gen.row
         if row is None:
             return None
         assert self.cache is not None and self.mask is not None
+        columns = torch.nonzero(self.mask[row, : self.cache.length]).flatten()
+        into = gen.session.kv_cache
+        if into is None:
+            into = self.new_cache()
+        new = columns[cache_len(into) :]
+        kv = (
+            self.runner.extract_row(self.cache, row, new, into=into) if new.numel() else into
+        )  # may fail: the row stays
         gen.row = None
         self.rows[row] = None
-        columns = torch.nonzero(self.mask[row, : self.cache.length]).flatten()
-        kv = self.runner.extract_row(self.cache, row, columns)
         if self.num_live == 0:
             self._free()
         return kv
@@ -200,7 +223,7 @@ class DecodeBatch:
                     dst.values[row, :, width - n : width] = src.values[g.row].index_select(1, src_cols)
             else:
                 self.runner.load_row(cache, row, g.session.kv_cache, width)
-                g.session.lend_kv()  # the row holds it now (the session is busy: never demoted)
+                g.session.lend_kv()  # the row holds a copy (the session is busy: never demoted)
             cache.zero_leading(row, width - n)
             mask[row, width - n : width] = 1
         cache.set_length(width)

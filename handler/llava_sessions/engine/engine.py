@@ -29,7 +29,7 @@ from ..sessions.store import SessionStore
 from .admission import Admission, EngineLimits
 from .decode_batch import DecodeBatch
 from .memory import new_session_bytes
-from .model_runner import ModelRunner
+from .model_runner import KV_PAGE_SIZE, ModelRunner
 from .scheduler import TimeBudget, schedule
 from .sequence import Generation, ImageTask, Work
 from .sharing import ImageSharing, Unsalted, reusable_len
@@ -59,6 +59,8 @@ class SessionEngine:
         fuse_prefill: a step's first prefill chunk runs in the decode step's forward pass while
             answers decode (rule 9 of :mod:`.scheduler`), where the model allows it
             (``runner.fusable``); False: a pass of its own.
+        kv_page_size: positions per page of the replica's KV pool, which holds every session's KV
+            (:func:`~.model_runner.new_kv_pool`); 0: a ``DynamicCache`` per session.
 
     Attributes:
         model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
@@ -77,13 +79,14 @@ class SessionEngine:
         share_images: bool = True,
         unsalted: Unsalted = "shared",
         fuse_prefill: bool = True,
+        kv_page_size: int = KV_PAGE_SIZE,
     ) -> None:
         self.runner = runner
         self.fuse = fuse_prefill and bool(getattr(runner, "fusable", False))
         self.store = store
         self.decode_image = decode_image
         self.limits = limits or EngineLimits()
-        self.model = ModelRunner(runner, store)
+        self.model = ModelRunner(runner, store, kv_page_size=kv_page_size)
         self.check_invariants = check_invariants
         self.sharing = ImageSharing(store, runner, enabled=share_images, unsalted=unsalted)
         self._admission = Admission(store, runner, self.limits, self.sharing, decode_image, driver=self)
@@ -491,3 +494,4 @@ class SessionEngine:
     def _check(self) -> None:
         if self.check_invariants:
             self.store.check_invariants()
+            self.model.check_kv_pool(s.kv_cache for s in self.store.sessions())

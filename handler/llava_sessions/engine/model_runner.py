@@ -11,13 +11,13 @@ model the scheduler sizes a step by (:mod:`.costs`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..conversation import still_images
-from ..model import EncodedVideo, LlavaRunner, cache_len
+from ..model import EncodedVideo, KVPool, LlavaRunner, SessionKV, cache_len
 from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
@@ -27,7 +27,10 @@ if TYPE_CHECKING:
     from ..sessions.store import SessionStore
     from .sequence import Generation
 
-__all__ = ["ModelRunner"]
+__all__ = ["KV_PAGE_SIZE", "ModelRunner", "new_kv_pool"]
+
+#: Token positions per page of a replica's KV pool (vLLM's default block size).
+KV_PAGE_SIZE = 16
 
 
 class ModelRunner:
@@ -36,18 +39,21 @@ class ModelRunner:
     Args:
         runner: the loaded model (:class:`~llava_sessions.model.LlavaRunner`).
         store: the session store (the decode batch's bytes, demotions after an out-of-memory error).
+        kv_page_size: positions per page of the sessions' KV pool (0: a ``DynamicCache`` per session).
 
     Attributes:
+        kv_pool: the replica's :class:`~llava_sessions.model.KVPool` (:func:`new_kv_pool`; None without one).
         batch: the running answers' :class:`~.decode_batch.DecodeBatch`.
         num_prefilled_tokens: tokens prefilled since start (a counter for metrics).
         num_fused_passes: decode steps that carried a prefill chunk (:meth:`decode_with_chunk`).
         costs: the measured cost of each kind of pass (:class:`~.costs.CostModel`).
     """
 
-    def __init__(self, runner: LlavaRunner, store: SessionStore) -> None:
+    def __init__(self, runner: LlavaRunner, store: SessionStore, *, kv_page_size: int = KV_PAGE_SIZE) -> None:
         self.runner = runner
         self.store = store
-        self.batch = DecodeBatch(runner, store)
+        self.kv_pool = new_kv_pool(runner, kv_page_size)
+        self.batch = DecodeBatch(runner, store, self.new_cache)
         self.num_prefilled_tokens = 0
         self.num_fused_passes = 0
         self.costs = CostModel()
@@ -204,8 +210,28 @@ class ModelRunner:
         return ms
 
     def new_cache(self) -> Any:
-        """An empty ``DynamicCache`` for a session."""
-        return self.runner.new_cache()
+        """An empty cache for a session: a :class:`~llava_sessions.model.SessionKV` in the pool, or
+        without one a ``DynamicCache``."""
+        return self.runner.new_cache() if self.kv_pool is None else self.kv_pool.new_cache()
+
+    def check_kv_pool(self, caches: Iterable[Any]) -> None:
+        """Assert that ``caches`` (every session's) are all the pool's holders: its reference counts
+        are their page tables' (:meth:`KVPool.check <llava_sessions.model.KVPool.check>`)."""
+        if self.kv_pool is not None:
+            self.kv_pool.check(c.table for c in caches if isinstance(c, SessionKV))
+
+
+def new_kv_pool(runner: LlavaRunner, page_size: int) -> KVPool | None:
+    """The KV pool of a replica running ``runner``, pages of ``page_size`` positions; None (sessions keep
+    ``DynamicCache``s) for ``page_size`` 0 or a model with a sliding attention window (a
+    ``DynamicCache`` built from its config keeps only the window, the pool every position), or a
+    runner without a model (tests' stand-ins)."""
+    if page_size <= 0 or not getattr(runner, "fusable", False) or not hasattr(runner, "num_kv_heads"):
+        return None
+    text = runner.config.text_config
+    return KVPool(
+        text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, page_size=page_size
+    )
 
 
 def vision_units(images: Sequence[Any]) -> int:

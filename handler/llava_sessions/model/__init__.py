@@ -6,7 +6,8 @@ module              owns
 =================== ===============================================================
 ``loading``         architecture, model and processor from a local folder; device, dtype
 ``templating``      ``ChatTemplate``: a ``Chat`` to chat-templated token ids
-``kv_cache``        ``DynamicCache`` helpers, the decode batch's ``BatchKVCache``
+``kv_cache``        session cache helpers, the decode batch's ``BatchKVCache``
+``paged_kv``        the KV pool in pages: ``KVPool``, a session's ``SessionKV``
 ``runner``          ``LlavaRunner``: vision tower, prefill, batched decode
 ``video``           a checkpoint's video path: token counts, frame preprocessing, ``EncodedVideo``
 =================== ===============================================================
@@ -14,7 +15,7 @@ module              owns
 
 from __future__ import annotations
 
-from .kv_cache import BatchKVCache, BatchKVLayer, cache_len, crop_cache
+from .kv_cache import BatchKVCache, BatchKVLayer, cache_len, crop_cache, held_len, release_cache
 from .loading import (
     ARCHITECTURES,
     checkpoint_architecture,
@@ -24,6 +25,7 @@ from .loading import (
     resolve_device,
     resolve_dtype,
 )
+from .paged_kv import KVPool, SessionKV
 from .runner import LlavaRunner
 from .templating import ChatTemplate
 from .video import EncodedVideo, is_sampled_video
@@ -34,14 +36,18 @@ __all__ = [
     "BatchKVLayer",
     "ChatTemplate",
     "EncodedVideo",
+    "KVPool",
     "LlavaRunner",
+    "SessionKV",
     "cache_len",
     "checkpoint_architecture",
     "is_sampled_video",
     "crop_cache",
+    "held_len",
     "image_only_processor_class",
     "load_model",
     "load_processor",
+    "release_cache",
     "resolve_device",
     "resolve_dtype",
 ]

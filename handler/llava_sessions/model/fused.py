@@ -40,7 +40,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .kv_cache import BatchKVCache
+from .kv_cache import BatchKVCache, undo_pass
 
 __all__ = [
     "FUSED_ATTENTION",
@@ -87,8 +87,8 @@ class FusedCache(Cache):
         batch: the decode batch's cache; the rows write their token at column ``batch.length``.
         row_mask: ``[B, batch.length + 1]`` bool, where each decode row may attend (its own valid
             columns and the new one).
-        session_cache: the chunk's session ``DynamicCache`` (``[1, kv_heads, start, head_dim]`` per
-            layer; grows by ``C``).
+        session_cache: the chunk's session cache (a :class:`~.paged_kv.SessionKV`, or a ``DynamicCache``
+            of ``[1, kv_heads, start, head_dim]`` per layer; grows by ``C``).
         start: positions the session's cache holds before the chunk.
         num_rows: ``B``, the decode rows (the first ``B`` tokens of the pass).
         lower_right: the chunk attends in SDPA's lower-right causal form (:func:`lower_right_attention`).
@@ -144,11 +144,7 @@ class FusedCache(Cache):
     def undo(self) -> None:
         """Take the chunk's positions back off every layer of the session's cache (after a failed
         pass, whichever layers it reached)."""
-        for layer in self.session_cache.layers:
-            keys = getattr(layer, "keys", None)
-            if isinstance(keys, torch.Tensor) and keys.shape[-2] > self.start:
-                layer.keys = layer.keys[:, :, : self.start].clone()
-                layer.values = layer.values[:, :, : self.start].clone()
+        undo_pass(self.session_cache, self.start)
 
 
 def _rows(states: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -12,7 +12,17 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-__all__ = ["BatchKVCache", "BatchKVLayer", "cache_len", "crop_cache"]
+__all__ = [
+    "BatchKVCache",
+    "BatchKVLayer",
+    "cache_len",
+    "crop_cache",
+    "extend_cache",
+    "held_len",
+    "layer_states",
+    "release_cache",
+    "undo_pass",
+]
 
 
 def cache_len(cache: Any) -> int:
@@ -20,16 +30,80 @@ def cache_len(cache: Any) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
 
+def held_len(cache: Any) -> int:
+    """Token positions of device memory ``cache`` holds, what the ledger books: a session cache in
+    pages (:class:`~.paged_kv.SessionKV`) its pages x page size, a ``DynamicCache`` its positions
+    (0 for ``None``)."""
+    held = getattr(cache, "num_held_tokens", None)
+    return cache_len(cache) if held is None else int(held)
+
+
+def release_cache(cache: Any) -> None:
+    """Give ``cache``'s memory back now: a paged cache's pages go back to its pool (a ``DynamicCache``'s
+    tensors go when nothing references them; None: nothing)."""
+    release = getattr(cache, "release", None)
+    if release is not None:
+        release()
+
+
+def layer_states(cache: Any, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer_idx``'s keys and values over every position of ``cache``, ``[1, kv_heads, length, head_dim]``
+    (a paged cache's gathered from its pages; a ``DynamicCache``'s own tensors)."""
+    gather = getattr(cache, "layer_states", None)
+    if gather is not None:
+        return gather(layer_idx)
+    layer = cache.layers[layer_idx]
+    return layer.keys, layer.values
+
+
+def extend_cache(cache: Any, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Append every layer's ``[1, kv_heads, n, head_dim]`` keys and values to ``cache`` (one tensor per
+    layer; a paged cache reserves the ``n`` positions in its pool first).
+
+    Raises:
+        torch.OutOfMemoryError: no room (a paged cache: nothing appended).
+    """
+    extend = getattr(cache, "extend", None)
+    if extend is not None:
+        extend(keys, values)
+        return
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k, v, i)
+
+
+def undo_pass(cache: Any, start: int) -> None:
+    """Take a failed forward pass's positions back off ``cache``, to the ``start`` it held before
+    (whichever layers the pass reached), so the pass can run again."""
+    truncate = getattr(cache, "truncate", None)
+    if truncate is not None:
+        if cache_len(cache) > start:
+            truncate(start)
+        return
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.shape[-2] > start:
+            layer.keys = layer.keys[:, :, :start].clone()
+            layer.values = layer.values[:, :, :start].clone()
+
+
 def crop_cache(cache: Any, length: int) -> None:
     """Keep the first ``length`` positions of ``cache`` in place, and compact its storage.
 
     ``DynamicCache.crop`` slices a view, which keeps the whole old storage alive; the
     clone makes the bytes the ledger accounts (tokens x ``kv_bytes_per_token``) the real ones.
+    A paged cache frees the pages past ``length``.
+
+    Raises:
+        ValueError: ``cache`` holds fewer than ``length`` positions.
     """
     remove = cache_len(cache) - length
     if remove < 0:
         raise ValueError(f"cannot crop a cache of {cache_len(cache)} tokens to {length}")
     if remove == 0:
+        return
+    truncate = getattr(cache, "truncate", None)
+    if truncate is not None:
+        truncate(length)
         return
     cache.crop(-remove)
     for layer in cache.layers:

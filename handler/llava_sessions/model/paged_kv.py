@@ -2,7 +2,7 @@
 
 :class:`KVPages` holds every layer's keys and values as ``[num_pages, page_size, kv_heads,
 head_dim]`` in the model dtype, preallocated once; which pages a holder uses is the bookkeeping of
-:mod:`llava_sessions.engine.pages` (a :class:`~llava_sessions.engine.pages.PageTable`). Position
+:mod:`llava_sessions.model.pages` (a :class:`~llava_sessions.model.pages.PageTable`). Position
 ``p`` of a table lives in slot ``pages[p // page_size] * page_size + p % page_size``.
 
 The caches plug into transformers' public ``Cache`` interface, as :mod:`.kv_cache` does, so the
@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-if TYPE_CHECKING:
-    from ..engine.pages import PageCopy, PageTable
+from .pages import PagePool, PageTable, fork, release, reserve, truncate
 
-__all__ = ["KVPages", "PagedBatchCache", "PagedCache"]
+if TYPE_CHECKING:
+    from .pages import PageCopy
+
+__all__ = ["KVPages", "KVPool", "PagedBatchCache", "PagedCache", "SessionKV"]
 
 
 class KVPages:
@@ -63,8 +65,9 @@ class KVPages:
         device: torch.device | str,
     ) -> None:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        with torch.inference_mode():  # written only in inference mode (:meth:`write`, :meth:`copy`, :meth:`grow`)
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_size = page_size
         self.num_copied_bytes = 0
 
@@ -77,15 +80,33 @@ class KVPages:
         """Device bytes of the whole pool."""
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
 
+    @torch.inference_mode()
+    def grow(self, num_pages: int) -> None:
+        """Add ``num_pages`` zeroed pages after the existing ones in every layer (the tensors are
+        reallocated and the pages copied once; on an out-of-memory error nothing has changed).
+
+        Raises:
+            torch.OutOfMemoryError: the device has no room for the larger tensors.
+        """
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros((num_pages, *t.shape[1:]))])
+
+        keys = [grown(k) for k in self.keys]
+        values = [grown(v) for v in self.values]
+        self.keys, self.values = keys, values
+
+    @torch.inference_mode()
     def copy(self, copies: Iterable[PageCopy]) -> None:
         """Copy each ``src`` page's first ``num_tokens`` positions into ``dst``, in every layer (the
-        copies :func:`~llava_sessions.engine.pages.reserve` asks for)."""
+        copies :func:`~llava_sessions.model.pages.reserve` asks for)."""
         for c in copies:
             for keys, values in zip(self.keys, self.values, strict=True):
                 keys[c.dst, : c.num_tokens] = keys[c.src, : c.num_tokens]
                 values[c.dst, : c.num_tokens] = values[c.src, : c.num_tokens]
             self.num_copied_bytes += c.num_tokens * self.bytes_per_page // self.page_size
 
+    @torch.inference_mode()
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``keys`` / ``values`` ``[n, kv_heads, head_dim]`` at ``slots`` ``[n]`` (long) of ``layer``."""
         self.keys[layer].view(-1, *keys.shape[1:]).index_copy_(0, slots, keys.to(self.keys[layer].dtype))
@@ -149,7 +170,7 @@ class PagedCache(Cache):
     Args:
         pages: the pool.
         table: the sequence's pages, already reserved for the pass (``num_tokens`` counts the pass's
-            positions: :func:`~llava_sessions.engine.pages.reserve`).
+            positions: :func:`~llava_sessions.model.pages.reserve`).
         num_new: the pass's new positions ``n`` (the last ``n`` of ``table``).
 
     Raises:
@@ -192,3 +213,197 @@ class PagedBatchCache(Cache):
         self.positions = [t.num_tokens - 1 for t in tables]
         layers = [_PagedLayer(pages, i, write, read, 1) for i in range(len(pages.keys))]
         super().__init__(layers=list(layers))
+
+
+class KVPool:
+    """A replica's KV pool: the pages' tensors (:class:`KVPages`) and their bookkeeping
+    (:class:`~llava_sessions.model.pages.PagePool`), growing when a holder needs more pages than are
+    free. Every session's KV is a :class:`SessionKV` over it.
+
+    Args:
+        num_layers, num_kv_heads, head_dim, dtype, device: the text model's.
+        page_size: token positions per page (vLLM's default block size, 16).
+        num_pages: pages allocated at the start; the pool grows by what a holder lacks, and at least
+            a quarter, each time (so its free pages stay under a fifth of it after a growth; a growth
+            copies the pool once).
+
+    Attributes:
+        pages: the tensors. pool: the free list and reference counts.
+        num_grows: times the pool grew since start.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        page_size: int = 16,
+        num_pages: int = 64,
+    ) -> None:
+        self.pool = PagePool(num_pages, page_size)
+        self.pages = KVPages(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
+        self.num_grows = 0
+
+    @property
+    def page_size(self) -> int:
+        """Token positions per page."""
+        return self.pool.page_size
+
+    def new_cache(self) -> SessionKV:
+        """An empty session cache over this pool."""
+        return SessionKV(self)
+
+    def reserve(self, table: PageTable, num_tokens: int) -> None:
+        """Room in ``table`` for ``num_tokens`` more positions (:func:`~llava_sessions.model.pages.reserve`:
+        a shared, partly written last page copied first); the pool grows when too few pages are free.
+
+        Raises:
+            torch.OutOfMemoryError: the device has no room to grow the pool (``table`` unchanged).
+        """
+        copies = reserve(self.pool, table, num_tokens)
+        if copies is None:
+            # the pages it lacks, one for a copied last page, less the free ones
+            need = self.pool.pages_for(table.num_tokens + num_tokens) - len(table.pages) + 1 - self.pool.num_free_pages
+            self.grow(max(need, self.pool.num_pages // 4))
+            copies = reserve(self.pool, table, num_tokens)
+            assert copies is not None, "a grown pool has the pages"
+        self.pages.copy(copies)
+
+    def grow(self, num_pages: int) -> None:
+        """Add ``num_pages`` pages (tensors first: an out-of-memory error leaves the pool as it was)."""
+        self.pages.grow(num_pages)
+        self.pool.grow(num_pages)
+        self.num_grows += 1
+
+    def slots(self, table: PageTable, start: int, stop: int) -> torch.Tensor:
+        """Pool slots ``[stop - start]`` (long, on the pool's device) of ``table``'s positions ``start .. stop``."""
+        return _slots(table, start, stop, self.page_size, self.pages.keys[0].device)
+
+    def num_used_bytes(self) -> int:
+        """Device bytes of the pages some holder references (each page once, however many share it)."""
+        return (self.pool.num_pages - self.pool.num_free_pages) * self.pages.bytes_per_page
+
+    def check(self, tables: Iterable[PageTable]) -> None:
+        """Assert that ``tables`` are every holder: each page is referenced exactly as often as they
+        list it, and a page none lists is free (no page leaked, none shared without a count)."""
+        counts = [0] * self.pool.num_pages
+        for table in tables:
+            for page in table.pages:
+                counts[page] += 1
+        refs = [self.pool.ref_count(p) for p in range(self.pool.num_pages)]
+        assert counts == refs, "the pool's reference counts differ from the holders' page tables"
+        assert self.pool.num_free_pages == counts.count(0)
+
+
+class _SessionLayer(CacheLayerMixin):
+    """One decoder layer's face of a :class:`SessionKV` (what transformers' mask builder asks a layer)."""
+
+    def __init__(self, owner: SessionKV) -> None:
+        super().__init__()
+        self.owner = owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate: the pool is preallocated."""
+
+    def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Not called: :meth:`SessionKV.update` writes every layer."""
+        raise NotImplementedError("a session's layers are written through SessionKV.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The mask covers the positions held and the pass's own."""
+        return self.owner.table.num_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Positions held."""
+        return self.owner.table.num_tokens
+
+    def get_max_length(self) -> int:
+        """No fixed maximum: the pool grows."""
+        return -1
+
+
+class SessionKV(Cache):
+    """A session's KV cache as a page table in a :class:`KVPool`: the transformers ``Cache`` a prefill
+    pass (:meth:`~llava_sessions.model.LlavaRunner.prefill`, a fused pass's chunk) extends in place.
+
+    A pass's new keys and values ``[1, kv_heads, n, head_dim]`` go to their slots (the table reserves
+    them when layer 0 writes); attention reads the positions gathered from the pages
+    (``[1, kv_heads, length, head_dim]``), or the pass's own states when nothing was held before it.
+
+    Args:
+        pool: the replica's pool.
+        table: the pages held (default: none).
+    """
+
+    def __init__(self, pool: KVPool, table: PageTable | None = None) -> None:
+        self.pool = pool
+        self.table = table if table is not None else PageTable()
+        self._write: torch.Tensor | None = None
+        self._read: torch.Tensor | None = None
+        super().__init__(layers=[_SessionLayer(self) for _ in pool.pages.keys])
+
+    @property
+    def num_held_tokens(self) -> int:
+        """Positions the table's pages hold room for: its pages x page size (what the ledger books)."""
+        return len(self.table.pages) * self.pool.page_size
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one layer's new ``[1, kv_heads, n, head_dim]`` keys and values (layer 0 reserves the
+        ``n`` positions first); return the layer's keys and values over every position.
+
+        Raises:
+            torch.OutOfMemoryError: layer 0 found no room to grow the pool.
+        """
+        if layer_idx == 0:
+            start, n = self.table.num_tokens, key_states.shape[-2]
+            self.pool.reserve(self.table, n)
+            self._write = self.pool.slots(self.table, start, start + n)
+            self._read = self.pool.slots(self.table, 0, start + n)[None] if start else None
+        assert self._write is not None
+        pages = self.pool.pages
+        pages.write(layer_idx, self._write, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
+        if self._read is None:
+            return key_states, value_states
+        return pages.gather(layer_idx, self._read)
+
+    def layer_states(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer_idx``'s keys and values over every held position, ``[1, kv_heads, length, head_dim]`` (a copy)."""
+        return self.pool.pages.gather(layer_idx, self.pool.slots(self.table, 0, self.table.num_tokens)[None])
+
+    def extend(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Append every layer's ``[1, kv_heads, n, head_dim]`` keys and values (one tensor per layer).
+
+        Raises:
+            torch.OutOfMemoryError: no room to grow the pool (nothing appended).
+        """
+        start, n = self.table.num_tokens, keys[0].shape[-2]
+        self.pool.reserve(self.table, n)
+        slots = self.pool.slots(self.table, start, start + n)
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.pool.pages.write(i, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+
+    def fork(self, num_tokens: int) -> SessionKV:
+        """A new cache holding this one's first ``num_tokens`` positions by sharing their pages (no copy).
+
+        Raises:
+            ValueError: more positions than held.
+        """
+        return SessionKV(self.pool, fork(self.pool.pool, self.table, num_tokens))
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` positions; the pages past them are freed.
+
+        Raises:
+            ValueError: more positions than held.
+        """
+        truncate(self.pool.pool, self.table, num_tokens)
+
+    def release(self) -> None:
+        """Free every page (the cache is empty after)."""
+        release(self.pool.pool, self.table)

@@ -26,8 +26,9 @@ import torch
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import Grammars
 from .fused import FUSED_ATTENTION, LOWER_RIGHT_ATTENTION, FusedCache, attention_on, fusable
-from .kv_cache import BatchKVCache, cache_len
+from .kv_cache import BatchKVCache, cache_len, extend_cache, layer_states, undo_pass
 from .loading import load_model
+from .paged_kv import SessionKV
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
 
@@ -340,35 +341,44 @@ class LlavaRunner:
 
     @staticmethod
     def load_row(batch: BatchKVCache, row: int, cache: Any, end: int) -> None:
-        """Copy a session's ``DynamicCache`` (``[1, kv_heads, L, head_dim]`` per layer) into ``row`` of
-        ``batch`` at columns ``end - L .. end`` (right-aligned: its next token goes to column ``end``)."""
+        """Copy a session's cache (``[1, kv_heads, L, head_dim]`` per layer; a paged one gathered from
+        its pages) into ``row`` of ``batch`` at columns ``end - L .. end`` (right-aligned: its next
+        token goes to column ``end``)."""
         n = cache_len(cache)
-        for dst, src in zip(batch.batch_layers, cache.layers, strict=True):
-            dst.keys[row, :, end - n : end] = src.keys[0]
-            dst.values[row, :, end - n : end] = src.values[0]
+        for i, dst in enumerate(batch.batch_layers):
+            keys, values = layer_states(cache, i)
+            dst.keys[row, :, end - n : end] = keys[0]
+            dst.values[row, :, end - n : end] = values[0]
 
     def copy_prefix(self, cache: Any, length: int) -> Any:
-        """A new ``DynamicCache`` holding a copy of the first ``length`` positions of ``cache``
-        (``[1, kv_heads, length, head_dim]`` per layer; the source is left as it is).
+        """A new session cache holding the first ``length`` positions of ``cache`` (the source is left
+        as it is): a paged cache's pages shared (:meth:`SessionKV.fork <.paged_kv.SessionKV.fork>`, no
+        copy), a ``DynamicCache`` copied (``[1, kv_heads, length, head_dim]`` per layer).
 
         Raises:
             ValueError: ``cache`` holds fewer than ``length`` positions.
         """
         if cache_len(cache) < length:
             raise ValueError(f"cannot copy {length} positions of a cache of {cache_len(cache)}")
+        if isinstance(cache, SessionKV):
+            return cache.fork(length)
         out = self.new_cache()
         for i, layer in enumerate(cache.layers):
             out.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), i)
         return out
 
-    def extract_row(self, batch: BatchKVCache, row: int, columns: torch.Tensor) -> Any:
-        """Gather ``row``'s ``columns`` (a ``[n]`` long tensor of column indexes, in order) into a new
-        ``DynamicCache`` of ``n`` positions (``[1, kv_heads, n, head_dim]`` per layer)."""
-        cache = self.new_cache()
-        for i, layer in enumerate(batch.batch_layers):
-            keys = layer.keys[row].index_select(1, columns).unsqueeze(0)
-            values = layer.values[row].index_select(1, columns).unsqueeze(0)
-            cache.update(keys, values, i)
+    def extract_row(self, batch: BatchKVCache, row: int, columns: torch.Tensor, into: Any = None) -> Any:
+        """Append ``row``'s ``columns`` (a ``[n]`` long tensor of column indexes, in order) to ``into``
+        (a session cache, e.g. a :class:`~.paged_kv.SessionKV`; default a new ``DynamicCache``) as
+        ``n`` positions (``[1, kv_heads, n, head_dim]`` per layer); returns it.
+
+        Raises:
+            torch.OutOfMemoryError: a paged cache's pool has no room to grow (nothing appended).
+        """
+        cache = self.new_cache() if into is None else into
+        layers = batch.batch_layers
+        keys = [layer.keys[row].index_select(1, columns).unsqueeze(0) for layer in layers]
+        extend_cache(cache, keys, [layer.values[row].index_select(1, columns).unsqueeze(0) for layer in layers])
         return cache
 
     @torch.inference_mode()
@@ -474,12 +484,17 @@ class LlavaRunner:
     def _logits(
         self, cache: Any, embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
-        out = self.model(
-            inputs_embeds=embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            **{self._cache_kw: cache},
-            logits_to_keep=1,
-        )
+        start = int(position_ids[0, 0])
+        try:
+            out = self.model(
+                inputs_embeds=embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{self._cache_kw: cache},
+                logits_to_keep=1,
+            )
+        except BaseException:
+            undo_pass(cache, start)  # as before the pass: a retry (after an out-of-memory error) runs it again
+            raise
         return out.logits[0, -1].float()

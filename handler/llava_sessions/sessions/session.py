@@ -15,7 +15,7 @@ import torch
 
 from ..conversation import Chat, Turn, common_prefix_len, video_indexes
 from ..images.fetch import image_key
-from ..model.kv_cache import cache_len, crop_cache
+from ..model.kv_cache import cache_len, crop_cache, release_cache
 from .ledger import Tier, tier_of
 
 __all__ = ["Session", "SessionSnapshot"]
@@ -66,7 +66,8 @@ class Session:
         history: remembered turns, oldest first.
         image_features: ``[sum(image_tokens), hidden]`` on the device (every image's rows in order),
             or None (tier ``image``).
-        kv_cache: ``DynamicCache`` holding ``cached_ids`` (``[1, kv_heads, len, head_dim]`` per layer), or None.
+        kv_cache: the cache holding ``cached_ids`` (a :class:`~llava_sessions.model.SessionKV`: its pages
+            in the replica's KV pool; or a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer), or None.
         cached_ids: token ids whose keys/values are in ``kv_cache`` (or in the decode batch's row).
         kv_lent: the KV cache is lent to the decode batch (a running answer's row holds it).
         opened_at: open time (epoch s); expires_at: absolute expiry (epoch s, whole seconds).
@@ -130,12 +131,11 @@ class Session:
         return sum(len(b) for b in self.images) + len(text.encode("utf-8"))
 
     def check_invariants(self) -> None:
-        """Assert ``len(cached_ids) == cache_len(kv_cache)`` (unless the KV is lent to the decode
-        batch, when ``kv_cache`` is None) and one feature row per image placeholder."""
+        """Assert ``len(cached_ids) == cache_len(kv_cache)`` (a cache lent to the decode batch is left
+        as it was lent) and one feature row per image placeholder."""
         if self.kv_lent:
-            assert self.kv_cache is None and self.busy, "a lent KV cache belongs to a running answer"
-        else:
-            assert len(self.cached_ids) == cache_len(self.kv_cache), (len(self.cached_ids), cache_len(self.kv_cache))
+            assert self.kv_cache is not None and self.busy, "a lent KV cache belongs to a running answer"
+        assert len(self.cached_ids) == cache_len(self.kv_cache), (len(self.cached_ids), cache_len(self.kv_cache))
         if self.image_features is not None:
             assert self.image_features.shape[0] == sum(self.image_tokens), "one feature row per image placeholder"
         assert self.pending_images + sum(t.images for t in self.history) == len(self.images) == len(self.image_tokens)
@@ -148,9 +148,16 @@ class Session:
         self.changed = True
 
     # ------------------------------------------------------------------ the KV cache
+    def _hold_kv(self, cache: Any) -> None:
+        """Hold ``cache`` from now on; the one held before gives its memory back (:func:`release_cache`)."""
+        if self.kv_cache is not None and self.kv_cache is not cache:
+            release_cache(self.kv_cache)
+        self.kv_cache = cache
+
     def start_kv(self, cache: Any) -> None:
         """Start caching from nothing in the empty ``cache`` (an open, a restore)."""
-        self.kv_cache, self.cached_ids = cache, []
+        self._hold_kv(cache)
+        self.cached_ids = []
         self._changed()
 
     def record_prefill(self, ids: list[int]) -> None:
@@ -191,11 +198,12 @@ class Session:
         except Exception:  # noqa: BLE001 - an unreadable cache is rebuilt from the features
             self.drop_kv()
 
-    def lend_kv(self) -> Any:
-        """Hand the KV cache to the decode batch (its row holds it from now on); returns it."""
-        cache, self.kv_cache, self.kv_lent = self.kv_cache, None, True
+    def lend_kv(self) -> None:
+        """The decode batch's row holds a copy of the KV cache from now on: the cache stays as it is
+        (the session is busy; its pages stay shared with whoever shares them) until the answer's
+        positions are appended to it (:meth:`take_back_kv`)."""
+        self.kv_lent = True
         self._changed()
-        return cache
 
     def adopt_kv(self, cache: Any, ids: list[int]) -> None:
         """Hold ``cache`` (a copy of another session's prefix, or a fresh one) holding ``ids``.
@@ -205,17 +213,27 @@ class Session:
         """
         if cache_len(cache) != len(ids):
             raise ValueError(f"the cache holds {cache_len(cache)} positions, not {len(ids)}")
-        self.kv_cache, self.cached_ids = cache, list(ids)
+        self._hold_kv(cache)
+        self.cached_ids = list(ids)
         self._changed()
 
     def take_back_kv(self, cache: Any, ids: list[int]) -> None:
-        """The decode batch gives the KV back: ``cache`` holds ``ids`` (the prompt and the answer so far)."""
-        self.kv_cache, self.cached_ids, self.kv_lent = cache, list(ids), False
+        """The decode batch gives the KV back: ``cache`` (the lent one with the answer's positions
+        appended, or a new one) holds ``ids`` (the prompt and the answer so far).
+
+        Raises:
+            ValueError: the cache does not hold ``len(ids)`` positions.
+        """
+        if cache_len(cache) != len(ids):
+            raise ValueError(f"the cache holds {cache_len(cache)} positions, not {len(ids)}")
+        self._hold_kv(cache)
+        self.cached_ids, self.kv_lent = list(ids), False
         self._changed()
 
     def drop_kv(self) -> None:
-        """Demote ``kv`` → ``features``: free the KV cache."""
-        self.kv_cache, self.cached_ids, self.kv_lent = None, [], False
+        """Demote ``kv`` → ``features``: free the KV cache (a paged cache's pages go back to the pool)."""
+        self._hold_kv(None)
+        self.cached_ids, self.kv_lent = [], False
         self._changed()
 
     def drop_features(self) -> None:

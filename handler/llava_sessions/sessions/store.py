@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from ..conversation import Turn
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..images.fetch import image_key
-from ..model.kv_cache import cache_len
+from ..model.kv_cache import held_len
 from .ledger import Demotion, SessionLedger, Tier
 from .session import Session, SessionSnapshot
 
@@ -194,7 +194,7 @@ class SessionStore:
         session.changed = False
         self._ledger.set_usage(
             session.session_id,
-            num_kv_tokens=cache_len(session.kv_cache),
+            num_kv_tokens=held_len(session.kv_cache),
             num_feature_bytes=session.feature_bytes,
             num_host_bytes=session.host_bytes,
         )
@@ -252,7 +252,7 @@ class SessionStore:
         for session in self._sessions.values():
             session.check_invariants()
             entry = self._ledger.entry(session.session_id)
-            held = (cache_len(session.kv_cache), session.feature_bytes, session.host_bytes, session.busy)
+            held = (held_len(session.kv_cache), session.feature_bytes, session.host_bytes, session.busy)
             assert (entry.num_kv_tokens, entry.num_feature_bytes, entry.num_host_bytes, entry.pinned) == held, (
                 session.session_id,
                 entry,

@@ -65,6 +65,19 @@ class PagePool:
         """Holders referencing ``page``."""
         return self._refs[page]
 
+    def grow(self, num_pages: int) -> None:
+        """Add ``num_pages`` free pages, numbered after the existing ones (the tensors grow alike:
+        :meth:`~llava_sessions.model.paged_kv.KVPages.grow`).
+
+        Raises:
+            ValueError: ``num_pages`` below 1.
+        """
+        if num_pages < 1:
+            raise ValueError(f"a pool grows by at least one page, not {num_pages}")
+        self._free.extend(range(self.num_pages, self.num_pages + num_pages))
+        self._refs.extend([0] * num_pages)
+        self.num_pages += num_pages
+
     def allocate(self, num_pages: int) -> list[int] | None:
         """Take ``num_pages`` free pages (each referenced once); None, taking none, when fewer are free."""
         if num_pages > len(self._free):
