@@ -47,3 +47,26 @@ def photos() -> dict[str, bytes]:
     from skimage import data
 
     return {name: encode_png(getattr(data, name)()) for name in ("astronaut", "chelsea", "coffee", "rocket")}
+
+
+def shrink_png(data: bytes, side: int) -> bytes:
+    """The image ``data`` scaled to at most ``side`` pixels a side (aspect kept), as PNG."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    image.thumbnail((side, side))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def small_png():
+    """:func:`shrink_png`, for tests that scale a photograph (anyres token counts stay small)."""
+    return shrink_png
+
+
+@pytest.fixture(scope="session")
+def small_photos(photos) -> dict[str, bytes]:
+    """The photographs scaled to at most 320 px (anyres token counts stay within the tiny context)."""
+    return {name: shrink_png(data, 320) for name, data in photos.items()}

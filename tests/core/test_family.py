@@ -44,19 +44,6 @@ def family(tmp_path_factory) -> dict[str, LlavaRunner]:
     return runners
 
 
-@pytest.fixture(scope="session")
-def small_photos(photos) -> dict[str, bytes]:
-    """The photographs scaled to at most 320 px (anyres token counts stay within the tiny context)."""
-    out = {}
-    for name, data in photos.items():
-        image = Image.open(io.BytesIO(data)).convert("RGB")
-        image.thumbnail((320, 320))
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        out[name] = buf.getvalue()
-    return out
-
-
 def engine(runner, **limits) -> SessionEngine:
     store = SessionStore(
         device_budget_bytes=10**10,

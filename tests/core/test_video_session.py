@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import base64
 import functools
-import io
 import json
 import uuid
 
 import pytest
 import torch
-from PIL import Image
 
 from llava_sessions.conversation import VideoBytes
 from llava_sessions.engine import EngineLimits, SessionEngine
@@ -147,15 +145,6 @@ def reference(runner, turns: list[tuple[list, str, str | None]]) -> list[int]:
     return out[0, input_ids.shape[1] :].tolist()
 
 
-def small_png(data: bytes, side: int) -> bytes:
-    """The photograph ``data`` scaled to at most ``side`` pixels, as PNG (anyres counts stay small)."""
-    small = Image.open(io.BytesIO(data)).convert("RGB")
-    small.thumbnail((side, side))
-    buf = io.BytesIO()
-    small.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def ids(answer) -> list[int]:
     return [t.id for t in answer.tokens]
 
@@ -191,7 +180,9 @@ def test_a_video_session_answers_as_generate_does_from_every_tier(video_model, c
     assert a4.restored_from == "image" and ids(a4) == reference(m, [*history, ([], q4, None)])
 
 
-def test_a_video_joins_an_image_session_and_an_image_a_video_session_exactly(video_model, clips, photos) -> None:
+def test_a_video_joins_an_image_session_and_an_image_a_video_session_exactly(
+    video_model, clips, photos, small_png
+) -> None:
     """An image laid out alone (anyres: a video is not one of OneVision's several images), then a video
     added: its frames encoded, the image's features and the first turn's KV kept; and a video session
     that adds an image: every image counted as in the processor's several-image mode only when two
@@ -365,7 +356,7 @@ def test_a_model_without_a_video_path_answers_video_unsupported_in_both_dialects
 
 
 def test_an_image_after_a_video_in_one_question_is_refused_natively_and_reordered_in_chat(
-    ov, ov_service, clips, photos
+    ov, ov_service, clips, photos, small_png
 ) -> None:
     """The template renders a message's images before its videos: a native add_image right after a
     video (no question between) is a 400 that says so, and the session is as before; a chat message
@@ -454,7 +445,7 @@ def test_sessions_on_one_clip_share_its_features_within_a_salt(ov, clips) -> Non
     assert ids(eng.generate("b", q, GREEDY)) == ids(eng.generate("c", q, GREEDY)) == reference(ov, [([video], q, None)])
 
 
-def test_a_video_then_an_image_survive_truncation_and_refuse_a_reset_typed(ov, clips, photos) -> None:
+def test_a_video_then_an_image_survive_truncation_and_refuse_a_reset_typed(ov, clips, photos, small_png) -> None:
     """A session on a video whose next turn added an image: dropping the video's turn would move the
     video into the image's message, which the template renders images first. Truncation skips that
     drop (a typed 422 when nothing else fits), and a reset, which would do the same, is a typed 400;

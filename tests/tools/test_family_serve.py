@@ -4,7 +4,6 @@ and ``llava-chat`` (added images, recovery of a several-image session), llava-on
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -13,7 +12,6 @@ import sys
 
 import pytest
 import requests
-from PIL import Image
 
 from llava_client import ImageLimitExceeded, SessionClient
 from server_fixtures import start_local_server
@@ -21,14 +19,6 @@ from server_fixtures import start_local_server
 pytestmark = pytest.mark.integration
 
 GREEDY = {"max_new_tokens": 6}
-
-
-def _small(data: bytes, side: int) -> bytes:
-    image = Image.open(io.BytesIO(data)).convert("RGB")
-    image.thumbnail((side, side))
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +33,8 @@ def server(request, next_dir):
     return start_local_server(next_dir, addfinalizer=request.addfinalizer, overrides={"max_images_per_session": 3})
 
 
-def test_llava_next_sessions_add_images_and_recover_exactly(server, photos, tmp_path):
-    a, b, c = (_small(photos[n], 320) for n in ("chelsea", "coffee", "rocket"))
+def test_llava_next_sessions_add_images_and_recover_exactly(server, small_photos, tmp_path):
+    a, b, c = (small_photos[n] for n in ("chelsea", "coffee", "rocket"))
     client = SessionClient.from_url(server.url, timeout=(5.0, 120.0))
     with client, client.open_session(a) as session, client.open_session(a) as twin:
         assert session.image_tokens > 576  # anyres: a base tile and more
