@@ -256,7 +256,7 @@ class KVPool:
         """An empty session cache over this pool."""
         return SessionKV(self)
 
-    def reserve(self, table: PageTable, num_tokens: int) -> None:
+    def make_room(self, table: PageTable, num_tokens: int) -> None:
         """Room in ``table`` for ``num_tokens`` more positions (:func:`~llava_sessions.model.pages.reserve`:
         a shared, partly written last page copied first); the pool grows when too few pages are free.
 
@@ -362,7 +362,7 @@ class SessionKV(Cache):
         """
         if layer_idx == 0:
             start, n = self.table.num_tokens, key_states.shape[-2]
-            self.pool.reserve(self.table, n)
+            self.pool.make_room(self.table, n)
             self._write = self.pool.slots(self.table, start, start + n)
             self._read = self.pool.slots(self.table, 0, start + n)[None] if start else None
         assert self._write is not None
@@ -383,7 +383,7 @@ class SessionKV(Cache):
             torch.OutOfMemoryError: no room to grow the pool (nothing appended).
         """
         start, n = self.table.num_tokens, keys[0].shape[-2]
-        self.pool.reserve(self.table, n)
+        self.pool.make_room(self.table, n)
         slots = self.pool.slots(self.table, start, start + n)
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             self.pool.pages.write(i, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
