@@ -478,13 +478,12 @@ class LlavaRunner:
         attention_mask = torch.ones(1, start + n, dtype=torch.long, device=self.device)
         if self.lower_right_prefill and start > 0 and n > 1:
             with attention_on(self.config.text_config, LOWER_RIGHT_ATTENTION):
-                return self._logits(cache, embeds, position_ids, attention_mask)
-        return self._logits(cache, embeds, position_ids, attention_mask)
+                return self._logits(cache, embeds, start, position_ids, attention_mask)
+        return self._logits(cache, embeds, start, position_ids, attention_mask)
 
     def _logits(
-        self, cache: Any, embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+        self, cache: Any, embeds: torch.Tensor, start: int, position_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
-        start = int(position_ids[0, 0])
         try:
             out = self.model(
                 inputs_embeds=embeds,
