@@ -237,6 +237,14 @@ class OutputLines:
                 return match
         raise AssertionError(f"no line matching {pattern.pattern!r}; output:\n{''.join(self.lines)}")
 
+    def drain(self) -> str:
+        """Everything the process said so far (the lines read and those still queued), as one text."""
+        while True:
+            try:
+                self.lines.append(self._queue.get_nowait())
+            except queue.Empty:
+                return "".join(self.lines)
+
 
 def stop_process(process: subprocess.Popen, timeout_s: float = 40.0) -> None:
     """Stop a CLI a test started (cleanup after a failed assertion): SIGTERM, so that it stops the

@@ -517,7 +517,12 @@ def test_cli_keeps_serving_when_a_backend_worker_dies(tiny_model_dir: Path, phot
             worker.kill()
         # at once, plain boto3: each request is held while its backend restarts, and answered
         for _ in range(3):
-            reply = rt.invoke_endpoint(EndpointName="llava-local", Body=chat.encode(), ContentType="application/json")
+            try:
+                reply = rt.invoke_endpoint(
+                    EndpointName="llava-local", Body=chat.encode(), ContentType="application/json"
+                )
+            except ClientError as err:  # with what the backends' supervisors said (deaths, restarts and their times)
+                raise AssertionError(f"{err}\nllava-local-endpoint said:\n{output.drain()}") from err
             assert json.loads(reply["Body"].read())["choices"][0]["message"]["content"] is not None
         again = session.ask("Anything else?", remember=False, max_new_tokens=6, temperature=0)
         assert session.id != old_id and session.recoveries == 1 and again.text == before
