@@ -305,3 +305,18 @@ def test_rule_10_a_rebuild_carries_the_new_layouts_bytes() -> None:
     assert schedule([joining, short], None, empty).batch_bytes == 2 * (120 + grow) * per_token
     steady = BatchLayout(4, 4, 100, 164, longest_row=100, grow_columns=grow, kv_bytes_per_token=per_token)
     assert schedule([row] * 4, None, steady) == StepPlan(decode=(0, 1, 2, 3))
+
+
+def test_rules_6_and_10_over_pages_a_step_carries_the_pages_its_rows_open_and_a_join_moves_nothing() -> None:
+    per_token, page = 10, 16
+    paged = BatchLayout(3, 3, 0, 3, longest_row=40, kv_bytes_per_token=per_token, page_size=page)
+    opens = WorkView("question", decoding=True, has_row=True, num_kv_tokens=32)  # position 32 starts a page
+    inside = WorkView("question", decoding=True, has_row=True, num_kv_tokens=33)
+    joining = WorkView("question", decoding=True, has_row=False, num_kv_tokens=48)
+    plan = schedule([opens, inside, inside], None, paged)
+    assert not plan.rebuild and plan.batch_bytes == page * per_token  # every step, not only a rebuild
+    assert schedule([inside] * 3, None, paged).batch_bytes == 0
+    plan = schedule([opens, joining, inside], None, paged)
+    assert plan.rebuild and plan.batch_bytes == 2 * page * per_token  # the joining row's next page, no copy
+    assert not needs_rebuild(BatchLayout(4, 4, 0, 4, longest_row=5000, page_size=page), False)  # no columns to run out
+    assert needs_rebuild(BatchLayout(8, 3, 0, 8, page_size=page), False)  # compaction still gives rows anew

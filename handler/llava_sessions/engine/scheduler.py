@@ -20,7 +20,8 @@ The rules, in order:
    The step stops planning prefill when its share is spent.
 6. **Decode batch rebuilds.** The batch's KV layout is rebuilt (each member's KV copied once) when it
    does not exist, when an answer joins, when its columns run out, or when fewer than half its rows
-   are still live (compaction).
+   are still live (compaction). Over the sessions' pages (``BatchLayout.page_size``) no columns run
+   out and a rebuild moves no KV: it only gives the joining answers rows.
 
 With no budget (``None``) every piece of work runs whole: vision tower, then its whole prefill.
 
@@ -54,7 +55,8 @@ And always:
     ``KVCacheManager.allocate_slots``). A piece that starts its work carries the device bytes that
     start needs (:attr:`PrefillPiece.grant_bytes`: :attr:`WorkView.start_bytes`), a rebuild carries
     the new batch's (:attr:`StepPlan.batch_bytes`: ``(live rows + joining) x (longest row +
-    grow_columns) x kv_bytes_per_token``). The engine makes room for exactly these before it runs
+    grow_columns) x kv_bytes_per_token``; over pages, every step carries the pages its rows open:
+    ``rows whose next position starts a page x page_size x kv_bytes_per_token``). The engine makes room for exactly these before it runs
     them; nothing else gets device memory (admission only checks that room can be made).
 """
 
@@ -112,7 +114,9 @@ class BatchLayout:
     """The decode batch's shape: ``num_rows`` rows (``num_live`` of them running answers), ``length``
     columns written, ``capacity`` columns allocated (0: no batch); ``longest_row``, the most tokens a
     live row holds; a build allocates ``grow_columns`` past the longest row, ``kv_bytes_per_token``
-    bytes per row and column (rule 10)."""
+    bytes per row and column (rule 10). ``page_size`` (0: the contiguous batch above): the batch is
+    the sessions' pages (:class:`~.paged_batch.PagedDecodeBatch`), where rules 6 and 10 read
+    differently."""
 
     num_rows: int = 0
     num_live: int = 0
@@ -121,6 +125,7 @@ class BatchLayout:
     longest_row: int = 0
     grow_columns: int = 0
     kv_bytes_per_token: int = 0
+    page_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,8 @@ def needs_rebuild(batch: BatchLayout, joining: bool) -> bool:
     without a row decodes this step)."""
     if batch.capacity == 0 or joining:
         return True
+    if batch.page_size:  # the sessions' pages: no columns run out
+        return batch.num_live * 2 < batch.num_rows
     return batch.length + 1 > batch.capacity or batch.num_live * 2 < batch.num_rows
 
 
@@ -204,12 +211,17 @@ def schedule(
     pieces = tuple(
         PrefillPiece(p.index, p.vision, p.num_tokens, work[p.index].start_bytes, p.vision_ms) for p in pieces
     )
-    return StepPlan(decode, rebuild, pieces, fused, _batch_bytes(work, decode, batch) if rebuild else 0)
+    batch_bytes = _batch_bytes(work, decode, batch) if rebuild or batch.page_size else 0
+    return StepPlan(decode, rebuild, pieces, fused, batch_bytes)
 
 
 def _batch_bytes(work: Sequence[WorkView], decode: tuple[int, ...], batch: BatchLayout) -> int:
     """Rule 10: the device bytes of the decode batch laid out anew with the answers of ``decode`` that
-    have no row joining its live rows."""
+    have no row joining its live rows; over pages, those of the pages the step opens (a row whose
+    next position is a page's first)."""
+    if batch.page_size:
+        opened = sum(1 for i in decode if work[i].num_kv_tokens % batch.page_size == 0)
+        return opened * batch.page_size * batch.kv_bytes_per_token
     joining = [work[i].num_kv_tokens for i in decode if not work[i].has_row]
     width = max([batch.longest_row if batch.num_live else 0, *joining])
     return (batch.num_live + len(joining)) * (width + batch.grow_columns) * batch.kv_bytes_per_token
