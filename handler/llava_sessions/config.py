@@ -81,9 +81,7 @@ class Settings(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description='"auto" (cuda when available, else cpu), "cpu" or "cuda".'
     )
-    gpu_id: int | None = Field(
-        None, ge=0, description="CUDA device index; empty means TorchServe's gpu_id from the context."
-    )
+    gpu_id: int | None = Field(None, ge=0, description="CUDA device index; empty: the gpu_id TorchServe gives.")
     devices: str = Field(
         "auto",
         description='Model replicas of this worker: "auto" (one per visible GPU when device is not cpu and gpu_id '
@@ -130,15 +128,11 @@ class Settings(BaseModel):
     )
     max_prompt_chars: int = Field(16000, ge=1, description="Longest prompt (and system prompt) in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens after templating.")
-    max_images_per_session: int = Field(
-        8, ge=1, description="Most images and videos one session holds, the first included."
-    )
+    max_images_per_session: int = Field(8, ge=1, description="Most images and videos one session holds, the first too.")
     max_image_tokens_per_session: int = Field(
         0, ge=0, description="Most image tokens (context positions) of all a session's images; 0: the context's."
     )
-    max_body_bytes: int = Field(
-        _SAGEMAKER_MAX_BODY_BYTES, ge=1, description="Largest request body (SageMaker's: 6 MiB)."
-    )
+    max_body_bytes: int = Field(_SAGEMAKER_MAX_BODY_BYTES, ge=1, description="Largest body (SageMaker's: 6 MiB).")
     max_image_bytes: int = Field(20 * _MIB, ge=1, description="Largest encoded image in bytes (URL, S3 or base64).")
     max_image_pixels: int = Field(
         40_000_000, ge=1, description="Largest decoded image in pixels (width x height); decompression-bomb guard."
@@ -206,6 +200,11 @@ class Settings(BaseModel):
     )
     step_max_ms: float = Field(100.0, gt=0.0, description="Most ms one scheduler call spends before replying.")
     fuse_prefill: bool = Field(True, description="While answers decode, a prefill chunk rides their forward pass.")
+    decode_layout: Literal["contiguous", "paged"] = Field(
+        "contiguous",
+        description="Running answers decode in one batch tensor ('contiguous': a join copies the answer's KV; faster "
+        "on a CPU) or in their sessions' KV pages ('paged': nothing copied; no prefill chunk rides the step).",
+    )
 
     # --- misc -------------------------------------------------------------------------------
     system_prompt: str | None = Field(

@@ -219,4 +219,5 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
         share_images=settings.share_images,
         unsalted=settings.unsalted_cache,
         fuse_prefill=settings.fuse_prefill,
+        decode_layout=settings.decode_layout,
     )

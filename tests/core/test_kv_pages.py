@@ -5,7 +5,8 @@ Bookkeeping rules run without a model. Exactness runs the ``tiny`` checkpoint in
 greedy tokens through the pool equal ``model.generate``'s on the same chat-templated prompt, for a
 sequence alone, for two sessions sharing their image prefix's pages, for rows decoding in one
 batch that join and leave between steps, and for an engine's sessions (whose every step checks the
-pool's reference counts against the sessions' page tables).
+pool's reference counts against the sessions' page tables), their answers decoding in their own pages
+or in the contiguous batch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.metrics import WorkerMetrics
 from llava_sessions.model.paged_kv import KVPages, KVPool, PagedBatchCache, PagedCache, SessionKV
@@ -308,3 +310,71 @@ def test_a_pass_that_fails_midway_leaves_the_session_cache_as_before(runner, two
     while len(tokens) < N:
         tokens.append(int(runner.decode(cache, tokens[-1]).argmax()))
     assert tokens == ref_a
+
+
+# ---------------------------------------------------------------------- answers decoding in their sessions' pages
+def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(runner, photos, two_questions) -> None:
+    """``decode_layout: paged``: each running answer decodes straight into its session's pages. Two
+    answers on one photo, the second joining while the first decodes and going on after it left:
+    each gives ``generate``'s greedy tokens; no KV byte is copied in any step a row joins, decodes
+    or leaves; the store books no batch beside the sessions, and after every step each session's
+    booked bytes are the pages it holds, its answer's among them."""
+    _ids_a, _ids_b, ref_a, ref_b, _features, _common = two_questions
+    eng = make_engine(runner, decode_layout="paged")
+    pool = eng.model.kv_pool
+    assert isinstance(eng.batch, PagedDecodeBatch) and pool is not None and not eng.fuse
+    eng.open("a", photos["coffee"])
+    eng.open("b", photos["coffee"])
+    sessions = {"a": eng.store.get("a"), "b": eng.store.get("b")}
+    a = eng.start("a", "What is in this image?", GREEDY)
+    while len(a.events) < 3:
+        eng.step([a])
+    b = eng.start("b", "Describe the colours, please.", GREEDY)
+    eng.step([a, b])  # a decodes; b's prompt prefills and samples its first token: it joins next step
+    assert b.row is None and len(b.events) == 1
+    copied, alone = pool.pages.num_copied_bytes, 0
+    while not b.done:
+        eng.step([g for g in (a, b) if not g.done])
+        alone += a.done and not b.done  # b decodes on after a left
+        for sid, g in zip("ab", (a, b), strict=True):
+            cache = sessions[sid].kv_cache
+            assert isinstance(cache, SessionKV)
+            assert len(sessions[sid].cached_ids) == len(g.prompt_ids) + len(g.events) - 1  # fed in place
+            booked = eng.store.ledger.entry(sid).num_kv_tokens * runner.kv_bytes_per_token
+            assert booked == len(cache.table.pages) * pool.pages.bytes_per_page
+        assert eng.store.batch_bytes == 0
+    assert alone >= 1 and eng.batch.num_builds >= 2  # b joined a running batch; a left before b ended
+    assert pool.pages.num_copied_bytes == copied  # no KV moved when b joined, as both decoded, nor when a left
+    assert ([t.id for t in a.answer.tokens], [t.id for t in b.answer.tokens]) == (ref_a, ref_b)
+    eng.close("a")
+    eng.close("b")
+    assert pool.pool.num_free_pages == pool.pool.num_pages
+
+
+def test_a_paged_decode_step_that_runs_out_of_memory_is_taken_back_and_retried_exactly(
+    runner, photos, two_questions
+) -> None:
+    """A paged decode step whose pass fails in its last layer after the others wrote (a CUDA
+    out-of-memory error) takes every row's new position back, demotes the idle sessions and runs
+    again: the answer is ``generate``'s and the pool holds what the sessions' tables list."""
+    _ids_a, _ids_b, ref_a, _ref_b, _features, _common = two_questions
+    eng = make_engine(runner, decode_layout="paged")
+    eng.open("idle", photos["astronaut"])
+    eng.open("a", photos["coffee"])
+    a = eng.start("a", "What is in this image?", GREEDY)
+    eng.step([a])  # the prompt, and the first token
+    failed = []
+
+    def out_of_memory_once(module, args):
+        if args[0].shape[1] == 1 and not failed:  # a decode step's one position
+            failed.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    hook = runner.model.model.language_model.layers[-1].register_forward_pre_hook(out_of_memory_once)
+    try:
+        while not a.done:
+            eng.step([a])
+    finally:
+        hook.remove()
+    assert failed and a.error is None and [t.id for t in a.answer.tokens] == ref_a
+    assert eng.store.get("idle").kv_cache is None  # demoted to make room for the retry

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.engine.scheduler import schedule
 from llava_sessions.engine.sequence import Phase
@@ -135,13 +137,15 @@ def test_work_listed_twice_in_a_step_runs_once(runner, photos):
     assert gen.error is None and [t.id for t in gen.answer.tokens] == want and steps == len(want)
 
 
-def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly(runner, photos):
-    """Issue 43 item 4, vLLM's rule, on the decode batch as it stands: three answers whose starts fit
-    but whose growth together does not. Where the batch cannot grow, the newest answer is preempted
-    (its row leaves the batch unread, its KV is dropped) instead of every answer failing
-    ``overloaded`` mid-stream; it waits, recomputes its prompt's and its tokens' KV, and goes on:
-    every answer ends with the tokens it gives alone (greedy, and a seeded sampled one), none
-    fails, the preempted one's stream pauses meanwhile, and the preemptions are counted."""
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly(runner, photos, layout):
+    """Issue 43 item 4, vLLM's rule, on either decode batch: three answers whose starts fit but whose
+    growth together does not. Where the batch cannot grow (the contiguous batch laid out anew, or
+    the pages a paged step opens), the newest answer is preempted (its row leaves the batch unread,
+    its KV is dropped) instead of every answer failing ``overloaded`` mid-stream; it waits,
+    recomputes its prompt's and its tokens' KV, and goes on: every answer ends with the tokens it
+    gives alone (greedy, and a seeded sampled one), none fails, the preempted one's stream pauses
+    meanwhile, and the preemptions are counted."""
     sessions = {"a": "astronaut", "b": "coffee", "c": "rocket"}
     params = {
         "a": SamplingParams(max_new_tokens=120, ignore_eos=True),
@@ -153,8 +157,13 @@ def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exact
         probe.open(sid, photos[photo])
     held = probe.store.device_bytes()
     alone = {sid: [t.id for t in probe.generate(sid, Q, params[sid], remember=False).tokens] for sid in sessions}
-    row = (700 + 64 + 120) * runner.kv_bytes_per_token  # one answer's row at its end, with the batch's spare
-    eng = make_engine(runner, int(held + 1.2 * row))  # room for about one answer growing at a time
+    if layout == "contiguous":
+        row = (700 + 64 + 120) * runner.kv_bytes_per_token  # one answer's row at its end, with the batch's spare
+        budget = int(held + 1.2 * row)  # room for about one answer growing at a time
+    else:  # the questions' pages and about one and a half answers' (every answer's pages are its session's)
+        budget = held + (3 * 32 + 180) * runner.kv_bytes_per_token
+    eng = make_engine(runner, budget, decode_layout=layout)
+    assert (eng.batch.layout().page_size > 0) == (layout == "paged")
     for sid, photo in sessions.items():
         eng.open(sid, photos[photo])
     gens = [eng.start(sid, Q, params[sid], remember=False) for sid in sessions]

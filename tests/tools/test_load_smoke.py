@@ -77,7 +77,8 @@ def test_replicas_benchmark_runs_places_evenly_and_answers_alike(tiny_model_dir,
 
 def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     """``benchmarks/gpu.py --device cpu --model tiny`` (issue 43 item 5) runs the same code as on a card
-    and writes every measure of the table, each latency beside the floor measured in the run."""
+    and writes every measure of the table, each latency beside the floor measured in the run, and the
+    other decode layout's rows beside the default's."""
     import subprocess
 
     out = tmp_path / "gpu.json"
@@ -97,6 +98,9 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     assert report["turns"]["follow_up"]["ttft_ms"] > 0 and report["turns"]["cold_image_turn_ms"] > 0
     assert report["peer"]["ms_per_token"] > 0 and report["peer"]["compiled"] is False
     assert "x floor" in done.stdout and "batch-1 decode vs transformers" in done.stdout
+    other = report["other_layout"]  # the paged decode layout beside the default, in the same run
+    assert other["decode_layout"] == "paged" and other["batch_one"]["ms_per_token"] > 0
+    assert set(other["aggregate"]) == {"1", "2"} and "decode layout paged against contiguous" in done.stdout
 
 
 def test_the_kv_pages_benchmark_runs_and_both_layouts_answer_alike(tmp_path):

@@ -93,8 +93,12 @@ class DecodeBatch:
         assert cache is not None and mask is not None
         try:
             for attempt in oom_attempts(self.store, keep=None):
-                with attempt:  # a failed pass leaves no column behind (the runner's own rollback)
-                    logits = self.runner.decode_batch(cache, tokens, positions, mask[:, : col + 1])
+                with attempt:
+                    try:
+                        logits = self.runner.decode_batch(cache, tokens, positions, mask[:, : col + 1])
+                    except BaseException:
+                        cache.set_length(col)  # a failed pass leaves no column behind: a retry runs it again
+                        raise
         except BaseException:
             mask[:, col] = 0
             raise

@@ -29,7 +29,8 @@ from ..sessions.store import SessionStore
 from .admission import Admission, EngineLimits
 from .decode_batch import DecodeBatch
 from .memory import new_session_bytes
-from .model_runner import KV_PAGE_SIZE, ModelRunner
+from .model_runner import KV_PAGE_SIZE, DecodeLayout, ModelRunner
+from .paged_batch import PagedDecodeBatch
 from .scheduler import TimeBudget, schedule
 from .sequence import Generation, ImageTask, Work
 from .sharing import ImageSharing, Unsalted, reusable_len
@@ -61,6 +62,8 @@ class SessionEngine:
             (``runner.fusable``); False: a pass of its own.
         kv_page_size: positions per page of the replica's KV pool, which holds every session's KV
             (:func:`~.model_runner.new_kv_pool`); 0: a ``DynamicCache`` per session.
+        decode_layout: where answers decode (:data:`~.model_runner.DecodeLayout`; over pages no
+            prefill chunk rides the step: ``fuse_prefill`` is off).
 
     Attributes:
         model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
@@ -80,20 +83,21 @@ class SessionEngine:
         unsalted: Unsalted = "shared",
         fuse_prefill: bool = True,
         kv_page_size: int = KV_PAGE_SIZE,
+        decode_layout: DecodeLayout = "contiguous",
     ) -> None:
         self.runner = runner
-        self.fuse = fuse_prefill and bool(getattr(runner, "fusable", False))
         self.store = store
         self.decode_image = decode_image
         self.limits = limits or EngineLimits()
-        self.model = ModelRunner(runner, store, kv_page_size=kv_page_size)
+        self.model = ModelRunner(runner, store, kv_page_size=kv_page_size, decode_layout=decode_layout)
+        self.fuse = fuse_prefill and bool(getattr(runner, "fusable", False)) and isinstance(self.batch, DecodeBatch)
         self.check_invariants = check_invariants
         self.sharing = ImageSharing(store, runner, enabled=share_images, unsalted=unsalted)
         self._admission = Admission(store, runner, self.limits, self.sharing, decode_image, driver=self)
         self._update = StateUpdates(store, self.model, self.sharing, decode_image)
 
     @property
-    def batch(self) -> DecodeBatch:
+    def batch(self) -> DecodeBatch | PagedDecodeBatch:
         """The running answers' decode batch."""
         return self.model.batch
 
@@ -461,7 +465,7 @@ class SessionEngine:
         plan = schedule(
             [w.view() for w in live], prefill_budget, self.batch.layout(), self.model.costs.estimate(), fuse=self.fuse
         )
-        gens = [self._as_generation(live[i]) for i in plan.decode]
+        gens = [g for i in plan.decode if isinstance(g := live[i], Generation)]  # only answers decode
         pieces = list(plan.prefill)
         if plan.fuse:
             first = pieces.pop(0)
@@ -485,11 +489,6 @@ class SessionEngine:
         if task.error is not None:
             raise task.error
         return task.result
-
-    @staticmethod
-    def _as_generation(w: Work) -> Generation:
-        assert isinstance(w, Generation), "only answers decode"
-        return w
 
     def _check(self) -> None:
         if self.check_invariants:

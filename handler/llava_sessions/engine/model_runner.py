@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -21,16 +21,24 @@ from ..model import EncodedVideo, KVPool, LlavaRunner, SessionKV, cache_len
 from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
+from .paged_batch import PagedDecodeBatch
 
 if TYPE_CHECKING:
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Generation
 
-__all__ = ["KV_PAGE_SIZE", "ModelRunner", "new_kv_pool"]
+__all__ = ["KV_PAGE_SIZE", "DecodeLayout", "ModelRunner", "new_kv_pool"]
 
 #: Token positions per page of a replica's KV pool (vLLM's default block size).
 KV_PAGE_SIZE = 16
+
+#: Where the running answers' KV lives while they decode: ``contiguous``, one left-padded batch tensor
+#: (:class:`~.decode_batch.DecodeBatch`: each joining member's KV copied once; on this CPU a decode step
+#: takes 0.76x the paged one's); ``paged``, their sessions' pages (:class:`~.paged_batch.PagedDecodeBatch`:
+#: joining and leaving move no KV, nothing is held beside the sessions). ``benchmarks/gpu.py`` measures
+#: both on a card; until it has, ``contiguous`` is the default everywhere.
+DecodeLayout = Literal["contiguous", "paged"]
 
 
 class ModelRunner:
@@ -40,20 +48,33 @@ class ModelRunner:
         runner: the loaded model (:class:`~llava_sessions.model.LlavaRunner`).
         store: the session store (the decode batch's bytes, demotions after an out-of-memory error).
         kv_page_size: positions per page of the sessions' KV pool (0: a ``DynamicCache`` per session).
+        decode_layout: :data:`DecodeLayout` (``paged`` needs the pool: without one it is ``contiguous``).
 
     Attributes:
         kv_pool: the replica's :class:`~llava_sessions.model.KVPool` (:func:`new_kv_pool`; None without one).
-        batch: the running answers' :class:`~.decode_batch.DecodeBatch`.
+        batch: the running answers' :class:`~.decode_batch.DecodeBatch`, or over the pool's pages
+            their :class:`~.paged_batch.PagedDecodeBatch`.
         num_prefilled_tokens: tokens prefilled since start (a counter for metrics).
         num_fused_passes: decode steps that carried a prefill chunk (:meth:`decode_with_chunk`).
         costs: the measured cost of each kind of pass (:class:`~.costs.CostModel`).
     """
 
-    def __init__(self, runner: LlavaRunner, store: SessionStore, *, kv_page_size: int = KV_PAGE_SIZE) -> None:
+    def __init__(
+        self,
+        runner: LlavaRunner,
+        store: SessionStore,
+        *,
+        kv_page_size: int = KV_PAGE_SIZE,
+        decode_layout: DecodeLayout = "contiguous",
+    ) -> None:
         self.runner = runner
         self.store = store
         self.kv_pool = new_kv_pool(runner, kv_page_size)
-        self.batch = DecodeBatch(runner, store, self.new_cache)
+        self.batch: DecodeBatch | PagedDecodeBatch = (
+            PagedDecodeBatch(runner, store, self.kv_pool)
+            if decode_layout == "paged" and self.kv_pool is not None
+            else DecodeBatch(runner, store, self.new_cache)
+        )
         self.num_prefilled_tokens = 0
         self.num_fused_passes = 0
         self.costs = CostModel()

@@ -152,8 +152,8 @@ class StateUpdates:
         leaving: list[Generation] = []
         for g in newest_first[:-1]:
             leaving.append(g)
-            room = batch.bytes_without(gens, leaving)
-            if not room or self.store.allocate(room, keep=None):
+            room = batch.bytes_without(gens, leaving)  # over pages: less what the leaving ones free
+            if room <= 0 or self.store.allocate(room, keep=None):
                 for gone in leaving:
                     self._preempt(gone)
                 return [g for g in gens if g not in leaving]

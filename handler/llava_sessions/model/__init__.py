@@ -7,7 +7,7 @@ module              owns
 ``loading``         architecture, model and processor from a local folder; device, dtype
 ``templating``      ``ChatTemplate``: a ``Chat`` to chat-templated token ids
 ``kv_cache``        session cache helpers, the decode batch's ``BatchKVCache``
-``paged_kv``        the KV pool in pages: ``KVPool``, a session's ``SessionKV``
+``paged_kv``        the KV pool in pages: ``KVPool``, a session's ``SessionKV``, a decode step's ``PagedBatchCache``
 ``runner``          ``LlavaRunner``: vision tower, prefill, batched decode
 ``video``           a checkpoint's video path: token counts, frame preprocessing, ``EncodedVideo``
 =================== ===============================================================
@@ -25,7 +25,7 @@ from .loading import (
     resolve_device,
     resolve_dtype,
 )
-from .paged_kv import KVPool, SessionKV
+from .paged_kv import KVPool, PagedBatchCache, SessionKV
 from .runner import LlavaRunner
 from .templating import ChatTemplate
 from .video import EncodedVideo, is_sampled_video
@@ -37,6 +37,7 @@ __all__ = [
     "ChatTemplate",
     "EncodedVideo",
     "KVPool",
+    "PagedBatchCache",
     "LlavaRunner",
     "SessionKV",
     "cache_len",

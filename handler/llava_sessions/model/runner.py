@@ -3,7 +3,7 @@
 Pure model operations: no sessions, no scheduling policy, no HTTP or JSON. ``prefill`` runs one
 sequence's uncached tokens (a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer);
 ``decode_batch`` runs one token for every row of a :class:`~llava_sessions.model.kv_cache.BatchKVCache`
-in one forward pass. All architecture knowledge lives in this package: the engine sees images as
+(or of a :class:`~llava_sessions.model.paged_kv.PagedBatchCache`) in one forward pass. All architecture knowledge lives in this package: the engine sees images as
 feature rows and token counts.
 
 Mechanics (verified, shared/notes/llava-transformers.md): an image's features are the model's own
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import Grammars
@@ -383,13 +384,14 @@ class LlavaRunner:
 
     @torch.inference_mode()
     def decode_batch(
-        self, batch: BatchKVCache, token_ids: list[int], positions: list[int], attention_mask: torch.Tensor
+        self, batch: Cache, token_ids: list[int], positions: list[int], attention_mask: torch.Tensor
     ) -> torch.Tensor:
         """One decode step for every row of ``batch`` in one forward pass.
 
         Args:
-            batch: the rows' KV; each row's new key/value is written at column ``batch.length``
-                (mutated: ``length`` grows by one).
+            batch: the rows' KV: a :class:`BatchKVCache` (each row's new key/value is written at
+                column ``batch.length``, which grows by one) or a
+                :class:`~.paged_kv.PagedBatchCache` (each row's at its table's last position).
             token_ids: ``B`` input tokens, one per row (any id for a row that is masked out).
             positions: ``B`` position ids (each row's own sequence position: rows have
                 different lengths and may have skipped steps).
@@ -400,23 +402,18 @@ class LlavaRunner:
             Logits ``[B, vocab]`` float32.
 
         Raises:
-            Exception: the forward pass failed; ``batch`` is as before the call (no column written).
+            Exception: the forward pass failed; the caller takes back what it wrote
+                (:meth:`BatchKVCache.set_length`; a paged batch's tables truncated).
         """
-        col = batch.length
         ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)
-        embeds = self.model.get_input_embeddings()(ids)
-        try:
-            out = self.model(
-                inputs_embeds=embeds,
-                attention_mask=attention_mask,
-                position_ids=torch.tensor(positions, device=self.device).unsqueeze(1),
-                use_cache=True,
-                **{self._cache_kw: batch},
-                logits_to_keep=1,
-            )
-        except BaseException:
-            batch.set_length(col)
-            raise
+        out = self.model(
+            inputs_embeds=self.model.get_input_embeddings()(ids),
+            attention_mask=attention_mask,
+            position_ids=torch.tensor(positions, device=self.device).unsqueeze(1),
+            use_cache=True,
+            **{self._cache_kw: batch},
+            logits_to_keep=1,
+        )
         return out.logits[:, -1].float()
 
     @torch.inference_mode()

@@ -198,6 +198,20 @@ class Session:
         except Exception:  # noqa: BLE001 - an unreadable cache is rebuilt from the features
             self.drop_kv()
 
+    def record_decode(self, ids: list[int]) -> None:
+        """A decode step wrote ``ids``' positions into the KV cache in place (a paged decode batch's
+        row is the session's own cache): record them, so the ledger books the pages they took.
+
+        Raises:
+            ValueError: the cache does not hold ``len(cached_ids) + len(ids)`` positions.
+        """
+        if cache_len(self.kv_cache) != len(self.cached_ids) + len(ids):
+            raise ValueError(
+                f"the cache holds {cache_len(self.kv_cache)} positions, not {len(self.cached_ids) + len(ids)}"
+            )
+        self.cached_ids.extend(ids)
+        self._changed()
+
     def lend_kv(self) -> None:
         """The decode batch's row holds a copy of the KV cache from now on: the cache stays as it is
         (the session is busy; its pages stay shared with whoever shares them) until the answer's

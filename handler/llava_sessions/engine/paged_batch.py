@@ -1,0 +1,165 @@
+"""The decode batch over the replica's KV pool: each running answer decodes straight into its session's pages.
+
+A row is a running answer whose session's KV cache is a :class:`~llava_sessions.model.SessionKV`. A
+decode step reserves one position in each decoding row's page table (a new page every ``page_size``
+tokens; a shared, partly written last page is copied first, as any write to it is), runs one forward
+pass over the rows' tables (:class:`~llava_sessions.model.paged_kv.PagedBatchCache`: each row's token
+written to its slot, attention over its positions gathered from the pages and right-padded) and
+records the fed tokens in each session (:meth:`Session.record_decode
+<llava_sessions.sessions.session.Session.record_decode>`), so the ledger books the pages a row holds
+as they are taken, and a finished answer's session already holds its turn.
+
+Costs. Joining, leaving and compaction copy no KV (a row is a place in :attr:`PagedDecodeBatch.rows`);
+a step writes one position per row and layer, and gathers each row's positions per layer (the copy
+transformers' continuous batching makes too). Memory: the rows' own pages, nothing beside them. On this
+CPU the gather costs a decode step 1.31x the contiguous :class:`~.decode_batch.DecodeBatch`'s
+(docs/design.md), which stays the default (``decode_layout``) until a card measures both.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..model import KVPool, LlavaRunner, PagedBatchCache, SessionKV, held_len
+from .memory import oom_attempts
+from .scheduler import BatchLayout
+
+if TYPE_CHECKING:
+    from ..sessions.session import Session
+    from ..sessions.store import SessionStore
+    from .sequence import Generation
+
+__all__ = ["PagedDecodeBatch"]
+
+
+class PagedDecodeBatch:
+    """The running answers' decode step over their sessions' pages (module docstring); the same face
+    as :class:`~.decode_batch.DecodeBatch`, so the engine steps either.
+
+    Args:
+        runner: the model runner (the batched forward).
+        store: the session store (demotions after an out-of-memory error).
+        pool: the replica's KV pool, which holds every decoding session's cache.
+
+    Attributes:
+        rows: the running answers by row (None: a row whose answer left; compacted when under half live).
+        num_builds: times the rows were laid out anew (joins, compaction); no KV moves in one.
+    """
+
+    cache: None = None  # no batch tensors: the rows' KV is their sessions' pages
+
+    def __init__(self, runner: LlavaRunner, store: SessionStore, pool: KVPool) -> None:
+        self.runner = runner
+        self.store = store
+        self.pool = pool
+        self.rows: list[Generation | None] = []
+        self.num_builds = 0
+
+    @property
+    def num_live(self) -> int:
+        """Rows that belong to a running answer."""
+        return sum(g is not None for g in self.rows)
+
+    def layout(self) -> BatchLayout:
+        """The batch's shape, for the scheduler (``page_size`` set: a step books the pages its rows open)."""
+        live = [g for g in self.rows if g is not None]
+        return BatchLayout(
+            num_rows=len(self.rows),
+            num_live=len(live),
+            capacity=len(self.rows),
+            longest_row=max((g.next_position for g in live), default=0),
+            kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            page_size=self.pool.page_size,
+        )
+
+    def forward(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
+        """Run one decode step for ``gens`` (each prefilled, its session's cache in the pool) in one
+        forward pass, after giving the answers without a row one when ``rebuild``; each session then
+        holds the fed token's position.
+
+        Returns:
+            Logits ``[len(rows), vocab]`` float32, indexed by each generation's ``row`` (a row that
+            sat the step out holds zeros).
+
+        Raises:
+            ServiceError: overloaded (out of memory twice).
+            Exception: the forward pass failed (every table is as before the step).
+        """
+        if rebuild:
+            self._build([g for g in gens if g.row is None])
+        caches = [_paged(g.session) for g in gens]
+        starts = [c.table.num_tokens for c in caches]
+        tokens = [g.events[-1].id for g in gens]
+        for attempt in oom_attempts(self.store, keep=None):
+            with attempt:
+                try:
+                    for c in caches:
+                        self.pool.make_room(c.table, 1)
+                    step = PagedBatchCache(self.pool.pages, [c.table for c in caches])
+                    assert step.positions == [g.next_position for g in gens], "a row's cache: its prompt, fed tokens"
+                    logits = self.runner.decode_batch(step, tokens, step.positions, step.attention_mask)
+                except BaseException:
+                    for c, start in zip(caches, starts, strict=True):
+                        if c.table.num_tokens > start:  # a failed pass leaves no position behind
+                            c.truncate(start)
+                    raise
+        for g, token in zip(gens, tokens, strict=True):
+            g.session.record_decode([token])
+        out = logits.new_zeros(len(self.rows), logits.shape[-1])
+        out[torch.tensor([g.row for g in gens], device=logits.device)] = logits
+        return out
+
+    def forward_with_chunk(self, gens: list[Generation], *, rebuild: bool, session: Session, ids: list[int]) -> Any:
+        """Not built: a prefill chunk does not ride a paged decode step (the engine runs it apart).
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError("a paged decode step carries no prefill chunk")
+
+    def release(self, gen: Generation) -> None:
+        """Take ``gen`` out of the batch. Its session's cache already holds every position the answer
+        fed (nothing to give back: returns None, as :meth:`DecodeBatch.release
+        <.decode_batch.DecodeBatch.release>` does for a row it holds no copy of)."""
+        self.drop(gen)
+
+    def drop(self, gen: Generation) -> None:
+        """Take ``gen`` out of the batch (left, or preempted: its session's KV is the caller's)."""
+        if gen.row is None:
+            return
+        self.rows[gen.row] = None
+        gen.row = None
+        if self.num_live == 0:
+            self.rows = []
+
+    def bytes_without(self, gens: list[Generation], leaving: list[Generation]) -> int:
+        """Device bytes a step of ``gens`` (the answers that decode) needs beyond what their sessions
+        hold, without ``leaving`` (preempted: their KV freed): a page for each row whose next position
+        opens one, less the pages ``leaving`` hold (negative: the step fits in what they free)."""
+        gone = {id(g) for g in leaving}
+        size, per_token = self.pool.page_size, self.runner.kv_bytes_per_token
+        opened = sum(1 for g in gens if id(g) not in gone and g.next_position % size == 0)
+        freed = sum(held_len(g.session.kv_cache) for g in leaving)
+        return (opened * size - freed) * per_token
+
+    def _build(self, joining: list[Generation]) -> None:
+        """Give ``joining`` rows after the live ones, the holes dropped (no KV moves)."""
+        members = [g for g in self.rows if g is not None] + joining
+        for row, g in enumerate(members):
+            g.row = row
+        self.rows = list(members)
+        self.num_builds += 1
+
+
+def _paged(session: Session) -> SessionKV:
+    """``session``'s cache, which a paged decode step writes in place.
+
+    Raises:
+        TypeError: it is not in the pool.
+    """
+    cache = session.kv_cache
+    if not isinstance(cache, SessionKV):
+        raise TypeError(f"a paged decode row needs its session's KV in the pool, not {type(cache).__name__}")
+    return cache
