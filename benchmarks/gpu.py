@@ -21,6 +21,11 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    a GPU with a static cache, as its docs describe), ms per token: the median gap between its generated
    tokens, read by a streamer inside the call, after a warm-up generate.
 
+7. **The other decode layout**: batch-1 decode and the aggregate again, in a second engine whose
+   answers decode in the layout ``--decode-layout`` does not name (``contiguous``: one batch tensor,
+   a joining answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card
+   chooses the default by measurement.
+
 Every ratio is to the floor measured in the same run. ``python benchmarks/gpu.py --device cpu --model
 tiny`` runs the same code as a smoke test (the peer then runs eager: transformers compiles only on a
 GPU). ``--json`` writes the table.
@@ -49,7 +54,7 @@ from transformers.generation.streamers import BaseStreamer
 from engine_decode import build_runner, run_together, sync
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
-from llava_sessions.engine.model_runner import KV_PAGE_SIZE
+from llava_sessions.engine.model_runner import KV_PAGE_SIZE, DecodeLayout
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
@@ -297,6 +302,16 @@ def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> 
     }
 
 
+def new_engine(runner: LlavaRunner, page_size: int, layout: DecodeLayout) -> SessionEngine:
+    """An engine on ``runner`` with a store that never demotes (the table measures speed, not memory)."""
+    store = SessionStore(
+        device_budget_bytes=1 << 45, host_budget_bytes=1 << 40, kv_bytes_per_token=runner.kv_bytes_per_token
+    )
+    decode = functools.partial(decode_image, max_pixels=40_000_000)
+    limits = EngineLimits(max_new_tokens_cap=4096)
+    return SessionEngine(runner, store, decode, limits, kv_page_size=page_size, decode_layout=layout)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="7b", choices=["tiny", "bench", "7b"])
@@ -309,17 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-peer", action="store_true", help="leave transformers' static-cache generate out")
     ap.add_argument("--kv-page-size", type=int, default=KV_PAGE_SIZE, help="the KV pool's page (0: DynamicCaches)")
+    ap.add_argument("--decode-layout", default="contiguous", choices=["contiguous", "paged"])
+    ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
     runner = build_runner(args)
     device = runner.device
-    store = SessionStore(
-        device_budget_bytes=1 << 45, host_budget_bytes=1 << 40, kv_bytes_per_token=runner.kv_bytes_per_token
-    )
-    decode = functools.partial(decode_image, max_pixels=40_000_000)
-    engine = SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096), kv_page_size=args.kv_page_size)
+    engine = new_engine(runner, args.kv_page_size, args.decode_layout)
     images = [sample_photo(p) for p in PHOTOS]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {
@@ -327,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": f"{device} ({name})",
         "dtype": str(runner.dtype),
         "torch": torch.__version__,
+        "decode_layout": args.decode_layout,
         "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
     }
     floor = report["floor"] = weight_floor(runner)
@@ -346,6 +360,18 @@ def main(argv: list[str] | None = None) -> int:
     pool = engine.model.kv_pool
     report["kv_pool"] = None if pool is None else {"page_size": pool.page_size, "pages": pool.pool.num_pages,
                                                    "grows": pool.num_grows}  # fmt: skip
+    if not args.skip_other_layout and args.kv_page_size:
+        del engine  # its pool and batch go first: the other engine's sessions take their room
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        other = "paged" if args.decode_layout == "contiguous" else "contiguous"
+        engine = new_engine(runner, args.kv_page_size, other)
+        clock = ForwardClock(runner)
+        b1 = batch_one_decode(engine, clock, images[1], args.context, args.new_tokens)
+        clock.close()
+        report["other_layout"] = {"decode_layout": other, "batch_one": b1}
+        report["other_layout"]["aggregate"] = aggregate(engine, images, levels, args.new_tokens)
+        print("other_layout", json.dumps(report["other_layout"]), flush=True)
     if device.type == "cuda":
         report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     report["seconds"] = round(time.perf_counter() - t_start, 1)
@@ -378,6 +404,14 @@ def print_table(report: dict[str, Any]) -> None:
     for n, row in report["aggregate"].items():
         ratio = f"{row['vs_one']:.1f}x one" if row["vs_one"] else ""
         print(f"{n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio}")
+    other = report.get("other_layout")
+    if other:  # the same rows in the other decode layout, as ratios to this run's
+        print(f"decode layout {other['decode_layout']} against {report['decode_layout']}:")
+        ratio = other["batch_one"]["ms_per_token"] / b1["ms_per_token"]
+        print(f"{'  batch-1 decode':<48}{other['batch_one']['ms_per_token']:>10.2f} ms/token {ratio:>6.2f}x")
+        for n, row in other["aggregate"].items():
+            ratio = row["tokens_per_s"] / report["aggregate"][n]["tokens_per_s"]
+            print(f"{'  ' + n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio:>6.2f}x")
     print(f"(run took {report['seconds']} s)")
 
 
