@@ -203,7 +203,7 @@ class Settings(BaseModel):
     decode_layout: Literal["contiguous", "paged"] = Field(
         "contiguous",
         description="Running answers decode in one batch tensor ('contiguous': a join copies the answer's KV; faster "
-        "on a CPU) or in their sessions' KV pages ('paged': nothing copied; no prefill chunk rides the step).",
+        "on a CPU) or in their sessions' KV pages ('paged': nothing copied, nothing held beside the sessions).",
     )
 
     # --- misc -------------------------------------------------------------------------------

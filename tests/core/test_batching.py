@@ -37,7 +37,7 @@ decode = functools.partial(decode_image, max_pixels=40_000_000)
 LOGIT_TOLERANCE = 2e-3
 
 
-def make_engine(runner) -> SessionEngine:
+def make_engine(runner, **engine_kw) -> SessionEngine:
     store = SessionStore(
         device_budget_bytes=10**10,
         host_budget_bytes=10**9,
@@ -45,7 +45,8 @@ def make_engine(runner) -> SessionEngine:
         max_sessions=16,
         ttl_s=1200,
     )
-    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=512), check_invariants=True)
+    limits = EngineLimits(max_new_tokens_cap=512)
+    return SessionEngine(runner, store, decode, limits, check_invariants=True, **engine_kw)
 
 
 # (session, image, remembered history, question, sampling parameters)
@@ -75,12 +76,17 @@ def alone(runner, photos) -> dict[str, list]:
     return {sid: eng.generate(sid, q, p, remember=False).tokens for sid, _ph, _h, q, p in CASES}
 
 
-@pytest.mark.parametrize("poisoned", [False, True], ids=["fresh", "nan-filled"])
-def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photos, poisoned, monkeypatch):
+@pytest.mark.parametrize(
+    ("layout", "poisoned"),
+    [("contiguous", False), ("contiguous", True), ("paged", False)],
+    ids=["fresh", "nan-filled", "paged"],
+)
+def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photos, layout, poisoned, monkeypatch):
     """Rows of different lengths join and leave. ``nan-filled``: every batch cache is filled with NaN
     as it is allocated (the worst its uninitialized memory may hold; only each row's left pads are
     zeroed by the build), and the answers are still exact (against answers alone computed before any
-    cache is poisoned, so a leak both paths read cannot pass)."""
+    cache is poisoned, so a leak both paths read cannot pass). ``paged``: the rows decode in their
+    sessions' pages (``decode_layout: paged``), against answers alone in the default layout."""
     expected = alone(runner, photos)
     if poisoned:
         allocate = runner.new_batch_cache
@@ -93,7 +99,7 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
             return cache
 
         monkeypatch.setattr(runner, "new_batch_cache", nan_filled)
-    eng = make_engine(runner)
+    eng = make_engine(runner, decode_layout=layout)
     open_all(eng, photos)
     gens: dict[str, Generation] = {}
     widths = set()
@@ -205,12 +211,14 @@ def test_an_abandoned_row_leaves_its_session_as_before(runner, photos, kept):
     assert torch.equal(torch.tensor(s.cached_ids), torch.tensor(before[gone]))
 
 
-def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(runner, photos):
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(runner, photos, layout):
     """An open (vision tower, then the prefix in chunks) and a restored session's re-prefill share
-    steps with running answers: every step still decodes each running answer, and every answer
+    steps with running answers, their first chunk riding the decode step's pass (over the contiguous
+    batch or the rows' pages): every step still decodes each running answer, and every answer
     equals the one computed without a budget."""
     expected = alone(runner, photos)
-    eng = make_engine(runner)
+    eng = make_engine(runner, decode_layout=layout)
     open_all(eng, photos)
     eng.store.demote("b", Tier.FEATURES)  # restores from the features tier: a ~600-token re-prefill
     ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
@@ -225,6 +233,7 @@ def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(ru
             assert len(ga.events) == before + 1  # the running answer moved this step
             steps_with_both += 1
     assert steps_with_both >= 10  # the open and the re-prefill took many budget-limited steps
+    assert eng.model.num_fused_passes >= 10  # their chunks rode the decode steps
     assert opening.error is None and opening.result.prefix_tokens == len(opening.prefix)
     assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
     assert [t.id for t in gb.answer.tokens] == [t.id for t in expected["b"]]

@@ -322,7 +322,7 @@ def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(r
     _ids_a, _ids_b, ref_a, ref_b, _features, _common = two_questions
     eng = make_engine(runner, decode_layout="paged")
     pool = eng.model.kv_pool
-    assert isinstance(eng.batch, PagedDecodeBatch) and pool is not None and not eng.fuse
+    assert isinstance(eng.batch, PagedDecodeBatch) and pool is not None
     eng.open("a", photos["coffee"])
     eng.open("b", photos["coffee"])
     sessions = {"a": eng.store.get("a"), "b": eng.store.get("b")}
@@ -330,8 +330,8 @@ def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(r
     while len(a.events) < 3:
         eng.step([a])
     b = eng.start("b", "Describe the colours, please.", GREEDY)
-    eng.step([a, b])  # a decodes; b's prompt prefills and samples its first token: it joins next step
-    assert b.row is None and len(b.events) == 1
+    eng.step([a, b])  # b's prompt rides a's decode step and samples its first token: b joins next step
+    assert b.row is None and len(b.events) == 1 and eng.model.num_fused_passes == 1
     copied, alone = pool.pages.num_copied_bytes, 0
     while not b.done:
         eng.step([g for g in (a, b) if not g.done])

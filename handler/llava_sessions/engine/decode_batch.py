@@ -124,9 +124,13 @@ class DecodeBatch:
         try:
             for attempt in oom_attempts(self.store, keep=session):
                 with attempt:
-                    out = self.runner.fused_step(
-                        cache, tokens, positions, mask[:, : col + 1], session.kv_cache, ids, session.image_features
-                    )
+                    try:
+                        out = self.runner.fused_step(
+                            cache, tokens, positions, mask[:, : col + 1], session.kv_cache, ids, session.image_features
+                        )
+                    except BaseException:
+                        cache.set_length(col)
+                        raise
         except BaseException:
             mask[:, col] = 0
             raise

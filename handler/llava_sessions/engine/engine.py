@@ -62,8 +62,7 @@ class SessionEngine:
             (``runner.fusable``); False: a pass of its own.
         kv_page_size: positions per page of the replica's KV pool, which holds every session's KV
             (:func:`~.model_runner.new_kv_pool`); 0: a ``DynamicCache`` per session.
-        decode_layout: where answers decode (:data:`~.model_runner.DecodeLayout`; over pages no
-            prefill chunk rides the step: ``fuse_prefill`` is off).
+        decode_layout: where running answers decode (:data:`~.model_runner.DecodeLayout`).
 
     Attributes:
         model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
@@ -90,7 +89,7 @@ class SessionEngine:
         self.decode_image = decode_image
         self.limits = limits or EngineLimits()
         self.model = ModelRunner(runner, store, kv_page_size=kv_page_size, decode_layout=decode_layout)
-        self.fuse = fuse_prefill and bool(getattr(runner, "fusable", False)) and isinstance(self.batch, DecodeBatch)
+        self.fuse = fuse_prefill and bool(getattr(runner, "fusable", False))
         self.check_invariants = check_invariants
         self.sharing = ImageSharing(store, runner, enabled=share_images, unsalted=unsalted)
         self._admission = Admission(store, runner, self.limits, self.sharing, decode_image, driver=self)

@@ -18,7 +18,7 @@ CPU the gather costs a decode step 1.31x the contiguous :class:`~.decode_batch.D
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -87,19 +87,52 @@ class PagedDecodeBatch:
             ServiceError: overloaded (out of memory twice).
             Exception: the forward pass failed (every table is as before the step).
         """
+        logits, _ = self._step(gens, rebuild, None, [])
+        return logits
+
+    def forward_with_chunk(
+        self, gens: list[Generation], *, rebuild: bool, session: Session, ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, with the prefill of ``ids`` beyond ``session``'s KV cache in the same
+        forward pass (:meth:`LlavaRunner.fused_step <llava_sessions.model.LlavaRunner.fused_step>`).
+
+        Returns:
+            ``(logits [len(rows), vocab], logits [vocab])`` float32: the rows' (by ``row``), the
+            chunk's last position's.
+
+        Raises:
+            ServiceError: overloaded (as :meth:`forward`). Exception: the forward pass failed (every
+            table and the session's cache are as before the step).
+        """
+        logits, last = self._step(gens, rebuild, session, ids)
+        assert last is not None
+        return logits, last
+
+    def _step(
+        self, gens: list[Generation], rebuild: bool, session: Session | None, ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass: the rows' decode step, and with a ``session`` its chunk of ``ids``."""
         if rebuild:
             self._build([g for g in gens if g.row is None])
         caches = [_paged(g.session) for g in gens]
         starts = [c.table.num_tokens for c in caches]
         tokens = [g.events[-1].id for g in gens]
-        for attempt in oom_attempts(self.store, keep=None):
+        last = None
+        for attempt in oom_attempts(self.store, keep=session):
             with attempt:
                 try:
                     for c in caches:
                         self.pool.make_room(c.table, 1)
                     step = PagedBatchCache(self.pool.pages, [c.table for c in caches])
                     assert step.positions == [g.next_position for g in gens], "a row's cache: its prompt, fed tokens"
-                    logits = self.runner.decode_batch(step, tokens, step.positions, step.attention_mask)
+                    if session is None:
+                        logits = self.runner.decode_batch(step, tokens, step.positions, step.attention_mask)
+                    else:
+                        feats = session.image_features
+                        mask = step.attention_mask
+                        logits, last = self.runner.fused_step(
+                            step, tokens, step.positions, mask, session.kv_cache, ids, feats
+                        )
                 except BaseException:
                     for c, start in zip(caches, starts, strict=True):
                         if c.table.num_tokens > start:  # a failed pass leaves no position behind
@@ -109,15 +142,7 @@ class PagedDecodeBatch:
             g.session.record_decode([token])
         out = logits.new_zeros(len(self.rows), logits.shape[-1])
         out[torch.tensor([g.row for g in gens], device=logits.device)] = logits
-        return out
-
-    def forward_with_chunk(self, gens: list[Generation], *, rebuild: bool, session: Session, ids: list[int]) -> Any:
-        """Not built: a prefill chunk does not ride a paged decode step (the engine runs it apart).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError("a paged decode step carries no prefill chunk")
+        return out, last
 
     def release(self, gen: Generation) -> None:
         """Take ``gen`` out of the batch. Its session's cache already holds every position the answer

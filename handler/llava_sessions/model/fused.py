@@ -40,7 +40,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .kv_cache import BatchKVCache, undo_pass
+from .kv_cache import undo_pass
 
 __all__ = [
     "FUSED_ATTENTION",
@@ -84,9 +84,10 @@ class FusedCache(Cache):
     """The cache a fused pass's layers update: the decode batch's rows and one session's KV.
 
     Args:
-        batch: the decode batch's cache; the rows write their token at column ``batch.length``.
-        row_mask: ``[B, batch.length + 1]`` bool, where each decode row may attend (its own valid
-            columns and the new one).
+        batch: the decode rows' cache: a :class:`~.kv_cache.BatchKVCache` (the rows write their token at
+            column ``batch.length``) or a :class:`~.paged_kv.PagedBatchCache` (each at its table's slot).
+        row_mask: ``[B, L]`` bool, where each decode row may attend over the ``L`` positions the
+            batch's layers return (its own valid ones and the new one).
         session_cache: the chunk's session cache (a :class:`~.paged_kv.SessionKV`, or a ``DynamicCache``
             of ``[1, kv_heads, start, head_dim]`` per layer; grows by ``C``).
         start: positions the session's cache holds before the chunk.
@@ -96,7 +97,7 @@ class FusedCache(Cache):
 
     def __init__(
         self,
-        batch: BatchKVCache,
+        batch: Cache,
         row_mask: torch.Tensor,
         session_cache: Any,
         start: int,
@@ -130,14 +131,14 @@ class FusedCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[Any, Any]:
         """Write one layer's new keys and values ``[1, kv_heads, B + C, head_dim]``: the first ``B``
-        into the batch's rows at its next column, the rest onto the session's cache.
+        into the batch's rows (at its next column, or at each row's slot), the rest onto the session's cache.
 
         Returns:
             The layer's keys and values as ``_Parts`` (the batch's written columns, the session's all).
         """
         b = self.num_rows
-        layer = self.batch.batch_layers[layer_idx]
-        bk, bv = layer.update(_rows(key_states, b), _rows(value_states, b))
+        rows: Any = self.batch.layers[layer_idx]  # a BatchKVLayer or a paged layer: both update rows
+        bk, bv = rows.update(_rows(key_states, b), _rows(value_states, b))
         sk, sv = self.session_cache.update(key_states[:, :, b:], value_states[:, :, b:], layer_idx)
         return _Parts(bk, sk, self), _Parts(bv, sv, self)
 

@@ -419,7 +419,7 @@ class LlavaRunner:
     @torch.inference_mode()
     def fused_step(
         self,
-        batch: BatchKVCache,
+        batch: Cache,
         token_ids: list[int],
         positions: list[int],
         attention_mask: torch.Tensor,
@@ -441,9 +441,10 @@ class LlavaRunner:
             shape; 1e-6 measured).
 
         Raises:
-            Exception: the forward pass failed; ``batch`` and ``cache`` are as before the call.
+            Exception: the forward pass failed; ``cache`` is as before the call, and the caller takes
+                back what the rows wrote (as after :meth:`decode_batch`).
         """
-        start, col = cache_len(cache), batch.length
+        start = cache_len(cache)
         if start >= len(ids):
             raise ValueError(f"nothing to prefill: cache holds {start} of {len(ids)} tokens")
         rows = len(token_ids)
@@ -463,8 +464,7 @@ class LlavaRunner:
                     logits_to_keep=keep,
                 )
         except BaseException:
-            batch.set_length(col)
-            fused.undo()
+            fused.undo()  # the chunk's positions; the rows' are the caller's (as decode_batch's)
             raise
         logits = out.logits[0].float()
         return logits[:rows], logits[rows]
