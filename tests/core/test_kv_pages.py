@@ -378,3 +378,22 @@ def test_a_paged_decode_step_that_runs_out_of_memory_is_taken_back_and_retried_e
         hook.remove()
     assert failed and a.error is None and [t.id for t in a.answer.tokens] == ref_a
     assert eng.store.get("idle").kv_cache is None  # demoted to make room for the retry
+
+
+@pytest.mark.parametrize("page_size", [PAGE, 0])
+def test_a_grant_is_what_the_ledger_books_for_it_whole_pages_in_the_pool(runner, photos, page_size) -> None:
+    """Admission's grants count what the ledger books: an open's is its features and its prefix's
+    whole pages (positions without the pool), exactly what the session is booked once open; a
+    remembered turn's is never less than what it is booked once answered, and more only by the
+    page (or the position) of the answer's last token, which is never fed."""
+    eng = make_engine(runner, kv_page_size=page_size)
+    task = eng.begin_open("a", photos["coffee"])
+    while not task.done:
+        eng.step([task])
+    assert eng.store.device_bytes() == task.start_bytes  # nothing else held
+    before = eng.store.device_bytes()
+    gen = eng.start("a", "Describe it in detail, please.", SamplingParams(max_new_tokens=20, min_tokens=20))
+    while not gen.done:
+        eng.step([gen])
+    grown = eng.store.device_bytes() - before  # the turn's prompt and answer, as booked
+    assert 0 <= gen.start_bytes - grown <= max(page_size, 1) * runner.kv_bytes_per_token

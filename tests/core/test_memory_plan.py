@@ -86,26 +86,29 @@ def test_a_start_refused_memory_fails_alone_and_the_session_stays(runner, photos
     demoted) and its session is as it was; the first answers exactly as alone (its decode batch's
     room is made by demoting the refused session, idle again), and the refused one answers after.
 
-    The budget is cut to half a token past the first start's grant, and grants count tokens: the
-    sessions keep ``DynamicCache``s here (``kv_page_size=0``), since a session in the KV pool is
-    booked by whole pages, and the room a partly written last page has left would hold the second
-    start."""
-    pages = {"kv_page_size": 0}
-    params, one = SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=1)
+    The budget is cut to half a token past the first start's grant, which counts the whole pages
+    the start takes in the KV pool (as the ledger books them): ``kv_page_size=0`` (``DynamicCache``s,
+    grants in positions) holds the same."""
+    for pages in ({}, {"kv_page_size": 0}):
+        refused_start_fails_alone(runner, photos, pages)
+
+
+def refused_start_fails_alone(runner, photos, pages: dict) -> None:
+    params, params_b = SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=48, min_tokens=48)
     probe = make_engine(runner, **pages)
     probe.open("a", photos["astronaut"])
     probe.open("b", photos["coffee"])
     held = probe.store.device_bytes()
     expected = probe.generate("a", Q, params, remember=False)
-    expected_b = probe.generate("b", Q, one, remember=False)
+    expected_b = probe.generate("b", Q, params_b, remember=False)
     need_a = probe.start("a", Q, params, remember=False).start_bytes
     eng = make_engine(runner, held + need_a + runner.kv_bytes_per_token // 2, **pages)
     eng.open("a", photos["astronaut"])
     eng.open("b", photos["coffee"])
     assert eng.store.device_bytes() == held
     ga = eng.start("a", Q, params, remember=False)
-    gb = eng.start("b", Q, one, remember=False)
-    assert gb.start_bytes > params.max_new_tokens * runner.kv_bytes_per_token * 2  # more than the first leaves
+    gb = eng.start("b", Q, params_b, remember=False)
+    assert gb.start_bytes > 2 * 16 * runner.kv_bytes_per_token  # more than the first can leave (under a page)
     eng.step([ga, gb])
     assert gb.done and gb.error is not None and gb.error.code is ErrorCode.OVERLOADED
     assert gb.error.retry_after_s and "device memory" in gb.error.message
@@ -115,7 +118,7 @@ def test_a_start_refused_memory_fails_alone_and_the_session_stays(runner, photos
     while not ga.done:
         eng.step([ga])
     assert ga.error is None and [t.id for t in ga.answer.tokens] == [t.id for t in expected.tokens]
-    again = eng.generate("b", Q, one, remember=False)  # as it answers alone (restored from its demotion)
+    again = eng.generate("b", Q, params_b, remember=False)  # as it answers alone (restored from its demotion)
     assert [t.id for t in again.tokens] == [t.id for t in expected_b.tokens] and again.tokens
     assert eng.store.device_bytes() <= eng.store.device_budget_bytes
 

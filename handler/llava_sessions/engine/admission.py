@@ -30,7 +30,7 @@ from ..results import ContextPolicy, elapsed_ms
 from ..sampling.grammar import GrammarMatcher
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
-from .memory import device_bytes, new_session_bytes
+from .memory import device_bytes, kv_grant_bytes, new_session_bytes
 from .sequence import Generation, ImageTask
 from .sharing import reusable_len
 
@@ -74,6 +74,8 @@ class Admission:
         store: the sessions and their memory; runner: the model (token counts, templates, bytes);
         limits: per-request and per-session limits; sharing: what other sessions hold;
         decode_image: encoded bytes -> image; driver: what the work made here calls back into.
+        page_size: positions per page of the KV pool the sessions' caches are in (0: none), which
+            the grants count in (:func:`~.memory.kv_grant_bytes`).
     """
 
     def __init__(
@@ -84,7 +86,9 @@ class Admission:
         sharing: ImageSharing,
         decode_image: Callable[[bytes], Any],
         driver: Driver,
+        page_size: int = 0,
     ) -> None:
+        self.page_size = page_size
         self.store = store
         self.runner = runner
         self.limits = limits
@@ -127,7 +131,7 @@ class Admission:
         what = f"{medium} and the restored history are" if history else f"{medium} is"
         self._check_context(prefix, f"{what} {len(prefix)} tokens in all", "")
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
-        need = new_session_bytes(self.runner, len(prefix), sum(tokens))
+        need = new_session_bytes(self.runner, len(prefix), sum(tokens), self.page_size)
         try:
             self._check_room(session, need, "a new session")
         except ServiceError:
@@ -166,7 +170,7 @@ class Admission:
         relayout = tokens[:-1] != session.image_tokens
         feature_tokens = sum(tokens) if relayout or session.image_features is None else tokens[-1]
         reuse = 0 if relayout else common_prefix_len(session.cached_ids, prefix)
-        need = device_bytes(self.runner, len(prefix) - reuse, feature_tokens)
+        need = device_bytes(self.runner, 0, feature_tokens) + self._kv_grant(reuse, len(prefix))
         self._check_room(session, need, "the image now")
         return ImageTask(
             self.driver,
@@ -275,8 +279,12 @@ class Admission:
         the prompt tokens its cache does not serve and of ``room_tokens`` new ones."""
         session = gen.session
         restore = bool(session.images) and session.image_features is None
-        kv_tokens = len(gen.prompt_ids) - gen.num_reusable_tokens() + gen.room_tokens
-        return device_bytes(self.runner, kv_tokens, sum(session.image_tokens) if restore else 0)
+        kv = self._kv_grant(gen.num_reusable_tokens(), len(gen.prompt_ids) + gen.room_tokens)
+        return kv + device_bytes(self.runner, 0, sum(session.image_tokens) if restore else 0)
+
+    def _kv_grant(self, reuse: int, num_tokens: int) -> int:
+        """Bytes a cache cropped to ``reuse`` positions is booked more once it holds ``num_tokens``."""
+        return kv_grant_bytes(self.runner, self.page_size, reuse, num_tokens)
 
     def _check_prompt(self, prompt: str, params: SamplingParams, *, chat: bool = False) -> None:
         """A question's text and limits (``chat``: a resent conversation's, which may be blank and
@@ -372,7 +380,7 @@ class Admission:
         unchanged = keys == session.image_keys and tokens == session.image_tokens and session.image_features is not None
         # a new set of features is a new tensor (every row copied or encoded when the answer starts)
         room = min(max_new, self.limits.planned_new_tokens) if clip_max_new_tokens else max_new
-        need = device_bytes(runner, len(ids) - keep + room, 0 if unchanged else sum(tokens))
+        need = device_bytes(runner, 0, 0 if unchanged else sum(tokens)) + self._kv_grant(keep, len(ids) + room)
         self._check_room(session, need, "this turn")
         to_encode = self._hold_conversation(session, target, tokens, keep, rows, unchanged=unchanged)
         gen = Generation(

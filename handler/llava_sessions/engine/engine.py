@@ -92,7 +92,8 @@ class SessionEngine:
         self.fuse = fuse_prefill and bool(getattr(runner, "fusable", False))
         self.check_invariants = check_invariants
         self.sharing = ImageSharing(store, runner, enabled=share_images, unsalted=unsalted)
-        self._admission = Admission(store, runner, self.limits, self.sharing, decode_image, driver=self)
+        page = self.model.page_size
+        self._admission = Admission(store, runner, self.limits, self.sharing, decode_image, self, page)
         self._update = StateUpdates(store, self.model, self.sharing, decode_image)
 
     @property
@@ -122,7 +123,7 @@ class SessionEngine:
 
     def new_session_bytes(self, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
         """Device bytes a new session takes in the ``kv`` tier (:func:`~.memory.new_session_bytes`)."""
-        return new_session_bytes(self.runner, num_prefix_tokens, num_image_tokens)
+        return new_session_bytes(self.runner, num_prefix_tokens, num_image_tokens, self.model.page_size)
 
     # ------------------------------------------------------------------ sessions
     def open(

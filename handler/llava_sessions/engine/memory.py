@@ -26,6 +26,7 @@ __all__ = [
     "default_device_budget",
     "device_bytes",
     "is_oom",
+    "kv_grant_bytes",
     "new_session_bytes",
     "oom_attempts",
 ]
@@ -101,8 +102,22 @@ def device_bytes(runner: LlavaRunner, num_kv_tokens: int, num_feature_tokens: in
     return num_feature_tokens * runner.feature_bytes_per_token + num_kv_tokens * runner.kv_bytes_per_token
 
 
-def new_session_bytes(runner: LlavaRunner, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
+def kv_grant_bytes(runner: LlavaRunner, page_size: int, held_tokens: int, num_tokens: int) -> int:
+    """Device bytes the ledger books more for a KV cache of ``held_tokens`` positions once it holds
+    ``num_tokens``: the whole pages of ``page_size`` positions it takes beyond those it holds (a cache
+    in the KV pool is booked by its pages: :func:`~llava_sessions.model.held_len`), or the positions
+    (``page_size`` 0: a ``DynamicCache``); 0 when it does not grow."""
+    if page_size:
+        held_tokens = -(-held_tokens // page_size) * page_size
+        num_tokens = -(-num_tokens // page_size) * page_size
+    return max(0, num_tokens - held_tokens) * runner.kv_bytes_per_token
+
+
+def new_session_bytes(
+    runner: LlavaRunner, num_prefix_tokens: int, num_image_tokens: int | None = None, page_size: int = 0
+) -> int:
     """Device bytes a new session takes in the ``kv`` tier: its image features (``num_image_tokens``,
-    default one base tile) plus the KV cache of its ``num_prefix_tokens`` (:func:`device_bytes`)."""
+    default one base tile) plus the KV cache of its ``num_prefix_tokens`` (in whole pages of
+    ``page_size`` positions: :func:`kv_grant_bytes`)."""
     image_tokens = runner.num_image_tokens if num_image_tokens is None else num_image_tokens
-    return device_bytes(runner, num_prefix_tokens, image_tokens)
+    return device_bytes(runner, 0, image_tokens) + kv_grant_bytes(runner, page_size, 0, num_prefix_tokens)

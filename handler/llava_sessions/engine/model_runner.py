@@ -230,6 +230,11 @@ class ModelRunner:
         timings["prefill"] = round(timings.get("prefill", 0.0) + ms, 3)
         return ms
 
+    @property
+    def page_size(self) -> int:
+        """Positions per page of the KV pool (0: no pool; the sessions' caches are ``DynamicCache``s)."""
+        return 0 if self.kv_pool is None else self.kv_pool.page_size
+
     def new_cache(self) -> Any:
         """An empty cache for a session: a :class:`~llava_sessions.model.SessionKV` in the pool, or
         without one a ``DynamicCache``."""

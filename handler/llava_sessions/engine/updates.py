@@ -28,7 +28,7 @@ from ..errors import ServiceError, overloaded
 from ..model import EncodedVideo, is_sampled_video
 from ..results import FinishReason, RestoredFrom, elapsed_ms
 from ..sessions.ledger import Tier
-from .memory import device_bytes
+from .memory import kv_grant_bytes
 from .scheduler import PrefillPiece
 from .sequence import Generation, ImageTask, Phase, Work
 
@@ -173,7 +173,7 @@ class StateUpdates:
         # it resumes once room is made for its KV and for the batch it will join (the rebuild lays every
         # row out anew beside the old batch): resuming sooner would only be preempted again
         joined = batch.bytes_without([gen], [])
-        gen.preempt(device_bytes(self.runner, len(gen.prefill_ids) + left, 0) + joined)
+        gen.preempt(kv_grant_bytes(self.runner, self.model.page_size, 0, len(gen.prefill_ids) + left) + joined)
         self.num_preemptions += 1
 
     def accept_rows(self, gens: list[Generation], logits: torch.Tensor) -> None:
