@@ -20,6 +20,7 @@ from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.metrics import WorkerMetrics
+from llava_sessions.model import paged_kv
 from llava_sessions.model.paged_kv import KVPages, KVPool, PagedBatchCache, PagedCache, SessionKV
 from llava_sessions.model.pages import PageCopy, PagePool, PageTable, fork, release, reserve, truncate
 from llava_sessions.sampling.sampler import SamplingParams
@@ -397,3 +398,39 @@ def test_a_grant_is_what_the_ledger_books_for_it_whole_pages_in_the_pool(runner,
         eng.step([gen])
     grown = eng.store.device_bytes() - before  # the turn's prompt and answer, as booked
     assert 0 <= gen.start_bytes - grown <= max(page_size, 1) * runner.kv_bytes_per_token
+
+
+def test_a_growth_out_of_memory_midway_leaves_the_pool_as_its_holders_see_it(
+    runner, two_questions, monkeypatch
+) -> None:
+    """The pool grows one tensor at a time (the device holds one grown tensor beside the pool, never
+    a second pool). An out-of-memory error midway (faked: a CPU has none) leaves the pool's pages and
+    the session's positions as they were; the retry grows only the tensors left, and the cache
+    answers exactly."""
+    ids_a, _ids_b, ref_a, _ref_b, features, _common = two_questions
+    text = runner.config.text_config
+    pool = KVPool(text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu", num_pages=1)
+    cache = pool.new_cache()
+    runner.prefill(cache, ids_a[:10], features)
+    grown, calls = paged_kv._grown, []
+
+    def out_of_memory_at_the_third(t, num_pages):
+        calls.append(num_pages)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return grown(t, num_pages)
+
+    monkeypatch.setattr(paged_kv, "_grown", out_of_memory_at_the_third)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.prefill(cache, ids_a, features)
+    assert pool.pool.num_pages == pool.pages.num_pages == 1 and cache.table.num_tokens == 10
+    tensors = len(pool.pages.keys) + len(pool.pages.values)
+    grew = [t.shape[0] > 1 for t in pool.pages.keys + pool.pages.values]
+    assert grew == [True, True] + [False] * (tensors - 2)  # two grew before the error
+    tokens = [int(runner.prefill(cache, ids_a, features).argmax())]
+    assert len(calls) == 3 + tensors - 2  # the retry grew the others, not those two again
+    while len(tokens) < N:
+        tokens.append(int(runner.decode(cache, tokens[-1]).argmax()))
+    assert tokens == ref_a
+    assert {t.shape[0] for t in pool.pages.keys + pool.pages.values} == {pool.pool.num_pages}
+    pool.check([cache.table])

@@ -49,7 +49,9 @@ class KVPages:
         dtype, device: the model's.
 
     Attributes:
-        keys, values: per layer ``[num_pages, page_size, kv_heads, head_dim]``.
+        keys, values: per layer ``[num_pages, page_size, kv_heads, head_dim]`` (a layer may hold more
+            pages after a growth that failed midway: :meth:`grow`).
+        num_pages: the pages every layer holds.
         num_copied_bytes: KV bytes copied from page to page since start (copy on write); tests
             read it to show what a step did not copy.
     """
@@ -69,6 +71,7 @@ class KVPages:
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_size = page_size
+        self.num_pages = num_pages
         self.num_copied_bytes = 0
 
     @property
@@ -82,19 +85,21 @@ class KVPages:
 
     @torch.inference_mode()
     def grow(self, num_pages: int) -> None:
-        """Add ``num_pages`` zeroed pages after the existing ones in every layer (the tensors are
-        reallocated and the pages copied once; on an out-of-memory error nothing has changed).
+        """Add ``num_pages`` zeroed pages after the existing ones in every layer, one tensor at a time
+        (each reallocated and its pages copied once, the old one freed before the next grows: the
+        device holds the pool and one grown tensor at once, not two pools).
 
         Raises:
-            torch.OutOfMemoryError: the device has no room for the larger tensors.
+            torch.OutOfMemoryError: the device has no room for a larger tensor. :attr:`num_pages` is
+                unchanged (the tensors grown so far keep their extra pages, which nothing reads, and
+                the next growth to at least as many pages does not grow them again).
         """
-
-        def grown(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t.new_zeros((num_pages, *t.shape[1:]))])
-
-        keys = [grown(k) for k in self.keys]
-        values = [grown(v) for v in self.values]
-        self.keys, self.values = keys, values
+        target = self.num_pages + num_pages
+        for tensors in (self.keys, self.values):
+            for i, t in enumerate(tensors):
+                if t.shape[0] < target:
+                    tensors[i] = _grown(t, target)
+        self.num_pages = target
 
     @torch.inference_mode()
     def copy(self, copies: Iterable[PageCopy]) -> None:
@@ -118,6 +123,11 @@ class KVPages:
         k = self.keys[layer].view(-1, *self.keys[layer].shape[2:])[slots]
         v = self.values[layer].view(-1, *self.values[layer].shape[2:])[slots]
         return k.transpose(-3, -2), v.transpose(-3, -2)
+
+
+def _grown(t: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """``t`` ``[pages, ...]`` with zeroed pages after its own, ``num_pages`` in all (a new tensor)."""
+    return torch.cat([t, t.new_zeros((num_pages - t.shape[0], *t.shape[1:]))])
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -273,7 +283,8 @@ class KVPool:
         self.pages.copy(copies)
 
     def grow(self, num_pages: int) -> None:
-        """Add ``num_pages`` pages (tensors first: an out-of-memory error leaves the pool as it was)."""
+        """Add ``num_pages`` pages (tensors first: after an out-of-memory error the pool hands out
+        the pages it had, and holds them as before)."""
         self.pages.grow(num_pages)
         self.pool.grow(num_pages)
         self.num_grows += 1
