@@ -93,17 +93,10 @@ class PagedDecodeBatch:
     def forward_with_chunk(
         self, gens: list[Generation], *, rebuild: bool, session: Session, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward`, with the prefill of ``ids`` beyond ``session``'s KV cache in the same
-        forward pass (:meth:`LlavaRunner.fused_step <llava_sessions.model.LlavaRunner.fused_step>`).
-
-        Returns:
-            ``(logits [len(rows), vocab], logits [vocab])`` float32: the rows' (by ``row``), the
-            chunk's last position's.
-
-        Raises:
-            ServiceError: overloaded (as :meth:`forward`). Exception: the forward pass failed (every
-            table and the session's cache are as before the step).
-        """
+        """:meth:`forward` and ``session``'s chunk of ``ids`` in one pass, as
+        :meth:`DecodeBatch.forward_with_chunk <.decode_batch.DecodeBatch.forward_with_chunk>` (the
+        rows' logits by ``row``, the chunk's last position's); a failed pass leaves every table and
+        the session's cache as before the step."""
         logits, last = self._step(gens, rebuild, session, ids)
         assert last is not None
         return logits, last
