@@ -8,17 +8,16 @@ log-probs and finish reason.
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
 from torch.nn.attention.bias import CausalBias
 from transformers import AttentionInterface
 
+from engine_fixtures import decode, make_engine
 from llava_sessions.conversation import Turn
-from llava_sessions.engine import EngineLimits, Generation, SessionEngine
+from llava_sessions.engine import Generation, SessionEngine
 from llava_sessions.errors import ErrorCode, overloaded
-from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import cache_len
 from llava_sessions.model.fused import (
     FUSED_ATTENTION,
@@ -28,25 +27,12 @@ from llava_sessions.model.fused import (
     lower_right_attention,
 )
 from llava_sessions.sampling.sampler import SamplingParams
-from llava_sessions.sessions.store import SessionStore, Tier
+from llava_sessions.sessions.store import Tier
 
-decode = functools.partial(decode_image, max_pixels=40_000_000)
 #: Largest |logit| difference allowed between a batched decode step and the same step alone (fp32,
 #: tiny model, logits of magnitude ~10): batching changes the matmul shapes and so the order of
 #: floating-point sums, never the math. Measured here: ~2e-4.
 LOGIT_TOLERANCE = 2e-3
-
-
-def make_engine(runner, **engine_kw) -> SessionEngine:
-    store = SessionStore(
-        device_budget_bytes=10**10,
-        host_budget_bytes=10**9,
-        kv_bytes_per_token=runner.kv_bytes_per_token,
-        max_sessions=16,
-        ttl_s=1200,
-    )
-    limits = EngineLimits(max_new_tokens_cap=512)
-    return SessionEngine(runner, store, decode, limits, check_invariants=True, **engine_kw)
 
 
 # (session, image, remembered history, question, sampling parameters)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+import engine_fixtures
 from llava_sessions.conversation import ChatTarget, ImageInput, Turn
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images.fetch import image_key
@@ -168,17 +169,9 @@ def test_images_are_shared_across_sessions_by_exact_content(runner, photos, monk
 
 
 def test_share_images_off_keeps_sessions_apart(runner, photos, monkeypatch):
-    from llava_sessions.engine import EngineLimits, SessionEngine
-    from llava_sessions.sessions.store import SessionStore
+    from llava_sessions.engine import EngineLimits
 
-    store = SessionStore(
-        kv_bytes_per_token=runner.kv_bytes_per_token,
-        device_budget_bytes=10**10,
-        host_budget_bytes=10**9,
-        max_sessions=16,
-        ttl_s=1200,
-    )
-    eng = SessionEngine(runner, store, decode, EngineLimits(), check_invariants=True, share_images=False)
+    eng = engine_fixtures.make_engine(runner, limits=EngineLimits(), share_images=False)
     cat = photos["chelsea"]
     eng.open_empty("a")
     chat(eng, "a", None, [], "What is in the picture?", [cat])

@@ -12,26 +12,19 @@ import itertools
 
 import pytest
 
-from llava_sessions.engine import EngineLimits, SessionEngine
+import engine_fixtures
+from llava_sessions.engine import EngineLimits
 from llava_sessions.images.fetch import image_key
 from llava_sessions.sessions.ledger import Tier
-from llava_sessions.sessions.store import SessionStore
 from test_chat_engine import EncodeCounter, chat, reference
-from test_engine import decode, ids
+from test_engine import ids
 
 _ids = itertools.count()
 
 
 def make_engine(runner, *, budget: int = 10**10, share: float = 0.5, entries: int = 64, unsalted="shared"):
-    store = SessionStore(
-        kv_bytes_per_token=runner.kv_bytes_per_token,
-        device_budget_bytes=budget,
-        host_budget_bytes=10**9,
-        max_sessions=16,
-        ttl_s=1200,
-    )
     limits = EngineLimits(max_new_tokens_cap=4096, cache_share=share, cache_entries=entries)
-    return SessionEngine(runner, store, decode, limits, check_invariants=True, unsalted=unsalted)
+    return engine_fixtures.make_engine(runner, budget, limits=limits, unsalted=unsalted)
 
 
 def stateless(eng, system, turns, question, q_images, *, salt=None):

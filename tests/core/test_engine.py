@@ -5,21 +5,19 @@ fp32 on CPU, the ``tiny`` checkpoint, real photographs from ``skimage.data``.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
+import engine_fixtures
+from engine_fixtures import decode
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
-from llava_sessions.images.fetch import decode_image
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
 
 N = 12  # max_new_tokens in exactness tests
 GREEDY = SamplingParams(max_new_tokens=N)
-decode = functools.partial(decode_image, max_pixels=40_000_000)
 
 
 class Clock:
@@ -33,15 +31,7 @@ class Clock:
 
 
 def make_engine(runner, **store_kw) -> SessionEngine:
-    kw = dict(device_budget_bytes=10**10, host_budget_bytes=10**9, max_sessions=16, ttl_s=1200)
-    kw.update(store_kw)
-    return SessionEngine(
-        runner,
-        SessionStore(kv_bytes_per_token=runner.kv_bytes_per_token, **kw),
-        decode,
-        EngineLimits(max_new_tokens_cap=4096),
-        check_invariants=True,
-    )
+    return engine_fixtures.make_engine(runner, limits=EngineLimits(max_new_tokens_cap=4096), store_kw=store_kw)
 
 
 def reference(

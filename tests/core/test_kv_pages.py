@@ -11,22 +11,17 @@ or in the contiguous batch.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from llava_sessions.engine import EngineLimits, SessionEngine
+from engine_fixtures import decode, make_engine
 from llava_sessions.engine.paged_batch import PagedDecodeBatch
-from llava_sessions.images.fetch import decode_image
 from llava_sessions.metrics import WorkerMetrics
 from llava_sessions.model import paged_kv
 from llava_sessions.model.paged_kv import KVPages, KVPool, PagedBatchCache, PagedCache, SessionKV
 from llava_sessions.model.pages import PageCopy, PagePool, PageTable, fork, release, reserve, truncate
 from llava_sessions.sampling.sampler import SamplingParams
-from llava_sessions.sessions.store import SessionStore
 
-decode = functools.partial(decode_image, max_pixels=40_000_000)
 N = 8  # greedy tokens per answer
 PAGE = 16
 
@@ -216,16 +211,6 @@ def test_rows_decode_together_exactly_and_join_or_leave_without_moving_kv(runner
 
 
 # ---------------------------------------------------------------------- the engine's sessions in the pool
-def make_engine(runner, **engine_kw) -> SessionEngine:
-    store = SessionStore(
-        kv_bytes_per_token=runner.kv_bytes_per_token,
-        device_budget_bytes=10**10,
-        host_budget_bytes=10**9,
-        max_sessions=16,
-        ttl_s=1200,
-    )
-    limits = EngineLimits(max_new_tokens_cap=512)
-    return SessionEngine(runner, store, decode, limits, check_invariants=True, **engine_kw)
 
 
 GREEDY = SamplingParams(max_new_tokens=N, min_tokens=N)

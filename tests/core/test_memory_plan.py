@@ -7,32 +7,17 @@ batch gets exactly the bytes the plan computed. fp32 on CPU, the ``tiny`` checkp
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from llava_sessions.engine import EngineLimits, SessionEngine
+from engine_fixtures import make_engine
+from llava_sessions.engine import SessionEngine
 from llava_sessions.engine.scheduler import schedule
 from llava_sessions.engine.sequence import Phase
 from llava_sessions.errors import ErrorCode
-from llava_sessions.images.fetch import decode_image
 from llava_sessions.sampling.sampler import SamplingParams
-from llava_sessions.sessions.store import SessionStore, Tier
+from llava_sessions.sessions.store import Tier
 
-decode = functools.partial(decode_image, max_pixels=40_000_000)
 Q = "What is in this image?"
-
-
-def make_engine(runner, budget: int = 10**10, **engine_kw) -> SessionEngine:
-    store = SessionStore(
-        device_budget_bytes=budget,
-        host_budget_bytes=10**9,
-        kv_bytes_per_token=runner.kv_bytes_per_token,
-        max_sessions=16,
-        ttl_s=1200,
-    )
-    limits = EngineLimits(max_new_tokens_cap=512)
-    return SessionEngine(runner, store, decode, limits, check_invariants=True, **engine_kw)
 
 
 def tiers(eng: SessionEngine) -> dict[str, Tier]:

@@ -1,0 +1,32 @@
+"""The engine the core tests step: the ``tiny`` runner, a store with room for everything unless a test
+gives a budget, and every invariant checked after every step and admission."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.images.fetch import decode_image
+from llava_sessions.sessions.store import SessionStore
+
+#: The tests' image decoder (the server's, with a pixel cap no test photo reaches).
+decode = functools.partial(decode_image, max_pixels=40_000_000)
+
+
+def make_engine(
+    runner: Any,
+    budget: int = 10**10,
+    *,
+    limits: EngineLimits | None = None,
+    store_kw: dict[str, Any] | None = None,
+    **engine_kw: Any,
+) -> SessionEngine:
+    """A :class:`SessionEngine` on ``runner`` with ``check_invariants`` on: a store of ``budget``
+    device bytes, 1 GB of host bytes, 16 sessions and a 20-minute TTL (``store_kw`` overrides any),
+    ``limits`` (default: ``max_new_tokens_cap`` 512) and the engine's keyword arguments."""
+    kw: dict[str, Any] = {"device_budget_bytes": budget, "host_budget_bytes": 10**9, "max_sessions": 16, "ttl_s": 1200}
+    kw.update(store_kw or {})
+    store = SessionStore(kv_bytes_per_token=runner.kv_bytes_per_token, **kw)
+    limits = limits or EngineLimits(max_new_tokens_cap=512)
+    return SessionEngine(runner, store, decode, limits, check_invariants=True, **engine_kw)
