@@ -171,7 +171,18 @@ class _PagedLayer(CacheLayerMixin):
 
 
 def _slots(table: PageTable, start: int, stop: int, page_size: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor(table.slots(start, stop, page_size), dtype=torch.long, device=device)
+    if stop > len(table.pages) * page_size:
+        raise IndexError(f"position {stop - 1} is past the table's {len(table.pages)} pages")
+    return _page_slots([table.pages], page_size)[0, start:stop].to(device)
+
+
+def _page_slots(pages: Sequence[Sequence[int]], page_size: int) -> torch.Tensor:
+    """Every slot of each row's ``pages`` in position order, ``[rows, most pages x page_size]`` long on
+    the host (a shorter row padded with page 0's slots): one tensor op for all positions, where a
+    Python loop over them would cost the host a step's microseconds per position."""
+    width = max(len(p) for p in pages)
+    table = torch.tensor([[*p, *[0] * (width - len(p))] for p in pages], dtype=torch.long)
+    return (table[:, :, None] * page_size + torch.arange(page_size)).reshape(len(pages), -1)
 
 
 class PagedCache(Cache):
@@ -212,14 +223,12 @@ class PagedBatchCache(Cache):
 
     def __init__(self, pages: KVPages, tables: Sequence[PageTable]) -> None:
         device = pages.keys[0].device
-        size = pages.page_size
-        longest = max(t.num_tokens for t in tables)
-        read = torch.zeros(len(tables), longest, dtype=torch.long, device=device)
-        self.attention_mask = torch.zeros(len(tables), longest, dtype=torch.long, device=device)
-        for row, table in enumerate(tables):
-            read[row, : table.num_tokens] = _slots(table, 0, table.num_tokens, size, device)
-            self.attention_mask[row, : table.num_tokens] = 1
-        write = read[torch.arange(len(tables), device=device), [t.num_tokens - 1 for t in tables]]
+        lengths = torch.tensor([t.num_tokens for t in tables])
+        longest = int(lengths.max())
+        read = _page_slots([t.pages for t in tables], pages.page_size)[:, :longest]  # pads: page 0's, masked
+        mask = (torch.arange(longest)[None, :] < lengths[:, None]).long()
+        write = read[torch.arange(len(tables)), lengths - 1]
+        read, write, self.attention_mask = read.to(device), write.to(device), mask.to(device)
         self.positions = [t.num_tokens - 1 for t in tables]
         layers = [_PagedLayer(pages, i, write, read, 1) for i in range(len(pages.keys))]
         super().__init__(layers=list(layers))
