@@ -56,8 +56,9 @@ And always:
     start needs (:attr:`PrefillPiece.grant_bytes`: :attr:`WorkView.start_bytes`), a rebuild carries
     the new batch's (:attr:`StepPlan.batch_bytes`: ``(live rows + joining) x (longest row +
     grow_columns) x kv_bytes_per_token``; over pages, every step carries the pages its rows open:
-    ``rows whose next position starts a page x page_size x kv_bytes_per_token``). The engine makes room for exactly these before it runs
-    them; nothing else gets device memory (admission only checks that room can be made).
+    ``rows whose next position starts a page x page_size x kv_bytes_per_token``). The engine makes
+    room for exactly these before it runs them; nothing else gets device memory (admission only
+    checks that room can be made).
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ class FusedCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[Any, Any]:
         """Write one layer's new keys and values ``[1, kv_heads, B + C, head_dim]``: the first ``B``
-        into the batch's rows (at its next column, or at each row's slot), the rest onto the session's cache.
+        into the batch's rows (at its next column, or at each row's slot), the rest onto the session's
+        cache.
 
         Returns:
             The layer's keys and values as ``_Parts`` (the batch's written columns, the session's all).

@@ -3,8 +3,8 @@
 Pure model operations: no sessions, no scheduling policy, no HTTP or JSON. ``prefill`` runs one
 sequence's uncached tokens (a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer);
 ``decode_batch`` runs one token for every row of a :class:`~llava_sessions.model.kv_cache.BatchKVCache`
-(or of a :class:`~llava_sessions.model.paged_kv.PagedBatchCache`) in one forward pass. All architecture knowledge lives in this package: the engine sees images as
-feature rows and token counts.
+(or of a :class:`~llava_sessions.model.paged_kv.PagedBatchCache`) in one forward pass. All
+architecture knowledge lives in this package: the engine sees images as feature rows and token counts.
 
 Mechanics (verified, shared/notes/llava-transformers.md): an image's features are the model's own
 ``get_image_features`` output (vision tower, projector and, for NeXT / OneVision, the tile packing
