@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..model import KVPool, LlavaRunner, PagedBatchCache, SessionKV, held_len
+from ..model.kv_cache import undo_pass
 from .memory import oom_attempts
 from .scheduler import BatchLayout
 
@@ -128,13 +129,15 @@ class PagedDecodeBatch:
                         )
                 except BaseException:
                     for c, start in zip(caches, starts, strict=True):
-                        if c.table.num_tokens > start:  # a failed pass leaves no position behind
-                            c.truncate(start)
+                        undo_pass(c, start)  # a failed pass leaves no position behind: a retry runs it again
                     raise
         for g, token in zip(gens, tokens, strict=True):
             g.session.record_decode([token])
+        rows = [g.row for g in gens]
+        if rows == list(range(len(self.rows))):  # every row decoded, in order: the logits are by row already
+            return logits, last
         out = logits.new_zeros(len(self.rows), logits.shape[-1])
-        out[torch.tensor([g.row for g in gens], device=logits.device)] = logits
+        out[torch.tensor(rows, device=logits.device)] = logits
         return out, last
 
     def release(self, gen: Generation) -> None:

@@ -205,12 +205,7 @@ class Session:
         Raises:
             ValueError: the cache does not hold ``len(cached_ids) + len(ids)`` positions.
         """
-        if cache_len(self.kv_cache) != len(self.cached_ids) + len(ids):
-            raise ValueError(
-                f"the cache holds {cache_len(self.kv_cache)} positions, not {len(self.cached_ids) + len(ids)}"
-            )
-        self.cached_ids.extend(ids)
-        self._changed()
+        self.record_prefill(self.cached_ids + ids)
 
     def lend_kv(self) -> None:
         """The decode batch's row holds a copy of the KV cache from now on: the cache stays as it is
