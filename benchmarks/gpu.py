@@ -21,10 +21,15 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    a GPU with a static cache, as its docs describe), ms per token: the median gap between its generated
    tokens, read by a streamer inside the call, after a warm-up generate.
 
-7. **The other decode layout**: batch-1 decode and the aggregate again, in a second engine whose
-   answers decode in the layout ``--decode-layout`` does not name (``contiguous``: one batch tensor,
-   a joining answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card
-   chooses the default by measurement.
+7. **CUDA graphs against eager** (when the engine's paged decode step has static shapes:
+   ``--decode-layout auto`` or ``paged`` on a card, or ``--cuda-graphs on``): the graphs captured and
+   the seconds the capture took at start; one session's and three sessions' greedy answers (three
+   rows run in the four-row bucket, one pad row) replayed and then eagerly at their own shapes:
+   tokens identical (issue 43: replay equals eager on the same device), ms per step each.
+8. **The other decode layout**: batch-1 decode and the aggregate again, in a second engine whose
+   answers decode in the layout the first did not (``contiguous``: one batch tensor, a joining
+   answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card chooses the
+   default by measurement.
 
 Every ratio is to the floor measured in the same run. ``python benchmarks/gpu.py --device cpu --model
 tiny`` runs the same code as a smoke test (the peer then runs eager: transformers compiles only on a
@@ -54,7 +59,9 @@ from transformers.generation.streamers import BaseStreamer
 from engine_decode import build_runner, run_together, sync
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
+from llava_sessions.engine.memory import default_device_budget
 from llava_sessions.engine.model_runner import KV_PAGE_SIZE, DecodeLayout
+from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
@@ -302,14 +309,65 @@ def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> 
     }
 
 
-def new_engine(runner: LlavaRunner, page_size: int, layout: DecodeLayout) -> SessionEngine:
-    """An engine on ``runner`` with a store that never demotes (the table measures speed, not memory)."""
+def new_engine(runner: LlavaRunner, page_size: int, layout: DecodeLayout, graphs: bool | None) -> SessionEngine:
+    """An engine on ``runner`` whose store does not demote at the table's levels: on a card 0.8 of its
+    free memory (its fixed pool takes that much at start), on a CPU an unbounded budget (2 GiB when
+    ``graphs`` fixes the pool there too)."""
+    if runner.device.type == "cuda":
+        budget = default_device_budget(runner, 0.8)
+    else:
+        budget = 1 << 31 if graphs else 1 << 45
     store = SessionStore(
-        device_budget_bytes=1 << 45, host_budget_bytes=1 << 40, kv_bytes_per_token=runner.kv_bytes_per_token
+        device_budget_bytes=budget, host_budget_bytes=1 << 40, kv_bytes_per_token=runner.kv_bytes_per_token
     )
     decode = functools.partial(decode_image, max_pixels=40_000_000)
     limits = EngineLimits(max_new_tokens_cap=4096)
-    return SessionEngine(runner, store, decode, limits, kv_page_size=page_size, decode_layout=layout)
+    kw = {"kv_page_size": page_size, "decode_layout": layout, "cuda_graphs": graphs}
+    return SessionEngine(runner, store, decode, limits, **kw)
+
+
+def layout_of(engine: SessionEngine) -> str:
+    """The decode layout ``engine`` resolved (``auto`` is paged on a card)."""
+    return "paged" if isinstance(engine.batch, PagedDecodeBatch) else "contiguous"
+
+
+def answers(engine: SessionEngine, sids: list[str], new_tokens: int) -> tuple[list[list[int]], float]:
+    """``sids`` answer :data:`QUESTION` together, ``new_tokens`` greedy tokens each: their tokens and
+    the median ms of a decode step (the prefills before the clock)."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    gens = [engine.start(sid, QUESTION, params, remember=False) for sid in sids]
+    while not all(g.prefilled for g in gens):
+        engine.step([g for g in gens if not g.done])
+    walls = []
+    while not all(g.done for g in gens):
+        s0 = time.perf_counter()
+        engine.step([g for g in gens if not g.done])
+        sync(engine.runner.device)
+        walls.append((time.perf_counter() - s0) * 1000)
+    return [[t.id for t in g.answer.tokens] for g in gens], round(statistics.median(walls), 3)
+
+
+def graphs_against_eager(engine: SessionEngine, images: list[bytes], new_tokens: int, capture_s: float) -> dict:
+    """One session's and three sessions' greedy answers through the static decode step (replayed
+    graphs on a card) and then eagerly at their own shapes: identical tokens, ms per step each."""
+    batch = engine.batch
+    assert isinstance(batch, PagedDecodeBatch) and batch.graphs is not None
+    graphs = batch.graphs
+    sids = [f"graph{i}" for i in range(3)]
+    for i, sid in enumerate(sids):
+        engine.open(sid, images[i % len(images)])
+    report: dict[str, Any] = {"num_graphs": graphs.num_graphs, "capture_s": round(capture_s, 2)}
+    for rows in (1, 3):
+        answers(engine, sids[:rows], 4)  # warm
+        replayed, replay_ms = answers(engine, sids[:rows], new_tokens)
+        batch.graphs = None
+        eager, eager_ms = answers(engine, sids[:rows], new_tokens)
+        batch.graphs = graphs
+        report[f"rows_{rows}"] = {"identical": replayed == eager, "static_ms": replay_ms, "eager_ms": eager_ms}
+    report["num_replays"], report["num_static_eager"] = graphs.num_replays, graphs.num_eager
+    for sid in sids:
+        engine.close(sid)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-peer", action="store_true", help="leave transformers' static-cache generate out")
     ap.add_argument("--kv-page-size", type=int, default=KV_PAGE_SIZE, help="the KV pool's page (0: DynamicCaches)")
-    ap.add_argument("--decode-layout", default="contiguous", choices=["contiguous", "paged"])
+    ap.add_argument("--decode-layout", default="auto", choices=["auto", "contiguous", "paged"])
+    ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                    help="the paged step's static shapes (graphs on a card); off: the enforce_eager setting")  # fmt: skip
     ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -332,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     runner = build_runner(args)
     device = runner.device
-    engine = new_engine(runner, args.kv_page_size, args.decode_layout)
+    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    t_engine = time.perf_counter()
+    engine = new_engine(runner, args.kv_page_size, args.decode_layout, graphs)
+    capture_s = time.perf_counter() - t_engine
     images = [sample_photo(p) for p in PHOTOS]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {
@@ -340,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": f"{device} ({name})",
         "dtype": str(runner.dtype),
         "torch": torch.__version__,
-        "decode_layout": args.decode_layout,
+        "decode_layout": layout_of(engine),
         "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
     }
     floor = report["floor"] = weight_floor(runner)
@@ -357,15 +420,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_peer:
         report["peer"] = peer_static_generate(runner, images[2], args.new_tokens)
         print("peer", json.dumps(report["peer"]), flush=True)
+    if engine.model.graphs is not None:
+        report["graphs"] = graphs_against_eager(engine, images, args.new_tokens, capture_s)
+        print("graphs", json.dumps(report["graphs"]), flush=True)
     pool = engine.model.kv_pool
     report["kv_pool"] = None if pool is None else {"page_size": pool.page_size, "pages": pool.pool.num_pages,
-                                                   "grows": pool.num_grows}  # fmt: skip
+                                                   "grows": pool.num_grows, "fixed": pool.fixed}  # fmt: skip
     if not args.skip_other_layout and args.kv_page_size:
-        del engine  # its pool and batch go first: the other engine's sessions take their room
+        other = "paged" if report["decode_layout"] == "contiguous" else "contiguous"
+        del engine, pool  # its pool and batch go first: the other engine's sessions take their room
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        other = "paged" if args.decode_layout == "contiguous" else "contiguous"
-        engine = new_engine(runner, args.kv_page_size, other)
+        engine = new_engine(runner, args.kv_page_size, other, graphs)
         clock = ForwardClock(runner)
         b1 = batch_one_decode(engine, clock, images[1], args.context, args.new_tokens)
         clock.close()
@@ -404,6 +470,14 @@ def print_table(report: dict[str, Any]) -> None:
     for n, row in report["aggregate"].items():
         ratio = f"{row['vs_one']:.1f}x one" if row["vs_one"] else ""
         print(f"{n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio}")
+    g = report.get("graphs")
+    if g:  # the static decode step (replayed graphs on a card) against eager at the step's own shape
+        print(f"decode graphs: {g['num_graphs']} captured in {g['capture_s']} s")
+        for rows in (1, 3):
+            r = g[f"rows_{rows}"]
+            same = "identical" if r["identical"] else "DIFFERENT"
+            label = f"  {rows} row(s): static step vs eager, tokens {same}"
+            print(f"{label:<48}{r['static_ms']:>10.2f} ms/step {r['static_ms'] / r['eager_ms']:>6.2f}x")
     other = report.get("other_layout")
     if other:  # the same rows in the other decode layout, as ratios to this run's
         print(f"decode layout {other['decode_layout']} against {report['decode_layout']}:")

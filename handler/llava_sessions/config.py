@@ -200,11 +200,13 @@ class Settings(BaseModel):
     )
     step_max_ms: float = Field(100.0, gt=0.0, description="Most ms one scheduler call spends before replying.")
     fuse_prefill: bool = Field(True, description="While answers decode, a prefill chunk rides their forward pass.")
-    decode_layout: Literal["contiguous", "paged"] = Field(
-        "contiguous",
+    decode_layout: Literal["auto", "contiguous", "paged"] = Field(
+        "auto",
         description="Running answers decode in one batch tensor ('contiguous': a join copies the answer's KV; faster "
-        "on a CPU) or in their sessions' KV pages ('paged': nothing copied, nothing held beside the sessions).",
+        "on a CPU) or in their sessions' KV pages ('paged': nothing copied, nothing beside the sessions, CUDA graphs); "
+        "'auto': paged on a GPU.",
     )
+    enforce_eager: bool = Field(False, description="No CUDA graphs: a GPU's paged decode steps run eagerly.")
 
     # --- misc -------------------------------------------------------------------------------
     system_prompt: str | None = Field(

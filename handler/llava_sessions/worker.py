@@ -220,4 +220,5 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
         unsalted=settings.unsalted_cache,
         fuse_prefill=settings.fuse_prefill,
         decode_layout=settings.decode_layout,
+        cuda_graphs=False if settings.enforce_eager else None,
     )

@@ -14,17 +14,30 @@ from llava_sessions.sessions.store import SessionStore
 decode = functools.partial(decode_image, max_pixels=40_000_000)
 
 
+#: The decode layouts the engine tests run answers in, as :func:`make_engine` keyword arguments:
+#: one batch tensor, the sessions' pages, and the pages through the static decode step a card
+#: replays as CUDA graphs (run eagerly on this CPU, over a fixed pool).
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "contiguous": {"decode_layout": "contiguous"},
+    "paged": {"decode_layout": "paged"},
+    "static": {"decode_layout": "paged", "cuda_graphs": True},
+}
+
+
 def make_engine(
     runner: Any,
-    budget: int = 10**10,
+    budget: int | None = None,
     *,
     limits: EngineLimits | None = None,
     store_kw: dict[str, Any] | None = None,
     **engine_kw: Any,
 ) -> SessionEngine:
     """A :class:`SessionEngine` on ``runner`` with ``check_invariants`` on: a store of ``budget``
-    device bytes, 1 GB of host bytes, 16 sessions and a 20-minute TTL (``store_kw`` overrides any),
-    ``limits`` (default: ``max_new_tokens_cap`` 512) and the engine's keyword arguments."""
+    device bytes (default 10 GB, or 100 MB when ``cuda_graphs`` fixes the pool at the budget), 1 GB
+    of host bytes, 16 sessions and a 20-minute TTL (``store_kw`` overrides any), ``limits`` (default:
+    ``max_new_tokens_cap`` 512) and the engine's keyword arguments."""
+    if budget is None:
+        budget = 10**8 if engine_kw.get("cuda_graphs") else 10**10
     kw: dict[str, Any] = {"device_budget_bytes": budget, "host_budget_bytes": 10**9, "max_sessions": 16, "ttl_s": 1200}
     kw.update(store_kw or {})
     store = SessionStore(kv_bytes_per_token=runner.kv_bytes_per_token, **kw)

@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.bias import CausalBias
 from transformers import AttentionInterface
 
-from engine_fixtures import decode, make_engine
+from engine_fixtures import LAYOUTS, decode, make_engine
 from llava_sessions.conversation import Turn
 from llava_sessions.engine import Generation, SessionEngine
 from llava_sessions.errors import ErrorCode, overloaded
@@ -64,15 +64,17 @@ def alone(runner, photos) -> dict[str, list]:
 
 @pytest.mark.parametrize(
     ("layout", "poisoned"),
-    [("contiguous", False), ("contiguous", True), ("paged", False)],
-    ids=["fresh", "nan-filled", "paged"],
+    [("contiguous", False), ("contiguous", True), ("paged", False), ("static", False)],
+    ids=["fresh", "nan-filled", "paged", "static"],
 )
 def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photos, layout, poisoned, monkeypatch):
     """Rows of different lengths join and leave. ``nan-filled``: every batch cache is filled with NaN
     as it is allocated (the worst its uninitialized memory may hold; only each row's left pads are
     zeroed by the build), and the answers are still exact (against answers alone computed before any
     cache is poisoned, so a leak both paths read cannot pass). ``paged``: the rows decode in their
-    sessions' pages (``decode_layout: paged``), against answers alone in the default layout."""
+    sessions' pages (``decode_layout: paged``); ``static``: in their pages through the static decode
+    step a card replays as CUDA graphs (rows padded to a bucket with pad rows on the scratch page,
+    the attended length to one; run eagerly here), against answers alone in the default layout."""
     expected = alone(runner, photos)
     if poisoned:
         allocate = runner.new_batch_cache
@@ -85,7 +87,7 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
             return cache
 
         monkeypatch.setattr(runner, "new_batch_cache", nan_filled)
-    eng = make_engine(runner, decode_layout=layout)
+    eng = make_engine(runner, **LAYOUTS[layout])
     open_all(eng, photos)
     gens: dict[str, Generation] = {}
     widths = set()
@@ -99,6 +101,9 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
         eng.step(running)
         widths.add(eng.batch.num_live)
     assert max(widths) >= 3  # several answers really decoded together
+    if layout == "static":  # every decode-only step went through the static step; the pool never grew
+        assert eng.model.graphs is not None and eng.model.graphs.num_eager >= 10
+        assert eng.model.kv_pool is not None and eng.model.kv_pool.fixed and eng.model.kv_pool.num_grows == 0
     for sid, gen in gens.items():
         assert gen.error is None and gen.answer is not None
         got, want = gen.answer.tokens, expected[sid]
@@ -197,14 +202,14 @@ def test_an_abandoned_row_leaves_its_session_as_before(runner, photos, kept):
     assert torch.equal(torch.tensor(s.cached_ids), torch.tensor(before[gone]))
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "static"])
 def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(runner, photos, layout):
     """An open (vision tower, then the prefix in chunks) and a restored session's re-prefill share
     steps with running answers, their first chunk riding the decode step's pass (over the contiguous
     batch or the rows' pages): every step still decodes each running answer, and every answer
     equals the one computed without a budget."""
     expected = alone(runner, photos)
-    eng = make_engine(runner, decode_layout=layout)
+    eng = make_engine(runner, **LAYOUTS[layout])
     open_all(eng, photos)
     eng.store.demote("b", Tier.FEATURES)  # restores from the features tier: a ~600-token re-prefill
     ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_fixtures import make_engine
+from engine_fixtures import LAYOUTS, make_engine
 from llava_sessions.engine import SessionEngine
 from llava_sessions.engine.scheduler import schedule
 from llava_sessions.engine.sequence import Phase
@@ -125,9 +125,10 @@ def test_work_listed_twice_in_a_step_runs_once(runner, photos):
     assert gen.error is None and [t.id for t in gen.answer.tokens] == want and steps == len(want)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "static"])
 def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly(runner, photos, layout):
-    """Issue 43 item 4, vLLM's rule, on either decode batch: three answers whose starts fit but whose
+    """Issue 43 item 4, vLLM's rule, on either decode batch (``static``: the paged one through the
+    static decode step, over a pool fixed at the budget): three answers whose starts fit but whose
     growth together does not. Where the batch cannot grow (the contiguous batch laid out anew, or
     the pages a paged step opens), the newest answer is preempted (its row leaves the batch unread,
     its KV is dropped) instead of every answer failing ``overloaded`` mid-stream; it waits,
@@ -150,8 +151,8 @@ def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exact
         budget = int(held + 1.2 * row)  # room for about one answer growing at a time
     else:  # the questions' pages and about one and a half answers' (every answer's pages are its session's)
         budget = held + (3 * 32 + 180) * runner.kv_bytes_per_token
-    eng = make_engine(runner, budget, decode_layout=layout)
-    assert (eng.batch.layout().page_size > 0) == (layout == "paged")
+    eng = make_engine(runner, budget, **LAYOUTS[layout])
+    assert (eng.batch.layout().page_size > 0) == (layout != "contiguous")
     for sid, photo in sessions.items():
         eng.open(sid, photos[photo])
     gens = [eng.start(sid, Q, params[sid], remember=False) for sid in sessions]

@@ -161,6 +161,7 @@ LAYERS: list[set[str]] = [
         "model.templating",
         "model.video",
         "model.fused",
+        "model.graphs",
         "wire.framing",
         "engine.memory",
         "engine.sharing",

@@ -77,12 +77,14 @@ def test_replicas_benchmark_runs_places_evenly_and_answers_alike(tiny_model_dir,
 
 def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     """``benchmarks/gpu.py --device cpu --model tiny`` (issue 43 item 5) runs the same code as on a card
-    and writes every measure of the table, each latency beside the floor measured in the run, and the
-    other decode layout's rows beside the default's."""
+    and writes every measure of the table, each latency beside the floor measured in the run; the paged
+    layout's static decode step (what a card replays as CUDA graphs, run eagerly here) against eager
+    at the step's own shape, greedy tokens identical; the other decode layout's rows beside it."""
     import subprocess
 
     out = tmp_path / "gpu.json"
     args = ["--device", "cpu", "--model", "tiny", "--dtype", "auto", "--levels", "1,2", "--new-tokens", "4"]
+    args += ["--decode-layout", "paged", "--cuda-graphs", "on"]
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gpu.py"), *args, "--repeats", "1", "--json", str(out)],
         capture_output=True,
@@ -98,9 +100,13 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     assert report["turns"]["follow_up"]["ttft_ms"] > 0 and report["turns"]["cold_image_turn_ms"] > 0
     assert report["peer"]["ms_per_token"] > 0 and report["peer"]["compiled"] is False
     assert "x floor" in done.stdout and "batch-1 decode vs transformers" in done.stdout
-    other = report["other_layout"]  # the paged decode layout beside the default, in the same run
-    assert other["decode_layout"] == "paged" and other["batch_one"]["ms_per_token"] > 0
-    assert set(other["aggregate"]) == {"1", "2"} and "decode layout paged against contiguous" in done.stdout
+    graphs = report["graphs"]  # nothing captured on a CPU: every static step ran eagerly
+    assert graphs["num_graphs"] == 0 and graphs["num_replays"] == 0 and graphs["num_static_eager"] > 0
+    assert graphs["rows_1"]["identical"] is True and graphs["rows_3"]["identical"] is True
+    assert report["kv_pool"]["fixed"] is True and report["kv_pool"]["grows"] == 0
+    other = report["other_layout"]  # the contiguous decode layout beside the paged one, in the same run
+    assert other["decode_layout"] == "contiguous" and other["batch_one"]["ms_per_token"] > 0
+    assert set(other["aggregate"]) == {"1", "2"} and "decode layout contiguous against paged" in done.stdout
 
 
 def test_the_kv_pages_benchmark_runs_and_both_layouts_answer_alike(tmp_path):

@@ -62,7 +62,8 @@ class SessionEngine:
             (``runner.fusable``); False: a pass of its own.
         kv_page_size: positions per page of the replica's KV pool, which holds every session's KV
             (:func:`~.model_runner.new_kv_pool`); 0: a ``DynamicCache`` per session.
-        decode_layout: where running answers decode (:data:`~.model_runner.DecodeLayout`).
+        decode_layout: where running answers decode (:data:`~.model_runner.DecodeLayout`); cuda_graphs:
+            the paged decode step replayed as CUDA graphs (:class:`~.model_runner.ModelRunner`).
 
     Attributes:
         model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
@@ -82,13 +83,16 @@ class SessionEngine:
         unsalted: Unsalted = "shared",
         fuse_prefill: bool = True,
         kv_page_size: int = KV_PAGE_SIZE,
-        decode_layout: DecodeLayout = "contiguous",
+        decode_layout: DecodeLayout = "auto",
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.runner = runner
         self.store = store
         self.decode_image = decode_image
         self.limits = limits or EngineLimits()
-        self.model = ModelRunner(runner, store, kv_page_size=kv_page_size, decode_layout=decode_layout)
+        self.model = ModelRunner(
+            runner, store, kv_page_size=kv_page_size, decode_layout=decode_layout, cuda_graphs=cuda_graphs
+        )
         self.fuse = fuse_prefill and bool(getattr(runner, "fusable", False))
         self.check_invariants = check_invariants
         self.sharing = ImageSharing(store, runner, enabled=share_images, unsalted=unsalted)

@@ -10,6 +10,7 @@ model the scheduler sizes a step by (:mod:`.costs`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -18,6 +19,7 @@ import torch
 
 from ..conversation import still_images
 from ..model import EncodedVideo, KVPool, LlavaRunner, SessionKV, cache_len
+from ..model.graphs import DecodeGraphs
 from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
@@ -28,7 +30,9 @@ if TYPE_CHECKING:
     from ..sessions.store import SessionStore
     from .sequence import Generation
 
-__all__ = ["KV_PAGE_SIZE", "DecodeLayout", "ModelRunner", "new_kv_pool"]
+__all__ = ["KV_PAGE_SIZE", "MAX_GRAPH_ROWS", "DecodeLayout", "ModelRunner", "new_graphs", "new_kv_pool"]
+
+log = logging.getLogger(__name__)
 
 #: Token positions per page of a replica's KV pool (vLLM's default block size).
 KV_PAGE_SIZE = 16
@@ -36,9 +40,14 @@ KV_PAGE_SIZE = 16
 #: Where the running answers' KV lives while they decode: ``contiguous``, one left-padded batch tensor
 #: (:class:`~.decode_batch.DecodeBatch`: each joining member's KV copied once; on this CPU 8 sessions
 #: decode 1.18x as fast as paged); ``paged``, their sessions' pages (:class:`~.paged_batch.PagedDecodeBatch`:
-#: joining and leaving move no KV, nothing is held beside the sessions). ``benchmarks/gpu.py`` measures
-#: both on a card; until it has, ``contiguous`` is the default everywhere.
-DecodeLayout = Literal["contiguous", "paged"]
+#: joining and leaving move no KV, nothing is held beside the sessions, and the step has static shapes
+#: CUDA graphs replay); ``auto``, paged on a CUDA device, contiguous elsewhere. ``benchmarks/gpu.py``
+#: measures both layouts on a card.
+DecodeLayout = Literal["auto", "contiguous", "paged"]
+
+#: The largest decode batch captured as a CUDA graph (nano-vllm's default, 512, is for text-only
+#: batches; 64 is ``max_sessions``' default). A larger step runs eagerly.
+MAX_GRAPH_ROWS = 64
 
 
 class ModelRunner:
@@ -49,6 +58,16 @@ class ModelRunner:
         store: the session store (the decode batch's bytes, demotions after an out-of-memory error).
         kv_page_size: positions per page of the sessions' KV pool (0: a ``DynamicCache`` per session).
         decode_layout: :data:`DecodeLayout` (``paged`` needs the pool: without one it is ``contiguous``).
+        cuda_graphs: paged decode steps at static shapes (:class:`~llava_sessions.model.graphs.DecodeGraphs`):
+            captured as CUDA graphs on a CUDA device, run eagerly elsewhere (tests); None: on a CUDA
+            device with the paged layout; False: never (the ``enforce_eager`` setting). A failed
+            capture logs a warning and the steps run eagerly at their own shapes.
+
+    With the paged layout on a CUDA device (or with ``cuda_graphs``) the pool is fixed: sized once at
+    start to the store's device budget in pages, never grown nor shrunk (the ledger books the pages
+    sessions hold, not the free ones; image features live beside the pool, within the budget's
+    headroom). Otherwise it grows as sessions need pages (the contiguous batch's tensors then share
+    the device with it).
 
     Attributes:
         kv_pool: the replica's :class:`~llava_sessions.model.KVPool` (:func:`new_kv_pool`; None without one).
@@ -65,14 +84,20 @@ class ModelRunner:
         store: SessionStore,
         *,
         kv_page_size: int = KV_PAGE_SIZE,
-        decode_layout: DecodeLayout = "contiguous",
+        decode_layout: DecodeLayout = "auto",
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.runner = runner
         self.store = store
-        self.kv_pool = new_kv_pool(runner, kv_page_size)
+        on_card = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
+        paged = decode_layout == "paged" or (decode_layout == "auto" and on_card)
+        graphs = paged and (on_card if cuda_graphs is None else cuda_graphs)
+        fixed = store.device_budget_bytes if paged and (on_card or graphs) else 0
+        self.kv_pool = new_kv_pool(runner, kv_page_size, fixed)
+        self.graphs = new_graphs(runner, self.kv_pool) if graphs and self.kv_pool is not None else None
         self.batch: DecodeBatch | PagedDecodeBatch = (
-            PagedDecodeBatch(runner, store, self.kv_pool)
-            if decode_layout == "paged" and self.kv_pool is not None
+            PagedDecodeBatch(runner, store, self.kv_pool, self.graphs)
+            if paged and self.kv_pool is not None
             else DecodeBatch(runner, store, self.new_cache)
         )
         self.num_prefilled_tokens = 0
@@ -244,20 +269,41 @@ class ModelRunner:
         """Assert that ``caches`` (every session's) are all the pool's holders: its reference counts
         are their page tables' (:meth:`KVPool.check <llava_sessions.model.KVPool.check>`)."""
         if self.kv_pool is not None:
-            self.kv_pool.check(c.table for c in caches if isinstance(c, SessionKV))
+            tables = [c.table for c in caches if isinstance(c, SessionKV)]
+            self.kv_pool.check(tables + ([self.graphs.table] if self.graphs is not None else []))
 
 
-def new_kv_pool(runner: LlavaRunner, page_size: int) -> KVPool | None:
+def new_kv_pool(runner: LlavaRunner, page_size: int, fixed_bytes: int = 0) -> KVPool | None:
     """The KV pool of a replica running ``runner``, pages of ``page_size`` positions; None (sessions keep
     ``DynamicCache``s) for ``page_size`` 0 or a model with a sliding attention window (a
     ``DynamicCache`` built from its config keeps only the window, the pool every position), or a
-    runner without a model (tests' stand-ins)."""
+    runner without a model (tests' stand-ins). ``fixed_bytes`` > 0: the pool is fixed at that many
+    bytes of pages (and one more, the static decode step's scratch page); 0: it grows."""
     if page_size <= 0 or not getattr(runner, "fusable", False) or not hasattr(runner, "num_kv_heads"):
         return None
     text = runner.config.text_config
-    return KVPool(
-        text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, page_size=page_size
-    )
+    shape = (text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device)
+    if not fixed_bytes:
+        return KVPool(*shape, page_size=page_size)
+    num_pages = max(1, fixed_bytes // (page_size * runner.kv_bytes_per_token)) + 1
+    return KVPool(*shape, page_size=page_size, num_pages=num_pages, fixed=True)
+
+
+def new_graphs(runner: LlavaRunner, pool: KVPool) -> DecodeGraphs | None:
+    """The static decode step over ``pool`` (:class:`~llava_sessions.model.graphs.DecodeGraphs`, up to
+    :data:`MAX_GRAPH_ROWS` rows over the model's context), its buckets captured as CUDA graphs on a
+    CUDA device. None when the capture fails (logged; the decode steps then run eagerly at their own
+    shapes, the path every test runs)."""
+    graphs = DecodeGraphs(runner, pool, max_rows=MAX_GRAPH_ROWS, max_len=runner.max_positions)
+    if runner.device.type != "cuda":
+        return graphs
+    try:
+        graphs.capture()
+    except Exception:
+        log.warning("CUDA graph capture failed; the decode steps run eagerly", exc_info=True)
+        graphs.close()
+        return None
+    return graphs
 
 
 def vision_units(images: Sequence[Any]) -> int:

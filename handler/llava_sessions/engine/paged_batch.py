@@ -28,6 +28,8 @@ from .memory import oom_attempts
 from .scheduler import BatchLayout
 
 if TYPE_CHECKING:
+    from ..model.graphs import DecodeGraphs
+    from ..model.pages import PageTable
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Generation
@@ -43,6 +45,9 @@ class PagedDecodeBatch:
         runner: the model runner (the batched forward).
         store: the session store (demotions after an out-of-memory error).
         pool: the replica's KV pool, which holds every decoding session's cache.
+        graphs: the decode step at static shapes (:class:`~llava_sessions.model.graphs.DecodeGraphs`,
+            CUDA graphs on a card) that a step without a prefill chunk runs through when a bucket
+            holds it; None: every step at its own shape, eagerly.
 
     Attributes:
         rows: the running answers by row (None: a row whose answer left; compacted when under half live).
@@ -51,10 +56,13 @@ class PagedDecodeBatch:
 
     cache: None = None  # no batch tensors: the rows' KV is their sessions' pages
 
-    def __init__(self, runner: LlavaRunner, store: SessionStore, pool: KVPool) -> None:
+    def __init__(
+        self, runner: LlavaRunner, store: SessionStore, pool: KVPool, graphs: DecodeGraphs | None = None
+    ) -> None:
         self.runner = runner
         self.store = store
         self.pool = pool
+        self.graphs = graphs
         self.rows: list[Generation | None] = []
         self.num_builds = 0
 
@@ -117,15 +125,16 @@ class PagedDecodeBatch:
                 try:
                     for c in caches:
                         self.pool.make_room(c.table, 1)
-                    step = PagedBatchCache(self.pool.pages, [c.table for c in caches])
-                    assert step.positions == [g.next_position for g in gens], "a row's cache: its prompt, fed tokens"
+                    tables = [c.table for c in caches]
+                    positions = [t.num_tokens - 1 for t in tables]
+                    assert positions == [g.next_position for g in gens], "a row's cache: its prompt, fed tokens"
                     if session is None:
-                        logits = self.runner.decode_batch(step, tokens, step.positions, step.attention_mask)
+                        logits = self._decode(tables, tokens)
                     else:
-                        feats = session.image_features
-                        mask = step.attention_mask
+                        step = PagedBatchCache(self.pool.pages, tables)
+                        feats, mask = session.image_features, step.attention_mask
                         logits, last = self.runner.fused_step(
-                            step, tokens, step.positions, mask, session.kv_cache, ids, feats
+                            step, tokens, positions, mask, session.kv_cache, ids, feats
                         )
                 except BaseException:
                     for c, start in zip(caches, starts, strict=True):
@@ -139,6 +148,16 @@ class PagedDecodeBatch:
         out = logits.new_zeros(len(self.rows), logits.shape[-1])
         out[torch.tensor(rows, device=logits.device)] = logits
         return out, last
+
+    def _decode(self, tables: list[PageTable], tokens: list[int]) -> torch.Tensor:
+        """The decode pass of ``tables`` (reserved): through :attr:`graphs` when a bucket holds it
+        (replayed on a card), else over a :class:`~llava_sessions.model.PagedBatchCache` of its shape."""
+        if self.graphs is not None:
+            logits = self.graphs.run(tables, tokens)
+            if logits is not None:
+                return logits
+        step = PagedBatchCache(self.pool.pages, tables)
+        return self.runner.decode_batch(step, tokens, step.positions, step.attention_mask)
 
     def release(self, gen: Generation) -> None:
         """Take ``gen`` out of the batch. Its session's cache already holds every position the answer

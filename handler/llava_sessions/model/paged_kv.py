@@ -37,7 +37,7 @@ from .pages import PagePool, PageTable, fork, release, reserve, truncate
 if TYPE_CHECKING:
     from .pages import PageCopy
 
-__all__ = ["KVPages", "KVPool", "PagedBatchCache", "PagedCache", "SessionKV"]
+__all__ = ["KVPages", "KVPool", "PagedBatchCache", "PagedCache", "SessionKV", "SlotsCache"]
 
 
 class KVPages:
@@ -208,7 +208,17 @@ class PagedCache(Cache):
         super().__init__(layers=list(layers))
 
 
-class PagedBatchCache(Cache):
+class SlotsCache(Cache):
+    """The cache of one decode step of ``B`` rows over given slot tensors: each row's new token
+    written at ``write`` ``[B]`` (long, on the pool's device), attention reading ``read`` ``[B, L]``
+    (the pads masked by the caller's mask). Only tensor ops read the slots, so a CUDA graph replays a
+    step over the same tensors after they are overwritten (:mod:`.graphs`)."""
+
+    def __init__(self, pages: KVPages, write: torch.Tensor, read: torch.Tensor) -> None:
+        super().__init__(layers=[_PagedLayer(pages, i, write, read, 1) for i in range(len(pages.keys))])
+
+
+class PagedBatchCache(SlotsCache):
     """The cache of one decode step of several sequences, one new token each.
 
     Args:
@@ -228,10 +238,9 @@ class PagedBatchCache(Cache):
         read = _page_slots([t.pages for t in tables], pages.page_size)[:, :longest]  # pads: page 0's, masked
         mask = (torch.arange(longest)[None, :] < lengths[:, None]).long()
         write = read[torch.arange(len(tables)), lengths - 1]
-        read, write, self.attention_mask = read.to(device), write.to(device), mask.to(device)
+        self.attention_mask = mask.to(device)
         self.positions = [t.num_tokens - 1 for t in tables]
-        layers = [_PagedLayer(pages, i, write, read, 1) for i in range(len(pages.keys))]
-        super().__init__(layers=list(layers))
+        super().__init__(pages, write.to(device), read.to(device))
 
 
 class KVPool:
@@ -245,6 +254,10 @@ class KVPool:
         num_pages: pages allocated at the start; the pool grows by what a holder lacks, and at least
             a quarter, each time (so its free pages stay under a fifth of it after a growth; a growth
             copies the pool once).
+        fixed: the pool never grows (a card's: sized once at start, so its tensors stay where a CUDA
+            graph read them, :mod:`.graphs`); a holder finding no free page gets
+            ``torch.OutOfMemoryError``, on which the engine demotes idle sessions (their pages freed)
+            and retries (:func:`~llava_sessions.engine.memory.oom_attempts`).
 
     Attributes:
         pages: the tensors. pool: the free list and reference counts.
@@ -261,9 +274,11 @@ class KVPool:
         *,
         page_size: int = 16,
         num_pages: int = 64,
+        fixed: bool = False,
     ) -> None:
         self.pool = PagePool(num_pages, page_size)
         self.pages = KVPages(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
+        self.fixed = fixed
         self.num_grows = 0
 
     @property
@@ -280,9 +295,12 @@ class KVPool:
         a shared, partly written last page copied first); the pool grows when too few pages are free.
 
         Raises:
-            torch.OutOfMemoryError: the device has no room to grow the pool (``table`` unchanged).
+            torch.OutOfMemoryError: the device has no room to grow the pool, or a fixed pool has too
+                few free pages (``table`` unchanged).
         """
         copies = reserve(self.pool, table, num_tokens)
+        if copies is None and self.fixed:
+            raise torch.OutOfMemoryError(f"out of memory: the KV pool's {self.pool.num_pages} pages are held")
         if copies is None:
             # the pages it lacks, one for a copied last page, less the free ones
             need = self.pool.pages_for(table.num_tokens + num_tokens) - len(table.pages) + 1 - self.pool.num_free_pages

@@ -384,7 +384,11 @@ class LlavaRunner:
 
     @torch.inference_mode()
     def decode_batch(
-        self, batch: Cache, token_ids: list[int], positions: list[int], attention_mask: torch.Tensor
+        self,
+        batch: Cache,
+        token_ids: Sequence[int] | torch.Tensor,
+        positions: Sequence[int] | torch.Tensor,
+        attention_mask: torch.Tensor,
     ) -> torch.Tensor:
         """One decode step for every row of ``batch`` in one forward pass.
 
@@ -392,11 +396,11 @@ class LlavaRunner:
             batch: the rows' KV: a :class:`BatchKVCache` (each row's new key/value is written at
                 column ``batch.length``, which grows by one) or a
                 :class:`~.paged_kv.PagedBatchCache` (each row's at its table's last position).
-            token_ids: ``B`` input tokens, one per row (any id for a row that is masked out).
-            positions: ``B`` position ids (each row's own sequence position: rows have
-                different lengths and may have skipped steps).
+            token_ids, positions: ``B`` input tokens (any id for a masked row) and position ids
+                (each row's own); lists, or long tensors ``[B, 1]`` on the device (a graph's buffers).
             attention_mask: ``[B, batch.length + 1]`` long, 1 where a row may attend (its own
-                valid columns, including the new one), 0 for pads, holes and masked rows.
+                valid columns, including the new one), 0 for pads, holes and masked rows; or a
+                ready 4D ``[B, 1, 1, L]`` bool mask, which transformers passes to attention as it is.
 
         Returns:
             Logits ``[B, vocab]`` float32.
@@ -405,11 +409,11 @@ class LlavaRunner:
             Exception: the forward pass failed; the caller takes back what it wrote
                 (:meth:`BatchKVCache.set_length`; a paged batch's tables truncated).
         """
-        ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)
+        ids = torch.as_tensor(token_ids, device=self.device).reshape(-1, 1)
         out = self.model(
             inputs_embeds=self.model.get_input_embeddings()(ids),
             attention_mask=attention_mask,
-            position_ids=torch.tensor(positions, device=self.device).unsqueeze(1),
+            position_ids=torch.as_tensor(positions, device=self.device).reshape(-1, 1),
             use_cache=True,
             **{self._cache_kw: batch},
             logits_to_keep=1,

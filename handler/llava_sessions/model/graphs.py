@@ -1,0 +1,196 @@
+"""The decode step at static shapes over the KV pool, captured as CUDA graphs and replayed.
+
+A decode step of ``n`` rows whose longest row has ``m`` positions runs in a bucket ``(B, L)``: the
+smallest of the batch sizes 1, 2, 4, 8, then every 16 up to ``max_rows`` (nano-vllm's
+``capture_cudagraph``) that holds ``n``, and the smallest attended length of 512, 1024, ... positions
+up to the model's context that holds ``m``. Every input of the pass lives in persistent buffers on the
+device, overwritten before each step:
+
+- ``ids`` / ``positions`` ``[max_rows, 1]`` long: each row's fed token and its position;
+- ``write`` ``[max_rows]`` long: the pool slot of each row's new position;
+- per length ``L``: ``read`` ``[max_rows, L]`` long, the slots attention reads (each row's pages in
+  order, then the scratch page's), and ``mask`` ``[max_rows, 1, 1, L]`` bool, True at a row's
+  positions (transformers passes a 4D mask to attention as it is).
+
+A pad row (``n < B``) writes and reads only the scratch page, a page of the pool that no holder gets,
+and attends to its one slot; its logits are dropped. Nothing in the pass reads a host value, so on a
+CUDA device each bucket's pass is captured once at start (:meth:`DecodeGraphs.capture`, the largest
+first, every graph in one memory pool) and a step is a buffer copy and a replay. The pool must be
+fixed (:class:`~.paged_kv.KVPool` ``fixed``): a graph reads the tensors it was captured over.
+
+On a CPU the same static pass runs eagerly (nothing to capture: the engine's CPU default is the
+contiguous layout); tests run it there to show its greedy tokens equal ``model.generate``'s. On a
+card, ``benchmarks/gpu.py`` checks replay against eager. Attention reads the rows' positions gathered
+from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.paged_kv.PagedBatchCache` does).
+
+References: PyTorch, "CUDA Graphs" (``torch.cuda.graph``, ``CUDAGraph.replay``, static inputs
+overwritten with ``copy_``); nano-vllm ``engine/model_runner.py`` (buckets, capture largest first in
+one pool), read, not copied.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .paged_kv import KVPool, SlotsCache
+from .pages import PageTable, release
+
+if TYPE_CHECKING:
+    from .runner import LlavaRunner
+
+__all__ = ["DecodeGraphs", "batch_buckets", "length_buckets"]
+
+log = logging.getLogger(__name__)
+
+#: The shortest attended length a graph is captured for (positions).
+MIN_GRAPH_LENGTH = 512
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, then every 16 up to ``max_rows`` (and
+    ``max_rows`` itself), ascending. ``max_rows`` below 1 gives none."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_rows] + list(range(16, max_rows + 1, 16))
+    return sorted({*sizes, max_rows}) if max_rows >= 1 else []
+
+
+def length_buckets(max_len: int, page_size: int) -> list[int]:
+    """Attended lengths a graph is captured for: 512 positions doubling while under ``max_len``, then
+    ``max_len`` rounded up to whole pages of ``page_size``, ascending."""
+    top = -(-max_len // page_size) * page_size
+    sizes, length = [], MIN_GRAPH_LENGTH
+    while length < top:
+        sizes.append(length)
+        length *= 2
+    return [*sizes, top]
+
+
+def _smallest(sizes: Sequence[int], n: int) -> int | None:
+    return next((s for s in sizes if s >= n), None)
+
+
+class DecodeGraphs:
+    """Decode steps of up to ``max_rows`` rows at static shapes over ``pool`` (module docstring).
+
+    Args:
+        runner: the model (:meth:`~.runner.LlavaRunner.decode_batch` is the captured pass).
+        pool: the replica's KV pool; one page of it becomes the scratch page (:attr:`table`).
+        max_rows: the largest batch a step runs at static shapes (larger steps: the caller's eager path).
+        max_len: the longest attended length, positions (the model's context).
+
+    Attributes:
+        table: the scratch page, held for as long as the graphs live (a holder of the pool's, for
+            :meth:`KVPool.check <.paged_kv.KVPool.check>`).
+        num_replays: steps run through a captured graph; num_eager: steps run at static shapes eagerly.
+
+    Raises:
+        torch.OutOfMemoryError: a fixed pool has no free page for the scratch page.
+    """
+
+    def __init__(self, runner: LlavaRunner, pool: KVPool, *, max_rows: int, max_len: int) -> None:
+        self.runner, self.pool = runner, pool
+        self.rows = batch_buckets(max_rows)
+        self.lengths = length_buckets(max_len, pool.page_size)
+        self.table = PageTable()
+        pool.make_room(self.table, 1)
+        self._scratch = self.table.pages[0]
+        device, top = pool.pages.keys[0].device, self.rows[-1]
+        self._ids = torch.zeros(top, 1, dtype=torch.long, device=device)
+        self._positions = torch.zeros(top, 1, dtype=torch.long, device=device)
+        self._write = torch.full((top,), self._scratch * pool.page_size, dtype=torch.long, device=device)
+        self._read = {L: self._write[:, None].repeat(1, L) for L in self.lengths}
+        self._mask = {L: torch.zeros(top, 1, 1, L, dtype=torch.bool, device=device) for L in self.lengths}
+        for mask in self._mask.values():
+            mask[:, 0, 0, 0] = True  # a pad row attends to its one scratch slot
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._out: dict[tuple[int, int], torch.Tensor] = {}
+        self.num_replays = 0
+        self.num_eager = 0
+
+    @property
+    def num_graphs(self) -> int:
+        """Buckets captured."""
+        return len(self._graphs)
+
+    def close(self) -> None:
+        """Drop the graphs and give the scratch page back to the pool (the object is unusable after)."""
+        self._graphs.clear()
+        self._out.clear()
+        release(self.pool.pool, self.table)
+
+    def bucket(self, num_rows: int, longest: int) -> tuple[int, int] | None:
+        """The bucket ``(B, L)`` of a step of ``num_rows`` rows whose longest has ``longest``
+        positions (its new one included); None when it is larger than every bucket."""
+        rows, length = _smallest(self.rows, num_rows), _smallest(self.lengths, longest)
+        return None if rows is None or length is None else (rows, length)
+
+    def capture(self) -> None:
+        """Capture every bucket's pass as a CUDA graph, the largest first, all in one memory pool
+        (each pass run once eagerly first, over the scratch page only).
+
+        Raises:
+            RuntimeError: not on a CUDA device, or the capture failed (the caller runs eagerly).
+        """
+        if self.pool.pages.keys[0].device.type != "cuda":
+            raise RuntimeError("CUDA graphs are captured on a CUDA device only")
+        mempool = None
+        for key in sorted(((b, L) for b in self.rows for L in self.lengths), reverse=True):
+            self._pass(*key)  # warm-up: lazy initialisation and autotuning outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self._out[key] = self._pass(*key)
+            mempool = graph.pool()
+            self._graphs[key] = graph
+        torch.cuda.synchronize()
+        log.info("captured %d decode graphs (rows %s x lengths %s)", len(self._graphs), self.rows, self.lengths)
+
+    def run(self, tables: Sequence[PageTable], token_ids: Sequence[int]) -> torch.Tensor | None:
+        """One decode step of ``tables`` (each reserved for its new position, the last) fed
+        ``token_ids``: replayed when its bucket was captured, else run at static shapes eagerly.
+
+        Returns:
+            Logits ``[len(tables), vocab]`` float32 (a tensor of the caller's), or None when the step
+            is larger than every bucket (nothing written: the caller runs it its own way).
+        """
+        n = len(tables)
+        lengths = [t.num_tokens for t in tables]
+        key = self.bucket(n, max(lengths))
+        if key is None:
+            return None
+        rows, length = key
+        self._fill(tables, token_ids, rows, length)
+        graph = self._graphs.get(key)
+        if graph is None:
+            self.num_eager += 1
+            return self._pass(rows, length)[:n]
+        graph.replay()
+        self.num_replays += 1
+        return self._out[key][:n].clone()
+
+    def _fill(self, tables: Sequence[PageTable], token_ids: Sequence[int], rows: int, length: int) -> None:
+        """Overwrite the buffers' first ``rows`` rows: the tables' rows, then pad rows on the scratch page."""
+        size, n = self.pool.page_size, len(tables)
+        pages = torch.full((rows, length // size), self._scratch, dtype=torch.long)
+        for i, t in enumerate(tables):
+            pages[i, : len(t.pages)] = torch.tensor(t.pages, dtype=torch.long)
+        read = (pages[:, :, None] * size + torch.arange(size)).reshape(rows, length)
+        lengths = torch.ones(rows, dtype=torch.long)  # a pad row attends to its one scratch slot
+        lengths[:n] = torch.tensor([t.num_tokens for t in tables])
+        mask = torch.arange(length)[None, :] < lengths[:, None]
+        ids = torch.zeros(rows, 1, dtype=torch.long)
+        ids[:n, 0] = torch.tensor(list(token_ids))
+        self._ids[:rows].copy_(ids)
+        self._positions[:rows].copy_((lengths - 1)[:, None])
+        self._write[:rows].copy_(read[torch.arange(rows), lengths - 1])
+        self._read[length][:rows].copy_(read)
+        self._mask[length][:rows, 0, 0].copy_(mask)
+
+    def _pass(self, rows: int, length: int) -> torch.Tensor:
+        """The static pass of bucket ``(rows, length)`` over the buffers: logits ``[rows, vocab]`` float32."""
+        cache = SlotsCache(self.pool.pages, self._write[:rows], self._read[length][:rows])
+        mask = self._mask[length][:rows]
+        return self.runner.decode_batch(cache, self._ids[:rows], self._positions[:rows], mask)

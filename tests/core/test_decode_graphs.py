@@ -1,0 +1,125 @@
+"""The decode step at static shapes (issue 43 item 3): what a card captures as CUDA graphs and replays.
+
+Nothing is captured on this CPU (CUDA graphs need a CUDA device; ``benchmarks/gpu.py`` checks replay
+against eager on a card). What runs here is the pass a graph records, eagerly, over the same
+persistent buffers a replay reads: the rows padded to a batch bucket with pad rows on the scratch
+page, the attended length padded to a length bucket, every input overwritten before the step. fp32
+greedy tokens through it equal ``model.generate``'s, and it writes nothing but each row's new slot
+and the scratch page.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llava_sessions.model.graphs import DecodeGraphs, batch_buckets, length_buckets
+from llava_sessions.model.paged_kv import KVPool, SessionKV
+from llava_sessions.model.pages import PageTable, reserve
+
+N = 12
+PAGE = 16
+
+
+def test_buckets_are_nano_vllms_batch_sizes_and_doubling_lengths() -> None:
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20] and batch_buckets(3) == [1, 2, 3] and batch_buckets(0) == []
+    assert length_buckets(4096, 16) == [512, 1024, 2048, 4096]
+    assert length_buckets(1000, 16) == [512, 1008] and length_buckets(300, 16) == [304]
+
+
+def new_pool(runner, num_pages: int, fixed: bool = True) -> KVPool:
+    text = runner.config.text_config
+    shape = (text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device)
+    return KVPool(*shape, page_size=PAGE, num_pages=num_pages, fixed=fixed)
+
+
+def test_a_fixed_pool_never_grows_and_a_holder_it_cannot_hold_gets_out_of_memory(runner) -> None:
+    """A card's pool is sized once: a reservation past its free pages raises the allocator's error
+    (on which the engine demotes idle sessions and retries), with the table and the tensors as before."""
+    pool = new_pool(runner, 4)
+    storage = [t.data_ptr() for t in pool.pages.keys + pool.pages.values]
+    table = PageTable()
+    pool.make_room(table, 4 * PAGE)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.make_room(table, 1)
+    assert table.num_tokens == 4 * PAGE and len(table.pages) == 4 and pool.pool.num_free_pages == 0
+    assert pool.num_grows == 0 and [t.data_ptr() for t in pool.pages.keys + pool.pages.values] == storage
+
+
+def prompts(runner) -> list[list[int]]:
+    """Three chat prompts of different lengths (text only); the longest crosses 512 positions while
+    it answers, so its step moves from the 512 bucket to the next."""
+    tok = runner.processor.tokenizer
+    lengths = [9, 60, 512 - N // 2]
+    out = []
+    for n in lengths:
+        ids = tok("Describe the view from the window in a few words, please. " * 60)["input_ids"]
+        out.append(ids[:n])
+    return out
+
+
+def reference(runner, ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = runner.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=N, min_new_tokens=N, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def changed_slots(pool: KVPool, before: list[torch.Tensor]) -> set[int]:
+    """Slots of any layer whose keys or values differ from ``before`` (the tensors' earlier copies)."""
+    now = pool.pages.keys + pool.pages.values
+    slots: set[int] = set()
+    for old, new in zip(before, now, strict=True):
+        diff = (old != new).reshape(old.shape[0] * PAGE, -1).any(-1)
+        slots |= set(diff.nonzero().flatten().tolist())
+    return slots
+
+
+def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(runner) -> None:
+    """Rows join and leave (3 rows run in the 4-row bucket with a pad row); each row's fed token is
+    written at its new slot and nowhere else but the scratch page; the greedy tokens equal
+    ``model.generate``'s for each prompt alone."""
+    pool = new_pool(runner, 200)
+    ids = prompts(runner)
+    caches = [SessionKV(pool) for _ in ids]
+    tokens = [[int(runner.prefill(c, p, None).argmax())] for c, p in zip(caches, ids, strict=True)]
+    graphs = DecodeGraphs(runner, pool, max_rows=8, max_len=runner.max_positions)  # the scratch page is no page 0
+    scratch = set(range(graphs.table.pages[0] * PAGE, (graphs.table.pages[0] + 1) * PAGE))
+    plan = [[0], [0, 1], [0, 1, 2], [2, 0, 1], [1, 2]] + [[0, 1, 2]] * (N + 2)
+    buckets = set()
+    for rows in plan:
+        rows = [r for r in rows if len(tokens[r]) < N]
+        if not rows:
+            continue
+        for r in rows:
+            assert reserve(pool.pool, caches[r].table, 1) == []
+        tables = [caches[r].table for r in rows]
+        before = [t.clone() for t in pool.pages.keys + pool.pages.values]
+        logits = graphs.run(tables, [tokens[r][-1] for r in rows])
+        assert logits is not None and logits.shape[0] == len(rows)
+        new = {t.pages[(t.num_tokens - 1) // PAGE] * PAGE + (t.num_tokens - 1) % PAGE for t in tables}
+        assert new <= changed_slots(pool, before) <= new | scratch
+        buckets.add(graphs.bucket(len(rows), max(t.num_tokens for t in tables)))
+        for i, r in enumerate(rows):
+            tokens[r].append(int(logits[i].argmax()))
+    assert tokens == [reference(runner, p) for p in ids]
+    assert {(4, 512), (4, 1024)} <= buckets and graphs.num_eager > N and graphs.num_replays == 0
+    pool.check([*(c.table for c in caches), graphs.table])
+
+
+def test_a_step_larger_than_every_bucket_is_left_to_the_caller_and_close_frees_the_scratch_page(runner) -> None:
+    pool = new_pool(runner, 64)
+    free = pool.pool.num_free_pages
+    graphs = DecodeGraphs(runner, pool, max_rows=2, max_len=512)
+    assert pool.pool.num_free_pages == free - 1 and graphs.rows == [1, 2] and graphs.lengths == [512]
+    tables = []
+    for n in (3, 5, 7):
+        tables.append(PageTable())
+        pool.make_room(tables[-1], n)
+    before = [t.clone() for t in pool.pages.keys + pool.pages.values]
+    assert graphs.run(tables, [1, 2, 3]) is None  # three rows: no bucket holds them
+    pool.make_room(tables[0], 512)
+    assert graphs.run(tables[:1], [1]) is None  # 515 positions: longer than every bucket
+    assert changed_slots(pool, before) == set()  # nothing written
+    graphs.close()
+    pool.check(tables)
