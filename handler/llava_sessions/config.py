@@ -102,12 +102,12 @@ class Settings(BaseModel):
     idle_timeout_s: int = Field(0, ge=0, description="A session idle this many seconds expires; 0: no idle timeout.")
     device_budget_bytes: int = Field(0, ge=0, description="Device bytes for session caches; 0: device_budget_fraction.")
     device_budget_fraction: float = Field(
-        0.8,
-        gt=0.0,
-        le=1.0,
-        description="Fraction (0 < f <= 1) of free device memory after model load for session caches.",
+        0.8, gt=0.0, le=1.0, description="Fraction (0 < f <= 1) of free device memory after model load for sessions."
     )
     host_budget_bytes: int = Field(2 * _GIB, gt=0, description="Host bytes sessions hold (media bytes + conversation).")
+    kv_offload_bytes: int = Field(
+        4 * _GIB, ge=0, description="Host bytes a GPU replica moves demoted sessions' KV pages to (0: dropped)."
+    )
     max_sessions: int = Field(
         64,
         ge=1,

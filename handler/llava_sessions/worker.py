@@ -200,6 +200,7 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
         max_sessions=settings.max_sessions,
         ttl_s=settings.session_ttl_s,
         idle_timeout_s=settings.idle_timeout_s,
+        kv_offload_bytes=settings.kv_offload_bytes if runner.device.type == "cuda" else 0,  # a CPU's host is its device
     )
     return SessionEngine(
         runner,

@@ -168,7 +168,7 @@ LAYERS: list[set[str]] = [
     },
     {"wire.inbound", "images.fetch", "model.runner", "sampling.sampler"},
     {"images", "video", "model", "engine.sequence", "chat.fields", "wire.affinity"},
-    {"native.protocol", "chat.protocol", "sessions.session", "engine.admission", "engine.updates"},
+    {"native.protocol", "chat.protocol", "sessions.session", "sessions.offload", "engine.admission", "engine.updates"},
     {"chat.command", "sessions.store", "engine.decode_batch", "engine.paged_batch"},
     {"chat.responses"},
     {"native.responses", "engine.model_runner"},

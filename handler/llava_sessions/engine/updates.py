@@ -15,6 +15,7 @@ Forward passes themselves are the model runner's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -25,7 +26,7 @@ import torch
 
 from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError, overloaded
-from ..model import EncodedVideo, is_sampled_video
+from ..model import EncodedVideo, SessionKV, is_sampled_video
 from ..results import FinishReason, RestoredFrom, elapsed_ms
 from ..sessions.ledger import Tier
 from .memory import kv_grant_bytes
@@ -81,7 +82,7 @@ class StateUpdates:
         t0 = time.perf_counter()
         if gen.features_pending:
             self._assemble_features(gen)
-        restored = self._restore(session)
+        restored = self._restore(session, gen.prefill_ids)
         if gen.resent:  # a resent conversation: a prefix another session holds may serve more
             self.sharing.adopt_prefix(session, gen.prefill_ids, session.image_keys, session.image_tokens)
         reuse = gen.num_reusable_tokens()
@@ -102,8 +103,12 @@ class StateUpdates:
         session.set_features(torch.cat(rows) if rows else None)
         gen.images_to_encode, gen.features_pending = [], False
 
-    def _restore(self, session: Session) -> RestoredFrom | None:
-        """Bring a demoted session back to a prefillable state; returns the tier it came from."""
+    def _restore(self, session: Session, ids: list[int]) -> RestoredFrom | None:
+        """Bring a demoted session back to a prefillable state for the prompt ``ids``: its features
+        (encoded again from the ``image`` tier), and its KV from the host copy its demotion made, as
+        far as ``ids`` starts with it (:mod:`~llava_sessions.sessions.offload`; otherwise prefilled
+        again). Returns the tier it came from (None: nothing was demoted)."""
+        held = self.store.offload.take(session.session_id)  # used now or never: the session moves on
         if not session.images:  # a conversation without images: nothing to restore
             if session.kv_cache is None:
                 session.start_kv(self.model.new_cache())
@@ -115,6 +120,11 @@ class StateUpdates:
             images = [self.decode_image(data) for data in session.images]
             session.set_features(self.model.encode(session, images))
         session.start_kv(self.model.new_cache())
+        if held is not None and isinstance(session.kv_cache, SessionKV):
+            # no room in the pool for the pages (nothing written): prefilled again, as without a copy
+            with contextlib.suppress(torch.OutOfMemoryError):
+                n = self.store.offload.load(held, session.kv_cache, ids, session.image_keys)
+                session.record_prefill(held.ids[:n])
         session.count_restore()
         self.store.stats.num_restores += 1
         return "features" if tier is Tier.FEATURES else "image"

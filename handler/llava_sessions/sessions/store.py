@@ -43,6 +43,7 @@ from ..errors import ErrorCode, ServiceError, overloaded
 from ..images.fetch import image_key
 from ..model.kv_cache import held_len
 from .ledger import Demotion, SessionLedger, Tier
+from .offload import KVOffload
 from .session import Session, SessionSnapshot
 
 __all__ = ["Session", "SessionSnapshot", "SessionStore", "StoreStats", "Tier"]
@@ -60,6 +61,7 @@ class StoreStats:
     num_demotions_features: int = 0
     num_restores: int = 0
     num_cache_evictions: int = 0
+    num_kv_offloads: int = 0
 
 
 class SessionStore:
@@ -80,6 +82,11 @@ class SessionStore:
         idle_timeout_s: a session idle this long expires, s (0 = off).
         clock: time source in epoch seconds (injectable for tests).
         max_tombstones: how many expired/evicted/closed ids are remembered for precise errors.
+        kv_offload_bytes: host bytes for demoted sessions' KV pages (:mod:`.offload`; 0: a demotion
+            drops the KV, recomputed on the next question).
+
+    Attributes:
+        offload: the host copies of demoted sessions' KV (:class:`~.offload.KVOffload`).
 
     Raises:
         ValueError: a budget or ``kv_bytes_per_token`` is not > 0.
@@ -96,6 +103,7 @@ class SessionStore:
         idle_timeout_s: int = 0,
         clock: Callable[[], float] = time.time,
         max_tombstones: int = 10_000,
+        kv_offload_bytes: int = 0,
     ) -> None:
         if device_budget_bytes <= 0 or host_budget_bytes <= 0:
             raise ValueError("budgets must be > 0 bytes")
@@ -112,6 +120,7 @@ class SessionStore:
         self._tombstones: OrderedDict[str, ErrorCode] = OrderedDict()
         self._max_tombstones = max_tombstones
         self.stats = StoreStats()
+        self.offload = KVOffload(kv_offload_bytes)
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -334,6 +343,7 @@ class SessionStore:
     def _drop(self, session: Session, code: ErrorCode) -> None:
         del self._sessions[session.session_id]
         self._ledger.remove(session.session_id)
+        self.offload.forget(session.session_id)
         session.drop_features()
         if session.anonymous:  # no client knows its id: nothing to tell anyone
             self.stats.num_cache_evictions += code is ErrorCode.SESSION_EVICTED
@@ -406,8 +416,9 @@ class SessionStore:
         return True
 
     def demote(self, session_id: str, to: Tier) -> None:
-        """Demote the idle session ``session_id`` to tier ``to`` now (``features``: free its KV cache;
-        ``image``: its features too), as the budget would (tests and benchmarks use it).
+        """Demote the idle session ``session_id`` to tier ``to`` now (``features``: free its KV cache,
+        its pages copied to the host first when the offload budget has room; ``image``: its features
+        too), as the budget would (tests and benchmarks use it).
 
         Raises:
             ServiceError(session_*): as :meth:`get`. ValueError: the session is busy, or ``to`` is ``kv``.
@@ -415,7 +426,11 @@ class SessionStore:
         session = self._sessions.get(session_id) or self.get(session_id)
         if session.busy or to is Tier.KV:
             raise ValueError("only an idle session is demoted, to features or image")
-        session.drop_kv() if to is Tier.FEATURES else session.drop_features()
+        if to is Tier.FEATURES:
+            self.stats.num_kv_offloads += self.offload.offload(session)
+            session.drop_kv()
+        else:
+            session.drop_features()
 
     def demote_all(self, keep: Session | None) -> None:
         """Demote every idle session but ``keep`` to the ``image`` tier (after an out-of-memory error)."""
@@ -444,6 +459,7 @@ class SessionStore:
             if s.anonymous:  # a conversation-cache entry goes whole
                 self._drop(s, ErrorCode.SESSION_EVICTED)
             elif d.to is Tier.FEATURES:
+                self.stats.num_kv_offloads += self.offload.offload(s)  # its pages copied to the host first
                 s.drop_kv()
                 self.stats.num_demotions_kv += 1
             else:
