@@ -149,9 +149,13 @@ class Page:
         while time.monotonic() < deadline:
             status = self.status()
             # the question's own event has shown on the line ("Answering…", Gradio's overlay, or its
-            # outcome): a late re-render of the previous status, text unchanged, is not an answer
+            # outcome): a late re-render of the previous status, text unchanged, is not an answer, nor
+            # is the line back at the previous status once the overlay left (a full run once returned
+            # a second tab's "opened ..." line here; an answer carries its own timings, so it differs;
+            # a warning may repeat itself)
             moved = any(text != before for text in self.d.execute_script("return window.__statusTexts"))
-            if moved and "Answering…" not in status and not _pending(status):
+            outcome = status != before or "⚠" in status
+            if moved and outcome and "Answering…" not in status and not _pending(status):
                 return status
             time.sleep(0.1)
         raise AssertionError(f"no answer to {question!r} in {timeout} s; the status line reads {self.status()!r}")

@@ -89,10 +89,8 @@ class KVOffload:
         while self.num_bytes + nbytes > self.budget_bytes:
             self._pop(next(iter(self._held)))
             self.num_dropped += 1
-        layers = [cache.layer_states(i) for i in range(len(cache.layers))]
-        keys = [_to_host(k) for k, _ in layers]
-        values = [_to_host(v) for _, v in layers]
-        self._held[session.session_id] = HostKV(ids, list(session.image_keys), keys, values, nbytes)
+        host = _host_copy(cache)
+        self._held[session.session_id] = HostKV(ids, list(session.image_keys), list(host[0]), list(host[1]), nbytes)
         self.num_bytes += nbytes
         self.num_offloads += 1
         return True
@@ -134,10 +132,15 @@ class KVOffload:
         return held
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (a gathered copy) on the host: pinned from a CUDA device, as it is on a CPU (already a copy)."""
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)
+def _host_copy(cache: SessionKV) -> torch.Tensor:
+    """Every layer's keys and values of ``cache`` in one host tensor ``[2, layers, 1, kv_heads, n,
+    head_dim]`` (pinned from a CUDA device: one page-locked allocation, and the copy back is a DMA),
+    gathered and copied one layer at a time, so the device holds one layer's copy at once beside the pool."""
+    k0, v0 = cache.layer_states(0)
+    on_card = k0.device.type == "cuda"
+    host = torch.empty((2, len(cache.layers), *k0.shape), dtype=k0.dtype, pin_memory=on_card)
+    for i in range(len(cache.layers)):
+        keys, values = (k0, v0) if i == 0 else cache.layer_states(i)
+        host[0, i].copy_(keys)
+        host[1, i].copy_(values)
     return host
