@@ -12,6 +12,7 @@ import torch
 from engine_fixtures import make_engine
 from llava_sessions.metrics import WorkerMetrics
 from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.sessions import offload as offload_module
 from llava_sessions.sessions.offload import KVOffload
 from llava_sessions.sessions.store import Tier
 
@@ -132,3 +133,23 @@ def test_a_copy_is_reused_only_under_the_images_it_was_computed_over(runner, pho
     keys, _ = cache.layer_states(0)
     assert torch.equal(keys, held.keys[0])
     cache.release()
+
+
+def test_a_copy_that_fails_drops_the_kv_as_without_offload(runner, photos, monkeypatch):
+    """No page-locked host memory (faked): the demotion still happens, the KV is dropped, the next
+    question prefills again and answers exactly."""
+
+    def no_host_memory(cache):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    eng = offloading(runner)
+    eng.open("s", photos["coffee"])
+    first = eng.generate("s", FIRST, GREEDY)
+    monkeypatch.setattr(offload_module, "_host_copy", no_host_memory)
+    eng.store.demote("s", Tier.FEATURES)
+    assert "s" not in eng.store.offload and eng.store.get("s").tier is Tier.FEATURES
+    second = eng.generate("s", NEXT, GREEDY)
+    assert second.cached_tokens == 0
+    ref = make_engine(runner)
+    ref.open("s", photos["coffee"])
+    assert [ids(ref.generate("s", FIRST, GREEDY)), ids(ref.generate("s", NEXT, GREEDY))] == [ids(first), ids(second)]

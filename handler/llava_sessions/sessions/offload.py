@@ -18,6 +18,7 @@ preemption recomputes, as ours does: only demotion moves pages.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from .session import Session
 
 __all__ = ["HostKV", "KVOffload"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,8 @@ class KVOffload:
         oldest copies while the budget lacks room; the caller drops the device KV after.
 
         Returns:
-            Whether a copy was made (False: no budget, a cache outside the pool, nothing cached, or
-            larger than the whole budget).
+            Whether a copy was made (False: no budget, a cache outside the pool, nothing cached,
+            larger than the whole budget, or the copy failed, e.g. no page-locked host memory: logged).
         """
         cache, ids = session.kv_cache, list(session.cached_ids)
         if not self.budget_bytes or not isinstance(cache, SessionKV) or not ids or session.kv_lent:
@@ -89,7 +92,11 @@ class KVOffload:
         while self.num_bytes + nbytes > self.budget_bytes:
             self._pop(next(iter(self._held)))
             self.num_dropped += 1
-        host = _host_copy(cache)
+        try:
+            host = _host_copy(cache)
+        except Exception:  # noqa: BLE001 - a copy is an optimization: dropping the KV is always correct
+            log.warning("a demoted session's KV could not be copied to the host; it is dropped", exc_info=True)
+            return False
         self._held[session.session_id] = HostKV(ids, list(session.image_keys), list(host[0]), list(host[1]), nbytes)
         self.num_bytes += nbytes
         self.num_offloads += 1
