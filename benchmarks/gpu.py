@@ -424,8 +424,19 @@ def main(argv: list[str] | None = None) -> int:
         report["graphs"] = graphs_against_eager(engine, images, args.new_tokens, capture_s)
         print("graphs", json.dumps(report["graphs"]), flush=True)
     pool = engine.model.kv_pool
-    report["kv_pool"] = None if pool is None else {"page_size": pool.page_size, "pages": pool.pool.num_pages,
-                                                   "grows": pool.num_grows, "fixed": pool.fixed}  # fmt: skip
+    report["kv_pool"] = (
+        None
+        if pool is None
+        else {
+            "page_size": pool.page_size,
+            "pages": pool.pool.num_pages,
+            "grows": pool.num_grows,
+            "fixed": pool.fixed,
+            "bytes": pool.pages.nbytes(),
+            # sessions of --context tokens the pool's pages hold (issue 43: >= 100 at 600 on an 80 GB H100)
+            "sessions_at_context": pool.pool.num_pages // pool.pool.pages_for(args.context),
+        }
+    )
     if not args.skip_other_layout and args.kv_page_size:
         other = "paged" if report["decode_layout"] == "contiguous" else "contiguous"
         del engine, pool  # its pool and batch go first: the other engine's sessions take their room
@@ -470,6 +481,10 @@ def print_table(report: dict[str, Any]) -> None:
     for n, row in report["aggregate"].items():
         ratio = f"{row['vs_one']:.1f}x one" if row["vs_one"] else ""
         print(f"{n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio}")
+    pool = report.get("kv_pool")
+    if pool and pool["fixed"]:
+        label = f"sessions its {pool['bytes'] / 1e9:.1f} GB KV pool holds at {report['batch_one']['context_tokens']}"
+        print(f"{label:<48}{pool['sessions_at_context']:>10d}")
     g = report.get("graphs")
     if g:  # the static decode step (replayed graphs on a card) against eager at the step's own shape
         print(f"decode graphs: {g['num_graphs']} captured in {g['capture_s']} s")

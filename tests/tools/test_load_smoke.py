@@ -104,6 +104,7 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     assert graphs["num_graphs"] == 0 and graphs["num_replays"] == 0 and graphs["num_static_eager"] > 0
     assert graphs["rows_1"]["identical"] is True and graphs["rows_3"]["identical"] is True
     assert report["kv_pool"]["fixed"] is True and report["kv_pool"]["grows"] == 0
+    assert report["kv_pool"]["sessions_at_context"] > 100 and "KV pool holds at" in done.stdout
     other = report["other_layout"]  # the contiguous decode layout beside the paged one, in the same run
     assert other["decode_layout"] == "contiguous" and other["batch_one"]["ms_per_token"] > 0
     assert set(other["aggregate"]) == {"1", "2"} and "decode layout contiguous against paged" in done.stdout
