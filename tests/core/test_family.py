@@ -44,15 +44,23 @@ def family(tmp_path_factory) -> dict[str, LlavaRunner]:
     return runners
 
 
-def engine(runner, **limits) -> SessionEngine:
+#: Engine settings the exactness tests also run under: the paged decode step at static shapes over a
+#: fixed pool (what a card replays as CUDA graphs, eager here), and demotion moving KV pages to the host.
+STATIC = {"decode_layout": "paged", "cuda_graphs": True}
+OFFLOAD = 100 * 10**6
+
+
+def engine(runner, *, budget: int = 10**10, offload: int = 0, engine_kw: dict | None = None, **limits) -> SessionEngine:
     store = SessionStore(
-        device_budget_bytes=10**10,
+        device_budget_bytes=budget,
         host_budget_bytes=10**9,
         kv_bytes_per_token=runner.kv_bytes_per_token,
         max_sessions=8,
         ttl_s=1200,
+        kv_offload_bytes=offload,
     )
-    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096, **limits), check_invariants=True)
+    limits_ = EngineLimits(max_new_tokens_cap=4096, **limits)
+    return SessionEngine(runner, store, decode, limits_, check_invariants=True, **(engine_kw or {}))
 
 
 def reference(runner, messages: list[tuple[list[bytes], str, str | None]]) -> tuple[list[int], int]:
@@ -155,10 +163,15 @@ def test_placeholders_expand_after_tokenizing_exactly_as_the_processor_expands_t
         runner.template.tokenize(f"{runner.image_token}{runner.image_token}", (5, 3, 7))
 
 
+@pytest.mark.parametrize("offload", [0, OFFLOAD], ids=["recomputed", "pages-to-host"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_first_question_follow_up_independent_and_every_tier_match_generate(family, small_photos, arch) -> None:
+def test_first_question_follow_up_independent_and_every_tier_match_generate(
+    family, small_photos, arch, offload
+) -> None:
+    """``pages-to-host``: each demotion moves the session's KV pages to the host and the restore
+    moves them back (sessions/offload.py) instead of prefilling the conversation again."""
     runner, img = family[arch], small_photos["astronaut"]
-    eng = engine(runner)
+    eng = engine(runner, offload=offload)
     opened = eng.open("s", img)
     q1, q2, q3, q4, q5 = "What is in this image?", "What color is it?", "Is there a dog?", "Why?", "Where?"
     a1 = eng.generate("s", q1, GREEDY)
@@ -178,6 +191,7 @@ def test_first_question_follow_up_independent_and_every_tier_match_generate(fami
     a5 = eng.generate("s", q5, GREEDY)
     history.append(([], q4, a4.text))
     assert a5.restored_from == "image" and ids(a5) == reference(runner, [*history, ([], q5, None)])[0]
+    assert (min(a4.cached_tokens, a5.cached_tokens) >= a2.prompt_tokens) == bool(offload)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -298,15 +312,17 @@ def test_a_context_too_small_for_another_image_is_a_422(family, photos) -> None:
     assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and len(eng.store.get("s").images) == 2
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["contiguous", "static"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_chunks_riding_the_decode_step_match_generate(family, small_photos, arch) -> None:
+def test_prefill_chunks_riding_the_decode_step_match_generate(family, small_photos, arch, static) -> None:
     """A question's prompt and an open's prefix prefilled in chunks inside the running answers' decode
-    passes (rule 9 of the scheduler): every answer, and the session opened so, as ``generate`` gives."""
+    passes (rule 9 of the scheduler): every answer, and the session opened so, as ``generate`` gives.
+    ``static``: the answers decode in their pages through the static decode step (``STATIC``)."""
     runner, (img1, img2, img3) = (
         family[arch],
         (small_photos["astronaut"], small_photos["coffee"], small_photos["rocket"]),
     )
-    eng = engine(runner)
+    eng = engine(runner, budget=10**8, engine_kw=STATIC) if static else engine(runner)
     eng.open("running", img1)
     eng.open("asking", img2)
     q = "What is in this image?"
@@ -322,3 +338,5 @@ def test_prefill_chunks_riding_the_decode_step_match_generate(family, small_phot
     assert ids(running.answer) == reference(runner, [([img1], q, None)])[0]
     assert ids(asking.answer) == reference(runner, [([img2], q, None)])[0]
     assert ids(eng.generate("opened", q, GREEDY)) == reference(runner, [([img3], q, None)])[0]
+    if static:  # the decode-only steps ran at static shapes
+        assert eng.model.graphs is not None and eng.model.graphs.num_eager >= 3

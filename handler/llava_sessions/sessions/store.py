@@ -418,7 +418,7 @@ class SessionStore:
     def demote(self, session_id: str, to: Tier) -> None:
         """Demote the idle session ``session_id`` to tier ``to`` now (``features``: free its KV cache,
         its pages copied to the host first when the offload budget has room; ``image``: its features
-        too), as the budget would (tests and benchmarks use it).
+        too, any KV likewise copied first), as the budget would (tests and benchmarks use it).
 
         Raises:
             ServiceError(session_*): as :meth:`get`. ValueError: the session is busy, or ``to`` is ``kv``.
@@ -426,11 +426,8 @@ class SessionStore:
         session = self._sessions.get(session_id) or self.get(session_id)
         if session.busy or to is Tier.KV:
             raise ValueError("only an idle session is demoted, to features or image")
-        if to is Tier.FEATURES:
-            self.stats.num_kv_offloads += self.offload.offload(session)
-            session.drop_kv()
-        else:
-            session.drop_features()
+        self.stats.num_kv_offloads += self.offload.offload(session)  # the KV it holds leaves the device
+        session.drop_kv() if to is Tier.FEATURES else session.drop_features()
 
     def demote_all(self, keep: Session | None) -> None:
         """Demote every idle session but ``keep`` to the ``image`` tier (after an out-of-memory error)."""
@@ -463,5 +460,6 @@ class SessionStore:
                 s.drop_kv()
                 self.stats.num_demotions_kv += 1
             else:
+                self.stats.num_kv_offloads += self.offload.offload(s)  # any KV it still holds, likewise
                 s.drop_features()
                 self.stats.num_demotions_features += 1
