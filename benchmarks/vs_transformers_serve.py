@@ -329,8 +329,10 @@ def main() -> None:
         proc, peer_url = start_peer(Path(args.peer_venv), model_dir, args.threads)
         try:
             with LocalServer(model_dir, overrides=overrides, startup_timeout_s=900) as server:
+                models = requests.get(server.url + "/v1/models", timeout=30).json()
+                served = models["data"][0]["id"]  # the checkpoint folder's name, which requests must name
                 targets = [
-                    Target("ours", server.url + "/v1/chat/completions", "llava", tokenizer),
+                    Target("ours", server.url + "/v1/chat/completions", served, tokenizer),
                     Target("peer", peer_url + "/v1/chat/completions", model_dir, tokenizer),
                 ]
                 for t in targets:  # warm both (first passes allocate, JIT, load the processor)
