@@ -192,19 +192,18 @@ class Settings(BaseModel):
         description="While answers decode, a step that prefills an open or an added image (no first token waits on "
         "it) takes at most this many decode steps alone (2: their gap at most doubles). Adaptive budget only.",
     )
+    kv_pool: Literal["auto", "on", "off"] = Field(
+        "auto", description="Sessions' KV in one pool of 16-token pages ('auto': on a GPU, off on a CPU)."
+    )
     max_prefill_tokens_per_pass: int = Field(
-        8192,
-        ge=16,
-        description="Most prompt tokens one prefill pass runs (its activation memory); with nothing "
-        "decoding a prompt up to this long is prefilled in one pass. Adaptive budget only.",
+        8192, ge=16, description="Most prompt tokens one prefill pass runs (activation memory). Adaptive budget only."
     )
     step_max_ms: float = Field(100.0, gt=0.0, description="Most ms one scheduler call spends before replying.")
     fuse_prefill: bool = Field(True, description="While answers decode, a prefill chunk rides their forward pass.")
     decode_layout: Literal["auto", "contiguous", "paged"] = Field(
         "auto",
-        description="Running answers decode in one batch tensor ('contiguous': a join copies the answer's KV; faster "
-        "on a CPU) or in their sessions' KV pages ('paged': nothing copied, nothing beside the sessions, CUDA graphs); "
-        "'auto': paged on a GPU.",
+        description="Answers decode in one batch tensor ('contiguous': a join copies the answer's KV; faster on a CPU) "
+        "or in their sessions' pages of the KV pool ('paged': nothing copied, CUDA graphs); 'auto': paged on a GPU.",
     )
     enforce_eager: bool = Field(False, description="No CUDA graphs: a GPU's paged decode steps run eagerly.")
 
