@@ -338,12 +338,7 @@ def answers(engine: SessionEngine, sids: list[str], new_tokens: int) -> tuple[li
     gens = [engine.start(sid, QUESTION, params, remember=False) for sid in sids]
     while not all(g.prefilled for g in gens):
         engine.step([g for g in gens if not g.done])
-    walls = []
-    while not all(g.done for g in gens):
-        s0 = time.perf_counter()
-        engine.step([g for g in gens if not g.done])
-        sync(engine.runner.device)
-        walls.append((time.perf_counter() - s0) * 1000)
+    _, walls = run_together(engine, gens, None)  # every step from here on decodes
     return [[t.id for t in g.answer.tokens] for g in gens], round(statistics.median(walls), 3)
 
 

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .paged_kv import KVPool, SlotsCache
-from .pages import PageTable, release
+from .paged_kv import KVPool, SlotsCache, page_slots
+from .pages import PageTable, pages_for, release
 
 if TYPE_CHECKING:
     from .runner import LlavaRunner
@@ -60,7 +60,7 @@ def batch_buckets(max_rows: int) -> list[int]:
 def length_buckets(max_len: int, page_size: int) -> list[int]:
     """Attended lengths a graph is captured for: 512 positions doubling while under ``max_len``, then
     ``max_len`` rounded up to whole pages of ``page_size``, ascending."""
-    top = -(-max_len // page_size) * page_size
+    top = pages_for(max_len, page_size) * page_size
     sizes, length = [], MIN_GRAPH_LENGTH
     while length < top:
         sizes.append(length)
@@ -174,10 +174,8 @@ class DecodeGraphs:
     def _fill(self, tables: Sequence[PageTable], token_ids: Sequence[int], rows: int, length: int) -> None:
         """Overwrite the buffers' first ``rows`` rows: the tables' rows, then pad rows on the scratch page."""
         size, n = self.pool.page_size, len(tables)
-        pages = torch.full((rows, length // size), self._scratch, dtype=torch.long)
-        for i, t in enumerate(tables):
-            pages[i, : len(t.pages)] = torch.tensor(t.pages, dtype=torch.long)
-        read = (pages[:, :, None] * size + torch.arange(size)).reshape(rows, length)
+        pages = [t.pages for t in tables] + [[]] * (rows - n)  # pad rows: the scratch page's slots only
+        read = page_slots(pages, size, width=length // size, pad=self._scratch)
         lengths = torch.ones(rows, dtype=torch.long)  # a pad row attends to its one scratch slot
         lengths[:n] = torch.tensor([t.num_tokens for t in tables])
         mask = torch.arange(length)[None, :] < lengths[:, None]

@@ -37,7 +37,7 @@ from .pages import PagePool, PageTable, fork, release, reserve, truncate
 if TYPE_CHECKING:
     from .pages import PageCopy
 
-__all__ = ["KVPages", "KVPool", "PagedBatchCache", "PagedCache", "SessionKV", "SlotsCache"]
+__all__ = ["KVPages", "KVPool", "PagedBatchCache", "PagedCache", "SessionKV", "SlotsCache", "page_slots"]
 
 
 class KVPages:
@@ -173,15 +173,18 @@ class _PagedLayer(CacheLayerMixin):
 def _slots(table: PageTable, start: int, stop: int, page_size: int, device: torch.device) -> torch.Tensor:
     if stop > len(table.pages) * page_size:
         raise IndexError(f"position {stop - 1} is past the table's {len(table.pages)} pages")
-    return _page_slots([table.pages], page_size)[0, start:stop].to(device)
+    return page_slots([table.pages], page_size)[0, start:stop].to(device)
 
 
-def _page_slots(pages: Sequence[Sequence[int]], page_size: int) -> torch.Tensor:
-    """Every slot of each row's ``pages`` in position order, ``[rows, most pages x page_size]`` long on
-    the host (a shorter row padded with page 0's slots): one tensor op for all positions, where a
-    Python loop over them would cost the host a step's microseconds per position."""
-    width = max(len(p) for p in pages)
-    table = torch.tensor([[*p, *[0] * (width - len(p))] for p in pages], dtype=torch.long)
+def page_slots(
+    pages: Sequence[Sequence[int]], page_size: int, *, width: int | None = None, pad: int = 0
+) -> torch.Tensor:
+    """Every slot of each row's ``pages`` in position order, ``[rows, width x page_size]`` long on the
+    host (``width``: the most pages of a row by default; a shorter row padded with page ``pad``'s
+    slots): one tensor op for all positions, where a Python loop over them would cost the host a
+    step's microseconds per position."""
+    width = max(len(p) for p in pages) if width is None else width
+    table = torch.tensor([[*p, *[pad] * (width - len(p))] for p in pages], dtype=torch.long)
     return (table[:, :, None] * page_size + torch.arange(page_size)).reshape(len(pages), -1)
 
 
@@ -235,7 +238,7 @@ class PagedBatchCache(SlotsCache):
         device = pages.keys[0].device
         lengths = torch.tensor([t.num_tokens for t in tables])
         longest = int(lengths.max())
-        read = _page_slots([t.pages for t in tables], pages.page_size)[:, :longest]  # pads: page 0's, masked
+        read = page_slots([t.pages for t in tables], pages.page_size)[:, :longest]  # pads: page 0's, masked
         mask = (torch.arange(longest)[None, :] < lengths[:, None]).long()
         write = read[torch.arange(len(tables)), lengths - 1]
         self.attention_mask = mask.to(device)

@@ -25,7 +25,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-__all__ = ["PageCopy", "PagePool", "PageTable", "fork", "release", "reserve", "truncate"]
+__all__ = ["PageCopy", "PagePool", "PageTable", "fork", "pages_for", "release", "reserve", "truncate"]
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages of ``page_size`` positions that ``num_tokens`` positions fill: ``ceil(num_tokens / page_size)``."""
+    return -(-num_tokens // page_size)
 
 
 class PagePool:
@@ -58,8 +63,8 @@ class PagePool:
         return 1.0 - len(self._free) / self.num_pages
 
     def pages_for(self, num_tokens: int) -> int:
-        """Pages that ``num_tokens`` positions fill: ``ceil(num_tokens / page_size)``."""
-        return -(-num_tokens // self.page_size)
+        """Pages that ``num_tokens`` positions fill (:func:`pages_for`)."""
+        return pages_for(num_tokens, self.page_size)
 
     def ref_count(self, page: int) -> int:
         """Holders referencing ``page``."""
