@@ -109,7 +109,7 @@ class Settings(BaseModel):
         4 * _GIB, ge=0, description="Host bytes a GPU replica moves demoted sessions' KV pages to (0: dropped)."
     )
     max_sessions: int = Field(
-        64,
+        128,
         ge=1,
         description="Most sessions one replica (one GPU) holds; a worker of N replicas holds up to N x this. "
         "model-config.yaml's batchSize and maxNumSequence must be >= N x this + 8: llava-serve and the container "

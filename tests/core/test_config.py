@@ -25,7 +25,7 @@ def test_defaults_match_the_documented_values() -> None:
     assert (s.model_dir, s.device, s.gpu_id, s.dtype) == ("", "auto", None, "auto")
     assert (s.session_ttl_s, s.idle_timeout_s) == (1200, 0)
     assert (s.device_budget_bytes, s.device_budget_fraction, s.host_budget_bytes) == (0, 0.8, 2 * GIB)
-    assert s.max_sessions == 64
+    assert s.max_sessions == 128
     assert (s.max_new_tokens_cap, s.default_max_new_tokens) == (1024, 256)
     assert (s.max_prompt_chars, s.max_prompt_tokens) == (16000, 2048)
     assert s.max_body_bytes == 6_291_456

@@ -122,7 +122,7 @@ def test_package_is_torchserve_no_archive_layout_plus_the_checkpoint(checkpoint:
     manifest = json.loads(by_key["llava/MAR-INF/MANIFEST.json"].data)
     config = yaml.safe_load(by_key["llava/model-config.yaml"].data)
     assert config["handler"]["session_ttl_s"] == 600 and config["handler"]["model_dir"] == ""
-    assert config["sequenceBatching"] is True and config["batchSize"] == 72  # the rest is the repository's
+    assert config["sequenceBatching"] is True and config["batchSize"] == 136  # the rest is the repository's
     assert by_key["llava/config.json"].source == checkpoint / "config.json"
 
     # The same MANIFEST.json torch-model-archiver 0.12 writes for this handler and config file.
@@ -624,7 +624,7 @@ def test_capacity_plan_of_llava_7b_on_common_instance_types(tmp_path: Path) -> N
     big = capacity_plan("ml.g5.12xlarge", folder)
     assert big is not None and big.replicas == 4 and big.sessions == 4 * g5.sessions_per_replica
     p5 = capacity_plan("ml.p5.48xlarge", folder)
-    assert p5 is not None and p5.replicas == 8 and p5.sessions_per_replica == 64 and p5.sessions == 512
+    assert p5 is not None and p5.replicas == 8 and p5.sessions_per_replica == 106 and p5.sessions == 848  # memory, not max_sessions (128)
     assert capacity_plan("ml.p5.48xlarge", folder, max_sessions=1000).sessions > 8 * 100  # type: ignore[union-attr]
     assert "replica(s)" in big.describe() and "per instance" in big.describe()
     assert capacity_plan("ml.m5.xlarge", folder) is None
@@ -664,9 +664,9 @@ def test_capacity_grows_with_the_instance_s_gpus(checkpoint: Path, capsys) -> No
     assert config["handler"]["max_sessions"] == 32 and config["batchSize"] == config["maxNumSequence"] == 136
     assert main([*deploy_args(checkpoint, "--instance-type", "ml.p5.48xlarge"), "--dry-run"], clients=None) == 0
     out = capsys.readouterr().out
-    assert "64 sessions per replica" in out and "max_sessions 64 per replica), 512 per instance" in out
-    assert main([*deploy_args(checkpoint), "--dry-run"], clients=None) == 0  # one GPU: the default 64
-    assert "max_sessions 64 per replica), " in capsys.readouterr().out
+    assert "126 sessions per replica" in out and "max_sessions 128 per replica), 1008 per instance" in out
+    assert main([*deploy_args(checkpoint), "--dry-run"], clients=None) == 0  # one GPU: the default 128
+    assert "max_sessions 128 per replica), " in capsys.readouterr().out
 
 
 COMPONENT_SCALABLE = {

@@ -225,17 +225,17 @@ def test_job_groups_follow_the_replicas_sessions(tmp_path: Path, monkeypatch) ->
         return yaml.safe_load(serve.LocalServer(tmp_path, **kw)._write_model_config(tmp_path / "m.yaml").read_text())
 
     assert job_groups(64, 4) == 264
-    one = written()  # this machine: no GPU, one replica, the shipped 72
-    assert (one["batchSize"], one["maxNumSequence"]) == (72, 72)
-    two = written(overrides={"devices": "cpu,cpu", "max_sessions": 40})
-    assert (two["batchSize"], two["maxNumSequence"]) == (88, 88)
-    kept = written(overrides={"devices": "cpu,cpu", "max_sessions": 40}, model_config_overrides={"batchSize": 24})
-    assert (kept["batchSize"], kept["maxNumSequence"]) == (24, 88)
+    one = written()  # this machine: no GPU, one replica, the shipped 136
+    assert (one["batchSize"], one["maxNumSequence"]) == (136, 136)
+    two = written(overrides={"devices": "cpu,cpu", "max_sessions": 80})
+    assert (two["batchSize"], two["maxNumSequence"]) == (168, 168)
+    kept = written(overrides={"devices": "cpu,cpu", "max_sessions": 80}, model_config_overrides={"batchSize": 24})
+    assert (kept["batchSize"], kept["maxNumSequence"]) == (24, 168)
     assert ts_files.visible_gpus() == 0  # no NVIDIA driver here; a GPU count cannot run here for real:
     monkeypatch.setattr(ts_files, "visible_gpus", lambda env=None: 4)  # what torch would count on 4 GPUs
     four = written()
-    assert (four["batchSize"], four["maxNumSequence"]) == (264, 264)
-    assert written(overrides={"device": "cpu"})["batchSize"] == 72  # device cpu: one replica whatever the GPUs
+    assert (four["batchSize"], four["maxNumSequence"]) == (520, 520)
+    assert written(overrides={"device": "cpu"})["batchSize"] == 136  # device cpu: one replica whatever the GPUs
     assert written(env={"LLAVA_MAX_SESSIONS": "100"})["batchSize"] == 408  # the worker reads the env too
 
 

@@ -98,7 +98,7 @@ class SessionStore:
         device_budget_bytes: int,
         host_budget_bytes: int,
         kv_bytes_per_token: int,
-        max_sessions: int = 64,
+        max_sessions: int = 128,
         ttl_s: int = 1200,
         idle_timeout_s: int = 0,
         clock: Callable[[], float] = time.time,

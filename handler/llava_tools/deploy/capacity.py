@@ -44,7 +44,7 @@ class CapacityPlan:
 
 
 def capacity_plan(
-    instance_type: str, model_dir: str | os.PathLike, *, fraction: float = 0.8, max_sessions: int = 64
+    instance_type: str, model_dir: str | os.PathLike, *, fraction: float = 0.8, max_sessions: int = 128
 ) -> CapacityPlan | None:
     """Plan one instance of ``instance_type`` for the checkpoint in ``model_dir`` (its config.json
     and weight files), or None when the type is not in :data:`INSTANCE_GPUS` or the folder has no
