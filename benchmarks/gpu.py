@@ -30,6 +30,10 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    answers decode in the layout the first did not (``contiguous``: one batch tensor, a joining
    answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card chooses the
    default by measurement.
+9. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
+   shape at ``--context`` positions and ``--kernel-rows`` rows): contiguous SDPA, the engine's gather
+   then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
+   where torch has it; ms per layer, the difference from SDPA, and the fastest exact paged kernel.
 
 Every ratio is to the floor measured in the same run. ``python benchmarks/gpu.py --device cpu --model
 tiny`` runs the same code as a smoke test (the peer then runs eager: transformers compiles only on a
@@ -67,6 +71,7 @@ from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
+from paged_attention import describe, measure
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
 #: A follow-up question of about 30 tokens (llava-1.5's tokenizer).
@@ -381,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                     help="the paged step's static shapes (graphs on a card); off: the enforce_eager setting")  # fmt: skip
     ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
+    ap.add_argument("--kernel-rows", default="1,32", help="rows of the attention-kernel table ('': none)")
+    ap.add_argument("--kernels", default="gather_sdpa,flex_paged,varlen_paged", help="its paged kernels")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -418,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     if engine.model.graphs is not None:
         report["graphs"] = graphs_against_eager(engine, images, args.new_tokens, capture_s)
         print("graphs", json.dumps(report["graphs"]), flush=True)
+    report["attention_kernels"] = attention_kernels(runner, args)
     pool = engine.model.kv_pool
     report["kv_pool"] = (
         None
@@ -451,6 +459,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def attention_kernels(runner: LlavaRunner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``paged_attention.measure`` at the text model's attention shape, ``--context`` positions and each
+    of ``--kernel-rows`` rows, in the runner's dtype, printed as it goes."""
+    text = runner.model.config.text_config
+    heads = text.num_attention_heads
+    shape = {
+        "heads": heads,
+        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+    }
+    reports = []
+    for rows in (int(r) for r in args.kernel_rows.split(",") if r):
+        page = args.kv_page_size or KV_PAGE_SIZE
+        kernels = tuple(args.kernels.split(","))
+        report = measure(runner.device, runner.dtype, rows=rows, length=args.context, page_size=page, kernels=kernels,
+                         **shape)  # fmt: skip
+        print(describe(report), flush=True)
+        reports.append(report)
+    return reports
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -488,6 +517,8 @@ def print_table(report: dict[str, Any]) -> None:
             same = "identical" if r["identical"] else "DIFFERENT"
             label = f"  {rows} row(s): static step vs eager, tokens {same}"
             print(f"{label:<48}{r['static_ms']:>10.2f} ms/step {r['static_ms'] / r['eager_ms']:>6.2f}x")
+    for kernels in report.get("attention_kernels", []):
+        print(describe(kernels))
     other = report.get("other_layout")
     if other:  # the same rows in the other decode layout, as ratios to this run's
         print(f"decode layout {other['decode_layout']} against {report['decode_layout']}:")

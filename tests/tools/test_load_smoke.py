@@ -84,7 +84,8 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
 
     out = tmp_path / "gpu.json"
     args = ["--device", "cpu", "--model", "tiny", "--dtype", "auto", "--levels", "1,2", "--new-tokens", "4"]
-    args += ["--decode-layout", "paged", "--cuda-graphs", "on"]
+    args += ["--decode-layout", "paged", "--cuda-graphs", "on", "--kernel-rows", "1,2"]
+    args += ["--kernels", "gather_sdpa,varlen_paged"]  # FlexAttention's first eager call costs seconds: its own test
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gpu.py"), *args, "--repeats", "1", "--json", str(out)],
         capture_output=True,
@@ -105,9 +106,30 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     assert graphs["rows_1"]["identical"] is True and graphs["rows_3"]["identical"] is True
     assert report["kv_pool"]["fixed"] is True and report["kv_pool"]["grows"] == 0
     assert report["kv_pool"]["sessions_at_context"] > 100 and "KV pool holds at" in done.stdout
+    kernels = report["attention_kernels"]  # the model's attention shape over pages, per kernel
+    assert [k["shape"]["rows"] for k in kernels] == [1, 2] and all(k["fastest"] for k in kernels)
+    assert "varlen_paged" in kernels[0]["kernels"] and "fastest paged kernel" in done.stdout
     other = report["other_layout"]  # the contiguous decode layout beside the paged one, in the same run
     assert other["decode_layout"] == "contiguous" and other["batch_one"]["ms_per_token"] > 0
     assert set(other["aggregate"]) == {"1", "2"} and "decode layout contiguous against paged" in done.stdout
+
+
+def test_attention_kernels_over_pages_agree_with_sdpa_up_to_a_partial_last_page():
+    """benchmarks/paged_attention.py: 3 rows of 37 positions each (a partial last page of 5 of 16) in
+    pages scattered through a pool whose other slots hold random keys, grouped-query heads; the
+    engine's gather + SDPA and FlexAttention over the pool (eager on a CPU) match contiguous SDPA in
+    fp32, so each bounds a row to its length; varlen_attn, CUDA only, is reported as not run."""
+    import torch
+
+    bench = _benchmark("paged_attention")
+    shape = {"heads": 4, "kv_heads": 2, "head_dim": 16, "rows": 3, "length": 37, "page_size": 16}
+    report = bench.measure("cpu", torch.float32, **shape, repeats=1)
+    kernels = report["kernels"]
+    assert kernels["contiguous"]["max_abs_diff"] == 0.0
+    for name in ("gather_sdpa", "flex_paged"):
+        assert kernels[name]["max_abs_diff"] < 1e-5, (name, kernels[name])
+    assert "error" in kernels["varlen_paged"] and report["fastest"] in ("gather_sdpa", "flex_paged")
+    assert "not run" in bench.describe(report) and report["shape"]["flex_compiled"] is False
 
 
 def test_the_kv_pages_benchmark_runs_and_both_layouts_answer_alike(tmp_path):
