@@ -140,13 +140,23 @@ class PagedProblem:
         def in_row(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             return (slot_row[kv_idx] == b) & (slot_pos[kv_idx] < length)
 
-        # one column per pool page (a dense view of the mask indexes every kv block of the pool)
-        indices = torch.zeros((rows, 1, 1, self.num_pages), dtype=torch.int32, device=device)
-        indices[:, 0, 0, : self.row_pages] = self.tables.to(device=device, dtype=torch.int32)
-        counts = torch.full((rows, 1, 1), self.row_pages, dtype=torch.int32, device=device)
+        # kv blocks are pages: a row's whole pages are full blocks (no mask_mod), a partial last page
+        # the one masked block; one column per pool page (a dense view indexes every kv block)
+        tables = self.tables.to(device=device, dtype=torch.int32)
+        whole = self.length // self.page_size
+
+        def blocks(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            indices = torch.zeros((rows, 1, 1, self.num_pages), dtype=torch.int32, device=device)
+            indices[:, 0, 0, : columns.shape[1]] = columns
+            return torch.full((rows, 1, 1), columns.shape[1], dtype=torch.int32, device=device), indices
+
+        partial_counts, partial = blocks(tables[:, whole:])
+        full_counts, full = blocks(tables[:, :whole])
         mask = BlockMask.from_kv_blocks(
-            counts,
-            indices,
+            partial_counts,
+            partial,
+            full_counts,
+            full,
             BLOCK_SIZE=(128, self.page_size),
             mask_mod=in_row,
             seq_lengths=(1, self.num_pages * self.page_size),
