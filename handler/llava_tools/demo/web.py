@@ -12,8 +12,10 @@ died.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from llava_client import SessionClient
@@ -61,6 +63,9 @@ class WebDemo:
         self.server = LocalServer(self.model_dir, startup_timeout_s=900.0)
         if self._aborted:
             return
+        # the page's library takes seconds to import (6.4 s here): on a thread while TorchServe starts
+        # in its own processes and this one waits on them, not after
+        threading.Thread(target=importlib.import_module, args=("gradio",), name="import-gradio", daemon=True).start()
         self.server.start()
         if self._aborted:
             return
