@@ -529,8 +529,8 @@ def test_logs_are_quiet_per_request_and_keep_warnings(server, photos):
     # the handler's own warnings reach its log and stdout (CloudWatch in the container)
     assert "llava-sessions ready" in (server.log_dir / "model_log.log").read_text()
     assert "llava-sessions ready" in console
-    # this fixture's batchSize 8 is below the default max_sessions 64: the worker says what to set
-    assert "batchSize 8 is below max_sessions 64 x 1 replica(s)" in console
+    # this fixture's batchSize 8 is below the default max_sessions 128: the worker says what to set
+    assert "batchSize 8 is below max_sessions 128 x 1 replica(s)" in console
 
 
 @pytest.fixture(scope="module")
