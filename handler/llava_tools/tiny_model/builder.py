@@ -46,8 +46,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llava_sessions.model.video import VIDEO_DEFAULTS
-
 #: llava-1.5 chat template in the llava-hf form: optional system text first, then per message
 #: ``ROLE: `` with images first (``<image>\\n``) and texts each followed by a space; the
 #: generation prompt is ``ASSISTANT:``.
@@ -104,13 +102,21 @@ ARCHS: dict[str, str] = {
     "llava-onevision": "LlavaOnevisionForConditionalGeneration",
     "llava-next-video": "LlavaNextVideoForConditionalGeneration",
 }
-#: LLaVA-NeXT-Video's video processor settings the builder writes (llava-hf/LLaVA-NeXT-Video-7B-hf's:
-#: CLIP at 336 px), as ``video_preprocessor_config.json``.
-NEXT_VIDEO_PREPROCESSOR = {
-    **VIDEO_DEFAULTS["LlavaNextVideoForConditionalGeneration"],
-    **{"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}, "do_center_crop": True},
-    **{"video_processor_type": "LlavaNextVideoVideoProcessor", "processor_class": "LlavaNextVideoProcessor"},
-}
+
+
+def next_video_preprocessor() -> dict[str, Any]:
+    """LLaVA-NeXT-Video's video processor settings the builder writes (llava-hf/LLaVA-NeXT-Video-7B-hf's:
+    CLIP at 336 px), as ``video_preprocessor_config.json``. (Imported here, not at the top: the model
+    package imports transformers, seconds a refused ``llava-tiny-model`` call need not wait.)"""
+    from llava_sessions.model.video import VIDEO_DEFAULTS
+
+    return {
+        **VIDEO_DEFAULTS["LlavaNextVideoForConditionalGeneration"],
+        **{"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}, "do_center_crop": True},
+        **{"video_processor_type": "LlavaNextVideoVideoProcessor", "processor_class": "LlavaNextVideoProcessor"},
+    }
+
+
 #: llava-v1.6's grid pinpoints (height, width), the LlavaNextConfig default.
 NEXT_GRID_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -468,7 +474,7 @@ def write_checkpoint(
     model.save_pretrained(out)
     processor.save_pretrained(out)
     if arch == "llava-next-video":
-        (out / "video_preprocessor_config.json").write_text(json.dumps(NEXT_VIDEO_PREPROCESSOR, indent=1))
+        (out / "video_preprocessor_config.json").write_text(json.dumps(next_video_preprocessor(), indent=1))
     (out / "llava_sessions_build.json").write_text(
         json.dumps({"arch": arch, "size": size, "seed": seed, "random_weights": True}, indent=1)
     )
