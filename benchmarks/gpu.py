@@ -71,7 +71,7 @@ from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
-from paged_attention import describe, measure
+from paged_attention import AttentionShape, describe, measure
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
 #: A follow-up question of about 30 tokens (llava-1.5's tokenizer).
@@ -467,17 +467,13 @@ def attention_kernels(runner: LlavaRunner, args: argparse.Namespace) -> list[dic
     of ``--kernel-rows`` rows, in the runner's dtype, printed as it goes."""
     text = runner.model.config.text_config
     heads = text.num_attention_heads
-    shape = {
-        "heads": heads,
-        "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-    }
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    page = args.kv_page_size or KV_PAGE_SIZE
     reports = []
     for rows in (int(r) for r in args.kernel_rows.split(",") if r):
-        page = args.kv_page_size or KV_PAGE_SIZE
-        kernels = tuple(args.kernels.split(","))
-        report = measure(runner.device, runner.dtype, rows=rows, length=args.context, page_size=page, kernels=kernels,
-                         **shape)  # fmt: skip
+        shape = AttentionShape(heads, kv_heads, head_dim, rows, args.context, page)
+        report = measure(runner.device, runner.dtype, shape, kernels=tuple(args.kernels.split(",")))
         print(describe(report), flush=True)
         reports.append(report)
     return reports

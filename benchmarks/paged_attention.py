@@ -33,6 +33,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -62,31 +63,32 @@ def _time_ms(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int)
     return statistics.median(times), out
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one measurement attends: ``heads`` query heads over ``kv_heads`` key/value heads (``heads``
+    a multiple of it) of ``head_dim``; ``rows`` in the decode batch, each over ``length`` cached
+    positions (the step's new one included) in pages of ``page_size`` positions."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rows: int
+    length: int
+    page_size: int
+
+
 class PagedProblem:
     """One layer's decode-step attention over a page pool (module docstring).
 
     Args:
         device, dtype: where and in what the tensors live.
-        heads, kv_heads, head_dim: the attention's shape (``heads`` a multiple of ``kv_heads``).
-        rows: the decode batch.
-        length: cached positions per row (the step's new one included).
-        page_size: positions per page.
+        shape: the heads, rows, lengths and page size.
         seed: the random contents' and the page order's seed.
     """
 
-    def __init__(
-        self,
-        device: torch.device,
-        dtype: torch.dtype,
-        *,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        rows: int,
-        length: int,
-        page_size: int,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, shape: AttentionShape, seed: int = 0) -> None:
+        heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        rows, length, page_size = shape.rows, shape.length, shape.page_size
         gen = torch.Generator().manual_seed(seed)
         self.device, self.heads, self.kv_heads, self.head_dim = device, heads, kv_heads, head_dim
         self.rows, self.length, self.page_size = rows, length, page_size
@@ -204,13 +206,8 @@ class PagedProblem:
 def measure(
     device: str | torch.device,
     dtype: torch.dtype,
+    shape: AttentionShape,
     *,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    rows: int,
-    length: int,
-    page_size: int,
     repeats: int = 20,
     compile_flex: bool | None = None,
     tolerance: float | None = None,
@@ -231,9 +228,7 @@ def measure(
         None}``: ``fastest`` is the quickest paged kernel within ``tolerance``.
     """
     device = torch.device(device)
-    problem = PagedProblem(
-        device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim, rows=rows, length=length, page_size=page_size
-    )
+    problem = PagedProblem(device, dtype, shape)
     compile_flex = device.type == "cuda" if compile_flex is None else compile_flex
     tolerance = (1e-4 if dtype == torch.float32 else 2e-2) if tolerance is None else tolerance
     builders: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
@@ -257,17 +252,8 @@ def measure(
             reference = out.float() if reference is None else reference
             results[name] = {"ms": round(ms, 4), "max_abs_diff": float((out.float() - reference).abs().max())}
     exact = [n for n in PAGED_KERNELS if "ms" in results.get(n, {}) and results[n]["max_abs_diff"] <= tolerance]
-    shape = {
-        "rows": rows,
-        "length": length,
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "page_size": page_size,
-        "dtype": str(dtype).removeprefix("torch."),
-        "flex_compiled": compile_flex,
-    }
-    return {"shape": shape, "kernels": results, "fastest": min(exact, key=lambda n: results[n]["ms"], default=None)}
+    described = {**asdict(shape), "dtype": str(dtype).removeprefix("torch."), "flex_compiled": compile_flex}
+    return {"shape": described, "kernels": results, "fastest": min(exact, key=lambda n: results[n]["ms"], default=None)}
 
 
 def describe(report: dict[str, Any]) -> str:
@@ -304,15 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     compile_flex = None if args.compile_flex == "auto" else args.compile_flex == "on"
     reports = []
     for rows in (int(r) for r in args.rows.split(",")):
+        shape = AttentionShape(args.heads, args.kv_heads, args.head_dim, rows, args.length, args.page_size)
         report = measure(
             args.device,
             getattr(torch, args.dtype),
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            rows=rows,
-            length=args.length,
-            page_size=args.page_size,
+            shape,
             repeats=args.repeats,
             compile_flex=compile_flex,
             kernels=tuple(args.kernels.split(",")),

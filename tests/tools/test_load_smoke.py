@@ -22,6 +22,7 @@ def _benchmark(name: str):
         sys.path.insert(0, str(BENCHMARKS))  # replicas.py imports concurrency.burst
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as importlib's recipe does: a dataclass in it looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -122,8 +123,8 @@ def test_attention_kernels_over_pages_agree_with_sdpa_up_to_a_partial_last_page(
     import torch
 
     bench = _benchmark("paged_attention")
-    shape = {"heads": 4, "kv_heads": 2, "head_dim": 16, "rows": 3, "length": 37, "page_size": 16}
-    report = bench.measure("cpu", torch.float32, **shape, repeats=1)
+    shape = bench.AttentionShape(heads=4, kv_heads=2, head_dim=16, rows=3, length=37, page_size=16)
+    report = bench.measure("cpu", torch.float32, shape, repeats=1)
     kernels = report["kernels"]
     assert kernels["contiguous"]["max_abs_diff"] == 0.0
     for name in ("gather_sdpa", "flex_paged"):
