@@ -31,8 +31,7 @@ Sizes:
   and a full prefill expensive, as on the real model.
 * ``7b``: exactly llava-1.5-7b's architecture (7,063,427,072 parameters; public config of
   ``llava-hf/llava-1.5-7b-hf``). Only built in memory on a GPU (:func:`build_model`); the CLI
-  refuses it without CUDA. Its tokenizer is still the small one, so its text is meaningless.
-  ``llava`` only.
+  refuses it without CUDA. Its tokenizer is still the small one. ``llava`` only.
 
 The answers of these models are meaningless; everything else about the serving path is real.
 """
@@ -105,16 +104,12 @@ ARCHS: dict[str, str] = {
 
 
 def next_video_preprocessor() -> dict[str, Any]:
-    """LLaVA-NeXT-Video's video processor settings the builder writes (llava-hf/LLaVA-NeXT-Video-7B-hf's:
-    CLIP at 336 px), as ``video_preprocessor_config.json``. (Imported here, not at the top: the model
-    package imports transformers, seconds a refused ``llava-tiny-model`` call need not wait.)"""
+    """LLaVA-NeXT-Video-7B-hf's ``video_preprocessor_config.json`` (imported when called: seconds)."""
     from llava_sessions.model.video import VIDEO_DEFAULTS
 
-    return {
-        **VIDEO_DEFAULTS["LlavaNextVideoForConditionalGeneration"],
-        **{"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}, "do_center_crop": True},
-        **{"video_processor_type": "LlavaNextVideoVideoProcessor", "processor_class": "LlavaNextVideoProcessor"},
-    }
+    crop = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}, "do_center_crop": True}
+    names = {"video_processor_type": "LlavaNextVideoVideoProcessor", "processor_class": "LlavaNextVideoProcessor"}
+    return {**VIDEO_DEFAULTS["LlavaNextVideoForConditionalGeneration"], **crop, **names}
 
 
 #: llava-v1.6's grid pinpoints (height, width), the LlavaNextConfig default.
