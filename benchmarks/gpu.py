@@ -465,14 +465,11 @@ def main(argv: list[str] | None = None) -> int:
 def attention_kernels(runner: LlavaRunner, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``paged_attention.measure`` at the text model's attention shape, ``--context`` positions and each
     of ``--kernel-rows`` rows, in the runner's dtype, printed as it goes."""
-    text = runner.model.config.text_config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    heads = runner.model.config.text_config.num_attention_heads
     page = args.kv_page_size or KV_PAGE_SIZE
     reports = []
     for rows in (int(r) for r in args.kernel_rows.split(",") if r):
-        shape = AttentionShape(heads, kv_heads, head_dim, rows, args.context, page)
+        shape = AttentionShape(heads, runner.num_kv_heads, runner.head_dim, rows, args.context, page)
         report = measure(runner.device, runner.dtype, shape, kernels=tuple(args.kernels.split(",")))
         print(describe(report), flush=True)
         reports.append(report)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -38,6 +37,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from llava_sessions.model.paged_kv import KVPages, page_slots
+from llava_sessions.model.pages import pages_for
 
 #: The paged kernels, in the order they are tried (``contiguous`` is the yardstick, not a candidate).
 PAGED_KERNELS = ("gather_sdpa", "flex_paged", "varlen_paged")
@@ -92,16 +94,19 @@ class PagedProblem:
         gen = torch.Generator().manual_seed(seed)
         self.device, self.heads, self.kv_heads, self.head_dim = device, heads, kv_heads, head_dim
         self.rows, self.length, self.page_size = rows, length, page_size
-        self.row_pages = math.ceil(length / page_size)
+        self.row_pages = pages_for(length, page_size)
         self.num_pages = rows * self.row_pages + 1  # page 0 stays unused, as the scratch page does
         order = torch.randperm(self.num_pages - 1, generator=gen) + 1
         self.tables = order.view(rows, self.row_pages)  # [rows, row_pages] long, host
-        shape = (self.num_pages, page_size, kv_heads, head_dim)
-        self.keys = torch.randn(shape, generator=gen).to(device, dtype)
-        self.values = torch.randn(shape, generator=gen).to(device, dtype)
+        # one layer of the engine's own pool, its pages filled with random keys and values
+        self.pages = KVPages(1, self.num_pages, page_size, kv_heads, head_dim, dtype, device)
+        self.keys, self.values = self.pages.keys[0], self.pages.values[0]
+        with torch.inference_mode():  # the pool's tensors are inference tensors
+            self.keys.copy_(torch.randn(self.keys.shape, generator=gen))
+            self.values.copy_(torch.randn(self.values.shape, generator=gen))
         self.query = torch.randn(rows, heads, 1, head_dim, generator=gen).to(device, dtype)
-        slots = (self.tables[:, :, None] * page_size + torch.arange(page_size)).reshape(rows, -1)
-        self.slots = slots.to(device)  # [rows, row_pages * page_size]
+        slots = page_slots(self.tables.tolist(), page_size)  # [rows, row_pages * page_size]
+        self.slots = slots.to(device)
         positions = torch.arange(slots.shape[1], device=device)
         self.bound = (positions < length)[None, None, None, :].expand(rows, 1, 1, -1)  # [rows, 1, 1, L']
         # each slot's row and position in it (for FlexAttention's mask_mod over physical slots)
@@ -112,9 +117,7 @@ class PagedProblem:
         self.slot_row, self.slot_pos = slot_row.to(device), slot_pos.to(device)
 
     def _gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
-        flat_k = self.keys.view(-1, self.kv_heads, self.head_dim)
-        flat_v = self.values.view(-1, self.kv_heads, self.head_dim)
-        return flat_k[self.slots].transpose(1, 2), flat_v[self.slots].transpose(1, 2)  # [rows, kv_heads, L', d]
+        return self.pages.gather(0, self.slots)  # the engine's read: [rows, kv_heads, L', d] each
 
     def contiguous(self) -> Callable[[], torch.Tensor]:
         """SDPA over ``[rows, kv_heads, length, head_dim]`` tensors built before the clock."""
