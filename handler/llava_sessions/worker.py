@@ -194,6 +194,7 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
     """The session store (its device budget: ``device_budget_bytes``, or a fraction of what is free
     now) and the engine over ``runner``, with the settings' limits."""
     budget = settings.device_budget_bytes or default_device_budget(runner, settings.device_budget_fraction)
+    on_card = runner.device.type == "cuda"
     store = SessionStore(
         device_budget_bytes=budget,
         host_budget_bytes=settings.host_budget_bytes,
@@ -201,7 +202,7 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
         max_sessions=settings.max_sessions,
         ttl_s=settings.session_ttl_s,
         idle_timeout_s=settings.idle_timeout_s,
-        kv_offload_bytes=settings.kv_offload_bytes if runner.device.type == "cuda" else 0,  # a CPU's host is its device
+        kv_offload_bytes=settings.kv_offload_bytes if on_card else 0,  # a CPU's host is its device
     )
     return SessionEngine(
         runner,
@@ -221,7 +222,7 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
         share_images=settings.share_images,
         unsalted=settings.unsalted_cache,
         fuse_prefill=settings.fuse_prefill,
-        kv_page_size=kv_page_size(settings.kv_pool, runner.device.type == "cuda"),
+        kv_page_size=kv_page_size(settings.kv_pool, on_card),
         decode_layout=settings.decode_layout,
         cuda_graphs=False if settings.enforce_eager else None,
     )
