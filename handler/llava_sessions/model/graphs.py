@@ -85,6 +85,8 @@ class DecodeGraphs:
         table: the scratch page, held for as long as the graphs live (a holder of the pool's, for
             :meth:`KVPool.check <.paged_kv.KVPool.check>`).
         num_replays: steps run through a captured graph; num_eager: steps run at static shapes eagerly.
+        replay: False runs every step's static pass eagerly, captured or not (the check that replay
+            gives the same tokens as the same pass run eagerly, ``benchmarks/gpu.py``).
 
     Raises:
         torch.OutOfMemoryError: a fixed pool has no free page for the scratch page.
@@ -109,6 +111,7 @@ class DecodeGraphs:
         self._out: dict[tuple[int, int], torch.Tensor] = {}
         self.num_replays = 0
         self.num_eager = 0
+        self.replay = True
 
     @property
     def num_graphs(self) -> int:
@@ -163,7 +166,7 @@ class DecodeGraphs:
             return None
         rows, length = key
         self._fill(tables, token_ids, rows, length)
-        graph = self._graphs.get(key)
+        graph = self._graphs.get(key) if self.replay else None
         if graph is None:
             self.num_eager += 1
             return self._pass(rows, length)[:n]
