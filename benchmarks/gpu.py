@@ -24,8 +24,10 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
 7. **CUDA graphs against eager** (when the engine's paged decode step has static shapes:
    ``--decode-layout auto`` or ``paged`` on a card, or ``--cuda-graphs on``): the graphs captured and
    the seconds the capture took at start; one session's and three sessions' greedy answers (three
-   rows run in the four-row bucket, one pad row) replayed and then eagerly at their own shapes:
-   tokens identical (issue 43: replay equals eager on the same device), ms per step each.
+   rows run in the four-row bucket, one pad row) replayed, then the same static pass run eagerly
+   (tokens identical: issue 43's replay equals eager on the same device), then eagerly at the rows'
+   own shapes (in bf16 another attended length rounds otherwise: the first differing token is
+   reported); ms per step each.
 8. **The other decode layout**: batch-1 decode and the aggregate again, in a second engine whose
    answers decode in the layout the first did not (``contiguous``: one batch tensor, a joining
    answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card chooses the
@@ -35,7 +37,9 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
    where torch has it; ms per layer, the difference from SDPA, and the fastest exact paged kernel.
 
-Every ratio is to the floor measured in the same run. ``python benchmarks/gpu.py --device cpu --model
+Every ratio is to the floor measured in the same run. Each section is written to ``--json`` as it
+ends; one that raises is recorded under ``errors`` and the rest still run; ``--deadline-s`` skips the
+sections due after it (one device call returns all it measured). ``python benchmarks/gpu.py --device cpu --model
 tiny`` runs the same code as a smoke test (the peer then runs eager: transformers compiles only on a
 GPU). ``--json`` writes the table.
 
@@ -48,11 +52,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import itertools
 import json
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,7 +87,7 @@ QUESTION = "Describe this image in great detail, please."
 
 class ForwardClock:
     """The span of the model's forward passes on the device, per engine step: CUDA events around each
-    ``model.forward`` (wall time on a CPU), summed until :meth:`take`."""
+    ``model.forward`` and each CUDA graph replay (wall time on a CPU), summed until :meth:`take`."""
 
     def __init__(self, runner: LlavaRunner) -> None:
         self.device = runner.device
@@ -99,10 +105,22 @@ class ForwardClock:
                 self.spans.append((start, end))
 
         model.forward = timed
+        self._replay = None
+        if self.device.type == "cuda":  # a replayed decode graph is a forward pass too
+            self._replay = replay = torch.cuda.CUDAGraph.replay
+
+            def timed_replay(graph: Any) -> None:
+                start = self._mark()
+                replay(graph)
+                self.spans.append((start, self._mark()))
+
+            torch.cuda.CUDAGraph.replay = timed_replay  # type: ignore[method-assign]
 
     def close(self) -> None:
-        """Stop timing: the model's own forward again."""
+        """Stop timing: the model's own forward and graph replay again."""
         del self.model.forward
+        if self._replay is not None:
+            torch.cuda.CUDAGraph.replay = self._replay  # type: ignore[method-assign]
 
     def _mark(self) -> Any:
         if self.device.type == "cuda":
@@ -293,7 +311,7 @@ class TokenClock(BaseStreamer):
 @torch.inference_mode()
 def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> dict:
     """transformers' own batch-1 path: ``generate`` with a static cache (compiled by transformers on a
-    GPU), greedy, ``new_tokens`` tokens; ms per token: the median gap between generated tokens, read
+    GPU, with PyTorch's default SDPA backends, cuDNN's included), greedy, ``new_tokens`` tokens; ms per token: the median gap between generated tokens, read
     by a streamer inside the call (:class:`TokenClock`), over every run but the first (it compiles)."""
     processor, model = runner.processor, runner.model
     picture = decode_image(image, max_pixels=40_000_000)
@@ -302,11 +320,16 @@ def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> 
     inputs = processor(images=[picture], text=prompt, return_tensors="pt").to(runner.device, runner.dtype)
     kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
     steps: list[float] = []
-    for run in range(3):
-        clock = TokenClock()
-        model.generate(**inputs, **kwargs, cache_implementation="static", streamer=clock)
-        if run > 0:
-            steps.extend(clock.step_ms())
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)  # the peer as its users run it: PyTorch's default SDPA backends
+    try:
+        for run in range(3):
+            clock = TokenClock()
+            model.generate(**inputs, **kwargs, cache_implementation="static", streamer=clock)
+            if run > 0:
+                steps.extend(clock.step_ms())
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
     return {
         "ms_per_token": round(statistics.median(steps), 3),
         "compiled": runner.device.type == "cuda",
@@ -348,8 +371,11 @@ def answers(engine: SessionEngine, sids: list[str], new_tokens: int) -> tuple[li
 
 
 def graphs_against_eager(engine: SessionEngine, images: list[bytes], new_tokens: int, capture_s: float) -> dict:
-    """One session's and three sessions' greedy answers through the static decode step (replayed
-    graphs on a card) and then eagerly at their own shapes: identical tokens, ms per step each."""
+    """One session's and three sessions' greedy answers through the static decode step replayed (CUDA
+    graphs on a card), the same static pass run eagerly (identical tokens: issue 43's replay equals
+    eager), and eagerly at the rows' own shapes (another attended length: in bf16 the sums round
+    otherwise, so a near tie of a random model's logits can flip; the first differing token is
+    reported); ms per step each."""
     batch = engine.batch
     assert isinstance(batch, PagedDecodeBatch) and batch.graphs is not None
     graphs = batch.graphs
@@ -360,14 +386,31 @@ def graphs_against_eager(engine: SessionEngine, images: list[bytes], new_tokens:
     for rows in (1, 3):
         answers(engine, sids[:rows], 4)  # warm
         replayed, replay_ms = answers(engine, sids[:rows], new_tokens)
-        batch.graphs = None
+        graphs.replay = False
+        static, static_ms = answers(engine, sids[:rows], new_tokens)
+        graphs.replay, batch.graphs = True, None
         eager, eager_ms = answers(engine, sids[:rows], new_tokens)
         batch.graphs = graphs
-        report[f"rows_{rows}"] = {"identical": replayed == eager, "static_ms": replay_ms, "eager_ms": eager_ms}
+        report[f"rows_{rows}"] = {
+            "identical": replayed == static,
+            "first_difference": _first_difference(replayed, static),
+            "static_ms": replay_ms,
+            "static_eager_ms": static_ms,
+            "own_shape_identical": replayed == eager,
+            "own_shape_first_difference": _first_difference(replayed, eager),
+            "eager_ms": eager_ms,
+        }
     report["num_replays"], report["num_static_eager"] = graphs.num_replays, graphs.num_eager
     for sid in sids:
         engine.close(sid)
     return report
+
+
+def _first_difference(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
+    """Per row, the index of the first token where ``a`` and ``b`` differ (None where equal)."""
+    return [
+        next((k for k, (x, y) in enumerate(zip(r, q, strict=False)) if x != y), None) for r, q in zip(a, b, strict=True)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
     ap.add_argument("--kernel-rows", default="1,32", help="rows of the attention-kernel table ('': none)")
     ap.add_argument("--kernels", default="gather_sdpa,flex_paged,varlen_paged", help="its paged kernels")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="the table as JSON, rewritten after every section")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="skip the sections that would start this many seconds after the run began")  # fmt: skip
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -400,66 +445,115 @@ def main(argv: list[str] | None = None) -> int:
     capture_s = time.perf_counter() - t_engine
     images = [sample_photo(p) for p in PHOTOS]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report: dict[str, Any] = {
+    report = Sections(args.json, args.deadline_s, t_start)
+    report.data.update({
         "model": args.model_dir or args.model,
         "device": f"{device} ({name})",
         "dtype": str(runner.dtype),
         "torch": torch.__version__,
+        "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(),
         "decode_layout": layout_of(engine),
         "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
-    }
-    floor = report["floor"] = weight_floor(runner)
-    print("floor", json.dumps(floor), flush=True)
-    clock = ForwardClock(runner)
-    report["batch_one"] = batch_one_decode(engine, clock, images[1], args.context, args.new_tokens)
-    clock.close()
-    print("batch_one", json.dumps(report["batch_one"]), flush=True)
+        "engine_start_s": round(capture_s, 2),
+        "context": args.context,
+    })  # fmt: skip
     levels = [int(x) for x in args.levels.split(",")]
-    report["aggregate"] = aggregate(engine, images, levels, args.new_tokens)
-    print("aggregate", json.dumps(report["aggregate"]), flush=True)
-    report["turns"] = turns(engine, images, args.context, args.repeats)
-    print("turns", json.dumps(report["turns"]), flush=True)
-    if not args.skip_peer:
-        report["peer"] = peer_static_generate(runner, images[2], args.new_tokens)
-        print("peer", json.dumps(report["peer"]), flush=True)
+    report.run("floor", lambda: weight_floor(runner))
+    report.run("batch_one", lambda: timed_batch_one(engine, runner, images[1], args))
+    report.run("aggregate", lambda: aggregate(engine, images, levels, args.new_tokens))
+    report.run("turns", lambda: turns(engine, images, args.context, args.repeats))
     if engine.model.graphs is not None:
-        report["graphs"] = graphs_against_eager(engine, images, args.new_tokens, capture_s)
-        print("graphs", json.dumps(report["graphs"]), flush=True)
-    pool = engine.model.kv_pool
-    report["kv_pool"] = (
-        None
-        if pool is None
-        else {
-            "page_size": pool.page_size,
-            "pages": pool.pool.num_pages,
-            "grows": pool.num_grows,
-            "fixed": pool.fixed,
-            "bytes": pool.pages.nbytes(),
-            # sessions of --context tokens the pool's pages hold (issue 43: >= 100 at 600 on an 80 GB H100)
-            "sessions_at_context": pool.pool.num_pages // pool.pool.pages_for(args.context),
-        }
-    )
+        report.run("graphs", lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s))
+    report.run("kv_pool", lambda: pool_report(engine, args.context))
+    if not args.skip_peer:  # after the engine's rows: compiling the peer takes the longest
+        report.run("peer", lambda: peer_static_generate(runner, images[2], args.new_tokens))
     if not args.skip_other_layout and args.kv_page_size:
-        other = "paged" if report["decode_layout"] == "contiguous" else "contiguous"
-        del engine, pool  # its pool and batch go first: the other engine's sessions take their room
+        other = "paged" if report.data["decode_layout"] == "contiguous" else "contiguous"
+        del engine  # its pool and batch go first: the other engine's sessions take their room
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        engine = new_engine(runner, args.kv_page_size, other, graphs)
-        clock = ForwardClock(runner)
-        b1 = batch_one_decode(engine, clock, images[1], args.context, args.new_tokens)
-        clock.close()
-        report["other_layout"] = {"decode_layout": other, "batch_one": b1}
-        report["other_layout"]["aggregate"] = aggregate(engine, images, levels, args.new_tokens)
-        print("other_layout", json.dumps(report["other_layout"]), flush=True)
+        report.run("other_layout", lambda: other_layout(runner, other, images, levels, args))
     # last: compiling FlexAttention takes seconds per shape, and every row above is printed already
-    report["attention_kernels"] = attention_kernels(runner, args)
+    report.run("attention_kernels", lambda: attention_kernels(runner, args))
     if device.type == "cuda":
-        report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
-    report["seconds"] = round(time.perf_counter() - t_start, 1)
-    print_table(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    return 0
+        report.data["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+    report.data["seconds"] = round(time.perf_counter() - t_start, 1)
+    report.save()
+    print_table(report.data)
+    return 1 if report.data.get("errors") else 0
+
+
+class Sections:
+    """The table's sections as they finish: each is printed and written to ``path`` (JSON) at once, so a
+    device call cut off at its limit still returns every section before the cut; a section that raises
+    is recorded under ``errors`` with its traceback's tail and the rest still run (one device call
+    measures all it can); one that would start more than ``deadline_s`` seconds after ``t_start`` is
+    listed under ``skipped``."""
+
+    def __init__(self, path: str | None, deadline_s: float | None, t_start: float) -> None:
+        self.path, self.deadline_s, self.t_start = path, deadline_s, t_start
+        self.data: dict[str, Any] = {}
+
+    def run(self, name: str, measure_it: Callable[[], Any]) -> None:
+        """``measure_it()`` recorded as section ``name``, or its error, or skipped past the deadline."""
+        elapsed = time.perf_counter() - self.t_start
+        if self.deadline_s is not None and elapsed > self.deadline_s:
+            self.data.setdefault("skipped", []).append(name)
+            print(f"{name}: skipped, {elapsed:.0f} s past the start (--deadline-s {self.deadline_s:g})", flush=True)
+            self.save()
+            return
+        try:
+            value = measure_it()
+        except Exception:  # noqa: BLE001 - recorded with its traceback; the other sections still run
+            trace = traceback.format_exc()
+            print(f"{name} FAILED after {time.perf_counter() - self.t_start:.0f} s:\n{trace}", flush=True)
+            self.data.setdefault("errors", {})[name] = trace.splitlines()[-20:]
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        else:
+            self.data[name] = value
+            print(f"{name} ({time.perf_counter() - self.t_start:.0f} s)", json.dumps(value), flush=True)
+        self.save()
+
+    def save(self) -> None:
+        """Write the sections so far to the JSON path (when one was given)."""
+        if self.path:
+            Path(self.path).write_text(json.dumps(self.data, indent=1))
+
+
+def timed_batch_one(engine: SessionEngine, runner: LlavaRunner, image: bytes, args: argparse.Namespace) -> dict:
+    """:func:`batch_one_decode` with the forward passes timed on the device (:class:`ForwardClock`)."""
+    clock = ForwardClock(runner)
+    try:
+        return batch_one_decode(engine, clock, image, args.context, args.new_tokens)
+    finally:
+        clock.close()
+
+
+def pool_report(engine: SessionEngine, context: int) -> dict | None:
+    """The KV pool's page size, pages, growths and bytes, and the sessions of ``context`` tokens its
+    pages hold (issue 43: >= 100 at 600 on an 80 GB H100); None without a pool."""
+    pool = engine.model.kv_pool
+    if pool is None:
+        return None
+    return {
+        "page_size": pool.page_size,
+        "pages": pool.pool.num_pages,
+        "grows": pool.num_grows,
+        "fixed": pool.fixed,
+        "bytes": pool.pages.nbytes(),
+        "sessions_at_context": pool.pool.num_pages // pool.pool.pages_for(context),
+    }
+
+
+def other_layout(runner: LlavaRunner, layout: DecodeLayout, images: list[bytes], levels: list[int],
+                 args: argparse.Namespace) -> dict:  # fmt: skip
+    """Batch-1 decode and the aggregate again in a second engine whose answers decode in ``layout``."""
+    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    engine = new_engine(runner, args.kv_page_size, layout, graphs)
+    b1 = timed_batch_one(engine, runner, images[1], args)
+    return {"decode_layout": layout, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
 
 
 def attention_kernels(runner: LlavaRunner, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -477,51 +571,67 @@ def attention_kernels(runner: LlavaRunner, args: argparse.Namespace) -> list[dic
 
 
 def print_table(report: dict[str, Any]) -> None:
-    """The table, every latency with its ratio to the floor measured in the same run."""
-    floor = report["floor"]["floor_ms"]
-    b1, t = report["batch_one"], report["turns"]
+    """The table, every latency with its ratio to the floor measured in the same run (a section that
+    failed or was skipped is left out, and named at the end)."""
     print(f"\n{report['model']} on {report['device']}, {report['dtype']}, torch {report['torch']}")
-    print(f"weight-read floor: {floor:.2f} ms ({report['floor']['weight_bytes'] / 1e9:.2f} GB at "
-          f"{report['floor']['copy_bandwidth_gb_s']} GB/s)")  # fmt: skip
-    rows = [
-        (f"batch-1 decode, context {b1['context_tokens']}", b1["ms_per_token"], "ms/token"),
-        ("  of it host work per step", b1["host_ms_per_step"], "ms"),
-        (f"follow-up TTFT ({t['follow_up']['new_tokens']} new tokens)", t["follow_up"]["ttft_ms"], "ms"),
-        ("cold image turn (open + first token)", t["cold_image_turn_ms"], "ms"),
-    ]
-    if "peer" in report:
-        how = "compiled" if report["peer"]["compiled"] else "eager"
-        rows.append((f"transformers static-cache generate ({how})", report["peer"]["ms_per_token"], "ms/token"))
+    floor = report["floor"]["floor_ms"] if "floor" in report else float("nan")
+    if "floor" in report:
+        print(f"weight-read floor: {floor:.2f} ms ({report['floor']['weight_bytes'] / 1e9:.2f} GB at "
+              f"{report['floor']['copy_bandwidth_gb_s']} GB/s)")  # fmt: skip
+    b1, t, peer = report.get("batch_one"), report.get("turns"), report.get("peer")
+    rows = []
+    if b1:
+        rows.append((f"batch-1 decode, context {b1['context_tokens']}", b1["ms_per_token"], "ms/token"))
+        rows.append(("  of it host work per step", b1["host_ms_per_step"], "ms"))
+    if t:
+        rows.append((f"follow-up TTFT ({t['follow_up']['new_tokens']} new tokens)", t["follow_up"]["ttft_ms"], "ms"))
+        rows.append(("cold image turn (open + first token)", t["cold_image_turn_ms"], "ms"))
+    if peer:
+        how = "compiled" if peer["compiled"] else "eager"
+        rows.append((f"transformers static-cache generate ({how})", peer["ms_per_token"], "ms/token"))
     for label, value, unit in rows:
         print(f"{label:<48}{value:>10.2f} {unit:<9}{value / floor:>7.2f}x floor")
-    if "peer" in report:
-        print(f"{'batch-1 decode vs transformers':<48}{b1['ms_per_token'] / report['peer']['ms_per_token']:>10.2f}x")
-    for n, row in report["aggregate"].items():
+    if b1 and peer:
+        print(f"{'batch-1 decode vs transformers':<48}{b1['ms_per_token'] / peer['ms_per_token']:>10.2f}x")
+    for n, row in report.get("aggregate", {}).items():
         ratio = f"{row['vs_one']:.1f}x one" if row["vs_one"] else ""
         print(f"{n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio}")
     pool = report.get("kv_pool")
     if pool and pool["fixed"]:
-        label = f"sessions its {pool['bytes'] / 1e9:.1f} GB KV pool holds at {report['batch_one']['context_tokens']}"
+        label = f"sessions its {pool['bytes'] / 1e9:.1f} GB KV pool holds at {report.get('context', '')}"
         print(f"{label:<48}{pool['sessions_at_context']:>10d}")
+    _print_graphs_and_kernels(report)
+    for name, trace in report.get("errors", {}).items():
+        print(f"{name}: FAILED, {trace[-1]}")
+    for name in report.get("skipped", []):
+        print(f"{name}: skipped (deadline)")
+    print(f"(run took {report['seconds']} s)")
+
+
+def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
+    """The table's second half: graphs against eager, the attention kernels, the other decode layout."""
     g = report.get("graphs")
     if g:  # the static decode step (replayed graphs on a card) against eager at the step's own shape
         print(f"decode graphs: {g['num_graphs']} captured in {g['capture_s']} s")
         for rows in (1, 3):
             r = g[f"rows_{rows}"]
-            same = "identical" if r["identical"] else "DIFFERENT"
-            label = f"  {rows} row(s): static step vs eager, tokens {same}"
-            print(f"{label:<48}{r['static_ms']:>10.2f} ms/step {r['static_ms'] / r['eager_ms']:>6.2f}x")
+            same = "identical" if r["identical"] else f"DIFFERENT from {r['first_difference']}"
+            label = f"  {rows} row(s): replay vs the same pass eager, tokens {same}"
+            print(f"{label:<58}{r['static_ms']:>8.2f} ms/step {r['static_ms'] / r['static_eager_ms']:>6.2f}x")
+            own = "identical" if r["own_shape_identical"] else f"first differ at {r['own_shape_first_difference']}"
+            label = f"  {rows} row(s): vs eager at its own shape, tokens {own}"
+            print(f"{label:<58}{r['eager_ms']:>8.2f} ms/step eager")
     for kernels in report.get("attention_kernels", []):
         print(describe(kernels))
-    other = report.get("other_layout")
-    if other:  # the same rows in the other decode layout, as ratios to this run's
+    other, b1 = report.get("other_layout"), report.get("batch_one")
+    if other and b1:  # the same rows in the other decode layout, as ratios to this run's
         print(f"decode layout {other['decode_layout']} against {report['decode_layout']}:")
         ratio = other["batch_one"]["ms_per_token"] / b1["ms_per_token"]
         print(f"{'  batch-1 decode':<48}{other['batch_one']['ms_per_token']:>10.2f} ms/token {ratio:>6.2f}x")
         for n, row in other["aggregate"].items():
-            ratio = row["tokens_per_s"] / report["aggregate"][n]["tokens_per_s"]
+            mine = report.get("aggregate", {}).get(n)
+            ratio = row["tokens_per_s"] / mine["tokens_per_s"] if mine else float("nan")
             print(f"{'  ' + n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio:>6.2f}x")
-    print(f"(run took {report['seconds']} s)")
 
 
 if __name__ == "__main__":

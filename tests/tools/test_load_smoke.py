@@ -105,6 +105,9 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     graphs = report["graphs"]  # nothing captured on a CPU: every static step ran eagerly
     assert graphs["num_graphs"] == 0 and graphs["num_replays"] == 0 and graphs["num_static_eager"] > 0
     assert graphs["rows_1"]["identical"] is True and graphs["rows_3"]["identical"] is True
+    assert graphs["rows_3"]["first_difference"] == [None] * 3 and graphs["rows_1"]["static_eager_ms"] > 0
+    assert graphs["rows_3"]["own_shape_identical"] is True  # fp32 on a CPU: the own-shape pass agrees too
+    assert report["cudnn_sdpa"] in (True, False) and "errors" not in report and "skipped" not in report
     assert report["kv_pool"]["fixed"] is True and report["kv_pool"]["grows"] == 0
     assert report["kv_pool"]["sessions_at_context"] > 100 and "KV pool holds at" in done.stdout
     kernels = report["attention_kernels"]  # the model's attention shape over pages, per kernel
@@ -157,3 +160,38 @@ def test_the_prefill_attention_benchmark_runs_and_both_forms_agree(tmp_path):
     report = json.loads(out.read_text())
     assert report["max_logit_difference"] < 1e-4 and report["default_on_this_device"] is False
     assert report["materialized_mask_ms"] > 0 and report["lower_right_ms"] > 0
+
+
+def test_the_gpu_table_records_each_section_as_it_ends_and_a_failing_one_without_stopping(tmp_path):
+    """benchmarks/gpu.py's ``Sections``: every section is written to the JSON as it ends (a device call
+    cut off at its limit keeps what was measured), a section that raises is recorded with its
+    traceback's last line and the next one still runs, and one due past ``--deadline-s`` is skipped."""
+    import time
+
+    gpu = _benchmark("gpu")
+    path = tmp_path / "table.json"
+    sections = gpu.Sections(str(path), None, time.perf_counter())
+    sections.run("first", lambda: {"ms": 1.5})
+    assert json.loads(path.read_text()) == {"first": {"ms": 1.5}}
+    sections.run("broken", lambda: 1 / 0)
+    sections.run("after", lambda: 3)
+    saved = json.loads(path.read_text())
+    assert saved["first"] == {"ms": 1.5} and saved["after"] == 3 and "broken" not in saved
+    assert saved["errors"]["broken"][-1] == "ZeroDivisionError: division by zero"
+    late = gpu.Sections(str(path), 5.0, time.perf_counter() - 6.0)
+    late.run("too_late", lambda: 1)
+    assert json.loads(path.read_text()) == {"skipped": ["too_late"]}
+
+
+def test_the_step_profile_runs_on_the_cpu(tmp_path):
+    """benchmarks/profile_step.py on the tiny model: every region's wall time, the torch operators'
+    share of it and their top host-time rows; no kernels or host waits on a CPU."""
+    bench = _benchmark("profile_step")
+    out = tmp_path / "profile.json"
+    args = ["--device", "cpu", "--model", "tiny", "--dtype", "auto", "--repeats", "2", "--rows", "3"]
+    assert bench.main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report) == {"decode_eager", "decode_contiguous", "follow_up", "open", "hf_decode"}
+    for name, region in report.items():
+        assert region["wall_ms"] > 0 and region["torch_host_ms"] > 0, name
+        assert region["kernel_launches"] == 0 and region["host_waits"] == {} and len(region["top_host_ms"]) == 3
