@@ -25,6 +25,7 @@ from llava_sessions.model.fused import (
     fusable,
     fused_attention,
     lower_right_attention,
+    prefer_sdpa_backends,
 )
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import Tier
@@ -391,3 +392,20 @@ def test_a_decode_step_out_of_memory_midway_is_undone_and_retried_exactly(runner
     for g, (sid, *_rest) in zip(gens, CASES[:2], strict=True):
         assert g.error is None, g.error
         assert [t.id for t in g.answer.tokens] == [t.id for t in expected[sid]]
+
+
+def test_a_cuda_runner_takes_cudnn_out_of_sdpa_and_a_cpu_one_changes_nothing():
+    """cuDNN's SDPA plans each new shape (1.8-2.1 ms of host time a layer per decode step on an H200,
+    benchmarks/profile_step.py): on a CUDA device it is turned off and no other backend changes; on a
+    CPU nothing changes."""
+    cuda = torch.backends.cuda
+    others = (cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.math_sdp_enabled)
+    before, cudnn = [flag() for flag in others], cuda.cudnn_sdp_enabled()
+    try:
+        cuda.enable_cudnn_sdp(True)
+        prefer_sdpa_backends(torch.device("cpu"))
+        assert cuda.cudnn_sdp_enabled()
+        prefer_sdpa_backends(torch.device("cuda"))
+        assert not cuda.cudnn_sdp_enabled() and [flag() for flag in others] == before
+    finally:
+        cuda.enable_cudnn_sdp(cudnn)

@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import Grammars
-from .fused import FUSED_ATTENTION, LOWER_RIGHT_ATTENTION, FusedCache, attention_on, fusable
+from .fused import FUSED_ATTENTION, LOWER_RIGHT_ATTENTION, FusedCache, attention_on, fusable, prefer_sdpa_backends
 from .kv_cache import BatchKVCache, cache_len, extend_cache, layer_states, undo_pass
 from .loading import load_model
 from .paged_kv import SessionKV
@@ -100,13 +100,13 @@ class LlavaRunner:
         self.max_positions: int = int(text.max_position_embeddings)
         self.fusable: bool = fusable(text)
         self.lower_right_prefill: bool = self.device.type == "cuda" and self.fusable
+        prefer_sdpa_backends(self.device)  # cuDNN's SDPA plans each new shape: 2 ms a layer per decode step
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.kv_bytes_per_token: int = 2 * text.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
-        self.num_kv_heads: int = kv_heads
+        self.num_kv_heads, self.head_dim = kv_heads, head_dim
         #: Device bytes of one image-feature row (text hidden size x dtype size).
         self.feature_bytes_per_token: int = text.hidden_size * self.dtype.itemsize
-        self.head_dim: int = head_dim
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
