@@ -37,7 +37,8 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
    where torch has it; ms per layer, the difference from SDPA, and the fastest exact paged kernel.
 
-Every ratio is to the floor measured in the same run. Each section is written to ``--json`` as it
+``--paged-attention flex`` makes the engine's static decode step read the pages with FlexAttention
+(``model/flex_pages.py``) instead of gathering them. Every ratio is to the floor measured in the same run. Each section is written to ``--json`` as it
 ends; one that raises is recorded under ``errors`` and the rest still run; ``--deadline-s`` skips the
 sections due after it (one device call returns all it measured). ``python benchmarks/gpu.py --device cpu --model
 tiny`` runs the same code as a smoke test (the peer then runs eager: transformers compiles only on a
@@ -70,10 +71,11 @@ from engine_decode import build_runner, run_together, sync
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.engine.memory import default_device_budget
-from llava_sessions.engine.model_runner import KV_PAGE_SIZE, DecodeLayout
+from llava_sessions.engine.model_runner import KV_PAGE_SIZE, DecodeLayout, new_graphs
 from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
+from llava_sessions.model.graphs import PagedRead
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
@@ -337,10 +339,13 @@ def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> 
     }
 
 
-def new_engine(runner: LlavaRunner, page_size: int, layout: DecodeLayout, graphs: bool | None) -> SessionEngine:
+def new_engine(
+    runner: LlavaRunner, page_size: int, layout: DecodeLayout, graphs: bool | None, paged_read: PagedRead = "gather"
+) -> SessionEngine:
     """An engine on ``runner`` whose store does not demote at the table's levels: on a card 0.8 of its
     free memory (its fixed pool takes that much at start), on a CPU an unbounded budget (2 GiB when
-    ``graphs`` fixes the pool there too)."""
+    ``graphs`` fixes the pool there too). With ``paged_read`` ``flex`` its static decode step reads the
+    pages with FlexAttention (its graphs captured again that way: the engine's own are the gather's)."""
     if runner.device.type == "cuda":
         budget = default_device_budget(runner, 0.8)
     else:
@@ -351,7 +356,13 @@ def new_engine(runner: LlavaRunner, page_size: int, layout: DecodeLayout, graphs
     decode = functools.partial(decode_image, max_pixels=40_000_000)
     limits = EngineLimits(max_new_tokens_cap=4096)
     kw = {"kv_page_size": page_size, "decode_layout": layout, "cuda_graphs": graphs}
-    return SessionEngine(runner, store, decode, limits, **kw)
+    engine = SessionEngine(runner, store, decode, limits, **kw)
+    model = engine.model
+    if paged_read != "gather" and model.graphs is not None and model.kv_pool is not None:
+        model.graphs.close()
+        model.graphs = new_graphs(runner, model.kv_pool, paged_read)
+        engine.batch.graphs = model.graphs  # type: ignore[union-attr]
+    return engine
 
 
 def layout_of(engine: SessionEngine) -> str:
@@ -429,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                     help="the paged step's static shapes (graphs on a card); off: the enforce_eager setting")  # fmt: skip
     ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
+    ap.add_argument("--paged-attention", default="gather", choices=["gather", "flex"],
+                    help="how the static decode step reads the pages (flex: FlexAttention over the pool)")  # fmt: skip
     ap.add_argument("--kernel-rows", default="1,32", help="rows of the attention-kernel table ('': none)")
     ap.add_argument("--kernels", default="gather_sdpa,flex_paged,varlen_paged", help="its paged kernels")
     ap.add_argument("--json", default=None, help="the table as JSON, rewritten after every section")
@@ -441,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     device = runner.device
     graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
     t_engine = time.perf_counter()
-    engine = new_engine(runner, args.kv_page_size, args.decode_layout, graphs)
+    engine = new_engine(runner, args.kv_page_size, args.decode_layout, graphs, args.paged_attention)
     capture_s = time.perf_counter() - t_engine
     images = [sample_photo(p) for p in PHOTOS]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -453,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(),
         "decode_layout": layout_of(engine),
+        "paged_attention": args.paged_attention,
         "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
         "engine_start_s": round(capture_s, 2),
         "context": args.context,
@@ -551,7 +565,7 @@ def other_layout(runner: LlavaRunner, layout: DecodeLayout, images: list[bytes],
                  args: argparse.Namespace) -> dict:  # fmt: skip
     """Batch-1 decode and the aggregate again in a second engine whose answers decode in ``layout``."""
     graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
-    engine = new_engine(runner, args.kv_page_size, layout, graphs)
+    engine = new_engine(runner, args.kv_page_size, layout, graphs, args.paged_attention)
     b1 = timed_batch_one(engine, runner, images[1], args)
     return {"decode_layout": layout, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
 

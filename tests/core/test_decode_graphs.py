@@ -78,15 +78,17 @@ def changed_slots(pool: KVPool, before: list[torch.Tensor]) -> set[int]:
     return slots
 
 
-def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(runner) -> None:
+@pytest.mark.parametrize("paged_read", ["gather", "flex"])
+def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(runner, paged_read) -> None:
     """Rows join and leave (3 rows run in the 4-row bucket with a pad row); each row's fed token is
     written at its new slot and nowhere else but the scratch page; the greedy tokens equal
-    ``model.generate``'s for each prompt alone."""
+    ``model.generate``'s for each prompt alone, whether attention gathers the rows' slots or reads the
+    pool through FlexAttention's block mask (``flex``: eager on the CPU)."""
     pool = new_pool(runner, 200)
     ids = prompts(runner)
     caches = [SessionKV(pool) for _ in ids]
     tokens = [[int(runner.prefill(c, p, None).argmax())] for c, p in zip(caches, ids, strict=True)]
-    graphs = DecodeGraphs(runner, pool, max_rows=8, max_len=runner.max_positions)  # the scratch page is no page 0
+    graphs = DecodeGraphs(runner, pool, max_rows=8, max_len=runner.max_positions, paged_read=paged_read)
     scratch = set(range(graphs.table.pages[0] * PAGE, (graphs.table.pages[0] + 1) * PAGE))
     plan = [[0], [0, 1], [0, 1, 2], [2, 0, 1], [1, 2]] + [[0, 1, 2]] * (N + 2)
     buckets = set()
@@ -126,3 +128,63 @@ def test_a_step_larger_than_every_bucket_is_left_to_the_caller_and_close_frees_t
     assert changed_slots(pool, before) == set()  # nothing written
     graphs.close()
     pool.check(tables)
+
+
+def _flex_case(dim: int) -> tuple:
+    """Two rows sharing a whole first page (a shared prefix), then each its own partial page (37 and 20
+    positions: 5 and 4 of 16 in their last page), in a pool whose other slots hold random keys; the
+    queries; and SDPA over each row's positions gathered (the expected output)."""
+    torch.manual_seed(0)
+    heads, kv_heads, pages_n = 4, 2, 6
+    keys = torch.randn(pages_n * PAGE, kv_heads, dim)
+    values = torch.randn(pages_n * PAGE, kv_heads, dim)
+    query = torch.randn(2, heads, 1, dim)
+    pool_k, pool_v = (t.view(1, -1, kv_heads, dim).transpose(1, 2) for t in (keys, values))
+
+    def expected(tables: list[list[int]], lengths: list[int]) -> list[torch.Tensor]:
+        out = []
+        for r, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+            slots = torch.tensor([p * PAGE + i for p in table for i in range(PAGE)][:n])
+            k, v = keys[slots].transpose(0, 1)[None], values[slots].transpose(0, 1)[None]
+            out.append(torch.nn.functional.scaled_dot_product_attention(query[r : r + 1], k, v, enable_gqa=True))
+        return out
+
+    return query, pool_k, pool_v, pages_n, expected
+
+
+def test_flex_over_pages_reads_each_rows_own_positions_of_shared_pages_and_no_free_tail() -> None:
+    """:mod:`~llava_sessions.model.flex_pages` (the unfused FlexAttention a CPU runs, which applies the
+    mask function everywhere): every other slot of the pool holds random keys, so a read past a row's
+    length or into the other row's page would change the output. Through the block mask the output
+    equals SDPA over each row's positions gathered (fp32, grouped-query heads); the mask reads the
+    buffers themselves, so the next step's fill changes what the same mask object reads."""
+    from llava_sessions.model.flex_pages import PageBlocks, paged_flex_attention
+
+    query, pool_k, pool_v, pages_n, expected = _flex_case(8)
+    blocks = PageBlocks(4, pages_n, PAGE, torch.device("cpu"))
+    for tables, lengths in (([[3, 1, 4], [3, 5]], [37, 20]), ([[2], [3, 1, 4]], [3, 40])):
+        blocks.fill(tables, lengths)
+        out, _ = paged_flex_attention(None, query, pool_k, pool_v, blocks.mask(2), scaling=8**-0.5)
+        for r, want in enumerate(expected(tables, lengths)):
+            assert torch.allclose(out[r : r + 1].transpose(1, 2), want, atol=1e-5), (tables, r)
+    assert blocks.mask(2) is blocks.mask(2)
+
+
+def test_compiled_flex_reads_whole_pages_unmasked_and_bounds_the_partial_one() -> None:
+    """The fused kernel a card runs (``torch.compile(flex_attention)``; inductor's CPU template here,
+    ~20 s to compile) calls the mask function on partial blocks only: whole pages are full blocks, the
+    partial last page the one bounded block. Same case and expectation as the unfused test, the
+    buffers refilled between the calls under one compiled kernel."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from llava_sessions.model.flex_pages import PageBlocks
+
+    query, pool_k, pool_v, pages_n, expected = _flex_case(64)
+    blocks = PageBlocks(4, pages_n, PAGE, torch.device("cpu"))
+    attend = torch.compile(flex_attention)
+    for tables, lengths in (([[3, 1, 4], [3, 5]], [37, 20]), ([[2], [3, 1, 4]], [3, 40])):
+        blocks.fill(tables, lengths)
+        k, v = pool_k.expand(2, -1, -1, -1), pool_v.expand(2, -1, -1, -1)
+        out = attend(query, k, v, block_mask=blocks.mask(2), scale=64**-0.5, enable_gqa=True)
+        for r, want in enumerate(expected(tables, lengths)):
+            assert torch.allclose(out[r : r + 1], want, atol=1e-5), (tables, r)

@@ -19,7 +19,7 @@ import torch
 
 from ..conversation import still_images
 from ..model import EncodedVideo, KVPool, LlavaRunner, SessionKV, cache_len
-from ..model.graphs import DecodeGraphs
+from ..model.graphs import DecodeGraphs, PagedRead
 from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
@@ -291,12 +291,12 @@ def new_kv_pool(runner: LlavaRunner, page_size: int, fixed_bytes: int = 0) -> KV
     return KVPool(*shape, page_size=page_size, num_pages=num_pages, fixed=True)
 
 
-def new_graphs(runner: LlavaRunner, pool: KVPool) -> DecodeGraphs | None:
+def new_graphs(runner: LlavaRunner, pool: KVPool, paged_read: PagedRead = "gather") -> DecodeGraphs | None:
     """The static decode step over ``pool`` (:class:`~llava_sessions.model.graphs.DecodeGraphs`, up to
-    :data:`MAX_GRAPH_ROWS` rows over the model's context), its buckets captured as CUDA graphs on a
-    CUDA device. None when the capture fails (logged; the decode steps then run eagerly at their own
-    shapes, the path every test runs)."""
-    graphs = DecodeGraphs(runner, pool, max_rows=MAX_GRAPH_ROWS, max_len=runner.max_positions)
+    :data:`MAX_GRAPH_ROWS` rows over the model's context, attention reading the pages as ``paged_read``
+    says), its buckets captured as CUDA graphs on a CUDA device. None when the capture fails (logged;
+    the decode steps then run eagerly at their own shapes, the path every test runs)."""
+    graphs = DecodeGraphs(runner, pool, max_rows=MAX_GRAPH_ROWS, max_len=runner.max_positions, paged_read=paged_read)
     if runner.device.type != "cuda":
         return graphs
     try:

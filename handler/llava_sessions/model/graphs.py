@@ -22,7 +22,9 @@ fixed (:class:`~.paged_kv.KVPool` ``fixed``): a graph reads the tensors it was c
 On a CPU the same static pass runs eagerly (nothing to capture: the engine's CPU default is the
 contiguous layout); tests run it there to show its greedy tokens equal ``model.generate``'s. On a
 card, ``benchmarks/gpu.py`` checks replay against eager. Attention reads the rows' positions gathered
-from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.paged_kv.PagedBatchCache` does).
+from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.paged_kv.PagedBatchCache` does),
+or, with ``paged_read`` ``flex``, the pool itself through FlexAttention's block mask
+(:mod:`.flex_pages`: its buffers are overwritten with the others; not yet measured on a card).
 
 References: PyTorch, "CUDA Graphs" (``torch.cuda.graph``, ``CUDAGraph.replay``, static inputs
 overwritten with ``copy_``); nano-vllm ``engine/model_runner.py`` (buckets, capture largest first in
@@ -33,17 +35,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from .flex_pages import PAGED_FLEX_ATTENTION, PageBlocks
+from .fused import attention_on
 from .paged_kv import KVPool, SlotsCache, page_slots
 from .pages import PageTable, pages_for, release
 
 if TYPE_CHECKING:
     from .runner import LlavaRunner
 
-__all__ = ["DecodeGraphs", "batch_buckets", "length_buckets"]
+__all__ = ["DecodeGraphs", "PagedRead", "batch_buckets", "length_buckets"]
+
+#: How the static step's attention reads the pages: ``gather`` (each row's slots gathered, padded to
+#: the bucket, SDPA under a mask; the default) or ``flex`` (FlexAttention over the pool through a
+#: block mask, :mod:`.flex_pages`: not yet measured in the engine on a card).
+PagedRead = Literal["gather", "flex"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +97,7 @@ class DecodeGraphs:
         pool: the replica's KV pool; one page of it becomes the scratch page (:attr:`table`).
         max_rows: the largest batch a step runs at static shapes (larger steps: the caller's eager path).
         max_len: the longest attended length, positions (the model's context).
+        paged_read: how attention reads the pages (:data:`PagedRead`).
 
     Attributes:
         table: the scratch page, held for as long as the graphs live (a holder of the pool's, for
@@ -100,8 +110,10 @@ class DecodeGraphs:
         torch.OutOfMemoryError: a fixed pool has no free page for the scratch page.
     """
 
-    def __init__(self, runner: LlavaRunner, pool: KVPool, *, max_rows: int, max_len: int) -> None:
-        self.runner, self.pool = runner, pool
+    def __init__(
+        self, runner: LlavaRunner, pool: KVPool, *, max_rows: int, max_len: int, paged_read: PagedRead = "gather"
+    ) -> None:
+        self.runner, self.pool, self.paged_read = runner, pool, paged_read
         self.rows = batch_buckets(max_rows)
         self.lengths = length_buckets(max_len, pool.page_size)
         self.table = PageTable()
@@ -115,6 +127,7 @@ class DecodeGraphs:
         self._mask = {L: torch.zeros(top, 1, 1, L, dtype=torch.bool, device=device) for L in self.lengths}
         for mask in self._mask.values():
             mask[:, 0, 0, 0] = True  # a pad row attends to its one scratch slot
+        self._blocks = self._new_blocks() if paged_read == "flex" else None
         self._graphs: dict[tuple[int, int], Any] = {}
         self._out: dict[tuple[int, int], torch.Tensor] = {}
         self.num_replays = 0
@@ -197,9 +210,21 @@ class DecodeGraphs:
         self._write[:rows].copy_(read[torch.arange(rows), lengths - 1])
         self._read[length][:rows].copy_(read)
         self._mask[length][:rows, 0, 0].copy_(mask)
+        if self._blocks is not None:
+            if self._blocks.num_pages != self.pool.pages.num_pages:  # a CPU pool grew (a card's is fixed)
+                self._blocks = self._new_blocks()
+            self._blocks.fill([p or [self._scratch] for p in pages], lengths.tolist())
+
+    def _new_blocks(self) -> PageBlocks:
+        pages = self.pool.pages
+        return PageBlocks(self.rows[-1], pages.num_pages, pages.page_size, pages.keys[0].device)
 
     def _pass(self, rows: int, length: int) -> torch.Tensor:
         """The static pass of bucket ``(rows, length)`` over the buffers: logits ``[rows, vocab]`` float32."""
+        ids, positions = self._ids[:rows], self._positions[:rows]
+        if self._blocks is not None:  # FlexAttention over the pool's pages: no gather, no padding
+            cache = SlotsCache(self.pool.pages, self._write[:rows], self._read[length][:rows], whole_pool=True)
+            with attention_on(self.runner.config.text_config, PAGED_FLEX_ATTENTION):
+                return self.runner.decode_batch(cache, ids, positions, self._blocks.mask(rows))
         cache = SlotsCache(self.pool.pages, self._write[:rows], self._read[length][:rows])
-        mask = self._mask[length][:rows]
-        return self.runner.decode_batch(cache, self._ids[:rows], self._positions[:rows], mask)
+        return self.runner.decode_batch(cache, ids, positions, self._mask[length][:rows])

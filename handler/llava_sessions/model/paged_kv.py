@@ -136,11 +136,18 @@ class _PagedLayer(CacheLayerMixin):
     and how many of the read positions the pass itself writes (``num_new``: ``n``, or 1 per row)."""
 
     def __init__(
-        self, pages: KVPages, index: int, write_slots: torch.Tensor, read_slots: torch.Tensor, num_new: int
+        self,
+        pages: KVPages,
+        index: int,
+        write_slots: torch.Tensor,
+        read_slots: torch.Tensor,
+        num_new: int,
+        whole_pool: bool = False,
     ) -> None:
         super().__init__()
         self.pages, self.index = pages, index
         self.write_slots, self.read_slots, self.num_new = write_slots, read_slots, num_new
+        self.whole_pool = whole_pool
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -150,11 +157,15 @@ class _PagedLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the pass's ``[B, kv_heads, n, head_dim]`` states at their slots; return the attended
-        positions ``[B, kv_heads, L, head_dim]`` gathered from the pool."""
+        positions ``[B, kv_heads, L, head_dim]`` gathered from the pool (with ``whole_pool``: the
+        layer's whole pool ``[1, kv_heads, slots, head_dim]``, a view, for :mod:`.flex_pages`)."""
         heads, dim = key_states.shape[1], key_states.shape[-1]
         flat_k = key_states.transpose(1, 2).reshape(-1, heads, dim)  # [B * n, kv_heads, head_dim]
         flat_v = value_states.transpose(1, 2).reshape(-1, heads, dim)
         self.pages.write(self.index, self.write_slots, flat_k, flat_v)
+        if self.whole_pool:
+            k, v = self.pages.keys[self.index], self.pages.values[self.index]
+            return k.view(1, -1, heads, dim).transpose(1, 2), v.view(1, -1, heads, dim).transpose(1, 2)
         return self.pages.gather(self.index, self.read_slots)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -214,11 +225,13 @@ class PagedCache(Cache):
 class SlotsCache(Cache):
     """The cache of one decode step of ``B`` rows over given slot tensors: each row's new token
     written at ``write`` ``[B]`` (long, on the pool's device), attention reading ``read`` ``[B, L]``
-    (the pads masked by the caller's mask). Only tensor ops read the slots, so a CUDA graph replays a
-    step over the same tensors after they are overwritten (:mod:`.graphs`)."""
+    (the pads masked by the caller's mask; with ``whole_pool`` attention gets each layer's whole pool
+    instead, read through a block mask: :mod:`.flex_pages`). Only tensor ops read the slots, so a CUDA
+    graph replays a step over the same tensors after they are overwritten (:mod:`.graphs`)."""
 
-    def __init__(self, pages: KVPages, write: torch.Tensor, read: torch.Tensor) -> None:
-        super().__init__(layers=[_PagedLayer(pages, i, write, read, 1) for i in range(len(pages.keys))])
+    def __init__(self, pages: KVPages, write: torch.Tensor, read: torch.Tensor, *, whole_pool: bool = False) -> None:
+        layers = [_PagedLayer(pages, i, write, read, 1, whole_pool) for i in range(len(pages.keys))]
+        super().__init__(layers=list(layers))
 
 
 class PagedBatchCache(SlotsCache):

@@ -388,7 +388,7 @@ class LlavaRunner:
         batch: Cache,
         token_ids: Sequence[int] | torch.Tensor,
         positions: Sequence[int] | torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: Any,
     ) -> torch.Tensor:
         """One decode step for every row of ``batch`` in one forward pass.
 
@@ -399,8 +399,8 @@ class LlavaRunner:
             token_ids, positions: ``B`` input tokens (any id for a masked row) and position ids
                 (each row's own); lists, or long tensors ``[B, 1]`` on the device (a graph's buffers).
             attention_mask: ``[B, batch.length + 1]`` long, 1 where a row may attend (its own
-                valid columns, including the new one), 0 for pads, holes and masked rows; or a
-                ready 4D ``[B, 1, 1, L]`` bool mask, which transformers passes to attention as it is.
+                valid columns, including the new one), 0 for pads, holes and masked rows; or a ready
+                4D ``[B, 1, 1, L]`` bool mask or FlexAttention ``BlockMask`` (passed on as it is).
 
         Returns:
             Logits ``[B, vocab]`` float32.
