@@ -343,13 +343,13 @@ def new_engine(
     runner: LlavaRunner, page_size: int, layout: DecodeLayout, graphs: bool | None, paged_read: PagedRead = "gather"
 ) -> SessionEngine:
     """An engine on ``runner`` whose store does not demote at the table's levels: on a card 0.8 of its
-    free memory (its fixed pool takes that much at start), on a CPU an unbounded budget (2 GiB when
-    ``graphs`` fixes the pool there too). With ``paged_read`` ``flex`` its static decode step reads the
+    free memory (its fixed pool takes that much at start), on a CPU an unbounded budget (128 MiB when
+    ``graphs`` fixes the pool there too: the unfused FlexAttention a CPU runs reads the whole pool). With ``paged_read`` ``flex`` its static decode step reads the
     pages with FlexAttention (its graphs captured again that way: the engine's own are the gather's)."""
     if runner.device.type == "cuda":
         budget = default_device_budget(runner, 0.8)
     else:
-        budget = 1 << 31 if graphs else 1 << 45
+        budget = 1 << 27 if graphs else 1 << 45
     store = SessionStore(
         device_budget_bytes=budget, host_budget_bytes=1 << 40, kv_bytes_per_token=runner.kv_bytes_per_token
     )
@@ -442,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
     ap.add_argument("--paged-attention", default="gather", choices=["gather", "flex"],
                     help="how the static decode step reads the pages (flex: FlexAttention over the pool)")  # fmt: skip
+    ap.add_argument("--compare-paged-read", default="auto", choices=["auto", "on", "off"],
+                    help="the other way of reading the pages in a third engine (auto: on a card)")  # fmt: skip
     ap.add_argument("--kernel-rows", default="1,32", help="rows of the attention-kernel table ('': none)")
     ap.add_argument("--kernels", default="gather_sdpa,flex_paged,varlen_paged", help="its paged kernels")
     ap.add_argument("--json", default=None, help="the table as JSON, rewritten after every section")
@@ -481,13 +483,18 @@ def main(argv: list[str] | None = None) -> int:
     report.run("kv_pool", lambda: pool_report(engine, args.context))
     if not args.skip_peer:  # after the engine's rows: compiling the peer takes the longest
         report.run("peer", lambda: peer_static_generate(runner, images[2], args.new_tokens))
+    compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
+    compare = compare and engine.model.graphs is not None
+    engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if not args.skip_other_layout and args.kv_page_size:
         other = "paged" if report.data["decode_layout"] == "contiguous" else "contiguous"
-        del engine  # its pool and batch go first: the other engine's sessions take their room
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         report.run("other_layout", lambda: other_layout(runner, other, images, levels, args))
+    if compare:  # the static step's other way of reading the pages, in a third engine
+        read: PagedRead = "flex" if args.paged_attention == "gather" else "gather"
+        report.run("other_paged_read", lambda: other_paged_read(runner, read, images, levels, args))
     # last: compiling FlexAttention takes seconds per shape, and every row above is printed already
     report.run("attention_kernels", lambda: attention_kernels(runner, args))
     if device.type == "cuda":
@@ -570,6 +577,22 @@ def other_layout(runner: LlavaRunner, layout: DecodeLayout, images: list[bytes],
     return {"decode_layout": layout, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
 
 
+def other_paged_read(runner: LlavaRunner, read: PagedRead, images: list[bytes], levels: list[int],
+                     args: argparse.Namespace) -> dict:  # fmt: skip
+    """Batch-1 decode, the aggregate and the graphs against eager again in an engine of the paged
+    layout whose static decode step reads the pages as ``read`` (``flex``: FlexAttention over the pool;
+    its start's seconds include capturing the gather's graphs first, then ``read``'s)."""
+    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    t0 = time.perf_counter()
+    engine = new_engine(runner, args.kv_page_size, "paged", graphs, read)
+    start_s = time.perf_counter() - t0
+    b1 = timed_batch_one(engine, runner, images[1], args)
+    rows = {"paged_attention": read, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
+    if engine.model.graphs is not None:
+        rows["graphs"] = graphs_against_eager(engine, images, args.new_tokens, start_s)
+    return rows
+
+
 def attention_kernels(runner: LlavaRunner, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``paged_attention.measure`` at the text model's attention shape, ``--context`` positions and each
     of ``--kernel-rows`` rows, in the runner's dtype, printed as it goes."""
@@ -637,15 +660,29 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
             print(f"{label:<58}{r['eager_ms']:>8.2f} ms/step eager")
     for kernels in report.get("attention_kernels", []):
         print(describe(kernels))
-    other, b1 = report.get("other_layout"), report.get("batch_one")
+    other, b1 = report.get("other_paged_read"), report.get("batch_one")
+    if other and b1:  # the static step reading the pages the other way, as ratios to this run's
+        print(f"paged read {other['paged_attention']} against {report['paged_attention']}:")
+        _print_rows(other, report)
+        for rows in (1, 3) if other.get("graphs") else ():
+            r = other["graphs"][f"rows_{rows}"]
+            same = "identical" if r["identical"] else f"DIFFERENT from {r['first_difference']}"
+            print(f"  {rows} row(s): replay vs the same pass eager, tokens {same}")
+    other = report.get("other_layout")
     if other and b1:  # the same rows in the other decode layout, as ratios to this run's
         print(f"decode layout {other['decode_layout']} against {report['decode_layout']}:")
-        ratio = other["batch_one"]["ms_per_token"] / b1["ms_per_token"]
-        print(f"{'  batch-1 decode':<48}{other['batch_one']['ms_per_token']:>10.2f} ms/token {ratio:>6.2f}x")
-        for n, row in other["aggregate"].items():
-            mine = report.get("aggregate", {}).get(n)
-            ratio = row["tokens_per_s"] / mine["tokens_per_s"] if mine else float("nan")
-            print(f"{'  ' + n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio:>6.2f}x")
+        _print_rows(other, report)
+
+
+def _print_rows(other: dict[str, Any], report: dict[str, Any]) -> None:
+    """A second engine's batch-1 decode and aggregate, each with its ratio to the first engine's."""
+    b1 = report["batch_one"]
+    ratio = other["batch_one"]["ms_per_token"] / b1["ms_per_token"]
+    print(f"{'  batch-1 decode':<48}{other['batch_one']['ms_per_token']:>10.2f} ms/token {ratio:>6.2f}x")
+    for n, row in other["aggregate"].items():
+        mine = report.get("aggregate", {}).get(n)
+        ratio = row["tokens_per_s"] / mine["tokens_per_s"] if mine else float("nan")
+        print(f"{'  ' + n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio:>6.2f}x")
 
 
 if __name__ == "__main__":
