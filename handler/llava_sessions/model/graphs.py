@@ -216,8 +216,10 @@ class DecodeGraphs:
             self._blocks.fill([p or [self._scratch] for p in pages], lengths.tolist())
 
     def _new_blocks(self) -> PageBlocks:
-        pages = self.pool.pages
-        return PageBlocks(self.rows[-1], pages.num_pages, pages.page_size, pages.keys[0].device)
+        pages, top = self.pool.pages, self.rows[-1]
+        blocks = PageBlocks(top, pages.num_pages, pages.page_size, pages.keys[0].device)
+        blocks.fill([[self._scratch]] * top, [1] * top)  # every row a pad row, as the other buffers start
+        return blocks
 
     def _pass(self, rows: int, length: int) -> torch.Tensor:
         """The static pass of bucket ``(rows, length)`` over the buffers: logits ``[rows, vocab]`` float32."""
