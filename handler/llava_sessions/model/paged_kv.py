@@ -230,8 +230,7 @@ class SlotsCache(Cache):
     graph replays a step over the same tensors after they are overwritten (:mod:`.graphs`)."""
 
     def __init__(self, pages: KVPages, write: torch.Tensor, read: torch.Tensor, *, whole_pool: bool = False) -> None:
-        layers = [_PagedLayer(pages, i, write, read, 1, whole_pool) for i in range(len(pages.keys))]
-        super().__init__(layers=list(layers))
+        super().__init__(layers=[_PagedLayer(pages, i, write, read, 1, whole_pool) for i in range(len(pages.keys))])
 
 
 class PagedBatchCache(SlotsCache):
