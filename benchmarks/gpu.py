@@ -486,15 +486,15 @@ def main(argv: list[str] | None = None) -> int:
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
     compare = compare and engine.model.graphs is not None
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     if not args.skip_other_layout and args.kv_page_size:
         other = "paged" if report.data["decode_layout"] == "contiguous" else "contiguous"
         report.run("other_layout", lambda: other_layout(runner, other, images, levels, args))
+        release_memory(device)
     if compare:  # the static step's other way of reading the pages, in a third engine
         read: PagedRead = "flex" if args.paged_attention == "gather" else "gather"
         report.run("other_paged_read", lambda: other_paged_read(runner, read, images, levels, args))
+        release_memory(device)
     # last: compiling FlexAttention takes seconds per shape, and every row above is printed already
     report.run("attention_kernels", lambda: attention_kernels(runner, args))
     if device.type == "cuda":
@@ -503,6 +503,14 @@ def main(argv: list[str] | None = None) -> int:
     report.save()
     print_table(report.data)
     return 1 if report.data.get("errors") else 0
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what a finished engine held (its objects refer to each other, so a collection frees them),
+    and on a card hand the cached blocks back, so the next engine's fixed pool is sized to all of it."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class Sections:
