@@ -11,9 +11,10 @@ kv_heads, head_dim]`` per layer). Each kernel's output is compared with the firs
 - ``gather_sdpa``: the pool's slots gathered by page table, then SDPA with a bool mask bounding each
   row to its length (what the paged layout and the CUDA graphs run today; transformers' continuous
   batching reads pages the same way);
-- ``flex_paged``: FlexAttention straight over the pool, its block mask's kv blocks being each row's
-  pages (``BlockMask.from_kv_blocks``, one kv block per page) and a ``mask_mod`` bounding a row to
-  its length (without the bound, the zero tail of a partial last page is attended to); compiled with
+- ``flex_paged``: FlexAttention straight over the pool through the engine's own block mask
+  (``model/flex_pages.py``'s ``PageBlocks``: one kv block per page, a row's whole pages full blocks,
+  its partial last page bounded by the mask function; without the bound, the zero tail of a partial
+  last page is attended to); compiled with
   ``torch.compile`` on a CUDA device (``compile_flex``), as its docs require for speed;
 - ``varlen_paged``: ``torch.nn.attention.varlen.varlen_attn`` with ``block_table=`` and ``seqused_k=``
   (torch 2.12+, CUDA only); left out where the installed torch's signature lacks them.
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from llava_sessions.model.flex_pages import PageBlocks
 from llava_sessions.model.paged_kv import KVPages, page_slots
 from llava_sessions.model.pages import pages_for
 
@@ -109,12 +111,6 @@ class PagedProblem:
         self.slots = slots.to(device)
         positions = torch.arange(slots.shape[1], device=device)
         self.bound = (positions < length)[None, None, None, :].expand(rows, 1, 1, -1)  # [rows, 1, 1, L']
-        # each slot's row and position in it (for FlexAttention's mask_mod over physical slots)
-        slot_row = torch.full((self.num_pages * page_size,), -1, dtype=torch.long)
-        slot_pos = torch.zeros(self.num_pages * page_size, dtype=torch.long)
-        slot_row[slots.reshape(-1)] = torch.arange(rows).repeat_interleave(slots.shape[1])
-        slot_pos[slots.reshape(-1)] = positions.cpu().repeat(rows)
-        self.slot_row, self.slot_pos = slot_row.to(device), slot_pos.to(device)
 
     def _gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pages.gather(0, self.slots)  # the engine's read: [rows, kv_heads, L', d] each
@@ -136,41 +132,18 @@ class PagedProblem:
         return run
 
     def flex_paged(self, compile_flex: bool) -> Callable[[], torch.Tensor]:
-        """FlexAttention over the whole pool with a block mask whose kv blocks are the rows' pages."""
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+        """FlexAttention over the whole pool through the engine's block mask (``model/flex_pages.py``'s
+        ``PageBlocks``: a row's whole pages full blocks, its partial last page the one bounded block)."""
+        from torch.nn.attention.flex_attention import flex_attention
 
-        rows, device = self.rows, self.device
-        slot_row, slot_pos, length = self.slot_row, self.slot_pos, self.length
-
-        def in_row(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-            return (slot_row[kv_idx] == b) & (slot_pos[kv_idx] < length)
-
-        # kv blocks are pages: a row's whole pages are full blocks (no mask_mod), a partial last page
-        # the one masked block; one column per pool page (a dense view indexes every kv block)
-        tables = self.tables.to(device=device, dtype=torch.int32)
-        whole = self.length // self.page_size
-
-        def blocks(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            indices = torch.zeros((rows, 1, 1, self.num_pages), dtype=torch.int32, device=device)
-            indices[:, 0, 0, : columns.shape[1]] = columns
-            return torch.full((rows, 1, 1), columns.shape[1], dtype=torch.int32, device=device), indices
-
-        partial_counts, partial = blocks(tables[:, whole:])
-        full_counts, full = blocks(tables[:, :whole])
-        mask = BlockMask.from_kv_blocks(
-            partial_counts,
-            partial,
-            full_counts,
-            full,
-            BLOCK_SIZE=(128, self.page_size),
-            mask_mod=in_row,
-            seq_lengths=(1, self.num_pages * self.page_size),
-        )
+        blocks = PageBlocks(self.rows, self.num_pages, self.page_size, self.device)
+        blocks.fill(self.tables.tolist(), [self.length] * self.rows)
+        mask = blocks.mask(self.rows)
         flat = self.num_pages * self.page_size
         k = self.keys.view(1, flat, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, kv_heads, slots, d]
         v = self.values.view(1, flat, self.kv_heads, self.head_dim).transpose(1, 2)
         attend = torch.compile(flex_attention, dynamic=False) if compile_flex else flex_attention
-        gqa = self.heads != self.kv_heads
+        gqa, rows = self.heads != self.kv_heads, self.rows
         return lambda: attend(
             self.query, k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), block_mask=mask, enable_gqa=gqa
         )
