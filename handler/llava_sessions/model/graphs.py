@@ -113,7 +113,7 @@ class DecodeGraphs:
     def __init__(
         self, runner: LlavaRunner, pool: KVPool, *, max_rows: int, max_len: int, paged_read: PagedRead = "gather"
     ) -> None:
-        self.runner, self.pool, self.paged_read = runner, pool, paged_read
+        self.runner, self.pool = runner, pool
         self.rows = batch_buckets(max_rows)
         self.lengths = length_buckets(max_len, pool.page_size)
         self.table = PageTable()
@@ -202,18 +202,18 @@ class DecodeGraphs:
         read = page_slots(pages, size, width=length // size, pad=self._scratch)
         lengths = torch.ones(rows, dtype=torch.long)  # a pad row attends to its one scratch slot
         lengths[:n] = torch.tensor([t.num_tokens for t in tables])
-        mask = torch.arange(length)[None, :] < lengths[:, None]
         ids = torch.zeros(rows, 1, dtype=torch.long)
         ids[:n, 0] = torch.tensor(list(token_ids))
         self._ids[:rows].copy_(ids)
         self._positions[:rows].copy_((lengths - 1)[:, None])
         self._write[:rows].copy_(read[torch.arange(rows), lengths - 1])
-        self._read[length][:rows].copy_(read)
-        self._mask[length][:rows, 0, 0].copy_(mask)
-        if self._blocks is not None:
-            if self._blocks.num_pages != self.pool.pages.num_pages:  # a CPU pool grew (a card's is fixed)
-                self._blocks = self._new_blocks()
-            self._blocks.fill([p or [self._scratch] for p in pages], lengths.tolist())
+        if self._blocks is None:  # the gather's read slots and mask (a flex step reads the block mask)
+            self._read[length][:rows].copy_(read)
+            self._mask[length][:rows, 0, 0].copy_(torch.arange(length)[None, :] < lengths[:, None])
+            return
+        if self._blocks.num_pages != self.pool.pages.num_pages:  # a CPU pool grew (a card's is fixed)
+            self._blocks = self._new_blocks()
+        self._blocks.fill([p or [self._scratch] for p in pages], lengths.tolist())
 
     def _new_blocks(self) -> PageBlocks:
         pages, top = self.pool.pages, self.rows[-1]
@@ -224,7 +224,7 @@ class DecodeGraphs:
     def _pass(self, rows: int, length: int) -> torch.Tensor:
         """The static pass of bucket ``(rows, length)`` over the buffers: logits ``[rows, vocab]`` float32."""
         ids, positions = self._ids[:rows], self._positions[:rows]
-        if self._blocks is not None:  # FlexAttention over the pool's pages: no gather, no padding
+        if self._blocks is not None:  # FlexAttention over the pool's pages (the read slots only size the cache)
             cache = SlotsCache(self.pool.pages, self._write[:rows], self._read[length][:rows], whole_pool=True)
             with attention_on(self.runner.config.text_config, PAGED_FLEX_ATTENTION):
                 return self.runner.decode_batch(cache, ids, positions, self._blocks.mask(rows))
