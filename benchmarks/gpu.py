@@ -339,13 +339,19 @@ def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> 
     }
 
 
+def cuda_graphs_arg(args: argparse.Namespace) -> bool | None:
+    """``--cuda-graphs`` as the engine takes it: None (auto: on a card), True or False."""
+    return {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+
+
 def new_engine(
     runner: LlavaRunner, page_size: int, layout: DecodeLayout, graphs: bool | None, paged_read: PagedRead = "gather"
 ) -> SessionEngine:
     """An engine on ``runner`` whose store does not demote at the table's levels: on a card 0.8 of its
     free memory (its fixed pool takes that much at start), on a CPU an unbounded budget (128 MiB when
-    ``graphs`` fixes the pool there too: the unfused FlexAttention a CPU runs reads the whole pool). With ``paged_read`` ``flex`` its static decode step reads the
-    pages with FlexAttention (its graphs captured again that way: the engine's own are the gather's)."""
+    ``graphs`` fixes the pool there too: the unfused FlexAttention a CPU runs reads the whole pool).
+    With ``paged_read`` ``flex`` its static decode step reads the pages with FlexAttention (its graphs
+    captured again that way: the engine's own are the gather's)."""
     if runner.device.type == "cuda":
         budget = default_device_budget(runner, 0.8)
     else:
@@ -454,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     runner = build_runner(args)
     device = runner.device
-    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    graphs = cuda_graphs_arg(args)
     t_engine = time.perf_counter()
     engine = new_engine(runner, args.kv_page_size, args.decode_layout, graphs, args.paged_attention)
     capture_s = time.perf_counter() - t_engine
@@ -579,7 +585,7 @@ def pool_report(engine: SessionEngine, context: int) -> dict | None:
 def other_layout(runner: LlavaRunner, layout: DecodeLayout, images: list[bytes], levels: list[int],
                  args: argparse.Namespace) -> dict:  # fmt: skip
     """Batch-1 decode and the aggregate again in a second engine whose answers decode in ``layout``."""
-    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    graphs = cuda_graphs_arg(args)
     engine = new_engine(runner, args.kv_page_size, layout, graphs, args.paged_attention)
     b1 = timed_batch_one(engine, runner, images[1], args)
     return {"decode_layout": layout, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
@@ -590,7 +596,7 @@ def other_paged_read(runner: LlavaRunner, read: PagedRead, images: list[bytes], 
     """Batch-1 decode, the aggregate and the graphs against eager again in an engine of the paged
     layout whose static decode step reads the pages as ``read`` (``flex``: FlexAttention over the pool;
     its start's seconds include capturing the gather's graphs first, then ``read``'s)."""
-    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    graphs = cuda_graphs_arg(args)
     t0 = time.perf_counter()
     engine = new_engine(runner, args.kv_page_size, "paged", graphs, read)
     start_s = time.perf_counter() - t0
