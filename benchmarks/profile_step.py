@@ -27,7 +27,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -39,7 +38,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine_decode import build_runner, sync
-from gpu import FOLLOW_UP, PHOTOS, QUESTION, _fresh, new_engine, open_with_context
+from gpu import FOLLOW_UP, PHOTOS, QUESTION, _fresh, new_engine, open_with_context, release_memory
+from llava_sessions.engine.model_runner import KV_PAGE_SIZE
 from llava_sessions.model import LlavaRunner
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_tools.demo.samples import sample_photo
@@ -160,14 +160,12 @@ def regions(runner: LlavaRunner, args: argparse.Namespace) -> dict[str, Any]:
     for name, (layout, graphs) in layouts.items():
         if graphs and device.type != "cuda":
             continue
-        engine = new_engine(runner, 16, layout, graphs)
+        engine = new_engine(runner, KV_PAGE_SIZE, layout, graphs)
         out[name] = profile_region(device, decode_step_region(engine, images[1], args.context), args.repeats, args.rows)
         if name == "decode_eager":
             out.update(turn_regions(engine, images, args))
         del engine
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(device)
         print_region(name, out[name])
     out["hf_decode"] = profile_region(device, hf_decode_region(runner, args.context), args.repeats, args.rows)
     return out
