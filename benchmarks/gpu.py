@@ -85,6 +85,13 @@ PHOTOS = ("astronaut", "chelsea", "coffee", "rocket")
 #: A follow-up question of about 30 tokens (llava-1.5's tokenizer).
 FOLLOW_UP = "Looking again at the whole picture, which colours stand out most, and where in the frame are they placed?"
 QUESTION = "Describe this image in great detail, please."
+#: The ways of reading the pages compared beside the engine's own (``--compare-paged-read``).
+OTHER_READS: dict[str, tuple[PagedRead, ...]] = {
+    "auto": ("gather", "flex"),
+    "gather": ("flex", "auto"),
+    "flex": ("gather", "auto"),
+    "none": (),
+}
 
 
 class ForwardClock:
@@ -345,13 +352,13 @@ def cuda_graphs_arg(args: argparse.Namespace) -> bool | None:
 
 
 def new_engine(
-    runner: LlavaRunner, page_size: int, layout: DecodeLayout, graphs: bool | None, paged_read: PagedRead = "gather"
+    runner: LlavaRunner, page_size: int, layout: DecodeLayout, graphs: bool | None, paged_read: PagedRead | None = None
 ) -> SessionEngine:
     """An engine on ``runner`` whose store does not demote at the table's levels: on a card 0.8 of its
     free memory (its fixed pool takes that much at start), on a CPU an unbounded budget (128 MiB when
     ``graphs`` fixes the pool there too: the unfused FlexAttention a CPU runs reads the whole pool).
-    With ``paged_read`` ``flex`` its static decode step reads the pages with FlexAttention (its graphs
-    captured again that way: the engine's own are the gather's)."""
+    Its static decode step reads the pages as ``paged_read`` says (None: the engine's own choice; another
+    one captures its graphs again that way)."""
     if runner.device.type == "cuda":
         budget = default_device_budget(runner, 0.8)
     else:
@@ -364,11 +371,17 @@ def new_engine(
     kw = {"kv_page_size": page_size, "decode_layout": layout, "cuda_graphs": graphs}
     engine = SessionEngine(runner, store, decode, limits, **kw)
     model = engine.model
-    if paged_read != "gather" and model.graphs is not None and model.kv_pool is not None:
+    if paged_read not in (None, paged_read_of(engine)) and model.graphs is not None and model.kv_pool is not None:
         model.graphs.close()
         model.graphs = new_graphs(runner, model.kv_pool, paged_read)
         engine.batch.graphs = model.graphs  # type: ignore[union-attr]
     return engine
+
+
+def paged_read_of(engine: SessionEngine) -> str:
+    """How ``engine``'s static decode step reads the pages (``none`` without one)."""
+    graphs = engine.model.graphs
+    return graphs.paged_read if graphs is not None else "none"
 
 
 def layout_of(engine: SessionEngine) -> str:
@@ -446,10 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                     help="the paged step's static shapes (graphs on a card); off: the enforce_eager setting")  # fmt: skip
     ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
-    ap.add_argument("--paged-attention", default="gather", choices=["gather", "flex"],
-                    help="how the static decode step reads the pages (flex: FlexAttention over the pool)")  # fmt: skip
+    ap.add_argument("--paged-attention", default=None, choices=["gather", "flex", "auto"],
+                    help="how the static decode step reads the pages (default: the engine's own; flex: "
+                         "FlexAttention over the pool; auto: the gather below FLEX_MIN_ROWS rows, flex from there)")  # fmt: skip
     ap.add_argument("--compare-paged-read", default="auto", choices=["auto", "on", "off"],
-                    help="the other way of reading the pages in a third engine (auto: on a card)")  # fmt: skip
+                    help="each other way of reading the pages, in an engine of its own (auto: on a card)")  # fmt: skip
     ap.add_argument("--kernel-rows", default="1,32", help="rows of the attention-kernel table ('': none)")
     ap.add_argument("--kernels", default="gather_sdpa,flex_paged,varlen_paged", help="its paged kernels")
     ap.add_argument("--json", default=None, help="the table as JSON, rewritten after every section")
@@ -474,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(),
         "decode_layout": layout_of(engine),
-        "paged_attention": args.paged_attention,
+        "paged_attention": paged_read_of(engine),
         "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
         "engine_start_s": round(capture_s, 2),
         "context": args.context,
@@ -497,9 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         other = "paged" if report.data["decode_layout"] == "contiguous" else "contiguous"
         report.run("other_layout", lambda: other_layout(runner, other, images, levels, args))
         release_memory(device)
-    if compare:  # the static step's other way of reading the pages, in a third engine
-        read: PagedRead = "flex" if args.paged_attention == "gather" else "gather"
-        report.run("other_paged_read", lambda: other_paged_read(runner, read, images, levels, args))
+    for read in OTHER_READS[report.data["paged_attention"]] if compare else ():  # each in an engine of its own
+        report.run(f"paged_read_{read}", lambda read=read: other_paged_read(runner, read, images, levels, args))
         release_memory(device)
     # last: compiling FlexAttention takes seconds per shape, and every row above is printed already
     report.run("attention_kernels", lambda: attention_kernels(runner, args))
@@ -674,8 +687,9 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
             print(f"{label:<58}{r['eager_ms']:>8.2f} ms/step eager")
     for kernels in report.get("attention_kernels", []):
         print(describe(kernels))
-    other, b1 = report.get("other_paged_read"), report.get("batch_one")
-    if other and b1:  # the static step reading the pages the other way, as ratios to this run's
+    b1 = report.get("batch_one")
+    others = [report[f"paged_read_{r}"] for r in ("gather", "flex", "auto") if f"paged_read_{r}" in report]
+    for other in others if b1 else ():  # the static step reading the pages another way, as ratios to this run's
         print(f"paged read {other['paged_attention']} against {report['paged_attention']}:")
         _print_rows(other, report)
         for rows in (1, 3) if other.get("graphs") else ():

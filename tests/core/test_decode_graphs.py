@@ -78,17 +78,18 @@ def changed_slots(pool: KVPool, before: list[torch.Tensor]) -> set[int]:
     return slots
 
 
-@pytest.mark.parametrize("paged_read", ["gather", "flex"])
+@pytest.mark.parametrize("paged_read", ["gather", "flex", "auto"])
 def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(runner, paged_read) -> None:
     """Rows join and leave (3 rows run in the 4-row bucket with a pad row); each row's fed token is
     written at its new slot and nowhere else but the scratch page; the greedy tokens equal
-    ``model.generate``'s for each prompt alone, whether attention gathers the rows' slots or reads the
-    pool through FlexAttention's block mask (``flex``: eager on the CPU)."""
+    ``model.generate``'s for each prompt alone, whether attention gathers the rows' slots, reads the
+    pool through FlexAttention's block mask (``flex``: eager on the CPU), or (``auto``, FlexAttention
+    from 2 rows here) one step one way and the next the other."""
     pool = new_pool(runner, 200)
     ids = prompts(runner)
     caches = [SessionKV(pool) for _ in ids]
     tokens = [[int(runner.prefill(c, p, None).argmax())] for c, p in zip(caches, ids, strict=True)]
-    graphs = DecodeGraphs(runner, pool, max_rows=8, max_len=runner.max_positions, paged_read=paged_read)
+    graphs = DecodeGraphs(runner, pool, max_rows=8, max_len=runner.max_positions, paged_read=paged_read, flex_rows=2)
     scratch = set(range(graphs.table.pages[0] * PAGE, (graphs.table.pages[0] + 1) * PAGE))
     plan = [[0], [0, 1], [0, 1, 2], [2, 0, 1], [1, 2]] + [[0, 1, 2]] * (N + 2)
     buckets = set()
@@ -108,7 +109,17 @@ def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(
         for i, r in enumerate(rows):
             tokens[r].append(int(logits[i].argmax()))
     assert tokens == [reference(runner, p) for p in ids]
-    assert {(4, 512), (4, 640)} <= buckets and graphs.num_eager > N and graphs.num_replays == 0
+    top = graphs.lengths[-1]  # a bucket read with FlexAttention reads the whole pool: one length
+    expected = {
+        "gather": {(1, 512), (4, 512), (4, 640)},
+        "flex": {(1, top), (4, top)},
+        "auto": {(1, 512), (4, top)},
+    }[paged_read]
+    assert expected <= buckets and graphs.num_eager > N and graphs.num_replays == 0
+    lengths = {L for _, L in buckets}  # a flex bucket's is the whole pool's; the gather never reaches it here
+    assert all(n == top for b, n in buckets if graphs.reads_flex(b)) and (top in lengths) == (paged_read != "gather")
+    fours = {b for b in graphs.buckets if b[0] == 4}  # what a card would capture for 4 rows
+    assert fours == ({(4, top)} if paged_read != "gather" else {(4, L) for L in graphs.lengths})
     pool.check([*(c.table for c in caches), graphs.table])
 
 

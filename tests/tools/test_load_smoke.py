@@ -81,14 +81,15 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     and writes every measure of the table, each latency beside the floor measured in the run; the paged
     layout's static decode step (what a card replays as CUDA graphs, run eagerly here) against eager
     at the step's own shape, greedy tokens identical; the other decode layout's rows beside it, and the
-    static step reading the pages with FlexAttention in a third engine (its tokens identical too)."""
+    static step reading the pages with FlexAttention, and with ``auto``, in engines of their own (their
+    tokens identical too)."""
     import subprocess
 
     out = tmp_path / "gpu.json"
     args = ["--device", "cpu", "--model", "tiny", "--dtype", "auto", "--levels", "1,2", "--new-tokens", "4"]
     args += ["--decode-layout", "paged", "--cuda-graphs", "on", "--kernel-rows", "1,2"]
     args += ["--kernels", "gather_sdpa,varlen_paged"]  # FlexAttention's first eager call costs seconds: its own test
-    args += ["--compare-paged-read", "on"]  # the static step reading pages with FlexAttention, a third engine
+    args += ["--compare-paged-read", "on"]  # the static step reading pages with flex, and auto, in engines of their own
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gpu.py"), *args, "--repeats", "1", "--json", str(out)],
         capture_output=True,
@@ -115,10 +116,12 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     kernels = report["attention_kernels"]  # the model's attention shape over pages, per kernel
     assert [k["shape"]["rows"] for k in kernels] == [1, 2] and all(k["fastest"] for k in kernels)
     assert "varlen_paged" in kernels[0]["kernels"] and "fastest paged kernel" in done.stdout
-    flex = report["other_paged_read"]  # FlexAttention over the pages: replay (eager here) equals eager
+    assert report["paged_attention"] == "gather"  # a CPU engine's own read; a card's is auto
+    flex = report["paged_read_flex"]  # FlexAttention over the pages: replay (eager here) equals eager
     assert flex["paged_attention"] == "flex" and flex["batch_one"]["ms_per_token"] > 0
     assert flex["graphs"]["rows_3"]["identical"] is True and flex["graphs"]["rows_3"]["own_shape_identical"] is True
-    assert "paged read flex against gather" in done.stdout
+    assert "paged read flex against gather" in done.stdout and "paged read auto against gather" in done.stdout
+    assert report["paged_read_auto"]["graphs"]["rows_1"]["identical"] is True
     other = report["other_layout"]  # the contiguous decode layout beside the paged one, in the same run
     assert other["decode_layout"] == "contiguous" and other["batch_one"]["ms_per_token"] > 0
     assert set(other["aggregate"]) == {"1", "2"} and "decode layout contiguous against paged" in done.stdout

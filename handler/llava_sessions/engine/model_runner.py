@@ -291,11 +291,14 @@ def new_kv_pool(runner: LlavaRunner, page_size: int, fixed_bytes: int = 0) -> KV
     return KVPool(*shape, page_size=page_size, num_pages=num_pages, fixed=True)
 
 
-def new_graphs(runner: LlavaRunner, pool: KVPool, paged_read: PagedRead = "gather") -> DecodeGraphs | None:
+def new_graphs(runner: LlavaRunner, pool: KVPool, paged_read: PagedRead | None = None) -> DecodeGraphs | None:
     """The static decode step over ``pool`` (:class:`~llava_sessions.model.graphs.DecodeGraphs`, up to
     :data:`MAX_GRAPH_ROWS` rows over the model's context, attention reading the pages as ``paged_read``
-    says), its buckets captured as CUDA graphs on a CUDA device. None when the capture fails (logged;
-    the decode steps then run eagerly at their own shapes, the path every test runs)."""
+    says: by default ``auto`` on a CUDA device, ``gather`` elsewhere, where FlexAttention runs unfused
+    over the whole pool), its buckets captured as CUDA graphs on a CUDA device. None when the capture
+    fails (logged; the decode steps then run eagerly at their own shapes, the path every test runs)."""
+    if paged_read is None:
+        paged_read = "auto" if runner.device.type == "cuda" else "gather"
     graphs = DecodeGraphs(runner, pool, max_rows=MAX_GRAPH_ROWS, max_len=runner.max_positions, paged_read=paged_read)
     if runner.device.type != "cuda":
         return graphs

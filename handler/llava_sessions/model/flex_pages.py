@@ -50,12 +50,26 @@ Q_BLOCK = 128
 _compiled: dict[str, Any] = {}
 
 
+#: Shapes FlexAttention may be compiled for in one process (one per batch bucket read with it, and the
+#: kernel table's): torch's default recompile limit is 8.
+RECOMPILE_LIMIT = 64
+
+
 def _flex(device: torch.device) -> Any:
-    """FlexAttention compiled on a CUDA device (its fused kernel), eager elsewhere (the tests)."""
+    """FlexAttention compiled on a CUDA device (its fused kernel), eager elsewhere (the tests).
+
+    Compiled at static shapes, one kernel per batch size: compiled with dynamic shapes (what
+    ``torch.compile`` turns to at a second batch size), inductor's kernel refused the pool's blocks on
+    an H200 ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N", KV blocks of 16
+    positions; torch 2.11, 2026-11-27); at static shapes, as ``benchmarks/paged_attention.py``
+    compiles it, the same blocks compiled and ran there.
+    """
     if device.type != "cuda":
         return flex_attention
     if "cuda" not in _compiled:
-        _compiled["cuda"] = torch.compile(flex_attention)
+        dynamo = torch._dynamo.config  # type: ignore[attr-defined]
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+        _compiled["cuda"] = torch.compile(flex_attention, dynamic=False)
     return _compiled["cuda"]
 
 

@@ -47,12 +47,18 @@ from .pages import PageTable, pages_for, release
 if TYPE_CHECKING:
     from .runner import LlavaRunner
 
-__all__ = ["DecodeGraphs", "PagedRead", "batch_buckets", "length_buckets"]
+__all__ = ["FLEX_MIN_ROWS", "DecodeGraphs", "PagedRead", "batch_buckets", "length_buckets"]
 
 #: How the static step's attention reads the pages: ``gather`` (each row's slots gathered, padded to
-#: the bucket, SDPA under a mask; the default) or ``flex`` (FlexAttention over the pool through a
-#: block mask, :mod:`.flex_pages`: not yet measured in the engine on a card).
-PagedRead = Literal["gather", "flex"]
+#: the bucket, SDPA under a mask), ``flex`` (FlexAttention over the pool through a block mask,
+#: :mod:`.flex_pages`), or ``auto``: the gather for buckets of fewer than ``flex_rows`` rows, FlexAttention
+#: from there (what a card's engine runs: :data:`FLEX_MIN_ROWS`).
+PagedRead = Literal["gather", "flex", "auto"]
+
+#: The smallest batch bucket ``auto`` reads with FlexAttention. On an H200 (7b-shaped model, 600
+#: positions, 2026-11-27) a layer's read took 0.095 ms gathered against 0.186 ms with FlexAttention at
+#: one row, and 0.371 against 0.213 ms at 32 rows (``benchmarks/paged_attention.py``).
+FLEX_MIN_ROWS = 16
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +104,15 @@ class DecodeGraphs:
         max_rows: the largest batch a step runs at static shapes (larger steps: the caller's eager path).
         max_len: the longest attended length, positions (the model's context).
         paged_read: how attention reads the pages (:data:`PagedRead`).
+        flex_rows: with ``auto``, the smallest batch bucket read with FlexAttention.
+
+    A bucket read with FlexAttention reads the whole pool whatever its rows' lengths, so it has one
+    length, the longest (one graph per batch size); a gathered bucket has every length of
+    :func:`length_buckets`.
 
     Attributes:
+        paged_read: how its attention reads the pages; flex_rows: the smallest bucket read with
+            FlexAttention (above every bucket with ``gather``).
         table: the scratch page, held for as long as the graphs live (a holder of the pool's, for
             :meth:`KVPool.check <.paged_kv.KVPool.check>`).
         num_replays: steps run through a captured graph; num_eager: steps run at static shapes eagerly.
@@ -111,11 +124,20 @@ class DecodeGraphs:
     """
 
     def __init__(
-        self, runner: LlavaRunner, pool: KVPool, *, max_rows: int, max_len: int, paged_read: PagedRead = "gather"
+        self,
+        runner: LlavaRunner,
+        pool: KVPool,
+        *,
+        max_rows: int,
+        max_len: int,
+        paged_read: PagedRead = "gather",
+        flex_rows: int = FLEX_MIN_ROWS,
     ) -> None:
         self.runner, self.pool = runner, pool
         self.rows = batch_buckets(max_rows)
         self.lengths = length_buckets(max_len, pool.page_size)
+        self.paged_read = paged_read
+        self.flex_rows = {"gather": max_rows + 1, "flex": 1, "auto": flex_rows}[paged_read]
         self.table = PageTable()
         pool.make_room(self.table, 1)
         self._scratch = self.table.pages[0]
@@ -127,7 +149,7 @@ class DecodeGraphs:
         self._mask = {L: torch.zeros(top, 1, 1, L, dtype=torch.bool, device=device) for L in self.lengths}
         for mask in self._mask.values():
             mask[:, 0, 0, 0] = True  # a pad row attends to its one scratch slot
-        self._blocks = self._new_blocks() if paged_read == "flex" else None
+        self._blocks = self._new_blocks() if self.flex_rows <= self.rows[-1] else None
         self._graphs: dict[tuple[int, int], Any] = {}
         self._out: dict[tuple[int, int], torch.Tensor] = {}
         self.num_replays = 0
@@ -145,11 +167,24 @@ class DecodeGraphs:
         self._out.clear()
         release(self.pool.pool, self.table)
 
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every bucket ``(B, L)``, the largest first (the order of capture)."""
+        return sorted(((b, L) for b in self.rows for L in self._lengths_of(b)), reverse=True)
+
     def bucket(self, num_rows: int, longest: int) -> tuple[int, int] | None:
         """The bucket ``(B, L)`` of a step of ``num_rows`` rows whose longest has ``longest``
         positions (its new one included); None when it is larger than every bucket."""
-        rows, length = _smallest(self.rows, num_rows), _smallest(self.lengths, longest)
+        rows = _smallest(self.rows, num_rows)
+        length = None if rows is None else _smallest(self._lengths_of(rows), longest)
         return None if rows is None or length is None else (rows, length)
+
+    def reads_flex(self, rows: int) -> bool:
+        """Whether a bucket of ``rows`` rows reads the pages with FlexAttention (else gathered)."""
+        return rows >= self.flex_rows
+
+    def _lengths_of(self, rows: int) -> list[int]:
+        return self.lengths[-1:] if self.reads_flex(rows) else self.lengths
 
     def capture(self) -> None:
         """Capture every bucket's pass as a CUDA graph, the largest first, all in one memory pool
@@ -161,7 +196,7 @@ class DecodeGraphs:
         if self.pool.pages.keys[0].device.type != "cuda":
             raise RuntimeError("CUDA graphs are captured on a CUDA device only")
         mempool = None
-        for key in sorted(((b, L) for b in self.rows for L in self.lengths), reverse=True):
+        for key in self.buckets:
             self._pass(*key)  # warm-up: lazy initialisation and autotuning outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -198,22 +233,23 @@ class DecodeGraphs:
     def _fill(self, tables: Sequence[PageTable], token_ids: Sequence[int], rows: int, length: int) -> None:
         """Overwrite the buffers' first ``rows`` rows: the tables' rows, then pad rows on the scratch page."""
         size, n = self.pool.page_size, len(tables)
-        pages = [t.pages for t in tables] + [[]] * (rows - n)  # pad rows: the scratch page's slots only
-        read = page_slots(pages, size, width=length // size, pad=self._scratch)
-        lengths = torch.ones(rows, dtype=torch.long)  # a pad row attends to its one scratch slot
-        lengths[:n] = torch.tensor([t.num_tokens for t in tables])
+        pages = [t.pages for t in tables] + [[self._scratch]] * (rows - n)  # a pad row: the scratch page
+        counts = [t.num_tokens for t in tables] + [1] * (rows - n)  # a pad row attends to its one slot
+        lengths = torch.tensor(counts, dtype=torch.long)
         ids = torch.zeros(rows, 1, dtype=torch.long)
         ids[:n, 0] = torch.tensor(list(token_ids))
         self._ids[:rows].copy_(ids)
         self._positions[:rows].copy_((lengths - 1)[:, None])
-        self._write[:rows].copy_(read[torch.arange(rows), lengths - 1])
-        if self._blocks is None:  # the gather's read slots and mask (a flex step reads the block mask)
-            self._read[length][:rows].copy_(read)
+        last = [p[(c - 1) // size] * size + (c - 1) % size for p, c in zip(pages, counts, strict=True)]
+        self._write[:rows].copy_(torch.tensor(last, dtype=torch.long))
+        if not self.reads_flex(rows):  # the gather's read slots and mask
+            self._read[length][:rows].copy_(page_slots(pages, size, width=length // size, pad=self._scratch))
             self._mask[length][:rows, 0, 0].copy_(torch.arange(length)[None, :] < lengths[:, None])
             return
+        assert self._blocks is not None  # a flex bucket exists, so its buffers do
         if self._blocks.num_pages != self.pool.pages.num_pages:  # a CPU pool grew (a card's is fixed)
             self._blocks = self._new_blocks()
-        self._blocks.fill([p or [self._scratch] for p in pages], lengths.tolist())
+        self._blocks.fill(pages, counts)
 
     def _new_blocks(self) -> PageBlocks:
         pages, top = self.pool.pages, self.rows[-1]
@@ -224,7 +260,8 @@ class DecodeGraphs:
     def _pass(self, rows: int, length: int) -> torch.Tensor:
         """The static pass of bucket ``(rows, length)`` over the buffers: logits ``[rows, vocab]`` float32."""
         ids, positions = self._ids[:rows], self._positions[:rows]
-        if self._blocks is not None:  # FlexAttention over the pool's pages (the read slots only size the cache)
+        if self.reads_flex(rows):  # FlexAttention over the pool's pages (the read slots only size the cache)
+            assert self._blocks is not None
             cache = SlotsCache(self.pool.pages, self._write[:rows], self._read[length][:rows], whole_pool=True)
             with attention_on(self.runner.config.text_config, PAGED_FLEX_ATTENTION):
                 return self.runner.decode_batch(cache, ids, positions, self._blocks.mask(rows))
