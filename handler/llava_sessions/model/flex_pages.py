@@ -22,10 +22,11 @@ registered with transformers' ``AttentionInterface`` as :data:`PAGED_FLEX_ATTENT
 pass runs the model with it and hands the block mask as the attention mask (transformers passes a 4D
 mask, a ``BlockMask`` included, to attention as it is).
 
-On the card the kernel table (``benchmarks/paged_attention.py``) measured FlexAttention over pages
-0.17-0.26 ms a layer at 32 rows and 600 positions against 0.29-0.39 ms for gather + SDPA, and the
-slower at one row (0.12-0.23 against 0.09-0.10 ms). Not the default: the static step with it has
-not run on a card yet (``benchmarks/gpu.py --paged-attention flex`` measures it).
+On an H200 (the 7b-shaped model, ~600 positions, replayed graphs, 2026-11-27) a 32-row decode step
+took 13.0 ms reading the pages this way against 20.1 ms gathered, a 64-row one 18.2 against 30.6
+ms, an 8-row one 10.3 against 10.8 ms; at one row the gather was faster (8.4 against 9.1 ms). So a
+card's engine reads buckets of :data:`~.graphs.FLEX_MIN_ROWS` rows and more this way (``paged_read``
+``auto``), smaller ones gathered.
 
 References: PyTorch, "FlexAttention" (``BlockMask.from_kv_blocks``, ``mask_mod``, full blocks),
 and its paged-attention example (``torch.nn.attention.experimental._paged_attention``), read, not copied.

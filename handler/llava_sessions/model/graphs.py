@@ -24,7 +24,10 @@ contiguous layout); tests run it there to show its greedy tokens equal ``model.g
 card, ``benchmarks/gpu.py`` checks replay against eager. Attention reads the rows' positions gathered
 from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.paged_kv.PagedBatchCache` does),
 or, with ``paged_read`` ``flex``, the pool itself through FlexAttention's block mask
-(:mod:`.flex_pages`: its buffers are overwritten with the others; not yet measured on a card).
+(:mod:`.flex_pages`: its buffers are overwritten with the others), a bucket then having one length,
+the whole pool's. ``auto`` (a card's engine) reads buckets of fewer than :data:`FLEX_MIN_ROWS` rows
+gathered and larger ones with FlexAttention: on an H200 the gather was faster at one row, FlexAttention
+from 8 rows up (docs/design.md, "The GPU table").
 
 References: PyTorch, "CUDA Graphs" (``torch.cuda.graph``, ``CUDAGraph.replay``, static inputs
 overwritten with ``copy_``); nano-vllm ``engine/model_runner.py`` (buckets, capture largest first in
@@ -55,10 +58,11 @@ __all__ = ["FLEX_MIN_ROWS", "DecodeGraphs", "PagedRead", "batch_buckets", "lengt
 #: from there (what a card's engine runs: :data:`FLEX_MIN_ROWS`).
 PagedRead = Literal["gather", "flex", "auto"]
 
-#: The smallest batch bucket ``auto`` reads with FlexAttention. On an H200 (7b-shaped model, 600
-#: positions, 2026-11-27) a layer's read took 0.095 ms gathered against 0.186 ms with FlexAttention at
-#: one row, and 0.371 against 0.213 ms at 32 rows (``benchmarks/paged_attention.py``).
-FLEX_MIN_ROWS = 16
+#: The smallest batch bucket ``auto`` reads with FlexAttention. On an H200 (7b-shaped model, ~600
+#: positions, replayed graphs, 2026-11-27, docs/design.md "The GPU table") a step took 8.4 ms gathered
+#: against 9.1 ms with FlexAttention at one row, and 10.8 against 10.3 ms at 8 rows, 20.1 against
+#: 13.0 ms at 32, 30.6 against 18.2 ms at 64.
+FLEX_MIN_ROWS = 8
 
 log = logging.getLogger(__name__)
 
