@@ -75,7 +75,8 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
     cache is poisoned, so a leak both paths read cannot pass). ``paged``: the rows decode in their
     sessions' pages (``decode_layout: paged``); ``static``: in their pages through the static decode
     step a card replays as CUDA graphs (rows padded to a bucket with pad rows on the scratch page,
-    the attended length to one; run eagerly here), against answers alone in the default layout."""
+    the attended length to one; run eagerly here), a question prefilled alone going in as the rows of
+    one such step, against answers alone in the default layout."""
     expected = alone(runner, photos)
     if poisoned:
         allocate = runner.new_batch_cache
@@ -104,6 +105,7 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
     assert max(widths) >= 3  # several answers really decoded together
     if layout == "static":  # every decode-only step went through the static step; the pool never grew
         assert eng.model.graphs is not None and eng.model.graphs.num_eager >= 10
+        assert eng.model.graphs.num_prefills >= 1  # a question no answer's step carried: one step's rows
         assert eng.model.kv_pool is not None and eng.model.kv_pool.fixed and eng.model.kv_pool.num_grows == 0
     for sid, gen in gens.items():
         assert gen.error is None and gen.answer is not None

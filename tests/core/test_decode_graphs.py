@@ -123,6 +123,31 @@ def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(
     pool.check([*(c.table for c in caches), graphs.table])
 
 
+@pytest.mark.parametrize("paged_read", ["gather", "flex"])
+def test_a_short_chunk_prefilled_as_the_rows_of_one_step_answers_as_generate(runner, paged_read) -> None:
+    """A follow-up's 40 tokens after a 300-token prefix (forked from another holder, so its partly
+    written last page is shared and copied on write) go in as 40 rows of one static step (the 48-row
+    bucket): each row writes its slot and attends to the positions up to its own, so the last row's
+    logits and the greedy answer decoded after it equal ``model.generate``'s on the whole prompt; a
+    chunk larger than every bucket is handed back with nothing reserved."""
+    pool = new_pool(runner, 200)
+    ids = prompts(runner)[2][:340]
+    first = SessionKV(pool)
+    runner.prefill(first, ids[:300], None)
+    session = first.fork(300)  # the prefix's pages by reference; its last (partial) one shared
+    graphs = DecodeGraphs(runner, pool, max_rows=64, max_len=runner.max_positions, paged_read=paged_read)
+    assert graphs.prefill(session.table, list(range(5, 70))) is None and session.table.num_tokens == 300
+    logits = graphs.prefill(session.table, ids[300:])
+    assert logits is not None and session.table.num_tokens == 340 and graphs.num_prefills == 1
+    assert session.table.pages[:18] == first.table.pages[:18] and session.table.pages[18] != first.table.pages[18]
+    tokens = [int(logits.argmax())]
+    while len(tokens) < N:
+        assert reserve(pool.pool, session.table, 1) == []
+        tokens.append(int(graphs.run([session.table], [tokens[-1]])[0].argmax()))
+    assert tokens == reference(runner, ids)
+    pool.check([first.table, session.table, graphs.table])
+
+
 def test_a_step_larger_than_every_bucket_is_left_to_the_caller_and_close_frees_the_scratch_page(runner) -> None:
     pool = new_pool(runner, 64)
     free = pool.pool.num_free_pages

@@ -195,9 +195,25 @@ class ModelRunner:
         runner = self.runner
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
-                logits = runner.prefill(session.kv_cache, ids[:end], session.image_features)
-        self.costs.prefill(end - start, self._record(session, ids[:end], start, t0, timings))
+                static = self._static_prefill(session, ids[start:end])
+                if static is not None:
+                    logits = static
+                else:
+                    logits = runner.prefill(session.kv_cache, ids[:end], session.image_features)
+                    self.costs.prefill(end - start, self._ms_since(t0))
+        self._record(session, ids[:end], start, t0, timings)
         return logits, end - start
+
+    def _static_prefill(self, session: Session, new_ids: list[int]) -> torch.Tensor | None:
+        """A short text chunk (a follow-up question) prefilled as the rows of one static decode step
+        (:meth:`DecodeGraphs.prefill <llava_sessions.model.graphs.DecodeGraphs.prefill>`: a replayed
+        graph on a card), or None: no static step, a chunk with image placeholders, or no bucket holds it.
+        Its ms are not the cost model's (which plans eager chunks)."""
+        if self.graphs is None or not isinstance(session.kv_cache, SessionKV):
+            return None
+        if self.runner.image_token_id in new_ids:
+            return None
+        return self.graphs.prefill(session.kv_cache.table, new_ids)
 
     def decode(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
         """One decode step of ``gens`` in one forward pass (:meth:`DecodeBatch.forward`).

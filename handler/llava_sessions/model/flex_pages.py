@@ -68,7 +68,7 @@ def _flex(device: torch.device) -> Any:
     if device.type != "cuda":
         return flex_attention
     if "cuda" not in _compiled:
-        dynamo = torch._dynamo.config  # type: ignore[attr-defined]
+        dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         _compiled["cuda"] = torch.compile(flex_attention, dynamic=False)
     return _compiled["cuda"]
