@@ -37,8 +37,10 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
    where torch has it; ms per layer, the difference from SDPA, and the fastest exact paged kernel.
 
-``--paged-attention flex`` makes the engine's static decode step read the pages with FlexAttention
-(``model/flex_pages.py``) instead of gathering them. Every ratio is to the floor measured in the same run. Each section is written to ``--json`` as it
+``--paged-attention gather|flex|auto`` sets how the engine's static decode step reads the pages
+(default the engine's own: ``auto`` on a card, gathered below ``FLEX_MIN_ROWS`` rows and with
+FlexAttention, ``model/flex_pages.py``, from there); on a card each other read is measured too, in an
+engine of its own. Every ratio is to the floor measured in the same run. Each section is written to ``--json`` as it
 ends; one that raises is recorded under ``errors`` and the rest still run; ``--deadline-s`` skips the
 sections due after it (one device call returns all it measured). ``python benchmarks/gpu.py --device cpu --model
 tiny`` runs the same code as a smoke test (the peer then runs eager: transformers compiles only on a

@@ -14,8 +14,10 @@ Regions (the ``7b``-shaped llava-1.5 on a card by default, as ``gpu.py`` builds 
 - ``decode_eager``: one batch-1 decode step at about ``--context`` positions, the paged layout, eager;
 - ``decode_graphs``: the same step replayed as a CUDA graph (on a card);
 - ``decode_contiguous``: the same step in the contiguous layout (one batch tensor);
-- ``follow_up``: a ~40-token question on a held session, to its first token;
-- ``open``: opening a session on a never-seen image (decode, preprocess, vision tower, prefix prefill);
+- ``follow_up``: a ~40-token question on a held session, to its first token, in the engine a card
+  runs (graphs: the question goes in as one static step's rows; eager on a CPU);
+- ``open``: opening a session on a never-seen image (decode, preprocess, vision tower, prefix prefill),
+  in the same engine;
 - ``hf_decode``: transformers' own eager decode step (the model called with a ``DynamicCache``), the
   yardstick for what eager costs on this device.
 
@@ -162,7 +164,7 @@ def regions(runner: LlavaRunner, args: argparse.Namespace) -> dict[str, Any]:
             continue
         engine = new_engine(runner, KV_PAGE_SIZE, layout, graphs)
         out[name] = profile_region(device, decode_step_region(engine, images[1], args.context), args.repeats, args.rows)
-        if name == "decode_eager":
+        if name == ("decode_graphs" if device.type == "cuda" else "decode_eager"):  # the engine a user runs
             out.update(turn_regions(engine, images, args))
         del engine
         release_memory(device)
