@@ -4,8 +4,10 @@ The peer is transformers' own OpenAI-compatible server (``transformers serve``: 
 /v1/chat/completions``, server-sent events without ``[DONE]``, model id = the checkpoint's folder),
 the thing a user might pick instead. It runs from its own venv (``--peer-venv``; ``make bench-peer``
 builds it: ``pip install torch==<ours>`` then ``"transformers[serving]==<our pinned version>"`` from
-``config/constraints.txt``), on the CPU, fp32, with the same thread count as ours. Ours is a
-``llava-serve`` (TorchServe and the handler, default settings) on its ``/v1/chat/completions`` route.
+``config/constraints.txt``), on the CPU, fp32, with the same thread count as ours. Ours is
+``llava-serve`` (TorchServe and the handler, default settings) on its ``/v1/chat/completions`` route,
+started as a user starts it, in its own process as the peer is (until 27 Nov it ran in this script's
+process, whose client threads then shared its front's interpreter).
 Both get the same request bodies, greedy, one measurement at a time, interleaved round by round (ours
 then the peer's, then the peer's then ours), every image turn on a photo neither has seen (one pixel
 changed per request).
@@ -33,6 +35,7 @@ import base64
 import io
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -50,7 +53,6 @@ import requests
 from PIL import Image
 
 from llava_tools.demo.samples import sample_photo
-from llava_tools.serve.server import LocalServer
 
 QUESTIONS = ["Describe this image.", "What colour is the suit?", "Is there a flag in the picture?"]
 SID = "X-Amzn-SageMaker-Session-Id"
@@ -252,6 +254,52 @@ def start_peer(venv: Path, model_dir: str, threads: int) -> tuple[subprocess.Pop
     sys.exit("transformers serve did not start in 600 s")
 
 
+#: What ``llava-serve`` prints once its worker is ready (its URL).
+READY = re.compile(r"llava-serve: ready at (http://\S+) ")
+
+
+def start_ours(model_dir: str, settings: list[str], threads: int) -> tuple[subprocess.Popen, str]:
+    """Start ``llava-serve`` on ``model_dir`` as a user runs it: its own process (as the peer is: the
+    client shares no interpreter with either server), a free port, ``--set torch_threads=<threads>``
+    and each of ``settings`` (``KEY=VALUE``), its output in the temp folder; returns it and its URL
+    once it prints that it is ready. Exits the script when it dies or is not ready in 900 s."""
+    script = Path(sys.executable).parent / "llava-serve"
+    cmd = [str(script) if script.exists() else "llava-serve", "--model-dir", model_dir, "--port", "0"]
+    for item in [f"torch_threads={threads}", *settings]:
+        cmd += ["--set", item]
+    log_path = Path(tempfile.gettempdir()) / f"llava-serve-bench-{os.getpid()}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        found = READY.search(log_path.read_text(errors="replace"))
+        if found:
+            return proc, found.group(1)
+        if proc.poll() is not None:
+            sys.exit(f"llava-serve exited {proc.returncode}: see {log_path}")
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    sys.exit("llava-serve was not ready in 900 s")
+
+
+def stop(proc: subprocess.Popen, *, group: bool) -> None:
+    """Stop a server started here with SIGTERM (to its process group when ``group``; ``llava-serve``
+    stops its TorchServe itself), then SIGKILL whatever of its group is left after 60 s."""
+    try:
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.terminate()
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
 def measure(
     targets: list[Target], session_url: str, rounds: int, new_tokens: int, n: int
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, list[float]]]]:
@@ -326,22 +374,24 @@ def main() -> None:
         for item in args.set:
             key, _, value = item.partition("=")
             overrides[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
-        proc, peer_url = start_peer(Path(args.peer_venv), model_dir, args.threads)
+        peer, peer_url = start_peer(Path(args.peer_venv), model_dir, args.threads)
+        ours = None
         try:
-            with LocalServer(model_dir, overrides=overrides, startup_timeout_s=900) as server:
-                models = requests.get(server.url + "/v1/models", timeout=30).json()
-                served = models["data"][0]["id"]  # the checkpoint folder's name, which requests must name
-                targets = [
-                    Target("ours", server.url + "/v1/chat/completions", served, tokenizer),
-                    Target("peer", peer_url + "/v1/chat/completions", model_dir, tokenizer),
-                ]
-                for t in targets:  # warm both (first passes allocate, JIT, load the processor)
-                    t.stream([user(QUESTIONS[0], fresh_photo())], 4)
-                print(f"ours: llava-serve {overrides}; peer: transformers serve {model_dir}", flush=True)
-                med, raw = measure(targets, server.url + "/invocations", args.rounds, args.new_tokens, args.concurrent)
+            ours, url = start_ours(model_dir, args.set, args.threads)
+            models = requests.get(url + "/v1/models", timeout=30).json()
+            served = models["data"][0]["id"]  # the checkpoint folder's name, which requests must name
+            targets = [
+                Target("ours", url + "/v1/chat/completions", served, tokenizer),
+                Target("peer", peer_url + "/v1/chat/completions", model_dir, tokenizer),
+            ]
+            for t in targets:  # warm both (first passes allocate, JIT, load the processor)
+                t.stream([user(QUESTIONS[0], fresh_photo())], 4)
+            print(f"ours: llava-serve {overrides}; peer: transformers serve {model_dir}", flush=True)
+            med, raw = measure(targets, url + "/invocations", args.rounds, args.new_tokens, args.concurrent)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+            if ours is not None:
+                stop(ours, group=False)
+            stop(peer, group=True)
     report(med, args.concurrent)
     if args.json:
         Path(args.json).write_text(json.dumps({"medians": med, "values": raw, "settings": overrides}, indent=2))
