@@ -125,11 +125,19 @@ def check_exact(engine: SessionEngine, images: list[bytes], n: int, new_tokens: 
     for sid in sids:
         engine.close(sid)
     same = sum(a == b for a, b in zip(alone, together, strict=True))
-    first_diff = [
-        next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None) if a != b else None
-        for a, b in zip(alone, together, strict=True)
+    return {
+        "sessions": n,
+        "context_tokens": contexts,
+        "identical": same,
+        "first_difference_at": first_differences(alone, together),
+    }
+
+
+def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
+    """Per row, the index of the first token where ``a`` and ``b`` differ (None where equal)."""
+    return [
+        next((k for k, (x, y) in enumerate(zip(r, q, strict=False)) if x != y), None) for r, q in zip(a, b, strict=True)
     ]
-    return {"sessions": n, "context_tokens": contexts, "identical": same, "first_difference_at": first_diff}
 
 
 def aggregate(engine: SessionEngine, images: list[bytes], levels: list[int], rounds: int, new_tokens: int) -> dict:

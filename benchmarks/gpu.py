@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from engine_decode import build_runner, run_together, sync
+from engine_decode import build_runner, first_differences, run_together, sync
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.engine.memory import default_device_budget
@@ -425,24 +425,17 @@ def graphs_against_eager(engine: SessionEngine, images: list[bytes], new_tokens:
         batch.graphs = graphs
         report[f"rows_{rows}"] = {
             "identical": replayed == static,
-            "first_difference": _first_difference(replayed, static),
+            "first_difference": first_differences(replayed, static),
             "static_ms": replay_ms,
             "static_eager_ms": static_ms,
             "own_shape_identical": replayed == eager,
-            "own_shape_first_difference": _first_difference(replayed, eager),
+            "own_shape_first_difference": first_differences(replayed, eager),
             "eager_ms": eager_ms,
         }
     report["num_replays"], report["num_static_eager"] = graphs.num_replays, graphs.num_eager
     for sid in sids:
         engine.close(sid)
     return report
-
-
-def _first_difference(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
-    """Per row, the index of the first token where ``a`` and ``b`` differ (None where equal)."""
-    return [
-        next((k for k, (x, y) in enumerate(zip(r, q, strict=False)) if x != y), None) for r, q in zip(a, b, strict=True)
-    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -610,7 +603,7 @@ def other_paged_read(runner: LlavaRunner, read: PagedRead, images: list[bytes], 
                      args: argparse.Namespace) -> dict:  # fmt: skip
     """Batch-1 decode, the aggregate and the graphs against eager again in an engine of the paged
     layout whose static decode step reads the pages as ``read`` (``flex``: FlexAttention over the pool;
-    its start's seconds include capturing the gather's graphs first, then ``read``'s)."""
+    its start's seconds include capturing the engine's own graphs first, then ``read``'s)."""
     graphs = cuda_graphs_arg(args)
     t0 = time.perf_counter()
     engine = new_engine(runner, args.kv_page_size, "paged", graphs, read)

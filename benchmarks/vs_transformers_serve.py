@@ -53,6 +53,7 @@ import requests
 from PIL import Image
 
 from llava_tools.demo.samples import sample_photo
+from llava_tools.processes import stop_process_group
 
 QUESTIONS = ["Describe this image.", "What colour is the suit?", "Is there a flag in the picture?"]
 SID = "X-Amzn-SageMaker-Session-Id"
@@ -254,6 +255,8 @@ def start_peer(venv: Path, model_dir: str, threads: int) -> tuple[subprocess.Pop
     sys.exit("transformers serve did not start in 600 s")
 
 
+#: Seconds a server gets to stop on SIGTERM before what is left of its process group is killed.
+STOP_GRACE_S = 60
 #: What ``llava-serve`` prints once its worker is ready (its URL).
 READY = re.compile(r"llava-serve: ready at (http://\S+) ")
 
@@ -280,24 +283,6 @@ def start_ours(model_dir: str, settings: list[str], threads: int) -> tuple[subpr
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     sys.exit("llava-serve was not ready in 900 s")
-
-
-def stop(proc: subprocess.Popen, *, group: bool) -> None:
-    """Stop a server started here with SIGTERM (to its process group when ``group``; ``llava-serve``
-    stops its TorchServe itself), then SIGKILL whatever of its group is left after 60 s."""
-    try:
-        if group:
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            proc.terminate()
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
 
 
 def measure(
@@ -390,8 +375,8 @@ def main() -> None:
             med, raw = measure(targets, url + "/invocations", args.rounds, args.new_tokens, args.concurrent)
         finally:
             if ours is not None:
-                stop(ours, group=False)
-            stop(peer, group=True)
+                stop_process_group(ours, STOP_GRACE_S)
+            stop_process_group(peer, STOP_GRACE_S)
     report(med, args.concurrent)
     if args.json:
         Path(args.json).write_text(json.dumps({"medians": med, "values": raw, "settings": overrides}, indent=2))
