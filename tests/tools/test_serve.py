@@ -23,6 +23,7 @@ import requests
 import torch
 
 from llava_tools.processes import pick_ports
+from llava_tools.serve.torchserve_files import JVM_ARGS
 from server_fixtures import OutputLines, stop_process, write_echo_handler
 
 psutil = pytest.importorskip("psutil")
@@ -79,8 +80,9 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         temp_dir = log_dir.parent
         assert temp_dir.is_dir() and temp_dir.name.startswith("llava-serve-")
         torchserve_pids = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
-        names = {psutil.Process(pid).name() for pid in torchserve_pids}
-        assert any(name.startswith("java") for name in names), names
+        java = [psutil.Process(pid) for pid in torchserve_pids if psutil.Process(pid).name().startswith("java")]
+        assert java, torchserve_pids
+        assert set(JVM_ARGS.split()) <= set(java[0].cmdline())  # config.properties' vmargs reached the JVM
 
         # No session header: the frontend mints the id and flags the start; the worker sees both
         # under our header names because its TS_REQUEST_SEQUENCE_* env matches the Java keys.
@@ -147,8 +149,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _properties(path: Path) -> dict[str, str]:
-    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return _properties_text(path.read_text())
+
+
+def _properties_text(text: str) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in text.splitlines() if "=" in line)
     return {key.strip(): value.strip() for key, value in pairs if not key.lstrip().startswith("#")}
+
+
+_PORTS = {name: 9000 + i for i, name in enumerate(("inference", "management", "metrics", "grpc_inference", "grpc_management"))}
 
 
 def test_container_config_names_the_sagemaker_session_headers() -> None:
@@ -237,6 +246,32 @@ def test_job_groups_follow_the_replicas_sessions(tmp_path: Path, monkeypatch) ->
     assert (four["batchSize"], four["maxNumSequence"]) == (520, 520)
     assert written(overrides={"device": "cpu"})["batchSize"] == 136  # device cpu: one replica whatever the GPUs
     assert written(env={"LLAVA_MAX_SESSIONS": "100"})["batchSize"] == 408  # the worker reads the env too
+
+
+def test_a_cpu_worker_gets_the_longer_batch_delay_and_the_frontend_its_jvm_options(tmp_path: Path, monkeypatch) -> None:
+    """TorchServe's dispatcher wakes every ``maxBatchDelay`` ms: a worker whose replicas all run on the
+    CPU gets ``CPU_MAX_BATCH_DELAY_MS``, a GPU worker the file's 1 ms, a caller's value stays; the
+    written config.properties gives the JVM its options, as the container's file does."""
+    import yaml
+
+    import llava_tools.serve as serve
+    import llava_tools.serve.torchserve_files as ts_files
+
+    def delay(**kw) -> int:
+        path = serve.LocalServer(tmp_path, **kw)._write_model_config(tmp_path / "m.yaml")
+        return yaml.safe_load(path.read_text())["maxBatchDelay"]
+
+    shipped = yaml.safe_load((REPO / "model-config.yaml").read_text())["maxBatchDelay"]
+    assert shipped == 1 < ts_files.CPU_MAX_BATCH_DELAY_MS
+    assert delay() == ts_files.CPU_MAX_BATCH_DELAY_MS  # this machine: no GPU, device auto
+    assert delay(overrides={"devices": "cpu,cpu"}) == ts_files.CPU_MAX_BATCH_DELAY_MS
+    assert delay(model_config_overrides={"maxBatchDelay": 1}) == 1
+    monkeypatch.setattr(ts_files, "visible_gpus", lambda env=None: 1)  # what torch would count on one GPU
+    assert delay() == 1
+    assert delay(overrides={"device": "cpu"}) == ts_files.CPU_MAX_BATCH_DELAY_MS
+    assert delay(overrides={"devices": "cuda:0,cpu"}) == 1
+    written = _properties_text(ts_files.config_properties("127.0.0.1", _PORTS, tmp_path, 1))
+    assert written["vmargs"] == ts_files.JVM_ARGS == _properties(REPO / "config" / "config.properties")["vmargs"]
 
 
 def test_cli_refuses_more_than_one_worker(tmp_path: Path) -> None:

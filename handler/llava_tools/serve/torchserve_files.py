@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from llava_sessions.config import Settings
 
 __all__ = [
+    "CPU_MAX_BATCH_DELAY_MS",
+    "JVM_ARGS",
     "MAX_REQUEST_BYTES",
     "MAX_RESPONSE_BYTES",
     "MODEL_NAME",
@@ -74,6 +76,19 @@ SEQUENCE_HEADER_KEYS = (
 MAX_REQUEST_BYTES = 64 << 20
 #: TorchServe's response limit, bytes (replies are small; SageMaker's limit sits just under it).
 MAX_RESPONSE_BYTES = 6_553_600
+#: The frontend's JVM options (``vmargs``): C1 only and the serial collector. The frontend relays bytes
+#: and queues jobs; with the default tiered JIT its C2 compiler threads were still compiling after
+#: hundreds of requests, and with G1 its collector threads woke too. Measured on the 2-core CPU during
+#: 8-stream bursts (docs/design.md, "The HTTP stack's share of two cores"): the Java process's CPU
+#: 0.60-0.77 s a burst with the defaults, 0.40-0.49 s with these.
+JVM_ARGS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: TorchServe's ``maxBatchDelay`` (ms) for a worker whose replicas all run on the CPU (model-config.yaml's
+#: 1 ms is for a GPU's). TorchServe 0.12's sequence-batching dispatcher wakes every ``maxBatchDelay``
+#: whatever the load (``SequenceBatching.EventDispatcher``: a timed poll, then a task handed to a pool
+#: thread): at 1 ms about 0.2 CPU-s of every 5 s, taken from the forward pass's threads on a small CPU.
+#: A request reaching an idle worker waits the delay once, 2 ms more here: nothing beside a CPU
+#: forward pass's hundreds of ms (docs/design.md, "The HTTP stack's share of two cores").
+CPU_MAX_BATCH_DELAY_MS = 3
 #: Why more than one TorchServe worker per model is refused (docs/design.md, "One worker").
 MULTI_WORKER_REFUSAL = (
     "more than one TorchServe worker per model is refused: TorchServe does not keep a session on one "
@@ -163,8 +178,9 @@ def model_config(
     env: Mapping[str, str],
 ) -> dict[str, Any]:
     """The model-config.yaml a local TorchServe gets: ``source`` with ``workers`` workers, the
-    top-level ``model_config_overrides``, ``handler.model_dir`` and the handler ``overrides``, and
-    job groups for what the worker's replicas may hold (:func:`size_job_groups`).
+    top-level ``model_config_overrides``, ``handler.model_dir`` and the handler ``overrides``, with
+    job groups for what the worker's replicas may hold and a CPU worker's batch delay
+    (:func:`fit_to_devices`).
 
     Raises:
         ServerStartError: ``source`` is not a YAML mapping.
@@ -179,23 +195,43 @@ def model_config(
     handler_section["model_dir"] = str(model_dir)
     handler_section.update(overrides)
     config["handler"] = handler_section
-    size_job_groups(config, keep=set(model_config_overrides), env=env)
+    fit_to_devices(config, keep=set(model_config_overrides), env=env)
     return config
 
 
-def size_job_groups(config: dict[str, Any], *, keep: set[str], env: Mapping[str, str]) -> None:
-    """Raise ``batchSize`` and ``maxNumSequence`` (in place) to what the worker's replicas may hold
-    (:func:`~llava_sessions.config.job_groups`): ``max_sessions`` is per replica, and ``devices: auto``
-    starts one replica per visible GPU (:func:`visible_gpus`), so a 4-GPU instance with the shipped 64
-    gets 264. Keys named in ``keep`` stay as given; ``env``: the worker's environment (``LLAVA_*``)."""
+def fit_to_devices(config: dict[str, Any], *, keep: set[str], env: Mapping[str, str]) -> None:
+    """Fit the TorchServe keys (in place) to the worker's replicas. ``batchSize`` and ``maxNumSequence``
+    are raised to what they may hold (:func:`~llava_sessions.config.job_groups`): ``max_sessions`` is
+    per replica, and ``devices: auto`` starts one replica per visible GPU (:func:`visible_gpus`), so a
+    4-GPU instance with the shipped 64 gets 264. ``maxBatchDelay`` is raised to
+    :data:`CPU_MAX_BATCH_DELAY_MS` when every replica runs on the CPU. Keys named in ``keep`` stay as
+    given; ``env``: the worker's environment (``LLAVA_*``)."""
     from llava_sessions.config import Settings, job_groups, resolve_devices
 
+    gpus: list[int] = []
+
+    def count() -> int:  # nvidia-smi once, and only when a count decides
+        if not gpus:
+            gpus.append(visible_gpus(env))
+        return gpus[0]
+
     settings = Settings.from_sources(config["handler"], env)
-    replicas = len(resolve_devices(settings, cuda_count=lambda: visible_gpus(env)))
-    need = job_groups(settings.max_sessions, replicas)
+    devices = resolve_devices(settings, cuda_count=count)
+    need = job_groups(settings.max_sessions, len(devices))
     for key in ("batchSize", "maxNumSequence"):
         if key not in keep and int(config.get(key) or 0) < need:
             config[key] = need
+    if "maxBatchDelay" not in keep and cpu_only(settings.device, devices, count):
+        config["maxBatchDelay"] = max(int(config.get("maxBatchDelay") or 0), CPU_MAX_BATCH_DELAY_MS)
+
+
+def cpu_only(device: str, devices: list[str], cuda_count: Callable[[], int]) -> bool:
+    """Whether every replica of ``devices`` (:func:`~llava_sessions.config.resolve_devices`'s, where
+    ``""`` is the runner's own choice of ``device``: ``auto`` takes a GPU when one is visible) runs on
+    the CPU; ``cuda_count`` counts the visible GPUs, called only when that decides."""
+    if any(devices):
+        return all(d.split(":")[0] == "cpu" for d in devices)
+    return device == "cpu" or (device == "auto" and cuda_count() == 0)
 
 
 def child_env(extra: Mapping[str, str], tmp: Path) -> dict[str, str]:
@@ -249,7 +285,8 @@ def archive(handler: Path, model_config_path: Path, store: Path, temp: Path, env
 def config_properties(host: str, ports: Mapping[str, int], store: Path, workers: int) -> str:
     """TorchServe's ``config.properties``: inference on ``host``, the other APIs on 127.0.0.1 at
     ``ports`` (:func:`~llava_tools.processes.pick_ports`), no token auth, Prometheus metrics with the
-    handler's own registered as first emitted, the body limits, the sequence header keys."""
+    handler's own registered as first emitted, the body limits, the sequence header keys, the JVM's
+    options (:data:`JVM_ARGS`)."""
     lines = [
         "# Written by llava-serve for one local run.",
         f"inference_address=http://{host}:{ports['inference']}",
@@ -270,6 +307,7 @@ def config_properties(host: str, ports: Mapping[str, int], store: Path, workers:
         f"max_response_size={MAX_RESPONSE_BYTES}",
     ]
     lines += [f"{key}={header}" for key, _, header in SEQUENCE_HEADER_KEYS]
+    lines.append(f"vmargs={JVM_ARGS}")
     return "\n".join(lines) + "\n"
 
 
