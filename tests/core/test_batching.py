@@ -239,6 +239,49 @@ def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(ru
     assert [t.id for t in eng.generate("new", q, p).tokens] == [t.id for t in whole.generate("new", q, p).tokens]
 
 
+def test_a_later_piece_runs_its_vision_tower_alone_in_the_time_its_step_has_left(
+    runner, photos, small_photos, monkeypatch
+):
+    """Scheduler rule 8: when the time a step has left holds a waiting open's vision tower but not a
+    prefill pass after it, the tower runs alone in that step and the open's first chunk rides the next
+    decode pass; the running answer moves every step, and the answers and the session opened so equal
+    those computed without a budget. The passes' costs are fixed here so the plan's shape is known."""
+    from llava_sessions.engine.costs import StepCost
+    from llava_sessions.engine.scheduler import TimeBudget
+
+    expected = alone(runner, photos)
+    eng = make_engine(runner)
+    open_all(eng, photos)
+    ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
+    eng.step([ga])  # prefilled alone: it decodes from the next step on
+    gb = eng.start("b", CASES[1][3], CASES[1][4], remember=False)
+    opening = eng.begin_open("new", small_photos["rocket"])  # an image no session holds
+    cost = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0, decode_alone_ms=30.0)
+    monkeypatch.setattr(eng.model.costs, "estimate", lambda: cost)
+    question = gb.view().num_prefill_tokens  # its chunk rides the decode pass: 1 ms a token
+    budget = TimeBudget(step_ms=30.0 + question + 60.0, max_pass_tokens=4096, image_step_ratio=None)
+    encoded = []
+    real = eng.model.encode
+    monkeypatch.setattr(eng.model, "encode", lambda s, images: encoded.append(s.session_id) or real(s, images))
+    fused = eng.model.num_fused_passes
+    eng.step([ga, gb, opening], prefill_budget=budget)  # 60 ms left: the tower (50), no 16-token pass (86)
+    assert encoded == ["new"] and cache_len(eng.store.get("new").kv_cache) == 0
+    assert gb.prefilled and eng.model.num_fused_passes == fused + 1
+    before = len(ga.events)
+    eng.step([ga, gb, opening], prefill_budget=budget)  # the open's first chunk rides the decode pass whole
+    assert len(ga.events) == before + 1 and eng.model.num_fused_passes == fused + 2
+    assert cache_len(eng.store.get("new").kv_cache) == budget.step_ms - cost.decode_ms
+    while not (ga.done and gb.done and opening.done):
+        eng.step([w for w in (ga, gb, opening) if not w.done], prefill_budget=budget)
+    assert encoded == ["new"] and opening.error is None
+    assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
+    assert [t.id for t in gb.answer.tokens] == [t.id for t in expected["b"]]
+    whole = make_engine(runner)
+    whole.open("new", small_photos["rocket"])
+    q, p = "What is it?", SamplingParams(max_new_tokens=10)
+    assert [t.id for t in eng.generate("new", q, p).tokens] == [t.id for t in whole.generate("new", q, p).tokens]
+
+
 def test_prefills_over_cached_positions_in_the_lower_right_causal_form_answer_exactly(runner, photos, monkeypatch):
     """On CUDA a prefill over cached positions (a follow-up, an open's later chunks, a fused pass's
     chunk) attends with ``causal_lower_right`` so SDPA's flash kernel applies. Forced here on the CPU

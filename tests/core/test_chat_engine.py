@@ -227,3 +227,38 @@ def test_a_native_open_on_a_held_image_copies_its_features_and_prefix(runner, ph
     assert ids(answer) == native_reference(runner, cat, [], "What is it?")
     eng.open("c", _one_pixel_changed(cat))
     assert counter.calls == 1
+
+
+def test_a_chat_turn_on_a_new_image_waiting_behind_a_question_encodes_it_in_the_time_left(
+    runner, photos, monkeypatch
+):
+    """Scheduler rule 8 for a resent conversation's image (question work, as the 8-stream burst sends
+    them): when the step's time left holds its vision tower but not a prefill pass after it, the tower
+    runs alone and the turn's first chunk rides the next decode pass; every answer equals
+    ``model.generate``'s. The passes' costs are fixed here so the plan's shape is known."""
+    from llava_sessions.engine.costs import StepCost
+    from llava_sessions.engine.scheduler import TimeBudget
+
+    eng = make_engine(runner)
+    for sid in ("a", "a2", "b"):
+        eng.open_empty(sid)
+    running = eng.start_chat("a", target(None, [], "What is in this image?", [photos["astronaut"]]), GREEDY)
+    eng.step([running])  # prefilled alone: it decodes from the next step on
+    follow = eng.start_chat("a2", target(None, [], "Describe it.", [photos["astronaut"]]), GREEDY)  # a held image
+    fresh = eng.start_chat("b", target(None, [], "What is in this image?", [photos["coffee"]]), GREEDY)
+    cost = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0, decode_alone_ms=30.0)
+    monkeypatch.setattr(eng.model.costs, "estimate", lambda: cost)
+    budget = TimeBudget(step_ms=30.0 + follow.view().num_prefill_tokens + 60.0, max_pass_tokens=4096)
+    counter = EncodeCounter(runner, monkeypatch)
+    eng.step([running, follow, fresh], prefill_budget=budget)  # 60 ms left: the coffee's tower, no pass
+    assert counter.calls == 1 and follow.prefilled and not fresh.view().needs_vision
+    assert len(fresh.session.cached_ids) == 0
+    fused = eng.model.num_fused_passes
+    eng.step([running, follow, fresh], prefill_budget=budget)  # its first chunk rides the decode pass
+    assert eng.model.num_fused_passes == fused + 1 and len(fresh.session.cached_ids) > 0
+    while not all(g.done for g in (running, follow, fresh)):
+        eng.step([g for g in (running, follow, fresh) if not g.done], prefill_budget=budget)
+    assert counter.calls == 1
+    assert ids(running.answer) == reference(runner, None, [], "What is in this image?", [photos["astronaut"]])
+    assert ids(follow.answer) == reference(runner, None, [], "Describe it.", [photos["astronaut"]])
+    assert ids(fresh.answer) == reference(runner, None, [], "What is in this image?", [photos["coffee"]])

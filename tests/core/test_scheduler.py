@@ -193,9 +193,17 @@ def test_while_decoding_the_first_piece_always_moves_and_later_ones_need_room() 
     # a second piece runs when 16 tokens of it fit: 150 - 30 - (20 + 30) = 70 ms left for question(40)
     fits = schedule([decoding(), question(30), question(40)], TIMED, ROWS, COST)
     assert fits.prefill == (PrefillPiece(1, False, 30), PrefillPiece(2, False, 40))
-    # and an image after it only when its tower fits too
-    no_tower = schedule([decoding(), question(60), image(600)], TIMED, ROWS, COST)
-    assert no_tower.prefill == (PrefillPiece(1, False, 60),)
+    # an image after it prefills only when its tower fits too: 150 - 30 - 60 = 60 ms hold the tower
+    # (50) but not 16 tokens more in a pass of their own (50 + 20 + 16): the tower runs alone in the
+    # time left, and its first chunk rides the next step's decode pass; 30 ms left hold nothing
+    tower_alone = schedule([decoding(), question(60), image(600)], TIMED, ROWS, COST)
+    assert tower_alone.prefill == (PrefillPiece(1, False, 60), PrefillPiece(2, True, 0))
+    assert tower_alone.prefill[1].vision_ms == pytest.approx(60.0)
+    no_tower = schedule([decoding(), question(90), image(600)], TIMED, ROWS, COST)
+    assert no_tower.prefill == (PrefillPiece(1, False, 90),)
+    # a chat image turn is question work: the same
+    turn = schedule([decoding(), question(60), question(600, vision=True)], TIMED, ROWS, COST)
+    assert turn.prefill == (PrefillPiece(1, False, 60), PrefillPiece(2, True, 0))
 
 
 # ---------------------------------------------------------------- image work held to the decode step alone (rule 8)

@@ -35,7 +35,9 @@ rules 2, 4 and 5 with these, given the measured :class:`~.costs.StepCost` of eac
    the step's time; each piece then takes its vision tower's cost and the tokens that fit in what is
    left (``fixed + n * per_token``). The first piece always moves (its vision tower, or at least
    :data:`MIN_PREFILL_TOKENS` tokens); a later piece runs only when the vision tower it needs and
-   :data:`MIN_PREFILL_TOKENS` tokens fit in the time left. Rules 1, 3 and 6 hold as before.
+   :data:`MIN_PREFILL_TOKENS` tokens fit in the time left, or its vision tower alone when only that
+   fits (the step's leftover time encodes the next image, whose first chunk then rides the next
+   decode pass whole instead of sharing it with the tower). Rules 1, 3 and 6 hold as before.
    **Image work is held to the decode step alone.** An open or an added image (no first token waits
    on it) plans only within ``image_step_ratio`` times a decode step with no chunk riding it
    (:attr:`~.costs.StepCost.decode_alone_ms`), or ``step_ms`` if less: while sessions open, the
@@ -265,6 +267,8 @@ def _timed(
         vision_ms = cost.vision_ms if w.needs_vision else 0.0
         least = min(w.num_prefill_tokens, MIN_PREFILL_TOKENS)
         if pieces and ms_left < vision_ms + cost.prefill_ms(least):
+            if w.needs_vision and decoding and ms_left >= vision_ms:  # its vision tower alone fits
+                pieces.append(PrefillPiece(i, True, 0, vision_ms=ms_left))
             break
         ms_left -= vision_ms
         if not pieces and not decoding:
