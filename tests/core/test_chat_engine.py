@@ -229,9 +229,7 @@ def test_a_native_open_on_a_held_image_copies_its_features_and_prefix(runner, ph
     assert counter.calls == 1
 
 
-def test_a_chat_turn_on_a_new_image_waiting_behind_a_question_encodes_it_in_the_time_left(
-    runner, photos, monkeypatch
-):
+def test_a_chat_turn_on_a_new_image_waiting_behind_a_question_encodes_it_in_the_time_left(runner, photos, monkeypatch):
     """Scheduler rule 8 for a resent conversation's image (question work, as the 8-stream burst sends
     them): when the step's time left holds its vision tower but not a prefill pass after it, the tower
     runs alone and the turn's first chunk rides the next decode pass; every answer equals

@@ -157,7 +157,9 @@ def _properties_text(text: str) -> dict[str, str]:
     return {key.strip(): value.strip() for key, value in pairs if not key.lstrip().startswith("#")}
 
 
-_PORTS = {name: 9000 + i for i, name in enumerate(("inference", "management", "metrics", "grpc_inference", "grpc_management"))}
+_PORTS = {
+    name: 9000 + i for i, name in enumerate(("inference", "management", "metrics", "grpc_inference", "grpc_management"))
+}
 
 
 def test_container_config_names_the_sagemaker_session_headers() -> None:
