@@ -10,7 +10,10 @@ started as a user starts it, in its own process as the peer is (until 27 Nov it 
 process, whose client threads then shared its front's interpreter).
 Both get the same request bodies, greedy, one measurement at a time, interleaved round by round (ours
 then the peer's, then the peer's then ours), every image turn on a photo neither has seen (one pixel
-changed per request).
+changed per request). Both are warmed alike first: a short stream, then one burst of ``--concurrent``
+8-token streams (a fresh llava-serve's first 8-stream bursts ran 6-12% slower than its later ones, at
+101.5, 107.8, 111.9 and 114.3 tokens/s one after another on 27 Nov, while TorchServe's JIT compiled
+the path and the worker's pass costs settled).
 
 Measured, every figure the median of ``--rounds``:
 
@@ -369,8 +372,9 @@ def main() -> None:
                 Target("ours", url + "/v1/chat/completions", served, tokenizer),
                 Target("peer", peer_url + "/v1/chat/completions", model_dir, tokenizer),
             ]
-            for t in targets:  # warm both (first passes allocate, JIT, load the processor)
+            for t in targets:  # warm both alike (first passes allocate, JIT, load the processor)
                 t.stream([user(QUESTIONS[0], fresh_photo())], 4)
+                concurrent(t, args.concurrent, 8)  # a fresh server's first bursts ran 6-12% slower
             print(f"ours: llava-serve {overrides}; peer: transformers serve {model_dir}", flush=True)
             med, raw = measure(targets, url + "/invocations", args.rounds, args.new_tokens, args.concurrent)
         finally:
