@@ -84,11 +84,12 @@ MAX_RESPONSE_BYTES = 6_553_600
 JVM_ARGS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 #: TorchServe's ``maxBatchDelay`` (ms) for a worker whose replicas all run on the CPU (model-config.yaml's
 #: 1 ms is for a GPU's). TorchServe 0.12's sequence-batching dispatcher wakes every ``maxBatchDelay``
-#: whatever the load (``SequenceBatching.EventDispatcher``: a timed poll, then a task handed to a pool
-#: thread): at 1 ms about 0.2 CPU-s of every 5 s, taken from the forward pass's threads on a small CPU.
-#: A request reaching an idle worker waits the delay once, 2 ms more here: nothing beside a CPU
-#: forward pass's hundreds of ms (docs/design.md, "The HTTP stack's share of two cores").
-CPU_MAX_BATCH_DELAY_MS = 3
+#: whatever the load (``SequenceBatching.EventDispatcher``: a timed poll, then a no-op task handed to a
+#: pool thread): at 1 ms 0.19-0.25 CPU-s of a 5 s burst on the 2-core CPU, taken from the forward
+#: pass's threads; 2 ms halves it. A request reaching an idle worker waits the delay once: a 1-token
+#: answer's serving overhead went from 3.64 to 4.47 ms (docs/design.md, "The HTTP stack's share of two
+#: cores"), nothing beside a CPU forward pass's tens to hundreds of ms.
+CPU_MAX_BATCH_DELAY_MS = 2
 #: Why more than one TorchServe worker per model is refused (docs/design.md, "One worker").
 MULTI_WORKER_REFUSAL = (
     "more than one TorchServe worker per model is refused: TorchServe does not keep a session on one "
