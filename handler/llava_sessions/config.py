@@ -108,6 +108,12 @@ class Settings(BaseModel):
     kv_offload_bytes: int = Field(
         4 * _GIB, ge=0, description="Host bytes a GPU replica moves demoted sessions' KV pages to (0: dropped)."
     )
+    cpu_memory_reserve_bytes: int = Field(
+        2 * _GIB,
+        ge=0,
+        description="On a CPU device, heap bytes a replica writes once at start and keeps for its sessions' KV "
+        "and forward passes, so a growing footprint reuses pages it holds instead of faulting fresh ones (0: none).",
+    )
     max_sessions: int = Field(
         128,
         ge=1,

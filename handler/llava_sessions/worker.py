@@ -19,6 +19,7 @@ from .engine.model_runner import KV_PAGE_SIZE
 from .images.decode import decode_image
 from .metrics import WorkerMetrics
 from .model import LlavaRunner
+from .model.loading import reserve_cpu_memory
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions.store import SessionStore
@@ -140,12 +141,14 @@ def build_local_service(
         dtype=settings.dtype,
     )
     engine = build_engine(settings, runner)
+    reserved = reserve_cpu_memory(settings.cpu_memory_reserve_bytes) if runner.device.type == "cpu" else 0
     log.warning(
         "llava-sessions ready",
         extra={
             "model_dir": model_dir,
             "device": str(runner.device),
             "device_budget_bytes": engine.store.device_budget_bytes,
+            "cpu_memory_reserved_bytes": reserved,
             "replica": replica,
         },
     )

@@ -30,6 +30,7 @@ __all__ = [
     "load_model",
     "load_processor",
     "resolve_device",
+    "reserve_cpu_memory",
     "resolve_dtype",
     "trim_vision_tower",
 ]
@@ -263,3 +264,48 @@ def keep_freed_cpu_memory(env: Mapping[str, str] = os.environ) -> bool:
     return bool(
         mallopt(_M_MMAP_THRESHOLD, CPU_MMAP_THRESHOLD_BYTES) and mallopt(_M_TRIM_THRESHOLD, CPU_TRIM_THRESHOLD_BYTES)
     )
+
+
+#: Size of the blocks a reserve is made of: under :data:`CPU_MMAP_THRESHOLD_BYTES`, so from the heap. Bytes.
+_RESERVE_BLOCK_BYTES = 16 * 2**20
+
+
+def reserve_cpu_memory(num_bytes: int, env: Mapping[str, str] = os.environ) -> int:
+    """Grow this process's heap by ``num_bytes`` (in 16 MiB blocks), write every page once, and free
+    the blocks back into the heap, where glibc keeps them (the trim threshold raised by as much): the
+    sessions' KV and the passes' activations of a CPU worker then reuse pages the process holds,
+    instead of faulting fresh ones in whenever its footprint grows (as sessions and conversation-cache
+    entries accumulate). vLLM's CPU backend likewise allocates its KV cache space at start
+    (``VLLM_CPU_KVCACHE_SPACE``). On the 2-core development VM, whose host takes back the guest's free
+    pages, a page faulted in fresh cost ~10x a recycled one: 0.9-1.8 s of kernel time per 8-stream
+    burst once the worker's footprint grew, 0.03-0.11 s with 3 GiB reserved (docs/design.md, "A CPU
+    worker's memory, reserved at start").
+
+    Args:
+        num_bytes: bytes to reserve (rounded down to whole blocks; 0: none).
+        env: the process environment; when it sets glibc's ``MALLOC_*_THRESHOLD_`` variables, nothing
+            is changed (:func:`keep_freed_cpu_memory`).
+
+    Returns:
+        The bytes reserved (0: none asked, the environment chose the allocator's thresholds, or the C
+        library is not glibc).
+    """
+    if num_bytes < _RESERVE_BLOCK_BYTES or not keep_freed_cpu_memory(env):
+        return 0
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    if not libc.mallopt(_M_TRIM_THRESHOLD, CPU_TRIM_THRESHOLD_BYTES + num_bytes):
+        return 0
+    blocks: list[int] = []
+    try:
+        for _ in range(num_bytes // _RESERVE_BLOCK_BYTES):
+            block = libc.malloc(_RESERVE_BLOCK_BYTES)
+            if not block:
+                break
+            ctypes.memset(block, 0, _RESERVE_BLOCK_BYTES)
+            blocks.append(block)
+    finally:
+        for block in blocks:
+            libc.free(block)
+    return len(blocks) * _RESERVE_BLOCK_BYTES
