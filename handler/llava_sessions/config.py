@@ -111,8 +111,9 @@ class Settings(BaseModel):
     cpu_memory_reserve_bytes: int = Field(
         2 * _GIB,
         ge=0,
-        description="On a CPU device, heap bytes a replica writes once at start and keeps for its sessions' KV "
-        "and forward passes, so a growing footprint reuses pages it holds instead of faulting fresh ones (0: none).",
+        description="On a CPU device, heap bytes a replica writes once at start and keeps for its sessions' KV and "
+        "forward passes, so a growing footprint reuses pages it holds instead of faulting fresh ones (at most the "
+        "device budget and a quarter of the free memory; 0: none).",
     )
     max_sessions: int = Field(
         128,
@@ -444,12 +445,8 @@ def _describe(exc: ValidationError, origin: Mapping[str, str]) -> str:
         value = err.get("input")
         if name and isinstance(value, (int, float, str)) and name != "system_prompt" and len(str(value)) <= 64:
             msg = f"{msg} (got {value!r})"
-        if not name:
-            parts.append(msg)
-            continue
-        if where != name:
-            where = f"{name} (from {where})"
-        parts.append(f"{where}: {msg}")
+        label = where if where == name else f"{name} (from {where})"
+        parts.append(f"{label}: {msg}" if name else msg)
     return "invalid settings: " + "; ".join(parts)
 
 
@@ -473,11 +470,8 @@ def _with_hints(unknown: list[str], valid: Iterable[str]) -> list[str]:
     """Each unknown key, with the closest valid one when there is one (``difflib``): ``session_tl_s
     (did you mean session_ttl_s?)``."""
     names = list(valid)
-    out = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
-        out.append(f"{key} (did you mean {close[0]}?)" if close else key)
-    return out
+    hints = [(key, difflib.get_close_matches(key, names, n=1, cutoff=0.75)) for key in unknown]
+    return [f"{key} (did you mean {close[0]}?)" if close else key for key, close in hints]
 
 
 def resolve_devices(settings: Settings, *, cuda_count: int | Callable[[], int] | None = None) -> list[str]:

@@ -141,7 +141,10 @@ def build_local_service(
         dtype=settings.dtype,
     )
     engine = build_engine(settings, runner)
-    reserved = reserve_cpu_memory(settings.cpu_memory_reserve_bytes) if runner.device.type == "cpu" else 0
+    reserved = 0
+    if runner.device.type == "cpu":  # never past the sessions' budget, nor a quarter of the free memory
+        cap = min(engine.store.device_budget_bytes, available_host_bytes() // 4)
+        reserved = reserve_cpu_memory(min(settings.cpu_memory_reserve_bytes, cap))
     log.warning(
         "llava-sessions ready",
         extra={

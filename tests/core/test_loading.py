@@ -64,3 +64,44 @@ def test_the_operators_glibc_variables_win() -> None:
     every pass faults its 40 MiB in again, whatever the heap's layout)."""
     applied, faults = _passes(MALLOC_TRIM_THRESHOLD_="0")
     assert not applied and faults >= 20 * 10 * 1024 * 0.9
+
+
+#: A footprint that grows: sessions' KV held one after another (120 tensors of 2 MiB, 240 MiB in
+#: all, every one written), after reserving the given MiB. Prints the bytes reserved and the minor
+#: page faults of the growth.
+GROWTH = """
+import resource, sys, torch
+from llava_sessions.model.loading import reserve_cpu_memory
+reserved = reserve_cpu_memory(int(sys.argv[1]) * 2**20)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+held = [torch.ones(2**19) for _ in range(120)]
+print(reserved, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _growth(reserve_mib: int, **env: str) -> tuple[int, int]:
+    run = subprocess.run(
+        [sys.executable, "-c", GROWTH, str(reserve_mib)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
+            "PYTHONPATH": str(REPO / "handler"),
+            **env,
+        },
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    reserved, faults = run.stdout.split()
+    return int(reserved), int(faults)
+
+
+def test_a_reserve_lets_a_growing_footprint_reuse_pages_instead_of_faulting_them_in() -> None:
+    """A CPU replica reserves heap at start (``cpu_memory_reserve_bytes``): 240 MiB of KV accumulated
+    afterwards fault in (almost) nothing with 512 MiB reserved, and every page (61,440) without; the
+    operator's glibc variables still win (nothing reserved)."""
+    reserved, faults = _growth(512)
+    assert reserved == 512 * 2**20 and faults <= 1024
+    none, faults_without = _growth(0)
+    assert none == 0 and faults_without >= 0.9 * 240 * 256
+    assert _growth(512, MALLOC_TRIM_THRESHOLD_="0")[0] == 0
