@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every TorchServe worker the suite starts would write its CPU memory reserve (2 GiB) at start: ~1 s
+# each on the development VM, over a minute in all. The reserve is tested on its own
+# (tests/core/test_loading.py) and through an in-process worker (tests/core/test_service.py).
+os.environ.setdefault("LLAVA_CPU_MEMORY_RESERVE_BYTES", "0")
 
 
 def encode_png(array) -> bytes:

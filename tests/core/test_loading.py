@@ -31,9 +31,10 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _passes(**env: str) -> tuple[bool, int]:
+def _run(script: str, *args: str, **env: str) -> list[str]:
+    """``script`` in a fresh interpreter (no ``MALLOC_*`` variables but ``env``'s); its printed words."""
     run = subprocess.run(
-        [sys.executable, "-c", PASSES],
+        [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -44,7 +45,11 @@ def _passes(**env: str) -> tuple[bool, int]:
         },
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    applied, faults = run.stdout.split()
+    return run.stdout.split()
+
+
+def _passes(**env: str) -> tuple[bool, int]:
+    applied, faults = _run(PASSES, **env)
     return applied == "True", int(faults)
 
 
@@ -80,19 +85,7 @@ print(reserved, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _growth(reserve_mib: int, **env: str) -> tuple[int, int]:
-    run = subprocess.run(
-        [sys.executable, "-c", GROWTH, str(reserve_mib)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
-            "PYTHONPATH": str(REPO / "handler"),
-            **env,
-        },
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    reserved, faults = run.stdout.split()
+    reserved, faults = _run(GROWTH, str(reserve_mib), **env)
     return int(reserved), int(faults)
 
 

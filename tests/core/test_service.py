@@ -53,6 +53,23 @@ def open_sessions(service, *rows):
     return [finish(service, list(rows), out)[r.request_id] for r in rows]
 
 
+def test_a_cpu_worker_reserves_its_memory_at_start_within_its_budget(tiny_model_dir, caplog) -> None:
+    """``cpu_memory_reserve_bytes`` reaches the worker: a CPU replica reserves it, capped by its device
+    budget, and says so in its ready line; 0 reserves nothing. (The suite's environment sets 0 for the
+    TorchServe workers it starts; explicit settings win over it here.)"""
+    import logging
+
+    def reserved(**settings) -> int:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="llava_sessions"):
+            build_service({"model_dir": str(tiny_model_dir), "device": "cpu", **settings}, env={})
+        (ready,) = [r for r in caplog.records if r.getMessage() == "llava-sessions ready"]
+        return ready.cpu_memory_reserved_bytes
+
+    assert reserved(device_budget_bytes=256 << 20, cpu_memory_reserve_bytes=2 << 30) == 256 << 20
+    assert reserved(device_budget_bytes=10**9, cpu_memory_reserve_bytes=0) == 0
+
+
 def test_batch_rows_are_answered_independently(service, photos):
     rows = [
         open_row("r1", "ts-seq-a", photos["astronaut"]),
