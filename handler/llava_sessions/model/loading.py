@@ -272,14 +272,15 @@ _RESERVE_BLOCK_BYTES = 16 * 2**20
 
 def reserve_cpu_memory(num_bytes: int, env: Mapping[str, str] = os.environ) -> int:
     """Grow this process's heap by ``num_bytes`` (in 16 MiB blocks), write every page once, and free
-    the blocks back into the heap, where glibc keeps them (the trim threshold raised by as much): the
+    the blocks back into the heap, where glibc keeps them (trimming turned off): the
     sessions' KV and the passes' activations of a CPU worker then reuse pages the process holds,
     instead of faulting fresh ones in whenever its footprint grows (as sessions and conversation-cache
     entries accumulate). vLLM's CPU backend likewise allocates its KV cache space at start
     (``VLLM_CPU_KVCACHE_SPACE``). On the 2-core development VM, whose host takes back the guest's free
     pages, a page faulted in fresh cost ~10x a recycled one: 0.9-1.8 s of kernel time per 8-stream
-    burst once the worker's footprint grew, 0.03-0.11 s with 3 GiB reserved (docs/design.md, "A CPU
-    worker's memory, reserved at start").
+    burst once the worker's footprint grew, 0.03-0.14 s with 2-3 GiB reserved (docs/design.md, "A CPU
+    worker's memory, reserved at start"). The heap's top is then never given back: the worker keeps its
+    high-water mark, as a GPU's caching allocator keeps its blocks.
 
     Args:
         num_bytes: bytes to reserve (rounded down to whole blocks; 0: none).
@@ -295,7 +296,7 @@ def reserve_cpu_memory(num_bytes: int, env: Mapping[str, str] = os.environ) -> i
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    if not libc.mallopt(_M_TRIM_THRESHOLD, CPU_TRIM_THRESHOLD_BYTES + num_bytes):
+    if not libc.mallopt(_M_TRIM_THRESHOLD, -1):  # mallopt(3): -1 turns trimming off (its value is a C int)
         return 0
     blocks: list[int] = []
     try:
