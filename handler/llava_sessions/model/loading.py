@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import logging
 import os
@@ -254,16 +255,27 @@ def keep_freed_cpu_memory(env: Mapping[str, str] = os.environ) -> bool:
     Returns:
         Whether the thresholds were set (False: the environment chose, or the C library is not glibc).
     """
-    if any(name in env for name in _MALLOC_ENV):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = None if any(name in env for name in _MALLOC_ENV) else _glibc()
+    if libc is None:
         return False
     return bool(
-        mallopt(_M_MMAP_THRESHOLD, CPU_MMAP_THRESHOLD_BYTES) and mallopt(_M_TRIM_THRESHOLD, CPU_TRIM_THRESHOLD_BYTES)
+        libc.mallopt(_M_MMAP_THRESHOLD, CPU_MMAP_THRESHOLD_BYTES)
+        and libc.mallopt(_M_TRIM_THRESHOLD, CPU_TRIM_THRESHOLD_BYTES)
     )
+
+
+@functools.cache
+def _glibc() -> Any:
+    """This process's C library with ``mallopt``, ``malloc`` and ``free`` typed, or None when it is
+    not glibc (no ``mallopt``)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
 
 
 #: Size of the blocks a reserve is made of: under :data:`CPU_MMAP_THRESHOLD_BYTES`, so from the heap. Bytes.
@@ -293,9 +305,7 @@ def reserve_cpu_memory(num_bytes: int, env: Mapping[str, str] = os.environ) -> i
     """
     if num_bytes < _RESERVE_BLOCK_BYTES or not keep_freed_cpu_memory(env):
         return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
+    libc = _glibc()
     if not libc.mallopt(_M_TRIM_THRESHOLD, -1):  # mallopt(3): -1 turns trimming off (its value is a C int)
         return 0
     blocks: list[int] = []

@@ -8,6 +8,7 @@ Facts: shared/notes/torchserve-sagemaker.md (sequence header keys set twice, bod
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -209,13 +210,7 @@ def fit_to_devices(config: dict[str, Any], *, keep: set[str], env: Mapping[str, 
     given; ``env``: the worker's environment (``LLAVA_*``)."""
     from llava_sessions.config import Settings, job_groups, resolve_devices
 
-    gpus: list[int] = []
-
-    def count() -> int:  # nvidia-smi once, and only when a count decides
-        if not gpus:
-            gpus.append(visible_gpus(env))
-        return gpus[0]
-
+    count = functools.cache(lambda: visible_gpus(env))  # nvidia-smi once, and only when a count decides
     settings = Settings.from_sources(config["handler"], env)
     devices = resolve_devices(settings, cuda_count=count)
     need = job_groups(settings.max_sessions, len(devices))
