@@ -175,7 +175,17 @@ class Settings(BaseModel):
     max_concurrent_generations: int = Field(
         16,
         ge=1,
-        description="Generations in flight per worker; beyond it requests get 503 overloaded with Retry-After.",
+        description="Generations in flight per worker; beyond it requests wait at the public port "
+        "(queue_max_requests, queue_timeout_s).",
+    )
+    queue_max_requests: int = Field(
+        256,
+        ge=0,
+        description="Requests the public port holds while every generation slot is taken, sent on as slots "
+        "free (0: none held); beyond it, 503 overloaded with Retry-After.",
+    )
+    queue_timeout_s: float = Field(
+        30.0, gt=0.0, description="Longest a held request waits for a generation slot, seconds; then 503 overloaded."
     )
     step_max_tokens: int = Field(8, ge=1, description="Most tokens one scheduler call advances each generation.")
     step_token_budget: int = Field(

@@ -77,16 +77,24 @@ class ServiceError(Exception):
             internal addresses or stack traces.
         retry_after_s: for ``overloaded``, the value of the ``Retry-After`` header (seconds).
         param: the request field at fault (``messages[2].content``), for OpenAI's error object.
+        shortage: for ``overloaded``, what the request waits for (:data:`Shortage`), or None.
     """
 
     def __init__(
-        self, code: ErrorCode, message: str, *, retry_after_s: int | None = None, param: str | None = None
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        retry_after_s: int | None = None,
+        param: str | None = None,
+        shortage: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message
         self.retry_after_s = retry_after_s
         self.param = param
+        self.shortage = shortage
 
     @property
     def status(self) -> int:
@@ -109,4 +117,4 @@ RETRY_AFTER_S: dict[str, int] = {"session_room": 5, "step_memory": 2, "generatio
 
 def overloaded(message: str, shortage: Shortage) -> ServiceError:
     """A ``503 overloaded`` error whose ``Retry-After`` follows :data:`RETRY_AFTER_S` for ``shortage``."""
-    return ServiceError(ErrorCode.OVERLOADED, message, retry_after_s=RETRY_AFTER_S[shortage])
+    return ServiceError(ErrorCode.OVERLOADED, message, retry_after_s=RETRY_AFTER_S[shortage], shortage=shortage)

@@ -72,6 +72,9 @@ class WorkerMetrics:
         self.errors_by_code: Counter[str] = Counter()
         self.num_cache_hits = 0
         self.num_cache_misses = 0
+        #: Requests the worker holds between ``handle()`` calls (answers, opens, requests waiting for
+        #: images), set by the service after each call: 0 once every client was answered or left.
+        self.num_in_flight = 0
         self._ttft_ms: list[float] = []
         self._decode_tokens_per_s: list[float] = []
 
@@ -100,6 +103,7 @@ class WorkerMetrics:
         return {
             "gauges": {
                 ("OpenSessions", ()): len(store),
+                ("RequestsInFlight", ()): self.num_in_flight,
                 ("SessionBytes", ("kv",)): by_tier["kv"],
                 ("SessionBytes", ("features",)): by_tier["features"],
                 ("SessionBytes", ("image",)): by_tier["image"],

@@ -26,8 +26,10 @@ are refused: they lose ``NEW_SESSION`` follow-ups, docs/design.md) receives ever
   ``session_not_found`` + the Closed header from a live replica), its rows in flight get 500
   ``internal_error``, and it is started again in the background; the other replicas keep serving.
 
-Pipes carry plain data: :class:`~llava_sessions.service.Row` in, ``(RowResult list, stats,
-metrics payload)`` out; image bytes cross once, on the open.
+Pipes carry plain data: ``(Row list, request ids whose clients left)`` in, ``(RowResult list, stats,
+metrics payload)`` out; image bytes cross once, on the open. A job in flight that TorchServe's batch
+lacks is gone (its client left; :meth:`~llava_sessions.service.SessionService.handle`): the router,
+which alone sees the whole batch, tells its replica, in a call of its own if no row goes there.
 """
 
 from __future__ import annotations
@@ -97,12 +99,13 @@ def _replica_main(
             # device does not sit idle while the other replicas and TorchServe's round trip finish
             while not conn.poll(0) and service.run_ahead():
                 pass
-            rows = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
             return
-        if rows is None:
+        if message is None:
             return
-        results = service.handle(rows)
+        rows, gone = message
+        results = service.handle(rows, gone)
         conn.send((results, service.placement_stats(), service.metrics.collect(service.engine)))
 
 
@@ -228,12 +231,17 @@ class ReplicaRouter:
         parts: dict[int, list[int]] = {}
         tallies = {r.index: dict(r.stats) for r in self.replicas if r.alive}
         continuing = {i for i, row in enumerate(rows) if row.body is None}  # TorchServe's continuations
+        gone = self._gone(rows)
+        for index in gone:
+            parts.setdefault(index, [])
         for i, row in enumerate(rows):
             target = self._route(row, tallies)
             parts.setdefault(target, []).append(i)
         results: list[RowResult | None] = [None] * len(rows)
         futures = {
-            index: self._pool.submit(self._call, self.replicas[index], [rows[i] for i in positions])
+            index: self._pool.submit(
+                self._call, self.replicas[index], [rows[i] for i in positions], gone.get(index, [])
+            )
             for index, positions in parts.items()
             if index >= 0
         }
@@ -253,6 +261,18 @@ class ReplicaRouter:
                 results[i] = result
                 self._book(rows[i], result, index)
         return [r if r is not None else RowResult(b"") for r in results]
+
+    def _gone(self, rows: list[Row]) -> dict[int, list[str]]:
+        """The jobs in flight that ``rows`` lacks (their clients left), by live replica; forgotten here."""
+        in_batch = {row.request_id for row in rows}
+        gone: dict[int, list[str]] = {}
+        with self._lock:
+            for rid in [rid for rid in self._jobs if rid not in in_batch]:
+                index = self._jobs.pop(rid)
+                self._keys.pop(rid, None)
+                if self.replicas[index].alive:
+                    gone.setdefault(index, []).append(rid)
+        return gone
 
     def _route(self, row: Row, tallies: dict[int, dict[str, int]]) -> int:
         """The replica for ``row`` (-1: none is alive)."""
@@ -277,12 +297,13 @@ class ReplicaRouter:
         tallies[best]["num_sessions"] += 1
         return best
 
-    def _call(self, replica: _Replica, rows: list[Row]) -> list[RowResult] | None:
-        """One slice on one replica; None when its process is gone (then restarted)."""
+    def _call(self, replica: _Replica, rows: list[Row], gone: list[str]) -> list[RowResult] | None:
+        """One slice on one replica (``gone``: its jobs whose clients left); None when its process is
+        gone (then restarted)."""
         conn = replica.conn
         try:
             assert conn is not None
-            conn.send(rows)
+            conn.send((rows, gone))
             results, stats, payload = conn.recv()
         except (EOFError, OSError, AssertionError):
             self._replica_died(replica)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent import futures
 from concurrent.futures import Future
 
@@ -47,7 +47,8 @@ __all__ = ["Row", "RowResult", "SessionService"]
 
 log = logging.getLogger(__name__)
 
-#: A job TorchServe has not brought back for this long is abandoned (its session freed for use).
+#: A job TorchServe has not brought back for this long is abandoned (its session freed for use): a
+#: backstop only, as a job missing from a batch is abandoned at once (:meth:`SessionService.handle`).
 STALE_JOB_S = 600.0
 
 
@@ -101,16 +102,21 @@ class SessionService:
         )
 
     # ------------------------------------------------------------------ entry
-    def handle(self, rows: list[Row]) -> list[RowResult]:
+    def handle(self, rows: list[Row], gone: Collection[str] | None = None) -> list[RowResult]:
         """Admit new rows, advance every job in the batch by one slice, answer each row.
+
+        Args:
+            rows: TorchServe's batch (or a replica's part of it).
+            gone: request ids of jobs in flight whose clients left (:meth:`_drop_gone`); None: every
+                job in flight that is not in ``rows`` (the whole batch is this service's).
 
         Never raises: an unexpected error becomes that row's 500 ``internal_error``.
         """
         now = time.monotonic()
+        self._drop_gone(rows, gone)
         results: list[RowResult | None] = [None] * len(rows)
         active: list[tuple[int, Job]] = []
         waiting: list[tuple[int, Intake]] = []
-        self._drop_abandoned(rows)
         for i, row in enumerate(rows):
             job = self.jobs.jobs.get(row.request_id)
             if job is None:
@@ -151,7 +157,10 @@ class SessionService:
                 err = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error")
                 results[i] = self.jobs.error(job.dialect, None, err, continued=job.continued)
         self._reap(now)
-        return [r if r is not None else RowResult(b"") for r in results]
+        final = [r if r is not None else RowResult(b"") for r in results]
+        self.jobs.carry_group_ends(final[i] for i, job in active if job.continued)
+        self.metrics.num_in_flight = len(self.jobs.jobs) + len(self.intakes)
+        return final
 
     def _enter(self, job: Job, *, calls: int) -> Job:
         """Put an admitted job in the table (``calls``: ``handle()`` calls its request already had)."""
@@ -288,26 +297,33 @@ class SessionService:
         return True
 
     # ------------------------------------------------------------------ jobs no call brings back
-    def _drop_abandoned(self, rows: list[Row]) -> None:
-        """Abandon the jobs of sessions that have a NEW request in this batch.
+    def _drop_gone(self, rows: list[Row], gone: Collection[str] | None) -> None:
+        """Free the jobs (and requests waiting for images) whose clients left, before anything is admitted.
 
-        TorchServe hands a session its next request only once the previous one left the job
-        group; when a client disconnects mid-stream it drops the job silently and never brings it
-        back ("Connection to client got closed; Removing job"). So a new request for a session
-        whose job is not in this batch means that job is gone: close its generation (the session
-        returns to its state before that question) instead of answering 409 until it goes stale.
+        With sequence + continuous batching TorchServe keeps every job that asked to continue and
+        sends it in EVERY later batch until its last frame; a job whose client disconnected is
+        dropped when its next frame is written ("Connection to client got closed; Removing job") and
+        never comes back, with nothing said to the worker. So a job in flight that a batch lacks is
+        gone: its generation slot, KV and session are released now (an answer's session returns to
+        its state before the question; an open's session is removed; a one-shot's is freed), and the
+        TorchServe job group minted for it is ended on the next continuation frame
+        (:meth:`JobTable.carry_group_ends`), so it holds no ``maxNumSequence`` slot until its idle
+        timeout. ``gone``: the ids to drop (a replica is told by its router, which sees the whole
+        batch); None: every id in flight that ``rows`` lacks.
         """
-        table = self.jobs.jobs
-        in_batch = {row.request_id for row in rows}
-        new_sessions = {
-            row.session_id
-            for row in rows
-            if row.request_id not in table and row.request_id not in self.intakes and row.session_id
-        }
-        for rid, job in list(table.items()):
-            if job.session_id in new_sessions and rid not in in_batch:
-                self.jobs.forget(job, abandon=True)
-                log.info("dropped a job its client abandoned", extra={"session_id": job.session_id})
+        if gone is None:
+            in_batch = {row.request_id for row in rows}
+            gone = [rid for rid in (*self.jobs.jobs, *self.intakes) if rid not in in_batch]
+        for rid in gone:
+            intake = self.intakes.pop(rid, None)
+            if intake is not None:
+                self.jobs.done_admitting(rid)
+                if intake.row.minted and intake.row.session_id:
+                    self.jobs.end_group_later(intake.row.session_id)
+            job = self.jobs.jobs.get(rid)
+            if job is not None:
+                self.jobs.abandon(job)
+                log.info("freed a request its client left", extra={"session_id": job.session_id})
 
     def _reap(self, now: float) -> None:
         """Abandon jobs TorchServe stopped bringing back (their sessions become usable again), and

@@ -30,6 +30,7 @@ __all__ = [
     "SESSION_ID_PATTERN",
     "SESSION_ID_RE",
     "SEQUENCE_END_HEADER",
+    "SLOT_WAIT_HEADER",
     "format_expires",
     "opened_headers",
     "session_header_value",
@@ -58,6 +59,10 @@ IMAGE_TICKET_HEADER = "X-Llava-Image-Ticket"
 #: then answers it in the chat dialect even when its body cannot be read, and checks its ``model``
 #: against ``served_model_name`` (``/invocations`` accepts any). A client's own is not relayed.
 OPENAI_ROUTE_HEADER = "X-Llava-Openai-Route"
+#: Response header (worker -> front, never relayed) of a ``503 overloaded`` refused only for want of a
+#: generation slot, before anything of the request was done: the front may hold the request and send
+#: it again once a slot frees (``llava_tools.serve.slot_queue``).
+SLOT_WAIT_HEADER = "X-Llava-Slot-Wait"
 #: The worker's environment variable naming the front's base URL (``http://127.0.0.1:<port>``) that
 #: answers ``GET <IMAGE_RELAY_PATH><ticket>?source=<url>`` with the fetched image or the fetch's error.
 IMAGE_RELAY_ENV = "LLAVA_IMAGE_RELAY"

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..engine import Generation, ImageTask, SessionEngine
 from ..errors import ErrorCode, ServiceError, overloaded
-from .contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, SESSION_ID_RE
+from .contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, SESSION_ID_RE, SLOT_WAIT_HEADER
 from .framing import Framing, Row, RowResult
 
 if TYPE_CHECKING:
@@ -122,6 +122,7 @@ class JobTable:
         self.metrics = metrics
         self.jobs: dict[str, Job] = {}
         self._fresh_ids: dict[str, str] = {}  # request id -> the session id it was given
+        self._group_ends: list[str] = []  # TorchServe job groups to end on the next continuation frame
 
     def check_generation_slot(self) -> None:
         """Raise ``overloaded`` when ``max_concurrent_generations`` answers are in flight."""
@@ -176,6 +177,34 @@ class JobTable:
         if job.one_shot:
             self.end_one_shot(job, failed=abandon)
 
+    def abandon(self, job: Job) -> None:
+        """Free a job whose client left (:meth:`forget` with its work closed); a job group that no
+        session holds any more (a one-shot's, a failed open's) is ended with the next continuation
+        frame (:meth:`carry_group_ends`)."""
+        self.forget(job, abandon=True)
+        if job.own_group and job.session_id and job.session_id not in self.engine.store:
+            self.end_group_later(job.session_id)
+
+    def end_group_later(self, group: str) -> None:
+        """End TorchServe job group ``group`` with the next continuation frame (the request it was
+        minted for is gone, so no frame of its own will)."""
+        if group != NEW_SESSION_LITERAL and group not in self._group_ends:
+            self._group_ends.append(group)
+
+    def carry_group_ends(self, frames: Iterable[RowResult]) -> None:
+        """Add the job groups waiting to end (:meth:`end_group_later`) to the first of ``frames``
+        (frames of jobs whose first frame went out, so the header reaches TorchServe, not a client):
+        TorchServe reads the sequence-end header as ``;``-separated group ids and ends each. Kept for a
+        later call when ``frames`` is empty. In place."""
+        if not self._group_ends:
+            return
+        for frame in frames:
+            key = self.framing.end_header
+            own = frame.headers.get(key)
+            frame.headers[key] = ";".join([own, *self._group_ends] if own else self._group_ends)
+            self._group_ends.clear()
+            return
+
     def end_one_shot(self, job: Job, *, failed: bool = False) -> None:
         """End a chat request without a session: an answered one's state stays as a conversation-cache
         entry (:meth:`SessionEngine.retain`); a failed or abandoned one's is removed. Never raises."""
@@ -221,6 +250,8 @@ class JobTable:
                 headers.update(self.framing.end_sequence(session_id))
         if err.retry_after_s:
             headers["Retry-After"] = str(err.retry_after_s)
+        if err.shortage == "generation_slot" and not continued:
+            headers[SLOT_WAIT_HEADER] = "1"  # refused before anything was done: the front may hold it
         return self.framing.frame(
             dialect.encode_error(err), continued=continued, last=True, status=dialect.error_status(err), headers=headers
         )

@@ -6,7 +6,8 @@ loaded, and again after a worker died (its worker threads count as healthy whate
 SageMaker reads ``/ping`` 200 as "ready for ``/invocations``". TorchServe's inference API also has no
 OpenAI paths. So TorchServe listens on a loopback port and this front on the public one:
 
-- ``GET /ping``: 200 ``{"status": "Healthy"}`` only while the worker serves (its owner, ``llava-serve``'s
+- ``GET /ping`` (and ``GET /health``, vLLM's path, which load tools such as guidellm check first):
+  200 ``{"status": "Healthy"}`` only while the worker serves (its owner, ``llava-serve``'s
   :class:`~llava_tools.serve.server.LocalServer`, calls :meth:`OpenAIFront.set_ready` once the worker is READY
   and clears it while it restarts TorchServe), else 503; any other request while it does not serve
   gets a typed ``503 model_not_ready`` with ``Retry-After`` at once;
@@ -21,6 +22,12 @@ OpenAI paths. So TorchServe listens on a loopback port and this front on the pub
   are answered here (:mod:`llava_tools.serve.image_relay`: a slow or failing image host then holds only
   its own request, and a failed fetch always gets its typed 4xx);
 - anything else: relayed to TorchServe as it came (method, path, headers, body).
+
+A client that closes its connection while its request is relayed is let go at once: while the front
+waits for TorchServe's reply it watches the client's socket too, and on the client's end of stream it
+closes its own connection to TorchServe, which drops the job with its next frame; the worker then
+frees what the request held (``llava_sessions.service``). A stream's client that left is seen when
+a chunk can no longer be written.
 
 If TorchServe still refuses connections while flagged serving, a request waits for it, up to
 ``restart_wait_s`` (then ``503 model_not_ready`` with ``Retry-After``): nothing was sent.
@@ -41,6 +48,8 @@ import hmac
 import io
 import json
 import math
+import selectors
+import socket
 import socketserver
 import threading
 import time
@@ -53,6 +62,7 @@ from llava_sessions.wire.contract import (
     NEW_SESSION_LITERAL,
     OPENAI_ROUTE_HEADER,
     SESSION_ID_HEADER,
+    SLOT_WAIT_HEADER,
 )
 from llava_sessions.wire.inbound import CHAT_LARGE_IMAGE_HINT, LARGE_IMAGE_HINT
 
@@ -83,12 +93,36 @@ from .http_wire import (
     unauthorized,
 )
 from .image_relay import ImageRelay
+from .slot_queue import SlotQueue
 from .torchserve_files import MAX_REQUEST_BYTES
 
 CHAT_COMPLETIONS_PATH = OPENAI_PREFIX.encode() + b"/chat/completions"
 """The one OpenAI route relayed to TorchServe (as ``/invocations``); the front answers the rest."""
 
-__all__ = ["OPENAI_PREFIX", "OpenAIFront"]
+__all__ = ["HEALTH_PATHS", "OPENAI_PREFIX", "OpenAIFront"]
+
+#: The health checks answered by the front itself, without a key: SageMaker's ``/ping`` and vLLM's ``/health``.
+HEALTH_PATHS = (b"/ping", b"/health")
+
+
+#: TorchServe's own refusal type (no worker free, ``maxNumSequence`` job groups open, a session's job
+#: queue full): refused before the worker saw the request, so it may be held and sent again.
+TORCHSERVE_REFUSED = b'"ServiceUnavailableException"'
+#: What a request held past ``queue_timeout_s`` (or with the line full) is told when TorchServe refused it.
+STILL_BUSY = "the server is busy: no generation slot freed in time; retry shortly"
+
+
+class ClientGone(Exception):
+    """The client closed its connection before TorchServe's reply began."""
+
+
+class SlotsTaken(Exception):
+    """TorchServe or the worker refused the request for want of a slot, before anything of it was
+    done (:mod:`llava_tools.serve.slot_queue`); ``reply``: the refusal as the client would get it."""
+
+    def __init__(self, reply: bytes) -> None:
+        super().__init__("no generation slot")
+        self.reply = reply
 
 
 class _Connection(socketserver.StreamRequestHandler):
@@ -102,7 +136,7 @@ class _Connection(socketserver.StreamRequestHandler):
         try:
             while self._one_request():
                 pass
-        except (Closed, OSError):
+        except (Closed, OSError, ClientGone):
             pass
         finally:
             if self.backend is not None:
@@ -141,7 +175,7 @@ class _Connection(socketserver.StreamRequestHandler):
         """The reply to a request the front answers itself (``/ping``, the worker's image lookups, a
         missing API key, OpenAI's own routes), or None: it goes on to TorchServe."""
         server, path = self.server, target.partition(b"?")[0]
-        if path == b"/ping":
+        if path in HEALTH_PATHS:
             return ping_reply(server.ready, server.retry_after_s())
         if server.images is not None and method == b"GET" and path.startswith(IMAGE_RELAY_PATH.encode()):
             return relayed_image(server.images, target)  # the worker's lookup: its ticket is the secret
@@ -172,7 +206,7 @@ class _Connection(socketserver.StreamRequestHandler):
         try:
             for attempt in (0, 1):
                 try:
-                    return self._relay(request, method == b"HEAD")
+                    return self._relay_held(request, method == b"HEAD")
                 except WorkerLost:
                     if attempt or not stateless or not server.restarting() or not server.wait_ready():
                         self.wfile.write(self._not_ready(WORKER_LOST))
@@ -181,6 +215,43 @@ class _Connection(socketserver.StreamRequestHandler):
         finally:
             if images is not None and ticket is not None:
                 images.release(ticket)
+            if server.queue is not None:
+                server.queue.wake_one()  # a slot may have freed
+
+    def _relay_held(self, request: bytes, head_only: bool) -> bool:
+        """:meth:`_relay`, the request held in the server's :class:`SlotQueue` and sent again while it
+        is refused for want of a slot; past the queue's deadline (or with its line full, or without a
+        queue) the refusal goes to the client.
+
+        Raises:
+            ClientGone: the client left while its request waited.
+            WorkerLost: as :meth:`_relay`.
+        """
+        queue = self.server.queue
+        deadline = time.monotonic() + (queue.timeout_s if queue is not None else 0.0)
+        again = False
+        while True:
+            try:
+                return self._relay(request, head_only)
+            except SlotsTaken as taken:
+                if queue is None or not queue.wait(deadline, self._client_gone, again=again):
+                    if self._client_gone():
+                        raise ClientGone() from None
+                    self.wfile.write(taken.reply)
+                    return True
+                again = True
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its connection (end of stream or a reset); pipelined bytes are not
+        read."""
+        try:
+            with selectors.DefaultSelector() as watch:
+                watch.register(self.connection, selectors.EVENT_READ)
+                if not watch.select(0):
+                    return False
+                return not self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
 
     def _refuse_large(self, length: int, openai_route: bool) -> bool:
         """Answer a body over TorchServe's own limit (which would get its bare 413) with the typed
@@ -228,6 +299,8 @@ class _Connection(socketserver.StreamRequestHandler):
             WorkerLost: nothing was relayed, and TorchServe gave no reply, its own ``507 Worker
                 died.``, or a chunked reply cut before its first byte of body (a worker killed with
                 the request in flight: TorchServe sends the head with the first, empty frame).
+            SlotsTaken: a 503 refused for want of a slot (the worker's with ``SLOT_WAIT_HEADER``, or
+                TorchServe's own, which gets OpenAI's error shape here); nothing was relayed.
         """
         try:
             start, fields = self._send(request)
@@ -252,7 +325,12 @@ class _Connection(socketserver.StreamRequestHandler):
             backend.close()
             raise WorkerLost()
         if no_body or length is not None:
-            self.wfile.write(head + (b"" if no_body else backend.reader.read(int(length or 0))))
+            body = b"" if no_body else backend.reader.read(int(length or 0))
+            if status == b"503" and (field(fields, SLOT_WAIT_HEADER.lower().encode()) or TORCHSERVE_REFUSED in body):
+                if TORCHSERVE_REFUSED in body:  # TorchServe's bare refusal: in the error shape clients read
+                    head, body = b"", openai_error(503, "Service Unavailable", STILL_BUSY, "overloaded", retry_after_s=1)
+                raise SlotsTaken(head + body)
+            self.wfile.write(head + body)
         elif (field(fields, b"transfer-encoding") or b"").lower() == b"chunked":
             self._relay_chunks(backend.reader, head, field(fields, b"content-type") or b"")
         else:  # delimited by TorchServe closing the connection
@@ -276,6 +354,7 @@ class _Connection(socketserver.StreamRequestHandler):
                 self.backend = self._connect()
             try:
                 self.backend.sock.sendall(request)
+                self._await_reply(self.backend.sock)
                 return read_head(self.backend.reader)
             except (Closed, OSError):
                 self.backend.close()
@@ -283,6 +362,34 @@ class _Connection(socketserver.StreamRequestHandler):
                 if not reused or attempt:
                     raise
         raise AssertionError("unreachable")
+
+    def _await_reply(self, backend: socket.socket) -> None:
+        """Wait until TorchServe's reply begins, watching the client's connection meanwhile.
+
+        Raises:
+            ClientGone: the client closed its connection (end of stream or a reset) first; the
+                caller's ``finally`` closes the connection to TorchServe, whose frontend then drops
+                the job.
+            TimeoutError: nothing from TorchServe for ``read_timeout_s``.
+        """
+        deadline = time.monotonic() + self.server.read_timeout_s
+        with selectors.DefaultSelector() as watch:
+            watch.register(backend, selectors.EVENT_READ, "backend")
+            watch.register(self.connection, selectors.EVENT_READ, "client")
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError()
+                for key, _ in watch.select(left):
+                    if key.data == "backend":
+                        return
+                    try:
+                        pending = self.connection.recv(1, socket.MSG_PEEK)
+                    except OSError:
+                        pending = b""
+                    if not pending:
+                        raise ClientGone()
+                    watch.unregister(self.connection)  # a pipelined request: read after this reply
 
     def _connect(self) -> Backend:
         """A new connection to TorchServe. While it refuses connections (``llava-serve`` restarts it
@@ -354,6 +461,8 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         api_key: when set, every request but ``GET /ping`` (and the worker's image lookups, whose
             ticket is their secret) must carry ``Authorization: Bearer <api_key>`` (vLLM's
             ``--api-key`` rule), compared in constant time; else ``401 invalid_api_key``.
+        queue: where requests refused for want of a generation slot wait to be sent again
+            (:class:`~llava_tools.serve.slot_queue.SlotQueue`); None: the refusal goes to the client.
 
     Until :meth:`set_ready` says the worker serves, ``GET /ping`` answers 503 and every other
     request a typed ``503 model_not_ready`` with ``Retry-After`` (its body read first).
@@ -379,9 +488,11 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         routes: bool = True,
         images: ImageRelay | None = None,
         api_key: str | None = None,
+        queue: SlotQueue | None = None,
     ) -> None:
         super().__init__(address, _Connection)
         self.images = images
+        self.queue = queue
         self._expected_auth = ("Bearer " + api_key).encode() if api_key else None
         self.max_request_bytes = max_request_bytes
         self.routes = routes

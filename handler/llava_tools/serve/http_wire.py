@@ -14,6 +14,7 @@ from llava_sessions.wire.contract import (
     CUSTOM_ATTRIBUTES_HEADER,
     IMAGE_RELAY_PATH,
     IMAGE_TICKET_HEADER,
+    SLOT_WAIT_HEADER,
     OPENAI_ROUTE_HEADER,
     SESSION_ID_HEADER,
 )
@@ -93,9 +94,10 @@ WORKER_LOST = "the model server stopped while answering (its worker died and res
 #: TorchServe's own status for a request whose worker died in flight (``{"type": "InternalServerException",
 #: "message": "Worker died."}``), answered as ``503 model_not_ready`` here.
 TORCHSERVE_WORKER_DIED = b"507"
-#: Reply headers TorchServe adds for its own use (its stream flag, its caching headers), not relayed
-#: to clients; its ``x-request-id`` is (OpenAI's clients read it as the request's id).
-INTERNAL = frozenset({b"ts_stream_next", b"pragma", b"cache-control", b"expires"})
+#: Reply headers TorchServe adds for its own use (its stream flag, its caching headers) and the worker's
+#: word to the front (:data:`SLOT_WAIT_HEADER`), not relayed to clients; TorchServe's ``x-request-id``
+#: is (OpenAI's clients read it as the request's id).
+INTERNAL = frozenset({b"ts_stream_next", b"pragma", b"cache-control", b"expires", SLOT_WAIT_HEADER.lower().encode()})
 
 
 def cut_stream_tail(content_type: bytes, message: str) -> bytes:

@@ -40,6 +40,7 @@ from ..processes import (
 from . import torchserve_files as ts_files
 from .front import OPENAI_PREFIX, OpenAIFront
 from .image_relay import ImageRelay
+from .slot_queue import SlotQueue
 from .supervisor import Supervised
 from .torchserve_files import ServerStartError, default_handler_path, default_log_config_path, default_model_config_path
 
@@ -320,9 +321,17 @@ class LocalServer(Supervised):
         address = (self.host, self._requested_port)
         try:
             if self._front is None:
-                images = ImageRelay(self._settings) if self._settings is not None else None
+                settings = self._settings
+                images = ImageRelay(settings) if settings is not None else None
+                queue = SlotQueue(settings.queue_max_requests, settings.queue_timeout_s) if settings else None
                 front = OpenAIFront(
-                    address, ("127.0.0.1", 0), name, routes=self.openai_routes, images=images, api_key=self.api_key
+                    address,
+                    ("127.0.0.1", 0),
+                    name,
+                    routes=self.openai_routes,
+                    images=images,
+                    api_key=self.api_key,
+                    queue=queue,
                 )
                 self._front = front.start()
         except OSError as exc:
