@@ -13,7 +13,7 @@ from llava_sessions.config import Settings
 from llava_sessions.engine import CostModel, StepCost
 from llava_sessions.service import Row, SessionService
 from llava_sessions.sessions.ledger import Tier
-from llava_sessions.wire.contract import SEQUENCE_END_HEADER
+from llava_sessions.wire.contract import SEQUENCE_END_HEADER, SLOT_WAIT_HEADER
 from llava_sessions.worker import build_service
 from server_fixtures import ImageHost
 
@@ -313,6 +313,7 @@ def test_generation_slots_are_capped_with_retry_after(service, photos):
     assert [r.status for r in out] == [200, 200, 503]
     assert json.loads(out[2].body)["error"]["code"] == "overloaded" and out[2].headers["Retry-After"] == "1"
     assert "X-Amzn-SageMaker-Closed-Session-Id" not in out[2].headers  # the session is intact
+    assert out[2].headers[SLOT_WAIT_HEADER] == "1"  # refused before anything was done: the front holds it
     rows = [Row("x1", "a1", False, None), Row("x2", "a2", False, None)]
     while rows:
         out = service.handle(rows)
@@ -320,6 +321,34 @@ def test_generation_slots_are_capped_with_retry_after(service, photos):
     for sid in ("a1", "a2", "a3"):
         service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
     assert isinstance(service.settings, Settings)
+
+
+def test_a_job_a_batch_lacks_is_freed_at_once_and_its_minted_group_ended(service, photos):
+    """TorchServe sends every job that asked to continue in every later batch until its last frame, and
+    drops one whose client left without a word: the first batch without it frees its generation slot
+    and its session (a one-shot's is removed, a session's question undone), and the job group minted
+    for the one-shot is ended on the next continuation frame, not left to TorchServe's idle timeout."""
+    open_sessions(service, open_row("o-k1", "k1", photos["rocket"]))
+    chat = {"messages": [{"role": "user", "content": "A story."}], "stream": True, "max_tokens": 60, "ignore_eos": True}
+    ask = {"type": "generate", "prompt": "Describe it.", "parameters": {"max_new_tokens": 40}}
+    first = service.handle([Row("gone", "ts-seq-gone", True, chat), Row("q1", "k1", False, ask)])
+    assert [o.stop for o in first] == [False, False] and "ts-seq-gone" in service.engine.store
+    assert service.metrics.num_in_flight == 2
+    # the one-shot's client left: the next batch lacks it; both slots are free for new answers at once
+    out = service.handle([Row("q1", "k1", False, None), Row("q2", "k1", False, ask)])
+    assert "gone" not in service.jobs.jobs and "ts-seq-gone" not in service.engine.store
+    assert out[0].headers[SEQUENCE_END_HEADER] == "ts-seq-gone"  # carried by a continuation frame
+    assert out[1].status == 409  # k1 is still busy with q1: the session's own rule, not a slot
+    # the session's question is left too: the session is idle again, as before that question
+    out = service.handle([Row("o-k2", "k2", True, open_row("", "", photos["chelsea"]).body)])
+    assert "q1" not in service.jobs.jobs
+    service.engine.check_idle("k1")
+    finish(service, [Row("o-k2", "k2", True, None)], out)
+    assert service.metrics.num_in_flight == 0
+    replies = [answer_of(service, f"a-{sid}", sid, ask) for sid in ("k1", "k2")]  # each a 200
+    assert all(r["generated_text"] is not None for r in replies)
+    for sid in ("k1", "k2"):
+        service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
 
 
 def answer_of(service, rid, sid, body):

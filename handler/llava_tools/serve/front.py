@@ -45,7 +45,6 @@ beyond what routing and framing need, and a body is decoded only when it may nam
 from __future__ import annotations
 
 import hmac
-import io
 import json
 import math
 import selectors
@@ -53,7 +52,7 @@ import socket
 import socketserver
 import threading
 import time
-from typing import IO, Any
+from typing import Any
 
 from llava_sessions.wire.contract import (
     CUSTOM_ATTRIBUTES_HEADER,
@@ -328,11 +327,14 @@ class _Connection(socketserver.StreamRequestHandler):
             body = b"" if no_body else backend.reader.read(int(length or 0))
             if status == b"503" and (field(fields, SLOT_WAIT_HEADER.lower().encode()) or TORCHSERVE_REFUSED in body):
                 if TORCHSERVE_REFUSED in body:  # TorchServe's bare refusal: in the error shape clients read
-                    head, body = b"", openai_error(503, "Service Unavailable", STILL_BUSY, "overloaded", retry_after_s=1)
+                    head, body = (
+                        b"",
+                        openai_error(503, "Service Unavailable", STILL_BUSY, "overloaded", retry_after_s=1),
+                    )
                 raise SlotsTaken(head + body)
             self.wfile.write(head + body)
         elif (field(fields, b"transfer-encoding") or b"").lower() == b"chunked":
-            self._relay_chunks(backend.reader, head, field(fields, b"content-type") or b"")
+            self._relay_chunks(backend, head, field(fields, b"content-type") or b"")
         else:  # delimited by TorchServe closing the connection
             self.wfile.write(head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1) + backend.reader.read())
             return False
@@ -354,7 +356,7 @@ class _Connection(socketserver.StreamRequestHandler):
                 self.backend = self._connect()
             try:
                 self.backend.sock.sendall(request)
-                self._await_reply(self.backend.sock)
+                self._await_backend(self.backend)
                 return read_head(self.backend.reader)
             except (Closed, OSError):
                 self.backend.close()
@@ -363,8 +365,9 @@ class _Connection(socketserver.StreamRequestHandler):
                     raise
         raise AssertionError("unreachable")
 
-    def _await_reply(self, backend: socket.socket) -> None:
-        """Wait until TorchServe's reply begins, watching the client's connection meanwhile.
+    def _await_backend(self, backend: Backend) -> None:
+        """Wait until TorchServe sends more (a reply's head, a chunk), watching the client's connection
+        meanwhile; at once when bytes are buffered already (read without blocking).
 
         Raises:
             ClientGone: the client closed its connection (end of stream or a reset) first; the
@@ -372,9 +375,18 @@ class _Connection(socketserver.StreamRequestHandler):
                 the job.
             TimeoutError: nothing from TorchServe for ``read_timeout_s``.
         """
+        sock = backend.sock
+        sock.setblocking(False)
+        try:
+            if backend.reader.peek(1):
+                return
+        except OSError:
+            return  # the read that follows reports it
+        finally:
+            sock.settimeout(self.server.read_timeout_s)
         deadline = time.monotonic() + self.server.read_timeout_s
         with selectors.DefaultSelector() as watch:
-            watch.register(backend, selectors.EVENT_READ, "backend")
+            watch.register(sock, selectors.EVENT_READ, "backend")
             watch.register(self.connection, selectors.EVENT_READ, "client")
             while True:
                 left = deadline - time.monotonic()
@@ -408,18 +420,23 @@ class _Connection(socketserver.StreamRequestHandler):
                     raise
                 time.sleep(RESTART_POLL_S)
 
-    def _relay_chunks(self, reader: IO[bytes] | io.BufferedIOBase, head: bytes, content_type: bytes) -> None:
+    def _relay_chunks(self, backend: Backend, head: bytes, content_type: bytes) -> None:
         """Relay a chunked body chunk by chunk as it arrives, up to its last chunk and trailer. The
         head goes out with the first chunk (TorchServe sends it with a first frame that may be
         empty): a reply cut before any chunk can still be answered with a status of its own.
 
+        While TorchServe sends nothing (a whole answer is sent as one chunk when done; a stream's
+        frames may be empty) the client's connection is watched (:meth:`_await_backend`).
+
         Raises:
             WorkerLost: TorchServe broke off before the first chunk (nothing was written).
+            ClientGone: the client left while TorchServe sent nothing.
         """
-        write = self.wfile.write
+        write, reader = self.wfile.write, backend.reader
         pending: bytes | None = head
         try:
             while True:
+                self._await_backend(backend)
                 size_line = reader.readline(MAX_HEAD_BYTES)
                 if not size_line.endswith(b"\n"):
                     raise Closed()

@@ -14,9 +14,9 @@ from llava_sessions.wire.contract import (
     CUSTOM_ATTRIBUTES_HEADER,
     IMAGE_RELAY_PATH,
     IMAGE_TICKET_HEADER,
-    SLOT_WAIT_HEADER,
     OPENAI_ROUTE_HEADER,
     SESSION_ID_HEADER,
+    SLOT_WAIT_HEADER,
 )
 
 from .image_relay import ImageRelay

@@ -1,0 +1,156 @@
+"""Clients that give up, and load past the generation slots, over real HTTP through ``llava-serve``'s
+front and a real TorchServe (tiny model, CPU): an abandoned request frees what it held at once,
+wherever its client left it, and a request past the slots waits at the front before it is refused.
+
+The server has ONE generation slot, so a request that was not freed would hold every later one.
+Clients disconnect by closing their socket, as a load tool's cancelled request does.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import re
+import threading
+import time
+
+import pytest
+import requests
+
+from server_fixtures import prometheus_text, start_local_server
+
+#: Tokens an abandoned answer would decode if nothing stopped it (the tiny model's context is 1,024).
+LONG = 900
+
+
+@pytest.fixture(scope="module")
+def server(request, tiny_model_dir):
+    overrides = {"max_concurrent_generations": 1, "queue_max_requests": 2, "queue_timeout_s": 1.5}
+    return start_local_server(
+        tiny_model_dir, addfinalizer=request.addfinalizer, startup_timeout_s=120, overrides=overrides
+    )
+
+
+def gauge(server, name: str, until=lambda v: True) -> float:
+    """The worker's metric ``llava_<name>`` summed over its labels, once ``until(value)`` holds (or 20 s)."""
+
+    def value(text: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^llava_{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M))
+
+    return value(prometheus_text(server.metrics_url, lambda t: until(value(t)), timeout_s=20))
+
+
+def long_chat(stream: bool) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def post(server, path: str, body: dict, headers: dict | None = None) -> http.client.HTTPConnection:
+    """Send a request on a connection of its own (the caller reads or abandons it, then closes it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+    return conn
+
+
+def quick_answer(server) -> requests.Response:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return requests.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "path, stream",
+    [("/v1/chat/completions", True), ("/v1/chat/completions", False), ("/invocations", True), ("/invocations", False)],
+)
+def test_an_abandoned_request_frees_its_slot_at_once(server, path, stream):
+    """A streamed answer left after its first chunk, or a whole one left while it is generated: the
+    next request gets the one slot at once, the worker holds nothing, and the abandoned answer stops
+    decoding (its LONG tokens are never all made)."""
+    before = gauge(server, "GeneratedTokens")
+    conn = post(server, path, long_chat(stream))
+    if stream:
+        reply = conn.getresponse()
+        assert reply.status == 200 and reply.fp.readline()  # its first chunk arrived
+    else:
+        time.sleep(0.3)  # generating, no byte of the reply sent yet
+    conn.close()
+    t0 = time.monotonic()
+    assert quick_answer(server).status_code == 200
+    assert time.monotonic() - t0 < 10
+    assert gauge(server, "RequestsInFlight", until=lambda v: v == 0) == 0
+    made = gauge(server, "GeneratedTokens") - before
+    assert made < LONG, made
+
+
+def test_a_request_left_while_queued_at_the_front_is_never_run(server):
+    """Past the one slot a request waits at the front; its client leaving there costs nothing."""
+    holder = post(server, "/v1/chat/completions", long_chat(True))
+    assert holder.getresponse().status == 200
+    queued = post(server, "/v1/chat/completions", long_chat(False))
+    time.sleep(0.3)
+    queued.close()
+    holder.close()
+    assert quick_answer(server).status_code == 200
+    assert gauge(server, "RequestsInFlight", until=lambda v: v == 0) == 0
+
+
+def test_overload_waits_for_a_slot_then_refuses_in_the_dialects_shape(server):
+    """A request past the slots waits (up to ``queue_timeout_s``) and is answered when the slot frees;
+    one still waiting at the deadline, or past the line's length, gets ``503 overloaded`` with
+    ``Retry-After``, in OpenAI's error shape, never TorchServe's bare one."""
+    holder = post(server, "/v1/chat/completions", long_chat(True))
+    assert holder.getresponse().status == 200
+    results: dict[str, tuple[int, float]] = {}
+
+    def ask(name: str) -> None:
+        t0 = time.monotonic()
+        reply = quick_answer(server)
+        results[name] = (reply.status_code, time.monotonic() - t0)
+        if reply.status_code == 503:
+            error = reply.json()["error"]
+            assert error["code"] == "overloaded" and reply.headers["Retry-After"], reply.text
+            assert "X-Llava-Slot-Wait" not in reply.headers
+
+    threads = [threading.Thread(target=ask, args=(f"r{i}",)) for i in range(3)]
+    for th in threads:
+        th.start()
+        time.sleep(0.1)
+    for th in threads:
+        th.join()
+    statuses = sorted(status for status, _ in results.values())
+    assert statuses == [503, 503, 503], results  # the slot stayed taken past the deadline
+    waited = sorted(seconds for _, seconds in results.values())
+    assert waited[0] < 1.0 and waited[1] >= 1.4 and waited[2] >= 1.4, results  # one past the line of 2: at once
+    # the slot frees while a request waits: it is answered, not refused
+    waiter = threading.Thread(target=ask, args=("late",))
+    waiter.start()
+    time.sleep(0.5)
+    holder.close()
+    waiter.join()
+    assert results["late"][0] == 200, results
+
+
+def test_health_is_vllms_check(server):
+    reply = requests.get(server.url + "/health", timeout=10)
+    assert reply.status_code == 200
+
+
+def test_an_abandoned_native_question_leaves_its_session_usable(server, photos):
+    """A session's streamed question left mid-answer: the session is idle at once (no 409), as before
+    that question, and answers the next one."""
+    image = {"base64": base64.b64encode(photos["rocket"]).decode()}
+    opened = requests.post(server.url + "/invocations", json={"type": "open_session", "image": image}, timeout=60)
+    sid = opened.headers["X-Amzn-SageMaker-Session-Id"].split(";")[0]
+    ask = {"type": "generate", "prompt": "Describe it.", "stream": True, "parameters": {"max_new_tokens": 400}}
+    conn = post(server, "/invocations", ask, {"X-Amzn-SageMaker-Session-Id": sid})
+    reply = conn.getresponse()
+    assert reply.status == 200 and reply.fp.readline()
+    conn.close()
+    headers = {"X-Amzn-SageMaker-Session-Id": sid}
+    again = requests.post(server.url + "/invocations", json={**ask, "stream": False}, headers=headers, timeout=60)
+    assert again.status_code == 200, again.text
+    requests.post(server.url + "/invocations", json={"type": "close_session"}, headers=headers, timeout=60)
