@@ -535,12 +535,13 @@ def test_logs_are_quiet_per_request_and_keep_warnings(server, photos):
 
 @pytest.fixture(scope="module")
 def small_server(request, tiny_model_dir):
-    """maxNumSequence = batchSize = 3: any lingering job group would show at once."""
+    """maxNumSequence = batchSize = 3: any lingering job group would show at once. A request TorchServe
+    refuses is held at the front for 2 s (``queue_timeout_s``) before its 503 goes out."""
     return start_local_server(
         tiny_model_dir,
         addfinalizer=request.addfinalizer,
         model_config_overrides={"batchSize": 3, "maxNumSequence": 3},
-        overrides={"max_sessions": 3},
+        overrides={"max_sessions": 3, "queue_timeout_s": 2},
     )
 
 
@@ -555,22 +556,33 @@ def test_unknown_ids_leave_no_job_group_behind(small_server, photos):
         assert post(small_server, {"type": "close_session"}, session_id=s).status_code == 200
 
 
-def test_past_max_num_sequence_torchserve_answers_its_own_503_at_once(small_server, photos):
-    """No spare job group (maxNumSequence = max_sessions = 3): the 4th session never reaches the handler;
-    the frontend answers 503 at once, in its own body, without Retry-After; the client types it."""
+def test_past_max_num_sequence_a_new_session_waits_at_the_front_then_gets_a_shaped_503(small_server, photos):
+    """No spare job group (maxNumSequence = max_sessions = 3): TorchServe refuses the 4th session before
+    the handler sees it. The front holds the request and sends it again as relays end: it opens once a
+    session closes; still refused at ``queue_timeout_s``, it gets ``503 overloaded`` with
+    ``Retry-After`` in OpenAI's error shape (never TorchServe's bare body), which the client types."""
+    import threading
+
     from llava_client import Overloaded, SessionClient
 
     sids = [open_session(small_server, photos["coffee"])[0] for _ in range(3)]
+    body = {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}}
     try:
-        r = post(
-            small_server, {"type": "open_session", "image": {"base64": base64.b64encode(photos["coffee"]).decode()}}
-        )
-        # the frontend's own 503 (its body type below): a request queued for a job group would get 200 later
-        assert r.status_code == 503
-        assert r.json()["type"] == "ServiceUnavailableException" and "Retry-After" not in r.headers
+        t0 = time.monotonic()
+        r = post(small_server, body)
+        assert r.status_code == 503 and time.monotonic() - t0 >= 1.9
+        assert r.json()["error"]["code"] == "overloaded" and r.headers["Retry-After"] == "1", r.text
         with SessionClient.from_url(small_server.url, max_retries=0) as client, pytest.raises(Overloaded) as info:
             client.open_session(photos["coffee"])
-        assert info.value.code == "ServiceUnavailableException" and info.value.retry_after is None
+        assert info.value.code == "overloaded" and info.value.retry_after == 1
+        held: list[requests.Response] = []
+        waiter = threading.Thread(target=lambda: held.append(post(small_server, body)))
+        waiter.start()
+        time.sleep(0.5)
+        assert post(small_server, {"type": "close_session"}, session_id=sids.pop()).status_code == 200
+        waiter.join()
+        assert held[0].status_code == 200, held[0].text  # held, then opened in the freed job group
+        sids.append(held[0].json()["session_id"])
     finally:
         for s in sids:
             post(small_server, {"type": "close_session"}, session_id=s)

@@ -414,16 +414,18 @@ def test_the_local_endpoint_routes_sessionless_turns_as_prefix_aware_routing_doe
 
 
 def test_overload_is_a_503_the_openai_package_raises_and_retries_after_retry_after(request, tiny_model_dir):
-    """Issue 32 item 6: with every generation slot taken, a request gets ``503 overloaded`` with
-    ``Retry-After``; the package raises its own ``InternalServerError`` for it (retries off), and with
-    its retries on it waits the ``Retry-After`` and is answered once the slot is free."""
+    """Issue 32 item 6: with every generation slot taken and no request held at the front
+    (``queue_max_requests`` 0; tests/tools/test_abandoned.py tests the held ones), a request gets
+    ``503 overloaded`` with ``Retry-After``; the package raises its own ``InternalServerError`` for it
+    (retries off), and with its retries on it waits the ``Retry-After`` and is answered once the slot
+    is free."""
     import threading
 
     server = start_local_server(
         tiny_model_dir,
         addfinalizer=request.addfinalizer,
         startup_timeout_s=120,
-        overrides={"max_concurrent_generations": 1, "served_model_name": ["llava"]},
+        overrides={"max_concurrent_generations": 1, "queue_max_requests": 0, "served_model_name": ["llava"]},
     )
     strict = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
     patient = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=8)

@@ -70,6 +70,8 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         # group is alive, and an accepted one after the close shows the group was dropped.
         "--ts-set", "batchSize=1",
         "--ts-set", "maxNumSequence=1",
+        # TorchServe's refusal is held at the front this long before it goes out, shaped
+        "--set", "queue_timeout_s=1",
         "--startup-timeout", "60",
     ]  # fmt: skip
     cli = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
@@ -118,6 +120,7 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         assert direct.status_code == 503 or direct.json()["session_id"] != session_id
         refused = _invoke(url, {"turn": 1})
         assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "overloaded" and refused.headers["Retry-After"] == "1"
 
         # The handler sets the sequence-end header: it reaches the client with its exact name, and
         # TorchServe drops the job group at once, so a new session is accepted right after.
