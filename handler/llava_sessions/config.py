@@ -173,20 +173,10 @@ class Settings(BaseModel):
 
     # --- scheduling -------------------------------------------------------------------------
     max_concurrent_generations: int = Field(
-        16,
-        ge=1,
-        description="Generations in flight per worker; beyond it requests wait at the public port "
-        "(queue_max_requests, queue_timeout_s).",
+        16, ge=1, description="Generations in flight per worker; past it requests wait at the public port."
     )
-    queue_max_requests: int = Field(
-        256,
-        ge=0,
-        description="Requests the public port holds while every generation slot is taken, sent on as slots "
-        "free (0: none held); beyond it, 503 overloaded with Retry-After.",
-    )
-    queue_timeout_s: float = Field(
-        30.0, gt=0.0, description="Longest a held request waits for a generation slot, seconds; then 503 overloaded."
-    )
+    queue_max_requests: int = Field(256, ge=0, description="Requests the public port holds for a slot (0: none).")
+    queue_timeout_s: float = Field(30.0, gt=0.0, description="Longest a held request waits, seconds; then 503.")
     step_max_tokens: int = Field(8, ge=1, description="Most tokens one scheduler call advances each generation.")
     step_token_budget: int = Field(
         0,

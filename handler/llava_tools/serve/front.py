@@ -6,8 +6,7 @@ loaded, and again after a worker died (its worker threads count as healthy whate
 SageMaker reads ``/ping`` 200 as "ready for ``/invocations``". TorchServe's inference API also has no
 OpenAI paths. So TorchServe listens on a loopback port and this front on the public one:
 
-- ``GET /ping`` (and ``GET /health``, vLLM's path, which load tools such as guidellm check first):
-  200 ``{"status": "Healthy"}`` only while the worker serves (its owner, ``llava-serve``'s
+- ``GET /ping`` (and vLLM's ``GET /health``): 200 ``{"status": "Healthy"}`` only while the worker serves (its owner, ``llava-serve``'s
   :class:`~llava_tools.serve.server.LocalServer`, calls :meth:`OpenAIFront.set_ready` once the worker is READY
   and clears it while it restarts TorchServe), else 503; any other request while it does not serve
   gets a typed ``503 model_not_ready`` with ``Retry-After`` at once;
@@ -23,11 +22,8 @@ OpenAI paths. So TorchServe listens on a loopback port and this front on the pub
   its own request, and a failed fetch always gets its typed 4xx);
 - anything else: relayed to TorchServe as it came (method, path, headers, body).
 
-A client that closes its connection while its request is relayed is let go at once: while the front
-waits for TorchServe's reply it watches the client's socket too, and on the client's end of stream it
-closes its own connection to TorchServe, which drops the job with its next frame; the worker then
-frees what the request held (``llava_sessions.service``). A stream's client that left is seen when
-a chunk can no longer be written.
+A client that leaves is let go at once: while TorchServe sends nothing the front watches the client's
+socket, and on its end closes the TorchServe connection, whose job the worker then frees.
 
 If TorchServe still refuses connections while flagged serving, a request waits for it, up to
 ``restart_wait_s`` (then ``503 model_not_ready`` with ``Retry-After``): nothing was sent.
@@ -47,8 +43,6 @@ from __future__ import annotations
 import hmac
 import json
 import math
-import selectors
-import socket
 import socketserver
 import threading
 import time
@@ -69,6 +63,7 @@ from ..processes import BackgroundServing
 from .http_wire import (
     CANONICAL,
     DRAIN_PIECE_BYTES,
+    HEALTH_PATHS,
     INTERNAL,
     MAX_HEAD_BYTES,
     MAX_RETRY_AFTER_S,
@@ -79,9 +74,12 @@ from .http_wire import (
     TORCHSERVE_WORKER_DIED,
     WORKER_LOST,
     Backend,
+    ClientGone,
     Closed,
     Fields,
     WorkerLost,
+    await_backend,
+    client_gone,
     cut_stream_tail,
     field,
     openai_error,
@@ -92,36 +90,13 @@ from .http_wire import (
     unauthorized,
 )
 from .image_relay import ImageRelay
-from .slot_queue import SlotQueue
+from .slot_queue import SlotQueue, SlotsTaken, slot_refusal
 from .torchserve_files import MAX_REQUEST_BYTES
 
 CHAT_COMPLETIONS_PATH = OPENAI_PREFIX.encode() + b"/chat/completions"
 """The one OpenAI route relayed to TorchServe (as ``/invocations``); the front answers the rest."""
 
-__all__ = ["HEALTH_PATHS", "OPENAI_PREFIX", "OpenAIFront"]
-
-#: The health checks answered by the front itself, without a key: SageMaker's ``/ping`` and vLLM's ``/health``.
-HEALTH_PATHS = (b"/ping", b"/health")
-
-
-#: TorchServe's own refusal type (no worker free, ``maxNumSequence`` job groups open, a session's job
-#: queue full): refused before the worker saw the request, so it may be held and sent again.
-TORCHSERVE_REFUSED = b'"ServiceUnavailableException"'
-#: What a request held past ``queue_timeout_s`` (or with the line full) is told when TorchServe refused it.
-STILL_BUSY = "the server is busy: no generation slot freed in time; retry shortly"
-
-
-class ClientGone(Exception):
-    """The client closed its connection before TorchServe's reply began."""
-
-
-class SlotsTaken(Exception):
-    """TorchServe or the worker refused the request for want of a slot, before anything of it was
-    done (:mod:`llava_tools.serve.slot_queue`); ``reply``: the refusal as the client would get it."""
-
-    def __init__(self, reply: bytes) -> None:
-        super().__init__("no generation slot")
-        self.reply = reply
+__all__ = ["OPENAI_PREFIX", "OpenAIFront"]
 
 
 class _Connection(socketserver.StreamRequestHandler):
@@ -218,38 +193,21 @@ class _Connection(socketserver.StreamRequestHandler):
                 server.queue.wake_one()  # a slot may have freed
 
     def _relay_held(self, request: bytes, head_only: bool) -> bool:
-        """:meth:`_relay`, the request held in the server's :class:`SlotQueue` and sent again while it
-        is refused for want of a slot; past the queue's deadline (or with its line full, or without a
-        queue) the refusal goes to the client.
+        """:meth:`_relay`, held while refused for want of a slot (:meth:`SlotQueue.hold`), then refused.
 
         Raises:
-            ClientGone: the client left while its request waited.
+            ClientGone: the client left while its request was held.
             WorkerLost: as :meth:`_relay`.
         """
         queue = self.server.queue
-        deadline = time.monotonic() + (queue.timeout_s if queue is not None else 0.0)
-        again = False
-        while True:
-            try:
-                return self._relay(request, head_only)
-            except SlotsTaken as taken:
-                if queue is None or not queue.wait(deadline, self._client_gone, again=again):
-                    if self._client_gone():
-                        raise ClientGone() from None
-                    self.wfile.write(taken.reply)
-                    return True
-                again = True
-
-    def _client_gone(self) -> bool:
-        """Whether the client closed its connection (end of stream or a reset); pipelined bytes are not
-        read."""
         try:
-            with selectors.DefaultSelector() as watch:
-                watch.register(self.connection, selectors.EVENT_READ)
-                if not watch.select(0):
-                    return False
-                return not self.connection.recv(1, socket.MSG_PEEK)
-        except OSError:
+            if queue is None:
+                return self._relay(request, head_only)
+            return queue.hold(lambda: self._relay(request, head_only), lambda: client_gone(self.connection))
+        except SlotsTaken as taken:
+            if client_gone(self.connection):
+                raise ClientGone() from None
+            self.wfile.write(taken.reply)
             return True
 
     def _refuse_large(self, length: int, openai_route: bool) -> bool:
@@ -298,8 +256,7 @@ class _Connection(socketserver.StreamRequestHandler):
             WorkerLost: nothing was relayed, and TorchServe gave no reply, its own ``507 Worker
                 died.``, or a chunked reply cut before its first byte of body (a worker killed with
                 the request in flight: TorchServe sends the head with the first, empty frame).
-            SlotsTaken: a 503 refused for want of a slot (the worker's with ``SLOT_WAIT_HEADER``, or
-                TorchServe's own, which gets OpenAI's error shape here); nothing was relayed.
+            SlotsTaken: a 503 for want of a slot (the worker's, marked, or TorchServe's, shaped here).
         """
         try:
             start, fields = self._send(request)
@@ -325,13 +282,9 @@ class _Connection(socketserver.StreamRequestHandler):
             raise WorkerLost()
         if no_body or length is not None:
             body = b"" if no_body else backend.reader.read(int(length or 0))
-            if status == b"503" and (field(fields, SLOT_WAIT_HEADER.lower().encode()) or TORCHSERVE_REFUSED in body):
-                if TORCHSERVE_REFUSED in body:  # TorchServe's bare refusal: in the error shape clients read
-                    head, body = (
-                        b"",
-                        openai_error(503, "Service Unavailable", STILL_BUSY, "overloaded", retry_after_s=1),
-                    )
-                raise SlotsTaken(head + body)
+            refused = slot_refusal(status, field(fields, SLOT_WAIT_HEADER.lower().encode()) is not None, head, body)
+            if refused is not None:
+                raise SlotsTaken(refused)
             self.wfile.write(head + body)
         elif (field(fields, b"transfer-encoding") or b"").lower() == b"chunked":
             self._relay_chunks(backend, head, field(fields, b"content-type") or b"")
@@ -356,7 +309,7 @@ class _Connection(socketserver.StreamRequestHandler):
                 self.backend = self._connect()
             try:
                 self.backend.sock.sendall(request)
-                self._await_backend(self.backend)
+                await_backend(self.backend, self.connection, self.server.read_timeout_s)
                 return read_head(self.backend.reader)
             except (Closed, OSError):
                 self.backend.close()
@@ -364,44 +317,6 @@ class _Connection(socketserver.StreamRequestHandler):
                 if not reused or attempt:
                     raise
         raise AssertionError("unreachable")
-
-    def _await_backend(self, backend: Backend) -> None:
-        """Wait until TorchServe sends more (a reply's head, a chunk), watching the client's connection
-        meanwhile; at once when bytes are buffered already (read without blocking).
-
-        Raises:
-            ClientGone: the client closed its connection (end of stream or a reset) first; the
-                caller's ``finally`` closes the connection to TorchServe, whose frontend then drops
-                the job.
-            TimeoutError: nothing from TorchServe for ``read_timeout_s``.
-        """
-        sock = backend.sock
-        sock.setblocking(False)
-        try:
-            if backend.reader.peek(1):
-                return
-        except OSError:
-            return  # the read that follows reports it
-        finally:
-            sock.settimeout(self.server.read_timeout_s)
-        deadline = time.monotonic() + self.server.read_timeout_s
-        with selectors.DefaultSelector() as watch:
-            watch.register(sock, selectors.EVENT_READ, "backend")
-            watch.register(self.connection, selectors.EVENT_READ, "client")
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError()
-                for key, _ in watch.select(left):
-                    if key.data == "backend":
-                        return
-                    try:
-                        pending = self.connection.recv(1, socket.MSG_PEEK)
-                    except OSError:
-                        pending = b""
-                    if not pending:
-                        raise ClientGone()
-                    watch.unregister(self.connection)  # a pipelined request: read after this reply
 
     def _connect(self) -> Backend:
         """A new connection to TorchServe. While it refuses connections (``llava-serve`` restarts it
@@ -436,7 +351,7 @@ class _Connection(socketserver.StreamRequestHandler):
         pending: bytes | None = head
         try:
             while True:
-                self._await_backend(backend)
+                await_backend(backend, self.connection, self.server.read_timeout_s)
                 size_line = reader.readline(MAX_HEAD_BYTES)
                 if not size_line.endswith(b"\n"):
                     raise Closed()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import selectors
 import socket
+import time
 from typing import IO
 from urllib.parse import parse_qs
 
@@ -24,6 +26,7 @@ from .image_relay import ImageRelay
 __all__ = [
     "CANONICAL",
     "DRAIN_PIECE_BYTES",
+    "HEALTH_PATHS",
     "INTERNAL",
     "MAX_HEAD_BYTES",
     "MAX_RETRY_AFTER_S",
@@ -34,9 +37,12 @@ __all__ = [
     "TORCHSERVE_WORKER_DIED",
     "WORKER_LOST",
     "Backend",
+    "ClientGone",
     "Closed",
     "Fields",
     "WorkerLost",
+    "await_backend",
+    "client_gone",
     "cut_stream_tail",
     "field",
     "openai_error",
@@ -89,6 +95,8 @@ class WorkerLost(Exception):
     relayed to the client yet."""
 
 
+#: The health checks the front answers itself, without a key: SageMaker's ``/ping``, vLLM's ``/health``.
+HEALTH_PATHS = (b"/ping", b"/health")
 #: What a request cut by a dead worker is told (``503 model_not_ready``, or a stream's last event).
 WORKER_LOST = "the model server stopped while answering (its worker died and restarts); retry shortly"
 #: TorchServe's own status for a request whose worker died in flight (``{"type": "InternalServerException",
@@ -202,3 +210,49 @@ class Backend:
     def close(self) -> None:
         self.reader.close()
         self.sock.close()
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request was relayed."""
+
+
+def client_gone(client: socket.socket) -> bool:
+    """Whether ``client`` closed its connection (end of stream or a reset); pipelined bytes stay unread."""
+    try:
+        with selectors.DefaultSelector() as watch:
+            watch.register(client, selectors.EVENT_READ)
+            return bool(watch.select(0)) and not client.recv(1, socket.MSG_PEEK)
+    except OSError:
+        return True
+
+
+def await_backend(backend: Backend, client: socket.socket, timeout_s: float) -> None:
+    """Wait until TorchServe sends more (a reply's head, a chunk), watching the client's connection
+    meanwhile; at once when bytes are buffered already (looked at without blocking).
+
+    Raises:
+        ClientGone: the client closed its connection first; the caller closes its connection to
+            TorchServe, whose frontend then drops the job with its next frame.
+        TimeoutError: nothing from TorchServe for ``timeout_s`` seconds.
+    """
+    sock = backend.sock
+    sock.setblocking(False)
+    try:
+        if backend.reader.peek(1):
+            return
+    except OSError:
+        return  # the read that follows reports it
+    finally:
+        sock.settimeout(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as watch:
+        watch.register(sock, selectors.EVENT_READ, "backend")
+        watch.register(client, selectors.EVENT_READ, "client")
+        while (left := deadline - time.monotonic()) > 0:
+            for key, _ in watch.select(left):
+                if key.data == "backend":
+                    return
+                if client_gone(client):
+                    raise ClientGone()
+                watch.unregister(client)  # a pipelined request: read after this reply
+    raise TimeoutError()
