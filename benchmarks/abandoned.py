@@ -35,19 +35,21 @@ def abandoned_request(port: int, stream: bool, give_up_s: float, statuses: colle
     """One request, left after ``give_up_s`` seconds (or answered before)."""
     t0 = time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=max(0.05, give_up_s))
+    began = False
     try:
         body = {"messages": [{"role": "user", "content": "Tell me a long story about cats."}], "stream": stream}
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
         reply = conn.getresponse()
         statuses[str(reply.status)] += 1
+        began = True
         while (left := give_up_s - (time.monotonic() - t0)) > 0:
             assert conn.sock is not None
             conn.sock.settimeout(max(0.01, left))
             if not reply.fp.readline():
                 return
         statuses["left mid-answer"] += 1
-    except OSError:  # a timeout: left before the reply began
-        statuses["left before a reply"] += 1
+    except OSError:  # a timeout
+        statuses["left mid-answer" if began else "left before a reply"] += 1
     finally:
         conn.close()
 
