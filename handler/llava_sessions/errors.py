@@ -87,7 +87,7 @@ class ServiceError(Exception):
         *,
         retry_after_s: int | None = None,
         param: str | None = None,
-        shortage: str | None = None,
+        shortage: Shortage | None = None,
     ) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)

@@ -196,14 +196,13 @@ class JobTable:
         (frames of jobs whose first frame went out, so the header reaches TorchServe, not a client):
         TorchServe reads the sequence-end header as ``;``-separated group ids and ends each. Kept for a
         later call when ``frames`` is empty. In place."""
-        if not self._group_ends:
+        frame = next(iter(frames), None) if self._group_ends else None
+        if frame is None:
             return
-        for frame in frames:
-            key = self.framing.end_header
-            own = frame.headers.get(key)
-            frame.headers[key] = ";".join([own, *self._group_ends] if own else self._group_ends)
-            self._group_ends.clear()
-            return
+        key = self.framing.end_header
+        own = frame.headers.get(key)
+        frame.headers[key] = ";".join([own, *self._group_ends] if own else self._group_ends)
+        self._group_ends.clear()
 
     def end_one_shot(self, job: Job, *, failed: bool = False) -> None:
         """End a chat request without a session: an answered one's state stays as a conversation-cache

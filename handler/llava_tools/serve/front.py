@@ -341,7 +341,7 @@ class _Connection(socketserver.StreamRequestHandler):
         empty): a reply cut before any chunk can still be answered with a status of its own.
 
         While TorchServe sends nothing (a whole answer is sent as one chunk when done; a stream's
-        frames may be empty) the client's connection is watched (:meth:`_await_backend`).
+        frames may be empty) the client's connection is watched (:func:`.http_wire.await_backend`).
 
         Raises:
             WorkerLost: TorchServe broke off before the first chunk (nothing was written).

@@ -75,11 +75,6 @@ class SlotQueue:
         self._waiters: deque[threading.Event] = deque()
         self._held = 0  # requests in :meth:`hold` after a refusal (waiting, or sent again)
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests held now (waiting, or being sent again)."""
-        return self._held
-
     def hold(self, send: Callable[[], _T], gone: Callable[[], bool]) -> _T:
         """``send()`` (one relay of the request), sent again each time the request should be (:meth:`wait`)
         while it raises :class:`SlotsTaken`, for up to :attr:`timeout_s`.
@@ -134,6 +129,9 @@ class SlotQueue:
                 if now >= deadline:
                     return False
                 if event.wait(min(deadline - now, CLIENT_CHECK_S, HEAD_POLL_S)):
+                    if gone():  # woken for a slot its client no longer wants: the next waiter's
+                        self.wake_one()
+                        return False
                     return True
                 if gone():
                     return False
