@@ -39,6 +39,7 @@ __all__ = [
     "stop_process",
     "local_server_factory",
     "prometheus_text",
+    "worker_metric",
     "session_server_factory",
     "start_local_server",
     "write_echo_handler",
@@ -132,6 +133,24 @@ def prometheus_text(metrics_url: str, until: Callable[[str], bool], timeout_s: f
         if until(text) or time.monotonic() > deadline:
             return text
         time.sleep(0.1)
+
+
+def worker_metric(
+    server: LocalServer,
+    name: str,
+    until: Callable[[dict[str, float]], bool] = lambda values: True,
+    timeout_s: float = 10.0,
+) -> dict[str, float]:
+    """The worker's metric ``name`` (``llava_OpenSessions``, ...) by replica, from the metrics port once
+    ``until(values)`` holds (or after ``timeout_s``: :func:`prometheus_text`)."""
+
+    def values(text: str) -> dict[str, float]:
+        return {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(rf'^{name}{{[^}}]*Replica="(\d+)"[^}}]*}} ([0-9.e+-]+)$', text, re.M)
+        }
+
+    return values(prometheus_text(server.metrics_url, lambda text: until(values(text)), timeout_s))
 
 
 def _factory(addfinalizer: Callable[[Callable[[], None]], Any]) -> Callable[..., LocalServer]:

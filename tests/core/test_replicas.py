@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import time
 
 import psutil
@@ -17,7 +16,7 @@ import requests
 
 from llava_sessions.config import Settings
 from llava_sessions.replicas import replica_settings, resolve_devices
-from server_fixtures import prometheus_text, start_local_server
+from server_fixtures import start_local_server, worker_metric
 
 SID = "X-Amzn-SageMaker-Session-Id"
 CLOSED = "X-Amzn-SageMaker-Closed-Session-Id"
@@ -67,18 +66,6 @@ def _post(url, body, session_id=None):
     return requests.post(f"{url}/invocations", data=json.dumps(body), headers=headers, timeout=60)
 
 
-def _metric(server, name: str, until=lambda values: True) -> dict[str, float]:
-    """``name`` by replica, from the metrics port once ``until(values)`` holds (or after 10 s)."""
-
-    def values(text: str) -> dict[str, float]:
-        return {
-            m.group(1): float(m.group(2))
-            for m in re.finditer(rf'^{name}{{[^}}]*Replica="(\d+)"[^}}]*}} ([0-9.e+-]+)$', text, re.M)
-        }
-
-    return values(prometheus_text(server.metrics_url, lambda text: until(values(text))))
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_two_replicas_place_route_and_survive_a_replica_death(request, tiny_model_dir, photos):
@@ -103,7 +90,7 @@ def test_two_replicas_place_route_and_survive_a_replica_death(request, tiny_mode
             assert r.status_code == 200, r.text  # every follow-up reaches its session's replica
             texts.add(r.json()["generated_text"])
         assert len(texts) == 1  # the same greedy answer from either replica (same weights, image, history)
-    held = _metric(server, "llava_OpenSessions", until=lambda v: sum(v.values()) == 16)
+    held = worker_metric(server, "llava_OpenSessions", until=lambda v: sum(v.values()) == 16)
     assert sorted(held) == ["0", "1"] and all(7 <= n <= 9 for n in held.values()), held
     assert sum(held.values()) == 16
 
@@ -126,7 +113,7 @@ def test_two_replicas_place_route_and_survive_a_replica_death(request, tiny_mode
         r = _post(server.url, {"type": "open_session", "image": image})
         if r.status_code == 200:
             assert _post(server.url, question, r.json()["session_id"]).status_code == 200
-            if _metric(server, "llava_OpenSessions").get("1", 99) < 5:  # a fresh replica 1 reported
+            if worker_metric(server, "llava_OpenSessions").get("1", 99) < 5:  # a fresh replica 1 reported
                 break
         else:  # while replica 1 restarts, replica 0 is full: overloaded, with Retry-After
             assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text

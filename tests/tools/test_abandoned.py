@@ -11,14 +11,13 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import re
 import threading
 import time
 
 import pytest
 import requests
 
-from server_fixtures import prometheus_text, start_local_server
+from server_fixtures import start_local_server, worker_metric
 
 #: Tokens an abandoned answer would decode if nothing stopped it (the tiny model's context is 1,024).
 LONG = 900
@@ -33,12 +32,8 @@ def server(request, tiny_model_dir):
 
 
 def gauge(server, name: str, until=lambda v: True) -> float:
-    """The worker's metric ``llava_<name>`` summed over its labels, once ``until(value)`` holds (or 20 s)."""
-
-    def value(text: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^llava_{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M))
-
-    return value(prometheus_text(server.metrics_url, lambda t: until(value(t)), timeout_s=20))
+    """The worker's metric ``llava_<name>`` summed over its replicas, once ``until(value)`` holds (or 20 s)."""
+    return sum(worker_metric(server, f"llava_{name}", lambda v: until(sum(v.values())), timeout_s=20).values())
 
 
 def long_chat(stream: bool) -> dict:
