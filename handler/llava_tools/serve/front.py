@@ -22,8 +22,8 @@ OpenAI paths. So TorchServe listens on a loopback port and this front on the pub
   its own request, and a failed fetch always gets its typed 4xx);
 - anything else: relayed to TorchServe as it came (method, path, headers, body).
 
-A client that leaves is let go at once: while TorchServe sends nothing the front watches the client's
-socket, and on its end closes the TorchServe connection, whose job the worker then frees.
+A client that leaves closes the TorchServe connection (its job then freed): seen by watching its socket
+until the reply's first chunk, then by a failed write.
 
 If TorchServe still refuses connections while flagged serving, a request waits for it, up to
 ``restart_wait_s`` (then ``503 model_not_ready`` with ``Retry-After``): nothing was sent.
@@ -338,10 +338,9 @@ class _Connection(socketserver.StreamRequestHandler):
     def _relay_chunks(self, backend: Backend, head: bytes, content_type: bytes) -> None:
         """Relay a chunked body chunk by chunk as it arrives, up to its last chunk and trailer. The
         head goes out with the first chunk (TorchServe sends it with a first frame that may be
-        empty): a reply cut before any chunk can still be answered with a status of its own.
-
-        While TorchServe sends nothing (a whole answer is sent as one chunk when done; a stream's
-        frames may be empty) the client's connection is watched (:func:`.http_wire.await_backend`).
+        empty): a reply cut before any chunk can still be answered with a status of its own. The client
+        is watched until the first chunk (a whole answer's only one), then a failed write shows it left
+        (sooner, TorchServe 0.12 parks a poll thread on a group then closed: design.md).
 
         Raises:
             WorkerLost: TorchServe broke off before the first chunk (nothing was written).
@@ -351,7 +350,8 @@ class _Connection(socketserver.StreamRequestHandler):
         pending: bytes | None = head
         try:
             while True:
-                await_backend(backend, self.connection, self.server.read_timeout_s)
+                if pending is not None:
+                    await_backend(backend, self.connection, self.server.read_timeout_s)
                 size_line = reader.readline(MAX_HEAD_BYTES)
                 if not size_line.endswith(b"\n"):
                     raise Closed()
