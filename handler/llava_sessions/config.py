@@ -261,9 +261,10 @@ class Settings(BaseModel):
     )
 
     # ---------------------------------------------------------------------------------------
-    @field_validator("device", "dtype", mode="before")
+    @field_validator("device", "dtype", "kv_pool", mode="before")
     @classmethod
-    def _lower(cls, value: Any) -> Any:
+    def _lower(cls, value: Any) -> Any:  # YAML 1.1 (PyYAML, TorchServe's too) reads a bare on/off as a boolean
+        value = {True: "on", False: "off"}[value] if isinstance(value, bool) else value
         return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("devices", mode="before")

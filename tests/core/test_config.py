@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from llava_sessions import config
@@ -64,6 +65,14 @@ def test_yaml_section_values_are_used() -> None:
     assert s.url_allowlist == ("img.example.com", ".example.org")
     assert s.allow_http is True
     assert s.log_level == "INFO"
+
+
+def test_a_bare_on_or_off_in_yaml_is_the_kv_pool_setting_not_a_boolean() -> None:
+    from llava_tools.cli import parse_assignment
+
+    for text, value in (("kv_pool=on", "on"), ("kv_pool=off", "off"), ("kv_pool=ON", "on")):
+        assert Settings.from_sources(dict([parse_assignment(text)])).kv_pool == value
+    assert Settings.from_sources(yaml.safe_load("kv_pool: on\n")).kv_pool == "on"  # model-config.yaml, PyYAML
 
 
 def test_environment_overrides_yaml_and_is_parsed_by_field_type() -> None:
