@@ -79,8 +79,10 @@ class WorkerMetrics:
         self._decode_tokens_per_s: list[float] = []
 
     def observe_answer(self, answer: Answer) -> None:
-        """Record a finished answer's ``ttft`` (ms) and ``decode_tokens_per_s``."""
-        self._ttft_ms.append(answer.timings.get("ttft", 0.0))
+        """Record a finished answer's ``ttft`` (ms; none for an answer aborted before its first
+        token) and ``decode_tokens_per_s``."""
+        if "ttft" in answer.timings:
+            self._ttft_ms.append(answer.timings["ttft"])
         self._decode_tokens_per_s.append(answer.timings.get("decode_tokens_per_s", 0.0))
 
     def observe_cache(self, hit: bool) -> None:

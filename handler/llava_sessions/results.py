@@ -20,8 +20,9 @@ __all__ = [
     "elapsed_ms",
 ]
 
-#: Why an answer ended: ``stop`` (EOS or a stop sequence) or ``length`` (max_new_tokens reached).
-FinishReason = Literal["stop", "length"]
+#: Why an answer ended: ``stop`` (EOS or a stop sequence), ``length`` (max_new_tokens reached) or
+#: ``abort`` (its session was closed while it ran; vLLM's word for a request it stopped).
+FinishReason = Literal["stop", "length", "abort"]
 #: What happens when a turn does not fit the context (``SessionEngine.start``).
 ContextPolicy = Literal["truncate", "error"]
 #: The tier a demoted session was rebuilt from.
@@ -52,7 +53,8 @@ class Answer:
 
     Attributes:
         text: the answer text (the concatenation of the events' texts).
-        finish_reason: ``stop`` (EOS or a stop sequence) or ``length`` (max_new_tokens reached).
+        finish_reason: ``stop`` (EOS or a stop sequence), ``length`` (max_new_tokens reached) or
+            ``abort`` (its session closed while it ran: the text is what it said until then).
         prompt_tokens: tokens of the templated conversation (system, image, history, question).
         cached_tokens: of those, how many came from the session's KV cache (not prefilled).
         generated_tokens: tokens generated (EOS included when it ended the answer).

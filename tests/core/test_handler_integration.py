@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from aws_readers import lmi_reader_text, tgi_reader_text
-from server_fixtures import prometheus_text, start_local_server
+from server_fixtures import prometheus_text, start_local_server, worker_metric
 
 pytestmark = pytest.mark.integration
 
@@ -411,6 +411,41 @@ def test_requests_stacked_on_a_streaming_session_get_session_busy(server, photos
     r = post(server, stacked_body, session_id=sid)
     assert r.status_code == 200, r.text
     post(server, {"type": "close_session"}, session_id=sid)
+
+
+def test_closing_a_session_while_it_streams_aborts_the_answer_and_closes(server, photos):
+    """A close that arrives while the session's answer streams ends that answer with ``finish_reason``
+    ``abort`` (what it said until then is its ``generated_text``) and closes the session: 200 with
+    the closed-session header, not ``409 session_busy``. A whole (not streamed) answer ends the same way."""
+    sid, _ = open_session(server, photos["coffee"])
+    body = {"type": "generate", "prompt": "Describe the image in detail.", "stream": True}
+    body["parameters"] = {"max_new_tokens": 300}
+    r = post(server, body, session_id=sid, stream=True)
+    assert r.status_code == 200
+    chunks = r.iter_content(chunk_size=None)
+    received = [next(chunks)]  # the answer is streaming now
+    closed = post(server, {"type": "close_session"}, session_id=sid)
+    assert closed.status_code == 200, closed.text
+    assert closed.headers[CLOSED] == sid and closed.json()["session_id"] == sid
+    received += list(chunks)
+    lines = [json.loads(line) for line in b"".join(received).splitlines()]
+    details = lines[-1]["details"]
+    assert details["finish_reason"] == "abort" and 0 < details["generated_tokens"] < 300
+    tokens = [line["token"] for line in lines if line["token"]]
+    assert len(tokens) == details["generated_tokens"]
+    assert lines[-1]["generated_text"] == "".join(t["text"] for t in tokens)
+    r = post(server, {"type": "generate", "prompt": "Hi"}, session_id=sid)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    # a whole answer, closed while it runs
+    sid, _ = open_session(server, photos["coffee"])
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(post, server, {**body, "stream": False}, sid)
+        running = worker_metric(server, "llava_RequestsInFlight", lambda v: sum(v.values()) >= 1, timeout_s=30)
+        assert sum(running.values()) >= 1
+        closed = post(server, {"type": "close_session"}, session_id=sid)
+        assert closed.status_code == 200 and closed.headers[CLOSED] == sid
+        answer = whole.result()
+    assert answer.status_code == 200 and answer.json()["details"]["finish_reason"] == "abort"
 
 
 class _ImageHandler(http.server.BaseHTTPRequestHandler):

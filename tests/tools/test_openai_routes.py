@@ -159,6 +159,39 @@ def test_plain_image_and_streamed_turns_through_the_openai_package(server, local
         )
 
 
+def test_a_session_closed_while_it_streams_ends_the_openai_package_s_stream_with_abort(server, photos):
+    """vLLM's ``finish_reason`` for a stopped request, ``abort``, is past the package's Literal; its
+    stream reader passes it through (it builds chunks without validating), so a client reads the
+    aborted stream to its end. The close is AWS's body on the same session."""
+    sid_header = "X-Amzn-SageMaker-Session-Id"
+    opened = requests.post(
+        server.url + "/invocations",
+        json={"requestType": "NEW_SESSION"},
+        headers={sid_header: "NEW_SESSION"},
+        timeout=60,
+    )
+    sid = opened.json()["session_id"]
+    client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
+    content = [{"type": "image_url", "image_url": {"url": data_uri(photos["coffee"])}}, {"type": "text", "text": "Hi"}]
+    chunks = client.chat.completions.create(
+        model="llava",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=300,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={sid_header: sid},
+    )
+    first = next(iter(chunks))  # the answer is streaming
+    closed = requests.post(
+        server.url + "/invocations", json={"requestType": "CLOSE"}, headers={sid_header: sid}, timeout=60
+    )
+    assert closed.status_code == 200 and closed.headers["X-Amzn-SageMaker-Closed-Session-Id"] == sid
+    rest = list(chunks)
+    assert isinstance(first, ChatCompletionChunk) and all(isinstance(c, ChatCompletionChunk) for c in rest)
+    reasons = [c.choices[0].finish_reason for c in (first, *rest) if c.choices]
+    assert reasons[-1] == "abort" and reasons.count("abort") == 1
+
+
 def test_errors_are_the_packages_exceptions(server, local_endpoint):
     for where, client in clients(server, local_endpoint).items():
         with pytest.raises(openai.BadRequestError) as err:

@@ -81,7 +81,7 @@ class Choice(_Out):
     index: int = 0
     message: Message
     logprobs: ChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
 
 
 class PromptTokensDetails(_Out):
@@ -124,7 +124,7 @@ class ChunkChoice(_Out):
     index: int = 0
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
 class ChatCompletionChunk(_Out):

@@ -105,6 +105,7 @@ class ChatServing(Serving):
             if parse_session_body(data).requestType == NEW_SESSION_LITERAL:
                 return self._open_session(row)
             sid = self.jobs.session_of(row, "close_session")
+            self.jobs.stop_session(sid)
             self.engine.close(sid)
             return RowResult(responses.encode_closed(sid), headers=self.framing.closed(sid))
         command = self._command(row, data)

@@ -252,7 +252,8 @@ class Generation:
         self.phase = Phase.DONE
         n = len(self._events)
         decode_s = self._t_last - self._t_first
-        self.timings["ttft"] = elapsed_ms(self._t0, self._t_first)
+        if n:
+            self.timings["ttft"] = elapsed_ms(self._t0, self._t_first)
         self.timings["total"] = elapsed_ms(self._t0)
         self.timings["decode_tokens_per_s"] = round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0 else 0.0
         self.answer = Answer(
@@ -269,6 +270,15 @@ class Generation:
             truncated_turns=self.truncated_turns,
         )
         return self.answer
+
+    def abort(self) -> Answer | None:
+        """Stop the answer where it is (its session is closing): the session is put back as before
+        the question, and the answer so far ends with ``abort`` (kept as :attr:`answer`, not
+        remembered). Once done, the answer it has (None if it failed)."""
+        if self.done:
+            return self.answer
+        self._driver.abandon(self)
+        return self.finish("abort")
 
     def fail(self, exc: Exception) -> None:
         """Record ``exc`` as this answer's error (the engine puts the session back)."""

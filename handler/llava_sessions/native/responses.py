@@ -100,7 +100,8 @@ class GenerationDetails(_Outbound):
     """Accounting of one generation.
 
     Attributes:
-        finish_reason: ``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens reached).
+        finish_reason: ``"stop"`` (EOS or a stop string), ``"length"`` (max_new_tokens reached) or
+            ``"abort"`` (the session was closed while the answer ran: what it said until then).
         prompt_tokens: tokens of this turn's prompt (after templating).
         cached_tokens: context tokens reused from the session's cache (not recomputed).
         generated_tokens: tokens generated.
@@ -116,7 +117,7 @@ class GenerationDetails(_Outbound):
         timings: named durations in milliseconds (e.g. ``ttft_ms``, ``total_ms``) and rates.
     """
 
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
     prompt_tokens: int
     cached_tokens: int
     generated_tokens: int
@@ -167,7 +168,8 @@ class StreamLine(_Outbound):
     ``json.loads(line)["token"]["text"]`` on every line read to the end, and the token texts join
     to ``generated_text``. An error found mid-stream (after the status went out with the first
     chunk) is the last line instead: ``{"token": null, "generated_text": null, "details": null,
-    "error": {code, message}}``.
+    "error": {code, message}}``. An answer stopped by its session's close after its last token went
+    out ends with ``"token": null`` and ``details.finish_reason`` ``"abort"``.
     """
 
     token: TokenInfo | None = None
@@ -296,10 +298,12 @@ def encode_tokens(events: Sequence[TokenEvent]) -> bytes:
     return b"".join(StreamLine(token=_token(e)).to_line() for e in events)
 
 
-def encode_stream_end(command: GenerateCommand, answer: Answer, last: TokenEvent) -> bytes:
-    """The last stream line: the ``last`` generated token with ``generated_text`` and ``details``."""
+def encode_stream_end(command: GenerateCommand, answer: Answer, last: TokenEvent | None) -> bytes:
+    """The last stream line: the ``last`` generated token with ``generated_text`` and ``details``;
+    an answer aborted after its last token went out ends with ``"token": null`` (as an error line does)."""
     details = generation_details(answer, command.details)
-    return StreamLine(token=_token(last), generated_text=answer.text, details=details).to_line()
+    token = _token(last) if last is not None else None
+    return StreamLine(token=token, generated_text=answer.text, details=details).to_line()
 
 
 def encode_stream_error(error: ServiceError) -> bytes:

@@ -132,7 +132,8 @@ class NativeServing(Serving):
         if isinstance(command, ResetCommand):
             self.engine.reset(sid)
             return RowResult(responses.encode_reset(sid), headers={SESSION_ID_HEADER: sid})
-        if not isinstance(command, GenerateCommand):  # close
+        if not isinstance(command, GenerateCommand):  # close: a running answer ends with "abort"
+            self.jobs.stop_session(sid)
             self.engine.close(sid)
             return RowResult(responses.encode_close(sid), headers=self.framing.closed(sid))
         self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
@@ -233,9 +234,9 @@ class NativeServing(Serving):
             return self._lines(job, responses.encode_tokens(new), last=False)
         self.jobs.forget(job)
         if job.error is None:
-            assert gen.answer is not None and new, "an answer ends in the step that generated its last token"
+            assert gen.answer is not None
             self.metrics.observe_answer(gen.answer)
-            end = responses.encode_stream_end(command, gen.answer, new[-1])
+            end = responses.encode_stream_end(command, gen.answer, new[-1] if new else None)  # none: aborted
             return self._lines(job, responses.encode_tokens(new[:-1]) + end, last=True)
         body = responses.encode_tokens(new)
         if not job.continued and not body:

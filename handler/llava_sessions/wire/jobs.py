@@ -185,6 +185,22 @@ class JobTable:
         if job.own_group and job.session_id and job.session_id not in self.engine.store:
             self.end_group_later(job.session_id)
 
+    def stop_session(self, session_id: str) -> None:
+        """Stop every request in flight in session ``session_id`` before it closes (vLLM aborts a
+        running request likewise): an answer ends now with ``finish_reason`` ``abort``, what it said
+        until then being its answer (:meth:`Generation.abort`); an image being added fails with
+        ``session_not_found``. Its session is left idle, as before the request. In place."""
+        for job in self.jobs.values():
+            if job.session_id != session_id or job.one_shot or job.work.done or job.error is not None:
+                continue
+            if isinstance(job.work, Generation):
+                job.work.abort()
+            else:
+                job.work.close()
+                job.error = ServiceError(
+                    ErrorCode.SESSION_NOT_FOUND, "the session was closed while the image was added"
+                )
+
     def end_group_later(self, group: str) -> None:
         """End TorchServe job group ``group`` with the next continuation frame (the request it was
         minted for is gone, so no frame of its own will)."""
