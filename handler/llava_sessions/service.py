@@ -11,9 +11,9 @@ Each :meth:`SessionService.handle` call
    a request naming a URL or S3 image waits as an :class:`~.wire.intake.Intake` while a thread
    fetches it beside the loop, and is admitted from its body once the bytes are in;
 2. advances every job in the batch by a bounded slice (``step_max_tokens`` steps, within
-   ``step_max_ms``; at least one), interleaving jobs token by token (:meth:`SessionEngine.step`),
-   except in a call that admitted a chat stream: its first event goes out before any forward pass
-   (never in two calls in a row);
+   ``step_max_ms``; at least one, and none past the step that sampled a stream's first token),
+   interleaving jobs token by token (:meth:`SessionEngine.step`), except in a call that admitted a
+   chat stream: its first event goes out before any forward pass (never in two calls in a row);
 3. returns one :class:`RowResult` per row, each written by its job's dialect under TorchServe's
    framing (:mod:`.wire.framing`). Nothing raises out of :meth:`handle`.
 
@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from .chat.serving import ChatServing
 from .config import Settings
 from .conversation import Chat
-from .engine import SessionEngine, TimeBudget
+from .engine import Generation, SessionEngine, TimeBudget
 from .errors import ErrorCode, ServiceError
 from .images.fetch import fetch_image_bytes
 from .metrics import WorkerMetrics
@@ -249,6 +249,8 @@ class SessionService:
 
         Each step advances every running job by one token: the jobs that still need their prefill
         run it, and all the others decode together in one forward pass (:meth:`SessionEngine.step`).
+        The call ends after the step that sampled a stream's first token, so that token goes out at
+        once (time to first token is not time to ``step_max_tokens`` tokens); later tokens group.
         """
         deadline = time.perf_counter() + self.settings.step_max_ms / 1000.0
         running = [j for j in jobs if not j.work.done and j.error is None]
@@ -256,7 +258,10 @@ class SessionService:
             running = [j for j in running if not j.work.done]
             if not running or (step > 0 and time.perf_counter() >= deadline):
                 break
+            first = [j.work for j in running if j.streamed and isinstance(j.work, Generation) and not j.work.events]
             self._engine_step(running)
+            if any(gen.events for gen in first):
+                break
 
     def _engine_step(self, running: list[Job]) -> None:
         """One scheduler step over ``running``; a job whose work failed gets its typed error."""

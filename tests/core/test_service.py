@@ -139,6 +139,30 @@ def test_stream_and_plain_answers_advance_in_slices(service, photos):
         service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
 
 
+def test_a_stream_s_first_token_leaves_in_the_call_that_sampled_it(tiny_model_dir, photos):
+    """Issue 60 item 0: with ``step_max_tokens`` 8, the call that samples a stream's first token ends
+    there, so time to first token is not time to 8 tokens; later calls group up to 8. An answer that
+    does not stream is not cut short."""
+    svc = tiny_service(tiny_model_dir, step_max_tokens=8, step_max_ms=600_000)
+    open_sessions(svc, open_row("o1", "s1", photos["chelsea"]))
+    q = {"type": "generate", "prompt": "What is in this image?", "remember": False}
+    q["parameters"] = {"max_new_tokens": 20}
+    rows = [Row("g1", "s1", False, {**q, "stream": True})]
+    out = svc.handle(rows)
+    last = finish(svc, rows, out)
+    first = [json.loads(line) for line in out[0].body.splitlines()]
+    assert len(first) == 1 and first[0]["token"] is not None and out[0].stop is False
+    assert len(last["g1"].body.splitlines()) in range(2, 9)  # the last call's slice: grouped again
+    whole = svc.handle([Row("g2", "s1", False, q)])[0]  # not streamed: 8 tokens in the first call
+    assert whole.body == b"" and len(svc.jobs.jobs["g2"].work.events) == 8
+    finish(svc, [Row("g2", "s1", False, None)], [whole])
+    chat = Row("c1", "ts-seq-c1", True, chat_image_body(photos["coffee"], stream=True, max_tokens=20))
+    role = svc.handle([chat])[0]  # the role chunk, before any forward pass
+    token = svc.handle([Row("c1", "ts-seq-c1", True, None)])[0]
+    assert role.stop is False and token.stop is False and len(svc.jobs.jobs["c1"].work.events) == 1
+    finish(svc, [Row("c1", "ts-seq-c1", True, None)], [token])
+
+
 def chat_image_body(image: bytes, *, stream: bool, max_tokens: int = 4) -> dict:
     url = "data:image/png;base64," + base64.b64encode(image).decode()
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in this image?"}]
@@ -296,10 +320,10 @@ def test_jobs_run_ahead_between_calls_by_at_most_a_slice_and_answer_the_same(tin
         return "".join(streamed), tokens_per_frame, plain
 
     text, frames, plain = answer(ahead=False)
-    assert frames == [2, 2, 2, 2, 1]
+    assert frames == [1, 2, 2, 2, 2]  # the first token alone (test_a_stream_s_first_token_...)
     ahead_text, ahead_frames, ahead_plain = answer(ahead=True)
     assert (ahead_text, ahead_plain) == (text, plain)
-    assert ahead_frames == [2, 4, 3]  # each later call emits the slice it ran plus what ran ahead
+    assert ahead_frames == [1, 4, 4]  # each later call emits the slice it ran plus what ran ahead
     assert not service.run_ahead() and not service.jobs.jobs  # nothing in flight: nothing to run
     for sid in ("ra1", "ra2"):
         service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])

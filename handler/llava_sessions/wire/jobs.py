@@ -100,6 +100,11 @@ class Job:
     urls: dict[str, str] = field(default_factory=dict)
 
     @property
+    def streamed(self) -> bool:
+        """The answer streams (either dialect's ``stream``): its tokens go out as they come."""
+        return bool(getattr(self.command, "stream", False))
+
+    @property
     def continued(self) -> bool:
         """An earlier ``handle()`` call already sent this job a frame (its status and headers are out)."""
         return self.calls > 1
