@@ -23,6 +23,7 @@ __all__ = [
     "OPENER",
     "BackgroundServing",
     "alive",
+    "bearer",
     "connect_host",
     "exited",
     "is_loopback",
@@ -92,10 +93,15 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0") else host
 
 
-def http_status(url: str) -> int | None:
-    """The HTTP status of a GET of ``url`` within 2 s, or None (no answer)."""
+def bearer(key: str | None) -> dict[str, str]:
+    """The ``Authorization: Bearer <key>`` header (RFC 6750) as a dict; {} without a key."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def http_status(url: str, key: str | None = None) -> int | None:
+    """The HTTP status of a GET of ``url`` within 2 s (with ``key`` as a bearer token), or None (no answer)."""
     try:
-        with OPENER.open(url, timeout=2) as response:
+        with OPENER.open(urllib.request.Request(url, headers=bearer(key)), timeout=2) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code

@@ -520,7 +520,9 @@ def test_metrics_in_prometheus(server, photos):
         opened = re.search(r"^llava_OpenSessions\{[^}]*\} ([0-9.e+-]+)$", t, re.M)
         return bool(opened) and float(opened.group(1)) >= 1 and "session_not_found" in t
 
-    text = prometheus_text(server.metrics_url, lambda t: "llava_TimeToFirstTokenSeconds_count" in t and settled(t))
+    # on the API's port, as vLLM serves them (the front reads TorchServe's metrics port)
+    text = prometheus_text(server.url, lambda t: "llava_TimeToFirstTokenSeconds_count" in t and settled(t))
+    assert requests.get(server.url + "/metrics", timeout=10).headers["Content-Type"].startswith("text/plain")
     values = {}
     for line in text.splitlines():
         m = re.match(r"^(llava_\w+)\{([^}]*)\} ([0-9.e+-]+)$", line)

@@ -57,8 +57,8 @@ def test_resolve_model_prefers_sagemaker_then_baked_and_reads_the_artifact(tmp_p
         resolve_model(tmp_path / "empty")
 
 
-def _container_properties(tmp_path: Path, ts_config: Path) -> dict[str, str]:
-    server = ContainerServer(tmp_path, ts_config=ts_config, host="0.0.0.0", port=8080)
+def _container_properties(tmp_path: Path, ts_config: Path, api_key: str | None = None) -> dict[str, str]:
+    server = ContainerServer(tmp_path, ts_config=ts_config, host="0.0.0.0", port=8080, api_key=api_key)
     server._ports = {
         "inference": 40000,  # TorchServe's own, on loopback (the front holds 8080)
         "management": 40001,
@@ -87,6 +87,10 @@ def test_container_config_is_the_image_file_with_this_runs_addresses(tmp_path: P
     ):
         assert written[key] == from_file[key], key
     assert written["metrics_mode"] == "prometheus" and "disable_system_metrics" not in written
+
+    # with the container's key, TorchServe's own token authorization is on whatever the file says
+    keyed = _container_properties(tmp_path, TS_CONFIG, api_key="k-" + "7" * 30)
+    assert "disable_token_authorization" not in keyed and int(keyed["token_expiration_min"]) > 10**7
 
     bad = tmp_path / "bad.properties"
     bad.write_text(
@@ -127,6 +131,55 @@ def test_serve_refuses_more_than_one_worker(tmp_path: Path, tiny_model_dir: Path
 
 
 # ---- the entrypoint, end to end -------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_the_container_s_api_key_guards_every_port_but_ping(tmp_path, tiny_model_dir, photos):
+    """Issue 60 item 5: with ``LLAVA_API_KEY`` set in the container, its port answers ``/ping`` alone
+    without the key (SageMaker's health check), everything else wants ``Authorization: Bearer <key>``,
+    and no other listening port answers an inference or management request without a key."""
+    key = "k-" + "3" * 30
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "LLAVA_CONTAINER_MODEL_DIR": str(tiny_model_dir),
+        "LLAVA_CONTAINER_PORT": "0",
+        "LLAVA_API_KEY": key,
+    }
+    serve = subprocess.Popen(
+        [str(REPO / "docker" / "serve")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        output = OutputLines(serve.stdout, serve)
+        ready = output.wait_for(re.compile(r"ready at (http://\S+) \(API key required\) \(metrics "), timeout_s=120)
+        url = ready.group(1)
+        assert requests.get(url + "/ping", timeout=2).status_code == 200
+        opening = {"type": "open_session", "image": {"base64": base64.b64encode(photos["rocket"]).decode()}}
+        refused = requests.post(url + "/invocations", json=opening, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        auth = {"Authorization": f"Bearer {key}"}
+        opened = requests.post(url + "/invocations", json=opening, headers=auth, timeout=60)
+        assert opened.status_code == 200, opened.text
+        public = int(url.rsplit(":", 1)[1])
+        others = {
+            c.laddr.port
+            for p in psutil.Process(serve.pid).children(recursive=True)
+            for c in p.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port != public
+        }
+        assert len(others) >= 3, others
+        for other in sorted(others):
+            for path in ("/invocations", "/predictions/llava", "/models"):
+                try:
+                    r = requests.post(f"http://127.0.0.1:{other}{path}", json=opening, timeout=10)
+                except requests.ConnectionError:
+                    continue  # a gRPC port: HTTP/1.1 is no request there
+                assert r.status_code == 404 or "Token Authorization failed" in r.text, (other, path, r.text[:200])
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+    finally:
+        stop_process(serve)
 
 
 @pytest.mark.integration

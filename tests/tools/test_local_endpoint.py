@@ -576,6 +576,32 @@ def test_an_api_key_is_presented_by_boto3_as_its_access_key_and_by_openai_as_bea
         keyed.stop()
 
 
+def test_an_endpoint_s_key_guards_its_backends_and_their_torchserve(request, tiny_model_dir, photos):
+    """Issue 60 item 5: ``LocalEndpoint(api_key=K)``'s backends want the key too (the router sends it),
+    and their TorchServe ports run TorchServe's token authorization: nothing answers an inference or
+    management request without a key, while boto3 with the key is served through the router."""
+    key = "k-" + "9" * 30
+    ep = LocalEndpoint(tiny_model_dir, backends=1, startup_timeout_s=120, api_key=key)
+    request.addfinalizer(ep.stop)
+    ep.start()
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+    keyed = boto3.client(
+        "sagemaker-runtime",
+        endpoint_url=ep.url,
+        region_name="us-east-1",
+        aws_access_key_id=key,
+        aws_secret_access_key="x",
+    )
+    reply = keyed.invoke_endpoint(EndpointName="e", Body=body, ContentType="application/json")
+    assert json.loads(reply["Body"].read())["choices"]
+    backend = ep.servers[0]
+    refused = requests.post(backend.url + "/invocations", data=body, timeout=30)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    for url in (backend.torchserve_url + "/invocations", backend.management_url + "/models"):
+        r = requests.post(url, data=body, timeout=30)
+        assert r.status_code == 400 and "Token Authorization failed" in r.text, (url, r.text[:200])
+
+
 def test_web_page_over_the_sagemaker_runtime(endpoint, runtime, photos, tmp_path):
     """The page's logic (``WebChat``) through boto3's sagemaker-runtime, and ``llava-web --endpoint
     --endpoint-url`` serving the page against this endpoint until SIGTERM."""

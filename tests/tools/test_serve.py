@@ -500,9 +500,33 @@ def test_an_api_key_guards_every_route_but_ping_and_ready_at_names_the_bind_addr
         line = output.wait_for(READY, timeout_s=150).group(0)
         assert line.startswith(f"llava-serve: ready at http://0.0.0.0:{port} (from this machine: http://127.0.0.1:")
         assert "(API key required)" in line and "WARNING" not in "".join(output.lines)
+        assert "TorchServe itself" not in line and f"(metrics http://127.0.0.1:{port}/metrics;" in line
         url = f"http://127.0.0.1:{port}"
         assert requests.get(url + "/ping", timeout=5).status_code == 200
         opening = {"type": "open_session", "image": {"base64": base64.b64encode(photos["rocket"]).decode()}}
+        assert requests.get(url + "/metrics", timeout=10).status_code == 401
+        metrics = requests.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert metrics.status_code == 200 and "ts_inference_requests_total" in metrics.text
+        # issue 60 item 5: no other port answers an inference or management request without a key
+        # (TorchServe's own token authorization; its gRPC ports check the same keys: GRPCInterceptor)
+        import psutil
+
+        others = {
+            c.laddr.port
+            for p in psutil.Process(cli.pid).children(recursive=True)
+            for c in p.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port != port
+        }
+        assert len(others) >= 3, others  # inference, management, metrics (and gRPC's two)
+        for other in sorted(others):
+            base = f"http://127.0.0.1:{other}"
+            for method, path in (("POST", "/invocations"), ("POST", "/predictions/llava"), ("GET", "/models")):
+                try:
+                    r = requests.request(method, base + path, json=opening, timeout=10)
+                except requests.ConnectionError:
+                    continue  # a gRPC port: HTTP/1.1 is no request there
+                refused = r.status_code == 400 and "Token Authorization failed" in r.text
+                assert refused or r.status_code == 404, (other, path, r.status_code, r.text[:200])  # 404: metrics
         for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
             refused = requests.post(url + "/invocations", json=opening, headers=auth, timeout=30)
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
@@ -524,6 +548,14 @@ def test_an_api_key_guards_every_route_but_ping_and_ready_at_names_the_bind_addr
                 client.open_session(photos["rocket"]).close()
         finally:
             del os.environ["LLAVA_API_KEY"]
+        # a restart writes TorchServe new keys: a request cut by the worker's death is sent again with them
+        processes = psutil.Process(cli.pid).children(recursive=True)
+        (worker,) = [p for p in processes if any("model_service_worker" in arg for arg in p.cmdline())]
+        worker.kill()
+        again = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0).chat.completions.create(
+            model=tiny_model_dir.name, messages=chat, max_tokens=2
+        )
+        assert again.choices[0].message.content is not None
     finally:
         stop_process(cli)
     assert cli.returncode == 0

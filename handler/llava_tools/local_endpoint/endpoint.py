@@ -157,7 +157,8 @@ class LocalEndpoint:
             raise ValueError(f"backends must be >= 1, got {backends}")
         # each backend stands for a container: its front (the truthful /ping) without the /v1 routes
         server_kwargs.setdefault("openai_routes", False)
-        self.servers = [LocalServer(model_dir, **server_kwargs) for _ in range(backends)]
+        # with a key, each backend wants it too (its own port and TorchServe's): the router sends it
+        self.servers = [LocalServer(model_dir, api_key=api_key, **server_kwargs) for _ in range(backends)]
         self.port = port
         self.host = host
         self.endpoint_name = endpoint_name

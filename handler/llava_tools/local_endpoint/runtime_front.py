@@ -236,8 +236,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _backend_headers(self, session_id: str | None, stream: bool) -> dict[str, str]:
         """What a backend is sent: the content type, ``Accept`` (a stream's from SageMaker's own
-        header), the custom attributes and the session id."""
+        header), the custom attributes, the session id, and the endpoint's API key (the backends
+        want it too)."""
         headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
+        if self.server.api_key:
+            headers["Authorization"] = f"Bearer {self.server.api_key}"
         accept = self.headers.get(HEADER_STREAM_ACCEPT if stream else "Accept")
         if accept:
             headers["Accept"] = accept

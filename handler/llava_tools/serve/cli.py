@@ -121,12 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             f"ready at {server.bind_url}"
             + ("" if server.bind_url == server.url else f" (from this machine: {server.url})")
             + (" (API key required)" if server.api_key else "")
-            + (
-                f" (OpenAI base_url {server.openai_base_url}; TorchServe itself at {server.torchserve_url})"
-                if server.openai_routes
-                else f" (TorchServe itself at {server.torchserve_url})"
-            )
-            + f" (metrics {server.metrics_url}/metrics; model dir {server.model_dir}; "
+            + (f" (OpenAI base_url {server.openai_base_url})" if server.openai_routes else "")
+            # with a key, TorchServe's own port is the front's alone (it wants a key of its own)
+            + ("" if server.api_key else f" (TorchServe itself at {server.torchserve_url})")
+            + f" (metrics {server.url}/metrics; model dir {server.model_dir}; "
             f"logs {server.log_dir}; "
             f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"
         ),

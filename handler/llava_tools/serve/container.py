@@ -94,6 +94,11 @@ _PER_RUN_KEYS = (
 )
 
 
+#: Keys of config.properties that turn TorchServe's token authorization off or set its keys' life:
+#: the run's (on with an API key), whatever the file says.
+_TOKEN_AUTH_KEYS = ("disable_token_authorization", "token_expiration_min")
+
+
 class ModelNotFoundError(FileNotFoundError):
     """No checkpoint folder (one with ``config.json``) in any of the places looked at."""
 
@@ -189,6 +194,10 @@ class ContainerServer(LocalServer):
         merged = dict(from_file)
         for key in _PER_RUN_KEYS:
             merged[key] = generated[key]
+        for key in _TOKEN_AUTH_KEYS:  # with an API key, TorchServe's own token authorization is on
+            merged.pop(key, None)
+            if key in generated:
+                merged[key] = generated[key]
         for key, _, header in SEQUENCE_HEADER_KEYS:
             merged[key] = header
         lines = [f"# Written by llava-container-serve from {self.ts_config_path} (per-run addresses filled in)."]
@@ -319,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         ready=lambda: (
             f"ready at {server.bind_url}"
             + (" (API key required)" if server.api_key else "")
-            + f" (metrics {server.metrics_url}/metrics; logs {server.log_dir}; "
+            + f" (metrics {server.url}/metrics; logs {server.log_dir}; "
             f"frontend pid {server.frontend_pid()}, worker pids {server.worker_pids()})"
         ),
     )

@@ -20,6 +20,7 @@ OpenAI paths. So TorchServe listens on a loopback port and this front on the pub
   relayed with their ticket, and the worker's ``GET /_llava/images/<ticket>?source=...`` lookups
   are answered here (:mod:`llava_tools.serve.image_relay`: a slow or failing image host then holds only
   its own request, and a failed fetch always gets its typed 4xx);
+- ``GET /metrics``: TorchServe's Prometheus metrics, read from its metrics port (:mod:`.front_routes`);
 - anything else: relayed to TorchServe as it came (method, path, headers, body).
 
 A client that leaves closes the TorchServe connection (its job then freed): seen by watching its socket
@@ -41,7 +42,6 @@ beyond what routing and framing need, and a body is decoded only when it may nam
 from __future__ import annotations
 
 import hmac
-import json
 import math
 import socketserver
 import threading
@@ -50,7 +50,6 @@ from typing import Any
 
 from llava_sessions.wire.contract import (
     CUSTOM_ATTRIBUTES_HEADER,
-    IMAGE_RELAY_PATH,
     IMAGE_TICKET_HEADER,
     NEW_SESSION_LITERAL,
     OPENAI_ROUTE_HEADER,
@@ -60,10 +59,10 @@ from llava_sessions.wire.contract import (
 from llava_sessions.wire.inbound import CHAT_LARGE_IMAGE_HINT, LARGE_IMAGE_HINT
 
 from ..processes import BackgroundServing
+from .front_routes import CHAT_COMPLETIONS_PATH, answered_here
 from .http_wire import (
     CANONICAL,
     DRAIN_PIECE_BYTES,
-    HEALTH_PATHS,
     INTERNAL,
     MAX_HEAD_BYTES,
     MAX_RETRY_AFTER_S,
@@ -83,18 +82,12 @@ from .http_wire import (
     cut_stream_tail,
     field,
     openai_error,
-    ping_reply,
     read_head,
-    relayed_image,
     response,
-    unauthorized,
 )
 from .image_relay import ImageRelay
 from .slot_queue import SlotQueue, SlotsTaken, slot_refusal
 from .torchserve_files import MAX_REQUEST_BYTES
-
-CHAT_COMPLETIONS_PATH = OPENAI_PREFIX.encode() + b"/chat/completions"
-"""The one OpenAI route relayed to TorchServe (as ``/invocations``); the front answers the rest."""
 
 __all__ = ["OPENAI_PREFIX", "OpenAIFront"]
 
@@ -134,7 +127,7 @@ class _Connection(socketserver.StreamRequestHandler):
             return self._refuse_large(int(length), target.startswith(OPENAI_PREFIX.encode()))
         body = self.rfile.read(int(length))
         keep = (field(fields, b"connection") or b"").lower() != b"close"
-        local = self._answered_here(method, target, fields)
+        local = answered_here(self.server, method, target, fields)
         if local is not None:
             self.wfile.write(local)
             return keep
@@ -144,20 +137,6 @@ class _Connection(socketserver.StreamRequestHandler):
             self.wfile.write(self._not_ready(message))
             return keep
         return self._forward(method, b"/invocations" if openai_route else target, fields, body, openai_route) and keep
-
-    def _answered_here(self, method: bytes, target: bytes, fields: Fields) -> bytes | None:
-        """The reply to a request the front answers itself (``/ping``, the worker's image lookups, a
-        missing API key, OpenAI's own routes), or None: it goes on to TorchServe."""
-        server, path = self.server, target.partition(b"?")[0]
-        if path in HEALTH_PATHS:
-            return ping_reply(server.ready, server.retry_after_s())
-        if server.images is not None and method == b"GET" and path.startswith(IMAGE_RELAY_PATH.encode()):
-            return relayed_image(server.images, target)  # the worker's lookup: its ticket is the secret
-        if not server.authorized(field(fields, b"authorization")):
-            return unauthorized()
-        if server.routes and (path.startswith(OPENAI_PREFIX.encode() + b"/") or path == OPENAI_PREFIX.encode()):
-            return self._openai(method, path)
-        return None
 
     def _forward(self, method: bytes, target: bytes, fields: Fields, body: bytes, openai_route: bool) -> bool:
         """Relay the request to TorchServe (its images fetched first) and its reply back; returns False
@@ -224,22 +203,6 @@ class _Connection(socketserver.StreamRequestHandler):
         self.wfile.write(openai_error(413, "Payload Too Large", message, "payload_too_large"))
         return False
 
-    def _openai(self, method: bytes, path: bytes) -> bytes | None:
-        """OpenAI's routes answered here (None: chat completions, relayed to ``/invocations``)."""
-        server = self.server
-        if method == b"POST" and path == CHAT_COMPLETIONS_PATH:
-            return None
-        if method == b"GET" and path == b"/v1/models":
-            cards = [server.model_card(name) for name in server.model_names]
-            return response(200, "OK", json.dumps({"object": "list", "data": cards}).encode())
-        if method == b"GET" and path.startswith(b"/v1/models/"):
-            name = path.removeprefix(b"/v1/models/").decode(errors="replace")
-            if name in server.model_names:
-                return response(200, "OK", json.dumps(server.model_card(name)).encode())
-            return openai_error(404, "Not Found", "no such model on this server", "model_not_found")
-        message = f"{method.decode(errors='replace')} {path.decode(errors='replace')} is not served here"
-        return openai_error(404, "Not Found", message + "; use POST /v1/chat/completions", "not_found")
-
     def _not_ready(self, message: str) -> bytes:
         """The typed, retryable ``503 model_not_ready`` with ``Retry-After`` (the restart's countdown)."""
         retry_after_s = self.server.retry_after_s()
@@ -303,6 +266,9 @@ class _Connection(socketserver.StreamRequestHandler):
         Raises:
             Closed, OSError: TorchServe does not answer.
         """
+        key = self.server.backend_key  # TorchServe's token authorization: its current launch's key
+        if key:  # (the client's own Authorization is never forwarded)
+            request = request.replace(b"\r\n\r\n", b"\r\nAuthorization: Bearer %s\r\n\r\n" % key.encode(), 1)
         for attempt in (0, 1):
             reused = self.backend is not None
             if self.backend is None:
@@ -396,6 +362,11 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         queue: where requests refused for want of a generation slot wait to be sent again
             (:class:`~llava_tools.serve.slot_queue.SlotQueue`); None: the refusal goes to the client.
 
+    Set by its owner as TorchServe starts: :attr:`backend` (above), :attr:`metrics` (TorchServe's
+    metrics ``(host, port)``, served as ``GET /metrics`` here; None: the path is relayed) and
+    :attr:`backend_key` (TorchServe's inference key, sent on every relayed request while its token
+    authorization is on, as with ``llava-serve --api-key``; None: it is off).
+
     Until :meth:`set_ready` says the worker serves, ``GET /ping`` answers 503 and every other
     request a typed ``503 model_not_ready`` with ``Retry-After`` (its body read first).
 
@@ -423,6 +394,8 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         queue: SlotQueue | None = None,
     ) -> None:
         super().__init__(address, _Connection)
+        self.metrics: tuple[str, int] | None = None
+        self.backend_key: str | None = None
         self.images = images
         self.queue = queue
         self._expected_auth = ("Bearer " + api_key).encode() if api_key else None

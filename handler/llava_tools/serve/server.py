@@ -42,7 +42,13 @@ from .front import OPENAI_PREFIX, OpenAIFront
 from .image_relay import ImageRelay
 from .slot_queue import SlotQueue
 from .supervisor import Supervised
-from .torchserve_files import ServerStartError, default_handler_path, default_log_config_path, default_model_config_path
+from .torchserve_files import (
+    KEY_FILE,
+    ServerStartError,
+    default_handler_path,
+    default_log_config_path,
+    default_model_config_path,
+)
 
 if TYPE_CHECKING:
     from llava_sessions.config import Settings
@@ -209,6 +215,13 @@ class LocalServer(Supervised):
         frontend = self._frontend_process()
         return frontend.pid if frontend is not None else None
 
+    def torchserve_keys(self) -> dict[str, str]:
+        """TorchServe's own ``inference`` and ``management`` keys while its token authorization is on
+        (with an API key: then no port answers an inference or management request without a key;
+        the front sends the inference key), read from the ``key_file.json`` of its current launch
+        (:func:`~llava_tools.serve.torchserve_files.token_keys`); {} without an API key."""
+        return ts_files.token_keys(self.temp_dir / KEY_FILE) if self.api_key and self._temp_dir else {}
+
     def worker_pids(self) -> list[int]:
         """Return the pids of TorchServe's Python worker processes (children of the frontend)."""
         frontend = self._frontend_process()
@@ -338,6 +351,7 @@ class LocalServer(Supervised):
             raise ServerStartError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from None
         self._ports = pick_ports("127.0.0.1", 0)
         self._front.backend = ("127.0.0.1", self._ports["inference"])
+        self._front.metrics = ("127.0.0.1", self._ports["metrics"])
         self._ports["public"] = self._front.port
 
     def _prepare_and_launch(self) -> None:
@@ -363,14 +377,16 @@ class LocalServer(Supervised):
             "--model-store",
             str(store),
             "--ncs",
-            "--disable-token-auth",
         ]
+        if not self.api_key:  # with a key, TorchServe's own ports want theirs too (torchserve_keys)
+            self._command.append("--disable-token-auth")
         if self.log_config_path is not None:
             self._command += ["--log-config", str(self.log_config_path)]
         self._launch()
 
     def _launch(self) -> None:
         temp = self.temp_dir
+        (temp / KEY_FILE).unlink(missing_ok=True)  # each launch writes new keys: never read the last one's
         self._console = open(temp / "console.log", "ab")  # noqa: SIM115 - closed in stop()
         self._launched_at = time.monotonic()
         self._proc = subprocess.Popen(
@@ -399,7 +415,7 @@ class LocalServer(Supervised):
         return path
 
     def _config_properties(self, store: Path) -> str:
-        return ts_files.config_properties("127.0.0.1", self._ports, store, self.workers)
+        return ts_files.config_properties("127.0.0.1", self._ports, store, self.workers, token_auth=bool(self.api_key))
 
     def _frontend_process(self):
         psutil = load_psutil()

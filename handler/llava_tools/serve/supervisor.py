@@ -79,6 +79,9 @@ class Supervised:
     def worker_pids(self) -> list[int]:
         raise NotImplementedError
 
+    def torchserve_keys(self) -> dict[str, str]:
+        raise NotImplementedError
+
     def _launch(self) -> None:
         raise NotImplementedError
 
@@ -163,7 +166,8 @@ class Supervised:
                 raise ServerStartError(f"TorchServe exited during start-up (exit code {code})")
             if ts_files.load_failed(self.log_dir):
                 raise ServerStartError(f"the handler failed to load the model: {ts_files.worker_error(self.log_dir)}")
-            ready, status, workers = ts_files.model_status(self.management_url, self.workers)
+            keys = self.torchserve_keys()  # {} while its token authorization is off
+            ready, status, workers = ts_files.model_status(self.management_url, self.workers, keys.get("management"))
             seen |= workers.keys()
             dead = sorted(pid for pid in seen if not alive(psutil, pid))
             if dead:
@@ -172,9 +176,11 @@ class Supervised:
                 if not ts_files.load_failed(self.log_dir, wait_s=1.0):
                     raise WorkerDied(dead)
                 continue
-            if ready and http_status(self.torchserve_url + "/ping") == 200:
+            if ready and http_status(self.torchserve_url + "/ping", keys.get("inference")) == 200:
                 # the supervisor watches these: a worker killed right after is still seen dying
                 self._ready_pids = {pid for pid, state in workers.items() if state == "READY"}
+                if self._front is not None:
+                    self._front.backend_key = keys.get("inference")
                 self._start_s = time.monotonic() - self._launched_at
                 self._serving(True)
                 return

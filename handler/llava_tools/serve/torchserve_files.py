@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ import llava_sessions
 from llava_sessions.wire.contract import NEW_SESSION_ID_HEADER, SEQUENCE_END_HEADER, SESSION_ID_HEADER
 
 from ..cli import StartError
-from ..processes import OPENER, load_psutil
+from ..processes import OPENER, bearer, load_psutil
 
 if TYPE_CHECKING:
     from llava_sessions.config import Settings
@@ -83,6 +84,11 @@ MAX_RESPONSE_BYTES = 6_553_600
 #: 8-stream bursts (docs/design.md, "The HTTP stack's share of two cores"): the Java process's CPU
 #: 0.60-0.77 s a burst with the defaults, 0.40-0.49 s with these.
 JVM_ARGS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: Minutes TorchServe's token keys live when its token authorization is on (100 years: TorchServe's
+#: default, 60, would lock the server's own front out of a server that runs longer).
+TOKEN_EXPIRATION_MIN = 52_560_000
+#: The file TorchServe writes its token keys to, in its working directory (``user.dir``).
+KEY_FILE = "key_file.json"
 #: TorchServe's ``maxBatchDelay`` (ms) for a worker whose replicas all run on the CPU (model-config.yaml's
 #: 1 ms is for a GPU's). TorchServe 0.12's sequence-batching dispatcher wakes every ``maxBatchDelay``
 #: whatever the load (``SequenceBatching.EventDispatcher``: a timed poll, then a no-op task handed to a
@@ -278,9 +284,12 @@ def archive(handler: Path, model_config_path: Path, store: Path, temp: Path, env
         raise ServerStartError(f"torch-model-archiver failed ({result.returncode}): {result.stderr.strip()}")
 
 
-def config_properties(host: str, ports: Mapping[str, int], store: Path, workers: int) -> str:
+def config_properties(
+    host: str, ports: Mapping[str, int], store: Path, workers: int, *, token_auth: bool = False
+) -> str:
     """TorchServe's ``config.properties``: inference on ``host``, the other APIs on 127.0.0.1 at
-    ``ports`` (:func:`~llava_tools.processes.pick_ports`), no token auth, Prometheus metrics with the
+    ``ports`` (:func:`~llava_tools.processes.pick_ports`), TorchServe's token authorization only with
+    ``token_auth`` (its keys then never expire: :func:`token_keys`), Prometheus metrics with the
     handler's own registered as first emitted, the body limits, the sequence header keys, the JVM's
     options (:data:`JVM_ARGS`)."""
     lines = [
@@ -292,7 +301,7 @@ def config_properties(host: str, ports: Mapping[str, int], store: Path, workers:
         f"grpc_inference_port={ports['grpc_inference']}",
         "grpc_management_address=127.0.0.1",
         f"grpc_management_port={ports['grpc_management']}",
-        "disable_token_authorization=true",
+        f"token_expiration_min={TOKEN_EXPIRATION_MIN}" if token_auth else "disable_token_authorization=true",
         "disable_system_metrics=true",
         "metrics_mode=prometheus",
         "model_metrics_auto_detect=true",
@@ -339,11 +348,24 @@ def load_failed(log_dir: Path, wait_s: float = 0.0) -> bool:
         time.sleep(POLL_S)
 
 
-def model_status(management_url: str, num_workers: int) -> tuple[bool, str, dict[int, str]]:
-    """(every worker READY, a status line, each reported worker's state by pid) from TorchServe's
-    management API (a worker not started yet reports pid -1 and is left out)."""
+def token_keys(key_file: Path) -> dict[str, str]:
+    """TorchServe's own keys, ``{"inference": ..., "management": ...}``, from the ``key_file.json`` it
+    writes in its working directory at each launch while its token authorization is on (readable by
+    its user alone); {} before it is written. Source: TorchServe's ``TokenAuthorization.java`` (0.12)."""
     try:
-        with OPENER.open(f"{management_url}/models/{MODEL_NAME}", timeout=2) as response:
+        written = json.loads(key_file.read_text())
+        return {kind: str(written[kind]["key"]) for kind in ("inference", "management")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def model_status(management_url: str, num_workers: int, key: str | None = None) -> tuple[bool, str, dict[int, str]]:
+    """(every worker READY, a status line, each reported worker's state by pid) from TorchServe's
+    management API (a worker not started yet reports pid -1 and is left out); ``key``: its
+    management key while token authorization is on."""
+    request = urllib.request.Request(f"{management_url}/models/{MODEL_NAME}", headers=bearer(key))
+    try:
+        with OPENER.open(request, timeout=2) as response:
             described = json.loads(response.read())
     except (OSError, ValueError) as exc:
         return False, f"management API: {exc}", {}
