@@ -159,6 +159,37 @@ def test_plain_image_and_streamed_turns_through_the_openai_package(server, local
         )
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk_as_vllm_does(server, photos):
+    """``stream_options.continuous_usage_stats`` (vLLM's, with ``include_usage``): every chunk carries
+    ``usage`` with the tokens generated so far; without it only the last chunk does."""
+    client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
+    content = [{"type": "image_url", "image_url": {"url": data_uri(photos["coffee"])}}, {"type": "text", "text": "Hi"}]
+    messages = [{"role": "user", "content": content}]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.chat.completions.create(
+            model="llava",
+            messages=messages,
+            max_tokens=12,
+            stream=True,
+            stream_options=options,
+            extra_body={"min_tokens": 12},
+        )
+    )
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk.to_dict())
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[0] <= 1 and counts[-1] == 12 and len(set(counts)) > 2
+    prompt = {c.usage.prompt_tokens for c in chunks}
+    assert len(prompt) == 1 and chunks[-1].usage.total_tokens == prompt.pop() + 12
+    plain = client.chat.completions.create(
+        model="llava", messages=messages, max_tokens=4, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(plain)
+    assert chunks[-1].usage is not None and all(c.usage is None for c in chunks[:-1])
+
+
 def test_a_session_closed_while_it_streams_ends_the_openai_package_s_stream_with_abort(server, photos):
     """vLLM's ``finish_reason`` for a stopped request, ``abort``, is past the package's Literal; its
     stream reader passes it through (it builds chunks without validating), so a client reads the

@@ -35,7 +35,8 @@ class ChatCommand:
         clip_max_new_tokens: the request set no answer limit: it runs until the context ends
             (``params.max_new_tokens`` is :data:`~llava_sessions.sampling.params.UNTIL_CONTEXT_END`,
             lowered to the room the context leaves).
-        stream: answer as a stream of chunks; include_usage: end it with a usage chunk.
+        stream: answer as a stream of chunks; include_usage: end it with a usage chunk;
+            continuous_usage: every chunk carries the usage so far (vLLM's ``continuous_usage_stats``).
         top_logprobs: most likely alternatives per token (with ``params.logprobs``).
         model: the model name the reply carries (the served model's).
         keep_stop: the reply's text keeps the stop sequence it ended on (vLLM's
@@ -53,6 +54,7 @@ class ChatCommand:
     model: str
     salt: str | None = None
     keep_stop: bool = False
+    continuous_usage: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,8 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
         top_logprobs=request.top_logprobs or 0,
         grammar=request.grammar(),
     )
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
     return ChatCommand(
         conversation,
         tuple(images),
@@ -180,4 +183,5 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
         model,
         request.cache_salt,
         request.include_stop_str_in_output,
+        include_usage and bool(options and options.continuous_usage_stats),  # vLLM: only with include_usage
     )

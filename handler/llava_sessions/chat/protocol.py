@@ -110,11 +110,13 @@ class ChatMessage(ChatInbound):
 
 
 class StreamOptions(ChatInbound):
-    """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the usage."""
+    """``stream_options``: ``include_usage`` adds a last chunk with empty ``choices`` and the usage;
+    with it, vLLM's ``continuous_usage_stats`` puts the usage so far on every chunk too."""
 
     _where: ClassVar[str] = "stream_options."
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class MmProcessorKwargs(ChatInbound):

@@ -39,6 +39,7 @@ __all__ = [
     "error_status",
     "openai_error",
     "openai_error_type",
+    "usage_of",
 ]
 
 
@@ -158,11 +159,16 @@ def openai_error(error: ServiceError) -> dict[str, Any]:
 
 
 def _usage(answer: Answer) -> Usage:
+    return usage_of(answer.prompt_tokens, answer.generated_tokens, answer.cached_tokens)
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    """OpenAI's ``usage`` object for these token counts (``total_tokens`` their sum)."""
     return Usage(
-        prompt_tokens=answer.prompt_tokens,
-        completion_tokens=answer.generated_tokens,
-        total_tokens=answer.prompt_tokens + answer.generated_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=answer.cached_tokens),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 
@@ -252,16 +258,17 @@ class ChatStream:
         self._role_sent = True
         return Delta(role=role, content=content)
 
-    def tokens(self, events: Sequence[TokenEvent], text: str) -> bytes:
+    def tokens(self, events: Sequence[TokenEvent], text: str, usage: Usage | None = None) -> bytes:
         """One chunk for the tokens of a step slice (``text``: the whole answer so far), or b"" when it
-        has nothing to say yet. Text that could begin a stop sequence is held back until it cannot."""
+        has nothing to say yet. Text that could begin a stop sequence is held back until it cannot.
+        ``usage``: the usage so far, carried when the request asked ``continuous_usage_stats``."""
         ready = text[: max(len(self._sent), len(text) - self._holdback)] if self._holdback else text
         content = ready[len(self._sent) :]
         logprobs = _logprobs(events, self.token_text) if self.command.params.logprobs else None
         if not content and self._role_sent and not (logprobs and logprobs.content):
             return b""
         self._sent = ready
-        return self._chunk([ChunkChoice(delta=self._delta(content), logprobs=logprobs)])
+        return self._chunk([ChunkChoice(delta=self._delta(content), logprobs=logprobs)], usage)
 
     def end(self, answer: Answer, last: Sequence[TokenEvent]) -> list[bytes]:
         """The last frames: the chunk with the rest of the content and the ``finish_reason``, the
@@ -269,11 +276,9 @@ class ChatStream:
         final = _final_text(answer.text, self.command.params.stop, self.command.keep_stop)
         content = final[len(self._sent) :] if final.startswith(self._sent) else ""
         logprobs = _logprobs(last, self.token_text) if self.command.params.logprobs else None
-        frames = [
-            self._chunk(
-                [ChunkChoice(delta=self._delta(content), logprobs=logprobs, finish_reason=answer.finish_reason)]
-            )
-        ]
+        usage = _usage(answer) if self.command.continuous_usage else None
+        choice = ChunkChoice(delta=self._delta(content), logprobs=logprobs, finish_reason=answer.finish_reason)
+        frames = [self._chunk([choice], usage)]
         if self.command.include_usage:
             frames.append(self._chunk([], _usage(answer)))
         return frames + self._done()

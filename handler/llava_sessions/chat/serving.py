@@ -313,7 +313,10 @@ class ChatServing(Serving):
         new = gen.events[job.emitted :]
         job.emitted = len(gen.events)
         if not finished:
-            return self._frame(job, job.stream.tokens(new, gen.detokenizer.text), last=False)
+            usage = None
+            if job.command.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+                usage = responses.usage_of(len(gen.prompt_ids), len(gen.events), gen.num_reused_tokens)
+            return self._frame(job, job.stream.tokens(new, gen.detokenizer.text, usage), last=False)
         if job.error is None:
             assert gen.answer is not None
             self._observe(job, gen.answer)
