@@ -101,13 +101,9 @@ class Settings(BaseModel):
     )
     idle_timeout_s: int = Field(0, ge=0, description="A session idle this many seconds expires; 0: no idle timeout.")
     device_budget_bytes: int = Field(0, ge=0, description="Device bytes for session caches; 0: device_budget_fraction.")
-    device_budget_fraction: float = Field(
-        0.8, gt=0.0, le=1.0, description="Fraction (0 < f <= 1) of free device memory after model load for sessions."
-    )
+    device_budget_fraction: float = Field(0.8, gt=0.0, le=1.0, description="Share of free device memory for sessions.")
     host_budget_bytes: int = Field(2 * _GIB, gt=0, description="Host bytes sessions hold (media bytes + conversation).")
-    kv_offload_bytes: int = Field(
-        4 * _GIB, ge=0, description="Host bytes a GPU replica moves demoted sessions' KV pages to (0: dropped)."
-    )
+    kv_offload_bytes: int = Field(4 * _GIB, ge=0, description="Host bytes a GPU moves demoted KV pages to (0: none).")
     cpu_memory_reserve_bytes: int = Field(
         2 * _GIB,
         ge=0,
@@ -132,6 +128,9 @@ class Settings(BaseModel):
         "truncate",
         description="When a turn does not fit the model's context: truncate (the oldest remembered turns leave "
         "it, then an unset max_new_tokens is clipped to the room left) or error (422 context_length_exceeded).",
+    )
+    truncation_headroom: float = Field(
+        0.25, ge=0.0, le=0.9, description="Context share a truncation leaves free, so the next turns reuse the KV cache."
     )
     max_prompt_chars: int = Field(16000, ge=1, description="Longest prompt (and system prompt) in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens after templating.")

@@ -224,6 +224,7 @@ def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
             max_image_tokens=settings.max_image_tokens_per_session,
             cache_share=settings.conversation_cache_share,
             cache_entries=settings.conversation_cache_entries,
+            truncation_headroom=settings.truncation_headroom,
         ),
         share_images=settings.share_images,
         unsalted=settings.unsalted_cache,

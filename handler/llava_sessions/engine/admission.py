@@ -56,7 +56,8 @@ class EngineLimits:
     per-session limits: ``max_images`` (images a session holds, the opening one included) and
     ``max_image_tokens`` (placeholder tokens of all its images; 0: only the model's context); the
     conversation cache's: ``cache_share`` (the share of the device budget its entries may hold, 0
-    to 1; 0: off) and ``cache_entries`` (most entries held)."""
+    to 1; 0: off) and ``cache_entries`` (most entries held); ``truncation_headroom``: the share of the
+    context (0 to 0.9) a truncation leaves free (:meth:`Admission._fit`)."""
 
     max_new_tokens_cap: int = 1024
     max_prompt_tokens: int = 2048
@@ -65,6 +66,7 @@ class EngineLimits:
     max_image_tokens: int = 0
     cache_share: float = 0.5
     cache_entries: int = 64
+    truncation_headroom: float = 0.25
 
 
 class Admission:
@@ -312,6 +314,9 @@ class Admission:
     ) -> tuple[list[int], int, int]:
         """The conversation's ids fitted to the context: ``(ids, oldest turns dropped, max_new_tokens)``;
         ``truncate`` drops the oldest turns first, then ``clip`` lowers a default ``max_new`` to the room left.
+        A truncation drops enough turns to leave ``truncation_headroom`` of the context free too (as
+        many as there are at most), so the next turns append to the KV cache instead of dropping a
+        turn each, which would change the conversation right after the images and re-prefill the rest.
         A drop that would move a video's turn into a turn with an image is skipped (the template could
         not render that message in the conversation's order: :meth:`Chat.image_after_video`).
 
@@ -322,8 +327,15 @@ class Admission:
         ids = template.conversation_ids(chat, prompt)
         dropped = 0
         if len(ids) + max_new > limit and policy == "truncate":
+            room = limit - int(limit * self.limits.truncation_headroom)
+            shortest = next(
+                (c for n in range(len(chat.turns), 0, -1) if not (c := chat.without_oldest(n)).image_after_video()),
+                chat,
+            )
+            if len(template.conversation_ids(shortest, prompt)) + max_new > room:
+                room = limit  # the headroom is out of reach: drop no more turns than the turn needs
             for n in range(1, len(chat.turns) + 1):
-                if len(ids) + max_new <= limit:
+                if len(ids) + max_new <= room:
                     break
                 fewer = chat.without_oldest(n)
                 if not fewer.image_after_video():
