@@ -130,7 +130,10 @@ class Settings(BaseModel):
         "it, then an unset max_new_tokens is clipped to the room left) or error (422 context_length_exceeded).",
     )
     truncation_headroom: float = Field(
-        0.25, ge=0.0, le=0.9, description="Context share a truncation leaves free, so the next turns reuse the KV cache."
+        0.25,
+        ge=0.0,
+        le=0.9,
+        description="Context share a truncation leaves free, so the next turns reuse the KV cache.",
     )
     max_prompt_chars: int = Field(16000, ge=1, description="Longest prompt (and system prompt) in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens after templating.")
