@@ -163,6 +163,51 @@ def test_a_stream_s_first_token_leaves_in_the_call_that_sampled_it(tiny_model_di
     finish(svc, [Row("c1", "ts-seq-c1", True, None)], [token])
 
 
+def _stream_texts(svc: SessionService, bodies: list[dict]) -> list[tuple[str, str | None]]:
+    """Run chat stream ``bodies`` together to their ends: each one's ``(text, finish_reason)``, or
+    ``(error code, None)``."""
+    rows = [Row(f"st{i}", None, True, body) for i, body in enumerate(bodies)]
+    raw = {row.request_id: b"" for row in rows}
+    out = svc.handle(rows)
+    while True:
+        for row, frame in zip(rows, out, strict=True):
+            raw[row.request_id] += frame.body
+        rows = [Row(r.request_id, None, True, None) for r, f in zip(rows, out, strict=True) if f.stop is False]
+        if not rows:
+            break
+        out = svc.handle(rows)
+    results = []
+    for body in raw.values():
+        events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+        if "error" in events[-1]:
+            results.append((events[-1]["error"]["code"], None))
+            continue
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        results.append((text, [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1]))
+    return results
+
+
+def test_streams_that_outgrow_a_tight_budget_all_finish_on_the_default_layout(tiny_model_dir):
+    """Issue 60 item 2: four chat streams without ``max_tokens`` on a budget of ~2.7 contexts of KV, on
+    the CPU's default (contiguous) decode batch. Rebuilding the batch for the oldest answer alone
+    needs room beside the old batch: the rows' sessions give up their own copies of the KV (the rows
+    hold it), and preempted answers resume exactly, a sampled image placeholder id embedded as text.
+    All four finish, each equal to its answer alone (before: two ended ``overloaded`` or
+    ``internal_error``)."""
+    bodies = [
+        {"messages": [{"role": "user", "content": f"Tell me a long story, number {i}."}], "stream": True}
+        | {"ignore_eos": True, "temperature": 0}
+        for i in range(4)
+    ]
+    alone_svc = tiny_service(tiny_model_dir, share_images=False)
+    alone = [_stream_texts(alone_svc, [body])[0] for body in bodies]
+    budget = int(2.7 * 1024 * alone_svc.engine.runner.kv_bytes_per_token)
+    svc = tiny_service(tiny_model_dir, device_budget_bytes=budget, share_images=False, step_max_ms=600_000)
+    assert svc.engine.batch.layout().page_size == 0  # the contiguous batch: the CPU's default
+    assert _stream_texts(svc, bodies) == alone and all(reason == "length" for _, reason in alone)
+    assert svc.engine.num_preemptions >= 1
+
+
 def chat_image_body(image: bytes, *, stream: bool, max_tokens: int = 4) -> dict:
     url = "data:image/png;base64," + base64.b64encode(image).decode()
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in this image?"}]

@@ -10,7 +10,9 @@ Costs. A decode step writes one column per layer in place and copies no KV. Buil
 copies each member's KV once (when the scheduler says so: ``scheduler.needs_rebuild``). A leaving
 row's valid columns are gathered into a ``DynamicCache`` for its session (one copy of that session).
 Memory: ``B × capacity × kv_bytes_per_token``; the overhead over the rows' own KV is the padding
-(longest minus each row's length) plus at most ``grow_columns`` free columns per row.
+(longest minus each row's length) plus at most ``grow_columns`` free columns per row. A row's
+session keeps its own copy of the KV the row was loaded from (read back only the answer's positions
+when it leaves), until room runs out (:meth:`DecodeBatch.unlend`).
 """
 
 from __future__ import annotations
@@ -189,6 +191,16 @@ class DecodeBatch:
         gen.row = None
         if self.num_live == 0:
             self._free()
+
+    def unlend(self) -> bool:
+        """Free the sessions' own copies of the KV their rows hold (:meth:`Session.lend_kv
+        <llava_sessions.sessions.session.Session.lend_kv>`), for room when none is left: a row holds
+        every position of its answer's conversation, which :meth:`release` then reads back whole.
+        Returns whether any copy was freed."""
+        lent = [g.session for g in self.rows if g is not None and g.session.kv_lent and g.session.kv_cache is not None]
+        for session in lent:
+            session.drop_kv()
+        return bool(lent)
 
     def bytes_without(self, gens: list[Generation], leaving: list[Generation]) -> int:
         """Device bytes of the batch laid out anew for its live rows and ``gens`` (the joining ones),

@@ -174,6 +174,11 @@ class PagedDecodeBatch:
         if self.num_live == 0:
             self.rows = []
 
+    @staticmethod
+    def unlend() -> bool:
+        """Nothing to free: the rows are their sessions' own pages. Returns False."""
+        return False
+
     def bytes_without(self, gens: list[Generation], leaving: list[Generation]) -> int:
         """Device bytes a step of ``gens`` (the answers that decode) needs beyond what their sessions
         hold, without ``leaving`` (preempted: their KV freed): a page for each row whose next position

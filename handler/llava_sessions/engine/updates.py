@@ -152,21 +152,29 @@ class StateUpdates:
         """Make room for a rebuilt decode batch's ``batch_bytes`` (scheduler rule 10). When none can be
         made, preempt the newest answers, one at a time, until the batch without them fits (vLLM's
         rule: an answer never fails because another grew; a preempted one pauses and resumes
-        exactly, :meth:`_preempt`); the oldest always decodes, and fails with ``overloaded`` only when
-        even it alone cannot get room. Returns the answers that decode this step."""
+        exactly, :meth:`_preempt`). When even the oldest alone finds no room, the contiguous rows'
+        sessions give up their own copies of the KV the rows hold (:meth:`DecodeBatch.unlend`: a
+        rebuild lays the new batch out beside the old one, so that copy is what stood in the way) and
+        the search runs again; the oldest fails with ``overloaded`` only when even then it alone
+        cannot get room. Returns the answers that decode this step."""
+        batch = self.model.batch
         if not batch_bytes or self.store.allocate(batch_bytes, keep=None):
             return gens
-        batch = self.model.batch
         live = {id(g): g for g in [*(r for r in batch.rows if r is not None), *gens]}
         newest_first = sorted(live.values(), key=lambda g: g.created, reverse=True)
-        leaving: list[Generation] = []
-        for g in newest_first[:-1]:
-            leaving.append(g)
-            room = batch.bytes_without(gens, leaving)  # over pages: less what the leaving ones free
-            if room <= 0 or self.store.allocate(room, keep=None):
-                for gone in leaving:
-                    self._preempt(gone)
-                return [g for g in gens if g not in leaving]
+        # the rows' sessions' own copies of their KV go only when even the oldest alone finds no room
+        for unlent in (False, True):
+            if unlent and not batch.unlend():
+                break
+            leaving: list[Generation] = []
+            for g in [None, *newest_first[:-1]]:
+                if g is not None:
+                    leaving.append(g)
+                room = batch.bytes_without(gens, leaving)  # over pages: less what the leaving ones free
+                if room <= 0 or self.store.allocate(room, keep=None):
+                    for gone in leaving:
+                        self._preempt(gone)
+                    return [g for g in gens if g not in leaving]
         for g in gens:
             self.fail(g, overloaded("not enough device memory to decode now; retry later", "step_memory"))
         return []

@@ -286,14 +286,21 @@ class LlavaRunner:
 
     def _embed(self, ids: list[int], first_row: int, image_features: torch.Tensor | None) -> torch.Tensor:
         """Embeddings ``[1, len(ids), hidden]``; the k-th image placeholder in ``ids`` takes row
-        ``first_row + k`` of ``image_features`` (every image's rows, in conversation order)."""
+        ``first_row + k`` of ``image_features`` (every image's rows, in conversation order).
+
+        A placeholder past the last row is the model's own token: an answer resumed after a
+        preemption recomputes the KV of what it sampled, which may be the placeholder's id (a random
+        checkpoint samples it readily). It is embedded as text, as the decode step embedded it. (The
+        prompt's placeholders always come first, and their count equals the rows: checked where the
+        features are made.)"""
         ids_t = torch.tensor([ids], device=self.device)
         embeds = self.model.get_input_embeddings()(ids_t)
         mask = ids_t[0] == self.image_token_id
-        count = int(mask.sum())
-        if count:
-            if image_features is None or first_row + count > image_features.shape[0]:
-                raise RuntimeError("image placeholders to prefill but not as many image feature rows")
+        left = (0 if image_features is None else image_features.shape[0]) - first_row
+        if left > 0 and bool(mask.any()):
+            mask &= mask.cumsum(0) <= left
+            count = int(mask.sum())
+            assert image_features is not None
             embeds[0, mask] = image_features[first_row : first_row + count].to(embeds.dtype)
         return embeds
 
