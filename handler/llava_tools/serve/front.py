@@ -89,7 +89,11 @@ from .image_relay import ImageRelay
 from .slot_queue import SlotQueue, SlotsTaken, slot_refusal
 from .torchserve_files import MAX_REQUEST_BYTES
 
-__all__ = ["OPENAI_PREFIX", "OpenAIFront"]
+__all__ = ["OPENAI_PREFIX", "RESTART_WAIT_S", "OpenAIFront"]
+
+#: Seconds the front holds a request while its worker restarts: a tiny model's restart measured
+#: 10-16 s on a quiet 2-core machine and 30-33 s under load (docs/api.md, "When a worker dies").
+RESTART_WAIT_S = 60.0
 
 
 class _Connection(socketserver.StreamRequestHandler):
@@ -386,7 +390,7 @@ class OpenAIFront(BackgroundServing, socketserver.ThreadingTCPServer):
         model_name: str | tuple[str, ...],
         *,
         read_timeout_s: float = 600.0,
-        restart_wait_s: float = 30.0,
+        restart_wait_s: float = RESTART_WAIT_S,
         max_request_bytes: int = MAX_REQUEST_BYTES,
         routes: bool = True,
         images: ImageRelay | None = None,
