@@ -35,6 +35,7 @@ __all__ = [
     "LineStream",
     "RawResponse",
     "Transport",
+    "check_base_url",
     "parse_session_header",
 ]
 
@@ -179,6 +180,38 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
+def check_base_url(base_url: str) -> str:
+    """``base_url`` when it is an http(s) URL with a host (``http://127.0.0.1:8080``).
+
+    Raises:
+        ValueError: anything else, e.g. ``localhost:8080`` (no scheme), with what to write instead.
+    """
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        hint = f"; did you mean http://{base_url}?" if "://" not in base_url else ""
+        raise ValueError(f"the URL must be http(s) like http://127.0.0.1:8080, got {base_url!r}{hint}")
+    return base_url
+
+
+def url_argument(text: str) -> str:
+    """An argparse ``type`` for a server URL (:func:`check_base_url`): a bad one is a one-line usage error."""
+    import argparse
+
+    try:
+        return check_base_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def port_argument(text: str) -> int:
+    """An argparse ``type`` for a TCP port, 0..65535 (0: any free port)."""
+    import argparse
+
+    if not text.strip().isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, got {text!r}")
+    return int(text)
+
+
 class HttpTransport:
     """``POST {base_url}/invocations`` with ``requests`` (TorchServe or a SageMaker container on port 8080).
 
@@ -201,9 +234,7 @@ class HttpTransport:
     ) -> None:
         import requests
 
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"base_url must be an http(s) URL like http://127.0.0.1:8080, got {base_url!r}")
+        parts = urlsplit(check_base_url(base_url))
         self.base_url = base_url.rstrip("/")
         self.url = self.base_url + "/invocations"
         self.timeout = timeout

@@ -25,6 +25,7 @@ from typing import TextIO
 from ._chat import video_part
 from ._client import API_KEY_ENV, Session, SessionClient
 from ._exceptions import LlavaError
+from ._transport import url_argument
 from ._types import Answer
 
 __all__ = ["main"]
@@ -45,7 +46,9 @@ def _build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--endpoint", metavar="NAME", help="SageMaker endpoint name (AWS credentials from the environment)"
     )
-    where.add_argument("--url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve)")
+    where.add_argument(
+        "--url", metavar="URL", type=url_argument, help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve)"
+    )
     parser.add_argument("--region", metavar="R", help="AWS region of the endpoint")
     parser.add_argument(
         "--api-key",

@@ -36,6 +36,7 @@ from typing import Any
 from ._client import Session, SessionClient
 from ._exceptions import SessionBusy
 from ._page_text import START_HINT, VIDEO_FRAMES, answer_stats, explain, sample_frames, shown, warn
+from ._transport import port_argument, url_argument
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -342,7 +343,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "(llava-serve, a container, or a SageMaker endpoint).",
     )
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve, a container)")
+    where.add_argument(
+        "--url", type=url_argument, help="server base URL, e.g. http://127.0.0.1:8080 (llava-serve, a container)"
+    )
     where.add_argument("--endpoint", help="SageMaker endpoint name")
     p.add_argument("--region", help="AWS region of --endpoint")
     p.add_argument(
@@ -350,7 +353,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the SageMaker runtime's URL for --endpoint (e.g. llava-local-endpoint's http://127.0.0.1:8090)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address the page binds to (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=7860, help="the page's port (default 7860)")
+    p.add_argument("--port", type=port_argument, default=7860, help="the page's port (default 7860)")
     return p
 
 

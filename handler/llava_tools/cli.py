@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["StartError", "parse_assignment", "parse_raw_assignment", "run_until_signal"]
+__all__ = ["StartError", "parse_assignment", "parse_raw_assignment", "port_number", "run_until_signal"]
 
 
 class StartError(RuntimeError):
@@ -30,6 +30,13 @@ def parse_assignment(text: str, *, typed: bool = True) -> tuple[str, Any]:
     if not typed:
         return key.strip(), value
     return key.strip(), yaml.safe_load(value) if value.strip() else ""
+
+
+def port_number(text: str) -> int:
+    """An argparse ``type`` for a TCP port, 0..65535 (0: any free port)."""
+    if not text.strip().isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, got {text!r}")
+    return int(text)
 
 
 def parse_raw_assignment(text: str) -> tuple[str, str]:

@@ -568,3 +568,31 @@ def test_an_api_key_guards_every_route_but_ping_and_ready_at_names_the_bind_addr
         env={k: v for k, v in os.environ.items() if k != "LLAVA_API_KEY"} | {"TMPDIR": str(tmp_path)},
     )
     assert "WARNING: serving on 0.0.0.0 without --api-key" in bare.stderr, bare.stderr
+
+
+def test_argument_mistakes_are_one_line_errors_said_at_once(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Issue 60 item 6: a port out of range, a server URL without its scheme, and a taken router port
+    are each one line on stderr (no traceback), said before anything starts."""
+    import socket
+
+    scripts = Path(sys.executable).parent
+    env = dict(os.environ) | {"TMPDIR": str(tmp_path)}
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+
+    for script in ("llava-serve", "llava-local-endpoint"):
+        bad = run(str(scripts / script), "--model-dir", str(tiny_model_dir), "--port", "99999")
+        assert bad.returncode == 2 and "a port is a number from 0 to 65535, got '99999'" in bad.stderr
+        assert "Traceback" not in bad.stderr
+    chat = run(str(scripts / "llava-chat"), "--url", "localhost:8080", "--image", "x.jpg")
+    assert chat.returncode == 2 and "did you mean http://localhost:8080?" in chat.stderr
+    assert "Traceback" not in chat.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        t0 = time.monotonic()
+        busy = run(str(scripts / "llava-local-endpoint"), "--model-dir", str(tiny_model_dir), "--port", port)
+    assert busy.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr
+    assert "Traceback" not in busy.stderr and time.monotonic() - t0 < 20  # before any backend loads

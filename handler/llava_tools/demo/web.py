@@ -21,7 +21,7 @@ from pathlib import Path
 from llava_client import SessionClient
 from llava_client.web import ChatPage, WebChat
 
-from ..cli import run_until_signal
+from ..cli import port_number, run_until_signal
 from ..serve import LocalServer
 
 __all__ = ["WebDemo", "main"]
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llava_tools.demo.web", description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, help="a llava-hf checkpoint folder (default: build `tiny`)")
     parser.add_argument("--host", default="127.0.0.1", help="the page's bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=7860, help="the page's port (default 7860)")
+    parser.add_argument("--port", type=port_number, default=7860, help="the page's port (default 7860)")
     args = parser.parse_args(argv)
     if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
         print(f"webdemo: {args.model_dir} is not a checkpoint folder (no config.json)", file=sys.stderr)

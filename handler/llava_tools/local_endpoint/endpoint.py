@@ -77,13 +77,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..cli import parse_assignment, run_until_signal
-from ..serve import API_KEY_ENV, LocalServer
+from ..cli import parse_assignment, port_number, run_until_signal
+from ..serve import API_KEY_ENV, LocalServer, ServerStartError
 from .routing import BackendRef, Router
 from .runtime_front import DEFAULT_READ_TIMEOUT_S, RouterServer
 from .sagemaker_wire import (
@@ -180,8 +181,16 @@ class LocalEndpoint:
         """Start every backend (in parallel), then the router. Stops everything on failure.
 
         Raises:
-            ServerStartError: a backend did not become ready (message holds its log tail).
+            ServerStartError: the router's port is taken (said before any backend starts), or a
+                backend did not become ready (message holds its log tail).
         """
+        if self.port:  # a taken port is said at once, not after every backend has loaded its model
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind((self.host, self.port))
+                except OSError as exc:
+                    raise ServerStartError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
         try:
             with ThreadPoolExecutor(len(self.servers)) as pool:
                 for future in [pool.submit(server.start) for server in self.servers]:
@@ -241,7 +250,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model-dir", required=True, help="llava-hf checkpoint folder")
     parser.add_argument("--backends", type=int, default=2, help="TorchServe instances (default 2)")
-    parser.add_argument("--port", type=int, default=8090, help="router port on 127.0.0.1 (0: any free port)")
+    parser.add_argument("--port", type=port_number, default=8090, help="router port on 127.0.0.1 (0: any free port)")
     parser.add_argument("--endpoint-name", default=None, help="accept only this endpoint name (default: any)")
     parser.add_argument(
         "--set",

@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from ..cli import parse_assignment, run_until_signal
+from ..cli import parse_assignment, port_number, run_until_signal
 from ..processes import is_loopback
 from .server import API_KEY_ENV, LocalServer, ServerStartError
 from .torchserve_files import MODEL_NAME, MULTI_WORKER_REFUSAL
@@ -38,7 +38,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Serve LLaVA image-chat sessions with a local TorchServe (Ctrl-C to stop).",
     )
     parser.add_argument("--model-dir", required=True, help="Hugging Face LLaVA checkpoint directory")
-    parser.add_argument("--port", type=int, default=8080, help="inference port (0: any free port)")
+    parser.add_argument("--port", type=port_number, default=8080, help="inference port (0: any free port)")
     parser.add_argument(
         "--host",
         default="127.0.0.1",
