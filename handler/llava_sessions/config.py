@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["ENV_PREFIX", "SPARE_JOB_GROUPS", "Settings", "job_groups", "resolve_devices"]
+__all__ = ["ENV_PREFIX", "SPARE_JOB_GROUPS", "Settings", "job_groups", "resolve_devices", "with_hints"]
 
 #: Prefix of the environment variables that override a field (``LLAVA_`` + field name upper-cased).
 ENV_PREFIX = "LLAVA_"
@@ -130,10 +130,7 @@ class Settings(BaseModel):
         "it, then an unset max_new_tokens is clipped to the room left) or error (422 context_length_exceeded).",
     )
     truncation_headroom: float = Field(
-        0.25,
-        ge=0.0,
-        le=0.9,
-        description="Context share a truncation leaves free, so the next turns reuse the KV cache.",
+        0.25, ge=0.0, le=0.9, description="Context share a truncation leaves free: the next turns reuse the KV."
     )
     max_prompt_chars: int = Field(16000, ge=1, description="Longest prompt (and system prompt) in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens after templating.")
@@ -379,7 +376,7 @@ class Settings(BaseModel):
         unknown = sorted(str(k) for k in keys if k not in fields)
         if unknown:
             raise ValueError(
-                f"unknown key(s) {where}: {', '.join(_with_hints(unknown, fields))}; valid keys: {', '.join(fields)}"
+                f"unknown key(s) {where}: {', '.join(with_hints(unknown, fields))}; valid keys: {', '.join(fields)}"
             )
 
     @classmethod
@@ -464,12 +461,12 @@ def _check_env_names(env: Mapping[str, str], fields: Iterable[str]) -> None:
     unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known and k not in TOOL_ENV_VARS)
     if unknown:
         raise ValueError(
-            f"unknown environment variable(s): {', '.join(_with_hints(unknown, sorted(known)))}; a setting's "
+            f"unknown environment variable(s): {', '.join(with_hints(unknown, sorted(known)))}; a setting's "
             f"variable is {ENV_PREFIX}<SETTING NAME> (docs/configuration.md lists them)"
         )
 
 
-def _with_hints(unknown: list[str], valid: Iterable[str]) -> list[str]:
+def with_hints(unknown: list[str], valid: Iterable[str]) -> list[str]:
     """Each unknown key, with the closest valid one when there is one (``difflib``): ``session_tl_s
     (did you mean session_ttl_s?)``."""
     names = list(valid)

@@ -17,7 +17,14 @@ MIB = 1024**2
 
 
 def test_public_api_is_pinned() -> None:
-    assert sorted(config.__all__) == ["ENV_PREFIX", "SPARE_JOB_GROUPS", "Settings", "job_groups", "resolve_devices"]
+    assert sorted(config.__all__) == [
+        "ENV_PREFIX",
+        "SPARE_JOB_GROUPS",
+        "Settings",
+        "job_groups",
+        "resolve_devices",
+        "with_hints",
+    ]
 
 
 def test_defaults_match_the_documented_values() -> None:

@@ -588,6 +588,19 @@ def test_argument_mistakes_are_one_line_errors_said_at_once(tmp_path: Path, tiny
     chat = run(str(scripts / "llava-chat"), "--url", "localhost:8080", "--image", "x.jpg")
     assert chat.returncode == 2 and "did you mean http://localhost:8080?" in chat.stderr
     assert "Traceback" not in chat.stderr
+    # a TorchServe key misspelt (TorchServe itself ignores it without a word), in --ts-set or the yaml
+    typo = run(
+        str(scripts / "llava-serve"), "--model-dir", str(tiny_model_dir), "--port", "0", "--ts-set", "batchSze=8"
+    )
+    assert (
+        typo.returncode == 1
+        and "unknown TorchServe key(s) in --ts-set: batchSze (did you mean batchSize?)" in typo.stderr
+    )
+    config = tmp_path / "model-config.yaml"
+    config.write_text("maxBatchDelai: 5\nhandler: {}\n")
+    typo = run(str(scripts / "llava-serve"), "--model-dir", str(tiny_model_dir), "--port", "0", "--config", str(config))
+    assert typo.returncode == 1 and "maxBatchDelai (did you mean maxBatchDelay?)" in typo.stderr
+    assert "Traceback" not in typo.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -286,22 +286,15 @@ class LlavaRunner:
 
     def _embed(self, ids: list[int], first_row: int, image_features: torch.Tensor | None) -> torch.Tensor:
         """Embeddings ``[1, len(ids), hidden]``; the k-th image placeholder in ``ids`` takes row
-        ``first_row + k`` of ``image_features`` (every image's rows, in conversation order).
-
-        A placeholder past the last row is the model's own token: an answer resumed after a
-        preemption recomputes the KV of what it sampled, which may be the placeholder's id (a random
-        checkpoint samples it readily). It is embedded as text, as the decode step embedded it. (The
-        prompt's placeholders always come first, and their count equals the rows: checked where the
-        features are made.)"""
+        ``first_row + k`` of ``image_features`` (every image's rows, in conversation order). One past
+        the last row is a token the model sampled (a preempted answer's recomputed KV): text, as decoded."""
         ids_t = torch.tensor([ids], device=self.device)
         embeds = self.model.get_input_embeddings()(ids_t)
         mask = ids_t[0] == self.image_token_id
         left = (0 if image_features is None else image_features.shape[0]) - first_row
-        if left > 0 and bool(mask.any()):
+        if image_features is not None and left > 0 and bool(mask.any()):
             mask &= mask.cumsum(0) <= left
-            count = int(mask.sum())
-            assert image_features is not None
-            embeds[0, mask] = image_features[first_row : first_row + count].to(embeds.dtype)
+            embeds[0, mask] = image_features[first_row : first_row + int(mask.sum())].to(embeds.dtype)
         return embeds
 
     @torch.inference_mode()

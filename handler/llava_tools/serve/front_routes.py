@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from llava_sessions.wire.contract import IMAGE_RELAY_PATH
 
@@ -28,11 +28,9 @@ from .http_wire import (
     response,
     unauthorized,
 )
+from .image_relay import ImageRelay
 
-if TYPE_CHECKING:
-    from .front import OpenAIFront
-
-__all__ = ["CHAT_COMPLETIONS_PATH", "METRICS_PATH", "answered_here", "metrics_reply"]
+__all__ = ["CHAT_COMPLETIONS_PATH", "METRICS_PATH", "FrontState", "answered_here", "metrics_reply"]
 
 CHAT_COMPLETIONS_PATH = OPENAI_PREFIX.encode() + b"/chat/completions"
 """The one OpenAI route relayed to TorchServe (as ``/invocations``); the front answers the rest."""
@@ -42,7 +40,23 @@ METRICS_PATH = b"/metrics"
 METRICS_TIMEOUT_S = 10.0
 
 
-def answered_here(server: OpenAIFront, method: bytes, target: bytes, fields: Fields) -> bytes | None:
+class FrontState(Protocol):
+    """What these routes read of the front (:class:`~llava_tools.serve.front.OpenAIFront`)."""
+
+    ready: bool
+    images: ImageRelay | None
+    metrics: tuple[str, int] | None
+    routes: bool
+    model_names: tuple[str, ...]
+
+    def retry_after_s(self) -> int: ...
+
+    def authorized(self, authorization: bytes | None) -> bool: ...
+
+    def model_card(self, name: str | None = None) -> dict[str, Any]: ...
+
+
+def answered_here(server: FrontState, method: bytes, target: bytes, fields: Fields) -> bytes | None:
     """The reply to a request the front answers itself (module docstring), or None: it goes on to
     TorchServe (chat completions as ``/invocations``, any other path as it came)."""
     path = target.partition(b"?")[0]
@@ -76,7 +90,7 @@ def metrics_reply(address: tuple[str, int]) -> bytes:
     return head % (reply.status, reply.reason.encode("latin-1"), kind, len(body)) + body
 
 
-def _openai(server: OpenAIFront, method: bytes, path: bytes) -> bytes | None:
+def _openai(server: FrontState, method: bytes, path: bytes) -> bytes | None:
     """OpenAI's routes answered here (None: chat completions, relayed to ``/invocations``)."""
     if method == b"POST" and path == CHAT_COMPLETIONS_PATH:
         return None

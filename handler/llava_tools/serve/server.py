@@ -259,7 +259,9 @@ class LocalServer(Supervised):
             atexit.register(self.stop)
         try:
             # the handler settings the worker will read, validated before anything starts
-            self._settings = ts_files.check_settings(self.config_path, self.overrides, {**os.environ, **self.env})
+            self._settings = ts_files.check_settings(
+                self.config_path, self.overrides, {**os.environ, **self.env}, self.model_config_overrides
+            )
             self._prepare_and_launch()
             self._wait_ready()
             if self.supervise:

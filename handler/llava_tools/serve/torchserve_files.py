@@ -422,16 +422,47 @@ def tail_logs(temp_dir: Path, n: int = 50) -> str:
     return "\n".join(parts)
 
 
-def check_settings(config_path: Path, overrides: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
+#: The top-level keys of model-config.yaml TorchServe reads (its ``ModelConfig.java``, 0.12), with
+#: ``handler`` (our settings) and ``pt2`` (read by its Python backend).
+TORCHSERVE_MODEL_KEYS = frozenset(
+    {
+        "minWorkers", "maxWorkers", "batchSize", "maxBatchDelay", "responseTimeout", "startupTimeout",
+        "deviceType", "parallelType", "parallelLevel", "deviceIds", "torchrun", "maxRetryTimeoutInSec",
+        "clientTimeoutInMills", "jobQueueSize", "useJobTicket", "sequenceMaxIdleMSec", "sequenceTimeoutMSec",
+        "maxSequenceJobQueueSize", "maxNumSequence", "continuousBatching", "sequenceBatching",
+        "asyncCommunication", "useVenv", "handler", "pt2",
+    }
+)  # fmt: skip
+
+
+def check_settings(
+    config_path: Path,
+    overrides: Mapping[str, Any],
+    env: Mapping[str, str],
+    model_config_overrides: Mapping[str, Any] | None = None,
+) -> Settings:
     """The handler settings a worker will read (the config's ``handler:`` section, the
-    ``overrides``, ``LLAVA_*`` variables of ``env``), validated as the worker would, before anything starts.
+    ``overrides``, ``LLAVA_*`` variables of ``env``), validated as the worker would, before anything
+    starts; the config's top-level keys and ``model_config_overrides`` must be TorchServe's
+    (:data:`TORCHSERVE_MODEL_KEYS`: it ignores a misspelt one without a word).
 
     Raises:
-        ServerStartError: a setting is unknown (with the closest valid key) or out of range.
+        ServerStartError: a setting or TorchServe key is unknown (with the closest valid key), or a
+            setting is out of range.
     """
-    from llava_sessions.config import Settings  # noqa: F811 - at run time, not at import
+    from llava_sessions.config import Settings, with_hints  # noqa: F811 - at run time, not at import
 
     config = yaml.safe_load(config_path.read_text()) or {}
+    for keys, where in (
+        (config if isinstance(config, dict) else {}, str(config_path)),
+        (model_config_overrides or {}, "--ts-set"),
+    ):
+        unknown = sorted(str(k) for k in keys if k not in TORCHSERVE_MODEL_KEYS)
+        if unknown:
+            raise ServerStartError(
+                f"unknown TorchServe key(s) in {where}: {', '.join(with_hints(unknown, TORCHSERVE_MODEL_KEYS))}; "
+                f"TorchServe reads: {', '.join(sorted(TORCHSERVE_MODEL_KEYS))}"
+            )
     section = {**dict((config.get("handler") if isinstance(config, dict) else None) or {}), **overrides}
     try:
         Settings.check_names(dict(overrides), "in --set")
