@@ -601,6 +601,11 @@ def test_argument_mistakes_are_one_line_errors_said_at_once(tmp_path: Path, tiny
     typo = run(str(scripts / "llava-serve"), "--model-dir", str(tiny_model_dir), "--port", "0", "--config", str(config))
     assert typo.returncode == 1 and "maxBatchDelai (did you mean maxBatchDelay?)" in typo.stderr
     assert "Traceback" not in typo.stderr
+    # a folder that is no checkpoint: said at once (it took TorchServe's start and ~85 log lines)
+    t0 = time.monotonic()
+    empty = run(str(scripts / "llava-serve"), "--model-dir", str(tmp_path), "--port", "0")
+    assert empty.returncode == 1 and "is not a llava-hf checkpoint folder (no config.json)" in empty.stderr
+    assert time.monotonic() - t0 < 15 and len(empty.stderr.splitlines()) <= 2, empty.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

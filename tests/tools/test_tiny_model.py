@@ -100,3 +100,14 @@ def test_cli_builds_each_architecture_with_the_hub_s_class_names(tmp_path):
         text=True,
     )
     assert refused.returncode == 2 and "llava-tiny-model:" in refused.stderr
+
+
+def test_the_cli_refuses_a_folder_that_is_not_empty(tmp_path) -> None:
+    """Issue 60 item 6: pointed at a folder holding files (a real checkpoint, say), ``llava-tiny-model``
+    writes nothing there: exit 2, the files as they were."""
+    (tmp_path / "model.safetensors").write_bytes(b"real weights")
+    command = [sys.executable, "-m", "llava_tools.tiny_model", "--out", str(tmp_path)]
+    refused = subprocess.run(command, capture_output=True, text=True)
+    assert refused.returncode == 2 and "is not empty" in refused.stderr and "Traceback" not in refused.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+    assert (tmp_path / "model.safetensors").read_bytes() == b"real weights"

@@ -241,7 +241,8 @@ class LocalServer(Supervised):
         Raises:
             ServerStartError: the archiver failed, TorchServe exited, or no READY worker and
                 ``/ping`` 200 within ``startup_timeout_s`` (the server is stopped first).
-            FileNotFoundError: ``model_dir``, the config or the handler file does not exist.
+            FileNotFoundError: ``model_dir``, the config or the handler file does not exist, or
+                (with our handler) ``model_dir`` holds no ``config.json``.
             RuntimeError: already started.
         """
         with self._lock:
@@ -255,6 +256,11 @@ class LocalServer(Supervised):
             ):
                 if path is not None and not path.exists():
                     raise FileNotFoundError(f"{what} not found: {path}")
+            if self.handler_path == default_handler_path() and not (self.model_dir / "config.json").is_file():
+                raise FileNotFoundError(  # said now, not after TorchServe's start and the worker's failed load
+                    f"{self.model_dir} is not a llava-hf checkpoint folder (no config.json): give the folder "
+                    "'hf download' wrote, or build one with llava-tiny-model"
+                )
             self._temp_dir = Path(tempfile.mkdtemp(prefix="llava-serve-", dir=temp_base()))
             atexit.register(self.stop)
         try:

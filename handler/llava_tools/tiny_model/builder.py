@@ -483,11 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--max-positions", type=int, default=None, help="the text model's context in tokens (default: the size's)"
-    )
+    parser.add_argument("--max-positions", type=int, help="the text model's context in tokens (default: the size's)")
     args = parser.parse_args(argv)
     try:
+        if Path(args.out).exists() and (not Path(args.out).is_dir() or any(Path(args.out).iterdir())):
+            raise ValueError(f"{args.out} is not empty: random weights would replace its own; give a new folder")
         path = write_checkpoint(args.size, args.out, seed=args.seed, arch=args.arch, max_positions=args.max_positions)
     except (RuntimeError, ValueError) as exc:
         print(f"llava-tiny-model: {exc}", file=sys.stderr)
