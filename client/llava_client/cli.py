@@ -197,8 +197,9 @@ class _Chat:
         return True
 
     def loop(self, lines, interactive: bool) -> int:
-        """Answer each line; returns the exit status: piped input (a script) gets 1 when any line
-        failed; at a terminal, an error already shown and recovered from (the chat went on) leaves 0."""
+        """Answer each line; returns the exit status: piped input (a script) that runs out gets 1 when
+        any line failed; at a terminal, an error already shown and recovered from (the chat went on)
+        leaves 0, and so does a ``/quit`` anywhere: the user ended the chat, its errors already shown."""
         status = 0
         for raw in lines:
             line = raw.strip()
@@ -207,7 +208,7 @@ class _Chat:
             try:
                 if line.startswith("/"):
                     if not self.command(line):
-                        break
+                        return 0
                     continue
                 self.ask(line, prefix="llava> " if interactive else "")
             except (LlavaError, OSError) as exc:  # OSError: /image or /add with a missing file

@@ -450,7 +450,8 @@ def test_bodies_over_our_limit_get_typed_413s_the_client_raises_as_payload_too_l
 
 def test_llava_chat_at_a_terminal_recovers_from_an_error_and_exits_0(server, photo_path):
     """llava-chat with a terminal on stdin (a pty): /help, an error it shows and goes on from, a
-    question, /quit: exit status 0 (piped input still gets 1 after an error: a script's failure)."""
+    question, /quit: exit status 0 (piped input that runs out still gets 1 after an error: a script's
+    failure)."""
     import os
     import pty
     import subprocess
@@ -475,6 +476,9 @@ def test_llava_chat_at_a_terminal_recovers_from_an_error_and_exits_0(server, pho
     assert "llava> " in out
     piped = _llava_chat("--url", server.url, "--image", photo_path, stdin="/add /no/such/image.png\n")
     assert piped.returncode == 1 and "error:" in piped.stderr
+    # ...unless it ends with a clean /quit (issue 60 item 6: the user ended the chat)
+    quit_ = _llava_chat("--url", server.url, "--image", photo_path, stdin="/add /no/such/image.png\n/quit\n")
+    assert quit_.returncode == 0 and "error:" in quit_.stderr
 
 
 # ---- the chat dialect's stream object and a lost chat session (issue 32 item 7) -------------------
