@@ -57,6 +57,9 @@ def test_demo_runs_a_scripted_session():
     assert "llava-serve --model-dir" in tail and "llava-chat --url" in tail and "llava-web --url" in tail
     # the commands live in the venv make installed: a fresh shell is told to activate it first
     assert "source .venv/bin/activate" in tail and (ROOT / ".venv" / "bin" / "llava-serve").exists()
+    # the --image it suggests exists (issue 60 item 6: no photo.jpg shipped)
+    photo = re.search(r"llava-chat --url \S+ --image (\S+)", tail).group(1)
+    assert (ROOT / photo).is_file() and (ROOT / photo).read_bytes()[:2] == b"\xff\xd8"  # a JPEG
 
 
 def test_demo_runs_on_the_checkpoint_model_dir_names(tmp_path):

@@ -106,7 +106,7 @@ def run(model_dir: Path | None, *, max_new_tokens: int, work_dir: Path) -> int:
         f"{second.prompt_tokens - second.cached_tokens} new ones."
     )
     _say()
-    _say(_NEXT_STEPS.replace("{venv}", _venv()))
+    _say(_NEXT_STEPS.replace("{venv}", _venv()).replace("{photo}", _photo_for_next_steps()))
     return 0
 
 
@@ -116,11 +116,24 @@ _NEXT_STEPS = """Next steps
   source {venv}/bin/activate                           # the commands below live there ({venv}/bin)
   llava-tiny-model --out ./tiny-llava                  # or any llava-hf checkpoint folder
   llava-serve --model-dir ./tiny-llava --port 8080     # a server of your own (Ctrl-C stops it)
-  llava-chat --url http://127.0.0.1:8080 --image photo.jpg        # a terminal chat
+  llava-chat --url http://127.0.0.1:8080 --image {photo}  # a terminal chat
   llava-web --url http://127.0.0.1:8080                            # the chat page
   curl -s localhost:8080/invocations -H 'Content-Type: application/json' \
        -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
 Protocol: docs/api.md; Python client: README.md (API)."""
+
+
+def _photo_for_next_steps() -> str:
+    """A photo for the next steps' ``--image``: the sample astronaut, written once into the virtual
+    environment (``<venv>/share/llava-sessions/astronaut.jpg``, which git ignores); its path as shown."""
+    path = Path(sys.prefix) / "share" / "llava-sessions" / "astronaut.jpg"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(sample_photo("astronaut"))
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _venv() -> str:
