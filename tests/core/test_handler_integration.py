@@ -360,9 +360,12 @@ def test_invalid_request_batched_with_valid_ones_fails_alone(server, photos):
         {"type": "generate", "prompt": q, "remember": False, "parameters": {"max_new_tokens": 60}},
         session_id=sid,
     ).json()["generated_text"]
+    body = {"type": "generate", "prompt": q, "stream": True, "remember": False, "parameters": {"max_new_tokens": 60}}
+    running = post(server, body, session_id=sid, stream=True)
+    chunks = running.iter_content(chunk_size=None)
+    first = next(chunks)  # the stream is running: the next requests join its batches
     with ThreadPoolExecutor(5) as pool:
-        long_run = pool.submit(stream, server, sid, q, max_new_tokens=60)
-        time.sleep(0.3)  # the stream is running: the next requests join its batches
+        long_run = pool.submit(lambda: [json.loads(line) for line in (first + b"".join(chunks)).splitlines()])
         bad = [
             pool.submit(
                 post, server, {"type": "generate", "prompt": "x", "parameters": {"temperature": -1}}, others[0]
@@ -375,7 +378,7 @@ def test_invalid_request_batched_with_valid_ones_fails_alone(server, photos):
         )
         assert [f.result().status_code for f in bad] == [400, 400, 404]
         assert good.result().status_code == 200
-        assert long_run.result()[1][-1]["generated_text"] == expected
+        assert long_run.result()[-1]["generated_text"] == expected
     for s in (sid, *others):
         post(server, {"type": "close_session"}, session_id=s)
 
@@ -688,16 +691,12 @@ def test_killed_worker_sessions_get_404_fast_and_new_sessions_work(small_server,
     t0 = time.monotonic()
     while True:  # llava-serve's supervisor restarts TorchServe; the old session is gone with the worker
         assert time.monotonic() - t0 < 60, "no answer within 60 s of the worker's death"
-        try:
-            r = post(
-                small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=sid
-            )
-        except requests.ConnectionError:  # the restart window
-            time.sleep(0.5)
-            continue
-        if r.status_code == 404:
+        r = post(small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=sid)
+        if r.status_code == 404:  # held by the front through the restart, or sent once it served again
             break
-        assert r.status_code in (503, 507), r.text  # TorchServe's own "worker died" answers
+        # sent before the supervisor saw the death: the front's typed, retryable 503 (never a 507, a
+        # bare 502 or a refused connection: the front holds its port through the restart)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready", r.text
         time.sleep(0.5)
     assert r.json()["error"]["code"] == "session_not_found" and r.headers[CLOSED] == sid
     assert time.monotonic() - t0 < 60

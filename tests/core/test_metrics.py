@@ -115,7 +115,7 @@ def test_the_background_writer_merges_what_queued_up_and_loses_no_sample(cache, 
 def test_the_writer_writes_at_most_once_per_interval_and_merges_the_calls_between(cache, lines) -> None:
     """With ``interval_s`` the first payload goes out at once; the ones published within the interval
     wait and leave as one write (latest gauges, summed counters, every sample) once it has passed."""
-    metrics = WorkerMetrics(cache, interval_s=0.5)
+    metrics = WorkerMetrics(cache, interval_s=2.0)  # far past a loaded machine's scheduling delays
     metrics.publish(payload(1, 50, 5, [10.0], [20.0]))
     assert metrics.flush()
     assert ("GeneratedTokens", 5, "ModelName:llava,Replica:0", "COUNTER") in lines()
@@ -125,7 +125,7 @@ def test_the_writer_writes_at_most_once_per_interval_and_merges_the_calls_betwee
     time.sleep(0.2)
     assert lines() == []
     assert metrics.flush()
-    assert time.monotonic() - t0 >= 0.25
+    assert time.monotonic() - t0 >= 1.75
     written = lines()
     assert [v for n, v, *_ in written if n == "OpenSessions"] == [4]
     assert [v for n, v, *_ in written if n == "GeneratedTokens"] == [3]  # 5 -> 8 in one increment

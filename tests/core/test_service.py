@@ -163,6 +163,21 @@ def test_a_stream_s_first_token_leaves_in_the_call_that_sampled_it(tiny_model_di
     finish(svc, [Row("c1", "ts-seq-c1", True, None)], [token])
 
 
+def test_the_decode_layout_kv_pool_and_enforce_eager_settings_reach_the_engine(tiny_model_dir):
+    """Issue 60 item 7: the settings, not the engine's defaults, pick where answers decode; on a CPU
+    ``auto`` is the contiguous batch without a pool, and no layout captures CUDA graphs there."""
+    cases = [
+        ({}, False, False),
+        ({"decode_layout": "paged", "kv_pool": "on"}, True, True),
+        ({"decode_layout": "contiguous", "kv_pool": "on"}, False, True),
+        ({"decode_layout": "paged", "kv_pool": "on", "enforce_eager": True}, True, True),
+    ]
+    for settings, paged, pool in cases:
+        engine = tiny_service(tiny_model_dir, **settings).engine
+        assert (engine.batch.layout().page_size > 0, engine.model.kv_pool is not None) == (paged, pool), settings
+        assert engine.model.graphs is None
+
+
 def _stream_texts(svc: SessionService, bodies: list[dict]) -> list[tuple[str, str | None]]:
     """Run chat stream ``bodies`` together to their ends: each one's ``(text, finish_reason)``, or
     ``(error code, None)``."""
