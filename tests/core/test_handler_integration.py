@@ -691,7 +691,9 @@ def test_killed_worker_sessions_get_404_fast_and_new_sessions_work(small_server,
     t0 = time.monotonic()
     while True:  # llava-serve's supervisor restarts TorchServe; the old session is gone with the worker
         assert time.monotonic() - t0 < 60, "no answer within 60 s of the worker's death"
-        r = post(small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=sid)
+        r = post(
+            small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=sid
+        )
         if r.status_code == 404:  # held by the front through the restart, or sent once it served again
             break
         # sent before the supervisor saw the death: the front's typed, retryable 503 (never a 507, a
