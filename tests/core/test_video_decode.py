@@ -244,3 +244,36 @@ def test_a_variable_rate_timebase_still_samples_by_index():
     assert list(video.indices) == transformers_indices(45, 15.0, num_frames=5) == [0, 9, 18, 27, 36]
     levels = [int(round(frame.mean())) for frame in video.frames]
     assert all(abs(seen - gray_level(i)) <= 4 for seen, i in zip(levels, video.indices, strict=True)), levels
+
+
+@pytest.mark.parametrize(
+    ("architecture", "processor_kwargs"),
+    [
+        ("LlavaOnevisionForConditionalGeneration", {"size": {"height": 384, "width": 384}, "do_center_crop": False}),
+        (
+            "LlavaNextVideoForConditionalGeneration",
+            {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224}, "do_center_crop": True},
+        ),
+    ],
+)
+def test_video_frames_are_preprocessed_as_transformers_image_processor_does(architecture, processor_kwargs) -> None:
+    """Issue 60 item 7: each sampled frame's pixels equal transformers' own CLIP image processor's (its
+    PIL backend, which needs no torchvision) with the video processor's settings: resize (and crop),
+    rescale, normalise. A normalisation by twice the std, say, fails here."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from llava_sessions.model.video import VIDEO_DEFAULTS, VideoPreprocessing, preprocess_frames
+
+    defaults = VIDEO_DEFAULTS[architecture]
+    frames = np.random.default_rng(0).integers(0, 256, (3, 240, 320, 3), dtype=np.uint8)
+    ours = preprocess_frames(frames, VideoPreprocessing.from_settings({}, architecture))[0].numpy()
+    theirs = CLIPImageProcessorPil(
+        resample=defaults["resample"],
+        rescale_factor=defaults["rescale_factor"],
+        image_mean=defaults["image_mean"],
+        image_std=defaults["image_std"],
+        **processor_kwargs,
+    )(images=list(frames), return_tensors="np")["pixel_values"]
+    assert ours.shape == theirs.shape
+    for frame, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
+        assert np.abs(mine - reference).max() < 1e-4, frame
