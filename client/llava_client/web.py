@@ -288,7 +288,8 @@ def build_app(chat: WebChat, *, title: str = "LLaVA image chat", target: str = "
 
     with gr.Blocks(title=title) as app:
         gr.Markdown(
-            f"## {title}\nOne image per session; follow-up questions reuse its cached features and KV cache. {target}"
+            f"## {title}\nA session holds the image (or video) it opened on; follow-up questions reuse its cached "
+            f"features and KV cache, and a new image opens a new session. {target}"
         )
         with gr.Row():
             with gr.Column(scale=2):
@@ -400,6 +401,27 @@ class ChatPage:
             app.close()
 
 
+def _answers(url: str) -> bool:
+    """Whether anything answers ``GET {url}/ping`` within 3 s (any status: a server that is starting says 503)."""
+    import requests
+
+    try:
+        requests.get(url.rstrip("/") + "/ping", timeout=3)
+    except requests.RequestException:
+        return False
+    return True
+
+
+def _check_port(host: str, port: int) -> None:
+    """Raise ``OSError`` now when ``host:port`` cannot be bound (Gradio's own message points to its
+    environment variables, not to ``--port``)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``llava-web``; returns the exit status."""
     args = _build_parser().parse_args(argv)
@@ -413,6 +435,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.url:
         client, target = SessionClient.from_url(args.url), args.url
+        if not _answers(args.url):
+            print(
+                f"llava-web: warning: nothing answers at {args.url} (is the server running?); the page starts "
+                "anyway and says so on each request",
+                file=sys.stderr,
+                flush=True,
+            )
     else:
         runtime = None
         if args.endpoint_url:
@@ -431,9 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     with client:
         try:
+            _check_port(args.host, args.port)
             page.start()
         except OSError as exc:
-            print(f"llava-web: cannot serve the page on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            print(f"llava-web: cannot serve the page on {args.host}:{args.port} ({exc.strerror or 'taken'}); "
+                  "choose another with --port", file=sys.stderr)  # fmt: skip
             return 1
         try:
             print(f"llava-web: chat page at {page.url} (server: {target}); Ctrl-C stops", flush=True)

@@ -12,12 +12,13 @@ import signal
 import socket
 import socketserver
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = [
     "OPENER",
@@ -215,6 +216,13 @@ class BackgroundServing(socketserver.BaseServer):
         self._thread = threading.Thread(target=self.serve_forever, name=self.thread_name, daemon=True)
         self._thread.start()
         return self
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that left mid-request (a reset, a broken pipe, a timeout) is no error: nothing is
+        printed; anything else is printed as ``socketserver`` does (a traceback on stderr)."""
+        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            return
+        super().handle_error(request, client_address)
 
     def stop(self) -> None:
         """Stop serving and close the listening socket. Idempotent."""

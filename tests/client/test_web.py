@@ -366,3 +366,23 @@ def _running(psutil, pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_llava_web_says_when_its_server_is_unreachable_and_when_its_port_is_taken(tmp_path):
+    """Issue 60 item 6: ``llava-web --url`` with nothing answering there warns at once (the page still
+    starts: the server may come later), and a taken ``--port`` is one line naming ``--port`` (Gradio's
+    own message points to its environment variables)."""
+    dead = _free_port()
+    env = dict(os.environ) | {"TMPDIR": str(tmp_path), "GRADIO_ANALYTICS_ENABLED": "False"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = subprocess.run(
+            [*_script("llava-web"), "--url", f"http://127.0.0.1:{dead}", "--port", str(taken.getsockname()[1])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    assert busy.returncode == 1 and "choose another with --port" in busy.stderr and "GRADIO" not in busy.stderr
+    assert f"warning: nothing answers at http://127.0.0.1:{dead}" in busy.stderr and "Traceback" not in busy.stderr

@@ -533,6 +533,25 @@ def test_cli_keeps_serving_when_a_backend_worker_dies(tiny_model_dir: Path, phot
     assert cli.returncode == 0
 
 
+def test_a_client_that_resets_mid_request_prints_no_traceback(stand_in_router, capfd):
+    """Issue 60 item 6: a client that resets its connection while sending (a load tool cancelling, a
+    browser closing) is no error of the router's: nothing on stderr (it printed a
+    ``ConnectionResetError`` traceback)."""
+    import struct
+
+    _, front, rt = stand_in_router
+    host, port = front.server_address[:2]
+    for _ in range(3):
+        client = socket.create_connection((host, port))
+        client.sendall(b"POST /endpoints/e/invocations HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        client.close()
+    time.sleep(0.5)  # the handler threads meet the reset
+    assert requests.get(front.url + "/ping", timeout=10).status_code == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ConnectionResetError" not in err, err
+
+
 def test_an_api_key_is_presented_by_boto3_as_its_access_key_and_by_openai_as_bearer(endpoint, photos):
     """``llava-local-endpoint --api-key K``: boto3 signing with ``aws_access_key_id=K`` and the openai
     package with ``api_key=K`` are served; another key gets a typed 401 (boto3's ``ClientError``
