@@ -65,6 +65,11 @@ def create(client: openai.OpenAI, **kw) -> ChatCompletion:
     return ChatCompletion.model_validate(json.loads(raw.http_response.text))
 
 
+def stream_chunks(client: openai.OpenAI, messages: list[dict], **kw) -> list[ChatCompletionChunk]:
+    """A streamed completion's chunks, as the package's stream reader gives them."""
+    return list(client.chat.completions.create(model="llava", messages=messages, stream=True, **kw))
+
+
 def test_models_lists_the_served_model(server, tiny_model_dir):
     client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
     models = client.models.list().data
@@ -125,16 +130,7 @@ def test_plain_image_and_streamed_turns_through_the_openai_package(server, local
         first = create(client, messages=messages, extra_body={"cache_salt": where})
         assert first.choices[0].message.content == want, where
         assert first.usage is not None and first.usage.prompt_tokens_details is not None
-        chunks = list(
-            client.chat.completions.create(
-                model="llava",
-                messages=messages,
-                temperature=0,
-                max_tokens=N,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-        )
+        chunks = stream_chunks(client, messages, temperature=0, max_tokens=N, stream_options={"include_usage": True})
         for chunk in chunks:
             ChatCompletionChunk.model_validate(chunk.to_dict())
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want, where
@@ -166,16 +162,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk_as_vllm_does
     content = [{"type": "image_url", "image_url": {"url": data_uri(photos["coffee"])}}, {"type": "text", "text": "Hi"}]
     messages = [{"role": "user", "content": content}]
     options = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = list(
-        client.chat.completions.create(
-            model="llava",
-            messages=messages,
-            max_tokens=12,
-            stream=True,
-            stream_options=options,
-            extra_body={"min_tokens": 12},
-        )
-    )
+    chunks = stream_chunks(client, messages, max_tokens=12, stream_options=options, extra_body={"min_tokens": 12})
     for chunk in chunks:
         ChatCompletionChunk.model_validate(chunk.to_dict())
     assert all(c.usage is not None for c in chunks)
@@ -183,10 +170,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk_as_vllm_does
     assert counts == sorted(counts) and counts[0] <= 1 and counts[-1] == 12 and len(set(counts)) > 2
     prompt = {c.usage.prompt_tokens for c in chunks}
     assert len(prompt) == 1 and chunks[-1].usage.total_tokens == prompt.pop() + 12
-    plain = client.chat.completions.create(
-        model="llava", messages=messages, max_tokens=4, stream=True, stream_options={"include_usage": True}
-    )
-    chunks = list(plain)
+    chunks = stream_chunks(client, messages, max_tokens=4, stream_options={"include_usage": True})
     assert chunks[-1].usage is not None and all(c.usage is None for c in chunks[:-1])
 
 
