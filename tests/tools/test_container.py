@@ -135,10 +135,11 @@ def test_serve_refuses_more_than_one_worker(tmp_path: Path, tiny_model_dir: Path
 
 @pytest.mark.integration
 @pytest.mark.timeout(180)
-def test_the_container_s_api_key_guards_every_port_but_ping(tmp_path, tiny_model_dir, photos):
+def test_the_container_s_api_key_guards_every_port_and_left_requests_are_freed(tmp_path, tiny_model_dir, photos):
     """Issue 60 item 5: with ``LLAVA_API_KEY`` set in the container, its port answers ``/ping`` alone
     without the key (SageMaker's health check), everything else wants ``Authorization: Bearer <key>``,
-    and no other listening port answers an inference or management request without a key."""
+    and no other listening port answers an inference or management request without a key. Then, on
+    the same container, requests their clients left are freed (:func:`_left_requests_are_freed`)."""
     key = "k-" + "3" * 30
     env = {
         **os.environ,
@@ -146,6 +147,8 @@ def test_the_container_s_api_key_guards_every_port_but_ping(tmp_path, tiny_model
         "LLAVA_CONTAINER_MODEL_DIR": str(tiny_model_dir),
         "LLAVA_CONTAINER_PORT": "0",
         "LLAVA_API_KEY": key,
+        "LLAVA_MAX_CONCURRENT_GENERATIONS": "1",  # for _left_requests_are_freed: a slot still taken
+        "LLAVA_QUEUE_MAX_REQUESTS": "0",  # shows as a 503 (a refusal is not held)
     }
     serve = subprocess.Popen(
         [str(REPO / "docker" / "serve")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -176,65 +179,9 @@ def test_the_container_s_api_key_guards_every_port_but_ping(tmp_path, tiny_model
                 except requests.ConnectionError:
                     continue  # a gRPC port: HTTP/1.1 is no request there
                 assert r.status_code == 404 or "Token Authorization failed" in r.text, (other, path, r.text[:200])
+        _left_requests_are_freed(url, auth, photos)
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0
-    finally:
-        stop_process(serve)
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(180)
-def test_the_container_frees_a_request_its_client_left(tmp_path, tiny_model_dir, photos):
-    """Issue 60 item 0 through the container's front (``docker/serve``), in both dialects: with one
-    generation slot and no queue, a stream left after its first chunk and a whole answer left while
-    it is generated each free the slot, so the next request is answered within seconds (before, it
-    got ``503 overloaded`` for 600 s)."""
-    import http.client
-    import json
-
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "LLAVA_CONTAINER_MODEL_DIR": str(tiny_model_dir),
-        "LLAVA_CONTAINER_PORT": "0",
-        "LLAVA_MAX_CONCURRENT_GENERATIONS": "1",
-        "LLAVA_QUEUE_MAX_REQUESTS": "0",  # a refusal is not held: a slot still taken shows as a 503
-    }
-    serve = subprocess.Popen(
-        [str(REPO / "docker" / "serve")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        url = OutputLines(serve.stdout, serve).wait_for(READY, timeout_s=120).group(1)
-        port = int(url.rsplit(":", 1)[1])
-        chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300}
-        opening = {"type": "open_session", "image": {"base64": base64.b64encode(photos["rocket"]).decode()}}
-        sid = requests.post(url + "/invocations", json=opening, timeout=60).json()["session_id"]
-        native = {"type": "generate", "prompt": "Tell me a long story.", "parameters": {"max_new_tokens": 300}}
-        cases = [({**chat, "ignore_eos": True, "stream": True}, {}), ({**chat, "ignore_eos": True}, {})]
-        cases += [({**native, "stream": True}, {SID: sid}), (native, {SID: sid})]
-        for body, headers in cases:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            conn.request("POST", "/invocations", json.dumps(body), {"Content-Type": "application/json", **headers})
-            if body.get("stream"):
-                reply = conn.getresponse()
-                assert reply.status == 200 and reply.fp.readline()  # its first chunk arrived
-            else:
-                time.sleep(0.5)  # being generated: no byte of the reply sent yet
-            conn.close()
-            t0, status = time.monotonic(), 0
-            while status != 200 and time.monotonic() - t0 < 10:
-                quick = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-                status = requests.post(url + "/invocations", json=quick, timeout=60).status_code
-                if status != 200:
-                    assert status == 503
-                    time.sleep(0.2)
-            assert status == 200, body
-            assert time.monotonic() - t0 < 10
-        # the session whose questions were left is as it was: it answers
-        again = requests.post(
-            url + "/invocations", json={**native, "parameters": {"max_new_tokens": 2}}, headers={SID: sid}, timeout=60
-        )
-        assert again.status_code == 200, again.text
     finally:
         stop_process(serve)
 
@@ -328,3 +275,39 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         output.wait_for(re.compile(r"llava-container-serve: stopped"), timeout_s=5)
     finally:
         stop_process(serve)
+
+
+def _left_requests_are_freed(url: str, auth: dict, photos) -> None:
+    """Issue 60 item 0 through the container's front: with one generation slot and no queue, a stream
+    left after its first chunk and a whole answer left while it is generated, in both dialects, each
+    free the slot: the next request is answered within seconds (before, ``503 overloaded`` for 600 s)."""
+    import http.client
+    import json
+
+    port = int(url.rsplit(":", 1)[1])
+    opening = {"type": "open_session", "image": {"base64": base64.b64encode(photos["rocket"]).decode()}}
+    sid = requests.post(url + "/invocations", json=opening, headers=auth, timeout=60).json()["session_id"]
+    chat = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300, "ignore_eos": True}
+    native = {"type": "generate", "prompt": "Tell me a long story.", "parameters": {"max_new_tokens": 300}}
+    cases = [({**chat, "stream": True}, {}), (chat, {}), ({**native, "stream": True}, {SID: sid}), (native, {SID: sid})]
+    for body, headers in cases:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/invocations", json.dumps(body), {"Content-Type": "application/json", **auth, **headers})
+        if body.get("stream"):
+            reply = conn.getresponse()
+            assert reply.status == 200 and reply.fp.readline()  # its first chunk arrived
+        else:
+            time.sleep(0.5)  # being generated: no byte of the reply sent yet
+        conn.close()
+        t0, status = time.monotonic(), 0
+        while status != 200 and time.monotonic() - t0 < 10:
+            quick = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            status = requests.post(url + "/invocations", json=quick, headers=auth, timeout=60).status_code
+            if status != 200:
+                assert status == 503
+                time.sleep(0.2)
+        assert status == 200 and time.monotonic() - t0 < 10, body
+    # the session whose questions were left is as it was: it answers
+    short = {**native, "parameters": {"max_new_tokens": 2}}
+    again = requests.post(url + "/invocations", json=short, headers={SID: sid, **auth}, timeout=60)
+    assert again.status_code == 200, again.text
