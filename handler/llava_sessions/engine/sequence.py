@@ -271,14 +271,13 @@ class Generation:
         )
         return self.answer
 
-    def abort(self) -> Answer | None:
+    def abort(self) -> None:
         """Stop the answer where it is (its session is closing): the session is put back as before
         the question, and the answer so far ends with ``abort`` (kept as :attr:`answer`, not
-        remembered). Once done, the answer it has (None if it failed)."""
-        if self.done:
-            return self.answer
-        self._driver.abandon(self)
-        return self.finish("abort")
+        remembered). Nothing happens once it is done."""
+        if not self.done:
+            self._driver.abandon(self)
+            self.finish("abort")
 
     def fail(self, exc: Exception) -> None:
         """Record ``exc`` as this answer's error (the engine puts the session back)."""

@@ -166,10 +166,8 @@ class StateUpdates:
         for unlent in (False, True):
             if unlent and not batch.unlend():
                 break
-            leaving: list[Generation] = []
-            for g in [None, *newest_first[:-1]]:
-                if g is not None:
-                    leaving.append(g)
+            for k in range(len(newest_first)):  # the newest k leave; the oldest always stays
+                leaving = newest_first[:k]
                 room = batch.bytes_without(gens, leaving)  # over pages: less what the leaving ones free
                 if room <= 0 or self.store.allocate(room, keep=None):
                     for gone in leaving:

@@ -291,9 +291,8 @@ class LlavaRunner:
         ids_t = torch.tensor([ids], device=self.device)
         embeds = self.model.get_input_embeddings()(ids_t)
         mask = ids_t[0] == self.image_token_id
-        left = (0 if image_features is None else image_features.shape[0]) - first_row
-        if image_features is not None and left > 0 and bool(mask.any()):
-            mask &= mask.cumsum(0) <= left
+        if image_features is not None and bool(mask.any()):
+            mask &= mask.cumsum(0) <= image_features.shape[0] - first_row
             embeds[0, mask] = image_features[first_row : first_row + int(mask.sum())].to(embeds.dtype)
         return embeds
 
