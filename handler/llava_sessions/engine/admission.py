@@ -31,6 +31,7 @@ from ..sampling.grammar import GrammarMatcher
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
 from .memory import device_bytes, kv_grant_bytes, new_session_bytes
+from .samples import add_samples, sample_bytes
 from .sequence import Generation, ImageTask
 from .sharing import reusable_len
 
@@ -258,8 +259,8 @@ class Admission:
         chat = session.chat()
         clip = clip_max_new_tokens and context_policy == "truncate"  # `error` changes nothing (docs/api.md)
         ids, dropped, max_new = self._fit(chat, prompt, params.max_new_tokens, context_policy, clip)
-        if max_new != params.max_new_tokens:
-            params = dataclasses.replace(params, max_new_tokens=max_new)
+        request = dataclasses.replace(params, max_new_tokens=max_new)
+        params = request.for_sample(request.session_choice)
         runner = self.runner
         gen = Generation(
             self.driver,
@@ -272,9 +273,15 @@ class Admission:
             IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
             truncated_turns=dropped,
         )
-        gen.start_bytes = self._start_bytes(gen)
+        extra = (request.n - 1) * self._sample_bytes(len(ids) + gen.room_tokens, session.image_tokens)
+        gen.start_bytes = self._start_bytes(gen) + extra
+        add_samples(gen, request, self.store, runner, lambda p: _grammar(runner, p))
         self.store.pin(session)
         return gen
+
+    def _sample_bytes(self, num_tokens: int, image_tokens: Sequence[int]) -> int:
+        """Device bytes each other answer of a request of several takes (:func:`~.samples.sample_bytes`)."""
+        return sample_bytes(self.runner, self.page_size, num_tokens, sum(image_tokens))
 
     def _start_bytes(self, gen: Generation) -> int:
         """Device bytes ``gen``'s start needs room for: a demoted session's image features, the KV of
@@ -379,8 +386,8 @@ class Admission:
         ids, _, max_new = self._fit(
             chat, target.question, params.max_new_tokens, "error", clip_max_new_tokens, hint=_CHAT_CONTEXT_HINT
         )
-        if max_new != params.max_new_tokens:
-            params = dataclasses.replace(params, max_new_tokens=max_new)
+        request = dataclasses.replace(params, max_new_tokens=max_new)
+        params = request.for_sample(request.session_choice)
         keys = [img.key for img in target.images]
         keep = 0
         if session.kv_cache is not None:
@@ -393,7 +400,8 @@ class Admission:
         # a new set of features is a new tensor (every row copied or encoded when the answer starts)
         room = min(max_new, self.limits.planned_new_tokens) if clip_max_new_tokens else max_new
         need = device_bytes(runner, 0, 0 if unchanged else sum(tokens)) + self._kv_grant(keep, len(ids) + room)
-        self._check_room(session, need, "this turn")
+        need += (request.n - 1) * self._sample_bytes(len(ids) + room, tokens)
+        self._check_room(session, need, "this turn" if request.n == 1 else f"{request.n} answers now")
         to_encode = self._hold_conversation(session, target, tokens, keep, rows, unchanged=unchanged)
         gen = Generation(
             self.driver,
@@ -408,6 +416,7 @@ class Admission:
             start_bytes=need,
         )
         gen.set_images_to_encode(to_encode, rows, assemble=not unchanged)
+        add_samples(gen, request, self.store, runner, lambda p: _grammar(runner, p))
         return gen
 
     def _hold_conversation(

@@ -31,6 +31,7 @@ from .decode_batch import DecodeBatch
 from .memory import new_session_bytes
 from .model_runner import KV_PAGE_SIZE, DecodeLayout, ModelRunner
 from .paged_batch import PagedDecodeBatch
+from .samples import runnable
 from .scheduler import TimeBudget, schedule
 from .sequence import Generation, ImageTask, Work
 from .sharing import ImageSharing, Unsalted, reusable_len
@@ -356,15 +357,10 @@ class SessionEngine:
         self.store.remove(session_id)
 
     def history(self, session_id: str) -> list[Turn]:
-        """The remembered turns of a session (a copy)."""
-        return list(self.store.get(session_id).history)
+        return list(self.store.get(session_id).history)  # the remembered turns of a session (a copy)
 
     def check_idle(self, session_id: str) -> None:
-        """Check that ``session_id`` is open and not answering.
-
-        Raises:
-            ServiceError: session_not_found / _expired / _evicted, session_busy.
-        """
+        """Check that ``session_id`` is open and not answering (raises session_* (gone), session_busy)."""
         self._admission.idle_session(session_id)
 
     def check_video(self) -> None:
@@ -405,7 +401,8 @@ class SessionEngine:
         Args:
             session_id: an open session.
             prompt: the user's question (plain text; must not contain the image placeholder).
-            params: sampling parameters.
+            params: sampling parameters; with ``n`` > 1 the answer returned is the head of ``n``
+                (:attr:`~.sequence.Generation.samples`, :mod:`.samples`).
             remember: True: the turn joins the history; False: answered with the current history
                 as context, then forgotten (the cache is cropped back).
             context_policy: ``truncate`` or ``error`` (above).
@@ -434,7 +431,7 @@ class SessionEngine:
         context_policy: ContextPolicy = "truncate",
         clip_max_new_tokens: bool = False,
     ) -> Answer:
-        """Answer ``prompt`` in one call (:meth:`start`, then its steps to the end).
+        """Answer ``prompt`` in one call (:meth:`start`, then its steps to the end); returns the head's answer.
 
         Raises:
             ServiceError: as :meth:`start`, and overloaded when memory runs out (session intact).
@@ -447,8 +444,10 @@ class SessionEngine:
             context_policy=context_policy,
             clip_max_new_tokens=clip_max_new_tokens,
         )
-        for _ in gen:
-            pass
+        while not gen.all_done:  # and the request's other answers (``params.n``)
+            self.step([gen])
+        if gen.error is not None:
+            raise gen.error
         assert gen.answer is not None
         return gen.answer
 
@@ -465,7 +464,7 @@ class SessionEngine:
         set and its session put back as before (an open's session is removed); the others are
         untouched. Never raises ``Exception``.
         """
-        live = list({id(w): w for w in work if not w.done}.values())  # work listed twice runs once
+        live = runnable(work)  # work listed twice runs once; a request's other answers (``n``) too
         plan = schedule(
             [w.view() for w in live], prefill_budget, self.batch.layout(), self.model.costs.estimate(), fuse=self.fuse
         )
@@ -481,8 +480,7 @@ class SessionEngine:
         self._check()
 
     def abandon(self, work: Work) -> None:
-        """Abandon ``work`` (client gone): an answer or an added image leaves its session as before,
-        an open's session is removed. No-op once the work is done."""
+        """Abandon ``work`` (an answer or an added image leaves its session as before, an open's is removed)."""
         if not work.done:
             self._update.put_back(work)
 

@@ -73,6 +73,10 @@ class Generation:
         num_preemptions: times the engine preempted it to let older answers grow (vLLM's rule: the
             newest goes); it resumes exactly, its KV recomputed (:attr:`prefill_ids`).
         created: when it was admitted (``time.perf_counter()`` s): the newest is preempted first.
+        samples: every answer of its request (``params.n``; :mod:`.samples`), by choice index: the head
+            (the one that prefills the prompt on the session) and the others, which fork from it.
+        head: the request's answer on the session (itself for a request of one answer).
+        index: its choice index among :attr:`samples`.
         timings: ms: ``restore``, ``prefill`` (accumulated), then ``ttft``, ``total``, ``decode_tokens_per_s``.
     """
 
@@ -121,6 +125,9 @@ class Generation:
         self.feature_rows: list[Any] = []
         self.features_pending = False  # the session's features are assembled when the answer starts
         self.resent = False  # a whole conversation resent (OpenAI messages), not one question
+        self.samples: list[Generation] = [self]
+        self.head: Generation = self
+        self.index = 0
 
     def set_images_to_encode(self, images: list[tuple[int, Any]], rows: list[Any], *, assemble: bool) -> None:
         """A resent conversation's images the vision tower must encode before the prefill: ``(index
@@ -145,6 +152,16 @@ class Generation:
     def done(self) -> bool:
         """True once the answer finished or failed."""
         return self.phase is Phase.DONE
+
+    @property
+    def ready(self) -> bool:
+        """It may run: a head always; another sample once the head's prompt is prefilled (it forks then)."""
+        return self.head is self or self.head.prefilled
+
+    @property
+    def all_done(self) -> bool:
+        """Every answer of its request (:attr:`samples`) finished or failed."""
+        return all(s.done for s in self.samples)
 
     @property
     def events(self) -> list[TokenEvent]:
@@ -274,10 +291,11 @@ class Generation:
     def abort(self) -> None:
         """Stop the answer where it is (its session is closing): the session is put back as before
         the question, and the answer so far ends with ``abort`` (kept as :attr:`answer`, not
-        remembered). Nothing happens once it is done."""
-        if not self.done:
-            self._driver.abandon(self)
-            self.finish("abort")
+        remembered); so does every other answer of its request. Nothing happens to one already done."""
+        for s in self.samples:
+            if not s.done:
+                s._driver.abandon(s)
+                s.finish("abort")
 
     def fail(self, exc: Exception) -> None:
         """Record ``exc`` as this answer's error (the engine puts the session back)."""
@@ -300,8 +318,10 @@ class Generation:
         return self._events[-1]
 
     def close(self) -> None:
-        """Abandon the answer (client gone); the session stays as it was before the question."""
-        self._driver.abandon(self)
+        """Abandon the answer and every other answer of its request (client gone); the session stays
+        as it was before the question."""
+        for s in self.samples:
+            s._driver.abandon(s)
 
 
 class ImageTask:

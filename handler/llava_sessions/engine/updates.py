@@ -30,6 +30,7 @@ from ..model import EncodedVideo, SessionKV, is_sampled_video
 from ..results import FinishReason, RestoredFrom, elapsed_ms
 from ..sessions.ledger import Tier
 from .memory import kv_grant_bytes
+from .samples import fork_samples
 from .scheduler import PrefillPiece
 from .sequence import Generation, ImageTask, Phase, Work
 
@@ -196,6 +197,8 @@ class StateUpdates:
         """Sample each of ``gens``' next token from its row of ``logits [B, vocab]`` (float32, the
         decode step's); one that fails to sample fails alone."""
         for g in gens:
+            if g.done:  # another answer of its request failed and took it along
+                continue
             assert g.row is not None
             try:
                 self.accept(g, logits[g.row])
@@ -219,6 +222,11 @@ class StateUpdates:
         kv = self.model.batch.release(gen)
         if kv is not None:  # the last token is not fed yet
             session.take_back_kv(kv, gen.prompt_ids + generated[:-1])
+        if gen.head is not gen:  # another answer of a request of several: only the head's is remembered
+            self.store.unpin(session)
+            self.store.discard(session)
+            gen.finish(finish_reason)
+            return
         if gen.truncated_turns:  # what the model saw: the oldest turns left the context (not their images)
             session.drop_oldest_turns(gen.truncated_turns)
         if gen.remember:
@@ -305,7 +313,17 @@ class StateUpdates:
 
     # ------------------------------------------------------------------ failures
     def fail(self, work: Work, exc: Exception) -> None:
-        """Record ``exc`` as ``work``'s error and put its session back (no-op once done)."""
+        """Record ``exc`` as ``work``'s error and put its session back (no-op once done). The answers
+        of a request of several fail together: every one not done is put back, and the head carries
+        the error even when its own answer had finished."""
+        if isinstance(work, Generation) and len(work.samples) > 1:
+            for gen in work.samples:
+                if not gen.done:
+                    gen.fail(exc)
+                    self.put_back(gen)
+            if work.head.error is None:
+                work.head.fail(exc)
+            return
         if work.done:
             return
         work.fail(exc)
@@ -320,6 +338,8 @@ class StateUpdates:
         self.store.unpin(session)
         if isinstance(work, Generation):
             self._put_back_answer(work)
+            if work.head is not work:  # a sample session goes with its answer
+                self.store.discard(session)
         elif work.kind_of_task == "open":
             if session.session_id in self.store:
                 try:
@@ -441,7 +461,10 @@ class StateUpdates:
         if isinstance(w, Generation):
             if len(w.session.cached_ids) == len(w.prefill_ids):
                 resumed = w.resuming  # its next token is known: the decode step feeds it
+                first = not w.prefilled
                 w.prefilled_all()
+                if first and len(w.samples) > 1:  # the request's other answers start from this prompt
+                    fork_samples(w, self.runner, self.accept, logits)
                 if not resumed:
                     self.accept(w, logits)
         elif len(w.session.cached_ids) == len(w.prefix):

@@ -7,7 +7,7 @@ checks it, so a value refused on the wire is refused in the engine with the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ErrorCode, ServiceError
@@ -61,6 +61,8 @@ SAMPLING_BOUNDS: dict[str, SamplingBound] = {
     "top_logprobs": SamplingBound("must be an integer between 0 and 20", ge=0, le=20),
     "min_p": SamplingBound("must be a number between 0 and 1", ge=0.0, le=1.0),
     "min_tokens": SamplingBound("must be an integer >= 0", ge=0),
+    "n": SamplingBound("must be an integer >= 1", ge=1),
+    "session_choice": SamplingBound("must be an integer >= 0, below n", ge=0),
 }
 
 
@@ -99,6 +101,9 @@ class SamplingParams:
             False writes them (vLLM's ``skip_special_tokens``).
         grammar: structured output: the answer must match this llguidance grammar (its JSON text,
             :mod:`.grammar`; a JSON schema, any JSON object, a regex or a choice); None: free text.
+        n: answers sampled from the one prompt (OpenAI's and vLLM's ``n``; :meth:`for_sample`).
+        session_choice: the answer (0 to ``n - 1``) that becomes the session's turn; the others are
+            not remembered.
     """
 
     max_new_tokens: int = 256
@@ -120,6 +125,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
     grammar: str | None = None
+    n: int = 1
+    session_choice: int = 0
 
     def __post_init__(self) -> None:
         """Check the ranges of :data:`SAMPLING_BOUNDS` (the wire's rules).
@@ -131,6 +138,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not bound.allows(value):
                 raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name} {bound.message}")
+        if self.session_choice >= self.n:
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, "session_choice must be below n", param="session_choice")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ServiceError(ErrorCode.INVALID_PARAMETER, "stop sequences must be non-empty strings")
 
@@ -145,3 +154,10 @@ class SamplingParams:
             or (self.top_p is not None and self.top_p < 1.0)
             or (self.top_k is not None and self.top_k > 0)
         )
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of answer ``index`` of :attr:`n`: a given ``seed`` becomes ``seed + index``
+        (wrapping at the largest seed), so each answer is reproducible on its own: answer ``i`` of a
+        request with seed ``s`` is the answer of the same request with ``n`` = 1 and seed ``s + i``."""
+        seed = None if self.seed is None else (self.seed + index) % (_MAX_SEED + 1)
+        return replace(self, seed=seed, n=1, session_choice=0)

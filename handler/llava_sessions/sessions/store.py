@@ -288,6 +288,21 @@ class SessionStore:
         self._tombstones.pop(session.session_id, None)
         self.enforce(keep=session)
 
+    def hold_sample(self, session: Session) -> None:
+        """Hold ``session``, busy, outside ``max_sessions``: a copy of a session's conversation that no
+        client names (``anonymous``), which another answer of a request of several runs on
+        (:mod:`~llava_sessions.engine.samples`); :meth:`discard` frees it."""
+        assert session.anonymous and session.session_id not in self._sessions
+        session.busy = True
+        self._sessions[session.session_id] = session
+        self._ledger.add(session.session_id, session.host_bytes)
+        self._sync(session)
+
+    def discard(self, session: Session) -> None:
+        """Free a session :meth:`hold_sample` held (its answer ended), at once; no-op when gone."""
+        if self._sessions.get(session.session_id) is session:
+            self._drop(session, ErrorCode.SESSION_NOT_FOUND)
+
     def get(self, session_id: str) -> Session:
         """Return the open session ``session_id`` and mark it most recently used.
 

@@ -1,0 +1,149 @@
+"""Parallel samples (OpenAI's and vLLM's ``n``): one prompt prefilled once, ``n`` answers sampled from it.
+
+A request of ``n`` answers is admitted as one :class:`~.sequence.Generation`, the *head*, on the
+session, plus ``n - 1`` others, each on a *sample session* of its own: a copy of the session's
+conversation (its images, their layout and its turns) that no client names and no budget of
+sessions counts (``anonymous``), held busy while its answer runs and discarded when it ends. The
+others wait (:attr:`Generation.ready`) until the head's prompt is prefilled; then each forks from it
+(:func:`fork_samples`): its KV cache is the head's prompt (on the KV pool the same pages, shared
+by reference count, with the last partial page copied once an answer writes to it; a
+``DynamicCache`` is copied), its image features are the head's tensor, and its first token is
+sampled from the same logits with its own sampler. From then on each answer is a row of the decode
+batch like any other; one that is preempted recomputes its KV from its own session's features.
+
+Only the head's answer becomes the session's turn (``session_choice`` picks which index the head
+is). Answer ``i`` samples with ``seed + i`` (:meth:`SamplingParams.for_sample`), so each answer can
+be repeated alone. The answers of a request succeed or fail together (:meth:`StateUpdates.fail
+<.updates.StateUpdates.fail>`), and admission books the memory of all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import IncrementalDetokenizer, Sampler
+from .memory import device_bytes, kv_grant_bytes
+from .sequence import Generation, Work
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..sessions.store import SessionStore
+
+__all__ = ["add_samples", "fork_samples", "runnable", "sample_bytes"]
+
+
+def sample_bytes(runner: Any, page_size: int, num_tokens: int, num_image_tokens: int) -> int:
+    """Device bytes one more answer of a request takes once forked: the KV of ``num_tokens``
+    positions (the prompt and the answer's room; booked whole, as the ledger counts each session's
+    positions, shared pages too) and a second count of the session's image features
+    (``num_image_tokens`` rows), bytes."""
+    return kv_grant_bytes(runner, page_size, 0, num_tokens) + device_bytes(runner, 0, num_image_tokens)
+
+
+def add_samples(
+    head: Generation,
+    request: SamplingParams,
+    store: SessionStore,
+    runner: Any,
+    grammar: Callable[[SamplingParams], Any],
+) -> None:
+    """Give ``head`` (built with ``request.for_sample(request.session_choice)``) the request's other
+    ``request.n - 1`` answers, each on a new busy sample session (module docstring); no-op for ``n`` = 1.
+
+    Args:
+        head: the admitted answer on the session.
+        request: the request's parameters (``n``, ``session_choice``, ``seed``, clipped ``max_new_tokens``).
+        store: where the sample sessions are held (and counted in the memory budget).
+        runner: the model (device, end-of-sequence ids, tokenizer).
+        grammar: a request's parameters → a new structured-output matcher (or None).
+
+    """
+    if request.n == 1:
+        return
+    session = head.session
+    samples: list[Generation] = []
+    try:
+        for i in range(request.n):
+            if i == request.session_choice:
+                samples.append(head)
+                continue
+            copy = dataclasses.replace(
+                session,
+                session_id=f"{session.session_id}/sample-{i}",
+                images=list(session.images),
+                image_keys=list(session.image_keys),
+                image_sizes=list(session.image_sizes),
+                image_tokens=list(session.image_tokens),
+                image_urls={},
+                image_uuids={},
+                anonymous=True,
+                source_id=None,
+                history=list(session.history),
+                image_features=None,
+                kv_cache=None,
+                cached_ids=[],
+                kv_lent=False,
+                busy=False,
+                num_restores=0,
+                changed=True,
+            )
+            store.hold_sample(copy)
+            params = request.for_sample(i)
+            sampler = Sampler(params, runner.device, head.prompt_ids, runner.eos_token_ids, grammar(params))
+            gen = Generation(
+                head._driver,
+                copy,
+                head.prompt,
+                head.prompt_ids,
+                params,
+                False,
+                sampler,
+                IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
+                truncated_turns=head.truncated_turns,
+                room_tokens=head.room_tokens,
+            )
+            gen.head, gen.index = head, i
+            samples.append(gen)
+    except BaseException:
+        for gen in samples:
+            if gen is not head:
+                store.unpin(gen.session)
+                store.discard(gen.session)
+        raise
+    head.index = request.session_choice
+    for gen in samples:
+        gen.samples = samples
+
+
+def fork_samples(
+    head: Generation, runner: Any, accept: Callable[[Generation, torch.Tensor], None], logits: Any
+) -> None:
+    """The head's prompt is prefilled (its session caches exactly its prompt): start every other
+    answer of its request from it (module docstring), sampling each one's first token from ``logits``
+    ``[vocab]`` (float32; each sampler gets a copy). Run before the head samples its own.
+
+    Raises:
+        torch.OutOfMemoryError: no room for a ``DynamicCache`` copy (the caller fails the request).
+    """
+    session = head.session
+    n = len(head.prompt_ids)
+    for gen in head.samples:
+        if gen is head or gen.done:
+            continue
+        gen.session.set_features(session.image_features)
+        gen.session.adopt_kv(runner.copy_prefix(session.kv_cache, n), session.cached_ids[:n])
+        gen.started(head.restored_from, head.num_reused_tokens, 0.0)
+        gen.prefilled_all()
+        accept(gen, logits.clone())
+
+
+def runnable(work: Sequence[Work]) -> list[Work]:
+    """``work`` and every other answer of its requests (:attr:`Generation.samples`), each once, in
+    order, less what is done and the answers still waiting for their head's prefill."""
+    every = [s for w in work for s in (w.samples if isinstance(w, Generation) else (w,))]
+    live = {id(w): w for w in every if not w.done and (not isinstance(w, Generation) or w.ready)}
+    return list(live.values())

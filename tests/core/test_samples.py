@@ -1,0 +1,126 @@
+"""Parallel samples (``n``): one prompt prefilled once, each answer equal to the same request alone.
+
+fp32 on CPU, the ``tiny`` checkpoint, in every decode layout. Answer ``i`` of a request seeded ``s``
+is the answer of the request alone with seed ``s + i``; greedy answers are all the same; only the
+``session_choice`` answer joins the session's history; the other answers' sessions go with them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_fixtures import LAYOUTS, make_engine
+from llava_sessions.conversation import Turn
+from llava_sessions.engine import Generation, SessionEngine
+from llava_sessions.errors import ErrorCode, ServiceError
+from llava_sessions.sampling.sampler import SamplingParams
+
+Q = "What is in this image?"
+
+
+def run(eng: SessionEngine, gen: Generation) -> list[list[int]]:
+    """Step ``gen``'s request to its end; each answer's token ids, by index."""
+    while not gen.all_done:
+        eng.step([gen])
+    assert gen.error is None, gen.error
+    return [[t.id for t in s.answer.tokens] for s in gen.samples]
+
+
+def only_sessions(eng: SessionEngine) -> list[str]:
+    return sorted(s.session_id for s in eng.store.sessions())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_seeded_samples_each_equal_the_request_alone_and_the_chosen_one_is_remembered(runner, photos, layout):
+    eng, alone = make_engine(runner, **LAYOUTS[layout]), make_engine(runner)
+    for e in (eng, alone):
+        e.open("s", photos["astronaut"], history=[Turn("Hi", "Hello.")])
+    params = SamplingParams(max_new_tokens=12, temperature=50.0, seed=7, n=4, session_choice=2)
+    gen = eng.start("s", Q, params)
+    assert [g.index for g in gen.samples] == [0, 1, 2, 3] and gen.samples[2] is gen
+    tokens = run(eng, gen)
+    expected = [
+        [
+            t.id
+            for t in alone.generate(
+                "s", Q, SamplingParams(max_new_tokens=12, temperature=50.0, seed=7 + i), remember=False
+            ).tokens
+        ]
+        for i in range(4)
+    ]
+    assert tokens == expected
+    assert len({tuple(t) for t in tokens}) > 1, "differently seeded samples differ"
+    assert [s.answer.seed for s in gen.samples] == [7, 8, 9, 10]
+    assert eng.history("s")[-1].answer == gen.samples[2].answer.text
+    assert only_sessions(eng) == ["s"]
+    # the next question reuses the chosen answer's KV and answers as it would alone
+    follow = eng.generate("s", "And then?", SamplingParams(max_new_tokens=6))
+    alone.generate("s", Q, SamplingParams(max_new_tokens=12, temperature=50.0, seed=9))
+    assert [t.id for t in follow.tokens] == [
+        t.id for t in alone.generate("s", "And then?", SamplingParams(max_new_tokens=6)).tokens
+    ]
+    assert follow.cached_tokens > 0
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_greedy_samples_are_the_same_answer(runner, photos, layout):
+    eng = make_engine(runner, **LAYOUTS[layout])
+    eng.open("s", photos["coffee"])
+    tokens = run(eng, eng.start("s", Q, SamplingParams(max_new_tokens=10, n=3), remember=False))
+    assert (
+        tokens[0]
+        == tokens[1]
+        == tokens[2]
+        == [t.id for t in eng.generate("s", Q, SamplingParams(max_new_tokens=10)).tokens]
+    )
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_an_abandoned_request_of_several_answers_leaves_the_session_as_before(runner, photos, steps):
+    """Closed before its prefill, at its fork, or while its answers decode: the other answers' sessions
+    go, the session is idle with its history and KV as before, and the next question answers exactly."""
+    eng = make_engine(runner, decode_layout="paged")
+    eng.open("s", photos["rocket"])
+    before = list(eng.store.get("s").cached_ids)
+    gen = eng.start("s", Q, SamplingParams(max_new_tokens=20, temperature=50.0, n=3))
+    for _ in range(steps):
+        eng.step([gen])
+    assert only_sessions(eng) == ["s", "s/sample-1", "s/sample-2"]
+    gen.close()
+    assert gen.all_done and only_sessions(eng) == ["s"] and not eng.store.get("s").busy
+    assert eng.store.get("s").cached_ids == before and eng.history("s") == []
+    assert eng.generate("s", Q, SamplingParams(max_new_tokens=5)).generated_tokens == 5
+
+
+def test_one_answer_that_fails_fails_the_request_and_the_session_is_as_before(runner, photos):
+    eng = make_engine(runner)
+    eng.open("s", photos["chelsea"])
+    gen = eng.start("s", Q, SamplingParams(max_new_tokens=20, ignore_eos=True, n=3))
+    eng.step([gen])
+    assert all(len(s.events) == 1 for s in gen.samples)
+
+    def broken(logits):
+        raise RuntimeError("a sampler failed")
+
+    gen.samples[1].sampler.next_token = broken
+    eng.step([gen])
+    assert gen.all_done and isinstance(gen.error, RuntimeError)
+    assert only_sessions(eng) == ["s"] and not eng.store.get("s").busy and eng.history("s") == []
+
+
+def test_admission_books_every_answer_and_refuses_a_request_whose_answers_cannot_all_start(runner, photos):
+    probe = make_engine(runner)
+    probe.open("s", photos["astronaut"])
+    held = probe.store.device_bytes()
+    one = probe.start("s", Q, SamplingParams(max_new_tokens=40), remember=False)
+    four = SamplingParams(max_new_tokens=40, n=4)
+    one.close()
+    gen = probe.start("s", Q, four, remember=False)
+    gen.close()
+    assert gen.start_bytes >= 4 * one.start_bytes  # each other answer books its KV and features whole
+    eng = make_engine(runner, held + 3 * one.start_bytes, decode_layout="paged")
+    eng.open("s", photos["astronaut"])
+    gen = eng.start("s", Q, four, remember=False)
+    eng.step([gen])
+    assert gen.all_done and isinstance(gen.error, ServiceError) and gen.error.code is ErrorCode.OVERLOADED
+    assert only_sessions(eng) == ["s"] and eng.generate("s", Q, SamplingParams(max_new_tokens=40)).generated_tokens
