@@ -132,7 +132,7 @@ class SessionService:
                     continue
                 job = self._enter(admitted, calls=0)
             active.append((i, self._seen(job, now)))
-        busy = bool(active) or any(not j.work.done for j in self.jobs.jobs.values())
+        busy = bool(active) or any(not j.done for j in self.jobs.jobs.values())
         for i, intake in waiting:
             resumed = self._resume(intake, now, busy)
             if isinstance(resumed, RowResult):
@@ -253,9 +253,9 @@ class SessionService:
         once (time to first token is not time to ``step_max_tokens`` tokens); later tokens group.
         """
         deadline = time.perf_counter() + self.settings.step_max_ms / 1000.0
-        running = [j for j in jobs if not j.work.done and j.error is None]
+        running = [j for j in jobs if not j.done and j.error is None]
         for step in range(self.settings.step_max_tokens):
-            running = [j for j in running if not j.work.done]
+            running = [j for j in running if not j.done]
             if not running or (step > 0 and time.perf_counter() >= deadline):
                 break
             first = [j.work for j in running if j.streamed and isinstance(j.work, Generation) and not j.work.events]
@@ -288,7 +288,7 @@ class SessionService:
         running = [
             j
             for j in self.jobs.jobs.values()
-            if not j.work.done and j.error is None and j.ahead < self.settings.step_max_tokens
+            if not j.done and j.error is None and j.ahead < self.settings.step_max_tokens
         ]
         if not running:
             return False

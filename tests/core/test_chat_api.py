@@ -213,7 +213,12 @@ def test_both_dialects_in_one_session(runtime, runner, photos):
 @pytest.mark.parametrize(
     ("body", "status", "code", "param"),
     [
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "invalid_parameter", "n"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "n": 2, "session_choice": 2},
+            400,
+            "invalid_parameter",
+            "session_choice",
+        ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
             400,

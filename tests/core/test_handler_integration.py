@@ -287,7 +287,7 @@ def test_session_headers_only_where_a_session_changed(server, photos):
         ({"type": "generate", "prompt": "x", "parameters": {"top_p": 0}}, held, None),
         ({"messages": chat_turn, "max_tokens": 0}, held, None),
         ({"messages": chat_turn, "max_tokens": 0}, None, None),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, None, None),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2, "session_choice": 2}, None, None),
         ({"requestType": "CLOSE"}, None, None),
         ({"type": "generate", "prompt": "x"}, None, None),
         ({"type": "open_session", "image": {"base64": "@@@"}}, None, None),

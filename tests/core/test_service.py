@@ -407,6 +407,54 @@ def test_generation_slots_are_capped_with_retry_after(service, photos):
     assert isinstance(service.settings, Settings)
 
 
+def test_native_n_answers_whole_and_streamed_and_the_session_keeps_the_chosen_one(tiny_model_dir, photos):
+    """``parameters.n`` in the native dialect: a whole reply's ``generated_text`` and ``details`` are
+    the ``session_choice`` answer's and ``choices`` holds every answer by index (each its seed's
+    answer alone); a stream's lines carry their answer's ``index`` and each answer ends with its own
+    ``generated_text`` line; only the chosen answer joins the history; each answer takes a slot."""
+    svc = tiny_service(tiny_model_dir, max_concurrent_generations=3)
+    open_sessions(svc, open_row("o", "s", photos["rocket"]))
+    params = {"max_new_tokens": 6, "temperature": 50.0, "seed": 3, "details": True}
+    ask = {"type": "generate", "prompt": "What is it?", "remember": False}
+
+    def whole(rid, **extra):
+        row = Row(rid, "s", False, {**ask, **extra, "parameters": {**params, **extra.pop("parameters", {})}})
+        return json.loads(finish(svc, [row], svc.handle([row]))[rid].body)
+
+    alone = [whole(f"a{i}", parameters={"seed": 3 + i})["generated_text"] for i in range(3)]
+    assert len(set(alone)) > 1
+    many = whole("m", parameters={"n": 3, "session_choice": 1})
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2] and [
+        c["generated_text"] for c in many["choices"]
+    ] == alone
+    assert many["generated_text"] == alone[1] and many["details"]["seed"] == 4
+    assert "choices" not in whole("one")
+    refused = svc.handle([Row("r", "s", False, {**ask, "parameters": {"n": 4}})])[0]
+    assert refused.status == 400 and "max_concurrent_generations" in json.loads(refused.body)["error"]["message"]
+    row = Row(
+        "st",
+        "s",
+        False,
+        {
+            "type": "generate",
+            "prompt": "What is it?",
+            "stream": True,
+            "parameters": {**params, "n": 3, "session_choice": 2},
+        },
+    )
+    frames = [svc.handle([row])[0]]
+    while frames[-1].stop is False:
+        frames += svc.handle([Row("st", "s", False, None)])
+    lines = [json.loads(line) for f in frames for line in f.body.splitlines()]
+    for i in range(3):
+        mine = [x for x in lines if x["index"] == i]
+        assert "".join(x["token"]["text"] for x in mine) == mine[-1]["generated_text"] == alone[i]
+        assert all(x["generated_text"] is None for x in mine[:-1]) and mine[-1]["details"]["seed"] == 3 + i
+    assert len(lines) == 18 and {x["index"] for x in lines[:3]} == {0, 1, 2}  # interleaved from the first token
+    assert [t.answer for t in svc.engine.history("s")] == [alone[2]]
+    assert svc.engine.store.sessions() == [svc.engine.store.get("s")]  # the other answers' sessions are gone
+
+
 def test_a_job_a_batch_lacks_is_freed_at_once_and_its_minted_group_ended(service, photos):
     """TorchServe sends every job that asked to continue in every later batch until its last frame, and
     drops one whose client left without a word: the first batch without it frees its generation slot

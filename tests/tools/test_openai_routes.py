@@ -61,7 +61,7 @@ def clients(server, local_endpoint) -> dict[str, openai.OpenAI]:
 
 def create(client: openai.OpenAI, **kw) -> ChatCompletion:
     """A completion, validated from the raw JSON by the package's own model."""
-    raw = client.chat.completions.with_raw_response.create(model="llava", temperature=0, max_tokens=N, **kw)
+    raw = client.chat.completions.with_raw_response.create(model="llava", **{"temperature": 0, "max_tokens": N, **kw})
     return ChatCompletion.model_validate(json.loads(raw.http_response.text))
 
 
@@ -172,6 +172,39 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk_as_vllm_does
     assert len(prompt) == 1 and chunks[-1].usage.total_tokens == prompt.pop() + 12
     chunks = stream_chunks(client, messages, max_tokens=4, stream_options={"include_usage": True})
     assert chunks[-1].usage is not None and all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_choices_through_the_openai_package_each_equal_to_its_seed_alone(server, runner, photos):
+    """``n`` (OpenAI's and vLLM's): the prompt is prefilled once and each choice ``i`` of a request
+    seeded ``s`` is the answer of the same request alone with seed ``s + i``; a stream interleaves
+    the choices by index and ends each with its ``finish_reason``; ``usage`` counts every choice's
+    tokens; greedy choices are all the reference answer."""
+    client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
+    content = [{"type": "image_url", "image_url": {"url": data_uri(photos["rocket"])}}, {"type": "text", "text": "Hi"}]
+    messages = [{"role": "user", "content": content}]
+    sampled = {"temperature": 2.0, "max_tokens": 10}
+    many = create(client, messages=messages, n=3, seed=41, **sampled)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    singles = [create(client, messages=messages, seed=41 + i, **sampled) for i in range(3)]
+    alone = [one.choices[0].message.content for one in singles]
+    assert [c.message.content for c in many.choices] == alone
+    assert many.usage.completion_tokens == sum(one.usage.completion_tokens for one in singles)
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    chunks = stream_chunks(client, messages, n=3, seed=41, stream_options={"include_usage": True}, **sampled)
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk.to_dict())
+    texts, reasons = ["", "", ""], [None, None, None]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            assert reasons[choice.index] is None, "nothing follows a choice's finish_reason"
+            reasons[choice.index] = choice.finish_reason
+    assert texts == alone and all(reasons)
+    assert chunks[-1].usage.completion_tokens == many.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == many.usage.prompt_tokens
+    want = text_of(runner, reference(runner, None, [], "Hi", [photos["rocket"]])[:N])
+    greedy = create(client, messages=messages, n=4)
+    assert [c.message.content for c in greedy.choices] == [want] * 4
 
 
 def test_a_session_closed_while_it_streams_ends_the_openai_package_s_stream_with_abort(server, photos):

@@ -170,6 +170,8 @@ def chat_command(request: ChatCompletionRequest, settings: Settings, model: str)
         presence_penalty=request.presence_penalty,
         top_logprobs=request.top_logprobs or 0,
         grammar=request.grammar(),
+        n=request.n,
+        session_choice=request.session_choice,
     )
     options = request.stream_options
     include_usage = bool(options and options.include_usage)

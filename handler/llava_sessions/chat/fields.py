@@ -136,7 +136,7 @@ def check_unsupported(data: dict) -> None:
     """Refuse what a chat body asks that this server cannot honour, before its models validate it.
 
     Raises:
-        ServiceError: invalid_parameter naming a field of :data:`UNSUPPORTED_FIELDS`, ``n`` > 1, or a
+        ServiceError: invalid_parameter naming a field of :data:`UNSUPPORTED_FIELDS`, or a
             content part type other than ``text`` / ``image_url`` / ``video_url``; invalid_request naming
             ``messages[i].role`` for tool and function messages.
     """
@@ -144,9 +144,6 @@ def check_unsupported(data: dict) -> None:
         value = data.get(name)
         if value is not None and value != SAME_AS_OURS.get(name, _UNSET):
             raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name}: {why}", param=name)
-    n = data.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        raise ServiceError(ErrorCode.INVALID_PARAMETER, "n: one choice per request (n = 1) is supported", param="n")
     messages = data.get("messages")
     if not isinstance(messages, list):
         return

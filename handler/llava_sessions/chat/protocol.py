@@ -10,7 +10,7 @@
   Structured outputs: OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
   ``structured_outputs`` (``json``, ``regex``, ``choice``, ``json_object``) become the answer's
   grammar (:meth:`ChatCompletionRequest.grammar`). A field OpenAI or vLLM defines that we cannot
-  honour (``n`` > 1, ``tools``, audio parts, ...) is refused with a 400 that names it, never ignored; a field nobody
+  honour (``tools``, audio parts, ...) is refused with a 400 that names it, never ignored; a field nobody
   defines (LiteLLM's ``sagemaker_base_url``, Strands' ``image_url.format``) is ignored with a warning,
   as vLLM does (:mod:`.fields`).
 - **AWS's session bodies**: ``{"requestType": "NEW_SESSION"}`` and ``{"requestType": "CLOSE"}``
@@ -218,6 +218,7 @@ class ChatCompletionRequest(ChatInbound):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
+    session_choice: Annotated[int, Field(ge=0)] = 0  # ours: the choice (below n) a session keeps as its turn
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False

@@ -77,7 +77,7 @@ class Message(_Out):
 
 
 class Choice(_Out):
-    """The one choice of a completion."""
+    """One choice of a completion (one of ``n`` answers, by ``index``)."""
 
     index: int = 0
     message: Message
@@ -120,7 +120,7 @@ class Delta(_Out):
 
 
 class ChunkChoice(_Out):
-    """The one choice of a chunk."""
+    """One choice's part of a chunk (a chunk carries the choices that have news, by ``index``)."""
 
     index: int = 0
     delta: Delta
@@ -158,8 +158,10 @@ def openai_error(error: ServiceError) -> dict[str, Any]:
     }
 
 
-def _usage(answer: Answer) -> Usage:
-    return usage_of(answer.prompt_tokens, answer.generated_tokens, answer.cached_tokens)
+def _usage(answers: Sequence[Answer]) -> Usage:
+    """A request's usage: its prompt once, every answer's tokens (OpenAI counts all ``n`` choices)."""
+    head = answers[0]
+    return usage_of(head.prompt_tokens, sum(a.generated_tokens for a in answers), head.cached_tokens)
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
@@ -194,34 +196,39 @@ def _logprobs(events: Sequence[TokenEvent], token_text: Callable[[int], str]) ->
 
 
 def encode_completion(
-    command: ChatCommand, answer: Answer, token_text: Callable[[int], str], completion_id: str | None = None
+    command: ChatCommand, answers: Sequence[Answer], token_text: Callable[[int], str], completion_id: str | None = None
 ) -> bytes:
-    """The whole reply to a non-streamed chat request: a ``chat.completion`` object.
+    """The whole reply to a non-streamed chat request: a ``chat.completion`` object, one choice per answer.
 
     Args:
-        command: the request's command; answer: the finished answer.
+        command: the request's command; answers: its finished answers, by choice index (``n``).
         token_text: token id → its text (for ``logprobs``).
         completion_id: the id to give it (default: a new ``chatcmpl-<uuid>``).
     """
-    logprobs = _logprobs(answer.tokens, token_text) if command.params.logprobs else None
+    params = command.params
+    choices = [
+        Choice(
+            index=i,
+            message=Message(content=_final_text(answer.text, params.stop, command.keep_stop)),
+            logprobs=_logprobs(answer.tokens, token_text) if params.logprobs else None,
+            finish_reason=answer.finish_reason,
+        )
+        for i, answer in enumerate(answers)
+    ]
     reply = ChatCompletionResponse(
         id=completion_id or f"chatcmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
         model=command.model,
-        choices=[
-            Choice(
-                message=Message(content=_final_text(answer.text, command.params.stop, command.keep_stop)),
-                logprobs=logprobs,
-                finish_reason=answer.finish_reason,
-            )
-        ],
-        usage=_usage(answer),
+        choices=choices,
+        usage=_usage(answers),
     )
     return reply.model_dump_json().encode()
 
 
 class ChatStream:
-    """The events of one streamed chat answer, each a whole frame.
+    """The events of one streamed chat request, each a whole frame: chunks whose ``choices`` carry the
+    news of each of its ``n`` answers by ``index`` (every choice's first carries the role), each
+    answer's ``finish_reason`` in the chunk after its last token, then the usage chunk and ``[DONE]``.
 
     Args:
         command: the request's command.
@@ -235,8 +242,8 @@ class ChatStream:
         self.token_text = token_text
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self._role_sent = False
-        self._sent = ""  # content already sent
+        self._role_sent: set[int] = set()  # the choices whose role went out
+        self._sent: dict[int, str] = {}  # each choice's content already sent
         self._holdback = max((len(s) for s in command.params.stop), default=1) - 1
 
     @property
@@ -247,40 +254,47 @@ class ChatStream:
     def _frame(self, payload: str) -> bytes:
         return f"data: {payload}\n\n".encode() if self.sse else f"{payload}\n".encode()
 
-    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+    def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        """One ``chat.completion.chunk`` event of ``choices`` (and ``usage`` when given)."""
         chunk = ChatCompletionChunk(
             id=self.id, created=self.created, model=self.command.model, choices=choices, usage=usage
         )
         return self._frame(chunk.model_dump_json())
 
-    def _delta(self, content: str | None) -> Delta:
-        role: Literal["assistant"] | None = None if self._role_sent else "assistant"
-        self._role_sent = True
+    def _delta(self, index: int, content: str | None) -> Delta:
+        role: Literal["assistant"] | None = None if index in self._role_sent else "assistant"
+        self._role_sent.add(index)
         return Delta(role=role, content=content)
 
-    def tokens(self, events: Sequence[TokenEvent], text: str, usage: Usage | None = None) -> bytes:
-        """One chunk for the tokens of a step slice (``text``: the whole answer so far), or b"" when it
-        has nothing to say yet. Text that could begin a stop sequence is held back until it cannot.
-        ``usage``: the usage so far, carried when the request asked ``continuous_usage_stats``."""
-        ready = text[: max(len(self._sent), len(text) - self._holdback)] if self._holdback else text
-        content = ready[len(self._sent) :]
+    def tokens(self, index: int, events: Sequence[TokenEvent], text: str) -> ChunkChoice | None:
+        """Choice ``index``'s part of a chunk for its tokens of a step slice (``text``: its whole answer
+        so far), or None when it has nothing to say yet. Text that could begin a stop sequence is held
+        back until it cannot."""
+        sent = self._sent.get(index, "")
+        ready = text[: max(len(sent), len(text) - self._holdback)] if self._holdback else text
+        content = ready[len(sent) :]
         logprobs = _logprobs(events, self.token_text) if self.command.params.logprobs else None
-        if not content and self._role_sent and not (logprobs and logprobs.content):
-            return b""
-        self._sent = ready
-        return self._chunk([ChunkChoice(delta=self._delta(content), logprobs=logprobs)], usage)
+        if not content and index in self._role_sent and not (logprobs and logprobs.content):
+            return None
+        self._sent[index] = ready
+        return ChunkChoice(index=index, delta=self._delta(index, content), logprobs=logprobs)
 
-    def end(self, answer: Answer, last: Sequence[TokenEvent]) -> list[bytes]:
-        """The last frames: the chunk with the rest of the content and the ``finish_reason``, the
-        usage chunk when asked for, and ``[DONE]`` (server-sent events)."""
+    def finish(self, index: int, answer: Answer, last: Sequence[TokenEvent]) -> ChunkChoice:
+        """Choice ``index``'s last part: the rest of its content and its ``finish_reason``."""
         final = _final_text(answer.text, self.command.params.stop, self.command.keep_stop)
-        content = final[len(self._sent) :] if final.startswith(self._sent) else ""
+        sent = self._sent.get(index, "")
+        content = final[len(sent) :] if final.startswith(sent) else ""
         logprobs = _logprobs(last, self.token_text) if self.command.params.logprobs else None
-        usage = _usage(answer) if self.command.continuous_usage else None
-        choice = ChunkChoice(delta=self._delta(content), logprobs=logprobs, finish_reason=answer.finish_reason)
-        frames = [self._chunk([choice], usage)]
+        delta = self._delta(index, content)
+        return ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=answer.finish_reason)
+
+    def end(self, choices: list[ChunkChoice], answers: Sequence[Answer]) -> list[bytes]:
+        """The last frames: the chunk of the last ``choices`` (when any), the usage chunk when asked
+        for, and ``[DONE]`` (server-sent events); ``answers``: every answer, by index."""
+        usage = _usage(answers)
+        frames = [self.chunk(choices, usage if self.command.continuous_usage else None)] if choices else []
         if self.command.include_usage:
-            frames.append(self._chunk([], _usage(answer)))
+            frames.append(self.chunk([], usage))
         return frames + self._done()
 
     def error(self, error: ServiceError) -> list[bytes]:

@@ -182,7 +182,7 @@ class ChatServing(Serving):
         sid = row.session_id
         opens = sid == NEW_SESSION_LITERAL
         one_shot = row.minted or not sid
-        self.jobs.check_generation_slot()
+        self.jobs.check_generation_slot(command.params.n)
         if not (opens or one_shot):
             assert sid is not None
             engine.check_idle(sid)  # a gone or busy session is the more precise answer, before any fetch
@@ -299,43 +299,51 @@ class ChatServing(Serving):
         assert isinstance(gen, Generation) and isinstance(job.command, ChatCommand)
         if job.frames:
             return self._frame(job, job.frames.pop(0), last=not job.frames)
-        finished = gen.done or job.error is not None
+        finished = job.done or job.error is not None
         if job.stream is None:
             if not finished:
                 return self.framing.frame(b"", continued=job.continued, last=False, headers=self._headers(job, False))
             self.jobs.forget(job)
             if job.error is not None:
                 return self._error(job)
-            assert gen.answer is not None
-            self._observe(job, gen.answer)
-            body = responses.encode_completion(job.command, gen.answer, self.token_text)
+            answers = self._observe(job, gen)
+            body = responses.encode_completion(job.command, answers, self.token_text)
             return self.framing.frame(body, continued=job.continued, last=True, headers=self._headers(job, True))
-        new = gen.events[job.emitted :]
-        job.emitted = len(gen.events)
+        stream, choices = job.stream, []
+        for sample in gen.samples:  # each answer's news, by choice index; an answer that ended, its end
+            new = job.news(sample)
+            if sample.answer is not None and sample.index not in job.ended and job.error is None:
+                choices.append(stream.finish(sample.index, sample.answer, new))
+                job.ended.add(sample.index)
+            elif sample.index not in job.ended and (part := stream.tokens(sample.index, new, sample.detokenizer.text)):
+                choices.append(part)
         if not finished:
             usage = None
             if job.command.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
-                usage = responses.usage_of(len(gen.prompt_ids), len(gen.events), gen.num_reused_tokens)
-            return self._frame(job, job.stream.tokens(new, gen.detokenizer.text, usage), last=False)
+                made = sum(len(s.events) for s in gen.samples)
+                usage = responses.usage_of(len(gen.prompt_ids), made, gen.num_reused_tokens)
+            return self._frame(job, stream.chunk(choices, usage) if choices else b"", last=False)
         if job.error is None:
-            assert gen.answer is not None
-            self._observe(job, gen.answer)
-            job.frames = job.stream.end(gen.answer, new)
+            job.frames = stream.end(choices, self._observe(job, gen))
         elif not job.continued:
             self.jobs.forget(job)
             return self._error(job)
         else:
             self.metrics.count_error(job.error)
-            job.frames = job.stream.error(job.error)
+            job.frames = stream.error(job.error)
         if job.one_shot:  # its session is done with: cached or freed now, not when the last event has gone out
             self.jobs.end_one_shot(job)
         return self._frame(job, job.frames.pop(0), last=not job.frames)
 
-    def _observe(self, job: Job, answer: Answer) -> None:
-        """Record an answer (and, without a session, whether the conversation cache served it)."""
-        self.metrics.observe_answer(answer)
+    def _observe(self, job: Job, gen: Generation) -> list[Answer]:
+        """Record a request's answers (and, without a session, whether the conversation cache served
+        it); returns them, by choice index."""
+        answers = [s.answer for s in gen.samples if s.answer is not None]
+        for answer in answers:
+            self.metrics.observe_answer(answer)
         if job.one_shot:
-            self.metrics.observe_cache(hit=answer.cached_tokens > 0)
+            self.metrics.observe_cache(hit=answers[0].cached_tokens > 0)
+        return answers
 
     def _error(self, job: Job) -> RowResult:
         assert job.error is not None

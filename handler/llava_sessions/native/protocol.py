@@ -112,6 +112,8 @@ class GenerateParameters(Inbound):
         default_factory=list
     )
     details: bool = False  # include the per-token list with log-probs
+    n: Annotated[int, SAMPLING_BOUNDS["n"].field()] = 1  # answers sampled from the one prompt
+    session_choice: Annotated[int, SAMPLING_BOUNDS["session_choice"].field()] = 0  # the one the session keeps
 
     @field_validator("stop")
     @classmethod

@@ -129,11 +129,21 @@ class GenerationDetails(_Outbound):
     timings: dict[str, float] = Field(default_factory=dict)
 
 
+class GenerateChoice(_Outbound):
+    """One answer of a ``generate`` of ``parameters.n`` > 1, by ``index``."""
+
+    index: int
+    generated_text: str
+    details: GenerationDetails | None = None
+
+
 class GenerateResponse(_Outbound):
-    """Reply to a non-streaming ``generate``."""
+    """Reply to a non-streaming ``generate``: the answer the session keeps; with ``parameters.n`` > 1
+    also ``choices``, every answer by index (that one included)."""
 
     generated_text: str
     details: GenerationDetails | None = None
+    choices: list[GenerateChoice] | None = None
 
 
 class ErrorDetail(_Outbound):
@@ -176,6 +186,7 @@ class StreamLine(_Outbound):
     generated_text: str | None = None
     details: GenerationDetails | None = None
     error: ErrorDetail | None = None
+    index: int | None = None  # the answer's, with ``parameters.n`` > 1
 
     @classmethod
     def for_error(cls, error: ServiceError) -> StreamLine:
@@ -184,7 +195,7 @@ class StreamLine(_Outbound):
 
     def to_line(self) -> bytes:
         """Serialise as one UTF-8 JSON line ending in ``\\n``; ``error`` appears only when set."""
-        exclude = {"error"} if self.error is None else None
+        exclude = {name for name in ("error", "index") if getattr(self, name) is None}
         return self.model_dump_json(exclude=exclude).encode("utf-8") + b"\n"
 
 
@@ -284,26 +295,39 @@ def generation_details(answer: Answer, with_tokens: bool) -> GenerationDetails:
     )
 
 
-def encode_answer(command: GenerateCommand, answer: Answer) -> bytes:
-    """The whole reply to a non-streamed question: ``{"generated_text", "details"}``, or the AWS
-    sample's ``{"response_text"}``."""
+def encode_answer(command: GenerateCommand, answers: Sequence[Answer], kept: int = 0) -> bytes:
+    """The whole reply to a non-streamed question: ``{"generated_text", "details"}`` of answer ``kept``
+    (the session's), with every answer's as ``choices`` when there are several; or the AWS sample's
+    ``{"response_text"}``."""
+    answer = answers[kept]
     if command.legacy:
         return SendTextPromptResponse(response_text=answer.text).model_dump_json().encode()
+    choices = None
+    if len(answers) > 1:
+        choices = [
+            GenerateChoice(index=i, generated_text=a.text, details=generation_details(a, command.details))
+            for i, a in enumerate(answers)
+        ]
     details = generation_details(answer, command.details)
-    return GenerateResponse(generated_text=answer.text, details=details).model_dump_json().encode()
+    reply = GenerateResponse(generated_text=answer.text, details=details, choices=choices)
+    return reply.model_dump_json(exclude={"choices"} if choices is None else None).encode()
 
 
-def encode_tokens(events: Sequence[TokenEvent]) -> bytes:
-    """Stream lines for ``events``: ``{"token": {...}, "generated_text": null, "details": null}`` each."""
-    return b"".join(StreamLine(token=_token(e)).to_line() for e in events)
+def encode_tokens(events: Sequence[TokenEvent], index: int | None = None) -> bytes:
+    """Stream lines for ``events``: ``{"token": {...}, "generated_text": null, "details": null}`` each
+    (and the answer's ``index`` when given)."""
+    return b"".join(StreamLine(token=_token(e), index=index).to_line() for e in events)
 
 
-def encode_stream_end(command: GenerateCommand, answer: Answer, last: TokenEvent | None) -> bytes:
-    """The last stream line: the ``last`` generated token with ``generated_text`` and ``details``;
-    an answer aborted after its last token went out ends with ``"token": null`` (as an error line does)."""
+def encode_stream_end(
+    command: GenerateCommand, answer: Answer, last: TokenEvent | None, index: int | None = None
+) -> bytes:
+    """The last stream line of an answer: the ``last`` generated token with ``generated_text`` and
+    ``details`` (and its ``index`` when given); an answer aborted after its last token went out ends
+    with ``"token": null`` (as an error line does)."""
     details = generation_details(answer, command.details)
     token = _token(last) if last is not None else None
-    return StreamLine(token=token, generated_text=answer.text, details=details).to_line()
+    return StreamLine(token=token, generated_text=answer.text, details=details, index=index).to_line()
 
 
 def encode_stream_error(error: ServiceError) -> bytes:

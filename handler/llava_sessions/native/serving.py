@@ -72,6 +72,8 @@ def decode_command(data: Any, settings: Settings) -> Command:
             seed=p.seed,
             stop=tuple(p.stop),
             logprobs=p.details or canonical.stream,
+            n=p.n,
+            session_choice=p.session_choice,
         )
         return GenerateCommand(
             canonical.prompt,
@@ -137,7 +139,7 @@ class NativeServing(Serving):
             self.engine.close(sid)
             return RowResult(responses.encode_close(sid), headers=self.framing.closed(sid))
         self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
-        self.jobs.check_generation_slot()
+        self.jobs.check_generation_slot(command.params.n)
         gen = self.engine.start(
             sid,
             command.prompt,
@@ -211,7 +213,7 @@ class NativeServing(Serving):
             return self._emit_image_task(job, job.work)
         gen, command = job.work, job.command
         assert isinstance(command, GenerateCommand) and isinstance(gen, Generation)
-        finished = gen.done or job.error is not None
+        finished = job.done or job.error is not None
         headers = {SESSION_ID_HEADER: job.session_id}
         if command.stream:
             return self._emit_stream(job, gen, command, finished)
@@ -220,25 +222,34 @@ class NativeServing(Serving):
         self.jobs.forget(job)
         if job.error is not None:
             return self.jobs.error(self, job.session_id, job.error, held=job.held, continued=job.continued)
-        assert gen.answer is not None
-        self.metrics.observe_answer(gen.answer)
-        body = responses.encode_answer(command, gen.answer)
+        answers = [s.answer for s in gen.samples if s.answer is not None]
+        for answer in answers:
+            self.metrics.observe_answer(answer)
+        body = responses.encode_answer(command, answers, gen.index)
         return self.framing.frame(body, continued=job.continued, last=True, headers=headers)
 
     def _emit_stream(self, job: Job, gen: Generation, command: GenerateCommand, finished: bool) -> RowResult:
         """A streamed answer's lines for this call; the last token goes out with ``generated_text``
-        and ``details`` (TGI's shape); an error after the first frame is the last line."""
-        new = gen.events[job.emitted :]
-        job.emitted = len(gen.events)
+        and ``details`` (TGI's shape); an error after the first frame is the last line. With ``n`` > 1
+        each line carries its answer's ``index``, and each answer ends with a line of its own."""
+        several, body = len(gen.samples) > 1, b""
+        for sample in gen.samples:
+            new, index = job.news(sample), sample.index if several else None
+            if sample.index in job.ended:
+                continue
+            if sample.answer is not None and job.error is None:
+                job.ended.add(sample.index)
+                self.metrics.observe_answer(sample.answer)
+                last = new[-1] if new else None  # none: aborted after its last token went out
+                end = responses.encode_stream_end(command, sample.answer, last, index)
+                body += responses.encode_tokens(new[:-1], index) + end
+            else:
+                body += responses.encode_tokens(new, index)
         if not finished:
-            return self._lines(job, responses.encode_tokens(new), last=False)
+            return self._lines(job, body, last=False)
         self.jobs.forget(job)
         if job.error is None:
-            assert gen.answer is not None
-            self.metrics.observe_answer(gen.answer)
-            end = responses.encode_stream_end(command, gen.answer, new[-1] if new else None)  # none: aborted
-            return self._lines(job, responses.encode_tokens(new[:-1]) + end, last=True)
-        body = responses.encode_tokens(new)
+            return self._lines(job, body, last=True)
         if not job.continued and not body:
             return self.jobs.error(self, job.session_id, job.error, held=job.held)
         self.metrics.count_error(job.error)

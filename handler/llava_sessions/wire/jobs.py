@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..engine import Generation, ImageTask, SessionEngine
 from ..errors import ErrorCode, ServiceError, overloaded
+from ..results import TokenEvent
 from .contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, SESSION_ID_RE, SLOT_WAIT_HEADER
 from .framing import Framing, Row, RowResult
 
@@ -76,6 +77,7 @@ class Job:
             when it answered, and is removed otherwise (:meth:`JobTable.end_one_shot`).
         opened: a chat request that opened its session (``NEW_SESSION``): new-session headers.
         stream: a streamed chat answer's events; frames: a chat stream's last events, one per call.
+        sent / ended: a stream's token events sent per choice index, and the choices that ended.
         urls: image URL → content key, kept by the session when the answer ends.
     """
 
@@ -91,13 +93,27 @@ class Job:
     intake_timings: dict[str, float] = field(default_factory=dict)  # an image's fetch and decode, ms
     calls: int = 0
     ahead: int = 0  # steps run by run_ahead() since the job was last in a handle() call
-    emitted: int = 0  # token events already sent (streaming)
+    sent: dict[int, int] = field(default_factory=dict)  # choice index -> its token events sent (streaming)
+    ended: set[int] = field(default_factory=set)  # choices whose last event went out (streaming)
     error: ServiceError | None = None
     one_shot: bool = False
     opened: bool = False
     stream: Any = None
     frames: list[bytes] = field(default_factory=list)
     urls: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        """Its work ended: an image task's, or every answer of a question's (``n``)."""
+        work = self.work
+        return work.all_done if isinstance(work, Generation) else work.done
+
+    def news(self, gen: Generation) -> list[TokenEvent]:
+        """``gen``'s token events not sent yet (a streamed answer's, one of the request's ``n``); they
+        count as sent from now on."""
+        start = self.sent.get(gen.index, 0)
+        self.sent[gen.index] = len(gen.events)
+        return gen.events[start:]
 
     @property
     def streamed(self) -> bool:
@@ -129,9 +145,20 @@ class JobTable:
         self._fresh_ids: dict[str, str] = {}  # request id -> the session id it was given
         self._group_ends: list[str] = []  # TorchServe job groups to end on the next continuation frame
 
-    def check_generation_slot(self) -> None:
-        """Raise ``overloaded`` when ``max_concurrent_generations`` answers are in flight."""
-        if sum(isinstance(j.work, Generation) for j in self.jobs.values()) >= self.settings.max_concurrent_generations:
+    def check_generation_slot(self, n: int = 1) -> None:
+        """Check that ``n`` more answers fit in ``max_concurrent_generations`` beside those in flight
+        (every answer of a request of several counts).
+
+        Raises:
+            ServiceError: overloaded when they do not fit now; invalid_parameter (``n``) when ``n``
+                exceeds the setting, so that they never would.
+        """
+        cap = self.settings.max_concurrent_generations
+        if n > cap:
+            message = f"n: at most {cap} answers per request on this server (its max_concurrent_generations)"
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, message, param="n")
+        running = sum(len(j.work.samples) for j in self.jobs.values() if isinstance(j.work, Generation))
+        if running + n > cap:
             raise overloaded("too many generations in flight on this worker; retry shortly", "generation_slot")
 
     def new_session_id(self, row: Row) -> str:
@@ -196,7 +223,7 @@ class JobTable:
         until then being its answer (:meth:`Generation.abort`); an image being added fails with
         ``session_not_found``. Its session is left idle, as before the request. In place."""
         for job in self.jobs.values():
-            if job.session_id != session_id or job.one_shot or job.work.done or job.error is not None:
+            if job.session_id != session_id or job.one_shot or job.done or job.error is not None:
                 continue
             if isinstance(job.work, Generation):
                 job.work.abort()
