@@ -109,6 +109,8 @@ def _params(
     seed: int | None,
     stop: str | Sequence[str] | None,
     details: bool | None,
+    n: int | None = None,
+    session_choice: int | None = None,
 ) -> GenerationParams:
     if isinstance(stop, str):
         stop = (stop,)
@@ -122,6 +124,8 @@ def _params(
         seed=seed,
         stop=tuple(stop) if stop else None,
         details=details,
+        n=n,
+        session_choice=session_choice,
     )
 
 
@@ -199,6 +203,8 @@ class Session:
         stop: str | Sequence[str] | None = None,
         details: bool | None = None,
         context_policy: str | None = None,
+        n: int | None = None,
+        session_choice: int | None = None,
     ) -> Answer:
         """Ask a question about the image and wait for the whole answer.
 
@@ -213,6 +219,9 @@ class Session:
                 oldest remembered turns leave it, here and on the server; ``answer.truncated_turns``
                 says how many) or ``"error"`` (:class:`ContextLengthExceeded`); None: the server's
                 setting (``truncate`` by default).
+            n: answers to sample from the one prompt (prefilled once; answer ``i`` uses ``seed + i``):
+                the one returned is the session's turn, and ``answer.choices`` holds all ``n``.
+            session_choice: which answer (0 to ``n - 1``; default 0) becomes the session's turn.
 
         Raises:
             InvalidRequest: a bad parameter or prompt. ContextLengthExceeded: it does not fit.
@@ -221,13 +230,33 @@ class Session:
             APIConnectionError, APITimeoutError, InternalServerError: after the allowed retries.
             LlavaError: the session is closed.
         """
-        params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop, details)
+        params = _params(
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            repetition_penalty,
+            do_sample,
+            seed,
+            stop,
+            details,
+            n,
+            session_choice,
+        )
         request = _generate_request(prompt, params, stream=False, remember=remember, context_policy=context_policy)
         t0 = time.perf_counter()
         data, _ = self._with_recovery(lambda: self._client.invoke(request, self.id, retry_safe=not remember))
         total_ms = ms_since(t0)
+        choices = tuple(
+            Answer.from_wire(str(c.get("generated_text", "")), c.get("details"), client_total_ms=total_ms)
+            for c in data.get("choices") or ()
+        )
         answer = Answer.from_wire(
-            str(data.get("generated_text", "")), data.get("details"), client_ttft_ms=total_ms, client_total_ms=total_ms
+            str(data.get("generated_text", "")),
+            data.get("details"),
+            client_ttft_ms=total_ms,
+            client_total_ms=total_ms,
+            choices=choices,
         )
         self._record(prompt, answer, remember)
         return answer

@@ -53,6 +53,7 @@ class Answer:
             session's history) so that this turn fits; 0 when none did.
         seed: the sampler's seed (given or drawn; pass it back to repeat a sampled answer), or
             None for greedy answers.
+        choices: with ``n`` > 1, every answer by index (this one, the session's, among them); else empty.
     """
 
     text: str
@@ -65,6 +66,7 @@ class Answer:
     max_new_tokens: int | None = None
     truncated_turns: int = 0
     seed: int | None = None
+    choices: tuple[Answer, ...] = ()
 
     @property
     def ttft_ms(self) -> float | None:
@@ -84,6 +86,7 @@ class Answer:
         tokens: list[Token] | None = None,
         client_ttft_ms: float | None = None,
         client_total_ms: float | None = None,
+        choices: tuple[Answer, ...] = (),
     ) -> Answer:
         """Build from a reply's ``generated_text`` and ``details`` (streamed ``tokens`` win over details')."""
         details = details or {}
@@ -104,6 +107,7 @@ class Answer:
             max_new_tokens=_int_or_none(details.get("max_new_tokens")),
             truncated_turns=int(details.get("truncated_turns") or 0),
             seed=_int_or_none(details.get("seed")),
+            choices=choices,
         )
 
 
@@ -128,6 +132,8 @@ class GenerationParams:
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     details: bool | None = None
+    n: int | None = None
+    session_choice: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The ``parameters`` object of a generate request (unset fields left out)."""
@@ -141,6 +147,8 @@ class GenerationParams:
             "do_sample",
             "seed",
             "details",
+            "n",
+            "session_choice",
         ):
             value = getattr(self, name)
             if value is not None:

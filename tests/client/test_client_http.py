@@ -111,6 +111,17 @@ def test_session_lifecycle(client, server, photo_path):
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
 
 
+def test_ask_n_answers_gives_every_choice_and_remembers_the_chosen_one(client, photo_path):
+    sampled = {"max_new_tokens": 6, "temperature": 50.0}
+    with client.open_session(photo_path) as session:
+        alone = [session.ask("What is it?", remember=False, seed=5 + i, **sampled).text for i in range(3)]
+        answer = session.ask("What is it?", n=3, session_choice=1, seed=5, **sampled)
+        assert [c.text for c in answer.choices] == alone and [c.seed for c in answer.choices] == [5, 6, 7]
+        assert answer.text == alone[1] and session.history == [("What is it?", answer)]
+        again = session.ask("And then?", max_new_tokens=4)
+        assert again.usage.cached_tokens >= answer.usage.prompt_tokens  # the session kept its KV
+
+
 def test_stream_equals_plain_answer_and_arrives_in_pieces(client, photos):
     with client.open_session(photos["chelsea"]) as session:  # bytes
         q = "Describe the image in detail."
