@@ -1,0 +1,71 @@
+"""``n`` parallel samples against one answer and against ``n`` answers asked one by one, side by side.
+
+A worker (``--model``, CPU fp32, in process through ``SessionService``) opens a session on the
+sample photo; then, for each ``n``, it asks the same question (not remembered, ``--max-new-tokens``
+greedy tokens, so every answer has the same length and the times compare like for like) ``--repeat``
+times as one request of ``n`` answers, and as ``n`` requests of one answer each. It prints the
+median ms per request, that time over one answer's, and the ``n`` requests' time over the one
+request's (what prefilling the prompt once and decoding the answers as one batch saves).
+
+Usage: python benchmarks/samples.py [--model tiny|bench] [--n 1 2 4 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from llava_sessions.wire.jobs import Row
+from llava_sessions.worker import build_service
+from llava_tools.demo.samples import sample_photo
+from llava_tools.tiny_model import write_checkpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["tiny", "bench"], default="tiny")
+    parser.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_checkpoint(args.model, Path(tmp) / args.model, seed=0)
+        settings = {"model_dir": str(model_dir), "device": "cpu", "dtype": "float32", "cpu_memory_reserve_bytes": 0}
+        service = build_service({**settings, "device_budget_bytes": 4 * 10**9, "max_concurrent_generations": 16})
+        count = 0
+
+        def call(body: dict) -> tuple[dict, float]:
+            nonlocal count
+            count += 1
+            rid, t0 = f"r{count}", time.perf_counter()
+            row = Row(rid, "bench-1", False, body)
+            while True:
+                out = service.handle([row])[0]
+                if out.stop is not False:
+                    return json.loads(out.body), (time.perf_counter() - t0) * 1000.0
+                row = Row(rid, "bench-1", False, None)
+
+        call({"type": "open_session", "image": {"base64": base64.b64encode(sample_photo()).decode()}})
+        ask = {"type": "generate", "prompt": "Describe this image in detail.", "remember": False}
+        params = {"max_new_tokens": args.max_new_tokens}
+        call({**ask, "parameters": params})  # warm-up
+        print(f"{args.model}, CPU fp32, {args.max_new_tokens} greedy tokens per answer, median of {args.repeat}")
+        print("| n | one request of n answers, ms | × one answer | n requests one by one, ms | one by one / together |")
+        print("|---:|---:|---:|---:|---:|")
+        one = None
+        for n in args.n:
+            together = statistics.median(call({**ask, "parameters": {**params, "n": n}})[1] for _ in range(args.repeat))
+            apart = statistics.median(
+                sum(call({**ask, "parameters": params})[1] for _ in range(n)) for _ in range(args.repeat)
+            )
+            one = one or together
+            print(f"| {n} | {together:.0f} | {together / one:.2f} | {apart:.0f} | {apart / together:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
