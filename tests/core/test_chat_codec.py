@@ -78,8 +78,9 @@ def test_a_stop_sequence_is_held_back_and_left_out_of_streams_and_replies():
     frames, text = [], ""
     for e in events[:-1]:
         text += e.text
-        frames.append(stream.tokens([e], text))
-    frames += stream.end(answer(events), [events[-1]])
+        part = stream.tokens(0, [e], text)
+        frames.append(stream.chunk([part]) if part else b"")
+    frames += stream.end([stream.finish(0, answer(events), [events[-1]])], [answer(events)])
     chunks = [json.loads(f[len(b"data: ") :]) for f in frames if f and f != b"data: [DONE]\n\n"]
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert content == "Hello "  # the stop sequence and what followed it never went out
@@ -88,14 +89,14 @@ def test_a_stop_sequence_is_held_back_and_left_out_of_streams_and_replies():
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert frames[-1] == b"data: [DONE]\n\n"
-    whole = ChatCompletion.model_validate_json(encode_completion(cmd, answer(events), str))
+    whole = ChatCompletion.model_validate_json(encode_completion(cmd, [answer(events)], str))
     assert whole.choices[0].message.content == "Hello "
 
 
 def test_logprobs_in_openai_shape():
     cmd = command(logprobs=True, top_logprobs=2)
     events = [TokenEvent(5, "a", -0.1, top=((5, -0.1), (6, -2.5))), TokenEvent(2, "", -0.2, special=True)]
-    reply = ChatCompletion.model_validate_json(encode_completion(cmd, answer(events), lambda i: f"<{i}>"))
+    reply = ChatCompletion.model_validate_json(encode_completion(cmd, [answer(events)], lambda i: f"<{i}>"))
     content = reply.choices[0].logprobs.content
     assert [t.token for t in content] == ["<5>"]  # the end-of-sequence token is not listed
     assert [t.token for t in content[0].top_logprobs] == ["<5>", "<6>"] and content[0].bytes == list(b"<5>")
@@ -117,10 +118,31 @@ def test_usage_chunk_when_asked():
     cmd = command(stream=True, stream_options={"include_usage": True})
     stream = ChatStream(cmd, sse=False, token_text=str)
     events = [TokenEvent(1, "x", None)]
-    frames = stream.end(answer(events, "length"), events)
+    frames = stream.end([stream.finish(0, answer(events, "length"), events)], [answer(events, "length")])
     chunks = [ChatCompletionChunk.model_validate_json(f) for f in frames]
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == 4
     assert chunks[0].choices[0].finish_reason == "length" and chunks[0].usage is None
+
+
+def test_a_stream_of_several_choices_carries_each_by_index_and_counts_every_choice_in_the_usage():
+    cmd = command(stream=True, stream_options={"include_usage": True})
+    stream = ChatStream(cmd, sse=False, token_text=str)
+    a, b = [TokenEvent(1, "x", None)], [TokenEvent(2, "y", None), TokenEvent(3, "z", None)]
+    first = ChatCompletionChunk.model_validate_json(
+        stream.chunk([stream.tokens(0, a, "x"), stream.tokens(1, b[:1], "y")])
+    )
+    assert [(c.index, c.delta.role, c.delta.content) for c in first.choices] == [
+        (0, "assistant", "x"),
+        (1, "assistant", "y"),
+    ]
+    ended = stream.finish(0, answer(a, "stop"), [])
+    frames = stream.end([ended, stream.finish(1, answer(b, "length"), b[1:])], [answer(a, "stop"), answer(b, "length")])
+    chunks = [ChatCompletionChunk.model_validate_json(f) for f in frames]
+    assert [(c.index, c.delta.role, c.finish_reason) for c in chunks[0].choices] == [
+        (0, None, "stop"),
+        (1, None, "length"),
+    ]
+    assert chunks[-1].usage.completion_tokens == 3 and chunks[-1].usage.prompt_tokens == answer(a).prompt_tokens
 
 
 def test_fields_nobody_defines_are_ignored_and_named_once_in_a_warning(caplog):

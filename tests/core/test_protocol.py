@@ -191,6 +191,8 @@ def test_generate_with_every_parameter() -> None:
         "seed": 0,
         "stop": ["\n\n", "x" * 64, "a", "b"],
         "details": True,
+        "n": 3,
+        "session_choice": 2,
     }
     request = parse({"type": "generate", "prompt": "hi", "parameters": parameters, "stream": True, "remember": False})
     assert request.parameters.model_dump() == {**parameters, "temperature": 0.0, "top_p": 1.0}
@@ -589,6 +591,7 @@ def test_response_shapes() -> None:
             "tokens": [{"id": 5, "text": "a", "logprob": -0.1, "special": False}],
             "timings": {"ttft_ms": 41.5},
         },
+        "choices": None,  # encode_answer leaves it out unless there are several answers
     }
     opened = OpenSessionResponse(
         session_id="ts-seq-1", expires_at=format_expires(0), image_tokens=576, timings={"fetch_ms": 1.0}
