@@ -133,6 +133,10 @@ class Page:
         self._all("#llava-image input[type=file]")[0].send_keys(str(path))
         return self.wait_status(lambda s: ("opened" in s or "failed:" in s) and not _pending(s), 90)
 
+    def add_image(self, path: Path) -> str:
+        self._all("#llava-add-image input[type=file]")[0].send_keys(str(path))
+        return self.wait_status(lambda s: ("added" in s or "failed:" in s) and not _pending(s), 90)
+
     def ask(self, question: str, timeout: float = 90) -> str:
         box = self._all("#llava-question textarea")[0]
         box.clear()
@@ -194,6 +198,12 @@ def _session_id(status: str) -> str:
     match = re.search(r"session\s+`?([\w.:-]+)`?\s+(?:opened|keeps)|as session\s+`?([\w.:-]+)`?\s*\.", status, re.I)
     assert match, status
     return match.group(1) or match.group(2)
+
+
+def _session_id_of_added(status: str) -> str:
+    match = re.search(r"added to session\s+`?([\w.:-]+)`?", status)
+    assert match, status
+    return match.group(1)
 
 
 def _session_closed(server_url: str, session_id: str, timeout_s: float = 45) -> bool:
@@ -289,6 +299,12 @@ def test_make_web_page_chats_streams_reuses_the_kv_cache_and_cleans_up(browser, 
         reused = int(re.search(r"reused (\d+) of (\d+) prompt tokens", status).group(1))
         assert reused > IMAGE_TOKENS, status
         assert len(page.bubbles()) == 2
+
+        # a second image joins the session: the conversation before it stays cached
+        status = page.add_image(photo)
+        assert "Image 2 added" in status and _session_id_of_added(status) == first_id, status
+        status = page.ask("How do the two images differ?")
+        assert int(re.search(r"reused (\d+) of", status).group(1)) > IMAGE_TOKENS, status
         browser.save_screenshot(str(tmp_path / "page.png"))
         assert (tmp_path / "page.png").stat().st_size > 10_000
 
@@ -302,6 +318,17 @@ def test_make_web_page_chats_streams_reuses_the_kv_cache_and_cleans_up(browser, 
         assert _session_closed(server_url, first_id)  # "New image" closed the old session
         status = page.upload(huge)
         assert "too large" in status and "Traceback" not in status, status
+
+        # a text file named as an image (the upload accepts it): a sentence on the page, and no trace
+        # in the page's console (Gradio's own decoding of the upload showed a bare "Error")
+        notes = tmp_path / "notes.png"
+        notes.write_text("a text file, not an image\n")
+        said = len(demo_out.drain())
+        page.click("llava-new-image")
+        page.wait_status(lambda s: "Upload or paste an image" in s)
+        status = page.upload(notes)
+        assert "Opening the image failed:" in status, status
+        assert "Traceback" not in demo_out.drain()[said:]
 
         # the worker dies: the next question says the session was restored, and answers
         page.click("llava-new-image")

@@ -7,6 +7,8 @@ is the answer of the request alone with seed ``s + i``; greedy answers are all t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine_fixtures import LAYOUTS, make_engine
@@ -16,6 +18,7 @@ from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.sampling.sampler import SamplingParams
 
 Q = "What is in this image?"
+EXTRA_CONTIGUOUS = 2500
 
 
 def run(eng: SessionEngine, gen: Generation) -> list[list[int]]:
@@ -124,3 +127,33 @@ def test_admission_books_every_answer_and_refuses_a_request_whose_answers_cannot
     eng.step([gen])
     assert gen.all_done and isinstance(gen.error, ServiceError) and gen.error.code is ErrorCode.OVERLOADED
     assert only_sessions(eng) == ["s"] and eng.generate("s", Q, SamplingParams(max_new_tokens=40)).generated_tokens
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exactly(runner, photos, layout):
+    """An older answer and a newer request of three whose starts fit but whose growth together does
+    not: the newest answers (the request's, forked from its prompt) are preempted, recompute their KV
+    from their own sessions' features when they resume, and every answer ends as it does alone."""
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True, temperature=50.0, seed=3)
+    probe = make_engine(runner, **LAYOUTS[layout])
+    probe.open("a", photos["astronaut"])
+    probe.open("b", photos["coffee"])
+    held = probe.store.device_bytes()
+    older = probe.generate("a", Q, SamplingParams(max_new_tokens=100, ignore_eos=True), remember=False)
+    alone = [[t.id for t in probe.generate("b", Q, params.for_sample(i), remember=False).tokens] for i in range(3)]
+    grant = probe.start("b", Q, dataclasses.replace(params, n=3), remember=False)
+    grant.close()
+    spare = 40 if layout == "paged" else 1500  # tokens: a contiguous rebuild lays the batch out beside the old one
+    eng = make_engine(runner, held + grant.start_bytes + spare * runner.kv_bytes_per_token, **LAYOUTS[layout])
+    eng.open("a", photos["astronaut"])
+    eng.open("b", photos["coffee"])
+    first = eng.start("a", Q, SamplingParams(max_new_tokens=100, ignore_eos=True), remember=False)
+    eng.step([first])
+    gen = eng.start("b", Q, dataclasses.replace(params, n=3), remember=False)
+    while not (first.done and gen.all_done):
+        eng.step([first, gen])
+    assert first.error is None and gen.error is None, (first.error, gen.error)
+    assert [t.id for t in first.answer.tokens] == [t.id for t in older.tokens]
+    assert [[t.id for t in s.answer.tokens] for s in gen.samples] == alone
+    assert sum(s.num_preemptions for s in gen.samples) >= 1 and first.num_preemptions == 0
+    assert only_sessions(eng) == ["a", "b"]

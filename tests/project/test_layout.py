@@ -168,6 +168,7 @@ LAYERS: list[set[str]] = [
     },
     {"wire.inbound", "images.fetch", "model.runner", "model.graphs", "sampling.sampler"},
     {"images", "video", "model", "engine.sequence", "chat.fields", "wire.affinity"},
+    {"engine.samples"},
     {"native.protocol", "chat.protocol", "sessions.session", "sessions.offload", "engine.admission", "engine.updates"},
     {"chat.command", "sessions.store", "engine.decode_batch", "engine.paged_batch"},
     {"chat.responses"},

@@ -31,6 +31,7 @@ from .sequence import Generation, Work
 if TYPE_CHECKING:
     import torch
 
+    from ..sessions.session import Session
     from ..sessions.store import SessionStore
 
 __all__ = ["add_samples", "fork_samples", "runnable", "sample_bytes"]
@@ -71,26 +72,7 @@ def add_samples(
             if i == request.session_choice:
                 samples.append(head)
                 continue
-            copy = dataclasses.replace(
-                session,
-                session_id=f"{session.session_id}/sample-{i}",
-                images=list(session.images),
-                image_keys=list(session.image_keys),
-                image_sizes=list(session.image_sizes),
-                image_tokens=list(session.image_tokens),
-                image_urls={},
-                image_uuids={},
-                anonymous=True,
-                source_id=None,
-                history=list(session.history),
-                image_features=None,
-                kv_cache=None,
-                cached_ids=[],
-                kv_lent=False,
-                busy=False,
-                num_restores=0,
-                changed=True,
-            )
+            copy = _sample_session(session, i)
             store.hold_sample(copy)
             params = request.for_sample(i)
             sampler = Sampler(params, runner.device, head.prompt_ids, runner.eos_token_ids, grammar(params))
@@ -117,6 +99,31 @@ def add_samples(
     head.index = request.session_choice
     for gen in samples:
         gen.samples = samples
+
+
+def _sample_session(session: Session, index: int) -> Session:
+    """A copy of ``session``'s conversation for answer ``index`` (anonymous, holding nothing on the
+    device yet; its own lists, as the session's history grows when its answer is remembered)."""
+    return dataclasses.replace(
+        session,
+        session_id=f"{session.session_id}/sample-{index}",
+        images=list(session.images),
+        image_keys=list(session.image_keys),
+        image_sizes=list(session.image_sizes),
+        image_tokens=list(session.image_tokens),
+        image_urls={},
+        image_uuids={},
+        anonymous=True,
+        source_id=None,
+        history=list(session.history),
+        image_features=None,
+        kv_cache=None,
+        cached_ids=[],
+        kv_lent=False,
+        busy=False,
+        num_restores=0,
+        changed=True,
+    )
 
 
 def fork_samples(
