@@ -136,8 +136,10 @@ def test_a_stream_of_several_choices_carries_each_by_index_and_counts_every_choi
         (1, "assistant", "y"),
     ]
     ended = stream.finish(0, answer(a, "stop"), [])
-    frames = stream.end([ended, stream.finish(1, answer(b, "length"), b[1:])], [answer(a, "stop"), answer(b, "length")])
+    last = [ended, stream.finish(1, answer(b, "length"), b[1:])]
+    frames = stream.end(last, [answer(a, "stop"), answer(b, "length")], ["the video has 3 frames"])
     chunks = [ChatCompletionChunk.model_validate_json(f) for f in frames]
+    assert json.loads(frames[0])["warnings"] == ["the video has 3 frames"] and "warnings" not in json.loads(frames[-1])
     assert [(c.index, c.delta.role, c.finish_reason) for c in chunks[0].choices] == [
         (0, None, "stop"),
         (1, None, "length"),

@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 import torch
+from openai.types.chat import ChatCompletion
 
 from llava_sessions.conversation import VideoBytes
 from llava_sessions.engine import EngineLimits, SessionEngine
@@ -266,6 +267,24 @@ def test_native_open_session_on_a_video_and_add_video(ov_service, ov, clips) -> 
     add = {"type": "add_video", "video": {"base64": "data:video/mp4;base64," + b64(clips["coffee"]), "num_frames": 3}}
     status, added = run(ov_service, Row("a", "ts-seq-v1", False, add))["a"]
     assert status == 200 and added["image_tokens"] == 3 * 196 + 1
+
+
+def test_more_frames_asked_than_a_clip_has_are_every_frame_and_the_reply_says_so(ov_service) -> None:
+    """A 3-frame clip asked for 5: every frame is used (transformers' sampler does so), no error, and
+    the reply's ``warnings`` say it, in the native open and in a chat completion; a request that got
+    what it asked has no ``warnings``."""
+    short = b64(sample_clip("rocket", num_frames=3))
+    body = {"type": "open_session", "video": {"base64": short, "num_frames": 5}}
+    status, opened = run(ov_service, Row("o5", "ts-seq-v5", True, body))["o5"]
+    assert status == 200 and opened["image_tokens"] == 3 * 196 + 1
+    assert opened["warnings"] == ["the video has 3 frames and 5 were asked: all 3 are used"]
+    body["video"]["num_frames"] = 3
+    assert "warnings" not in run(ov_service, Row("o3", "ts-seq-v3", True, body))["o3"][1]
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + short}, "num_frames": 4}
+    chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}], "max_tokens": 2}
+    status, reply = run(ov_service, Row("c5", None, True, chat))["c5"]
+    assert status == 200 and reply["warnings"] == ["the video has 3 frames and 4 were asked: all 3 are used"]
+    ChatCompletion.model_validate(reply)
 
 
 @pytest.mark.parametrize(

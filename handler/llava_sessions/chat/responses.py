@@ -110,6 +110,7 @@ class ChatCompletionResponse(_Out):
     choices: list[Choice]
     usage: Usage
     system_fingerprint: str | None = None
+    warnings: list[str] | None = None  # ours, left out when none: what was done otherwise than asked
 
 
 class Delta(_Out):
@@ -138,6 +139,7 @@ class ChatCompletionChunk(_Out):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    warnings: list[str] | None = None  # ours, on a stream's last chunk of choices, left out when none
 
 
 def openai_error_type(status: int) -> str:
@@ -196,7 +198,12 @@ def _logprobs(events: Sequence[TokenEvent], token_text: Callable[[int], str]) ->
 
 
 def encode_completion(
-    command: ChatCommand, answers: Sequence[Answer], token_text: Callable[[int], str], completion_id: str | None = None
+    command: ChatCommand,
+    answers: Sequence[Answer],
+    token_text: Callable[[int], str],
+    completion_id: str | None = None,
+    *,
+    warnings: Sequence[str] = (),
 ) -> bytes:
     """The whole reply to a non-streamed chat request: a ``chat.completion`` object, one choice per answer.
 
@@ -204,6 +211,7 @@ def encode_completion(
         command: the request's command; answers: its finished answers, by choice index (``n``).
         token_text: token id → its text (for ``logprobs``).
         completion_id: the id to give it (default: a new ``chatcmpl-<uuid>``).
+        warnings: what the request got otherwise than it asked (our ``warnings`` field; left out when none).
     """
     params = command.params
     choices = [
@@ -221,8 +229,9 @@ def encode_completion(
         model=command.model,
         choices=choices,
         usage=_usage(answers),
+        warnings=list(warnings) or None,
     )
-    return reply.model_dump_json().encode()
+    return reply.model_dump_json(exclude=None if warnings else {"warnings"}).encode()
 
 
 class ChatStream:
@@ -254,12 +263,17 @@ class ChatStream:
     def _frame(self, payload: str) -> bytes:
         return f"data: {payload}\n\n".encode() if self.sse else f"{payload}\n".encode()
 
-    def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
-        """One ``chat.completion.chunk`` event of ``choices`` (and ``usage`` when given)."""
+    def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None, warnings: Sequence[str] = ()) -> bytes:
+        """One ``chat.completion.chunk`` event of ``choices`` (and ``usage``, ``warnings`` when given)."""
         chunk = ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.command.model, choices=choices, usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.command.model,
+            choices=choices,
+            usage=usage,
+            warnings=list(warnings) or None,
         )
-        return self._frame(chunk.model_dump_json())
+        return self._frame(chunk.model_dump_json(exclude=None if warnings else {"warnings"}))
 
     def _delta(self, index: int, content: str | None) -> Delta:
         role: Literal["assistant"] | None = None if index in self._role_sent else "assistant"
@@ -288,11 +302,12 @@ class ChatStream:
         delta = self._delta(index, content)
         return ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=answer.finish_reason)
 
-    def end(self, choices: list[ChunkChoice], answers: Sequence[Answer]) -> list[bytes]:
-        """The last frames: the chunk of the last ``choices`` (when any), the usage chunk when asked
-        for, and ``[DONE]`` (server-sent events); ``answers``: every answer, by index."""
+    def end(self, choices: list[ChunkChoice], answers: Sequence[Answer], warnings: Sequence[str] = ()) -> list[bytes]:
+        """The last frames: the chunk of the last ``choices`` (when any; with the ``warnings``), the
+        usage chunk when asked for, and ``[DONE]`` (server-sent events); ``answers``: every answer, by index."""
         usage = _usage(answers)
-        frames = [self.chunk(choices, usage if self.command.continuous_usage else None)] if choices else []
+        continuous = usage if self.command.continuous_usage else None
+        frames = [self.chunk(choices, continuous, warnings)] if choices or warnings else []
         if self.command.include_usage:
             frames.append(self.chunk([], usage))
         return frames + self._done()

@@ -34,6 +34,7 @@ from ..images.decode import decode_image
 from ..images.fetch import image_key
 from ..metrics import WorkerMetrics
 from ..results import Answer
+from ..video import SampledVideo
 from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
 from ..wire.framing import JSON, Row, RowResult
 from ..wire.inbound import ImageSource, VideoSource, request_salt
@@ -207,6 +208,8 @@ class ChatServing(Serving):
         )
         job.one_shot, job.urls = one_shot, urls
         job.opened = opens
+        clips = [i.image for i in target.images if isinstance(i.image, SampledVideo)]
+        job.warnings = [note for clip in clips if (note := clip.shortfall)]
         if command.stream:
             job.stream = self._stream_of(row, command)
         return job
@@ -307,7 +310,7 @@ class ChatServing(Serving):
             if job.error is not None:
                 return self._error(job)
             answers = self._observe(job, gen)
-            body = responses.encode_completion(job.command, answers, self.token_text)
+            body = responses.encode_completion(job.command, answers, self.token_text, warnings=job.warnings)
             return self.framing.frame(body, continued=job.continued, last=True, headers=self._headers(job, True))
         stream, choices = job.stream, []
         for sample in gen.samples:  # each answer's news, by choice index; an answer that ended, its end
@@ -324,7 +327,7 @@ class ChatServing(Serving):
                 usage = responses.usage_of(len(gen.prompt_ids), made, gen.num_reused_tokens)
             return self._frame(job, stream.chunk(choices, usage) if choices else b"", last=False)
         if job.error is None:
-            job.frames = stream.end(choices, self._observe(job, gen))
+            job.frames = stream.end(choices, self._observe(job, gen), job.warnings)
         elif not job.continued:
             self.jobs.forget(job)
             return self._error(job)

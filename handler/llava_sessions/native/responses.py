@@ -56,12 +56,15 @@ class OpenSessionResponse(_Outbound):
         expires_at: absolute expiry, ``YYYY-MM-DDTHH:MM:SSZ`` UTC (:func:`format_expires`).
         image_tokens: number of positions the image occupies in the context.
         timings: named phase durations in milliseconds (e.g. ``fetch_ms``, ``encode_ms``).
+        warnings: what the server did otherwise than asked (a video with fewer frames than asked);
+            absent when nothing.
     """
 
     session_id: str
     expires_at: str
     image_tokens: int
     timings: dict[str, float] = Field(default_factory=dict)
+    warnings: list[str] | None = None
 
 
 class AddImageResponse(_Outbound):
@@ -76,6 +79,7 @@ class AddImageResponse(_Outbound):
         cached_tokens: of those, how many were reused from the cache (not recomputed).
         timings: named phase durations in milliseconds (``fetch_ms``, ``decode_ms``, ``encode_ms``,
             ``prefill_ms``, ``total_ms``).
+        warnings: as :class:`OpenSessionResponse`'s.
     """
 
     session_id: str
@@ -84,6 +88,7 @@ class AddImageResponse(_Outbound):
     prefix_tokens: int
     cached_tokens: int
     timings: dict[str, float] = Field(default_factory=dict)
+    warnings: list[str] | None = None
 
 
 class TokenInfo(_Outbound):
@@ -230,9 +235,12 @@ def _token(event: TokenEvent) -> TokenInfo:
     return TokenInfo(id=event.id, text=event.text, logprob=event.logprob, special=event.special)
 
 
-def encode_open(command: OpenCommand, result: OpenResult, timings_ms: Mapping[str, float]) -> bytes:
-    """The reply to an open: ``{"session_id", "expires_at", "image_tokens", "timings"}``, or the
-    AWS sample's ``{"session_id"}``. ``timings_ms``: phase name → milliseconds (``fetch``, ...)."""
+def encode_open(
+    command: OpenCommand, result: OpenResult, timings_ms: Mapping[str, float], warnings: Sequence[str] = ()
+) -> bytes:
+    """The reply to an open: ``{"session_id", "expires_at", "image_tokens", "timings"}`` (and
+    ``warnings`` when any), or the AWS sample's ``{"session_id"}``. ``timings_ms``: phase name →
+    milliseconds (``fetch``, ...)."""
     if command.legacy:
         return StartSessionResponse(session_id=result.session_id).model_dump_json().encode()
     timings = {f"{k}_ms": v for k, v in timings_ms.items()}
@@ -242,15 +250,16 @@ def encode_open(command: OpenCommand, result: OpenResult, timings_ms: Mapping[st
             expires_at=format_expires(result.expires_at),
             image_tokens=result.image_tokens,
             timings=timings,
+            warnings=list(warnings) or None,
         )
-        .model_dump_json()
+        .model_dump_json(exclude=None if warnings else {"warnings"})
         .encode()
     )
 
 
-def encode_add_image(result: AddImageResult, timings_ms: Mapping[str, float]) -> bytes:
+def encode_add_image(result: AddImageResult, timings_ms: Mapping[str, float], warnings: Sequence[str] = ()) -> bytes:
     """The reply to an added image: ``{"session_id", "image_tokens", "images", "prefix_tokens",
-    "cached_tokens", "timings"}``. ``timings_ms``: phase name → milliseconds."""
+    "cached_tokens", "timings"}`` (and ``warnings`` when any). ``timings_ms``: phase name → milliseconds."""
     return (
         AddImageResponse(
             session_id=result.session_id,
@@ -259,8 +268,9 @@ def encode_add_image(result: AddImageResult, timings_ms: Mapping[str, float]) ->
             prefix_tokens=result.prefix_tokens,
             cached_tokens=result.cached_tokens,
             timings={f"{k}_ms": v for k, v in timings_ms.items()},
+            warnings=list(warnings) or None,
         )
-        .model_dump_json()
+        .model_dump_json(exclude=None if warnings else {"warnings"})
         .encode()
     )
 

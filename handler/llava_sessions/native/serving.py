@@ -20,6 +20,7 @@ from ..errors import ServiceError
 from ..images.decode import decode_image
 from ..results import AddImageResult, OpenResult, elapsed_ms
 from ..sampling.params import SamplingParams
+from ..video import SampledVideo
 from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
 from ..wire.framing import JSON_LINES, Row, RowResult
 from ..wire.inbound import VideoSource, request_salt
@@ -203,6 +204,7 @@ class NativeServing(Serving):
         held = not isinstance(command, OpenCommand)
         job = Job(row.request_id, sid, self, command, now, work=task, own_group=own_group, held=held, t0=t0)
         job.intake_timings = {"fetch": elapsed_ms(t0, t_fetched), "decode": elapsed_ms(t_fetched, t_decoded)}
+        job.warnings = [note for clip in images if isinstance(clip, SampledVideo) and (note := clip.shortfall)]
         return job
 
     # ------------------------------------------------------------------ output
@@ -279,8 +281,8 @@ class NativeServing(Serving):
         assert result is not None
         timings = {**job.intake_timings, **result.timings, "total": elapsed_ms(job.t0)}
         if isinstance(job.command, OpenCommand) and isinstance(result, OpenResult):
-            body = responses.encode_open(job.command, result, timings)
+            body = responses.encode_open(job.command, result, timings, job.warnings)
         else:
             assert isinstance(result, AddImageResult)
-            body = responses.encode_add_image(result, timings)
+            body = responses.encode_add_image(result, timings, job.warnings)
         return self.framing.frame(body, continued=job.continued, last=True, headers=headers)

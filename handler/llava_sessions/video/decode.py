@@ -132,6 +132,8 @@ class SampledVideo:
         timestamps_s: each frame's presentation time in seconds.
         info: the header read first.
         num_decoded_frames: frames decoded to reach them (at most ``VideoLimits.max_decoded_frames``).
+        num_asked_frames: frames the request asked for (``num_frames``, or ``fps`` over the clip's
+            duration); more than the clip has gives every frame (:attr:`shortfall`). 0: it asked neither.
     """
 
     frames: np.ndarray
@@ -139,6 +141,18 @@ class SampledVideo:
     timestamps_s: tuple[float, ...]
     info: VideoInfo
     num_decoded_frames: int
+    num_asked_frames: int = 0
+
+    @property
+    def shortfall(self) -> str | None:
+        """A sentence for the reply when the request asked more frames than the clip has (every
+        frame is then used, as transformers' sampler does), else None."""
+        if self.num_asked_frames <= self.num_frames:
+            return None
+        return (
+            f"the video has {self.num_frames} frames and {self.num_asked_frames} were asked: "
+            f"all {self.num_frames} are used"
+        )
 
     @property
     def num_frames(self) -> int:
@@ -201,7 +215,7 @@ def decode_video(
     """
     limits = limits or VideoLimits()
     with _open(data, limits) as (container, info):
-        indices = _sample_indices(info, num_frames=num_frames, fps=fps, limits=limits)
+        indices, asked = _sample_indices(info, num_frames=num_frames, fps=fps, limits=limits)
         stream = container.streams.video[0]
         start_s = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
         targets = [start_s + index / info.fps for index in indices]
@@ -214,7 +228,7 @@ def decode_video(
         except Exception as exc:  # FFmpeg's errors (av.error.*), and ValueError/OSError from PyAV  # noqa: BLE001
             logger.debug("video decode failed: %r", exc)
             raise _invalid("the video is truncated or corrupt") from None
-        return SampledVideo(np.stack(frames), tuple(indices), tuple(times), info, num_decoded)
+        return SampledVideo(np.stack(frames), tuple(indices), tuple(times), info, num_decoded, asked)
 
 
 @contextmanager
@@ -292,10 +306,13 @@ def _check(info: VideoInfo, limits: VideoLimits) -> None:
         )
 
 
-def _sample_indices(info: VideoInfo, *, num_frames: int | None, fps: float | None, limits: VideoLimits) -> list[int]:
+def _sample_indices(
+    info: VideoInfo, *, num_frames: int | None, fps: float | None, limits: VideoLimits
+) -> tuple[list[int], int]:
     """The frame indices to keep, as transformers' ``default_sample_indices_fn``: ``arange(n) * total // n``
     for ``n`` from ``num_frames``, from ``fps`` (``total / info.fps * fps``),
-    or ``limits.default_num_frames`` (at most ``total``). Raises ``invalid_parameter`` (400)."""
+    or ``limits.default_num_frames`` (at most ``total``); and the frames the request asked (0: neither
+    ``num_frames`` nor ``fps``). Raises ``invalid_parameter`` (400)."""
     total = info.num_frames
     if num_frames is not None and fps is not None:
         raise _bad_parameter("give num_frames or fps, not both", "num_frames")
@@ -314,8 +331,8 @@ def _sample_indices(info: VideoInfo, *, num_frames: int | None, fps: float | Non
             f"{asked} samples {wanted} frames, over the server's cap of {limits.max_frames} frames per video",
             "fps" if fps is not None else "num_frames",
         )
-    wanted = min(wanted, total)
-    return [i * total // wanted for i in range(wanted)]
+    chosen = min(wanted, total)
+    return [i * total // chosen for i in range(chosen)], wanted if (num_frames is not None or fps is not None) else 0
 
 
 def _decode_at(

@@ -79,6 +79,8 @@ class Job:
         stream: a streamed chat answer's events; frames: a chat stream's last events, one per call.
         sent / ended: a stream's token events sent per choice index, and the choices that ended.
         urls: image URL → content key, kept by the session when the answer ends.
+        warnings: what the request gets otherwise than it asked, said in its reply (a video with
+            fewer frames than asked: :attr:`~llava_sessions.video.SampledVideo.shortfall`).
     """
 
     request_id: str
@@ -101,6 +103,7 @@ class Job:
     stream: Any = None
     frames: list[bytes] = field(default_factory=list)
     urls: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
