@@ -26,8 +26,10 @@ install: $(VENV)/.installed
 system-deps:
 	bash tests/system_deps.sh
 
+# the suite in TEST_WORKERS processes, each test file whole in one (its module fixtures start once)
+TEST_WORKERS ?= 2
 test: install system-deps
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 # The container's stack on its own: a fresh venv with what the image installs (the package, not
 # editable, its serve extra, config/constraints.txt), the project folder found through LLAVA_HOME

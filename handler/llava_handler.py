@@ -3,7 +3,7 @@
 All logic lives in the worker core ``llava_sessions``: the wiring (``worker``), the service and its
 dialects, the engine, the store. TorchServe's context is read and written by the one owner of its
 framing (``llava_sessions.wire.framing``: sequence id / start headers in; per-row status, headers,
-content type and stopping criteria out; shared/notes/torchserve-sagemaker.md). This file never
+content type and stopping criteria out; docs/platform.md). This file never
 raises out of ``handle()`` (that would fail every row of the batch).
 """
 

@@ -49,7 +49,7 @@ def job_groups(max_sessions: int, replicas: int = 1) -> int:
     """TorchServe's ``batchSize`` and ``maxNumSequence`` for a worker of ``replicas`` replicas that
     hold ``max_sessions`` sessions each: ``max_sessions x replicas + SPARE_JOB_GROUPS``. A worker
     watches its job groups with ``batchSize + 1`` threads and serialises sessions past that
-    (shared/notes/torchserve-sagemaker.md)."""
+    (docs/platform.md)."""
     return max_sessions * replicas + SPARE_JOB_GROUPS
 
 

@@ -134,12 +134,12 @@ def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exact
     """An older answer and a newer request of three whose starts fit but whose growth together does
     not: the newest answers (the request's, forked from its prompt) are preempted, recompute their KV
     from their own sessions' features when they resume, and every answer ends as it does alone."""
-    params = SamplingParams(max_new_tokens=100, ignore_eos=True, temperature=50.0, seed=3)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=50.0, seed=3)
     probe = make_engine(runner, **LAYOUTS[layout])
     probe.open("a", photos["astronaut"])
     probe.open("b", photos["coffee"])
     held = probe.store.device_bytes()
-    older = probe.generate("a", Q, SamplingParams(max_new_tokens=100, ignore_eos=True), remember=False)
+    older = probe.generate("a", Q, SamplingParams(max_new_tokens=60, ignore_eos=True), remember=False)
     alone = [[t.id for t in probe.generate("b", Q, params.for_sample(i), remember=False).tokens] for i in range(3)]
     grant = probe.start("b", Q, dataclasses.replace(params, n=3), remember=False)
     grant.close()
@@ -147,7 +147,7 @@ def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exact
     eng = make_engine(runner, held + grant.start_bytes + spare * runner.kv_bytes_per_token, **LAYOUTS[layout])
     eng.open("a", photos["astronaut"])
     eng.open("b", photos["coffee"])
-    first = eng.start("a", Q, SamplingParams(max_new_tokens=100, ignore_eos=True), remember=False)
+    first = eng.start("a", Q, SamplingParams(max_new_tokens=60, ignore_eos=True), remember=False)
     eng.step([first])
     gen = eng.start("b", Q, dataclasses.replace(params, n=3), remember=False)
     while not (first.done and gen.all_done):

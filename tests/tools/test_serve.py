@@ -175,6 +175,18 @@ _PORTS = {
 }
 
 
+def test_torchserve_s_worker_died_reply_is_known_by_its_body_whatever_its_status() -> None:
+    """TorchServe 0.12's worker threads answer a request whose worker died with ``"Worker died."`` as
+    500, 413 (after a SIGKILL) or 507; the front treats each as a request cut by the death (sent
+    again, or a typed 503), and a 500 of anything else as the reply it is."""
+    from llava_tools.serve.http_wire import worker_died
+
+    died = b'{"code": 500, "type": "InternalServerException", "message": "Worker died."}'
+    assert all(worker_died(status, died) for status in (b"500", b"413", b"507"))
+    assert not worker_died(b"500", b'{"error": {"code": "internal_error", "message": "internal error"}}')
+    assert not worker_died(b"200", died)
+
+
 def test_container_config_names_the_sagemaker_session_headers() -> None:
     from llava_sessions.wire.contract import NEW_SESSION_ID_HEADER, SEQUENCE_END_HEADER, SESSION_ID_HEADER
 

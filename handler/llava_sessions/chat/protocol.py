@@ -1,7 +1,7 @@
 """The ecosystem's dialect on ``/invocations``: OpenAI chat-completions bodies and AWS's session bodies.
 
 - **Chat completions**: any body with ``messages`` (as LMI, the TGI container and vLLM's SageMaker
-  entrypoint accept it; shared/notes/chat-protocol.md). The request is OpenAI's "Create chat
+  entrypoint accept it; docs/platform.md). The request is OpenAI's "Create chat
   completion" (platform.openai.com/docs/api-reference/chat/create), restricted to what a LLaVA model
   can honour: roles ``system`` (or ``developer``), ``user``, ``assistant``; ``content`` a string or a
   list of ``text`` and ``image_url`` parts (``https://``, ``s3://`` or ``data:image/...;base64,``;

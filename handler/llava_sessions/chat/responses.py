@@ -5,7 +5,7 @@ object"; ``openai.types.chat.ChatCompletion`` / ``ChatCompletionChunk`` validate
 Streams are server-sent events (``data: {...}`` events ending with ``data: [DONE]``, as OpenAI, vLLM
 and TGI send them), or JSON lines (one chunk per line, no ``[DONE]``: LMI's form) when the request's
 ``Accept`` is ``application/jsonlines``. Each event is written whole in its own frame (several
-SageMaker stream wrappers assume one event per PayloadPart: shared/notes/chat-protocol.md). Every error
+SageMaker stream wrappers assume one event per PayloadPart: docs/platform.md). Every error
 of this dialect is written by :func:`encode_error` (a whole body) or :meth:`ChatStream.error` (a
 stream's last events). AWS's session bodies answer :func:`encode_new_session` / :func:`encode_closed`.
 No torch.

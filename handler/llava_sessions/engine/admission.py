@@ -1,7 +1,7 @@
 """Admission: check a request against the session, the limits, the context and the memory, then make its work.
 
 Everything that decides a request's status happens here, before any forward pass (TorchServe fixes
-the status and headers with a job's first frame: shared/notes/torchserve-sagemaker.md). An image, the
+the status and headers with a job's first frame: docs/platform.md). An image, the
 opening one or an added one, takes one path: decode, the image limits, its placeholder count, the
 conversation's context, then whether room can be made for the device memory it needs (the step's
 plan makes that room: scheduler rule 10), checked once the session is marked busy.

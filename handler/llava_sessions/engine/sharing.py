@@ -6,7 +6,7 @@ like one a session holds copies that prefix's KV cache instead of prefilling it.
 the rows and caches stay in the sessions that own them (and count in the memory budget there); this
 module only finds them. An image is matched by its exact content key (SHA-256 of its bytes) and its
 layout (placeholder count and the model's several-image mode), never by token ids alone (the
-placeholder ids of two images are the same: shared/notes/chat-protocol.md, vLLM issue 20261).
+placeholder ids of two images are the same: docs/platform.md, vLLM issue 20261).
 
 Sharing is scoped by ``cache_salt`` (vLLM's field; CVE-2025-46570): state is found only in
 sessions whose salt equals the asker's, and this covers everything found by content (prefix KV,

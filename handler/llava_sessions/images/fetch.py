@@ -73,7 +73,7 @@ def image_key(data: bytes) -> str:
 
     Images are recognised by their exact bytes, never by URL or token ids alone (cross-request
     caches keyed without the image content have served one image's answers for another: vLLM issue
-    20261, shared/notes/chat-protocol.md). A video's key (``data`` a
+    20261, docs/platform.md). A video's key (``data`` a
     :class:`~llava_sessions.conversation.VideoBytes`) hashes its sampling after its bytes, so one clip
     sampled two ways is two keys, and never an image's.
     """

@@ -6,7 +6,7 @@ sequence's uncached tokens (a ``DynamicCache``, ``[1, kv_heads, len, head_dim]``
 (or of a :class:`~llava_sessions.model.paged_kv.PagedBatchCache`) in one forward pass. All
 architecture knowledge lives in this package: the engine sees images as feature rows and token counts.
 
-Mechanics (verified, shared/notes/llava-transformers.md): an image's features are the model's own
+Mechanics (verified, docs/platform.md): an image's features are the model's own
 ``get_image_features`` output (vision tower, projector and, for NeXT / OneVision, the tile packing
 with newline rows), shape ``[image_tokens, text_hidden]``, where ``image_tokens`` depends on the
 image size for anyres models; they replace the embeddings of that image's ``<image>`` placeholder

@@ -1,7 +1,7 @@
 """Chat templating and tokenization: a :class:`~llava_sessions.conversation.Chat` to token ids.
 
 The checkpoint's own chat template renders the conversation (never a hand-written prompt string,
-shared/notes/llava-transformers.md), and each ``<image>`` expands to the processor's count of
+docs/platform.md), and each ``<image>`` expands to the processor's count of
 placeholder tokens for that image. A video's ``<video>`` expands the same way, to its own count, but
 of the *image* placeholder id: the engine feeds every placeholder's embedding from feature rows (the
 model never sees the placeholder ids, only ``inputs_embeds``), so one id for both keeps every

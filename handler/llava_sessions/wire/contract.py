@@ -7,7 +7,7 @@ the tools (local server, container entrypoint, local SageMaker endpoint) import 
 
 Sources: botocore's ``sagemaker-runtime`` service model (``SessionIdHeader``,
 ``NewSessionResponseHeader``, ``SessionIdOrNewSessionConstantAllowList``) and the AWS TorchServe
-LLaVA sample; see shared/notes/torchserve-sagemaker.md. No third-party imports here.
+LLaVA sample; see docs/platform.md. No third-party imports here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """TorchServe's framing, in one place: rows in from the worker's context, a dialect's frames out to it.
 
-TorchServe's sequence + continuous batching (shared/notes/torchserve-sagemaker.md, verified):
+TorchServe's sequence + continuous batching (docs/platform.md, verified):
 
 - a row's stopping criterion decides its framing: None, one whole response; False, a chunk whose
   job comes back (without its body) in a later ``handle()`` call; True, the last chunk;

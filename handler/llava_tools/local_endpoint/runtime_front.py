@@ -57,7 +57,7 @@ DEFAULT_READ_TIMEOUT_S = 120.0
 _PATH_RE = re.compile(r"^/endpoints/([^/]+)/(invocations|invocations-response-stream|openai/v1/chat/completions)$")
 #: SageMaker's OpenAI-compatible route (May 2026): ``<runtime>/endpoints/<name>/openai/v1`` is the
 #: ``base_url`` of the openai package; which container path it reaches is not documented, so it is
-#: sent to ``/invocations``, where the chat dialect answers (shared/notes/chat-protocol.md).
+#: sent to ``/invocations``, where the chat dialect answers (docs/platform.md).
 OPENAI_OPERATION = "openai/v1/chat/completions"
 #: What a request without the ``--api-key`` is told (boto3 raises it as ``ClientError``).
 API_KEY_REFUSED = (
@@ -393,7 +393,7 @@ class RouterServer(BackgroundServing, ThreadingHTTPServer):
             handler then mints ``llava-<uuid4>``); False (the default) sends no header, so TorchServe
             mints ``ts-seq-<uuid4>``: what the AWS TorchServe sample's notebook asserts a real endpoint
             does. The handler serves both, as AWS's session manager does
-            (shared/notes/chat-protocol.md).
+            (docs/platform.md).
     """
 
     daemon_threads = True

@@ -70,7 +70,6 @@ from .http_wire import (
     OPENAI_PREFIX,
     RESTART_POLL_S,
     RETRY_AFTER_S,
-    TORCHSERVE_WORKER_DIED,
     WORKER_LOST,
     Backend,
     ClientGone,
@@ -84,6 +83,7 @@ from .http_wire import (
     openai_error,
     read_head,
     response,
+    worker_died,
 )
 from .image_relay import ImageRelay
 from .slot_queue import SlotQueue, SlotsTaken, slot_refusal
@@ -243,12 +243,12 @@ class _Connection(socketserver.StreamRequestHandler):
         length = field(fields, b"content-length")
         status = start.split(b" ", 2)[1] if start.count(b" ") else b"502"
         no_body = head_only or status in (b"204", b"304") or status.startswith(b"1")
-        if status == TORCHSERVE_WORKER_DIED:
-            self.backend = None
-            backend.close()
-            raise WorkerLost()
         if no_body or length is not None:
             body = b"" if no_body else backend.reader.read(int(length or 0))
+            if worker_died(status, body):
+                self.backend = None
+                backend.close()
+                raise WorkerLost()
             refused = slot_refusal(status, field(fields, SLOT_WAIT_HEADER.lower().encode()) is not None, head, body)
             if refused is not None:
                 raise SlotsTaken(refused)

@@ -34,7 +34,6 @@ __all__ = [
     "OPENAI_PREFIX",
     "RESTART_POLL_S",
     "RETRY_AFTER_S",
-    "TORCHSERVE_WORKER_DIED",
     "WORKER_LOST",
     "Backend",
     "ClientGone",
@@ -50,6 +49,7 @@ __all__ = [
     "read_head",
     "relayed_image",
     "response",
+    "worker_died",
     "unauthorized",
 ]
 
@@ -99,13 +99,18 @@ class WorkerLost(Exception):
 HEALTH_PATHS = (b"/ping", b"/health")
 #: What a request cut by a dead worker is told (``503 model_not_ready``, or a stream's last event).
 WORKER_LOST = "the model server stopped while answering (its worker died and restarts); retry shortly"
-#: TorchServe's own status for a request whose worker died in flight (``{"type": "InternalServerException",
-#: "message": "Worker died."}``), answered as ``503 model_not_ready`` here.
-TORCHSERVE_WORKER_DIED = b"507"
 #: Reply headers TorchServe adds for its own use (its stream flag, its caching headers) and the worker's
 #: word to the front (:data:`SLOT_WAIT_HEADER`), not relayed to clients; TorchServe's ``x-request-id``
 #: is (OpenAI's clients read it as the request's id).
 INTERNAL = frozenset({b"ts_stream_next", b"pragma", b"cache-control", b"expires", SLOT_WAIT_HEADER.lower().encode()})
+
+
+def worker_died(status: bytes, body: bytes) -> bool:
+    """Whether a TorchServe reply says the worker died with the request in flight: its own error
+    ``{"code": ..., "type": "InternalServerException", "message": "Worker died."}``, which TorchServe
+    0.12's worker threads send as 500, as 413 after a SIGKILL (exit 137), or as 507; the front answers
+    such a request as one cut by the worker's death (sent again when it may be, else ``503 model_not_ready``)."""
+    return status in (b"500", b"507", b"413") and b'"Worker died."' in body
 
 
 def cut_stream_tail(content_type: bytes, message: str) -> bytes:

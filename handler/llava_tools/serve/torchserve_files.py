@@ -2,7 +2,7 @@
 folder, the environment) and what it says back (its workers' states, their logs), the same way for
 ``llava-serve``, the container and ``llava-deploy``.
 
-Facts: shared/notes/torchserve-sagemaker.md (sequence header keys set twice, body limits,
+Facts: docs/platform.md (sequence header keys set twice, body limits,
 ``--extra-files`` copying a folder's contents).
 """
 

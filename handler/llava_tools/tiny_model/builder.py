@@ -9,7 +9,7 @@ checkpoints each one mirrors):
 
 * ``llava`` (llava-hf/llava-1.5-7b-hf): ``LlavaForConditionalGeneration``, CLIP at 336 px, patch 14
   → 576 image tokens whatever the image; LLaMA text model; ``USER: <image>\\n... ASSISTANT:``;
-  ``num_additional_image_tokens=1`` (the llava-hf value; see shared/notes/llava-transformers.md).
+  ``num_additional_image_tokens=1`` (the llava-hf value; see docs/platform.md).
 * ``llava-next`` (llava-hf/llava-v1.6-mistral-7b-hf): ``LlavaNextForConditionalGeneration``, the
   same CLIP tower with "anyres" tiling over llava-v1.6's grid pinpoints (336x672 .. 672x672), so the
   image tokens depend on the image size (2,928 for a 672x672 photo); ``[INST] <image>\\n... [/INST]``.
