@@ -15,7 +15,7 @@
 # The stack the tests run (config/constraints.txt, `make test-container-stack`): Python 3.11 on Debian
 # bookworm, torch 2.13's CUDA build from PyPI (its CUDA libraries come as wheels; the host needs only
 # the NVIDIA driver, as SageMaker's GPU hosts have), the same transformers, TorchServe and the rest.
-# Overridable with any Debian bookworm image with Python 3.11 (docs/design.md, "One stack").
+# Overridable with any Debian bookworm image with Python 3.11 (docs/decisions/39-one-stack.md).
 ARG BASE_IMAGE=python:3.11.7-slim-bookworm
 FROM ${BASE_IMAGE}
 

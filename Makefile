@@ -80,7 +80,7 @@ bench-gpu: install
 	$(PY) benchmarks/gpu.py $(BENCH_GPU_ARGS)
 
 # the wheels a bare GPU machine (python 3.12, its own torch and transformers 5.17, no network) lacks
-# for benchmarks/gpu.py, into .whl/ (ignored): our transformers, llguidance and pydantic (docs/design.md)
+# for benchmarks/gpu.py, into .whl/ (ignored): our transformers, llguidance and pydantic (benchmarks/results/the-gpu-table.md)
 GPU_WHEELS = $(shell grep -E '^(transformers|llguidance|pydantic|pydantic-core|annotated-types|typing-extensions|typing-inspection)==' $(CONSTRAINTS))
 gpu-wheels: install
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

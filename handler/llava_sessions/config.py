@@ -39,7 +39,7 @@ TOOL_ENV_VARS = frozenset({
 _GIB = 1024**3
 _MIB = 1024**2
 
-#: TorchServe job groups kept above the sessions a worker may hold (design.md, "Spare job groups"):
+#: TorchServe job groups kept above the sessions a worker may hold (docs/decisions/43-spare-job-groups.md):
 #: a new session past ``max_sessions`` still reaches the handler, which answers ``503 overloaded``
 #: with Retry-After instead of the frontend's own 503.
 SPARE_JOB_GROUPS = 8

@@ -5,7 +5,7 @@ decode rate, errors by code) and, on :meth:`WorkerMetrics.emit`, reads the engin
 counters: gauges are set when they changed, counters advanced by their change since the last
 emission, samples recorded and then cleared. Names are ``llava_<Name>`` with the ``ModelName`` and
 ``Replica`` dimensions (TorchServe 0.12 metrics API: ``context.metrics.add_metric_to_cache``;
-docs/design.md, Metrics).
+docs/architecture.md).
 
 Each metric update is a ``[METRICS]`` line the worker prints and TorchServe's frontend parses, about
 20 us of Python each plus the frontend's parsing. So the lines are written by a background thread

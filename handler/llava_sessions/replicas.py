@@ -1,7 +1,7 @@
 """Model replicas of one TorchServe worker: one process per device, sessions placed and routed here.
 
 SageMaker's sticky routing pins a session to an *instance*; inside it, one TorchServe worker (more
-are refused: they lose ``NEW_SESSION`` follow-ups, docs/design.md) receives every request. With
+are refused: they lose ``NEW_SESSION`` follow-ups, docs/decisions/42-one-worker.md) receives every request. With
 ``devices`` naming N > 1 devices, that worker's handler is a :class:`ReplicaRouter`:
 
 - it starts one **replica process** per device (``multiprocessing`` spawn). Each builds its own

@@ -239,5 +239,5 @@ def kv_page_size(kv_pool: str, on_card: bool) -> int:
     """Positions per page of the replica's KV pool for the ``kv_pool`` setting (0: none, each session
     keeps its own ``DynamicCache``). ``auto`` is the pool on a GPU and none on a CPU: over HTTP on the
     2-core CPU, 8 concurrent image streams ran at 1.33-1.39x ``transformers serve``'s tokens/s with the
-    pool against 1.58-1.59x without (docs/design.md, "The KV pool in pages")."""
+    pool against 1.58-1.59x without (docs/decisions/19-the-kv-pool-in-pages.md)."""
     return KV_PAGE_SIZE if kv_pool == "on" or (kv_pool == "auto" and on_card) else 0

@@ -113,15 +113,24 @@ def test_the_header_contract_is_written_once_on_the_server() -> None:
     assert spelled == {}
 
 
-def test_the_design_doc_names_every_module_of_both_packages() -> None:
-    design = (REPO / "docs" / "design.md").read_text()
+def test_the_architecture_names_every_module_of_both_packages_in_at_most_400_lines() -> None:
+    """docs/architecture.md is the newcomer's one file (issue 61): it names every module of the core
+    and the tools, and stays short; the decisions and the numbers live in docs/decisions/ and
+    benchmarks/results/, each indexed."""
+    architecture = (REPO / "docs" / "architecture.md").read_text()
     modules = [
         str(p.relative_to(folder))
         for folder in (CORE, TOOLS)
         for p in sorted(folder.rglob("*.py"))
         if p.name != "__init__.py"
     ]
-    assert [m for m in modules if f"`{m}`" not in design] == []
+    assert [m for m in modules if f"`{m}`" not in architecture] == []
+    assert len(architecture.splitlines()) <= 400
+    for folder in (REPO / "docs" / "decisions", REPO / "benchmarks" / "results"):
+        index = (folder / "README.md").read_text()
+        assert [
+            p.name for p in sorted(folder.glob("*.md")) if p.name != "README.md" and f"]({p.name})" not in index
+        ] == []
 
 
 # ------------------------------------------------------------------ the core's import graph

@@ -13,7 +13,7 @@ Costs. Joining, leaving and compaction copy no KV (a row is a place in :attr:`Pa
 a step writes one position per row and layer, and gathers each row's positions per layer (the copy
 transformers' continuous batching makes too). Memory: the rows' own pages, nothing beside them. On this
 CPU 8 sessions decode at 0.84-0.85x the tokens/s of the contiguous :class:`~.decode_batch.DecodeBatch`
-(docs/design.md), which stays the default (``decode_layout``) until a card measures both.
+(docs/decisions/19-the-kv-pool-in-pages.md), which stays the default (``decode_layout``) until a card measures both.
 """
 
 from __future__ import annotations

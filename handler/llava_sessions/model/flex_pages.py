@@ -2,7 +2,7 @@
 
 The static decode step (:mod:`.graphs`) reads each row's positions gathered from its pages and padded
 to its length bucket; on an H200 a 32-row step at ~600 positions spent most of its 19.8 ms on that
-gather and the masked attention over the padding (docs/design.md, "The GPU table"). FlexAttention
+gather and the masked attention over the padding (benchmarks/results/the-gpu-table.md). FlexAttention
 (PyTorch's ``torch.nn.attention.flex_attention``, compiled on a CUDA device) reads the pool itself:
 
 - the keys and values are a layer's whole pool, ``[1, kv_heads, pages x page_size, head_dim]``,

@@ -4,7 +4,7 @@ Sarathi-Serve (Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM Infere
 Sarathi-Serve", OSDI 2024) runs a prefill chunk in the same forward pass as the running answers'
 decode step: the weights are read once and a pass's fixed cost (the per-layer work whatever the
 token count: on this CPU a decode step and a 170-token chunk took 133-138 ms as two passes of the
-bench model, 115-122 ms as one, docs/design.md) is paid once. Here the pass's input is one sequence of
+bench model, 115-122 ms as one, benchmarks/results/beside-transformers-serve.md) is paid once. Here the pass's input is one sequence of
 ``B + C`` tokens: the ``B`` decode rows' next tokens, then the chunk's ``C`` tokens. Everything but
 attention is per token, so the model's own layers run it unchanged; attention is where the two parts
 differ, and :func:`fused_attention` (registered as :data:`FUSED_ATTENTION` with transformers'

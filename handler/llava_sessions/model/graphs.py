@@ -27,7 +27,7 @@ or, with ``paged_read`` ``flex``, the pool itself through FlexAttention's block 
 (:mod:`.flex_pages`: its buffers are overwritten with the others), a bucket then having one length,
 the whole pool's. ``auto`` (a card's engine) reads buckets of fewer than :data:`FLEX_MIN_ROWS` rows
 gathered and larger ones with FlexAttention: on an H200 the gather was faster at one row, FlexAttention
-from 8 rows up (docs/design.md, "The GPU table").
+from 8 rows up (benchmarks/results/the-gpu-table.md).
 
 References: PyTorch, "CUDA Graphs" (``torch.cuda.graph``, ``CUDAGraph.replay``, static inputs
 overwritten with ``copy_``); nano-vllm ``engine/model_runner.py`` (buckets, capture largest first in
@@ -59,7 +59,7 @@ __all__ = ["FLEX_MIN_ROWS", "DecodeGraphs", "PagedRead", "batch_buckets", "lengt
 PagedRead = Literal["gather", "flex", "auto"]
 
 #: The smallest batch bucket ``auto`` reads with FlexAttention. On an H200 (7b-shaped model, ~600
-#: positions, replayed graphs, 2026-11-27, docs/design.md "The GPU table") a step took 8.4 ms gathered
+#: positions, replayed graphs, 2026-11-27, benchmarks/results/the-gpu-table.md) a step took 8.4 ms gathered
 #: against 9.1 ms with FlexAttention at one row, and 10.8 against 10.3 ms at 8 rows, 20.1 against
 #: 13.0 ms at 32, 30.6 against 18.2 ms at 64.
 FLEX_MIN_ROWS = 8

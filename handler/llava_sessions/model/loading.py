@@ -245,7 +245,7 @@ def keep_freed_cpu_memory(env: Mapping[str, str] = os.environ) -> bool:
     trimmed off the heap (when no small allocation lies above them), every pass, so each pass faults
     its pages in again: 30,000 minor faults and ~60 ms of system time per cold image turn of the
     ``bench`` checkpoint on 2 cores, against 9,000 and ~18 ms with :data:`CPU_MMAP_THRESHOLD_BYTES`
-    / :data:`CPU_TRIM_THRESHOLD_BYTES` set through ``mallopt(3)`` (docs/design.md). PyTorch's performance tuning guide recommends a caching
+    / :data:`CPU_TRIM_THRESHOLD_BYTES` set through ``mallopt(3)`` (docs/decisions/04-the-cpu-allocator.md). PyTorch's performance tuning guide recommends a caching
     allocator on CPU (jemalloc, tcmalloc) for the same reason; this is glibc's own setting.
 
     Args:
@@ -290,8 +290,8 @@ def reserve_cpu_memory(num_bytes: int, env: Mapping[str, str] = os.environ) -> i
     entries accumulate). vLLM's CPU backend likewise allocates its KV cache space at start
     (``VLLM_CPU_KVCACHE_SPACE``). On the 2-core development VM, whose host takes back the guest's free
     pages, a page faulted in fresh cost ~10x a recycled one: 0.9-1.8 s of kernel time per 8-stream
-    burst once the worker's footprint grew, 0.03-0.14 s with 2-3 GiB reserved (docs/design.md, "A CPU
-    worker's memory, reserved at start"). The heap's top is then never given back: the worker keeps its
+    burst once the worker's footprint grew, 0.03-0.14 s with 2-3 GiB reserved (docs/decisions/05-a-cpu-worker-s-memory-reserved-at-start.md).
+    The heap's top is then never given back: the worker keeps its
     high-water mark, as a GPU's caching allocator keeps its blocks.
 
     Args:

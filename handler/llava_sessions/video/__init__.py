@@ -1,7 +1,7 @@
 """Videos (issue 44's intake): a clip's container read under caps and its frames sampled uniformly
 (:mod:`.decode`). No torch, no network: the bytes come from the images' fetch rules.
 
-Not served yet: no route takes a video until the engine's video path lands (docs/design.md)."""
+Served as a session's media on LLaVA-OneVision and LLaVA-NeXT-Video (docs/decisions/03-a-video-is-one-of-a-session-s-media.md)."""
 
 from .decode import VIDEO_CODECS, VIDEO_CONTAINERS, SampledVideo, VideoInfo, VideoLimits, decode_video, probe_video
 

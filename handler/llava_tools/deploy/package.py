@@ -119,7 +119,7 @@ def build_package(
         settings = Settings.from_sources(section)
     except (ValueError, TypeError) as exc:
         raise DeployError(f"invalid handler setting: {exc}") from None
-    # every replica's sessions get a job group, and 8 spare (design.md, "Spare job groups")
+    # every replica's sessions get a job group, and 8 spare (docs/decisions/43-spare-job-groups.md)
     config["batchSize"] = config["maxNumSequence"] = job_groups(settings.max_sessions, replicas)
     config["handler"] = section
 

@@ -41,7 +41,7 @@ PREFIX_LENGTH_RANGE = (1024, 65536)
 CONCURRENCY_THRESHOLD_RANGE = (1, 1024)
 #: ``PrefixLength`` when ``--prefix-length`` is not given: the smallest SageMaker takes. On
 #: ``InvokeEndpoint`` it counts body bytes, which for our bodies hold the system prompt, the first
-#: question and the start of the first image (a uuid reference changes them: docs/design.md); on
+#: question and the start of the first image (a uuid reference changes them: docs/decisions/10-routing-a-stateless-conversation-to-its-cache.md); on
 #: SageMaker's OpenAI-compatible route it counts characters of the messages' text content.
 DEFAULT_PREFIX_LENGTH = 1024
 #: ``ConcurrencyThreshold`` per GPU when ``--concurrency-threshold`` is not given: the handler's

@@ -36,7 +36,7 @@ Each hop costs what the extra relay costs, so the front moves bytes, not objects
 connection a thread reads the request head (RFC 9112 framing: ``Content-Length`` bodies, a chunked
 reply relayed chunk by chunk) and keeps one kept-alive connection to TorchServe; no header is parsed
 beyond what routing and framing need, and a body is decoded only when it may name an image URL.
-``benchmarks/openai_front.py`` measures the added latency side by side (docs/design.md).
+``benchmarks/openai_front.py`` measures the added latency side by side (benchmarks/results/stateless-conversations.md).
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ class _Connection(socketserver.StreamRequestHandler):
         head goes out with the first chunk (TorchServe sends it with a first frame that may be
         empty): a reply cut before any chunk can still be answered with a status of its own. The client
         is watched until the first chunk (a whole answer's only one), then a failed write shows it left
-        (sooner, TorchServe 0.12 parks a poll thread on a group then closed: design.md).
+        (sooner, TorchServe 0.12 parks a poll thread on a group then closed: docs/decisions/44-short-job-group-idle-time.md).
 
         Raises:
             WorkerLost: TorchServe broke off before the first chunk (nothing was written).
