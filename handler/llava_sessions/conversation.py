@@ -6,6 +6,7 @@ model (:func:`common_prefix_len`) live here too.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ __all__ = [
     "Turn",
     "VideoBytes",
     "common_prefix_len",
+    "image_key",
     "image_starts",
     "is_video_size",
     "media_size",
@@ -32,7 +34,7 @@ class VideoBytes(bytes):
     (a video is one of the session's "images" to the store, the tiers and the sharing); this type
     tells a video apart and carries its sampling, so the bytes tier restores exactly the frames first
     sampled, and two requests sampling one clip differently never share features
-    (:func:`~llava_sessions.images.fetch.image_key` hashes the sampling with the bytes).
+    (:func:`image_key` hashes the sampling with the bytes).
 
     Attributes:
         num_frames: frames sampled uniformly (None: ``fps`` or the server's default).
@@ -150,7 +152,7 @@ class Chat:
 
 @dataclass(frozen=True)
 class ImageInput:
-    """An image of a resent conversation: its content ``key`` (:func:`~llava_sessions.images.fetch.image_key`), the encoded
+    """An image of a resent conversation: its content ``key`` (:func:`image_key`), the encoded
     ``data``, its (height, width) ``size`` in pixels and the ``image`` decoded (RGB PIL), or None when
     the worker already holds its features or bytes (then it is decoded only if it must be encoded).
     A video is one too: ``data`` a :class:`VideoBytes`, ``size`` its ``(frames, height, width)``."""
@@ -215,3 +217,18 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
         else:
             hi = mid
     return lo
+
+
+def image_key(data: bytes) -> str:
+    """The content key of an encoded image: SHA-256 of its bytes, hex (64 characters).
+
+    Images are recognised by their exact bytes, never by URL or token ids alone (cross-request
+    caches keyed without the image content have served one image's answers for another: vLLM issue
+    20261, docs/platform.md). A video's key (``data`` a
+    :class:`~llava_sessions.conversation.VideoBytes`) hashes its sampling after its bytes, so one clip
+    sampled two ways is two keys, and never an image's.
+    """
+    digest = hashlib.sha256(data)
+    if isinstance(data, VideoBytes):
+        digest.update(b"\x00video:" + data.sampling.encode())
+    return digest.hexdigest()

@@ -14,9 +14,8 @@ import torch
 from PIL import Image
 
 import engine_fixtures
-from llava_sessions.conversation import ChatTarget, ImageInput, Turn
+from llava_sessions.conversation import ChatTarget, ImageInput, Turn, image_key
 from llava_sessions.errors import ErrorCode, ServiceError
-from llava_sessions.images.fetch import image_key
 from llava_sessions.sampling.sampler import SamplingParams
 from test_engine import GREEDY, N, decode, ids, make_engine
 

@@ -13,8 +13,8 @@ import itertools
 import pytest
 
 import engine_fixtures
+from llava_sessions.conversation import image_key
 from llava_sessions.engine import EngineLimits
-from llava_sessions.images.fetch import image_key
 from llava_sessions.sessions.ledger import Tier
 from test_chat_engine import EncodeCounter, chat, reference
 from test_engine import ids

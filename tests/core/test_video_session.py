@@ -19,10 +19,10 @@ import pytest
 import torch
 from openai.types.chat import ChatCompletion
 
-from llava_sessions.conversation import VideoBytes
+from llava_sessions.conversation import VideoBytes, image_key
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
-from llava_sessions.images.fetch import decode_image, image_key
+from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaRunner
 from llava_sessions.model.video import preprocess_frames, video_token_count
 from llava_sessions.sampling.sampler import SamplingParams

@@ -27,11 +27,19 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
-from ..conversation import ChatTarget, ImageInput, Turn, VideoBytes, is_video_size, media_size, video_sampling
+from ..conversation import (
+    ChatTarget,
+    ImageInput,
+    Turn,
+    VideoBytes,
+    image_key,
+    is_video_size,
+    media_size,
+    video_sampling,
+)
 from ..engine import Generation, SessionEngine
 from ..errors import ErrorCode, ServiceError
 from ..images.decode import decode_image
-from ..images.fetch import image_key
 from ..metrics import WorkerMetrics
 from ..results import Answer
 from ..video import SampledVideo

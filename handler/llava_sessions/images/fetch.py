@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import ipaddress
 import logging
 import re
@@ -31,7 +30,6 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 
-from ..conversation import VideoBytes
 from ..errors import ErrorCode, ServiceError
 from .decode import DECODE_FORMATS, decode_image
 from .s3 import fetch_s3
@@ -40,7 +38,7 @@ if TYPE_CHECKING:
     from ..config import Settings
     from ..wire.inbound import ImageSource
 
-__all__ = ["DECODE_FORMATS", "decode_image", "fetch_image_bytes", "image_key"]
+__all__ = ["DECODE_FORMATS", "decode_image", "fetch_image_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,21 +64,6 @@ _USER_AGENT = "llava-sessions-image-fetch/0.1"
 # ============================================================================================
 # Public API
 # ============================================================================================
-
-
-def image_key(data: bytes) -> str:
-    """The content key of an encoded image: SHA-256 of its bytes, hex (64 characters).
-
-    Images are recognised by their exact bytes, never by URL or token ids alone (cross-request
-    caches keyed without the image content have served one image's answers for another: vLLM issue
-    20261, docs/platform.md). A video's key (``data`` a
-    :class:`~llava_sessions.conversation.VideoBytes`) hashes its sampling after its bytes, so one clip
-    sampled two ways is two keys, and never an image's.
-    """
-    digest = hashlib.sha256(data)
-    if isinstance(data, VideoBytes):
-        digest.update(b"\x00video:" + data.sampling.encode())
-    return digest.hexdigest()
 
 
 def fetch_image_bytes(source: ImageSource, settings: Settings, *, s3_client: Any = None) -> bytes:

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from ..conversation import Chat, Turn, common_prefix_len, video_indexes
-from ..images.fetch import image_key
+from ..conversation import Chat, Turn, common_prefix_len, image_key, video_indexes
 from ..model.kv_cache import cache_len, crop_cache, release_cache
 from .ledger import Tier, tier_of
 
@@ -48,7 +47,7 @@ class Session:
     Attributes:
         session_id: the id (``ts-seq-<uuid>`` minted by TorchServe, or any uuid4-based id).
         images: the encoded images as received (host), in conversation order (the opening one first).
-        image_keys: each image's content key (:func:`~llava_sessions.images.fetch.image_key`).
+        image_keys: each image's content key (:func:`~llava_sessions.conversation.image_key`).
         image_urls: URL or S3 URI → content key of the images fetched for this session (a URL is
             fetched once per session).
         image_uuids: a client's image ``uuid`` (vLLM's per-part field) → content key: a later

@@ -38,9 +38,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..conversation import Turn
+from ..conversation import Turn, image_key
 from ..errors import ErrorCode, ServiceError, overloaded
-from ..images.fetch import image_key
 from ..model.kv_cache import held_len
 from .ledger import Demotion, SessionLedger, Tier
 from .offload import KVOffload
