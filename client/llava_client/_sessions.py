@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 from . import _chat
 from ._base_client import BaseClient
@@ -30,7 +30,7 @@ from ._exceptions import LlavaError, SessionGone
 from ._images import Downsized, ImageInput, VideoInput, video_payload
 from ._streaming import AnswerStream, ms_since
 from ._transport import LineStream
-from ._types import AddedImage, Answer, GenerationParams, Recovery
+from ._types import AddedImage, Answer, GenerationParams, Recovery, Sampling
 
 __all__ = ["Opened", "Session", "open_session_request"]
 
@@ -99,36 +99,6 @@ def _generate_request(
     return request
 
 
-def _params(
-    max_new_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    repetition_penalty: float | None,
-    do_sample: bool | None,
-    seed: int | None,
-    stop: str | Sequence[str] | None,
-    details: bool | None,
-    n: int | None = None,
-    session_choice: int | None = None,
-) -> GenerationParams:
-    if isinstance(stop, str):
-        stop = (stop,)
-    return GenerationParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        repetition_penalty=repetition_penalty,
-        do_sample=do_sample,
-        seed=seed,
-        stop=tuple(stop) if stop else None,
-        details=details,
-        n=n,
-        session_choice=session_choice,
-    )
-
-
 class Session:
     """One open image chat session (made by :meth:`~llava_client.SessionClient.open_session`).
 
@@ -193,18 +163,8 @@ class Session:
         prompt: str,
         *,
         remember: bool = True,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        repetition_penalty: float | None = None,
-        do_sample: bool | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        details: bool | None = None,
         context_policy: str | None = None,
-        n: int | None = None,
-        session_choice: int | None = None,
+        **sampling: Unpack[Sampling],
     ) -> Answer:
         """Ask a question about the image and wait for the whole answer.
 
@@ -212,16 +172,13 @@ class Session:
             prompt: the question.
             remember: True: the turn joins the history (later questions see it); False: answered
                 with the current history as context and forgotten.
-            max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop:
-                sampling parameters (None: the server's default; greedy unless sampling is asked for).
-            details: include the per-token list (``answer.tokens``) with log-probabilities.
             context_policy: when the turn does not fit the model's context: ``"truncate"`` (the
                 oldest remembered turns leave it, here and on the server; ``answer.truncated_turns``
                 says how many) or ``"error"`` (:class:`ContextLengthExceeded`); None: the server's
                 setting (``truncate`` by default).
-            n: answers to sample from the one prompt (prefilled once; answer ``i`` uses ``seed + i``):
-                the one returned is the session's turn, and ``answer.choices`` holds all ``n``.
-            session_choice: which answer (0 to ``n - 1``; default 0) becomes the session's turn.
+            sampling: the sampling keywords (:class:`~llava_client._types.Sampling`: ``max_new_tokens``,
+                ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``do_sample``, ``seed``,
+                ``stop``, ``details``, ``n``, ``session_choice``).
 
         Raises:
             InvalidRequest: a bad parameter or prompt. ContextLengthExceeded: it does not fit.
@@ -230,19 +187,7 @@ class Session:
             APIConnectionError, APITimeoutError, InternalServerError: after the allowed retries.
             LlavaError: the session is closed.
         """
-        params = _params(
-            max_new_tokens,
-            temperature,
-            top_p,
-            top_k,
-            repetition_penalty,
-            do_sample,
-            seed,
-            stop,
-            details,
-            n,
-            session_choice,
-        )
+        params = GenerationParams.of(sampling)
         request = _generate_request(prompt, params, stream=False, remember=remember, context_policy=context_policy)
         t0 = time.perf_counter()
         data, _ = self._with_recovery(lambda: self._client.invoke(request, self.id, retry_safe=not remember))
@@ -266,27 +211,23 @@ class Session:
         prompt: str,
         *,
         remember: bool = True,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        repetition_penalty: float | None = None,
-        do_sample: bool | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        details: bool | None = None,
         context_policy: str | None = None,
+        **sampling: Unpack[Sampling],
     ) -> AnswerStream:
         """Ask a question and stream the answer's text pieces as they are generated.
 
         The request is sent now: errors before the first token (and recovery) happen here.
         Use the result as ``with session.stream(q) as s: for piece in s: ...``; then ``s.answer``.
-        Arguments and errors as :meth:`ask`; an error reported mid-stream raises from the iteration.
+        Arguments and errors as :meth:`ask` (one answer: ``n`` above 1 raises ValueError); an error
+        reported mid-stream raises from the iteration.
         """
-        sampled = bool(do_sample) or (temperature is not None and temperature > 0)
-        if sampled and seed is None:  # a stream sent again after a dead worker comes out the same
-            seed = random.getrandbits(31)
-        params = _params(max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop, details)
+        if (sampling.get("n") or 1) > 1:
+            raise ValueError("a stream carries one answer: ask(..., n=...) gives several")
+        temperature = sampling.get("temperature")
+        sampled = bool(sampling.get("do_sample")) or (temperature is not None and temperature > 0)
+        if sampled and sampling.get("seed") is None:  # a stream sent again after a dead worker comes out the same
+            sampling = {**sampling, "seed": random.getrandbits(31)}
+        params = GenerationParams.of(sampling)
         request = _generate_request(prompt, params, stream=True, remember=remember, context_policy=context_policy)
         t0 = time.perf_counter()
 

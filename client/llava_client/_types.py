@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 __all__ = ["AddedImage", "Answer", "GenerationParams", "Recovery", "Token", "Usage"]
 
@@ -115,6 +115,33 @@ def _int_or_none(value: Any) -> int | None:
     return int(value) if value is not None else None
 
 
+class Sampling(TypedDict, total=False):
+    """The sampling keywords of :meth:`Session.ask <llava_client.Session.ask>` and
+    :meth:`Session.stream <llava_client.Session.stream>` (the fields of :class:`GenerationParams`;
+    None or absent: the server's default; greedy unless sampling is asked for).
+
+    Keys:
+        max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, seed, stop: as TGI's
+            parameters (``stop``: a string or several).
+        details: include the per-token list (``answer.tokens``) with log-probabilities.
+        n: answers to sample from the one prompt (prefilled once; answer ``i`` uses ``seed + i``); the
+            answer returned is the session's turn, ``answer.choices`` holds all ``n`` (``ask`` only).
+        session_choice: which answer (0 to ``n - 1``; default 0) becomes the session's turn.
+    """
+
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    repetition_penalty: float | None
+    do_sample: bool | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+    details: bool | None
+    n: int | None
+    session_choice: int | None
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """Sampling parameters of one answer; None means the server's default.
@@ -134,6 +161,13 @@ class GenerationParams:
     details: bool | None = None
     n: int | None = None
     session_choice: int | None = None
+
+    @classmethod
+    def of(cls, sampling: Sampling) -> GenerationParams:
+        """The parameters of :class:`Sampling` keywords (a ``stop`` string becomes a one-item tuple)."""
+        stop = sampling.get("stop")
+        fields = {k: v for k, v in sampling.items() if k != "stop"}
+        return cls(**fields, stop=((stop,) if isinstance(stop, str) else tuple(stop)) if stop else None)  # type: ignore[arg-type]
 
     def to_wire(self) -> dict[str, Any]:
         """The ``parameters`` object of a generate request (unset fields left out)."""

@@ -207,6 +207,10 @@ def test_generation_params_wire():
     params = GenerationParams(max_new_tokens=64, temperature=0.7, seed=5, stop=("\n",), details=True)
     assert params.to_wire() == {"max_new_tokens": 64, "temperature": 0.7, "seed": 5, "details": True, "stop": ["\n"]}
     assert GenerationParams().to_wire() == {}
+    # Session.ask's and Session.stream's keywords, one type: a stop string is a one-item tuple
+    keywords = GenerationParams.of({"max_new_tokens": 8, "stop": "END", "n": 3, "session_choice": 1})
+    assert keywords == GenerationParams(max_new_tokens=8, stop=("END",), n=3, session_choice=1)
+    assert keywords.to_wire() == {"max_new_tokens": 8, "n": 3, "session_choice": 1, "stop": ["END"]}
 
 
 @pytest.mark.parametrize("command", ["llava-chat", "llava-web", "llava-serve", "llava-deploy", "llava-local-endpoint"])
