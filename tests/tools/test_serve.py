@@ -377,7 +377,7 @@ def _poll_ping_until_healthy(url: str, cli: subprocess.Popen, output, timeout_s:
         assert cli.poll() is None, "".join(output.lines)
         try:
             ping = requests.get(url + "/ping", timeout=2).status_code
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not listening yet, or a core busy elsewhere
             ping = None
         if ping == 200:
             return seen
