@@ -26,8 +26,10 @@ install: $(VENV)/.installed
 system-deps:
 	bash tests/system_deps.sh
 
-# the suite in TEST_WORKERS processes, each test file whole in one (its module fixtures start once)
-TEST_WORKERS ?= 2
+# the suite in TEST_WORKERS processes, each test file whole in one (its module fixtures start once);
+# one by default: under a second process's load a timing test still fails now and then
+# (docs/decisions/55-the-suite-in-two-processes.md)
+TEST_WORKERS ?= 1
 test: install system-deps
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
