@@ -31,7 +31,7 @@ system-deps:
 # (docs/decisions/55-the-suite-in-two-processes.md)
 TEST_WORKERS ?= 1
 test: install system-deps
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -ra $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # The container's stack on its own: a fresh venv with what the image installs (the package, not
 # editable, its serve extra, config/constraints.txt), the project folder found through LLAVA_HOME
