@@ -61,12 +61,12 @@ def add_samples(
         store: where the sample sessions are held (and counted in the memory budget).
         runner: the model (device, end-of-sequence ids, tokenizer).
         grammar: a request's parameters → a new structured-output matcher (or None).
-
     """
     if request.n == 1:
         return
     session = head.session
     samples: list[Generation] = []
+    held: list[Session] = []
     try:
         for i in range(request.n):
             if i == request.session_choice:
@@ -74,6 +74,7 @@ def add_samples(
                 continue
             copy = _sample_session(session, i)
             store.hold_sample(copy)
+            held.append(copy)
             params = request.for_sample(i)
             sampler = Sampler(params, runner.device, head.prompt_ids, runner.eos_token_ids, grammar(params))
             gen = Generation(
@@ -91,10 +92,8 @@ def add_samples(
             gen.head, gen.index = head, i
             samples.append(gen)
     except BaseException:
-        for gen in samples:
-            if gen is not head:
-                store.unpin(gen.session)
-                store.discard(gen.session)
+        for copy in held:  # a sampler or grammar that could not start: no copy stays held
+            store.discard(copy)
         raise
     head.index = request.session_choice
     for gen in samples:

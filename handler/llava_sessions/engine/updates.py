@@ -223,7 +223,6 @@ class StateUpdates:
         if kv is not None:  # the last token is not fed yet
             session.take_back_kv(kv, gen.prompt_ids + generated[:-1])
         if gen.head is not gen:  # another answer of a request of several: only the head's is remembered
-            self.store.unpin(session)
             self.store.discard(session)
             gen.finish(finish_reason)
             return
