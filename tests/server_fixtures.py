@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 import pytest
+import requests
 
 from llava_tools.serve import LocalServer
 
@@ -125,8 +126,6 @@ def prometheus_text(metrics_url: str, until: Callable[[str], bool], timeout_s: f
     TorchServe's frontend parses them from the worker's stdout, so a reply can arrive before its
     metrics are there.
     """
-    import requests
-
     deadline = time.monotonic() + timeout_s
     while True:
         text = requests.get(metrics_url + "/metrics", timeout=10).text
@@ -151,6 +150,27 @@ def worker_metric(
         }
 
     return values(prometheus_text(server.metrics_url, lambda text: until(values(text)), timeout_s))
+
+
+def wait_until_answering(url: str, session_id: str, timeout_s: float = 30) -> None:
+    """Wait until ``session_id`` is answering a question on the server at ``url``: a reset then gets
+    409 ``session_busy`` at once (before the answer starts, a reset of a session with no history yet
+    changes nothing). Unlike a metric, which the worker reports on its own cadence, this is exact.
+
+    Raises:
+        AssertionError: the session did not start answering within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reset = requests.post(
+            f"{url}/invocations",
+            json={"type": "reset"},
+            headers={"X-Amzn-SageMaker-Session-Id": session_id},
+            timeout=10,
+        )
+        if reset.status_code == 409:
+            return
+    raise AssertionError(f"session {session_id} never started answering")
 
 
 def _factory(addfinalizer: Callable[[Callable[[], None]], Any]) -> Callable[..., LocalServer]:

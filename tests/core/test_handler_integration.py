@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from aws_readers import lmi_reader_text, tgi_reader_text
-from server_fixtures import prometheus_text, start_local_server, worker_metric
+from server_fixtures import prometheus_text, start_local_server, wait_until_answering
 
 pytestmark = pytest.mark.integration
 
@@ -443,8 +443,7 @@ def test_closing_a_session_while_it_streams_aborts_the_answer_and_closes(server,
     sid, _ = open_session(server, photos["coffee"])
     with ThreadPoolExecutor(1) as pool:
         whole = pool.submit(post, server, {**body, "stream": False}, sid)
-        running = worker_metric(server, "llava_RequestsInFlight", lambda v: sum(v.values()) >= 1, timeout_s=30)
-        assert sum(running.values()) >= 1
+        wait_until_answering(server.url, sid)
         closed = post(server, {"type": "close_session"}, session_id=sid)
         assert closed.status_code == 200 and closed.headers[CLOSED] == sid
         answer = whole.result()

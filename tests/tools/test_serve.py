@@ -24,7 +24,7 @@ import torch
 
 from llava_tools.processes import pick_ports
 from llava_tools.serve.torchserve_files import JVM_ARGS
-from server_fixtures import OutputLines, stop_process, write_echo_handler
+from server_fixtures import OutputLines, stop_process, wait_until_answering, write_echo_handler
 
 psutil = pytest.importorskip("psutil")
 
@@ -46,16 +46,6 @@ def _llava_serve() -> list[str]:
 
 def _invoke(url: str, body: dict, headers: dict | None = None, timeout_s: float = 10) -> requests.Response:
     return requests.post(f"{url}/invocations", json=body, headers=headers or {}, timeout=timeout_s)
-
-
-def _wait_busy(url: str, session_id: str, timeout_s: float = 30) -> None:
-    """Wait until ``session_id`` answers a question: a reset then gets 409 ``session_busy`` (before, it
-    resets a session that has no history yet, which changes nothing)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _invoke(url, {"type": "reset"}, {SESSION: session_id}).status_code == 409:
-            return
-    raise AssertionError(f"session {session_id} never started answering")
 
 
 def _alive(pid: int) -> bool:
@@ -457,7 +447,7 @@ def test_a_killed_worker_costs_no_error(tmp_path: Path, tiny_model_dir: Path, ph
         raw = {"type": "generate", "prompt": "Tell a long story.", "parameters": {"max_new_tokens": 400}}
         sender = threading.Thread(target=lambda: in_flight.update(r=_invoke(url, raw, {SESSION: raw_session}, 60)))
         sender.start()
-        _wait_busy(url, raw_session)  # the question is sent and being answered
+        wait_until_answering(url, raw_session)  # the question is sent and being answered
         stream = session.stream(question, remember=False, max_new_tokens=400, temperature=0)
         given = next(stream) + next(stream)
         _kill_worker(cli.pid)
