@@ -42,7 +42,7 @@ import zipfile
 from pathlib import Path
 
 from llava_client import SessionClient
-from llava_tools.cli import parse_assignment
+from llava_tools.cli import add_setting_arguments
 from llava_tools.demo.samples import sample_photo
 from llava_tools.serve import LocalServer
 
@@ -440,9 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--streams", type=int, default=4)
-    ap.add_argument(
-        "--set", action="append", default=[], type=parse_assignment, metavar="KEY=VALUE", help="extra handler setting"
-    )
+    add_setting_arguments(ap, handler_help="an extra handler setting, e.g. --set step_max_tokens=16")
     ap.add_argument("--skip-itl", action="store_true", help="skip the inter-token latency part")
     ap.add_argument("--skip-aggregate", action="store_true", help="skip the aggregate decode part")
     ap.add_argument("--skip-overhead", action="store_true", help="skip the per-request serving overhead part")
@@ -458,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model_dir = str(write_checkpoint(args.model, tempfile.mkdtemp(prefix=f"llava-{args.model}-")))
     images = [sample_photo(n) for n in PHOTOS]
-    extra = dict(args.set)
+    extra = dict(args.overrides)
     overrides = {"max_sessions": 32, "max_concurrent_generations": 16, **extra}
     ts = {"batchSize": 32, "maxNumSequence": 32}
     report: dict = {"model": args.model_dir or args.model, "new_tokens": args.new_tokens, "settings": overrides}

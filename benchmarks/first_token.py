@@ -26,7 +26,7 @@ from pathlib import Path
 
 import requests
 
-from llava_tools.cli import parse_assignment
+from llava_tools.cli import add_setting_arguments
 from llava_tools.demo.samples import sample_photo
 from llava_tools.serve import LocalServer
 from llava_tools.tiny_model import write_checkpoint
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny", "bench"], default="tiny")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], type=parse_assignment)
+    add_setting_arguments(parser, handler_help="a handler setting, e.g. --set step_max_tokens=1")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(args.model, Path(tmp) / args.model, seed=0)

@@ -29,7 +29,7 @@ import requests
 
 from concurrency import burst, others_paused  # benchmarks/concurrency.py (this script's folder is on sys.path)
 from llava_client import SessionClient
-from llava_tools.cli import parse_assignment
+from llava_tools.cli import add_setting_arguments
 from llava_tools.demo.samples import sample_photo
 from llava_tools.serve import LocalServer
 
@@ -60,15 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--per-replica", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        type=parse_assignment,
-        metavar="KEY=VALUE",
-        help="a handler setting for both servers, e.g. --set step_max_tokens=16",
-    )
+    add_setting_arguments(ap, handler_help="a handler setting for both servers, e.g. --set step_max_tokens=16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     model_dir = args.model_dir

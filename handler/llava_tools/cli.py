@@ -15,7 +15,14 @@ from typing import Any
 
 import yaml
 
-__all__ = ["StartError", "parse_assignment", "parse_raw_assignment", "port_number", "run_until_signal"]
+__all__ = [
+    "StartError",
+    "add_setting_arguments",
+    "parse_assignment",
+    "parse_raw_assignment",
+    "port_number",
+    "run_until_signal",
+]
 
 
 class StartError(RuntimeError):
@@ -42,6 +49,19 @@ def port_number(text: str) -> int:
 def parse_raw_assignment(text: str) -> tuple[str, str]:
     """Parse a ``KEY=VALUE`` argument keeping the value as text (environment variables)."""
     return parse_assignment(text, typed=False)
+
+
+def add_setting_arguments(
+    parser: argparse.ArgumentParser, *, handler_help: str, torchserve_help: str | None = None
+) -> None:
+    """Add the repeatable ``--set KEY=VALUE`` (a key of model-config.yaml's ``handler:`` section, into
+    ``args.overrides``) and, where ``torchserve_help`` is given, ``--ts-set KEY=VALUE`` (a top-level
+    TorchServe key, into ``args.model_config_overrides``); each a list of ``(key, value)`` pairs with the
+    value parsed as YAML (:func:`parse_assignment`)."""
+    assignments: dict[str, Any] = {"action": "append", "default": [], "type": parse_assignment, "metavar": "KEY=VALUE"}
+    parser.add_argument("--set", dest="overrides", help=handler_help, **assignments)
+    if torchserve_help is not None:
+        parser.add_argument("--ts-set", dest="model_config_overrides", help=torchserve_help, **assignments)
 
 
 def run_until_signal(prog: str, server: Any, *, starting: str, ready: Callable[[], str]) -> int:

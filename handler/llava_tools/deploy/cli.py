@@ -11,7 +11,7 @@ from typing import Any
 
 from llava_sessions.config import Settings
 
-from ..cli import parse_assignment, parse_raw_assignment
+from ..cli import add_setting_arguments, parse_raw_assignment
 from .aws import Deployer
 from .capacity import SCALING_METRICS, capacity_plan, scaling_requests
 from .package import build_package
@@ -66,14 +66,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="SAGEMAKER_MODEL_SERVER_TIMEOUT: TorchServe responseTimeout in seconds "
         f"(default {DEFAULT_RESPONSE_TIMEOUT_S})",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        type=parse_assignment,
-        metavar="KEY=VALUE",
-        help="handler setting written into the packaged model-config.yaml, e.g. --set session_ttl_s=600",
+    add_setting_arguments(
+        parser, handler_help="handler setting written into the packaged model-config.yaml, e.g. --set session_ttl_s=600"
     )
     parser.add_argument(
         "--env",

@@ -83,7 +83,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..cli import parse_assignment, port_number, run_until_signal
+from ..cli import add_setting_arguments, port_number, run_until_signal
 from ..serve import API_KEY_ENV, LocalServer, ServerStartError
 from .routing import BackendRef, Router
 from .runtime_front import DEFAULT_READ_TIMEOUT_S, RouterServer
@@ -252,23 +252,10 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backends", type=int, default=2, help="TorchServe instances (default 2)")
     parser.add_argument("--port", type=port_number, default=8090, help="router port on 127.0.0.1 (0: any free port)")
     parser.add_argument("--endpoint-name", default=None, help="accept only this endpoint name (default: any)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        type=parse_assignment,
-        metavar="KEY=VALUE",
-        help="handler setting for every backend (repeatable)",
-    )
-    parser.add_argument(
-        "--ts-set",
-        dest="model_config_overrides",
-        action="append",
-        default=[],
-        type=parse_assignment,
-        metavar="KEY=VALUE",
-        help="top-level model-config.yaml key for every backend (repeatable)",
+    add_setting_arguments(
+        parser,
+        handler_help="handler setting for every backend (repeatable)",
+        torchserve_help="top-level model-config.yaml key for every backend (repeatable)",
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for each backend")
     parser.add_argument(

@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from ..cli import parse_assignment, port_number, run_until_signal
+from ..cli import add_setting_arguments, port_number, run_until_signal
 from ..processes import is_loopback
 from .server import API_KEY_ENV, LocalServer, ServerStartError
 from .torchserve_files import MODEL_NAME, MULTI_WORKER_REFUSAL
@@ -52,23 +52,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workers", type=int, default=1, help="TorchServe workers: 1 (more are refused)")
     parser.add_argument("--config", default=None, help="model-config.yaml to start from")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        type=parse_assignment,
-        metavar="KEY=VALUE",
-        help="override a key of the handler: section (repeatable), e.g. --set max_sessions=8",
-    )
-    parser.add_argument(
-        "--ts-set",
-        dest="model_config_overrides",
-        action="append",
-        default=[],
-        type=parse_assignment,
-        metavar="KEY=VALUE",
-        help="override a top-level TorchServe key of model-config.yaml, e.g. --ts-set batchSize=8",
+    add_setting_arguments(
+        parser,
+        handler_help="override a key of the handler: section (repeatable), e.g. --set max_sessions=8",
+        torchserve_help="override a top-level TorchServe key of model-config.yaml, e.g. --ts-set batchSize=8",
     )
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a READY worker")
     parser.add_argument(
