@@ -115,7 +115,7 @@ class ModelRunner:
         return (time.perf_counter() - t0) * 1000.0
 
     def encode(self, session: Session, images: Sequence[Any]) -> torch.Tensor:
-        """Run the vision tower on ``images`` (the session's last ``len(images)``, decoded), laid out
+        """Run the vision tower on ``images``, the session's last ``len(images)`` (decoded), laid out
         as in the session's conversation now (:attr:`Session.image_tokens`).
 
         Returns:
@@ -125,16 +125,8 @@ class ModelRunner:
             ServiceError: image_invalid; overloaded (out of device memory twice).
             RuntimeError: the model gave another row count than the processor's (a bug).
         """
-        num_images = still_images(session.image_sizes)
-        t0 = time.perf_counter()
-        for attempt in oom_attempts(self.store, keep=session):
-            with attempt:
-                feats = self.runner.encode_images(images, num_images)
-        self.costs.vision(vision_units(images), self._ms_since(t0))
-        expected = session.image_tokens[len(session.images) - len(images) :]
-        got = [int(f.shape[0]) for f in feats]
-        if got != expected:
-            raise RuntimeError(f"image features have {got} rows; the processor counts {expected}")
+        first = len(session.images) - len(images)
+        feats = self.encode_at(session, range(first, len(session.images)), images)
         return feats[0] if len(feats) == 1 else torch.cat(feats, dim=0)
 
     def encode_frames(self, session: Session, video: Any, start: int, stop: int) -> torch.Tensor:

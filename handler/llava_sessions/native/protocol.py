@@ -33,7 +33,7 @@ No torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import (
     Field,
@@ -297,34 +297,6 @@ class SendTextPromptRequest(_RequestBase):
         return GenerateRequest(type="generate", prompt=self.prompt_text)
 
 
-Request = Annotated[
-    OpenSessionRequest
-    | GenerateRequest
-    | AddImageRequest
-    | AddVideoRequest
-    | ResetRequest
-    | CloseSessionRequest
-    | StartSessionRequest
-    | SendTextPromptRequest,
-    Field(discriminator="type"),
-]
-"""Any inbound request; ``request.canonical()`` maps the AWS sample aliases to canonical types."""
-
-#: The valid values of ``"type"``, canonical first.
-REQUEST_TYPES: tuple[str, ...] = (
-    "open_session",
-    "generate",
-    "add_image",
-    "add_video",
-    "reset",
-    "close_session",
-    "start_session",
-    "send_text_prompt",
-)
-
-_REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
-
-
 NativeRequest = (
     OpenSessionRequest
     | GenerateRequest
@@ -335,6 +307,18 @@ NativeRequest = (
     | StartSessionRequest
     | SendTextPromptRequest
 )
+"""Any inbound request of the native dialect, canonical types first."""
+
+Request = Annotated[NativeRequest, Field(discriminator="type")]
+"""Any inbound request, told apart by ``"type"``; ``request.canonical()`` maps the AWS sample aliases
+to canonical types."""
+
+#: The valid values of ``"type"``, canonical first.
+REQUEST_TYPES: tuple[str, ...] = tuple(
+    get_args(model.model_fields["type"].annotation)[0] for model in get_args(NativeRequest)
+)
+
+_REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
 
 
 def parse_request(
