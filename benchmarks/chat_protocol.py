@@ -32,7 +32,7 @@ from typing import Any
 from PIL import Image
 
 from llava_sessions.wire.jobs import Row
-from llava_sessions.worker import build_local_service
+from llava_sessions.worker import WorkerOrigin, build_local_service
 from llava_tools.demo.samples import sample_photo
 
 TURNS = ["What is in this image?", "What colour is the suit?", "Is there a flag in the picture?"]
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
             model_dir = str(write_checkpoint(args.model, Path(tmp) / args.model, seed=0))
         base = {"model_dir": model_dir, "device": "cpu", "dtype": "float32", "max_sessions": 64}
-        service = build_local_service(base, env={})
-        cold = build_local_service({**base, "share_images": False}, env={})
+        service = build_local_service(base, WorkerOrigin(env={}))
+        cold = build_local_service({**base, "share_images": False}, WorkerOrigin(env={}))
         return run(service, cold, args)
 
 

@@ -15,7 +15,7 @@ import os
 from llava_sessions.replicas import ReplicaRouter
 from llava_sessions.service import SessionService
 from llava_sessions.wire.framing import read_rows, write_results
-from llava_sessions.worker import build_service, quiet_worker_logs
+from llava_sessions.worker import WorkerOrigin, build_service, quiet_worker_logs
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,15 @@ class LlavaHandler:
         """Load the model and build the service from the ``handler:`` section of model-config.yaml."""
         props = context.system_properties
         yaml_config = context.model_yaml_config or {}
-        self.service = build_service(
-            yaml_config.get("handler") or {},
+        origin = WorkerOrigin(
             env=os.environ,
             archive_dir=props.get("model_dir"),
             gpu_id=props.get("gpu_id"),
             end_header=context.header_key_sequence_end,
+        )
+        self.service = build_service(
+            yaml_config.get("handler") or {},
+            origin,
             metrics=getattr(context, "metrics", None),
             batch_size=yaml_config.get("batchSize"),
         )

@@ -134,6 +134,7 @@ class ReplicaRouter:
         builder: builds one replica's service in its process (``llava_sessions.worker.build_local_service``,
             passed down so this module does not import the worker's wiring); a module-level function.
         metrics: TorchServe's metrics cache, or None.
+        end_header: TorchServe's sequence-end header name (``ctx.header_key_sequence_end``).
 
     Raises:
         RuntimeError: a replica failed to start (its error in the message).
@@ -147,6 +148,7 @@ class ReplicaRouter:
         metrics: Any = None,
         *,
         builder: Callable[..., SessionService],
+        end_header: str = SEQUENCE_END_HEADER,
     ) -> None:
         self.settings = settings
         self.devices = devices
@@ -160,7 +162,7 @@ class ReplicaRouter:
         self._jobs: dict[str, int] = {}  # request id of a job in flight -> replica
         self._keys: dict[str, str] = {}  # request id of a sessionless chat in flight -> its prefix key
         self._lock = threading.Lock()
-        self._framing = Framing(self._build.get("end_header", SEQUENCE_END_HEADER))
+        self._framing = Framing(end_header)
         self._pool = ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="llava-replica")
         for replica in self.replicas:
             self._spawn(replica)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +27,33 @@ from .sessions.store import SessionStore
 from .video import VideoLimits, decode_video
 from .wire.contract import IMAGE_RELAY_ENV, SEQUENCE_END_HEADER
 
-__all__ = ["build_engine", "build_local_service", "build_service", "quiet_worker_logs"]
+__all__ = ["WorkerOrigin", "build_engine", "build_local_service", "build_service", "quiet_worker_logs"]
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class WorkerOrigin:
+    """What TorchServe tells a worker about where it runs (picklable: replicas get it too).
+
+    Attributes:
+        env: environment overrides (``LLAVA_*``); None reads the process's environment.
+        archive_dir: TorchServe's model directory (``context.system_properties["model_dir"]``); used as
+            the checkpoint folder when ``model_dir`` is empty and it holds a config.json.
+        gpu_id: TorchServe's GPU for this worker (``settings.gpu_id`` wins; ignored by replicas).
+        end_header: TorchServe's sequence-end header name (``ctx.header_key_sequence_end``).
+    """
+
+    env: Mapping[str, str] | None = None
+    archive_dir: str | None = None
+    gpu_id: int | None = None
+    end_header: str = SEQUENCE_END_HEADER
+
+
 def build_service(
     handler_section: Mapping[str, Any],
+    origin: WorkerOrigin = WorkerOrigin(),
     *,
-    env: Mapping[str, str] | None = None,
-    archive_dir: str | None = None,
-    gpu_id: int | None = None,
-    end_header: str = SEQUENCE_END_HEADER,
     metrics: Any = None,
     batch_size: int | None = None,
 ) -> SessionService | ReplicaRouter:
@@ -47,11 +63,7 @@ def build_service(
 
     Args:
         handler_section: the ``handler:`` section of model-config.yaml.
-        env: environment overrides (``LLAVA_*``).
-        archive_dir: TorchServe's model directory; used as the checkpoint folder when
-            ``model_dir`` is empty and it holds a config.json.
-        gpu_id: TorchServe's GPU for this worker (``settings.gpu_id`` wins; ignored by replicas).
-        end_header: TorchServe's sequence-end header name (``ctx.header_key_sequence_end``).
+        origin: where the worker runs, as TorchServe says (environment, model directory, GPU, header).
         metrics: TorchServe's metrics cache (``context.metrics``) or None.
         batch_size: model-config.yaml's ``batchSize``, when known: a WARNING names the fix when the
             replicas' sessions (``max_sessions`` each) are more than it (TorchServe would serialise
@@ -61,7 +73,7 @@ def build_service(
         ValueError: invalid settings. FileNotFoundError: no checkpoint folder. RuntimeError: a
         replica did not start.
     """
-    settings = Settings.from_sources(dict(handler_section), env)
+    settings = Settings.from_sources(dict(handler_section), origin.env)
     logging.getLogger("llava_sessions").setLevel(settings.log_level)
     devices = resolve_devices(settings)
     if batch_size is not None and settings.max_sessions * len(devices) > int(batch_size):
@@ -73,20 +85,18 @@ def build_service(
             len(devices),
             job_groups(settings.max_sessions, len(devices)),
         )
-    build: dict[str, Any] = {
-        "handler_section": dict(handler_section),
-        "env": dict(env or {}),
-        "archive_dir": archive_dir,
-        "gpu_id": gpu_id,
-        "end_header": end_header,
-    }
     if len(devices) == 1:
-        return build_local_service(**build, device=devices[0], metrics=metrics)
+        return build_local_service(handler_section, origin, device=devices[0], metrics=metrics)
+    section = dict(handler_section)
     if all(d == "cpu" for d in devices) and not settings.device_budget_bytes:
         # CPU replicas share one host memory: split one budget, measured once, so they are equal
         share = max(1, int(available_host_bytes() * settings.device_budget_fraction) // len(devices))
-        build["handler_section"]["device_budget_bytes"] = share
-    return ReplicaRouter(settings, devices, build, metrics=metrics, builder=build_local_service)
+        section["device_budget_bytes"] = share
+    # a replica process reads the environment it was given, not its own
+    build = {"handler_section": section, "origin": replace(origin, env=dict(origin.env or {}))}
+    return ReplicaRouter(
+        settings, devices, build, metrics=metrics, builder=build_local_service, end_header=origin.end_header
+    )
 
 
 def quiet_worker_logs(log_level: str) -> None:
@@ -106,11 +116,8 @@ def quiet_worker_logs(log_level: str) -> None:
 
 def build_local_service(
     handler_section: Mapping[str, Any],
+    origin: WorkerOrigin = WorkerOrigin(),
     *,
-    env: Mapping[str, str] | None = None,
-    archive_dir: str | None = None,
-    gpu_id: int | None = None,
-    end_header: str = SEQUENCE_END_HEADER,
     metrics: Any = None,
     device: str = "",
     replica: int = 0,
@@ -119,7 +126,7 @@ def build_local_service(
     """Build settings, model, store, engine and service in this process (one replica).
 
     Args:
-        handler_section, env, archive_dir, gpu_id, end_header, metrics: as :func:`build_service`.
+        handler_section, origin, metrics: as :func:`build_service`.
         device: this replica's device (``"cpu"``, ``"cuda:1"``), or ``""`` for ``device`` / ``gpu_id``.
         replica: this replica's index (log lines).
         num_replicas: replicas of the worker (each gets 1/N of the host budget; ``max_sessions`` is each one's).
@@ -127,17 +134,17 @@ def build_local_service(
     Raises:
         ValueError: invalid settings. FileNotFoundError: no checkpoint folder.
     """
-    settings = replica_settings(Settings.from_sources(dict(handler_section), env), device, num_replicas)
+    settings = replica_settings(Settings.from_sources(dict(handler_section), origin.env), device, num_replicas)
     logging.getLogger("llava_sessions").setLevel(settings.log_level)
     if settings.torch_threads:
         import torch
 
         torch.set_num_threads(settings.torch_threads)
-    model_dir = _model_dir(settings, archive_dir)
+    model_dir = _model_dir(settings, origin.archive_dir)
     runner = LlavaRunner.from_pretrained(
         model_dir,
         device=settings.device,
-        gpu_id=settings.gpu_id if settings.gpu_id is not None else gpu_id,
+        gpu_id=settings.gpu_id if settings.gpu_id is not None else origin.gpu_id,
         dtype=settings.dtype,
     )
     engine = build_engine(settings, runner)
@@ -158,10 +165,10 @@ def build_local_service(
     return SessionService(
         settings,
         engine,
-        end_header=end_header,
+        end_header=origin.end_header,
         metrics=WorkerMetrics(metrics, interval_s=settings.metrics_interval_ms / 1000.0),
         model_names=settings.served_model_name or (Path(model_dir).resolve().name,),
-        image_relay=(env or {}).get(IMAGE_RELAY_ENV) or None,
+        image_relay=(origin.env or {}).get(IMAGE_RELAY_ENV) or None,
     )
 
 

@@ -48,16 +48,16 @@ def test_the_worker_warns_when_batch_size_is_below_its_sessions(tiny_model_dir, 
     would serialise them): the worker starts, and says what to set."""
     import logging
 
-    from llava_sessions.worker import build_service
+    from llava_sessions.worker import WorkerOrigin, build_service
 
     section = {"model_dir": str(tiny_model_dir), "devices": "cpu", "max_sessions": 20}
     with caplog.at_level(logging.WARNING, logger="llava_sessions"):
-        build_service(section, env={}, batch_size=16)
+        build_service(section, WorkerOrigin(env={}), batch_size=16)
     assert "batchSize 16 is below max_sessions 20 x 1 replica(s)" in caplog.text
     assert "set batchSize and maxNumSequence to 28" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="llava_sessions"):
-        build_service(section, env={}, batch_size=28)
+        build_service(section, WorkerOrigin(env={}), batch_size=28)
     assert "batchSize" not in caplog.text
 
 

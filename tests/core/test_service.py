@@ -14,7 +14,7 @@ from llava_sessions.engine import CostModel, StepCost
 from llava_sessions.service import Row, SessionService
 from llava_sessions.sessions.ledger import Tier
 from llava_sessions.wire.contract import SEQUENCE_END_HEADER, SLOT_WAIT_HEADER
-from llava_sessions.worker import build_service
+from llava_sessions.worker import WorkerOrigin, build_service
 from server_fixtures import ImageHost
 
 
@@ -62,7 +62,7 @@ def test_a_cpu_worker_reserves_its_memory_at_start_within_its_budget(tiny_model_
     def reserved(**settings) -> int:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="llava_sessions"):
-            build_service({"model_dir": str(tiny_model_dir), "device": "cpu", **settings}, env={})
+            build_service({"model_dir": str(tiny_model_dir), "device": "cpu", **settings}, WorkerOrigin(env={}))
         (ready,) = [r for r in caplog.records if r.getMessage() == "llava-sessions ready"]
         return ready.cpu_memory_reserved_bytes
 
