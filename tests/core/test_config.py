@@ -222,10 +222,10 @@ def test_every_llava_variable_the_tools_read_is_a_setting_or_listed_as_theirs() 
     assert names - settings - constants - TOOL_ENV_VARS == set()
 
 
-# ---- one source: the Settings fields, model-config.yaml's handler section and the README's table ----
+# ---- one source: the Settings fields, model-config.yaml's handler section and the docs' short table ----
 
 _MODEL_CONFIG = Path(__file__).resolve().parents[2] / "model-config.yaml"
-_README = Path(__file__).resolve().parents[2] / "README.md"
+_CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def shipped_handler_section(keys: list[str]) -> str:
@@ -255,7 +255,7 @@ def shipped_handler_section(keys: list[str]) -> str:
 
 
 def short_default(key: str) -> str:
-    """A setting's default as the README's table writes it (``2 GiB``, ``auto``, ``true``, ``150``)."""
+    """A setting's default as the short table of docs/configuration.md writes it (``2 GiB``, ``auto``, ``true``, ``150``)."""
     default = Settings.model_fields[key].default
     if isinstance(default, bool):
         return str(default).lower()
@@ -280,10 +280,10 @@ def test_model_config_yaml_ships_the_settings_defaults_with_their_descriptions()
     )
 
 
-def test_the_readme_settings_table_shows_the_settings_defaults():
-    """Every row of the README's configuration table names settings and their defaults
-    (``a`` / ``b`` rows: each in turn), equal to ``Settings``'."""
-    table = _README.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
+def test_the_short_settings_table_shows_the_settings_defaults():
+    """Every row of docs/configuration.md's table of the settings most deployments touch names
+    settings and their defaults (``a`` / ``b`` rows: each in turn), equal to ``Settings``'."""
+    table = _CONFIGURATION.read_text().split("## The settings most deployments touch", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
     assert len(rows) >= 10
     for keys, defaults in rows:

@@ -36,9 +36,9 @@ SNIPPETS: dict[tuple[str, str], str] = {
     ("README.md", "from llava_client import SessionClient"): (
         "tests/project/test_docs.py::test_python_snippets_run_against_the_local_endpoint"
     ),
-    ("README.md", "import boto3"): "tests/project/test_docs.py::test_python_snippets_run_against_the_local_endpoint",
+    ("serving.md", "import boto3"): "tests/project/test_docs.py::test_python_snippets_run_against_the_local_endpoint",
     (
-        "README.md",
+        "deploy.md",
         "./build_and_push.sh --repository llava-sessions --region us-east-1          # prints the image URI",
     ): "tests/project/test_docs.py::test_the_deploy_snippet_runs_with_dry_run",
     ("api.md", "import boto3, json"): "tests/project/test_docs.py::test_python_snippets_run_against_the_local_endpoint",
@@ -116,9 +116,9 @@ def test_python_snippets_run_against_the_local_endpoint(endpoint, photos, tmp_pa
     assert 'SessionClient.from_endpoint("my-llava-endpoint")' in readme  # as written: boto3 finds the endpoint
     exec(compile(readme, "README.md", "exec"), {})  # noqa: S102 - the docs' own code
 
-    local = snippet("README.md", "import boto3").replace("http://127.0.0.1:8090", endpoint.url)
+    local = snippet("serving.md", "import boto3").replace("http://127.0.0.1:8090", endpoint.url)
     scope: dict = {}
-    exec(compile(local, "README.md", "exec"), scope)  # noqa: S102
+    exec(compile(local, "serving.md", "exec"), scope)  # noqa: S102
     opened = scope["runtime"].invoke_endpoint(
         EndpointName="any",
         SessionId="NEW_SESSION",
@@ -151,7 +151,7 @@ def test_the_deploy_snippet_runs_with_dry_run(tmp_path):
 
     model_dir = write_checkpoint("tiny", tmp_path / "tiny", seed=0)
     body = snippet(
-        "README.md",
+        "deploy.md",
         "./build_and_push.sh --repository llava-sessions --region us-east-1          # prints the image URI",
     )
     commands = [c.strip() for c in re.sub(r"\\\n\s*", " ", body).splitlines() if c.strip() and not c.startswith("#")]

@@ -120,7 +120,7 @@ _NEXT_STEPS = """Next steps
   llava-web --url http://127.0.0.1:8080                            # the chat page
   curl -s localhost:8080/invocations -H 'Content-Type: application/json' \
        -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
-Protocol: docs/api.md; Python client: README.md (API)."""
+Protocol: docs/api.md; Python client: README.md (The API at a glance)."""
 
 
 def _photo_for_next_steps() -> str:

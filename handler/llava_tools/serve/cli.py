@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.api_key and not is_loopback(args.host):
         print(
             f"llava-serve: WARNING: serving on {args.host} without --api-key: anyone who reaches this port can "
-            "use the model (README.md, Serving beyond localhost)",
+            "use the model (docs/serving.md, Serving beyond localhost)",
             file=sys.stderr,
             flush=True,
         )
