@@ -10,6 +10,7 @@ from llava_sessions.engine.scheduler import (
     MIN_PREFILL_TOKENS,
     BatchLayout,
     PrefillPiece,
+    Room,
     StepPlan,
     TimeBudget,
     WorkView,
@@ -328,3 +329,55 @@ def test_rules_6_and_10_over_pages_a_step_carries_the_pages_its_rows_open_and_a_
     assert plan.rebuild and plan.batch_bytes == 2 * page * per_token  # the joining row's next page, no copy
     assert not needs_rebuild(BatchLayout(4, 4, 0, 4, longest_row=5000, page_size=page), False)  # no columns to run out
     assert needs_rebuild(BatchLayout(8, 3, 0, 8, page_size=page), False)  # compaction still gives rows anew
+
+
+def answer(created: float, kv_tokens: int, *, has_row: bool = True, held: int = 0) -> WorkView:
+    """A decoding answer that arrived at ``created``, ``kv_tokens`` long, its session holding ``held``
+    positions of its own KV on the device."""
+    return WorkView(
+        "question", decoding=True, has_row=has_row, num_kv_tokens=kv_tokens, num_held_kv_tokens=held, created=created
+    )
+
+
+def test_rule_11_a_batch_that_cannot_grow_drops_its_newest_answers_and_keeps_the_oldest() -> None:
+    per_token, grow = 10, 4
+    batch = BatchLayout(2, 2, 50, 50, longest_row=50, grow_columns=grow, kv_bytes_per_token=per_token)
+    # in arrival order 0, 2, 1: the third in the list is the newest
+    work = [answer(1.0, 50), answer(3.0, 40, has_row=False), answer(2.0, 50)]
+    whole = 3 * (50 + grow) * per_token
+    assert schedule(work, None, batch).room == Room() and schedule(work, None, batch).batch_bytes == whole
+    assert schedule(work, None, batch, room_bytes=whole).room == Room()  # room enough: nobody leaves
+    plan = schedule(work, None, batch, room_bytes=whole - 1)
+    assert plan.room == Room(preempt=(1,)) and plan.batch_bytes == 2 * (50 + grow) * per_token
+    assert plan.decode == (0, 1, 2)  # the engine drops the preempted one before the pass
+    plan = schedule(work, None, batch, room_bytes=(50 + grow) * per_token)  # only one fits: the oldest
+    assert plan.room == Room(preempt=(1, 2)) and plan.batch_bytes == (50 + grow) * per_token
+    plan = schedule(work, None, batch, room_bytes=(50 + grow) * per_token - 1)  # not even the oldest
+    assert plan.room == Room(refused=True) and plan.batch_bytes == 0
+
+
+def test_rule_11_a_contiguous_batch_frees_its_rows_sessions_copies_before_it_refuses() -> None:
+    per_token, grow = 10, 4
+    batch = BatchLayout(2, 2, 50, 50, longest_row=50, grow_columns=grow, kv_bytes_per_token=per_token)
+    work = [answer(1.0, 50, held=50), answer(2.0, 50, held=50), answer(3.0, 20, has_row=False, held=20)]
+    one = (50 + grow) * per_token
+    # the copies of the two rows (the joining answer's is not a row's) make the room for the oldest
+    plan = schedule(work, None, batch, room_bytes=one - 100 * per_token)
+    assert plan.room == Room(preempt=(1, 2), unlend=True) and plan.batch_bytes == one
+    # copies are only freed when the oldest alone does not fit without them
+    assert schedule(work, None, batch, room_bytes=one).room == Room(preempt=(1, 2))
+    assert schedule(work, None, batch, room_bytes=one - 100 * per_token - 1).room == Room(refused=True)
+
+
+def test_rule_11_over_pages_a_leaving_answers_pages_come_back_to_the_room() -> None:
+    per_token, page = 10, 16
+    paged = BatchLayout(3, 3, 0, 3, longest_row=64, kv_bytes_per_token=per_token, page_size=page)
+    # every answer's next position opens a page; the newest holds 4 pages of its own
+    work = [answer(1.0, 32, held=32), answer(2.0, 48, held=48), answer(3.0, 64, held=64)]
+    assert schedule(work, None, paged, room_bytes=3 * page * per_token).room == Room()
+    plan = schedule(work, None, paged, room_bytes=0)  # the newest's 4 pages pay for the 2 the others open
+    assert plan.room == Room(preempt=(2,)) and plan.batch_bytes == 2 * page * per_token
+    # nothing to grant: fits even over budget (the ledger's room negative)
+    inside = [answer(1.0, 33, held=48), answer(2.0, 50, held=64)]
+    assert schedule(inside, None, paged, room_bytes=-5).room == Room()
+    assert schedule([answer(1.0, 32, held=32)], None, paged, room_bytes=page * per_token - 1).room == Room(refused=True)

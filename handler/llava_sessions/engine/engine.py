@@ -35,7 +35,7 @@ from .samples import runnable
 from .scheduler import TimeBudget, schedule
 from .sequence import Generation, ImageTask, Work
 from .sharing import ImageSharing, Unsalted, reusable_len
-from .updates import StateUpdates
+from .updates import BatchRoom, StateUpdates
 
 if TYPE_CHECKING:
     from ..sessions.session import Session
@@ -457,24 +457,26 @@ class SessionEngine:
         first, then prefill pieces, questions before images, within ``prefill_budget``: tokens, or a
         :class:`~.scheduler.TimeBudget` sized by the passes' measured costs; None: every piece runs
         whole), execute the plan and apply what it produced. Device memory comes with the plan only
-        (scheduler rule 10): room is made for a rebuilt decode batch and for each work's start just
-        before they run.
+        (scheduler rules 10-11): its preemptions, then room for the decode batch and each work's start.
 
         Work listed twice in ``work`` runs once. A piece of work whose step fails gets its ``error``
         set and its session put back as before (an open's session is removed); the others are
         untouched. Never raises ``Exception``.
         """
         live = runnable(work)  # work listed twice runs once; a request's other answers (``n``) too
-        plan = schedule(
-            [w.view() for w in live], prefill_budget, self.batch.layout(), self.model.costs.estimate(), fuse=self.fuse
-        )
+        views = [w.view() for w in live]
+        room_bytes = self.store.room_bytes() if any(v.decoding for v in views) else None
+        budget, cost = prefill_budget, self.model.costs.estimate()
+        plan = schedule(views, budget, self.batch.layout(), cost, fuse=self.fuse, room_bytes=room_bytes)
         gens = [g for i in plan.decode if isinstance(g := live[i], Generation)]  # only answers decode
+        leaving = tuple(g for i in plan.room.preempt if isinstance(g := live[i], Generation))
+        room = BatchRoom(plan.rebuild, plan.batch_bytes, leaving, plan.room)
         pieces = list(plan.prefill)
         if plan.fuse:
             first = pieces.pop(0)
-            self._update.decode_with_chunk(gens, plan.rebuild, live[first.index], first, plan.batch_bytes)
+            self._update.decode_with_chunk(gens, room, live[first.index], first)
         elif gens:
-            self._update.decode(gens, rebuild=plan.rebuild, batch_bytes=plan.batch_bytes)
+            self._update.decode(gens, room)
         for piece in pieces:
             self._update.run_piece(live[piece.index], piece)
         self._check()

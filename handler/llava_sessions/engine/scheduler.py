@@ -61,6 +61,16 @@ And always:
     ``rows whose next position starts a page x page_size x kv_bytes_per_token``). The engine makes
     room for exactly these before it runs them; nothing else gets device memory (admission only
     checks that room can be made).
+11. **Preemption: the newest answers leave when the batch cannot grow** (vLLM's rule; the plan's
+    :class:`Room`). Given the device bytes the ledger can still make room for (``room_bytes``: the
+    budget less what busy sessions and the batch hold), a batch whose bytes do not fit drops its
+    newest answers, one at a time, until the rest fits; the oldest always stays. Over pages, a
+    leaving answer's pages (:attr:`WorkView.num_held_kv_tokens`) come back to the room. A contiguous
+    batch, when even its oldest answer alone does not fit, first frees the copies its rows' sessions
+    keep of the KV the rows hold (``unlend``: a rebuild lays the new batch out beside the old one, so
+    those copies are what stands in the way) and searches again; when even that fails, the decode
+    rows fail ``overloaded`` (``refused``). A preempted answer waits, then recomputes its KV and
+    decodes on, with the same tokens.
 """
 
 from __future__ import annotations
@@ -75,9 +85,11 @@ __all__ = [
     "MIN_PREFILL_TOKENS",
     "BatchLayout",
     "PrefillPiece",
+    "Room",
     "StepPlan",
     "TimeBudget",
     "WorkView",
+    "make_room",
     "needs_rebuild",
     "schedule",
 ]
@@ -101,6 +113,9 @@ class WorkView:
         num_prefill_tokens: tokens it has left to prefill (after the vision piece, if any).
         start_bytes: device bytes its first piece needs room for (0 once started; rule 10).
         num_kv_tokens: a decoding answer's tokens in its KV cache (its row's length in the batch).
+        num_held_kv_tokens: token positions of device memory its session's own KV holds (the ledger's
+            count: over pages, its pages; in a contiguous batch, the copy its session keeps; rule 11).
+        created: when the request arrived (``time.perf_counter()``): the newest leave first (rule 11).
     """
 
     kind: WorkKind
@@ -110,6 +125,8 @@ class WorkView:
     num_prefill_tokens: int = 0
     start_bytes: int = 0
     num_kv_tokens: int = 0
+    num_held_kv_tokens: int = 0
+    created: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -159,17 +176,31 @@ class PrefillPiece:
 
 
 @dataclass(frozen=True)
+class Room:
+    """How the decode batch gets its bytes (rule 11): ``preempt``, the indexes of the answers that
+    leave it first (newest first; their KV is dropped, they resume later); ``unlend``, a contiguous
+    batch's rows' sessions free their own copies of the rows' KV first; ``refused``, no room can be
+    made: the decode rows fail ``overloaded``."""
+
+    preempt: tuple[int, ...] = ()
+    unlend: bool = False
+    refused: bool = False
+
+
+@dataclass(frozen=True)
 class StepPlan:
-    """One step: ``decode`` (indexes of the answers that decode one token together), ``rebuild``
-    (lay the decode batch out anew first), ``prefill`` (pieces, in the order they run), ``fuse``
-    (rule 9: the first piece's chunk runs in the decode step's forward pass), ``batch_bytes`` (the
-    device bytes of the rebuilt batch, room made for them first; rule 10)."""
+    """One step: ``decode`` (indexes of the answers that decode one token together, the preempted
+    ones included), ``rebuild`` (lay the decode batch out anew first), ``prefill`` (pieces, in the
+    order they run), ``fuse`` (rule 9: the first piece's chunk runs in the decode step's forward
+    pass), ``batch_bytes`` (the device bytes of the rebuilt batch, or over pages of the pages its rows
+    open, once ``room``'s preemptions are made; room made for them first: rules 10 and 11)."""
 
     decode: tuple[int, ...] = ()
     rebuild: bool = False
     prefill: tuple[PrefillPiece, ...] = ()
     fuse: bool = False
     batch_bytes: int = 0
+    room: Room = Room()
 
     @property
     def empty(self) -> bool:
@@ -194,11 +225,13 @@ def schedule(
     cost: StepCost | None = None,
     *,
     fuse: bool = True,
+    room_bytes: int | None = None,
 ) -> StepPlan:
     """Plan one step over ``work`` (in arrival order) within ``token_budget``: a number of tokens
     (rules 1-6), a :class:`TimeBudget` with the passes' measured ``cost`` (rules 1, 3, 6, 7, 8; None:
     :class:`~.costs.StepCost`'s defaults), or None (no limit); ``fuse``: rule 9 holds (False: every
-    prefill chunk is a pass of its own).
+    prefill chunk is a pass of its own); ``room_bytes``: the device bytes room can be made for
+    (rule 11; None: as many as the batch needs).
 
     Returns:
         The :class:`StepPlan`.
@@ -214,20 +247,55 @@ def schedule(
     pieces = tuple(
         PrefillPiece(p.index, p.vision, p.num_tokens, work[p.index].start_bytes, p.vision_ms) for p in pieces
     )
-    batch_bytes = _batch_bytes(work, decode, batch) if rebuild or batch.page_size else 0
-    return StepPlan(decode, rebuild, pieces, fused, batch_bytes)
+    if not (rebuild or batch.page_size):
+        return StepPlan(decode, rebuild, pieces, fused)
+    room, batch_bytes = make_room(work, decode, batch, room_bytes)
+    return StepPlan(decode, rebuild, pieces, fused, batch_bytes, room)
 
 
-def _batch_bytes(work: Sequence[WorkView], decode: tuple[int, ...], batch: BatchLayout) -> int:
-    """Rule 10: the device bytes of the decode batch laid out anew with the answers of ``decode`` that
-    have no row joining its live rows; over pages, those of the pages the step opens (a row whose
+def make_room(
+    work: Sequence[WorkView], decode: Sequence[int], batch: BatchLayout, room_bytes: int | None
+) -> tuple[Room, int]:
+    """Rules 10 and 11: how the decode batch of ``decode`` (indexes into ``work``) gets its device bytes
+    when room can be made for ``room_bytes`` (None: any number).
+
+    Returns:
+        The :class:`Room` (the preemptions, whether to unlend, or refused) and the batch's bytes once
+        it is made (0 when refused).
+    """
+    need = _batch_bytes(work, decode, batch, ())
+    if room_bytes is None or need <= max(room_bytes, 0):
+        return Room(), need
+    newest_first = sorted(decode, key=lambda i: (work[i].created, i), reverse=True)
+    per_token = batch.kv_bytes_per_token
+    lent = 0 if batch.page_size else sum(work[i].num_held_kv_tokens for i in decode if work[i].has_row) * per_token
+    for unlend in (False, True):
+        if unlend and not lent:
+            break
+        for k in range(len(newest_first)):  # the newest k leave; the oldest always stays
+            leaving = newest_first[:k]
+            need = _batch_bytes(work, decode, batch, leaving)
+            freed = sum(work[i].num_held_kv_tokens for i in leaving) * per_token if batch.page_size else 0
+            if need - freed <= max(room_bytes + (lent if unlend else 0), 0):
+                return Room(tuple(sorted(leaving)), unlend), need
+    return Room(refused=True), 0
+
+
+def _batch_bytes(work: Sequence[WorkView], decode: Sequence[int], batch: BatchLayout, leaving: Sequence[int]) -> int:
+    """Rule 10: the device bytes of the decode batch laid out anew with the answers of ``decode`` but
+    ``leaving`` (those without a row join its live rows; a live row that does not decode this step
+    counts at the longest row's width); over pages, those of the pages the step opens (a row whose
     next position is a page's first)."""
+    kept = [i for i in decode if i not in leaving]
+    per_token = batch.kv_bytes_per_token
     if batch.page_size:
-        opened = sum(1 for i in decode if work[i].num_kv_tokens % batch.page_size == 0)
-        return opened * batch.page_size * batch.kv_bytes_per_token
-    joining = [work[i].num_kv_tokens for i in decode if not work[i].has_row]
-    width = max([batch.longest_row if batch.num_live else 0, *joining])
-    return (batch.num_live + len(joining)) * (width + batch.grow_columns) * batch.kv_bytes_per_token
+        opened = sum(1 for i in kept if work[i].num_kv_tokens % batch.page_size == 0)
+        return opened * batch.page_size * per_token
+    unseen = max(0, batch.num_live - sum(1 for i in decode if work[i].has_row))
+    widths = [work[i].num_kv_tokens for i in kept] + ([batch.longest_row] if unseen else [])
+    if not widths:
+        return 0
+    return (len(kept) + unseen) * (max(widths) + batch.grow_columns) * per_token
 
 
 def _counted(

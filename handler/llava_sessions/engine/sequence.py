@@ -194,7 +194,14 @@ class Generation:
         """What the scheduler sees: a decode row, or a prefill (after the vision tower when the
         session must be restored from the ``image`` tier)."""
         if self.phase is Phase.DECODING:
-            return WorkView("question", decoding=True, has_row=self.row is not None, num_kv_tokens=self.next_position)
+            return WorkView(
+                "question",
+                decoding=True,
+                has_row=self.row is not None,
+                num_kv_tokens=self.next_position,
+                num_held_kv_tokens=self.session.num_held_kv_tokens,
+                created=self.created,
+            )
         if self.phase is Phase.WAITING:
             session = self.session
             restore = not self.features_pending and session.image_features is None and bool(session.images)

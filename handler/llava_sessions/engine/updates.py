@@ -2,13 +2,13 @@
 
 Each prefill piece of a step's plan runs here (:meth:`StateUpdates.run_piece`; the first rides the
 decode step's pass when the plan says so: :meth:`StateUpdates.decode_with_chunk`). Device memory
-comes with the plan only (scheduler rule 10): room is made here, for a piece's ``grant_bytes`` and a
-rebuilt batch's ``batch_bytes``, and nowhere else. Before a prefill: a demoted session is restored
+comes with the plan only (scheduler rules 10-11): room is made here, for a piece's ``grant_bytes``
+and the batch's ``batch_bytes`` once the answers the plan preempts have left, and nowhere else. Before a prefill: a demoted session is restored
 (its features re-encoded from the ``image`` tier) and its cache cropped to the tokens the answer
 reuses; an image task's images join the session and are encoded. After a forward pass: the next
 token is sampled and recorded, and a finished answer or task updates its session (the remembered
-turn, the cache kept for the next question) and releases it. When the decode batch cannot grow, the
-newest answers are preempted (vLLM's rule) and resume later with their KV recomputed. On failure or
+turn, the cache kept for the next question) and releases it. A preempted answer (the plan's choice)
+leaves the batch and resumes later with its KV recomputed. On failure or
 abandonment: the session is put back as it was before the request (an open's session is removed).
 Forward passes themselves are the model runner's.
 """
@@ -31,7 +31,7 @@ from ..results import FinishReason, RestoredFrom, elapsed_ms
 from ..sessions.ledger import Tier
 from .memory import kv_grant_bytes
 from .samples import fork_samples
-from .scheduler import PrefillPiece
+from .scheduler import PrefillPiece, Room, make_room
 from .sequence import Generation, ImageTask, Phase, Work
 
 if TYPE_CHECKING:
@@ -40,9 +40,21 @@ if TYPE_CHECKING:
     from .model_runner import ModelRunner
     from .sharing import ImageSharing
 
-__all__ = ["StateUpdates"]
+__all__ = ["BatchRoom", "StateUpdates"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRoom:
+    """A step's plan for its decode batch, as the engine carries it out: ``rebuild`` (lay it out anew
+    first), ``batch_bytes`` (room made for them once ``leaving`` left), ``leaving`` (the answers
+    ``decision`` preempts), ``decision`` (the scheduler's :class:`~.scheduler.Room`)."""
+
+    rebuild: bool
+    batch_bytes: int = 0
+    leaving: tuple[Generation, ...] = ()
+    decision: Room = Room()
 
 
 class StateUpdates:
@@ -55,7 +67,8 @@ class StateUpdates:
     Attributes:
         num_reused_tokens / num_generated_tokens: counters for metrics (prompt tokens served from a
             KV cache; tokens sampled, finished answers or not).
-        num_preemptions: answers preempted so that older ones could grow (:meth:`_batch_room`).
+        num_preemptions: answers preempted so that older ones could grow (the plan's
+            :class:`~.scheduler.Room`, carried out by :meth:`_batch_room`).
     """
 
     def __init__(
@@ -130,15 +143,15 @@ class StateUpdates:
         self.store.stats.num_restores += 1
         return "features" if tier is Tier.FEATURES else "image"
 
-    def decode(self, gens: list[Generation], *, rebuild: bool, batch_bytes: int = 0) -> None:
-        """Run the decode step of ``gens`` together and sample each one's next token, once room is
-        made for ``batch_bytes`` (a rebuilt batch's, the plan's: the newest answers are preempted
-        when it cannot be made); a failed forward pass fails every one of them (their sessions put back)."""
-        gens = self._batch_room(gens, batch_bytes)
+    def decode(self, gens: list[Generation], room: BatchRoom) -> None:
+        """Run the decode step of ``gens`` together and sample each one's next token, once ``room``'s
+        plan is carried out (preemptions, then room made for the batch's bytes); a failed forward
+        pass fails every one of them (their sessions put back)."""
+        gens = self._batch_room(gens, room)
         if not gens:
             return
         try:
-            logits = self.model.decode(gens, rebuild=rebuild)
+            logits = self.model.decode(gens, rebuild=room.rebuild)
         except Exception as exc:  # noqa: BLE001 - the batched step failed: each of its answers fails
             for g in gens:
                 self.fail(g, exc)
@@ -149,31 +162,29 @@ class StateUpdates:
             raise
         self.accept_rows(gens, logits)
 
-    def _batch_room(self, gens: list[Generation], batch_bytes: int) -> list[Generation]:
-        """Make room for a rebuilt decode batch's ``batch_bytes`` (scheduler rule 10). When none can be
-        made, preempt the newest answers, one at a time, until the batch without them fits (vLLM's
-        rule: an answer never fails because another grew; a preempted one pauses and resumes
-        exactly, :meth:`_preempt`). When even the oldest alone finds no room, the contiguous rows'
-        sessions give up their own copies of the KV the rows hold (:meth:`DecodeBatch.unlend`: a
-        rebuild lays the new batch out beside the old one, so that copy is what stood in the way) and
-        the search runs again; the oldest fails with ``overloaded`` only when even then it alone
-        cannot get room. Returns the answers that decode this step."""
-        batch = self.model.batch
-        if not batch_bytes or self.store.allocate(batch_bytes, keep=None):
-            return gens
-        live = {id(g): g for g in [*(r for r in batch.rows if r is not None), *gens]}
-        newest_first = sorted(live.values(), key=lambda g: g.created, reverse=True)
-        # the rows' sessions' own copies of their KV go only when even the oldest alone finds no room
-        for unlent in (False, True):
-            if unlent and not batch.unlend():
+    def _batch_room(self, gens: list[Generation], room: BatchRoom) -> list[Generation]:
+        """Carry out the plan's :class:`~.scheduler.Room` for the decode batch (scheduler rules 10-11):
+        free the rows' sessions' copies of their KV when it says ``unlend``, preempt the answers it
+        names (:meth:`_preempt`), then make room for the batch's bytes. When the step's earlier work
+        changed what the ledger holds since the plan (a fused piece's restore), the scheduler decides
+        again on the ledger's integers now (:func:`~.scheduler.make_room`). ``refused``: every answer
+        fails ``overloaded``. Returns the answers that decode this step."""
+        for attempt in (room, None):
+            if attempt is None:  # the plan's room was not there: decide again on what is held now
+                views = [g.view() for g in gens]
+                decision, batch_bytes = make_room(
+                    views, range(len(gens)), self.model.batch.layout(), self.store.room_bytes()
+                )
+                attempt = BatchRoom(room.rebuild, batch_bytes, tuple(gens[i] for i in decision.preempt), decision)
+            if attempt.decision.refused:
                 break
-            for k in range(len(newest_first)):  # the newest k leave; the oldest always stays
-                leaving = newest_first[:k]
-                room = batch.bytes_without(gens, leaving)  # over pages: less what the leaving ones free
-                if room <= 0 or self.store.allocate(room, keep=None):
-                    for gone in leaving:
-                        self._preempt(gone)
-                    return [g for g in gens if g not in leaving]
+            if attempt.decision.unlend:
+                self.model.batch.unlend()
+            for gone in attempt.leaving:
+                self._preempt(gone)
+            gens = [g for g in gens if g not in attempt.leaving]
+            if attempt.batch_bytes <= 0 or self.store.allocate(attempt.batch_bytes, keep=None):
+                return gens
         for g in gens:
             self.fail(g, overloaded("not enough device memory to decode now; retry later", "step_memory"))
         return []
@@ -390,25 +401,23 @@ class StateUpdates:
             raise
         return False
 
-    def decode_with_chunk(
-        self, gens: list[Generation], rebuild: bool, w: Work, piece: PrefillPiece, batch_bytes: int = 0
-    ) -> None:
+    def decode_with_chunk(self, gens: list[Generation], room: BatchRoom, w: Work, piece: PrefillPiece) -> None:
         """Rule 9 (:mod:`.scheduler`): the decode step of ``gens`` and ``piece``'s chunk in one forward
-        pass (``batch_bytes``: as :meth:`decode`). When the piece runs no chunk after all, the decode
-        step runs alone; when the batch gets no room or the pass fails, each part runs on its own, so
-        each failure stays its own request's."""
+        pass (``room``: as :meth:`decode`). When the piece runs no chunk after all, the decode step
+        runs alone; when the batch gets no room or the pass fails, each part runs on its own, so each
+        failure stays its own request's."""
         if not self._piece(w, piece, stop_before_chunk=True):
-            self.decode(gens, rebuild=rebuild, batch_bytes=batch_bytes)
+            self.decode(gens, room)
             return
         alone = dataclasses.replace(piece, vision=False, grant_bytes=0)  # its start ran: the chunk is left
-        gens = self._batch_room(gens, batch_bytes)
+        gens = self._batch_room(gens, room)
         if not gens:
             self._piece(w, alone, stop_before_chunk=False)
             return
         try:
             rows, last = self.model.decode_with_chunk(
                 gens,
-                rebuild=rebuild,
+                rebuild=room.rebuild,
                 session=w.session,
                 ids=self._ids(w),
                 num_tokens=piece.num_tokens,
@@ -416,7 +425,7 @@ class StateUpdates:
             )
         except Exception:  # noqa: BLE001 - whose failure it is, the parts alone tell
             log.debug("the fused decode and prefill pass failed; running them apart", exc_info=True)
-            self.decode(gens, rebuild=rebuild)
+            self.decode(gens, BatchRoom(room.rebuild))  # its room is made
             self._piece(w, alone, stop_before_chunk=False)
             return
         except BaseException:

@@ -243,11 +243,17 @@ class SessionLedger:
         assert self._num_kv_tokens >= 0 and self._num_feature_bytes >= 0 and self._num_host_bytes >= 0
 
     # ------------------------------------------------------------------ admission
+    def room_bytes(self, keep: str | None = None) -> int:
+        """The most device bytes :meth:`allocate` can make room for: the budget less what stays once
+        every unpinned session but ``keep`` is demoted to the ``image`` tier (negative: over budget
+        even then). Nothing changes."""
+        freeable = sum(self.device_bytes_of(e) for e in self._entries.values() if not e.pinned and e.session_id != keep)
+        return self.device_budget_bytes - (self.num_device_bytes - freeable)
+
     def can_allocate(self, num_bytes: int, keep: str | None = None) -> bool:
         """Whether ``num_bytes`` more device bytes fit once every unpinned session but ``keep`` is
         demoted to the ``image`` tier (nothing changes)."""
-        freeable = sum(self.device_bytes_of(e) for e in self._entries.values() if not e.pinned and e.session_id != keep)
-        return self.num_device_bytes - freeable + num_bytes <= self.device_budget_bytes
+        return num_bytes <= self.room_bytes(keep)
 
     def allocate(self, num_bytes: int, keep: str | None = None) -> list[Demotion] | None:
         """Make room for ``num_bytes`` more device bytes by demoting unpinned sessions but ``keep``.

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 from ..conversation import Turn, image_key
 from ..errors import ErrorCode, ServiceError, overloaded
-from ..model.kv_cache import held_len
 from .ledger import Demotion, SessionLedger, Tier
 from .offload import KVOffload
 from .session import Session, SessionSnapshot
@@ -202,7 +201,7 @@ class SessionStore:
         session.changed = False
         self._ledger.set_usage(
             session.session_id,
-            num_kv_tokens=held_len(session.kv_cache),
+            num_kv_tokens=session.num_held_kv_tokens,
             num_feature_bytes=session.feature_bytes,
             num_host_bytes=session.host_bytes,
         )
@@ -260,7 +259,7 @@ class SessionStore:
         for session in self._sessions.values():
             session.check_invariants()
             entry = self._ledger.entry(session.session_id)
-            held = (held_len(session.kv_cache), session.feature_bytes, session.host_bytes, session.busy)
+            held = (session.num_held_kv_tokens, session.feature_bytes, session.host_bytes, session.busy)
             assert (entry.num_kv_tokens, entry.num_feature_bytes, entry.num_host_bytes, entry.pinned) == held, (
                 session.session_id,
                 entry,
@@ -409,6 +408,12 @@ class SessionStore:
             self._tombstones.popitem(last=False)
 
     # ------------------------------------------------------------------ budget
+    def room_bytes(self) -> int:
+        """The most device bytes :meth:`allocate` can make room for now (demoting every idle session;
+        negative: over budget even then), the scheduler's ``room_bytes`` (rule 11)."""
+        self._refresh()
+        return self._ledger.room_bytes()
+
     def can_allocate(self, num_bytes: int, keep: Session | None = None) -> bool:
         """Whether :meth:`allocate` would find room for ``num_bytes`` (nothing changes)."""
         self._refresh()
