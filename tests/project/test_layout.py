@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import json
 import subprocess
 import sys
@@ -131,6 +132,21 @@ def test_the_architecture_names_every_module_of_both_packages_in_at_most_400_lin
         assert [
             p.name for p in sorted(folder.glob("*.md")) if p.name != "README.md" and f"]({p.name})" not in index
         ] == []
+
+
+def test_every_decision_record_has_its_date_status_context_decision_and_consequences() -> None:
+    """A decision record (docs/decisions/) is one decision in one shape (issue 61): its date and status,
+    then why (context), what (decision) and what follows (consequences), with its measurement where one
+    decided it; and no diary: no session narration, no commit hash as a date."""
+    shape = re.compile(
+        r"\A# .+\n\n- Date: \d{4}-\d{2}-\d{2}.*\n- Status: .+\n\n## Context\n.+\n## Decision\n.+\n## Consequences\n",
+        re.S,
+    )
+    records = sorted(p for p in (REPO / "docs" / "decisions").glob("*.md") if p.name != "README.md")
+    assert len(records) >= 50
+    assert [p.name for p in records if not shape.match(p.read_text())] == []
+    diary = re.compile(r"\b(this session|next session|that day|a miss of mine|we tried|I )\b")
+    assert [p.name for p in records if diary.search(p.read_text())] == []
 
 
 # ------------------------------------------------------------------ the core's import graph
