@@ -354,17 +354,22 @@ def cuda_graphs_arg(args: argparse.Namespace) -> bool | None:
 
 
 def new_engine(
-    runner: LlavaRunner, page_size: int, layout: DecodeLayout, graphs: bool | None, paged_read: PagedRead | None = None
+    runner: LlavaRunner,
+    page_size: int,
+    layout: DecodeLayout,
+    graphs: bool | None,
+    paged_read: PagedRead | None = None,
+    cpu_pool_bytes: int = 1 << 27,
 ) -> SessionEngine:
     """An engine on ``runner`` whose store does not demote at the table's levels: on a card 0.8 of its
-    free memory (its fixed pool takes that much at start), on a CPU an unbounded budget (128 MiB when
-    ``graphs`` fixes the pool there too: the unfused FlexAttention a CPU runs reads the whole pool).
-    Its static decode step reads the pages as ``paged_read`` says (None: the engine's own choice; another
-    one captures its graphs again that way)."""
+    free memory (its fixed pool takes that much at start), on a CPU an unbounded budget
+    (``cpu_pool_bytes``, 128 MiB, when ``graphs`` fixes the pool there too: the unfused FlexAttention a
+    CPU runs reads the whole pool). Its static decode step reads the pages as ``paged_read`` says (None:
+    the engine's own choice; another one captures its graphs again that way)."""
     if runner.device.type == "cuda":
         budget = default_device_budget(runner, 0.8)
     else:
-        budget = 1 << 27 if graphs else 1 << 45
+        budget = cpu_pool_bytes if graphs else 1 << 45
     store = SessionStore(
         device_budget_bytes=budget, host_budget_bytes=1 << 40, kv_bytes_per_token=runner.kv_bytes_per_token
     )
@@ -605,8 +610,12 @@ def other_paged_read(runner: LlavaRunner, read: PagedRead, images: list[bytes], 
     layout whose static decode step reads the pages as ``read`` (``flex``: FlexAttention over the pool;
     its start's seconds include capturing the engine's own graphs first, then ``read``'s)."""
     graphs = cuda_graphs_arg(args)
+    # on a CPU, a pool of twice what the compared sessions hold (every unfused FlexAttention step reads
+    # all of it) and 16 MiB for their image features
+    per_session = (args.context + args.new_tokens + 2 * KV_PAGE_SIZE) * runner.kv_bytes_per_token
+    pool_bytes = 2 * (max(*levels, 3) + 1) * per_session + (1 << 24)
     t0 = time.perf_counter()
-    engine = new_engine(runner, args.kv_page_size, "paged", graphs, read)
+    engine = new_engine(runner, args.kv_page_size, "paged", graphs, read, cpu_pool_bytes=pool_bytes)
     start_s = time.perf_counter() - t0
     b1 = timed_batch_one(engine, runner, images[1], args)
     rows = {"paged_attention": read, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
