@@ -81,7 +81,7 @@ MAX_RESPONSE_BYTES = 6_553_600
 #: The frontend's JVM options (``vmargs``): C1 only and the serial collector. The frontend relays bytes
 #: and queues jobs; with the default tiered JIT its C2 compiler threads were still compiling after
 #: hundreds of requests, and with G1 its collector threads woke too. Measured on the 2-core CPU during
-#: 8-stream bursts (docs/decisions/25-the-http-stack-s-share-of-two-cores.md): the Java process's CPU
+#: 8-stream bursts (docs/decisions/25-the-serving-stack-s-share-of-two-cores.md): the Java process's CPU
 #: 0.60-0.77 s a burst with the defaults, 0.40-0.49 s with these.
 JVM_ARGS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 #: Minutes TorchServe's token keys live when its token authorization is on (100 years: TorchServe's
@@ -94,7 +94,7 @@ KEY_FILE = "key_file.json"
 #: whatever the load (``SequenceBatching.EventDispatcher``: a timed poll, then a no-op task handed to a
 #: pool thread): at 1 ms 0.19-0.25 CPU-s of a 5 s burst on the 2-core CPU, taken from the forward
 #: pass's threads; 2 ms halves it. A request reaching an idle worker waits the delay once: a 1-token
-#: answer's serving overhead went from 3.64 to 4.47 ms (docs/decisions/25-the-http-stack-s-share-of-two-cores.md),
+#: answer's serving overhead went from 3.64 to 4.47 ms (docs/decisions/25-the-serving-stack-s-share-of-two-cores.md),
 #: nothing beside a CPU forward pass's tens to hundreds of ms.
 CPU_MAX_BATCH_DELAY_MS = 2
 #: Why more than one TorchServe worker per model is refused (docs/decisions/42-one-worker.md).
