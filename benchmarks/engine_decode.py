@@ -49,7 +49,7 @@ from llava_sessions.engine import (
     default_device_budget,
 )
 from llava_sessions.images.fetch import decode_image
-from llava_sessions.model import LlavaRunner
+from llava_sessions.model import LlavaModel
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
@@ -71,27 +71,27 @@ def pct(values: list[float], q: int) -> float | None:
     return round(statistics.quantiles(values, n=100)[q - 1], 2)
 
 
-def build_runner(args: argparse.Namespace) -> LlavaRunner:
+def build_runner(args: argparse.Namespace) -> LlavaModel:
     """Load ``--model-dir``, build the ``7b`` shape in memory, or write and load a random checkpoint."""
     torch.manual_seed(0)
     if args.model_dir:
-        return LlavaRunner.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
+        return LlavaModel.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
     if args.model == "7b":
         from llava_tools.tiny_model import build_model
 
         dtype = torch.float16 if args.dtype == "float16" else torch.bfloat16
         model, processor = build_model("7b", device="cuda" if args.device == "auto" else args.device, dtype=dtype)
-        return LlavaRunner(model, processor)
+        return LlavaModel(model, processor)
     from llava_tools.tiny_model import write_checkpoint
 
     folder = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
     write_checkpoint(args.model, folder)
-    return LlavaRunner.from_pretrained(folder, device=args.device, dtype=args.dtype)
+    return LlavaModel.from_pretrained(folder, device=args.device, dtype=args.dtype)
 
 
 def run_together(engine: SessionEngine, work: list, budget: int | TimeBudget | None) -> tuple[float, list[float]]:
     """Step ``work`` until all of it is done; returns (wall s, durations in ms of steps that decoded)."""
-    device = engine.runner.device
+    device = engine.model.device
     steps: list[float] = []
     t0 = time.perf_counter()
     while not all(w.done for w in work):
@@ -157,7 +157,7 @@ def aggregate(engine: SessionEngine, images: list[bytes], levels: list[int], rou
             gens = [engine.start(sid, QUESTION, params, remember=False) for sid in sids[:n]]
             for g in gens:  # prefill (the first token) before the clock: this part measures decode
                 engine.step([g])
-            sync(engine.runner.device)
+            sync(engine.model.device)
             wall, steps = run_together(engine, gens, None)
             tokens = sum(len(g.answer.tokens) - 1 for g in gens if g.answer is not None)
             rates[n].append(tokens / wall)
@@ -203,7 +203,7 @@ def itl_while_opening(
             decoding = any(not g.done and g.prefilled for g in gens)
             s0 = time.perf_counter()
             engine.step([*gens, opening], prefill_budget=budget)
-            sync(engine.runner.device)
+            sync(engine.model.device)
             if decoding:
                 busy.append((time.perf_counter() - s0) * 1000)
         if opening is not None:
@@ -231,9 +231,9 @@ def hot_sessions(engine: SessionEngine, images: list[bytes], settings: Settings)
     """How many sessions the default device budget holds in the KV tier (prefix KV + features)."""
     engine.open("hot", images[0])
     entry = engine.store.ledger.entry("hot")
-    per_session = entry.num_kv_tokens * engine.runner.kv_bytes_per_token + entry.num_feature_bytes
+    per_session = entry.num_kv_tokens * engine.model.kv_bytes_per_token + entry.num_feature_bytes
     engine.close("hot")
-    budget = default_device_budget(engine.runner, settings.device_budget_fraction)
+    budget = default_device_budget(engine.model, settings.device_budget_fraction)
     return {
         "device_budget_bytes": budget,
         "device_budget_fraction": settings.device_budget_fraction,

@@ -38,9 +38,9 @@ class FloorHandler:
         model_dir = os.environ.get("LLAVA_FLOOR_MODEL_DIR")
         self.runner = None
         if model_dir:
-            from llava_sessions.model import LlavaRunner
+            from llava_sessions.model import LlavaModel
 
-            self.runner = LlavaRunner.from_pretrained(model_dir, device="cpu", dtype="float32")
+            self.runner = LlavaModel.from_pretrained(model_dir, device="cpu", dtype="float32")
             text_ids = [t for t in range(3, 600) if t != self.runner.image_token_id]  # no image placeholder
             self.ids = [text_ids[i % len(text_ids)] for i in range(581 + 12)]
             self.cache = self.runner.new_cache()

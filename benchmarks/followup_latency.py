@@ -33,7 +33,7 @@ from PIL import Image
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
-from llava_sessions.model import LlavaRunner
+from llava_sessions.model import LlavaModel
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
 from llava_tools.demo.samples import sample_photo
@@ -54,7 +54,7 @@ def sync(device: torch.device) -> None:
 class AwsSampleWay:
     """The baseline: cached pixel tensor; vision tower + full prefill for every question."""
 
-    def __init__(self, runner: LlavaRunner, decode) -> None:
+    def __init__(self, runner: LlavaModel, decode) -> None:
         self.runner = runner
         self.decode = decode
         self.pixels: torch.Tensor | None = None
@@ -107,18 +107,18 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     if args.model_dir:
-        runner = LlavaRunner.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
+        runner = LlavaModel.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
     elif args.model == "7b":
         from llava_tools.tiny_model import build_model
 
         model, processor = build_model("7b", device="cuda", dtype=torch.float16)
-        runner = LlavaRunner(model, processor)
+        runner = LlavaModel(model, processor)
     else:
         from llava_tools.tiny_model import write_checkpoint
 
         tmp = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
         write_checkpoint(args.model, tmp, arch=args.arch)
-        runner = LlavaRunner.from_pretrained(tmp, device=args.device, dtype=args.dtype)
+        runner = LlavaModel.from_pretrained(tmp, device=args.device, dtype=args.dtype)
     device = runner.device
     decode = functools.partial(decode_image, max_pixels=40_000_000)
     image = sample_photo("astronaut")

@@ -76,7 +76,7 @@ from llava_sessions.engine.memory import default_device_budget
 from llava_sessions.engine.model_runner import KV_PAGE_SIZE, DecodeLayout, new_graphs
 from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.images.fetch import decode_image
-from llava_sessions.model import LlavaRunner
+from llava_sessions.model import LlavaModel
 from llava_sessions.model.graphs import PagedRead
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
@@ -100,7 +100,7 @@ class ForwardClock:
     """The span of the model's forward passes on the device, per engine step: CUDA events around each
     ``model.forward`` and each CUDA graph replay (wall time on a CPU), summed until :meth:`take`."""
 
-    def __init__(self, runner: LlavaRunner) -> None:
+    def __init__(self, runner: LlavaModel) -> None:
         self.device = runner.device
         self.spans: list[tuple[Any, Any]] = []
         self.model = model = runner.model
@@ -151,7 +151,7 @@ class ForwardClock:
         return ms
 
 
-def weight_floor(runner: LlavaRunner) -> dict[str, float]:
+def weight_floor(runner: LlavaModel) -> dict[str, float]:
     """The weight-read floor: weight bytes / the device's measured copy bandwidth (median of 5 copies
     of the weights' size, at least 64 MiB and at most 1 GiB)."""
     device = runner.device
@@ -200,7 +200,7 @@ def batch_one_decode(engine: SessionEngine, clock: ForwardClock, image: bytes, c
     while not gen.done:
         s0 = time.perf_counter()
         engine.step([gen])
-        sync(engine.runner.device)
+        sync(engine.model.device)
         wall = (time.perf_counter() - s0) * 1000
         walls.append(wall)
         hosts.append(wall - clock.take())
@@ -244,7 +244,7 @@ def aggregate(engine: SessionEngine, images: list[bytes], levels: list[int], new
 
 def first_token_ms(engine: SessionEngine, start: Callable[[], Any]) -> float:
     """ms from ``start()`` (a request admitted) to its first token, the device synchronized."""
-    device = engine.runner.device
+    device = engine.model.device
     sync(device)
     t0 = time.perf_counter()
     work = start()
@@ -262,7 +262,7 @@ def turns(engine: SessionEngine, images: list[bytes], context: int, repeats: int
     """Follow-up TTFT on a held session of about ``context`` tokens, and a cold image turn (open on a
     never-seen image + its first question's first token), medians of ``repeats``."""
     held = open_with_context(engine, "fu", images[0], context)
-    new = len(engine.runner.template.conversation_ids(engine.store.get("fu").chat(), FOLLOW_UP)) - held
+    new = len(engine.model.template.conversation_ids(engine.store.get("fu").chat(), FOLLOW_UP)) - held
     params = SamplingParams(max_new_tokens=2)
     follow = [
         first_token_ms(engine, lambda: engine.start("fu", FOLLOW_UP, params, remember=False))
@@ -272,10 +272,10 @@ def turns(engine: SessionEngine, images: list[bytes], context: int, repeats: int
     cold = []
     for i in range(repeats + 1):
         image = _fresh(images[i % len(images)], i)  # never seen: no shared features or prefix
-        sync(engine.runner.device)
+        sync(engine.model.device)
         t0 = time.perf_counter()
         engine.open(f"cold{i}", image)
-        sync(engine.runner.device)
+        sync(engine.model.device)
         open_ms = (time.perf_counter() - t0) * 1000
         ttft = first_token_ms(engine, lambda i=i: engine.start(f"cold{i}", QUESTION, params, remember=False))
         cold.append(open_ms + ttft)
@@ -320,7 +320,7 @@ class TokenClock(BaseStreamer):
 
 
 @torch.inference_mode()
-def peer_static_generate(runner: LlavaRunner, image: bytes, new_tokens: int) -> dict:
+def peer_static_generate(runner: LlavaModel, image: bytes, new_tokens: int) -> dict:
     """transformers' own batch-1 path: ``generate`` with a static cache (compiled by transformers on a
     GPU, with PyTorch's default SDPA backends, cuDNN's included), greedy, ``new_tokens`` tokens; ms per token: the median gap between generated tokens, read
     by a streamer inside the call (:class:`TokenClock`), over every run but the first (it compiles)."""
@@ -354,7 +354,7 @@ def cuda_graphs_arg(args: argparse.Namespace) -> bool | None:
 
 
 def new_engine(
-    runner: LlavaRunner,
+    runner: LlavaModel,
     page_size: int,
     layout: DecodeLayout,
     graphs: bool | None,
@@ -377,17 +377,17 @@ def new_engine(
     limits = EngineLimits(max_new_tokens_cap=4096)
     kw = {"kv_page_size": page_size, "decode_layout": layout, "cuda_graphs": graphs}
     engine = SessionEngine(runner, store, decode, limits, **kw)
-    model = engine.model
-    if paged_read not in (None, paged_read_of(engine)) and model.graphs is not None and model.kv_pool is not None:
-        model.graphs.close()
-        model.graphs = new_graphs(runner, model.kv_pool, paged_read)
-        engine.batch.graphs = model.graphs  # type: ignore[union-attr]
+    executor = engine.runner
+    if paged_read not in (None, paged_read_of(engine)) and executor.graphs is not None and executor.kv_pool is not None:
+        executor.graphs.close()
+        executor.graphs = new_graphs(runner, executor.kv_pool, paged_read)
+        engine.batch.graphs = executor.graphs  # type: ignore[union-attr]
     return engine
 
 
 def paged_read_of(engine: SessionEngine) -> str:
     """How ``engine``'s static decode step reads the pages (``none`` without one)."""
-    graphs = engine.model.graphs
+    graphs = engine.runner.graphs
     return graphs.paged_read if graphs is not None else "none"
 
 
@@ -498,13 +498,13 @@ def main(argv: list[str] | None = None) -> int:
     report.run("batch_one", lambda: timed_batch_one(engine, runner, images[1], args))
     report.run("aggregate", lambda: aggregate(engine, images, levels, args.new_tokens))
     report.run("turns", lambda: turns(engine, images, args.context, args.repeats))
-    if engine.model.graphs is not None:
+    if engine.runner.graphs is not None:
         report.run("graphs", lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s))
     report.run("kv_pool", lambda: pool_report(engine, args.context))
     if not args.skip_peer:  # after the engine's rows: compiling the peer takes the longest
         report.run("peer", lambda: peer_static_generate(runner, images[2], args.new_tokens))
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
-    compare = compare and engine.model.graphs is not None
+    compare = compare and engine.runner.graphs is not None
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
     release_memory(device)
     if not args.skip_other_layout and args.kv_page_size:
@@ -570,7 +570,7 @@ class Sections:
             Path(self.path).write_text(json.dumps(self.data, indent=1))
 
 
-def timed_batch_one(engine: SessionEngine, runner: LlavaRunner, image: bytes, args: argparse.Namespace) -> dict:
+def timed_batch_one(engine: SessionEngine, runner: LlavaModel, image: bytes, args: argparse.Namespace) -> dict:
     """:func:`batch_one_decode` with the forward passes timed on the device (:class:`ForwardClock`)."""
     clock = ForwardClock(runner)
     try:
@@ -582,7 +582,7 @@ def timed_batch_one(engine: SessionEngine, runner: LlavaRunner, image: bytes, ar
 def pool_report(engine: SessionEngine, context: int) -> dict | None:
     """The KV pool's page size, pages, growths and bytes, and the sessions of ``context`` tokens its
     pages hold (issue 43: >= 100 at 600 on an 80 GB H100); None without a pool."""
-    pool = engine.model.kv_pool
+    pool = engine.runner.kv_pool
     if pool is None:
         return None
     return {
@@ -595,7 +595,7 @@ def pool_report(engine: SessionEngine, context: int) -> dict | None:
     }
 
 
-def other_layout(runner: LlavaRunner, layout: DecodeLayout, images: list[bytes], levels: list[int],
+def other_layout(runner: LlavaModel, layout: DecodeLayout, images: list[bytes], levels: list[int],
                  args: argparse.Namespace) -> dict:  # fmt: skip
     """Batch-1 decode and the aggregate again in a second engine whose answers decode in ``layout``."""
     graphs = cuda_graphs_arg(args)
@@ -604,7 +604,7 @@ def other_layout(runner: LlavaRunner, layout: DecodeLayout, images: list[bytes],
     return {"decode_layout": layout, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
 
 
-def other_paged_read(runner: LlavaRunner, read: PagedRead, images: list[bytes], levels: list[int],
+def other_paged_read(runner: LlavaModel, read: PagedRead, images: list[bytes], levels: list[int],
                      args: argparse.Namespace) -> dict:  # fmt: skip
     """Batch-1 decode, the aggregate and the graphs against eager again in an engine of the paged
     layout whose static decode step reads the pages as ``read`` (``flex``: FlexAttention over the pool;
@@ -619,12 +619,12 @@ def other_paged_read(runner: LlavaRunner, read: PagedRead, images: list[bytes], 
     start_s = time.perf_counter() - t0
     b1 = timed_batch_one(engine, runner, images[1], args)
     rows = {"paged_attention": read, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
-    if engine.model.graphs is not None:
+    if engine.runner.graphs is not None:
         rows["graphs"] = graphs_against_eager(engine, images, args.new_tokens, start_s)
     return rows
 
 
-def attention_kernels(runner: LlavaRunner, args: argparse.Namespace) -> list[dict[str, Any]]:
+def attention_kernels(runner: LlavaModel, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``paged_attention.measure`` at the text model's attention shape, ``--context`` positions and each
     of ``--kernel-rows`` rows, in the runner's dtype, printed as it goes."""
     heads = runner.model.config.text_config.num_attention_heads

@@ -36,7 +36,7 @@ import torch
 
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
-from llava_sessions.model import LlavaRunner
+from llava_sessions.model import LlavaModel
 from llava_sessions.model.paged_kv import KVPages, PagedBatchCache, PagedCache
 from llava_sessions.model.pages import PagePool, PageTable, fork, release, reserve
 from llava_sessions.sessions.store import SessionStore
@@ -46,7 +46,7 @@ from llava_tools.tiny_model import write_checkpoint
 PAGE = 16
 
 
-def prompts(runner: LlavaRunner, rows: int) -> tuple[list[list[int]], torch.Tensor]:
+def prompts(runner: LlavaModel, rows: int) -> tuple[list[list[int]], torch.Tensor]:
     """``rows`` chat-templated questions on one photo, and the photo's feature rows."""
     image = decode_image(sample_photo("astronaut"), max_pixels=40_000_000)
     out = []
@@ -57,7 +57,7 @@ def prompts(runner: LlavaRunner, rows: int) -> tuple[list[list[int]], torch.Tens
     return out, runner.encode_images([image])[0]
 
 
-def contiguous_rows(runner: LlavaRunner, ids: list[list[int]], feats: torch.Tensor, steps: int):
+def contiguous_rows(runner: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int):
     """Each row prefilled into its own ``DynamicCache``; the batch built from them (timed: a join's
     rebuild); then ``steps`` decode steps. Returns (tokens per row, step ms, build ms, build bytes)."""
     caches, tokens = [], []
@@ -89,7 +89,7 @@ def contiguous_rows(runner: LlavaRunner, ids: list[list[int]], feats: torch.Tens
     return tokens, statistics.median(times), build_ms, build_bytes, own_bytes
 
 
-def paged_rows(runner: LlavaRunner, ids: list[list[int]], feats: torch.Tensor, steps: int):
+def paged_rows(runner: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int):
     """The rows' shared image prefix prefilled once into the pool, each row a fork of it that
     prefills its question; then ``steps`` decode steps over the pages. Returns (tokens per row, step
     ms, bytes the pool's pages hold after the prefills)."""
@@ -130,7 +130,7 @@ def paged_rows(runner: LlavaRunner, ids: list[list[int]], feats: torch.Tensor, s
     return tokens, statistics.median(times), held
 
 
-def engine_side_by_side(runner: LlavaRunner, rounds: int, context: int, new_tokens: int) -> dict:
+def engine_side_by_side(runner: LlavaModel, rounds: int, context: int, new_tokens: int) -> dict:
     """The engine with its sessions' KV in the pool against ``DynamicCache``s (``kv_page_size=0``),
     alternating round by round on one model: :mod:`gpu`'s follow-up TTFT, cold image turn and batch-1
     decode (ms per token); medians, and pages / contiguous."""
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     folder = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
     write_checkpoint(args.model, folder)
-    runner = LlavaRunner.from_pretrained(folder, device="cpu", dtype="float32")
+    runner = LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
     ids, feats = prompts(runner, args.rows)
     rounds = []
     for r in range(args.rounds):

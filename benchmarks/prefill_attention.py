@@ -1,6 +1,6 @@
 """A prefill over cached positions: transformers' materialized causal mask vs SDPA's lower-right form.
 
-The choice behind ``LlavaRunner.lower_right_prefill`` (on by default on CUDA, off on the CPU), measured
+The choice behind ``LlavaModel.lower_right_prefill`` (on by default on CUDA, off on the CPU), measured
 side by side in one run on one device: a follow-up of ``--new`` tokens over a session of ``--context``
 cached tokens (the prefill pass alone, the cache cropped back after each), (a) with the model's own
 mask, (b) through :func:`~llava_sessions.model.fused.lower_right_attention`; interleaved, medians of
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from llava_sessions.model import LlavaRunner, crop_cache
+from llava_sessions.model import LlavaModel, crop_cache
 from llava_tools.tiny_model import write_checkpoint
 
 
@@ -32,7 +32,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_prefill(runner: LlavaRunner, cache, ids: list[int], lower_right: bool) -> tuple[float, torch.Tensor]:
+def timed_prefill(runner: LlavaModel, cache, ids: list[int], lower_right: bool) -> tuple[float, torch.Tensor]:
     """ms of one prefill of ``ids`` past ``cache`` (cropped back afterwards), and its logits."""
     start = int(cache.get_seq_length())
     runner.lower_right_prefill = lower_right
@@ -61,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
 
         dtype = torch.float16 if args.dtype == "float16" else torch.bfloat16
         model, processor = build_model("7b", device="cuda" if args.device == "auto" else args.device, dtype=dtype)
-        runner = LlavaRunner(model, processor)
+        runner = LlavaModel(model, processor)
     else:
         folder = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
         write_checkpoint(args.model, folder)
-        runner = LlavaRunner.from_pretrained(folder, device=args.device, dtype=args.dtype)
+        runner = LlavaModel.from_pretrained(folder, device=args.device, dtype=args.dtype)
     on_device = runner.lower_right_prefill
     vocab = runner.model.config.text_config.vocab_size
     ids = [

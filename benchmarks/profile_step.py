@@ -42,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine_decode import build_runner, sync
 from gpu import FOLLOW_UP, PHOTOS, QUESTION, _fresh, new_engine, open_with_context, release_memory
 from llava_sessions.engine.model_runner import KV_PAGE_SIZE
-from llava_sessions.model import LlavaRunner
+from llava_sessions.model import LlavaModel
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_tools.demo.samples import sample_photo
 
@@ -101,13 +101,13 @@ def decode_step_region(engine: Any, image: bytes, context: int) -> Callable[[], 
             gen = state["gen"] = engine.start("p", QUESTION, params, remember=False)
             while not gen.prefilled:
                 engine.step([gen])
-            sync(engine.runner.device)
+            sync(engine.model.device)
         engine.step([gen])
 
     return step
 
 
-def hf_decode_region(runner: LlavaRunner, context: int) -> Callable[[], None]:
+def hf_decode_region(runner: LlavaModel, context: int) -> Callable[[], None]:
     """transformers' eager decode step: the model called on one token with a ``DynamicCache`` of
     ``context`` positions (cropped back after each call)."""
     from transformers import DynamicCache
@@ -131,7 +131,7 @@ def hf_decode_region(runner: LlavaRunner, context: int) -> Callable[[], None]:
 def turn_regions(engine: Any, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     """The follow-up (a ~40-token question on a held session, to its first token) and the open of a
     never-seen image, profiled on ``engine``."""
-    device = engine.runner.device
+    device = engine.model.device
     open_with_context(engine, "fu", images[0], args.context)
     params = SamplingParams(max_new_tokens=1)
 
@@ -153,7 +153,7 @@ def turn_regions(engine: Any, images: list[bytes], args: argparse.Namespace) -> 
     }
 
 
-def regions(runner: LlavaRunner, args: argparse.Namespace) -> dict[str, Any]:
+def regions(runner: LlavaModel, args: argparse.Namespace) -> dict[str, Any]:
     """Every region's profile, one engine at a time (each takes its fixed pool on a card)."""
     device, images = runner.device, [sample_photo(p) for p in PHOTOS]
     out: dict[str, Any] = {}

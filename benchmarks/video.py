@@ -44,7 +44,7 @@ from concurrency import pct, stream_gaps  # benchmarks/concurrency.py (this scri
 from llava_client import SessionClient, video_part
 from llava_sessions.conversation import Chat, VideoBytes
 from llava_sessions.engine import EngineLimits, SessionEngine
-from llava_sessions.model import LlavaRunner
+from llava_sessions.model import LlavaModel
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
 from llava_sessions.video import VideoLimits
@@ -55,7 +55,7 @@ from llava_tools.serve import LocalServer
 QUESTIONS = ["What happens in this video?", "What is the person wearing?", "Is there a flag?", "Where is this?"]
 
 
-def per_request(runner: LlavaRunner, decode, data: VideoBytes, prompt: str, new_tokens: int) -> tuple[float, float]:
+def per_request(runner: LlavaModel, decode, data: VideoBytes, prompt: str, new_tokens: int) -> tuple[float, float]:
     """(a): decode, sample, encode and prefill everything for one question; (ttft ms, total ms)."""
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -73,7 +73,7 @@ def per_request(runner: LlavaRunner, decode, data: VideoBytes, prompt: str, new_
     return ttft, (time.perf_counter() - t0) * 1000
 
 
-def in_process(runner: LlavaRunner, raw: bytes, args: argparse.Namespace) -> dict:
+def in_process(runner: LlavaModel, raw: bytes, args: argparse.Namespace) -> dict:
     """Measurement 1: follow-up TTFT in a session (from each tier) vs per request."""
     decode = functools.partial(decode_media, max_pixels=40_000_000, video_limits=VideoLimits())
     data = VideoBytes(raw, num_frames=args.num_frames)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
         folder = write_checkpoint(args.model, tempfile.mkdtemp(prefix="llava-ov-"), arch="llava-onevision")
     raw = sample_clip(num_frames=args.clip_frames, fps=24, size=(320, 240), step=(4, 3))
-    runner = LlavaRunner.from_pretrained(folder, device="auto")
+    runner = LlavaModel.from_pretrained(folder, device="auto")
     result: dict = {"model": args.model_dir or args.model, "device": str(runner.device)}
     result.update(num_frames=args.num_frames, clip_bytes=len(raw), new_tokens=args.new_tokens, repeats=args.repeats)
     result["torch_threads"] = torch.get_num_threads()

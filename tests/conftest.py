@@ -39,10 +39,10 @@ def runner(tiny_model_dir):
     """The tiny checkpoint loaded in fp32 on the CPU."""
     import torch
 
-    from llava_sessions.model import LlavaRunner
+    from llava_sessions.model import LlavaModel
 
     torch.manual_seed(0)
-    return LlavaRunner.from_pretrained(tiny_model_dir, device="cpu", dtype="float32")
+    return LlavaModel.from_pretrained(tiny_model_dir, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -478,7 +478,7 @@ def resolve_devices(settings: Settings, *, cuda_count: int | Callable[[], int] |
     """The devices of this worker's replicas, from ``settings.devices``.
 
     ``auto``: one replica per visible GPU when ``device`` is not ``cpu`` and no ``gpu_id`` is set
-    (``cuda_count`` > 1), else one replica on ``device`` / ``gpu_id`` (``""`` = the runner's own
+    (``cuda_count`` > 1), else one replica on ``device`` / ``gpu_id`` (``""`` = the model's own
     choice). An explicit list is used as given.
 
     Args:

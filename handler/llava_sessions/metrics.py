@@ -39,7 +39,7 @@ def _kv_pool_gauges(engine: SessionEngine) -> dict[_MetricKey, float]:
     """The replica's KV pool, when it has one: ``KVPoolBytes`` of the pages some session holds (each
     shared page once: below the sessions' ``kv`` bytes when they share an image prefix) and of the
     pages allocated (held or free)."""
-    pool = engine.model.kv_pool
+    pool = engine.runner.kv_pool
     if pool is None:
         return {}
     return {("KVPoolBytes", ("used",)): pool.num_used_bytes(), ("KVPoolBytes", ("allocated",)): pool.pages.nbytes()}

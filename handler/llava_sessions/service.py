@@ -86,7 +86,7 @@ class SessionService:
         self.intakes: dict[str, Intake] = {}  # request id -> a request waiting for its images
         fetch = self.intake
         self.native = NativeServing(settings, engine, self.jobs, fetch, self.metrics)
-        tokenizer = getattr(engine.runner, "tokenizer", None)
+        tokenizer = getattr(engine.model, "tokenizer", None)
         token_text: Callable[[int], str] = (
             (lambda i: tokenizer.decode([i])) if tokenizer is not None else (lambda i: str(i))
         )
@@ -354,9 +354,9 @@ class SessionService:
         features and prefix KV cost, bytes)."""
         engine, store = self.engine, self.engine.store
         if self._new_session_bytes is None:  # the prefix is templated once, not per call
-            runner = engine.runner
-            chat = Chat(self.settings.system_prompt, image_tokens=(runner.num_image_tokens,))
-            self._new_session_bytes = engine.new_session_bytes(len(runner.template.prefix_ids(chat)))
+            model = engine.model
+            chat = Chat(self.settings.system_prompt, image_tokens=(model.num_image_tokens,))
+            self._new_session_bytes = engine.new_session_bytes(len(model.template.prefix_ids(chat)))
         return {
             "free_bytes": store.device_budget_bytes - store.device_bytes() + store.num_cache_bytes,
             "num_sessions": len(store),

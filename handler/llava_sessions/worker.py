@@ -1,4 +1,4 @@
-"""The one place that wires a worker: settings → model runner → session store → engine → service.
+"""The one place that wires a worker: settings → loaded model → session store → engine → service.
 
 ``handler/llava_handler.py`` calls :func:`build_service` once per TorchServe worker process, in
 ``initialize``; tests and tools call it the same way.
@@ -19,7 +19,7 @@ from .engine import EngineLimits, SessionEngine, available_host_bytes, default_d
 from .engine.model_runner import KV_PAGE_SIZE
 from .images.decode import decode_image
 from .metrics import WorkerMetrics
-from .model import LlavaRunner
+from .model import LlavaModel
 from .model.loading import reserve_cpu_memory
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
@@ -141,22 +141,22 @@ def build_local_service(
 
         torch.set_num_threads(settings.torch_threads)
     model_dir = _model_dir(settings, origin.archive_dir)
-    runner = LlavaRunner.from_pretrained(
+    model = LlavaModel.from_pretrained(
         model_dir,
         device=settings.device,
         gpu_id=settings.gpu_id if settings.gpu_id is not None else origin.gpu_id,
         dtype=settings.dtype,
     )
-    engine = build_engine(settings, runner)
+    engine = build_engine(settings, model)
     reserved = 0
-    if runner.device.type == "cpu":  # never past the sessions' budget, nor a quarter of the free memory
+    if model.device.type == "cpu":  # never past the sessions' budget, nor a quarter of the free memory
         cap = min(engine.store.device_budget_bytes, available_host_bytes() // 4)
         reserved = reserve_cpu_memory(min(settings.cpu_memory_reserve_bytes, cap))
     log.warning(
         "llava-sessions ready",
         extra={
             "model_dir": model_dir,
-            "device": str(runner.device),
+            "device": str(model.device),
             "device_budget_bytes": engine.store.device_budget_bytes,
             "cpu_memory_reserved_bytes": reserved,
             "replica": replica,
@@ -203,22 +203,22 @@ def decode_media(data: bytes, *, max_pixels: int, video_limits: VideoLimits) -> 
     return decode_image(data, max_pixels=max_pixels)
 
 
-def build_engine(settings: Settings, runner: LlavaRunner) -> SessionEngine:
+def build_engine(settings: Settings, model: LlavaModel) -> SessionEngine:
     """The session store (its device budget: ``device_budget_bytes``, or a fraction of what is free
-    now) and the engine over ``runner``, with the settings' limits."""
-    budget = settings.device_budget_bytes or default_device_budget(runner, settings.device_budget_fraction)
-    on_card = runner.device.type == "cuda"
+    now) and the engine over ``model``, with the settings' limits."""
+    budget = settings.device_budget_bytes or default_device_budget(model, settings.device_budget_fraction)
+    on_card = model.device.type == "cuda"
     store = SessionStore(
         device_budget_bytes=budget,
         host_budget_bytes=settings.host_budget_bytes,
-        kv_bytes_per_token=runner.kv_bytes_per_token,
+        kv_bytes_per_token=model.kv_bytes_per_token,
         max_sessions=settings.max_sessions,
         ttl_s=settings.session_ttl_s,
         idle_timeout_s=settings.idle_timeout_s,
         kv_offload_bytes=settings.kv_offload_bytes if on_card else 0,  # a CPU's host is its device
     )
     return SessionEngine(
-        runner,
+        model,
         store,
         functools.partial(
             decode_media, max_pixels=settings.max_image_pixels, video_limits=VideoLimits.from_settings(settings)

@@ -345,7 +345,7 @@ def test_native_opens_share_a_held_image_only_within_their_salt(service, photos)
 
 
 def runner_image_tokens(engine) -> int:
-    return engine.runner.num_image_tokens
+    return engine.model.num_image_tokens
 
 
 def test_the_metrics_count_hits_misses_entries_and_bytes(service, photos):

@@ -18,7 +18,7 @@ from PIL import Image
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images.fetch import decode_image
-from llava_sessions.model import ARCHITECTURES, LlavaRunner, checkpoint_architecture
+from llava_sessions.model import ARCHITECTURES, LlavaModel, checkpoint_architecture
 from llava_sessions.model.paged_kv import KVPages, PagedCache
 from llava_sessions.model.pages import PagePool, PageTable, reserve
 from llava_sessions.sampling.sampler import SamplingParams
@@ -31,7 +31,7 @@ ARCHS = ("llava", "llava-next", "llava-onevision", "llava-next-video")
 
 
 @pytest.fixture(scope="session")
-def family(tmp_path_factory) -> dict[str, LlavaRunner]:
+def family(tmp_path_factory) -> dict[str, LlavaModel]:
     """A tiny checkpoint of each architecture, written by ``llava-tiny-model`` and loaded by the runner."""
     from llava_tools.tiny_model import write_checkpoint
 
@@ -40,7 +40,7 @@ def family(tmp_path_factory) -> dict[str, LlavaRunner]:
         # the default tiny llava has llava-1.5's own 4,096 positions (the shared fixture's 1,024), for 3 images
         folder = write_checkpoint("tiny", tmp_path_factory.mktemp(arch), seed=0, arch=arch)
         torch.manual_seed(0)
-        runners[arch] = LlavaRunner.from_pretrained(folder, device="cpu", dtype="float32")
+        runners[arch] = LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
     return runners
 
 
@@ -333,10 +333,10 @@ def test_prefill_chunks_riding_the_decode_step_match_generate(family, small_phot
     work = [running, asking, opening]
     while not all(w.done for w in work):
         eng.step([w for w in work if not w.done], prefill_budget=24)
-    assert eng.model.num_fused_passes >= 3
+    assert eng.runner.num_fused_passes >= 3
     assert running.error is None and asking.error is None and opening.error is None
     assert ids(running.answer) == reference(runner, [([img1], q, None)])[0]
     assert ids(asking.answer) == reference(runner, [([img2], q, None)])[0]
     assert ids(eng.generate("opened", q, GREEDY)) == reference(runner, [([img3], q, None)])[0]
     if static:  # the decode-only steps ran at static shapes
-        assert eng.model.graphs is not None and eng.model.graphs.num_eager >= 3
+        assert eng.runner.graphs is not None and eng.runner.graphs.num_eager >= 3

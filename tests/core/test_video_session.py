@@ -23,7 +23,7 @@ from llava_sessions.conversation import VideoBytes, image_key
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images.fetch import decode_image
-from llava_sessions.model import LlavaRunner
+from llava_sessions.model import LlavaModel
 from llava_sessions.model.video import preprocess_frames, video_token_count
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.service import Row
@@ -49,13 +49,13 @@ def ov_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ov(ov_dir) -> LlavaRunner:
+def ov(ov_dir) -> LlavaModel:
     torch.manual_seed(0)
-    return LlavaRunner.from_pretrained(ov_dir, device="cpu", dtype="float32")
+    return LlavaModel.from_pretrained(ov_dir, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def next_video(tmp_path_factory) -> LlavaRunner:
+def next_video(tmp_path_factory) -> LlavaModel:
     """The tiny LLaVA-NeXT-Video, written by ``llava-tiny-model --arch llava-next-video``."""
     from llava_tools.tiny_model import write_checkpoint
 
@@ -63,11 +63,11 @@ def next_video(tmp_path_factory) -> LlavaRunner:
         "tiny", tmp_path_factory.mktemp("nv"), seed=0, arch="llava-next-video", max_positions=CONTEXT
     )
     torch.manual_seed(0)
-    return LlavaRunner.from_pretrained(folder, device="cpu", dtype="float32")
+    return LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
 
 
 @pytest.fixture(params=["llava-onevision", "llava-next-video"])
-def video_model(request) -> LlavaRunner:
+def video_model(request) -> LlavaModel:
     """Each architecture with a video path."""
     return request.getfixturevalue("ov" if request.param == "llava-onevision" else "next_video")
 
@@ -419,9 +419,9 @@ def test_a_video_opened_beside_a_running_answer_takes_its_frames_a_few_per_step(
     video = VideoBytes(clips["astronaut"], num_frames=6)
     opening = eng.begin_open("opened", video, image=decode(video))
     chunks: list[int] = []
-    real = eng.model.encode_frames
+    real = eng.runner.encode_frames
     monkeypatch.setattr(
-        eng.model, "encode_frames", lambda s, v, a, b: chunks.append(b - a) or real(s, v, a, b)
+        eng.runner, "encode_frames", lambda s, v, a, b: chunks.append(b - a) or real(s, v, a, b)
     )  # the real pass, watched: how many frames each step's piece ran
     budget = TimeBudget(step_ms=10_000, max_pass_tokens=4096, image_step_ratio=0.001)  # held to one frame a step
     steps_with_running = 0

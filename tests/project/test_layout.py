@@ -191,7 +191,7 @@ LAYERS: list[set[str]] = [
         "engine.memory",
         "engine.sharing",
     },
-    {"wire.inbound", "images.fetch", "model.runner", "model.graphs", "sampling.sampler"},
+    {"wire.inbound", "images.fetch", "model.llava", "model.graphs", "sampling.sampler"},
     {"images", "video", "model", "engine.sequence", "chat.fields", "wire.affinity"},
     {"engine.samples"},
     {"native.protocol", "chat.protocol", "sessions.session", "sessions.offload", "engine.admission", "engine.updates"},

@@ -36,7 +36,7 @@ from .sequence import Generation, ImageTask
 from .sharing import reusable_len
 
 if TYPE_CHECKING:
-    from ..model import LlavaRunner
+    from ..model import LlavaModel
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Driver
@@ -74,7 +74,7 @@ class Admission:
     """The engine's admission of opens, added images and questions (see the module docstring).
 
     Args:
-        store: the sessions and their memory; runner: the model (token counts, templates, bytes);
+        store: the sessions and their memory; model: the loaded model (token counts, templates, bytes);
         limits: per-request and per-session limits; sharing: what other sessions hold;
         decode_image: encoded bytes -> image; driver: what the work made here calls back into.
         page_size: positions per page of the KV pool the sessions' caches are in (0: none), which
@@ -84,7 +84,7 @@ class Admission:
     def __init__(
         self,
         store: SessionStore,
-        runner: LlavaRunner,
+        model: LlavaModel,
         limits: EngineLimits,
         sharing: ImageSharing,
         decode_image: Callable[[bytes], Any],
@@ -93,7 +93,7 @@ class Admission:
     ) -> None:
         self.page_size = page_size
         self.store = store
-        self.runner = runner
+        self.model = model
         self.limits = limits
         self.sharing = sharing
         self.decode_image = decode_image
@@ -129,12 +129,12 @@ class Admission:
                 ErrorCode.INVALID_REQUEST,
                 "the history's first turn adds an image to a session opened on a video; " + _ORDER,
             )
-        prefix = self.runner.template.prefix_ids(session.chat())
+        prefix = self.model.template.prefix_ids(session.chat())
         medium = f"the video ({tokens[0]} tokens)" if is_video_size(sizes[0]) else "the image"
         what = f"{medium} and the restored history are" if history else f"{medium} is"
         self._check_context(prefix, f"{what} {len(prefix)} tokens in all", "")
         self.store.add(session)  # admission first: nothing is computed for a session that cannot be held
-        need = new_session_bytes(self.runner, len(prefix), sum(tokens), self.page_size)
+        need = new_session_bytes(self.model, len(prefix), sum(tokens), self.page_size)
         try:
             self._check_room(session, need, "a new session")
         except ServiceError:
@@ -163,7 +163,7 @@ class Admission:
         )
         if chat.image_after_video():
             raise ServiceError(ErrorCode.INVALID_REQUEST, "an image cannot follow a video in one question; " + _ORDER)
-        prefix = self.runner.template.prefix_ids(chat)
+        prefix = self.model.template.prefix_ids(chat)
         medium = f"video ({tokens[-1]} tokens)" if is_video_size(sizes[-1]) else "image"
         self._check_context(
             prefix,
@@ -173,7 +173,7 @@ class Admission:
         relayout = tokens[:-1] != session.image_tokens
         feature_tokens = sum(tokens) if relayout or session.image_features is None else tokens[-1]
         reuse = 0 if relayout else common_prefix_len(session.cached_ids, prefix)
-        need = device_bytes(self.runner, 0, feature_tokens) + self._kv_grant(reuse, len(prefix))
+        need = device_bytes(self.model, 0, feature_tokens) + self._kv_grant(reuse, len(prefix))
         self._check_room(session, need, "the image now")
         return ImageTask(
             self.driver,
@@ -210,7 +210,7 @@ class Admission:
         the image limits (raises image_limit_exceeded as :meth:`_layout`)."""
         self._check_image_count(len(sizes))
         stills = still_images(sizes)
-        tokens = [self.runner.image_token_count(size, stills) for size in sizes]
+        tokens = [self.model.image_token_count(size, stills) for size in sizes]
         cap = self.limits.max_image_tokens
         if cap and sum(tokens) > cap:
             raise ServiceError(
@@ -227,10 +227,10 @@ class Admission:
 
     def _check_context(self, prefix: list[int], what: str, hint: str) -> None:
         """Raise context_length_exceeded when ``prefix`` leaves no room for a question."""
-        if len(prefix) >= self.runner.max_positions:
+        if len(prefix) >= self.model.max_positions:
             raise ServiceError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"{what}, over the model's context of {self.runner.max_positions} tokens{hint}",
+                f"{what}, over the model's context of {self.model.max_positions} tokens{hint}",
             )
 
     def _check_room(self, session: Session, num_bytes: int, purpose: str) -> None:
@@ -255,13 +255,13 @@ class Admission:
         """Admit a question (``SessionEngine.start``, which documents the policy and the errors)."""
         session = self.idle_session(session_id)
         self._check_prompt(prompt, params)
-        grammar = _grammar(self.runner, params)
+        grammar = _grammar(self.model, params)
         chat = session.chat()
         clip = clip_max_new_tokens and context_policy == "truncate"  # `error` changes nothing (docs/api.md)
         ids, dropped, max_new = self._fit(chat, prompt, params.max_new_tokens, context_policy, clip)
         request = dataclasses.replace(params, max_new_tokens=max_new)
         params = request.for_sample(request.session_choice)
-        runner = self.runner
+        model = self.model
         gen = Generation(
             self.driver,
             session,
@@ -269,19 +269,19 @@ class Admission:
             ids,
             params,
             remember,
-            Sampler(params, runner.device, ids, runner.eos_token_ids, grammar),
-            IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
+            Sampler(params, model.device, ids, model.eos_token_ids, grammar),
+            IncrementalDetokenizer(model.tokenizer, skip_special_tokens=params.skip_special_tokens),
             truncated_turns=dropped,
         )
         extra = (request.n - 1) * self._sample_bytes(len(ids) + gen.room_tokens, session.image_tokens)
         gen.start_bytes = self._start_bytes(gen) + extra
-        add_samples(gen, request, self.store, runner, lambda p: _grammar(runner, p))
+        add_samples(gen, request, self.store, model, lambda p: _grammar(model, p))
         self.store.pin(session)
         return gen
 
     def _sample_bytes(self, num_tokens: int, image_tokens: Sequence[int]) -> int:
         """Device bytes each other answer of a request of several takes (:func:`~.samples.sample_bytes`)."""
-        return sample_bytes(self.runner, self.page_size, num_tokens, sum(image_tokens))
+        return sample_bytes(self.model, self.page_size, num_tokens, sum(image_tokens))
 
     def _start_bytes(self, gen: Generation) -> int:
         """Device bytes ``gen``'s start needs room for: a demoted session's image features, the KV of
@@ -289,11 +289,11 @@ class Admission:
         session = gen.session
         restore = bool(session.images) and session.image_features is None
         kv = self._kv_grant(gen.num_reusable_tokens(), len(gen.prompt_ids) + gen.room_tokens)
-        return kv + device_bytes(self.runner, 0, sum(session.image_tokens) if restore else 0)
+        return kv + device_bytes(self.model, 0, sum(session.image_tokens) if restore else 0)
 
     def _kv_grant(self, reuse: int, num_tokens: int) -> int:
         """Bytes a cache cropped to ``reuse`` positions is booked more once it holds ``num_tokens``."""
-        return kv_grant_bytes(self.runner, self.page_size, reuse, num_tokens)
+        return kv_grant_bytes(self.model, self.page_size, reuse, num_tokens)
 
     def _check_prompt(self, prompt: str, params: SamplingParams, *, chat: bool = False) -> None:
         """A question's text and limits (``chat``: a resent conversation's, which may be blank and
@@ -308,7 +308,7 @@ class Admission:
         # only a prompt of more bytes than the cap can be over it: shorter ones skip the tokenizer
         if len(prompt.encode("utf-8")) + 1 <= self.limits.max_prompt_tokens:
             return
-        num_prompt = self.runner.template.count_text_tokens(prompt)
+        num_prompt = self.model.template.count_text_tokens(prompt)
         if num_prompt > self.limits.max_prompt_tokens:
             raise ServiceError(
                 ErrorCode.INVALID_PARAMETER,
@@ -330,7 +330,7 @@ class Admission:
         Raises:
             ServiceError: context_length_exceeded.
         """
-        template, limit = self.runner.template, self.runner.max_positions
+        template, limit = self.model.template, self.model.max_positions
         ids = template.conversation_ids(chat, prompt)
         dropped = 0
         if len(ids) + max_new > limit and policy == "truncate":
@@ -379,7 +379,7 @@ class Admission:
         texts = [target.question, *(text for t in target.turns for text in (t.prompt, t.answer))]
         self._check_no_placeholder([*texts, target.system_prompt or ""], "messages")
         self._check_prompt(target.question, params, chat=True)
-        grammar = _grammar(self.runner, params)
+        grammar = _grammar(self.model, params)
         sizes = [img.size for img in target.images]
         tokens = self._layout_sizes(sizes)
         chat = Chat(target.system_prompt, target.turns, target.pending_images, tuple(tokens), video_indexes(sizes))
@@ -391,15 +391,15 @@ class Admission:
         keys = [img.key for img in target.images]
         keep = 0
         if session.kv_cache is not None:
-            keep = reusable_len(session, ids, keys, tokens, self.runner.image_token_id)
+            keep = reusable_len(session, ids, keys, tokens, self.model.image_token_id)
         sharing = self.sharing
         stills = still_images(sizes)
         rows = [sharing.rows(session, img.key, n, stills) for img, n in zip(target.images, tokens, strict=True)]
-        runner = self.runner
+        model = self.model
         unchanged = keys == session.image_keys and tokens == session.image_tokens and session.image_features is not None
         # a new set of features is a new tensor (every row copied or encoded when the answer starts)
         room = min(max_new, self.limits.planned_new_tokens) if clip_max_new_tokens else max_new
-        need = device_bytes(runner, 0, 0 if unchanged else sum(tokens)) + self._kv_grant(keep, len(ids) + room)
+        need = device_bytes(model, 0, 0 if unchanged else sum(tokens)) + self._kv_grant(keep, len(ids) + room)
         need += (request.n - 1) * self._sample_bytes(len(ids) + room, tokens)
         self._check_room(session, need, "this turn" if request.n == 1 else f"{request.n} answers now")
         to_encode = self._hold_conversation(session, target, tokens, keep, rows, unchanged=unchanged)
@@ -410,13 +410,13 @@ class Admission:
             ids,
             params,
             True,
-            Sampler(params, runner.device, ids, runner.eos_token_ids, grammar),
-            IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
+            Sampler(params, model.device, ids, model.eos_token_ids, grammar),
+            IncrementalDetokenizer(model.tokenizer, skip_special_tokens=params.skip_special_tokens),
             room_tokens=room,
             start_bytes=need,
         )
         gen.set_images_to_encode(to_encode, rows, assemble=not unchanged)
-        add_samples(gen, request, self.store, runner, lambda p: _grammar(runner, p))
+        add_samples(gen, request, self.store, model, lambda p: _grammar(model, p))
         return gen
 
     def _hold_conversation(
@@ -453,8 +453,8 @@ class Admission:
         return session
 
     def _check_no_placeholder(self, texts: list[str], where: str) -> None:
-        video = self.runner.template.video_token
-        for token, what in ((self.runner.image_token, "image"), (video, "video")):
+        video = self.model.template.video_token
+        for token, what in ((self.model.image_token, "image"), (video, "video")):
             if token and any(token in text for text in texts):
                 raise ServiceError(
                     ErrorCode.INVALID_PARAMETER, f"{where} must not contain the {what} placeholder {token!r}"
@@ -468,10 +468,10 @@ _ORDER = (
 )
 
 
-def _grammar(runner: Any, params: SamplingParams) -> GrammarMatcher | None:
+def _grammar(model: Any, params: SamplingParams) -> GrammarMatcher | None:
     """The structured output's matcher of an answer (before anything is held for it), or None.
 
     Raises:
         ServiceError: invalid_parameter: the grammar cannot start on this model's tokenizer.
     """
-    return runner.grammars.matcher(params.grammar) if params.grammar is not None else None
+    return model.grammars.matcher(params.grammar) if params.grammar is not None else None

@@ -32,7 +32,7 @@ class StepCost:
         decode_alone_ms: a decode step with no chunk riding it: the running answers' own
             inter-token gap, the reference a step with image work is held to (scheduler rule 8).
 
-    The defaults are the bench model's on a 2-core CPU, fp32 (docs/decisions/15-scheduler-on-torchserve-continuous-batching.md); the runner replaces
+    The defaults are the bench model's on a 2-core CPU, fp32 (docs/decisions/15-scheduler-on-torchserve-continuous-batching.md); the model runner replaces
     them with its own measurements after its first passes.
     """
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..model import BatchKVCache, LlavaRunner, cache_len
+from ..model import BatchKVCache, LlavaModel, cache_len
 from .memory import oom_attempts
 from .scheduler import BatchLayout
 
@@ -38,24 +38,24 @@ class DecodeBatch:
     """The decode batch's KV layout and its one forward pass per step.
 
     Args:
-        runner: the model runner (allocates the cache, runs the batched forward).
+        model: the loaded model (allocates the cache, runs the batched forward).
         store: the session store (the batch's bytes count against the device budget).
-        new_cache: an empty session cache, which a leaving row's KV goes into (default the runner's
+        new_cache: an empty session cache, which a leaving row's KV goes into (default the model's
             ``DynamicCache``; the engine's is in its KV pool).
         grow_columns: free columns allocated past the longest row at each build.
     """
 
     def __init__(
         self,
-        runner: LlavaRunner,
+        model: LlavaModel,
         store: SessionStore,
         new_cache: Callable[[], Any] | None = None,
         *,
         grow_columns: int = 64,
     ) -> None:
-        self.runner = runner
+        self.model = model
         self.store = store
-        self.new_cache = new_cache or runner.new_cache
+        self.new_cache = new_cache or model.new_cache
         self.grow_columns = grow_columns
         self.cache: BatchKVCache | None = None
         self.mask: torch.Tensor | None = None
@@ -69,7 +69,7 @@ class DecodeBatch:
 
     def layout(self) -> BatchLayout:
         """The batch's shape, for the scheduler."""
-        cache, per_token = self.cache, self.runner.kv_bytes_per_token
+        cache, per_token = self.cache, self.model.kv_bytes_per_token
         if cache is None:
             return BatchLayout(grow_columns=self.grow_columns, kv_bytes_per_token=per_token)
         longest = max((g.next_position for g in self.rows if g is not None), default=0)  # a row's KV tokens
@@ -97,7 +97,7 @@ class DecodeBatch:
             for attempt in oom_attempts(self.store, keep=None):
                 with attempt:
                     try:
-                        logits = self.runner.decode_batch(cache, tokens, positions, mask[:, : col + 1])
+                        logits = self.model.decode_batch(cache, tokens, positions, mask[:, : col + 1])
                     except BaseException:
                         cache.set_length(col)  # a failed pass leaves no column behind: a retry runs it again
                         raise
@@ -110,7 +110,7 @@ class DecodeBatch:
         self, gens: list[Generation], *, rebuild: bool, session: Session, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, with the prefill of ``ids`` beyond ``session``'s KV cache in the same
-        forward pass (:meth:`LlavaRunner.fused_step <llava_sessions.model.LlavaRunner.fused_step>`).
+        forward pass (:meth:`LlavaModel.fused_step <llava_sessions.model.LlavaModel.fused_step>`).
 
         Returns:
             ``(logits [B, vocab], logits [vocab])`` float32: the rows' (by ``row``), the chunk's last
@@ -127,7 +127,7 @@ class DecodeBatch:
             for attempt in oom_attempts(self.store, keep=session):
                 with attempt:
                     try:
-                        out = self.runner.fused_step(
+                        out = self.model.fused_step(
                             cache, tokens, positions, mask[:, : col + 1], session.kv_cache, ids, session.image_features
                         )
                     except BaseException:
@@ -173,9 +173,7 @@ class DecodeBatch:
         if into is None:
             into = self.new_cache()
         new = columns[cache_len(into) :]
-        kv = (
-            self.runner.extract_row(self.cache, row, new, into=into) if new.numel() else into
-        )  # may fail: the row stays
+        kv = self.model.extract_row(self.cache, row, new, into=into) if new.numel() else into  # may fail: the row stays
         gen.row = None
         self.rows[row] = None
         if self.num_live == 0:
@@ -212,7 +210,7 @@ class DecodeBatch:
         if not rows:
             return 0
         width = max(g.next_position for g in rows)
-        return len(rows) * (width + self.grow_columns) * self.runner.kv_bytes_per_token
+        return len(rows) * (width + self.grow_columns) * self.model.kv_bytes_per_token
 
     def _build(self, joining: list[Generation]) -> None:
         """Lay out the live rows and ``joining`` (whose KV their sessions lend) anew, in the device
@@ -233,8 +231,8 @@ class DecodeBatch:
         width = max(lengths)  # room for the new layout was made with the step's plan (scheduler rule 10)
         for attempt in oom_attempts(self.store, keep=None):
             with attempt:
-                cache = self.runner.new_batch_cache(len(members), width + self.grow_columns)
-        mask = torch.zeros(len(members), cache.capacity, dtype=torch.long, device=self.runner.device)
+                cache = self.model.new_batch_cache(len(members), width + self.grow_columns)
+        mask = torch.zeros(len(members), cache.capacity, dtype=torch.long, device=self.model.device)
         for row, (g, src_cols, n) in enumerate(zip(members, old_columns, lengths, strict=True)):
             if src_cols is not None:
                 assert old is not None and g.row is not None
@@ -242,7 +240,7 @@ class DecodeBatch:
                     dst.keys[row, :, width - n : width] = src.keys[g.row].index_select(1, src_cols)
                     dst.values[row, :, width - n : width] = src.values[g.row].index_select(1, src_cols)
             else:
-                self.runner.load_row(cache, row, g.session.kv_cache, width)
+                self.model.load_row(cache, row, g.session.kv_cache, width)
                 g.session.lend_kv()  # the row holds a copy (the session is busy: never demoted)
             cache.zero_leading(row, width - n)
             mask[row, width - n : width] = 1

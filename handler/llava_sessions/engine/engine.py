@@ -49,7 +49,7 @@ class SessionEngine:
     """Sessions on one model: open, add images, answer (step-wise), reset, close, under a memory budget.
 
     Args:
-        runner: the loaded model (:class:`~llava_sessions.model.LlavaRunner`).
+        model: the loaded model (:class:`~llava_sessions.model.LlavaModel`).
         store: the session store (budget, TTL).
         decode_image: ``bytes -> RGB PIL image``; raises ServiceError(image_invalid | image_too_large).
         limits: per-request and per-session limits.
@@ -67,14 +67,15 @@ class SessionEngine:
             the paged decode step replayed as CUDA graphs (:class:`~.model_runner.ModelRunner`).
 
     Attributes:
-        model: the :class:`~.model_runner.ModelRunner` (every forward pass); batch: its decode batch.
+        model: the loaded model; runner: the :class:`~.model_runner.ModelRunner` over it (every forward
+            pass); batch: its decode batch.
         num_reused_tokens / num_generated_tokens / num_preemptions: counters for metrics (prompt
             tokens served from a KV cache; tokens sampled, finished answers or not; answers preempted).
     """
 
     def __init__(
         self,
-        runner: Any,
+        model: Any,
         store: SessionStore,
         decode_image: Callable[[bytes], Any],
         limits: EngineLimits | None = None,
@@ -87,29 +88,29 @@ class SessionEngine:
         decode_layout: DecodeLayout = "auto",
         cuda_graphs: bool | None = None,
     ) -> None:
-        self.runner = runner
+        self.model = model
         self.store = store
         self.decode_image = decode_image
         self.limits = limits or EngineLimits()
-        self.model = ModelRunner(
-            runner, store, kv_page_size=kv_page_size, decode_layout=decode_layout, cuda_graphs=cuda_graphs
+        self.runner = ModelRunner(
+            model, store, kv_page_size=kv_page_size, decode_layout=decode_layout, cuda_graphs=cuda_graphs
         )
-        self.fuse = fuse_prefill and bool(getattr(runner, "fusable", False))
+        self.fuse = fuse_prefill and bool(getattr(model, "fusable", False))
         self.check_invariants = check_invariants
-        self.sharing = ImageSharing(store, runner, enabled=share_images, unsalted=unsalted)
-        page = self.model.page_size
-        self._admission = Admission(store, runner, self.limits, self.sharing, decode_image, self, page)
-        self._update = StateUpdates(store, self.model, self.sharing, decode_image)
+        self.sharing = ImageSharing(store, model, enabled=share_images, unsalted=unsalted)
+        page = self.runner.page_size
+        self._admission = Admission(store, model, self.limits, self.sharing, decode_image, self, page)
+        self._update = StateUpdates(store, self.runner, self.sharing, decode_image)
 
     @property
     def batch(self) -> DecodeBatch | PagedDecodeBatch:
         """The running answers' decode batch."""
-        return self.model.batch
+        return self.runner.batch
 
     @property
     def num_prefilled_tokens(self) -> int:
         """Prompt tokens prefilled since start."""
-        return self.model.num_prefilled_tokens
+        return self.runner.num_prefilled_tokens
 
     @property
     def num_reused_tokens(self) -> int:
@@ -128,7 +129,7 @@ class SessionEngine:
 
     def new_session_bytes(self, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
         """Device bytes a new session takes in the ``kv`` tier (:func:`~.memory.new_session_bytes`)."""
-        return new_session_bytes(self.runner, num_prefix_tokens, num_image_tokens, self.model.page_size)
+        return new_session_bytes(self.model, num_prefix_tokens, num_image_tokens, self.runner.page_size)
 
     # ------------------------------------------------------------------ sessions
     def open(
@@ -292,8 +293,8 @@ class SessionEngine:
 
     def _serves(self, new: Session, old: Session) -> bool:
         """Whether ``new``'s KV cache serves all of ``old``'s conversation up to its next question."""
-        ids = self.runner.template.prefix_ids(old.chat())
-        return reusable_len(new, ids, old.image_keys, old.image_tokens, self.runner.image_token_id) == len(ids)
+        ids = self.model.template.prefix_ids(old.chat())
+        return reusable_len(new, ids, old.image_keys, old.image_tokens, self.model.image_token_id) == len(ids)
 
     def start_chat(
         self,
@@ -344,7 +345,7 @@ class SessionEngine:
             )
         session.forget_history()
         if session.kv_cache is not None:
-            session.crop_kv(common_prefix_len(session.cached_ids, self.runner.template.prefix_ids(session.chat())))
+            session.crop_kv(common_prefix_len(session.cached_ids, self.model.template.prefix_ids(session.chat())))
         self._check()
 
     def close(self, session_id: str) -> None:
@@ -364,16 +365,16 @@ class SessionEngine:
         self._admission.idle_session(session_id)
 
     def check_video(self) -> None:
-        """Check that the model has a video path (:attr:`~llava_sessions.model.LlavaRunner.supports_video`),
+        """Check that the model has a video path (:attr:`~llava_sessions.model.LlavaModel.supports_video`),
         before a video is fetched or decoded.
 
         Raises:
             ServiceError: video_unsupported (400), naming the model's architecture.
         """
-        if not self.runner.supports_video:
+        if not self.model.supports_video:
             raise ServiceError(
                 ErrorCode.VIDEO_UNSUPPORTED,
-                f"this server's model ({self.runner.architecture}) has no video path; send images, or serve "
+                f"this server's model ({self.model.architecture}) has no video path; send images, or serve "
                 "a LLaVA-OneVision or LLaVA-NeXT-Video checkpoint for videos",
                 param="video",
             )
@@ -466,7 +467,7 @@ class SessionEngine:
         live = runnable(work)  # work listed twice runs once; a request's other answers (``n``) too
         views = [w.view() for w in live]
         room_bytes = self.store.room_bytes() if any(v.decoding for v in views) else None
-        budget, cost = prefill_budget, self.model.costs.estimate()
+        budget, cost = prefill_budget, self.runner.costs.estimate()
         plan = schedule(views, budget, self.batch.layout(), cost, fuse=self.fuse, room_bytes=room_bytes)
         gens = [g for i in plan.decode if isinstance(g := live[i], Generation)]  # only answers decode
         leaving = tuple(g for i in plan.room.preempt if isinstance(g := live[i], Generation))
@@ -497,4 +498,4 @@ class SessionEngine:
     def _check(self) -> None:
         if self.check_invariants:
             self.store.check_invariants()
-            self.model.check_kv_pool(s.kv_cache for s in self.store.sessions())
+            self.runner.check_kv_pool(s.kv_cache for s in self.store.sessions())

@@ -16,7 +16,7 @@ import torch
 from ..errors import overloaded
 
 if TYPE_CHECKING:
-    from ..model import LlavaRunner
+    from ..model import LlavaModel
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
 
@@ -39,11 +39,11 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def default_device_budget(runner: LlavaRunner, fraction: float) -> int:
+def default_device_budget(model: LlavaModel, fraction: float) -> int:
     """``fraction`` of the device memory free now (CUDA ``mem_get_info``), or of available host
     memory (:func:`available_host_bytes`) on CPU; bytes."""
-    if runner.device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(runner.device)
+    if model.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(model.device)
     else:
         free = available_host_bytes()
     return max(1, int(free * fraction))
@@ -96,13 +96,13 @@ def oom_attempts(store: SessionStore, *, keep: Session | None) -> Iterator[OomAt
         yield OomAttempt(store, keep, last=True)
 
 
-def device_bytes(runner: LlavaRunner, num_kv_tokens: int, num_feature_tokens: int = 0) -> int:
+def device_bytes(model: LlavaModel, num_kv_tokens: int, num_feature_tokens: int = 0) -> int:
     """Device bytes of ``num_kv_tokens`` tokens of KV cache (``kv_bytes_per_token`` each) and
     ``num_feature_tokens`` rows of image features (hidden x dtype bytes each)."""
-    return num_feature_tokens * runner.feature_bytes_per_token + num_kv_tokens * runner.kv_bytes_per_token
+    return num_feature_tokens * model.feature_bytes_per_token + num_kv_tokens * model.kv_bytes_per_token
 
 
-def kv_grant_bytes(runner: LlavaRunner, page_size: int, held_tokens: int, num_tokens: int) -> int:
+def kv_grant_bytes(model: LlavaModel, page_size: int, held_tokens: int, num_tokens: int) -> int:
     """Device bytes the ledger books more for a KV cache of ``held_tokens`` positions once it holds
     ``num_tokens``: the whole pages of ``page_size`` positions it takes beyond those it holds (a cache
     in the KV pool is booked by its pages: :func:`~llava_sessions.model.held_len`), or the positions
@@ -110,14 +110,14 @@ def kv_grant_bytes(runner: LlavaRunner, page_size: int, held_tokens: int, num_to
     if page_size:
         held_tokens = -(-held_tokens // page_size) * page_size
         num_tokens = -(-num_tokens // page_size) * page_size
-    return max(0, num_tokens - held_tokens) * runner.kv_bytes_per_token
+    return max(0, num_tokens - held_tokens) * model.kv_bytes_per_token
 
 
 def new_session_bytes(
-    runner: LlavaRunner, num_prefix_tokens: int, num_image_tokens: int | None = None, page_size: int = 0
+    model: LlavaModel, num_prefix_tokens: int, num_image_tokens: int | None = None, page_size: int = 0
 ) -> int:
     """Device bytes a new session takes in the ``kv`` tier: its image features (``num_image_tokens``,
     default one base tile) plus the KV cache of its ``num_prefix_tokens`` (in whole pages of
     ``page_size`` positions: :func:`kv_grant_bytes`)."""
-    image_tokens = runner.num_image_tokens if num_image_tokens is None else num_image_tokens
-    return device_bytes(runner, 0, image_tokens) + kv_grant_bytes(runner, page_size, 0, num_prefix_tokens)
+    image_tokens = model.num_image_tokens if num_image_tokens is None else num_image_tokens
+    return device_bytes(model, 0, image_tokens) + kv_grant_bytes(model, page_size, 0, num_prefix_tokens)

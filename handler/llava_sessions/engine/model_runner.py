@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ..conversation import still_images
-from ..model import EncodedVideo, KVPool, LlavaRunner, SessionKV, cache_len
+from ..model import EncodedVideo, KVPool, LlavaModel, SessionKV, cache_len
 from ..model.graphs import DecodeGraphs, PagedRead
 from .costs import CostModel
 from .decode_batch import DecodeBatch
@@ -56,7 +56,7 @@ class ModelRunner:
     """Runs the forward passes of a plan's pieces.
 
     Args:
-        runner: the loaded model (:class:`~llava_sessions.model.LlavaRunner`).
+        model: the loaded model (:class:`~llava_sessions.model.LlavaModel`).
         store: the session store (the decode batch's bytes, demotions after an out-of-memory error).
         kv_page_size: positions per page of the sessions' KV pool (0: a ``DynamicCache`` per session).
         decode_layout: :data:`DecodeLayout` (``paged`` needs the pool: without one it is ``contiguous``).
@@ -82,25 +82,25 @@ class ModelRunner:
 
     def __init__(
         self,
-        runner: LlavaRunner,
+        model: LlavaModel,
         store: SessionStore,
         *,
         kv_page_size: int = KV_PAGE_SIZE,
         decode_layout: DecodeLayout = "auto",
         cuda_graphs: bool | None = None,
     ) -> None:
-        self.runner = runner
+        self.model = model
         self.store = store
-        on_card = getattr(getattr(runner, "device", None), "type", "cpu") == "cuda"
+        on_card = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
         paged = decode_layout == "paged" or (decode_layout == "auto" and on_card)
         graphs = paged and (on_card if cuda_graphs is None else cuda_graphs)
         fixed = store.device_budget_bytes if paged and (on_card or graphs) else 0
-        self.kv_pool = new_kv_pool(runner, kv_page_size, fixed)
-        self.graphs = new_graphs(runner, self.kv_pool) if graphs and self.kv_pool is not None else None
+        self.kv_pool = new_kv_pool(model, kv_page_size, fixed)
+        self.graphs = new_graphs(model, self.kv_pool) if graphs and self.kv_pool is not None else None
         self.batch: DecodeBatch | PagedDecodeBatch = (
-            PagedDecodeBatch(runner, store, self.kv_pool, self.graphs)
+            PagedDecodeBatch(model, store, self.kv_pool, self.graphs)
             if paged and self.kv_pool is not None
-            else DecodeBatch(runner, store, self.new_cache)
+            else DecodeBatch(model, store, self.new_cache)
         )
         self.num_prefilled_tokens = 0
         self.num_fused_passes = 0
@@ -109,7 +109,7 @@ class ModelRunner:
     def _ms_since(self, t0: float) -> float:
         """Wall ms since ``t0`` (perf_counter), the device's queued work included (a CUDA device is
         synchronized first, so the time is the pass's, not its launch's)."""
-        device = getattr(self.runner, "device", None)
+        device = getattr(self.model, "device", None)
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
         return (time.perf_counter() - t0) * 1000.0
@@ -131,7 +131,7 @@ class ModelRunner:
 
     def encode_frames(self, session: Session, video: Any, start: int, stop: int) -> torch.Tensor:
         """Run the vision tower on frames ``start:stop`` of a sampled ``video`` of ``session``'s open or
-        added video (:meth:`~llava_sessions.model.LlavaRunner.encode_video_frames`), timed per frame.
+        added video (:meth:`~llava_sessions.model.LlavaModel.encode_video_frames`), timed per frame.
 
         Returns:
             Their feature rows ``[(stop - start) x rows per frame, hidden]``, model dtype, on the device.
@@ -142,7 +142,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
-                rows = self.runner.encode_video_frames(video, start, stop)
+                rows = self.model.encode_video_frames(video, start, stop)
         self.costs.vision(stop - start, self._ms_since(t0))
         return rows
 
@@ -161,7 +161,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
-                feats = self.runner.encode_images(images, num_images)
+                feats = self.model.encode_images(images, num_images)
         self.costs.vision(vision_units(images), self._ms_since(t0))
         expected = [session.image_tokens[i] for i in indexes]
         got = [int(f.shape[0]) for f in feats]
@@ -184,14 +184,14 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         start, end = self._chunk(session, ids, num_tokens)
-        runner = self.runner
+        model = self.model
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
                 static = self._static_prefill(session, ids[start:end])
                 if static is not None:
                     logits = static
                 else:
-                    logits = runner.prefill(session.kv_cache, ids[:end], session.image_features)
+                    logits = model.prefill(session.kv_cache, ids[:end], session.image_features)
                     self.costs.prefill(end - start, self._ms_since(t0))
         self._record(session, ids[:end], start, t0, timings)
         return logits, end - start
@@ -203,7 +203,7 @@ class ModelRunner:
         Its ms are not the cost model's (which plans eager chunks)."""
         if self.graphs is None or not isinstance(session.kv_cache, SessionKV):
             return None
-        if self.runner.image_token_id in new_ids:
+        if self.model.image_token_id in new_ids:
             return None
         return self.graphs.prefill(session.kv_cache.table, new_ids)
 
@@ -273,7 +273,7 @@ class ModelRunner:
     def new_cache(self) -> Any:
         """An empty cache for a session: a :class:`~llava_sessions.model.SessionKV` in the pool, or
         without one a ``DynamicCache``."""
-        return self.runner.new_cache() if self.kv_pool is None else self.kv_pool.new_cache()
+        return self.model.new_cache() if self.kv_pool is None else self.kv_pool.new_cache()
 
     def check_kv_pool(self, caches: Iterable[Any]) -> None:
         """Assert that ``caches`` (every session's) are all the pool's holders: its reference counts
@@ -283,32 +283,32 @@ class ModelRunner:
             self.kv_pool.check(tables + ([self.graphs.table] if self.graphs is not None else []))
 
 
-def new_kv_pool(runner: LlavaRunner, page_size: int, fixed_bytes: int = 0) -> KVPool | None:
-    """The KV pool of a replica running ``runner``, pages of ``page_size`` positions; None (sessions keep
+def new_kv_pool(model: LlavaModel, page_size: int, fixed_bytes: int = 0) -> KVPool | None:
+    """The KV pool of a replica running ``model``, pages of ``page_size`` positions; None (sessions keep
     ``DynamicCache``s) for ``page_size`` 0 or a model with a sliding attention window (a
     ``DynamicCache`` built from its config keeps only the window, the pool every position), or a
     runner without a model (tests' stand-ins). ``fixed_bytes`` > 0: the pool is fixed at that many
     bytes of pages (and one more, the static decode step's scratch page); 0: it grows."""
-    if page_size <= 0 or not getattr(runner, "fusable", False) or not hasattr(runner, "num_kv_heads"):
+    if page_size <= 0 or not getattr(model, "fusable", False) or not hasattr(model, "num_kv_heads"):
         return None
-    text = runner.config.text_config
-    shape = (text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device)
+    text = model.config.text_config
+    shape = (text.num_hidden_layers, model.num_kv_heads, model.head_dim, model.dtype, model.device)
     if not fixed_bytes:
         return KVPool(*shape, page_size=page_size)
-    num_pages = max(1, fixed_bytes // (page_size * runner.kv_bytes_per_token)) + 1
+    num_pages = max(1, fixed_bytes // (page_size * model.kv_bytes_per_token)) + 1
     return KVPool(*shape, page_size=page_size, num_pages=num_pages, fixed=True)
 
 
-def new_graphs(runner: LlavaRunner, pool: KVPool, paged_read: PagedRead | None = None) -> DecodeGraphs | None:
+def new_graphs(model: LlavaModel, pool: KVPool, paged_read: PagedRead | None = None) -> DecodeGraphs | None:
     """The static decode step over ``pool`` (:class:`~llava_sessions.model.graphs.DecodeGraphs`, up to
     :data:`MAX_GRAPH_ROWS` rows over the model's context, attention reading the pages as ``paged_read``
     says: by default ``auto`` on a CUDA device, ``gather`` elsewhere, where FlexAttention runs unfused
     over the whole pool), its buckets captured as CUDA graphs on a CUDA device. None when the capture
     fails (logged; the decode steps then run eagerly at their own shapes, the path every test runs)."""
     if paged_read is None:
-        paged_read = "auto" if runner.device.type == "cuda" else "gather"
-    graphs = DecodeGraphs(runner, pool, max_rows=MAX_GRAPH_ROWS, max_len=runner.max_positions, paged_read=paged_read)
-    if runner.device.type != "cuda":
+        paged_read = "auto" if model.device.type == "cuda" else "gather"
+    graphs = DecodeGraphs(model, pool, max_rows=MAX_GRAPH_ROWS, max_len=model.max_positions, paged_read=paged_read)
+    if model.device.type != "cuda":
         return graphs
     try:
         graphs.capture()

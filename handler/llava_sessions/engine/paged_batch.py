@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import KVPool, LlavaRunner, PagedBatchCache, SessionKV, held_len
+from ..model import KVPool, LlavaModel, PagedBatchCache, SessionKV, held_len
 from ..model.kv_cache import undo_pass
 from .memory import oom_attempts
 from .scheduler import BatchLayout
@@ -42,7 +42,7 @@ class PagedDecodeBatch:
     as :class:`~.decode_batch.DecodeBatch`, so the engine steps either.
 
     Args:
-        runner: the model runner (the batched forward).
+        model: the loaded model (the batched forward).
         store: the session store (demotions after an out-of-memory error).
         pool: the replica's KV pool, which holds every decoding session's cache.
         graphs: the decode step at static shapes (:class:`~llava_sessions.model.graphs.DecodeGraphs`,
@@ -57,9 +57,9 @@ class PagedDecodeBatch:
     cache: None = None  # no batch tensors: the rows' KV is their sessions' pages
 
     def __init__(
-        self, runner: LlavaRunner, store: SessionStore, pool: KVPool, graphs: DecodeGraphs | None = None
+        self, model: LlavaModel, store: SessionStore, pool: KVPool, graphs: DecodeGraphs | None = None
     ) -> None:
-        self.runner = runner
+        self.model = model
         self.store = store
         self.pool = pool
         self.graphs = graphs
@@ -79,7 +79,7 @@ class PagedDecodeBatch:
             num_live=len(live),
             capacity=len(self.rows),
             longest_row=max((g.next_position for g in live), default=0),
-            kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            kv_bytes_per_token=self.model.kv_bytes_per_token,
             page_size=self.pool.page_size,
         )
 
@@ -133,7 +133,7 @@ class PagedDecodeBatch:
                     else:
                         step = PagedBatchCache(self.pool.pages, tables)
                         feats, mask = session.image_features, step.attention_mask
-                        logits, last = self.runner.fused_step(
+                        logits, last = self.model.fused_step(
                             step, tokens, positions, mask, session.kv_cache, ids, feats
                         )
                 except BaseException:
@@ -157,7 +157,7 @@ class PagedDecodeBatch:
             if logits is not None:
                 return logits
         step = PagedBatchCache(self.pool.pages, tables)
-        return self.runner.decode_batch(step, tokens, step.positions, step.attention_mask)
+        return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
 
     def release(self, gen: Generation) -> None:
         """Take ``gen`` out of the batch. Its session's cache already holds every position the answer
@@ -184,7 +184,7 @@ class PagedDecodeBatch:
         hold, without ``leaving`` (preempted: their KV freed): a page for each row whose next position
         opens one, less the pages ``leaving`` hold (negative: the step fits in what they free)."""
         gone = {id(g) for g in leaving}
-        size, per_token = self.pool.page_size, self.runner.kv_bytes_per_token
+        size, per_token = self.pool.page_size, self.model.kv_bytes_per_token
         opened = sum(1 for g in gens if id(g) not in gone and g.next_position % size == 0)
         freed = sum(held_len(g.session.kv_cache) for g in leaving)
         return (opened * size - freed) * per_token

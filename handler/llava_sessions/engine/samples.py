@@ -37,19 +37,19 @@ if TYPE_CHECKING:
 __all__ = ["add_samples", "fork_samples", "runnable", "sample_bytes"]
 
 
-def sample_bytes(runner: Any, page_size: int, num_tokens: int, num_image_tokens: int) -> int:
+def sample_bytes(model: Any, page_size: int, num_tokens: int, num_image_tokens: int) -> int:
     """Device bytes one more answer of a request takes once forked: the KV of ``num_tokens``
     positions (the prompt and the answer's room; booked whole, as the ledger counts each session's
     positions, shared pages too) and a second count of the session's image features
     (``num_image_tokens`` rows), bytes."""
-    return kv_grant_bytes(runner, page_size, 0, num_tokens) + device_bytes(runner, 0, num_image_tokens)
+    return kv_grant_bytes(model, page_size, 0, num_tokens) + device_bytes(model, 0, num_image_tokens)
 
 
 def add_samples(
     head: Generation,
     request: SamplingParams,
     store: SessionStore,
-    runner: Any,
+    model: Any,
     grammar: Callable[[SamplingParams], Any],
 ) -> None:
     """Give ``head`` (built with ``request.for_sample(request.session_choice)``) the request's other
@@ -59,7 +59,7 @@ def add_samples(
         head: the admitted answer on the session.
         request: the request's parameters (``n``, ``session_choice``, ``seed``, clipped ``max_new_tokens``).
         store: where the sample sessions are held (and counted in the memory budget).
-        runner: the model (device, end-of-sequence ids, tokenizer).
+        model: the loaded model (device, end-of-sequence ids, tokenizer).
         grammar: a request's parameters → a new structured-output matcher (or None).
     """
     if request.n == 1:
@@ -76,7 +76,7 @@ def add_samples(
             store.hold_sample(copy)
             held.append(copy)
             params = request.for_sample(i)
-            sampler = Sampler(params, runner.device, head.prompt_ids, runner.eos_token_ids, grammar(params))
+            sampler = Sampler(params, model.device, head.prompt_ids, model.eos_token_ids, grammar(params))
             gen = Generation(
                 head._driver,
                 copy,
@@ -85,7 +85,7 @@ def add_samples(
                 params,
                 False,
                 sampler,
-                IncrementalDetokenizer(runner.tokenizer, skip_special_tokens=params.skip_special_tokens),
+                IncrementalDetokenizer(model.tokenizer, skip_special_tokens=params.skip_special_tokens),
                 truncated_turns=head.truncated_turns,
                 room_tokens=head.room_tokens,
             )
@@ -125,9 +125,7 @@ def _sample_session(session: Session, index: int) -> Session:
     )
 
 
-def fork_samples(
-    head: Generation, runner: Any, accept: Callable[[Generation, torch.Tensor], None], logits: Any
-) -> None:
+def fork_samples(head: Generation, model: Any, accept: Callable[[Generation, torch.Tensor], None], logits: Any) -> None:
     """The head's prompt is prefilled (its session caches exactly its prompt): start every other
     answer of its request from it (module docstring), sampling each one's first token from ``logits``
     ``[vocab]`` (float32; each sampler gets a copy). Run before the head samples its own.
@@ -141,7 +139,7 @@ def fork_samples(
         if gen is head or gen.done:
             continue
         gen.session.set_features(session.image_features)
-        gen.session.adopt_kv(runner.copy_prefix(session.kv_cache, n), session.cached_ids[:n])
+        gen.session.adopt_kv(model.copy_prefix(session.kv_cache, n), session.cached_ids[:n])
         gen.started(head.restored_from, head.num_reused_tokens, 0.0)
         gen.prefilled_all()
         accept(gen, logits.clone())

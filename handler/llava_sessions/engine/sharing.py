@@ -26,7 +26,7 @@ import torch
 from ..conversation import common_prefix_len, image_starts, still_images
 
 if TYPE_CHECKING:
-    from ..model import LlavaRunner
+    from ..model import LlavaModel
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
 
@@ -65,16 +65,16 @@ class ImageSharing:
 
     Args:
         store: the sessions.
-        runner: the model (layout rules, placeholder id, prefix copies).
+        model: the loaded model (layout rules, placeholder id, prefix copies).
         enabled: search other sessions too (``share_images``); else only the asking session's own.
         unsalted: what requests without a salt share (:data:`Unsalted`).
     """
 
     def __init__(
-        self, store: SessionStore, runner: LlavaRunner, *, enabled: bool = True, unsalted: Unsalted = "shared"
+        self, store: SessionStore, model: LlavaModel, *, enabled: bool = True, unsalted: Unsalted = "shared"
     ) -> None:
         self.store = store
-        self.runner = runner
+        self.model = model
         self.enabled = enabled
         self.unsalted = unsalted
 
@@ -117,10 +117,10 @@ class ImageSharing:
         """The feature rows ``[num_tokens, hidden]`` (a view; copy before keeping) of the image of
         content ``key`` laid out with ``num_tokens`` placeholders in a conversation of ``num_images``
         still images, from ``session`` first, then (when enabled) any session holding them; None if none does."""
-        mode = self.runner.base_layout(num_images)
+        mode = self.model.base_layout(num_images)
         for holder in self._candidates(session, session.salt):
             feats = holder.image_features
-            if feats is None or self.runner.base_layout(still_images(holder.image_sizes)) != mode:
+            if feats is None or self.model.base_layout(still_images(holder.image_sizes)) != mode:
                 continue
             offset = 0
             for k, n in zip(holder.image_keys, holder.image_tokens, strict=True):
@@ -133,7 +133,7 @@ class ImageSharing:
         """When another session's KV cache (of the same scope) serves more of ``ids`` than
         ``session``'s own, give ``session`` a copy of that prefix (its own cache is replaced) and
         record the holder in ``session.source_id``. Returns the tokens ``session``'s cache now serves."""
-        image_id = self.runner.image_token_id
+        image_id = self.model.image_token_id
         own = reusable_len(session, ids, keys, tokens, image_id) if session.kv_cache is not None else 0
         best, best_len = None, max(own, MIN_SHARED_TOKENS - 1)
         for holder in self._candidates(session, session.salt)[1:]:
@@ -144,7 +144,7 @@ class ImageSharing:
                 best, best_len = holder, n
         if best is None:
             return own
-        session.adopt_kv(self.runner.copy_prefix(best.kv_cache, best_len), ids[:best_len])
+        session.adopt_kv(self.model.copy_prefix(best.kv_cache, best_len), ids[:best_len])
         session.copied_from(best.session_id)
         self.store.touch(best)
         return best_len

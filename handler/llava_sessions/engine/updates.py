@@ -61,7 +61,7 @@ class StateUpdates:
     """The engine's changes to work and sessions around the forward passes (module docstring).
 
     Args:
-        store: the sessions and their memory; model: the model runner (its runner's sizes and
+        store: the sessions and their memory; runner: the model runner (its model's sizes and
         template); sharing: what other sessions hold; decode_image: encoded bytes -> image.
 
     Attributes:
@@ -72,11 +72,11 @@ class StateUpdates:
     """
 
     def __init__(
-        self, store: SessionStore, model: ModelRunner, sharing: ImageSharing, decode_image: Callable[[bytes], Any]
+        self, store: SessionStore, runner: ModelRunner, sharing: ImageSharing, decode_image: Callable[[bytes], Any]
     ) -> None:
         self.store = store
-        self.model = model
-        self.runner = model.runner
+        self.runner = runner
+        self.model = runner.model
         self.sharing = sharing
         self.decode_image = decode_image
         self.num_reused_tokens = 0
@@ -112,7 +112,7 @@ class StateUpdates:
         indexes = [i for i, _ in gen.images_to_encode]
         rows = list(gen.feature_rows)
         if indexes:
-            for i, f in zip(indexes, self.model.encode_at(session, indexes, images), strict=True):
+            for i, f in zip(indexes, self.runner.encode_at(session, indexes, images), strict=True):
                 rows[i] = f
         session.set_features(torch.cat(rows) if rows else None)
         gen.images_to_encode, gen.features_pending = [], False
@@ -125,15 +125,15 @@ class StateUpdates:
         held = self.store.offload.take(session.session_id)  # used now or never: the session moves on
         if not session.images:  # a conversation without images: nothing to restore
             if session.kv_cache is None:
-                session.start_kv(self.model.new_cache())
+                session.start_kv(self.runner.new_cache())
             return None
         tier = session.tier
         if tier is Tier.KV:
             return None
         if tier is Tier.IMAGE:
             images = [self.decode_image(data) for data in session.images]
-            session.set_features(self.model.encode(session, images))
-        session.start_kv(self.model.new_cache())
+            session.set_features(self.runner.encode(session, images))
+        session.start_kv(self.runner.new_cache())
         if held is not None and isinstance(session.kv_cache, SessionKV):
             # no room in the pool for the pages (nothing written): prefilled again, as without a copy
             with contextlib.suppress(torch.OutOfMemoryError):
@@ -151,7 +151,7 @@ class StateUpdates:
         if not gens:
             return
         try:
-            logits = self.model.decode(gens, rebuild=room.rebuild)
+            logits = self.runner.decode(gens, rebuild=room.rebuild)
         except Exception as exc:  # noqa: BLE001 - the batched step failed: each of its answers fails
             for g in gens:
                 self.fail(g, exc)
@@ -173,13 +173,13 @@ class StateUpdates:
             if attempt is None:  # the plan's room was not there: decide again on what is held now
                 views = [g.view() for g in gens]
                 decision, batch_bytes = make_room(
-                    views, range(len(gens)), self.model.batch.layout(), self.store.room_bytes()
+                    views, range(len(gens)), self.runner.batch.layout(), self.store.room_bytes()
                 )
                 attempt = BatchRoom(room.rebuild, batch_bytes, tuple(gens[i] for i in decision.preempt), decision)
             if attempt.decision.refused:
                 break
             if attempt.decision.unlend:
-                self.model.batch.unlend()
+                self.runner.batch.unlend()
             for gone in attempt.leaving:
                 self._preempt(gone)
             gens = [g for g in gens if g not in attempt.leaving]
@@ -194,14 +194,14 @@ class StateUpdates:
         the session keeps its image features), so it waits, then recomputes the KV of its prompt and
         tokens so far (:attr:`~.sequence.Generation.prefill_ids`) and decodes on: the same tokens, as
         greedy decoding and a seeded sampler give them. Its stream pauses meanwhile."""
-        batch = self.model.batch
+        batch = self.runner.batch
         batch.drop(gen)
         gen.session.drop_kv()
         left = max(1, gen.room_tokens - len(gen.events))
         # it resumes once room is made for its KV and for the batch it will join (the rebuild lays every
         # row out anew beside the old batch): resuming sooner would only be preempted again
         joined = batch.bytes_without([gen], [])
-        gen.preempt(kv_grant_bytes(self.runner, self.model.page_size, 0, len(gen.prefill_ids) + left) + joined)
+        gen.preempt(kv_grant_bytes(self.model, self.runner.page_size, 0, len(gen.prefill_ids) + left) + joined)
         self.num_preemptions += 1
 
     def accept_rows(self, gens: list[Generation], logits: torch.Tensor) -> None:
@@ -221,7 +221,7 @@ class StateUpdates:
         answer when it ends there."""
         token, logprob, top = gen.sampler.next_token(logits)
         self.num_generated_tokens += 1
-        finish = gen.append(token, logprob, self.runner.eos_token_ids, top)
+        finish = gen.append(token, logprob, self.model.eos_token_ids, top)
         if finish:
             self._finish_generation(gen, finish)
 
@@ -230,7 +230,7 @@ class StateUpdates:
         cache is cropped back to the history's stable prefix) and is idle again."""
         session = gen.session
         generated = [e.id for e in gen.events]
-        kv = self.model.batch.release(gen)
+        kv = self.runner.batch.release(gen)
         if kv is not None:  # the last token is not fed yet
             session.take_back_kv(kv, gen.prompt_ids + generated[:-1])
         if gen.head is not gen:  # another answer of a request of several: only the head's is remembered
@@ -242,7 +242,7 @@ class StateUpdates:
         if gen.remember:
             session.remember(Turn(gen.prompt, gen.detokenizer.text, session.pending_images))
         else:  # keep what the next question can reuse: the history's stable prefix
-            stable = self.runner.template.prefix_ids(session.chat())
+            stable = self.model.template.prefix_ids(session.chat())
             session.crop_kv(max(gen.num_reused_tokens, common_prefix_len(gen.prompt_ids, stable)))
         session.check_invariants()
         self.store.release(session)
@@ -258,8 +258,8 @@ class StateUpdates:
         session = task.session
         if task.new_image is None:
             rows = task.shared_rows
-            session.set_features(torch.cat(rows) if rows else self.model.encode(session, task.images))
-            session.start_kv(self.model.new_cache())
+            session.set_features(torch.cat(rows) if rows else self.runner.encode(session, task.images))
+            session.start_kv(self.runner.new_cache())
             task.num_reused_tokens = self.sharing.adopt_prefix(
                 session, task.prefix, session.image_keys, session.image_tokens
             )
@@ -281,20 +281,20 @@ class StateUpdates:
         i = left[0]
         video = task.images[i]
         rows = task.video_rows.setdefault(i, [])
-        done = sum(int(r.shape[0]) for r in rows) // max(1, self.runner.video_rows_per_frame())
-        per_frame = self.model.costs.estimate().vision_ms
+        done = sum(int(r.shape[0]) for r in rows) // max(1, self.model.video_rows_per_frame())
+        per_frame = self.runner.costs.estimate().vision_ms
         count = max(1, int(allotted_ms // per_frame)) if per_frame > 0 else 1
         stop = min(done + count, video.num_frames)
-        rows.append(self.model.encode_frames(task.session, video, done, stop))
+        rows.append(self.runner.encode_frames(task.session, video, done, stop))
         if stop == video.num_frames:
-            newline = self.runner.video_newline()
+            newline = self.model.video_newline()
             ends = [] if newline is None else [newline.to(rows[0].dtype)]
             task.images[i] = EncodedVideo(video, torch.cat([*rows, *ends]))
             del task.video_rows[i]
         return any(is_sampled_video(item) for item in task.images)
 
     def _join_added_image(self, task: ImageTask) -> None:
-        session, runner = task.session, self.runner
+        session, model = task.session, self.model
         assert task.new_image is not None
         data, sizes, tokens = task.new_image
         task.snapshot = session.snapshot()
@@ -303,14 +303,14 @@ class StateUpdates:
         session.add_image(data, sizes, tokens)
         if relayout or had_features is None:  # every image (re-)encoded as laid out now
             images = [self.decode_image(d) for d in session.images[:-1]] + task.images
-            session.set_features(self.model.encode(session, images))
+            session.set_features(self.runner.encode(session, images))
         else:
-            session.set_features(torch.cat([had_features, self.model.encode(session, task.images)], dim=0))
+            session.set_features(torch.cat([had_features, self.runner.encode(session, task.images)], dim=0))
         keep = common_prefix_len(session.cached_ids, task.prefix)
-        if relayout and runner.image_token_id in session.cached_ids:  # nothing from the first image on
-            keep = min(keep, session.cached_ids.index(runner.image_token_id))
+        if relayout and model.image_token_id in session.cached_ids:  # nothing from the first image on
+            keep = min(keep, session.cached_ids.index(model.image_token_id))
         if session.kv_cache is None:
-            session.start_kv(self.model.new_cache())
+            session.start_kv(self.runner.new_cache())
         else:
             session.crop_kv(keep)
         task.num_reused_tokens = len(session.cached_ids)
@@ -358,7 +358,7 @@ class StateUpdates:
                     pass
             return
         elif work.snapshot is not None:
-            session.rollback(work.snapshot, self.runner.template.prefix_ids)
+            session.rollback(work.snapshot, self.model.template.prefix_ids)
 
     def _put_back_answer(self, gen: Generation) -> None:
         session = gen.session
@@ -366,7 +366,7 @@ class StateUpdates:
             session.drop_features()
             return
         try:
-            kv = self.model.batch.release(gen)
+            kv = self.runner.batch.release(gen)
             if kv is not None:
                 session.take_back_kv(kv, gen.prompt_ids + [e.id for e in gen.events][:-1])
         except Exception:  # noqa: BLE001 - the row cannot be read back: rebuild the session from features
@@ -393,7 +393,7 @@ class StateUpdates:
                 return False
             if stop_before_chunk:
                 return True
-            self._after_chunk(w, self.model.prefill(w.session, self._ids(w), piece.num_tokens, w.timings)[0])
+            self._after_chunk(w, self.runner.prefill(w.session, self._ids(w), piece.num_tokens, w.timings)[0])
         except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
             self.fail(w, exc)
         except BaseException:
@@ -415,7 +415,7 @@ class StateUpdates:
             self._piece(w, alone, stop_before_chunk=False)
             return
         try:
-            rows, last = self.model.decode_with_chunk(
+            rows, last = self.runner.decode_with_chunk(
                 gens,
                 rebuild=room.rebuild,
                 session=w.session,
@@ -472,7 +472,7 @@ class StateUpdates:
                 first = not w.prefilled
                 w.prefilled_all()
                 if first and len(w.samples) > 1:  # the request's other answers start from this prompt
-                    fork_samples(w, self.runner, self.accept, logits)
+                    fork_samples(w, self.model, self.accept, logits)
                 if not resumed:
                     self.accept(w, logits)
         elif len(w.session.cached_ids) == len(w.prefix):

@@ -1,5 +1,5 @@
 """The model side of a worker: loading a LLaVA-family checkpoint, its chat template, its KV caches
-and the forward passes (:class:`LlavaRunner`). The only package that knows an architecture.
+and the forward passes (:class:`LlavaModel`). The only package that knows an architecture.
 
 =================== ===============================================================
 module              owns
@@ -8,7 +8,7 @@ module              owns
 ``templating``      ``ChatTemplate``: a ``Chat`` to chat-templated token ids
 ``kv_cache``        session cache helpers, the decode batch's ``BatchKVCache``
 ``paged_kv``        the KV pool in pages: ``KVPool``, a session's ``SessionKV``, a decode step's ``PagedBatchCache``
-``runner``          ``LlavaRunner``: vision tower, prefill, batched decode
+``llava``           ``LlavaModel``: vision tower, prefill, batched decode
 ``video``           a checkpoint's video path: token counts, frame preprocessing, ``EncodedVideo``
 =================== ===============================================================
 """
@@ -16,6 +16,7 @@ module              owns
 from __future__ import annotations
 
 from .kv_cache import BatchKVCache, BatchKVLayer, cache_len, crop_cache, held_len, release_cache
+from .llava import LlavaModel
 from .loading import (
     ARCHITECTURES,
     checkpoint_architecture,
@@ -26,7 +27,6 @@ from .loading import (
     resolve_dtype,
 )
 from .paged_kv import KVPool, PagedBatchCache, SessionKV
-from .runner import LlavaRunner
 from .templating import ChatTemplate
 from .video import EncodedVideo, is_sampled_video
 
@@ -38,7 +38,7 @@ __all__ = [
     "EncodedVideo",
     "KVPool",
     "PagedBatchCache",
-    "LlavaRunner",
+    "LlavaModel",
     "SessionKV",
     "cache_len",
     "checkpoint_architecture",

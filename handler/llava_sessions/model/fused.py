@@ -20,8 +20,8 @@ name has no mask function), the masks being the two parts' own.
 A prefill over cached positions (a follow-up question, a prompt's later chunk, a fused pass's chunk)
 attends with a causal mask aligned to the bottom right: its ``C`` queries see the ``start`` cached
 positions and the chunk causally. transformers builds that mask as a ``[1, 1, C, start + C]`` tensor,
-which keeps SDPA off its flash kernel on CUDA. With :attr:`LlavaRunner.lower_right_prefill
-<llava_sessions.model.LlavaRunner.lower_right_prefill>` (CUDA) the chunk attends through
+which keeps SDPA off its flash kernel on CUDA. With :attr:`LlavaModel.lower_right_prefill
+<llava_sessions.model.LlavaModel.lower_right_prefill>` (CUDA) the chunk attends through
 :func:`lower_right_attention` (:data:`LOWER_RIGHT_ATTENTION`) instead: the same SDPA call with
 ``torch.nn.attention.bias.causal_lower_right(C, start + C)``, which PyTorch dispatches to its flash
 kernel (whose causal flag means lower right) or its memory-efficient one, materializing the mask only

@@ -48,7 +48,7 @@ from .paged_kv import KVPool, SlotsCache, page_slots
 from .pages import PageTable, pages_for, release, truncate
 
 if TYPE_CHECKING:
-    from .runner import LlavaRunner
+    from .llava import LlavaModel
 
 __all__ = ["FLEX_MIN_ROWS", "DecodeGraphs", "PagedRead", "batch_buckets", "length_buckets"]
 
@@ -103,7 +103,7 @@ class DecodeGraphs:
     """Decode steps of up to ``max_rows`` rows at static shapes over ``pool`` (module docstring).
 
     Args:
-        runner: the model (:meth:`~.runner.LlavaRunner.decode_batch` is the captured pass).
+        model: the loaded model (:meth:`~.llava.LlavaModel.decode_batch` is the captured pass).
         pool: the replica's KV pool; one page of it becomes the scratch page (:attr:`table`).
         max_rows: the largest batch a step runs at static shapes (larger steps: the caller's eager path).
         max_len: the longest attended length, positions (the model's context).
@@ -130,7 +130,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        runner: LlavaRunner,
+        model: LlavaModel,
         pool: KVPool,
         *,
         max_rows: int,
@@ -138,7 +138,7 @@ class DecodeGraphs:
         paged_read: PagedRead = "gather",
         flex_rows: int = FLEX_MIN_ROWS,
     ) -> None:
-        self.runner, self.pool = runner, pool
+        self.model, self.pool = model, pool
         self.rows = batch_buckets(max_rows)
         self.lengths = length_buckets(max_len, pool.page_size)
         self.paged_read = paged_read
@@ -301,7 +301,7 @@ class DecodeGraphs:
         if self.reads_flex(rows):  # FlexAttention over the pool's pages (the read slots only size the cache)
             assert self._blocks is not None
             cache = SlotsCache(self.pool.pages, self._write[:rows], self._read[length][:rows], whole_pool=True)
-            with attention_on(self.runner.config.text_config, PAGED_FLEX_ATTENTION):
-                return self.runner.decode_batch(cache, ids, positions, self._blocks.mask(rows))
+            with attention_on(self.model.config.text_config, PAGED_FLEX_ATTENTION):
+                return self.model.decode_batch(cache, ids, positions, self._blocks.mask(rows))
         cache = SlotsCache(self.pool.pages, self._write[:rows], self._read[length][:rows])
-        return self.runner.decode_batch(cache, ids, positions, self._mask[length][:rows])
+        return self.model.decode_batch(cache, ids, positions, self._mask[length][:rows])

@@ -381,7 +381,7 @@ class _SessionLayer(CacheLayerMixin):
 
 class SessionKV(Cache):
     """A session's KV cache as a page table in a :class:`KVPool`: the transformers ``Cache`` a prefill
-    pass (:meth:`~llava_sessions.model.LlavaRunner.prefill`, a fused pass's chunk) extends in place.
+    pass (:meth:`~llava_sessions.model.LlavaModel.prefill`, a fused pass's chunk) extends in place.
 
     A pass's new keys and values ``[1, kv_heads, n, head_dim]`` go to their slots (the table reserves
     them when layer 0 writes); attention reads the positions gathered from the pages

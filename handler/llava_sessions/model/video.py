@@ -139,7 +139,7 @@ class VideoPreprocessing:
 @dataclass(frozen=True)
 class EncodedVideo:
     """A sampled video whose feature rows are already computed (its frames through the vision tower a
-    few per step, then the newline row): the runner takes ``features`` as they are.
+    few per step, then the newline row): the model takes ``features`` as they are.
 
     Attributes:
         video: the sampled video (``frames`` ``[T, H, W, 3]`` uint8).

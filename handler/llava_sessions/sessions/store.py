@@ -74,7 +74,7 @@ class SessionStore:
     Args:
         device_budget_bytes: most bytes of KV caches + image features (+ the decode batch) at once.
         host_budget_bytes: most bytes of encoded images + conversations held at once.
-        kv_bytes_per_token: KV-cache bytes of one token (the runner's ``kv_bytes_per_token``).
+        kv_bytes_per_token: KV-cache bytes of one token (the model's ``kv_bytes_per_token``).
         max_sessions: most sessions held at once.
         ttl_s: absolute lifetime of a session from open, s.
         idle_timeout_s: a session idle this long expires, s (0 = off).

@@ -1,4 +1,4 @@
-"""The LLaVA model runner: image encoding, prefill and decode forward passes over explicit state.
+"""The loaded LLaVA model: image encoding, prefill and decode forward passes over explicit state.
 
 Pure model operations: no sessions, no scheduling policy, no HTTP or JSON. ``prefill`` runs one
 sequence's uncached tokens (a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer);
@@ -33,10 +33,10 @@ from .paged_kv import SessionKV
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
 
-__all__ = ["LlavaRunner"]
+__all__ = ["LlavaModel"]
 
 
-class LlavaRunner:
+class LlavaModel:
     """A loaded LLaVA-family checkpoint and the forward passes the session engine needs.
 
     Args:
@@ -57,7 +57,7 @@ class LlavaRunner:
         grammars: structured outputs' matchers over the tokenizer (:class:`~llava_sessions.sampling.grammar.Grammars`).
         fusable: the text model may run a decode step and a prefill chunk in one pass
             (:meth:`fused_step`; :func:`~llava_sessions.model.fused.fusable`).
-        supports_video: the model has a video path this runner serves (:data:`.video.VIDEO_ARCHITECTURES`).
+        supports_video: the model has a video path served here (:data:`.video.VIDEO_ARCHITECTURES`).
         lower_right_prefill: a prefill over cached positions attends in SDPA's lower-right causal form
             (:func:`~.fused.lower_right_attention`; on CUDA, where that reaches the flash kernel).
     """
@@ -118,7 +118,7 @@ class LlavaRunner:
     @classmethod
     def from_pretrained(
         cls, model_dir: str | Path, *, device: str = "auto", gpu_id: int | None = None, dtype: str = "auto"
-    ) -> LlavaRunner:
+    ) -> LlavaModel:
         """Load a local llava-hf checkpoint folder (:func:`~llava_sessions.model.loading.load_model`).
 
         Raises:
