@@ -258,16 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    runner = build_runner(args)
+    llava = build_runner(args)
     settings = Settings.from_sources({}, {})
     store = SessionStore(
         device_budget_bytes=1 << 45,
         host_budget_bytes=1 << 40,
-        kv_bytes_per_token=runner.kv_bytes_per_token,
+        kv_bytes_per_token=llava.kv_bytes_per_token,
         max_sessions=4096,
     )
     engine = SessionEngine(
-        runner,
+        llava,
         store,
         functools.partial(decode_image, max_pixels=settings.max_image_pixels),
         EngineLimits(max_new_tokens_cap=4096),
@@ -275,17 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     images = [sample_photo(p) for p in PHOTOS]
     levels = [int(x) for x in args.levels.split(",")]
     budget = TimeBudget(settings.max_step_ms_while_decoding, settings.max_prefill_tokens_per_pass)  # the default
-    device = runner.device
+    device = llava.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict = {
         "model": args.model_dir or args.model,
         "device": f"{device} ({name})",
-        "dtype": str(runner.dtype),
+        "dtype": str(llava.dtype),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
-        "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
+        "prefix_tokens": len(llava.template.prefix_ids(Chat(None, image_tokens=(llava.num_image_tokens,)))),
     }
     print(json.dumps(report), flush=True)
     report["exactness"] = check_exact(engine, images, args.check_sessions, 24)

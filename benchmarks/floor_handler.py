@@ -36,15 +36,15 @@ class FloorHandler:
             with open(path, "rb") as f:
                 self.body = f.read()
         model_dir = os.environ.get("LLAVA_FLOOR_MODEL_DIR")
-        self.runner = None
+        self.llava = None
         if model_dir:
             from llava_sessions.model import LlavaModel
 
-            self.runner = LlavaModel.from_pretrained(model_dir, device="cpu", dtype="float32")
-            text_ids = [t for t in range(3, 600) if t != self.runner.image_token_id]  # no image placeholder
+            self.llava = LlavaModel.from_pretrained(model_dir, device="cpu", dtype="float32")
+            text_ids = [t for t in range(3, 600) if t != self.llava.image_token_id]  # no image placeholder
             self.ids = [text_ids[i % len(text_ids)] for i in range(581 + 12)]
-            self.cache = self.runner.new_cache()
-            self.runner.prefill(self.cache, self.ids[:581], None)
+            self.cache = self.llava.new_cache()
+            self.llava.prefill(self.cache, self.ids[:581], None)
         self.initialized = True
 
     def _forward(self) -> bytes:
@@ -52,7 +52,7 @@ class FloorHandler:
         from llava_sessions.model import crop_cache
 
         t0 = time.perf_counter()
-        logits = self.runner.prefill(self.cache, self.ids, None)
+        logits = self.llava.prefill(self.cache, self.ids, None)
         int(logits.argmax())
         crop_cache(self.cache, 581)
         total_ms = (time.perf_counter() - t0) * 1000.0
@@ -69,4 +69,4 @@ class FloorHandler:
             if session_id:
                 context.set_response_header(i, self.session_header, session_id)
         context.stopping_criteria = [lambda _output: None for _ in data]
-        return [self.body if self.runner is None else self._forward() for _ in data]
+        return [self.body if self.llava is None else self._forward() for _ in data]

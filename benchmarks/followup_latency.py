@@ -6,7 +6,7 @@
 (b) ours: at open, encode the image once and prefill the prefix; a question reuses the KV cache
     (KV hit), or is served after demotion from the ``features`` or ``image`` tier.
 
-Both paths run the same model code (the runner's vision, prefill and decode passes), in one run,
+Both paths run the same model code (the model's vision, prefill and decode passes), in one run,
 interleaved question by question, so the ratio compares the work each design does. Greedy,
 ``--new-tokens`` per answer; medians over ``--repeats``. ``--arch llava-next --image-size 672``
 is LLaVA-NeXT's shape: a 672x672 photo is 2,928 image tokens (anyres: 5 tiles of 336 px).
@@ -54,8 +54,8 @@ def sync(device: torch.device) -> None:
 class AwsSampleWay:
     """The baseline: cached pixel tensor; vision tower + full prefill for every question."""
 
-    def __init__(self, runner: LlavaModel, decode) -> None:
-        self.runner = runner
+    def __init__(self, llava: LlavaModel, decode) -> None:
+        self.llava = llava
         self.decode = decode
         self.pixels: torch.Tensor | None = None
         self.extra: dict[str, torch.Tensor] = {}  # image_sizes for anyres models
@@ -64,17 +64,17 @@ class AwsSampleWay:
     def open(self, image_bytes: bytes) -> float:
         t0 = time.perf_counter()
         image = self.decode(image_bytes)
-        out = self.runner.processor.image_processor(images=[image], return_tensors="pt")
-        self.pixels = out["pixel_values"].to(self.runner.device)
+        out = self.llava.processor.image_processor(images=[image], return_tensors="pt")
+        self.pixels = out["pixel_values"].to(self.llava.device)
         self.extra = {"image_sizes": out["image_sizes"]} if "image_sizes" in out else {}
-        tokens = self.runner.image_token_count((image.height, image.width))
+        tokens = self.llava.image_token_count((image.height, image.width))
         self.chat = Chat(None, image_tokens=(tokens,))
-        sync(self.runner.device)
+        sync(self.llava.device)
         return (time.perf_counter() - t0) * 1000
 
     @torch.inference_mode()
     def ask(self, prompt: str, new_tokens: int) -> tuple[float, float]:
-        r = self.runner
+        r = self.llava
         t0 = time.perf_counter()
         assert self.pixels is not None
         feats = torch.cat(r.encode_pixels(self.pixels, **self.extra))
@@ -107,19 +107,19 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     if args.model_dir:
-        runner = LlavaModel.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
+        llava = LlavaModel.from_pretrained(args.model_dir, device=args.device, dtype=args.dtype)
     elif args.model == "7b":
         from llava_tools.tiny_model import build_model
 
         model, processor = build_model("7b", device="cuda", dtype=torch.float16)
-        runner = LlavaModel(model, processor)
+        llava = LlavaModel(model, processor)
     else:
         from llava_tools.tiny_model import write_checkpoint
 
         tmp = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
         write_checkpoint(args.model, tmp, arch=args.arch)
-        runner = LlavaModel.from_pretrained(tmp, device=args.device, dtype=args.dtype)
-    device = runner.device
+        llava = LlavaModel.from_pretrained(tmp, device=args.device, dtype=args.dtype)
+    device = llava.device
     decode = functools.partial(decode_image, max_pixels=40_000_000)
     image = sample_photo("astronaut")
     if args.image_size:
@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         image = buf.getvalue()
     params = SamplingParams(max_new_tokens=args.new_tokens)
     engine = SessionEngine(
-        runner,
+        llava,
         SessionStore(
-            device_budget_bytes=1 << 40, host_budget_bytes=1 << 34, kv_bytes_per_token=runner.kv_bytes_per_token
+            device_budget_bytes=1 << 40, host_budget_bytes=1 << 34, kv_bytes_per_token=llava.kv_bytes_per_token
         ),
         decode,
         EngineLimits(max_new_tokens_cap=4096),
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return ttft, (time.perf_counter() - t0) * 1000
 
     # warm-up both paths once
-    aws = AwsSampleWay(runner, decode)
+    aws = AwsSampleWay(llava, decode)
     aws.open(image)
     aws.ask(QUESTIONS[0], 2)
     engine.open("warm", image)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[tuple[float, float]]] = {"a": [], "kv": [], "features": [], "image": []}
     for rep in range(args.repeats):
         # open + first answer, each way
-        aws = AwsSampleWay(runner, decode)
+        aws = AwsSampleWay(llava, decode)
         open_a.append(aws.open(image))
         first_a.append(aws.ask(QUESTIONS[0], args.new_tokens)[1])
         sid = f"s{rep}"
@@ -186,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     table = {k: {"ttft_ms": med(v[0] for v in vals), "total_ms": med(v[1] for v in vals)} for k, vals in rows.items()}
     s = engine.store.get(f"s{args.repeats - 1}")
     entry = engine.store.ledger.entry(s.session_id)  # what the store accounts for the session
-    kv_bytes = entry.num_kv_tokens * runner.kv_bytes_per_token
+    kv_bytes = entry.num_kv_tokens * llava.kv_bytes_per_token
     feat_bytes, host_bytes = entry.num_feature_bytes, entry.num_host_bytes
     result = {
         "model": args.model if not args.model_dir else args.model_dir,
         "device": str(device),
-        "dtype": str(runner.dtype),
+        "dtype": str(llava.dtype),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
@@ -207,16 +207,16 @@ def main(argv: list[str] | None = None) -> int:
             "image_features": feat_bytes,
             "host_image_and_conversation": host_bytes,
         },
-        "architecture": runner.architecture,
+        "architecture": llava.architecture,
         "image_size": list(decode(image).size),
         "image_tokens": s.image_tokens[0],
-        "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=tuple(s.image_tokens)))),
+        "prefix_tokens": len(llava.template.prefix_ids(Chat(None, image_tokens=tuple(s.image_tokens)))),
     }
     opa, opb = result["open_plus_first_answer_ms"]["a"], result["open_plus_first_answer_ms"]["b"]
     result["open_plus_first_answer_ratio_b_over_a"] = opb / opa
 
     print(
-        f"model={result['model']} ({runner.architecture}) device={device} dtype={runner.dtype} "
+        f"model={result['model']} ({llava.architecture}) device={device} dtype={llava.dtype} "
         f"threads={torch.get_num_threads()} new_tokens={args.new_tokens} repeats={args.repeats} "
         f"image={result['image_size'][0]}x{result['image_size'][1]} ({result['image_tokens']} image tokens) "
         f"prefix={result['prefix_tokens']} tokens"

@@ -100,10 +100,10 @@ class ForwardClock:
     """The span of the model's forward passes on the device, per engine step: CUDA events around each
     ``model.forward`` and each CUDA graph replay (wall time on a CPU), summed until :meth:`take`."""
 
-    def __init__(self, runner: LlavaModel) -> None:
-        self.device = runner.device
+    def __init__(self, llava: LlavaModel) -> None:
+        self.device = llava.device
         self.spans: list[tuple[Any, Any]] = []
-        self.model = model = runner.model
+        self.model = model = llava.model
         forward = model.forward
 
         @functools.wraps(forward)  # generate() reads the forward's signature
@@ -151,11 +151,11 @@ class ForwardClock:
         return ms
 
 
-def weight_floor(runner: LlavaModel) -> dict[str, float]:
+def weight_floor(llava: LlavaModel) -> dict[str, float]:
     """The weight-read floor: weight bytes / the device's measured copy bandwidth (median of 5 copies
     of the weights' size, at least 64 MiB and at most 1 GiB)."""
-    device = runner.device
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    device = llava.device
+    weight_bytes = sum(p.numel() * p.element_size() for p in llava.model.parameters())
     size = max(64 << 20, min(1 << 30, weight_bytes))
     src = torch.empty(size, dtype=torch.uint8, device=device)
     src.fill_(1)
@@ -320,15 +320,15 @@ class TokenClock(BaseStreamer):
 
 
 @torch.inference_mode()
-def peer_static_generate(runner: LlavaModel, image: bytes, new_tokens: int) -> dict:
+def peer_static_generate(llava: LlavaModel, image: bytes, new_tokens: int) -> dict:
     """transformers' own batch-1 path: ``generate`` with a static cache (compiled by transformers on a
     GPU, with PyTorch's default SDPA backends, cuDNN's included), greedy, ``new_tokens`` tokens; ms per token: the median gap between generated tokens, read
     by a streamer inside the call (:class:`TokenClock`), over every run but the first (it compiles)."""
-    processor, model = runner.processor, runner.model
+    processor, model = llava.processor, llava.model
     picture = decode_image(image, max_pixels=40_000_000)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(images=[picture], text=prompt, return_tensors="pt").to(runner.device, runner.dtype)
+    inputs = processor(images=[picture], text=prompt, return_tensors="pt").to(llava.device, llava.dtype)
     kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
     steps: list[float] = []
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()
@@ -343,7 +343,7 @@ def peer_static_generate(runner: LlavaModel, image: bytes, new_tokens: int) -> d
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
     return {
         "ms_per_token": round(statistics.median(steps), 3),
-        "compiled": runner.device.type == "cuda",
+        "compiled": llava.device.type == "cuda",
         "prompt_tokens": int(inputs["input_ids"].shape[1]),
     }
 
@@ -354,40 +354,40 @@ def cuda_graphs_arg(args: argparse.Namespace) -> bool | None:
 
 
 def new_engine(
-    runner: LlavaModel,
+    llava: LlavaModel,
     page_size: int,
     layout: DecodeLayout,
     graphs: bool | None,
     paged_read: PagedRead | None = None,
     cpu_pool_bytes: int = 1 << 27,
 ) -> SessionEngine:
-    """An engine on ``runner`` whose store does not demote at the table's levels: on a card 0.8 of its
+    """An engine on ``llava`` whose store does not demote at the table's levels: on a card 0.8 of its
     free memory (its fixed pool takes that much at start), on a CPU an unbounded budget
     (``cpu_pool_bytes``, 128 MiB, when ``graphs`` fixes the pool there too: the unfused FlexAttention a
     CPU runs reads the whole pool). Its static decode step reads the pages as ``paged_read`` says (None:
     the engine's own choice; another one captures its graphs again that way)."""
-    if runner.device.type == "cuda":
-        budget = default_device_budget(runner, 0.8)
+    if llava.device.type == "cuda":
+        budget = default_device_budget(llava, 0.8)
     else:
         budget = cpu_pool_bytes if graphs else 1 << 45
     store = SessionStore(
-        device_budget_bytes=budget, host_budget_bytes=1 << 40, kv_bytes_per_token=runner.kv_bytes_per_token
+        device_budget_bytes=budget, host_budget_bytes=1 << 40, kv_bytes_per_token=llava.kv_bytes_per_token
     )
     decode = functools.partial(decode_image, max_pixels=40_000_000)
     limits = EngineLimits(max_new_tokens_cap=4096)
     kw = {"kv_page_size": page_size, "decode_layout": layout, "cuda_graphs": graphs}
-    engine = SessionEngine(runner, store, decode, limits, **kw)
-    executor = engine.runner
+    engine = SessionEngine(llava, store, decode, limits, **kw)
+    executor = engine.llava
     if paged_read not in (None, paged_read_of(engine)) and executor.graphs is not None and executor.kv_pool is not None:
         executor.graphs.close()
-        executor.graphs = new_graphs(runner, executor.kv_pool, paged_read)
+        executor.graphs = new_graphs(llava, executor.kv_pool, paged_read)
         engine.batch.graphs = executor.graphs  # type: ignore[union-attr]
     return engine
 
 
 def paged_read_of(engine: SessionEngine) -> str:
     """How ``engine``'s static decode step reads the pages (``none`` without one)."""
-    graphs = engine.runner.graphs
+    graphs = engine.llava.graphs
     return graphs.paged_read if graphs is not None else "none"
 
 
@@ -472,11 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    runner = build_runner(args)
-    device = runner.device
+    llava = build_runner(args)
+    device = llava.device
     graphs = cuda_graphs_arg(args)
     t_engine = time.perf_counter()
-    engine = new_engine(runner, args.kv_page_size, args.decode_layout, graphs, args.paged_attention)
+    engine = new_engine(llava, args.kv_page_size, args.decode_layout, graphs, args.paged_attention)
     capture_s = time.perf_counter() - t_engine
     images = [sample_photo(p) for p in PHOTOS]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -484,38 +484,38 @@ def main(argv: list[str] | None = None) -> int:
     report.data.update({
         "model": args.model_dir or args.model,
         "device": f"{device} ({name})",
-        "dtype": str(runner.dtype),
+        "dtype": str(llava.dtype),
         "torch": torch.__version__,
         "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(),
         "decode_layout": layout_of(engine),
         "paged_attention": paged_read_of(engine),
-        "prefix_tokens": len(runner.template.prefix_ids(Chat(None, image_tokens=(runner.num_image_tokens,)))),
+        "prefix_tokens": len(llava.template.prefix_ids(Chat(None, image_tokens=(llava.num_image_tokens,)))),
         "engine_start_s": round(capture_s, 2),
         "context": args.context,
     })  # fmt: skip
     levels = [int(x) for x in args.levels.split(",")]
-    report.run("floor", lambda: weight_floor(runner))
-    report.run("batch_one", lambda: timed_batch_one(engine, runner, images[1], args))
+    report.run("floor", lambda: weight_floor(llava))
+    report.run("batch_one", lambda: timed_batch_one(engine, llava, images[1], args))
     report.run("aggregate", lambda: aggregate(engine, images, levels, args.new_tokens))
     report.run("turns", lambda: turns(engine, images, args.context, args.repeats))
-    if engine.runner.graphs is not None:
+    if engine.llava.graphs is not None:
         report.run("graphs", lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s))
     report.run("kv_pool", lambda: pool_report(engine, args.context))
     if not args.skip_peer:  # after the engine's rows: compiling the peer takes the longest
-        report.run("peer", lambda: peer_static_generate(runner, images[2], args.new_tokens))
+        report.run("peer", lambda: peer_static_generate(llava, images[2], args.new_tokens))
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
-    compare = compare and engine.runner.graphs is not None
+    compare = compare and engine.llava.graphs is not None
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
     release_memory(device)
     if not args.skip_other_layout and args.kv_page_size:
         other = "paged" if report.data["decode_layout"] == "contiguous" else "contiguous"
-        report.run("other_layout", lambda: other_layout(runner, other, images, levels, args))
+        report.run("other_layout", lambda: other_layout(llava, other, images, levels, args))
         release_memory(device)
     for read in OTHER_READS[report.data["paged_attention"]] if compare else ():  # each in an engine of its own
-        report.run(f"paged_read_{read}", lambda read=read: other_paged_read(runner, read, images, levels, args))
+        report.run(f"paged_read_{read}", lambda read=read: other_paged_read(llava, read, images, levels, args))
         release_memory(device)
     # last: compiling FlexAttention takes seconds per shape, and every row above is printed already
-    report.run("attention_kernels", lambda: attention_kernels(runner, args))
+    report.run("attention_kernels", lambda: attention_kernels(llava, args))
     if device.type == "cuda":
         report.data["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     report.data["seconds"] = round(time.perf_counter() - t_start, 1)
@@ -570,9 +570,9 @@ class Sections:
             Path(self.path).write_text(json.dumps(self.data, indent=1))
 
 
-def timed_batch_one(engine: SessionEngine, runner: LlavaModel, image: bytes, args: argparse.Namespace) -> dict:
+def timed_batch_one(engine: SessionEngine, llava: LlavaModel, image: bytes, args: argparse.Namespace) -> dict:
     """:func:`batch_one_decode` with the forward passes timed on the device (:class:`ForwardClock`)."""
-    clock = ForwardClock(runner)
+    clock = ForwardClock(llava)
     try:
         return batch_one_decode(engine, clock, image, args.context, args.new_tokens)
     finally:
@@ -582,7 +582,7 @@ def timed_batch_one(engine: SessionEngine, runner: LlavaModel, image: bytes, arg
 def pool_report(engine: SessionEngine, context: int) -> dict | None:
     """The KV pool's page size, pages, growths and bytes, and the sessions of ``context`` tokens its
     pages hold (issue 43: >= 100 at 600 on an 80 GB H100); None without a pool."""
-    pool = engine.runner.kv_pool
+    pool = engine.llava.kv_pool
     if pool is None:
         return None
     return {
@@ -595,16 +595,16 @@ def pool_report(engine: SessionEngine, context: int) -> dict | None:
     }
 
 
-def other_layout(runner: LlavaModel, layout: DecodeLayout, images: list[bytes], levels: list[int],
+def other_layout(llava: LlavaModel, layout: DecodeLayout, images: list[bytes], levels: list[int],
                  args: argparse.Namespace) -> dict:  # fmt: skip
     """Batch-1 decode and the aggregate again in a second engine whose answers decode in ``layout``."""
     graphs = cuda_graphs_arg(args)
-    engine = new_engine(runner, args.kv_page_size, layout, graphs, args.paged_attention)
-    b1 = timed_batch_one(engine, runner, images[1], args)
+    engine = new_engine(llava, args.kv_page_size, layout, graphs, args.paged_attention)
+    b1 = timed_batch_one(engine, llava, images[1], args)
     return {"decode_layout": layout, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
 
 
-def other_paged_read(runner: LlavaModel, read: PagedRead, images: list[bytes], levels: list[int],
+def other_paged_read(llava: LlavaModel, read: PagedRead, images: list[bytes], levels: list[int],
                      args: argparse.Namespace) -> dict:  # fmt: skip
     """Batch-1 decode, the aggregate and the graphs against eager again in an engine of the paged
     layout whose static decode step reads the pages as ``read`` (``flex``: FlexAttention over the pool;
@@ -612,27 +612,27 @@ def other_paged_read(runner: LlavaModel, read: PagedRead, images: list[bytes], l
     graphs = cuda_graphs_arg(args)
     # on a CPU, a pool of twice what the compared sessions hold (every unfused FlexAttention step reads
     # all of it) and 16 MiB for their image features
-    per_session = (args.context + args.new_tokens + 2 * KV_PAGE_SIZE) * runner.kv_bytes_per_token
+    per_session = (args.context + args.new_tokens + 2 * KV_PAGE_SIZE) * llava.kv_bytes_per_token
     pool_bytes = 2 * (max(*levels, 3) + 1) * per_session + (1 << 24)
     t0 = time.perf_counter()
-    engine = new_engine(runner, args.kv_page_size, "paged", graphs, read, cpu_pool_bytes=pool_bytes)
+    engine = new_engine(llava, args.kv_page_size, "paged", graphs, read, cpu_pool_bytes=pool_bytes)
     start_s = time.perf_counter() - t0
-    b1 = timed_batch_one(engine, runner, images[1], args)
+    b1 = timed_batch_one(engine, llava, images[1], args)
     rows = {"paged_attention": read, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
-    if engine.runner.graphs is not None:
+    if engine.llava.graphs is not None:
         rows["graphs"] = graphs_against_eager(engine, images, args.new_tokens, start_s)
     return rows
 
 
-def attention_kernels(runner: LlavaModel, args: argparse.Namespace) -> list[dict[str, Any]]:
+def attention_kernels(llava: LlavaModel, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``paged_attention.measure`` at the text model's attention shape, ``--context`` positions and each
-    of ``--kernel-rows`` rows, in the runner's dtype, printed as it goes."""
-    heads = runner.model.config.text_config.num_attention_heads
+    of ``--kernel-rows`` rows, in the model's dtype, printed as it goes."""
+    heads = llava.model.config.text_config.num_attention_heads
     page = args.kv_page_size or KV_PAGE_SIZE
     reports = []
     for rows in (int(r) for r in args.kernel_rows.split(",") if r):
-        shape = AttentionShape(heads, runner.num_kv_heads, runner.head_dim, rows, args.context, page)
-        report = measure(runner.device, runner.dtype, shape, kernels=tuple(args.kernels.split(",")))
+        shape = AttentionShape(heads, llava.num_kv_heads, llava.head_dim, rows, args.context, page)
+        report = measure(llava.device, llava.dtype, shape, kernels=tuple(args.kernels.split(",")))
         print(describe(report), flush=True)
         reports.append(report)
     return reports

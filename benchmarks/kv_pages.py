@@ -46,66 +46,66 @@ from llava_tools.tiny_model import write_checkpoint
 PAGE = 16
 
 
-def prompts(runner: LlavaModel, rows: int) -> tuple[list[list[int]], torch.Tensor]:
+def prompts(llava: LlavaModel, rows: int) -> tuple[list[list[int]], torch.Tensor]:
     """``rows`` chat-templated questions on one photo, and the photo's feature rows."""
     image = decode_image(sample_photo("astronaut"), max_pixels=40_000_000)
     out = []
     for i in range(rows):
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Question {i}?"}]}]
-        text = runner.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        out.append(runner.processor(text=text, images=image, return_tensors="pt")["input_ids"][0].tolist())
-    return out, runner.encode_images([image])[0]
+        text = llava.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append(llava.processor(text=text, images=image, return_tensors="pt")["input_ids"][0].tolist())
+    return out, llava.encode_images([image])[0]
 
 
-def contiguous_rows(runner: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int):
+def contiguous_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int):
     """Each row prefilled into its own ``DynamicCache``; the batch built from them (timed: a join's
     rebuild); then ``steps`` decode steps. Returns (tokens per row, step ms, build ms, build bytes)."""
     caches, tokens = [], []
     for row in ids:
-        cache = runner.new_cache()
-        tokens.append([int(runner.prefill(cache, row, feats).argmax())])
+        cache = llava.new_cache()
+        tokens.append([int(llava.prefill(cache, row, feats).argmax())])
         caches.append(cache)
     width = max(len(r) for r in ids)
     t0 = time.perf_counter()
-    batch = runner.new_batch_cache(len(ids), width + steps + 1)
+    batch = llava.new_batch_cache(len(ids), width + steps + 1)
     mask = torch.zeros(len(ids), batch.capacity, dtype=torch.long)
     for r, cache in enumerate(caches):
-        runner.load_row(batch, r, cache, width)
+        llava.load_row(batch, r, cache, width)
         batch.zero_leading(r, width - len(ids[r]))
         mask[r, width - len(ids[r]) : width] = 1
     batch.set_length(width)
     build_ms = (time.perf_counter() - t0) * 1000
-    build_bytes = sum(len(r) for r in ids) * runner.kv_bytes_per_token
+    build_bytes = sum(len(r) for r in ids) * llava.kv_bytes_per_token
     times = []
     for s in range(steps):
         col = batch.length
         mask[:, col] = 1
         t0 = time.perf_counter()
-        logits = runner.decode_batch(batch, [t[-1] for t in tokens], [len(r) + s for r in ids], mask[:, : col + 1])
+        logits = llava.decode_batch(batch, [t[-1] for t in tokens], [len(r) + s for r in ids], mask[:, : col + 1])
         times.append((time.perf_counter() - t0) * 1000)
         for r, t in enumerate(tokens):
             t.append(int(logits[r].argmax()))
-    own_bytes = sum(len(r) for r in ids) * runner.kv_bytes_per_token
+    own_bytes = sum(len(r) for r in ids) * llava.kv_bytes_per_token
     return tokens, statistics.median(times), build_ms, build_bytes, own_bytes
 
 
-def paged_rows(runner: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int):
+def paged_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int):
     """The rows' shared image prefix prefilled once into the pool, each row a fork of it that
     prefills its question; then ``steps`` decode steps over the pages. Returns (tokens per row, step
     ms, bytes the pool's pages hold after the prefills)."""
-    text = runner.config.text_config
+    text = llava.config.text_config
     num_pages = sum(-(-(len(r) + steps) // PAGE) for r in ids) + 8
-    kv = KVPages(text.num_hidden_layers, num_pages, PAGE, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu")
+    kv = KVPages(text.num_hidden_layers, num_pages, PAGE, llava.num_kv_heads, llava.head_dim, llava.dtype, "cpu")
     pool = PagePool(num_pages, PAGE)
     common = min(next((i for i, (x, y) in enumerate(zip(ids[0], r, strict=False)) if x != y), len(r)) for r in ids[1:])
     prefix = PageTable()
     reserve(pool, prefix, common)
-    runner.prefill(PagedCache(kv, prefix, common), ids[0][:common], feats)
+    llava.prefill(PagedCache(kv, prefix, common), ids[0][:common], feats)
     tables, tokens = [], []
     for row in ids:
         table = fork(pool, prefix)
         kv.copy(reserve(pool, table, len(row) - common) or [])
-        tokens.append([int(runner.prefill(PagedCache(kv, table, len(row) - common), row, feats).argmax())])
+        tokens.append([int(llava.prefill(PagedCache(kv, table, len(row) - common), row, feats).argmax())])
         tables.append(table)
     release(pool, prefix)
     held = (pool.num_pages - pool.num_free_pages) * kv.bytes_per_page
@@ -116,12 +116,12 @@ def paged_rows(runner: LlavaModel, ids: list[list[int]], feats: torch.Tensor, st
         t0 = time.perf_counter()
         cache = PagedBatchCache(kv, tables)
         with torch.inference_mode():
-            out = runner.model(
+            out = llava.model(
                 input_ids=torch.tensor([[t[-1]] for t in tokens]),
                 attention_mask=cache.attention_mask,
                 position_ids=torch.tensor(cache.positions)[:, None],
                 use_cache=True,
-                **{runner._cache_kw: cache},
+                **{llava._cache_kw: cache},
                 logits_to_keep=1,
             )
         times.append((time.perf_counter() - t0) * 1000)
@@ -130,7 +130,7 @@ def paged_rows(runner: LlavaModel, ids: list[list[int]], feats: torch.Tensor, st
     return tokens, statistics.median(times), held
 
 
-def engine_side_by_side(runner: LlavaModel, rounds: int, context: int, new_tokens: int) -> dict:
+def engine_side_by_side(llava: LlavaModel, rounds: int, context: int, new_tokens: int) -> dict:
     """The engine with its sessions' KV in the pool against ``DynamicCache``s (``kv_page_size=0``),
     alternating round by round on one model: :mod:`gpu`'s follow-up TTFT, cold image turn and batch-1
     decode (ms per token); medians, and pages / contiguous."""
@@ -141,10 +141,10 @@ def engine_side_by_side(runner: LlavaModel, rounds: int, context: int, new_token
     for _ in range(rounds):
         for page_size in runs:
             store = SessionStore(device_budget_bytes=1 << 40, host_budget_bytes=1 << 40,
-                                 kv_bytes_per_token=runner.kv_bytes_per_token)  # fmt: skip
+                                 kv_bytes_per_token=llava.kv_bytes_per_token)  # fmt: skip
             decode = functools.partial(decode_image, max_pixels=40_000_000)
-            engine = SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096), kv_page_size=page_size)
-            clock = ForwardClock(runner)
+            engine = SessionEngine(llava, store, decode, EngineLimits(max_new_tokens_cap=4096), kv_page_size=page_size)
+            clock = ForwardClock(llava)
             one = batch_one_decode(engine, clock, images[1], context, new_tokens)
             clock.close()
             t = turns(engine, images, context, 3)
@@ -178,13 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     folder = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
     write_checkpoint(args.model, folder)
-    runner = LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
-    ids, feats = prompts(runner, args.rows)
+    llava = LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
+    ids, feats = prompts(llava, args.rows)
     rounds = []
     for r in range(args.rounds):
         with torch.inference_mode():
-            c_tokens, c_ms, build_ms, build_bytes, own_bytes = contiguous_rows(runner, ids, feats, args.steps)
-            p_tokens, p_ms, held = paged_rows(runner, ids, feats, args.steps)
+            c_tokens, c_ms, build_ms, build_bytes, own_bytes = contiguous_rows(llava, ids, feats, args.steps)
+            p_tokens, p_ms, held = paged_rows(llava, ids, feats, args.steps)
         row = {"contiguous_step_ms": c_ms, "paged_step_ms": p_ms, "rebuild_ms": build_ms,
                "identical": c_tokens == p_tokens}  # fmt: skip
         rounds.append(row)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "identical_every_round": all(x["identical"] for x in rounds),
     }  # fmt: skip
     if args.engine_rounds:
-        report["engine"] = engine_side_by_side(runner, args.engine_rounds, args.context, args.new_tokens)
+        report["engine"] = engine_side_by_side(llava, args.engine_rounds, args.context, args.new_tokens)
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:

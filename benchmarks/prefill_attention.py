@@ -32,14 +32,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_prefill(runner: LlavaModel, cache, ids: list[int], lower_right: bool) -> tuple[float, torch.Tensor]:
+def timed_prefill(llava: LlavaModel, cache, ids: list[int], lower_right: bool) -> tuple[float, torch.Tensor]:
     """ms of one prefill of ``ids`` past ``cache`` (cropped back afterwards), and its logits."""
     start = int(cache.get_seq_length())
-    runner.lower_right_prefill = lower_right
-    sync(runner.device)
+    llava.lower_right_prefill = lower_right
+    sync(llava.device)
     t0 = time.perf_counter()
-    logits = runner.prefill(cache, ids, None)
-    sync(runner.device)
+    logits = llava.prefill(cache, ids, None)
+    sync(llava.device)
     ms = (time.perf_counter() - t0) * 1000
     crop_cache(cache, start)
     return ms, logits
@@ -61,35 +61,35 @@ def main(argv: list[str] | None = None) -> int:
 
         dtype = torch.float16 if args.dtype == "float16" else torch.bfloat16
         model, processor = build_model("7b", device="cuda" if args.device == "auto" else args.device, dtype=dtype)
-        runner = LlavaModel(model, processor)
+        llava = LlavaModel(model, processor)
     else:
         folder = tempfile.mkdtemp(prefix=f"llava-{args.model}-")
         write_checkpoint(args.model, folder)
-        runner = LlavaModel.from_pretrained(folder, device=args.device, dtype=args.dtype)
-    on_device = runner.lower_right_prefill
-    vocab = runner.model.config.text_config.vocab_size
+        llava = LlavaModel.from_pretrained(folder, device=args.device, dtype=args.dtype)
+    on_device = llava.lower_right_prefill
+    vocab = llava.model.config.text_config.vocab_size
     ids = [
         int(x) for x in torch.randint(5, vocab, (args.context + args.new,), generator=torch.Generator().manual_seed(0))
     ]
-    cache = runner.new_cache()
-    runner.prefill(cache, ids[: args.context], None)
+    cache = llava.new_cache()
+    llava.prefill(cache, ids[: args.context], None)
     times: dict[bool, list[float]] = {False: [], True: []}
     diffs = []
     for i in range(args.repeats + 1):
         pair = {}
         for lower_right in (False, True) if i % 2 else (True, False):
-            ms, logits = timed_prefill(runner, cache, ids, lower_right)
+            ms, logits = timed_prefill(llava, cache, ids, lower_right)
             pair[lower_right] = logits
             if i:  # the first pair warms up
                 times[lower_right].append(ms)
         diffs.append(float((pair[True] - pair[False]).abs().max()))
-    runner.lower_right_prefill = on_device
+    llava.lower_right_prefill = on_device
     mask_ms, lower_ms = statistics.median(times[False]), statistics.median(times[True])
-    name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(llava.device) if llava.device.type == "cuda" else "cpu"
     report = {
         "model": args.model,
-        "device": f"{runner.device} ({name})",
-        "dtype": str(runner.dtype),
+        "device": f"{llava.device} ({name})",
+        "dtype": str(llava.dtype),
         "context": args.context,
         "new_tokens": args.new,
         "materialized_mask_ms": round(mask_ms, 3),

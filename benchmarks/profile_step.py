@@ -107,22 +107,22 @@ def decode_step_region(engine: Any, image: bytes, context: int) -> Callable[[], 
     return step
 
 
-def hf_decode_region(runner: LlavaModel, context: int) -> Callable[[], None]:
+def hf_decode_region(llava: LlavaModel, context: int) -> Callable[[], None]:
     """transformers' eager decode step: the model called on one token with a ``DynamicCache`` of
     ``context`` positions (cropped back after each call)."""
     from transformers import DynamicCache
 
-    model, device = runner.model, runner.device
-    words = runner.processor.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    model, device = llava.model, llava.device
+    words = llava.processor.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([(words * (context // len(words) + 1))[:context]], device=device)
     cache = DynamicCache()
     with torch.inference_mode():
-        model(input_ids=ids, use_cache=True, **{runner._cache_kw: cache})
+        model(input_ids=ids, use_cache=True, **{llava._cache_kw: cache})
     token = ids[:, -1:]
 
     @torch.inference_mode()
     def step() -> None:
-        model(input_ids=token, use_cache=True, logits_to_keep=1, **{runner._cache_kw: cache})
+        model(input_ids=token, use_cache=True, logits_to_keep=1, **{llava._cache_kw: cache})
         cache.crop(-1)
 
     return step
@@ -153,23 +153,23 @@ def turn_regions(engine: Any, images: list[bytes], args: argparse.Namespace) -> 
     }
 
 
-def regions(runner: LlavaModel, args: argparse.Namespace) -> dict[str, Any]:
+def regions(llava: LlavaModel, args: argparse.Namespace) -> dict[str, Any]:
     """Every region's profile, one engine at a time (each takes its fixed pool on a card)."""
-    device, images = runner.device, [sample_photo(p) for p in PHOTOS]
+    device, images = llava.device, [sample_photo(p) for p in PHOTOS]
     out: dict[str, Any] = {}
     layouts = {"decode_eager": ("paged", False), "decode_graphs": ("paged", True)}
     layouts["decode_contiguous"] = ("contiguous", False)
     for name, (layout, graphs) in layouts.items():
         if graphs and device.type != "cuda":
             continue
-        engine = new_engine(runner, KV_PAGE_SIZE, layout, graphs)
+        engine = new_engine(llava, KV_PAGE_SIZE, layout, graphs)
         out[name] = profile_region(device, decode_step_region(engine, images[1], args.context), args.repeats, args.rows)
         if name == ("decode_graphs" if device.type == "cuda" else "decode_eager"):  # the engine a user runs
             out.update(turn_regions(engine, images, args))
         del engine
         release_memory(device)
         print_region(name, out[name])
-    out["hf_decode"] = profile_region(device, hf_decode_region(runner, args.context), args.repeats, args.rows)
+    out["hf_decode"] = profile_region(device, hf_decode_region(llava, args.context), args.repeats, args.rows)
     return out
 
 
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=12, help="operators listed per region and kind of time")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    runner = build_runner(args)
-    out = regions(runner, args)
+    llava = build_runner(args)
+    out = regions(llava, args)
     for name in ("follow_up", "open", "hf_decode"):
         print_region(name, out[name])
     if args.json:

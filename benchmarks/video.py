@@ -10,7 +10,7 @@
     itself (KV hit), or is served after demotion to the ``features`` tier (the prefix prefilled again
     from kept features) or to the ``image`` tier (the clip's bytes decoded and encoded again).
 
-   Both run the same model code (the runner's video encode, prefill and decode), interleaved question
+   Both run the same model code (the model's video encode, prefill and decode), interleaved question
    by question; the ratio compares the work each design does.
 2. **A video conversation resent without a session**, over HTTP (``llava-serve``, ``llava_client``):
    turn 2 of a stateless ``Conversation`` (the clip named by its uuid, the conversation cache serving
@@ -55,33 +55,33 @@ from llava_tools.serve import LocalServer
 QUESTIONS = ["What happens in this video?", "What is the person wearing?", "Is there a flag?", "Where is this?"]
 
 
-def per_request(runner: LlavaModel, decode, data: VideoBytes, prompt: str, new_tokens: int) -> tuple[float, float]:
+def per_request(llava: LlavaModel, decode, data: VideoBytes, prompt: str, new_tokens: int) -> tuple[float, float]:
     """(a): decode, sample, encode and prefill everything for one question; (ttft ms, total ms)."""
     t0 = time.perf_counter()
     with torch.inference_mode():
         video = decode(data)
-        feats = runner.encode_video(video)
+        feats = llava.encode_video(video)
         chat = Chat(None, image_tokens=(int(feats.shape[0]),), videos=frozenset({0}))
-        ids = runner.template.conversation_ids(chat, prompt)
-        cache = runner.new_cache()
-        token = int(runner.prefill(cache, ids, feats).argmax())
+        ids = llava.template.conversation_ids(chat, prompt)
+        cache = llava.new_cache()
+        token = int(llava.prefill(cache, ids, feats).argmax())
         ttft = (time.perf_counter() - t0) * 1000
         for _ in range(new_tokens - 1):
-            if token in runner.eos_token_ids:
+            if token in llava.eos_token_ids:
                 break
-            token = int(runner.decode(cache, token).argmax())
+            token = int(llava.decode(cache, token).argmax())
     return ttft, (time.perf_counter() - t0) * 1000
 
 
-def in_process(runner: LlavaModel, raw: bytes, args: argparse.Namespace) -> dict:
+def in_process(llava: LlavaModel, raw: bytes, args: argparse.Namespace) -> dict:
     """Measurement 1: follow-up TTFT in a session (from each tier) vs per request."""
     decode = functools.partial(decode_media, max_pixels=40_000_000, video_limits=VideoLimits())
     data = VideoBytes(raw, num_frames=args.num_frames)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     store = SessionStore(
-        device_budget_bytes=1 << 40, host_budget_bytes=1 << 34, kv_bytes_per_token=runner.kv_bytes_per_token
+        device_budget_bytes=1 << 40, host_budget_bytes=1 << 34, kv_bytes_per_token=llava.kv_bytes_per_token
     )
-    engine = SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096))
+    engine = SessionEngine(llava, store, decode, EngineLimits(max_new_tokens_cap=4096))
 
     def ours(sid: str, prompt: str, demote: Tier | None) -> tuple[float, float]:
         if demote is not None:
@@ -94,7 +94,7 @@ def in_process(runner: LlavaModel, raw: bytes, args: argparse.Namespace) -> dict
             pass
         return ttft, (time.perf_counter() - t0) * 1000
 
-    per_request(runner, decode, data, QUESTIONS[0], 2)  # warm-up
+    per_request(llava, decode, data, QUESTIONS[0], 2)  # warm-up
     engine.open("warm", data)
     engine.close("warm")
     rows: dict[str, list[tuple[float, float]]] = {"per_request": [], "kv": [], "features": [], "image": []}
@@ -106,7 +106,7 @@ def in_process(runner: LlavaModel, raw: bytes, args: argparse.Namespace) -> dict
         opens.append((time.perf_counter() - t0) * 1000)
         engine.generate(sid, QUESTIONS[0], params)
         for q in QUESTIONS[1:]:
-            rows["per_request"].append(per_request(runner, decode, data, q, args.new_tokens))
+            rows["per_request"].append(per_request(llava, decode, data, q, args.new_tokens))
             rows["kv"].append(ours(sid, q, None))
             rows["features"].append(ours(sid, q, Tier.FEATURES))
             rows["image"].append(ours(sid, q, Tier.IMAGE))
@@ -238,17 +238,17 @@ def main(argv: list[str] | None = None) -> int:
 
         folder = write_checkpoint(args.model, tempfile.mkdtemp(prefix="llava-ov-"), arch="llava-onevision")
     raw = sample_clip(num_frames=args.clip_frames, fps=24, size=(320, 240), step=(4, 3))
-    runner = LlavaModel.from_pretrained(folder, device="auto")
-    result: dict = {"model": args.model_dir or args.model, "device": str(runner.device)}
+    llava = LlavaModel.from_pretrained(folder, device="auto")
+    result: dict = {"model": args.model_dir or args.model, "device": str(llava.device)}
     result.update(num_frames=args.num_frames, clip_bytes=len(raw), new_tokens=args.new_tokens, repeats=args.repeats)
     result["torch_threads"] = torch.get_num_threads()
-    result["in_process"] = one = in_process(runner, raw, args)
+    result["in_process"] = one = in_process(llava, raw, args)
     print(f"video: {args.num_frames} frames sampled, {one['video_tokens']} tokens; open {one['open_ms']:.0f} ms")
     print(f"{'follow-up question':<24}{'TTFT ms':>10}{'total ms':>10}")
     for name, row in one["followup"].items():
         print(f"{name:<24}{row['ttft_ms']:>10.1f}{row['total_ms']:>10.1f}")
     print(f"per request / session (KV hit), TTFT: {one['followup_ttft_ratio_per_request_over_kv']:.1f}x")
-    del runner
+    del llava
     if not args.skip_http:
         with tempfile.TemporaryDirectory() as tmp:
             clip = Path(tmp) / "clip.mp4"

@@ -1,4 +1,4 @@
-"""Shared fixtures: the ``tiny`` checkpoint (built once per run), a loaded runner, real photographs."""
+"""Shared fixtures: the ``tiny`` checkpoint (built once per run), the loaded model (``llava``), real photographs."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def runner(tiny_model_dir):
+def llava(tiny_model_dir):
     """The tiny checkpoint loaded in fp32 on the CPU."""
     import torch
 

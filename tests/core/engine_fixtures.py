@@ -1,4 +1,4 @@
-"""The engine the core tests step: the ``tiny`` runner, a store with room for everything unless a test
+"""The engine the core tests step: the ``tiny`` model, a store with room for everything unless a test
 gives a budget, and every invariant checked after every step and admission."""
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 
 
 def make_engine(
-    runner: Any,
+    llava: Any,
     budget: int | None = None,
     *,
     limits: EngineLimits | None = None,
     store_kw: dict[str, Any] | None = None,
     **engine_kw: Any,
 ) -> SessionEngine:
-    """A :class:`SessionEngine` on ``runner`` with ``check_invariants`` on: a store of ``budget``
+    """A :class:`SessionEngine` on ``llava`` with ``check_invariants`` on: a store of ``budget``
     device bytes (default 10 GB, or 100 MB when ``cuda_graphs`` fixes the pool at the budget), 1 GB
     of host bytes, 16 sessions and a 20-minute TTL (``store_kw`` overrides any), ``limits`` (default:
     ``max_new_tokens_cap`` 512) and the engine's keyword arguments."""
@@ -40,6 +40,6 @@ def make_engine(
         budget = 10**8 if engine_kw.get("cuda_graphs") else 10**10
     kw: dict[str, Any] = {"device_budget_bytes": budget, "host_budget_bytes": 10**9, "max_sessions": 16, "ttl_s": 1200}
     kw.update(store_kw or {})
-    store = SessionStore(kv_bytes_per_token=runner.kv_bytes_per_token, **kw)
+    store = SessionStore(kv_bytes_per_token=llava.kv_bytes_per_token, **kw)
     limits = limits or EngineLimits(max_new_tokens_cap=512)
-    return SessionEngine(runner, store, decode, limits, check_invariants=True, **engine_kw)
+    return SessionEngine(llava, store, decode, limits, check_invariants=True, **engine_kw)

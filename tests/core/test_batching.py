@@ -57,8 +57,8 @@ def open_all(eng: SessionEngine, photos) -> None:
         eng.open(sid, photos[photo], history=[Turn(q, a) for q, a in history])
 
 
-def alone(runner, photos) -> dict[str, list]:
-    eng = make_engine(runner)
+def alone(llava, photos) -> dict[str, list]:
+    eng = make_engine(llava)
     open_all(eng, photos)
     return {sid: eng.generate(sid, q, p, remember=False).tokens for sid, _ph, _h, q, p in CASES}
 
@@ -68,7 +68,7 @@ def alone(runner, photos) -> dict[str, list]:
     [("contiguous", False), ("contiguous", True), ("paged", False), ("static", False)],
     ids=["fresh", "nan-filled", "paged", "static"],
 )
-def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photos, layout, poisoned, monkeypatch):
+def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos, layout, poisoned, monkeypatch):
     """Rows of different lengths join and leave. ``nan-filled``: every batch cache is filled with NaN
     as it is allocated (the worst its uninitialized memory may hold; only each row's left pads are
     zeroed by the build), and the answers are still exact (against answers alone computed before any
@@ -77,9 +77,9 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
     step a card replays as CUDA graphs (rows padded to a bucket with pad rows on the scratch page,
     the attended length to one; run eagerly here), a question prefilled alone going in as the rows of
     one such step, against answers alone in the default layout."""
-    expected = alone(runner, photos)
+    expected = alone(llava, photos)
     if poisoned:
-        allocate = runner.new_batch_cache
+        allocate = llava.new_batch_cache
 
         def nan_filled(num_rows: int, capacity: int):
             cache = allocate(num_rows, capacity)
@@ -88,8 +88,8 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
                 layer.values.fill_(float("nan"))
             return cache
 
-        monkeypatch.setattr(runner, "new_batch_cache", nan_filled)
-    eng = make_engine(runner, **LAYOUTS[layout])
+        monkeypatch.setattr(llava, "new_batch_cache", nan_filled)
+    eng = make_engine(llava, **LAYOUTS[layout])
     open_all(eng, photos)
     gens: dict[str, Generation] = {}
     widths = set()
@@ -104,9 +104,9 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
         widths.add(eng.batch.num_live)
     assert max(widths) >= 3  # several answers really decoded together
     if layout == "static":  # every decode-only step went through the static step; the pool never grew
-        assert eng.runner.graphs is not None and eng.runner.graphs.num_eager >= 10
-        assert eng.runner.graphs.num_prefills >= 1  # a question no answer's step carried: one step's rows
-        assert eng.runner.kv_pool is not None and eng.runner.kv_pool.fixed and eng.runner.kv_pool.num_grows == 0
+        assert eng.llava.graphs is not None and eng.llava.graphs.num_eager >= 10
+        assert eng.llava.graphs.num_prefills >= 1  # a question no answer's step carried: one step's rows
+        assert eng.llava.kv_pool is not None and eng.llava.kv_pool.fixed and eng.llava.kv_pool.num_grows == 0
     for sid, gen in gens.items():
         assert gen.error is None and gen.answer is not None
         got, want = gen.answer.tokens, expected[sid]
@@ -120,10 +120,10 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(runner, photo
         assert not s.busy and cache_len(s.kv_cache) == len(s.cached_ids)
 
 
-def test_a_row_that_sits_out_steps_still_answers_exactly(runner, photos):
+def test_a_row_that_sits_out_steps_still_answers_exactly(llava, photos):
     """A job TorchServe does not bring back in a call skips steps; its masked holes change nothing."""
-    expected = alone(runner, photos)
-    eng = make_engine(runner)
+    expected = alone(llava, photos)
+    eng = make_engine(llava)
     open_all(eng, photos)
     (sa, _, _, qa, pa), (sb, _, _, qb, pb) = CASES[0], CASES[1]
     ga, gb = eng.start(sa, qa, pa, remember=False), eng.start(sb, qb, pb, remember=False)
@@ -136,8 +136,8 @@ def test_a_row_that_sits_out_steps_still_answers_exactly(runner, photos):
     assert eng.batch.num_builds >= 1
 
 
-def test_stop_strings_and_finish_reasons_are_per_row(runner, photos):
-    eng = make_engine(runner)
+def test_stop_strings_and_finish_reasons_are_per_row(llava, photos):
+    eng = make_engine(llava)
     open_all(eng, photos)
     full = eng.generate("a", "What is in this image?", SamplingParams(max_new_tokens=16), remember=False)
     stop = full.text[4:6]
@@ -150,11 +150,11 @@ def test_stop_strings_and_finish_reasons_are_per_row(runner, photos):
     assert gb.answer.finish_reason == "length" and gb.answer.generated_tokens == 16
 
 
-def test_remembered_turns_from_a_batch_continue_exactly(runner, photos):
+def test_remembered_turns_from_a_batch_continue_exactly(llava, photos):
     """Answers remembered out of the batch leave each session's cache holding its conversation."""
-    eng = make_engine(runner)
+    eng = make_engine(llava)
     open_all(eng, photos)
-    twin = make_engine(runner)
+    twin = make_engine(llava)
     open_all(twin, photos)
     gens = [eng.start(sid, q, SamplingParams(max_new_tokens=8)) for sid, _ph, _h, q, _p in CASES[:3]]
     while any(not g.done for g in gens):
@@ -167,15 +167,15 @@ def test_remembered_turns_from_a_batch_continue_exactly(runner, photos):
         assert a.cached_tokens == b.cached_tokens > 0  # the follow-up reused the cache built in the batch
 
 
-def test_batched_logits_match_single_decode_within_tolerance(runner, photos):
-    eng = make_engine(runner)
+def test_batched_logits_match_single_decode_within_tolerance(llava, photos):
+    eng = make_engine(llava)
     open_all(eng, photos)
     gens = [eng.start(sid, q, SamplingParams(max_new_tokens=30), remember=False) for sid, _ph, _h, q, _p in CASES]
     eng.step(gens)  # prefill each; every row has a first token
     singles = []
     for g in gens:
         cache = copy.deepcopy(g.session.kv_cache)
-        singles.append(runner.decode(cache, g.events[-1].id))
+        singles.append(llava.decode(cache, g.events[-1].id))
     batch = eng.batch
     logits = batch.forward(gens, rebuild=True)
     worst = max(float((logits[g.row] - single).abs().max()) for g, single in zip(gens, singles, strict=True))
@@ -188,8 +188,8 @@ def test_batched_logits_match_single_decode_within_tolerance(runner, photos):
 
 
 @pytest.mark.parametrize("kept", [0, 1])
-def test_an_abandoned_row_leaves_its_session_as_before(runner, photos, kept):
-    eng = make_engine(runner)
+def test_an_abandoned_row_leaves_its_session_as_before(llava, photos, kept):
+    eng = make_engine(llava)
     open_all(eng, photos)
     before = {sid: list(eng.store.get(sid).cached_ids) for sid, *_ in CASES[:2]}
     gens = [eng.start(sid, q, SamplingParams(max_new_tokens=30)) for sid, _ph, _h, q, _p in CASES[:2]]
@@ -206,13 +206,13 @@ def test_an_abandoned_row_leaves_its_session_as_before(runner, photos, kept):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged", "static"])
-def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(runner, photos, layout):
+def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(llava, photos, layout):
     """An open (vision tower, then the prefix in chunks) and a restored session's re-prefill share
     steps with running answers, their first chunk riding the decode step's pass (over the contiguous
     batch or the rows' pages): every step still decodes each running answer, and every answer
     equals the one computed without a budget."""
-    expected = alone(runner, photos)
-    eng = make_engine(runner, **LAYOUTS[layout])
+    expected = alone(llava, photos)
+    eng = make_engine(llava, **LAYOUTS[layout])
     open_all(eng, photos)
     eng.store.demote("b", Tier.FEATURES)  # restores from the features tier: a ~600-token re-prefill
     ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
@@ -227,20 +227,20 @@ def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(ru
             assert len(ga.events) == before + 1  # the running answer moved this step
             steps_with_both += 1
     assert steps_with_both >= 10  # the open and the re-prefill took many budget-limited steps
-    assert eng.runner.num_fused_passes >= 10  # their chunks rode the decode steps
+    assert eng.llava.num_fused_passes >= 10  # their chunks rode the decode steps
     assert opening.error is None and opening.result.prefix_tokens == len(opening.prefix)
     assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
     assert [t.id for t in gb.answer.tokens] == [t.id for t in expected["b"]]
     assert gb.answer.restored_from == "features" and gb.answer.timings["prefill"] > 0
     # the session opened in chunks answers exactly like one opened whole
-    whole = make_engine(runner)
+    whole = make_engine(llava)
     whole.open("new", photos["rocket"])
     q, p = "What is it?", SamplingParams(max_new_tokens=10)
     assert [t.id for t in eng.generate("new", q, p).tokens] == [t.id for t in whole.generate("new", q, p).tokens]
 
 
 def test_a_later_piece_runs_its_vision_tower_alone_in_the_time_its_step_has_left(
-    runner, photos, small_photos, monkeypatch
+    llava, photos, small_photos, monkeypatch
 ):
     """Scheduler rule 8: when the time a step has left holds a waiting open's vision tower but not a
     prefill pass after it, the tower runs alone in that step and the open's first chunk rides the next
@@ -249,46 +249,46 @@ def test_a_later_piece_runs_its_vision_tower_alone_in_the_time_its_step_has_left
     from llava_sessions.engine.costs import StepCost
     from llava_sessions.engine.scheduler import TimeBudget
 
-    expected = alone(runner, photos)
-    eng = make_engine(runner)
+    expected = alone(llava, photos)
+    eng = make_engine(llava)
     open_all(eng, photos)
     ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
     eng.step([ga])  # prefilled alone: it decodes from the next step on
     gb = eng.start("b", CASES[1][3], CASES[1][4], remember=False)
     opening = eng.begin_open("new", small_photos["rocket"])  # an image no session holds
     cost = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0, decode_alone_ms=30.0)
-    monkeypatch.setattr(eng.runner.costs, "estimate", lambda: cost)
+    monkeypatch.setattr(eng.llava.costs, "estimate", lambda: cost)
     question = gb.view().num_prefill_tokens  # its chunk rides the decode pass: 1 ms a token
     budget = TimeBudget(step_ms=30.0 + question + 60.0, max_pass_tokens=4096, image_step_ratio=None)
     encoded = []
-    real = eng.runner.encode
-    monkeypatch.setattr(eng.runner, "encode", lambda s, images: encoded.append(s.session_id) or real(s, images))
-    fused = eng.runner.num_fused_passes
+    real = eng.llava.encode
+    monkeypatch.setattr(eng.llava, "encode", lambda s, images: encoded.append(s.session_id) or real(s, images))
+    fused = eng.llava.num_fused_passes
     eng.step([ga, gb, opening], prefill_budget=budget)  # 60 ms left: the tower (50), no 16-token pass (86)
     assert encoded == ["new"] and cache_len(eng.store.get("new").kv_cache) == 0
-    assert gb.prefilled and eng.runner.num_fused_passes == fused + 1
+    assert gb.prefilled and eng.llava.num_fused_passes == fused + 1
     before = len(ga.events)
     eng.step([ga, gb, opening], prefill_budget=budget)  # the open's first chunk rides the decode pass whole
-    assert len(ga.events) == before + 1 and eng.runner.num_fused_passes == fused + 2
+    assert len(ga.events) == before + 1 and eng.llava.num_fused_passes == fused + 2
     assert cache_len(eng.store.get("new").kv_cache) == budget.step_ms - cost.decode_ms
     while not (ga.done and gb.done and opening.done):
         eng.step([w for w in (ga, gb, opening) if not w.done], prefill_budget=budget)
     assert encoded == ["new"] and opening.error is None
     assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
     assert [t.id for t in gb.answer.tokens] == [t.id for t in expected["b"]]
-    whole = make_engine(runner)
+    whole = make_engine(llava)
     whole.open("new", small_photos["rocket"])
     q, p = "What is it?", SamplingParams(max_new_tokens=10)
     assert [t.id for t in eng.generate("new", q, p).tokens] == [t.id for t in whole.generate("new", q, p).tokens]
 
 
-def test_prefills_over_cached_positions_in_the_lower_right_causal_form_answer_exactly(runner, photos, monkeypatch):
+def test_prefills_over_cached_positions_in_the_lower_right_causal_form_answer_exactly(llava, photos, monkeypatch):
     """On CUDA a prefill over cached positions (a follow-up, an open's later chunks, a fused pass's
     chunk) attends with ``causal_lower_right`` so SDPA's flash kernel applies. Forced here on the CPU
     (where PyTorch materializes that mask): every answer equals the default path's, and the
     lower-right form really ran, alone and inside fused passes."""
-    expected = alone(runner, photos)
-    assert not runner.lower_right_prefill  # off on the CPU: nothing to gain there
+    expected = alone(llava, photos)
+    assert not llava.lower_right_prefill  # off on the CPU: nothing to gain there
     biased = {"alone": 0, "fused": 0}
 
     def spy(module, query, key, value, attention_mask, **kwargs):
@@ -301,14 +301,14 @@ def test_prefills_over_cached_positions_in_the_lower_right_causal_form_answer_ex
         )
         return fused_attention(module, query, key, value, attention_mask, **kwargs)
 
-    monkeypatch.setattr(runner, "lower_right_prefill", True)
+    monkeypatch.setattr(llava, "lower_right_prefill", True)
     AttentionInterface.register(LOWER_RIGHT_ATTENTION, spy)
     AttentionInterface.register(FUSED_ATTENTION, fused_spy)
     try:
-        assert [[t.id for t in a] for a in alone(runner, photos).values()] == [
+        assert [[t.id for t in a] for a in alone(llava, photos).values()] == [
             [t.id for t in a] for a in expected.values()
         ]
-        eng = make_engine(runner)
+        eng = make_engine(llava)
         open_all(eng, photos)
         ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
         eng.step([ga])  # prefilled: it decodes from now on, and b's question rides its steps in chunks
@@ -323,8 +323,8 @@ def test_prefills_over_cached_positions_in_the_lower_right_causal_form_answer_ex
     assert biased["alone"] > 0 and biased["fused"] > 0
 
 
-def test_an_open_abandoned_midway_leaves_no_session(runner, photos):
-    eng = make_engine(runner)
+def test_an_open_abandoned_midway_leaves_no_session(llava, photos):
+    eng = make_engine(llava)
     task = eng.begin_open("half", photos["coffee"])
     eng.step([task], prefill_budget=32)
     eng.step([task], prefill_budget=32)
@@ -333,13 +333,13 @@ def test_an_open_abandoned_midway_leaves_no_session(runner, photos):
     assert "half" not in eng.store and eng.store.device_bytes() == 0
 
 
-def test_a_fused_pass_that_fails_midway_runs_its_parts_apart_and_loses_nothing(runner, photos):
+def test_a_fused_pass_that_fails_midway_runs_its_parts_apart_and_loses_nothing(llava, photos):
     """The decode step and a prefill chunk share one forward pass (rule 9 of the scheduler). When that
     pass fails after some layers wrote their keys (here: the last layer raises, once per pass, twice),
     the batch's column and the session's cache are put back, each part runs alone, and every answer
     still equals the one computed alone."""
-    expected = alone(runner, photos)
-    eng = make_engine(runner)
+    expected = alone(llava, photos)
+    eng = make_engine(llava)
     open_all(eng, photos)
     eng.store.demote("b", Tier.FEATURES)
     ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
@@ -348,13 +348,13 @@ def test_a_fused_pass_that_fails_midway_runs_its_parts_apart_and_loses_nothing(r
     failures = {"left": 2, "seen": 0}
 
     def fail_fused_pass(module, args):
-        if runner.config.text_config._attn_implementation == FUSED_ATTENTION:
+        if llava.config.text_config._attn_implementation == FUSED_ATTENTION:
             failures["seen"] += 1
             if failures["left"] > 0:
                 failures["left"] -= 1
                 raise RuntimeError("a fault in the fused pass")
 
-    hook = runner.model.model.language_model.layers[-1].register_forward_pre_hook(fail_fused_pass)
+    hook = llava.model.model.language_model.layers[-1].register_forward_pre_hook(fail_fused_pass)
     try:
         while not (ga.done and gb.done):
             eng.step([w for w in (ga, gb) if not w.done], prefill_budget=64)
@@ -368,12 +368,12 @@ def test_a_fused_pass_that_fails_midway_runs_its_parts_apart_and_loses_nothing(r
     assert not s.busy and cache_len(s.kv_cache) == len(s.cached_ids)
 
 
-def test_a_riding_piece_that_cannot_start_fails_alone_and_the_decode_step_still_runs(runner, photos):
+def test_a_riding_piece_that_cannot_start_fails_alone_and_the_decode_step_still_runs(llava, photos):
     """The first piece of a step rides the decode step's pass only once it has started; when its start
     fails (here: no device memory for the answer, the store's overloaded), it fails alone and the
     running answer decodes its token in that step, exactly as without it."""
-    expected = alone(runner, photos)
-    eng = make_engine(runner)
+    expected = alone(llava, photos)
+    eng = make_engine(llava)
     open_all(eng, photos)
     ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
     eng.step([ga])
@@ -387,36 +387,36 @@ def test_a_riding_piece_that_cannot_start_fails_alone_and_the_decode_step_still_
     eng.step([ga, gb])
     del eng._update.start_generation
     assert gb.done and gb.error is not None and gb.error.code is ErrorCode.OVERLOADED
-    assert len(ga.events) == before + 1 and eng.runner.num_fused_passes == 0  # the decode step ran alone
+    assert len(ga.events) == before + 1 and eng.llava.num_fused_passes == 0  # the decode step ran alone
     assert not eng.store.get("b").busy
     while not ga.done:
         eng.step([ga])
     assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
 
 
-def test_only_a_model_attending_to_the_whole_context_runs_fused_passes(runner):
+def test_only_a_model_attending_to_the_whole_context_runs_fused_passes(llava):
     """The fused pass computes full attention: a sliding window (Mistral's default 4,096 tokens, Qwen2's
     when ``use_sliding_window``) keeps every chunk a pass of its own."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    assert runner.fusable and fusable(LlamaConfig()) and fusable(Qwen2Config())
+    assert llava.fusable and fusable(LlamaConfig()) and fusable(Qwen2Config())
     assert fusable(MistralConfig(sliding_window=None))
     assert not fusable(MistralConfig())  # sliding_window=4096
     assert not fusable(
         Qwen2Config(use_sliding_window=True, sliding_window=256, max_window_layers=1, num_hidden_layers=4)
     )
-    unfused = copy.copy(runner)
+    unfused = copy.copy(llava)
     unfused.fusable = False
-    eng = SessionEngine(unfused, make_engine(runner).store, decode, fuse_prefill=True)
+    eng = SessionEngine(unfused, make_engine(llava).store, decode, fuse_prefill=True)
     assert not eng.fuse
 
 
-def test_a_decode_step_out_of_memory_midway_is_undone_and_retried_exactly(runner, photos):
+def test_a_decode_step_out_of_memory_midway_is_undone_and_retried_exactly(llava, photos):
     """A decode step whose pass runs out of device memory after some layers wrote their column (the
     CUDA allocator's error, raised here by the last layer once) leaves no column behind: the retry
     writes the same column, and the answers equal the ones computed alone."""
-    expected = alone(runner, photos)
-    eng = make_engine(runner)
+    expected = alone(llava, photos)
+    eng = make_engine(llava)
     open_all(eng, photos)
     gens = [eng.start(sid, q, p, remember=False) for sid, _ph, _h, q, p in CASES[:2]]
     eng.step(gens)  # both prefilled: they decode together from now on
@@ -427,7 +427,7 @@ def test_a_decode_step_out_of_memory_midway_is_undone_and_retried_exactly(runner
             fired["left"] -= 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    hook = runner.model.model.language_model.layers[-1].register_forward_pre_hook(out_of_memory)
+    hook = llava.model.model.language_model.layers[-1].register_forward_pre_hook(out_of_memory)
     try:
         while not all(g.done for g in gens):
             eng.step([g for g in gens if not g.done])

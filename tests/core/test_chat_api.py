@@ -83,18 +83,18 @@ def stream(runtime, messages: list[dict], session_id: str | None, accept: str | 
     return reply, parts, lines
 
 
-def text_of(runner, ids: list[int]) -> str:
-    return runner.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+def text_of(llava, ids: list[int]) -> str:
+    return llava.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def test_aws_sticky_session_pattern_with_images(runtime, runner, photos, tiny_model_dir):
+def test_aws_sticky_session_pattern_with_images(runtime, llava, photos, tiny_model_dir):
     session_id = new_session(runtime)
     cat = photos["chelsea"]
     messages = [{"role": "system", "content": "Answer briefly."}, user("What is in the picture?", cat)]
     first = complete(runtime, messages, session_id)
     assert first.object == "chat.completion" and first.model == tiny_model_dir.name  # the served model
-    expected = reference(runner, "Answer briefly.", [], "What is in the picture?", [cat])
-    assert first.choices[0].message.content == text_of(runner, expected)
+    expected = reference(llava, "Answer briefly.", [], "What is in the picture?", [cat])
+    assert first.choices[0].message.content == text_of(llava, expected)
     assert first.choices[0].message.role == "assistant" and first.choices[0].finish_reason in ("stop", "length")
     assert first.usage.prompt_tokens_details.cached_tokens < 10  # at most the text before the image
     assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
@@ -104,7 +104,7 @@ def test_aws_sticky_session_pattern_with_images(runtime, runner, photos, tiny_mo
     second = complete(runtime, messages, session_id)
     turns = [("What is in the picture?", answer, [cat])]
     assert second.choices[0].message.content == text_of(
-        runner, reference(runner, "Answer briefly.", turns, "What colour is it?", [])
+        llava, reference(llava, "Answer briefly.", turns, "What colour is it?", [])
     )
     # the resent history came from the session's cache: the image was not re-encoded nor re-prefilled
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
@@ -117,7 +117,7 @@ def test_aws_sticky_session_pattern_with_images(runtime, runner, photos, tiny_mo
     assert body["error"]["code"] == "session_not_found" and body["error"]["type"] == "invalid_request_error"
 
 
-def test_streams_are_openai_chunks_in_sse_and_json_lines(runtime, runner, photos):
+def test_streams_are_openai_chunks_in_sse_and_json_lines(runtime, llava, photos):
     session_id = new_session(runtime)
     messages = [user("Describe the image.", photos["coffee"])]
     whole = complete(runtime, messages, session_id, logprobs=True, top_logprobs=2)
@@ -173,14 +173,14 @@ def test_closing_a_session_aborts_its_running_stream_as_vllm_does(runtime, photo
         assert err.value.response["OriginalStatusCode"] == 404
 
 
-def test_one_shot_requests_keep_nothing_and_share_a_held_prefix(endpoint, runtime, runner, photos):
+def test_one_shot_requests_keep_nothing_and_share_a_held_prefix(endpoint, runtime, llava, photos):
     import requests
 
     before = set(requests.get(endpoint.url + "/debug/sessions", timeout=10).json()["sessions"])
     rocket = photos["rocket"]
     messages = [user("What is this?", rocket)]
     first = complete(runtime, messages)  # no SessionId: a one-shot request
-    assert first.choices[0].message.content == text_of(runner, reference(runner, None, [], "What is this?", [rocket]))
+    assert first.choices[0].message.content == text_of(llava, reference(llava, None, [], "What is this?", [rocket]))
     assert first.usage.prompt_tokens_details.cached_tokens < 10  # at most the text before the image
     assert set(requests.get(endpoint.url + "/debug/sessions", timeout=10).json()["sessions"]) == before
     session_id = new_session(runtime)
@@ -193,7 +193,7 @@ def test_one_shot_requests_keep_nothing_and_share_a_held_prefix(endpoint, runtim
     invoke(runtime, {"requestType": "CLOSE"}, session_id)
 
 
-def test_both_dialects_in_one_session(runtime, runner, photos):
+def test_both_dialects_in_one_session(runtime, llava, photos):
     session_id = new_session(runtime)
     cat = photos["chelsea"]
     first = complete(runtime, [user("What is this?", cat)], session_id)
@@ -205,7 +205,7 @@ def test_both_dialects_in_one_session(runtime, runner, photos):
         )["Body"].read()
     )
     turns = [("What is this?", first.choices[0].message.content, [cat])]
-    assert native["generated_text"] == text_of(runner, reference(runner, None, turns, "And its colour?", []))
+    assert native["generated_text"] == text_of(llava, reference(llava, None, turns, "And its colour?", []))
     assert native["details"]["cached_tokens"] > 500
     invoke(runtime, {"type": "close_session"}, session_id)
 
@@ -286,7 +286,7 @@ def test_refusals_are_openai_error_objects(runtime, body, status, code, param):
     assert error["code"] == code and error["param"] == param and error["type"] == "invalid_request_error"
 
 
-def test_the_client_speaks_the_chat_dialect_over_http_and_sagemaker(endpoint, runtime, runner, photos):
+def test_the_client_speaks_the_chat_dialect_over_http_and_sagemaker(endpoint, runtime, llava, photos):
     from llava_client import ChatReply, SessionClient, image_part
 
     coffee = photos["coffee"]
@@ -296,7 +296,7 @@ def test_the_client_speaks_the_chat_dialect_over_http_and_sagemaker(endpoint, ru
             messages = [{"role": "user", "content": [image_part(coffee), {"type": "text", "text": "What is this?"}]}]
             one_shot = client.complete(messages, max_tokens=N, temperature=0)
             assert isinstance(one_shot, ChatReply)
-            assert one_shot.text == text_of(runner, reference(runner, None, [], "What is this?", [coffee]))
+            assert one_shot.text == text_of(llava, reference(llava, None, [], "What is this?", [coffee]))
             ChatCompletion.model_validate(one_shot.raw)
             with client.stream_chat(messages, max_tokens=N, temperature=0) as stream:
                 events = list(stream)
@@ -317,7 +317,7 @@ def test_the_client_speaks_the_chat_dialect_over_http_and_sagemaker(endpoint, ru
                 assert reply.text == again.text
 
 
-def test_langchain_chat_sagemaker_endpoint_with_an_openai_messages_handler(runtime, runner, photos):
+def test_langchain_chat_sagemaker_endpoint_with_an_openai_messages_handler(runtime, llava, photos):
     """LangChain's ``ChatSagemakerEndpoint`` (langchain-aws) with the content handler its docs ask users
     to write for an OpenAI-messages endpoint; the session rides in ``endpoint_kwargs``."""
     from langchain_aws.chat_models.sagemaker_endpoint import ChatModelContentHandler, ChatSagemakerEndpoint
@@ -352,15 +352,15 @@ def test_langchain_chat_sagemaker_endpoint_with_an_openai_messages_handler(runti
         content=[{"type": "image_url", "image_url": {"url": data_uri(cat)}}, {"type": "text", "text": "What is it?"}]
     )
     first = chat.invoke([SystemMessage(content="Be brief."), question])
-    assert first.content == text_of(runner, reference(runner, "Be brief.", [], "What is it?", [cat]))
+    assert first.content == text_of(llava, reference(llava, "Be brief.", [], "What is it?", [cat]))
     follow_up = [SystemMessage(content="Be brief."), question, first, HumanMessage(content="Where is it?")]
     streamed = "".join(chunk.content for chunk in chat.stream(follow_up, stream=True))  # kwargs join the body
     turns = [("What is it?", first.content, [cat])]
-    assert streamed == text_of(runner, reference(runner, "Be brief.", turns, "Where is it?", []))
+    assert streamed == text_of(llava, reference(llava, "Be brief.", turns, "Where is it?", []))
     invoke(runtime, {"requestType": "CLOSE"}, session_id)
 
 
-def test_the_local_endpoint_from_code_and_from_llava_chat(endpoint, runner, photos, tmp_path):
+def test_the_local_endpoint_from_code_and_from_llava_chat(endpoint, llava, photos, tmp_path):
     """``SessionClient.from_endpoint(..., endpoint_url=...)`` and ``llava-chat --endpoint-url``, with the
     dummy credentials boto3 needs for a local endpoint (the README's way)."""
     import os
@@ -388,7 +388,7 @@ def test_the_local_endpoint_from_code_and_from_llava_chat(endpoint, runner, phot
             else:
                 os.environ[k] = v
     assert asked.text == text_of(
-        runner, __import__("test_engine").reference(runner, photos["chelsea"], [], "What is this?")
+        llava, __import__("test_engine").reference(llava, photos["chelsea"], [], "What is this?")
     )
     chat = Path(sys.executable).parent / "llava-chat"
     done = subprocess.run(
@@ -489,7 +489,7 @@ def test_a_phone_size_photo_is_downsized_by_the_client_and_said(endpoint, runtim
     assert "[the image was downsized from 3000x4000" in done.stderr
 
 
-def test_new_session_minted_by_torchserve_by_default_or_as_the_literal(endpoint, runtime, runner, photos):
+def test_new_session_minted_by_torchserve_by_default_or_as_the_literal(endpoint, runtime, llava, photos):
     """What SageMaker forwards for ``SessionId="NEW_SESSION"`` decides who mints the id. The local
     endpoint forwards no header by default (what the AWS TorchServe sample's notebook asserts of a real
     endpoint): TorchServe mints ``ts-seq-<uuid>``, native opens and AWS's session bodies open as
@@ -605,7 +605,7 @@ def test_the_aws_sample_notebook_s_client_cells_run_unchanged(endpoint, photos):
         host.shutdown()
 
 
-def test_fields_wrappers_add_are_ignored_as_vllm_ignores_them(runtime, runner, photos):
+def test_fields_wrappers_add_are_ignored_as_vllm_ignores_them(runtime, llava, photos):
     """LiteLLM puts ``sagemaker_base_url`` in the body, Strands a ``format`` inside ``image_url``: the
     request is answered as without them (the same greedy tokens), not refused."""
     cat = photos["chelsea"]
@@ -623,7 +623,7 @@ def test_fields_wrappers_add_are_ignored_as_vllm_ignores_them(runtime, runner, p
     assert reply.choices[0].message.content == plain.choices[0].message.content
 
 
-def test_messages_as_vllm_accepts_them_answer_as_their_merged_conversation(runtime, runner, photos):
+def test_messages_as_vllm_accepts_them_answer_as_their_merged_conversation(runtime, llava, photos):
     """Issue 32 item 5 end to end: two system messages, consecutive user messages, an assistant
     message with null content beside its text, an ``input_image`` part, a part without ``type``: the
     answer is ``model.generate``'s on the merged conversation (each run of one role joined with
@@ -640,5 +640,5 @@ def test_messages_as_vllm_accepts_them_answer_as_their_merged_conversation(runti
     ]
     reply = complete(runtime, messages)
     turns = [("\nWhat is in the picture?", "\nA cat.", [cat])]
-    expected = reference(runner, "Answer briefly.\nUse English.", turns, "And its colour?", [])
-    assert reply.choices[0].message.content == text_of(runner, expected)
+    expected = reference(llava, "Answer briefly.\nUse English.", turns, "And its colour?", [])
+    assert reply.choices[0].message.content == text_of(llava, expected)

@@ -22,9 +22,9 @@ from test_engine import ids
 _ids = itertools.count()
 
 
-def make_engine(runner, *, budget: int = 10**10, share: float = 0.5, entries: int = 64, unsalted="shared"):
+def make_engine(llava, *, budget: int = 10**10, share: float = 0.5, entries: int = 64, unsalted="shared"):
     limits = EngineLimits(max_new_tokens_cap=4096, cache_share=share, cache_entries=entries)
-    return engine_fixtures.make_engine(runner, budget, limits=limits, unsalted=unsalted)
+    return engine_fixtures.make_engine(llava, budget, limits=limits, unsalted=unsalted)
 
 
 def stateless(eng, system, turns, question, q_images, *, salt=None):
@@ -51,48 +51,48 @@ def entries(eng):
     return [s for s in eng.store.sessions() if s.anonymous]
 
 
-def test_resent_turns_without_a_session_are_exact_and_prefill_only_what_is_new(runner, photos, monkeypatch):
-    eng = make_engine(runner)
+def test_resent_turns_without_a_session_are_exact_and_prefill_only_what_is_new(llava, photos, monkeypatch):
+    eng = make_engine(llava)
     cat = photos["chelsea"]
     a1 = stateless(eng, None, [], "What is in the picture?", [cat])
-    assert ids(a1) == reference(runner, None, [], "What is in the picture?", [cat])
+    assert ids(a1) == reference(llava, None, [], "What is in the picture?", [cat])
     assert a1.cached_tokens == 0
     assert len(entries(eng)) == 1 and len(eng.store) == 0  # an entry, not a session
-    counter = EncodeCounter(runner, monkeypatch)
+    counter = EncodeCounter(llava, monkeypatch)
     turns = [("What is in the picture?", a1.text, [cat])]
     a2 = stateless(eng, None, turns, "What colour is it?", [])
-    assert ids(a2) == reference(runner, None, turns, "What colour is it?", [])
+    assert ids(a2) == reference(llava, None, turns, "What colour is it?", [])
     assert counter.calls == 0  # the image's features came with the entry
     assert a2.cached_tokens >= a1.prompt_tokens  # everything up to the first answer was served
     assert len(entries(eng)) == 1  # the first turn's entry went: the second serves all it served
     turns.append(("What colour is it?", a2.text, []))
     a3 = stateless(eng, None, turns, "And the background?", [])
-    assert ids(a3) == reference(runner, None, turns, "And the background?", [])
+    assert ids(a3) == reference(llava, None, turns, "And the background?", [])
     assert a3.cached_tokens >= a2.prompt_tokens
     assert a3.cached_tokens / a3.prompt_tokens >= 0.9
 
 
-def test_conversations_sharing_a_first_turn_share_its_prefix(runner, photos, monkeypatch):
-    eng = make_engine(runner)
+def test_conversations_sharing_a_first_turn_share_its_prefix(llava, photos, monkeypatch):
+    eng = make_engine(llava)
     cat = photos["chelsea"]
     a = stateless(eng, "Be brief.", [], "What animal is it?", [cat])
-    assert ids(a) == reference(runner, "Be brief.", [], "What animal is it?", [cat])
-    counter = EncodeCounter(runner, monkeypatch)
+    assert ids(a) == reference(llava, "Be brief.", [], "What animal is it?", [cat])
+    counter = EncodeCounter(llava, monkeypatch)
     b = stateless(eng, "Be brief.", [], "Where is it sitting?", [cat])
-    assert ids(b) == reference(runner, "Be brief.", [], "Where is it sitting?", [cat])
-    assert counter.calls == 0 and b.cached_tokens >= runner.num_image_tokens
+    assert ids(b) == reference(llava, "Be brief.", [], "Where is it sitting?", [cat])
+    assert counter.calls == 0 and b.cached_tokens >= llava.num_image_tokens
     assert len(entries(eng)) == 2  # two branches: neither serves all the other does
 
 
-def test_salts_share_nothing_but_with_an_equal_salt(runner, photos, monkeypatch):
-    eng = make_engine(runner)
+def test_salts_share_nothing_but_with_an_equal_salt(llava, photos, monkeypatch):
+    eng = make_engine(llava)
     cat = photos["chelsea"]
     key = image_key(cat)
     stateless(eng, None, [], "What is in the picture?", [cat], salt="tenant-a")
     assert eng.image_held(None, key, "tenant-a") is not None
     assert eng.image_held(None, key, "tenant-b") is None  # a held image is not offered across salts
     assert eng.image_held(None, key, None) is None  # nor to unsalted requests
-    counter = EncodeCounter(runner, monkeypatch)
+    counter = EncodeCounter(llava, monkeypatch)
     b = stateless(eng, None, [], "What is in the picture?", [cat], salt="tenant-b")
     assert b.cached_tokens == 0 and counter.calls == 1  # neither KV nor features crossed
     unsalted = stateless(eng, None, [], "What is in the picture?", [cat])
@@ -102,14 +102,14 @@ def test_salts_share_nothing_but_with_an_equal_salt(runner, photos, monkeypatch)
     assert ids(again) == ids(b) == ids(unsalted)
 
 
-def test_isolated_unsalted_requests_share_nothing_and_keep_nothing(runner, photos, monkeypatch):
-    eng = make_engine(runner, unsalted="isolated")
+def test_isolated_unsalted_requests_share_nothing_and_keep_nothing(llava, photos, monkeypatch):
+    eng = make_engine(llava, unsalted="isolated")
     cat = photos["chelsea"]
     stateless(eng, None, [], "What is in the picture?", [cat])
     assert entries(eng) == []  # nothing to share it with: not kept
     eng.open_empty("s")
     chat(eng, "s", None, [], "What is in the picture?", [cat])
-    counter = EncodeCounter(runner, monkeypatch)
+    counter = EncodeCounter(llava, monkeypatch)
     b = stateless(eng, None, [], "What is in the picture?", [cat])
     assert b.cached_tokens == 0 and counter.calls == 1  # the session's image is not offered
     c = stateless(eng, None, [], "What is in the picture?", [cat], salt="t")
@@ -117,8 +117,8 @@ def test_isolated_unsalted_requests_share_nothing_and_keep_nothing(runner, photo
     assert len(entries(eng)) == 1
 
 
-def test_a_uuid_resolves_within_its_salt_only(runner, photos):
-    eng = make_engine(runner)
+def test_a_uuid_resolves_within_its_salt_only(llava, photos):
+    eng = make_engine(llava)
     cat = photos["chelsea"]
     sid = "one-shot-uuid"
     eng.open_empty(sid, salt="a")
@@ -134,12 +134,12 @@ def test_a_uuid_resolves_within_its_salt_only(runner, photos):
     assert eng.uuid_key(None, "dog-1", "a") is None
 
 
-def test_entries_go_first_oldest_first_and_sessions_are_never_demoted_for_them(runner, photos):
+def test_entries_go_first_oldest_first_and_sessions_are_never_demoted_for_them(llava, photos):
     cat, rocket, coffee = photos["chelsea"], photos["rocket"], photos["coffee"]
-    probe = make_engine(runner)
+    probe = make_engine(llava)
     stateless(probe, None, [], "What is it?", [cat])
     one = probe.store.num_cache_bytes
-    eng = make_engine(runner, budget=int(one * 4.5), share=1.0)  # a session, two entries, a request
+    eng = make_engine(llava, budget=int(one * 4.5), share=1.0)  # a session, two entries, a request
     eng.open_empty("s")
     chat(eng, "s", None, [], "What is it?", [photos["astronaut"]])
     stateless(eng, None, [], "What is it?", [cat])
@@ -147,31 +147,31 @@ def test_entries_go_first_oldest_first_and_sessions_are_never_demoted_for_them(r
     first = [s.image_keys[0] for s in entries(eng)]
     assert first == [image_key(cat), image_key(rocket)]
     answer = stateless(eng, None, [], "What is it?", [coffee])
-    assert ids(answer) == reference(runner, None, [], "What is it?", [coffee])
+    assert ids(answer) == reference(llava, None, [], "What is it?", [coffee])
     kept = [s.image_keys[0] for s in entries(eng)]
     assert image_key(cat) not in kept and image_key(coffee) in kept  # the oldest went
     assert eng.store.peek("s").tier is Tier.KV  # the session kept its KV cache
     assert eng.store.stats.num_cache_evictions >= 1 and eng.store.stats.num_demotions_kv == 0
 
 
-def test_the_share_bounds_what_entries_hold(runner, photos):
-    probe = make_engine(runner)
+def test_the_share_bounds_what_entries_hold(llava, photos):
+    probe = make_engine(llava)
     stateless(probe, None, [], "What is it?", [photos["chelsea"]])
     one = probe.store.num_cache_bytes
-    eng = make_engine(runner, budget=one * 10, share=0.25)  # about two entries' worth
+    eng = make_engine(llava, budget=one * 10, share=0.25)  # about two entries' worth
     for name in ("chelsea", "rocket", "coffee", "astronaut"):
         stateless(eng, None, [], "What is it?", [photos[name]])
     assert eng.store.num_cache_bytes <= one * 10 * 0.25
     assert 1 <= len(entries(eng)) <= 2
-    off = make_engine(runner, share=0.0)
+    off = make_engine(llava, share=0.0)
     stateless(off, None, [], "What is it?", [photos["chelsea"]])
     assert entries(off) == [] and len(off.store.sessions()) == 0
 
 
-def test_an_entry_is_no_clients_session(runner, photos):
+def test_an_entry_is_no_clients_session(llava, photos):
     from llava_sessions.errors import ErrorCode, ServiceError
 
-    eng = make_engine(runner)
+    eng = make_engine(llava)
     stateless(eng, None, [], "What is it?", [photos["chelsea"]])
     (entry,) = entries(eng)
     with pytest.raises(ServiceError) as err:
@@ -219,7 +219,7 @@ def _body(parts_and_text: list[tuple[list[dict], str, str | None]], **extra) -> 
     return {"messages": messages, "temperature": 0, "max_tokens": 8, **extra}
 
 
-def test_images_by_uuid_resolve_within_their_salt_and_a_miss_names_the_uuid(service, runner, photos):
+def test_images_by_uuid_resolve_within_their_salt_and_a_miss_names_the_uuid(service, llava, photos):
     cat = photos["chelsea"]
     status, first = _complete(service, _body([([_image_part(cat, "cat-1")], "What is it?", None)], cache_salt="t1"))
     assert status == 200

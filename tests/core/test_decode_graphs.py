@@ -31,16 +31,16 @@ def test_buckets_are_nano_vllms_batch_sizes_and_lengths_at_most_a_quarter_apart(
     assert all(n % 48 == 0 for n in length_buckets(4096, 48)) and length_buckets(4096, 48)[-1] == 4128
 
 
-def new_pool(runner, num_pages: int, fixed: bool = True) -> KVPool:
-    text = runner.config.text_config
-    shape = (text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device)
+def new_pool(llava, num_pages: int, fixed: bool = True) -> KVPool:
+    text = llava.config.text_config
+    shape = (text.num_hidden_layers, llava.num_kv_heads, llava.head_dim, llava.dtype, llava.device)
     return KVPool(*shape, page_size=PAGE, num_pages=num_pages, fixed=fixed)
 
 
-def test_a_fixed_pool_never_grows_and_a_holder_it_cannot_hold_gets_out_of_memory(runner) -> None:
+def test_a_fixed_pool_never_grows_and_a_holder_it_cannot_hold_gets_out_of_memory(llava) -> None:
     """A card's pool is sized once: a reservation past its free pages raises the allocator's error
     (on which the engine demotes idle sessions and retries), with the table and the tensors as before."""
-    pool = new_pool(runner, 4)
+    pool = new_pool(llava, 4)
     storage = [t.data_ptr() for t in pool.pages.keys + pool.pages.values]
     table = PageTable()
     pool.make_room(table, 4 * PAGE)
@@ -50,10 +50,10 @@ def test_a_fixed_pool_never_grows_and_a_holder_it_cannot_hold_gets_out_of_memory
     assert pool.num_grows == 0 and [t.data_ptr() for t in pool.pages.keys + pool.pages.values] == storage
 
 
-def prompts(runner) -> list[list[int]]:
+def prompts(llava) -> list[list[int]]:
     """Three chat prompts of different lengths (text only); the longest crosses 512 positions while
     it answers, so its step moves from the 512 bucket to the next."""
-    tok = runner.processor.tokenizer
+    tok = llava.processor.tokenizer
     lengths = [9, 60, 512 - N // 2]
     out = []
     for n in lengths:
@@ -62,9 +62,9 @@ def prompts(runner) -> list[list[int]]:
     return out
 
 
-def reference(runner, ids: list[int]) -> list[int]:
+def reference(llava, ids: list[int]) -> list[int]:
     with torch.inference_mode():
-        out = runner.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=N, min_new_tokens=N, do_sample=False)
+        out = llava.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=N, min_new_tokens=N, do_sample=False)
     return out[0, len(ids) :].tolist()
 
 
@@ -79,17 +79,17 @@ def changed_slots(pool: KVPool, before: list[torch.Tensor]) -> set[int]:
 
 
 @pytest.mark.parametrize("paged_read", ["gather", "flex", "auto"])
-def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(runner, paged_read) -> None:
+def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(llava, paged_read) -> None:
     """Rows join and leave (3 rows run in the 4-row bucket with a pad row); each row's fed token is
     written at its new slot and nowhere else but the scratch page; the greedy tokens equal
     ``model.generate``'s for each prompt alone, whether attention gathers the rows' slots, reads the
     pool through FlexAttention's block mask (``flex``: eager on the CPU), or (``auto``, FlexAttention
     from 2 rows here) one step one way and the next the other."""
-    pool = new_pool(runner, 200)
-    ids = prompts(runner)
+    pool = new_pool(llava, 200)
+    ids = prompts(llava)
     caches = [SessionKV(pool) for _ in ids]
-    tokens = [[int(runner.prefill(c, p, None).argmax())] for c, p in zip(caches, ids, strict=True)]
-    graphs = DecodeGraphs(runner, pool, max_rows=8, max_len=runner.max_positions, paged_read=paged_read, flex_rows=2)
+    tokens = [[int(llava.prefill(c, p, None).argmax())] for c, p in zip(caches, ids, strict=True)]
+    graphs = DecodeGraphs(llava, pool, max_rows=8, max_len=llava.max_positions, paged_read=paged_read, flex_rows=2)
     scratch = set(range(graphs.table.pages[0] * PAGE, (graphs.table.pages[0] + 1) * PAGE))
     plan = [[0], [0, 1], [0, 1, 2], [2, 0, 1], [1, 2]] + [[0, 1, 2]] * (N + 2)
     buckets = set()
@@ -108,7 +108,7 @@ def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(
         buckets.add(graphs.bucket(len(rows), max(t.num_tokens for t in tables)))
         for i, r in enumerate(rows):
             tokens[r].append(int(logits[i].argmax()))
-    assert tokens == [reference(runner, p) for p in ids]
+    assert tokens == [reference(llava, p) for p in ids]
     top = graphs.lengths[-1]  # a bucket read with FlexAttention reads the whole pool: one length
     expected = {
         "gather": {(1, 512), (4, 512), (4, 640)},
@@ -124,18 +124,18 @@ def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(
 
 
 @pytest.mark.parametrize("paged_read", ["gather", "flex"])
-def test_a_short_chunk_prefilled_as_the_rows_of_one_step_answers_as_generate(runner, paged_read) -> None:
+def test_a_short_chunk_prefilled_as_the_rows_of_one_step_answers_as_generate(llava, paged_read) -> None:
     """A follow-up's 40 tokens after a 300-token prefix (forked from another holder, so its partly
     written last page is shared and copied on write) go in as 40 rows of one static step (the 48-row
     bucket): each row writes its slot and attends to the positions up to its own, so the last row's
     logits and the greedy answer decoded after it equal ``model.generate``'s on the whole prompt; a
     chunk larger than every bucket is handed back with nothing reserved."""
-    pool = new_pool(runner, 200)
-    ids = prompts(runner)[2][:340]
+    pool = new_pool(llava, 200)
+    ids = prompts(llava)[2][:340]
     first = SessionKV(pool)
-    runner.prefill(first, ids[:300], None)
+    llava.prefill(first, ids[:300], None)
     session = first.fork(300)  # the prefix's pages by reference; its last (partial) one shared
-    graphs = DecodeGraphs(runner, pool, max_rows=64, max_len=runner.max_positions, paged_read=paged_read)
+    graphs = DecodeGraphs(llava, pool, max_rows=64, max_len=llava.max_positions, paged_read=paged_read)
     assert graphs.prefill(session.table, list(range(5, 70))) is None and session.table.num_tokens == 300
     logits = graphs.prefill(session.table, ids[300:])
     assert logits is not None and session.table.num_tokens == 340 and graphs.num_prefills == 1
@@ -144,14 +144,14 @@ def test_a_short_chunk_prefilled_as_the_rows_of_one_step_answers_as_generate(run
     while len(tokens) < N:
         assert reserve(pool.pool, session.table, 1) == []
         tokens.append(int(graphs.run([session.table], [tokens[-1]])[0].argmax()))
-    assert tokens == reference(runner, ids)
+    assert tokens == reference(llava, ids)
     pool.check([first.table, session.table, graphs.table])
 
 
-def test_a_step_larger_than_every_bucket_is_left_to_the_caller_and_close_frees_the_scratch_page(runner) -> None:
-    pool = new_pool(runner, 64)
+def test_a_step_larger_than_every_bucket_is_left_to_the_caller_and_close_frees_the_scratch_page(llava) -> None:
+    pool = new_pool(llava, 64)
     free = pool.pool.num_free_pages
-    graphs = DecodeGraphs(runner, pool, max_rows=2, max_len=512)
+    graphs = DecodeGraphs(llava, pool, max_rows=2, max_len=512)
     assert pool.pool.num_free_pages == free - 1 and graphs.rows == [1, 2] and graphs.lengths == [512]
     tables = []
     for n in (3, 5, 7):

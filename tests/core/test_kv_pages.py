@@ -95,76 +95,76 @@ def test_a_reservation_the_pool_cannot_hold_changes_nothing() -> None:
 
 
 # ---------------------------------------------------------------------- exactness, tiny model
-def templated(runner, image: bytes, question: str) -> tuple[list[int], dict]:
+def templated(llava, image: bytes, question: str) -> tuple[list[int], dict]:
     """The chat-templated prompt ids of one question on ``image`` and the processor's inputs."""
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    text = runner.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = runner.processor(text=text, images=decode(image), return_tensors="pt")
+    text = llava.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = llava.processor(text=text, images=decode(image), return_tensors="pt")
     return inputs["input_ids"][0].tolist(), inputs
 
 
-def reference(runner, inputs: dict) -> list[int]:
+def reference(llava, inputs: dict) -> list[int]:
     with torch.inference_mode():
-        out = runner.model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)
+        out = llava.model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-def new_pool(runner, num_pages: int) -> tuple[PagePool, KVPages]:
-    text = runner.config.text_config
-    kv = KVPages(text.num_hidden_layers, num_pages, PAGE, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu")
+def new_pool(llava, num_pages: int) -> tuple[PagePool, KVPages]:
+    text = llava.config.text_config
+    kv = KVPages(text.num_hidden_layers, num_pages, PAGE, llava.num_kv_heads, llava.head_dim, llava.dtype, "cpu")
     return PagePool(num_pages, PAGE), kv
 
 
-def prefill(runner, pool, kv, table, ids, features) -> int:
+def prefill(llava, pool, kv, table, ids, features) -> int:
     """Prefill ``ids`` past ``table``'s positions through the pool; the greedy next token."""
     start = table.num_tokens
     kv.copy(reserve(pool, table, len(ids) - start) or [])
-    return int(runner.prefill(PagedCache(kv, table, len(ids) - start), ids, features).argmax())
+    return int(llava.prefill(PagedCache(kv, table, len(ids) - start), ids, features).argmax())
 
 
 @pytest.fixture(scope="module")
-def two_questions(runner, photos):
+def two_questions(llava, photos):
     """Two questions on one photo: prompt ids, references, the image's features, the common prefix."""
-    qa = templated(runner, photos["coffee"], "What is in this image?")
-    qb = templated(runner, photos["coffee"], "Describe the colours, please.")
-    features = runner.encode_images([decode(photos["coffee"])])[0]
+    qa = templated(llava, photos["coffee"], "What is in this image?")
+    qb = templated(llava, photos["coffee"], "Describe the colours, please.")
+    features = llava.encode_images([decode(photos["coffee"])])[0]
     common = next(i for i, (x, y) in enumerate(zip(qa[0], qb[0], strict=False)) if x != y)
-    return qa[0], qb[0], reference(runner, qa[1]), reference(runner, qb[1]), features, common
+    return qa[0], qb[0], reference(llava, qa[1]), reference(llava, qb[1]), features, common
 
 
-def test_greedy_tokens_through_pages_equal_generate(runner, two_questions) -> None:
+def test_greedy_tokens_through_pages_equal_generate(llava, two_questions) -> None:
     ids_a, _ids_b, ref_a, _ref_b, features, _common = two_questions
-    pool, kv = new_pool(runner, 64)
+    pool, kv = new_pool(llava, 64)
     table = PageTable()
-    tokens = [prefill(runner, pool, kv, table, ids_a, features)]
+    tokens = [prefill(llava, pool, kv, table, ids_a, features)]
     while len(tokens) < N:
         reserve(pool, table, 1)
-        tokens.append(int(runner.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
+        tokens.append(int(llava.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
     assert tokens == ref_a
     assert len(table.pages) == pool.pages_for(len(ids_a) + N - 1)
     assert (pool.num_pages - pool.num_free_pages) * kv.bytes_per_page == len(table.pages) * kv.bytes_per_page
 
 
-def test_sessions_on_one_image_share_its_prefix_pages_and_answer_exactly(runner, two_questions) -> None:
+def test_sessions_on_one_image_share_its_prefix_pages_and_answer_exactly(llava, two_questions) -> None:
     ids_a, ids_b, ref_a, ref_b, features, common = two_questions
-    pool, kv = new_pool(runner, 128)
+    pool, kv = new_pool(llava, 128)
     prefix = PageTable()
-    prefill(runner, pool, kv, prefix, ids_a[:common], features)  # the image's prefix, once
+    prefill(llava, pool, kv, prefix, ids_a[:common], features)  # the image's prefix, once
     a, b = fork(pool, prefix), fork(pool, prefix)
     release(pool, prefix)
     full = common // PAGE
     assert all(pool.ref_count(p) == 2 for p in a.pages[:full])
     answers = []
     for table, ids in ((a, ids_a), (b, ids_b)):
-        tokens = [prefill(runner, pool, kv, table, ids, features)]
+        tokens = [prefill(llava, pool, kv, table, ids, features)]
         while len(tokens) < N:
             reserve(pool, table, 1)
-            tokens.append(int(runner.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
+            tokens.append(int(llava.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
         answers.append(tokens)
     assert answers == [ref_a, ref_b]
     assert a.pages[:full] == b.pages[:full]  # the full prefix pages are held once
-    whole = runner.new_cache()  # a's prompt prefilled contiguously: the pages hold the same keys
-    runner.prefill(whole, ids_a, features)
+    whole = llava.new_cache()  # a's prompt prefilled contiguously: the pages hold the same keys
+    llava.prefill(whole, ids_a, features)
     slots = torch.tensor(a.slots(0, len(ids_a), PAGE))[None]
     for layer, contiguous in enumerate(whole.layers):
         keys, values = kv.gather(layer, slots)
@@ -177,13 +177,13 @@ def test_sessions_on_one_image_share_its_prefix_pages_and_answer_exactly(runner,
     assert held == len(set(a.pages) | set(b.pages)) < len(a.pages) + len(b.pages)
 
 
-def test_rows_decode_together_exactly_and_join_or_leave_without_moving_kv(runner, two_questions) -> None:
+def test_rows_decode_together_exactly_and_join_or_leave_without_moving_kv(llava, two_questions) -> None:
     ids_a, ids_b, ref_a, ref_b, features, _common = two_questions
-    pool, kv = new_pool(runner, 128)
+    pool, kv = new_pool(llava, 128)
     tables = {"a": PageTable(), "b": PageTable()}
     tokens = {
-        "a": [prefill(runner, pool, kv, tables["a"], ids_a, features)],
-        "b": [prefill(runner, pool, kv, tables["b"], ids_b, features)],
+        "a": [prefill(llava, pool, kv, tables["a"], ids_a, features)],
+        "b": [prefill(llava, pool, kv, tables["b"], ids_b, features)],
     }
     storage = [t.data_ptr() for t in kv.keys + kv.values]
     # b sits out the first two steps and a the last two: rows join and leave between steps
@@ -195,12 +195,12 @@ def test_rows_decode_together_exactly_and_join_or_leave_without_moving_kv(runner
         cache = PagedBatchCache(kv, [tables[r] for r in rows])
         ids = torch.tensor([[tokens[r][-1]] for r in rows])
         with torch.inference_mode():
-            out = runner.model(
+            out = llava.model(
                 input_ids=ids,
                 attention_mask=cache.attention_mask,
                 position_ids=torch.tensor(cache.positions)[:, None],
                 use_cache=True,
-                **{runner._cache_kw: cache},
+                **{llava._cache_kw: cache},
                 logits_to_keep=1,
             )
         for i, r in enumerate(rows):
@@ -216,13 +216,13 @@ def test_rows_decode_together_exactly_and_join_or_leave_without_moving_kv(runner
 GREEDY = SamplingParams(max_new_tokens=N, min_tokens=N)
 
 
-def test_an_engine_holds_its_sessions_kv_in_the_pool_and_an_image_prefix_once(runner, photos, two_questions) -> None:
+def test_an_engine_holds_its_sessions_kv_in_the_pool_and_an_image_prefix_once(llava, photos, two_questions) -> None:
     """Sessions' KV lives in the replica's pool (every step checks the pool's counts against the
     sessions' tables: check_invariants); a second session on the same image holds the first one's
     full prefix pages by reference, the ledger books each session's pages, and closing frees all."""
     _ids_a, _ids_b, ref_a, ref_b, _features, common = two_questions
-    eng = make_engine(runner)
-    pool = eng.runner.kv_pool
+    eng = make_engine(llava)
+    pool = eng.llava.kv_pool
     assert pool is not None
     eng.open("a", photos["coffee"])
     a = eng.generate("a", "What is in this image?", GREEDY)
@@ -236,7 +236,7 @@ def test_an_engine_holds_its_sessions_kv_in_the_pool_and_an_image_prefix_once(ru
     full = (b.cached_tokens // PAGE) - 1
     assert full > 30 and sa.kv_cache.table.pages[:full] == sb.kv_cache.table.pages[:full]
     assert pool.pages.num_copied_bytes - copied <= pool.pages.bytes_per_page  # one partial page at most
-    booked = eng.store.ledger.entry("b").num_kv_tokens * runner.kv_bytes_per_token
+    booked = eng.store.ledger.entry("b").num_kv_tokens * llava.kv_bytes_per_token
     assert booked == len(sb.kv_cache.table.pages) * pool.pages.bytes_per_page  # the booked bytes: its pages
     held = len(set(sa.kv_cache.table.pages) | set(sb.kv_cache.table.pages))
     assert pool.num_used_bytes() == held * pool.pages.bytes_per_page < eng.store.ledger.num_device_bytes
@@ -248,66 +248,66 @@ def test_an_engine_holds_its_sessions_kv_in_the_pool_and_an_image_prefix_once(ru
     assert pool.pool.num_free_pages == pool.pool.num_pages  # nothing leaked
 
 
-def test_without_pages_sessions_keep_dynamic_caches_and_the_same_tokens(runner, photos, two_questions) -> None:
+def test_without_pages_sessions_keep_dynamic_caches_and_the_same_tokens(llava, photos, two_questions) -> None:
     _ids_a, _ids_b, ref_a, _ref_b, _features, _common = two_questions
-    eng = make_engine(runner, kv_page_size=0)
-    assert eng.runner.kv_pool is None
+    eng = make_engine(llava, kv_page_size=0)
+    assert eng.llava.kv_pool is None
     eng.open("a", photos["coffee"])
     a = eng.generate("a", "What is in this image?", GREEDY)
     assert [t.id for t in a.tokens] == ref_a and not isinstance(eng.store.get("a").kv_cache, SessionKV)
 
 
-def test_a_pool_grows_as_its_session_needs_and_keeps_what_it_holds(runner, two_questions) -> None:
+def test_a_pool_grows_as_its_session_needs_and_keeps_what_it_holds(llava, two_questions) -> None:
     ids_a, _ids_b, ref_a, _ref_b, features, _common = two_questions
-    text = runner.config.text_config
-    pool = KVPool(text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu", num_pages=1)
+    text = llava.config.text_config
+    pool = KVPool(text.num_hidden_layers, llava.num_kv_heads, llava.head_dim, llava.dtype, "cpu", num_pages=1)
     cache = pool.new_cache()
-    tokens = [int(runner.prefill(cache, ids_a[:100], features).argmax())]  # grows from 1 page
-    tokens = [int(runner.prefill(cache, ids_a, features).argmax())]  # grows again: the rest of the prompt
+    tokens = [int(llava.prefill(cache, ids_a[:100], features).argmax())]  # grows from 1 page
+    tokens = [int(llava.prefill(cache, ids_a, features).argmax())]  # grows again: the rest of the prompt
     while len(tokens) < N:
-        tokens.append(int(runner.decode(cache, tokens[-1]).argmax()))
+        tokens.append(int(llava.decode(cache, tokens[-1]).argmax()))
     assert tokens == ref_a and pool.num_grows >= 2
     assert cache.num_held_tokens == len(cache.table.pages) * PAGE == pool.pool.pages_for(len(ids_a) + N - 1) * PAGE
     pool.check([cache.table])
 
 
-def test_a_pass_that_fails_midway_leaves_the_session_cache_as_before(runner, two_questions) -> None:
+def test_a_pass_that_fails_midway_leaves_the_session_cache_as_before(llava, two_questions) -> None:
     """A prefill whose forward pass fails after layer 0 wrote (an out-of-memory error in a later
     layer) takes its positions back, so the retry runs the same pass and answers exactly."""
     ids_a, _ids_b, ref_a, _ref_b, features, common = two_questions
-    text = runner.config.text_config
-    pool = KVPool(text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu")
+    text = llava.config.text_config
+    pool = KVPool(text.num_hidden_layers, llava.num_kv_heads, llava.head_dim, llava.dtype, "cpu")
     cache = pool.new_cache()
-    runner.prefill(cache, ids_a[:common], features)
+    llava.prefill(cache, ids_a[:common], features)
     before = (list(cache.table.pages), cache.table.num_tokens)
 
     def out_of_memory(module, args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    hook = runner.model.model.language_model.layers[-1].register_forward_pre_hook(out_of_memory)
+    hook = llava.model.model.language_model.layers[-1].register_forward_pre_hook(out_of_memory)
     try:
         with pytest.raises(torch.OutOfMemoryError):
-            runner.prefill(cache, ids_a, features)
+            llava.prefill(cache, ids_a, features)
     finally:
         hook.remove()
     assert (cache.table.pages, cache.table.num_tokens) == before
     pool.check([cache.table])
-    tokens = [int(runner.prefill(cache, ids_a, features).argmax())]
+    tokens = [int(llava.prefill(cache, ids_a, features).argmax())]
     while len(tokens) < N:
-        tokens.append(int(runner.decode(cache, tokens[-1]).argmax()))
+        tokens.append(int(llava.decode(cache, tokens[-1]).argmax()))
     assert tokens == ref_a
 
 
 # ---------------------------------------------------------------------- answers decoding in their sessions' pages
-def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(runner, photos, two_questions) -> None:
+def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(llava, photos, two_questions) -> None:
     """``decode_layout: paged``: each running answer decodes straight into its session's pages. Two
     answers on one photo, the second joining while the first decodes and going on after it left:
     each gives ``generate``'s greedy tokens; no KV byte is copied in any step a row joins, decodes
     or leaves; the store books no batch beside the sessions, and after every step each session's
     booked bytes are the pages it holds, its answer's among them."""
     _ids_a, _ids_b, ref_a, ref_b, _features, _common = two_questions
-    eng = make_engine(runner, decode_layout="paged")
-    pool = eng.runner.kv_pool
+    eng = make_engine(llava, decode_layout="paged")
+    pool = eng.llava.kv_pool
     assert isinstance(eng.batch, PagedDecodeBatch) and pool is not None
     eng.open("a", photos["coffee"])
     eng.open("b", photos["coffee"])
@@ -317,7 +317,7 @@ def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(r
         eng.step([a])
     b = eng.start("b", "Describe the colours, please.", GREEDY)
     eng.step([a, b])  # b's prompt rides a's decode step and samples its first token: b joins next step
-    assert b.row is None and len(b.events) == 1 and eng.runner.num_fused_passes == 1
+    assert b.row is None and len(b.events) == 1 and eng.llava.num_fused_passes == 1
     copied, alone = pool.pages.num_copied_bytes, 0
     while not b.done:
         eng.step([g for g in (a, b) if not g.done])
@@ -326,7 +326,7 @@ def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(r
             cache = sessions[sid].kv_cache
             assert isinstance(cache, SessionKV)
             assert len(sessions[sid].cached_ids) == len(g.prompt_ids) + len(g.events) - 1  # fed in place
-            booked = eng.store.ledger.entry(sid).num_kv_tokens * runner.kv_bytes_per_token
+            booked = eng.store.ledger.entry(sid).num_kv_tokens * llava.kv_bytes_per_token
             assert booked == len(cache.table.pages) * pool.pages.bytes_per_page
         assert eng.store.batch_bytes == 0
     assert alone >= 1 and eng.batch.num_builds >= 2  # b joined a running batch; a left before b ended
@@ -338,13 +338,13 @@ def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(r
 
 
 def test_a_paged_decode_step_that_runs_out_of_memory_is_taken_back_and_retried_exactly(
-    runner, photos, two_questions
+    llava, photos, two_questions
 ) -> None:
     """A paged decode step whose pass fails in its last layer after the others wrote (a CUDA
     out-of-memory error) takes every row's new position back, demotes the idle sessions and runs
     again: the answer is ``generate``'s and the pool holds what the sessions' tables list."""
     _ids_a, _ids_b, ref_a, _ref_b, _features, _common = two_questions
-    eng = make_engine(runner, decode_layout="paged")
+    eng = make_engine(llava, decode_layout="paged")
     eng.open("idle", photos["astronaut"])
     eng.open("a", photos["coffee"])
     a = eng.start("a", "What is in this image?", GREEDY)
@@ -356,7 +356,7 @@ def test_a_paged_decode_step_that_runs_out_of_memory_is_taken_back_and_retried_e
             failed.append(True)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    hook = runner.model.model.language_model.layers[-1].register_forward_pre_hook(out_of_memory_once)
+    hook = llava.model.model.language_model.layers[-1].register_forward_pre_hook(out_of_memory_once)
     try:
         while not a.done:
             eng.step([a])
@@ -367,12 +367,12 @@ def test_a_paged_decode_step_that_runs_out_of_memory_is_taken_back_and_retried_e
 
 
 @pytest.mark.parametrize("page_size", [PAGE, 0])
-def test_a_grant_is_what_the_ledger_books_for_it_whole_pages_in_the_pool(runner, photos, page_size) -> None:
+def test_a_grant_is_what_the_ledger_books_for_it_whole_pages_in_the_pool(llava, photos, page_size) -> None:
     """Admission's grants count what the ledger books: an open's is its features and its prefix's
     whole pages (positions without the pool), exactly what the session is booked once open; a
     remembered turn's is never less than what it is booked once answered, and more only by the
     page (or the position) of the answer's last token, which is never fed."""
-    eng = make_engine(runner, kv_page_size=page_size)
+    eng = make_engine(llava, kv_page_size=page_size)
     task = eng.begin_open("a", photos["coffee"])
     while not task.done:
         eng.step([task])
@@ -382,21 +382,19 @@ def test_a_grant_is_what_the_ledger_books_for_it_whole_pages_in_the_pool(runner,
     while not gen.done:
         eng.step([gen])
     grown = eng.store.device_bytes() - before  # the turn's prompt and answer, as booked
-    assert 0 <= gen.start_bytes - grown <= max(page_size, 1) * runner.kv_bytes_per_token
+    assert 0 <= gen.start_bytes - grown <= max(page_size, 1) * llava.kv_bytes_per_token
 
 
-def test_a_growth_out_of_memory_midway_leaves_the_pool_as_its_holders_see_it(
-    runner, two_questions, monkeypatch
-) -> None:
+def test_a_growth_out_of_memory_midway_leaves_the_pool_as_its_holders_see_it(llava, two_questions, monkeypatch) -> None:
     """The pool grows one tensor at a time (the device holds one grown tensor beside the pool, never
     a second pool). An out-of-memory error midway (faked: a CPU has none) leaves the pool's pages and
     the session's positions as they were; the retry grows only the tensors left, and the cache
     answers exactly."""
     ids_a, _ids_b, ref_a, _ref_b, features, _common = two_questions
-    text = runner.config.text_config
-    pool = KVPool(text.num_hidden_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, "cpu", num_pages=1)
+    text = llava.config.text_config
+    pool = KVPool(text.num_hidden_layers, llava.num_kv_heads, llava.head_dim, llava.dtype, "cpu", num_pages=1)
     cache = pool.new_cache()
-    runner.prefill(cache, ids_a[:10], features)
+    llava.prefill(cache, ids_a[:10], features)
     grown, calls = paged_kv._grown, []
 
     def out_of_memory_at_the_third(t, num_pages):
@@ -407,21 +405,21 @@ def test_a_growth_out_of_memory_midway_leaves_the_pool_as_its_holders_see_it(
 
     monkeypatch.setattr(paged_kv, "_grown", out_of_memory_at_the_third)
     with pytest.raises(torch.OutOfMemoryError):
-        runner.prefill(cache, ids_a, features)
+        llava.prefill(cache, ids_a, features)
     assert pool.pool.num_pages == pool.pages.num_pages == 1 and cache.table.num_tokens == 10
     tensors = len(pool.pages.keys) + len(pool.pages.values)
     grew = [t.shape[0] > 1 for t in pool.pages.keys + pool.pages.values]
     assert grew == [True, True] + [False] * (tensors - 2)  # two grew before the error
-    tokens = [int(runner.prefill(cache, ids_a, features).argmax())]
+    tokens = [int(llava.prefill(cache, ids_a, features).argmax())]
     assert len(calls) == 3 + tensors - 2  # the retry grew the others, not those two again
     while len(tokens) < N:
-        tokens.append(int(runner.decode(cache, tokens[-1]).argmax()))
+        tokens.append(int(llava.decode(cache, tokens[-1]).argmax()))
     assert tokens == ref_a
     assert {t.shape[0] for t in pool.pages.keys + pool.pages.values} == {pool.pool.num_pages}
     pool.check([cache.table])
 
 
-def test_the_worker_pools_kv_on_a_gpu_and_on_a_cpu_only_when_asked(runner) -> None:
+def test_the_worker_pools_kv_on_a_gpu_and_on_a_cpu_only_when_asked(llava) -> None:
     """``kv_pool: auto`` is the pool on a GPU and none on a CPU, where each session's own cache made
     8 image streams over HTTP faster (1.58-1.59x ``transformers serve`` against 1.33-1.39x);
     ``on`` / ``off`` choose on either."""
@@ -431,5 +429,5 @@ def test_the_worker_pools_kv_on_a_gpu_and_on_a_cpu_only_when_asked(runner) -> No
     assert [kv_page_size(v, True) for v in ("auto", "on", "off")] == [16, 16, 0]
     assert [kv_page_size(v, False) for v in ("auto", "on", "off")] == [0, 16, 0]
     budget = {"device_budget_bytes": 10**9}
-    assert build_engine(Settings(**budget), runner).runner.kv_pool is None
-    assert build_engine(Settings(kv_pool="on", **budget), runner).runner.kv_pool is not None
+    assert build_engine(Settings(**budget), llava).llava.kv_pool is None
+    assert build_engine(Settings(kv_pool="on", **budget), llava).llava.kv_pool is not None

@@ -24,11 +24,11 @@ def tiers(eng: SessionEngine) -> dict[str, Tier]:
     return {s.session_id: s.tier for s in eng.store.sessions()}
 
 
-def test_admission_demotes_nothing_the_open_s_first_step_makes_its_room(runner, photos):
-    probe = make_engine(runner)
+def test_admission_demotes_nothing_the_open_s_first_step_makes_its_room(llava, photos):
+    probe = make_engine(llava)
     probe.open("p", photos["astronaut"])
     one = probe.store.device_bytes()
-    eng = make_engine(runner, int(2.3 * one))  # room for two sessions
+    eng = make_engine(llava, int(2.3 * one))  # room for two sessions
     eng.open("a", photos["astronaut"])
     eng.open("b", photos["coffee"])
     held = eng.store.device_bytes()
@@ -45,8 +45,8 @@ def test_admission_demotes_nothing_the_open_s_first_step_makes_its_room(runner, 
     assert eng.store.device_bytes() <= eng.store.device_budget_bytes
 
 
-def test_a_rebuilt_batch_takes_exactly_the_bytes_its_plan_granted(runner, photos):
-    eng = make_engine(runner)
+def test_a_rebuilt_batch_takes_exactly_the_bytes_its_plan_granted(llava, photos):
+    eng = make_engine(llava)
     for sid, photo in (("a", "astronaut"), ("b", "coffee"), ("c", "rocket")):
         eng.open(sid, photos[photo])
     gens = [eng.start("a", Q, SamplingParams(max_new_tokens=12))]
@@ -65,7 +65,7 @@ def test_a_rebuilt_batch_takes_exactly_the_bytes_its_plan_granted(runner, photos
     assert rebuilds >= 3 and all(g.error is None for g in gens)
 
 
-def test_a_start_refused_memory_fails_alone_and_the_session_stays(runner, photos):
+def test_a_start_refused_memory_fails_alone_and_the_session_stays(llava, photos):
     """Two questions start in one step; the budget has room for the first's start only. The second
     fails with a 503 ``overloaded`` (its grant refused: the other session is answering, it cannot be
     demoted) and its session is as it was; the first answers exactly as alone (its decode batch's
@@ -75,25 +75,25 @@ def test_a_start_refused_memory_fails_alone_and_the_session_stays(runner, photos
     the start takes in the KV pool (as the ledger books them): ``kv_page_size=0`` (``DynamicCache``s,
     grants in positions) holds the same."""
     for pages in ({}, {"kv_page_size": 0}):
-        refused_start_fails_alone(runner, photos, pages)
+        refused_start_fails_alone(llava, photos, pages)
 
 
-def refused_start_fails_alone(runner, photos, pages: dict) -> None:
+def refused_start_fails_alone(llava, photos, pages: dict) -> None:
     params, params_b = SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=48, min_tokens=48)
-    probe = make_engine(runner, **pages)
+    probe = make_engine(llava, **pages)
     probe.open("a", photos["astronaut"])
     probe.open("b", photos["coffee"])
     held = probe.store.device_bytes()
     expected = probe.generate("a", Q, params, remember=False)
     expected_b = probe.generate("b", Q, params_b, remember=False)
     need_a = probe.start("a", Q, params, remember=False).start_bytes
-    eng = make_engine(runner, held + need_a + runner.kv_bytes_per_token // 2, **pages)
+    eng = make_engine(llava, held + need_a + llava.kv_bytes_per_token // 2, **pages)
     eng.open("a", photos["astronaut"])
     eng.open("b", photos["coffee"])
     assert eng.store.device_bytes() == held
     ga = eng.start("a", Q, params, remember=False)
     gb = eng.start("b", Q, params_b, remember=False)
-    assert gb.start_bytes > 2 * 16 * runner.kv_bytes_per_token  # more than the first can leave (under a page)
+    assert gb.start_bytes > 2 * 16 * llava.kv_bytes_per_token  # more than the first can leave (under a page)
     eng.step([ga, gb])
     assert gb.done and gb.error is not None and gb.error.code is ErrorCode.OVERLOADED
     assert gb.error.retry_after_s and "device memory" in gb.error.message
@@ -108,14 +108,14 @@ def refused_start_fails_alone(runner, photos, pages: dict) -> None:
     assert eng.store.device_bytes() <= eng.store.device_budget_bytes
 
 
-def test_work_listed_twice_in_a_step_runs_once(runner, photos):
+def test_work_listed_twice_in_a_step_runs_once(llava, photos):
     """``SessionEngine.step`` is public: an answer passed twice (a caller's slip) decodes one token
     per step and stays exact, instead of joining the decode batch twice."""
     params = SamplingParams(max_new_tokens=6)
-    expected = make_engine(runner)
+    expected = make_engine(llava)
     expected.open("a", photos["astronaut"])
     want = [t.id for t in expected.generate("a", Q, params, remember=False).tokens]
-    eng = make_engine(runner)
+    eng = make_engine(llava)
     eng.open("a", photos["astronaut"])
     gen = eng.start("a", Q, params, remember=False)
     steps = 0
@@ -126,7 +126,7 @@ def test_work_listed_twice_in_a_step_runs_once(runner, photos):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged", "static"])
-def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly(runner, photos, layout):
+def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly(llava, photos, layout):
     """Issue 43 item 4, vLLM's rule, on either decode batch (``static``: the paged one through the
     static decode step, over a pool fixed at the budget): three answers whose starts fit but whose
     growth together does not. Where the batch cannot grow (the contiguous batch laid out anew, or
@@ -141,17 +141,17 @@ def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exact
         "b": SamplingParams(max_new_tokens=120, ignore_eos=True, temperature=0.9, seed=7),
         "c": SamplingParams(max_new_tokens=120, ignore_eos=True),
     }
-    probe = make_engine(runner)
+    probe = make_engine(llava)
     for sid, photo in sessions.items():
         probe.open(sid, photos[photo])
     held = probe.store.device_bytes()
     alone = {sid: [t.id for t in probe.generate(sid, Q, params[sid], remember=False).tokens] for sid in sessions}
     if layout == "contiguous":
-        row = (700 + 64 + 120) * runner.kv_bytes_per_token  # one answer's row at its end, with the batch's spare
+        row = (700 + 64 + 120) * llava.kv_bytes_per_token  # one answer's row at its end, with the batch's spare
         budget = int(held + 1.2 * row)  # room for about one answer growing at a time
     else:  # the questions' pages and about one and a half answers' (every answer's pages are its session's)
-        budget = held + (3 * 32 + 180) * runner.kv_bytes_per_token
-    eng = make_engine(runner, budget, **LAYOUTS[layout])
+        budget = held + (3 * 32 + 180) * llava.kv_bytes_per_token
+    eng = make_engine(llava, budget, **LAYOUTS[layout])
     assert (eng.batch.layout().page_size > 0) == (layout != "contiguous")
     for sid, photo in sessions.items():
         eng.open(sid, photos[photo])

@@ -24,7 +24,7 @@ CLOSED = "X-Amzn-SageMaker-Closed-Session-Id"
 
 def test_devices_resolve_to_one_replica_per_gpu_or_the_list_given():
     auto = Settings.from_sources({})
-    assert resolve_devices(auto, cuda_count=0) == [""]  # one replica, the runner's own device choice
+    assert resolve_devices(auto, cuda_count=0) == [""]  # one replica, the model's own device choice
     assert resolve_devices(auto, cuda_count=1) == [""]
     assert resolve_devices(auto, cuda_count=4) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert resolve_devices(Settings.from_sources({"device": "cpu"}), cuda_count=4) == [""]

@@ -194,17 +194,17 @@ def test_three_times_oversubscribed_budget_loses_nothing_and_never_leaks(pressed
         assert post(pressed_server, {"type": "close_session"}, sid).status_code == 200
 
 
-def test_out_of_memory_demotes_others_retries_once_then_overloaded(runner, photos):
+def test_out_of_memory_demotes_others_retries_once_then_overloaded(llava, photos):
     eng = SessionEngine(
-        runner,
-        SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9, kv_bytes_per_token=runner.kv_bytes_per_token),
+        llava,
+        SessionStore(device_budget_bytes=10**10, host_budget_bytes=10**9, kv_bytes_per_token=llava.kv_bytes_per_token),
         lambda b: decode_image(b, max_pixels=40_000_000),
         EngineLimits(),
         check_invariants=True,
     )
     eng.open("other", photos["coffee"])
     eng.open("s", photos["astronaut"])
-    real_prefill = runner.prefill
+    real_prefill = llava.prefill
     failures = {"left": 1}
 
     def flaky_prefill(*args, **kwargs):  # the CUDA allocator's error, which CPU cannot produce
@@ -213,7 +213,7 @@ def test_out_of_memory_demotes_others_retries_once_then_overloaded(runner, photo
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_prefill(*args, **kwargs)
 
-    runner.prefill = flaky_prefill
+    llava.prefill = flaky_prefill
     try:
         a = eng.generate("s", "What is in this image?", SamplingParams(max_new_tokens=4))
         assert a.generated_tokens == 4 and eng.store.get("other").kv_cache is None  # demoted to make room
@@ -225,7 +225,7 @@ def test_out_of_memory_demotes_others_retries_once_then_overloaded(runner, photo
         s = eng.store.get("s")  # intact: same history, and it still answers
         assert s.history == before[1] and not s.busy and s.cached_ids == before[0][: len(s.cached_ids)]
     finally:
-        runner.prefill = real_prefill
+        llava.prefill = real_prefill
     assert eng.generate("s", "And now?", SamplingParams(max_new_tokens=4)).generated_tokens == 4
 
 

@@ -34,8 +34,8 @@ def only_sessions(eng: SessionEngine) -> list[str]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_seeded_samples_each_equal_the_request_alone_and_the_chosen_one_is_remembered(runner, photos, layout):
-    eng, alone = make_engine(runner, **LAYOUTS[layout]), make_engine(runner)
+def test_seeded_samples_each_equal_the_request_alone_and_the_chosen_one_is_remembered(llava, photos, layout):
+    eng, alone = make_engine(llava, **LAYOUTS[layout]), make_engine(llava)
     for e in (eng, alone):
         e.open("s", photos["astronaut"], history=[Turn("Hi", "Hello.")])
     params = SamplingParams(max_new_tokens=12, temperature=50.0, seed=7, n=4, session_choice=2)
@@ -66,8 +66,8 @@ def test_seeded_samples_each_equal_the_request_alone_and_the_chosen_one_is_remem
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_greedy_samples_are_the_same_answer(runner, photos, layout):
-    eng = make_engine(runner, **LAYOUTS[layout])
+def test_greedy_samples_are_the_same_answer(llava, photos, layout):
+    eng = make_engine(llava, **LAYOUTS[layout])
     eng.open("s", photos["coffee"])
     tokens = run(eng, eng.start("s", Q, SamplingParams(max_new_tokens=10, n=3), remember=False))
     assert (
@@ -79,10 +79,10 @@ def test_greedy_samples_are_the_same_answer(runner, photos, layout):
 
 
 @pytest.mark.parametrize("steps", [0, 1, 3])
-def test_an_abandoned_request_of_several_answers_leaves_the_session_as_before(runner, photos, steps):
+def test_an_abandoned_request_of_several_answers_leaves_the_session_as_before(llava, photos, steps):
     """Closed before its prefill, at its fork, or while its answers decode: the other answers' sessions
     go, the session is idle with its history and KV as before, and the next question answers exactly."""
-    eng = make_engine(runner, decode_layout="paged")
+    eng = make_engine(llava, decode_layout="paged")
     eng.open("s", photos["rocket"])
     before = list(eng.store.get("s").cached_ids)
     gen = eng.start("s", Q, SamplingParams(max_new_tokens=20, temperature=50.0, n=3))
@@ -95,8 +95,8 @@ def test_an_abandoned_request_of_several_answers_leaves_the_session_as_before(ru
     assert eng.generate("s", Q, SamplingParams(max_new_tokens=5)).generated_tokens == 5
 
 
-def test_one_answer_that_fails_fails_the_request_and_the_session_is_as_before(runner, photos):
-    eng = make_engine(runner)
+def test_one_answer_that_fails_fails_the_request_and_the_session_is_as_before(llava, photos):
+    eng = make_engine(llava)
     eng.open("s", photos["chelsea"])
     gen = eng.start("s", Q, SamplingParams(max_new_tokens=20, ignore_eos=True, n=3))
     eng.step([gen])
@@ -111,8 +111,8 @@ def test_one_answer_that_fails_fails_the_request_and_the_session_is_as_before(ru
     assert only_sessions(eng) == ["s"] and not eng.store.get("s").busy and eng.history("s") == []
 
 
-def test_admission_books_every_answer_and_refuses_a_request_whose_answers_cannot_all_start(runner, photos):
-    probe = make_engine(runner)
+def test_admission_books_every_answer_and_refuses_a_request_whose_answers_cannot_all_start(llava, photos):
+    probe = make_engine(llava)
     probe.open("s", photos["astronaut"])
     held = probe.store.device_bytes()
     one = probe.start("s", Q, SamplingParams(max_new_tokens=40), remember=False)
@@ -121,7 +121,7 @@ def test_admission_books_every_answer_and_refuses_a_request_whose_answers_cannot
     gen = probe.start("s", Q, four, remember=False)
     gen.close()
     assert gen.start_bytes >= 4 * one.start_bytes  # each other answer books its KV and features whole
-    eng = make_engine(runner, held + 3 * one.start_bytes, decode_layout="paged")
+    eng = make_engine(llava, held + 3 * one.start_bytes, decode_layout="paged")
     eng.open("s", photos["astronaut"])
     gen = eng.start("s", Q, four, remember=False)
     eng.step([gen])
@@ -130,12 +130,12 @@ def test_admission_books_every_answer_and_refuses_a_request_whose_answers_cannot
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exactly(runner, photos, layout):
+def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exactly(llava, photos, layout):
     """An older answer and a newer request of three whose starts fit but whose growth together does
     not: the newest answers (the request's, forked from its prompt) are preempted, recompute their KV
     from their own sessions' features when they resume, and every answer ends as it does alone."""
     params = SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=50.0, seed=3)
-    probe = make_engine(runner, **LAYOUTS[layout])
+    probe = make_engine(llava, **LAYOUTS[layout])
     probe.open("a", photos["astronaut"])
     probe.open("b", photos["coffee"])
     held = probe.store.device_bytes()
@@ -144,7 +144,7 @@ def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exact
     grant = probe.start("b", Q, dataclasses.replace(params, n=3), remember=False)
     grant.close()
     spare = 40 if layout == "paged" else 1500  # tokens: a contiguous rebuild lays the batch out beside the old one
-    eng = make_engine(runner, held + grant.start_bytes + spare * runner.kv_bytes_per_token, **LAYOUTS[layout])
+    eng = make_engine(llava, held + grant.start_bytes + spare * llava.kv_bytes_per_token, **LAYOUTS[layout])
     eng.open("a", photos["astronaut"])
     eng.open("b", photos["coffee"])
     first = eng.start("a", Q, SamplingParams(max_new_tokens=60, ignore_eos=True), remember=False)

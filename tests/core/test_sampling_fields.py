@@ -39,23 +39,23 @@ def ask(svc: SessionService, max_tokens: int = 10, **params) -> ChatCompletion:
     return ChatCompletion.model_validate_json(out.body)
 
 
-def ids_of(runner, text: str) -> list[int]:
-    return runner.tokenizer(text, add_special_tokens=False).input_ids
+def ids_of(llava, text: str) -> list[int]:
+    return llava.tokenizer(text, add_special_tokens=False).input_ids
 
 
-def test_logit_bias_forces_and_bans_tokens(svc, runner):
+def test_logit_bias_forces_and_bans_tokens(svc, llava):
     base = ask(svc)
-    first = ids_of(runner, base.choices[0].message.content)[0]
+    first = ids_of(llava, base.choices[0].message.content)[0]
     banned = ask(svc, logit_bias={str(first): -100})
-    assert first not in ids_of(runner, banned.choices[0].message.content)[:1]
-    forced_id = ids_of(runner, " cat")[-1]
+    assert first not in ids_of(llava, banned.choices[0].message.content)[:1]
+    forced_id = ids_of(llava, " cat")[-1]
     forced = ask(svc, max_tokens=4, logit_bias={str(forced_id): 100})
-    assert ids_of(runner, forced.choices[0].message.content) == [forced_id] * 4
+    assert ids_of(llava, forced.choices[0].message.content) == [forced_id] * 4
     assert forced.choices[0].finish_reason == "length"
 
 
-def test_end_of_sequence_with_min_tokens_and_ignore_eos(svc, runner):
-    eos = next(iter(runner.eos_token_ids))
+def test_end_of_sequence_with_min_tokens_and_ignore_eos(svc, llava):
+    eos = next(iter(llava.eos_token_ids))
     ends = ask(svc, logit_bias={str(eos): 100})
     assert ends.choices[0].finish_reason == "stop" and ends.usage.completion_tokens == 1
     later = ask(svc, logit_bias={str(eos): 100}, min_tokens=3)
@@ -64,13 +64,13 @@ def test_end_of_sequence_with_min_tokens_and_ignore_eos(svc, runner):
     assert never.choices[0].finish_reason == "length" and never.usage.completion_tokens == 6
 
 
-def test_stop_token_ids_end_the_answer_there(svc, runner):
+def test_stop_token_ids_end_the_answer_there(svc, llava):
     base = ask(svc)
-    third = ids_of(runner, base.choices[0].message.content)[2]
+    third = ids_of(llava, base.choices[0].message.content)[2]
     stopped = ask(svc, stop_token_ids=[third])
     assert stopped.choices[0].finish_reason == "stop"
-    assert ids_of(runner, stopped.choices[0].message.content)[-1] == third
-    assert len(ids_of(runner, stopped.choices[0].message.content)) <= 3
+    assert ids_of(llava, stopped.choices[0].message.content)[-1] == third
+    assert len(ids_of(llava, stopped.choices[0].message.content)) <= 3
 
 
 def test_min_p_of_one_keeps_only_the_most_likely_token(svc):
@@ -99,9 +99,9 @@ def test_the_fields_are_refused_out_of_range_and_logit_bias_names_token_ids(svc)
         assert out.status == 400 and error["param"] == param, (params, error)
 
 
-def test_skip_special_tokens_false_writes_them_but_an_ending_eos_writes_nothing(svc, runner):
-    eos = next(iter(runner.eos_token_ids))
-    eos_text = runner.tokenizer.convert_ids_to_tokens(eos)
+def test_skip_special_tokens_false_writes_them_but_an_ending_eos_writes_nothing(svc, llava):
+    eos = next(iter(llava.eos_token_ids))
+    eos_text = llava.tokenizer.convert_ids_to_tokens(eos)
     kept = ask(svc, max_tokens=3, logit_bias={str(eos): 100}, ignore_eos=True, skip_special_tokens=False)
     assert kept.choices[0].message.content == eos_text * 3 and kept.choices[0].finish_reason == "length"
     skipped = ask(svc, max_tokens=3, logit_bias={str(eos): 100}, ignore_eos=True)
@@ -111,10 +111,10 @@ def test_skip_special_tokens_false_writes_them_but_an_ending_eos_writes_nothing(
     assert ended.choices[0].message.content == "" and ended.choices[0].finish_reason == "stop"
 
 
-def test_spaces_between_special_tokens_either_way_writes_what_vllm_s_fast_detokenizer_writes(svc, runner):
+def test_spaces_between_special_tokens_either_way_writes_what_vllm_s_fast_detokenizer_writes(svc, llava):
     """vLLM decodes a fast tokenizer's tokens (llava-hf's are fast ones) with the tokenizers library's
     own decoder, which takes no such option: either value, the same text, the tokenizer's decode."""
-    eos = next(iter(runner.eos_token_ids))
+    eos = next(iter(llava.eos_token_ids))
     forced = {str(eos): 100}
     texts = {
         spaces: ask(
@@ -129,7 +129,7 @@ def test_spaces_between_special_tokens_either_way_writes_what_vllm_s_fast_detoke
         .message.content
         for spaces in (True, False)
     }
-    assert texts[True] == texts[False] == runner.tokenizer.decode([eos] * 3, skip_special_tokens=False)
+    assert texts[True] == texts[False] == llava.tokenizer.decode([eos] * 3, skip_special_tokens=False)
 
 
 # ---- max_tokens: up to the context, none = until the context ends (issue 32 item 2) ---------------
@@ -142,10 +142,10 @@ def capped(tiny_model_dir) -> SessionService:
     return build_service({**settings, "max_new_tokens_cap": 32, "default_max_new_tokens": 16})
 
 
-def test_max_tokens_goes_past_the_native_cap_up_to_what_the_context_leaves(capped, runner):
+def test_max_tokens_goes_past_the_native_cap_up_to_what_the_context_leaves(capped, llava):
     long = ask(capped, max_tokens=48, ignore_eos=True)
     assert long.usage.completion_tokens == 48 and long.choices[0].finish_reason == "length"
-    context = runner.max_positions
+    context = llava.max_positions
     body = {"messages": [{"role": "user", "content": "Tell me a story about a cat."}], "max_tokens": context}
     out = capped.handle([Row("too-long", "ts-seq-too-long", True, body)])[0]
     error = json.loads(out.body)["error"]
@@ -155,7 +155,7 @@ def test_max_tokens_goes_past_the_native_cap_up_to_what_the_context_leaves(cappe
     assert refused.status == 400 and "max_new_tokens" in json.loads(refused.body)["error"]["message"]
 
 
-def test_no_max_tokens_runs_until_the_context_ends(capped, runner):
+def test_no_max_tokens_runs_until_the_context_ends(capped, llava):
     """As vLLM and OpenAI: no limit but the context (the server's default is a native request's)."""
     body = {"messages": [{"role": "user", "content": "Tell me a story about a cat."}], "temperature": 0}
     rid = "no-limit"
@@ -164,7 +164,7 @@ def test_no_max_tokens_runs_until_the_context_ends(capped, runner):
         out = capped.handle([Row(rid, f"ts-seq-{rid}", True, None)])[0]
     reply = ChatCompletion.model_validate_json(out.body)
     assert reply.choices[0].finish_reason == "length"
-    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == runner.max_positions
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == llava.max_positions
 
 
 # ---- OpenAI's penalties, top_k, repetition_penalty, seed, max_completion_tokens through the chat dialect

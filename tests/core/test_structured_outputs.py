@@ -78,9 +78,9 @@ def test_a_json_schema_answer_is_json_matching_the_schema(svc):
     assert set(data["colors"]) <= {"red", "green", "blue"} and len(data["colors"]) <= 3
 
 
-def test_json_object_regex_and_choice(svc, runner):
+def test_json_object_regex_and_choice(svc, llava):
     # the random model would write one endless key; a bias towards closing it lets the object end
-    closing = {str(runner.tokenizer(c, add_special_tokens=False).input_ids[-1]): 30 for c in ('"', "}")}
+    closing = {str(llava.tokenizer(c, add_special_tokens=False).input_ids[-1]): 30 for c in ('"', "}")}
     as_object, as_regex, as_choice, vllm_json = ask(
         svc,
         _body(response_format={"type": "json_object"}, logit_bias=closing),

@@ -72,12 +72,12 @@ def video_model(request) -> LlavaModel:
     return request.getfixturevalue("ov" if request.param == "llava-onevision" else "next_video")
 
 
-def processor_video_tokens(runner, video) -> int:
+def processor_video_tokens(llava, video) -> int:
     """The checkpoint processor's own count of ``video``'s placeholders (``replace_video_token`` on
     the video's pixels)."""
-    pixels = preprocess_frames(video.frames, runner.video_preprocessing)
-    text = runner.processor.replace_video_token({"pixel_values_videos": pixels}, 0)
-    return text.count(runner.processor.video_token)
+    pixels = preprocess_frames(video.frames, llava.video_preprocessing)
+    text = llava.processor.replace_video_token({"pixel_values_videos": pixels}, 0)
+    return text.count(llava.processor.video_token)
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +85,18 @@ def clips() -> dict[str, bytes]:
     return {"astronaut": sample_clip("astronaut"), "coffee": sample_clip("coffee")}
 
 
-def engine(runner) -> SessionEngine:
+def engine(llava) -> SessionEngine:
     store = SessionStore(
         device_budget_bytes=10**10,
         host_budget_bytes=10**9,
-        kv_bytes_per_token=runner.kv_bytes_per_token,
+        kv_bytes_per_token=llava.kv_bytes_per_token,
         max_sessions=8,
         ttl_s=1200,
     )
-    return SessionEngine(runner, store, decode, EngineLimits(max_new_tokens_cap=4096), check_invariants=True)
+    return SessionEngine(llava, store, decode, EngineLimits(max_new_tokens_cap=4096), check_invariants=True)
 
 
-def reference(runner, turns: list[tuple[list, str, str | None]]) -> list[int]:
+def reference(llava, turns: list[tuple[list, str, str | None]]) -> list[int]:
     """Greedy tokens of ``generate`` from scratch on ``[(media opening the user message, question,
     answer or None for the last)]``; a medium is image bytes or a :class:`VideoBytes`. The images go
     through the checkpoint's own processor; each ``<video>`` id is expanded to the processor's count
@@ -112,18 +112,18 @@ def reference(runner, turns: list[tuple[list, str, str | None]]) -> list[int]:
         chat.append({"role": "user", "content": [*content, {"type": "text", "text": question}]})
         if answer is not None:
             chat.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-    text = runner.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    text = llava.processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     # the processor refuses <video> without its video processor (torchvision): the ids come from the
     # tokenizer, each placeholder expanded to the processor's own count of its medium
     pil = [decode_image(b, max_pixels=10**8) for b in images]
     sampled = [decode(v) for v in videos]
-    counts = runner.processor._get_num_multimodal_tokens(image_sizes=[(p.height, p.width) for p in pil] or None)
+    counts = llava.processor._get_num_multimodal_tokens(image_sizes=[(p.height, p.width) for p in pil] or None)
     assert len(images) <= 1, "several images take OneVision's several-image layout: not counted here"
     per_image = iter(getattr(counts, "num_image_tokens", None) or [])
-    per_video = iter(processor_video_tokens(runner, v) for v in sampled)
-    image_id, video_id = runner.config.image_token_id, runner.config.video_token_id
+    per_video = iter(processor_video_tokens(llava, v) for v in sampled)
+    image_id, video_id = llava.config.image_token_id, llava.config.video_token_id
     ids = []
-    for token in runner.tokenizer(text)["input_ids"]:
+    for token in llava.tokenizer(text)["input_ids"]:
         if token == image_id:
             ids += [image_id] * next(per_image)
         elif token == video_id:
@@ -132,15 +132,15 @@ def reference(runner, turns: list[tuple[list, str, str | None]]) -> list[int]:
             ids.append(token)
     kwargs = {}
     if images:
-        pixels = runner.processor.image_processor(images=pil, return_tensors="pt")
+        pixels = llava.processor.image_processor(images=pil, return_tensors="pt")
         kwargs = {"pixel_values": pixels["pixel_values"], "image_sizes": pixels["image_sizes"]}
     if sampled:
         kwargs["pixel_values_videos"] = torch.cat(
-            [preprocess_frames(v.frames, runner.video_preprocessing) for v in sampled]
+            [preprocess_frames(v.frames, llava.video_preprocessing) for v in sampled]
         )
     input_ids = torch.tensor([ids])
     with torch.inference_mode():
-        out = runner.model.generate(
+        out = llava.model.generate(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=N, do_sample=False, **kwargs
         )
     return out[0, input_ids.shape[1] :].tolist()
@@ -419,9 +419,9 @@ def test_a_video_opened_beside_a_running_answer_takes_its_frames_a_few_per_step(
     video = VideoBytes(clips["astronaut"], num_frames=6)
     opening = eng.begin_open("opened", video, image=decode(video))
     chunks: list[int] = []
-    real = eng.runner.encode_frames
+    real = eng.llava.encode_frames
     monkeypatch.setattr(
-        eng.runner, "encode_frames", lambda s, v, a, b: chunks.append(b - a) or real(s, v, a, b)
+        eng.llava, "encode_frames", lambda s, v, a, b: chunks.append(b - a) or real(s, v, a, b)
     )  # the real pass, watched: how many frames each step's piece ran
     budget = TimeBudget(step_ms=10_000, max_pass_tokens=4096, image_step_ratio=0.001)  # held to one frame a step
     steps_with_running = 0

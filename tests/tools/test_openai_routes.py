@@ -46,8 +46,8 @@ def data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
-def text_of(runner, ids: list[int]) -> str:
-    return runner.tokenizer.decode(ids, skip_special_tokens=True)
+def text_of(llava, ids: list[int]) -> str:
+    return llava.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def clients(server, local_endpoint) -> dict[str, openai.OpenAI]:
@@ -114,9 +114,9 @@ def test_v1_errors_and_replies_are_openais_alone(server):
     assert not internal & {name.lower() for name in reply.headers}, dict(reply.headers)
 
 
-def test_plain_image_and_streamed_turns_through_the_openai_package(server, local_endpoint, runner, photos):
+def test_plain_image_and_streamed_turns_through_the_openai_package(server, local_endpoint, llava, photos):
     cat = photos["chelsea"]
-    want = text_of(runner, reference(runner, None, [], "What is it?", [cat])[:N])
+    want = text_of(llava, reference(llava, None, [], "What is it?", [cat])[:N])
     for where, client in clients(server, local_endpoint).items():
         messages = [
             {
@@ -151,7 +151,7 @@ def test_plain_image_and_streamed_turns_through_the_openai_package(server, local
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens, where
         turns = [("What is it?", want, [cat])]
         assert second.choices[0].message.content == text_of(
-            runner, reference(runner, None, turns, "And its colour?", [])[:N]
+            llava, reference(llava, None, turns, "And its colour?", [])[:N]
         )
 
 
@@ -174,7 +174,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk_as_vllm_does
     assert chunks[-1].usage is not None and all(c.usage is None for c in chunks[:-1])
 
 
-def test_n_choices_through_the_openai_package_each_equal_to_its_seed_alone(server, runner, photos):
+def test_n_choices_through_the_openai_package_each_equal_to_its_seed_alone(server, llava, photos):
     """``n`` (OpenAI's and vLLM's): the prompt is prefilled once and each choice ``i`` of a request
     seeded ``s`` is the answer of the same request alone with seed ``s + i``; a stream interleaves
     the choices by index and ends each with its ``finish_reason``; ``usage`` counts every choice's
@@ -202,7 +202,7 @@ def test_n_choices_through_the_openai_package_each_equal_to_its_seed_alone(serve
     assert texts == alone and all(reasons)
     assert chunks[-1].usage.completion_tokens == many.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == many.usage.prompt_tokens
-    want = text_of(runner, reference(runner, None, [], "Hi", [photos["rocket"]])[:N])
+    want = text_of(llava, reference(llava, None, [], "Hi", [photos["rocket"]])[:N])
     greedy = create(client, messages=messages, n=4)
     assert [c.message.content for c in greedy.choices] == [want] * 4
 
@@ -274,7 +274,7 @@ def test_torchserve_paths_still_answer_through_the_front(server):
     assert stray.status_code == 404, stray.text
 
 
-def test_our_client_resends_without_a_session_and_sends_each_image_once(server, local_endpoint, runner, photos):
+def test_our_client_resends_without_a_session_and_sends_each_image_once(server, local_endpoint, llava, photos):
     from llava_client import SessionClient
     from test_local_endpoint import runtime_client
 
@@ -293,11 +293,11 @@ def test_our_client_resends_without_a_session_and_sends_each_image_once(server, 
         second = chat.ask("And its colour?", **greedy)
         assert chat.last_request_bytes < 2_000 < with_bytes, where  # the image went as its uuid
         turns = [("What is it?", first.text, [cat])]
-        assert second.text == text_of(runner, reference(runner, None, turns, "And its colour?", [])[:N]), where
+        assert second.text == text_of(llava, reference(llava, None, turns, "And its colour?", [])[:N]), where
         assert second.cached_tokens >= first.prompt_tokens, where
         third = "".join(chat.ask_stream("Where is it?", **greedy))
         turns.append(("And its colour?", second.text, []))
-        assert third == text_of(runner, reference(runner, None, turns, "Where is it?", [])[:N]), where
+        assert third == text_of(llava, reference(llava, None, turns, "Where is it?", [])[:N]), where
         assert chat.messages[-1] == {"role": "assistant", "content": third}
         # under another salt the server holds no image of this conversation: the turn is sent once
         # more with the image's bytes, and answered
@@ -305,7 +305,7 @@ def test_our_client_resends_without_a_session_and_sends_each_image_once(server, 
         fourth = chat.ask("Is it indoors?", **greedy)
         assert chat.last_request_bytes > with_bytes / 2 and fourth.cached_tokens == 0, where
         turns.append(("Where is it?", third, []))
-        assert fourth.text == text_of(runner, reference(runner, None, turns, "Is it indoors?", [])[:N]), where
+        assert fourth.text == text_of(llava, reference(llava, None, turns, "Is it indoors?", [])[:N]), where
         # the same in a session: the image's bytes once, then its uuid (the session remembers it)
         with client.chat_session() as session:
             in_session = client.conversation(session=session)
@@ -529,8 +529,8 @@ def test_overload_is_a_503_the_openai_package_raises_and_retries_after_retry_aft
             if chunk.choices and chunk.choices[0].finish_reason:
                 finished.append(chunk.choices[0].finish_reason)
 
-    runner = threading.Thread(target=long_answer)
-    runner.start()
+    llava = threading.Thread(target=long_answer)
+    llava.start()
     try:
         assert started.wait(60)
         with pytest.raises(openai.InternalServerError) as err:
@@ -542,5 +542,5 @@ def test_overload_is_a_503_the_openai_package_raises_and_retries_after_retry_aft
         assert reply.retries_taken >= 1  # waited out the Retry-After, then answered
         ChatCompletion.model_validate_json(reply.http_response.text)
     finally:
-        runner.join(120)
+        llava.join(120)
     assert finished == ["length"]
