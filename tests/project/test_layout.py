@@ -194,8 +194,16 @@ LAYERS: list[set[str]] = [
     {"wire.inbound", "images.fetch", "model.llava", "model.graphs", "sampling.sampler"},
     {"images", "video", "model", "engine.sequence", "chat.fields", "wire.affinity"},
     {"engine.samples"},
-    {"native.protocol", "chat.protocol", "sessions.session", "sessions.offload", "engine.admission", "engine.updates"},
-    {"chat.command", "sessions.store", "engine.decode_batch", "engine.paged_batch"},
+    {
+        "native.protocol",
+        "chat.protocol",
+        "sessions.session",
+        "sessions.offload",
+        "engine.admission",
+        "engine.inputs",
+        "engine.outputs",
+    },
+    {"chat.command", "sessions.store", "engine.decode_batch", "engine.paged_batch", "engine.executor"},
     {"chat.responses"},
     {"native.responses", "engine.model_runner"},
     {"engine.engine"},
@@ -529,7 +537,7 @@ def test_only_the_steps_plan_gets_device_memory() -> None:
             for node in ast.walk(fn):
                 if isinstance(node, ast.Attribute) and node.attr == "allocate" and _is_store(node.value):
                     sites.append(f"{path.relative_to(CORE).as_posix()}:{fn.name}")
-    assert sorted(set(sites)) == ["engine/updates.py:_batch_room", "engine/updates.py:_before_chunk"]
+    assert sorted(set(sites)) == ["engine/executor.py:_batch_room", "engine/executor.py:_before_chunk"]
 
 
 def _is_store(node: ast.expr) -> bool:

@@ -9,12 +9,14 @@ module            owns
 ``admission``     checks a request and makes its work (the one path for an image)
 ``model_runner``  ``ModelRunner``: executes a plan's forward passes (vision, prefill, batched decode)
 ``decode_batch``  ``DecodeBatch``: the running answers' KV as rows of one batch cache
-``updates``       ``StateUpdates``: restore/crop before a prefill; sample/finish after; undo on failure
+``executor``      ``StepExecutor``: carries out a plan (pieces, the decode step, its room and preemptions)
+``inputs``        ``StepInputs``: before a chunk (an answer's start: restore, crop; an image's tower)
+``outputs``       ``StepOutputs``: after a pass (sample, append, finish) and rollback on failure
 ``memory``        the default device budget, one retry after an out-of-memory error
 ``engine``        ``SessionEngine``: the public API; ``step`` = schedule → execute → update
 ================= ==============================================================================
 
-Imports point down: ``engine`` → ``admission`` / ``updates`` → ``model_runner`` → ``decode_batch``
+Imports point down: ``engine`` → ``admission`` / ``executor`` → ``inputs`` / ``outputs`` → ``model_runner`` → ``decode_batch``
 → ``memory``; ``sequence`` → ``scheduler`` → ``costs``; none of them imports ``engine`` at run time.
 """
 

@@ -9,9 +9,9 @@ conversation gives (fp32).
 The parts, as in nano-vllm's ``engine/``: admission (:mod:`.admission`) checks a request and makes
 its work (:class:`~.sequence.Generation`, :class:`~.sequence.ImageTask`, state only);
 :meth:`SessionEngine.step` asks the scheduler (:func:`~.scheduler.schedule`, plain data) what to
-run, has the model runner (:class:`~.model_runner.ModelRunner`) execute it, and applies what each
-piece needs and produces to the work and its session (:mod:`.updates`: restore and crop before a
-prefill, sample and finish after it, undo on failure). No HTTP, no JSON, no TorchServe.
+run and has the executor (:mod:`.executor`) carry the plan out: its memory and preemptions, what each
+piece needs first (:mod:`.inputs`), the model runner's passes, what they produce (:mod:`.outputs`).
+No HTTP, no JSON, no TorchServe.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ..sampling.params import SamplingParams
 from ..sessions.store import SessionStore
 from .admission import Admission, EngineLimits
 from .decode_batch import DecodeBatch
+from .executor import BatchRoom, StepExecutor
 from .memory import new_session_bytes
 from .model_runner import KV_PAGE_SIZE, DecodeLayout, ModelRunner
 from .paged_batch import PagedDecodeBatch
@@ -35,7 +36,6 @@ from .samples import runnable
 from .scheduler import TimeBudget, schedule
 from .sequence import Generation, ImageTask, Work
 from .sharing import ImageSharing, Unsalted, reusable_len
-from .updates import BatchRoom, StateUpdates
 
 if TYPE_CHECKING:
     from ..sessions.session import Session
@@ -69,8 +69,7 @@ class SessionEngine:
     Attributes:
         model: the loaded model; runner: the :class:`~.model_runner.ModelRunner` over it (every forward
             pass); batch: its decode batch.
-        num_reused_tokens / num_generated_tokens / num_preemptions: counters for metrics (prompt
-            tokens served from a KV cache; tokens sampled, finished answers or not; answers preempted).
+        num_reused_tokens / num_generated_tokens / num_preemptions: counters for metrics (below).
     """
 
     def __init__(
@@ -100,7 +99,7 @@ class SessionEngine:
         self.sharing = ImageSharing(store, model, enabled=share_images, unsalted=unsalted)
         page = self.runner.page_size
         self._admission = Admission(store, model, self.limits, self.sharing, decode_image, self, page)
-        self._update = StateUpdates(store, self.runner, self.sharing, decode_image)
+        self._execute = StepExecutor(store, self.runner, self.sharing, decode_image)
 
     @property
     def batch(self) -> DecodeBatch | PagedDecodeBatch:
@@ -115,17 +114,17 @@ class SessionEngine:
     @property
     def num_reused_tokens(self) -> int:
         """Prompt tokens served from a KV cache since start (for metrics)."""
-        return self._update.num_reused_tokens
+        return self._execute.inputs.num_reused_tokens
 
     @property
     def num_generated_tokens(self) -> int:
         """Tokens sampled since start, finished answers or not (for metrics)."""
-        return self._update.num_generated_tokens
+        return self._execute.outputs.num_generated_tokens
 
     @property
     def num_preemptions(self) -> int:
         """Answers preempted since start so that older ones could grow (for metrics)."""
-        return self._update.num_preemptions
+        return self._execute.num_preemptions
 
     def new_session_bytes(self, num_prefix_tokens: int, num_image_tokens: int | None = None) -> int:
         """Device bytes a new session takes in the ``kv`` tier (:func:`~.memory.new_session_bytes`)."""
@@ -475,17 +474,17 @@ class SessionEngine:
         pieces = list(plan.prefill)
         if plan.fuse:
             first = pieces.pop(0)
-            self._update.decode_with_chunk(gens, room, live[first.index], first)
+            self._execute.decode_with_chunk(gens, room, live[first.index], first)
         elif gens:
-            self._update.decode(gens, room)
+            self._execute.decode(gens, room)
         for piece in pieces:
-            self._update.run_piece(live[piece.index], piece)
+            self._execute.run_piece(live[piece.index], piece)
         self._check()
 
     def abandon(self, work: Work) -> None:
         """Abandon ``work`` (an answer or an added image leaves its session as before, an open's is removed)."""
         if not work.done:
-            self._update.put_back(work)
+            self._execute.outputs.put_back(work)
 
     def _run_whole(self, task: ImageTask) -> Any:
         """Step ``task`` alone without a budget until done; returns its result or raises its error."""

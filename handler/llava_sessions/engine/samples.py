@@ -13,8 +13,8 @@ batch like any other; one that is preempted recomputes its KV from its own sessi
 
 Only the head's answer becomes the session's turn (``session_choice`` picks which index the head
 is). Answer ``i`` samples with ``seed + i`` (:meth:`SamplingParams.for_sample`), so each answer can
-be repeated alone. The answers of a request succeed or fail together (:meth:`StateUpdates.fail
-<.updates.StateUpdates.fail>`), and admission books the memory of all of them.
+be repeated alone. The answers of a request succeed or fail together (:meth:`StepOutputs.fail
+<.outputs.StepOutputs.fail>`), and admission books the memory of all of them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,242 @@
+"""Executing a step's plan: its prefill pieces, its decode step, and the memory and preemptions it decides.
+
+Each prefill piece runs here (:meth:`StepExecutor.run_piece`: what comes before its chunk, then the
+chunk; the first rides the decode step's pass when the plan says so: :meth:`StepExecutor.decode_with_chunk`).
+Device memory comes with the plan only (scheduler rules 10-11): room is made here, for a piece's
+``grant_bytes`` and the decode batch's ``batch_bytes`` once the answers the plan preempts have left,
+and nowhere else. A preempted answer leaves the batch and resumes later with its KV recomputed. What a
+piece needs before its chunk is :mod:`.inputs`'; what a pass produces, :mod:`.outputs`'; the forward
+passes themselves, the model runner's. A failure is its own request's: the others in the step run on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import overloaded
+from .inputs import StepInputs
+from .memory import kv_grant_bytes
+from .outputs import StepOutputs
+from .samples import fork_samples
+from .scheduler import PrefillPiece, Room, make_room
+from .sequence import Generation, Phase, Work
+
+if TYPE_CHECKING:
+    from ..sessions.store import SessionStore
+    from .model_runner import ModelRunner
+    from .sharing import ImageSharing
+
+__all__ = ["BatchRoom", "StepExecutor"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRoom:
+    """A step's plan for its decode batch, as the engine carries it out: ``rebuild`` (lay it out anew
+    first), ``batch_bytes`` (room made for them once ``leaving`` left), ``leaving`` (the answers
+    ``decision`` preempts), ``decision`` (the scheduler's :class:`~.scheduler.Room`)."""
+
+    rebuild: bool
+    batch_bytes: int = 0
+    leaving: tuple[Generation, ...] = ()
+    decision: Room = Room()
+
+
+class StepExecutor:
+    """Carries out a step's plan (module docstring).
+
+    Args:
+        store: the sessions and their memory; runner: the model runner (every forward pass); sharing:
+        what other sessions hold; decode_image: encoded bytes -> image.
+
+    Attributes:
+        inputs: :class:`~.inputs.StepInputs` (before a chunk); outputs: :class:`~.outputs.StepOutputs`
+            (after a pass, and rollback).
+        num_preemptions: answers preempted so that older ones could grow (the plan's
+            :class:`~.scheduler.Room`, carried out by :meth:`_batch_room`).
+    """
+
+    def __init__(
+        self, store: SessionStore, runner: ModelRunner, sharing: ImageSharing, decode_image: Callable[[bytes], Any]
+    ) -> None:
+        self.store = store
+        self.runner = runner
+        self.model = runner.model
+        self.inputs = StepInputs(store, runner, sharing, decode_image)
+        self.outputs = StepOutputs(store, runner)
+        self.num_preemptions = 0
+
+    def decode(self, gens: list[Generation], room: BatchRoom) -> None:
+        """Run the decode step of ``gens`` together and sample each one's next token, once ``room``'s
+        plan is carried out (preemptions, then room made for the batch's bytes); a failed forward
+        pass fails every one of them (their sessions put back)."""
+        gens = self._batch_room(gens, room)
+        if not gens:
+            return
+        try:
+            logits = self.runner.decode(gens, rebuild=room.rebuild)
+        except Exception as exc:  # noqa: BLE001 - the batched step failed: each of its answers fails
+            for g in gens:
+                self.outputs.fail(g, exc)
+            return
+        except BaseException:
+            for g in gens:
+                self.outputs.put_back(g)
+            raise
+        self.outputs.accept_rows(gens, logits)
+
+    def _batch_room(self, gens: list[Generation], room: BatchRoom) -> list[Generation]:
+        """Carry out the plan's :class:`~.scheduler.Room` for the decode batch (scheduler rules 10-11):
+        free the rows' sessions' copies of their KV when it says ``unlend``, preempt the answers it
+        names (:meth:`_preempt`), then make room for the batch's bytes. When the step's earlier work
+        changed what the ledger holds since the plan (a fused piece's restore), the scheduler decides
+        again on the ledger's integers now (:func:`~.scheduler.make_room`). ``refused``: every answer
+        fails ``overloaded``. Returns the answers that decode this step."""
+        for attempt in (room, None):
+            if attempt is None:  # the plan's room was not there: decide again on what is held now
+                views = [g.view() for g in gens]
+                decision, batch_bytes = make_room(
+                    views, range(len(gens)), self.runner.batch.layout(), self.store.room_bytes()
+                )
+                attempt = BatchRoom(room.rebuild, batch_bytes, tuple(gens[i] for i in decision.preempt), decision)
+            if attempt.decision.refused:
+                break
+            if attempt.decision.unlend:
+                self.runner.batch.unlend()
+            for gone in attempt.leaving:
+                self._preempt(gone)
+            gens = [g for g in gens if g not in attempt.leaving]
+            if attempt.batch_bytes <= 0 or self.store.allocate(attempt.batch_bytes, keep=None):
+                return gens
+        for g in gens:
+            self.outputs.fail(g, overloaded("not enough device memory to decode now; retry later", "step_memory"))
+        return []
+
+    def _preempt(self, gen: Generation) -> None:
+        """Preempt ``gen``: its row leaves the batch unread and its session's KV is dropped (no copy;
+        the session keeps its image features), so it waits, then recomputes the KV of its prompt and
+        tokens so far (:attr:`~.sequence.Generation.prefill_ids`) and decodes on: the same tokens, as
+        greedy decoding and a seeded sampler give them. Its stream pauses meanwhile."""
+        batch = self.runner.batch
+        batch.drop(gen)
+        gen.session.drop_kv()
+        left = max(1, gen.room_tokens - len(gen.events))
+        # it resumes once room is made for its KV and for the batch it will join (the rebuild lays every
+        # row out anew beside the old batch): resuming sooner would only be preempted again
+        joined = batch.bytes_without([gen], [])
+        gen.preempt(kv_grant_bytes(self.model, self.runner.page_size, 0, len(gen.prefill_ids) + left) + joined)
+        self.num_preemptions += 1
+
+    def run_piece(self, w: Work, piece: PrefillPiece) -> None:
+        """Execute one prefill piece of a step's plan: what comes before its chunk (a waiting answer's
+        start, an image's vision tower), then the chunk in a pass of its own. A failure is ``w``'s
+        alone (its ``error`` set, its session put back)."""
+        self._piece(w, piece, stop_before_chunk=False)
+
+    def _piece(self, w: Work, piece: PrefillPiece, *, stop_before_chunk: bool) -> bool:
+        """Run ``piece`` of ``w``: its work before the chunk and, unless ``stop_before_chunk`` (the
+        caller runs the chunk), its chunk. A failure is ``w``'s alone (its ``error`` set, its session
+        put back).
+
+        Returns:
+            Whether a chunk is left for the caller to run (``stop_before_chunk`` only).
+        """
+        try:
+            if not self._before_chunk(w, piece):
+                return False
+            if stop_before_chunk:
+                return True
+            self._after_chunk(w, self.runner.prefill(w.session, self._ids(w), piece.num_tokens, w.timings)[0])
+        except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
+            self.outputs.fail(w, exc)
+        except BaseException:
+            self.outputs.fail(w, RuntimeError("interrupted"))
+            raise
+        return False
+
+    def decode_with_chunk(self, gens: list[Generation], room: BatchRoom, w: Work, piece: PrefillPiece) -> None:
+        """Rule 9 (:mod:`.scheduler`): the decode step of ``gens`` and ``piece``'s chunk in one forward
+        pass (``room``: as :meth:`decode`). When the piece runs no chunk after all, the decode step
+        runs alone; when the batch gets no room or the pass fails, each part runs on its own, so each
+        failure stays its own request's."""
+        if not self._piece(w, piece, stop_before_chunk=True):
+            self.decode(gens, room)
+            return
+        alone = dataclasses.replace(piece, vision=False, grant_bytes=0)  # its start ran: the chunk is left
+        gens = self._batch_room(gens, room)
+        if not gens:
+            self._piece(w, alone, stop_before_chunk=False)
+            return
+        try:
+            rows, last = self.runner.decode_with_chunk(
+                gens,
+                rebuild=room.rebuild,
+                session=w.session,
+                ids=self._ids(w),
+                num_tokens=piece.num_tokens,
+                timings=w.timings,
+            )
+        except Exception:  # noqa: BLE001 - whose failure it is, the parts alone tell
+            log.debug("the fused decode and prefill pass failed; running them apart", exc_info=True)
+            self.decode(gens, BatchRoom(room.rebuild))  # its room is made
+            self._piece(w, alone, stop_before_chunk=False)
+            return
+        except BaseException:
+            for g in gens:
+                self.outputs.put_back(g)
+            self.outputs.fail(w, RuntimeError("interrupted"))
+            raise
+        self.outputs.accept_rows(gens, rows)
+        try:
+            self._after_chunk(w, last)
+        except Exception as exc:  # noqa: BLE001
+            self.outputs.fail(w, exc)
+
+    def _before_chunk(self, w: Work, piece: PrefillPiece) -> bool:
+        """What runs before a piece's prefill chunk: room made for its ``grant_bytes`` (scheduler rule
+        10: the work's start; ``overloaded`` when none can be made), a waiting answer's start
+        (restore, crop), an image's vision tower. Returns False when the piece runs no chunk this step
+        (the vision tower took its share, or the image's prefix is all cached: then its task is finished)."""
+        if piece.grant_bytes and not self.store.allocate(piece.grant_bytes, keep=w.session):
+            if isinstance(w, Generation) and w.resuming:
+                return False  # a preempted answer waits for room (older answers end and free it)
+            raise w.no_room()
+        if isinstance(w, Generation):
+            if w.phase is Phase.WAITING:
+                self.inputs.start_generation(w)
+            return piece.num_tokens != 0
+        if piece.vision and piece.vision_ms is not None and self.inputs.encode_frames(w, piece.vision_ms):
+            return False  # a video's frames are left: the vision tower took this step's share
+        if piece.vision or not w.encoded:  # not a vision piece: features another session holds
+            self.inputs.encode_image_task(w)
+            if piece.vision and piece.num_tokens == 0:
+                return False  # the vision tower took this step's share
+        if len(w.session.cached_ids) < len(w.prefix):
+            return True
+        self.outputs.finish_image_task(w)
+        return False
+
+    def _after_chunk(self, w: Work, logits: Any) -> None:
+        """What follows a prefill chunk: an answer whose prompt is all prefilled samples its first
+        token; an image whose prefix is all cached is done."""
+        if isinstance(w, Generation):
+            if len(w.session.cached_ids) == len(w.prefill_ids):
+                resumed = w.resuming  # its next token is known: the decode step feeds it
+                first = not w.prefilled
+                w.prefilled_all()
+                if first and len(w.samples) > 1:  # the request's other answers start from this prompt
+                    fork_samples(w, self.model, self.outputs.accept, logits)
+                if not resumed:
+                    self.outputs.accept(w, logits)
+        elif len(w.session.cached_ids) == len(w.prefix):
+            self.outputs.finish_image_task(w)
+
+    @staticmethod
+    def _ids(w: Work) -> list[int]:
+        """The full token ids ``w`` prefills (an answer's prompt, and a resumed one's tokens so far;
+        an image's prefix)."""
+        return w.prefill_ids if isinstance(w, Generation) else w.prefix

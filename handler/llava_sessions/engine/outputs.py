@@ -1,0 +1,148 @@
+"""Processing a step's output: sample, append, finish, roll back.
+
+After a forward pass each answer samples its next token from its row of the logits and records it
+(:meth:`StepOutputs.accept`); a finished answer updates its session (the remembered turn, or the cache
+cropped back to the history's stable prefix) and releases it; an image task whose prefix is cached
+releases its session. On failure or abandonment the session is put back as it was before the request
+(:meth:`StepOutputs.put_back`: an answer's cache cropped to what it reused, an added image rolled
+back, an open's session removed); the answers of a request of several fail together.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..conversation import Turn, common_prefix_len
+from ..errors import ServiceError
+from ..results import FinishReason
+from .sequence import Generation, ImageTask, Work
+
+if TYPE_CHECKING:
+    from ..sessions.store import SessionStore
+    from .model_runner import ModelRunner
+
+__all__ = ["StepOutputs"]
+
+log = logging.getLogger(__name__)
+
+
+class StepOutputs:
+    """What a step's forward passes produce, applied to the work and its session (module docstring).
+
+    Args:
+        store: the sessions and their memory; runner: the model runner (its decode batch; its model's
+        end-of-sequence ids and template).
+
+    Attributes:
+        num_generated_tokens: tokens sampled, finished answers or not (a metrics counter).
+    """
+
+    def __init__(self, store: SessionStore, runner: ModelRunner) -> None:
+        self.store = store
+        self.runner = runner
+        self.model = runner.model
+        self.num_generated_tokens = 0
+
+    def accept_rows(self, gens: list[Generation], logits: torch.Tensor) -> None:
+        """Sample each of ``gens``' next token from its row of ``logits [B, vocab]`` (float32, the
+        decode step's); one that fails to sample fails alone."""
+        for g in gens:
+            if g.done:  # another answer of its request failed and took it along
+                continue
+            assert g.row is not None
+            try:
+                self.accept(g, logits[g.row])
+            except Exception as exc:  # noqa: BLE001
+                self.fail(g, exc)
+
+    def accept(self, gen: Generation, logits: torch.Tensor) -> None:
+        """Sample ``gen``'s next token from ``logits [vocab]`` (float32) and record it; finish the
+        answer when it ends there."""
+        token, logprob, top = gen.sampler.next_token(logits)
+        self.num_generated_tokens += 1
+        finish = gen.append(token, logprob, self.model.eos_token_ids, top)
+        if finish:
+            self._finish_generation(gen, finish)
+
+    def _finish_generation(self, gen: Generation, finish_reason: FinishReason) -> None:
+        """The answer ended: its KV comes back from the batch, the session keeps the turn (or its
+        cache is cropped back to the history's stable prefix) and is idle again."""
+        session = gen.session
+        generated = [e.id for e in gen.events]
+        kv = self.runner.batch.release(gen)
+        if kv is not None:  # the last token is not fed yet
+            session.take_back_kv(kv, gen.prompt_ids + generated[:-1])
+        if gen.head is not gen:  # another answer of a request of several: only the head's is remembered
+            self.store.discard(session)
+            gen.finish(finish_reason)
+            return
+        if gen.truncated_turns:  # what the model saw: the oldest turns left the context (not their images)
+            session.drop_oldest_turns(gen.truncated_turns)
+        if gen.remember:
+            session.remember(Turn(gen.prompt, gen.detokenizer.text, session.pending_images))
+        else:  # keep what the next question can reuse: the history's stable prefix
+            stable = self.model.template.prefix_ids(session.chat())
+            session.crop_kv(max(gen.num_reused_tokens, common_prefix_len(gen.prompt_ids, stable)))
+        session.check_invariants()
+        self.store.release(session)
+        gen.finish(finish_reason)
+
+    def finish_image_task(self, task: ImageTask) -> None:
+        """The prefix is cached: the session is idle again (within the budget) and the task has its result."""
+        self.store.release(task.session)
+        task.finish()
+
+    def fail(self, work: Work, exc: Exception) -> None:
+        """Record ``exc`` as ``work``'s error and put its session back (no-op once done). The answers
+        of a request of several fail together: every one not done is put back, and the head carries
+        the error even when its own answer had finished."""
+        if isinstance(work, Generation) and len(work.samples) > 1:
+            for gen in work.samples:
+                if not gen.done:
+                    gen.fail(exc)
+                    self.put_back(gen)
+            if work.head.error is None:
+                work.head.fail(exc)
+            return
+        if work.done:
+            return
+        work.fail(exc)
+        self.put_back(work)
+
+    def put_back(self, work: Work) -> None:
+        """End ``work`` without a result and leave its session as before the request: an answer's
+        cache cropped to what it reused (or dropped if a forward pass failed midway), an added
+        image rolled back, an open's session removed."""
+        work.end()
+        session = work.session
+        self.store.unpin(session)
+        if isinstance(work, Generation):
+            self._put_back_answer(work)
+            if work.head is not work:  # a sample session goes with its answer
+                self.store.discard(session)
+        elif work.kind_of_task == "open":
+            if session.session_id in self.store:
+                try:
+                    self.store.remove(session.session_id)
+                except ServiceError:
+                    pass
+            return
+        elif work.snapshot is not None:
+            session.rollback(work.snapshot, self.model.template.prefix_ids)
+
+    def _put_back_answer(self, gen: Generation) -> None:
+        session = gen.session
+        if gen.features_pending:  # a resent conversation's features were never assembled: rebuild from images
+            session.drop_features()
+            return
+        try:
+            kv = self.runner.batch.release(gen)
+            if kv is not None:
+                session.take_back_kv(kv, gen.prompt_ids + [e.id for e in gen.events][:-1])
+        except Exception:  # noqa: BLE001 - the row cannot be read back: rebuild the session from features
+            log.exception("could not read a session back from the decode batch")
+            session.drop_kv()
+        session.keep_kv(len(session.cached_ids) if not gen.prefilled else gen.num_reused_tokens)
