@@ -27,11 +27,17 @@ system-deps:
 	bash tests/system_deps.sh
 
 # the suite in TEST_WORKERS processes, each test file whole in one (its module fixtures start once);
-# two by default, one per core of the 2-core machine it is sized for
+# two by default, one per core of the 2-core machine it is sized for; then the tests that assert an
+# order of events in wall time (marker "timing") alone, with no other test's load beside them
 # (docs/decisions/55-the-suite-in-two-processes.md)
 TEST_WORKERS ?= 2
 test: install system-deps
-	$(PY) -m pytest -q -ra $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+ifeq ($(TEST_WORKERS),1)
+	$(PY) -m pytest -q -ra
+else
+	$(PY) -m pytest -q -ra -m "not timing" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -ra -m timing
+endif
 
 # The container's stack on its own: a fresh venv with what the image installs (the package, not
 # editable, its serve extra, config/constraints.txt), the project folder found through LLAVA_HOME

@@ -377,7 +377,7 @@ def new_engine(
     limits = EngineLimits(max_new_tokens_cap=4096)
     kw = {"kv_page_size": page_size, "decode_layout": layout, "cuda_graphs": graphs}
     engine = SessionEngine(llava, store, decode, limits, **kw)
-    executor = engine.llava
+    executor = engine.runner
     if paged_read not in (None, paged_read_of(engine)) and executor.graphs is not None and executor.kv_pool is not None:
         executor.graphs.close()
         executor.graphs = new_graphs(llava, executor.kv_pool, paged_read)
@@ -387,7 +387,7 @@ def new_engine(
 
 def paged_read_of(engine: SessionEngine) -> str:
     """How ``engine``'s static decode step reads the pages (``none`` without one)."""
-    graphs = engine.llava.graphs
+    graphs = engine.runner.graphs
     return graphs.paged_read if graphs is not None else "none"
 
 
@@ -498,13 +498,13 @@ def main(argv: list[str] | None = None) -> int:
     report.run("batch_one", lambda: timed_batch_one(engine, llava, images[1], args))
     report.run("aggregate", lambda: aggregate(engine, images, levels, args.new_tokens))
     report.run("turns", lambda: turns(engine, images, args.context, args.repeats))
-    if engine.llava.graphs is not None:
+    if engine.runner.graphs is not None:
         report.run("graphs", lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s))
     report.run("kv_pool", lambda: pool_report(engine, args.context))
     if not args.skip_peer:  # after the engine's rows: compiling the peer takes the longest
         report.run("peer", lambda: peer_static_generate(llava, images[2], args.new_tokens))
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
-    compare = compare and engine.llava.graphs is not None
+    compare = compare and engine.runner.graphs is not None
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
     release_memory(device)
     if not args.skip_other_layout and args.kv_page_size:
@@ -582,7 +582,7 @@ def timed_batch_one(engine: SessionEngine, llava: LlavaModel, image: bytes, args
 def pool_report(engine: SessionEngine, context: int) -> dict | None:
     """The KV pool's page size, pages, growths and bytes, and the sessions of ``context`` tokens its
     pages hold (issue 43: >= 100 at 600 on an 80 GB H100); None without a pool."""
-    pool = engine.llava.kv_pool
+    pool = engine.runner.kv_pool
     if pool is None:
         return None
     return {
@@ -619,7 +619,7 @@ def other_paged_read(llava: LlavaModel, read: PagedRead, images: list[bytes], le
     start_s = time.perf_counter() - t0
     b1 = timed_batch_one(engine, llava, images[1], args)
     rows = {"paged_attention": read, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
-    if engine.llava.graphs is not None:
+    if engine.runner.graphs is not None:
         rows["graphs"] = graphs_against_eager(engine, images, args.new_tokens, start_s)
     return rows
 

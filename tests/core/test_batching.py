@@ -104,9 +104,9 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos
         widths.add(eng.batch.num_live)
     assert max(widths) >= 3  # several answers really decoded together
     if layout == "static":  # every decode-only step went through the static step; the pool never grew
-        assert eng.llava.graphs is not None and eng.llava.graphs.num_eager >= 10
-        assert eng.llava.graphs.num_prefills >= 1  # a question no answer's step carried: one step's rows
-        assert eng.llava.kv_pool is not None and eng.llava.kv_pool.fixed and eng.llava.kv_pool.num_grows == 0
+        assert eng.runner.graphs is not None and eng.runner.graphs.num_eager >= 10
+        assert eng.runner.graphs.num_prefills >= 1  # a question no answer's step carried: one step's rows
+        assert eng.runner.kv_pool is not None and eng.runner.kv_pool.fixed and eng.runner.kv_pool.num_grows == 0
     for sid, gen in gens.items():
         assert gen.error is None and gen.answer is not None
         got, want = gen.answer.tokens, expected[sid]
@@ -227,7 +227,7 @@ def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(ll
             assert len(ga.events) == before + 1  # the running answer moved this step
             steps_with_both += 1
     assert steps_with_both >= 10  # the open and the re-prefill took many budget-limited steps
-    assert eng.llava.num_fused_passes >= 10  # their chunks rode the decode steps
+    assert eng.runner.num_fused_passes >= 10  # their chunks rode the decode steps
     assert opening.error is None and opening.result.prefix_tokens == len(opening.prefix)
     assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
     assert [t.id for t in gb.answer.tokens] == [t.id for t in expected["b"]]
@@ -257,19 +257,19 @@ def test_a_later_piece_runs_its_vision_tower_alone_in_the_time_its_step_has_left
     gb = eng.start("b", CASES[1][3], CASES[1][4], remember=False)
     opening = eng.begin_open("new", small_photos["rocket"])  # an image no session holds
     cost = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0, decode_alone_ms=30.0)
-    monkeypatch.setattr(eng.llava.costs, "estimate", lambda: cost)
+    monkeypatch.setattr(eng.runner.costs, "estimate", lambda: cost)
     question = gb.view().num_prefill_tokens  # its chunk rides the decode pass: 1 ms a token
     budget = TimeBudget(step_ms=30.0 + question + 60.0, max_pass_tokens=4096, image_step_ratio=None)
     encoded = []
-    real = eng.llava.encode
-    monkeypatch.setattr(eng.llava, "encode", lambda s, images: encoded.append(s.session_id) or real(s, images))
-    fused = eng.llava.num_fused_passes
+    real = eng.runner.encode
+    monkeypatch.setattr(eng.runner, "encode", lambda s, images: encoded.append(s.session_id) or real(s, images))
+    fused = eng.runner.num_fused_passes
     eng.step([ga, gb, opening], prefill_budget=budget)  # 60 ms left: the tower (50), no 16-token pass (86)
     assert encoded == ["new"] and cache_len(eng.store.get("new").kv_cache) == 0
-    assert gb.prefilled and eng.llava.num_fused_passes == fused + 1
+    assert gb.prefilled and eng.runner.num_fused_passes == fused + 1
     before = len(ga.events)
     eng.step([ga, gb, opening], prefill_budget=budget)  # the open's first chunk rides the decode pass whole
-    assert len(ga.events) == before + 1 and eng.llava.num_fused_passes == fused + 2
+    assert len(ga.events) == before + 1 and eng.runner.num_fused_passes == fused + 2
     assert cache_len(eng.store.get("new").kv_cache) == budget.step_ms - cost.decode_ms
     while not (ga.done and gb.done and opening.done):
         eng.step([w for w in (ga, gb, opening) if not w.done], prefill_budget=budget)
@@ -387,7 +387,7 @@ def test_a_riding_piece_that_cannot_start_fails_alone_and_the_decode_step_still_
     eng.step([ga, gb])
     del eng._execute.inputs.start_generation
     assert gb.done and gb.error is not None and gb.error.code is ErrorCode.OVERLOADED
-    assert len(ga.events) == before + 1 and eng.llava.num_fused_passes == 0  # the decode step ran alone
+    assert len(ga.events) == before + 1 and eng.runner.num_fused_passes == 0  # the decode step ran alone
     assert not eng.store.get("b").busy
     while not ga.done:
         eng.step([ga])

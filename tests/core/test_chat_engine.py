@@ -244,15 +244,15 @@ def test_a_chat_turn_on_a_new_image_waiting_behind_a_question_encodes_it_in_the_
     follow = eng.start_chat("a2", target(None, [], "Describe it.", [photos["astronaut"]]), GREEDY)  # a held image
     fresh = eng.start_chat("b", target(None, [], "What is in this image?", [photos["coffee"]]), GREEDY)
     cost = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0, decode_alone_ms=30.0)
-    monkeypatch.setattr(eng.llava.costs, "estimate", lambda: cost)
+    monkeypatch.setattr(eng.runner.costs, "estimate", lambda: cost)
     budget = TimeBudget(step_ms=30.0 + follow.view().num_prefill_tokens + 60.0, max_pass_tokens=4096)
     counter = EncodeCounter(llava, monkeypatch)
     eng.step([running, follow, fresh], prefill_budget=budget)  # 60 ms left: the coffee's tower, no pass
     assert counter.calls == 1 and follow.prefilled and not fresh.view().needs_vision
     assert len(fresh.session.cached_ids) == 0
-    fused = eng.llava.num_fused_passes
+    fused = eng.runner.num_fused_passes
     eng.step([running, follow, fresh], prefill_budget=budget)  # its first chunk rides the decode pass
-    assert eng.llava.num_fused_passes == fused + 1 and len(fresh.session.cached_ids) > 0
+    assert eng.runner.num_fused_passes == fused + 1 and len(fresh.session.cached_ids) > 0
     while not all(g.done for g in (running, follow, fresh)):
         eng.step([g for g in (running, follow, fresh) if not g.done], prefill_budget=budget)
     assert counter.calls == 1

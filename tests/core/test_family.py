@@ -331,10 +331,10 @@ def test_prefill_chunks_riding_the_decode_step_match_generate(family, small_phot
     work = [running, asking, opening]
     while not all(w.done for w in work):
         eng.step([w for w in work if not w.done], prefill_budget=24)
-    assert eng.llava.num_fused_passes >= 3
+    assert eng.runner.num_fused_passes >= 3
     assert running.error is None and asking.error is None and opening.error is None
     assert ids(running.answer) == reference(llava, [([img1], q, None)])[0]
     assert ids(asking.answer) == reference(llava, [([img2], q, None)])[0]
     assert ids(eng.generate("opened", q, GREEDY)) == reference(llava, [([img3], q, None)])[0]
     if static:  # the decode-only steps ran at static shapes
-        assert eng.llava.graphs is not None and eng.llava.graphs.num_eager >= 3
+        assert eng.runner.graphs is not None and eng.runner.graphs.num_eager >= 3

@@ -161,13 +161,14 @@ def test_ecosystem_stream_readers_parse_every_line_over_http(server, photos):
     post(server, {"type": "close_session"}, session_id=sid)
 
 
+@pytest.mark.timing
 def test_two_sessions_interleave_without_blocking_or_leaking(server, photos):
     """While one session streams a long answer, another session's question is answered beside it: its
-    answer starts streaming while the long one still streams (it does not wait for the other to end or
+    whole answer arrives while the long one is still streaming (neither waits for the other to end or
     to idle out), and each is its own image's answer, equal to the one given alone. The long stream is
     running when the second is sent (its first chunk is in) and outlasts it by hundreds of tokens, so
-    the order of the two requests' arrival cannot decide the outcome. (That the short answer also ends
-    first holds in one test process; one two-process run in three saw it end 1.6 s after the long one.)"""
+    the order of the two requests' arrival cannot decide the outcome. A timing test: under another
+    test process's load the second request's way in can take as long as the whole long answer."""
     a, _ = open_session(server, photos["astronaut"])
     b, _ = open_session(server, photos["rocket"])
     q = "What is in this image?"
@@ -194,7 +195,7 @@ def test_two_sessions_interleave_without_blocking_or_leaking(server, photos):
         fb = pool.submit(timed_stream, b, short_params)
         (sa, ta), (sb, tb) = fa.result(), fb.result()
     assert ta == alone_a["generated_text"] and tb == alone_b["generated_text"]  # each its own image's answer
-    assert sb[0] < sa[-1]  # b's answer streamed while a still streamed: it did not wait for a to end
+    assert sb[-1] < sa[-1]  # b's whole answer came while a still streamed: it did not wait for a to end
     for s in (a, b):
         post(server, {"type": "close_session"}, session_id=s)
 

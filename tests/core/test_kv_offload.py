@@ -44,19 +44,19 @@ def test_a_demoted_sessions_kv_goes_to_the_host_and_back_without_a_prefill_and_a
         eng.open(sid, photos["coffee"])
         first = eng.generate(sid, FIRST, GREEDY)
         held = len(eng.store.get(sid).cached_ids)
-        pool_used = eng.llava.kv_pool.num_used_bytes()
+        pool_used = eng.runner.kv_pool.num_used_bytes()
         eng.store.demote(sid, Tier.FEATURES)
         if tier is Tier.IMAGE:
             eng.store.demote(sid, Tier.IMAGE)
         assert eng.store.get(sid).tier is tier and eng.store.ledger.entry(sid).num_kv_tokens == 0
-        assert eng.llava.kv_pool.num_used_bytes() < pool_used  # its pages went back to the pool
+        assert eng.runner.kv_pool.num_used_bytes() < pool_used  # its pages went back to the pool
         assert sid in eng.store.offload and eng.store.offload.num_bytes == held * llava.kv_bytes_per_token
         gauges = WorkerMetrics(None).snapshot(eng)["gauges"]
         assert gauges[("KVOffloadBytes", ())] == held * llava.kv_bytes_per_token
-        prefilled = eng.llava.num_prefilled_tokens
+        prefilled = eng.runner.num_prefilled_tokens
         second = eng.generate(sid, NEXT, GREEDY)
         assert second.restored_from == tier.value and second.cached_tokens == ref_next.cached_tokens > held - 20
-        assert eng.llava.num_prefilled_tokens - prefilled < 40  # the question's tokens, not the ~600 held
+        assert eng.runner.num_prefilled_tokens - prefilled < 40  # the question's tokens, not the ~600 held
         assert [ids(first), ids(second)] == want
         assert sid not in eng.store.offload and eng.store.offload.num_bytes == 0
     assert eng.store.stats.num_kv_offloads == 2 and eng.store.offload.num_loads == 2
@@ -69,10 +69,10 @@ def test_without_an_offload_budget_a_demoted_session_prefills_again_exactly(llav
     first = eng.generate("s", FIRST, GREEDY)
     eng.store.demote("s", Tier.FEATURES)
     assert "s" not in eng.store.offload and eng.store.stats.num_kv_offloads == 0
-    prefilled = eng.llava.num_prefilled_tokens
+    prefilled = eng.runner.num_prefilled_tokens
     second = eng.generate("s", NEXT, GREEDY)
     assert second.restored_from == "features" and second.cached_tokens == 0
-    assert eng.llava.num_prefilled_tokens - prefilled > 500
+    assert eng.runner.num_prefilled_tokens - prefilled > 500
     ref = make_engine(llava)
     ref.open("s", photos["coffee"])
     assert [ids(ref.generate("s", FIRST, GREEDY)), ids(ref.generate("s", NEXT, GREEDY))] == [ids(first), ids(second)]
@@ -126,7 +126,7 @@ def test_a_copy_is_reused_only_under_the_images_it_was_computed_over(llava, phot
     assert offload.offload(session)
     held = offload.take("s")
     assert held is not None and held.image_keys == session.image_keys
-    cache = eng.llava.new_cache()
+    cache = eng.runner.new_cache()
     assert offload.load(held, cache, [*held.ids, 1], ["another image"]) == 0 and len(cache.table.pages) == 0
     n = offload.load(held, cache, [*held.ids, 1], list(session.image_keys))
     assert n == len(held.ids) and cache.table.num_tokens == n

@@ -222,7 +222,7 @@ def test_an_engine_holds_its_sessions_kv_in_the_pool_and_an_image_prefix_once(ll
     full prefix pages by reference, the ledger books each session's pages, and closing frees all."""
     _ids_a, _ids_b, ref_a, ref_b, _features, common = two_questions
     eng = make_engine(llava)
-    pool = eng.llava.kv_pool
+    pool = eng.runner.kv_pool
     assert pool is not None
     eng.open("a", photos["coffee"])
     a = eng.generate("a", "What is in this image?", GREEDY)
@@ -251,7 +251,7 @@ def test_an_engine_holds_its_sessions_kv_in_the_pool_and_an_image_prefix_once(ll
 def test_without_pages_sessions_keep_dynamic_caches_and_the_same_tokens(llava, photos, two_questions) -> None:
     _ids_a, _ids_b, ref_a, _ref_b, _features, _common = two_questions
     eng = make_engine(llava, kv_page_size=0)
-    assert eng.llava.kv_pool is None
+    assert eng.runner.kv_pool is None
     eng.open("a", photos["coffee"])
     a = eng.generate("a", "What is in this image?", GREEDY)
     assert [t.id for t in a.tokens] == ref_a and not isinstance(eng.store.get("a").kv_cache, SessionKV)
@@ -307,7 +307,7 @@ def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(l
     booked bytes are the pages it holds, its answer's among them."""
     _ids_a, _ids_b, ref_a, ref_b, _features, _common = two_questions
     eng = make_engine(llava, decode_layout="paged")
-    pool = eng.llava.kv_pool
+    pool = eng.runner.kv_pool
     assert isinstance(eng.batch, PagedDecodeBatch) and pool is not None
     eng.open("a", photos["coffee"])
     eng.open("b", photos["coffee"])
@@ -317,7 +317,7 @@ def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(l
         eng.step([a])
     b = eng.start("b", "Describe the colours, please.", GREEDY)
     eng.step([a, b])  # b's prompt rides a's decode step and samples its first token: b joins next step
-    assert b.row is None and len(b.events) == 1 and eng.llava.num_fused_passes == 1
+    assert b.row is None and len(b.events) == 1 and eng.runner.num_fused_passes == 1
     copied, alone = pool.pages.num_copied_bytes, 0
     while not b.done:
         eng.step([g for g in (a, b) if not g.done])
@@ -429,5 +429,5 @@ def test_the_worker_pools_kv_on_a_gpu_and_on_a_cpu_only_when_asked(llava) -> Non
     assert [kv_page_size(v, True) for v in ("auto", "on", "off")] == [16, 16, 0]
     assert [kv_page_size(v, False) for v in ("auto", "on", "off")] == [0, 16, 0]
     budget = {"device_budget_bytes": 10**9}
-    assert build_engine(Settings(**budget), llava).llava.kv_pool is None
-    assert build_engine(Settings(kv_pool="on", **budget), llava).llava.kv_pool is not None
+    assert build_engine(Settings(**budget), llava).runner.kv_pool is None
+    assert build_engine(Settings(kv_pool="on", **budget), llava).runner.kv_pool is not None

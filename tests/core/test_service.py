@@ -174,8 +174,8 @@ def test_the_decode_layout_kv_pool_and_enforce_eager_settings_reach_the_engine(t
     ]
     for settings, paged, pool in cases:
         engine = tiny_service(tiny_model_dir, **settings).engine
-        assert (engine.batch.layout().page_size > 0, engine.llava.kv_pool is not None) == (paged, pool), settings
-        assert engine.llava.graphs is None
+        assert (engine.batch.layout().page_size > 0, engine.runner.kv_pool is not None) == (paged, pool), settings
+        assert engine.runner.graphs is None
 
 
 def _stream_texts(svc: SessionService, bodies: list[dict]) -> list[tuple[str, str | None]]:
@@ -288,7 +288,7 @@ def test_a_lone_cold_turn_is_prefilled_in_one_pass_and_one_beside_a_stream_in_ti
     tokens and log-probabilities its ``logprobs`` list, beside the text) as the same turn prefilled
     in one pass."""
     svc = tiny_service(tiny_model_dir, step_max_tokens=1, fuse_prefill=fuse)
-    learning = svc.engine.llava.costs = CountedCosts(StepCost(), pinned=False)
+    learning = svc.engine.runner.costs = CountedCosts(StepCost(), pinned=False)
     body = {**chat_image_body(photos["chelsea"], stream=False, max_tokens=6), "logprobs": True}
     alone = [Row("a1", "ts-seq-a1", True, body)]
     answer_alone = json.loads(finish(svc, alone, svc.handle(alone))["a1"].body)
@@ -300,14 +300,14 @@ def test_a_lone_cold_turn_is_prefilled_in_one_pass_and_one_beside_a_stream_in_ti
     # 40 ms a step, 5 of them the decode step, 1 ms a token: 35 tokens a chunk riding the decode step's
     # pass, whose fixed cost is paid, or 30 in a pass of its own (5 ms fixed); the first chunk also pays
     # the vision tower's 20 ms: 15 or 10 tokens
-    pinned = svc.engine.llava.costs = CountedCosts(StepCost(5.0, 1.0, 5.0, 20.0), pinned=True)
+    pinned = svc.engine.runner.costs = CountedCosts(StepCost(5.0, 1.0, 5.0, 20.0), pinned=True)
     svc.step_budget = dataclasses.replace(svc.step_budget, step_ms=40.0)
     other_salt = {**alone[0].body, "cache_salt": "elsewhere"}  # shares nothing with a1: a full prefill
     rows = [Row("b1", "ts-seq-b1", False, None), Row("a2", "ts-seq-a2", True, other_salt)]
     last = finish(svc, rows, svc.handle(rows))
     assert json.loads(last["b1"].body)["usage"]["completion_tokens"] == 60  # it decoded throughout
     assert pinned.passes[0] == first and set(pinned.passes[1:-1]) == {chunk} and sum(pinned.passes) == prompt_tokens
-    assert (svc.engine.llava.num_fused_passes > 0) is fuse
+    assert (svc.engine.runner.num_fused_passes > 0) is fuse
     chunked = json.loads(last["a2"].body)["choices"][0]
     assert chunked["message"] == answer_alone["choices"][0]["message"]
     tokens = [(t["token"], t["bytes"]) for t in chunked["logprobs"]["content"]]
@@ -323,7 +323,7 @@ def test_an_open_beside_a_stream_is_held_to_its_decode_steps_and_opens_the_same_
     ``max_step_ratio_while_opening`` (5 here) decode steps alone, not ``max_step_ms_while_decoding``;
     the session it opens answers the same as one opened alone."""
     svc = tiny_service(tiny_model_dir, step_max_tokens=1, max_step_ratio_while_opening=5, share_images=False)
-    learning = svc.engine.llava.costs = CountedCosts(StepCost(), pinned=False)
+    learning = svc.engine.runner.costs = CountedCosts(StepCost(), pinned=False)
     open_sessions(svc, open_row("o1", "ts-seq-o1", photos["chelsea"]))
     prefix_tokens = learning.passes[0]
     assert learning.passes == [prefix_tokens]  # alone: its whole prefix in one pass
@@ -332,13 +332,13 @@ def test_an_open_beside_a_stream_is_held_to_its_decode_steps_and_opens_the_same_
     svc.handle([Row("b1", "ts-seq-b1", False, None)])  # it decodes now
     # the step's 40 ms would give a chunk 35 tokens; an open is held to 5 x 5 ms (the decode step
     # alone): 20 tokens a chunk riding the decode step's pass, after a first step of the tower alone
-    pinned = svc.engine.llava.costs = CountedCosts(StepCost(5.0, 1.0, 5.0, 20.0, decode_alone_ms=5.0), pinned=True)
+    pinned = svc.engine.runner.costs = CountedCosts(StepCost(5.0, 1.0, 5.0, 20.0, decode_alone_ms=5.0), pinned=True)
     svc.step_budget = dataclasses.replace(svc.step_budget, step_ms=40.0)
     rows = [Row("b1", "ts-seq-b1", False, None), open_row("o2", "ts-seq-o2", photos["chelsea"])]
     last = finish(svc, rows, svc.handle(rows))
     assert json.loads(last["b1"].body)["usage"]["completion_tokens"] == 200  # it decoded throughout
     assert set(pinned.passes[:-1]) == {20} and sum(pinned.passes) == prefix_tokens, pinned.passes
-    assert svc.engine.llava.num_fused_passes >= len(pinned.passes)
+    assert svc.engine.runner.num_fused_passes >= len(pinned.passes)
     q = {"type": "generate", "prompt": "What is in this image?", "parameters": {"max_new_tokens": 8}}
     a1, a2 = (answer_of(svc, f"q{i}", f"ts-seq-o{i}", q) for i in (1, 2))
     assert a2["generated_text"] == a1["generated_text"]
