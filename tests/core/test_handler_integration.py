@@ -168,7 +168,7 @@ def test_two_sessions_interleave_without_blocking_or_leaking(server, photos):
     to idle out), and each is its own image's answer, equal to the one given alone. The long stream is
     running when the second is sent (its first chunk is in) and outlasts it by hundreds of tokens, so
     the order of the two requests' arrival cannot decide the outcome. A timing test: under another
-    test process's load the second request's way in can take as long as the whole long answer."""
+    test process's load the whole long answer takes about as long as a request's way in."""
     a, _ = open_session(server, photos["astronaut"])
     b, _ = open_session(server, photos["rocket"])
     q = "What is in this image?"
