@@ -4,8 +4,8 @@ One model, ``--rows`` sessions on one photo, each asked its own question (prompt
 ``bench``), then decoding together. Measured, interleaved round by round, medians of ``--rounds``:
 
 1. **the decode step**: ms per step of all rows in one forward pass, (a) over the contiguous,
-   left-padded :class:`~llava_sessions.model.kv_cache.BatchKVCache` the engine uses, (b) over the
-   pool through :class:`~llava_sessions.model.paged_kv.PagedBatchCache` (attention reads each row's
+   left-padded :class:`~llava_sessions.model.kv.cache.BatchKVCache` the engine uses, (b) over the
+   pool through :class:`~llava_sessions.model.kv.paged.PagedBatchCache` (attention reads each row's
    pages gathered);
 2. **a row joining**: what laying the batch out anew costs the contiguous layout (every member's KV
    copied: bytes and ms) against the pool's (a row joins by its table: 0 bytes);
@@ -37,8 +37,8 @@ import torch
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
-from llava_sessions.model.paged_kv import KVPages, PagedBatchCache, PagedCache
-from llava_sessions.model.pages import PagePool, PageTable, fork, release, reserve
+from llava_sessions.model.kv.paged import KVPages, PagedBatchCache, PagedCache
+from llava_sessions.model.kv.pages import PagePool, PageTable, fork, release, reserve
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
 from llava_tools.tiny_model import write_checkpoint

@@ -3,7 +3,7 @@ item 2, "choose the kernel per device by measurement").
 
 One decode step's attention in one layer: ``rows`` queries ``[rows, heads, 1, head_dim]``, each over its
 own ``length`` cached positions, which sit in pages of ``page_size`` positions scattered through a
-pool laid out as the engine's (:class:`~llava_sessions.model.paged_kv.KVPages`: ``[pages, page_size,
+pool laid out as the engine's (:class:`~llava_sessions.model.kv.paged.KVPages`: ``[pages, page_size,
 kv_heads, head_dim]`` per layer). Each kernel's output is compared with the first's:
 
 - ``contiguous``: SDPA over each row's keys and values already in one tensor ``[rows, kv_heads, length,
@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llava_sessions.model.flex_pages import PageBlocks
-from llava_sessions.model.paged_kv import KVPages, page_slots
-from llava_sessions.model.pages import pages_for
+from llava_sessions.model.kv.flex import PageBlocks
+from llava_sessions.model.kv.paged import KVPages, page_slots
+from llava_sessions.model.kv.pages import pages_for
 
 #: The paged kernels, in the order they are tried (``contiguous`` is the yardstick, not a candidate).
 PAGED_KERNELS = ("gather_sdpa", "flex_paged", "varlen_paged")

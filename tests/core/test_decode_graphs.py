@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from llava_sessions.model.graphs import DecodeGraphs, batch_buckets, length_buckets
-from llava_sessions.model.paged_kv import KVPool, SessionKV
-from llava_sessions.model.pages import PageTable, reserve
+from llava_sessions.model.kv.paged import KVPool, SessionKV
+from llava_sessions.model.kv.pages import PageTable, reserve
 
 N = 12
 PAGE = 16
@@ -189,12 +189,12 @@ def _flex_case(dim: int) -> tuple:
 
 
 def test_flex_over_pages_reads_each_rows_own_positions_of_shared_pages_and_no_free_tail() -> None:
-    """:mod:`~llava_sessions.model.flex_pages` (the unfused FlexAttention a CPU runs, which applies the
+    """:mod:`~llava_sessions.model.kv.flex` (the unfused FlexAttention a CPU runs, which applies the
     mask function everywhere): every other slot of the pool holds random keys, so a read past a row's
     length or into the other row's page would change the output. Through the block mask the output
     equals SDPA over each row's positions gathered (fp32, grouped-query heads); the mask reads the
     buffers themselves, so the next step's fill changes what the same mask object reads."""
-    from llava_sessions.model.flex_pages import PageBlocks, paged_flex_attention
+    from llava_sessions.model.kv.flex import PageBlocks, paged_flex_attention
 
     query, pool_k, pool_v, pages_n, expected = _flex_case(8)
     blocks = PageBlocks(4, pages_n, PAGE, torch.device("cpu"))
@@ -213,7 +213,7 @@ def test_compiled_flex_reads_whole_pages_unmasked_and_bounds_the_partial_one() -
     buffers refilled between the calls under one compiled kernel."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from llava_sessions.model.flex_pages import PageBlocks
+    from llava_sessions.model.kv.flex import PageBlocks
 
     query, pool_k, pool_v, pages_n, expected = _flex_case(64)
     blocks = PageBlocks(4, pages_n, PAGE, torch.device("cpu"))

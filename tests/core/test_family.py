@@ -19,8 +19,8 @@ from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import ARCHITECTURES, LlavaModel, checkpoint_architecture
-from llava_sessions.model.paged_kv import KVPages, PagedCache
-from llava_sessions.model.pages import PagePool, PageTable, reserve
+from llava_sessions.model.kv.paged import KVPages, PagedCache
+from llava_sessions.model.kv.pages import PagePool, PageTable, reserve
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
 

@@ -17,9 +17,9 @@ import torch
 from engine_fixtures import decode, make_engine
 from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.metrics import WorkerMetrics
-from llava_sessions.model import paged_kv
-from llava_sessions.model.paged_kv import KVPages, KVPool, PagedBatchCache, PagedCache, SessionKV
-from llava_sessions.model.pages import PageCopy, PagePool, PageTable, fork, release, reserve, truncate
+from llava_sessions.model.kv import paged as paged_kv
+from llava_sessions.model.kv.paged import KVPages, KVPool, PagedBatchCache, PagedCache, SessionKV
+from llava_sessions.model.kv.pages import PageCopy, PagePool, PageTable, fork, release, reserve, truncate
 from llava_sessions.sampling.sampler import SamplingParams
 
 N = 8  # greedy tokens per answer

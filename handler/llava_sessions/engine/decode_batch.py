@@ -1,6 +1,6 @@
 """The decode batch: the running answers of one worker as rows of one left-padded, preallocated KV cache.
 
-Layout (:class:`~llava_sessions.model.kv_cache.BatchKVCache`, per decoder layer): keys and values
+Layout (:class:`~llava_sessions.model.kv.cache.BatchKVCache`, per decoder layer): keys and values
 ``[B, kv_heads, capacity, head_dim]``. Every row writes its next token at the same column
 (``length``); a row's sequence ends at that column and starts wherever its own length puts it (left
 padding). ``mask [B, capacity]`` (long, 1 = a valid position of that row) carries the padding, the

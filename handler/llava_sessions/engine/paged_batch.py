@@ -3,7 +3,7 @@
 A row is a running answer whose session's KV cache is a :class:`~llava_sessions.model.SessionKV`. A
 decode step reserves one position in each decoding row's page table (a new page every ``page_size``
 tokens; a shared, partly written last page is copied first, as any write to it is), runs one forward
-pass over the rows' tables (:class:`~llava_sessions.model.paged_kv.PagedBatchCache`: each row's token
+pass over the rows' tables (:class:`~llava_sessions.model.kv.paged.PagedBatchCache`: each row's token
 written to its slot, attention over its positions gathered from the pages and right-padded) and
 records the fed tokens in each session (:meth:`Session.record_decode
 <llava_sessions.sessions.session.Session.record_decode>`), so the ledger books the pages a row holds
@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..model import KVPool, LlavaModel, PagedBatchCache, SessionKV, held_len
-from ..model.kv_cache import undo_pass
+from ..model.kv.cache import undo_pass
 from .memory import oom_attempts
 from .scheduler import BatchLayout
 
 if TYPE_CHECKING:
     from ..model.graphs import DecodeGraphs
-    from ..model.pages import PageTable
+    from ..model.kv.pages import PageTable
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Generation

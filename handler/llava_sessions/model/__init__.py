@@ -6,8 +6,7 @@ module              owns
 =================== ===============================================================
 ``loading``         architecture, model and processor from a local folder; device, dtype
 ``templating``      ``ChatTemplate``: a ``Chat`` to chat-templated token ids
-``kv_cache``        session cache helpers, the decode batch's ``BatchKVCache``
-``paged_kv``        the KV pool in pages: ``KVPool``, a session's ``SessionKV``, a decode step's ``PagedBatchCache``
+``kv``              the KV cache's storage (a pool in pages) and its transformers ``Cache`` adapters
 ``llava``           ``LlavaModel``: vision tower, prefill, batched decode
 ``video``           a checkpoint's video path: token counts, frame preprocessing, ``EncodedVideo``
 =================== ===============================================================
@@ -15,7 +14,17 @@ module              owns
 
 from __future__ import annotations
 
-from .kv_cache import BatchKVCache, BatchKVLayer, cache_len, crop_cache, held_len, release_cache
+from .kv import (
+    BatchKVCache,
+    BatchKVLayer,
+    KVPool,
+    PagedBatchCache,
+    SessionKV,
+    cache_len,
+    crop_cache,
+    held_len,
+    release_cache,
+)
 from .llava import LlavaModel
 from .loading import (
     ARCHITECTURES,
@@ -26,7 +35,6 @@ from .loading import (
     resolve_device,
     resolve_dtype,
 )
-from .paged_kv import KVPool, PagedBatchCache, SessionKV
 from .templating import ChatTemplate
 from .video import EncodedVideo, is_sampled_video
 

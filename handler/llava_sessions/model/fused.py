@@ -40,7 +40,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .kv_cache import undo_pass
+from .kv.cache import undo_pass
 
 __all__ = [
     "FUSED_ATTENTION",
@@ -85,11 +85,11 @@ class FusedCache(Cache):
     """The cache a fused pass's layers update: the decode batch's rows and one session's KV.
 
     Args:
-        batch: the decode rows' cache: a :class:`~.kv_cache.BatchKVCache` (the rows write their token at
-            column ``batch.length``) or a :class:`~.paged_kv.PagedBatchCache` (each at its table's slot).
+        batch: the decode rows' cache: a :class:`~.kv.cache.BatchKVCache` (the rows write their token at
+            column ``batch.length``) or a :class:`~.kv.paged.PagedBatchCache` (each at its table's slot).
         row_mask: ``[B, L]`` bool, where each decode row may attend over the ``L`` positions the
             batch's layers return (its own valid ones and the new one).
-        session_cache: the chunk's session cache (a :class:`~.paged_kv.SessionKV`, or a ``DynamicCache``
+        session_cache: the chunk's session cache (a :class:`~.kv.paged.SessionKV`, or a ``DynamicCache``
             of ``[1, kv_heads, start, head_dim]`` per layer; grows by ``C``).
         start: positions the session's cache holds before the chunk.
         num_rows: ``B``, the decode rows (the first ``B`` tokens of the pass).

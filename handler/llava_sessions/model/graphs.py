@@ -17,14 +17,14 @@ A pad row (``n < B``) writes and reads only the scratch page, a page of the pool
 and attends to its one slot; its logits are dropped. Nothing in the pass reads a host value, so on a
 CUDA device each bucket's pass is captured once at start (:meth:`DecodeGraphs.capture`, the largest
 first, every graph in one memory pool) and a step is a buffer copy and a replay. The pool must be
-fixed (:class:`~.paged_kv.KVPool` ``fixed``): a graph reads the tensors it was captured over.
+fixed (:class:`~.kv.paged.KVPool` ``fixed``): a graph reads the tensors it was captured over.
 
 On a CPU the same static pass runs eagerly (nothing to capture: the engine's CPU default is the
 contiguous layout); tests run it there to show its greedy tokens equal ``model.generate``'s. On a
 card, ``benchmarks/gpu.py`` checks replay against eager. Attention reads the rows' positions gathered
-from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.paged_kv.PagedBatchCache` does),
+from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.kv.paged.PagedBatchCache` does),
 or, with ``paged_read`` ``flex``, the pool itself through FlexAttention's block mask
-(:mod:`.flex_pages`: its buffers are overwritten with the others), a bucket then having one length,
+(:mod:`.kv.flex`: its buffers are overwritten with the others), a bucket then having one length,
 the whole pool's. ``auto`` (a card's engine) reads buckets of fewer than :data:`FLEX_MIN_ROWS` rows
 gathered and larger ones with FlexAttention: on an H200 the gather was faster at one row, FlexAttention
 from 8 rows up (benchmarks/results/the-gpu-table.md).
@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .flex_pages import PAGED_FLEX_ATTENTION, PageBlocks
 from .fused import attention_on
-from .paged_kv import KVPool, SlotsCache, page_slots
-from .pages import PageTable, pages_for, release, truncate
+from .kv.flex import PAGED_FLEX_ATTENTION, PageBlocks
+from .kv.paged import KVPool, SlotsCache, page_slots
+from .kv.pages import PageTable, pages_for, release, truncate
 
 if TYPE_CHECKING:
     from .llava import LlavaModel
@@ -54,7 +54,7 @@ __all__ = ["FLEX_MIN_ROWS", "DecodeGraphs", "PagedRead", "batch_buckets", "lengt
 
 #: How the static step's attention reads the pages: ``gather`` (each row's slots gathered, padded to
 #: the bucket, SDPA under a mask), ``flex`` (FlexAttention over the pool through a block mask,
-#: :mod:`.flex_pages`), or ``auto``: the gather for buckets of fewer than ``flex_rows`` rows, FlexAttention
+#: :mod:`.kv.flex`), or ``auto``: the gather for buckets of fewer than ``flex_rows`` rows, FlexAttention
 #: from there (what a card's engine runs: :data:`FLEX_MIN_ROWS`).
 PagedRead = Literal["gather", "flex", "auto"]
 

@@ -2,8 +2,8 @@
 
 Pure model operations: no sessions, no scheduling policy, no HTTP or JSON. ``prefill`` runs one
 sequence's uncached tokens (a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer);
-``decode_batch`` runs one token for every row of a :class:`~llava_sessions.model.kv_cache.BatchKVCache`
-(or of a :class:`~llava_sessions.model.paged_kv.PagedBatchCache`) in one forward pass. All
+``decode_batch`` runs one token for every row of a :class:`~llava_sessions.model.kv.cache.BatchKVCache`
+(or of a :class:`~llava_sessions.model.kv.paged.PagedBatchCache`) in one forward pass. All
 architecture knowledge lives in this package: the engine sees images as feature rows and token counts.
 
 Mechanics (verified, docs/platform.md): an image's features are the model's own
@@ -27,9 +27,9 @@ from transformers.cache_utils import Cache
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import Grammars
 from .fused import FUSED_ATTENTION, LOWER_RIGHT_ATTENTION, FusedCache, attention_on, fusable, prefer_sdpa_backends
-from .kv_cache import BatchKVCache, cache_len, extend_cache, layer_states, undo_pass
+from .kv.cache import BatchKVCache, cache_len, extend_cache, layer_states, undo_pass
+from .kv.paged import SessionKV
 from .loading import load_model
-from .paged_kv import SessionKV
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
 
@@ -369,7 +369,7 @@ class LlavaModel:
 
     def extract_row(self, batch: BatchKVCache, row: int, columns: torch.Tensor, into: Any = None) -> Any:
         """Append ``row``'s ``columns`` (a ``[n]`` long tensor of column indexes, in order) to ``into``
-        (a session cache, e.g. a :class:`~.paged_kv.SessionKV`; default a new ``DynamicCache``) as
+        (a session cache, e.g. a :class:`~.kv.paged.SessionKV`; default a new ``DynamicCache``) as
         ``n`` positions (``[1, kv_heads, n, head_dim]`` per layer); returns it.
 
         Raises:
@@ -394,7 +394,7 @@ class LlavaModel:
         Args:
             batch: the rows' KV: a :class:`BatchKVCache` (each row's new key/value is written at
                 column ``batch.length``, which grows by one) or a
-                :class:`~.paged_kv.PagedBatchCache` (each row's at its table's last position).
+                :class:`~.kv.paged.PagedBatchCache` (each row's at its table's last position).
             token_ids, positions: ``B`` input tokens (any id for a masked row) and position ids
                 (each row's own); lists, or long tensors ``[B, 1]`` on the device (a graph's buffers).
             attention_mask: ``[B, batch.length + 1]`` long, 1 where a row may attend (its own

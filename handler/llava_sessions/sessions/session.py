@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..conversation import Chat, Turn, common_prefix_len, image_key, video_indexes
-from ..model.kv_cache import cache_len, crop_cache, held_len, release_cache
+from ..model.kv.cache import cache_len, crop_cache, held_len, release_cache
 from .ledger import Tier, tier_of
 
 __all__ = ["Session", "SessionSnapshot"]
@@ -126,7 +126,7 @@ class Session:
     @property
     def num_held_kv_tokens(self) -> int:
         """Token positions of device memory the KV cache holds, what the ledger books
-        (:func:`~llava_sessions.model.kv_cache.held_len`: over pages, whole pages)."""
+        (:func:`~llava_sessions.model.kv.cache.held_len`: over pages, whole pages)."""
         return held_len(self.kv_cache)
 
     @property

@@ -32,7 +32,7 @@ def cache_len(cache: Any) -> int:
 
 def held_len(cache: Any) -> int:
     """Token positions of device memory ``cache`` holds, what the ledger books: a session cache in
-    pages (:class:`~.paged_kv.SessionKV`) its pages x page size, a ``DynamicCache`` its positions
+    pages (:class:`~.paged.SessionKV`) its pages x page size, a ``DynamicCache`` its positions
     (0 for ``None``)."""
     held = getattr(cache, "num_held_tokens", None)
     return cache_len(cache) if held is None else int(held)

@@ -89,7 +89,7 @@ def paged_flex_attention(
     Args:
         query: ``[B, heads, 1, head_dim]``, one query per row.
         key, value: a layer's whole pool ``[1, kv_heads, slots, head_dim]`` (what
-            :class:`~.paged_kv.SlotsCache` returns with ``whole_pool``).
+            :class:`~.paged.SlotsCache` returns with ``whole_pool``).
         attention_mask: the rows' :class:`BlockMask` over the pool (:meth:`PageBlocks.mask`).
         scaling: the softmax scale (the model's).
 

@@ -1,6 +1,6 @@
 """Pages of a KV pool: which fixed-size pages each holder of KV uses (bookkeeping only, no tensors).
 
-A replica's KV pool (:class:`~llava_sessions.model.paged_kv.KVPages`) holds keys and values in
+A replica's KV pool (:class:`~llava_sessions.model.kv.paged.KVPages`) holds keys and values in
 ``num_pages`` pages of ``page_size`` token positions each. Every holder of KV (a session, a
 conversation-cache entry, a shared image prefix, a running answer) holds a :class:`PageTable`: its
 pages in position order and how many positions it has written. The token at position ``p`` lives
@@ -72,7 +72,7 @@ class PagePool:
 
     def grow(self, num_pages: int) -> None:
         """Add ``num_pages`` free pages, numbered after the existing ones (the tensors grow alike:
-        :meth:`~llava_sessions.model.paged_kv.KVPages.grow`).
+        :meth:`~llava_sessions.model.kv.paged.KVPages.grow`).
 
         Raises:
             ValueError: ``num_pages`` below 1.

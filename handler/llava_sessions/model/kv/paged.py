@@ -2,10 +2,10 @@
 
 :class:`KVPages` holds every layer's keys and values as ``[num_pages, page_size, kv_heads,
 head_dim]`` in the model dtype, preallocated once; which pages a holder uses is the bookkeeping of
-:mod:`llava_sessions.model.pages` (a :class:`~llava_sessions.model.pages.PageTable`). Position
+:mod:`llava_sessions.model.kv.pages` (a :class:`~llava_sessions.model.kv.pages.PageTable`). Position
 ``p`` of a table lives in slot ``pages[p // page_size] * page_size + p % page_size``.
 
-The caches plug into transformers' public ``Cache`` interface, as :mod:`.kv_cache` does, so the
+The caches plug into transformers' public ``Cache`` interface, as :mod:`.cache` does, so the
 model's own layers and SDPA attention run unchanged:
 
 - :class:`PagedCache`: one sequence's forward pass (a prefill over cached positions, or one decode
@@ -19,7 +19,7 @@ model's own layers and SDPA attention run unchanged:
 The gather is a copy of the attended positions per layer per pass (transformers' continuous
 batching reads its paged cache the same way). Measured on this CPU (26 Nov, fp32, 8 rows, one query
 over 600 keys): gather + SDPA about 7.5 ms against 1.3-2.0 ms for contiguous SDPA, which is why the
-decode batch on the CPU stays the contiguous :class:`~.kv_cache.BatchKVCache` (issue 43 allows a CPU
+decode batch on the CPU stays the contiguous :class:`~.cache.BatchKVCache` (issue 43 allows a CPU
 layout that keeps the CPU's numbers). Greedy tokens through these caches equal ``model.generate``'s
 in fp32 (tests/core/test_kv_pages.py).
 """
@@ -104,7 +104,7 @@ class KVPages:
     @torch.inference_mode()
     def copy(self, copies: Iterable[PageCopy]) -> None:
         """Copy each ``src`` page's first ``num_tokens`` positions into ``dst``, in every layer (the
-        copies :func:`~llava_sessions.model.pages.reserve` asks for)."""
+        copies :func:`~llava_sessions.model.kv.pages.reserve` asks for)."""
         for c in copies:
             for keys, values in zip(self.keys, self.values, strict=True):
                 keys[c.dst, : c.num_tokens] = keys[c.src, : c.num_tokens]
@@ -158,7 +158,7 @@ class _PagedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the pass's ``[B, kv_heads, n, head_dim]`` states at their slots; return the attended
         positions ``[B, kv_heads, L, head_dim]`` gathered from the pool (with ``whole_pool``: the
-        layer's whole pool ``[1, kv_heads, slots, head_dim]``, a view, for :mod:`.flex_pages`)."""
+        layer's whole pool ``[1, kv_heads, slots, head_dim]``, a view, for :mod:`.flex`)."""
         heads, dim = key_states.shape[1], key_states.shape[-1]
         flat_k = key_states.transpose(1, 2).reshape(-1, heads, dim)  # [B * n, kv_heads, head_dim]
         flat_v = value_states.transpose(1, 2).reshape(-1, heads, dim)
@@ -205,7 +205,7 @@ class PagedCache(Cache):
     Args:
         pages: the pool.
         table: the sequence's pages, already reserved for the pass (``num_tokens`` counts the pass's
-            positions: :func:`~llava_sessions.model.pages.reserve`).
+            positions: :func:`~llava_sessions.model.kv.pages.reserve`).
         num_new: the pass's new positions ``n`` (the last ``n`` of ``table``).
 
     Raises:
@@ -226,7 +226,7 @@ class SlotsCache(Cache):
     """The cache of one decode step of ``B`` rows over given slot tensors: each row's new token
     written at ``write`` ``[B]`` (long, on the pool's device), attention reading ``read`` ``[B, L]``
     (the pads masked by the caller's mask; with ``whole_pool`` attention gets each layer's whole pool
-    instead, read through a block mask: :mod:`.flex_pages`). Only tensor ops read the slots, so a CUDA
+    instead, read through a block mask: :mod:`.flex`). Only tensor ops read the slots, so a CUDA
     graph replays a step over the same tensors after they are overwritten (:mod:`.graphs`)."""
 
     def __init__(self, pages: KVPages, write: torch.Tensor, read: torch.Tensor, *, whole_pool: bool = False) -> None:
@@ -260,7 +260,7 @@ class PagedBatchCache(SlotsCache):
 
 class KVPool:
     """A replica's KV pool: the pages' tensors (:class:`KVPages`) and their bookkeeping
-    (:class:`~llava_sessions.model.pages.PagePool`), growing when a holder needs more pages than are
+    (:class:`~llava_sessions.model.kv.pages.PagePool`), growing when a holder needs more pages than are
     free. Every session's KV is a :class:`SessionKV` over it.
 
     Args:
@@ -306,7 +306,7 @@ class KVPool:
         return SessionKV(self)
 
     def make_room(self, table: PageTable, num_tokens: int) -> None:
-        """Room in ``table`` for ``num_tokens`` more positions (:func:`~llava_sessions.model.pages.reserve`:
+        """Room in ``table`` for ``num_tokens`` more positions (:func:`~llava_sessions.model.kv.pages.reserve`:
         a shared, partly written last page copied first); the pool grows when too few pages are free.
 
         Raises:
