@@ -17,6 +17,7 @@ No HTTP, no JSON, no TorchServe.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from .memory import new_session_bytes
 from .model_runner import KV_PAGE_SIZE, DecodeLayout, ModelRunner
 from .paged_batch import PagedDecodeBatch
 from .samples import runnable
-from .scheduler import TimeBudget, schedule
+from .scheduler import TimeBudget, make_room, schedule
 from .sequence import Generation, ImageTask, Work
 from .sharing import ImageSharing, Unsalted, reusable_len
 
@@ -67,8 +68,7 @@ class SessionEngine:
             the paged decode step replayed as CUDA graphs (:class:`~.model_runner.ModelRunner`).
 
     Attributes:
-        model: the loaded model; runner: the :class:`~.model_runner.ModelRunner` over it (every forward
-            pass); batch: its decode batch.
+        model: the loaded model; runner: its :class:`~.model_runner.ModelRunner`; batch: the decode batch.
         num_reused_tokens / num_generated_tokens / num_preemptions: counters for metrics (below).
     """
 
@@ -458,16 +458,16 @@ class SessionEngine:
         :class:`~.scheduler.TimeBudget` sized by the passes' measured costs; None: every piece runs
         whole), execute the plan and apply what it produced. Device memory comes with the plan only
         (scheduler rules 10-11): its preemptions, then room for the decode batch and each work's start.
-
         Work listed twice in ``work`` runs once. A piece of work whose step fails gets its ``error``
         set and its session put back as before (an open's session is removed); the others are
         untouched. Never raises ``Exception``.
         """
         live = runnable(work)  # work listed twice runs once; a request's other answers (``n``) too
-        views = [w.view() for w in live]
-        room_bytes = self.store.room_bytes() if any(v.decoding for v in views) else None
-        budget, cost = prefill_budget, self.runner.costs.estimate()
-        plan = schedule(views, budget, self.batch.layout(), cost, fuse=self.fuse, room_bytes=room_bytes)
+        views, layout = [w.view() for w in live], self.batch.layout()
+        plan = schedule(views, prefill_budget, layout, self.runner.costs.estimate(), fuse=self.fuse)
+        if plan.batch_bytes:  # rule 11 on the ledger's room, read (O(sessions)) only when the batch needs bytes
+            decision, needed = make_room(views, plan.decode, layout, self.store.room_bytes())
+            plan = dataclasses.replace(plan, room=decision, batch_bytes=needed)
         gens = [g for i in plan.decode if isinstance(g := live[i], Generation)]  # only answers decode
         leaving = tuple(g for i in plan.room.preempt if isinstance(g := live[i], Generation))
         room = BatchRoom(plan.rebuild, plan.batch_bytes, leaving, plan.room)
