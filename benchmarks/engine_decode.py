@@ -42,8 +42,8 @@ from llava_sessions.config import Settings
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import (
     EngineLimits,
-    Generation,
-    ImageTask,
+    ImagePrefill,
+    Sequence,
     SessionEngine,
     TimeBudget,
     default_device_budget,
@@ -95,7 +95,7 @@ def run_together(engine: SessionEngine, work: list, budget: int | TimeBudget | N
     steps: list[float] = []
     t0 = time.perf_counter()
     while not all(w.done for w in work):
-        decoding = any(isinstance(w, Generation) and not w.done and w.prefilled for w in work)
+        decoding = any(isinstance(w, Sequence) and not w.done and w.prefilled for w in work)
         s0 = time.perf_counter()
         engine.step(work, prefill_budget=budget)
         sync(device)
@@ -193,7 +193,7 @@ def itl_while_opening(
         _, steps = run_together(engine, gens, budget)
         quiet += steps[1:]
         gens = [engine.start(sid, QUESTION, params, remember=False) for sid in sids]
-        opening: ImageTask | None = None
+        opening: ImagePrefill | None = None
         while not all(g.done for g in gens):
             if opening is None or opening.done:
                 if opening is not None:

@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from .chat.serving import ChatServing
 from .config import Settings
 from .conversation import Chat
-from .engine import Generation, SessionEngine, TimeBudget
+from .engine import Sequence, SessionEngine, TimeBudget
 from .errors import ErrorCode, ServiceError
 from .images.fetch import fetch_image_bytes
 from .metrics import WorkerMetrics
@@ -258,7 +258,7 @@ class SessionService:
             running = [j for j in running if not j.done]
             if not running or (step > 0 and time.perf_counter() >= deadline):
                 break
-            first = [j.work for j in running if j.streamed and isinstance(j.work, Generation) and not j.work.events]
+            first = [j.work for j in running if j.streamed and isinstance(j.work, Sequence) and not j.work.events]
             self._engine_step(running)
             if any(gen.events for gen in first):
                 break

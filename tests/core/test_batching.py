@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 
 from engine_fixtures import LAYOUTS, decode, make_engine
 from llava_sessions.conversation import Turn
-from llava_sessions.engine import Generation, SessionEngine
+from llava_sessions.engine import Sequence, SessionEngine
 from llava_sessions.errors import ErrorCode, overloaded
 from llava_sessions.model import cache_len
 from llava_sessions.model.fused import (
@@ -91,7 +91,7 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos
         monkeypatch.setattr(llava, "new_batch_cache", nan_filled)
     eng = make_engine(llava, **LAYOUTS[layout])
     open_all(eng, photos)
-    gens: dict[str, Generation] = {}
+    gens: dict[str, Sequence] = {}
     widths = set()
     for step in range(40):
         for sid, _ph, _h, q, p in CASES:  # sessions join at different steps
@@ -369,7 +369,7 @@ def test_a_fused_pass_that_fails_midway_runs_its_parts_apart_and_loses_nothing(l
 
 
 def test_a_riding_piece_that_cannot_start_fails_alone_and_the_decode_step_still_runs(llava, photos):
-    """The first piece of a step rides the decode step's pass only once it has started; when its start
+    """The first chunk of a step rides the decode step's pass only once it has started; when its start
     fails (here: no device memory for the answer, the store's overloaded), it fails alone and the
     running answer decodes its token in that step, exactly as without it."""
     expected = alone(llava, photos)
@@ -379,7 +379,7 @@ def test_a_riding_piece_that_cannot_start_fails_alone_and_the_decode_step_still_
     eng.step([ga])
     gb = eng.start("b", CASES[1][3], CASES[1][4], remember=False)
 
-    def no_room(gen: Generation) -> None:
+    def no_room(gen: Sequence) -> None:
         raise overloaded("not enough device memory for this answer now; retry later", "step_memory")
 
     eng._execute.inputs.start_generation = no_room  # type: ignore[method-assign]

@@ -1,7 +1,7 @@
 """Scheduler rule 10 on the real engine: device memory comes with a step's plan only.
 
 Admission checks that room can be made (its 503 comes before any forward pass) and demotes nothing;
-the step that starts a piece of work makes room for the bytes its plan grants, and a rebuilt decode
+the step that starts a request makes room for the bytes its plan grants, and a rebuilt decode
 batch gets exactly the bytes the plan computed. fp32 on CPU, the ``tiny`` checkpoint.
 """
 
@@ -37,7 +37,7 @@ def test_admission_demotes_nothing_the_open_s_first_step_makes_its_room(llava, p
     # admitted (room can be made), but nothing demoted nor allocated before the step runs
     assert tiers(eng) == {"a": Tier.KV, "b": Tier.KV, "c": Tier.IMAGE} and eng.store.device_bytes() == held
     assert eng.store.stats.num_demotions_kv == 0
-    eng.step([task])  # the vision tower's piece carries the grant: room made, least recent first
+    eng.step([task])  # the vision tower's chunk carries the grant: room made, least recent first
     assert eng.store.stats.num_demotions_kv == 1 and tiers(eng)["a"] is not Tier.KV
     while not task.done:
         eng.step([task])

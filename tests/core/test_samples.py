@@ -13,7 +13,7 @@ import pytest
 
 from engine_fixtures import LAYOUTS, make_engine
 from llava_sessions.conversation import Turn
-from llava_sessions.engine import Generation, SessionEngine
+from llava_sessions.engine import Sequence, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.sampling.sampler import SamplingParams
 
@@ -21,7 +21,7 @@ Q = "What is in this image?"
 EXTRA_CONTIGUOUS = 2500
 
 
-def run(eng: SessionEngine, gen: Generation) -> list[list[int]]:
+def run(eng: SessionEngine, gen: Sequence) -> list[list[int]]:
     """Step ``gen``'s request to its end; each answer's token ids, by index."""
     while not gen.all_done:
         eng.step([gen])

@@ -9,11 +9,11 @@ from llava_sessions.engine.costs import CostModel, StepCost
 from llava_sessions.engine.scheduler import (
     MIN_PREFILL_TOKENS,
     BatchLayout,
-    PrefillPiece,
+    PrefillChunk,
+    RequestView,
     Room,
     StepPlan,
     TimeBudget,
-    WorkView,
     needs_rebuild,
     schedule,
 )
@@ -21,27 +21,27 @@ from llava_sessions.engine.scheduler import (
 ROWS = BatchLayout(num_rows=4, num_live=4, length=100, capacity=164)
 
 
-def decoding(has_row: bool = True) -> WorkView:
-    return WorkView("question", decoding=True, has_row=has_row)
+def decoding(has_row: bool = True) -> RequestView:
+    return RequestView("question", decoding=True, has_row=has_row)
 
 
-def question(tokens: int, *, vision: bool = False) -> WorkView:
-    return WorkView("question", needs_vision=vision, num_prefill_tokens=tokens)
+def question(tokens: int, *, vision: bool = False) -> RequestView:
+    return RequestView("question", needs_vision=vision, num_prefill_tokens=tokens)
 
 
-def image(tokens: int, *, vision: bool = True) -> WorkView:
-    return WorkView("image", needs_vision=vision, num_prefill_tokens=tokens)
+def image(tokens: int, *, vision: bool = True) -> RequestView:
+    return RequestView("image", needs_vision=vision, num_prefill_tokens=tokens)
 
 
 def test_every_decoding_answer_is_a_row_and_costs_one_token_of_the_budget() -> None:
     plan = schedule([decoding(), question(100), decoding(), decoding()], 40, ROWS)
     assert plan.decode == (0, 2, 3)
-    assert plan.prefill == (PrefillPiece(1, False, 37),)  # 40 - 3 decode rows
+    assert plan.prefill == (PrefillChunk(1, False, 37),)  # 40 - 3 decode rows
 
 
 def test_the_prefill_share_is_at_least_the_minimum_chunk() -> None:
     plan = schedule([decoding() for _ in range(30)] + [question(100)], 32, BatchLayout(30, 30, 10, 74))
-    assert plan.prefill == (PrefillPiece(30, False, MIN_PREFILL_TOKENS),)
+    assert plan.prefill == (PrefillChunk(30, False, MIN_PREFILL_TOKENS),)
 
 
 def test_questions_go_before_images_each_in_arrival_order() -> None:
@@ -53,26 +53,26 @@ def test_questions_go_before_images_each_in_arrival_order() -> None:
 
 def test_a_vision_tower_takes_the_whole_prefill_share_of_its_step() -> None:
     plan = schedule([image(600), image(600), question(5, vision=False)], 64)
-    assert plan.prefill == (PrefillPiece(2, False, 5), PrefillPiece(0, True, 0))  # nothing after the tower
+    assert plan.prefill == (PrefillChunk(2, False, 5), PrefillChunk(0, True, 0))  # nothing after the tower
     restore = schedule([question(600, vision=True), question(5), image(600)], 64)
-    assert restore.prefill == (PrefillPiece(0, True, 0),)  # a restore from the image tier runs the tower too
+    assert restore.prefill == (PrefillChunk(0, True, 0),)  # a restore from the image tier runs the tower too
 
 
 def test_chunks_are_what_is_left_of_the_share_and_stop_when_it_is_spent() -> None:
     plan = schedule([question(5), question(100), question(7)], 64)
-    assert plan.prefill == (PrefillPiece(0, False, 5), PrefillPiece(1, False, 59))
-    assert schedule([question(100), question(7)], 64).prefill == (PrefillPiece(0, False, 64),)
+    assert plan.prefill == (PrefillChunk(0, False, 5), PrefillChunk(1, False, 59))
+    assert schedule([question(100), question(7)], 64).prefill == (PrefillChunk(0, False, 64),)
 
 
 def test_work_with_nothing_left_to_prefill_is_planned_so_it_can_finish() -> None:
     plan = schedule([image(0, vision=False), question(10)], 64)
-    assert plan.prefill == (PrefillPiece(1, False, 10), PrefillPiece(0, False, 0))
+    assert plan.prefill == (PrefillChunk(1, False, 10), PrefillChunk(0, False, 0))
 
 
 def test_without_a_budget_everything_runs_whole() -> None:
     plan = schedule([image(600), question(700, vision=True), question(9), decoding()], None, ROWS)
     assert plan.decode == (3,)
-    assert plan.prefill == (PrefillPiece(1, True, None), PrefillPiece(2, False, 9), PrefillPiece(0, True, None))
+    assert plan.prefill == (PrefillChunk(1, True, None), PrefillChunk(2, False, 9), PrefillChunk(0, True, None))
 
 
 @pytest.mark.parametrize(
@@ -106,44 +106,44 @@ TIMED = TimeBudget(step_ms=150.0, max_pass_tokens=4096, image_step_ratio=None)
 
 def test_nothing_decoding_a_cold_turn_runs_its_vision_tower_and_whole_prompt_in_one_step() -> None:
     plan = schedule([image(589)], TIMED, BatchLayout(), COST)
-    assert plan.prefill == (PrefillPiece(0, True, 589),)
+    assert plan.prefill == (PrefillChunk(0, True, 589),)
     question_plan = schedule([question(700, vision=True)], TIMED, BatchLayout(), COST)
-    assert question_plan.prefill == (PrefillPiece(0, True, 700),)  # a restore from the image tier alike
+    assert question_plan.prefill == (PrefillChunk(0, True, 700),)  # a restore from the image tier alike
 
 
 def test_nothing_decoding_one_pass_is_capped_by_max_pass_tokens() -> None:
     plan = schedule([question(10_000)], TimeBudget(150.0, 4096), BatchLayout(), COST)
-    assert plan.prefill == (PrefillPiece(0, False, 4096),)
+    assert plan.prefill == (PrefillChunk(0, False, 4096),)
 
 
 def test_nothing_decoding_later_pieces_run_only_in_the_time_left() -> None:
     # the first question is whole and costs 20 + 10 ms; the second gets what fits in the 120 ms left
     plan = schedule([question(10), question(500), image(600)], TIMED, BatchLayout(), COST)
-    assert plan.prefill == (PrefillPiece(0, False, 10), PrefillPiece(1, False, 100))
+    assert plan.prefill == (PrefillChunk(0, False, 10), PrefillChunk(1, False, 100))
     # after a whole long prompt no time is left: the next waits for the next step (and decodes beside it)
-    assert schedule([image(600), image(600)], TIMED, BatchLayout(), COST).prefill == (PrefillPiece(0, True, 600),)
+    assert schedule([image(600), image(600)], TIMED, BatchLayout(), COST).prefill == (PrefillChunk(0, True, 600),)
 
 
 def test_while_decoding_the_prefill_chunk_fits_the_step_time_left_by_the_decode_step() -> None:
     # rule 8 alone (every chunk a pass of its own; rule 9 below)
     plan = schedule([decoding(), decoding(), question(500)], TIMED, ROWS, COST, fuse=False)
     assert plan.decode == (0, 1) and not plan.fuse
-    assert plan.prefill == (PrefillPiece(2, False, 100),)  # 150 - 30 (decode) - 20 (fixed) = 100 tokens
+    assert plan.prefill == (PrefillChunk(2, False, 100),)  # 150 - 30 (decode) - 20 (fixed) = 100 tokens
     slower = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=2.0, decode_ms=30.0, vision_ms=50.0)
     assert schedule([decoding(), question(500)], TIMED, ROWS, slower, fuse=False).prefill == (
-        PrefillPiece(1, False, 50),
+        PrefillChunk(1, False, 50),
     )
 
 
 def test_while_decoding_a_vision_tower_takes_its_cost_and_the_rest_prefills_in_the_same_pass() -> None:
     plan = schedule([decoding(), image(600)], TIMED, ROWS, COST, fuse=False)
-    assert plan.prefill == (PrefillPiece(1, True, 50),)  # 150 - 30 - 50 (tower) - 20 (fixed) = 50 tokens
+    assert plan.prefill == (PrefillChunk(1, True, 50),)  # 150 - 30 - 50 (tower) - 20 (fixed) = 50 tokens
     tight = schedule([decoding(), image(600)], TimeBudget(90.0, 4096), ROWS, COST, fuse=False)
-    assert tight.prefill == (PrefillPiece(1, True, 0),)  # the tower alone: it still moves
+    assert tight.prefill == (PrefillChunk(1, True, 0),)  # the tower alone: it still moves
 
 
 def test_while_decoding_a_vision_piece_is_allotted_the_ms_left_and_with_nothing_decoding_none() -> None:
-    """A video's frames go through the tower a few per step: the piece says how many ms they may take
+    """A video's frames go through the tower a few per step: the chunk says how many ms they may take
     (what the step has left after the decode step); with nothing decoding there is no bound."""
     plan = schedule([decoding(), image(600)], TIMED, ROWS, COST, fuse=False)
     assert plan.prefill[0].vision_ms == 120.0  # 150 - 30 (decode)
@@ -157,24 +157,24 @@ def test_while_decoding_a_vision_piece_is_allotted_the_ms_left_and_with_nothing_
 def test_while_decoding_the_first_chunk_rides_the_decode_pass_and_costs_its_tokens_only() -> None:
     plan = schedule([decoding(), decoding(), question(500)], TIMED, ROWS, COST)
     assert plan.fuse and plan.decode == (0, 1)
-    assert plan.prefill == (PrefillPiece(2, False, 120),)  # 150 - 30 (decode) = 120 tokens, no fixed cost
+    assert plan.prefill == (PrefillChunk(2, False, 120),)  # 150 - 30 (decode) = 120 tokens, no fixed cost
     # after its vision tower alike: 150 - 30 - 50 (tower) = 70 tokens
-    assert schedule([decoding(), image(600)], TIMED, ROWS, COST).prefill == (PrefillPiece(1, True, 70),)
-    # a second piece is a pass of its own: its fixed cost counts (150 - 30 - 40 = 80 ms: 16 + 20 fit)
+    assert schedule([decoding(), image(600)], TIMED, ROWS, COST).prefill == (PrefillChunk(1, True, 70),)
+    # a second chunk is a pass of its own: its fixed cost counts (150 - 30 - 40 = 80 ms: 16 + 20 fit)
     two = schedule([decoding(), question(40), question(500)], TIMED, ROWS, COST)
-    assert two.fuse and two.prefill == (PrefillPiece(1, False, 40), PrefillPiece(2, False, 60))
+    assert two.fuse and two.prefill == (PrefillChunk(1, False, 40), PrefillChunk(2, False, 60))
 
 
 def test_nothing_rides_without_decode_rows_or_without_a_chunk() -> None:
     assert not schedule([image(589)], TIMED, BatchLayout(), COST).fuse  # nothing decoding: a pass of its own
     tight = schedule([decoding(), image(600)], TimeBudget(80.0, 4096), ROWS, COST)
-    assert tight.prefill == (PrefillPiece(1, True, 0),) and not tight.fuse  # the tower alone: no chunk
+    assert tight.prefill == (PrefillChunk(1, True, 0),) and not tight.fuse  # the tower alone: no chunk
     assert not schedule([decoding()], TIMED, ROWS, COST).fuse
     # a token budget fuses alike (its chunk sizes do not change), unless fusing is off
     counted = schedule([decoding(), question(100)], 64, ROWS)
-    assert counted.fuse and counted.prefill == (PrefillPiece(1, False, 63),)
+    assert counted.fuse and counted.prefill == (PrefillChunk(1, False, 63),)
     assert not schedule([decoding(), question(100)], 64, ROWS, fuse=False).fuse
-    assert not schedule([decoding(), image(600)], 64, ROWS).fuse  # a vision piece spends a token budget's share
+    assert not schedule([decoding(), image(600)], 64, ROWS).fuse  # a vision chunk spends a token budget's share
 
 
 def test_the_cost_model_counts_a_fused_pass_as_the_decode_step_plus_the_chunks_tokens() -> None:
@@ -190,21 +190,21 @@ def test_the_cost_model_counts_a_fused_pass_as_the_decode_step_plus_the_chunks_t
 def test_while_decoding_the_first_piece_always_moves_and_later_ones_need_room() -> None:
     slow_decode = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=200.0, vision_ms=50.0)
     plan = schedule([decoding(), question(500), question(40)], TIMED, ROWS, slow_decode)
-    assert plan.prefill == (PrefillPiece(1, False, MIN_PREFILL_TOKENS),)
-    # a second piece runs when 16 tokens of it fit: 150 - 30 - (20 + 30) = 70 ms left for question(40)
+    assert plan.prefill == (PrefillChunk(1, False, MIN_PREFILL_TOKENS),)
+    # a second chunk runs when 16 tokens of it fit: 150 - 30 - (20 + 30) = 70 ms left for question(40)
     fits = schedule([decoding(), question(30), question(40)], TIMED, ROWS, COST)
-    assert fits.prefill == (PrefillPiece(1, False, 30), PrefillPiece(2, False, 40))
+    assert fits.prefill == (PrefillChunk(1, False, 30), PrefillChunk(2, False, 40))
     # an image after it prefills only when its tower fits too: 150 - 30 - 60 = 60 ms hold the tower
     # (50) but not 16 tokens more in a pass of their own (50 + 20 + 16): the tower runs alone in the
     # time left, and its first chunk rides the next step's decode pass; 30 ms left hold nothing
     tower_alone = schedule([decoding(), question(60), image(600)], TIMED, ROWS, COST)
-    assert tower_alone.prefill == (PrefillPiece(1, False, 60), PrefillPiece(2, True, 0))
+    assert tower_alone.prefill == (PrefillChunk(1, False, 60), PrefillChunk(2, True, 0))
     assert tower_alone.prefill[1].vision_ms == pytest.approx(60.0)
     no_tower = schedule([decoding(), question(90), image(600)], TIMED, ROWS, COST)
-    assert no_tower.prefill == (PrefillPiece(1, False, 90),)
+    assert no_tower.prefill == (PrefillChunk(1, False, 90),)
     # a chat image turn is question work: the same
     turn = schedule([decoding(), question(60), question(600, vision=True)], TIMED, ROWS, COST)
-    assert turn.prefill == (PrefillPiece(1, False, 60), PrefillPiece(2, True, 0))
+    assert turn.prefill == (PrefillChunk(1, False, 60), PrefillChunk(2, True, 0))
 
 
 # ---------------------------------------------------------------- image work held to the decode step alone (rule 8)
@@ -213,38 +213,38 @@ HELD = TimeBudget(step_ms=150.0, max_pass_tokens=4096)  # the default: image wor
 
 def test_while_decoding_image_work_is_held_to_twice_the_decode_step_alone() -> None:
     # 2 x 30 ms: 30 ms beside the decode step, its chunk riding the decode pass (30 tokens), not 120
-    assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, COST).prefill == (PrefillPiece(1, False, 30),)
-    assert schedule([decoding(), question(500)], HELD, ROWS, COST).prefill == (PrefillPiece(1, False, 120),)
+    assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, COST).prefill == (PrefillChunk(1, False, 30),)
+    assert schedule([decoding(), question(500)], HELD, ROWS, COST).prefill == (PrefillChunk(1, False, 120),)
     # the vision tower (50 ms) does not fit beside the decode step: it runs alone, and still moves
     tower = schedule([decoding(), image(600)], HELD, ROWS, COST)
-    assert tower.prefill == (PrefillPiece(1, True, 0),) and not tower.fuse
-    # the first piece always moves: at least 16 tokens however little is left
+    assert tower.prefill == (PrefillChunk(1, True, 0),) and not tower.fuse
+    # the first chunk always moves: at least 16 tokens however little is left
     tight = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0, decode_alone_ms=20.0)
     assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, tight).prefill == (
-        PrefillPiece(1, False, MIN_PREFILL_TOKENS),
+        PrefillChunk(1, False, MIN_PREFILL_TOKENS),
     )
 
 
 def test_the_hold_is_measured_against_the_decode_step_alone_and_what_the_step_planned_first() -> None:
     # chunks riding the decode pass raised its share to 40 ms; the hold is still 2 x 30: 20 tokens
     riding = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=40.0, vision_ms=50.0, decode_alone_ms=30.0)
-    assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, riding).prefill == (PrefillPiece(1, False, 20),)
+    assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, riding).prefill == (PrefillChunk(1, False, 20),)
     # a question first takes the step's budget; an image after it only within the hold (60 - 30 - 20 = 10 ms: no)
     plan = schedule([decoding(), question(20), image(600, vision=False)], HELD, ROWS, COST)
-    assert plan.prefill == (PrefillPiece(1, False, 20),)
+    assert plan.prefill == (PrefillChunk(1, False, 20),)
     # a step budget below the hold wins; a ratio of None holds image work to the step budget alone
     assert schedule([decoding(), image(600, vision=False)], TimeBudget(40.0, 4096), ROWS, COST).prefill == (
-        PrefillPiece(1, False, MIN_PREFILL_TOKENS),
+        PrefillChunk(1, False, MIN_PREFILL_TOKENS),
     )
     five = TimeBudget(150.0, 4096, image_step_ratio=5.0)
-    assert schedule([decoding(), image(600, vision=False)], five, ROWS, COST).prefill == (PrefillPiece(1, False, 120),)
+    assert schedule([decoding(), image(600, vision=False)], five, ROWS, COST).prefill == (PrefillChunk(1, False, 120),)
 
 
 def test_nothing_decoding_image_work_is_not_held() -> None:
-    assert schedule([image(589)], HELD, BatchLayout(), COST).prefill == (PrefillPiece(0, True, 589),)
+    assert schedule([image(589)], HELD, BatchLayout(), COST).prefill == (PrefillChunk(0, True, 589),)
     # after a whole question, an image gets what the step's budget has left (150 - 30 - 20 (fixed) = 100 tokens)
     plan = schedule([question(10), image(600, vision=False)], HELD, BatchLayout(), COST)
-    assert plan.prefill == (PrefillPiece(0, False, 10), PrefillPiece(1, False, 100))
+    assert plan.prefill == (PrefillChunk(0, False, 10), PrefillChunk(1, False, 100))
 
 
 def test_the_time_budget_keeps_rules_1_3_and_6() -> None:
@@ -286,28 +286,28 @@ def test_the_cost_model_follows_the_decode_step_and_the_vision_tower_and_ignores
 
 def test_rule_10_a_piece_that_starts_its_work_carries_its_start_bytes_later_pieces_none() -> None:
     work = [
-        WorkView("question", num_prefill_tokens=30, start_bytes=4000),  # waiting: its start comes with it
-        WorkView("question", num_prefill_tokens=30),  # started in an earlier step: nothing more to grant
-        WorkView("image", needs_vision=True, num_prefill_tokens=600, start_bytes=90_000),
+        RequestView("question", num_prefill_tokens=30, start_bytes=4000),  # waiting: its start comes with it
+        RequestView("question", num_prefill_tokens=30),  # started in an earlier step: nothing more to grant
+        RequestView("image", needs_vision=True, num_prefill_tokens=600, start_bytes=90_000),
     ]
     plan = schedule(work, 64)  # the image's vision tower takes what is left of the share: its start too
     assert plan.prefill == (
-        PrefillPiece(0, False, 30, 4000),
-        PrefillPiece(1, False, 30, 0),
-        PrefillPiece(2, True, 0, 90_000),
+        PrefillChunk(0, False, 30, 4000),
+        PrefillChunk(1, False, 30, 0),
+        PrefillChunk(2, True, 0, 90_000),
     )
-    assert schedule(work, None).prefill[2] == PrefillPiece(2, True, None, 90_000)
+    assert schedule(work, None).prefill[2] == PrefillChunk(2, True, None, 90_000)
     assert plan.batch_bytes == 0  # nothing decodes: no batch
 
 
 def test_rule_10_a_rebuild_carries_the_new_layouts_bytes() -> None:
     per_token, grow = 10, 64
     batch = BatchLayout(4, 3, 100, 164, longest_row=90, grow_columns=grow, kv_bytes_per_token=per_token)
-    joining = WorkView("question", decoding=True, has_row=False, num_kv_tokens=120)
-    row = WorkView("question", decoding=True, has_row=True, num_kv_tokens=90)
+    joining = RequestView("question", decoding=True, has_row=False, num_kv_tokens=120)
+    row = RequestView("question", decoding=True, has_row=True, num_kv_tokens=90)
     plan = schedule([row, joining, row, row], None, batch)
     assert plan.rebuild and plan.batch_bytes == (3 + 1) * (120 + grow) * per_token  # the joining row is longest
-    short = WorkView("question", decoding=True, has_row=False, num_kv_tokens=12)
+    short = RequestView("question", decoding=True, has_row=False, num_kv_tokens=12)
     assert schedule([row, short], None, batch).batch_bytes == (3 + 1) * (90 + grow) * per_token
     # no batch yet: the joining rows alone; no rebuild: nothing granted
     empty = BatchLayout(grow_columns=grow, kv_bytes_per_token=per_token)
@@ -319,9 +319,9 @@ def test_rule_10_a_rebuild_carries_the_new_layouts_bytes() -> None:
 def test_rules_6_and_10_over_pages_a_step_carries_the_pages_its_rows_open_and_a_join_moves_nothing() -> None:
     per_token, page = 10, 16
     paged = BatchLayout(3, 3, 0, 3, longest_row=40, kv_bytes_per_token=per_token, page_size=page)
-    opens = WorkView("question", decoding=True, has_row=True, num_kv_tokens=32)  # position 32 starts a page
-    inside = WorkView("question", decoding=True, has_row=True, num_kv_tokens=33)
-    joining = WorkView("question", decoding=True, has_row=False, num_kv_tokens=48)
+    opens = RequestView("question", decoding=True, has_row=True, num_kv_tokens=32)  # position 32 starts a page
+    inside = RequestView("question", decoding=True, has_row=True, num_kv_tokens=33)
+    joining = RequestView("question", decoding=True, has_row=False, num_kv_tokens=48)
     plan = schedule([opens, inside, inside], None, paged)
     assert not plan.rebuild and plan.batch_bytes == page * per_token  # every step, not only a rebuild
     assert schedule([inside] * 3, None, paged).batch_bytes == 0
@@ -331,10 +331,10 @@ def test_rules_6_and_10_over_pages_a_step_carries_the_pages_its_rows_open_and_a_
     assert needs_rebuild(BatchLayout(8, 3, 0, 8, page_size=page), False)  # compaction still gives rows anew
 
 
-def answer(created: float, kv_tokens: int, *, has_row: bool = True, held: int = 0) -> WorkView:
+def answer(created: float, kv_tokens: int, *, has_row: bool = True, held: int = 0) -> RequestView:
     """A decoding answer that arrived at ``created``, ``kv_tokens`` long, its session holding ``held``
     positions of its own KV on the device."""
-    return WorkView(
+    return RequestView(
         "question", decoding=True, has_row=has_row, num_kv_tokens=kv_tokens, num_held_kv_tokens=held, created=created
     )
 

@@ -422,7 +422,7 @@ def test_a_video_opened_beside_a_running_answer_takes_its_frames_a_few_per_step(
     real = eng.runner.encode_frames
     monkeypatch.setattr(
         eng.runner, "encode_frames", lambda s, v, a, b: chunks.append(b - a) or real(s, v, a, b)
-    )  # the real pass, watched: how many frames each step's piece ran
+    )  # the real pass, watched: how many frames each step's chunk ran
     budget = TimeBudget(step_ms=10_000, max_pass_tokens=4096, image_step_ratio=0.001)  # held to one frame a step
     steps_with_running = 0
     while not opening.done:

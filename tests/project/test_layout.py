@@ -525,7 +525,7 @@ def test_only_the_store_books_a_sessions_memory() -> None:
 
 def test_only_the_steps_plan_gets_device_memory() -> None:
     """Scheduler rule 10: device memory is made room for only where a step executes its plan (a
-    piece's start grant, a rebuilt batch's), never at admission, an answer's start or a batch build;
+    chunk's start grant, a rebuilt batch's), never at admission, an answer's start or a batch build;
     admission may only ask whether room can be made (``can_allocate``)."""
     sites = []
     for path in sorted(CORE.rglob("*.py")):

@@ -37,7 +37,7 @@ from ..conversation import (
     media_size,
     video_sampling,
 )
-from ..engine import Generation, SessionEngine
+from ..engine import Sequence, SessionEngine
 from ..errors import ErrorCode, ServiceError
 from ..images.decode import decode_image
 from ..metrics import WorkerMetrics
@@ -307,7 +307,7 @@ class ChatServing(Serving):
         """The row's frame for this call: nothing until a whole answer is ready (or the stream's
         next chunk), then the answer; a stream's last events go out one per call."""
         gen = job.work
-        assert isinstance(gen, Generation) and isinstance(job.command, ChatCommand)
+        assert isinstance(gen, Sequence) and isinstance(job.command, ChatCommand)
         if job.frames:
             return self._frame(job, job.frames.pop(0), last=not job.frames)
         finished = job.done or job.error is not None
@@ -346,7 +346,7 @@ class ChatServing(Serving):
             self.jobs.end_one_shot(job)
         return self._frame(job, job.frames.pop(0), last=not job.frames)
 
-    def _observe(self, job: Job, gen: Generation) -> list[Answer]:
+    def _observe(self, job: Job, gen: Sequence) -> list[Answer]:
         """Record a request's answers (and, without a session, whether the conversation cache served
         it); returns them, by choice index."""
         answers = [s.answer for s in gen.samples if s.answer is not None]

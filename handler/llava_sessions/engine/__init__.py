@@ -5,11 +5,11 @@ module            owns
 ================= ==============================================================================
 ``scheduler``     ``schedule()`` → ``StepPlan``: what one step runs (plain data, no torch)
 ``costs``         ``CostModel``: what each kind of forward pass costs, measured (the scheduler's input)
-``sequence``      ``Generation``, ``ImageTask``: work in flight as state (no forward passes)
-``admission``     checks a request and makes its work (the one path for an image)
+``sequence``      ``Sequence`` (an answer), ``ImagePrefill`` (an image): requests in flight, as state
+``admission``     checks a request and makes its sequences or image prefill (one path for an image)
 ``model_runner``  ``ModelRunner``: executes a plan's forward passes (vision, prefill, batched decode)
 ``decode_batch``  ``DecodeBatch``: the running answers' KV as rows of one batch cache
-``executor``      ``StepExecutor``: carries out a plan (pieces, the decode step, its room and preemptions)
+``executor``      ``StepExecutor``: carries out a plan (chunks, the decode step, its room and preemptions)
 ``inputs``        ``StepInputs``: before a chunk (an answer's start: restore, crop; an image's tower)
 ``outputs``       ``StepOutputs``: after a pass (sample, append, finish) and rollback on failure
 ``memory``        the default device budget, one retry after an out-of-memory error
@@ -26,14 +26,14 @@ from .costs import CostModel, StepCost
 from .engine import EngineLimits, SessionEngine
 from .memory import available_host_bytes, default_device_budget
 from .scheduler import MIN_PREFILL_TOKENS, StepPlan, TimeBudget, schedule
-from .sequence import Generation, ImageTask
+from .sequence import ImagePrefill, Sequence
 
 __all__ = [
     "MIN_PREFILL_TOKENS",
     "CostModel",
     "EngineLimits",
-    "Generation",
-    "ImageTask",
+    "Sequence",
+    "ImagePrefill",
     "SessionEngine",
     "StepCost",
     "StepPlan",

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as GenericSequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
 from .memory import device_bytes, kv_grant_bytes, new_session_bytes
 from .samples import add_samples, sample_bytes
-from .sequence import Generation, ImageTask
+from .sequence import ImagePrefill, Sequence
 from .sharing import reusable_len
 
 if TYPE_CHECKING:
@@ -107,9 +108,9 @@ class Admission:
         system_prompt: str | None,
         image: Any,
         history: list[Turn] | None,
-        history_images: Sequence[tuple[bytes, Any]],
+        history_images: GenericSequence[tuple[bytes, Any]],
         salt: str | None = None,
-    ) -> ImageTask:
+    ) -> ImagePrefill:
         """Admit a new session (``SessionEngine.begin_open``, which documents the errors)."""
         history = list(history or [])
         self._check_no_placeholder([text for t in history for text in (t.prompt, t.answer)], "history")
@@ -140,14 +141,14 @@ class Admission:
         except ServiceError:
             self.store.remove(session_id)
             raise
-        task = ImageTask(self.driver, "open", session, images, prefix, t0, decode_ms, start_bytes=need)
+        prefill = ImagePrefill(self.driver, "open", session, images, prefix, t0, decode_ms, start_bytes=need)
         stills = still_images(sizes)
         rows = [self.sharing.rows(session, k, n, stills) for k, n in zip(session.image_keys, tokens, strict=True)]
         if all(r is not None for r in rows):
-            task.shared_rows = rows
-        return task
+            prefill.shared_rows = rows
+        return prefill
 
-    def add_image(self, session_id: str, image_bytes: bytes, image: Any) -> ImageTask:
+    def add_image(self, session_id: str, image_bytes: bytes, image: Any) -> ImagePrefill:
         """Admit an image that opens the session's next question (``SessionEngine.begin_add_image``)."""
         session = self.idle_session(session_id)
         self._check_image_count(len(session.images) + 1)
@@ -175,7 +176,7 @@ class Admission:
         reuse = 0 if relayout else common_prefix_len(session.cached_ids, prefix)
         need = device_bytes(self.model, 0, feature_tokens) + self._kv_grant(reuse, len(prefix))
         self._check_room(session, need, "the image now")
-        return ImageTask(
+        return ImagePrefill(
             self.driver,
             "add_image",
             session,
@@ -251,7 +252,7 @@ class Admission:
         remember: bool,
         context_policy: ContextPolicy,
         clip_max_new_tokens: bool,
-    ) -> Generation:
+    ) -> Sequence:
         """Admit a question (``SessionEngine.start``, which documents the policy and the errors)."""
         session = self.idle_session(session_id)
         self._check_prompt(prompt, params)
@@ -262,7 +263,7 @@ class Admission:
         request = dataclasses.replace(params, max_new_tokens=max_new)
         params = request.for_sample(request.session_choice)
         model = self.model
-        gen = Generation(
+        gen = Sequence(
             self.driver,
             session,
             prompt,
@@ -279,11 +280,11 @@ class Admission:
         self.store.pin(session)
         return gen
 
-    def _sample_bytes(self, num_tokens: int, image_tokens: Sequence[int]) -> int:
+    def _sample_bytes(self, num_tokens: int, image_tokens: GenericSequence[int]) -> int:
         """Device bytes each other answer of a request of several takes (:func:`~.samples.sample_bytes`)."""
         return sample_bytes(self.model, self.page_size, num_tokens, sum(image_tokens))
 
-    def _start_bytes(self, gen: Generation) -> int:
+    def _start_bytes(self, gen: Sequence) -> int:
         """Device bytes ``gen``'s start needs room for: a demoted session's image features, the KV of
         the prompt tokens its cache does not serve and of ``room_tokens`` new ones."""
         session = gen.session
@@ -369,7 +370,7 @@ class Admission:
     # ------------------------------------------------------------------ resent conversations
     def conversation(
         self, session_id: str, target: ChatTarget, params: SamplingParams, clip_max_new_tokens: bool, salt: str | None
-    ) -> Generation:
+    ) -> Sequence:
         """Admit a resent whole conversation (``SessionEngine.start_chat``, which documents the errors):
         the session comes to hold it, keeping the feature rows of every image it (or, when sharing,
         any session) holds and its KV cache up to the first token or image that differs; the images
@@ -403,7 +404,7 @@ class Admission:
         need += (request.n - 1) * self._sample_bytes(len(ids) + room, tokens)
         self._check_room(session, need, "this turn" if request.n == 1 else f"{request.n} answers now")
         to_encode = self._hold_conversation(session, target, tokens, keep, rows, unchanged=unchanged)
-        gen = Generation(
+        gen = Sequence(
             self.driver,
             session,
             target.question,

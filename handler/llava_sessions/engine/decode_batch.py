@@ -29,7 +29,7 @@ from .scheduler import BatchLayout
 if TYPE_CHECKING:
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
-    from .sequence import Generation
+    from .sequence import Sequence
 
 __all__ = ["DecodeBatch"]
 
@@ -59,7 +59,7 @@ class DecodeBatch:
         self.grow_columns = grow_columns
         self.cache: BatchKVCache | None = None
         self.mask: torch.Tensor | None = None
-        self.rows: list[Generation | None] = []
+        self.rows: list[Sequence | None] = []
         self.num_builds = 0  # how many times the batch was (re)built (a copy of every member's KV)
 
     @property
@@ -77,7 +77,7 @@ class DecodeBatch:
             len(self.rows), self.num_live, cache.length, cache.capacity, longest, self.grow_columns, per_token
         )
 
-    def forward(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
+    def forward(self, gens: list[Sequence], *, rebuild: bool) -> torch.Tensor:
         """Run one decode step for ``gens`` (each prefilled) in one forward pass, after laying the
         batch out anew when ``rebuild`` (the answers without a row join then).
 
@@ -107,7 +107,7 @@ class DecodeBatch:
         return logits
 
     def forward_with_chunk(
-        self, gens: list[Generation], *, rebuild: bool, session: Session, ids: list[int]
+        self, gens: list[Sequence], *, rebuild: bool, session: Session, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, with the prefill of ``ids`` beyond ``session``'s KV cache in the same
         forward pass (:meth:`LlavaModel.fused_step <llava_sessions.model.LlavaModel.fused_step>`).
@@ -138,7 +138,7 @@ class DecodeBatch:
             raise
         return out
 
-    def _inputs(self, gens: list[Generation], rebuild: bool) -> tuple[list[int], list[int], int]:
+    def _inputs(self, gens: list[Sequence], rebuild: bool) -> tuple[list[int], list[int], int]:
         """Lay the batch out anew when ``rebuild``, open the next column to ``gens``' rows; returns
         every row's input token and position (0 for a row that sits out) and that column."""
         if rebuild:
@@ -155,7 +155,7 @@ class DecodeBatch:
             mask[g.row, col] = 1
         return tokens, positions, col
 
-    def release(self, gen: Generation) -> Any:
+    def release(self, gen: Sequence) -> Any:
         """Take ``gen`` out of the batch; returns its session's cache with the row's positions past
         it appended (the answer's, ``[1, kv_heads, n, head_dim]`` per layer: the prompt's were lent
         and never changed), or, when the session holds none, a new one (``new_cache``'s) with every
@@ -180,7 +180,7 @@ class DecodeBatch:
             self._free()
         return kv
 
-    def drop(self, gen: Generation) -> None:
+    def drop(self, gen: Sequence) -> None:
         """Take ``gen`` out of the batch without reading its row back (it is preempted: its KV is
         recomputed when it resumes); the row's columns stay until the next rebuild."""
         if gen.row is None:
@@ -200,7 +200,7 @@ class DecodeBatch:
             session.drop_kv()
         return bool(lent)
 
-    def bytes_without(self, gens: list[Generation], leaving: list[Generation]) -> int:
+    def bytes_without(self, gens: list[Sequence], leaving: list[Sequence]) -> int:
         """Device bytes of the batch laid out anew for its live rows and ``gens`` (the joining ones),
         all but ``leaving``: ``rows x (longest row + grow_columns) x kv_bytes_per_token`` (scheduler
         rule 10's arithmetic)."""
@@ -212,7 +212,7 @@ class DecodeBatch:
         width = max(g.next_position for g in rows)
         return len(rows) * (width + self.grow_columns) * self.model.kv_bytes_per_token
 
-    def _build(self, joining: list[Generation]) -> None:
+    def _build(self, joining: list[Sequence]) -> None:
         """Lay out the live rows and ``joining`` (whose KV their sessions lend) anew, in the device
         memory the step's plan made room for (:attr:`~.scheduler.StepPlan.batch_bytes`)."""
         members = [g for g in self.rows if g is not None] + joining

@@ -7,10 +7,10 @@ tokens and gives exactly the tokens a from-scratch ``model.generate`` on the sam
 conversation gives (fp32).
 
 The parts, as in nano-vllm's ``engine/``: admission (:mod:`.admission`) checks a request and makes
-its work (:class:`~.sequence.Generation`, :class:`~.sequence.ImageTask`, state only);
+its work (:class:`~.sequence.Sequence`, :class:`~.sequence.ImagePrefill`, state only);
 :meth:`SessionEngine.step` asks the scheduler (:func:`~.scheduler.schedule`, plain data) what to
 run and has the executor (:mod:`.executor`) carry the plan out: its memory and preemptions, what each
-piece needs first (:mod:`.inputs`), the model runner's passes, what they produce (:mod:`.outputs`).
+chunk needs first (:mod:`.inputs`), the model runner's passes, what they produce (:mod:`.outputs`).
 No HTTP, no JSON, no TorchServe.
 """
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any
 
 from ..conversation import Chat, ChatTarget, Turn, common_prefix_len, video_indexes
@@ -35,7 +36,7 @@ from .model_runner import KV_PAGE_SIZE, DecodeLayout, ModelRunner
 from .paged_batch import PagedDecodeBatch
 from .samples import runnable
 from .scheduler import TimeBudget, make_room, schedule
-from .sequence import Generation, ImageTask, Work
+from .sequence import EngineRequest, ImagePrefill, Sequence
 from .sharing import ImageSharing, Unsalted, reusable_len
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ class SessionEngine:
         *,
         image: Any = None,
         history: list[Turn] | None = None,
-        history_images: Sequence[tuple[bytes, Any]] = (),
+        history_images: GenericSequence[tuple[bytes, Any]] = (),
         salt: str | None = None,
     ) -> OpenResult:
         """Open a session in one call (:meth:`begin_open`, then its steps without a token budget).
@@ -147,7 +148,7 @@ class SessionEngine:
         Raises:
             ServiceError: as :meth:`begin_open`, and image_invalid / overloaded from its steps.
         """
-        task = self.begin_open(
+        prefill = self.begin_open(
             session_id,
             image_bytes,
             system_prompt,
@@ -156,7 +157,7 @@ class SessionEngine:
             history_images=history_images,
             salt=salt,
         )
-        result = self._run_whole(task)
+        result = self._run_whole(prefill)
         assert isinstance(result, OpenResult)
         return result
 
@@ -168,10 +169,10 @@ class SessionEngine:
         *,
         image: Any = None,
         history: list[Turn] | None = None,
-        history_images: Sequence[tuple[bytes, Any]] = (),
+        history_images: GenericSequence[tuple[bytes, Any]] = (),
         salt: str | None = None,
-    ) -> ImageTask:
-        """Admit a new session on an image and return its :class:`~.sequence.ImageTask` (the vision
+    ) -> ImagePrefill:
+        """Admit a new session on an image and return its :class:`~.sequence.ImagePrefill` (the vision
         tower and the prefix prefill run in later :meth:`step` calls); the session is busy until done.
 
         With ``history``, the session starts with those turns remembered (a restored conversation)
@@ -192,9 +193,9 @@ class SessionEngine:
                 invalid_parameter (the image placeholder in a history turn, image counts that do not
                 match), context_length_exceeded (image and history too long).
         """
-        task = self._admission.open(session_id, image_bytes, system_prompt, image, history, history_images, salt)
+        prefill = self._admission.open(session_id, image_bytes, system_prompt, image, history, history_images, salt)
         self._check()
-        return task
+        return prefill
 
     def add_image(self, session_id: str, image_bytes: bytes, *, image: Any = None) -> AddImageResult:
         """Append an image to a session's conversation in one call (:meth:`begin_add_image`, then its steps).
@@ -207,9 +208,9 @@ class SessionEngine:
         assert isinstance(result, AddImageResult)
         return result
 
-    def begin_add_image(self, session_id: str, image_bytes: bytes, *, image: Any = None) -> ImageTask:
+    def begin_add_image(self, session_id: str, image_bytes: bytes, *, image: Any = None) -> ImagePrefill:
         """Admit an image that opens the session's next question, and return its
-        :class:`~.sequence.ImageTask` (the vision tower, then the conversation up to the next question,
+        :class:`~.sequence.ImagePrefill` (the vision tower, then the conversation up to the next question,
         in later :meth:`step` calls, reusing the KV cache of everything before).
 
         Where the model lays out earlier images differently once there are several (LLaVA-OneVision:
@@ -221,9 +222,9 @@ class SessionEngine:
                 image_limit_exceeded (``max_images`` or ``max_image_tokens``), context_length_exceeded
                 (no room left for a question), overloaded (no device memory now).
         """
-        task = self._admission.add_image(session_id, image_bytes, image)
+        prefill = self._admission.add_image(session_id, image_bytes, image)
         self._check()
-        return task
+        return prefill
 
     def open_empty(self, session_id: str, system_prompt: str | None = None, *, salt: str | None = None) -> OpenResult:
         """Open a session that holds no image yet (AWS's ``{"requestType": "NEW_SESSION"}``, or a chat
@@ -303,9 +304,9 @@ class SessionEngine:
         *,
         clip_max_new_tokens: bool = False,
         salt: str | None = None,
-    ) -> Generation:
+    ) -> Sequence:
         """Admit a whole conversation resent by the client (OpenAI ``messages``) and return the
-        :class:`~.sequence.Generation` answering its last user message.
+        :class:`~.sequence.Sequence` answering its last user message.
 
         The session comes to hold ``target`` (its previous conversation is replaced; it is the cache
         of the client's): the feature rows of every image it already holds (or, with
@@ -388,8 +389,8 @@ class SessionEngine:
         *,
         context_policy: ContextPolicy = "truncate",
         clip_max_new_tokens: bool = False,
-    ) -> Generation:
-        """Admit a question and return its :class:`~.sequence.Generation` (nothing computed yet).
+    ) -> Sequence:
+        """Admit a question and return its :class:`~.sequence.Sequence` (nothing computed yet).
 
         Context policy, when prompt tokens + ``max_new_tokens`` > the model's max positions:
         ``truncate`` drops the oldest remembered turns, one at a time, until the turn fits (the
@@ -402,7 +403,7 @@ class SessionEngine:
             session_id: an open session.
             prompt: the user's question (plain text; must not contain the image placeholder).
             params: sampling parameters; with ``n`` > 1 the answer returned is the head of ``n``
-                (:attr:`~.sequence.Generation.samples`, :mod:`.samples`).
+                (:attr:`~.sequence.Sequence.samples`, :mod:`.samples`).
             remember: True: the turn joins the history; False: answered with the current history
                 as context, then forgotten (the cache is cropped back).
             context_policy: ``truncate`` or ``error`` (above).
@@ -452,13 +453,13 @@ class SessionEngine:
         return gen.answer
 
     # ------------------------------------------------------------------ the step
-    def step(self, work: Sequence[Work], *, prefill_budget: int | TimeBudget | None = None) -> None:
+    def step(self, work: GenericSequence[EngineRequest], *, prefill_budget: int | TimeBudget | None = None) -> None:
         """Run one engine step over ``work``: schedule it (:func:`~.scheduler.schedule`: decode rows
-        first, then prefill pieces, questions before images, within ``prefill_budget``: tokens, or a
-        :class:`~.scheduler.TimeBudget` sized by the passes' measured costs; None: every piece runs
+        first, then prefill chunks, questions before images, within ``prefill_budget``: tokens, or a
+        :class:`~.scheduler.TimeBudget` sized by the passes' measured costs; None: every chunk runs
         whole), execute the plan and apply what it produced. Device memory comes with the plan only
-        (scheduler rules 10-11): its preemptions, then room for the decode batch and each work's start.
-        Work listed twice in ``work`` runs once. A piece of work whose step fails gets its ``error``
+        (scheduler rules 10-11): its preemptions, then room for the decode batch and each request's start.
+        A request listed twice in ``work`` runs once. A request whose step fails gets its ``error``
         set and its session put back as before (an open's session is removed); the others are
         untouched. Never raises ``Exception``.
         """
@@ -468,31 +469,31 @@ class SessionEngine:
         if plan.batch_bytes:  # rule 11 on the ledger's room, read (O(sessions)) only when the batch needs bytes
             decision, needed = make_room(views, plan.decode, layout, self.store.room_bytes())
             plan = dataclasses.replace(plan, room=decision, batch_bytes=needed)
-        gens = [g for i in plan.decode if isinstance(g := live[i], Generation)]  # only answers decode
-        leaving = tuple(g for i in plan.room.preempt if isinstance(g := live[i], Generation))
+        gens = [g for i in plan.decode if isinstance(g := live[i], Sequence)]  # only answers decode
+        leaving = tuple(g for i in plan.room.preempt if isinstance(g := live[i], Sequence))
         room = BatchRoom(plan.rebuild, plan.batch_bytes, leaving, plan.room)
-        pieces = list(plan.prefill)
+        chunks = list(plan.prefill)
         if plan.fuse:
-            first = pieces.pop(0)
+            first = chunks.pop(0)
             self._execute.decode_with_chunk(gens, room, live[first.index], first)
         elif gens:
             self._execute.decode(gens, room)
-        for piece in pieces:
-            self._execute.run_piece(live[piece.index], piece)
+        for chunk in chunks:
+            self._execute.run_chunk(live[chunk.index], chunk)
         self._check()
 
-    def abandon(self, work: Work) -> None:
+    def abandon(self, work: EngineRequest) -> None:
         """Abandon ``work`` (an answer or an added image leaves its session as before, an open's is removed)."""
         if not work.done:
             self._execute.outputs.put_back(work)
 
-    def _run_whole(self, task: ImageTask) -> Any:
-        """Step ``task`` alone without a budget until done; returns its result or raises its error."""
-        while not task.done:
-            self.step([task])
-        if task.error is not None:
-            raise task.error
-        return task.result
+    def _run_whole(self, prefill: ImagePrefill) -> Any:
+        """Step ``prefill`` alone without a budget until done; returns its result or raises its error."""
+        while not prefill.done:
+            self.step([prefill])
+        if prefill.error is not None:
+            raise prefill.error
+        return prefill.result
 
     def _check(self) -> None:
         if self.check_invariants:

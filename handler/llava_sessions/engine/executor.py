@@ -1,11 +1,11 @@
-"""Executing a step's plan: its prefill pieces, its decode step, and the memory and preemptions it decides.
+"""Executing a step's plan: its prefill chunks, its decode step, and the memory and preemptions it decides.
 
-Each prefill piece runs here (:meth:`StepExecutor.run_piece`: what comes before its chunk, then the
+Each prefill chunk runs here (:meth:`StepExecutor.run_chunk`: what comes before its tokens, then the
 chunk; the first rides the decode step's pass when the plan says so: :meth:`StepExecutor.decode_with_chunk`).
-Device memory comes with the plan only (scheduler rules 10-11): room is made here, for a piece's
+Device memory comes with the plan only (scheduler rules 10-11): room is made here, for a chunk's
 ``grant_bytes`` and the decode batch's ``batch_bytes`` once the answers the plan preempts have left,
 and nowhere else. A preempted answer leaves the batch and resumes later with its KV recomputed. What a
-piece needs before its chunk is :mod:`.inputs`'; what a pass produces, :mod:`.outputs`'; the forward
+chunk needs before its tokens is :mod:`.inputs`'; what a pass produces, :mod:`.outputs`'; the forward
 passes themselves, the model runner's. A failure is its own request's: the others in the step run on.
 """
 
@@ -21,8 +21,8 @@ from .inputs import StepInputs
 from .memory import kv_grant_bytes
 from .outputs import StepOutputs
 from .samples import fork_samples
-from .scheduler import PrefillPiece, Room, make_room
-from .sequence import Generation, Phase, Work
+from .scheduler import PrefillChunk, Room, make_room
+from .sequence import EngineRequest, Phase, Sequence
 
 if TYPE_CHECKING:
     from ..sessions.store import SessionStore
@@ -42,7 +42,7 @@ class BatchRoom:
 
     rebuild: bool
     batch_bytes: int = 0
-    leaving: tuple[Generation, ...] = ()
+    leaving: tuple[Sequence, ...] = ()
     decision: Room = Room()
 
 
@@ -70,7 +70,7 @@ class StepExecutor:
         self.outputs = StepOutputs(store, runner)
         self.num_preemptions = 0
 
-    def decode(self, gens: list[Generation], room: BatchRoom) -> None:
+    def decode(self, gens: list[Sequence], room: BatchRoom) -> None:
         """Run the decode step of ``gens`` together and sample each one's next token, once ``room``'s
         plan is carried out (preemptions, then room made for the batch's bytes); a failed forward
         pass fails every one of them (their sessions put back)."""
@@ -89,11 +89,11 @@ class StepExecutor:
             raise
         self.outputs.accept_rows(gens, logits)
 
-    def _batch_room(self, gens: list[Generation], room: BatchRoom) -> list[Generation]:
+    def _batch_room(self, gens: list[Sequence], room: BatchRoom) -> list[Sequence]:
         """Carry out the plan's :class:`~.scheduler.Room` for the decode batch (scheduler rules 10-11):
         free the rows' sessions' copies of their KV when it says ``unlend``, preempt the answers it
         names (:meth:`_preempt`), then make room for the batch's bytes. When the step's earlier work
-        changed what the ledger holds since the plan (a fused piece's restore), the scheduler decides
+        changed what the ledger holds since the plan (a fused chunk's restore), the scheduler decides
         again on the ledger's integers now (:func:`~.scheduler.make_room`). ``refused``: every answer
         fails ``overloaded``. Returns the answers that decode this step."""
         for attempt in (room, None):
@@ -116,10 +116,10 @@ class StepExecutor:
             self.outputs.fail(g, overloaded("not enough device memory to decode now; retry later", "step_memory"))
         return []
 
-    def _preempt(self, gen: Generation) -> None:
+    def _preempt(self, gen: Sequence) -> None:
         """Preempt ``gen``: its row leaves the batch unread and its session's KV is dropped (no copy;
         the session keeps its image features), so it waits, then recomputes the KV of its prompt and
-        tokens so far (:attr:`~.sequence.Generation.prefill_ids`) and decodes on: the same tokens, as
+        tokens so far (:attr:`~.sequence.Sequence.prefill_ids`) and decodes on: the same tokens, as
         greedy decoding and a seeded sampler give them. Its stream pauses meanwhile."""
         batch = self.runner.batch
         batch.drop(gen)
@@ -131,26 +131,26 @@ class StepExecutor:
         gen.preempt(kv_grant_bytes(self.model, self.runner.page_size, 0, len(gen.prefill_ids) + left) + joined)
         self.num_preemptions += 1
 
-    def run_piece(self, w: Work, piece: PrefillPiece) -> None:
-        """Execute one prefill piece of a step's plan: what comes before its chunk (a waiting answer's
+    def run_chunk(self, w: EngineRequest, chunk: PrefillChunk) -> None:
+        """Execute one prefill chunk of a step's plan: what comes before its tokens (a waiting answer's
         start, an image's vision tower), then the chunk in a pass of its own. A failure is ``w``'s
         alone (its ``error`` set, its session put back)."""
-        self._piece(w, piece, stop_before_chunk=False)
+        self._chunk(w, chunk, stop_before_tokens=False)
 
-    def _piece(self, w: Work, piece: PrefillPiece, *, stop_before_chunk: bool) -> bool:
-        """Run ``piece`` of ``w``: its work before the chunk and, unless ``stop_before_chunk`` (the
-        caller runs the chunk), its chunk. A failure is ``w``'s alone (its ``error`` set, its session
+    def _chunk(self, w: EngineRequest, chunk: PrefillChunk, *, stop_before_tokens: bool) -> bool:
+        """Run ``chunk`` of ``w``: its work before its tokens and, unless ``stop_before_tokens`` (the
+        caller runs them), its tokens. A failure is ``w``'s alone (its ``error`` set, its session
         put back).
 
         Returns:
-            Whether a chunk is left for the caller to run (``stop_before_chunk`` only).
+            Whether its tokens are left for the caller to run (``stop_before_tokens`` only).
         """
         try:
-            if not self._before_chunk(w, piece):
+            if not self._before_tokens(w, chunk):
                 return False
-            if stop_before_chunk:
+            if stop_before_tokens:
                 return True
-            self._after_chunk(w, self.runner.prefill(w.session, self._ids(w), piece.num_tokens, w.timings)[0])
+            self._after_tokens(w, self.runner.prefill(w.session, self._ids(w), chunk.num_tokens, w.timings)[0])
         except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
             self.outputs.fail(w, exc)
         except BaseException:
@@ -158,18 +158,18 @@ class StepExecutor:
             raise
         return False
 
-    def decode_with_chunk(self, gens: list[Generation], room: BatchRoom, w: Work, piece: PrefillPiece) -> None:
-        """Rule 9 (:mod:`.scheduler`): the decode step of ``gens`` and ``piece``'s chunk in one forward
-        pass (``room``: as :meth:`decode`). When the piece runs no chunk after all, the decode step
+    def decode_with_chunk(self, gens: list[Sequence], room: BatchRoom, w: EngineRequest, chunk: PrefillChunk) -> None:
+        """Rule 9 (:mod:`.scheduler`): the decode step of ``gens`` and ``chunk``'s tokens in one forward
+        pass (``room``: as :meth:`decode`). When the chunk runs no tokens after all, the decode step
         runs alone; when the batch gets no room or the pass fails, each part runs on its own, so each
         failure stays its own request's."""
-        if not self._piece(w, piece, stop_before_chunk=True):
+        if not self._chunk(w, chunk, stop_before_tokens=True):
             self.decode(gens, room)
             return
-        alone = dataclasses.replace(piece, vision=False, grant_bytes=0)  # its start ran: the chunk is left
+        alone = dataclasses.replace(chunk, vision=False, grant_bytes=0)  # its start ran: its tokens are left
         gens = self._batch_room(gens, room)
         if not gens:
-            self._piece(w, alone, stop_before_chunk=False)
+            self._chunk(w, alone, stop_before_tokens=False)
             return
         try:
             rows, last = self.runner.decode_with_chunk(
@@ -177,13 +177,13 @@ class StepExecutor:
                 rebuild=room.rebuild,
                 session=w.session,
                 ids=self._ids(w),
-                num_tokens=piece.num_tokens,
+                num_tokens=chunk.num_tokens,
                 timings=w.timings,
             )
         except Exception:  # noqa: BLE001 - whose failure it is, the parts alone tell
             log.debug("the fused decode and prefill pass failed; running them apart", exc_info=True)
             self.decode(gens, BatchRoom(room.rebuild))  # its room is made
-            self._piece(w, alone, stop_before_chunk=False)
+            self._chunk(w, alone, stop_before_tokens=False)
             return
         except BaseException:
             for g in gens:
@@ -192,38 +192,38 @@ class StepExecutor:
             raise
         self.outputs.accept_rows(gens, rows)
         try:
-            self._after_chunk(w, last)
+            self._after_tokens(w, last)
         except Exception as exc:  # noqa: BLE001
             self.outputs.fail(w, exc)
 
-    def _before_chunk(self, w: Work, piece: PrefillPiece) -> bool:
-        """What runs before a piece's prefill chunk: room made for its ``grant_bytes`` (scheduler rule
+    def _before_tokens(self, w: EngineRequest, chunk: PrefillChunk) -> bool:
+        """What runs before a prefill chunk's tokens: room made for its ``grant_bytes`` (scheduler rule
         10: the work's start; ``overloaded`` when none can be made), a waiting answer's start
-        (restore, crop), an image's vision tower. Returns False when the piece runs no chunk this step
-        (the vision tower took its share, or the image's prefix is all cached: then its task is finished)."""
-        if piece.grant_bytes and not self.store.allocate(piece.grant_bytes, keep=w.session):
-            if isinstance(w, Generation) and w.resuming:
+        (restore, crop), an image's vision tower. Returns False when the chunk runs no tokens this step
+        (the vision tower took its share, or the image's prefix is all cached: then its prefill is finished)."""
+        if chunk.grant_bytes and not self.store.allocate(chunk.grant_bytes, keep=w.session):
+            if isinstance(w, Sequence) and w.resuming:
                 return False  # a preempted answer waits for room (older answers end and free it)
             raise w.no_room()
-        if isinstance(w, Generation):
+        if isinstance(w, Sequence):
             if w.phase is Phase.WAITING:
                 self.inputs.start_generation(w)
-            return piece.num_tokens != 0
-        if piece.vision and piece.vision_ms is not None and self.inputs.encode_frames(w, piece.vision_ms):
+            return chunk.num_tokens != 0
+        if chunk.vision and chunk.vision_ms is not None and self.inputs.encode_frames(w, chunk.vision_ms):
             return False  # a video's frames are left: the vision tower took this step's share
-        if piece.vision or not w.encoded:  # not a vision piece: features another session holds
-            self.inputs.encode_image_task(w)
-            if piece.vision and piece.num_tokens == 0:
+        if chunk.vision or not w.encoded:  # not a vision chunk: features another session holds
+            self.inputs.encode_image_prefill(w)
+            if chunk.vision and chunk.num_tokens == 0:
                 return False  # the vision tower took this step's share
         if len(w.session.cached_ids) < len(w.prefix):
             return True
-        self.outputs.finish_image_task(w)
+        self.outputs.finish_image_prefill(w)
         return False
 
-    def _after_chunk(self, w: Work, logits: Any) -> None:
-        """What follows a prefill chunk: an answer whose prompt is all prefilled samples its first
+    def _after_tokens(self, w: EngineRequest, logits: Any) -> None:
+        """What follows a prefill chunk's pass: an answer whose prompt is all prefilled samples its first
         token; an image whose prefix is all cached is done."""
-        if isinstance(w, Generation):
+        if isinstance(w, Sequence):
             if len(w.session.cached_ids) == len(w.prefill_ids):
                 resumed = w.resuming  # its next token is known: the decode step feeds it
                 first = not w.prefilled
@@ -233,10 +233,10 @@ class StepExecutor:
                 if not resumed:
                     self.outputs.accept(w, logits)
         elif len(w.session.cached_ids) == len(w.prefix):
-            self.outputs.finish_image_task(w)
+            self.outputs.finish_image_prefill(w)
 
     @staticmethod
-    def _ids(w: Work) -> list[int]:
+    def _ids(w: EngineRequest) -> list[int]:
         """The full token ids ``w`` prefills (an answer's prompt, and a resumed one's tokens so far;
         an image's prefix)."""
-        return w.prefill_ids if isinstance(w, Generation) else w.prefix
+        return w.prefill_ids if isinstance(w, Sequence) else w.prefix

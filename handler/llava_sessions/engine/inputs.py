@@ -3,8 +3,8 @@
 An answer's start (:meth:`StepInputs.start_generation`): a resent conversation's features assembled
 (the rows other sessions hold, the vision tower on the rest), a demoted session restored (its features
 encoded again from the ``image`` tier, its KV loaded from the host copy its demotion made), a prefix
-another session holds adopted, and the cache cropped to the tokens the answer reuses. An image task's
-vision tower (:meth:`StepInputs.encode_image_task`): an open's session takes the features and an empty
+another session holds adopted, and the cache cropped to the tokens the answer reuses. An image prefill's
+vision tower (:meth:`StepInputs.encode_image_prefill`): an open's session takes the features and an empty
 cache; an added image joins the session (which can be rolled back) and the cache is kept up to what the
 new prefix shares; a video's frames go through the tower a few per step (:meth:`StepInputs.encode_frames`).
 Device memory for all of it was made room for by the step's plan (scheduler rule 10); forward passes are
@@ -24,7 +24,7 @@ from ..conversation import common_prefix_len
 from ..model import EncodedVideo, SessionKV, is_sampled_video
 from ..results import RestoredFrom, elapsed_ms
 from ..sessions.ledger import Tier
-from .sequence import Generation, ImageTask
+from .sequence import ImagePrefill, Sequence
 
 if TYPE_CHECKING:
     from ..sessions.session import Session
@@ -36,7 +36,7 @@ __all__ = ["StepInputs"]
 
 
 class StepInputs:
-    """What a step's pieces need before their chunks run (module docstring).
+    """What a step's chunks need before their tokens run (module docstring).
 
     Args:
         store: the sessions and their memory; runner: the model runner (the vision tower, new caches; its
@@ -56,9 +56,9 @@ class StepInputs:
         self.decode_image = decode_image
         self.num_reused_tokens = 0
 
-    def start_generation(self, gen: Generation) -> None:
+    def start_generation(self, gen: Sequence) -> None:
         """Make the session prefillable for ``gen`` in the device memory the step's plan made room for
-        (:attr:`~.scheduler.PrefillPiece.grant_bytes`): assemble a resent conversation's features or
+        (:attr:`~.scheduler.PrefillChunk.grant_bytes`): assemble a resent conversation's features or
         restore a demoted session, crop the cache to the tokens it reuses.
 
         Raises:
@@ -76,7 +76,7 @@ class StepInputs:
         self.num_reused_tokens += reuse
         gen.started(restored, reuse, elapsed_ms(t0))
 
-    def _assemble_features(self, gen: Generation) -> None:
+    def _assemble_features(self, gen: Sequence) -> None:
         """Give the session of a resent conversation every image's features in order: the rows found
         held, and the vision tower's on the images no session held."""
         session = gen.session
@@ -115,69 +115,69 @@ class StepInputs:
         self.store.stats.num_restores += 1
         return "features" if tier is Tier.FEATURES else "image"
 
-    def encode_image_task(self, task: ImageTask) -> None:
-        """Run the task's vision tower and leave the session ready to prefill its prefix: an open's
+    def encode_image_prefill(self, prefill: ImagePrefill) -> None:
+        """Run the prefill's vision tower and leave the session ready to prefill its prefix: an open's
         session takes the features and an empty cache; an added image joins the session (which can
         be rolled back), its features are appended (or every image re-encoded when the layout of the
         earlier ones changed) and the cache is kept up to what the new prefix shares with it."""
         t = time.perf_counter()
-        session = task.session
-        if task.new_image is None:
-            rows = task.shared_rows
-            session.set_features(torch.cat(rows) if rows else self.runner.encode(session, task.images))
+        session = prefill.session
+        if prefill.new_image is None:
+            rows = prefill.shared_rows
+            session.set_features(torch.cat(rows) if rows else self.runner.encode(session, prefill.images))
             session.start_kv(self.runner.new_cache())
-            task.num_reused_tokens = self.sharing.adopt_prefix(
-                session, task.prefix, session.image_keys, session.image_tokens
+            prefill.num_reused_tokens = self.sharing.adopt_prefix(
+                session, prefill.prefix, session.image_keys, session.image_tokens
             )
-            self.num_reused_tokens += task.num_reused_tokens
+            self.num_reused_tokens += prefill.num_reused_tokens
         else:
-            self._join_added_image(task)
-        task.images = []
-        task.encoded = True
-        task.timings["encode"] = elapsed_ms(t)
+            self._join_added_image(prefill)
+        prefill.images = []
+        prefill.encoded = True
+        prefill.timings["encode"] = elapsed_ms(t)
 
-    def encode_frames(self, task: ImageTask, allotted_ms: float) -> bool:
-        """Run the next frames of the task's first video not yet encoded through the vision tower, as
+    def encode_frames(self, prefill: ImagePrefill, allotted_ms: float) -> bool:
+        """Run the next frames of the prefill's first video not yet encoded through the vision tower, as
         many as the measured per-frame cost fits in ``allotted_ms`` (at least one); a video whose
         frames are all done becomes an :class:`~llava_sessions.model.EncodedVideo` (its rows and the
-        newline row). Returns whether frames are left (the task's other vision work waits for them)."""
-        left = [i for i, item in enumerate(task.images) if is_sampled_video(item)]
+        newline row). Returns whether frames are left (the prefill's other vision work waits for them)."""
+        left = [i for i, item in enumerate(prefill.images) if is_sampled_video(item)]
         if not left:
             return False
         i = left[0]
-        video = task.images[i]
-        rows = task.video_rows.setdefault(i, [])
+        video = prefill.images[i]
+        rows = prefill.video_rows.setdefault(i, [])
         done = sum(int(r.shape[0]) for r in rows) // max(1, self.model.video_rows_per_frame())
         per_frame = self.runner.costs.estimate().vision_ms
         count = max(1, int(allotted_ms // per_frame)) if per_frame > 0 else 1
         stop = min(done + count, video.num_frames)
-        rows.append(self.runner.encode_frames(task.session, video, done, stop))
+        rows.append(self.runner.encode_frames(prefill.session, video, done, stop))
         if stop == video.num_frames:
             newline = self.model.video_newline()
             ends = [] if newline is None else [newline.to(rows[0].dtype)]
-            task.images[i] = EncodedVideo(video, torch.cat([*rows, *ends]))
-            del task.video_rows[i]
-        return any(is_sampled_video(item) for item in task.images)
+            prefill.images[i] = EncodedVideo(video, torch.cat([*rows, *ends]))
+            del prefill.video_rows[i]
+        return any(is_sampled_video(item) for item in prefill.images)
 
-    def _join_added_image(self, task: ImageTask) -> None:
-        session, model = task.session, self.model
-        assert task.new_image is not None
-        data, sizes, tokens = task.new_image
-        task.snapshot = session.snapshot()
+    def _join_added_image(self, prefill: ImagePrefill) -> None:
+        session, model = prefill.session, self.model
+        assert prefill.new_image is not None
+        data, sizes, tokens = prefill.new_image
+        prefill.snapshot = session.snapshot()
         relayout = tokens[:-1] != session.image_tokens
         had_features = session.image_features
         session.add_image(data, sizes, tokens)
         if relayout or had_features is None:  # every image (re-)encoded as laid out now
-            images = [self.decode_image(d) for d in session.images[:-1]] + task.images
+            images = [self.decode_image(d) for d in session.images[:-1]] + prefill.images
             session.set_features(self.runner.encode(session, images))
         else:
-            session.set_features(torch.cat([had_features, self.runner.encode(session, task.images)], dim=0))
-        keep = common_prefix_len(session.cached_ids, task.prefix)
+            session.set_features(torch.cat([had_features, self.runner.encode(session, prefill.images)], dim=0))
+        keep = common_prefix_len(session.cached_ids, prefill.prefix)
         if relayout and model.image_token_id in session.cached_ids:  # nothing from the first image on
             keep = min(keep, session.cached_ids.index(model.image_token_id))
         if session.kv_cache is None:
             session.start_kv(self.runner.new_cache())
         else:
             session.crop_kv(keep)
-        task.num_reused_tokens = len(session.cached_ids)
-        self.num_reused_tokens += task.num_reused_tokens
+        prefill.num_reused_tokens = len(session.cached_ids)
+        self.num_reused_tokens += prefill.num_reused_tokens

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -28,7 +29,7 @@ from .paged_batch import PagedDecodeBatch
 if TYPE_CHECKING:
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
-    from .sequence import Generation
+    from .sequence import Sequence
 
 __all__ = ["KV_PAGE_SIZE", "MAX_GRAPH_ROWS", "DecodeLayout", "ModelRunner", "new_graphs", "new_kv_pool"]
 
@@ -53,7 +54,7 @@ MAX_GRAPH_ROWS = 64
 
 
 class ModelRunner:
-    """Runs the forward passes of a plan's pieces.
+    """Runs the forward passes of a plan's chunks.
 
     Args:
         model: the loaded model (:class:`~llava_sessions.model.LlavaModel`).
@@ -114,7 +115,7 @@ class ModelRunner:
             torch.cuda.synchronize(device)
         return (time.perf_counter() - t0) * 1000.0
 
-    def encode(self, session: Session, images: Sequence[Any]) -> torch.Tensor:
+    def encode(self, session: Session, images: GenericSequence[Any]) -> torch.Tensor:
         """Run the vision tower on ``images``, the session's last ``len(images)`` (decoded), laid out
         as in the session's conversation now (:attr:`Session.image_tokens`).
 
@@ -146,7 +147,9 @@ class ModelRunner:
         self.costs.vision(stop - start, self._ms_since(t0))
         return rows
 
-    def encode_at(self, session: Session, indexes: Sequence[int], images: Sequence[Any]) -> list[torch.Tensor]:
+    def encode_at(
+        self, session: Session, indexes: GenericSequence[int], images: GenericSequence[Any]
+    ) -> list[torch.Tensor]:
         """Run the vision tower on ``images``, the session's images at ``indexes`` (decoded), laid out
         as in its conversation now.
 
@@ -207,7 +210,7 @@ class ModelRunner:
             return None
         return self.graphs.prefill(session.kv_cache.table, new_ids)
 
-    def decode(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
+    def decode(self, gens: list[Sequence], *, rebuild: bool) -> torch.Tensor:
         """One decode step of ``gens`` in one forward pass (:meth:`DecodeBatch.forward`).
 
         Returns:
@@ -221,7 +224,7 @@ class ModelRunner:
 
     def decode_with_chunk(
         self,
-        gens: list[Generation],
+        gens: list[Sequence],
         *,
         rebuild: bool,
         session: Session,
@@ -319,7 +322,7 @@ def new_graphs(model: LlavaModel, pool: KVPool, paged_read: PagedRead | None = N
     return graphs
 
 
-def vision_units(images: Sequence[Any]) -> int:
+def vision_units(images: GenericSequence[Any]) -> int:
     """What a vision pass over ``images`` ran, in the cost model's unit (an image, or a video frame):
     each still image 1, each video its frames; a video encoded a few frames per step before
     (:class:`~llava_sessions.model.EncodedVideo`) 0, its frames timed then."""

@@ -2,7 +2,7 @@
 
 After a forward pass each answer samples its next token from its row of the logits and records it
 (:meth:`StepOutputs.accept`); a finished answer updates its session (the remembered turn, or the cache
-cropped back to the history's stable prefix) and releases it; an image task whose prefix is cached
+cropped back to the history's stable prefix) and releases it; an image prefill whose prefix is cached
 releases its session. On failure or abandonment the session is put back as it was before the request
 (:meth:`StepOutputs.put_back`: an answer's cache cropped to what it reused, an added image rolled
 back, an open's session removed); the answers of a request of several fail together.
@@ -18,7 +18,7 @@ import torch
 from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError
 from ..results import FinishReason
-from .sequence import Generation, ImageTask, Work
+from .sequence import EngineRequest, ImagePrefill, Sequence
 
 if TYPE_CHECKING:
     from ..sessions.store import SessionStore
@@ -46,7 +46,7 @@ class StepOutputs:
         self.model = runner.model
         self.num_generated_tokens = 0
 
-    def accept_rows(self, gens: list[Generation], logits: torch.Tensor) -> None:
+    def accept_rows(self, gens: list[Sequence], logits: torch.Tensor) -> None:
         """Sample each of ``gens``' next token from its row of ``logits [B, vocab]`` (float32, the
         decode step's); one that fails to sample fails alone."""
         for g in gens:
@@ -58,7 +58,7 @@ class StepOutputs:
             except Exception as exc:  # noqa: BLE001
                 self.fail(g, exc)
 
-    def accept(self, gen: Generation, logits: torch.Tensor) -> None:
+    def accept(self, gen: Sequence, logits: torch.Tensor) -> None:
         """Sample ``gen``'s next token from ``logits [vocab]`` (float32) and record it; finish the
         answer when it ends there."""
         token, logprob, top = gen.sampler.next_token(logits)
@@ -67,7 +67,7 @@ class StepOutputs:
         if finish:
             self._finish_generation(gen, finish)
 
-    def _finish_generation(self, gen: Generation, finish_reason: FinishReason) -> None:
+    def _finish_generation(self, gen: Sequence, finish_reason: FinishReason) -> None:
         """The answer ended: its KV comes back from the batch, the session keeps the turn (or its
         cache is cropped back to the history's stable prefix) and is idle again."""
         session = gen.session
@@ -90,16 +90,16 @@ class StepOutputs:
         self.store.release(session)
         gen.finish(finish_reason)
 
-    def finish_image_task(self, task: ImageTask) -> None:
-        """The prefix is cached: the session is idle again (within the budget) and the task has its result."""
-        self.store.release(task.session)
-        task.finish()
+    def finish_image_prefill(self, prefill: ImagePrefill) -> None:
+        """The prefix is cached: the session is idle again (within the budget) and the prefill has its result."""
+        self.store.release(prefill.session)
+        prefill.finish()
 
-    def fail(self, work: Work, exc: Exception) -> None:
+    def fail(self, work: EngineRequest, exc: Exception) -> None:
         """Record ``exc`` as ``work``'s error and put its session back (no-op once done). The answers
         of a request of several fail together: every one not done is put back, and the head carries
         the error even when its own answer had finished."""
-        if isinstance(work, Generation) and len(work.samples) > 1:
+        if isinstance(work, Sequence) and len(work.samples) > 1:
             for gen in work.samples:
                 if not gen.done:
                     gen.fail(exc)
@@ -112,18 +112,18 @@ class StepOutputs:
         work.fail(exc)
         self.put_back(work)
 
-    def put_back(self, work: Work) -> None:
+    def put_back(self, work: EngineRequest) -> None:
         """End ``work`` without a result and leave its session as before the request: an answer's
         cache cropped to what it reused (or dropped if a forward pass failed midway), an added
         image rolled back, an open's session removed."""
         work.end()
         session = work.session
         self.store.unpin(session)
-        if isinstance(work, Generation):
+        if isinstance(work, Sequence):
             self._put_back_answer(work)
             if work.head is not work:  # a sample session goes with its answer
                 self.store.discard(session)
-        elif work.kind_of_task == "open":
+        elif work.action == "open":
             if session.session_id in self.store:
                 try:
                     self.store.remove(session.session_id)
@@ -133,7 +133,7 @@ class StepOutputs:
         elif work.snapshot is not None:
             session.rollback(work.snapshot, self.model.template.prefix_ids)
 
-    def _put_back_answer(self, gen: Generation) -> None:
+    def _put_back_answer(self, gen: Sequence) -> None:
         session = gen.session
         if gen.features_pending:  # a resent conversation's features were never assembled: rebuild from images
             session.drop_features()

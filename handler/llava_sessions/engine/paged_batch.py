@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..model.kv.pages import PageTable
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
-    from .sequence import Generation
+    from .sequence import Sequence
 
 __all__ = ["PagedDecodeBatch"]
 
@@ -63,7 +63,7 @@ class PagedDecodeBatch:
         self.store = store
         self.pool = pool
         self.graphs = graphs
-        self.rows: list[Generation | None] = []
+        self.rows: list[Sequence | None] = []
         self.num_builds = 0
 
     @property
@@ -83,7 +83,7 @@ class PagedDecodeBatch:
             page_size=self.pool.page_size,
         )
 
-    def forward(self, gens: list[Generation], *, rebuild: bool) -> torch.Tensor:
+    def forward(self, gens: list[Sequence], *, rebuild: bool) -> torch.Tensor:
         """Run one decode step for ``gens`` (each prefilled, its session's cache in the pool) in one
         forward pass, after giving the answers without a row one when ``rebuild``; each session then
         holds the fed token's position.
@@ -100,7 +100,7 @@ class PagedDecodeBatch:
         return logits
 
     def forward_with_chunk(
-        self, gens: list[Generation], *, rebuild: bool, session: Session, ids: list[int]
+        self, gens: list[Sequence], *, rebuild: bool, session: Session, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` and ``session``'s chunk of ``ids`` in one pass, as
         :meth:`DecodeBatch.forward_with_chunk <.decode_batch.DecodeBatch.forward_with_chunk>` (the
@@ -111,7 +111,7 @@ class PagedDecodeBatch:
         return logits, last
 
     def _step(
-        self, gens: list[Generation], rebuild: bool, session: Session | None, ids: list[int]
+        self, gens: list[Sequence], rebuild: bool, session: Session | None, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass: the rows' decode step, and with a ``session`` its chunk of ``ids``."""
         if rebuild:
@@ -159,13 +159,13 @@ class PagedDecodeBatch:
         step = PagedBatchCache(self.pool.pages, tables)
         return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
 
-    def release(self, gen: Generation) -> None:
+    def release(self, gen: Sequence) -> None:
         """Take ``gen`` out of the batch. Its session's cache already holds every position the answer
         fed (nothing to give back: returns None, as :meth:`DecodeBatch.release
         <.decode_batch.DecodeBatch.release>` does for a row it holds no copy of)."""
         self.drop(gen)
 
-    def drop(self, gen: Generation) -> None:
+    def drop(self, gen: Sequence) -> None:
         """Take ``gen`` out of the batch (left, or preempted: its session's KV is the caller's)."""
         if gen.row is None:
             return
@@ -179,7 +179,7 @@ class PagedDecodeBatch:
         """Nothing to free: the rows are their sessions' own pages. Returns False."""
         return False
 
-    def bytes_without(self, gens: list[Generation], leaving: list[Generation]) -> int:
+    def bytes_without(self, gens: list[Sequence], leaving: list[Sequence]) -> int:
         """Device bytes a step of ``gens`` (the answers that decode) needs beyond what their sessions
         hold, without ``leaving`` (preempted: their KV freed): a page for each row whose next position
         opens one, less the pages ``leaving`` hold (negative: the step fits in what they free)."""
@@ -189,7 +189,7 @@ class PagedDecodeBatch:
         freed = sum(held_len(g.session.kv_cache) for g in leaving)
         return (opened * size - freed) * per_token
 
-    def _build(self, joining: list[Generation]) -> None:
+    def _build(self, joining: list[Sequence]) -> None:
         """Give ``joining`` rows after the live ones, the holes dropped (no KV moves)."""
         members = [g for g in self.rows if g is not None] + joining
         for row, g in enumerate(members):

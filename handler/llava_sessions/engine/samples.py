@@ -1,10 +1,10 @@
 """Parallel samples (OpenAI's and vLLM's ``n``): one prompt prefilled once, ``n`` answers sampled from it.
 
-A request of ``n`` answers is admitted as one :class:`~.sequence.Generation`, the *head*, on the
+A request of ``n`` answers is admitted as one :class:`~.sequence.Sequence`, the *head*, on the
 session, plus ``n - 1`` others, each on a *sample session* of its own: a copy of the session's
 conversation (its images, their layout and its turns) that no client names and no budget of
 sessions counts (``anonymous``), held busy while its answer runs and discarded when it ends. The
-others wait (:attr:`Generation.ready`) until the head's prompt is prefilled; then each forks from it
+others wait (:attr:`Sequence.ready`) until the head's prompt is prefilled; then each forks from it
 (:func:`fork_samples`): its KV cache is the head's prompt (on the KV pool the same pages, shared
 by reference count, with the last partial page copied once an answer writes to it; a
 ``DynamicCache`` is copied), its image features are the head's tensor, and its first token is
@@ -20,13 +20,14 @@ be repeated alone. The answers of a request succeed or fail together (:meth:`Ste
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any
 
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
 from .memory import device_bytes, kv_grant_bytes
-from .sequence import Generation, Work
+from .sequence import EngineRequest, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +47,7 @@ def sample_bytes(model: Any, page_size: int, num_tokens: int, num_image_tokens: 
 
 
 def add_samples(
-    head: Generation,
+    head: Sequence,
     request: SamplingParams,
     store: SessionStore,
     model: Any,
@@ -65,7 +66,7 @@ def add_samples(
     if request.n == 1:
         return
     session = head.session
-    samples: list[Generation] = []
+    samples: list[Sequence] = []
     held: list[Session] = []
     try:
         for i in range(request.n):
@@ -77,7 +78,7 @@ def add_samples(
             held.append(copy)
             params = request.for_sample(i)
             sampler = Sampler(params, model.device, head.prompt_ids, model.eos_token_ids, grammar(params))
-            gen = Generation(
+            gen = Sequence(
                 head._driver,
                 copy,
                 head.prompt,
@@ -125,7 +126,7 @@ def _sample_session(session: Session, index: int) -> Session:
     )
 
 
-def fork_samples(head: Generation, model: Any, accept: Callable[[Generation, torch.Tensor], None], logits: Any) -> None:
+def fork_samples(head: Sequence, model: Any, accept: Callable[[Sequence, torch.Tensor], None], logits: Any) -> None:
     """The head's prompt is prefilled (its session caches exactly its prompt): start every other
     answer of its request from it (module docstring), sampling each one's first token from ``logits``
     ``[vocab]`` (float32; each sampler gets a copy). Run before the head samples its own.
@@ -145,9 +146,9 @@ def fork_samples(head: Generation, model: Any, accept: Callable[[Generation, tor
         accept(gen, logits.clone())
 
 
-def runnable(work: Sequence[Work]) -> list[Work]:
-    """``work`` and every other answer of its requests (:attr:`Generation.samples`), each once, in
+def runnable(work: GenericSequence[EngineRequest]) -> list[EngineRequest]:
+    """``work`` and every other answer of its requests (:attr:`Sequence.samples`), each once, in
     order, less what is done and the answers still waiting for their head's prefill."""
-    every = [s for w in work for s in (w.samples if isinstance(w, Generation) else (w,))]
-    live = {id(w): w for w in every if not w.done and (not isinstance(w, Generation) or w.ready)}
+    every = [s for w in work for s in (w.samples if isinstance(w, Sequence) else (w,))]
+    live = {id(w): w for w in every if not w.done and (not isinstance(w, Sequence) or w.ready)}
     return list(live.values())

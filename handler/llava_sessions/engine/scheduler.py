@@ -13,28 +13,28 @@ The rules, in order:
 3. **Questions before images.** Prefill work runs questions (a new answer's prompt, a demoted
    session's restore) before image work (an open, an added image), each kind in arrival order:
    a follow-up is a few tokens and a user waits for its first token.
-4. **The vision tower takes its step's share.** A piece of work whose next piece is the vision tower
+4. **The vision tower takes its step's share.** A request whose next chunk is the vision tower
    (an open or added image not yet encoded; a question on a session demoted to the ``image`` tier)
    runs it and nothing after it, and the step's prefill share is spent.
-5. **Chunks.** Otherwise a piece prefills ``min(tokens left, share left)`` tokens, at least one.
+5. **Chunks.** Otherwise a chunk prefills ``min(tokens left, share left)`` tokens, at least one.
    The step stops planning prefill when its share is spent.
 6. **Decode batch rebuilds.** The batch's KV layout is rebuilt (each member's KV copied once) when it
    does not exist, when an answer joins, when its columns run out, or when fewer than half its rows
    are still live (compaction). Over the sessions' pages (``BatchLayout.page_size``) no columns run
    out and a rebuild moves no KV: it only gives the joining answers rows.
 
-With no budget (``None``) every piece of work runs whole: vision tower, then its whole prefill.
+With no budget (``None``) every request runs whole: vision tower, then its whole prefill.
 
 **A time budget** (:class:`TimeBudget`, the default; Sarathi-Serve's latency-sized token budget) replaces
 rules 2, 4 and 5 with these, given the measured :class:`~.costs.StepCost` of each kind of pass:
 
-7. **Nothing decoding: a lone prefill runs whole.** The first piece runs its vision tower and all its
+7. **Nothing decoding: a lone prefill runs whole.** The first chunk runs its vision tower and all its
    tokens (up to ``max_pass_tokens``, the memory cap of one pass) in this step: a cold turn costs one
    full forward, not one per chunk.
 8. **Answers decoding: the step stays within ``step_ms``.** The decode step's measured cost comes off
-   the step's time; each piece then takes its vision tower's cost and the tokens that fit in what is
-   left (``fixed + n * per_token``). The first piece always moves (its vision tower, or at least
-   :data:`MIN_PREFILL_TOKENS` tokens); a later piece runs only when the vision tower it needs and
+   the step's time; each chunk then takes its vision tower's cost and the tokens that fit in what is
+   left (``fixed + n * per_token``). The first chunk always moves (its vision tower, or at least
+   :data:`MIN_PREFILL_TOKENS` tokens); a later chunk runs only when the vision tower it needs and
    :data:`MIN_PREFILL_TOKENS` tokens fit in the time left, or its vision tower alone when only that
    fits (the step's leftover time encodes the next image, whose first chunk then rides the next
    decode pass whole instead of sharing it with the tower). Rules 1, 3 and 6 hold as before.
@@ -42,20 +42,20 @@ rules 2, 4 and 5 with these, given the measured :class:`~.costs.StepCost` of eac
    on it) plans only within ``image_step_ratio`` times a decode step with no chunk riding it
    (:attr:`~.costs.StepCost.decode_alone_ms`), or ``step_ms`` if less: while sessions open, the
    running answers' inter-token gap grows at most that many times (2: it at most doubles). The
-   first piece still always moves.
+   first chunk still always moves.
 
 Under either budget:
 
-9. **The first chunk rides the decode step.** While answers decode, the first piece's prefill chunk
+9. **The first chunk rides the decode step.** While answers decode, the first prefill chunk
    runs in the decode step's forward pass (Sarathi-Serve's stall-free batching: the pass's fixed
    cost is paid once), so under a time budget it costs its tokens only (``n * per_token``); the
-   step's other pieces are passes of their own.
+   step's other chunks are passes of their own.
 
 And always:
 
 10. **Memory comes with the plan** (nano-vllm's ``BlockManager.allocate`` inside ``schedule``, vLLM v1's
-    ``KVCacheManager.allocate_slots``). A piece that starts its work carries the device bytes that
-    start needs (:attr:`PrefillPiece.grant_bytes`: :attr:`WorkView.start_bytes`), a rebuild carries
+    ``KVCacheManager.allocate_slots``). A chunk that starts its work carries the device bytes that
+    start needs (:attr:`PrefillChunk.grant_bytes`: :attr:`RequestView.start_bytes`), a rebuild carries
     the new batch's (:attr:`StepPlan.batch_bytes`: ``(live rows + joining) x (longest row +
     grow_columns) x kv_bytes_per_token``; over pages, every step carries the pages its rows open:
     ``rows whose next position starts a page x page_size x kv_bytes_per_token``). The engine makes
@@ -65,7 +65,7 @@ And always:
     :class:`Room`). Given the device bytes the ledger can still make room for (``room_bytes``: the
     budget less what busy sessions and the batch hold), a batch whose bytes do not fit drops its
     newest answers, one at a time, until the rest fits; the oldest always stays. Over pages, a
-    leaving answer's pages (:attr:`WorkView.num_held_kv_tokens`) come back to the room. A contiguous
+    leaving answer's pages (:attr:`RequestView.num_held_kv_tokens`) come back to the room. A contiguous
     batch, when even its oldest answer alone does not fit, first frees the copies its rows' sessions
     keep of the KV the rows hold (``unlend``: a rebuild lays the new batch out beside the old one, so
     those copies are what stands in the way) and searches again; when even that fails, the decode
@@ -84,11 +84,11 @@ from .costs import StepCost
 __all__ = [
     "MIN_PREFILL_TOKENS",
     "BatchLayout",
-    "PrefillPiece",
+    "PrefillChunk",
     "Room",
     "StepPlan",
     "TimeBudget",
-    "WorkView",
+    "RequestView",
     "make_room",
     "needs_rebuild",
     "schedule",
@@ -98,27 +98,27 @@ __all__ = [
 MIN_PREFILL_TOKENS = 16
 
 #: ``question``: an answer's prefill (restore + prompt); ``image``: an open or an added image.
-WorkKind = Literal["question", "image"]
+RequestKind = Literal["question", "image"]
 
 
 @dataclass(frozen=True)
-class WorkView:
-    """What the scheduler sees of one piece of work in flight.
+class RequestView:
+    """What the scheduler sees of one request in flight.
 
     Attributes:
         kind: ``question`` or ``image`` (rule 3).
         decoding: its prompt is prefilled: it is a decode row (rule 1).
         has_row: it already holds a row of the decode batch (a decoding answer without one joins).
-        needs_vision: its next piece runs the vision tower (rule 4).
-        num_prefill_tokens: tokens it has left to prefill (after the vision piece, if any).
-        start_bytes: device bytes its first piece needs room for (0 once started; rule 10).
+        needs_vision: its next chunk runs the vision tower (rule 4).
+        num_prefill_tokens: tokens it has left to prefill (after the vision chunk, if any).
+        start_bytes: device bytes its first chunk needs room for (0 once started; rule 10).
         num_kv_tokens: a decoding answer's tokens in its KV cache (its row's length in the batch).
         num_held_kv_tokens: token positions of device memory its session's own KV holds (the ledger's
             count: over pages, its pages; in a contiguous batch, the copy its session keeps; rule 11).
         created: when the request arrived (``time.perf_counter()``): the newest leave first (rule 11).
     """
 
-    kind: WorkKind
+    kind: RequestKind
     decoding: bool = False
     has_row: bool = False
     needs_vision: bool = False
@@ -161,12 +161,12 @@ class TimeBudget:
 
 
 @dataclass(frozen=True)
-class PrefillPiece:
+class PrefillChunk:
     """Run work ``index``'s vision tower when ``vision``, then prefill ``num_tokens`` of its tokens
     (0: none this step; None: all that are left), once room is made for ``grant_bytes`` device bytes
     (its work's start; rule 10). ``vision_ms``: the ms its vision tower may take this step, while
     answers decode under a time budget (a video's frames then go through it a few per step; None:
-    no bound); left out of a piece's equality (a plan's shape is its work, tokens and bytes)."""
+    no bound); left out of a chunk's equality (a plan's shape is its work, tokens and bytes)."""
 
     index: int
     vision: bool
@@ -190,14 +190,14 @@ class Room:
 @dataclass(frozen=True)
 class StepPlan:
     """One step: ``decode`` (indexes of the answers that decode one token together, the preempted
-    ones included), ``rebuild`` (lay the decode batch out anew first), ``prefill`` (pieces, in the
-    order they run), ``fuse`` (rule 9: the first piece's chunk runs in the decode step's forward
+    ones included), ``rebuild`` (lay the decode batch out anew first), ``prefill`` (chunks, in the
+    order they run), ``fuse`` (rule 9: the first chunk runs in the decode step's forward
     pass), ``batch_bytes`` (the device bytes of the rebuilt batch, or over pages of the pages its rows
     open, once ``room``'s preemptions are made; room made for them first: rules 10 and 11)."""
 
     decode: tuple[int, ...] = ()
     rebuild: bool = False
-    prefill: tuple[PrefillPiece, ...] = ()
+    prefill: tuple[PrefillChunk, ...] = ()
     fuse: bool = False
     batch_bytes: int = 0
     room: Room = Room()
@@ -219,7 +219,7 @@ def needs_rebuild(batch: BatchLayout, joining: bool) -> bool:
 
 
 def schedule(
-    work: Sequence[WorkView],
+    work: Sequence[RequestView],
     token_budget: int | TimeBudget | None,
     batch: BatchLayout = BatchLayout(),
     cost: StepCost | None = None,
@@ -240,21 +240,21 @@ def schedule(
     rebuild = bool(decode) and needs_rebuild(batch, any(not work[i].has_row for i in decode))
     order = [i for kind in ("question", "image") for i, w in enumerate(work) if w.kind == kind and not w.decoding]
     if isinstance(token_budget, TimeBudget):
-        pieces = _timed(work, order, token_budget, cost or StepCost(), bool(decode), fuse and bool(decode))
+        chunks = _timed(work, order, token_budget, cost or StepCost(), bool(decode), fuse and bool(decode))
     else:
-        pieces = _counted(work, order, token_budget, len(decode))
-    fused = fuse and bool(decode) and bool(pieces) and pieces[0].num_tokens != 0
-    pieces = tuple(
-        PrefillPiece(p.index, p.vision, p.num_tokens, work[p.index].start_bytes, p.vision_ms) for p in pieces
+        chunks = _counted(work, order, token_budget, len(decode))
+    fused = fuse and bool(decode) and bool(chunks) and chunks[0].num_tokens != 0
+    chunks = tuple(
+        PrefillChunk(p.index, p.vision, p.num_tokens, work[p.index].start_bytes, p.vision_ms) for p in chunks
     )
     if not (rebuild or batch.page_size):
-        return StepPlan(decode, rebuild, pieces, fused)
+        return StepPlan(decode, rebuild, chunks, fused)
     room, batch_bytes = make_room(work, decode, batch, room_bytes)
-    return StepPlan(decode, rebuild, pieces, fused, batch_bytes, room)
+    return StepPlan(decode, rebuild, chunks, fused, batch_bytes, room)
 
 
 def make_room(
-    work: Sequence[WorkView], decode: Sequence[int], batch: BatchLayout, room_bytes: int | None
+    work: Sequence[RequestView], decode: Sequence[int], batch: BatchLayout, room_bytes: int | None
 ) -> tuple[Room, int]:
     """Rules 10 and 11: how the decode batch of ``decode`` (indexes into ``work``) gets its device bytes
     when room can be made for ``room_bytes`` (None: any number).
@@ -281,7 +281,7 @@ def make_room(
     return Room(refused=True), 0
 
 
-def _batch_bytes(work: Sequence[WorkView], decode: Sequence[int], batch: BatchLayout, leaving: Sequence[int]) -> int:
+def _batch_bytes(work: Sequence[RequestView], decode: Sequence[int], batch: BatchLayout, leaving: Sequence[int]) -> int:
     """Rule 10: the device bytes of the decode batch laid out anew with the answers of ``decode`` but
     ``leaving`` (those without a row join its live rows; a live row that does not decode this step
     counts at the longest row's width); over pages, those of the pages the step opens (a row whose
@@ -299,53 +299,53 @@ def _batch_bytes(work: Sequence[WorkView], decode: Sequence[int], batch: BatchLa
 
 
 def _counted(
-    work: Sequence[WorkView], order: list[int], token_budget: int | None, num_decode: int
-) -> tuple[PrefillPiece, ...]:
-    """Rules 2, 4 and 5: the prefill pieces of a step under a token budget (None: every piece whole)."""
+    work: Sequence[RequestView], order: list[int], token_budget: int | None, num_decode: int
+) -> tuple[PrefillChunk, ...]:
+    """Rules 2, 4 and 5: the prefill chunks of a step under a token budget (None: every chunk whole)."""
     share = None if token_budget is None else max(token_budget - num_decode, MIN_PREFILL_TOKENS)
-    pieces: list[PrefillPiece] = []
+    chunks: list[PrefillChunk] = []
     for i in order:
         if share is not None and share <= 0:
             break
         w = work[i]
         if w.needs_vision:
-            pieces.append(PrefillPiece(i, True, None if share is None else 0))
+            chunks.append(PrefillChunk(i, True, None if share is None else 0))
             share = None if share is None else 0
             continue
         num = w.num_prefill_tokens if share is None else min(w.num_prefill_tokens, max(1, share))
-        pieces.append(PrefillPiece(i, False, num))
+        chunks.append(PrefillChunk(i, False, num))
         if share is not None:
             share -= num
-    return tuple(pieces)
+    return tuple(chunks)
 
 
 def _timed(
-    work: Sequence[WorkView], order: list[int], budget: TimeBudget, cost: StepCost, decoding: bool, fused: bool
-) -> tuple[PrefillPiece, ...]:
-    """Rules 7-9: the prefill pieces of a step under a time budget (``fused``: the first piece's chunk
+    work: Sequence[RequestView], order: list[int], budget: TimeBudget, cost: StepCost, decoding: bool, fused: bool
+) -> tuple[PrefillChunk, ...]:
+    """Rules 7-9: the prefill chunks of a step under a time budget (``fused``: the first chunk
     rides the decode step's pass and costs its tokens only)."""
     spent = cost.decode_ms if decoding else 0.0  # ms planned so far
     ratio = budget.image_step_ratio
     image_ms = budget.step_ms if not decoding or ratio is None else min(budget.step_ms, ratio * cost.decode_alone_ms)
-    pieces: list[PrefillPiece] = []
+    chunks: list[PrefillChunk] = []
     for i in order:
         w = work[i]
         ms_left = (image_ms if w.kind == "image" else budget.step_ms) - spent
-        rides = fused and not pieces  # the first piece's chunk, in the decode step's pass
+        rides = fused and not chunks  # the first chunk, in the decode step's pass
         vision_ms = cost.vision_ms if w.needs_vision else 0.0
         least = min(w.num_prefill_tokens, MIN_PREFILL_TOKENS)
-        if pieces and ms_left < vision_ms + cost.prefill_ms(least):
+        if chunks and ms_left < vision_ms + cost.prefill_ms(least):
             if w.needs_vision and decoding and ms_left >= vision_ms:  # its vision tower alone fits
-                pieces.append(PrefillPiece(i, True, 0, vision_ms=ms_left))
+                chunks.append(PrefillChunk(i, True, 0, vision_ms=ms_left))
             break
         ms_left -= vision_ms
-        if not pieces and not decoding:
+        if not chunks and not decoding:
             num = min(w.num_prefill_tokens, budget.max_pass_tokens)
         else:
             num = min(w.num_prefill_tokens, budget.max_pass_tokens, cost.tokens_within(ms_left, fused=rides))
-            if not pieces and not w.needs_vision:
+            if not chunks and not w.needs_vision:
                 num = max(num, least)
         allotted = max(ms_left + vision_ms, 0.0) if decoding and w.needs_vision else None
-        pieces.append(PrefillPiece(i, w.needs_vision, num, vision_ms=allotted))
+        chunks.append(PrefillChunk(i, w.needs_vision, num, vision_ms=allotted))
         spent += vision_ms + (cost.prefill_ms(num, fused=rides) if num else 0.0)
-    return tuple(pieces)
+    return tuple(chunks)

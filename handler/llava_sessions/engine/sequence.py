@@ -1,11 +1,13 @@
-"""Work in flight as state: an answer (:class:`Generation`) and an image task (:class:`ImageTask`).
+"""The engine's requests in flight, as state: an answer (:class:`Sequence`, the field's noun for one
+prompt and its generated tokens; a request of ``n`` answers is ``n`` sequences) and an open or an added
+image (:class:`ImagePrefill`: the vision tower, then the conversation's prefix prefilled).
 
 nano-vllm's ``sequence.py``: these hold a request's progress (token ids, cached count, decode row,
-sampling state, timings; an image task's images and prefix) and run no forward pass. The engine
+sampling state, timings; an image prefill's images and prefix) and run no forward pass. The engine
 changes them as it executes a step (:mod:`.engine`); the scheduler reads them through
-:meth:`Generation.view` / :meth:`ImageTask.view` (:class:`~.scheduler.WorkView`).
+:meth:`Sequence.view` / :meth:`ImagePrefill.view` (:class:`~.scheduler.RequestView`).
 
-Iterating a generation and ``close()`` are conveniences that call back into the engine that made it
+Iterating a sequence and ``close()`` are conveniences that call back into the engine that made it
 (:class:`Driver`): ``next(gen)`` runs steps of that answer alone; ``close()`` abandons it.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..conversation import common_prefix_len
@@ -21,12 +23,12 @@ from ..errors import ServiceError, overloaded
 from ..results import AddImageResult, Answer, FinishReason, OpenResult, RestoredFrom, TokenEvent, elapsed_ms
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import IncrementalDetokenizer, Sampler
-from .scheduler import TimeBudget, WorkView
+from .scheduler import RequestView, TimeBudget
 
 if TYPE_CHECKING:
     from ..sessions.session import Session, SessionSnapshot
 
-__all__ = ["Driver", "Generation", "ImageTask", "Phase", "Work"]
+__all__ = ["Driver", "Sequence", "ImagePrefill", "Phase", "EngineRequest"]
 
 
 class Phase(enum.Enum):
@@ -41,16 +43,16 @@ class Phase(enum.Enum):
 
 
 class Driver(Protocol):
-    """What a piece of work calls back into: the engine that made it."""
+    """What a request calls back into: the engine that made it."""
 
-    def step(self, work: Sequence[Work], *, prefill_budget: int | TimeBudget | None = None) -> None:
+    def step(self, work: GenericSequence[EngineRequest], *, prefill_budget: int | TimeBudget | None = None) -> None:
         """Run one engine step over ``work``."""
 
-    def abandon(self, work: Work) -> None:
+    def abandon(self, work: EngineRequest) -> None:
         """Abandon ``work`` (client gone); its session is left as before it."""
 
 
-class Generation:
+class Sequence:
     """One answer in flight: the prompt, the tokens so far and how far its prefill got.
 
     Made by ``SessionEngine.start`` (the session is busy from then on). When it ends, :attr:`answer`
@@ -125,8 +127,8 @@ class Generation:
         self.feature_rows: list[Any] = []
         self.features_pending = False  # the session's features are assembled when the answer starts
         self.resent = False  # a whole conversation resent (OpenAI messages), not one question
-        self.samples: list[Generation] = [self]
-        self.head: Generation = self
+        self.samples: list[Sequence] = [self]
+        self.head: Sequence = self
         self.index = 0
 
     def set_images_to_encode(self, images: list[tuple[int, Any]], rows: list[Any], *, assemble: bool) -> None:
@@ -190,11 +192,11 @@ class Generation:
         ids = self.prefill_ids
         return min(common_prefix_len(self.session.cached_ids, ids), len(ids) - 1)
 
-    def view(self) -> WorkView:
+    def view(self) -> RequestView:
         """What the scheduler sees: a decode row, or a prefill (after the vision tower when the
         session must be restored from the ``image`` tier)."""
         if self.phase is Phase.DECODING:
-            return WorkView(
+            return RequestView(
                 "question",
                 decoding=True,
                 has_row=self.row is not None,
@@ -207,10 +209,10 @@ class Generation:
             restore = not self.features_pending and session.image_features is None and bool(session.images)
             restore_vision = bool(self.images_to_encode) or restore
             uncached = len(self.prefill_ids) - (0 if restore_vision else self.num_reusable_tokens())
-            return WorkView(
+            return RequestView(
                 "question", needs_vision=restore_vision, num_prefill_tokens=uncached, start_bytes=self.start_bytes
             )
-        return WorkView("question", num_prefill_tokens=len(self.prefill_ids) - len(self.session.cached_ids))
+        return RequestView("question", num_prefill_tokens=len(self.prefill_ids) - len(self.session.cached_ids))
 
     # ------------------------------------------------------------------ changes (the engine's)
     def started(self, restored_from: RestoredFrom | None, num_reused_tokens: int, restore_ms: float) -> None:
@@ -313,7 +315,7 @@ class Generation:
         self.phase = Phase.DONE
 
     # ------------------------------------------------------------------ conveniences
-    def __iter__(self) -> Generation:
+    def __iter__(self) -> Sequence:
         return self
 
     def __next__(self) -> TokenEvent:
@@ -331,7 +333,7 @@ class Generation:
             s._driver.abandon(s)
 
 
-class ImageTask:
+class ImagePrefill:
     """An open or an added image in flight: the vision tower, then the conversation up to the next
     question prefilled in chunks.
 
@@ -340,7 +342,7 @@ class ImageTask:
     and the session is removed (an open) or put back as before (an added image: :attr:`snapshot`).
 
     Attributes:
-        kind_of_task: ``open`` or ``add_image``.
+        action: ``open`` or ``add_image``.
         session: the session; prefix: the conversation's token ids up to the next question.
         images: the decoded images still to encode (emptied once encoded).
         new_image: an added image's encoded bytes, its sizes and placeholder counts of every image
@@ -349,7 +351,7 @@ class ImageTask:
         encoded: the vision tower ran; num_reused_tokens: prefix tokens kept from the KV cache.
         shared_rows: an open's images' feature rows found in other sessions (``share_images``): no
             vision tower runs, and the prefix KV another session holds is copied.
-        start_bytes: device bytes its first piece needs room for (features and the prefix's KV); the
+        start_bytes: device bytes its first chunk needs room for (features and the prefix's KV); the
             step's plan grants them.
         timings: ms: ``decode`` (when decoded by the engine), ``encode``, ``prefill``, ``total``.
     """
@@ -359,7 +361,7 @@ class ImageTask:
     def __init__(
         self,
         driver: Driver,
-        kind_of_task: Literal["open", "add_image"],
+        action: Literal["open", "add_image"],
         session: Session,
         images: list[Any],
         prefix: list[int],
@@ -370,7 +372,7 @@ class ImageTask:
         start_bytes: int = 0,
     ) -> None:
         self._driver = driver
-        self.kind_of_task = kind_of_task
+        self.action = action
         self.session = session
         self.images = images
         self.prefix = prefix
@@ -393,23 +395,23 @@ class ImageTask:
         """The session the work is for."""
         return self.session.session_id
 
-    def view(self) -> WorkView:
+    def view(self) -> RequestView:
         """What the scheduler sees: the vision tower first, then the prefix's uncached tokens."""
         if not self.encoded:
-            return WorkView(
+            return RequestView(
                 "image",
                 needs_vision=self.shared_rows is None,
                 num_prefill_tokens=len(self.prefix),
                 start_bytes=self.start_bytes,
             )
-        return WorkView("image", num_prefill_tokens=len(self.prefix) - len(self.session.cached_ids))
+        return RequestView("image", num_prefill_tokens=len(self.prefix) - len(self.session.cached_ids))
 
     def finish(self) -> OpenResult | AddImageResult:
         """The prefix is cached: set and return :attr:`result`."""
         self.done = True
         self.timings["total"] = elapsed_ms(self._t0)
         session, timings = self.session, dict(self.timings)
-        if self.kind_of_task == "open":
+        if self.action == "open":
             self.result = OpenResult(
                 session.session_id, session.expires_at, session.image_tokens[0], len(self.prefix), timings
             )
@@ -426,21 +428,21 @@ class ImageTask:
 
     def no_room(self) -> ServiceError:
         """The error of a start refused device memory (503 ``overloaded``)."""
-        what = "a new session" if self.kind_of_task == "open" else "the image now"
+        what = "a new session" if self.action == "open" else "the image now"
         return overloaded(f"not enough device memory for {what}", "session_room")
 
     def fail(self, exc: Exception) -> None:
-        """Record ``exc`` as the task's error (the engine undoes the task)."""
+        """Record ``exc`` as the prefill's error (the engine undoes the prefill)."""
         self.error = exc
 
     def end(self) -> None:
-        """Mark the task ended without a result (failed or abandoned)."""
+        """Mark the prefill ended without a result (failed or abandoned)."""
         self.done = True
 
     def close(self) -> None:
-        """Abandon the task (client gone): an open's session is removed, an added image undone."""
+        """Abandon the prefill (client gone): an open's session is removed, an added image undone."""
         self._driver.abandon(self)
 
 
-#: A piece of work the engine steps.
-Work = Generation | ImageTask
+#: A request the engine steps (what the scheduler sees one :class:`~.scheduler.RequestView` of).
+EngineRequest = Sequence | ImagePrefill

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import Settings
 from ..conversation import Turn, VideoBytes
-from ..engine import Generation, ImageTask
+from ..engine import ImagePrefill, Sequence
 from ..errors import ServiceError
 from ..images.decode import decode_image
 from ..results import AddImageResult, OpenResult, elapsed_ms
@@ -190,7 +190,7 @@ class NativeServing(Serving):
         ]
         t_decoded = time.perf_counter()
         if isinstance(command, OpenCommand):
-            task = self.engine.begin_open(
+            prefill = self.engine.begin_open(
                 sid,
                 data[0],
                 command.system_prompt,
@@ -200,21 +200,21 @@ class NativeServing(Serving):
                 salt=request_salt(command.salt, row.custom_attributes),
             )
         else:
-            task = self.engine.begin_add_image(sid, data[0], image=images[0])
+            prefill = self.engine.begin_add_image(sid, data[0], image=images[0])
         held = not isinstance(command, OpenCommand)
-        job = Job(row.request_id, sid, self, command, now, work=task, own_group=own_group, held=held, t0=t0)
+        job = Job(row.request_id, sid, self, command, now, work=prefill, own_group=own_group, held=held, t0=t0)
         job.intake_timings = {"fetch": elapsed_ms(t0, t_fetched), "decode": elapsed_ms(t_fetched, t_decoded)}
         job.warnings = [note for clip in images if isinstance(clip, SampledVideo) and (note := clip.shortfall)]
         return job
 
     # ------------------------------------------------------------------ output
     def emit(self, job: Job) -> RowResult:
-        """The row's frame for this call: an open's or an added image's (:meth:`_emit_image_task`),
+        """The row's frame for this call: an open's or an added image's (:meth:`_emit_image_prefill`),
         a streamed answer's new lines, or a whole answer once it is done."""
-        if isinstance(job.work, ImageTask):
-            return self._emit_image_task(job, job.work)
+        if isinstance(job.work, ImagePrefill):
+            return self._emit_image_prefill(job, job.work)
         gen, command = job.work, job.command
-        assert isinstance(command, GenerateCommand) and isinstance(gen, Generation)
+        assert isinstance(command, GenerateCommand) and isinstance(gen, Sequence)
         finished = job.done or job.error is not None
         headers = {SESSION_ID_HEADER: job.session_id}
         if command.stream:
@@ -230,7 +230,7 @@ class NativeServing(Serving):
         body = responses.encode_answer(command, answers, gen.index)
         return self.framing.frame(body, continued=job.continued, last=True, headers=headers)
 
-    def _emit_stream(self, job: Job, gen: Generation, command: GenerateCommand, finished: bool) -> RowResult:
+    def _emit_stream(self, job: Job, gen: Sequence, command: GenerateCommand, finished: bool) -> RowResult:
         """A streamed answer's lines for this call; the last token goes out with ``generated_text``
         and ``details`` (TGI's shape); an error after the first frame is the last line. With ``n`` > 1
         each line carries its answer's ``index``, and each answer ends with a line of its own."""
@@ -261,23 +261,23 @@ class NativeServing(Serving):
         headers = {SESSION_ID_HEADER: job.session_id}
         return self.framing.frame(body, continued=job.continued, last=last, headers=headers, content_type=JSON_LINES)
 
-    def _emit_image_task(self, job: Job, task: ImageTask) -> RowResult:
+    def _emit_image_prefill(self, job: Job, prefill: ImagePrefill) -> RowResult:
         """An open's or added image's output: empty frames (with the session headers and status 200)
         until it is done, then its body; an error after the first frame is the body (its status is
         already out). An open's headers carry the new session id and its ``Expires``."""
-        if task.kind_of_task == "open":
-            headers = opened_headers(job.session_id, task.session.expires_at)
+        if prefill.action == "open":
+            headers = opened_headers(job.session_id, prefill.session.expires_at)
         else:
             headers = {SESSION_ID_HEADER: job.session_id}
-        if not task.done and job.error is None:
+        if not prefill.done and job.error is None:
             return self.framing.frame(b"", continued=job.continued, last=False, headers=headers)
         self.jobs.forget(job)
         if job.error is not None:
-            task.close()
+            prefill.close()
             return self.jobs.error(
                 self, job.session_id if job.own_group else None, job.error, held=job.held, continued=job.continued
             )
-        result = task.result
+        result = prefill.result
         assert result is not None
         timings = {**job.intake_timings, **result.timings, "total": elapsed_ms(job.t0)}
         if isinstance(job.command, OpenCommand) and isinstance(result, OpenResult):

@@ -71,7 +71,7 @@ class Session:
         kv_lent: the KV cache is lent to the decode batch (a running answer's row holds it).
         opened_at: open time (epoch s); expires_at: absolute expiry (epoch s, whole seconds).
         last_used: last request time (epoch s) for LRU and the idle timeout.
-        busy: a generation or image task is in flight; a busy session is never demoted or evicted.
+        busy: a generation or image prefill is in flight; a busy session is never demoted or evicted.
         num_restores: how many times a demoted session was rebuilt.
         changed: what the session holds (KV tokens, features, host bytes) changed since the store's
             ledger last recorded it.

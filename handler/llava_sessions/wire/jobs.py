@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..engine import Generation, ImageTask, SessionEngine
+from ..engine import ImagePrefill, Sequence, SessionEngine
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..results import TokenEvent
 from .contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, SESSION_ID_RE, SLOT_WAIT_HEADER
@@ -68,7 +68,7 @@ class Job:
     Attributes:
         dialect: the dialect the request came in; its frames and errors are that dialect's.
         command: the dialect's command for the request.
-        work: the engine's state of it (``Generation`` or ``ImageTask``).
+        work: the engine's state of it (``Sequence`` or ``ImagePrefill``).
         own_group: the TorchServe job group is this session's own (not the shared ``NEW_SESSION``).
         held: the client held this session before the request (not an open, not a one-shot): if
             the session is gone when the job fails, the reply says it closed.
@@ -88,7 +88,7 @@ class Job:
     dialect: Dialect
     command: Any
     last_seen: float
-    work: Generation | ImageTask
+    work: Sequence | ImagePrefill
     own_group: bool = True
     held: bool = True
     t0: float = 0.0  # admission time (perf_counter), for an open's total_ms
@@ -107,11 +107,11 @@ class Job:
 
     @property
     def done(self) -> bool:
-        """Its work ended: an image task's, or every answer of a question's (``n``)."""
+        """Its work ended: an image prefill's, or every answer of a question's (``n``)."""
         work = self.work
-        return work.all_done if isinstance(work, Generation) else work.done
+        return work.all_done if isinstance(work, Sequence) else work.done
 
-    def news(self, gen: Generation) -> list[TokenEvent]:
+    def news(self, gen: Sequence) -> list[TokenEvent]:
         """``gen``'s token events not sent yet (a streamed answer's, one of the request's ``n``); they
         count as sent from now on."""
         start = self.sent.get(gen.index, 0)
@@ -160,7 +160,7 @@ class JobTable:
         if n > cap:
             message = f"n: at most {cap} answers per request on this server (its max_concurrent_generations)"
             raise ServiceError(ErrorCode.INVALID_PARAMETER, message, param="n")
-        running = sum(len(j.work.samples) for j in self.jobs.values() if isinstance(j.work, Generation))
+        running = sum(len(j.work.samples) for j in self.jobs.values() if isinstance(j.work, Sequence))
         if running + n > cap:
             raise overloaded("too many generations in flight on this worker; retry shortly", "generation_slot")
 
@@ -223,12 +223,12 @@ class JobTable:
     def stop_session(self, session_id: str) -> None:
         """Stop every request in flight in session ``session_id`` before it closes (vLLM aborts a
         running request likewise): an answer ends now with ``finish_reason`` ``abort``, what it said
-        until then being its answer (:meth:`Generation.abort`); an image being added fails with
+        until then being its answer (:meth:`Sequence.abort`); an image being added fails with
         ``session_not_found``. Its session is left idle, as before the request. In place."""
         for job in self.jobs.values():
             if job.session_id != session_id or job.one_shot or job.done or job.error is not None:
                 continue
-            if isinstance(job.work, Generation):
+            if isinstance(job.work, Sequence):
                 job.work.abort()
             else:
                 job.work.close()
