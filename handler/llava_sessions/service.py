@@ -260,7 +260,7 @@ class SessionService:
                 break
             first = [j.work for j in running if j.streamed and isinstance(j.work, Sequence) and not j.work.events]
             self._engine_step(running)
-            if any(gen.events for gen in first):
+            if any(seq.events for seq in first):
                 break
 
     def _engine_step(self, running: list[Job]) -> None:

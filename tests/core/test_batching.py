@@ -382,10 +382,10 @@ def test_a_riding_piece_that_cannot_start_fails_alone_and_the_decode_step_still_
     def no_room(gen: Sequence) -> None:
         raise overloaded("not enough device memory for this answer now; retry later", "step_memory")
 
-    eng._execute.inputs.start_generation = no_room  # type: ignore[method-assign]
+    eng._execute.inputs.start_sequence = no_room  # type: ignore[method-assign]
     before = len(ga.events)
     eng.step([ga, gb])
-    del eng._execute.inputs.start_generation
+    del eng._execute.inputs.start_sequence
     assert gb.done and gb.error is not None and gb.error.code is ErrorCode.OVERLOADED
     assert len(ga.events) == before + 1 and eng.runner.num_fused_passes == 0  # the decode step ran alone
     assert not eng.store.get("b").busy

@@ -202,7 +202,7 @@ class ChatServing(Serving):
             own_sid = sid if row.minted and sid else self.jobs.fresh_id(row.request_id)
             engine.open_empty(own_sid, salt=command.salt)
         try:
-            gen = engine.start_chat(
+            seq = engine.start_chat(
                 own_sid, target, command.params, clip_max_new_tokens=command.clip_max_new_tokens, salt=command.salt
             )
         except ServiceError:
@@ -212,7 +212,7 @@ class ChatServing(Serving):
         engine.remember_urls(own_sid, urls, uuids)
         held = not (opens or one_shot)
         job = Job(
-            row.request_id, own_sid, self, command, now, work=gen, own_group=not opens and bool(sid), held=held, t0=t0
+            row.request_id, own_sid, self, command, now, work=seq, own_group=not opens and bool(sid), held=held, t0=t0
         )
         job.one_shot, job.urls = one_shot, urls
         job.opened = opens
@@ -306,8 +306,8 @@ class ChatServing(Serving):
     def emit(self, job: Job) -> RowResult:
         """The row's frame for this call: nothing until a whole answer is ready (or the stream's
         next chunk), then the answer; a stream's last events go out one per call."""
-        gen = job.work
-        assert isinstance(gen, Sequence) and isinstance(job.command, ChatCommand)
+        seq = job.work
+        assert isinstance(seq, Sequence) and isinstance(job.command, ChatCommand)
         if job.frames:
             return self._frame(job, job.frames.pop(0), last=not job.frames)
         finished = job.done or job.error is not None
@@ -317,11 +317,11 @@ class ChatServing(Serving):
             self.jobs.forget(job)
             if job.error is not None:
                 return self._error(job)
-            answers = self._observe(job, gen)
+            answers = self._observe(job, seq)
             body = responses.encode_completion(job.command, answers, self.token_text, warnings=job.warnings)
             return self.framing.frame(body, continued=job.continued, last=True, headers=self._headers(job, True))
         stream, choices = job.stream, []
-        for sample in gen.samples:  # each answer's news, by choice index; an answer that ended, its end
+        for sample in seq.samples:  # each answer's news, by choice index; an answer that ended, its end
             new = job.news(sample)
             if sample.answer is not None and sample.index not in job.ended and job.error is None:
                 choices.append(stream.finish(sample.index, sample.answer, new))
@@ -331,11 +331,11 @@ class ChatServing(Serving):
         if not finished:
             usage = None
             if job.command.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
-                made = sum(len(s.events) for s in gen.samples)
-                usage = responses.usage_of(len(gen.prompt_ids), made, gen.num_reused_tokens)
+                made = sum(len(s.events) for s in seq.samples)
+                usage = responses.usage_of(len(seq.prompt_ids), made, seq.num_reused_tokens)
             return self._frame(job, stream.chunk(choices, usage) if choices else b"", last=False)
         if job.error is None:
-            job.frames = stream.end(choices, self._observe(job, gen), job.warnings)
+            job.frames = stream.end(choices, self._observe(job, seq), job.warnings)
         elif not job.continued:
             self.jobs.forget(job)
             return self._error(job)
@@ -346,10 +346,10 @@ class ChatServing(Serving):
             self.jobs.end_one_shot(job)
         return self._frame(job, job.frames.pop(0), last=not job.frames)
 
-    def _observe(self, job: Job, gen: Sequence) -> list[Answer]:
+    def _observe(self, job: Job, seq: Sequence) -> list[Answer]:
         """Record a request's answers (and, without a session, whether the conversation cache served
         it); returns them, by choice index."""
-        answers = [s.answer for s in gen.samples if s.answer is not None]
+        answers = [s.answer for s in seq.samples if s.answer is not None]
         for answer in answers:
             self.metrics.observe_answer(answer)
         if job.one_shot:

@@ -263,7 +263,7 @@ class Admission:
         request = dataclasses.replace(params, max_new_tokens=max_new)
         params = request.for_sample(request.session_choice)
         model = self.model
-        gen = Sequence(
+        seq = Sequence(
             self.driver,
             session,
             prompt,
@@ -274,22 +274,22 @@ class Admission:
             IncrementalDetokenizer(model.tokenizer, skip_special_tokens=params.skip_special_tokens),
             truncated_turns=dropped,
         )
-        extra = (request.n - 1) * self._sample_bytes(len(ids) + gen.room_tokens, session.image_tokens)
-        gen.start_bytes = self._start_bytes(gen) + extra
-        add_samples(gen, request, self.store, model, lambda p: _grammar(model, p))
+        extra = (request.n - 1) * self._sample_bytes(len(ids) + seq.room_tokens, session.image_tokens)
+        seq.start_bytes = self._start_bytes(seq) + extra
+        add_samples(seq, request, self.store, model, lambda p: _grammar(model, p))
         self.store.pin(session)
-        return gen
+        return seq
 
     def _sample_bytes(self, num_tokens: int, image_tokens: GenericSequence[int]) -> int:
         """Device bytes each other answer of a request of several takes (:func:`~.samples.sample_bytes`)."""
         return sample_bytes(self.model, self.page_size, num_tokens, sum(image_tokens))
 
-    def _start_bytes(self, gen: Sequence) -> int:
-        """Device bytes ``gen``'s start needs room for: a demoted session's image features, the KV of
+    def _start_bytes(self, seq: Sequence) -> int:
+        """Device bytes ``seq``'s start needs room for: a demoted session's image features, the KV of
         the prompt tokens its cache does not serve and of ``room_tokens`` new ones."""
-        session = gen.session
+        session = seq.session
         restore = bool(session.images) and session.image_features is None
-        kv = self._kv_grant(gen.num_reusable_tokens(), len(gen.prompt_ids) + gen.room_tokens)
+        kv = self._kv_grant(seq.num_reusable_tokens(), len(seq.prompt_ids) + seq.room_tokens)
         return kv + device_bytes(self.model, 0, sum(session.image_tokens) if restore else 0)
 
     def _kv_grant(self, reuse: int, num_tokens: int) -> int:
@@ -404,7 +404,7 @@ class Admission:
         need += (request.n - 1) * self._sample_bytes(len(ids) + room, tokens)
         self._check_room(session, need, "this turn" if request.n == 1 else f"{request.n} answers now")
         to_encode = self._hold_conversation(session, target, tokens, keep, rows, unchanged=unchanged)
-        gen = Sequence(
+        seq = Sequence(
             self.driver,
             session,
             target.question,
@@ -416,9 +416,9 @@ class Admission:
             room_tokens=room,
             start_bytes=need,
         )
-        gen.set_images_to_encode(to_encode, rows, assemble=not unchanged)
-        add_samples(gen, request, self.store, model, lambda p: _grammar(model, p))
-        return gen
+        seq.set_images_to_encode(to_encode, rows, assemble=not unchanged)
+        add_samples(seq, request, self.store, model, lambda p: _grammar(model, p))
+        return seq
 
     def _hold_conversation(
         self, session: Session, target: ChatTarget, tokens: list[int], keep: int, rows: list[Any], *, unchanged: bool

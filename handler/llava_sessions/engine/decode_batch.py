@@ -77,11 +77,11 @@ class DecodeBatch:
             len(self.rows), self.num_live, cache.length, cache.capacity, longest, self.grow_columns, per_token
         )
 
-    def forward(self, gens: list[Sequence], *, rebuild: bool) -> torch.Tensor:
-        """Run one decode step for ``gens`` (each prefilled) in one forward pass, after laying the
+    def forward(self, seqs: list[Sequence], *, rebuild: bool) -> torch.Tensor:
+        """Run one decode step for ``seqs`` (each prefilled) in one forward pass, after laying the
         batch out anew when ``rebuild`` (the answers without a row join then).
 
-        Rows of the batch not in ``gens`` sit this step out (their new column is masked).
+        Rows of the batch not in ``seqs`` sit this step out (their new column is masked).
 
         Returns:
             Logits ``[B, vocab]`` float32, indexed by each generation's ``row``.
@@ -90,7 +90,7 @@ class DecodeBatch:
             ServiceError: overloaded (out of memory twice).
             Exception: the forward pass failed (the batch is left as before the step).
         """
-        tokens, positions, col = self._inputs(gens, rebuild)
+        tokens, positions, col = self._inputs(seqs, rebuild)
         cache, mask = self.cache, self.mask
         assert cache is not None and mask is not None
         try:
@@ -107,7 +107,7 @@ class DecodeBatch:
         return logits
 
     def forward_with_chunk(
-        self, gens: list[Sequence], *, rebuild: bool, session: Session, ids: list[int]
+        self, seqs: list[Sequence], *, rebuild: bool, session: Session, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, with the prefill of ``ids`` beyond ``session``'s KV cache in the same
         forward pass (:meth:`LlavaModel.fused_step <llava_sessions.model.LlavaModel.fused_step>`).
@@ -120,7 +120,7 @@ class DecodeBatch:
             ServiceError: overloaded (as :meth:`forward`). Exception: the forward pass failed (the
             batch and the session's cache are left as before the step).
         """
-        tokens, positions, col = self._inputs(gens, rebuild)
+        tokens, positions, col = self._inputs(seqs, rebuild)
         cache, mask = self.cache, self.mask
         assert cache is not None and mask is not None
         try:
@@ -138,25 +138,25 @@ class DecodeBatch:
             raise
         return out
 
-    def _inputs(self, gens: list[Sequence], rebuild: bool) -> tuple[list[int], list[int], int]:
-        """Lay the batch out anew when ``rebuild``, open the next column to ``gens``' rows; returns
+    def _inputs(self, seqs: list[Sequence], rebuild: bool) -> tuple[list[int], list[int], int]:
+        """Lay the batch out anew when ``rebuild``, open the next column to ``seqs``' rows; returns
         every row's input token and position (0 for a row that sits out) and that column."""
         if rebuild:
-            self._build([g for g in gens if g.row is None])
+            self._build([g for g in seqs if g.row is None])
         cache, mask = self.cache, self.mask
         assert cache is not None and mask is not None
         col = cache.length
         tokens = [0] * len(self.rows)
         positions = [0] * len(self.rows)
-        for g in gens:
+        for g in seqs:
             assert g.row is not None, "an answer without a row decodes only after a rebuild"
             tokens[g.row] = g.events[-1].id
             positions[g.row] = g.next_position
             mask[g.row, col] = 1
         return tokens, positions, col
 
-    def release(self, gen: Sequence) -> Any:
-        """Take ``gen`` out of the batch; returns its session's cache with the row's positions past
+    def release(self, seq: Sequence) -> Any:
+        """Take ``seq`` out of the batch; returns its session's cache with the row's positions past
         it appended (the answer's, ``[1, kv_heads, n, head_dim]`` per layer: the prompt's were lent
         and never changed), or, when the session holds none, a new one (``new_cache``'s) with every
         position; None when it had no row.
@@ -164,29 +164,29 @@ class DecodeBatch:
         Raises:
             torch.OutOfMemoryError: no room for the positions (the row stays in the batch).
         """
-        row = gen.row
+        row = seq.row
         if row is None:
             return None
         assert self.cache is not None and self.mask is not None
         columns = torch.nonzero(self.mask[row, : self.cache.length]).flatten()
-        into = gen.session.kv_cache
+        into = seq.session.kv_cache
         if into is None:
             into = self.new_cache()
         new = columns[cache_len(into) :]
         kv = self.model.extract_row(self.cache, row, new, into=into) if new.numel() else into  # may fail: the row stays
-        gen.row = None
+        seq.row = None
         self.rows[row] = None
         if self.num_live == 0:
             self._free()
         return kv
 
-    def drop(self, gen: Sequence) -> None:
-        """Take ``gen`` out of the batch without reading its row back (it is preempted: its KV is
+    def drop(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the batch without reading its row back (it is preempted: its KV is
         recomputed when it resumes); the row's columns stay until the next rebuild."""
-        if gen.row is None:
+        if seq.row is None:
             return
-        self.rows[gen.row] = None
-        gen.row = None
+        self.rows[seq.row] = None
+        seq.row = None
         if self.num_live == 0:
             self._free()
 
@@ -200,12 +200,12 @@ class DecodeBatch:
             session.drop_kv()
         return bool(lent)
 
-    def bytes_without(self, gens: list[Sequence], leaving: list[Sequence]) -> int:
-        """Device bytes of the batch laid out anew for its live rows and ``gens`` (the joining ones),
+    def bytes_without(self, seqs: list[Sequence], leaving: list[Sequence]) -> int:
+        """Device bytes of the batch laid out anew for its live rows and ``seqs`` (the joining ones),
         all but ``leaving``: ``rows x (longest row + grow_columns) x kv_bytes_per_token`` (scheduler
         rule 10's arithmetic)."""
         gone = {id(g) for g in leaving}
-        rows = [g for g in self.rows if g is not None] + [g for g in gens if g.row is None]
+        rows = [g for g in self.rows if g is not None] + [g for g in seqs if g.row is None]
         rows = [g for g in rows if id(g) not in gone]
         if not rows:
             return 0

@@ -323,9 +323,9 @@ class SessionEngine:
                 a message, max_new_tokens over the cap, a question too long), image_limit_exceeded,
                 context_length_exceeded, overloaded (no device memory now).
         """
-        gen = self._admission.conversation(session_id, target, params, clip_max_new_tokens, salt)
+        seq = self._admission.conversation(session_id, target, params, clip_max_new_tokens, salt)
         self._check()
-        return gen
+        return seq
 
     def reset(self, session_id: str) -> None:
         """Forget the history, keep the images (and the cached prefix up to where the conversation
@@ -416,11 +416,11 @@ class SessionEngine:
                 context_length_exceeded (the turn does not fit: under ``truncate``, not even with
                 every remembered turn dropped).
         """
-        gen = self._admission.question(
+        seq = self._admission.question(
             session_id, prompt, params or SamplingParams(), remember, context_policy, clip_max_new_tokens
         )
         self._check()
-        return gen
+        return seq
 
     def generate(
         self,
@@ -437,7 +437,7 @@ class SessionEngine:
         Raises:
             ServiceError: as :meth:`start`, and overloaded when memory runs out (session intact).
         """
-        gen = self.start(
+        seq = self.start(
             session_id,
             prompt,
             params,
@@ -445,12 +445,12 @@ class SessionEngine:
             context_policy=context_policy,
             clip_max_new_tokens=clip_max_new_tokens,
         )
-        while not gen.all_done:  # and the request's other answers (``params.n``)
-            self.step([gen])
-        if gen.error is not None:
-            raise gen.error
-        assert gen.answer is not None
-        return gen.answer
+        while not seq.all_done:  # and the request's other answers (``params.n``)
+            self.step([seq])
+        if seq.error is not None:
+            raise seq.error
+        assert seq.answer is not None
+        return seq.answer
 
     # ------------------------------------------------------------------ the step
     def step(self, work: GenericSequence[EngineRequest], *, prefill_budget: int | TimeBudget | None = None) -> None:
@@ -469,15 +469,15 @@ class SessionEngine:
         if plan.batch_bytes:  # rule 11 on the ledger's room, read (O(sessions)) only when the batch needs bytes
             decision, needed = make_room(views, plan.decode, layout, self.store.room_bytes())
             plan = dataclasses.replace(plan, room=decision, batch_bytes=needed)
-        gens = [g for i in plan.decode if isinstance(g := live[i], Sequence)]  # only answers decode
+        seqs = [g for i in plan.decode if isinstance(g := live[i], Sequence)]  # only answers decode
         leaving = tuple(g for i in plan.room.preempt if isinstance(g := live[i], Sequence))
         room = BatchRoom(plan.rebuild, plan.batch_bytes, leaving, plan.room)
         chunks = list(plan.prefill)
         if plan.fuse:
             first = chunks.pop(0)
-            self._execute.decode_with_chunk(gens, room, live[first.index], first)
-        elif gens:
-            self._execute.decode(gens, room)
+            self._execute.decode_with_chunk(seqs, room, live[first.index], first)
+        elif seqs:
+            self._execute.decode(seqs, room)
         for chunk in chunks:
             self._execute.run_chunk(live[chunk.index], chunk)
         self._check()

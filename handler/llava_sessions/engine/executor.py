@@ -70,26 +70,26 @@ class StepExecutor:
         self.outputs = StepOutputs(store, runner)
         self.num_preemptions = 0
 
-    def decode(self, gens: list[Sequence], room: BatchRoom) -> None:
-        """Run the decode step of ``gens`` together and sample each one's next token, once ``room``'s
+    def decode(self, seqs: list[Sequence], room: BatchRoom) -> None:
+        """Run the decode step of ``seqs`` together and sample each one's next token, once ``room``'s
         plan is carried out (preemptions, then room made for the batch's bytes); a failed forward
         pass fails every one of them (their sessions put back)."""
-        gens = self._batch_room(gens, room)
-        if not gens:
+        seqs = self._batch_room(seqs, room)
+        if not seqs:
             return
         try:
-            logits = self.runner.decode(gens, rebuild=room.rebuild)
+            logits = self.runner.decode(seqs, rebuild=room.rebuild)
         except Exception as exc:  # noqa: BLE001 - the batched step failed: each of its answers fails
-            for g in gens:
+            for g in seqs:
                 self.outputs.fail(g, exc)
             return
         except BaseException:
-            for g in gens:
+            for g in seqs:
                 self.outputs.put_back(g)
             raise
-        self.outputs.accept_rows(gens, logits)
+        self.outputs.accept_rows(seqs, logits)
 
-    def _batch_room(self, gens: list[Sequence], room: BatchRoom) -> list[Sequence]:
+    def _batch_room(self, seqs: list[Sequence], room: BatchRoom) -> list[Sequence]:
         """Carry out the plan's :class:`~.scheduler.Room` for the decode batch (scheduler rules 10-11):
         free the rows' sessions' copies of their KV when it says ``unlend``, preempt the answers it
         names (:meth:`_preempt`), then make room for the batch's bytes. When the step's earlier work
@@ -98,37 +98,37 @@ class StepExecutor:
         fails ``overloaded``. Returns the answers that decode this step."""
         for attempt in (room, None):
             if attempt is None:  # the plan's room was not there: decide again on what is held now
-                views = [g.view() for g in gens]
+                views = [g.view() for g in seqs]
                 decision, batch_bytes = make_room(
-                    views, range(len(gens)), self.runner.batch.layout(), self.store.room_bytes()
+                    views, range(len(seqs)), self.runner.batch.layout(), self.store.room_bytes()
                 )
-                attempt = BatchRoom(room.rebuild, batch_bytes, tuple(gens[i] for i in decision.preempt), decision)
+                attempt = BatchRoom(room.rebuild, batch_bytes, tuple(seqs[i] for i in decision.preempt), decision)
             if attempt.decision.refused:
                 break
             if attempt.decision.unlend:
                 self.runner.batch.unlend()
             for gone in attempt.leaving:
                 self._preempt(gone)
-            gens = [g for g in gens if g not in attempt.leaving]
+            seqs = [g for g in seqs if g not in attempt.leaving]
             if attempt.batch_bytes <= 0 or self.store.allocate(attempt.batch_bytes, keep=None):
-                return gens
-        for g in gens:
+                return seqs
+        for g in seqs:
             self.outputs.fail(g, overloaded("not enough device memory to decode now; retry later", "step_memory"))
         return []
 
-    def _preempt(self, gen: Sequence) -> None:
-        """Preempt ``gen``: its row leaves the batch unread and its session's KV is dropped (no copy;
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt ``seq``: its row leaves the batch unread and its session's KV is dropped (no copy;
         the session keeps its image features), so it waits, then recomputes the KV of its prompt and
         tokens so far (:attr:`~.sequence.Sequence.prefill_ids`) and decodes on: the same tokens, as
         greedy decoding and a seeded sampler give them. Its stream pauses meanwhile."""
         batch = self.runner.batch
-        batch.drop(gen)
-        gen.session.drop_kv()
-        left = max(1, gen.room_tokens - len(gen.events))
+        batch.drop(seq)
+        seq.session.drop_kv()
+        left = max(1, seq.room_tokens - len(seq.events))
         # it resumes once room is made for its KV and for the batch it will join (the rebuild lays every
         # row out anew beside the old batch): resuming sooner would only be preempted again
-        joined = batch.bytes_without([gen], [])
-        gen.preempt(kv_grant_bytes(self.model, self.runner.page_size, 0, len(gen.prefill_ids) + left) + joined)
+        joined = batch.bytes_without([seq], [])
+        seq.preempt(kv_grant_bytes(self.model, self.runner.page_size, 0, len(seq.prefill_ids) + left) + joined)
         self.num_preemptions += 1
 
     def run_chunk(self, w: EngineRequest, chunk: PrefillChunk) -> None:
@@ -158,22 +158,22 @@ class StepExecutor:
             raise
         return False
 
-    def decode_with_chunk(self, gens: list[Sequence], room: BatchRoom, w: EngineRequest, chunk: PrefillChunk) -> None:
-        """Rule 9 (:mod:`.scheduler`): the decode step of ``gens`` and ``chunk``'s tokens in one forward
+    def decode_with_chunk(self, seqs: list[Sequence], room: BatchRoom, w: EngineRequest, chunk: PrefillChunk) -> None:
+        """Rule 9 (:mod:`.scheduler`): the decode step of ``seqs`` and ``chunk``'s tokens in one forward
         pass (``room``: as :meth:`decode`). When the chunk runs no tokens after all, the decode step
         runs alone; when the batch gets no room or the pass fails, each part runs on its own, so each
         failure stays its own request's."""
         if not self._chunk(w, chunk, stop_before_tokens=True):
-            self.decode(gens, room)
+            self.decode(seqs, room)
             return
         alone = dataclasses.replace(chunk, vision=False, grant_bytes=0)  # its start ran: its tokens are left
-        gens = self._batch_room(gens, room)
-        if not gens:
+        seqs = self._batch_room(seqs, room)
+        if not seqs:
             self._chunk(w, alone, stop_before_tokens=False)
             return
         try:
             rows, last = self.runner.decode_with_chunk(
-                gens,
+                seqs,
                 rebuild=room.rebuild,
                 session=w.session,
                 ids=self._ids(w),
@@ -182,15 +182,15 @@ class StepExecutor:
             )
         except Exception:  # noqa: BLE001 - whose failure it is, the parts alone tell
             log.debug("the fused decode and prefill pass failed; running them apart", exc_info=True)
-            self.decode(gens, BatchRoom(room.rebuild))  # its room is made
+            self.decode(seqs, BatchRoom(room.rebuild))  # its room is made
             self._chunk(w, alone, stop_before_tokens=False)
             return
         except BaseException:
-            for g in gens:
+            for g in seqs:
                 self.outputs.put_back(g)
             self.outputs.fail(w, RuntimeError("interrupted"))
             raise
-        self.outputs.accept_rows(gens, rows)
+        self.outputs.accept_rows(seqs, rows)
         try:
             self._after_tokens(w, last)
         except Exception as exc:  # noqa: BLE001
@@ -207,7 +207,7 @@ class StepExecutor:
             raise w.no_room()
         if isinstance(w, Sequence):
             if w.phase is Phase.WAITING:
-                self.inputs.start_generation(w)
+                self.inputs.start_sequence(w)
             return chunk.num_tokens != 0
         if chunk.vision and chunk.vision_ms is not None and self.inputs.encode_frames(w, chunk.vision_ms):
             return False  # a video's frames are left: the vision tower took this step's share

@@ -1,6 +1,6 @@
 """Preparing a step's inputs: what runs before a prefill chunk, on the work and its session.
 
-An answer's start (:meth:`StepInputs.start_generation`): a resent conversation's features assembled
+An answer's start (:meth:`StepInputs.start_sequence`): a resent conversation's features assembled
 (the rows other sessions hold, the vision tower on the rest), a demoted session restored (its features
 encoded again from the ``image`` tier, its KV loaded from the host copy its demotion made), a prefix
 another session holds adopted, and the cache cropped to the tokens the answer reuses. An image prefill's
@@ -56,38 +56,38 @@ class StepInputs:
         self.decode_image = decode_image
         self.num_reused_tokens = 0
 
-    def start_generation(self, gen: Sequence) -> None:
-        """Make the session prefillable for ``gen`` in the device memory the step's plan made room for
+    def start_sequence(self, seq: Sequence) -> None:
+        """Make the session prefillable for ``seq`` in the device memory the step's plan made room for
         (:attr:`~.scheduler.PrefillChunk.grant_bytes`): assemble a resent conversation's features or
         restore a demoted session, crop the cache to the tokens it reuses.
 
         Raises:
             ServiceError: the restore's image errors.
         """
-        session = gen.session
+        session = seq.session
         t0 = time.perf_counter()
-        if gen.features_pending:
-            self._assemble_features(gen)
-        restored = self._restore(session, gen.prefill_ids)
-        if gen.resent:  # a resent conversation: a prefix another session holds may serve more
-            self.sharing.adopt_prefix(session, gen.prefill_ids, session.image_keys, session.image_tokens)
-        reuse = gen.num_reusable_tokens()
+        if seq.features_pending:
+            self._assemble_features(seq)
+        restored = self._restore(session, seq.prefill_ids)
+        if seq.resent:  # a resent conversation: a prefix another session holds may serve more
+            self.sharing.adopt_prefix(session, seq.prefill_ids, session.image_keys, session.image_tokens)
+        reuse = seq.num_reusable_tokens()
         session.crop_kv(reuse)
         self.num_reused_tokens += reuse
-        gen.started(restored, reuse, elapsed_ms(t0))
+        seq.started(restored, reuse, elapsed_ms(t0))
 
-    def _assemble_features(self, gen: Sequence) -> None:
+    def _assemble_features(self, seq: Sequence) -> None:
         """Give the session of a resent conversation every image's features in order: the rows found
         held, and the vision tower's on the images no session held."""
-        session = gen.session
-        images = [img if img is not None else self.decode_image(session.images[i]) for i, img in gen.images_to_encode]
-        indexes = [i for i, _ in gen.images_to_encode]
-        rows = list(gen.feature_rows)
+        session = seq.session
+        images = [img if img is not None else self.decode_image(session.images[i]) for i, img in seq.images_to_encode]
+        indexes = [i for i, _ in seq.images_to_encode]
+        rows = list(seq.feature_rows)
         if indexes:
             for i, f in zip(indexes, self.runner.encode_at(session, indexes, images), strict=True):
                 rows[i] = f
         session.set_features(torch.cat(rows) if rows else None)
-        gen.images_to_encode, gen.features_pending = [], False
+        seq.images_to_encode, seq.features_pending = [], False
 
     def _restore(self, session: Session, ids: list[int]) -> RestoredFrom | None:
         """Bring a demoted session back to a prefillable state for the prompt ``ids``: its features

@@ -210,21 +210,21 @@ class ModelRunner:
             return None
         return self.graphs.prefill(session.kv_cache.table, new_ids)
 
-    def decode(self, gens: list[Sequence], *, rebuild: bool) -> torch.Tensor:
-        """One decode step of ``gens`` in one forward pass (:meth:`DecodeBatch.forward`).
+    def decode(self, seqs: list[Sequence], *, rebuild: bool) -> torch.Tensor:
+        """One decode step of ``seqs`` in one forward pass (:meth:`DecodeBatch.forward`).
 
         Returns:
             Logits ``[B, vocab]`` float32, indexed by each generation's ``row``.
         """
         t0 = time.perf_counter()
-        logits = self.batch.forward(gens, rebuild=rebuild)
+        logits = self.batch.forward(seqs, rebuild=rebuild)
         if not rebuild:  # a rebuild copies every row's KV once: not what a step costs from then on
             self.costs.decode(self._ms_since(t0))
         return logits
 
     def decode_with_chunk(
         self,
-        gens: list[Sequence],
+        seqs: list[Sequence],
         *,
         rebuild: bool,
         session: Session,
@@ -232,7 +232,7 @@ class ModelRunner:
         num_tokens: int | None,
         timings: dict[str, float],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of ``gens`` and the prefill of the next ``num_tokens`` of ``ids`` beyond
+        """One decode step of ``seqs`` and the prefill of the next ``num_tokens`` of ``ids`` beyond
         ``session``'s cache (as :meth:`prefill`) in ONE forward pass
         (:meth:`DecodeBatch.forward_with_chunk`); the session records the ids its cache now holds.
 
@@ -245,7 +245,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         start, end = self._chunk(session, ids, num_tokens)
-        rows, last = self.batch.forward_with_chunk(gens, rebuild=rebuild, session=session, ids=ids[:end])
+        rows, last = self.batch.forward_with_chunk(seqs, rebuild=rebuild, session=session, ids=ids[:end])
         self.num_fused_passes += 1
         ms = self._record(session, ids[:end], start, t0, timings)
         if not rebuild:  # a rebuild copies every row's KV once: not what a step costs from then on

@@ -46,10 +46,10 @@ class StepOutputs:
         self.model = runner.model
         self.num_generated_tokens = 0
 
-    def accept_rows(self, gens: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample each of ``gens``' next token from its row of ``logits [B, vocab]`` (float32, the
+    def accept_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample each of ``seqs``' next token from its row of ``logits [B, vocab]`` (float32, the
         decode step's); one that fails to sample fails alone."""
-        for g in gens:
+        for g in seqs:
             if g.done:  # another answer of its request failed and took it along
                 continue
             assert g.row is not None
@@ -58,37 +58,37 @@ class StepOutputs:
             except Exception as exc:  # noqa: BLE001
                 self.fail(g, exc)
 
-    def accept(self, gen: Sequence, logits: torch.Tensor) -> None:
-        """Sample ``gen``'s next token from ``logits [vocab]`` (float32) and record it; finish the
+    def accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Sample ``seq``'s next token from ``logits [vocab]`` (float32) and record it; finish the
         answer when it ends there."""
-        token, logprob, top = gen.sampler.next_token(logits)
+        token, logprob, top = seq.sampler.next_token(logits)
         self.num_generated_tokens += 1
-        finish = gen.append(token, logprob, self.model.eos_token_ids, top)
+        finish = seq.append(token, logprob, self.model.eos_token_ids, top)
         if finish:
-            self._finish_generation(gen, finish)
+            self._finish_sequence(seq, finish)
 
-    def _finish_generation(self, gen: Sequence, finish_reason: FinishReason) -> None:
+    def _finish_sequence(self, seq: Sequence, finish_reason: FinishReason) -> None:
         """The answer ended: its KV comes back from the batch, the session keeps the turn (or its
         cache is cropped back to the history's stable prefix) and is idle again."""
-        session = gen.session
-        generated = [e.id for e in gen.events]
-        kv = self.runner.batch.release(gen)
+        session = seq.session
+        generated = [e.id for e in seq.events]
+        kv = self.runner.batch.release(seq)
         if kv is not None:  # the last token is not fed yet
-            session.take_back_kv(kv, gen.prompt_ids + generated[:-1])
-        if gen.head is not gen:  # another answer of a request of several: only the head's is remembered
+            session.take_back_kv(kv, seq.prompt_ids + generated[:-1])
+        if seq.head is not seq:  # another answer of a request of several: only the head's is remembered
             self.store.discard(session)
-            gen.finish(finish_reason)
+            seq.finish(finish_reason)
             return
-        if gen.truncated_turns:  # what the model saw: the oldest turns left the context (not their images)
-            session.drop_oldest_turns(gen.truncated_turns)
-        if gen.remember:
-            session.remember(Turn(gen.prompt, gen.detokenizer.text, session.pending_images))
+        if seq.truncated_turns:  # what the model saw: the oldest turns left the context (not their images)
+            session.drop_oldest_turns(seq.truncated_turns)
+        if seq.remember:
+            session.remember(Turn(seq.prompt, seq.detokenizer.text, session.pending_images))
         else:  # keep what the next question can reuse: the history's stable prefix
             stable = self.model.template.prefix_ids(session.chat())
-            session.crop_kv(max(gen.num_reused_tokens, common_prefix_len(gen.prompt_ids, stable)))
+            session.crop_kv(max(seq.num_reused_tokens, common_prefix_len(seq.prompt_ids, stable)))
         session.check_invariants()
         self.store.release(session)
-        gen.finish(finish_reason)
+        seq.finish(finish_reason)
 
     def finish_image_prefill(self, prefill: ImagePrefill) -> None:
         """The prefix is cached: the session is idle again (within the budget) and the prefill has its result."""
@@ -100,10 +100,10 @@ class StepOutputs:
         of a request of several fail together: every one not done is put back, and the head carries
         the error even when its own answer had finished."""
         if isinstance(work, Sequence) and len(work.samples) > 1:
-            for gen in work.samples:
-                if not gen.done:
-                    gen.fail(exc)
-                    self.put_back(gen)
+            for seq in work.samples:
+                if not seq.done:
+                    seq.fail(exc)
+                    self.put_back(seq)
             if work.head.error is None:
                 work.head.fail(exc)
             return
@@ -133,16 +133,16 @@ class StepOutputs:
         elif work.snapshot is not None:
             session.rollback(work.snapshot, self.model.template.prefix_ids)
 
-    def _put_back_answer(self, gen: Sequence) -> None:
-        session = gen.session
-        if gen.features_pending:  # a resent conversation's features were never assembled: rebuild from images
+    def _put_back_answer(self, seq: Sequence) -> None:
+        session = seq.session
+        if seq.features_pending:  # a resent conversation's features were never assembled: rebuild from images
             session.drop_features()
             return
         try:
-            kv = self.runner.batch.release(gen)
+            kv = self.runner.batch.release(seq)
             if kv is not None:
-                session.take_back_kv(kv, gen.prompt_ids + [e.id for e in gen.events][:-1])
+                session.take_back_kv(kv, seq.prompt_ids + [e.id for e in seq.events][:-1])
         except Exception:  # noqa: BLE001 - the row cannot be read back: rebuild the session from features
             log.exception("could not read a session back from the decode batch")
             session.drop_kv()
-        session.keep_kv(len(session.cached_ids) if not gen.prefilled else gen.num_reused_tokens)
+        session.keep_kv(len(session.cached_ids) if not seq.prefilled else seq.num_reused_tokens)

@@ -83,8 +83,8 @@ class PagedDecodeBatch:
             page_size=self.pool.page_size,
         )
 
-    def forward(self, gens: list[Sequence], *, rebuild: bool) -> torch.Tensor:
-        """Run one decode step for ``gens`` (each prefilled, its session's cache in the pool) in one
+    def forward(self, seqs: list[Sequence], *, rebuild: bool) -> torch.Tensor:
+        """Run one decode step for ``seqs`` (each prefilled, its session's cache in the pool) in one
         forward pass, after giving the answers without a row one when ``rebuild``; each session then
         holds the fed token's position.
 
@@ -96,29 +96,29 @@ class PagedDecodeBatch:
             ServiceError: overloaded (out of memory twice).
             Exception: the forward pass failed (every table is as before the step).
         """
-        logits, _ = self._step(gens, rebuild, None, [])
+        logits, _ = self._step(seqs, rebuild, None, [])
         return logits
 
     def forward_with_chunk(
-        self, gens: list[Sequence], *, rebuild: bool, session: Session, ids: list[int]
+        self, seqs: list[Sequence], *, rebuild: bool, session: Session, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` and ``session``'s chunk of ``ids`` in one pass, as
         :meth:`DecodeBatch.forward_with_chunk <.decode_batch.DecodeBatch.forward_with_chunk>` (the
         rows' logits by ``row``, the chunk's last position's); a failed pass leaves every table and
         the session's cache as before the step."""
-        logits, last = self._step(gens, rebuild, session, ids)
+        logits, last = self._step(seqs, rebuild, session, ids)
         assert last is not None
         return logits, last
 
     def _step(
-        self, gens: list[Sequence], rebuild: bool, session: Session | None, ids: list[int]
+        self, seqs: list[Sequence], rebuild: bool, session: Session | None, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass: the rows' decode step, and with a ``session`` its chunk of ``ids``."""
         if rebuild:
-            self._build([g for g in gens if g.row is None])
-        caches = [_paged(g.session) for g in gens]
+            self._build([g for g in seqs if g.row is None])
+        caches = [_paged(g.session) for g in seqs]
         starts = [c.table.num_tokens for c in caches]
-        tokens = [g.events[-1].id for g in gens]
+        tokens = [g.events[-1].id for g in seqs]
         last = None
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
@@ -127,7 +127,7 @@ class PagedDecodeBatch:
                         self.pool.make_room(c.table, 1)
                     tables = [c.table for c in caches]
                     positions = [t.num_tokens - 1 for t in tables]
-                    assert positions == [g.next_position for g in gens], "a row's cache: its prompt, fed tokens"
+                    assert positions == [g.next_position for g in seqs], "a row's cache: its prompt, fed tokens"
                     if session is None:
                         logits = self._decode(tables, tokens)
                     else:
@@ -140,9 +140,9 @@ class PagedDecodeBatch:
                     for c, start in zip(caches, starts, strict=True):
                         undo_pass(c, start)  # a failed pass leaves no position behind: a retry runs it again
                     raise
-        for g, token in zip(gens, tokens, strict=True):
+        for g, token in zip(seqs, tokens, strict=True):
             g.session.record_decode([token])
-        rows = [g.row for g in gens]
+        rows = [g.row for g in seqs]
         if rows == list(range(len(self.rows))):  # every row decoded, in order: the logits are by row already
             return logits, last
         out = logits.new_zeros(len(self.rows), logits.shape[-1])
@@ -159,18 +159,18 @@ class PagedDecodeBatch:
         step = PagedBatchCache(self.pool.pages, tables)
         return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
 
-    def release(self, gen: Sequence) -> None:
-        """Take ``gen`` out of the batch. Its session's cache already holds every position the answer
+    def release(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the batch. Its session's cache already holds every position the answer
         fed (nothing to give back: returns None, as :meth:`DecodeBatch.release
         <.decode_batch.DecodeBatch.release>` does for a row it holds no copy of)."""
-        self.drop(gen)
+        self.drop(seq)
 
-    def drop(self, gen: Sequence) -> None:
-        """Take ``gen`` out of the batch (left, or preempted: its session's KV is the caller's)."""
-        if gen.row is None:
+    def drop(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the batch (left, or preempted: its session's KV is the caller's)."""
+        if seq.row is None:
             return
-        self.rows[gen.row] = None
-        gen.row = None
+        self.rows[seq.row] = None
+        seq.row = None
         if self.num_live == 0:
             self.rows = []
 
@@ -179,13 +179,13 @@ class PagedDecodeBatch:
         """Nothing to free: the rows are their sessions' own pages. Returns False."""
         return False
 
-    def bytes_without(self, gens: list[Sequence], leaving: list[Sequence]) -> int:
-        """Device bytes a step of ``gens`` (the answers that decode) needs beyond what their sessions
+    def bytes_without(self, seqs: list[Sequence], leaving: list[Sequence]) -> int:
+        """Device bytes a step of ``seqs`` (the answers that decode) needs beyond what their sessions
         hold, without ``leaving`` (preempted: their KV freed): a page for each row whose next position
         opens one, less the pages ``leaving`` hold (negative: the step fits in what they free)."""
         gone = {id(g) for g in leaving}
         size, per_token = self.pool.page_size, self.model.kv_bytes_per_token
-        opened = sum(1 for g in gens if id(g) not in gone and g.next_position % size == 0)
+        opened = sum(1 for g in seqs if id(g) not in gone and g.next_position % size == 0)
         freed = sum(held_len(g.session.kv_cache) for g in leaving)
         return (opened * size - freed) * per_token
 

@@ -78,7 +78,7 @@ def add_samples(
             held.append(copy)
             params = request.for_sample(i)
             sampler = Sampler(params, model.device, head.prompt_ids, model.eos_token_ids, grammar(params))
-            gen = Sequence(
+            seq = Sequence(
                 head._driver,
                 copy,
                 head.prompt,
@@ -90,15 +90,15 @@ def add_samples(
                 truncated_turns=head.truncated_turns,
                 room_tokens=head.room_tokens,
             )
-            gen.head, gen.index = head, i
-            samples.append(gen)
+            seq.head, seq.index = head, i
+            samples.append(seq)
     except BaseException:
         for copy in held:  # a sampler or grammar that could not start: no copy stays held
             store.discard(copy)
         raise
     head.index = request.session_choice
-    for gen in samples:
-        gen.samples = samples
+    for seq in samples:
+        seq.samples = samples
 
 
 def _sample_session(session: Session, index: int) -> Session:
@@ -136,14 +136,14 @@ def fork_samples(head: Sequence, model: Any, accept: Callable[[Sequence, torch.T
     """
     session = head.session
     n = len(head.prompt_ids)
-    for gen in head.samples:
-        if gen is head or gen.done:
+    for seq in head.samples:
+        if seq is head or seq.done:
             continue
-        gen.session.set_features(session.image_features)
-        gen.session.adopt_kv(model.copy_prefix(session.kv_cache, n), session.cached_ids[:n])
-        gen.started(head.restored_from, head.num_reused_tokens, 0.0)
-        gen.prefilled_all()
-        accept(gen, logits.clone())
+        seq.session.set_features(session.image_features)
+        seq.session.adopt_kv(model.copy_prefix(session.kv_cache, n), session.cached_ids[:n])
+        seq.started(head.restored_from, head.num_reused_tokens, 0.0)
+        seq.prefilled_all()
+        accept(seq, logits.clone())
 
 
 def runnable(work: GenericSequence[EngineRequest]) -> list[EngineRequest]:

@@ -8,7 +8,7 @@ changes them as it executes a step (:mod:`.engine`); the scheduler reads them th
 :meth:`Sequence.view` / :meth:`ImagePrefill.view` (:class:`~.scheduler.RequestView`).
 
 Iterating a sequence and ``close()`` are conveniences that call back into the engine that made it
-(:class:`Driver`): ``next(gen)`` runs steps of that answer alone; ``close()`` abandons it.
+(:class:`Driver`): ``next(seq)`` runs steps of that answer alone; ``close()`` abandons it.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ class NativeServing(Serving):
             return RowResult(responses.encode_close(sid), headers=self.framing.closed(sid))
         self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
         self.jobs.check_generation_slot(command.params.n)
-        gen = self.engine.start(
+        seq = self.engine.start(
             sid,
             command.prompt,
             command.params,
@@ -149,7 +149,7 @@ class NativeServing(Serving):
             context_policy=command.context_policy,
             clip_max_new_tokens=command.clip_max_new_tokens,
         )
-        return Job(row.request_id, sid, self, command, now, work=gen)
+        return Job(row.request_id, sid, self, command, now, work=seq)
 
     def _admit_open(self, row: Row, command: OpenCommand, now: float) -> RowResult | Job:
         """Admit an open: the id, then the image path (:meth:`_admit_image`); a failed open leaves
@@ -213,29 +213,29 @@ class NativeServing(Serving):
         a streamed answer's new lines, or a whole answer once it is done."""
         if isinstance(job.work, ImagePrefill):
             return self._emit_image_prefill(job, job.work)
-        gen, command = job.work, job.command
-        assert isinstance(command, GenerateCommand) and isinstance(gen, Sequence)
+        seq, command = job.work, job.command
+        assert isinstance(command, GenerateCommand) and isinstance(seq, Sequence)
         finished = job.done or job.error is not None
         headers = {SESSION_ID_HEADER: job.session_id}
         if command.stream:
-            return self._emit_stream(job, gen, command, finished)
+            return self._emit_stream(job, seq, command, finished)
         if not finished:
             return self.framing.frame(b"", continued=job.continued, last=False, headers=headers)
         self.jobs.forget(job)
         if job.error is not None:
             return self.jobs.error(self, job.session_id, job.error, held=job.held, continued=job.continued)
-        answers = [s.answer for s in gen.samples if s.answer is not None]
+        answers = [s.answer for s in seq.samples if s.answer is not None]
         for answer in answers:
             self.metrics.observe_answer(answer)
-        body = responses.encode_answer(command, answers, gen.index)
+        body = responses.encode_answer(command, answers, seq.index)
         return self.framing.frame(body, continued=job.continued, last=True, headers=headers)
 
-    def _emit_stream(self, job: Job, gen: Sequence, command: GenerateCommand, finished: bool) -> RowResult:
+    def _emit_stream(self, job: Job, seq: Sequence, command: GenerateCommand, finished: bool) -> RowResult:
         """A streamed answer's lines for this call; the last token goes out with ``generated_text``
         and ``details`` (TGI's shape); an error after the first frame is the last line. With ``n`` > 1
         each line carries its answer's ``index``, and each answer ends with a line of its own."""
-        several, body = len(gen.samples) > 1, b""
-        for sample in gen.samples:
+        several, body = len(seq.samples) > 1, b""
+        for sample in seq.samples:
             new, index = job.news(sample), sample.index if several else None
             if sample.index in job.ended:
                 continue

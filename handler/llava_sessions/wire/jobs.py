@@ -111,12 +111,12 @@ class Job:
         work = self.work
         return work.all_done if isinstance(work, Sequence) else work.done
 
-    def news(self, gen: Sequence) -> list[TokenEvent]:
-        """``gen``'s token events not sent yet (a streamed answer's, one of the request's ``n``); they
+    def news(self, seq: Sequence) -> list[TokenEvent]:
+        """``seq``'s token events not sent yet (a streamed answer's, one of the request's ``n``); they
         count as sent from now on."""
-        start = self.sent.get(gen.index, 0)
-        self.sent[gen.index] = len(gen.events)
-        return gen.events[start:]
+        start = self.sent.get(seq.index, 0)
+        self.sent[seq.index] = len(seq.events)
+        return seq.events[start:]
 
     @property
     def streamed(self) -> bool:
