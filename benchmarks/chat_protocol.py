@@ -31,7 +31,7 @@ from typing import Any
 
 from PIL import Image
 
-from llava_sessions.wire.jobs import Row
+from llava_sessions.wire.in_flight import BatchRequest
 from llava_sessions.worker import WorkerOrigin, build_local_service
 from llava_tools.demo.samples import sample_photo
 
@@ -43,9 +43,9 @@ def call(service: Any, body: dict, session_id: str | None = None) -> tuple[float
     """Send one request through ``service.handle`` (and its continuations); returns (ms, reply JSON)."""
     rid = uuid.uuid4().hex
     t0 = time.perf_counter()
-    result = service.handle([Row(rid, session_id, False, json.dumps(body).encode())])[0]
+    result = service.handle([BatchRequest(rid, session_id, False, json.dumps(body).encode())])[0]
     while result.stop is False:
-        result = service.handle([Row(rid, session_id, False, None)])[0]
+        result = service.handle([BatchRequest(rid, session_id, False, None)])[0]
     ms = (time.perf_counter() - t0) * 1000.0
     reply = json.loads(result.body)
     if result.status != 200 or "error" in reply:

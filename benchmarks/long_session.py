@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llava_sessions.wire.jobs import Row
+from llava_sessions.wire.in_flight import BatchRequest
 from llava_sessions.worker import build_service
 from llava_tools.demo.samples import sample_photo
 from llava_tools.tiny_model import write_checkpoint
@@ -42,12 +42,12 @@ def run(model_dir: Path, headroom: float, args: argparse.Namespace) -> dict[str,
     service = build_service({**settings, "device_budget_bytes": 2 * 10**9, "cpu_memory_reserve_bytes": 0})
 
     def call(rid: str, body: dict) -> dict:
-        row = Row(rid, "long-1", False, body)
+        row = BatchRequest(rid, "long-1", False, body)
         while True:
             out = service.handle([row])[0]
             if out.stop is not False:
                 return json.loads(out.body)
-            row = Row(rid, "long-1", False, None)
+            row = BatchRequest(rid, "long-1", False, None)
 
     image = base64.b64encode(sample_photo()).decode()
     call("open", {"type": "open_session", "image": {"base64": image}})

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llava_sessions.wire.jobs import Row
+from llava_sessions.wire.in_flight import BatchRequest
 from llava_sessions.worker import build_service
 from llava_tools.demo.samples import sample_photo
 from llava_tools.tiny_model import write_checkpoint
@@ -43,12 +43,12 @@ def main() -> None:
             nonlocal count
             count += 1
             rid, t0 = f"r{count}", time.perf_counter()
-            row = Row(rid, "bench-1", False, body)
+            row = BatchRequest(rid, "bench-1", False, body)
             while True:
                 out = service.handle([row])[0]
                 if out.stop is not False:
                     return json.loads(out.body), (time.perf_counter() - t0) * 1000.0
-                row = Row(rid, "bench-1", False, None)
+                row = BatchRequest(rid, "bench-1", False, None)
 
         call({"type": "open_session", "image": {"base64": base64.b64encode(sample_photo()).decode()}})
         ask = {"type": "generate", "prompt": "Describe this image in detail.", "remember": False}

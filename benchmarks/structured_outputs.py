@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llava_sessions.service import Row, SessionService
+from llava_sessions.service import BatchRequest, SessionService
 from llava_sessions.worker import build_service
 
 _ids = itertools.count()
@@ -54,10 +54,10 @@ def run(svc: SessionService, bodies: list[dict]) -> tuple[float, int]:
     """Admit ``bodies`` at once (one-shot, no session) and drive them to their ends: (wall s, tokens)."""
     rids = [f"b{next(_ids)}" for _ in bodies]
     t0 = time.perf_counter()
-    rows = [Row(r, f"ts-seq-{r}", True, b) for r, b in zip(rids, bodies, strict=True)]
+    rows = [BatchRequest(r, f"ts-seq-{r}", True, b) for r, b in zip(rids, bodies, strict=True)]
     last = dict(zip(rids, svc.handle(rows), strict=True))
     while live := [r for r in rids if last[r].stop is False]:
-        for r, out in zip(live, svc.handle([Row(r, f"ts-seq-{r}", True, None) for r in live]), strict=True):
+        for r, out in zip(live, svc.handle([BatchRequest(r, f"ts-seq-{r}", True, None) for r in live]), strict=True):
             last[r] = out
     wall = time.perf_counter() - t0
     tokens = sum(json.loads(last[r].body)["usage"]["completion_tokens"] for r in rids)

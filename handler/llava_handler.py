@@ -14,7 +14,7 @@ import os
 
 from llava_sessions.replicas import ReplicaRouter
 from llava_sessions.service import SessionService
-from llava_sessions.wire.framing import read_rows, write_results
+from llava_sessions.wire.framing import read_requests, write_replies
 from llava_sessions.worker import WorkerOrigin, build_service, quiet_worker_logs
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,10 @@ class LlavaHandler:
         if data is None or service is None:
             return None
         try:
-            results = service.handle(read_rows(data, context))
+            results = service.handle(read_requests(data, context))
         except Exception:  # noqa: BLE001 - last line of defence: never fail the whole batch
             log.exception("batch failed")
             results = [service.internal_error() for _ in data]
-        bodies = write_results(context, results)
+        bodies = write_replies(context, results)
         service.emit_metrics()
         return bodies

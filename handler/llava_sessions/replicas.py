@@ -11,7 +11,7 @@ are refused: they lose ``NEW_SESSION`` follow-ups, docs/decisions/42-one-worker.
 - :meth:`ReplicaRouter.handle` splits a TorchServe batch by replica and sends every part at once,
   so the replicas' forward passes run at the same time in different processes (two model copies in
   threads of one interpreter serialise on the GIL: 1.07-1.17x measured, vs 1.85x in processes);
-- **placement**: a row of a job in flight goes to its replica; a row naming a placed session to that
+- **placement**: a row of a request in flight goes to its replica; a row naming a placed session to that
   session's replica; a chat request without a session (no header, or a TorchServe-minted id) to the
   replica that last answered a request of its prefix key (:func:`~.wire.affinity.prefix_key`: its
   salt, system prompt and first user message), where the conversation cache holds its turns; anything
@@ -26,8 +26,8 @@ are refused: they lose ``NEW_SESSION`` follow-ups, docs/decisions/42-one-worker.
   ``session_not_found`` + the Closed header from a live replica), its rows in flight get 500
   ``internal_error``, and it is started again in the background; the other replicas keep serving.
 
-Pipes carry plain data: ``(Row list, request ids whose clients left)`` in, ``(RowResult list, stats,
-metrics payload)`` out; image bytes cross once, on the open. A job in flight that TorchServe's batch
+Pipes carry plain data: ``(BatchRequest list, request ids whose clients left)`` in, ``(Reply list, stats,
+metrics payload)`` out; image bytes cross once, on the open. A request in flight that TorchServe's batch
 lacks is gone (its client left; :meth:`~llava_sessions.service.SessionService.handle`): the router,
 which alone sees the whole batch, tells its replica, in a call of its own if no row goes there.
 """
@@ -51,7 +51,7 @@ from .native.responses import encode_error
 from .service import SessionService
 from .wire.affinity import prefix_key
 from .wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SEQUENCE_END_HEADER
-from .wire.framing import Framing, Row, RowResult
+from .wire.framing import BatchRequest, Framing, Reply
 
 __all__ = ["ReplicaRouter", "resolve_devices"]
 
@@ -85,7 +85,7 @@ def _replica_main(
     conn: Connection, index: int, num_replicas: int, builder: Callable[..., SessionService], build: dict[str, Any]
 ) -> None:
     """A replica process: build a service on its device, then serve the rows it is sent until the
-    pipe closes (the worker exited) or ``None`` arrives; between calls its jobs in flight run ahead
+    pipe closes (the worker exited) or ``None`` arrives; between calls its requests in flight run ahead
     (:meth:`SessionService.run_ahead`)."""
     try:
         service = builder(replica=index, num_replicas=num_replicas, **build)
@@ -95,7 +95,7 @@ def _replica_main(
     conn.send(("ready", service.placement_stats()))
     while True:
         try:
-            # no call waiting: keep the jobs in flight decoding (SessionService.run_ahead), so this
+            # no call waiting: keep the requests in flight decoding (SessionService.run_ahead), so this
             # device does not sit idle while the other replicas and TorchServe's round trip finish
             while not conn.poll(0) and service.run_ahead():
                 pass
@@ -159,7 +159,7 @@ class ReplicaRouter:
         self.replicas = [_Replica(i, d) for i, d in enumerate(devices)]
         self.placement: dict[str, int] = {}  # session id -> replica
         self.prefixes: OrderedDict[str, int] = OrderedDict()  # prefix key of a sessionless chat -> replica
-        self._jobs: dict[str, int] = {}  # request id of a job in flight -> replica
+        self._jobs: dict[str, int] = {}  # request id of a request in flight -> replica
         self._keys: dict[str, str] = {}  # request id of a sessionless chat in flight -> its prefix key
         self._lock = threading.Lock()
         self._framing = Framing(end_header)
@@ -221,7 +221,7 @@ class ReplicaRouter:
         self._pool.shutdown(wait=False)
 
     # ------------------------------------------------------------------ entry
-    def handle(self, rows: list[Row]) -> list[RowResult]:
+    def handle(self, rows: list[BatchRequest]) -> list[Reply]:
         """Route the rows, let every replica with rows run its slice at once, answer each row.
 
         Never raises: a dead replica's rows get 500 ``internal_error``, and a new request while no
@@ -239,7 +239,7 @@ class ReplicaRouter:
         for i, row in enumerate(rows):
             target = self._route(row, tallies)
             parts.setdefault(target, []).append(i)
-        results: list[RowResult | None] = [None] * len(rows)
+        results: list[Reply | None] = [None] * len(rows)
         futures = {
             index: self._pool.submit(
                 self._call, self.replicas[index], [rows[i] for i in positions], gone.get(index, [])
@@ -262,10 +262,10 @@ class ReplicaRouter:
                         result.headers.update(self._framing.end_sequence(group))
                 results[i] = result
                 self._book(rows[i], result, index)
-        return [r if r is not None else RowResult(b"") for r in results]
+        return [r if r is not None else Reply(b"") for r in results]
 
-    def _gone(self, rows: list[Row]) -> dict[int, list[str]]:
-        """The jobs in flight that ``rows`` lacks (their clients left), by live replica; forgotten here."""
+    def _gone(self, rows: list[BatchRequest]) -> dict[int, list[str]]:
+        """The requests in flight that ``rows`` lacks (their clients left), by live replica; forgotten here."""
         in_batch = {row.request_id for row in rows}
         gone: dict[int, list[str]] = {}
         with self._lock:
@@ -276,7 +276,7 @@ class ReplicaRouter:
                     gone.setdefault(index, []).append(rid)
         return gone
 
-    def _route(self, row: Row, tallies: dict[int, dict[str, int]]) -> int:
+    def _route(self, row: BatchRequest, tallies: dict[int, dict[str, int]]) -> int:
         """The replica for ``row`` (-1: none is alive)."""
         with self._lock:
             known = self._jobs.get(row.request_id)
@@ -284,7 +284,7 @@ class ReplicaRouter:
                 known = self.placement.get(row.session_id)
         if known is not None and self.replicas[known].alive:
             return known
-        if not tallies or row.body is None:  # no replica, or a job whose replica is gone
+        if not tallies or row.body is None:  # no replica, or a request whose replica is gone
             return -1
         if row.minted or not row.session_id:  # no session: where its prefix was answered, if anywhere
             key = prefix_key(row.body, row.custom_attributes)
@@ -299,8 +299,8 @@ class ReplicaRouter:
         tallies[best]["num_sessions"] += 1
         return best
 
-    def _call(self, replica: _Replica, rows: list[Row], gone: list[str]) -> list[RowResult] | None:
-        """One slice on one replica (``gone``: its jobs whose clients left); None when its process is
+    def _call(self, replica: _Replica, rows: list[BatchRequest], gone: list[str]) -> list[Reply] | None:
+        """One slice on one replica (``gone``: its requests whose clients left); None when its process is
         gone (then restarted)."""
         conn = replica.conn
         try:
@@ -332,8 +332,8 @@ class ReplicaRouter:
         )
         threading.Thread(target=self._restart, args=(replica,), daemon=True).start()
 
-    def _book(self, row: Row, result: RowResult, index: int) -> None:
-        """Record what the answer says: a job continuing, a session placed or closed."""
+    def _book(self, row: BatchRequest, result: Reply, index: int) -> None:
+        """Record what the answer says: a request continuing, a session placed or closed."""
         headers = {k.lower(): v for k, v in result.headers.items()}
         with self._lock:
             if index >= 0 and result.stop is False:
@@ -354,14 +354,14 @@ class ReplicaRouter:
                 self.placement.pop(closed, None)
 
     # ------------------------------------------------------------------ the entry's helpers
-    def internal_error(self, *, chunk: bool = False) -> RowResult:
+    def internal_error(self, *, chunk: bool = False) -> Reply:
         """A 500 ``internal_error`` row (a dead replica's rows, the entry's last line of defence);
-        ``chunk``: the row continues a job whose first frame went out (this one is its last)."""
+        ``chunk``: the row continues a request whose first frame went out (this one is its last)."""
         err = ServiceError(ErrorCode.INTERNAL_ERROR, "the model replica serving this request stopped")
         return Framing.frame(encode_error(err), continued=chunk, last=True, status=err.status)
 
     @staticmethod
-    def not_ready() -> RowResult:
+    def not_ready() -> Reply:
         """A ``503 model_not_ready`` row with ``Retry-After``: no replica is alive to take a new request
         (they are being started again)."""
         err = ServiceError(

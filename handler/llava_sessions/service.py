@@ -1,20 +1,20 @@
 """The session service: decode a row's body, pick its dialect once, step the engine, emit each row's frame.
 
 TorchServe (sequence batching + continuous batching) calls the handler with a batch of rows; a
-row is a new request or a job that asked to continue (its stopping criterion returned False).
+row is a new request or a request that asked to continue (its stopping criterion returned False).
 Each :meth:`SessionService.handle` call
 
 1. admits the new rows: loads each body (:func:`.wire.inbound.load_body`), decides its dialect
    (:func:`.wire.inbound.is_chat_body`: OpenAI chat and AWS's session bodies; else the native
    ``type`` bodies) and hands it to that dialect's serving, which answers at once or returns a
-   :class:`~.wire.jobs.Job` carrying the dialect; a refused request is that dialect's error row;
-   a request naming a URL or S3 image waits as an :class:`~.wire.intake.Intake` while a thread
+   :class:`~.wire.in_flight.RequestState` carrying the dialect; a refused request is that dialect's error row;
+   a request naming a URL or S3 image waits as a :class:`~.wire.fetches.PendingRequest` while a thread
    fetches it beside the loop, and is admitted from its body once the bytes are in;
-2. advances every job in the batch by a bounded slice (``step_max_tokens`` steps, within
+2. advances every request in the batch by a bounded slice (``step_max_tokens`` steps, within
    ``step_max_ms``; at least one, and none past the step that sampled a stream's first token),
-   interleaving jobs token by token (:meth:`SessionEngine.step`), except in a call that admitted a
+   interleaving requests token by token (:meth:`SessionEngine.step`), except in a call that admitted a
    chat stream: its first event goes out before any forward pass (never in two calls in a row);
-3. returns one :class:`RowResult` per row, each written by its job's dialect under TorchServe's
+3. returns one :class:`Reply` per row, each written by its request's dialect under TorchServe's
    framing (:mod:`.wire.framing`). Nothing raises out of :meth:`handle`.
 
 A body that is not JSON, too large or empty has no dialect yet: it is answered in the native one.
@@ -38,17 +38,17 @@ from .images.fetch import fetch_image_bytes
 from .metrics import WorkerMetrics
 from .native.serving import NativeServing
 from .wire.contract import SEQUENCE_END_HEADER
-from .wire.framing import Framing, Row, RowResult
+from .wire.fetches import FetchPending, ImageFetcher, PendingRequest
+from .wire.framing import BatchRequest, Framing, Reply
+from .wire.in_flight import Dialect, RequestState, RequestTable
 from .wire.inbound import for_chat, is_chat_body, load_body, names_chat_keys
-from .wire.intake import FetchPending, ImageIntake, Intake
-from .wire.jobs import Dialect, Job, JobTable
 
-__all__ = ["Row", "RowResult", "SessionService"]
+__all__ = ["BatchRequest", "Reply", "SessionService"]
 
 log = logging.getLogger(__name__)
 
-#: A job TorchServe has not brought back for this long is abandoned (its session freed for use): a
-#: backstop only, as a job missing from a batch is abandoned at once (:meth:`SessionService.handle`).
+#: A request TorchServe has not brought back for this long is abandoned (its session freed for use): a
+#: backstop only, as a request missing from a batch is abandoned at once (:meth:`SessionService.handle`).
 STALE_JOB_S = 600.0
 
 
@@ -64,7 +64,7 @@ class SessionService:
         model_names: the names the served model answers to (``served_model_name``, else the checkpoint
             folder's): OpenAI's route refuses others (404); chat replies carry one of them.
         image_relay: the public port's front that fetches a request's images before relaying it
-            (:class:`~llava_sessions.wire.intake.ImageIntake`'s ``relay``), or None.
+            (:class:`~llava_sessions.wire.fetches.ImageFetcher`'s ``relay``), or None.
     """
 
     def __init__(
@@ -81,17 +81,19 @@ class SessionService:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics or WorkerMetrics()
-        self.jobs = JobTable(settings, engine, Framing(end_header), self.metrics)
-        self.intake = ImageIntake(fetch, settings.image_fetch_workers, image_relay)  # URL / S3 fetches beside the loop
-        self.intakes: dict[str, Intake] = {}  # request id -> a request waiting for its images
-        fetch = self.intake
-        self.native = NativeServing(settings, engine, self.jobs, fetch, self.metrics)
+        self.requests = RequestTable(settings, engine, Framing(end_header), self.metrics)
+        self.fetcher = ImageFetcher(
+            fetch, settings.image_fetch_workers, image_relay
+        )  # URL / S3 fetches beside the loop
+        self.parked: dict[str, PendingRequest] = {}  # request id -> a request waiting for its images
+        fetch = self.fetcher
+        self.native = NativeServing(settings, engine, self.requests, fetch, self.metrics)
         tokenizer = getattr(engine.model, "tokenizer", None)
         token_text: Callable[[int], str] = (
             (lambda i: tokenizer.decode([i])) if tokenizer is not None else (lambda i: str(i))
         )
         self.chat = ChatServing(
-            settings, engine, self.jobs, fetch, self.metrics, model_names=model_names, token_text=token_text
+            settings, engine, self.requests, fetch, self.metrics, model_names=model_names, token_text=token_text
         )
         self._new_session_bytes: int | None = None
         self._held_back = False  # the last call ran no step (a stream's first event went out first)
@@ -102,84 +104,84 @@ class SessionService:
         )
 
     # ------------------------------------------------------------------ entry
-    def handle(self, rows: list[Row], gone: Collection[str] | None = None) -> list[RowResult]:
-        """Admit new rows, advance every job in the batch by one slice, answer each row.
+    def handle(self, rows: list[BatchRequest], gone: Collection[str] | None = None) -> list[Reply]:
+        """Admit new rows, advance every request in the batch by one slice, answer each row.
 
         Args:
             rows: TorchServe's batch (or a replica's part of it).
-            gone: request ids of jobs in flight whose clients left (:meth:`_drop_gone`); None: every
-                job in flight that is not in ``rows`` (the whole batch is this service's).
+            gone: request ids of requests in flight whose clients left (:meth:`_drop_gone`); None: every
+                request in flight that is not in ``rows`` (the whole batch is this service's).
 
         Never raises: an unexpected error becomes that row's 500 ``internal_error``.
         """
         now = time.monotonic()
         self._drop_gone(rows, gone)
-        results: list[RowResult | None] = [None] * len(rows)
-        active: list[tuple[int, Job]] = []
-        waiting: list[tuple[int, Intake]] = []
+        results: list[Reply | None] = [None] * len(rows)
+        active: list[tuple[int, RequestState]] = []
+        waiting: list[tuple[int, PendingRequest]] = []
         for i, row in enumerate(rows):
-            job = self.jobs.jobs.get(row.request_id)
-            if job is None:
-                intake = self.intakes.get(row.request_id)
-                admitted = intake if intake is not None else self._admit(row, now)
-                if isinstance(admitted, Intake):
+            req = self.requests.in_flight.get(row.request_id)
+            if req is None:
+                parked = self.parked.get(row.request_id)
+                admitted = parked if parked is not None else self._admit(row, now)
+                if isinstance(admitted, PendingRequest):
                     admitted.last_seen = now
                     waiting.append((i, admitted))
                     continue
-                if isinstance(admitted, RowResult):
-                    self.jobs.done_admitting(row.request_id)
+                if isinstance(admitted, Reply):
+                    self.requests.done_admitting(row.request_id)
                     results[i] = admitted
                     continue
-                job = self._enter(admitted, calls=0)
-            active.append((i, self._seen(job, now)))
-        busy = bool(active) or any(not j.done for j in self.jobs.jobs.values())
-        for i, intake in waiting:
-            resumed = self._resume(intake, now, busy)
-            if isinstance(resumed, RowResult):
+                req = self._enter(admitted, calls=0)
+            active.append((i, self._seen(req, now)))
+        busy = bool(active) or any(not j.done for j in self.requests.in_flight.values())
+        for i, parked in waiting:
+            resumed = self._resume(parked, now, busy)
+            if isinstance(resumed, Reply):
                 results[i] = resumed
             else:
                 active.append((i, self._seen(resumed, now)))
         # a chat stream just admitted: its first event (the role chunk) goes out now, before any forward
-        # pass, and every job steps on the next call, one TorchServe round trip later; never two calls in
+        # pass, and every request steps on the next call, one TorchServe round trip later; never two calls in
         # a row, so new streams arriving at every call cannot starve the running ones
-        fresh = any(job.calls == 1 and job.stream is not None for _, job in active)
+        fresh = any(req.calls == 1 and req.stream is not None for _, req in active)
         if fresh and not self._held_back:
             self._held_back = True
         else:
             self._held_back = False
-            self._advance([job for _, job in active])
-        for i, job in active:
+            self._advance([req for _, req in active])
+        for i, req in active:
             try:
-                results[i] = job.dialect.emit(job)
+                results[i] = req.dialect.emit(req)
             except Exception:  # noqa: BLE001
-                log.exception("emit failed", extra={"request_id": job.request_id})
-                self.jobs.forget(job, abandon=True)  # an unfinished answer or open leaves its session as before
+                log.exception("emit failed", extra={"request_id": req.request_id})
+                self.requests.forget(req, abandon=True)  # an unfinished answer or open leaves its session as before
                 err = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error")
-                results[i] = self.jobs.error(job.dialect, None, err, continued=job.continued)
+                results[i] = self.requests.error(req.dialect, None, err, continued=req.continued)
         self._reap(now)
-        final = [r if r is not None else RowResult(b"") for r in results]
-        self.jobs.carry_group_ends(final[i] for i, job in active if job.continued)
-        self.metrics.num_in_flight = len(self.jobs.jobs) + len(self.intakes)
+        final = [r if r is not None else Reply(b"") for r in results]
+        self.requests.carry_group_ends(final[i] for i, req in active if req.continued)
+        self.metrics.num_in_flight = len(self.requests.in_flight) + len(self.parked)
         return final
 
-    def _enter(self, job: Job, *, calls: int) -> Job:
-        """Put an admitted job in the table (``calls``: ``handle()`` calls its request already had)."""
-        self.jobs.jobs[job.request_id] = job
-        self.jobs.done_admitting(job.request_id)
-        job.calls = calls
-        return job
+    def _enter(self, req: RequestState, *, calls: int) -> RequestState:
+        """Put an admitted request in the table (``calls``: ``handle()`` calls its request already had)."""
+        self.requests.in_flight[req.request_id] = req
+        self.requests.done_admitting(req.request_id)
+        req.calls = calls
+        return req
 
     @staticmethod
-    def _seen(job: Job, now: float) -> Job:
-        job.last_seen = now
-        job.calls += 1
-        job.ahead = 0
-        return job
+    def _seen(req: RequestState, now: float) -> RequestState:
+        req.last_seen = now
+        req.calls += 1
+        req.ahead = 0
+        return req
 
-    def _admit(self, row: Row, now: float) -> RowResult | Job | Intake:
+    def _admit(self, row: BatchRequest, now: float) -> Reply | RequestState | PendingRequest:
         """Decode the row's body, decide its dialect, let that dialect admit it; a refusal is the
         dialect's error row (a body with no dialect yet: the native one's); a request that needs an
-        image still being fetched waits as an :class:`Intake`. Never raises."""
+        image still being fetched waits as an :class:`PendingRequest`. Never raises."""
         dialect: Dialect = self.chat if row.openai_route else self.native  # before the body is read
         try:
             if row.body is None:
@@ -189,71 +191,71 @@ class SessionService:
                 dialect = self.chat
             fetches: dict[str, Future] = {}
             try:
-                with self.intake.admitting(fetches, row.image_ticket):
+                with self.fetcher.admitting(fetches, row.image_ticket):
                     return dialect.admit(row, data, now)
             except FetchPending as pending:
-                intake = Intake(row, dialect, data, fetches, pending.future)
-                self.intakes[row.request_id] = intake
-                return intake
+                parked = PendingRequest(row, dialect, data, fetches, pending.future)
+                self.parked[row.request_id] = parked
+                return parked
         except ServiceError as err:
-            self.jobs.done_admitting(row.request_id)
+            self.requests.done_admitting(row.request_id)
             if err.code is ErrorCode.PAYLOAD_TOO_LARGE and names_chat_keys(row.body):
                 dialect, err = self.chat, for_chat(err)  # too large to decode: its dialect is read from its raw keys
-            return self.jobs.error(dialect, row.session_id, err, held=not row.minted)
+            return self.requests.error(dialect, row.session_id, err, held=not row.minted)
         except Exception:  # noqa: BLE001 - never raise out of handle()
             log.exception("request failed", extra={"request_id": row.request_id})
-            return self.jobs.error(dialect, None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
+            return self.requests.error(dialect, None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
 
-    def _resume(self, intake: Intake, now: float, busy: bool) -> RowResult | Job:
+    def _resume(self, parked: PendingRequest, now: float, busy: bool) -> Reply | RequestState:
         """A request waiting for its images: admitted once they are in (the next image's fetch may
         then start), else its first frame (after waiting up to ``image_fetch_wait_ms`` while other
         answers run, up to the fetch's own deadline when none does) or an empty continuation."""
-        settings, row = self.settings, intake.row
-        wait_s = 0.0 if intake.framed else settings.image_fetch_wait_ms / 1000.0
-        if not busy and not intake.framed:
+        settings, row = self.settings, parked.row
+        wait_s = 0.0 if parked.framed else settings.image_fetch_wait_ms / 1000.0
+        if not busy and not parked.framed:
             wait_s = settings.fetch_total_timeout_s + 1.0
         deadline = time.monotonic() + wait_s
         while True:
-            futures.wait([intake.future], timeout=max(0.0, deadline - time.monotonic()))
-            if not intake.future.done():
-                if intake.framed:
-                    return self.jobs.framing.frame(b"", continued=True, last=False)
-                intake.framed = True
-                return intake.dialect.pending_frame(row, intake.data)
+            futures.wait([parked.future], timeout=max(0.0, deadline - time.monotonic()))
+            if not parked.future.done():
+                if parked.framed:
+                    return self.requests.framing.frame(b"", continued=True, last=False)
+                parked.framed = True
+                return parked.dialect.pending_frame(row, parked.data)
             try:
-                with self.intake.admitting(intake.fetches, row.image_ticket):
-                    admitted = intake.dialect.admit(row, intake.data, now)
+                with self.fetcher.admitting(parked.fetches, row.image_ticket):
+                    admitted = parked.dialect.admit(row, parked.data, now)
             except FetchPending as pending:
-                intake.future = pending.future
+                parked.future = pending.future
                 continue
             except Exception as exc:  # noqa: BLE001 - a ServiceError is the request's; anything else a bug
-                del self.intakes[row.request_id]
-                self.jobs.done_admitting(row.request_id)
+                del self.parked[row.request_id]
+                self.requests.done_admitting(row.request_id)
                 if isinstance(exc, ServiceError):
                     err = exc
                 else:
                     log.exception("request failed", extra={"request_id": row.request_id})
                     err = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error")
-                if intake.framed:
-                    return intake.dialect.late_error(row, intake.data, err)
-                return self.jobs.error(intake.dialect, row.session_id, err, held=not row.minted)
-            del self.intakes[row.request_id]
-            if isinstance(admitted, RowResult):  # answered at once (a refused open answers, not raises)
-                self.jobs.done_admitting(row.request_id)
-                return dataclasses.replace(admitted, stop=True) if intake.framed else admitted
-            return self._enter(admitted, calls=1 if intake.framed else 0)
+                if parked.framed:
+                    return parked.dialect.late_error(row, parked.data, err)
+                return self.requests.error(parked.dialect, row.session_id, err, held=not row.minted)
+            del self.parked[row.request_id]
+            if isinstance(admitted, Reply):  # answered at once (a refused open answers, not raises)
+                self.requests.done_admitting(row.request_id)
+                return dataclasses.replace(admitted, stop=True) if parked.framed else admitted
+            return self._enter(admitted, calls=1 if parked.framed else 0)
 
     # ------------------------------------------------------------------ scheduling
-    def _advance(self, jobs: list[Job]) -> None:
+    def _advance(self, requests: list[RequestState]) -> None:
         """Run up to ``step_max_tokens`` scheduler steps within ``step_max_ms`` (at least one).
 
-        Each step advances every running job by one token: the jobs that still need their prefill
+        Each step advances every running request by one token: the requests that still need their prefill
         run it, and all the others decode together in one forward pass (:meth:`SessionEngine.step`).
         The call ends after the step that sampled a stream's first token, so that token goes out at
         once (time to first token is not time to ``step_max_tokens`` tokens); later tokens group.
         """
         deadline = time.perf_counter() + self.settings.step_max_ms / 1000.0
-        running = [j for j in jobs if not j.done and j.error is None]
+        running = [j for j in requests if not j.done and j.error is None]
         for step in range(self.settings.step_max_tokens):
             running = [j for j in running if not j.done]
             if not running or (step > 0 and time.perf_counter() >= deadline):
@@ -263,89 +265,89 @@ class SessionService:
             if any(seq.events for seq in first):
                 break
 
-    def _engine_step(self, running: list[Job]) -> None:
-        """One scheduler step over ``running``; a job whose work failed gets its typed error."""
+    def _engine_step(self, running: list[RequestState]) -> None:
+        """One scheduler step over ``running``; a request whose work failed gets its typed error."""
         self.engine.step([j.work for j in running], prefill_budget=self.step_budget)
-        for job in running:
-            exc = job.work.error
-            if exc is None or job.error is not None:
+        for req in running:
+            exc = req.work.error
+            if exc is None or req.error is not None:
                 continue
             if isinstance(exc, ServiceError):
-                job.error = exc
+                req.error = exc
             else:
-                log.error("generation failed", exc_info=exc, extra={"session_id": job.session_id})
-                job.error = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error during generation")
+                log.error("generation failed", exc_info=exc, extra={"session_id": req.session_id})
+                req.error = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error during generation")
 
     def run_ahead(self) -> bool:
-        """Between ``handle()`` calls, advance the jobs in flight by one scheduler step, each at most
+        """Between ``handle()`` calls, advance the requests in flight by one scheduler step, each at most
         ``step_max_tokens`` steps past the last call it was in; the next call emits what they made.
 
         A replica process (llava_sessions.replicas) calls this while no call is waiting, so its device
         keeps decoding while the other replicas finish their slices and TorchServe's round trip goes
-        on. The bound keeps an answer whose client left (TorchServe stops bringing its job back) from
+        on. The bound keeps an answer whose client left (TorchServe stops bringing its request back) from
         decoding on. Returns False when there was nothing to run. Never raises.
         """
         running = [
             j
-            for j in self.jobs.jobs.values()
+            for j in self.requests.in_flight.values()
             if not j.done and j.error is None and j.ahead < self.settings.step_max_tokens
         ]
         if not running:
             return False
         try:
             self._engine_step(running)
-        except Exception:  # noqa: BLE001 - as in handle(): the jobs' own errors are recorded by _engine_step
+        except Exception:  # noqa: BLE001 - as in handle(): the requests' own errors are recorded by _engine_step
             log.exception("run-ahead step failed")
             return False
-        for job in running:
-            job.ahead += 1
+        for req in running:
+            req.ahead += 1
         return True
 
-    # ------------------------------------------------------------------ jobs no call brings back
-    def _drop_gone(self, rows: list[Row], gone: Collection[str] | None) -> None:
-        """Free the jobs (and requests waiting for images) whose clients left, before anything is admitted.
+    # ------------------------------------------------------------------ requests no call brings back
+    def _drop_gone(self, rows: list[BatchRequest], gone: Collection[str] | None) -> None:
+        """Free the requests (and requests waiting for images) whose clients left, before anything is admitted.
 
-        With sequence + continuous batching TorchServe keeps every job that asked to continue and
-        sends it in EVERY later batch until its last frame; a job whose client disconnected is
+        With sequence + continuous batching TorchServe keeps every request that asked to continue and
+        sends it in EVERY later batch until its last frame; a request whose client disconnected is
         dropped when its next frame is written ("Connection to client got closed; Removing job") and
-        never comes back, with nothing said to the worker. So a job in flight that a batch lacks is
+        never comes back, with nothing said to the worker. So a request in flight that a batch lacks is
         gone: its generation slot, KV and session are released now (an answer's session returns to
         its state before the question; an open's session is removed; a one-shot's is freed), and the
         TorchServe job group minted for it is ended on the next continuation frame
-        (:meth:`JobTable.carry_group_ends`), so it holds no ``maxNumSequence`` slot until its idle
+        (:meth:`RequestTable.carry_group_ends`), so it holds no ``maxNumSequence`` slot until its idle
         timeout. ``gone``: the ids to drop (a replica is told by its router, which sees the whole
         batch); None: every id in flight that ``rows`` lacks.
         """
         if gone is None:
             in_batch = {row.request_id for row in rows}
-            gone = [rid for rid in (*self.jobs.jobs, *self.intakes) if rid not in in_batch]
+            gone = [rid for rid in (*self.requests.in_flight, *self.parked) if rid not in in_batch]
         for rid in gone:
-            intake = self.intakes.pop(rid, None)
-            if intake is not None:
-                self.jobs.done_admitting(rid)
-                if intake.row.minted and intake.row.session_id:
-                    self.jobs.end_group_later(intake.row.session_id)
-            job = self.jobs.jobs.get(rid)
-            if job is not None:
-                self.jobs.abandon(job)
-                log.info("freed a request its client left", extra={"session_id": job.session_id})
+            parked = self.parked.pop(rid, None)
+            if parked is not None:
+                self.requests.done_admitting(rid)
+                if parked.row.minted and parked.row.session_id:
+                    self.requests.end_group_later(parked.row.session_id)
+            req = self.requests.in_flight.get(rid)
+            if req is not None:
+                self.requests.abandon(req)
+                log.info("freed a request its client left", extra={"session_id": req.session_id})
 
     def _reap(self, now: float) -> None:
-        """Abandon jobs TorchServe stopped bringing back (their sessions become usable again), and
+        """Abandon requests TorchServe stopped bringing back (their sessions become usable again), and
         requests waiting for images it stopped bringing back."""
-        for rid, intake in list(self.intakes.items()):
-            if now - intake.last_seen > STALE_JOB_S:
-                del self.intakes[rid]
-                self.jobs.done_admitting(rid)
-        for job in list(self.jobs.jobs.values()):
-            if now - job.last_seen > STALE_JOB_S:
-                self.jobs.forget(job, abandon=True)
-                log.warning("abandoned a job TorchServe stopped polling", extra={"session_id": job.session_id})
+        for rid, parked in list(self.parked.items()):
+            if now - parked.last_seen > STALE_JOB_S:
+                del self.parked[rid]
+                self.requests.done_admitting(rid)
+        for req in list(self.requests.in_flight.values()):
+            if now - req.last_seen > STALE_JOB_S:
+                self.requests.forget(req, abandon=True)
+                log.warning("abandoned a request TorchServe stopped polling", extra={"session_id": req.session_id})
 
     # ------------------------------------------------------------------ entry helpers
-    def internal_error(self) -> RowResult:
+    def internal_error(self) -> Reply:
         """A 500 ``internal_error`` row (the entry's last line of defence), in the native dialect."""
-        return self.jobs.error(self.native, None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
+        return self.requests.error(self.native, None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
 
     def placement_stats(self) -> dict[str, int]:
         """What a replica router places new sessions by: ``free_bytes`` (device budget left, bytes;

@@ -193,13 +193,13 @@ def _complete(service, body: dict, *, attributes: str | None = None) -> tuple[in
     """A chat request without a session through the service (TorchServe minted its id), to its end."""
     import json
 
-    from llava_sessions.wire.framing import Row
+    from llava_sessions.wire.framing import BatchRequest
 
     rid = f"r{next(_ids)}"
     sid = f"ts-seq-{next(_ids)}"
-    out = service.handle([Row(rid, sid, True, body, custom_attributes=attributes)])[0]
+    out = service.handle([BatchRequest(rid, sid, True, body, custom_attributes=attributes)])[0]
     while out.stop is False:
-        out = service.handle([Row(rid, sid, False, None)])[0]
+        out = service.handle([BatchRequest(rid, sid, False, None)])[0]
     return out.status, json.loads(out.body)
 
 
@@ -274,7 +274,7 @@ def test_replicas_send_a_resent_conversation_where_its_prefix_is_cached(tiny_mod
 
     from llava_sessions.replicas import ReplicaRouter
     from llava_sessions.wire.affinity import prefix_key
-    from llava_sessions.wire.framing import Row
+    from llava_sessions.wire.framing import BatchRequest
     from llava_sessions.worker import build_service
 
     router = build_service({"model_dir": str(tiny_model_dir), "devices": "cpu,cpu", "device_budget_bytes": 10**9})
@@ -283,9 +283,9 @@ def test_replicas_send_a_resent_conversation_where_its_prefix_is_cached(tiny_mod
 
         def run(sid, body):
             rid = f"r{next(_ids)}"
-            out = router.handle([Row(rid, sid, sid is None or sid.startswith("ts-"), body)])[0]
+            out = router.handle([BatchRequest(rid, sid, sid is None or sid.startswith("ts-"), body)])[0]
             while out.stop is False:
-                out = router.handle([Row(rid, sid, False, None)])[0]
+                out = router.handle([BatchRequest(rid, sid, False, None)])[0]
             return json.loads(out.body)
 
         cat = "data:image/png;base64," + base64.b64encode(photos["chelsea"]).decode()
@@ -312,14 +312,14 @@ def _native_open(service, png: bytes, *, attributes: str | None = None) -> dict:
     import base64
     import json
 
-    from llava_sessions.wire.framing import Row
+    from llava_sessions.wire.framing import BatchRequest
 
     rid = f"r{next(_ids)}"
     sid = f"ts-seq-{next(_ids)}"
     body = {"type": "open_session", "image": {"base64": base64.b64encode(png).decode()}}
-    out = service.handle([Row(rid, sid, True, body, custom_attributes=attributes)])[0]
+    out = service.handle([BatchRequest(rid, sid, True, body, custom_attributes=attributes)])[0]
     while out.stop is False:
-        out = service.handle([Row(rid, sid, False, None)])[0]
+        out = service.handle([BatchRequest(rid, sid, False, None)])[0]
     assert out.status == 200, out.body
     return json.loads(out.body)
 

@@ -7,8 +7,7 @@ import re
 
 import botocore.session
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from pydantic import ValidationError
 
 from llava_sessions.errors import ErrorCode, ServiceError

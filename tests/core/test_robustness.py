@@ -16,8 +16,7 @@ import uuid
 import pytest
 import requests
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
 from llava_sessions.engine import EngineLimits, SessionEngine

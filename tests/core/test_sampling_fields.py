@@ -12,7 +12,7 @@ import json
 import pytest
 from openai.types.chat import ChatCompletion
 
-from llava_sessions.service import Row, SessionService
+from llava_sessions.service import BatchRequest, SessionService
 from llava_sessions.worker import build_service
 
 _ids = itertools.count()
@@ -32,9 +32,9 @@ def ask(svc: SessionService, max_tokens: int = 10, **params) -> ChatCompletion:
         **params,
     }
     rid = f"s{next(_ids)}"
-    out = svc.handle([Row(rid, f"ts-seq-{rid}", True, body)])[0]
+    out = svc.handle([BatchRequest(rid, f"ts-seq-{rid}", True, body)])[0]
     while out.stop is False:
-        out = svc.handle([Row(rid, f"ts-seq-{rid}", True, None)])[0]
+        out = svc.handle([BatchRequest(rid, f"ts-seq-{rid}", True, None)])[0]
     assert out.status == 200, out.body
     return ChatCompletion.model_validate_json(out.body)
 
@@ -94,7 +94,7 @@ def test_the_fields_are_refused_out_of_range_and_logit_bias_names_token_ids(svc)
     cases = [({"min_p": 2}, "min_p"), ({"min_tokens": -1}, "min_tokens"), ({"logit_bias": {"cat": 5}}, "logit_bias")]
     for params, param in cases:
         body = {"messages": [{"role": "user", "content": "hi"}], **params}
-        out = svc.handle([Row("bad", "ts-seq-bad", True, body)])[0]
+        out = svc.handle([BatchRequest("bad", "ts-seq-bad", True, body)])[0]
         error = json.loads(out.body)["error"]
         assert out.status == 400 and error["param"] == param, (params, error)
 
@@ -147,11 +147,11 @@ def test_max_tokens_goes_past_the_native_cap_up_to_what_the_context_leaves(cappe
     assert long.usage.completion_tokens == 48 and long.choices[0].finish_reason == "length"
     context = llava.max_positions
     body = {"messages": [{"role": "user", "content": "Tell me a story about a cat."}], "max_tokens": context}
-    out = capped.handle([Row("too-long", "ts-seq-too-long", True, body)])[0]
+    out = capped.handle([BatchRequest("too-long", "ts-seq-too-long", True, body)])[0]
     error = json.loads(out.body)["error"]
     assert (out.status, error["code"]) == (400, "context_length_exceeded") and str(context) in error["message"]
     native = {"type": "generate", "prompt": "hi", "parameters": {"max_new_tokens": 48}}
-    refused = capped.handle([Row("native", "ts-seq-native", True, native)])[0]
+    refused = capped.handle([BatchRequest("native", "ts-seq-native", True, native)])[0]
     assert refused.status == 400 and "max_new_tokens" in json.loads(refused.body)["error"]["message"]
 
 
@@ -159,9 +159,9 @@ def test_no_max_tokens_runs_until_the_context_ends(capped, llava):
     """As vLLM and OpenAI: no limit but the context (the server's default is a native request's)."""
     body = {"messages": [{"role": "user", "content": "Tell me a story about a cat."}], "temperature": 0}
     rid = "no-limit"
-    out = capped.handle([Row(rid, f"ts-seq-{rid}", True, {**body, "ignore_eos": True})])[0]
+    out = capped.handle([BatchRequest(rid, f"ts-seq-{rid}", True, {**body, "ignore_eos": True})])[0]
     while out.stop is False:
-        out = capped.handle([Row(rid, f"ts-seq-{rid}", True, None)])[0]
+        out = capped.handle([BatchRequest(rid, f"ts-seq-{rid}", True, None)])[0]
     reply = ChatCompletion.model_validate_json(out.body)
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.prompt_tokens + reply.usage.completion_tokens == llava.max_positions

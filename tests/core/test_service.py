@@ -11,7 +11,7 @@ import pytest
 
 from llava_sessions.config import Settings
 from llava_sessions.engine import CostModel, StepCost
-from llava_sessions.service import Row, SessionService
+from llava_sessions.service import BatchRequest, SessionService
 from llava_sessions.sessions.ledger import Tier
 from llava_sessions.wire.contract import SEQUENCE_END_HEADER, SLOT_WAIT_HEADER
 from llava_sessions.worker import WorkerOrigin, build_service
@@ -31,13 +31,15 @@ def service(tiny_model_dir) -> SessionService:
 
 
 def open_row(rid, sid, image):
-    return Row(rid, sid, True, {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}})
+    return BatchRequest(rid, sid, True, {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}})
 
 
 def finish(service, rows, out):
     """Drive the rows that asked to continue (stop False) to their last frame; returns the last frames."""
     last = dict(zip([r.request_id for r in rows], out, strict=True))
-    pending = [Row(r.request_id, r.session_id, False, None) for r, o in zip(rows, out, strict=True) if o.stop is False]
+    pending = [
+        BatchRequest(r.request_id, r.session_id, False, None) for r, o in zip(rows, out, strict=True) if o.stop is False
+    ]
     while pending:
         more = service.handle(pending)
         for r, o in zip(pending, more, strict=True):
@@ -76,10 +78,10 @@ def test_a_cpu_worker_reserves_its_memory_at_start_within_its_budget(tiny_model_
 def test_batch_rows_are_answered_independently(service, photos):
     rows = [
         open_row("r1", "ts-seq-a", photos["astronaut"]),
-        Row("r2", "ts-seq-b", True, b"{not json"),
-        Row("r3", "ghost", False, {"type": "generate", "prompt": "hi"}),
-        Row("r4", "ts-seq-c", True, {"type": "generate", "prompt": "hi"}),
-        Row("r5", "ts-seq-d", True, {"type": "open_session", "image": {"base64": "AAAA"}}),
+        BatchRequest("r2", "ts-seq-b", True, b"{not json"),
+        BatchRequest("r3", "ghost", False, {"type": "generate", "prompt": "hi"}),
+        BatchRequest("r4", "ts-seq-c", True, {"type": "generate", "prompt": "hi"}),
+        BatchRequest("r5", "ts-seq-d", True, {"type": "open_session", "image": {"base64": "AAAA"}}),
     ]
     out = service.handle(rows)
     assert [r.status for r in out] == [200, 400, 404, 400, 400]
@@ -98,20 +100,22 @@ def test_batch_rows_are_answered_independently(service, photos):
     assert all(r.stop is None for r in out[1:])  # whole responses
     # nothing else decodes: the open's vision tower and whole prefix ran in this call, in one pass
     assert out[0].stop is None and json.loads(out[0].body)["session_id"] == "ts-seq-a"
-    service.handle([Row("r6", "ts-seq-a", False, {"type": "close_session"})])
+    service.handle([BatchRequest("r6", "ts-seq-a", False, {"type": "close_session"})])
 
 
 def test_stream_and_plain_answers_advance_in_slices(service, photos):
     open_sessions(service, open_row("o1", "s1", photos["chelsea"]), open_row("o2", "s2", photos["coffee"]))
     q = {"type": "generate", "prompt": "What is in this image?", "remember": False, "parameters": {"max_new_tokens": 7}}
-    rows = [Row("g1", "s1", False, {**q, "stream": True}), Row("g2", "s2", False, q)]
+    rows = [BatchRequest("g1", "s1", False, {**q, "stream": True}), BatchRequest("g2", "s2", False, q)]
     frames: dict[str, list] = {"g1": [], "g2": []}
     for _ in range(20):
         out = service.handle(rows)
         for row, res in zip(rows, out, strict=True):
             frames[row.request_id].append(res)
         rows = [
-            Row(r.request_id, r.session_id, False, None) for r, res in zip(rows, out, strict=True) if res.stop is False
+            BatchRequest(r.request_id, r.session_id, False, None)
+            for r, res in zip(rows, out, strict=True)
+            if res.stop is False
         ]
         if not rows:
             break
@@ -123,20 +127,24 @@ def test_stream_and_plain_answers_advance_in_slices(service, photos):
     assert len(lines) == 7 and all(x["generated_text"] is None for x in lines[:-1])
     assert [f.body for f in p[:-1]] == [b"", b"", b""] and p[-1].stop is True  # empty frames never reach the client
     assert json.loads(p[-1].body)["details"]["generated_tokens"] == 7
-    one = service.handle([Row("g0", "s1", False, {**q, "stream": True, "parameters": {"max_new_tokens": 1}})])[0]
+    one = service.handle([BatchRequest("g0", "s1", False, {**q, "stream": True, "parameters": {"max_new_tokens": 1}})])[
+        0
+    ]
     assert one.stop is None and one.body.count(b"\n") == 1  # ends in its first frame: one whole response
     assert json.loads(one.body)["token"]["text"] == json.loads(one.body)["generated_text"]
-    over = service.handle([Row("g3", "s1", False, q), Row("g4", "s2", False, q), Row("g5", "s1", False, q)])
+    over = service.handle(
+        [BatchRequest("g3", "s1", False, q), BatchRequest("g4", "s2", False, q), BatchRequest("g5", "s1", False, q)]
+    )
     assert over[2].status == 409  # s1 is busy with g3 (in the same batch)
     # a NEW request for s2 while g4 is absent from the batch: TorchServe dropped g4 (client gone)
-    again = service.handle([Row("g7", "s2", False, q)])[0]
-    assert again.status == 200 and "g4" not in service.jobs.jobs
-    over = service.handle([Row("g6", "missing", False, q)])
+    again = service.handle([BatchRequest("g7", "s2", False, q)])[0]
+    assert again.status == 200 and "g4" not in service.requests.in_flight
+    over = service.handle([BatchRequest("g6", "missing", False, q)])
     assert over[0].status == 404
     for sid in ("s1", "s2"):
         while service.engine.store.get(sid).busy:  # let g3/g4 finish
-            service.handle([Row("g3", "s1", False, None), Row("g7", "s2", False, None)])
-        service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
+            service.handle([BatchRequest("g3", "s1", False, None), BatchRequest("g7", "s2", False, None)])
+        service.handle([BatchRequest(f"c-{sid}", sid, False, {"type": "close_session"})])
 
 
 def test_a_stream_s_first_token_leaves_in_the_call_that_sampled_it(tiny_model_dir, photos):
@@ -147,20 +155,20 @@ def test_a_stream_s_first_token_leaves_in_the_call_that_sampled_it(tiny_model_di
     open_sessions(svc, open_row("o1", "s1", photos["chelsea"]))
     q = {"type": "generate", "prompt": "What is in this image?", "remember": False}
     q["parameters"] = {"max_new_tokens": 20}
-    rows = [Row("g1", "s1", False, {**q, "stream": True})]
+    rows = [BatchRequest("g1", "s1", False, {**q, "stream": True})]
     out = svc.handle(rows)
     last = finish(svc, rows, out)
     first = [json.loads(line) for line in out[0].body.splitlines()]
     assert len(first) == 1 and first[0]["token"] is not None and out[0].stop is False
     assert len(last["g1"].body.splitlines()) in range(2, 9)  # the last call's slice: grouped again
-    whole = svc.handle([Row("g2", "s1", False, q)])[0]  # not streamed: 8 tokens in the first call
-    assert whole.body == b"" and len(svc.jobs.jobs["g2"].work.events) == 8
-    finish(svc, [Row("g2", "s1", False, None)], [whole])
-    chat = Row("c1", "ts-seq-c1", True, chat_image_body(photos["coffee"], stream=True, max_tokens=20))
+    whole = svc.handle([BatchRequest("g2", "s1", False, q)])[0]  # not streamed: 8 tokens in the first call
+    assert whole.body == b"" and len(svc.requests.in_flight["g2"].work.events) == 8
+    finish(svc, [BatchRequest("g2", "s1", False, None)], [whole])
+    chat = BatchRequest("c1", "ts-seq-c1", True, chat_image_body(photos["coffee"], stream=True, max_tokens=20))
     role = svc.handle([chat])[0]  # the role chunk, before any forward pass
-    token = svc.handle([Row("c1", "ts-seq-c1", True, None)])[0]
-    assert role.stop is False and token.stop is False and len(svc.jobs.jobs["c1"].work.events) == 1
-    finish(svc, [Row("c1", "ts-seq-c1", True, None)], [token])
+    token = svc.handle([BatchRequest("c1", "ts-seq-c1", True, None)])[0]
+    assert role.stop is False and token.stop is False and len(svc.requests.in_flight["c1"].work.events) == 1
+    finish(svc, [BatchRequest("c1", "ts-seq-c1", True, None)], [token])
 
 
 def test_the_decode_layout_kv_pool_and_enforce_eager_settings_reach_the_engine(tiny_model_dir):
@@ -181,13 +189,13 @@ def test_the_decode_layout_kv_pool_and_enforce_eager_settings_reach_the_engine(t
 def _stream_texts(svc: SessionService, bodies: list[dict]) -> list[tuple[str, str | None]]:
     """Run chat stream ``bodies`` together to their ends: each one's ``(text, finish_reason)``, or
     ``(error code, None)``."""
-    rows = [Row(f"st{i}", None, True, body) for i, body in enumerate(bodies)]
+    rows = [BatchRequest(f"st{i}", None, True, body) for i, body in enumerate(bodies)]
     raw = {row.request_id: b"" for row in rows}
     out = svc.handle(rows)
     while True:
         for row, frame in zip(rows, out, strict=True):
             raw[row.request_id] += frame.body
-        rows = [Row(r.request_id, None, True, None) for r, f in zip(rows, out, strict=True) if f.stop is False]
+        rows = [BatchRequest(r.request_id, None, True, None) for r, f in zip(rows, out, strict=True) if f.stop is False]
         if not rows:
             break
         out = svc.handle(rows)
@@ -235,7 +243,7 @@ def test_a_streamed_chat_sends_its_role_chunk_before_any_forward_pass(tiny_model
     run on the model yet (the image decoded and checked: a bad one still gets its 4xx)."""
     svc = tiny_service(tiny_model_dir)
     prefilled = svc.engine.num_prefilled_tokens
-    rows = [Row("s1", "ts-seq-s1", True, chat_image_body(photos["coffee"], stream=True))]
+    rows = [BatchRequest("s1", "ts-seq-s1", True, chat_image_body(photos["coffee"], stream=True))]
     first = svc.handle(rows)[0]
     assert first.status == 200 and first.stop is False and first.content_type == "text/event-stream"
     event = json.loads(first.body.decode().removeprefix("data: "))
@@ -243,13 +251,13 @@ def test_a_streamed_chat_sends_its_role_chunk_before_any_forward_pass(tiny_model
     assert svc.engine.num_prefilled_tokens == prefilled  # no forward pass before it went out
     # another stream arrives with the first one's next call: this call steps (never two held back in
     # a row, so streams arriving at every call cannot starve the running ones)
-    second = Row("s3", "ts-seq-s3", True, chat_image_body(photos["chelsea"], stream=True))
-    out = svc.handle([Row("s1", "ts-seq-s1", True, None), second])
+    second = BatchRequest("s3", "ts-seq-s3", True, chat_image_body(photos["chelsea"], stream=True))
+    out = svc.handle([BatchRequest("s1", "ts-seq-s1", True, None), second])
     assert svc.engine.num_prefilled_tokens > prefilled and out[1].status == 200
-    rows = [Row("s1", "ts-seq-s1", True, None), Row("s3", "ts-seq-s3", True, None)]
+    rows = [BatchRequest("s1", "ts-seq-s1", True, None), BatchRequest("s3", "ts-seq-s3", True, None)]
     last = finish(svc, rows, out)
     assert all(frame.body.endswith(b"data: [DONE]\n\n") for frame in last.values())
-    bad = svc.handle([Row("s2", "ts-seq-s2", True, chat_image_body(b"not an image", stream=True))])[0]
+    bad = svc.handle([BatchRequest("s2", "ts-seq-s2", True, chat_image_body(b"not an image", stream=True))])[0]
     assert bad.status == 400 and json.loads(bad.body)["error"]["code"] == "image_invalid"
 
 
@@ -290,20 +298,20 @@ def test_a_lone_cold_turn_is_prefilled_in_one_pass_and_one_beside_a_stream_in_ti
     svc = tiny_service(tiny_model_dir, step_max_tokens=1, fuse_prefill=fuse)
     learning = svc.engine.runner.costs = CountedCosts(StepCost(), pinned=False)
     body = {**chat_image_body(photos["chelsea"], stream=False, max_tokens=6), "logprobs": True}
-    alone = [Row("a1", "ts-seq-a1", True, body)]
+    alone = [BatchRequest("a1", "ts-seq-a1", True, body)]
     answer_alone = json.loads(finish(svc, alone, svc.handle(alone))["a1"].body)
     prompt_tokens = answer_alone["usage"]["prompt_tokens"]
     assert learning.passes == [prompt_tokens]
-    llava = [Row("b1", "ts-seq-b1", True, chat_image_body(photos["coffee"], stream=False, max_tokens=60))]
+    llava = [BatchRequest("b1", "ts-seq-b1", True, chat_image_body(photos["coffee"], stream=False, max_tokens=60))]
     svc.handle(llava)  # its prompt in one pass: nothing else decodes
-    svc.handle([Row("b1", "ts-seq-b1", False, None)])  # it decodes now
+    svc.handle([BatchRequest("b1", "ts-seq-b1", False, None)])  # it decodes now
     # 40 ms a step, 5 of them the decode step, 1 ms a token: 35 tokens a chunk riding the decode step's
     # pass, whose fixed cost is paid, or 30 in a pass of its own (5 ms fixed); the first chunk also pays
     # the vision tower's 20 ms: 15 or 10 tokens
     pinned = svc.engine.runner.costs = CountedCosts(StepCost(5.0, 1.0, 5.0, 20.0), pinned=True)
     svc.step_budget = dataclasses.replace(svc.step_budget, step_ms=40.0)
     other_salt = {**alone[0].body, "cache_salt": "elsewhere"}  # shares nothing with a1: a full prefill
-    rows = [Row("b1", "ts-seq-b1", False, None), Row("a2", "ts-seq-a2", True, other_salt)]
+    rows = [BatchRequest("b1", "ts-seq-b1", False, None), BatchRequest("a2", "ts-seq-a2", True, other_salt)]
     last = finish(svc, rows, svc.handle(rows))
     assert json.loads(last["b1"].body)["usage"]["completion_tokens"] == 60  # it decoded throughout
     assert pinned.passes[0] == first and set(pinned.passes[1:-1]) == {chunk} and sum(pinned.passes) == prompt_tokens
@@ -327,14 +335,14 @@ def test_an_open_beside_a_stream_is_held_to_its_decode_steps_and_opens_the_same_
     open_sessions(svc, open_row("o1", "ts-seq-o1", photos["chelsea"]))
     prefix_tokens = learning.passes[0]
     assert learning.passes == [prefix_tokens]  # alone: its whole prefix in one pass
-    llava = [Row("b1", "ts-seq-b1", True, chat_image_body(photos["coffee"], stream=False, max_tokens=200))]
+    llava = [BatchRequest("b1", "ts-seq-b1", True, chat_image_body(photos["coffee"], stream=False, max_tokens=200))]
     svc.handle(llava)
-    svc.handle([Row("b1", "ts-seq-b1", False, None)])  # it decodes now
+    svc.handle([BatchRequest("b1", "ts-seq-b1", False, None)])  # it decodes now
     # the step's 40 ms would give a chunk 35 tokens; an open is held to 5 x 5 ms (the decode step
     # alone): 20 tokens a chunk riding the decode step's pass, after a first step of the tower alone
     pinned = svc.engine.runner.costs = CountedCosts(StepCost(5.0, 1.0, 5.0, 20.0, decode_alone_ms=5.0), pinned=True)
     svc.step_budget = dataclasses.replace(svc.step_budget, step_ms=40.0)
-    rows = [Row("b1", "ts-seq-b1", False, None), open_row("o2", "ts-seq-o2", photos["chelsea"])]
+    rows = [BatchRequest("b1", "ts-seq-b1", False, None), open_row("o2", "ts-seq-o2", photos["chelsea"])]
     last = finish(svc, rows, svc.handle(rows))
     assert json.loads(last["b1"].body)["usage"]["completion_tokens"] == 200  # it decoded throughout
     assert set(pinned.passes[:-1]) == {20} and sum(pinned.passes) == prefix_tokens, pinned.passes
@@ -345,7 +353,7 @@ def test_an_open_beside_a_stream_is_held_to_its_decode_steps_and_opens_the_same_
 
 
 def test_jobs_run_ahead_between_calls_by_at_most_a_slice_and_answer_the_same(tiny_model_dir, photos):
-    """What a replica process does while no call waits: the jobs in flight go on by one step per
+    """What a replica process does while no call waits: the requests in flight go on by one step per
     run_ahead(), at most step_max_tokens (2) past the last call each; the next call emits what they
     made. Greedy answers are the same as without running ahead, streamed or not. (The calls' time
     budget, step_max_ms, is set out of reach: the frames counted are the token slices', which a
@@ -355,7 +363,10 @@ def test_jobs_run_ahead_between_calls_by_at_most_a_slice_and_answer_the_same(tin
     q = {"type": "generate", "prompt": "What is in this image?", "remember": False, "parameters": {"max_new_tokens": 9}}
 
     def answer(ahead: bool) -> tuple[str, list[int], str]:
-        rows = [Row(f"s{ahead}", "ra1", False, {**q, "stream": True}), Row(f"p{ahead}", "ra2", False, q)]
+        rows = [
+            BatchRequest(f"s{ahead}", "ra1", False, {**q, "stream": True}),
+            BatchRequest(f"p{ahead}", "ra2", False, q),
+        ]
         streamed, tokens_per_frame, plain, calls = [], [], "", 0
         while rows:
             out = service.handle(rows)
@@ -368,7 +379,7 @@ def test_jobs_run_ahead_between_calls_by_at_most_a_slice_and_answer_the_same(tin
                 elif res.stop is not False:
                     plain = json.loads(res.body)["generated_text"]
             rows = [
-                Row(r.request_id, r.session_id, False, None)
+                BatchRequest(r.request_id, r.session_id, False, None)
                 for r, res in zip(rows, out, strict=True)
                 if res.stop is False
             ]
@@ -384,26 +395,28 @@ def test_jobs_run_ahead_between_calls_by_at_most_a_slice_and_answer_the_same(tin
     ahead_text, ahead_frames, ahead_plain = answer(ahead=True)
     assert (ahead_text, ahead_plain) == (text, plain)
     assert ahead_frames == [1, 4, 4]  # each later call emits the slice it ran plus what ran ahead
-    assert not service.run_ahead() and not service.jobs.jobs  # nothing in flight: nothing to run
+    assert not service.run_ahead() and not service.requests.in_flight  # nothing in flight: nothing to run
     for sid in ("ra1", "ra2"):
-        service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
+        service.handle([BatchRequest(f"c-{sid}", sid, False, {"type": "close_session"})])
 
 
 def test_generation_slots_are_capped_with_retry_after(service, photos):
     for sid in ("a1", "a2", "a3"):
         open_sessions(service, open_row(f"o-{sid}", sid, photos["rocket"]))
     q = {"type": "generate", "prompt": "Describe it.", "parameters": {"max_new_tokens": 20}}
-    out = service.handle([Row("x1", "a1", False, q), Row("x2", "a2", False, q), Row("x3", "a3", False, q)])
+    out = service.handle(
+        [BatchRequest("x1", "a1", False, q), BatchRequest("x2", "a2", False, q), BatchRequest("x3", "a3", False, q)]
+    )
     assert [r.status for r in out] == [200, 200, 503]
     assert json.loads(out[2].body)["error"]["code"] == "overloaded" and out[2].headers["Retry-After"] == "1"
     assert "X-Amzn-SageMaker-Closed-Session-Id" not in out[2].headers  # the session is intact
     assert out[2].headers[SLOT_WAIT_HEADER] == "1"  # refused before anything was done: the front holds it
-    rows = [Row("x1", "a1", False, None), Row("x2", "a2", False, None)]
+    rows = [BatchRequest("x1", "a1", False, None), BatchRequest("x2", "a2", False, None)]
     while rows:
         out = service.handle(rows)
         rows = [r for r, res in zip(rows, out, strict=True) if res.stop is False]
     for sid in ("a1", "a2", "a3"):
-        service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
+        service.handle([BatchRequest(f"c-{sid}", sid, False, {"type": "close_session"})])
     assert isinstance(service.settings, Settings)
 
 
@@ -418,7 +431,7 @@ def test_native_n_answers_whole_and_streamed_and_the_session_keeps_the_chosen_on
     ask = {"type": "generate", "prompt": "What is it?", "remember": False}
 
     def whole(rid, **extra):
-        row = Row(rid, "s", False, {**ask, **extra, "parameters": {**params, **extra.pop("parameters", {})}})
+        row = BatchRequest(rid, "s", False, {**ask, **extra, "parameters": {**params, **extra.pop("parameters", {})}})
         return json.loads(finish(svc, [row], svc.handle([row]))[rid].body)
 
     alone = [whole(f"a{i}", parameters={"seed": 3 + i})["generated_text"] for i in range(3)]
@@ -429,9 +442,9 @@ def test_native_n_answers_whole_and_streamed_and_the_session_keeps_the_chosen_on
     ] == alone
     assert many["generated_text"] == alone[1] and many["details"]["seed"] == 4
     assert "choices" not in whole("one")
-    refused = svc.handle([Row("r", "s", False, {**ask, "parameters": {"n": 4}})])[0]
+    refused = svc.handle([BatchRequest("r", "s", False, {**ask, "parameters": {"n": 4}})])[0]
     assert refused.status == 400 and "max_concurrent_generations" in json.loads(refused.body)["error"]["message"]
-    row = Row(
+    row = BatchRequest(
         "st",
         "s",
         False,
@@ -444,7 +457,7 @@ def test_native_n_answers_whole_and_streamed_and_the_session_keeps_the_chosen_on
     )
     frames = [svc.handle([row])[0]]
     while frames[-1].stop is False:
-        frames += svc.handle([Row("st", "s", False, None)])
+        frames += svc.handle([BatchRequest("st", "s", False, None)])
     lines = [json.loads(line) for f in frames for line in f.body.splitlines()]
     for i in range(3):
         mine = [x for x in lines if x["index"] == i]
@@ -456,38 +469,38 @@ def test_native_n_answers_whole_and_streamed_and_the_session_keeps_the_chosen_on
 
 
 def test_a_job_a_batch_lacks_is_freed_at_once_and_its_minted_group_ended(service, photos):
-    """TorchServe sends every job that asked to continue in every later batch until its last frame, and
+    """TorchServe sends every request that asked to continue in every later batch until its last frame, and
     drops one whose client left without a word: the first batch without it frees its generation slot
     and its session (a one-shot's is removed, a session's question undone), and the job group minted
     for the one-shot is ended on the next continuation frame, not left to TorchServe's idle timeout."""
     open_sessions(service, open_row("o-k1", "k1", photos["rocket"]))
     chat = {"messages": [{"role": "user", "content": "A story."}], "stream": True, "max_tokens": 60, "ignore_eos": True}
     ask = {"type": "generate", "prompt": "Describe it.", "parameters": {"max_new_tokens": 40}}
-    first = service.handle([Row("gone", "ts-seq-gone", True, chat), Row("q1", "k1", False, ask)])
+    first = service.handle([BatchRequest("gone", "ts-seq-gone", True, chat), BatchRequest("q1", "k1", False, ask)])
     assert [o.stop for o in first] == [False, False] and "ts-seq-gone" in service.engine.store
     assert service.metrics.num_in_flight == 2
     # the one-shot's client left: the next batch lacks it; both slots are free for new answers at once
-    out = service.handle([Row("q1", "k1", False, None), Row("q2", "k1", False, ask)])
-    assert "gone" not in service.jobs.jobs and "ts-seq-gone" not in service.engine.store
+    out = service.handle([BatchRequest("q1", "k1", False, None), BatchRequest("q2", "k1", False, ask)])
+    assert "gone" not in service.requests.in_flight and "ts-seq-gone" not in service.engine.store
     assert out[0].headers[SEQUENCE_END_HEADER] == "ts-seq-gone"  # carried by a continuation frame
     assert out[1].status == 409  # k1 is still busy with q1: the session's own rule, not a slot
     # the session's question is left too: the session is idle again, as before that question
-    out = service.handle([Row("o-k2", "k2", True, open_row("", "", photos["chelsea"]).body)])
-    assert "q1" not in service.jobs.jobs
+    out = service.handle([BatchRequest("o-k2", "k2", True, open_row("", "", photos["chelsea"]).body)])
+    assert "q1" not in service.requests.in_flight
     service.engine.check_idle("k1")
-    finish(service, [Row("o-k2", "k2", True, None)], out)
+    finish(service, [BatchRequest("o-k2", "k2", True, None)], out)
     assert service.metrics.num_in_flight == 0
     replies = [answer_of(service, f"a-{sid}", sid, ask) for sid in ("k1", "k2")]  # each a 200
     assert all(r["generated_text"] is not None for r in replies)
     for sid in ("k1", "k2"):
-        service.handle([Row(f"c-{sid}", sid, False, {"type": "close_session"})])
+        service.handle([BatchRequest(f"c-{sid}", sid, False, {"type": "close_session"})])
 
 
 def answer_of(service, rid, sid, body):
     """Drive one non-streamed question to its end; returns the reply as JSON."""
-    out = service.handle([Row(rid, sid, False, body)])[0]
+    out = service.handle([BatchRequest(rid, sid, False, body)])[0]
     while out.stop is False:
-        out = service.handle([Row(rid, sid, False, None)])[0]
+        out = service.handle([BatchRequest(rid, sid, False, None)])[0]
     assert out.status == 200, out.body
     return json.loads(out.body)
 
@@ -498,7 +511,7 @@ def test_open_timings_measure_each_phase(service, photos):
     assert set(t) == {"fetch_ms", "decode_ms", "encode_ms", "prefill_ms", "total_ms"}
     assert t["decode_ms"] > 0 and t["encode_ms"] > 0 and t["prefill_ms"] > 0  # a JPEG decode is real work
     assert t["total_ms"] >= t["fetch_ms"] + t["decode_ms"] + t["encode_ms"] + t["prefill_ms"] - 0.01
-    service.handle([Row("t-close", "t1", False, {"type": "close_session"})])
+    service.handle([BatchRequest("t-close", "t1", False, {"type": "close_session"})])
 
 
 def test_details_carry_the_drawn_seed_and_where_a_session_was_restored_from(service, photos):
@@ -519,7 +532,7 @@ def test_details_carry_the_drawn_seed_and_where_a_session_was_restored_from(serv
         answer_of(service, "d-f", "d1", {**q, "parameters": {"max_new_tokens": 3}})["details"]["restored_from"]
         == "features"
     )
-    service.handle([Row("d-close", "d1", False, {"type": "close_session"})])
+    service.handle([BatchRequest("d-close", "d1", False, {"type": "close_session"})])
 
 
 def test_a_chat_image_url_is_fetched_once_per_session(tiny_model_dir, photos):
@@ -531,13 +544,15 @@ def test_a_chat_image_url_is_fetched_once_per_session(tiny_model_dir, photos):
         svc = tiny_service(tiny_model_dir, allow_http=True, allow_private_networks=True)
 
         def chat(sid, messages):
-            rows = [Row(f"r{len(hits)}-{sid}-{len(messages)}", sid, False, {"messages": messages, "max_tokens": 3})]
+            rows = [
+                BatchRequest(f"r{len(hits)}-{sid}-{len(messages)}", sid, False, {"messages": messages, "max_tokens": 3})
+            ]
             out = finish(svc, rows, svc.handle(rows))
             return json.loads(next(iter(out.values())).body)
 
         def new_session():
             return json.loads(
-                svc.handle([Row("n-" + str(len(hits)), None, False, {"requestType": "NEW_SESSION"})])[0].body
+                svc.handle([BatchRequest("n-" + str(len(hits)), None, False, {"requestType": "NEW_SESSION"})])[0].body
             )["session_id"]
 
         sid = new_session()
@@ -583,7 +598,7 @@ def fetching(tiny_model_dir) -> SessionService:
 
 
 def _url_open(rid, url):
-    return Row(rid, None, False, {"type": "open_session", "image": {"url": url}})
+    return BatchRequest(rid, None, False, {"type": "open_session", "image": {"url": url}})
 
 
 def test_a_slow_image_host_stalls_only_the_request_that_named_it(fetching, image_host, photos):
@@ -593,11 +608,11 @@ def test_a_slow_image_host_stalls_only_the_request_that_named_it(fetching, image
     (opened,) = open_sessions(fetching, open_row("f-o1", "fs-1", photos["astronaut"]))
     sid = json.loads(opened.body)["session_id"]
     body = {"type": "generate", "prompt": "Describe it.", "stream": True, "parameters": {"max_new_tokens": 200}}
-    stream = Row("f-g1", sid, False, body)
+    stream = BatchRequest("f-g1", sid, False, body)
     first = fetching.handle([stream])
     assert first[0].stop is False
     opening = _url_open("f-o2", f"{image_host}?delay=1.0")
-    rows = [Row("f-g1", sid, False, None), opening]
+    rows = [BatchRequest("f-g1", sid, False, None), opening]
     calls, tokens_while_fetching, answered = [], 0, None
     while answered is None:
         t0 = time.perf_counter()
@@ -612,7 +627,11 @@ def test_a_slow_image_host_stalls_only_the_request_that_named_it(fetching, image
             first_headers = opened.headers
         if opened.stop is not False:
             answered = opened
-        rows = [Row(r.request_id, r.session_id, False, None) for r, o in zip(rows, out, strict=True) if o.stop is False]
+        rows = [
+            BatchRequest(r.request_id, r.session_id, False, None)
+            for r, o in zip(rows, out, strict=True)
+            if o.stop is False
+        ]
     # the 1 s fetch never held a call: the stream's tokens came out in calls made while it was pending
     assert sum(calls) >= 0.9 and tokens_while_fetching >= 2, (calls, tokens_while_fetching)
     opened_id = json.loads(answered.body)["session_id"]
@@ -620,7 +639,7 @@ def test_a_slow_image_host_stalls_only_the_request_that_named_it(fetching, image
     if rows:  # the stream, if it is still going
         finish(fetching, rows, fetching.handle(rows))
     for s in (sid, opened_id):
-        fetching.handle([Row(f"c-{s}", s, False, {"type": "close_session"})])
+        fetching.handle([BatchRequest(f"c-{s}", s, False, {"type": "close_session"})])
 
 
 def test_a_fetch_failure_with_nothing_else_running_gets_its_typed_4xx(fetching, image_host):
@@ -635,7 +654,7 @@ def test_a_fetch_failure_with_nothing_else_running_gets_its_typed_4xx(fetching, 
     # the host answers after 3 s: the timeout code says the deadline fired first; the call waited for it
     assert (out[0].status, json.loads(out[0].body)["error"]["code"]) == (400, "image_fetch_timeout")
     assert time.perf_counter() - t0 >= 1.4
-    assert not fetching.intakes and not fetching.jobs.jobs
+    assert not fetching.parked and not fetching.requests.in_flight
 
 
 def test_a_fetch_that_fails_after_its_reply_began_ends_it_with_the_typed_error(fetching, image_host, photos):
@@ -644,7 +663,7 @@ def test_a_fetch_that_fails_after_its_reply_began_ends_it_with_the_typed_error(f
     (opened,) = open_sessions(fetching, open_row("f-o3", "fs-3", photos["coffee"]))
     sid = json.loads(opened.body)["session_id"]
     body = {"type": "generate", "prompt": "Describe it.", "stream": True, "parameters": {"max_new_tokens": 400}}
-    running = fetching.handle([Row("f-g3", sid, False, body)])
+    running = fetching.handle([BatchRequest("f-g3", sid, False, body)])
     assert running[0].stop is False
     chat = {
         "messages": [
@@ -653,9 +672,9 @@ def test_a_fetch_that_fails_after_its_reply_began_ends_it_with_the_typed_error(f
         "stream": True,
     }
     rows = [
-        Row("f-g3", sid, False, None),
+        BatchRequest("f-g3", sid, False, None),
         _url_open("f-l1", f"{image_host}?delay=3"),
-        Row("f-l2", "ts-seq-l2", True, chat),
+        BatchRequest("f-l2", "ts-seq-l2", True, chat),
     ]
     out = fetching.handle(rows)
     assert [o.status for o in out[1:]] == [200, 200] and [o.stop for o in out[1:]] == [False, False]
@@ -667,5 +686,5 @@ def test_a_fetch_that_fails_after_its_reply_began_ends_it_with_the_typed_error(f
     assert last["f-l2"].stop is True and events.endswith("data: [DONE]\n\n"), events
     assert json.loads(events.split("\n\n")[0].removeprefix("data: "))["error"]["code"] == "image_fetch_timeout"
     assert last["f-l2"].headers == {"X-Llava-Sequence-End": "ts-seq-l2"}  # the one-shot's job group ends
-    assert not fetching.intakes
-    fetching.handle([Row("c-f3", sid, False, {"type": "close_session"})])
+    assert not fetching.parked
+    fetching.handle([BatchRequest("c-f3", sid, False, {"type": "close_session"})])

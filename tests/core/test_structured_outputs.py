@@ -17,7 +17,7 @@ import re
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from llava_sessions.service import Row, SessionService
+from llava_sessions.service import BatchRequest, SessionService
 from llava_sessions.worker import build_service
 
 _ids = itertools.count()
@@ -52,10 +52,10 @@ def run(svc: SessionService, *bodies: dict) -> list[tuple[int, bytes]]:
     """``bodies`` as one-shot requests admitted in one call (their answers decode as one batch),
     each driven to its last frame: ``(status, the frames' bytes joined)`` per body."""
     rids = [f"so{next(_ids)}" for _ in bodies]
-    rows = [Row(rid, f"ts-seq-{rid}", True, body) for rid, body in zip(rids, bodies, strict=True)]
+    rows = [BatchRequest(rid, f"ts-seq-{rid}", True, body) for rid, body in zip(rids, bodies, strict=True)]
     out = {r.request_id: [o] for r, o in zip(rows, svc.handle(rows), strict=True)}
     while live := [rid for rid in rids if out[rid][-1].stop is False]:
-        frames = svc.handle([Row(rid, f"ts-seq-{rid}", True, None) for rid in live])
+        frames = svc.handle([BatchRequest(rid, f"ts-seq-{rid}", True, None) for rid in live])
         for rid, frame in zip(live, frames, strict=True):
             out[rid].append(frame)
     return [(out[rid][0].status, b"".join(f.body for f in out[rid])) for rid in rids]

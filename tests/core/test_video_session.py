@@ -26,7 +26,7 @@ from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.video import preprocess_frames, video_token_count
 from llava_sessions.sampling.sampler import SamplingParams
-from llava_sessions.service import Row
+from llava_sessions.service import BatchRequest
 from llava_sessions.sessions.store import SessionStore, Tier
 from llava_sessions.video import VideoLimits
 from llava_sessions.worker import build_service, decode_media
@@ -232,11 +232,13 @@ def tiny_service(model_dir, **settings):
     return build_service({"model_dir": str(model_dir), "device": "cpu", "device_budget_bytes": 10**9, **settings})
 
 
-def run(service, *rows: Row) -> dict[str, tuple[int, dict]]:
+def run(service, *rows: BatchRequest) -> dict[str, tuple[int, dict]]:
     """Each row's status and decoded body, driven to its last frame."""
     out = service.handle(list(rows))
     last = {r.request_id: o for r, o in zip(rows, out, strict=True)}
-    pending = [Row(r.request_id, r.session_id, False, None) for r, o in zip(rows, out, strict=True) if o.stop is False]
+    pending = [
+        BatchRequest(r.request_id, r.session_id, False, None) for r, o in zip(rows, out, strict=True) if o.stop is False
+    ]
     while pending:
         more = service.handle(pending)
         last.update({r.request_id: o for r, o in zip(pending, more, strict=True)})
@@ -255,17 +257,17 @@ def b64(data: bytes) -> str:
 
 def test_native_open_session_on_a_video_and_add_video(ov_service, ov, clips) -> None:
     raw = clips["astronaut"]
-    out = run(ov_service, Row("o", "ts-seq-v1", True, {"type": "open_session", "video": {"base64": b64(raw)}}))
+    out = run(ov_service, BatchRequest("o", "ts-seq-v1", True, {"type": "open_session", "video": {"base64": b64(raw)}}))
     status, body = out["o"]
     assert status == 200 and body["image_tokens"] == 2 * 196 + 1  # the server's video_num_frames
     ask = {"type": "generate", "prompt": "What happens?", "parameters": {"max_new_tokens": N}}
-    status, answer = run(ov_service, Row("g", "ts-seq-v1", False, ask))["g"]
+    status, answer = run(ov_service, BatchRequest("g", "ts-seq-v1", False, ask))["g"]
     assert status == 200
     assert answer["generated_text"] == ov.tokenizer.decode(
         reference(ov, [([VideoBytes(raw, num_frames=2)], "What happens?", None)])
     )
     add = {"type": "add_video", "video": {"base64": "data:video/mp4;base64," + b64(clips["coffee"]), "num_frames": 3}}
-    status, added = run(ov_service, Row("a", "ts-seq-v1", False, add))["a"]
+    status, added = run(ov_service, BatchRequest("a", "ts-seq-v1", False, add))["a"]
     assert status == 200 and added["image_tokens"] == 3 * 196 + 1
 
 
@@ -275,14 +277,14 @@ def test_more_frames_asked_than_a_clip_has_are_every_frame_and_the_reply_says_so
     what it asked has no ``warnings``."""
     short = b64(sample_clip("rocket", num_frames=3))
     body = {"type": "open_session", "video": {"base64": short, "num_frames": 5}}
-    status, opened = run(ov_service, Row("o5", "ts-seq-v5", True, body))["o5"]
+    status, opened = run(ov_service, BatchRequest("o5", "ts-seq-v5", True, body))["o5"]
     assert status == 200 and opened["image_tokens"] == 3 * 196 + 1
     assert opened["warnings"] == ["the video has 3 frames and 5 were asked: all 3 are used"]
     body["video"]["num_frames"] = 3
-    assert "warnings" not in run(ov_service, Row("o3", "ts-seq-v3", True, body))["o3"][1]
+    assert "warnings" not in run(ov_service, BatchRequest("o3", "ts-seq-v3", True, body))["o3"][1]
     part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + short}, "num_frames": 4}
     chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}], "max_tokens": 2}
-    status, reply = run(ov_service, Row("c5", None, True, chat))["c5"]
+    status, reply = run(ov_service, BatchRequest("c5", None, True, chat))["c5"]
     assert status == 200 and reply["warnings"] == ["the video has 3 frames and 4 were asked: all 3 are used"]
     ChatCompletion.model_validate(reply)
 
@@ -303,11 +305,11 @@ def test_a_refused_video_is_a_typed_4xx_and_the_worker_answers_on(
 ) -> None:
     data = {"photo": b64(photos["astronaut"]), "clip": b64(clips["astronaut"])}
     body = {"type": "open_session", **{k: {**v, "base64": data[v["base64"]]} for k, v in medium.items()}}
-    got_status, got = run(ov_service, Row("bad", "ts-seq-bad", True, body))["bad"]
+    got_status, got = run(ov_service, BatchRequest("bad", "ts-seq-bad", True, body))["bad"]
     assert (got_status, got["error"]["code"]) == (status, code), got
     assert says in got["error"]["message"]
     sid = f"ts-seq-{uuid.uuid4()}"
-    ok = run(ov_service, Row("ok", sid, True, {"type": "open_session", "video": {"base64": data["clip"]}}))
+    ok = run(ov_service, BatchRequest("ok", sid, True, {"type": "open_session", "video": {"base64": data["clip"]}}))
     assert ok["ok"][0] == 200, ok
 
 
@@ -329,7 +331,7 @@ def test_chat_video_url_parts_with_uuid_and_the_conversation_cache(ov_service, o
         "max_tokens": N,
         "temperature": 0,
     }
-    status, reply = run(ov_service, Row("c1", None, True, body))["c1"]
+    status, reply = run(ov_service, BatchRequest("c1", None, True, body))["c1"]
     assert status == 200, reply
     video = VideoBytes(raw, num_frames=3)
     first_prompt = reply["usage"]["prompt_tokens"]
@@ -338,7 +340,9 @@ def test_chat_video_url_parts_with_uuid_and_the_conversation_cache(ov_service, o
     # vLLM's mm_processor_kwargs samples a part that names nothing: the same 3 frames, the same answer
     bare = {k: v for k, v in part.items() if k not in ("num_frames", "uuid")}
     kwargs = {**body, "messages": [{"role": "user", "content": [bare, {"type": "text", "text": q1}]}]}
-    status, same = run(ov_service, Row("c0", None, True, {**kwargs, "mm_processor_kwargs": {"num_frames": 3}}))["c0"]
+    status, same = run(
+        ov_service, BatchRequest("c0", None, True, {**kwargs, "mm_processor_kwargs": {"num_frames": 3}})
+    )["c0"]
     assert status == 200 and same["usage"]["prompt_tokens"] == first_prompt
     assert same["choices"][0]["message"]["content"] == a1
     by_uuid = {"type": "video_url", "video_url": None, "uuid": "v1"}
@@ -347,7 +351,7 @@ def test_chat_video_url_parts_with_uuid_and_the_conversation_cache(ov_service, o
         {"role": "assistant", "content": a1},
         {"role": "user", "content": q2},
     ]
-    status, reply = run(ov_service, Row("c2", None, True, {**body, "messages": messages}))["c2"]
+    status, reply = run(ov_service, BatchRequest("c2", None, True, {**body, "messages": messages}))["c2"]
     assert status == 200, reply
     assert reply["choices"][0]["message"]["content"] == ov.tokenizer.decode(
         reference(ov, [([video], q1, a1), ([], q2, None)])
@@ -357,7 +361,7 @@ def test_chat_video_url_parts_with_uuid_and_the_conversation_cache(ov_service, o
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= first_prompt - 2
     wrong = {"type": "image_url", "image_url": None, "uuid": "v1"}
     messages[0] = {"role": "user", "content": [wrong, {"type": "text", "text": q1}]}
-    status, reply = run(ov_service, Row("c3", None, True, {**body, "messages": messages}))["c3"]
+    status, reply = run(ov_service, BatchRequest("c3", None, True, {**body, "messages": messages}))["c3"]
     assert (status, reply["error"]["code"]) == (400, "image_uuid_not_found")
     assert "names a video" in reply["error"]["message"]
 
@@ -367,7 +371,7 @@ def test_a_model_without_a_video_path_answers_video_unsupported_in_both_dialects
     native = {"type": "open_session", "video": {"base64": b64(clips["astronaut"])}}
     part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(clips["astronaut"])}}
     chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]}
-    out = run(service, Row("n", "ts-seq-n", True, native), Row("c", None, True, chat))
+    out = run(service, BatchRequest("n", "ts-seq-n", True, native), BatchRequest("c", None, True, chat))
     for rid in ("n", "c"):
         status, body = out[rid]
         assert (status, body["error"]["code"]) == (400, "video_unsupported")
@@ -394,7 +398,7 @@ def test_an_image_after_a_video_in_one_question_is_refused_natively_and_reordere
         {"type": "text", "text": "Compare them."},
     ]
     body = {"messages": [{"role": "user", "content": parts}], "max_tokens": N, "temperature": 0}
-    status, reply = run(ov_service, Row("mixed", None, True, body))["mixed"]
+    status, reply = run(ov_service, BatchRequest("mixed", None, True, body))["mixed"]
     assert status == 200, reply
     want = reference(ov, [([image, video], "Compare them.", None)])  # 2 frames: the server's default
     assert reply["choices"][0]["message"]["content"] == ov.tokenizer.decode(want)
@@ -439,11 +443,11 @@ def test_a_video_opened_beside_a_running_answer_takes_its_frames_a_few_per_step(
 def test_a_video_over_max_video_bytes_is_413_video_too_large_before_it_is_decoded(ov_dir, clips) -> None:
     service = tiny_service(ov_dir, max_video_bytes=1000)
     body = {"type": "open_session", "video": {"base64": b64(clips["astronaut"])}}
-    status, got = run(service, Row("big", "ts-seq-big", True, body))["big"]
+    status, got = run(service, BatchRequest("big", "ts-seq-big", True, body))["big"]
     assert (status, got["error"]["code"]) == (413, "video_too_large") and "1000 bytes" in got["error"]["message"]
     part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(clips["astronaut"])}}
     chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]}
-    status, got = run(service, Row("big-chat", None, True, chat))["big-chat"]
+    status, got = run(service, BatchRequest("big-chat", None, True, chat))["big-chat"]
     assert (status, got["error"]["code"]) == (413, "video_too_large")
 
 

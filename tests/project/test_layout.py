@@ -152,7 +152,7 @@ def test_every_decision_record_has_its_date_status_context_decision_and_conseque
 # ------------------------------------------------------------------ the core's import graph
 #: The worker core's layers, lowest first: a module imports (at run time) only modules of lower layers.
 #: Plain data at the bottom (the packages' own files load nothing), then what both dialects stand on
-#: (images, inbound bodies, framing), the model and the session state, the engine, the jobs in flight,
+#: (images, inbound bodies, framing), the model and the session state, the engine, the requests in flight,
 #: the two dialects side by side, the service, the replicas and the wiring.
 LAYERS: list[set[str]] = [
     {
@@ -209,7 +209,7 @@ LAYERS: list[set[str]] = [
     {"native.responses", "engine.model_runner"},
     {"engine.engine"},
     {"engine"},
-    {"wire.jobs", "wire.intake"},
+    {"wire.in_flight", "wire.fetches"},
     {"native.serving", "chat.serving"},
     {"service"},
     {"replicas"},
@@ -538,7 +538,7 @@ def test_only_the_steps_plan_gets_device_memory() -> None:
             for node in ast.walk(fn):
                 if isinstance(node, ast.Attribute) and node.attr == "allocate" and _is_store(node.value):
                     sites.append(f"{path.relative_to(CORE).as_posix()}:{fn.name}")
-    assert sorted(set(sites)) == ["engine/executor.py:_batch_room", "engine/executor.py:_before_chunk"]
+    assert sorted(set(sites)) == ["engine/executor.py:_batch_room", "engine/executor.py:_before_tokens"]
 
 
 def _is_store(node: ast.expr) -> bool:

@@ -188,32 +188,32 @@ def test_requests_naming_one_image_at_once_share_one_fetch(host):
 
 
 def test_the_worker_takes_the_fronts_fetch_by_ticket_and_fetches_itself_without_one(host, photos):
-    """The worker's side (``ImageIntake``) against a real front: a ticketed source comes from the
+    """The worker's side (``ImageFetcher``) against a real front: a ticketed source comes from the
     front (no second fetch from the host), its failure as the same typed error; a source the front
     does not know is fetched by the worker itself."""
     from concurrent import futures
 
     from llava_sessions.errors import ServiceError
     from llava_sessions.images.fetch import fetch_image_bytes
+    from llava_sessions.wire.fetcher import FetchPending, ImageFetcher
     from llava_sessions.wire.inbound import ImageSource
-    from llava_sessions.wire.intake import FetchPending, ImageIntake
     from llava_tools.serve.front import OpenAIFront
 
     relay = _relay()
     front = OpenAIFront(("127.0.0.1", 0), ("127.0.0.1", 9), "m", images=relay).start()
     try:
-        intake = ImageIntake(fetch_image_bytes, 2, relay=f"http://127.0.0.1:{front.port}")
+        fetcher = ImageFetcher(fetch_image_bytes, 2, relay=f"http://127.0.0.1:{front.port}")
         good, bad = host.url("/good.png"), host.url("/bad.png", status=403)
         ticket = relay.prefetch(_chat(good), None) or ""
         bad_ticket = relay.prefetch(_chat(bad), None) or ""
 
         def fetch(url: str, ticket: str | None) -> bytes:
             fetches: dict = {}
-            with pytest.raises(FetchPending) as pending, intake.admitting(fetches, ticket):
-                intake(ImageSource(url=url), relay.settings)
+            with pytest.raises(FetchPending) as pending, fetcher.admitting(fetches, ticket):
+                fetcher(ImageSource(url=url), relay.settings)
             futures.wait([pending.value.future])
-            with intake.admitting(fetches, ticket):
-                return intake(ImageSource(url=url), relay.settings)
+            with fetcher.admitting(fetches, ticket):
+                return fetcher(ImageSource(url=url), relay.settings)
 
         assert fetch(good, ticket) == photos["rocket"] and host.hits == ["/good.png", "/bad.png"]
         with pytest.raises(ServiceError) as failed:

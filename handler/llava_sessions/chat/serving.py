@@ -44,10 +44,10 @@ from ..metrics import WorkerMetrics
 from ..results import Answer
 from ..video import SampledVideo
 from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
-from ..wire.framing import JSON, Row, RowResult
+from ..wire.fetches import decode_video_bytes, fetch_video
+from ..wire.framing import JSON, BatchRequest, Reply
+from ..wire.in_flight import RequestState, RequestTable, Serving
 from ..wire.inbound import ImageSource, VideoSource, request_salt
-from ..wire.intake import decode_video_bytes, fetch_video
-from ..wire.jobs import Job, JobTable, Serving
 from . import responses
 from .command import ChatCommand, chat_command
 from .protocol import parse_chat_body, parse_session_body
@@ -76,7 +76,7 @@ class ChatServing(Serving):
     """Admission and emission of chat requests (module docstring).
 
     Args:
-        settings, engine, jobs, fetch, metrics: as :class:`Serving`.
+        settings, engine, requests, fetch, metrics: as :class:`Serving`.
         model_names: the names the model answers to (``served_model_name``): a request on OpenAI's
             route naming another gets ``404 model_not_found``; a reply carries the name its request
             gave when it is one of them, else the first.
@@ -87,14 +87,14 @@ class ChatServing(Serving):
         self,
         settings: Settings,
         engine: SessionEngine,
-        jobs: JobTable,
+        requests: RequestTable,
         fetch: Callable[..., bytes],
         metrics: WorkerMetrics,
         *,
         model_names: tuple[str, ...],
         token_text: Callable[[int], str],
     ) -> None:
-        super().__init__(settings, engine, jobs, fetch, metrics)
+        super().__init__(settings, engine, requests, fetch, metrics)
         self.model_names = model_names
         self.token_text = token_text
 
@@ -102,7 +102,7 @@ class ChatServing(Serving):
     error_status = staticmethod(responses.error_status)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, row: Row, data: Any, now: float) -> RowResult | Job:
+    def admit(self, row: BatchRequest, data: Any, now: float) -> Reply | RequestState:
         """Admit a decoded chat body: AWS's session bodies are answered at once; a ``messages``
         request resolves its images, then starts its answer in its session.
 
@@ -113,15 +113,15 @@ class ChatServing(Serving):
         if "messages" not in data:
             if parse_session_body(data).requestType == NEW_SESSION_LITERAL:
                 return self._open_session(row)
-            sid = self.jobs.session_of(row, "close_session")
-            self.jobs.stop_session(sid)
+            sid = self.requests.session_of(row, "close_session")
+            self.requests.stop_session(sid)
             self.engine.close(sid)
-            return RowResult(responses.encode_closed(sid), headers=self.framing.closed(sid))
+            return Reply(responses.encode_closed(sid), headers=self.framing.closed(sid))
         command = self._command(row, data)
         salt = request_salt(command.salt, row.custom_attributes)
         return self._admit_chat(row, dataclasses.replace(command, salt=salt), now)
 
-    def pending_frame(self, row: Row, data: Any) -> RowResult:
+    def pending_frame(self, row: BatchRequest, data: Any) -> Reply:
         """The first frame of a ``messages`` request waiting for its images: the headers its answer
         will have (none without a session; the new session's on an open) and, for a stream, the
         stream's content type."""
@@ -129,13 +129,15 @@ class ChatServing(Serving):
         sid = row.session_id
         headers: dict[str, str] = {}
         if sid == NEW_SESSION_LITERAL:  # opens its session: the id it will get, expiring a TTL from now
-            headers = opened_headers(self.jobs.fresh_id(row.request_id), int(time.time()) + self.settings.session_ttl_s)
+            headers = opened_headers(
+                self.requests.fresh_id(row.request_id), int(time.time()) + self.settings.session_ttl_s
+            )
         elif sid and not row.minted:
             headers = {SESSION_ID_HEADER: sid}
         content_type = self._stream_of(row, command).content_type if command.stream else JSON
         return self.framing.frame(b"", continued=False, last=False, headers=headers, content_type=content_type)
 
-    def late_error(self, row: Row, data: Any, err: ServiceError) -> RowResult:
+    def late_error(self, row: BatchRequest, data: Any, err: ServiceError) -> Reply:
         """A ``messages`` request refused after its first frame went out: a stream's error events, or
         the error object as the reply's body; a one-shot's TorchServe job group ends."""
         sid = row.session_id
@@ -143,13 +145,13 @@ class ChatServing(Serving):
         group = sid if sid and sid != NEW_SESSION_LITERAL else None
         command = self._command(row, data)
         if not command.stream:
-            return self.jobs.error(self, group, err, held=not one_shot, continued=True)
+            return self.requests.error(self, group, err, held=not one_shot, continued=True)
         self.metrics.count_error(err)
         body = b"".join(self._stream_of(row, command).error(err))
         headers = self.framing.end_sequence(group) if group and one_shot else {}
         return self.framing.frame(body, continued=True, last=True, headers=headers)
 
-    def _command(self, row: Row, data: Any) -> ChatCommand:
+    def _command(self, row: BatchRequest, data: Any) -> ChatCommand:
         """The ``messages`` body as the dialect's command.
 
         Raises:
@@ -168,30 +170,30 @@ class ChatServing(Serving):
             )
         return chat_command(request, s, request.model if request.model in names else names[0])
 
-    def _stream_of(self, row: Row, command: ChatCommand) -> responses.ChatStream:
+    def _stream_of(self, row: BatchRequest, command: ChatCommand) -> responses.ChatStream:
         """The stream of a streamed answer: server-sent events unless ``Accept`` asks for JSON lines."""
         sse = JSON_LINES_ACCEPT not in (row.accept or "").lower()
         return responses.ChatStream(command, sse=sse, token_text=self.token_text)
 
-    def _open_session(self, row: Row) -> RowResult:
+    def _open_session(self, row: BatchRequest) -> Reply:
         """Answer ``{"requestType": "NEW_SESSION"}``: a session with no image, the new-session headers.
 
         Raises:
             ServiceError: invalid_request (an id already open or not valid), overloaded.
         """
-        sid = self.jobs.new_session_id(row)
+        sid = self.requests.new_session_id(row)
         result = self.engine.open_empty(sid)
-        return RowResult(
+        return Reply(
             responses.encode_new_session(sid, result.expires_at),
             headers=opened_headers(sid, result.expires_at),
         )
 
-    def _admit_chat(self, row: Row, command: ChatCommand, now: float) -> Job:
+    def _admit_chat(self, row: BatchRequest, command: ChatCommand, now: float) -> RequestState:
         engine = self.engine
         sid = row.session_id
         opens = sid == NEW_SESSION_LITERAL
         one_shot = row.minted or not sid
-        self.jobs.check_generation_slot(command.params.n)
+        self.requests.check_generation_slot(command.params.n)
         if not (opens or one_shot):
             assert sid is not None
             engine.check_idle(sid)  # a gone or busy session is the more precise answer, before any fetch
@@ -199,7 +201,7 @@ class ChatServing(Serving):
         t0 = time.perf_counter()
         target, urls, uuids = self._target(own_sid, command)
         if own_sid is None:
-            own_sid = sid if row.minted and sid else self.jobs.fresh_id(row.request_id)
+            own_sid = sid if row.minted and sid else self.requests.fresh_id(row.request_id)
             engine.open_empty(own_sid, salt=command.salt)
         try:
             seq = engine.start_chat(
@@ -207,20 +209,20 @@ class ChatServing(Serving):
             )
         except ServiceError:
             if own_sid != sid or one_shot:
-                self.jobs.close_quietly(own_sid)
+                self.requests.close_quietly(own_sid)
             raise
         engine.remember_urls(own_sid, urls, uuids)
         held = not (opens or one_shot)
-        job = Job(
+        req = RequestState(
             row.request_id, own_sid, self, command, now, work=seq, own_group=not opens and bool(sid), held=held, t0=t0
         )
-        job.one_shot, job.urls = one_shot, urls
-        job.opened = opens
+        req.one_shot, req.urls = one_shot, urls
+        req.opened = opens
         clips = [i.image for i in target.images if isinstance(i.image, SampledVideo)]
-        job.warnings = [note for clip in clips if (note := clip.shortfall)]
+        req.warnings = [note for clip in clips if (note := clip.shortfall)]
         if command.stream:
-            job.stream = self._stream_of(row, command)
-        return job
+            req.stream = self._stream_of(row, command)
+        return req
 
     def _target(self, sid: str | None, command: ChatCommand) -> tuple[ChatTarget, dict[str, str], dict[str, str]]:
         """The conversation as the engine takes it: every image as content key, bytes and size (fetched
@@ -303,85 +305,85 @@ class ChatServing(Serving):
         return ImageInput(key, data, (int(image.height), int(image.width)), image)
 
     # ------------------------------------------------------------------ output
-    def emit(self, job: Job) -> RowResult:
+    def emit(self, req: RequestState) -> Reply:
         """The row's frame for this call: nothing until a whole answer is ready (or the stream's
         next chunk), then the answer; a stream's last events go out one per call."""
-        seq = job.work
-        assert isinstance(seq, Sequence) and isinstance(job.command, ChatCommand)
-        if job.frames:
-            return self._frame(job, job.frames.pop(0), last=not job.frames)
-        finished = job.done or job.error is not None
-        if job.stream is None:
+        seq = req.work
+        assert isinstance(seq, Sequence) and isinstance(req.command, ChatCommand)
+        if req.frames:
+            return self._frame(req, req.frames.pop(0), last=not req.frames)
+        finished = req.done or req.error is not None
+        if req.stream is None:
             if not finished:
-                return self.framing.frame(b"", continued=job.continued, last=False, headers=self._headers(job, False))
-            self.jobs.forget(job)
-            if job.error is not None:
-                return self._error(job)
-            answers = self._observe(job, seq)
-            body = responses.encode_completion(job.command, answers, self.token_text, warnings=job.warnings)
-            return self.framing.frame(body, continued=job.continued, last=True, headers=self._headers(job, True))
-        stream, choices = job.stream, []
+                return self.framing.frame(b"", continued=req.continued, last=False, headers=self._headers(req, False))
+            self.requests.forget(req)
+            if req.error is not None:
+                return self._error(req)
+            answers = self._observe(req, seq)
+            body = responses.encode_completion(req.command, answers, self.token_text, warnings=req.warnings)
+            return self.framing.frame(body, continued=req.continued, last=True, headers=self._headers(req, True))
+        stream, choices = req.stream, []
         for sample in seq.samples:  # each answer's news, by choice index; an answer that ended, its end
-            new = job.news(sample)
-            if sample.answer is not None and sample.index not in job.ended and job.error is None:
+            new = req.news(sample)
+            if sample.answer is not None and sample.index not in req.ended and req.error is None:
                 choices.append(stream.finish(sample.index, sample.answer, new))
-                job.ended.add(sample.index)
-            elif sample.index not in job.ended and (part := stream.tokens(sample.index, new, sample.detokenizer.text)):
+                req.ended.add(sample.index)
+            elif sample.index not in req.ended and (part := stream.tokens(sample.index, new, sample.detokenizer.text)):
                 choices.append(part)
         if not finished:
             usage = None
-            if job.command.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+            if req.command.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
                 made = sum(len(s.events) for s in seq.samples)
                 usage = responses.usage_of(len(seq.prompt_ids), made, seq.num_reused_tokens)
-            return self._frame(job, stream.chunk(choices, usage) if choices else b"", last=False)
-        if job.error is None:
-            job.frames = stream.end(choices, self._observe(job, seq), job.warnings)
-        elif not job.continued:
-            self.jobs.forget(job)
-            return self._error(job)
+            return self._frame(req, stream.chunk(choices, usage) if choices else b"", last=False)
+        if req.error is None:
+            req.frames = stream.end(choices, self._observe(req, seq), req.warnings)
+        elif not req.continued:
+            self.requests.forget(req)
+            return self._error(req)
         else:
-            self.metrics.count_error(job.error)
-            job.frames = stream.error(job.error)
-        if job.one_shot:  # its session is done with: cached or freed now, not when the last event has gone out
-            self.jobs.end_one_shot(job)
-        return self._frame(job, job.frames.pop(0), last=not job.frames)
+            self.metrics.count_error(req.error)
+            req.frames = stream.error(req.error)
+        if req.one_shot:  # its session is done with: cached or freed now, not when the last event has gone out
+            self.requests.end_one_shot(req)
+        return self._frame(req, req.frames.pop(0), last=not req.frames)
 
-    def _observe(self, job: Job, seq: Sequence) -> list[Answer]:
+    def _observe(self, req: RequestState, seq: Sequence) -> list[Answer]:
         """Record a request's answers (and, without a session, whether the conversation cache served
         it); returns them, by choice index."""
         answers = [s.answer for s in seq.samples if s.answer is not None]
         for answer in answers:
             self.metrics.observe_answer(answer)
-        if job.one_shot:
+        if req.one_shot:
             self.metrics.observe_cache(hit=answers[0].cached_tokens > 0)
         return answers
 
-    def _error(self, job: Job) -> RowResult:
-        assert job.error is not None
-        sid = job.session_id if job.own_group else None
-        return self.jobs.error(self, sid, job.error, held=job.held, continued=job.continued)
+    def _error(self, req: RequestState) -> Reply:
+        assert req.error is not None
+        sid = req.session_id if req.own_group else None
+        return self.requests.error(self, sid, req.error, held=req.held, continued=req.continued)
 
-    def _frame(self, job: Job, body: bytes, *, last: bool) -> RowResult:
-        """One stream frame (the job is forgotten with its last)."""
+    def _frame(self, req: RequestState, body: bytes, *, last: bool) -> Reply:
+        """One stream frame (the request is forgotten with its last)."""
         if last:
-            self.jobs.forget(job)
-        assert job.stream is not None, "frames one per call belong to a streamed answer"
+            self.requests.forget(req)
+        assert req.stream is not None, "frames one per call belong to a streamed answer"
         return self.framing.frame(
             body,
-            continued=job.continued,
+            continued=req.continued,
             last=last,
-            headers=self._headers(job, last),
-            content_type=job.stream.content_type,
+            headers=self._headers(req, last),
+            content_type=req.stream.content_type,
         )
 
-    def _headers(self, job: Job, last: bool) -> dict[str, str]:
+    def _headers(self, req: RequestState, last: bool) -> dict[str, str]:
         """A session's id (with its ``Expires`` on a new one); a one-shot request's last frame ends
         the TorchServe job group TorchServe minted for it (headers after the first frame reach
         TorchServe, not the client)."""
-        if job.one_shot:
-            return self.framing.end_sequence(job.session_id) if last and job.own_group else {}
-        if job.opened:
-            session = self.engine.store.peek(job.session_id)
+        if req.one_shot:
+            return self.framing.end_sequence(req.session_id) if last and req.own_group else {}
+        if req.opened:
+            session = self.engine.store.peek(req.session_id)
             if session is not None:
-                return opened_headers(job.session_id, session.expires_at)
-        return {SESSION_ID_HEADER: job.session_id}
+                return opened_headers(req.session_id, session.expires_at)
+        return {SESSION_ID_HEADER: req.session_id}

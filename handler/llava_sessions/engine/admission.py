@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
-from collections.abc import Sequence as GenericSequence
+from collections.abc import Callable, Sequence as GenericSequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
-from collections.abc import Sequence as GenericSequence
+from collections.abc import Callable, Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any
 
 from ..conversation import Chat, ChatTarget, Turn, common_prefix_len, video_indexes

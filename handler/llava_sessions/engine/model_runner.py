@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from collections.abc import Sequence as GenericSequence
+from collections.abc import Iterable, Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch

@@ -20,8 +20,7 @@ be repeated alone. The answers of a request succeed or fail together (:meth:`Ste
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from collections.abc import Sequence as GenericSequence
+from collections.abc import Callable, Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any
 
 from ..sampling.params import SamplingParams

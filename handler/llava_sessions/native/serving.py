@@ -1,7 +1,7 @@
 """The native dialect's serving: a decoded body → its command → the engine → this dialect's frames.
 
 Replies are JSON bodies, or JSON lines in the SageMaker LMI / TGI shape for a streamed answer
-(:mod:`.responses`). TorchServe fixes status and headers with a job's first frame, so everything
+(:mod:`.responses`). TorchServe fixes status and headers with a request's first frame, so everything
 that decides a status happens at admission: for an open or an added image the fetch, the decode,
 the id and the room for it (the vision tower and the prefix prefill then run in scheduler steps);
 for a question the session and context checks. An error found later is the body: the last JSON
@@ -22,10 +22,10 @@ from ..results import AddImageResult, OpenResult, elapsed_ms
 from ..sampling.params import SamplingParams
 from ..video import SampledVideo
 from ..wire.contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, opened_headers
-from ..wire.framing import JSON_LINES, Row, RowResult
+from ..wire.fetches import decode_video_bytes, fetch_video
+from ..wire.framing import JSON_LINES, BatchRequest, Reply
+from ..wire.in_flight import RequestState, Serving
 from ..wire.inbound import VideoSource, request_salt
-from ..wire.intake import decode_video_bytes, fetch_video
-from ..wire.jobs import Job, Serving
 from . import responses
 from .protocol import (
     AddImageCommand,
@@ -101,25 +101,25 @@ class NativeServing(Serving):
     encode_error = staticmethod(responses.encode_error)
     error_status = staticmethod(responses.error_status)
 
-    def pending_frame(self, row: Row, data: Any) -> RowResult:
+    def pending_frame(self, row: BatchRequest, data: Any) -> Reply:
         """The first frame of an open or an added image waiting for its image: the session headers
         its answer will have (an open's new id, expiring a TTL from now)."""
         if isinstance(decode_command(data, self.settings), OpenCommand):
-            headers = opened_headers(self.jobs.new_session_id(row), int(time.time()) + self.settings.session_ttl_s)
+            headers = opened_headers(self.requests.new_session_id(row), int(time.time()) + self.settings.session_ttl_s)
         else:
             headers = {SESSION_ID_HEADER: row.session_id or ""}
         return self.framing.frame(b"", continued=False, last=False, headers=headers)
 
-    def late_error(self, row: Row, data: Any, err: ServiceError) -> RowResult:
+    def late_error(self, row: BatchRequest, data: Any, err: ServiceError) -> Reply:
         """An open or added image refused after its first frame went out: the error as the reply's
         body; a refused open ends its own TorchServe job group."""
         sid = row.session_id if row.session_id != NEW_SESSION_LITERAL else None
         held = not isinstance(decode_command(data, self.settings), OpenCommand)
-        return self.jobs.error(self, sid, err, held=held, continued=True)
+        return self.requests.error(self, sid, err, held=held, continued=True)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, row: Row, data: Any, now: float) -> RowResult | Job:
-        """Admit one decoded native body: an open, an added image or a question becomes a job; a
+    def admit(self, row: BatchRequest, data: Any, now: float) -> Reply | RequestState:
+        """Admit one decoded native body: an open, an added image or a question becomes a request; a
         reset or a close is answered at once.
 
         Raises:
@@ -129,18 +129,18 @@ class NativeServing(Serving):
         command = decode_command(data, self.settings)
         if isinstance(command, OpenCommand):
             return self._admit_open(row, command, now)
-        sid = self.jobs.session_of(row, command.kind)
+        sid = self.requests.session_of(row, command.kind)
         if isinstance(command, AddImageCommand):
             return self._admit_image(row, sid, command, now)
         if isinstance(command, ResetCommand):
             self.engine.reset(sid)
-            return RowResult(responses.encode_reset(sid), headers={SESSION_ID_HEADER: sid})
+            return Reply(responses.encode_reset(sid), headers={SESSION_ID_HEADER: sid})
         if not isinstance(command, GenerateCommand):  # close: a running answer ends with "abort"
-            self.jobs.stop_session(sid)
+            self.requests.stop_session(sid)
             self.engine.close(sid)
-            return RowResult(responses.encode_close(sid), headers=self.framing.closed(sid))
+            return Reply(responses.encode_close(sid), headers=self.framing.closed(sid))
         self.engine.check_idle(sid)  # a gone or busy session is the more precise answer
-        self.jobs.check_generation_slot(command.params.n)
+        self.requests.check_generation_slot(command.params.n)
         seq = self.engine.start(
             sid,
             command.prompt,
@@ -149,21 +149,21 @@ class NativeServing(Serving):
             context_policy=command.context_policy,
             clip_max_new_tokens=command.clip_max_new_tokens,
         )
-        return Job(row.request_id, sid, self, command, now, work=seq)
+        return RequestState(row.request_id, sid, self, command, now, work=seq)
 
-    def _admit_open(self, row: Row, command: OpenCommand, now: float) -> RowResult | Job:
+    def _admit_open(self, row: BatchRequest, command: OpenCommand, now: float) -> Reply | RequestState:
         """Admit an open: the id, then the image path (:meth:`_admit_image`); a failed open leaves
         no session behind and ends its own TorchServe job group."""
         own_group = bool(row.session_id) and row.session_id != NEW_SESSION_LITERAL
-        sid = self.jobs.new_session_id(row)
+        sid = self.requests.new_session_id(row)
         try:
             return self._admit_image(row, sid, command, now, own_group=own_group)
         except ServiceError as err:
-            return self.jobs.error(self, sid if own_group else None, err, held=False)
+            return self.requests.error(self, sid if own_group else None, err, held=False)
 
     def _admit_image(
-        self, row: Row, sid: str, command: OpenCommand | AddImageCommand, now: float, *, own_group: bool = True
-    ) -> Job:
+        self, row: BatchRequest, sid: str, command: OpenCommand | AddImageCommand, now: float, *, own_group: bool = True
+    ) -> RequestState:
         """Admit an open or an added image: everything that decides its status happens here (the
         session's state, the fetch, the decode, room for it); the vision tower and the prefill
         then run in scheduler steps.
@@ -202,45 +202,45 @@ class NativeServing(Serving):
         else:
             prefill = self.engine.begin_add_image(sid, data[0], image=images[0])
         held = not isinstance(command, OpenCommand)
-        job = Job(row.request_id, sid, self, command, now, work=prefill, own_group=own_group, held=held, t0=t0)
-        job.intake_timings = {"fetch": elapsed_ms(t0, t_fetched), "decode": elapsed_ms(t_fetched, t_decoded)}
-        job.warnings = [note for clip in images if isinstance(clip, SampledVideo) and (note := clip.shortfall)]
-        return job
+        req = RequestState(row.request_id, sid, self, command, now, work=prefill, own_group=own_group, held=held, t0=t0)
+        req.fetch_timings = {"fetch": elapsed_ms(t0, t_fetched), "decode": elapsed_ms(t_fetched, t_decoded)}
+        req.warnings = [note for clip in images if isinstance(clip, SampledVideo) and (note := clip.shortfall)]
+        return req
 
     # ------------------------------------------------------------------ output
-    def emit(self, job: Job) -> RowResult:
+    def emit(self, req: RequestState) -> Reply:
         """The row's frame for this call: an open's or an added image's (:meth:`_emit_image_prefill`),
         a streamed answer's new lines, or a whole answer once it is done."""
-        if isinstance(job.work, ImagePrefill):
-            return self._emit_image_prefill(job, job.work)
-        seq, command = job.work, job.command
+        if isinstance(req.work, ImagePrefill):
+            return self._emit_image_prefill(req, req.work)
+        seq, command = req.work, req.command
         assert isinstance(command, GenerateCommand) and isinstance(seq, Sequence)
-        finished = job.done or job.error is not None
-        headers = {SESSION_ID_HEADER: job.session_id}
+        finished = req.done or req.error is not None
+        headers = {SESSION_ID_HEADER: req.session_id}
         if command.stream:
-            return self._emit_stream(job, seq, command, finished)
+            return self._emit_stream(req, seq, command, finished)
         if not finished:
-            return self.framing.frame(b"", continued=job.continued, last=False, headers=headers)
-        self.jobs.forget(job)
-        if job.error is not None:
-            return self.jobs.error(self, job.session_id, job.error, held=job.held, continued=job.continued)
+            return self.framing.frame(b"", continued=req.continued, last=False, headers=headers)
+        self.requests.forget(req)
+        if req.error is not None:
+            return self.requests.error(self, req.session_id, req.error, held=req.held, continued=req.continued)
         answers = [s.answer for s in seq.samples if s.answer is not None]
         for answer in answers:
             self.metrics.observe_answer(answer)
         body = responses.encode_answer(command, answers, seq.index)
-        return self.framing.frame(body, continued=job.continued, last=True, headers=headers)
+        return self.framing.frame(body, continued=req.continued, last=True, headers=headers)
 
-    def _emit_stream(self, job: Job, seq: Sequence, command: GenerateCommand, finished: bool) -> RowResult:
+    def _emit_stream(self, req: RequestState, seq: Sequence, command: GenerateCommand, finished: bool) -> Reply:
         """A streamed answer's lines for this call; the last token goes out with ``generated_text``
         and ``details`` (TGI's shape); an error after the first frame is the last line. With ``n`` > 1
         each line carries its answer's ``index``, and each answer ends with a line of its own."""
         several, body = len(seq.samples) > 1, b""
         for sample in seq.samples:
-            new, index = job.news(sample), sample.index if several else None
-            if sample.index in job.ended:
+            new, index = req.news(sample), sample.index if several else None
+            if sample.index in req.ended:
                 continue
-            if sample.answer is not None and job.error is None:
-                job.ended.add(sample.index)
+            if sample.answer is not None and req.error is None:
+                req.ended.add(sample.index)
                 self.metrics.observe_answer(sample.answer)
                 last = new[-1] if new else None  # none: aborted after its last token went out
                 end = responses.encode_stream_end(command, sample.answer, last, index)
@@ -248,41 +248,41 @@ class NativeServing(Serving):
             else:
                 body += responses.encode_tokens(new, index)
         if not finished:
-            return self._lines(job, body, last=False)
-        self.jobs.forget(job)
-        if job.error is None:
-            return self._lines(job, body, last=True)
-        if not job.continued and not body:
-            return self.jobs.error(self, job.session_id, job.error, held=job.held)
-        self.metrics.count_error(job.error)
-        return self._lines(job, body + responses.encode_stream_error(job.error), last=True)
+            return self._lines(req, body, last=False)
+        self.requests.forget(req)
+        if req.error is None:
+            return self._lines(req, body, last=True)
+        if not req.continued and not body:
+            return self.requests.error(self, req.session_id, req.error, held=req.held)
+        self.metrics.count_error(req.error)
+        return self._lines(req, body + responses.encode_stream_error(req.error), last=True)
 
-    def _lines(self, job: Job, body: bytes, *, last: bool) -> RowResult:
-        headers = {SESSION_ID_HEADER: job.session_id}
-        return self.framing.frame(body, continued=job.continued, last=last, headers=headers, content_type=JSON_LINES)
+    def _lines(self, req: RequestState, body: bytes, *, last: bool) -> Reply:
+        headers = {SESSION_ID_HEADER: req.session_id}
+        return self.framing.frame(body, continued=req.continued, last=last, headers=headers, content_type=JSON_LINES)
 
-    def _emit_image_prefill(self, job: Job, prefill: ImagePrefill) -> RowResult:
+    def _emit_image_prefill(self, req: RequestState, prefill: ImagePrefill) -> Reply:
         """An open's or added image's output: empty frames (with the session headers and status 200)
         until it is done, then its body; an error after the first frame is the body (its status is
         already out). An open's headers carry the new session id and its ``Expires``."""
         if prefill.action == "open":
-            headers = opened_headers(job.session_id, prefill.session.expires_at)
+            headers = opened_headers(req.session_id, prefill.session.expires_at)
         else:
-            headers = {SESSION_ID_HEADER: job.session_id}
-        if not prefill.done and job.error is None:
-            return self.framing.frame(b"", continued=job.continued, last=False, headers=headers)
-        self.jobs.forget(job)
-        if job.error is not None:
+            headers = {SESSION_ID_HEADER: req.session_id}
+        if not prefill.done and req.error is None:
+            return self.framing.frame(b"", continued=req.continued, last=False, headers=headers)
+        self.requests.forget(req)
+        if req.error is not None:
             prefill.close()
-            return self.jobs.error(
-                self, job.session_id if job.own_group else None, job.error, held=job.held, continued=job.continued
+            return self.requests.error(
+                self, req.session_id if req.own_group else None, req.error, held=req.held, continued=req.continued
             )
         result = prefill.result
         assert result is not None
-        timings = {**job.intake_timings, **result.timings, "total": elapsed_ms(job.t0)}
-        if isinstance(job.command, OpenCommand) and isinstance(result, OpenResult):
-            body = responses.encode_open(job.command, result, timings, job.warnings)
+        timings = {**req.fetch_timings, **result.timings, "total": elapsed_ms(req.t0)}
+        if isinstance(req.command, OpenCommand) and isinstance(result, OpenResult):
+            body = responses.encode_open(req.command, result, timings, req.warnings)
         else:
             assert isinstance(result, AddImageResult)
-            body = responses.encode_add_image(result, timings, job.warnings)
-        return self.framing.frame(body, continued=job.continued, last=True, headers=headers)
+            body = responses.encode_add_image(result, timings, req.warnings)
+        return self.framing.frame(body, continued=req.continued, last=True, headers=headers)

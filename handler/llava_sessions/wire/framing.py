@@ -3,8 +3,8 @@
 TorchServe's sequence + continuous batching (docs/platform.md, verified):
 
 - a row's stopping criterion decides its framing: None, one whole response; False, a chunk whose
-  job comes back (without its body) in a later ``handle()`` call; True, the last chunk;
-- status, headers and content type go out with a job's FIRST frame, even an empty one; later ones
+  request comes back (without its body) in a later ``handle()`` call; True, the last chunk;
+- status, headers and content type go out with a request's FIRST frame, even an empty one; later ones
   reach TorchServe, not the client; an empty chunk sends nothing to the client;
 - a first frame that is also the last chunk gets no response head (the client hangs): it must be a
   whole response;
@@ -12,7 +12,7 @@ TorchServe's sequence + continuous batching (docs/platform.md, verified):
 - raising out of ``handle()`` fails every row of the batch, and ``send_intermediate_predict_response``
   crashes sequence continuous batching: neither is used.
 
-:func:`read_rows` and :func:`write_results` are the entry's two sides; :class:`Framing` is what the
+:func:`read_requests` and :func:`write_replies` are the entry's two sides; :class:`Framing` is what the
 service and both dialects build each row's answer with. No torch, no TorchServe import here.
 """
 
@@ -30,7 +30,7 @@ from .contract import (
     SEQUENCE_END_HEADER,
 )
 
-__all__ = ["EVENT_STREAM", "JSON", "JSON_LINES", "Framing", "Row", "RowResult", "read_rows", "write_results"]
+__all__ = ["EVENT_STREAM", "JSON", "JSON_LINES", "Framing", "BatchRequest", "Reply", "read_requests", "write_replies"]
 
 #: Content type of whole replies.
 JSON = "application/json"
@@ -41,11 +41,11 @@ EVENT_STREAM = "text/event-stream"
 
 
 @dataclass
-class Row:
+class BatchRequest:
     """One row of a TorchServe batch.
 
     Attributes:
-        request_id: TorchServe's request id (stable across a job's continuations).
+        request_id: TorchServe's request id (stable across a request's continuations).
         session_id: the sequence id header's value (``X-Amzn-SageMaker-Session-Id``), or None.
         minted: TorchServe minted ``session_id`` because the request came without one.
         body: the request body (bytes, or the dict TorchServe decoded); None on continuations.
@@ -70,7 +70,7 @@ class Row:
 
 
 @dataclass
-class RowResult:
+class Reply:
     """What to answer for one row: ``body`` bytes, HTTP ``status``, response ``headers``,
     ``content_type``, and ``stop`` for the stopping criterion (None: whole response; False: a
     chunk, more follow; True: the last chunk)."""
@@ -101,19 +101,19 @@ class Framing:
         status: int = 200,
         headers: dict[str, str] | None = None,
         content_type: str = JSON,
-    ) -> RowResult:
-        """One frame of a job's answer.
+    ) -> Reply:
+        """One frame of a request's answer.
 
         Args:
-            body: the frame's bytes (b"" sends nothing but keeps the job).
-            continued: an earlier ``handle()`` call already sent this job a frame (its status and
+            body: the frame's bytes (b"" sends nothing but keeps the request).
+            continued: an earlier ``handle()`` call already sent this request a frame (its status and
                 headers are out).
-            last: the job's answer ends with this frame. A last frame that is also the first is
+            last: the request's answer ends with this frame. A last frame that is also the first is
                 one whole response (``stop`` None), else the last chunk (True); not last: False.
             status, headers, content_type: what the first frame fixes (ignored by TorchServe later).
         """
         stop: bool | None = (True if continued else None) if last else False
-        return RowResult(body, status=status, headers=dict(headers or {}), content_type=content_type, stop=stop)
+        return Reply(body, status=status, headers=dict(headers or {}), content_type=content_type, stop=stop)
 
     def end_sequence(self, session_id: str) -> dict[str, str]:
         """Headers that end ``session_id``'s TorchServe job group (the frontend frees it at once)."""
@@ -125,13 +125,13 @@ class Framing:
         return {CLOSED_SESSION_ID_HEADER: session_id, **self.end_sequence(session_id)}
 
 
-def read_rows(data: Sequence[Any], context: Any) -> list[Row]:
+def read_requests(data: Sequence[Any], context: Any) -> list[BatchRequest]:
     """TorchServe's batch as rows: each row's request id, sequence id, whether TorchServe minted it
     (its start header), body, ``Accept``, custom attributes and the front's image ticket
     (``context``: TorchServe's ``Context``)."""
     start = context.header_key_sequence_start
     return [
-        Row(
+        BatchRequest(
             request_id=context.get_request_id(i),
             session_id=context.get_sequence_id(i),
             minted=bool(context.get_request_header(i, start)),
@@ -146,7 +146,7 @@ def read_rows(data: Sequence[Any], context: Any) -> list[Row]:
     ]
 
 
-def write_results(context: Any, results: Sequence[RowResult]) -> list[bytes]:
+def write_replies(context: Any, results: Sequence[Reply]) -> list[bytes]:
     """Set each row's status, content type, headers and stopping criterion on TorchServe's
     ``context``; return the bodies, one per row, for ``handle()`` to return."""
     for i, result in enumerate(results):

@@ -2,9 +2,9 @@
 
 A URL or S3 image used to be fetched inside ``handle()``: while one host took 4 s, every running
 stream stopped for 4 s (TorchServe answers a batch's rows together, so one slow row holds them all).
-Now the dialects' ``fetch`` is an :class:`ImageIntake`: during an admission it hands a URL or S3
+Now the dialects' ``fetch`` is an :class:`ImageFetcher`: during an admission it hands a URL or S3
 source to a small thread pool and raises :class:`FetchPending`; the service keeps the request as an
-:class:`Intake` and admits it again, from its decoded body, once the bytes are in (a second image
+:class:`PendingRequest` and admits it again, from its decoded body, once the bytes are in (a second image
 is then fetched the same way). Inline base64 images decode in place, as before.
 
 TorchServe fixes a reply's status with its first frame, so the service waits for a fetch inside the
@@ -37,13 +37,13 @@ from ..conversation import VideoBytes
 from ..errors import ErrorCode, ServiceError
 from ..video import SampledVideo, VideoLimits, decode_video
 from .contract import IMAGE_RELAY_PATH
-from .framing import Row
+from .framing import BatchRequest
 from .inbound import ImageSource, VideoSource
 
 if TYPE_CHECKING:
     from ..config import Settings
 
-__all__ = ["FetchPending", "ImageIntake", "Intake", "decode_video_bytes", "fetch_video"]
+__all__ = ["FetchPending", "ImageFetcher", "PendingRequest", "decode_video_bytes", "fetch_video"]
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ class FetchPending(Exception):
 
 
 @dataclass
-class Intake:
+class PendingRequest:
     """A request waiting for its images, across ``handle()`` calls (keyed by TorchServe's request id).
 
     Attributes:
-        row: the request's first row (its body: later rows of the job come without one).
+        row: the request's first row (its body: later rows of the request come without one).
         dialect: the dialect its body was decided to be (``Dialect``).
         data: the decoded body, admitted again once the fetch is done.
         fetches: image source (URL or S3 URI) → its fetch (bytes, or the fetch's ServiceError).
@@ -70,7 +70,7 @@ class Intake:
         last_seen: the last ``handle()`` call it was in (``time.monotonic()``).
     """
 
-    row: Row
+    row: BatchRequest
     dialect: Any
     data: Any
     fetches: dict[str, Future]
@@ -79,7 +79,7 @@ class Intake:
     last_seen: float = 0.0
 
 
-class ImageIntake:
+class ImageFetcher:
     """The dialects' ``fetch(source, settings) -> bytes``, fetching URL and S3 sources in a thread pool.
 
     Outside :meth:`admitting` it fetches in the calling thread (as before). Inside, a source of the
@@ -161,7 +161,7 @@ def fetch_video(fetch: Callable[..., bytes], source: VideoSource, settings: Sett
     with the videos' byte cap (``max_video_bytes``), with its sampling attached.
 
     Raises:
-        FetchPending: as :class:`ImageIntake`.
+        FetchPending: as :class:`ImageFetcher`.
         ServiceError: ``video_too_large`` (413) over ``max_video_bytes``; ``video_invalid`` (400) for
             bad base64 or an empty file; the fetch's URL and S3 errors as for an image.
     """

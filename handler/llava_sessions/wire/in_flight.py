@@ -1,9 +1,9 @@
 """The requests in flight between ``handle()`` calls, and what every dialect's answers share.
 
-A :class:`Job` is one admitted request (an open, an added image, an answer) whose work the engine
+A :class:`RequestState` is one admitted request (an open, an added image, an answer) whose work the engine
 steps across TorchServe's calls; it carries the :class:`Dialect` its request came in, decided once
 where the body was decoded, so every later frame and error is written by that dialect's encoder.
-:class:`JobTable` holds the jobs and the replies both dialects give alike (an error row, a new
+:class:`RequestTable` holds the requests and the replies both dialects give alike (an error row, a new
 session's id, the generation slots). Nothing here knows a dialect's shapes.
 """
 
@@ -19,27 +19,27 @@ from ..engine import ImagePrefill, Sequence, SessionEngine
 from ..errors import ErrorCode, ServiceError, overloaded
 from ..results import TokenEvent
 from .contract import NEW_SESSION_LITERAL, SESSION_ID_HEADER, SESSION_ID_RE, SLOT_WAIT_HEADER
-from .framing import Framing, Row, RowResult
+from .framing import BatchRequest, Framing, Reply
 
 if TYPE_CHECKING:
     from ..config import Settings
     from ..metrics import WorkerMetrics
 
-__all__ = ["Dialect", "Job", "JobTable", "Serving"]
+__all__ = ["Dialect", "RequestState", "RequestTable", "Serving"]
 
 log = logging.getLogger(__name__)
 
 
 class Dialect(Protocol):
-    """What the service asks of a dialect (``native``, ``chat``): admit a decoded body, emit a job's
+    """What the service asks of a dialect (``native``, ``chat``): admit a decoded body, emit a request's
     frame for this call, and write an error in its own shape."""
 
-    def admit(self, row: Row, data: Any, now: float) -> RowResult | Job:
-        """Admit one decoded body: an answer now, or a job to step. Raises ServiceError."""
+    def admit(self, row: BatchRequest, data: Any, now: float) -> Reply | RequestState:
+        """Admit one decoded body: an answer now, or a request to step. Raises ServiceError."""
         ...
 
-    def emit(self, job: Job) -> RowResult:
-        """The job's frame for this ``handle()`` call."""
+    def emit(self, req: RequestState) -> Reply:
+        """The request's frame for this ``handle()`` call."""
         ...
 
     def encode_error(self, error: ServiceError) -> bytes:
@@ -50,18 +50,18 @@ class Dialect(Protocol):
         """The HTTP status this dialect answers ``error`` with."""
         ...
 
-    def pending_frame(self, row: Row, data: Any) -> RowResult:
-        """The first frame of a request still waiting for its images (:mod:`.intake`): no body, the
+    def pending_frame(self, row: BatchRequest, data: Any) -> Reply:
+        """The first frame of a request still waiting for its images (:mod:`.fetches`): no body, the
         status, headers and content type its answer will have."""
         ...
 
-    def late_error(self, row: Row, data: Any, err: ServiceError) -> RowResult:
+    def late_error(self, row: BatchRequest, data: Any, err: ServiceError) -> Reply:
         """The last frame of a request whose first frame went out and whose admission then failed."""
         ...
 
 
 @dataclass
-class Job:
+class RequestState:
     """An open, an added image or an answer in flight, across ``handle()`` calls (keyed by
     TorchServe's request id).
 
@@ -71,10 +71,10 @@ class Job:
         work: the engine's state of it (``Sequence`` or ``ImagePrefill``).
         own_group: the TorchServe job group is this session's own (not the shared ``NEW_SESSION``).
         held: the client held this session before the request (not an open, not a one-shot): if
-            the session is gone when the job fails, the reply says it closed.
-        calls: ``handle()`` calls this job was part of (more than one: its first frame is out).
+            the session is gone when the request fails, the reply says it closed.
+        calls: ``handle()`` calls this request was part of (more than one: its first frame is out).
         one_shot: a chat request without a session: its session becomes a conversation-cache entry
-            when it answered, and is removed otherwise (:meth:`JobTable.end_one_shot`).
+            when it answered, and is removed otherwise (:meth:`RequestTable.end_one_shot`).
         opened: a chat request that opened its session (``NEW_SESSION``): new-session headers.
         stream: a streamed chat answer's events; frames: a chat stream's last events, one per call.
         sent / ended: a stream's token events sent per choice index, and the choices that ended.
@@ -92,9 +92,9 @@ class Job:
     own_group: bool = True
     held: bool = True
     t0: float = 0.0  # admission time (perf_counter), for an open's total_ms
-    intake_timings: dict[str, float] = field(default_factory=dict)  # an image's fetch and decode, ms
+    fetch_timings: dict[str, float] = field(default_factory=dict)  # an image's fetch and decode, ms
     calls: int = 0
-    ahead: int = 0  # steps run by run_ahead() since the job was last in a handle() call
+    ahead: int = 0  # steps run by run_ahead() since the request was last in a handle() call
     sent: dict[int, int] = field(default_factory=dict)  # choice index -> its token events sent (streaming)
     ended: set[int] = field(default_factory=set)  # choices whose last event went out (streaming)
     error: ServiceError | None = None
@@ -125,12 +125,12 @@ class Job:
 
     @property
     def continued(self) -> bool:
-        """An earlier ``handle()`` call already sent this job a frame (its status and headers are out)."""
+        """An earlier ``handle()`` call already sent this request a frame (its status and headers are out)."""
         return self.calls > 1
 
 
-class JobTable:
-    """The jobs in flight (by TorchServe request id) and the replies both dialects share.
+class RequestTable:
+    """The requests in flight (by TorchServe request id) and the replies both dialects share.
 
     Args:
         settings: the handler settings (``max_concurrent_generations``).
@@ -144,7 +144,7 @@ class JobTable:
         self.engine = engine
         self.framing = framing
         self.metrics = metrics
-        self.jobs: dict[str, Job] = {}
+        self.in_flight: dict[str, RequestState] = {}
         self._fresh_ids: dict[str, str] = {}  # request id -> the session id it was given
         self._group_ends: list[str] = []  # TorchServe job groups to end on the next continuation frame
 
@@ -160,11 +160,11 @@ class JobTable:
         if n > cap:
             message = f"n: at most {cap} answers per request on this server (its max_concurrent_generations)"
             raise ServiceError(ErrorCode.INVALID_PARAMETER, message, param="n")
-        running = sum(len(j.work.samples) for j in self.jobs.values() if isinstance(j.work, Sequence))
+        running = sum(len(j.work.samples) for j in self.in_flight.values() if isinstance(j.work, Sequence))
         if running + n > cap:
             raise overloaded("too many generations in flight on this worker; retry shortly", "generation_slot")
 
-    def new_session_id(self, row: Row) -> str:
+    def new_session_id(self, row: BatchRequest) -> str:
         """The id a new session gets: TorchServe's minted or the client's own, else (the shared
         ``NEW_SESSION`` group, or no sequence batching) a new ``llava-<uuid4>``.
 
@@ -190,7 +190,7 @@ class JobTable:
         self._fresh_ids.pop(request_id, None)
 
     @staticmethod
-    def session_of(row: Row, kind: str) -> str:
+    def session_of(row: BatchRequest, kind: str) -> str:
         """The open session ``row`` names for a ``kind`` request (generate, close, ...).
 
         Raises:
@@ -203,36 +203,36 @@ class JobTable:
             )
         return sid
 
-    def forget(self, job: Job, *, abandon: bool = False) -> None:
-        """Drop ``job`` from the jobs in flight (``abandon``: its work is closed first, its session
+    def forget(self, req: RequestState, *, abandon: bool = False) -> None:
+        """Drop ``req`` from the requests in flight (``abandon``: its work is closed first, its session
         left as before it); a one-shot chat request's session ends with it (:meth:`end_one_shot`)."""
-        self.jobs.pop(job.request_id, None)
+        self.in_flight.pop(req.request_id, None)
         if abandon:
-            job.work.close()
-        if job.one_shot:
-            self.end_one_shot(job, failed=abandon)
+            req.work.close()
+        if req.one_shot:
+            self.end_one_shot(req, failed=abandon)
 
-    def abandon(self, job: Job) -> None:
-        """Free a job whose client left (:meth:`forget` with its work closed); a job group that no
+    def abandon(self, req: RequestState) -> None:
+        """Free a request whose client left (:meth:`forget` with its work closed); a job group that no
         session holds any more (a one-shot's, a failed open's) is ended with the next continuation
         frame (:meth:`carry_group_ends`)."""
-        self.forget(job, abandon=True)
-        if job.own_group and job.session_id and job.session_id not in self.engine.store:
-            self.end_group_later(job.session_id)
+        self.forget(req, abandon=True)
+        if req.own_group and req.session_id and req.session_id not in self.engine.store:
+            self.end_group_later(req.session_id)
 
     def stop_session(self, session_id: str) -> None:
         """Stop every request in flight in session ``session_id`` before it closes (vLLM aborts a
         running request likewise): an answer ends now with ``finish_reason`` ``abort``, what it said
         until then being its answer (:meth:`Sequence.abort`); an image being added fails with
         ``session_not_found``. Its session is left idle, as before the request. In place."""
-        for job in self.jobs.values():
-            if job.session_id != session_id or job.one_shot or job.done or job.error is not None:
+        for req in self.in_flight.values():
+            if req.session_id != session_id or req.one_shot or req.done or req.error is not None:
                 continue
-            if isinstance(job.work, Sequence):
-                job.work.abort()
+            if isinstance(req.work, Sequence):
+                req.work.abort()
             else:
-                job.work.close()
-                job.error = ServiceError(
+                req.work.close()
+                req.error = ServiceError(
                     ErrorCode.SESSION_NOT_FOUND, "the session was closed while the image was added"
                 )
 
@@ -242,9 +242,9 @@ class JobTable:
         if group != NEW_SESSION_LITERAL and group not in self._group_ends:
             self._group_ends.append(group)
 
-    def carry_group_ends(self, frames: Iterable[RowResult]) -> None:
+    def carry_group_ends(self, frames: Iterable[Reply]) -> None:
         """Add the job groups waiting to end (:meth:`end_group_later`) to the first of ``frames``
-        (frames of jobs whose first frame went out, so the header reaches TorchServe, not a client):
+        (frames of requests whose first frame went out, so the header reaches TorchServe, not a client):
         TorchServe reads the sequence-end header as ``;``-separated group ids and ends each. Kept for a
         later call when ``frames`` is empty. In place."""
         frame = next(iter(frames), None) if self._group_ends else None
@@ -255,13 +255,13 @@ class JobTable:
         frame.headers[key] = ";".join([own, *self._group_ends] if own else self._group_ends)
         self._group_ends.clear()
 
-    def end_one_shot(self, job: Job, *, failed: bool = False) -> None:
+    def end_one_shot(self, req: RequestState, *, failed: bool = False) -> None:
         """End a chat request without a session: an answered one's state stays as a conversation-cache
         entry (:meth:`SessionEngine.retain`); a failed or abandoned one's is removed. Never raises."""
-        if failed or job.error is not None:
-            self.close_quietly(job.session_id)
+        if failed or req.error is not None:
+            self.close_quietly(req.session_id)
         else:
-            self.engine.retain(job.session_id)
+            self.engine.retain(req.session_id)
 
     def close_quietly(self, session_id: str) -> None:
         """Close ``session_id`` if it is open and idle; never raises."""
@@ -278,7 +278,7 @@ class JobTable:
         *,
         held: bool = True,
         continued: bool = False,
-    ) -> RowResult:
+    ) -> Reply:
         """A JSON error row in ``dialect``'s shape for the request of TorchServe job group ``session_id``.
 
         A request that leaves no open session behind ends its job group at once (TorchServe's
@@ -286,7 +286,7 @@ class JobTable:
         expired, evicted) does the reply also say the session closed (SageMaker's
         ``X-Amzn-SageMaker-Closed-Session-Id``, boto3's ``ClosedSessionId``): a failed open or a
         one-shot's group, minted by TorchServe, is no session the client ever had. The shared
-        ``NEW_SESSION`` group is never ended. ``continued``: the job's first frame went out (this is
+        ``NEW_SESSION`` group is never ended. ``continued``: the request's first frame went out (this is
         its last chunk).
         """
         self.metrics.count_error(err)
@@ -308,13 +308,13 @@ class JobTable:
 
 
 class Serving:
-    """What both dialects' serving stands on (their base): the settings, the engine, the jobs in
+    """What both dialects' serving stands on (their base): the settings, the engine, the requests in
     flight with the replies both give alike, TorchServe's framing, the image fetch and the metrics.
 
     Args:
         settings: the handler settings.
         engine: the session engine.
-        jobs: the jobs in flight (:class:`JobTable`; its ``framing`` is TorchServe's).
+        requests: the requests in flight (:class:`RequestTable`; its ``framing`` is TorchServe's).
         fetch: ``(ImageSource, Settings) -> bytes``.
         metrics: where answers are observed.
     """
@@ -323,13 +323,13 @@ class Serving:
         self,
         settings: Settings,
         engine: SessionEngine,
-        jobs: JobTable,
+        requests: RequestTable,
         fetch: Callable[..., bytes],
         metrics: WorkerMetrics,
     ) -> None:
         self.settings = settings
         self.engine = engine
-        self.jobs = jobs
-        self.framing = jobs.framing
+        self.requests = requests
+        self.framing = requests.framing
         self.fetch = fetch
         self.metrics = metrics
