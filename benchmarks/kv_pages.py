@@ -5,7 +5,7 @@ One model, ``--rows`` sessions on one photo, each asked its own question (prompt
 
 1. **the decode step**: ms per step of all rows in one forward pass, (a) over the contiguous,
    left-padded :class:`~llava_sessions.model.kv.cache.BatchKVCache` the engine uses, (b) over the
-   pool through :class:`~llava_sessions.model.kv.paged.PagedBatchCache` (attention reads each row's
+   pool through :class:`~llava_sessions.model.kv.paged.SlotsCache` (attention reads each row's
    pages gathered);
 2. **a row joining**: what laying the batch out anew costs the contiguous layout (every member's KV
    copied: bytes and ms) against the pool's (a row joins by its table: 0 bytes);
@@ -37,7 +37,7 @@ import torch
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
-from llava_sessions.model.kv.paged import KVPages, PagedBatchCache, PagedCache
+from llava_sessions.model.kv.paged import KVPages, SlotsCache
 from llava_sessions.model.kv.pages import PagePool, PageTable, fork, release, reserve
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
@@ -100,12 +100,12 @@ def paged_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, ste
     common = min(next((i for i, (x, y) in enumerate(zip(ids[0], r, strict=False)) if x != y), len(r)) for r in ids[1:])
     prefix = PageTable()
     reserve(pool, prefix, common)
-    llava.prefill(PagedCache(kv, prefix, common), ids[0][:common], feats)
+    llava.prefill(SlotsCache.of_sequence(kv, prefix, common), ids[0][:common], feats)
     tables, tokens = [], []
     for row in ids:
         table = fork(pool, prefix)
         kv.copy(reserve(pool, table, len(row) - common) or [])
-        tokens.append([int(llava.prefill(PagedCache(kv, table, len(row) - common), row, feats).argmax())])
+        tokens.append([int(llava.prefill(SlotsCache.of_sequence(kv, table, len(row) - common), row, feats).argmax())])
         tables.append(table)
     release(pool, prefix)
     held = (pool.num_pages - pool.num_free_pages) * kv.bytes_per_page
@@ -114,7 +114,7 @@ def paged_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, ste
         for table in tables:
             reserve(pool, table, 1)
         t0 = time.perf_counter()
-        cache = PagedBatchCache(kv, tables)
+        cache = SlotsCache.of_rows(kv, tables)
         with torch.inference_mode():
             out = llava.model(
                 input_ids=torch.tensor([[t[-1]] for t in tokens]),

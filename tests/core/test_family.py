@@ -19,7 +19,7 @@ from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import ARCHITECTURES, LlavaModel, checkpoint_architecture
-from llava_sessions.model.kv.paged import KVPages, PagedCache
+from llava_sessions.model.kv.paged import KVPages, SlotsCache
 from llava_sessions.model.kv.pages import PagePool, PageTable, reserve
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
@@ -213,10 +213,10 @@ def test_greedy_tokens_through_the_kv_pages_match_generate(family, small_photos,
     kv = KVPages(text.num_hidden_layers, 128, 16, llava.num_kv_heads, llava.head_dim, llava.dtype, "cpu")
     pool, table = PagePool(128, 16), PageTable()
     reserve(pool, table, len(prompt))
-    tokens = [int(llava.prefill(PagedCache(kv, table, len(prompt)), prompt, features).argmax())]
+    tokens = [int(llava.prefill(SlotsCache.of_sequence(kv, table, len(prompt)), prompt, features).argmax())]
     while len(tokens) < len(want):
         reserve(pool, table, 1)
-        tokens.append(int(llava.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
+        tokens.append(int(llava.decode(SlotsCache.of_sequence(kv, table, 1), tokens[-1]).argmax()))
     assert tokens == want and len(table.pages) == pool.pages_for(len(prompt) + len(want) - 1)
 
 

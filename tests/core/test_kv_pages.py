@@ -18,7 +18,7 @@ from engine_fixtures import decode, make_engine
 from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.metrics import WorkerMetrics
 from llava_sessions.model.kv import paged as paged_kv
-from llava_sessions.model.kv.paged import KVPages, KVPool, PagedBatchCache, PagedCache, SessionKV
+from llava_sessions.model.kv.paged import KVPages, KVPool, SessionKV, SlotsCache
 from llava_sessions.model.kv.pages import PageCopy, PagePool, PageTable, fork, release, reserve, truncate
 from llava_sessions.sampling.sampler import SamplingParams
 
@@ -119,7 +119,7 @@ def prefill(llava, pool, kv, table, ids, features) -> int:
     """Prefill ``ids`` past ``table``'s positions through the pool; the greedy next token."""
     start = table.num_tokens
     kv.copy(reserve(pool, table, len(ids) - start) or [])
-    return int(llava.prefill(PagedCache(kv, table, len(ids) - start), ids, features).argmax())
+    return int(llava.prefill(SlotsCache.of_sequence(kv, table, len(ids) - start), ids, features).argmax())
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_greedy_tokens_through_pages_equal_generate(llava, two_questions) -> Non
     tokens = [prefill(llava, pool, kv, table, ids_a, features)]
     while len(tokens) < N:
         reserve(pool, table, 1)
-        tokens.append(int(llava.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
+        tokens.append(int(llava.decode(SlotsCache.of_sequence(kv, table, 1), tokens[-1]).argmax()))
     assert tokens == ref_a
     assert len(table.pages) == pool.pages_for(len(ids_a) + N - 1)
     assert (pool.num_pages - pool.num_free_pages) * kv.bytes_per_page == len(table.pages) * kv.bytes_per_page
@@ -159,7 +159,7 @@ def test_sessions_on_one_image_share_its_prefix_pages_and_answer_exactly(llava, 
         tokens = [prefill(llava, pool, kv, table, ids, features)]
         while len(tokens) < N:
             reserve(pool, table, 1)
-            tokens.append(int(llava.decode(PagedCache(kv, table, 1), tokens[-1]).argmax()))
+            tokens.append(int(llava.decode(SlotsCache.of_sequence(kv, table, 1), tokens[-1]).argmax()))
         answers.append(tokens)
     assert answers == [ref_a, ref_b]
     assert a.pages[:full] == b.pages[:full]  # the full prefix pages are held once
@@ -192,7 +192,7 @@ def test_rows_decode_together_exactly_and_join_or_leave_without_moving_kv(llava,
         rows = [r for r in rows if len(tokens[r]) < N]
         for r in rows:
             assert reserve(pool, tables[r], 1) == []
-        cache = PagedBatchCache(kv, [tables[r] for r in rows])
+        cache = SlotsCache.of_rows(kv, [tables[r] for r in rows])
         ids = torch.tensor([[tokens[r][-1]] for r in rows])
         with torch.inference_mode():
             out = llava.model(

@@ -3,7 +3,7 @@
 A row is a running answer whose session's KV cache is a :class:`~llava_sessions.model.SessionKV`. A
 decode step reserves one position in each decoding row's page table (a new page every ``page_size``
 tokens; a shared, partly written last page is copied first, as any write to it is), runs one forward
-pass over the rows' tables (:class:`~llava_sessions.model.kv.paged.PagedBatchCache`: each row's token
+pass over the rows' tables (:class:`~llava_sessions.model.kv.paged.SlotsCache`: each row's token
 written to its slot, attention over its positions gathered from the pages and right-padded) and
 records the fed tokens in each session (:meth:`Session.record_decode
 <llava_sessions.sessions.session.Session.record_decode>`), so the ledger books the pages a row holds
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import KVPool, LlavaModel, PagedBatchCache, SessionKV, held_len
+from ..model import KVPool, LlavaModel, SessionKV, SlotsCache, held_len
 from ..model.kv.cache import undo_pass
 from .memory import oom_attempts
 from .scheduler import BatchLayout
@@ -131,7 +131,7 @@ class PagedDecodeBatch:
                     if session is None:
                         logits = self._decode(tables, tokens)
                     else:
-                        step = PagedBatchCache(self.pool.pages, tables)
+                        step = SlotsCache.of_rows(self.pool.pages, tables)
                         feats, mask = session.image_features, step.attention_mask
                         logits, last = self.model.fused_step(
                             step, tokens, positions, mask, session.kv_cache, ids, feats
@@ -151,12 +151,12 @@ class PagedDecodeBatch:
 
     def _decode(self, tables: list[PageTable], tokens: list[int]) -> torch.Tensor:
         """The decode pass of ``tables`` (reserved): through :attr:`graphs` when a bucket holds it
-        (replayed on a card), else over a :class:`~llava_sessions.model.PagedBatchCache` of its shape."""
+        (replayed on a card), else over a :class:`~llava_sessions.model.SlotsCache` of its shape."""
         if self.graphs is not None:
             logits = self.graphs.run(tables, tokens)
             if logits is not None:
                 return logits
-        step = PagedBatchCache(self.pool.pages, tables)
+        step = SlotsCache.of_rows(self.pool.pages, tables)
         return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
 
     def release(self, seq: Sequence) -> None:

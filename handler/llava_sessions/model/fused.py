@@ -86,7 +86,7 @@ class FusedCache(Cache):
 
     Args:
         batch: the decode rows' cache: a :class:`~.kv.cache.BatchKVCache` (the rows write their token at
-            column ``batch.length``) or a :class:`~.kv.paged.PagedBatchCache` (each at its table's slot).
+            column ``batch.length``) or a :class:`~.kv.paged.SlotsCache` (each at its table's slot).
         row_mask: ``[B, L]`` bool, where each decode row may attend over the ``L`` positions the
             batch's layers return (its own valid ones and the new one).
         session_cache: the chunk's session cache (a :class:`~.kv.paged.SessionKV`, or a ``DynamicCache``

@@ -22,7 +22,7 @@ fixed (:class:`~.kv.paged.KVPool` ``fixed``): a graph reads the tensors it was c
 On a CPU the same static pass runs eagerly (nothing to capture: the engine's CPU default is the
 contiguous layout); tests run it there to show its greedy tokens equal ``model.generate``'s. On a
 card, ``benchmarks/gpu.py`` checks replay against eager. Attention reads the rows' positions gathered
-from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.kv.paged.PagedBatchCache` does),
+from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.kv.paged.SlotsCache` does),
 or, with ``paged_read`` ``flex``, the pool itself through FlexAttention's block mask
 (:mod:`.kv.flex`: its buffers are overwritten with the others), a bucket then having one length,
 the whole pool's. ``auto`` (a card's engine) reads buckets of fewer than :data:`FLEX_MIN_ROWS` rows

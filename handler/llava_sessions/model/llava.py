@@ -3,7 +3,7 @@
 Pure model operations: no sessions, no scheduling policy, no HTTP or JSON. ``prefill`` runs one
 sequence's uncached tokens (a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer);
 ``decode_batch`` runs one token for every row of a :class:`~llava_sessions.model.kv.cache.BatchKVCache`
-(or of a :class:`~llava_sessions.model.kv.paged.PagedBatchCache`) in one forward pass. All
+(or of a :class:`~llava_sessions.model.kv.paged.SlotsCache`) in one forward pass. All
 architecture knowledge lives in this package: the engine sees images as feature rows and token counts.
 
 Mechanics (verified, docs/platform.md): an image's features are the model's own
@@ -394,7 +394,7 @@ class LlavaModel:
         Args:
             batch: the rows' KV: a :class:`BatchKVCache` (each row's new key/value is written at
                 column ``batch.length``, which grows by one) or a
-                :class:`~.kv.paged.PagedBatchCache` (each row's at its table's last position).
+                :class:`~.kv.paged.SlotsCache` (each row's at its table's last position).
             token_ids, positions: ``B`` input tokens (any id for a masked row) and position ids
                 (each row's own); lists, or long tensors ``[B, 1]`` on the device (a graph's buffers).
             attention_mask: ``[B, batch.length + 1]`` long, 1 where a row may attend (its own
@@ -425,7 +425,7 @@ class LlavaModel:
         batch: Cache,
         token_ids: list[int],
         positions: list[int],
-        attention_mask: torch.Tensor,
+        attention_mask: Any,
         cache: Any,
         ids: list[int],
         image_features: torch.Tensor | None,

@@ -7,8 +7,8 @@ module    owns
 ``pages`` the pool's bookkeeping in pages, no tensors: ``PagePool`` (free list, reference counts),
           ``PageTable`` (a holder's pages), fork / reserve (copy on write) / truncate / release
 ``paged`` the pages' tensors (``KVPages``) and the replica's ``KVPool``; a session's cache in them
-          (``SessionKV``), one sequence's pass (``PagedCache``) and a decode step's rows
-          (``PagedBatchCache``) through transformers' ``Cache`` interface
+          (``SessionKV``) and one pass over given slots, a sequence's or a decode step's rows
+          (``SlotsCache``), through transformers' ``Cache`` interface
 ``cache`` cache helpers for any kind (length, crop, held positions, release, a failed pass undone) and
           the contiguous decode batch's ``BatchKVCache``
 ``flex``  FlexAttention's block mask over the pool's pages (``PageBlocks``) for the static decode step
@@ -18,7 +18,7 @@ module    owns
 from __future__ import annotations
 
 from .cache import BatchKVCache, BatchKVLayer, cache_len, crop_cache, held_len, release_cache, undo_pass
-from .paged import KVPages, KVPool, PagedBatchCache, PagedCache, SessionKV
+from .paged import KVPages, KVPool, SessionKV, SlotsCache
 from .pages import PagePool, PageTable
 
 __all__ = [
@@ -28,9 +28,8 @@ __all__ = [
     "KVPool",
     "PagePool",
     "PageTable",
-    "PagedBatchCache",
-    "PagedCache",
     "SessionKV",
+    "SlotsCache",
     "cache_len",
     "crop_cache",
     "held_len",

@@ -8,13 +8,13 @@ head_dim]`` in the model dtype, preallocated once; which pages a holder uses is 
 The caches plug into transformers' public ``Cache`` interface, as :mod:`.cache` does, so the
 model's own layers and SDPA attention run unchanged:
 
-- :class:`PagedCache`: one sequence's forward pass (a prefill over cached positions, or one decode
-  token): the pass's new keys and values go to their slots, and attention reads the sequence's
-  positions gathered from its pages (``[1, kv_heads, length, head_dim]``);
-- :class:`PagedBatchCache`: one decode step of several sequences, each with its own table and
-  length: each row's token goes to its slot, attention reads the rows gathered and right-padded
-  (``[B, kv_heads, longest, head_dim]``, pads masked by :attr:`PagedBatchCache.attention_mask`).
-  A row joins or leaves the step by being in the list or not: no KV moves.
+- :class:`SessionKV`: a session's cache, the one a prefill or a fused chunk extends in place;
+- :class:`SlotsCache`: one forward pass over given slots: one sequence's (a prefill over cached
+  positions, or one decode token; :meth:`SlotsCache.of_sequence`), attention reading its positions
+  gathered from its pages (``[1, kv_heads, length, head_dim]``), or one decode step of several
+  sequences (:meth:`SlotsCache.of_rows`), each row's token written to its slot and the rows read
+  gathered and right-padded (``[B, kv_heads, longest, head_dim]``, pads masked by
+  :attr:`SlotsCache.attention_mask`). A row joins or leaves the step by being in the list or not.
 
 The gather is a copy of the attended positions per layer per pass (transformers' continuous
 batching reads its paged cache the same way). Measured on this CPU (26 Nov, fp32, 8 rows, one query
@@ -37,7 +37,7 @@ from .pages import PagePool, PageTable, fork, release, reserve, truncate
 if TYPE_CHECKING:
     from .pages import PageCopy
 
-__all__ = ["KVPages", "KVPool", "PagedBatchCache", "PagedCache", "SessionKV", "SlotsCache", "page_slots"]
+__all__ = ["KVPages", "KVPool", "SessionKV", "SlotsCache", "page_slots"]
 
 
 class KVPages:
@@ -199,63 +199,67 @@ def page_slots(
     return (table[:, :, None] * page_size + torch.arange(page_size)).reshape(len(pages), -1)
 
 
-class PagedCache(Cache):
-    """The cache of one sequence's forward pass over ``table``'s pages.
+class SlotsCache(Cache):
+    """The cache of one forward pass over slots of the pool: the pass's new keys and values written at
+    ``write`` (``[n]`` for one sequence's ``n`` new positions, or ``[B]``, one per row of a decode step;
+    long, on the pool's device), attention reading ``read`` (``[1, L]`` or ``[B, L]``; a row's pads masked
+    by :attr:`attention_mask`; with ``whole_pool`` attention gets each layer's whole pool instead, read
+    through a block mask: :mod:`.flex`). Only tensor ops read the slots, so a CUDA graph replays a step
+    over the same tensors after they are overwritten (:mod:`.graphs`).
 
-    Args:
-        pages: the pool.
-        table: the sequence's pages, already reserved for the pass (``num_tokens`` counts the pass's
-            positions: :func:`~llava_sessions.model.kv.pages.reserve`).
-        num_new: the pass's new positions ``n`` (the last ``n`` of ``table``).
+    Built for one sequence's pass by :meth:`of_sequence` and for a decode step's rows by
+    :meth:`of_rows`.
 
-    Raises:
-        ValueError: ``num_new`` is not between 1 and the table's positions.
+    Attributes:
+        attention_mask: ``[B, L]`` long, 1 where a row's positions are, 0 for its right padding (rows
+            only; None for one sequence); pass it to the model as the attention mask.
+        positions: each row's new position (its length - 1; rows only).
     """
 
-    def __init__(self, pages: KVPages, table: PageTable, num_new: int) -> None:
+    def __init__(
+        self,
+        pages: KVPages,
+        write: torch.Tensor,
+        read: torch.Tensor,
+        num_new: int = 1,
+        *,
+        whole_pool: bool = False,
+    ) -> None:
+        layers = [_PagedLayer(pages, i, write, read, num_new, whole_pool) for i in range(len(pages.keys))]
+        super().__init__(layers=list(layers))
+        self.attention_mask: torch.Tensor | None = None
+        self.positions: list[int] = []
+
+    @classmethod
+    def of_sequence(cls, pages: KVPages, table: PageTable, num_new: int) -> SlotsCache:
+        """One sequence's pass over ``table``'s pages (already reserved for the pass: ``num_tokens``
+        counts its positions, :func:`~llava_sessions.model.kv.pages.reserve`) whose last ``num_new``
+        positions are new: a prefill over cached positions, or one decode token.
+
+        Raises:
+            ValueError: ``num_new`` is not between 1 and the table's positions.
+        """
         if not 0 < num_new <= table.num_tokens:
             raise ValueError(f"{num_new} new positions in a table of {table.num_tokens}")
         device = pages.keys[0].device
         write = _slots(table, table.num_tokens - num_new, table.num_tokens, pages.page_size, device)
         read = _slots(table, 0, table.num_tokens, pages.page_size, device)[None]
-        layers = [_PagedLayer(pages, i, write, read, num_new) for i in range(len(pages.keys))]
-        super().__init__(layers=list(layers))
+        return cls(pages, write, read, num_new)
 
-
-class SlotsCache(Cache):
-    """The cache of one decode step of ``B`` rows over given slot tensors: each row's new token
-    written at ``write`` ``[B]`` (long, on the pool's device), attention reading ``read`` ``[B, L]``
-    (the pads masked by the caller's mask; with ``whole_pool`` attention gets each layer's whole pool
-    instead, read through a block mask: :mod:`.flex`). Only tensor ops read the slots, so a CUDA
-    graph replays a step over the same tensors after they are overwritten (:mod:`.graphs`)."""
-
-    def __init__(self, pages: KVPages, write: torch.Tensor, read: torch.Tensor, *, whole_pool: bool = False) -> None:
-        super().__init__(layers=[_PagedLayer(pages, i, write, read, 1, whole_pool) for i in range(len(pages.keys))])
-
-
-class PagedBatchCache(SlotsCache):
-    """The cache of one decode step of several sequences, one new token each.
-
-    Args:
-        pages: the pool.
-        tables: one per row, each already reserved for its new token (its last position).
-
-    Attributes:
-        attention_mask: ``[B, longest]`` long, 1 where a row's positions are (its own, the new one
-            included), 0 for the right padding; pass it to the model as the attention mask.
-        positions: ``[B]`` each row's new position (its length - 1).
-    """
-
-    def __init__(self, pages: KVPages, tables: Sequence[PageTable]) -> None:
+    @classmethod
+    def of_rows(cls, pages: KVPages, tables: Sequence[PageTable]) -> SlotsCache:
+        """One decode step of several sequences, one new token each: ``tables``, one per row, each
+        already reserved for its new token (its last position). A row joins or leaves a step by being
+        in the list or not: no KV moves."""
         device = pages.keys[0].device
         lengths = torch.tensor([t.num_tokens for t in tables])
         longest = int(lengths.max())
         read = page_slots([t.pages for t in tables], pages.page_size)[:, :longest]  # pads: page 0's, masked
-        mask = (torch.arange(longest)[None, :] < lengths[:, None]).long()
         write = read[torch.arange(len(tables)), lengths - 1]
-        self.attention_mask = mask.to(device)
-        self.positions = [t.num_tokens - 1 for t in tables]
-        super().__init__(pages, write.to(device), read.to(device))
+        cache = cls(pages, write.to(device), read.to(device))
+        cache.attention_mask = (torch.arange(longest)[None, :] < lengths[:, None]).long().to(device)
+        cache.positions = [t.num_tokens - 1 for t in tables]
+        return cache
 
 
 class KVPool:
