@@ -152,7 +152,7 @@ def test_fields_nobody_defines_are_ignored_and_named_once_in_a_warning(caplog):
     ``image_url`` are ignored; each name is logged once at WARNING, never its value."""
     import uuid
 
-    from llava_sessions.chat.fields import ignored_names
+    from llava_sessions.chat.messages import ignored_names
 
     fresh = f"client_field_{uuid.uuid4().hex[:12]}"  # a name no earlier test can have logged
     part = {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "format": "image/png"}}
@@ -161,7 +161,7 @@ def test_fields_nobody_defines_are_ignored_and_named_once_in_a_warning(caplog):
         "sagemaker_base_url": "https://secret.example/value-1",
         fresh: "secret-value-2",
     }
-    with caplog.at_level("WARNING", logger="llava_sessions.chat.fields"):
+    with caplog.at_level("WARNING", logger="llava_sessions.chat.messages"):
         for _ in range(3):
             request = parse_chat_body(body, max_prompt_chars=100)
     cmd = chat_command(request, SETTINGS, "m")

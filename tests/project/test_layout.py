@@ -193,7 +193,7 @@ LAYERS: list[set[str]] = [
         "engine.sharing",
     },
     {"wire.inbound", "images.fetch", "model.llava", "model.graphs", "sampling.sampler"},
-    {"images", "video", "model", "engine.sequence", "chat.fields", "wire.affinity"},
+    {"images", "video", "model", "engine.sequence", "chat.messages", "wire.affinity"},
     {"engine.samples"},
     {
         "native.protocol",
@@ -378,7 +378,7 @@ def test_the_dialects_results_and_conversation_import_no_torch() -> None:
             "native.protocol",
             "native.responses",
             "chat.protocol",
-            "chat.fields",
+            "chat.messages",
             "chat.command",
             "chat.responses",
             "wire.framing",

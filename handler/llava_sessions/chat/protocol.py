@@ -10,103 +10,154 @@
   Structured outputs: OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
   ``structured_outputs`` (``json``, ``regex``, ``choice``, ``json_object``) become the answer's
   grammar (:meth:`ChatCompletionRequest.grammar`). A field OpenAI or vLLM defines that we cannot
-  honour (``tools``, audio parts, ...) is refused with a 400 that names it, never ignored; a field nobody
-  defines (LiteLLM's ``sagemaker_base_url``, Strands' ``image_url.format``) is ignored with a warning,
-  as vLLM does (:mod:`.fields`).
+  honour (``tools``, audio parts, ...) is refused with a 400 that names it, never ignored
+  (:data:`UNSUPPORTED_FIELDS`, :func:`check_unsupported`; a vLLM field set to what this server does
+  anyway, ``echo: false``, is accepted: :data:`SAME_AS_OURS`); a field nobody defines (LiteLLM's
+  ``sagemaker_base_url``, Strands' ``image_url.format``) is ignored with a warning, as vLLM does
+  (:class:`~.messages.ChatInbound`).
 - **AWS's session bodies**: ``{"requestType": "NEW_SESSION"}`` and ``{"requestType": "CLOSE"}``
   (aws/model-hosting-container-standards' convention; extra fields refused, as there).
 
 :func:`parse_chat_body` and :func:`parse_session_body` validate the dict the service decoded
 (``llava_sessions.wire.inbound.load_body``);
-:meth:`ChatCompletionRequest.conversation` maps the messages onto our conversation model (system
-prompt, remembered turns with the images opening each user message, the last user message as the
-question); :mod:`.command` makes the command the serving runs from it. No torch here.
+:meth:`ChatCompletionRequest.conversation` maps the messages onto our conversation model
+(:mod:`.messages`: system prompt, remembered turns with the images opening each user message, the last
+user message as the question); :mod:`.command` makes the command the serving runs from it. No torch here.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import choice_grammar, json_grammar, regex_grammar
 from ..wire.contract import NEW_SESSION_LITERAL
-from ..wire.inbound import CacheSalt, Inbound, check_text, validation_error
-from .fields import ChatInbound, ImagePart, Part, TextPart, VideoPart, check_unsupported
+from ..wire.inbound import CacheSalt, Inbound, validation_error
+from .messages import ChatConversation, ChatInbound, ChatMessage, ImagePart, TextPart, VideoPart, conversation_of
 
 __all__ = [
+    "SAME_AS_OURS",
+    "UNSUPPORTED_FIELDS",
     "ChatCompletionRequest",
     "ChatConversation",
     "ChatMessage",
     "ImagePart",
     "JsonSchemaFormat",
-    "VideoPart",
     "ResponseFormat",
     "SessionControlRequest",
     "StructuredOutputs",
     "TextPart",
+    "VideoPart",
+    "check_unsupported",
     "parse_chat_body",
     "parse_session_body",
 ]
 
 
-class ChatMessage(ChatInbound):
-    """One message: ``role`` and ``content`` (a string, or a list of text and image parts; images in
-    user messages only; an assistant's may be null, as OpenAI's replies with tool calls have it). A
-    part without ``type`` is typed by its one key (``image_url`` or ``text``), as vLLM does. ``name``
-    is accepted (it does not reach the chat template)."""
+_VLLM = "vLLM's {} is not supported by this server"
 
-    _where: ClassVar[str] = "messages[]."
+#: Request fields OpenAI or vLLM define that this server does not honour, each refused by name with
+#: what to do instead (OpenAI: platform.openai.com/docs/api-reference/chat/create; vLLM:
+#: docs.vllm.ai "OpenAI-Compatible Server", extra parameters of the chat API).
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "tools": "tool calling is not supported by this model server",
+    "tool_choice": "tool calling is not supported by this model server",
+    "functions": "function calling is not supported by this model server",
+    "function_call": "function calling is not supported by this model server",
+    "parallel_tool_calls": "tool calling is not supported by this model server",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported; leave modalities out",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported by this model",
+    "web_search_options": "web search is not supported",
+    "store": "stored completions are not supported",
+    "metadata": "stored completions (metadata) are not supported",
+    "service_tier": "service tiers are not supported",
+    "verbosity": "verbosity is not supported by this model",
+    **{
+        name: f"vLLM's older {name} is not supported; use structured_outputs (or response_format)"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
+    },
+    "session_id": "unknown field; the session travels in the X-Amzn-SageMaker-Session-Id header (boto3: SessionId=)",
+    **{
+        name: _VLLM.format(name)
+        for name in (
+            "bad_words",
+            "allowed_token_ids",
+            "prompt_logprobs",
+            "truncate_prompt_tokens",
+            "length_penalty",
+            "use_beam_search",
+            "best_of",
+            "echo",
+            "add_generation_prompt",
+            "continue_final_message",
+            "add_special_tokens",
+            "chat_template",
+            "chat_template_kwargs",
+            "logits_processors",
+            "return_tokens_as_token_ids",
+            "priority",
+            "request_id",
+            "kv_transfer_params",
+            "vllm_xargs",
+        )
+    },
+}
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[Part], Field(min_length=1, max_length=64)] | None
-    name: Annotated[str, Field(max_length=64)] | None = None
-    # what a reply's message carries when a client appends it to the conversation as it came
-    # (OpenAI's ChatCompletionMessage): accepted when empty; tool calls are refused before this
-    refusal: None = None
-    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
-    function_call: None = None
-    audio: None = None
-    annotations: list[Any] | None = None
+#: vLLM fields whose value is what this server does anyway: that value is accepted (and ignored).
+SAME_AS_OURS: dict[str, object] = {
+    "bad_words": [],
+    "echo": False,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "use_beam_search": False,
+    "best_of": 1,
+    "length_penalty": 1.0,
+    "priority": 0,
+}
 
-    @model_validator(mode="before")
-    @classmethod
-    def _type_bare_parts(cls, data: Any) -> Any:
-        content = data.get("content") if isinstance(data, dict) else None
-        if not isinstance(content, list):
-            return data
-        typed = []
-        for part in content:
-            keys = part.keys() & {"image_url", "video_url", "text"} if isinstance(part, dict) else set()
-            if isinstance(part, dict) and "type" not in part and len(keys) == 1:
-                part = {"type": next(iter(keys)) if keys != {"text"} else "text", **part}
-            typed.append(part)
-        return {**data, "content": typed}
+_UNSET = object()
 
-    @field_validator("content")
-    @classmethod
-    def _valid(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is None and info.data.get("role") != "assistant":
-            raise PydanticCustomError("content_required", "required in system and user messages")
-        return check_text(value) if isinstance(value, str) else value
 
-    def text(self) -> str:
-        """The message's text: the string, or its text parts joined with newlines (vLLM's joining)."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
+def check_unsupported(data: dict) -> None:
+    """Refuse what a chat body asks that this server cannot honour, before its models validate it.
 
-    def image_parts(self) -> list[ImagePart | VideoPart]:
-        """The message's media parts in the order the chat template renders them: its images, then its
-        videos, each in their own order (llava-onevision's template renders a message so)."""
-        if self.content is None or isinstance(self.content, str):
-            return []
-        images: list[ImagePart | VideoPart] = [p for p in self.content if isinstance(p, ImagePart)]
-        return images + [p for p in self.content if isinstance(p, VideoPart)]
+    Raises:
+        ServiceError: invalid_parameter naming a field of :data:`UNSUPPORTED_FIELDS`, or a
+            content part type other than ``text`` / ``image_url`` / ``video_url``; invalid_request naming
+            ``messages[i].role`` for tool and function messages.
+    """
+    for name, why in UNSUPPORTED_FIELDS.items():
+        value = data.get(name)
+        if value is not None and value != SAME_AS_OURS.get(name, _UNSET):
+            raise ServiceError(ErrorCode.INVALID_PARAMETER, f"{name}: {why}", param=name)
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            continue
+        role = msg.get("role")
+        if role in ("tool", "function") or msg.get("tool_calls") or msg.get("function_call"):
+            param = f"messages[{i}].role"
+            message = "tool and function messages are not supported by this model server"
+            raise ServiceError(ErrorCode.INVALID_REQUEST, f"{param}: {message}", param=param)
+        content = msg.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in ("text", "image_url", "video_url", "input_text", "input_image"):
+                shown = kind if kind.isidentifier() and len(kind) <= 32 else "this type"
+                raise ServiceError(
+                    ErrorCode.INVALID_PARAMETER,
+                    f"messages[{i}].content[{j}].type: {shown!r} parts are not supported; this model server "
+                    "reads 'text', 'image_url' and 'video_url' parts (or 'input_text' and 'input_image')",
+                    param=f"messages[{i}].content[{j}].type",
+                )
 
 
 class StreamOptions(ChatInbound):
@@ -291,80 +342,12 @@ class ChatCompletionRequest(ChatInbound):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> ChatConversation:
-        """Map the messages onto a conversation: leading system (or developer) messages as the system
-        prompt, then user and assistant turns alternating, ending with the user's question.
-        Consecutive messages of one role are one message: their texts joined with newlines, their
-        images in order (the llava-hf templates place a message's images before its text).
+        """The messages as our conversation (:func:`~.messages.conversation_of`).
 
         Raises:
-            ServiceError: invalid_request naming ``messages[i]`` when the order is not that (a system
-                message after the first turn, an answer last), or an assistant or system message holds
-                an image.
+            ServiceError: invalid_request naming ``messages[i]`` (see :func:`~.messages.conversation_of`).
         """
-        runs: list[tuple[str, list[int]]] = []  # (role, message indexes), consecutive roles merged
-        for i, msg in enumerate(self.messages):
-            role: str = "system" if msg.role == "developer" else msg.role
-            if runs and runs[-1][0] == role:
-                runs[-1][1].append(i)
-            else:
-                runs.append((role, [i]))
-        system: str | None = None
-        if runs[0][0] == "system":
-            system = self._joined(runs.pop(0)[1], "a system message holds text only")
-        for offset, (role, indexes) in enumerate(runs):
-            want = "user" if offset % 2 == 0 else "assistant"
-            if role == "system":
-                raise _bad(
-                    f"messages[{indexes[0]}].role",
-                    "system and developer messages may only lead the conversation (the chat template has "
-                    "no place for one later); put its text in a user message",
-                )
-            if role != want:
-                raise _bad(
-                    f"messages[{indexes[0]}].role",
-                    f"expected {'a user' if want == 'user' else 'an assistant'} message here: system messages "
-                    "may lead, then user and assistant messages alternate, ending with the user's",
-                )
-            if role == "assistant":
-                self._joined(indexes, "an assistant message holds text only")
-        if not runs or runs[-1][0] != "user":
-            raise _bad("messages", "the last message must be the user's (the question to answer)")
-        turns = [_Turn(self._joined(u), self._joined(a), self._images(u)) for (_, u), (_, a) in _pairs(runs[:-1])]
-        question = runs[-1][1]
-        return ChatConversation(system, tuple(turns), self._joined(question), self._images(question))
-
-    def _joined(self, indexes: list[int], no_images: str | None = None) -> str:
-        """The text of the messages at ``indexes``, joined with newlines; ``no_images``: refuse an image."""
-        for i in indexes:
-            if no_images and self.messages[i].image_parts():
-                raise _bad(f"messages[{i}].content", no_images)
-        return "\n".join(self.messages[i].text() for i in indexes)
-
-    def _images(self, indexes: list[int]) -> int:
-        return sum(len(self.messages[i].image_parts()) for i in indexes)
-
-
-def _pairs(runs: list[tuple[str, list[int]]]) -> list[tuple[tuple[str, list[int]], tuple[str, list[int]]]]:
-    """``[a, b, c, d]`` → ``[(a, b), (c, d)]``: user and assistant runs as turns."""
-    return [(runs[k], runs[k + 1]) for k in range(0, len(runs) - 1, 2)]
-
-
-@dataclass(frozen=True)
-class _Turn:
-    prompt: str
-    answer: str
-    images: int
-
-
-@dataclass(frozen=True)
-class ChatConversation:
-    """A messages list as our conversation: ``system_prompt``, remembered ``turns`` (each with the
-    number of images opening its user message), the ``question`` and the images opening it."""
-
-    system_prompt: str | None
-    turns: tuple[_Turn, ...]
-    question: str
-    question_images: int
+        return conversation_of(self.messages)
 
 
 class SessionControlRequest(Inbound):
