@@ -113,17 +113,23 @@ class ImagePart(ChatInbound):
     def url(self) -> tuple[str, str] | None:
         """``(the URL, where it sits in the part)``: ``image_url.url``, or ``image_url`` itself when
         given as a bare string (as vLLM takes it, and in ``input_image`` parts); None: by uuid alone."""
-        if self.image_url is None:
-            return None
-        if isinstance(self.image_url, str):
-            return self.image_url, "image_url"
-        return self.image_url.url, "image_url.url"
+        return _url_of(self.image_url, "image_url")
 
     @model_validator(mode="after")
     def _url_or_uuid(self) -> ImagePart:
         if self.image_url is None and self.uuid is None:
             raise PydanticCustomError("image_reference", "give image_url, or a uuid an earlier request sent")
         return self
+
+
+def _url_of(value: ImageUrl | VideoUrl | str | None, key: str) -> tuple[str, str] | None:
+    """A media part's ``(URL, where it sits in the part)`` from its ``key`` field's ``value``: the
+    object's ``url``, or the field itself when given as a bare string; None when the part has none."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value, key
+    return value.url, f"{key}.url"
 
 
 class VideoUrl(ChatInbound):
@@ -151,11 +157,7 @@ class VideoPart(ChatInbound):
     @property
     def url(self) -> tuple[str, str] | None:
         """``(the URL, where it sits in the part)``, as :attr:`ImagePart.url`; None: by uuid alone."""
-        if self.video_url is None:
-            return None
-        if isinstance(self.video_url, str):
-            return self.video_url, "video_url"
-        return self.video_url.url, "video_url.url"
+        return _url_of(self.video_url, "video_url")
 
     @model_validator(mode="after")
     def _valid(self) -> VideoPart:
