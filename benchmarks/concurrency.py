@@ -219,19 +219,19 @@ def handler_per_call(model_dir: str, image: bytes, n: int) -> dict:
     """Our per-call work outside ``total_ms``, in process (no TorchServe): ``SessionService.handle()``
     wall time minus ``total_ms`` of the same 1-token follow-up (parsing, chat template, tokenizing,
     encoding the reply, queueing the metrics), medians of ``n`` in ms."""
-    from llava_sessions.service import Row
+    from llava_sessions.service import BatchRequest
     from llava_sessions.worker import build_local_service
 
     service = build_local_service({"model_dir": model_dir, "max_sessions": 8})
     body = {"type": "open_session", "image": {"base64": base64.b64encode(image).decode()}}
-    out = service.handle([Row("open", "bench-1", False, json.dumps(body).encode())])
+    out = service.handle([BatchRequest("open", "bench-1", False, json.dumps(body).encode())])
     while out[0].stop is False:
-        out = service.handle([Row("open", "bench-1", False, None)])
+        out = service.handle([BatchRequest("open", "bench-1", False, None)])
     ask = json.dumps({"type": "generate", "prompt": "Hi?", "remember": False, "parameters": {"max_new_tokens": 1}})
     walls, totals = [], []
     for i in range(n + 20):
         t0 = time.perf_counter()
-        out = service.handle([Row(f"q{i}", "bench-1", False, ask.encode())])
+        out = service.handle([BatchRequest(f"q{i}", "bench-1", False, ask.encode())])
         service.emit_metrics()
         wall = (time.perf_counter() - t0) * 1000.0
         if i >= 20:

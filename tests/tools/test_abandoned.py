@@ -135,8 +135,11 @@ def test_health_is_vllms_check(server):
 
 
 def test_an_abandoned_native_question_leaves_its_session_usable(server, photos):
-    """A session's streamed question left mid-answer: the session is idle at once (no 409), as before
-    that question, and answers the next one."""
+    """A session's streamed question left mid-answer: the session is freed within a step or two of the
+    disconnect (issue 60's rule), as before that question, and answers the next one. The worker learns
+    of the disconnect only when the stream's next frame fails to reach the client, so a question sent
+    the same instant may still find the session answering (409) while a loaded machine runs that step:
+    it is asked again, for at most 10 s, where the stale-request timeout would have held it 600 s."""
     image = {"base64": base64.b64encode(photos["rocket"]).decode()}
     opened = requests.post(server.url + "/invocations", json={"type": "open_session", "image": image}, timeout=60)
     sid = opened.headers["X-Amzn-SageMaker-Session-Id"].split(";")[0]
@@ -146,6 +149,10 @@ def test_an_abandoned_native_question_leaves_its_session_usable(server, photos):
     assert reply.status == 200 and reply.fp.readline()
     conn.close()
     headers = {"X-Amzn-SageMaker-Session-Id": sid}
+    deadline = time.monotonic() + 10.0
     again = requests.post(server.url + "/invocations", json={**ask, "stream": False}, headers=headers, timeout=60)
+    while again.status_code == 409 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        again = requests.post(server.url + "/invocations", json={**ask, "stream": False}, headers=headers, timeout=60)
     assert again.status_code == 200, again.text
     requests.post(server.url + "/invocations", json={"type": "close_session"}, headers=headers, timeout=60)

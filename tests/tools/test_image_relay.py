@@ -195,7 +195,7 @@ def test_the_worker_takes_the_fronts_fetch_by_ticket_and_fetches_itself_without_
 
     from llava_sessions.errors import ServiceError
     from llava_sessions.images.fetch import fetch_image_bytes
-    from llava_sessions.wire.fetcher import FetchPending, ImageFetcher
+    from llava_sessions.wire.fetches import FetchPending, ImageFetcher
     from llava_sessions.wire.inbound import ImageSource
     from llava_tools.serve.front import OpenAIFront
 
