@@ -1,0 +1,142 @@
+"""transformers' own tensor parallelism (``tp_plan="auto"``) on the LLaVA families, beside one process.
+
+The first question of tensor parallel serving (issue 62): does the sharding PyTorch and transformers
+ship give the same greedy tokens as one process for each family we serve, on this machine's CPU?
+For each ``--arch`` a random-weight checkpoint is built (``--model``), then the same text-only prompt
+is answered greedily by ``model.generate``:
+
+- in this process, unsharded;
+- by ``--ranks`` processes over the ``gloo`` backend (``torch.multiprocessing``, one thread each),
+  the model loaded with ``tp_plan="auto"`` (transformers shards the language model's attention heads
+  and MLP across the ranks with DTensor; PyTorch's ``torch.distributed`` carries the all-reduces).
+
+It prints both token lists, whether they are equal, and the ms per answer of each (median of
+``--repeat``; on a CPU the ranks' gloo all-reduces cost more than they save: the time is not the
+point). transformers needs ``accelerate`` for ``tp_plan``; it is not one of this project's
+dependencies, so the script says so and exits 2 without it. A model whose key-value heads do not
+divide by ``--ranks`` fails in the sharded forward pass, with transformers' shape error.
+
+Usage: python benchmarks/tensor_parallel.py [--arch llava llava-next llava-onevision] [--ranks 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: A prompt of ids inside every tiny vocabulary (the tiny models' text vocabularies are small).
+PROMPT = [1, 13, 21, 34, 55, 8, 9, 42, 17, 5]
+
+
+def answer(model: Any, new_tokens: int, repeat: int) -> tuple[list[int], float]:
+    """Greedy ``new_tokens`` after :data:`PROMPT`: ``(token ids, median ms per answer)``."""
+    ids = torch.tensor([PROMPT])
+    times, out = [], None
+    with torch.no_grad():
+        for _ in range(repeat + 1):  # the first is a warm-up
+            t = time.perf_counter()
+            out = model.generate(input_ids=ids, max_new_tokens=new_tokens, do_sample=False)
+            times.append((time.perf_counter() - t) * 1000)
+    assert out is not None
+    return out[0, len(PROMPT) :].tolist(), statistics.median(times[1:])
+
+
+def _rank(rank: int, ranks: int, port: int, model_dir: str, new_tokens: int, repeat: int, result: Any) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
+        tokens, ms = answer(model, new_tokens, repeat)
+        if rank == 0:
+            result.put((tokens, ms))
+    except Exception as exc:  # noqa: BLE001 - the probe reports what failed, on rank 0
+        if rank == 0:
+            result.put((None, f"{type(exc).__name__}: {str(exc)[:200]}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(model_dir: Path, ranks: int, new_tokens: int, repeat: int) -> tuple[list[int] | None, Any]:
+    """The same answer from ``ranks`` gloo processes with ``tp_plan="auto"``: ``(tokens or None, ms or
+    the error's text)``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    result = ctx.SimpleQueue()
+    mp.start_processes(
+        _rank, args=(ranks, port, str(model_dir), new_tokens, repeat, result), nprocs=ranks, start_method="spawn"
+    )
+    return result.get()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", nargs="+", default=["llava", "llava-next", "llava-onevision"])
+    parser.add_argument("--model", choices=["tiny", "bench"], default="tiny")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    if importlib.util.find_spec("accelerate") is None:
+        print("transformers needs accelerate for tp_plan: pip install accelerate", file=sys.stderr)
+        return 2
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from llava_tools.tiny_model import write_checkpoint
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.arch:
+            model_dir = write_checkpoint(args.model, Path(tmp) / arch, seed=0, arch=arch)
+            text = AutoConfig.from_pretrained(model_dir).text_config
+            torch.set_num_threads(args.ranks)
+            one = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+            tokens, ms = answer(one, args.new_tokens, args.repeat)
+            del one
+            shard_tokens, shard = sharded(model_dir, args.ranks, args.new_tokens, args.repeat)
+            rows.append(
+                {
+                    "arch": arch,
+                    "heads": text.num_attention_heads,
+                    "kv_heads": text.num_key_value_heads,
+                    "one_process": {"tokens": tokens, "ms": round(ms, 1)},
+                    "ranks": args.ranks,
+                    "sharded": {"tokens": shard_tokens, "ms": round(shard, 1)}
+                    if shard_tokens is not None
+                    else {"error": shard},
+                    "equal": shard_tokens == tokens,
+                }
+            )
+            r = rows[-1]
+            print(f"{arch} (heads {r['heads']}, kv heads {r['kv_heads']}): one process {tokens} {ms:.1f} ms")
+            if shard_tokens is None:
+                print(f"  {args.ranks} ranks: failed: {shard}")
+            else:
+                print(f"  {args.ranks} ranks: {shard_tokens} {shard:.1f} ms; equal: {r['equal']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
