@@ -385,11 +385,13 @@ def test_invalid_request_batched_with_valid_ones_fails_alone(server, photos):
         post(server, {"type": "close_session"}, session_id=s)
 
 
+@pytest.mark.timing
 def test_requests_stacked_on_a_streaming_session_get_session_busy(server, photos):
     """TorchServe hands the handler a session's next queued request while its answer still streams;
     model-config.yaml's maxSequenceJobQueueSize (16) lets twelve sent at once stack up, and each gets
     the handler's JSON ``409 session_busy`` (with a queue of 2, some got the frontend's own 503, no
-    JSON); the stream's answer and the session are untouched."""
+    JSON); the stream's answer and the session are untouched. A timing test: the twelve must arrive
+    while a 300-token answer streams, under a second of the tiny model's time."""
     sid, _ = open_session(server, photos["coffee"])
     body = {"type": "generate", "prompt": "Describe the image in detail.", "remember": False}
     body["parameters"] = {"max_new_tokens": 300}
