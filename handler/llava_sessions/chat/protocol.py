@@ -375,10 +375,6 @@ _HINTS = {
 }
 
 
-def _bad(param: str, message: str) -> ServiceError:
-    return ServiceError(ErrorCode.INVALID_REQUEST, f"{param}: {message}", param=param)
-
-
 def _schema_text(text: str, param: str) -> dict[str, Any]:
     """A JSON schema given as its text (vLLM's ``structured_outputs.json`` may be a string).
 
