@@ -225,8 +225,9 @@ class SlotsCache(Cache):
         *,
         whole_pool: bool = False,
     ) -> None:
-        layers = [_PagedLayer(pages, i, write, read, num_new, whole_pool) for i in range(len(pages.keys))]
-        super().__init__(layers=list(layers))
+        super().__init__(
+            layers=[_PagedLayer(pages, i, write, read, num_new, whole_pool) for i in range(len(pages.keys))]
+        )
         self.attention_mask: torch.Tensor | None = None
         self.positions: list[int] = []
 
