@@ -70,7 +70,7 @@ def contiguous_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor
     batch = llava.new_batch_cache(len(ids), width + steps + 1)
     mask = torch.zeros(len(ids), batch.capacity, dtype=torch.long)
     for r, cache in enumerate(caches):
-        llava.load_row(batch, r, cache, width)
+        batch.load_row(r, cache, width)
         batch.zero_leading(r, width - len(ids[r]))
         mask[r, width - len(ids[r]) : width] = 1
     batch.set_length(width)

@@ -88,6 +88,9 @@ class Settings(BaseModel):
         'is unset, else one on device/gpu_id) or a comma-separated list such as "cuda:0,cuda:1" or "cpu,cpu". '
         "Each replica is a process with its own model copy, KV budget, max_sessions and 1/N of the host budget.",
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks (GPUs; processes on a CPU) one replica's model is sharded over by heads (vLLM's)."
+    )
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads per replica; 0 = torch's default (split over CPU replicas)."
     )
@@ -152,12 +155,10 @@ class Settings(BaseModel):
     # --- image fetching ---------------------------------------------------------------------
     allow_http: bool = Field(False, description="Accept plain http:// image URLs (https is always accepted).")
     allow_private_networks: bool = Field(
-        False,
-        description="Accept loopback and private image URL targets (dev and tests only; link-local/metadata stay refused).",
+        False, description="Accept loopback and private image URL targets (dev, tests; link-local/metadata refused)."
     )
     url_allowlist: tuple[str, ...] = Field(
-        (),
-        description='If non-empty, only these image URL hosts: exact ("img.example.com") or suffix (".example.com"); comma-separated.',
+        (), description='If set, only these image URL hosts: exact ("img.example.com") or suffix (".example.com").'
     )
     fetch_connect_timeout_s: float = Field(5.0, gt=0.0, description="Image URL and S3 connect timeout, seconds.")
     fetch_read_timeout_s: float = Field(20.0, gt=0.0, description="Image URL and S3 socket read timeout, seconds.")

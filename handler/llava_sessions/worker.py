@@ -146,6 +146,8 @@ def build_local_service(
         device=settings.device,
         gpu_id=settings.gpu_id if settings.gpu_id is not None else origin.gpu_id,
         dtype=settings.dtype,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        threads=settings.torch_threads,
     )
     engine = build_engine(settings, model)
     reserved = 0
@@ -205,9 +207,15 @@ def decode_media(data: bytes, *, max_pixels: int, video_limits: VideoLimits) -> 
 
 def build_engine(settings: Settings, model: LlavaModel) -> SessionEngine:
     """The session store (its device budget: ``device_budget_bytes``, or a fraction of what is free
-    now) and the engine over ``model``, with the settings' limits."""
-    budget = settings.device_budget_bytes or default_device_budget(model, settings.device_budget_fraction)
+    now, on each GPU of a tensor-parallel replica) and the engine over ``model``, with the settings'
+    limits. A tensor-parallel replica (``model.ranks``) runs its sessions' KV in the pool, decoded in
+    place, eagerly, each prefill chunk a pass of its own and no host offload: the passes its other
+    ranks mirror (:mod:`~llava_sessions.model.parallel`)."""
+    ranks = model.ranks.size if getattr(model, "ranks", None) is not None else 1
     on_card = model.device.type == "cuda"
+    budget = settings.device_budget_bytes or default_device_budget(model, settings.device_budget_fraction) * (
+        ranks if on_card else 1
+    )
     store = SessionStore(
         device_budget_bytes=budget,
         host_budget_bytes=settings.host_budget_bytes,
@@ -215,7 +223,7 @@ def build_engine(settings: Settings, model: LlavaModel) -> SessionEngine:
         max_sessions=settings.max_sessions,
         ttl_s=settings.session_ttl_s,
         idle_timeout_s=settings.idle_timeout_s,
-        kv_offload_bytes=settings.kv_offload_bytes if on_card else 0,  # a CPU's host is its device
+        kv_offload_bytes=settings.kv_offload_bytes if on_card and ranks == 1 else 0,  # a CPU's host is its device
     )
     return SessionEngine(
         model,
@@ -235,10 +243,10 @@ def build_engine(settings: Settings, model: LlavaModel) -> SessionEngine:
         ),
         share_images=settings.share_images,
         unsalted=settings.unsalted_cache,
-        fuse_prefill=settings.fuse_prefill,
-        kv_page_size=kv_page_size(settings.kv_pool, on_card),
-        decode_layout=settings.decode_layout,
-        cuda_graphs=False if settings.enforce_eager else None,
+        fuse_prefill=settings.fuse_prefill and ranks == 1,
+        kv_page_size=KV_PAGE_SIZE if ranks > 1 else kv_page_size(settings.kv_pool, on_card),
+        decode_layout="paged" if ranks > 1 else settings.decode_layout,
+        cuda_graphs=False if settings.enforce_eager or ranks > 1 else None,
     )
 
 

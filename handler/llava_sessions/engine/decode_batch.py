@@ -173,7 +173,7 @@ class DecodeBatch:
         if into is None:
             into = self.new_cache()
         new = columns[cache_len(into) :]
-        kv = self.model.extract_row(self.cache, row, new, into=into) if new.numel() else into  # may fail: the row stays
+        kv = self.cache.extract_row(row, new, into) if new.numel() else into  # may fail: the row stays
         seq.row = None
         self.rows[row] = None
         if self.num_live == 0:
@@ -240,7 +240,7 @@ class DecodeBatch:
                     dst.keys[row, :, width - n : width] = src.keys[g.row].index_select(1, src_cols)
                     dst.values[row, :, width - n : width] = src.values[g.row].index_select(1, src_cols)
             else:
-                self.model.load_row(cache, row, g.session.kv_cache, width)
+                cache.load_row(row, g.session.kv_cache, width)
                 g.session.lend_kv()  # the row holds a copy (the session is busy: never demoted)
             cache.zero_leading(row, width - n)
             mask[row, width - n : width] = 1

@@ -295,10 +295,11 @@ def new_kv_pool(model: LlavaModel, page_size: int, fixed_bytes: int = 0) -> KVPo
         return None
     text = model.config.text_config
     shape = (text.num_hidden_layers, model.num_kv_heads, model.head_dim, model.dtype, model.device)
+    mirror = getattr(model, "ranks", None)  # a tensor-parallel replica's other ranks hold their heads' pages
     if not fixed_bytes:
-        return KVPool(*shape, page_size=page_size)
+        return KVPool(*shape, page_size=page_size, mirror=mirror)
     num_pages = max(1, fixed_bytes // (page_size * model.kv_bytes_per_token)) + 1
-    return KVPool(*shape, page_size=page_size, num_pages=num_pages, fixed=True)
+    return KVPool(*shape, page_size=page_size, num_pages=num_pages, fixed=True, mirror=mirror)
 
 
 def new_graphs(model: LlavaModel, pool: KVPool, paged_read: PagedRead | None = None) -> DecodeGraphs | None:

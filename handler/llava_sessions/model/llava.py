@@ -2,9 +2,8 @@
 
 Pure model operations: no sessions, no scheduling policy, no HTTP or JSON. ``prefill`` runs one
 sequence's uncached tokens (a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer);
-``decode_batch`` runs one token for every row of a :class:`~llava_sessions.model.kv.cache.BatchKVCache`
-(or of a :class:`~llava_sessions.model.kv.paged.SlotsCache`) in one forward pass. All
-architecture knowledge lives in this package: the engine sees images as feature rows and token counts.
+``decode_batch`` runs one token for every row of a :class:`~.kv.cache.BatchKVCache` (or a
+:class:`~.kv.paged.SlotsCache`) in one pass. The engine sees images as feature rows and token counts.
 
 Mechanics (verified, docs/platform.md): an image's features are the model's own
 ``get_image_features`` output (vision tower, projector and, for NeXT / OneVision, the tile packing
@@ -27,9 +26,9 @@ from transformers.cache_utils import Cache
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import Grammars
 from .fused import FUSED_ATTENTION, LOWER_RIGHT_ATTENTION, FusedCache, attention_on, fusable, prefer_sdpa_backends
-from .kv.cache import BatchKVCache, cache_len, extend_cache, layer_states, undo_pass
+from .kv.cache import BatchKVCache, cache_len, undo_pass
 from .kv.paged import SessionKV
-from .loading import load_model
+from .parallel import load_replica
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
 
@@ -44,13 +43,17 @@ class LlavaModel:
         processor: its processor (image processor, tokenizer, chat template).
         video_preprocessing: its video processor's settings (:mod:`.video`; default: the class
             defaults), used by a model with a video path.
+        ranks: the other ranks when ``model`` is rank 0's shard of a tensor-parallel replica
+            (:class:`~.parallel.RankGroup`), sent each text pass first (over the KV pool's slots only).
 
     Attributes:
         architecture: the model's class name.
         num_image_tokens: placeholder tokens of one base tile (576 for llava-1.5 at 336 px, which
             is every image's count there; anyres models add tiles: :meth:`image_token_count`).
         max_positions: the text model's ``max_position_embeddings`` (context limit, tokens).
-        kv_bytes_per_token: KV-cache bytes one token costs (2 × layers × kv_heads × head_dim × dtype size).
+        kv_bytes_per_token: KV-cache bytes one token costs (2 × layers × kv_heads × head_dim × dtype size;
+            a tensor-parallel replica's across its ranks).
+        num_kv_heads: the key-value heads this process holds (a rank's share under tensor parallel).
         feature_bytes_per_token: device bytes of one image-feature row (hidden × dtype size).
         template: the chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
         eos_token_ids: token ids that end an answer.
@@ -62,8 +65,11 @@ class LlavaModel:
             (:func:`~.fused.lower_right_attention`; on CUDA, where that reaches the flash kernel).
     """
 
-    def __init__(self, model: Any, processor: Any, video_preprocessing: VideoPreprocessing | None = None) -> None:
+    def __init__(
+        self, model: Any, processor: Any, video_preprocessing: VideoPreprocessing | None = None, ranks: Any = None
+    ) -> None:
         self.model = model
+        self.ranks = ranks
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.config = model.config
@@ -99,12 +105,12 @@ class LlavaModel:
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.max_positions: int = int(text.max_position_embeddings)
         self.fusable: bool = fusable(text)
-        self.lower_right_prefill: bool = self.device.type == "cuda" and self.fusable
+        self.lower_right_prefill: bool = self.device.type == "cuda" and self.fusable and ranks is None
         prefer_sdpa_backends(self.device)  # cuDNN's SDPA plans each new shape: 2 ms a layer per decode step
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.kv_bytes_per_token: int = 2 * text.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
-        self.num_kv_heads, self.head_dim = kv_heads, head_dim
+        self.num_kv_heads, self.head_dim = kv_heads // (ranks.size if ranks is not None else 1), head_dim
         #: Device bytes of one image-feature row (text hidden size x dtype size).
         self.feature_bytes_per_token: int = text.hidden_size * self.dtype.itemsize
         eos = model.generation_config.eos_token_id
@@ -117,16 +123,25 @@ class LlavaModel:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, *, device: str = "auto", gpu_id: int | None = None, dtype: str = "auto"
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str = "auto",
+        gpu_id: int | None = None,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        threads: int = 0,
     ) -> LlavaModel:
-        """Load a local llava-hf checkpoint folder (:func:`~llava_sessions.model.loading.load_model`).
+        """Load a local llava-hf checkpoint folder (:func:`~llava_sessions.model.loading.load_model`); with
+        ``tensor_parallel_size`` > 1 as rank 0, the other ranks started (:func:`~.parallel.load_replica`).
 
         Raises:
             FileNotFoundError: ``model_dir`` is not a folder with a config.json.
-            ValueError: bad device or dtype, or an architecture not in ``ARCHITECTURES``.
+            ValueError: bad device or dtype, an architecture not in ``ARCHITECTURES``, or a
+                ``tensor_parallel_size`` the heads or GPUs refuse (:func:`~.parallel.check_tensor_parallel`).
         """
-        model, processor = load_model(model_dir, device=device, gpu_id=gpu_id, dtype=dtype)
-        return cls(model, processor, VideoPreprocessing.from_folder(model_dir, type(model).__name__))
+        model, processor, ranks = load_replica(model_dir, device, gpu_id, dtype, tensor_parallel_size, threads)
+        return cls(model, processor, VideoPreprocessing.from_folder(model_dir, type(model).__name__), ranks)
 
     # ------------------------------------------------------------------ images
     def base_layout(self, num_images: int) -> bool:
@@ -289,7 +304,7 @@ class LlavaModel:
         ``first_row + k`` of ``image_features`` (every image's rows, in conversation order). One past
         the last row is a token the model sampled (a preempted answer's recomputed KV): text, as decoded."""
         ids_t = torch.tensor([ids], device=self.device)
-        embeds = self.model.get_input_embeddings()(ids_t)
+        embeds = self._embed_ids(ids_t)
         mask = ids_t[0] == self.image_token_id
         if image_features is not None and bool(mask.any()):
             mask &= mask.cumsum(0) <= image_features.shape[0] - first_row
@@ -318,37 +333,20 @@ class LlavaModel:
 
     @torch.inference_mode()
     def decode(self, cache: Any, token_id: int) -> torch.Tensor:
-        """Feed one token at position ``cache_len(cache)``; returns logits ``[vocab]`` (float32).
-
-        ``cache`` is mutated (grows by one position).
-        """
+        """Feed one token at position ``cache_len(cache)`` (``cache`` grows by one); logits ``[vocab]`` float32."""
         start = cache_len(cache)
-        embeds = self.model.get_input_embeddings()(torch.tensor([[token_id]], device=self.device))
+        embeds = self._embed_ids(torch.tensor([[token_id]], device=self.device))
         return self._forward(cache, embeds, start)
 
     # ------------------------------------------------------------------ batched decode
     def new_batch_cache(self, num_rows: int, capacity: int) -> BatchKVCache:
-        """Allocate a :class:`BatchKVCache` of ``num_rows`` rows × ``capacity`` columns, uninitialized
-        (the caller zeroes each row's left pads: :meth:`BatchKVCache.zero_leading`).
-
-        Bytes: ``num_rows × capacity × kv_bytes_per_token``.
-        """
+        """Allocate a :class:`BatchKVCache` of ``num_rows`` rows × ``capacity`` columns, uninitialized (the
+        caller zeroes each row's left pads: :meth:`BatchKVCache.zero_leading`); ``rows × capacity × kv_bytes_per_token`` bytes."""
         text = self.config.text_config
         cache = BatchKVCache(text.num_hidden_layers, capacity)
         for layer in cache.batch_layers:
             layer.allocate(num_rows, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         return cache
-
-    @staticmethod
-    def load_row(batch: BatchKVCache, row: int, cache: Any, end: int) -> None:
-        """Copy a session's cache (``[1, kv_heads, L, head_dim]`` per layer; a paged one gathered from
-        its pages) into ``row`` of ``batch`` at columns ``end - L .. end`` (right-aligned: its next
-        token goes to column ``end``)."""
-        n = cache_len(cache)
-        for i, dst in enumerate(batch.batch_layers):
-            keys, values = layer_states(cache, i)
-            dst.keys[row, :, end - n : end] = keys[0]
-            dst.values[row, :, end - n : end] = values[0]
 
     def copy_prefix(self, cache: Any, length: int) -> Any:
         """A new session cache holding the first ``length`` positions of ``cache`` (the source is left
@@ -366,20 +364,6 @@ class LlavaModel:
         for i, layer in enumerate(cache.layers):
             out.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), i)
         return out
-
-    def extract_row(self, batch: BatchKVCache, row: int, columns: torch.Tensor, into: Any = None) -> Any:
-        """Append ``row``'s ``columns`` (a ``[n]`` long tensor of column indexes, in order) to ``into``
-        (a session cache, e.g. a :class:`~.kv.paged.SessionKV`; default a new ``DynamicCache``) as
-        ``n`` positions (``[1, kv_heads, n, head_dim]`` per layer); returns it.
-
-        Raises:
-            torch.OutOfMemoryError: a paged cache's pool has no room to grow (nothing appended).
-        """
-        cache = self.new_cache() if into is None else into
-        layers = batch.batch_layers
-        keys = [layer.keys[row].index_select(1, columns).unsqueeze(0) for layer in layers]
-        extend_cache(cache, keys, [layer.values[row].index_select(1, columns).unsqueeze(0) for layer in layers])
-        return cache
 
     @torch.inference_mode()
     def decode_batch(
@@ -409,12 +393,11 @@ class LlavaModel:
                 (:meth:`BatchKVCache.set_length`; a paged batch's tables truncated).
         """
         ids = torch.as_tensor(token_ids, device=self.device).reshape(-1, 1)
-        out = self.model(
-            inputs_embeds=self.model.get_input_embeddings()(ids),
+        out = self._text_pass(
+            batch,
+            inputs_embeds=self._embed_ids(ids),
             attention_mask=attention_mask,
             position_ids=torch.as_tensor(positions, device=self.device).reshape(-1, 1),
-            use_cache=True,
-            **{self._cache_kw: batch},
             logits_to_keep=1,
         )
         return out.logits[:, -1].float()
@@ -452,7 +435,7 @@ class LlavaModel:
             raise ValueError(f"nothing to prefill: cache holds {start} of {len(ids)} tokens")
         rows = len(token_ids)
         chunk = self._embed(ids[start:], ids[:start].count(self.image_token_id), image_features)
-        embeds = torch.cat([self.model.get_input_embeddings()(torch.tensor([token_ids], device=self.device)), chunk], 1)
+        embeds = torch.cat([self._embed_ids(torch.tensor([token_ids], device=self.device)), chunk], 1)
         n = chunk.shape[1]
         position_ids = torch.tensor([list(positions) + list(range(start, start + n))], device=self.device)
         keep = torch.tensor([*range(rows), rows + n - 1], device=self.device)
@@ -484,16 +467,32 @@ class LlavaModel:
     def _logits(
         self, cache: Any, embeds: torch.Tensor, start: int, position_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
+        if self.ranks is not None and isinstance(cache, SessionKV):
+            cache = cache.pass_cache(embeds.shape[1])  # its slots known before the other ranks are told
         try:
-            out = self.model(
-                inputs_embeds=embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=True,
-                **{self._cache_kw: cache},
-                logits_to_keep=1,
+            out = self._text_pass(
+                cache, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1
             )
         except BaseException:
             undo_pass(cache, start)  # as before the pass: a retry (after an out-of-memory error) runs it again
             raise
         return out.logits[0, -1].float()
+
+    def _embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[*ids.shape, hidden]``; sharded by vocabulary under tensor parallel: every rank looks ``ids`` up."""
+        if self.ranks is not None:
+            self.ranks.send(("embed", ids.cpu()))
+        return self.model.get_input_embeddings()(ids)
+
+    def _text_pass(self, cache: Any, **inputs: Any) -> Any:
+        """The model's pass over ``cache``; under tensor parallel sent to the other ranks first, a
+        failure after that ending the replica (:mod:`.parallel`: its ranks are out of step)."""
+        if self.ranks is None:
+            return self.model(use_cache=True, **{self._cache_kw: cache}, **inputs)
+        self.ranks.check(cache)
+        try:
+            self.ranks.forward(cache, inputs)
+            return self.model(use_cache=True, **{self._cache_kw: cache}, **inputs)
+        except BaseException as exc:
+            self.ranks.fail(f"a sharded pass failed: {type(exc).__name__}: {exc}")
+            raise

@@ -153,7 +153,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, *, device: str = "auto", gpu_id: int | None = None, dtype: str = "auto"
+    model_dir: str | Path,
+    *,
+    device: str = "auto",
+    gpu_id: int | None = None,
+    dtype: str = "auto",
+    tensor_parallel: bool = False,
 ) -> tuple[Any, Any]:
     """Load the model (eval mode, on its device) and its processor from a local llava-hf checkpoint folder.
 
@@ -162,6 +167,9 @@ def load_model(
         device: ``auto`` (``cuda:<gpu_id>`` when available, else CPU), ``cpu`` or ``cuda``.
         gpu_id: CUDA device index (TorchServe passes one per worker).
         dtype: ``auto`` (float16 on GPU, float32 on CPU), ``float16``, ``bfloat16`` or ``float32``.
+        tensor_parallel: this process is one rank of a joined process group (:mod:`.parallel`): the
+            language model is loaded as this rank's shard (transformers' ``tp_plan="auto"``, placed by
+            transformers on the rank's device).
 
     Returns:
         ``(model, processor)``.
@@ -180,9 +188,14 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, dev)
     if dev.type == "cpu":
         keep_freed_cpu_memory()
-    loaded: Any = getattr(transformers, architecture).from_pretrained(path, dtype=torch_dtype)
+    sharding: dict[str, Any] = {}
+    if tensor_parallel:  # the model's own plan over the process group this rank joined
+        from transformers.distributed import DistributedConfig
+
+        sharding["distributed_config"] = DistributedConfig(tp_plan="auto")
+    loaded: Any = getattr(transformers, architecture).from_pretrained(path, dtype=torch_dtype, **sharding)
     trim_vision_tower(loaded)
-    model = loaded.to(dev)
+    model = loaded if tensor_parallel else loaded.to(dev)
     processor = load_processor(path)
     log.info(
         "loaded checkpoint",

@@ -38,9 +38,7 @@ The answers of these models are meaningless; everything else about the serving p
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,14 +254,18 @@ def build_config(
     eos_token_id: int = 2,
     arch: str = "llava",
     video_token_id: int | None = None,
+    kv_heads: int | None = None,
 ):
     """Return the transformers config of ``arch`` at ``size``: a ``LlavaConfig`` (336 px, patch 14 →
     576 image tokens), a ``LlavaNextConfig`` (the same tower, llava-v1.6's grid pinpoints) or a
     ``LlavaOnevisionConfig`` (SigLIP 384 px, patch 14; Qwen2 text model, GQA with a third of the heads).
 
+    ``kv_heads`` replaces the text model's key-value heads (default: the size's; a third of the heads
+    for OneVision), e.g. an even count for a model sharded over 2 ranks.
+
     Raises:
         KeyError: unknown size or arch.
-        ValueError: ``7b`` for an arch other than ``llava``.
+        ValueError: ``7b`` for an arch other than ``llava``; ``kv_heads`` does not divide the heads.
     """
     from transformers import (
         CLIPVisionConfig,
@@ -278,12 +280,14 @@ def build_config(
     spec, _ = SIZES[size], ARCHS[arch]
     if size == "7b" and arch != "llava":
         raise ValueError("--size 7b is llava-1.5-7b's exact shape; build llava-next / llava-onevision as tiny or bench")
+    if kv_heads is not None and (kv_heads < 1 or spec.text_heads % kv_heads):
+        raise ValueError(f"kv_heads {kv_heads} does not divide the {spec.text_heads} attention heads")
     text_kwargs, vision_kwargs = _tower_kwargs(spec, vocab_size, pad_token_id, bos_token_id, eos_token_id, arch)
     vision: Any
     text: Any
     if arch == "llava-onevision":
         vision = SiglipVisionConfig(image_size=384, vision_use_head=False, **vision_kwargs)
-        text = Qwen2Config(num_key_value_heads=max(1, spec.text_heads // 3), **text_kwargs)
+        text = Qwen2Config(num_key_value_heads=kv_heads or max(1, spec.text_heads // 3), **text_kwargs)
         return LlavaOnevisionConfig(
             vision_config=vision,
             text_config=text,
@@ -302,7 +306,7 @@ def build_config(
         layer_norm_eps=1e-5,
         **vision_kwargs,
     )
-    text = LlamaConfig(num_key_value_heads=spec.text_kv_heads, **text_kwargs)
+    text = LlamaConfig(num_key_value_heads=kv_heads or spec.text_kv_heads, **text_kwargs)
     common: dict[str, Any] = dict(
         vision_config=vision,
         text_config=text,
@@ -390,7 +394,9 @@ def build_processor(tokenizer, arch: str = "llava"):
     return LlavaProcessor(image_processor=image_processor, chat_template=LLAVA15_CHAT_TEMPLATE, **common)
 
 
-def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None, arch: str = "llava"):
+def build_model(
+    size: str, *, seed: int = 0, device: str = "cpu", dtype=None, arch: str = "llava", kv_heads: int | None = None
+):
     """Build ``(model, processor)`` of ``arch`` at ``size`` with random weights, in memory.
 
     Args:
@@ -399,6 +405,7 @@ def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None, ar
         device: where to build (``"cuda"`` for ``7b``: 14.13 GB in fp16).
         dtype: torch dtype; default float32.
         arch: one of :data:`ARCHS`.
+        kv_heads: the text model's key-value heads (:func:`build_config`).
 
     Returns:
         ``(the arch's ...ForConditionalGeneration in eval mode, its processor)``.
@@ -423,6 +430,7 @@ def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None, ar
         eos_token_id=tokenizer.eos_token_id,
         arch=arch,
         video_token_id=tokenizer.convert_tokens_to_ids("<video>") if video else None,
+        kv_heads=kv_heads,
     )
     torch.manual_seed(seed)
     with torch.device(device):
@@ -436,7 +444,13 @@ def build_model(size: str, *, seed: int = 0, device: str = "cpu", dtype=None, ar
 
 
 def write_checkpoint(
-    size: str, out: str | Path, *, seed: int = 0, arch: str = "llava", max_positions: int | None = None
+    size: str,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    arch: str = "llava",
+    max_positions: int | None = None,
+    kv_heads: int | None = None,
 ) -> Path:
     """Build ``arch`` at ``size`` and save it as a llava-hf style folder at ``out``; returns the folder.
 
@@ -461,6 +475,7 @@ def write_checkpoint(
         device="cuda" if size == "7b" else "cpu",
         dtype=torch.float16 if size == "7b" else None,
         arch=arch,
+        kv_heads=kv_heads,
     )
     if max_positions is not None:
         if max_positions < 64:
@@ -474,27 +489,3 @@ def write_checkpoint(
         json.dumps({"arch": arch, "size": size, "seed": seed, "random_weights": True}, indent=1)
     )
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry ``llava-tiny-model``."""
-    parser = argparse.ArgumentParser(prog="llava-tiny-model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", choices=list(ARCHS), default="llava", help="model family (default: llava)")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-positions", type=int, help="the text model's context in tokens (default: the size's)")
-    args = parser.parse_args(argv)
-    try:
-        if Path(args.out).exists() and (not Path(args.out).is_dir() or any(Path(args.out).iterdir())):
-            raise ValueError(f"{args.out} is not empty: random weights would replace its own; give a new folder")
-        path = write_checkpoint(args.size, args.out, seed=args.seed, arch=args.arch, max_positions=args.max_positions)
-    except (RuntimeError, ValueError) as exc:
-        print(f"llava-tiny-model: {exc}", file=sys.stderr)
-        return 2
-    print(f"llava-tiny-model: wrote {args.arch} {args.size} checkpoint (random weights) to {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -201,3 +201,26 @@ class BatchKVCache(Cache):
     def nbytes(self) -> int:
         """Device bytes of the preallocated keys and values."""
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.batch_layers)
+
+    def load_row(self, row: int, cache: Any, end: int) -> None:
+        """Copy a session's cache (``[1, kv_heads, L, head_dim]`` per layer; a paged one gathered from
+        its pages) into ``row`` at columns ``end - L .. end`` (right-aligned: its next token goes to
+        column ``end``)."""
+        n = cache_len(cache)
+        for i, dst in enumerate(self.batch_layers):
+            keys, values = layer_states(cache, i)
+            dst.keys[row, :, end - n : end] = keys[0]
+            dst.values[row, :, end - n : end] = values[0]
+
+    def extract_row(self, row: int, columns: torch.Tensor, into: Any) -> Any:
+        """Append ``row``'s ``columns`` (a ``[n]`` long tensor of column indexes, in order) to ``into``
+        (a session cache: a ``DynamicCache`` or a :class:`~.paged.SessionKV`) as ``n`` positions
+        (``[1, kv_heads, n, head_dim]`` per layer); returns it.
+
+        Raises:
+            torch.OutOfMemoryError: a paged cache's pool has no room to grow (nothing appended).
+        """
+        layers = self.batch_layers
+        keys = [layer.keys[row].index_select(1, columns).unsqueeze(0) for layer in layers]
+        extend_cache(into, keys, [layer.values[row].index_select(1, columns).unsqueeze(0) for layer in layers])
+        return into

@@ -47,6 +47,9 @@ class KVPages:
         num_layers, num_kv_heads, head_dim: the text model's shape.
         num_pages, page_size: the pool's pages and token positions per page.
         dtype, device: the model's.
+        mirror: a tensor-parallel replica's other ranks (:class:`~..parallel.RankGroup`: anything with
+            ``send``), told of the pool's creation, growths and copies, so their pages (their own heads)
+            stay laid out as these; None: one process.
 
     Attributes:
         keys, values: per layer ``[num_pages, page_size, kv_heads, head_dim]`` (a layer may hold more
@@ -65,6 +68,7 @@ class KVPages:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        mirror: Any = None,
     ) -> None:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         with torch.inference_mode():  # written only in inference mode (:meth:`write`, :meth:`copy`, :meth:`grow`)
@@ -73,6 +77,9 @@ class KVPages:
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_copied_bytes = 0
+        self.mirror = mirror
+        if mirror is not None:
+            mirror.send(("pages", num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype))
 
     @property
     def bytes_per_page(self) -> int:
@@ -100,16 +107,21 @@ class KVPages:
                 if t.shape[0] < target:
                     tensors[i] = _grown(t, target)
         self.num_pages = target
+        if self.mirror is not None:
+            self.mirror.send(("grow", num_pages))
 
     @torch.inference_mode()
     def copy(self, copies: Iterable[PageCopy]) -> None:
         """Copy each ``src`` page's first ``num_tokens`` positions into ``dst``, in every layer (the
         copies :func:`~llava_sessions.model.kv.pages.reserve` asks for)."""
+        copies = list(copies)
         for c in copies:
             for keys, values in zip(self.keys, self.values, strict=True):
                 keys[c.dst, : c.num_tokens] = keys[c.src, : c.num_tokens]
                 values[c.dst, : c.num_tokens] = values[c.src, : c.num_tokens]
             self.num_copied_bytes += c.num_tokens * self.bytes_per_page // self.page_size
+        if copies and self.mirror is not None:
+            self.mirror.send(("copy", copies))
 
     @torch.inference_mode()
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -274,6 +286,7 @@ class KVPool:
         num_pages: pages allocated at the start; the pool grows by what a holder lacks, and at least
             a quarter, each time (so its free pages stay under a fifth of it after a growth; a growth
             copies the pool once).
+        mirror: the other ranks of a tensor-parallel replica (:class:`KVPages`); None: one process.
         fixed: the pool never grows (a card's: sized once at start, so its tensors stay where a CUDA
             graph read them, :mod:`.graphs`); a holder finding no free page gets
             ``torch.OutOfMemoryError``, on which the engine demotes idle sessions (their pages freed)
@@ -295,9 +308,10 @@ class KVPool:
         page_size: int = 16,
         num_pages: int = 64,
         fixed: bool = False,
+        mirror: Any = None,
     ) -> None:
         self.pool = PagePool(num_pages, page_size)
-        self.pages = KVPages(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device)
+        self.pages = KVPages(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, mirror)
         self.fixed = fixed
         self.num_grows = 0
 
@@ -445,6 +459,18 @@ class SessionKV(Cache):
         slots = self.pool.slots(self.table, start, start + n)
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             self.pool.pages.write(i, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+
+    def pass_cache(self, num_new: int) -> SlotsCache:
+        """Room for a pass of ``num_new`` more positions made in the table now (not when layer 0 writes,
+        as :meth:`update` does), and the pass's :class:`SlotsCache` over it: how a tensor-parallel
+        replica runs a prefill, its slots known before the other ranks are told of the pass. The
+        table holds the new positions from here on (:meth:`truncate` takes them back).
+
+        Raises:
+            torch.OutOfMemoryError: no room to grow the pool (the table unchanged).
+        """
+        self.pool.make_room(self.table, num_new)
+        return SlotsCache.of_sequence(self.pool.pages, self.table, num_new)
 
     def fork(self, num_tokens: int) -> SessionKV:
         """A new cache holding this one's first ``num_tokens`` positions by sharing their pages (no copy).
