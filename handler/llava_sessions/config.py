@@ -84,13 +84,11 @@ class Settings(BaseModel):
     gpu_id: int | None = Field(None, ge=0, description="CUDA device index; empty: the gpu_id TorchServe gives.")
     devices: str = Field(
         "auto",
-        description='Model replicas of this worker: "auto" (one per visible GPU when device is not cpu and gpu_id '
-        'is unset, else one on device/gpu_id) or a comma-separated list such as "cuda:0,cuda:1" or "cpu,cpu". '
-        "Each replica is a process with its own model copy, KV budget, max_sessions and 1/N of the host budget.",
+        description='Model replicas of this worker: "auto" (one per tensor_parallel_size visible GPUs when device is '
+        'not cpu and gpu_id is unset, else one on device/gpu_id) or a list such as "cuda:0,cuda:1" or "cpu,cpu". '
+        "Each replica is a process with its own model, KV budget, max_sessions and 1/N of the host budget.",
     )
-    tensor_parallel_size: int = Field(
-        1, ge=1, description="Ranks (GPUs; processes on a CPU) one replica's model is sharded over by heads (vLLM's)."
-    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (CPU: processes) a replica's model is sharded over.")
     torch_threads: int = Field(
         0, ge=0, description="torch intra-op threads per replica; 0 = torch's default (split over CPU replicas)."
     )
@@ -478,9 +476,9 @@ def with_hints(unknown: list[str], valid: Iterable[str]) -> list[str]:
 def resolve_devices(settings: Settings, *, cuda_count: int | Callable[[], int] | None = None) -> list[str]:
     """The devices of this worker's replicas, from ``settings.devices``.
 
-    ``auto``: one replica per visible GPU when ``device`` is not ``cpu`` and no ``gpu_id`` is set
-    (``cuda_count`` > 1), else one replica on ``device`` / ``gpu_id`` (``""`` = the model's own
-    choice). An explicit list is used as given.
+    ``auto``: one replica per ``tensor_parallel_size`` visible GPUs when ``device`` is not ``cpu`` and
+    no ``gpu_id`` is set (two or more such groups), else one replica on ``device`` / ``gpu_id`` (``""`` =
+    the model's own choice). An explicit list is used as given.
 
     Args:
         settings: validated settings.
@@ -497,4 +495,5 @@ def resolve_devices(settings: Settings, *, cuda_count: int | Callable[[], int] |
         cuda_count = torch.cuda.device_count()
     elif callable(cuda_count):
         cuda_count = cuda_count()
-    return [f"cuda:{i}" for i in range(cuda_count)] if cuda_count > 1 else [""]
+    step = settings.tensor_parallel_size  # a replica's ranks take the GPUs after its own
+    return [f"cuda:{i}" for i in range(0, cuda_count - step + 1, step)] if cuda_count >= 2 * step else [""]

@@ -148,3 +148,15 @@ def test_a_size_the_heads_or_gpus_do_not_allow_is_refused_naming_both_numbers(tm
     folder = checkpoint(tmp_path_factory, "llava")
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"):
         LlavaModel.from_pretrained(folder, device="cpu", dtype="float32", tensor_parallel_size=3)
+
+
+def test_a_worker_places_one_replica_per_group_of_tensor_parallel_gpus() -> None:
+    """``devices=auto``: G GPUs run G / tensor_parallel_size replicas, each on the first GPU of its group
+    (its other ranks take the GPUs after it); one group is one replica on the model's own device."""
+    from llava_sessions.config import resolve_devices
+
+    two = Settings(tensor_parallel_size=2)
+    assert resolve_devices(two, cuda_count=8) == ["cuda:0", "cuda:2", "cuda:4", "cuda:6"]
+    assert resolve_devices(two, cuda_count=2) == [""] and resolve_devices(two, cuda_count=5) == ["cuda:0", "cuda:2"]
+    assert resolve_devices(Settings(tensor_parallel_size=4), cuda_count=4) == [""]
+    assert resolve_devices(Settings(), cuda_count=4) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]

@@ -839,3 +839,65 @@ def test_python_dash_m_runs_the_cli_as_the_console_script_does() -> None:
         [sys.executable, "-m", "llava_tools.deploy", "--delete"], capture_output=True, text=True, timeout=120
     )
     assert missing.returncode == 2 and "--endpoint-name" in missing.stderr
+
+
+def onevision_72b(tmp_path: Path) -> Path:
+    """llava-hf/llava-onevision-qwen2-72b-ov-hf as the plan reads it: its config.json's shape fields and
+    a sparse weight file of its size (72.7 B parameters in bf16)."""
+    folder = tmp_path / "llava-onevision-qwen2-72b-ov-hf"
+    folder.mkdir()
+    config = {
+        "architectures": ["LlavaOnevisionForConditionalGeneration"],
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "hidden_size": 8192,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+        },
+        "vision_config": {"image_size": 384},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    with open(folder / "model.safetensors", "wb") as f:
+        f.truncate(145_500_000_000)
+    return folder
+
+
+def test_a_72b_model_is_planned_over_tensor_parallel_ranks_and_refused_where_it_cannot_fit(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Issue 62: llava-deploy plans ``tensor_parallel_size`` from the weights and the session budget
+    (the smallest size whose replicas hold 8 sessions), writes it into the package's handler settings
+    with the job groups of the instance's replicas, and refuses an instance type that holds no
+    session, before anything is packaged or called."""
+    import yaml
+
+    from llava_tools.deploy import capacity_plan
+
+    folder = onevision_72b(tmp_path)
+    p4d = capacity_plan("ml.p4d.24xlarge", folder)  # 8 x A100 40 GB: 2 x 4 GPUs (2 GPUs cannot hold 73 GB)
+    p5 = capacity_plan("ml.p5.48xlarge", folder)  # 8 x H100 80 GB: 4 x 2 GPUs
+    assert p4d is not None and (p4d.tensor_parallel_size, p4d.replicas) == (4, 2) and p4d.sessions_per_replica >= 8
+    assert p5 is not None and (p5.tensor_parallel_size, p5.replicas) == (2, 4) and p5.sessions_per_replica >= 8
+    assert capacity_plan("ml.p5.48xlarge", folder, tensor_parallel_size=8).replicas == 1  # type: ignore[union-attr]
+    with pytest.raises(DeployError, match=r"ml.g5.2xlarge cannot hold this model: 135.5 GiB of weights, 1 GPU"):
+        capacity_plan("ml.g5.2xlarge", folder)
+    with pytest.raises(DeployError, match="tensor_parallel_size 2 leaves no room for one session"):
+        capacity_plan("ml.p4d.24xlarge", folder, tensor_parallel_size=2)
+
+    import llava_tools.deploy.cli as cli
+
+    packaged: list = []
+    monkeypatch.setattr(cli, "build_package", lambda *a, **k: packaged.extend(build_package(*a, **k)) or packaged)
+    args = [*deploy_args(folder), "--dry-run"]
+    at = args.index("ml.g5.2xlarge")
+    assert main([*args[:at], "ml.p5.48xlarge", *args[at + 1 :]], clients=None) == 0
+    out = capsys.readouterr().out
+    assert "ml.p5.48xlarge: 8 GPU(s) of 80 GiB -> 4 replica(s) of 2 GPU(s) (tensor_parallel_size=2)" in out
+    written = yaml.safe_load(next(f for f in packaged if f.key.endswith("model-config.yaml")).read())
+    assert written["handler"]["tensor_parallel_size"] == 2
+    assert written["batchSize"] == 4 * 128 + 8  # the job groups of 4 replicas' sessions, and 8 spare
+    packaged.clear()
+    assert main(args, clients=None) == 1  # ml.g5.2xlarge
+    err = capsys.readouterr().err
+    assert "ml.g5.2xlarge cannot hold this model" in err and "1 GPU(s) of 24 GiB" in err

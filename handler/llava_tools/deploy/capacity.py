@@ -12,13 +12,20 @@ from typing import Any
 
 from .spec import DTYPE_BYTES, INSTANCE_GPUS, PLANNED_SESSION_TOKENS, VARIANT_NAME, DeployError
 
+#: Sessions a replica should hold for ``tensor_parallel_size`` to be planned as small as that: the
+#: smallest size whose replicas hold this many at :data:`PLANNED_SESSION_TOKENS` is chosen, else the
+#: size that holds the most (a size holding none is refused).
+MIN_PLANNED_SESSIONS = 8
+#: ``tensor_parallel_size`` values planned: powers of two up to an instance's 8 GPUs.
+PLANNED_SIZES = (1, 2, 4, 8)
+
 
 @dataclass(frozen=True)
 class CapacityPlan:
-    """What one instance of a type holds: ``replicas`` (one per GPU, ``devices=auto``), and per
-    replica the KV budget (bytes) and the sessions it holds in the KV tier at
-    :data:`PLANNED_SESSION_TOKENS` tokens each, capped by ``max_sessions`` (per replica);
-    ``sessions`` is the instance's total."""
+    """What one instance of a type holds: ``replicas`` (its GPUs / ``tensor_parallel_size``, each a
+    replica of that many ranks), and per replica the KV budget (bytes, across its GPUs) and the
+    sessions it holds in the KV tier at :data:`PLANNED_SESSION_TOKENS` tokens each, capped by
+    ``max_sessions`` (per replica); ``sessions`` is the instance's total."""
 
     instance_type: str
     replicas: int
@@ -29,14 +36,20 @@ class CapacityPlan:
     sessions_per_replica: int
     sessions: int
     max_sessions: int
+    tensor_parallel_size: int = 1
 
     def describe(self) -> str:
         """Two lines for the deploy output."""
-        gib = 2**30
+        gib, tp = 2**30, self.tensor_parallel_size
+        shape = (
+            f"{self.replicas} replica(s) of {tp} GPU(s) (tensor_parallel_size={tp})"
+            if tp > 1
+            else (f"{self.replicas} replica(s) (devices=auto)")
+        )
+        gpus = self.replicas * tp
         return (
-            f"{self.instance_type}: {self.replicas} GPU(s) of {self.gpu_bytes / gib:.0f} GiB -> {self.replicas} "
-            f"replica(s) (devices=auto), each {self.weights_bytes / gib:.1f} GiB of weights and a "
-            f"{self.kv_budget_bytes / gib:.1f} GiB KV budget\n"
+            f"{self.instance_type}: {gpus} GPU(s) of {self.gpu_bytes / gib:.0f} GiB -> {shape}, each "
+            f"{self.weights_bytes / gib:.1f} GiB of weights and a {self.kv_budget_bytes / gib:.1f} GiB KV budget\n"
             f"expected capacity: {self.sessions_per_replica} sessions per replica at {PLANNED_SESSION_TOKENS} tokens "
             f"({self.session_bytes / 2**20:.0f} MiB each; max_sessions {self.max_sessions} per replica), "
             f"{self.sessions} per instance; more instances (--max-instances) hold more"
@@ -44,14 +57,26 @@ class CapacityPlan:
 
 
 def capacity_plan(
-    instance_type: str, model_dir: str | os.PathLike, *, fraction: float = 0.8, max_sessions: int = 128
+    instance_type: str,
+    model_dir: str | os.PathLike,
+    *,
+    fraction: float = 0.8,
+    max_sessions: int = 128,
+    tensor_parallel_size: int | None = None,
 ) -> CapacityPlan | None:
     """Plan one instance of ``instance_type`` for the checkpoint in ``model_dir`` (its config.json
     and weight files), or None when the type is not in :data:`INSTANCE_GPUS` or the folder has no
     readable config. Weights count their file bytes; a session's KV is 2 x layers x kv_heads x
     head_dim x dtype bytes per token at :data:`PLANNED_SESSION_TOKENS` tokens, plus its image
     features (image tokens x hidden x dtype bytes); the budget is ``fraction`` of what the weights
-    leave on a GPU (``device_budget_fraction``)."""
+    leave on a GPU (``device_budget_fraction``). A replica of ``tensor_parallel_size`` GPUs holds
+    1/size of the weights and of each session's KV on each (the features on its first); None plans
+    the size (:data:`MIN_PLANNED_SESSIONS`) among those that divide the heads and the GPUs.
+
+    Raises:
+        DeployError: no size fits one session on this instance type (or the size given does not),
+            with the weights and the GPUs named.
+    """
     gpus = INSTANCE_GPUS.get(instance_type)
     root = Path(model_dir)
     try:
@@ -72,22 +97,44 @@ def capacity_plan(
         p.stat().st_size for p in root.glob("*.bin")
     )
     count, gib = gpus
-    gpu_bytes = gib * 2**30
-    budget = max(0, int((gpu_bytes - weights) * fraction))
-    session_bytes = 2 * layers * kv_heads * (hidden // heads) * dtype_bytes * PLANNED_SESSION_TOKENS
-    session_bytes += image_tokens * hidden * dtype_bytes
-    per_replica = budget // session_bytes
-    return CapacityPlan(
-        instance_type=instance_type,
-        replicas=count,
-        gpu_bytes=gpu_bytes,
-        weights_bytes=weights,
-        kv_budget_bytes=budget,
-        session_bytes=session_bytes,
-        sessions_per_replica=min(per_replica, max_sessions),
-        sessions=min(per_replica, max_sessions) * count,
-        max_sessions=max_sessions,
-    )
+    kv = 2 * layers * kv_heads * (hidden // heads) * dtype_bytes * PLANNED_SESSION_TOKENS
+    features = image_tokens * hidden * dtype_bytes
+    sizes = [tensor_parallel_size] if tensor_parallel_size else PLANNED_SIZES
+    plans = []
+    for tp in sizes:
+        if tp > count or count % tp or heads % tp or kv_heads % tp:
+            continue
+        per_gpu = max(0, int((gib * 2**30 - weights / tp) * fraction))  # the KV budget of each of its GPUs
+        per_replica = min(per_gpu // (kv // tp + features), max_sessions)
+        plans.append(
+            CapacityPlan(
+                instance_type=instance_type,
+                replicas=count // tp,
+                gpu_bytes=gib * 2**30,
+                weights_bytes=weights,
+                kv_budget_bytes=per_gpu * tp,
+                session_bytes=kv + features,
+                sessions_per_replica=per_replica,
+                sessions=per_replica * (count // tp),
+                max_sessions=max_sessions,
+                tensor_parallel_size=tp,
+            )
+        )
+    fitting = [p for p in plans if p.sessions_per_replica >= 1]
+    if not fitting:
+        asked = (
+            f"tensor_parallel_size {tensor_parallel_size} leaves no room"
+            if tensor_parallel_size
+            else f"no tensor_parallel_size of {', '.join(map(str, PLANNED_SIZES))} leaves room"
+        )
+        raise DeployError(
+            f"{instance_type} cannot hold this model: {weights / 2**30:.1f} GiB of weights, {count} GPU(s) of "
+            f"{gib} GiB; {asked} for one session ({(kv + features) / 2**20:.0f} MiB at "
+            f"{PLANNED_SESSION_TOKENS} tokens); pick an instance type with more GPU memory (ml.p4de.24xlarge, "
+            "ml.p5.48xlarge)"
+        )
+    enough = [p for p in fitting if p.sessions_per_replica >= min(MIN_PLANNED_SESSIONS, max_sessions)]
+    return enough[0] if enough else max(fitting, key=lambda p: p.sessions)
 
 
 #: ``--scaling-metric`` → the target-tracking metric (Application Auto Scaling, SageMaker variants).

@@ -303,14 +303,19 @@ def _deploy(
         args.accelerators_per_copy if args.inference_component else INSTANCE_GPUS.get(args.instance_type, (1, 0))[0]
     )
     if args.model_dir:
-        settings = Settings.from_sources(overrides)
+        settings = Settings.from_sources(overrides, spec.environment)
+        given = "tensor_parallel_size" in overrides or "LLAVA_TENSOR_PARALLEL_SIZE" in spec.environment
         plan = capacity_plan(
             args.instance_type,
             args.model_dir,
             fraction=settings.device_budget_fraction,
             max_sessions=settings.max_sessions,
+            tensor_parallel_size=settings.tensor_parallel_size if given else None,
         )
         print(plan.describe() if plan else f"{args.instance_type}: capacity not planned (unknown type or checkpoint)")
+        if plan is not None and plan.tensor_parallel_size > 1:  # the worker's replicas span that many GPUs each
+            overrides.setdefault("tensor_parallel_size", plan.tensor_parallel_size)
+            gpus_here //= plan.tensor_parallel_size
     files = build_package(args.model_dir, overrides=overrides, replicas=gpus_here) if args.model_dir else None
     if files is not None:
         parse_s3_uri(args.s3_uri)
