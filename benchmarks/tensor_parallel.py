@@ -16,7 +16,11 @@ point). transformers needs ``accelerate`` for ``tp_plan``; it is not one of this
 dependencies, so the script says so and exits 2 without it. A model whose key-value heads do not
 divide by ``--ranks`` fails in the sharded forward pass, with transformers' shape error.
 
-Usage: python benchmarks/tensor_parallel.py [--arch llava llava-next llava-onevision] [--ranks 2]
+``--engine`` runs the session engine instead (an open, a first answer, a follow-up; ``worker.build_engine``
+as a replica wires it: one process with the CPU's defaults, then rank 0 of ``--ranks``) and prints the
+ms of each, the follow-up's ms per token and the messages rank 0 sent per token.
+
+Usage: python benchmarks/tensor_parallel.py [--arch llava llava-next llava-onevision] [--ranks 2] [--engine]
 """
 
 from __future__ import annotations
@@ -88,6 +92,42 @@ def sharded(model_dir: Path, ranks: int, new_tokens: int, repeat: int) -> tuple[
     return result.get()
 
 
+def engine_answers(model_dir: Path, ranks: int, new_tokens: int) -> dict[str, Any]:
+    """The session engine over ``ranks`` ranks (1: one process, the CPU's default settings), wired by
+    ``worker.build_engine``: an open, a first answer and a follow-up of ``new_tokens`` greedy tokens on
+    a photo. Returns the tokens, the ms of each and, with ranks, the messages sent per token."""
+    from llava_sessions.config import Settings
+    from llava_sessions.model import LlavaModel
+    from llava_sessions.sampling.sampler import SamplingParams
+    from llava_sessions.worker import build_engine
+    from llava_tools.demo.samples import sample_photo
+
+    threads = 1 if ranks > 1 else 2
+    model = LlavaModel.from_pretrained(
+        model_dir, device="cpu", dtype="float32", tensor_parallel_size=ranks, threads=threads
+    )
+    if ranks == 1:
+        torch.set_num_threads(threads)
+    settings = Settings(device="cpu", device_budget_bytes=2 * 2**30, tensor_parallel_size=ranks)
+    engine = build_engine(settings, model)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    out: dict[str, Any] = {"ranks": ranks}
+    t = time.perf_counter()
+    engine.open("s", sample_photo("astronaut"))
+    first = engine.generate("s", "What is in this image?", params)
+    out["open_and_first_ms"] = round((time.perf_counter() - t) * 1000, 1)
+    sent = model.ranks.num_messages if model.ranks else 0
+    t = time.perf_counter()
+    follow = engine.generate("s", "And the colours?", params)
+    out["follow_up_ms"] = round((time.perf_counter() - t) * 1000, 1)
+    out["ms_per_token"] = round(out["follow_up_ms"] / new_tokens, 1)
+    if model.ranks:
+        out["messages_per_token"] = round((model.ranks.num_messages - sent) / new_tokens, 2)
+        model.ranks.close()
+    out["tokens"] = [[t.id for t in a.tokens] for a in (first, follow)]
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", nargs="+", default=["llava", "llava-next", "llava-onevision"])
@@ -96,6 +136,9 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--engine", action="store_true", help="the session engine over the ranks, beside one process (not generate)"
+    )
     args = parser.parse_args()
     if importlib.util.find_spec("accelerate") is None:
         print("transformers needs accelerate for tp_plan: pip install accelerate", file=sys.stderr)
@@ -107,7 +150,17 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arch:
-            model_dir = write_checkpoint(args.model, Path(tmp) / arch, seed=0, arch=arch)
+            kv_heads = 2 if arch == "llava-onevision" and args.model == "tiny" else None  # 1 does not divide
+            model_dir = write_checkpoint(args.model, Path(tmp) / arch, seed=0, arch=arch, kv_heads=kv_heads)
+            if args.engine:
+                one, sharded_run = (
+                    engine_answers(model_dir, 1, args.new_tokens),
+                    engine_answers(model_dir, args.ranks, args.new_tokens),
+                )
+                rows.append({"arch": arch, "one_process": one, "sharded": sharded_run})
+                rows[-1]["equal"] = one.pop("tokens") == sharded_run.pop("tokens")
+                print(json.dumps(rows[-1]))
+                continue
             text = AutoConfig.from_pretrained(model_dir).text_config
             torch.set_num_threads(args.ranks)
             one = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
