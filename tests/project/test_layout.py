@@ -188,6 +188,7 @@ LAYERS: list[set[str]] = [
         "model.templating",
         "model.video",
         "model.fused",
+        "model.parallel",
         "wire.framing",
         "engine.memory",
         "engine.sharing",

@@ -28,7 +28,7 @@ from ..sampling.grammar import Grammars
 from .fused import FUSED_ATTENTION, LOWER_RIGHT_ATTENTION, FusedCache, attention_on, fusable, prefer_sdpa_backends
 from .kv.cache import BatchKVCache, cache_len, undo_pass
 from .kv.paged import SessionKV
-from .parallel import load_replica
+from .parallel import cache_keyword, load_replica
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
 
@@ -100,9 +100,7 @@ class LlavaModel:
         # OneVision lays out each image of a several-image conversation as one base tile + a newline
         # row (its get_image_features takes batch_num_images; processing_llava_onevision.replace_image_token)
         self._multi_image_base_tile = "batch_num_images" in inspect.signature(model.get_image_features).parameters
-        # the KV cache's keyword: ``cache`` since transformers 5.24 (``past_key_values`` is deprecated there
-        # and removed in 5.40), ``past_key_values`` before it
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kw = cache_keyword(model)
         self.max_positions: int = int(text.max_position_embeddings)
         self.fusable: bool = fusable(text)
         self.lower_right_prefill: bool = self.device.type == "cuda" and self.fusable and ranks is None
@@ -114,8 +112,7 @@ class LlavaModel:
         #: Device bytes of one image-feature row (text hidden size x dtype size).
         self.feature_bytes_per_token: int = text.hidden_size * self.dtype.itemsize
         eos = model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
         #: Structured outputs' matchers over this tokenizer (built on first use).
         self.grammars = Grammars(self.tokenizer, sorted(self.eos_token_ids))

@@ -28,13 +28,13 @@ replica runs the paged layout, eager, without fused chunks or host offload (``wo
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import multiprocessing
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ __all__ = [
     "RANK_DIED_EXIT",
     "RANK_TIMEOUT_S",
     "RankGroup",
+    "cache_keyword",
     "check_tensor_parallel",
     "follow",
     "load_replica",
@@ -276,7 +277,7 @@ def follow(
         dtype=dtype,
         tensor_parallel=True,
     )
-    keyword = "cache" if "cache" in _parameters(model.forward) else "past_key_values"
+    keyword = cache_keyword(model)
     pages: KVPages | None = None
     dev = torch.device(device)
     while True:
@@ -315,10 +316,10 @@ def _run_pass(model: Any, keyword: str, pages: KVPages, dev: torch.device, slots
     model(use_cache=True, **{keyword: cache}, **inputs)
 
 
-def _parameters(fn: Any) -> Iterable[str]:
-    import inspect
-
-    return inspect.signature(fn).parameters
+def cache_keyword(model: Any) -> str:
+    """The model's KV cache keyword: ``cache`` since transformers 5.24 (``past_key_values`` is deprecated
+    there and removed in 5.40), ``past_key_values`` before it."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _exit_with_parent(parent: int) -> None:
