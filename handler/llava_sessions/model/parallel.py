@@ -17,7 +17,7 @@ follower decides nothing, so no time budget or memory check can differ between r
 Faults: a rank that dies or fails ends the replica as one. Rank 0 watches the others' processes and
 exits at once when one ends (:data:`RANK_DIED_EXIT`); a pass that fails after it was sent leaves the
 ranks out of step, so rank 0 exits then too (:meth:`RankGroup.fail`); a follower exits when rank 0
-does (its parent is gone, or the control channel closes). Whoever started rank 0 (TorchServe, a
+does (its parent is gone, or its channel from rank 0 closes). Whoever started rank 0 (TorchServe, a
 replica router) starts it again, and it starts its followers anew; sessions come back as after any
 worker restart. A collective that waits longer than :data:`RANK_TIMEOUT_S` fails its pass.
 
@@ -86,22 +86,23 @@ def check_tensor_parallel(size: int, text_config: Any, num_gpus: int | None) -> 
 
 
 class RankGroup:
-    """Rank 0's side of a tensor-parallel replica: the other ranks' processes and the control channel.
+    """Rank 0's side of a tensor-parallel replica: the other ranks' processes and their channels.
 
     Args:
         size: ranks in all (rank 0 included).
         processes: the other ranks' processes (``size - 1``), started by :func:`start_ranks`.
-        control: the process group messages go through (``gloo``: objects are pickled on the host); set
-            once rank 0 joined.
+        channels: a pipe to each (``multiprocessing``: a message pickled, its tensors on the host). Not
+            a collective: a rank waits for its next message as long as rank 0 is idle, while the passes'
+            own collectives time out (:data:`RANK_TIMEOUT_S`).
 
     Attributes:
         num_messages: messages sent since start (passes and page changes).
     """
 
-    def __init__(self, size: int, processes: list[Any], control: Any = None) -> None:
+    def __init__(self, size: int, processes: list[Any], channels: list[Any]) -> None:
         self.size = size
         self.processes = processes
-        self.control = control
+        self.channels = channels
         self.num_messages = 0
         self._closing = False
         self._watcher = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
@@ -111,11 +112,10 @@ class RankGroup:
         """Send ``message`` (``(kind, *args)``, tensors on the host) to every other rank.
 
         Raises:
-            RuntimeError: the channel failed (a rank is gone); the caller fails the replica.
+            OSError: a channel failed (a rank is gone); the caller fails the replica.
         """
-        import torch.distributed as dist
-
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        for channel in self.channels:
+            channel.send(message)
         self.num_messages += 1
 
     @staticmethod
@@ -135,7 +135,7 @@ class RankGroup:
         over ``cache``, a :class:`~.kv.paged.SlotsCache` (its write and read slots).
 
         Raises:
-            RuntimeError: the channel failed (a rank is gone).
+            OSError: a channel failed (a rank is gone).
         """
         layer = cache.layers[0]
         slots = (_host(layer.write_slots), _host(layer.read_slots), layer.num_new, layer.whole_pool)
@@ -154,6 +154,8 @@ class RankGroup:
         self._closing = True
         try:
             self.send(("stop",))
+        except OSError:
+            pass  # a rank already gone
         finally:
             for p in self.processes:
                 p.join(30)
@@ -180,8 +182,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _join(rank: int, size: int, port: int, device_index: int) -> Any:
-    """Join the ranks' process group; returns the control group (gloo)."""
+def _join(rank: int, size: int, port: int, device_index: int, timeout_s: float) -> None:
+    """Join the ranks' process group (NCCL on GPUs, else ``gloo``); a collective waits ``timeout_s`` at most."""
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(device_index))
@@ -191,12 +193,13 @@ def _join(rank: int, size: int, port: int, device_index: int) -> Any:
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=size,
-        timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
 
 
-def start_ranks(size: int, model_dir: str | Path, *, device: str, dtype: str, threads: int = 0) -> RankGroup:
+def start_ranks(
+    size: int, model_dir: str | Path, *, device: str, dtype: str, threads: int = 0, timeout_s: float | None = None
+) -> RankGroup:
     """Start ranks ``1 .. size - 1`` as processes (``multiprocessing`` spawn) loading ``model_dir``
     sharded, and join their process group as rank 0. Rank 0 loads its own shard after this returns
     (:func:`load_replica`); each follower then waits for messages.
@@ -204,23 +207,29 @@ def start_ranks(size: int, model_dir: str | Path, *, device: str, dtype: str, th
     Args:
         size: ranks in all. device: ``cpu`` or ``cuda:N`` (ranks on GPUs ``N .. N + size - 1``).
         dtype: as :func:`~.loading.load_model`. threads: torch threads per rank (0: the host's share).
+        timeout_s: the longest a collective (a rank joining, a pass's all-reduce) waits for the others
+            (default :data:`RANK_TIMEOUT_S`).
 
     Raises:
-        RuntimeError: a rank did not join within :data:`RANK_TIMEOUT_S`.
+        RuntimeError: a rank did not join within ``timeout_s``.
     """
     port = _free_port()
+    timeout_s = timeout_s or RANK_TIMEOUT_S
     first = int(device.split(":")[1]) if device.startswith("cuda:") else 0
     threads = threads or max(1, (os.cpu_count() or 1) // size)
     ctx = multiprocessing.get_context("spawn")
-    processes = []
+    processes, channels = [], []
     for rank in range(1, size):
-        args = (rank, size, port, first + rank, str(model_dir), dtype, threads, os.getpid())
+        inbox, channel = ctx.Pipe(duplex=False)
+        args = (rank, size, port, first + rank, str(model_dir), dtype, threads, os.getpid(), inbox, timeout_s)
         p = ctx.Process(target=follow, args=args, name=f"llava-rank-{rank}", daemon=True)
         p.start()
+        inbox.close()  # the rank's end: rank 0 keeps only its own
         processes.append(p)
+        channels.append(channel)
     torch.set_num_threads(threads)
-    group = RankGroup(size, processes)  # watching them from here: a rank that dies while joining ends rank 0
-    group.control = _join(0, size, port, first)
+    group = RankGroup(size, processes, channels)  # watching them from here: a rank dying while joining ends rank 0
+    _join(0, size, port, first, timeout_s)
     return group
 
 
@@ -253,7 +262,16 @@ def load_replica(
 
 
 def follow(
-    rank: int, size: int, port: int, device_index: int, model_dir: str, dtype: str, threads: int, parent: int
+    rank: int,
+    size: int,
+    port: int,
+    device_index: int,
+    model_dir: str,
+    dtype: str,
+    threads: int,
+    parent: int,
+    inbox: Any,
+    timeout_s: float = RANK_TIMEOUT_S,
 ) -> None:
     """A follower rank's whole life: join, load its shard, then run what rank 0 sends until told to stop.
 
@@ -267,7 +285,7 @@ def follow(
 
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
-    control = _join(rank, size, port, device_index)
+    _join(rank, size, port, device_index, timeout_s)
     on_card = dist.get_backend() == "nccl"
     device = f"cuda:{device_index}" if on_card else "cpu"
     model, _ = load_model(
@@ -281,12 +299,10 @@ def follow(
     pages: KVPages | None = None
     dev = torch.device(device)
     while True:
-        box: list[Any] = [None]
         try:
-            dist.broadcast_object_list(box, src=0, group=control)
-        except Exception:  # noqa: BLE001 - rank 0 is gone: nothing to serve
+            kind, *args = inbox.recv()
+        except (EOFError, OSError):  # rank 0 is gone: nothing to serve
             os._exit(0)
-        kind, *args = box[0]
         if kind == "stop":
             break
         if kind == "pages":
