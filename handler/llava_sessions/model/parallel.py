@@ -218,6 +218,9 @@ def start_ranks(
     first = int(device.split(":")[1]) if device.startswith("cuda:") else 0
     threads = threads or max(1, (os.cpu_count() or 1) // size)
     ctx = multiprocessing.get_context("spawn")
+    me = multiprocessing.current_process()
+    if me.daemon:  # a replica's process (replicas.py) may start ranks: they end with it (_exit_with_parent)
+        me.daemon = False
     processes, channels = [], []
     for rank in range(1, size):
         inbox, channel = ctx.Pipe(duplex=False)
