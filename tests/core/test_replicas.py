@@ -147,28 +147,3 @@ def test_two_replicas_place_route_and_survive_a_replica_death(request, tiny_mode
             time.sleep(0.5)
     assert (503, "model_not_ready") in seen and seen.count((500, "internal_error")) <= 2, seen
     assert server.restarts == 0  # the worker itself never died
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_two_replicas_of_two_ranks_each_serve_and_answer_alike(request, tiny_model_dir, photos):
-    """Issue 62's placement on the CPU: ``devices=cpu,cpu`` with ``tensor_parallel_size=2`` is two replica
-    processes, each the rank 0 of a second rank of its own; sessions on either replica get the same
-    greedy answer (same weights, image, question)."""
-    server = start_local_server(
-        tiny_model_dir,
-        addfinalizer=request.addfinalizer,
-        overrides={"devices": "cpu,cpu", "tensor_parallel_size": 2, "max_sessions": 4},
-        model_config_overrides={"batchSize": 16, "maxNumSequence": 16},
-    )
-    image = {"base64": base64.b64encode(photos["coffee"]).decode()}
-    ids = [_post(server.url, {"type": "open_session", "image": image}).json()["session_id"] for _ in range(4)]
-    question = {"type": "generate", "prompt": "What is in this image?", "parameters": {"max_new_tokens": 6}}
-    answers = {_post(server.url, question, sid).json()["generated_text"] for sid in ids}
-    assert len(answers) == 1
-    held = worker_metric(server, "llava_OpenSessions", until=lambda v: sum(v.values()) == 4)
-    assert sorted(held) == ["0", "1"] and all(n == 2 for n in held.values()), held  # both replicas hold sessions
-    (worker,) = server.worker_pids()
-    replicas = [p for p in psutil.Process(worker).children() if "spawn_main" in " ".join(p.cmdline())]
-    ranks = [[q for q in p.children() if "spawn_main" in " ".join(q.cmdline())] for p in replicas]
-    assert len(replicas) == 2 and [len(r) for r in ranks] == [1, 1], ranks  # each replica and its other rank

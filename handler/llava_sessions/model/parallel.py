@@ -223,7 +223,7 @@ def start_ranks(
         me.daemon = False
     processes, channels = [], []
     for rank in range(1, size):
-        inbox, channel = ctx.Pipe(duplex=False)
+        inbox, channel = ctx.Pipe()  # rank 0 sends on it; the rank says once that it is up
         args = (rank, size, port, first + rank, str(model_dir), dtype, threads, os.getpid(), inbox, timeout_s)
         p = ctx.Process(target=follow, args=args, name=f"llava-rank-{rank}", daemon=True)
         p.start()
@@ -231,7 +231,9 @@ def start_ranks(
         processes.append(p)
         channels.append(channel)
     torch.set_num_threads(threads)
-    group = RankGroup(size, processes, channels)  # watching them from here: a rank dying while joining ends rank 0
+    group = RankGroup(size, processes, channels)  # watching them from here: a rank dying while starting ends rank 0
+    for channel in channels:  # each rank's imports done (seconds): the rendezvous then takes well under the timeout
+        channel.recv()
     _join(0, size, port, first, timeout_s)
     return group
 
@@ -288,6 +290,7 @@ def follow(
 
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
+    inbox.send("up")
     _join(rank, size, port, device_index, timeout_s)
     on_card = dist.get_backend() == "nccl"
     device = f"cuda:{device_index}" if on_card else "cpu"
