@@ -198,14 +198,20 @@ def _join(rank: int, size: int, port: int, device_index: int, timeout_s: float) 
 
 
 def start_ranks(
-    size: int, model_dir: str | Path, *, device: str, dtype: str, threads: int = 0, timeout_s: float | None = None
+    size: int,
+    model_dir: str | Path,
+    *,
+    device: torch.device,
+    dtype: str,
+    threads: int = 0,
+    timeout_s: float | None = None,
 ) -> RankGroup:
     """Start ranks ``1 .. size - 1`` as processes (``multiprocessing`` spawn) loading ``model_dir``
     sharded, and join their process group as rank 0. Rank 0 loads its own shard after this returns
     (:func:`load_replica`); each follower then waits for messages.
 
     Args:
-        size: ranks in all. device: ``cpu`` or ``cuda:N`` (ranks on GPUs ``N .. N + size - 1``).
+        size: ranks in all. device: rank 0's, the CPU or GPU ``N`` (ranks on GPUs ``N .. N + size - 1``).
         dtype: as :func:`~.loading.load_model`. threads: torch threads per rank (0: the host's share).
         timeout_s: the longest a collective (a rank joining, a pass's all-reduce) waits for the others
             (default :data:`RANK_TIMEOUT_S`).
@@ -215,7 +221,7 @@ def start_ranks(
     """
     port = _free_port()
     timeout_s = timeout_s or RANK_TIMEOUT_S
-    first = int(device.split(":")[1]) if device.startswith("cuda:") else 0
+    first = device.index or 0  # a CPU device has none
     threads = threads or max(1, (os.cpu_count() or 1) // size)
     ctx = multiprocessing.get_context("spawn")
     me = multiprocessing.current_process()
@@ -258,8 +264,8 @@ def load_replica(
 
     ranks = None
     if size > 1:
-        dev = str(resolve_device(device, gpu_id))
-        gpus = torch.cuda.device_count() - int(dev.split(":")[1]) if dev.startswith("cuda") else None
+        dev = resolve_device(device, gpu_id)
+        gpus = torch.cuda.device_count() - (dev.index or 0) if dev.type == "cuda" else None
         check_tensor_parallel(size, AutoConfig.from_pretrained(model_dir).text_config, gpus)
         ranks = start_ranks(size, model_dir, device=dev, dtype=dtype, threads=threads)
     model, processor = load_model(model_dir, device=device, gpu_id=gpu_id, dtype=dtype, tensor_parallel=size > 1)
