@@ -477,9 +477,11 @@ class LlavaModel:
 
     def _embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``[*ids.shape, hidden]``; sharded by vocabulary under tensor parallel: every rank looks ``ids`` up."""
-        if self.ranks is not None:
+        if self.ranks is None:
+            return self.model.get_input_embeddings()(ids)
+        with self.ranks.sharded("a sharded token lookup"):
             self.ranks.send(("embed", ids.cpu()))
-        return self.model.get_input_embeddings()(ids)
+            return self.model.get_input_embeddings()(ids)
 
     def _text_pass(self, cache: Any, **inputs: Any) -> Any:
         """The model's pass over ``cache``; under tensor parallel sent to the other ranks first, a
@@ -487,9 +489,6 @@ class LlavaModel:
         if self.ranks is None:
             return self.model(use_cache=True, **{self._cache_kw: cache}, **inputs)
         self.ranks.check(cache)
-        try:
+        with self.ranks.sharded("a sharded pass"):
             self.ranks.forward(cache, inputs)
             return self.model(use_cache=True, **{self._cache_kw: cache}, **inputs)
-        except BaseException as exc:
-            self.ranks.fail(f"a sharded pass failed: {type(exc).__name__}: {exc}")
-            raise

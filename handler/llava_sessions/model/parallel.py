@@ -15,8 +15,10 @@ of the pool's pages what it is (:meth:`RankGroup.send`, by :class:`~.kv.paged.KV
 follower decides nothing, so no time budget or memory check can differ between ranks.
 
 Faults: a rank that dies or fails ends the replica as one. Rank 0 watches the others' processes and
-exits at once when one ends (:data:`RANK_DIED_EXIT`); a pass that fails after it was sent leaves the
-ranks out of step, so rank 0 exits then too (:meth:`RankGroup.fail`); a follower exits when rank 0
+exits at once when one ends (:data:`RANK_DIED_EXIT`); a message that cannot be sent, or a token lookup
+or pass that fails after it was sent (:meth:`RankGroup.sharded`; a collective with a dead rank fails
+before the watcher may see it), leaves the ranks out of step, so rank 0 exits then too, never answering
+a request with the error (:meth:`RankGroup.fail`); a follower exits when rank 0
 does (its parent is gone, or its channel from rank 0 closes). Whoever started rank 0 (TorchServe, a
 replica router) starts it again, and it starts its followers anew; sessions come back as after any
 worker restart. A collective that waits longer than :data:`RANK_TIMEOUT_S` fails its pass.
@@ -27,6 +29,7 @@ replica runs the paged layout, eager, without fused chunks or host offload (``wo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import logging
@@ -35,6 +38,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -109,14 +113,25 @@ class RankGroup:
         self._watcher.start()
 
     def send(self, message: tuple[Any, ...]) -> None:
-        """Send ``message`` (``(kind, *args)``, tensors on the host) to every other rank.
-
-        Raises:
-            OSError: a channel failed (a rank is gone); the caller fails the replica.
-        """
-        for channel in self.channels:
-            channel.send(message)
+        """Send ``message`` (``(kind, *args)``, tensors on the host) to every other rank. A channel that
+        fails (its rank is gone, possibly before the watcher saw it) ends the replica (:meth:`fail`)."""
+        try:
+            for channel in self.channels:
+                channel.send(message)
+        except OSError as exc:
+            self.fail(f"a rank's channel failed: {type(exc).__name__}: {exc}")
         self.num_messages += 1
+
+    @contextlib.contextmanager
+    def sharded(self, what: str) -> Iterator[None]:
+        """A step every rank runs (its message sent inside, then rank 0's share, whose collectives meet the
+        others'). Any failure in it ends the replica (:meth:`fail`), never a request's error: the ranks are
+        out of step, and a collective with a dead rank fails before the watcher may see it die."""
+        try:
+            yield
+        except BaseException as exc:
+            self.fail(f"{what} failed: {type(exc).__name__}: {exc}")
+            raise
 
     @staticmethod
     def check(cache: Any) -> None:
@@ -132,18 +147,15 @@ class RankGroup:
     def forward(self, cache: Any, kwargs: dict[str, Any]) -> None:
         """Send the other ranks the pass rank 0 is about to run: ``kwargs`` as given to the model
         (``inputs_embeds`` ``[B, n, hidden]``, ``attention_mask``, ``position_ids``, ``logits_to_keep``)
-        over ``cache``, a :class:`~.kv.paged.SlotsCache` (its write and read slots).
-
-        Raises:
-            OSError: a channel failed (a rank is gone).
+        over ``cache``, a :class:`~.kv.paged.SlotsCache` (its write and read slots); inside :meth:`sharded`.
         """
         layer = cache.layers[0]
         slots = (_host(layer.write_slots), _host(layer.read_slots), layer.num_new, layer.whole_pool)
         self.send(("forward", slots, {k: _host(v) for k, v in kwargs.items()}))
 
     def fail(self, why: str) -> None:
-        """End rank 0 at once (the other ranks follow): a sharded pass failed after the others were told of
-        it, so they are out of step. The replica is restarted by whoever started it."""
+        """End rank 0 at once (the other ranks follow): a rank is gone, or a sharded step failed after the
+        others were told of it, so they are out of step. The replica is restarted by whoever started it."""
         log.error("tensor-parallel replica ends: %s", why)
         os._exit(RANK_DIED_EXIT)
 
@@ -153,9 +165,9 @@ class RankGroup:
 
         self._closing = True
         try:
-            self.send(("stop",))
-        except OSError:
-            pass  # a rank already gone
+            for channel in self.channels:
+                with contextlib.suppress(OSError):  # a rank already gone
+                    channel.send(("stop",))
         finally:
             for p in self.processes:
                 p.join(30)
