@@ -22,9 +22,13 @@ are refused: they lose ``NEW_SESSION`` follow-ups, docs/decisions/42-one-worker.
   session slots, so equal GPUs fill evenly and a fuller or smaller device gets fewer. An answer carrying
   ``X-Amzn-SageMaker-New-Session-Id`` places that id; one carrying the Closed header removes it;
 - **faults**: an error inside a replica's step fails that replica's rows with typed errors (as
-  in any worker). A replica process that dies loses its sessions (their ids then get 404
-  ``session_not_found`` + the Closed header from a live replica), its rows in flight get 500
-  ``internal_error``, and it is started again in the background; the other replicas keep serving.
+  in any worker). A replica process that dies (or, tensor parallel, ends because one of its ranks
+  died) costs no client error, as a dead worker behind the front costs none: its rows in flight get
+  the retryable ``503 model_not_ready`` with ``Retry-After``, or, a stream whose first frame went out,
+  that code as its last event (:func:`~.wire.framing.cut_stream_tail`), which ``llava_client`` sends
+  again; its sessions are lost (their ids then get 404 ``session_not_found`` + the Closed header from a
+  live replica, and clients reopen them with their history); it is started again in the background,
+  and the other replicas keep serving.
 
 Pipes carry plain data: ``(BatchRequest list, request ids whose clients left)`` in, ``(Reply list, stats,
 metrics payload)`` out; image bytes cross once, on the open. A request in flight that TorchServe's batch
@@ -51,7 +55,7 @@ from .native.responses import encode_error
 from .service import SessionService
 from .wire.affinity import prefix_key
 from .wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SEQUENCE_END_HEADER
-from .wire.framing import BatchRequest, Framing, Reply
+from .wire.framing import JSON, BatchRequest, Framing, Reply, cut_stream_tail
 
 __all__ = ["ReplicaRouter", "resolve_devices"]
 
@@ -61,8 +65,10 @@ log = logging.getLogger(__name__)
 REPLICA_START_TIMEOUT_S = 3600.0
 #: Prefix keys remembered (least recently answered forgotten first).
 MAX_PREFIX_KEYS = 100_000
-#: ``Retry-After`` (seconds) of a new request that no live replica can take.
+#: ``Retry-After`` (seconds) of a request that no live replica can take, or whose replica died.
 REPLICA_RETRY_AFTER_S = 5
+#: What a request whose replica died with it in flight is told (``model_not_ready``).
+REPLICA_LOST = "the model replica serving this request stopped (it restarts)"
 
 
 def replica_settings(settings: Settings, device: str, num_replicas: int) -> Settings:
@@ -161,6 +167,7 @@ class ReplicaRouter:
         self.prefixes: OrderedDict[str, int] = OrderedDict()  # prefix key of a sessionless chat -> replica
         self._jobs: dict[str, int] = {}  # request id of a request in flight -> replica
         self._keys: dict[str, str] = {}  # request id of a sessionless chat in flight -> its prefix key
+        self._types: dict[str, str] = {}  # request id in flight -> its reply's content type (a stream's dialect)
         self._lock = threading.Lock()
         self._framing = Framing(end_header)
         self._pool = ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="llava-replica")
@@ -224,9 +231,9 @@ class ReplicaRouter:
     def handle(self, rows: list[BatchRequest]) -> list[Reply]:
         """Route the rows, let every replica with rows run its slice at once, answer each row.
 
-        Never raises: a dead replica's rows get 500 ``internal_error``, and a new request while no
-        replica is alive ``503 model_not_ready``. Either ends the TorchServe job group minted for a
-        request that came without a session (as a refused open does on a replica): left open, each
+        Never raises: a dead replica's rows, and a new request while no replica is alive, get the
+        retryable ``model_not_ready`` (:meth:`lost`, :meth:`not_ready`). Either ends the TorchServe job
+        group minted for a request that came without a session (as a refused open does on a replica): left open, each
         such group would hold one of TorchServe's ``maxNumSequence`` until its idle timeout, and
         clients retrying through a restart would exhaust them (TorchServe's own 503 "has no worker").
         """
@@ -255,8 +262,8 @@ class ReplicaRouter:
                 else:
                     if index < 0 and i not in continuing:  # no replica alive to take a new request
                         result = self.not_ready()
-                    else:
-                        result = self.internal_error(chunk=i in continuing)
+                    else:  # its replica died with it in flight
+                        result = self.lost(self._types.get(rows[i].request_id, JSON) if i in continuing else None)
                     group = rows[i].session_id
                     if rows[i].minted and group:  # a group TorchServe minted: no session holds it
                         result.headers.update(self._framing.end_sequence(group))
@@ -269,6 +276,8 @@ class ReplicaRouter:
         in_batch = {row.request_id for row in rows}
         gone: dict[int, list[str]] = {}
         with self._lock:
+            for rid in [rid for rid in self._types if rid not in in_batch]:
+                del self._types[rid]
             for rid in [rid for rid in self._jobs if rid not in in_batch]:
                 index = self._jobs.pop(rid)
                 self._keys.pop(rid, None)
@@ -338,8 +347,10 @@ class ReplicaRouter:
         with self._lock:
             if index >= 0 and result.stop is False:
                 self._jobs[row.request_id] = index
+                self._types.setdefault(row.request_id, result.content_type)  # the first frame's
             else:
                 self._jobs.pop(row.request_id, None)
+                self._types.pop(row.request_id, None)
                 key = self._keys.pop(row.request_id, None)
                 if key is not None and index >= 0 and result.status == 200:
                     self.prefixes[key] = index
@@ -354,21 +365,26 @@ class ReplicaRouter:
                 self.placement.pop(closed, None)
 
     # ------------------------------------------------------------------ the entry's helpers
-    def internal_error(self, *, chunk: bool = False) -> Reply:
-        """A 500 ``internal_error`` row (a dead replica's rows, the entry's last line of defence);
-        ``chunk``: the row continues a request whose first frame went out (this one is its last)."""
-        err = ServiceError(ErrorCode.INTERNAL_ERROR, "the model replica serving this request stopped")
-        return Framing.frame(encode_error(err), continued=chunk, last=True, status=err.status)
+    def internal_error(self) -> Reply:
+        """A 500 ``internal_error`` row (the entry's last line of defence)."""
+        err = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error")
+        return Framing.frame(encode_error(err), continued=False, last=True, status=err.status)
+
+    @classmethod
+    def lost(cls, stream_type: str | None) -> Reply:
+        """The last row of a request whose replica died with it in flight: ``model_not_ready`` as a
+        stream's last event in its dialect when its first frame (``stream_type``: its content type) went
+        out, else the typed ``503`` with ``Retry-After`` (:meth:`not_ready`). Retryable, as the front
+        answers a request cut by a dead worker."""
+        if stream_type is None:
+            return cls.not_ready(REPLICA_LOST)
+        return Framing.frame(cut_stream_tail(stream_type, REPLICA_LOST), continued=True, last=True)
 
     @staticmethod
-    def not_ready() -> Reply:
-        """A ``503 model_not_ready`` row with ``Retry-After``: no replica is alive to take a new request
-        (they are being started again)."""
-        err = ServiceError(
-            ErrorCode.MODEL_NOT_READY,
-            "no model replica can take this request yet (restarting after a crash); retry shortly",
-            retry_after_s=REPLICA_RETRY_AFTER_S,
-        )
+    def not_ready(message: str = "no model replica can take this request yet (restarting after a crash)") -> Reply:
+        """A ``503 model_not_ready`` row with ``Retry-After`` (:data:`REPLICA_RETRY_AFTER_S`): no replica is
+        alive to take a new request (they are being started again), or ``message`` says why."""
+        err = ServiceError(ErrorCode.MODEL_NOT_READY, f"{message}; retry shortly", retry_after_s=REPLICA_RETRY_AFTER_S)
         headers = {"Retry-After": str(REPLICA_RETRY_AFTER_S)}
         return Framing.frame(encode_error(err), continued=False, last=True, status=err.status, headers=headers)
 

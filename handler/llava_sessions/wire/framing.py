@@ -18,6 +18,7 @@ service and both dialects build each row's answer with. No torch, no TorchServe 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,17 @@ from .contract import (
     SEQUENCE_END_HEADER,
 )
 
-__all__ = ["EVENT_STREAM", "JSON", "JSON_LINES", "Framing", "BatchRequest", "Reply", "read_requests", "write_replies"]
+__all__ = [
+    "EVENT_STREAM",
+    "JSON",
+    "JSON_LINES",
+    "Framing",
+    "BatchRequest",
+    "Reply",
+    "cut_stream_tail",
+    "read_requests",
+    "write_replies",
+]
 
 #: Content type of whole replies.
 JSON = "application/json"
@@ -123,6 +134,22 @@ class Framing:
         """Headers of a reply whose session is gone: SageMaker's ``X-Amzn-SageMaker-Closed-Session-Id``
         (boto3's ``ClosedSessionId``) and the sequence end."""
         return {CLOSED_SESSION_ID_HEADER: session_id, **self.end_sequence(session_id)}
+
+
+def cut_stream_tail(content_type: str | bytes, message: str) -> bytes:
+    """The last event of a stream whose worker (or model replica) died after its body began, in the
+    stream's dialect, with the retryable code ``model_not_ready`` (``llava_client`` sends such a stream
+    again and goes on where it stopped): an SSE ``data:`` event with OpenAI's error object, then
+    ``data: [DONE]`` (``content_type`` :data:`EVENT_STREAM`, the chat dialect's); else one JSON line
+    whose ``error`` both JSON-lines dialects read (the native stream's ``{"token": null, ..., "error":
+    {...}}`` and the chat dialect's OpenAI error object). Written by the front (a dead worker) and the
+    replica router (a dead replica)."""
+    kind = content_type.decode("latin-1") if isinstance(content_type, bytes) else content_type
+    error = {"message": message, "type": "server_error", "param": None, "code": "model_not_ready"}
+    if kind.split(";")[0].strip().lower() == EVENT_STREAM:
+        return b"data: %s\n\ndata: [DONE]\n\n" % json.dumps({"error": error}).encode()
+    line = {"token": None, "generated_text": None, "details": None, "error": error}
+    return json.dumps(line).encode() + b"\n"
 
 
 def read_requests(data: Sequence[Any], context: Any) -> list[BatchRequest]:

@@ -56,6 +56,7 @@ from llava_sessions.wire.contract import (
     SESSION_ID_HEADER,
     SLOT_WAIT_HEADER,
 )
+from llava_sessions.wire.framing import cut_stream_tail
 from llava_sessions.wire.inbound import CHAT_LARGE_IMAGE_HINT, LARGE_IMAGE_HINT
 
 from ..processes import BackgroundServing
@@ -78,7 +79,6 @@ from .http_wire import (
     WorkerLost,
     await_backend,
     client_gone,
-    cut_stream_tail,
     field,
     openai_error,
     read_head,

@@ -42,7 +42,6 @@ __all__ = [
     "WorkerLost",
     "await_backend",
     "client_gone",
-    "cut_stream_tail",
     "field",
     "openai_error",
     "ping_reply",
@@ -97,7 +96,8 @@ class WorkerLost(Exception):
 
 #: The health checks the front answers itself, without a key: SageMaker's ``/ping``, vLLM's ``/health``.
 HEALTH_PATHS = (b"/ping", b"/health")
-#: What a request cut by a dead worker is told (``503 model_not_ready``, or a stream's last event).
+#: What a request cut by a dead worker is told (``503 model_not_ready``, or a stream's last event:
+#: :func:`~llava_sessions.wire.framing.cut_stream_tail`).
 WORKER_LOST = "the model server stopped while answering (its worker died and restarts); retry shortly"
 #: Reply headers TorchServe adds for its own use (its stream flag, its caching headers) and the worker's
 #: word to the front (:data:`SLOT_WAIT_HEADER`), not relayed to clients; TorchServe's ``x-request-id``
@@ -111,18 +111,6 @@ def worker_died(status: bytes, body: bytes) -> bool:
     0.12's worker threads send as 500, as 413 after a SIGKILL (exit 137), or as 507; the front answers
     such a request as one cut by the worker's death (sent again when it may be, else ``503 model_not_ready``)."""
     return status in (b"500", b"507", b"413") and b'"Worker died."' in body
-
-
-def cut_stream_tail(content_type: bytes, message: str) -> bytes:
-    """The last event of a stream whose worker died after its body began, in the stream's dialect:
-    an SSE ``data:`` event with OpenAI's error object, then ``data: [DONE]`` (the chat dialect's
-    ``text/event-stream``); one JSON line whose ``error`` both JSON-lines dialects read (the native
-    stream's ``{"token": null, ..., "error": {...}}`` and the chat dialect's OpenAI error object)."""
-    error = {"message": message, "type": "server_error", "param": None, "code": "model_not_ready"}
-    if content_type.split(b";")[0].strip().lower() == b"text/event-stream":
-        return b"data: %s\n\ndata: [DONE]\n\n" % json.dumps({"error": error}).encode()
-    line = {"token": None, "generated_text": None, "details": None, "error": error}
-    return json.dumps(line).encode() + b"\n"
 
 
 Fields = list[tuple[bytes, bytes, bytes]]
