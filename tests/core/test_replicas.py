@@ -134,9 +134,9 @@ def test_two_replicas_place_route_and_survive_a_replica_death(request, tiny_mode
     # must end the group TorchServe minted for it, or TorchServe itself refuses the next ("has no worker
     # to serve"). The stream ends with model_not_ready, and llava_client goes on where it stopped
     session = SessionClient.from_url(server.url).open_session(photos["coffee"])
-    ask = {"remember": False, "max_new_tokens": 200, "temperature": 0}
+    ask = {"remember": False, "max_new_tokens": 120, "temperature": 0}
     whole = session.ask("Describe the picture in detail.", details=True, **ask)
-    assert len(whole.tokens) == 200
+    assert len(whole.tokens) == 120
     stream = session.stream("Describe the picture in detail.", **ask)
     given = next(stream) + next(stream)
     for process in alive:

@@ -69,13 +69,13 @@ def test_a_killed_rank_costs_no_client_error(tiny_model_dir: Path, photos) -> No
         client = SessionClient.from_url(url)
         session = client.open_session(photos["coffee"])
         question = "Describe the picture in detail."
-        whole = session.ask(question, remember=False, max_new_tokens=200, temperature=0, details=True)
-        assert len(whole.tokens) == 200
+        whole = session.ask(question, remember=False, max_new_tokens=120, temperature=0, details=True)
+        assert len(whole.tokens) == 120
 
         # kill the other rank mid-answer: rank 0 ends, the replica restarts, the stream goes on
         worker = _worker(cli.pid)
         rank = _rank(worker)
-        stream = session.stream(question, remember=False, max_new_tokens=200, temperature=0)
+        stream = session.stream(question, remember=False, max_new_tokens=120, temperature=0)
         given = next(stream) + next(stream)
         rank.kill()
         rest = "".join(stream)
@@ -89,7 +89,7 @@ def test_a_killed_rank_costs_no_client_error(tiny_model_dir: Path, photos) -> No
         worker.kill()
         assert _gone(rank, 30), "the other rank outlived rank 0"
         t0 = time.monotonic()
-        again = session.ask(question, remember=False, max_new_tokens=200, temperature=0)
+        again = session.ask(question, remember=False, max_new_tokens=120, temperature=0)
         assert again.text == whole.text and session.recoveries >= 1
         print(f"answered {time.monotonic() - t0:.1f} s after rank 0 was killed")
     finally:
