@@ -1,5 +1,5 @@
 # Entry points: make install | make demo | make test  (and make web, make notebook, make lint, make bench,
-# make bench-peer, make bench-gpu, make test-container-stack)
+# make bench-peer, make bench-gpu, make test-container-stack, make test-gpu and make gpu-check on a card)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer bench-gpu gpu-wheels lint clean
+.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer bench-gpu gpu-check test-gpu gpu-wheels lint clean
 
 # config/constraints.txt: the one stack, the versions the container installs too (Dockerfile)
 CONSTRAINTS := config/constraints.txt
@@ -86,6 +86,16 @@ bench-peer: install
 BENCH_GPU_ARGS ?=
 bench-gpu: install
 	$(PY) benchmarks/gpu.py $(BENCH_GPU_ARGS)
+
+# the card check in one device call (benchmarks/gpu_check.sh: the GPU suite, then the GPU table, ~9 min)
+# and the GPU suite alone (tests/gpu and the core tests that compare the engine with itself, with the
+# tiny model on LLAVA_TEST_DEVICE, cuda by default; skipped where there is no card)
+gpu-check:
+	bash benchmarks/gpu_check.sh
+test-gpu: install
+	LLAVA_TEST_DEVICE=$${LLAVA_TEST_DEVICE:-cuda} $(PY) -m pytest -q -ra tests/gpu \
+	  tests/core/test_batching.py::test_batched_answers_equal_answers_alone_with_joins_and_leaves \
+	  tests/core/test_memory_plan.py::test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly
 
 # the wheels a bare GPU machine (python 3.12, its own torch and transformers 5.17, no network) lacks
 # for benchmarks/gpu.py, into .whl/ (ignored): our transformers, llguidance and pydantic (benchmarks/results/the-gpu-table.md)

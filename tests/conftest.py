@@ -36,13 +36,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llava(tiny_model_dir):
-    """The tiny checkpoint loaded in fp32 on the CPU."""
+    """The tiny checkpoint loaded in fp32 on the CPU, or on ``LLAVA_TEST_DEVICE`` (``make test-gpu``
+    runs the core tests that compare the engine with itself on the card this way)."""
     import torch
 
     from llava_sessions.model import LlavaModel
 
+    device = os.environ.get("LLAVA_TEST_DEVICE") or "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("LLAVA_TEST_DEVICE names a CUDA device, and there is none")
     torch.manual_seed(0)
-    return LlavaModel.from_pretrained(tiny_model_dir, device="cpu", dtype="float32")
+    return LlavaModel.from_pretrained(tiny_model_dir, device=device, dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "build_and_push.sh"
+GPU_CHECK = REPO / "benchmarks" / "gpu_check.sh"
 DOCKERFILE = REPO / "Dockerfile"
 CONSTRAINTS = REPO / "config" / "constraints.txt"
 #: An AWS Deep Learning Container, as a --base-image override (its registry needs a login).
@@ -47,7 +48,7 @@ def default_base_image() -> str:
 
 def test_shell_scripts_are_shellcheck_clean() -> None:
     result = subprocess.run(
-        [tool("shellcheck"), "--severity=style", str(SCRIPT), str(REPO / "docker" / "serve")],
+        [tool("shellcheck"), "--severity=style", str(SCRIPT), str(REPO / "docker" / "serve"), str(GPU_CHECK)],
         capture_output=True,
         text=True,
     )

@@ -578,7 +578,8 @@ MAX_TOOL_TOP_LEVEL_MODULES = 6
 def test_the_tools_have_a_sub_package_per_tool_and_the_tests_mirror_the_packages() -> None:
     """A sub-package per tool (the server and its front, the local endpoint, deploy, the demos, the
     tiny-model builder), the helpers they share beside them; every test in the folder of the package
-    it tests (``core/``, ``tools/``, ``client/``; ``project/`` for the repository's own checks)."""
+    it tests (``core/``, ``tools/``, ``client/``; ``project/`` for the repository's own checks; ``gpu/``
+    for what only a card runs)."""
     top = sorted(p.name for p in TOOLS.glob("*.py"))
     packages = sorted(p.name for p in TOOLS.iterdir() if (p / "__init__.py").is_file())
     assert len(top) <= MAX_TOOL_TOP_LEVEL_MODULES, top
@@ -586,4 +587,4 @@ def test_the_tools_have_a_sub_package_per_tool_and_the_tests_mirror_the_packages
     tests = REPO / "tests"
     assert sorted(p.name for p in tests.glob("test_*.py")) == [], "a test outside the packages' folders"
     folders = sorted(p.name for p in tests.iterdir() if p.is_dir() and list(p.glob("test_*.py")))
-    assert folders == ["client", "core", "project", "tools"]
+    assert folders == ["client", "core", "gpu", "project", "tools"]

@@ -1,0 +1,178 @@
+"""The engine on a card (issue 59 item 6): the code only a CUDA device runs, against ``model.generate``.
+
+The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under ``make test-gpu``):
+- the decode step captured as CUDA graphs and replayed, reading the pages each way (``gather``,
+  ``flex``: FlexAttention compiled, ``auto``), answers eight sessions together exactly as a
+  from-scratch ``generate`` answers each, and as the same static pass run eagerly;
+- a follow-up prefilled as the rows of one captured step, whose pass fails, leaves no position and
+  no page behind, and the retry answers as ``generate``;
+- bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits.
+
+Skipped unless ``LLAVA_TEST_DEVICE`` names a device or CUDA is present (CI has none). With
+``LLAVA_TEST_DEVICE=cpu`` the same tests run here, every static step eager (what a CPU engine runs),
+which is how their logic is checked without a card; the assertions about captured graphs then hold
+trivially. ``make test-gpu`` also runs the core tests that compare the engine with itself (batched
+against alone, preempted against alone) with ``tests/conftest.py``'s ``llava`` on the card.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine_fixtures import decode, make_engine
+from llava_sessions.engine import SessionEngine
+from llava_sessions.engine.model_runner import new_graphs
+from llava_sessions.model import LlavaModel
+from llava_sessions.model.graphs import DecodeGraphs
+from llava_sessions.model.kv.paged import KVPool, SessionKV
+from llava_sessions.model.kv.pages import reserve
+from llava_sessions.sampling.sampler import SamplingParams
+
+DEVICE = os.environ.get("LLAVA_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
+pytestmark = pytest.mark.skipif(
+    not DEVICE or (DEVICE.startswith("cuda") and not torch.cuda.is_available()),
+    reason="no card: make test-gpu on a CUDA device (LLAVA_TEST_DEVICE)",
+)
+
+N = 12
+#: Largest |logit| difference, relative to the largest |logit|, between the tiny model in bf16 and in
+#: fp32 on the first answer's first position (bf16 keeps 8 bits of mantissa, ~0.4% per rounding, and
+#: the vision tower's and the language model's roundings add up): about twice the worst the 2-core CPU
+#: measured over the four photographs (0.030-0.112).
+BF16_TOLERANCE = 0.2
+QUESTIONS = ("What is in this image?", "Describe the colours.")
+
+
+@pytest.fixture(scope="module")
+def card(tiny_model_dir: Path) -> LlavaModel:
+    """The tiny checkpoint in fp32 on :data:`DEVICE`."""
+    torch.manual_seed(0)
+    return LlavaModel.from_pretrained(tiny_model_dir, device=DEVICE, dtype="float32")
+
+
+def reference(llava: LlavaModel, image: bytes, question: str, dtype: Any = None) -> list[int]:
+    """``model.generate``'s greedy tokens from scratch on the chat-templated question about ``image``."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = llava.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = llava.processor(text=text, images=decode(image), return_tensors="pt").to(llava.device)
+    inputs["pixel_values"] = inputs["pixel_values"].to(dtype or llava.dtype)
+    with torch.inference_mode():
+        out = llava.model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def with_read(llava: LlavaModel, read: str) -> SessionEngine:
+    """An engine of the paged layout whose static decode step reads the pages as ``read``, captured as
+    CUDA graphs on a card (its pool fixed at the fixtures' 100 MB)."""
+    eng = make_engine(llava, decode_layout="paged", cuda_graphs=True)
+    runner = eng.runner
+    assert runner.graphs is not None and runner.kv_pool is not None
+    if runner.graphs.paged_read != read:
+        runner.graphs.close()
+        runner.graphs = new_graphs(llava, runner.kv_pool, read)  # type: ignore[arg-type]
+        eng.batch.graphs = runner.graphs  # type: ignore[attr-defined]
+    assert runner.graphs is not None
+    return eng
+
+
+def together(eng: SessionEngine, asks: dict[str, str]) -> dict[str, list[int]]:
+    """Every session's greedy answer to its question, decoded in one batch."""
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    gens = {sid: eng.start(sid, q, params, remember=False) for sid, q in asks.items()}
+    while not all(g.done for g in gens.values()):
+        eng.step([g for g in gens.values() if not g.done])
+    assert all(g.error is None for g in gens.values()), [repr(g.error) for g in gens.values()]
+    return {sid: [t.id for t in g.answer.tokens] for sid, g in gens.items()}
+
+
+@pytest.mark.parametrize("read", ["gather", "flex", "auto"])
+def test_replayed_steps_answer_eight_sessions_as_generate_and_as_the_same_pass_eagerly(card, photos, read):
+    """Eight sessions (four photographs, two questions) answer together: the step replayed from its
+    graphs (8 rows: FlexAttention under ``flex`` and ``auto``, the gather under ``gather``), then the
+    same static pass run eagerly (``replay`` off), then each equal to ``generate`` alone."""
+    eng = with_read(card, read)
+    graphs = eng.runner.graphs
+    assert isinstance(graphs, DecodeGraphs)
+    on_card = card.device.type == "cuda"
+    assert (graphs.num_graphs > 0) == on_card
+    asks = {}
+    for name in sorted(photos):
+        for j, question in enumerate(QUESTIONS):
+            sid = f"{name}-{j}"
+            eng.open(sid, photos[name])
+            asks[sid] = question
+    assert graphs.reads_flex(8) == (read != "gather")
+    replayed = together(eng, asks)
+    assert (graphs.num_replays > 0) == on_card
+    graphs.replay = False
+    eager = together(eng, asks)
+    graphs.replay = True
+    assert eager == replayed
+    for sid, question in asks.items():
+        assert replayed[sid] == reference(card, photos[sid.rsplit("-", 1)[0]], question), sid
+
+
+def test_a_follow_up_prefilled_as_one_step_s_rows_rolls_back_a_failed_pass(card, monkeypatch):
+    """A 40-token follow-up after a 300-token prefix, prefilled as the rows of one static step (a
+    replayed graph on a card): its pass fails once (the card's error, raised from the step), and the
+    holder's table, the pool's free pages and the graphs' prefill count are as before; the retry's
+    greedy answer equals ``generate``'s on the whole prompt."""
+    text = card.config.text_config
+    shape = (text.num_hidden_layers, card.num_kv_heads, card.head_dim, card.dtype, card.device)
+    pool = KVPool(*shape, page_size=16, num_pages=200, fixed=True)
+    ids = card.processor.tokenizer("Describe the view from the window in a few words, please. " * 40)["input_ids"]
+    ids = ids[:340]
+    session = SessionKV(pool)
+    card.prefill(session, ids[:300], None)
+    graphs = DecodeGraphs(card, pool, max_rows=64, max_len=card.max_positions, paged_read="gather")
+    if card.device.type == "cuda":
+        graphs.capture()
+    free, run = pool.pool.num_free_pages, graphs.run
+
+    def fails_once(*args: Any) -> Any:
+        monkeypatch.setattr(graphs, "run", run)
+        raise torch.AcceleratorError("an illegal memory access was encountered")  # what a card's fault raises
+
+    monkeypatch.setattr(graphs, "run", fails_once)
+    with pytest.raises(torch.AcceleratorError):
+        graphs.prefill(session.table, ids[300:])
+    assert session.table.num_tokens == 300 and pool.pool.num_free_pages == free and graphs.num_prefills == 0
+    logits = graphs.prefill(session.table, ids[300:])
+    assert logits is not None and session.table.num_tokens == 340 and graphs.num_prefills == 1
+    tokens = [int(logits.argmax())]
+    while len(tokens) < N:
+        assert reserve(pool.pool, session.table, 1) == []
+        tokens.append(int(graphs.run([session.table], [tokens[-1]])[0].argmax()))
+    with torch.inference_mode():
+        out = card.model.generate(
+            input_ids=torch.tensor([ids], device=card.device), max_new_tokens=N, min_new_tokens=N, do_sample=False
+        )
+    assert tokens == out[0, len(ids) :].tolist()
+    pool.check([session.table, graphs.table])
+
+
+def test_bf16_logits_stay_within_tolerance_of_fp32(tiny_model_dir, card, photos):
+    """The first answer position's logits of the tiny model in bf16 against fp32 on the same device,
+    image and question: the largest difference within :data:`BF16_TOLERANCE` of the largest logit
+    (the 2-core CPU measured 0.030-0.112 over the four photographs, the top token the same in each).
+    Greedy answers are not compared: a random model's near ties flip under bf16's rounding."""
+    half = LlavaModel.from_pretrained(tiny_model_dir, device=DEVICE, dtype="bfloat16")
+    for name, image in photos.items():
+        full_logits, half_logits = (first_logits(m, image) for m in (card, half))
+        worst = float((full_logits - half_logits).abs().max() / full_logits.abs().max())
+        assert worst <= BF16_TOLERANCE, (name, worst)
+
+
+def first_logits(llava: LlavaModel, image: bytes) -> torch.Tensor:
+    """Logits ``[vocab]`` float32 of the first answer position for :data:`QUESTIONS`' first about ``image``."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}]
+    text = llava.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = llava.processor(text=text, images=decode(image), return_tensors="pt").to(llava.device)
+    inputs["pixel_values"] = inputs["pixel_values"].to(llava.dtype)
+    with torch.inference_mode():
+        return llava.model(**inputs).logits[0, -1].float()
