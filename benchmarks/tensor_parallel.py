@@ -16,11 +16,19 @@ point). transformers needs ``accelerate`` for ``tp_plan``; it is not one of this
 dependencies, so the script says so and exits 2 without it. A model whose key-value heads do not
 divide by ``--ranks`` fails in the sharded forward pass, with transformers' shape error.
 
+``--vision-messages`` measures what decided where the vision tower runs (decision 57): the message
+rank 0 sends another rank for an image turn when only rank 0 runs the vision tower (the pass's input
+embeddings, bf16) against what it would send with the tower on every rank (the pixel values, bf16,
+and the ids), and a decode step's (its rows' embeddings against their ids), at the real models'
+shapes, through the ``multiprocessing`` pipe a rank reads (pickled, sent, received and acknowledged;
+median of ``--repeat``).
+
 ``--engine`` runs the session engine instead (an open, a first answer, a follow-up; ``worker.build_engine``
 as a replica wires it: one process with the CPU's defaults, then rank 0 of ``--ranks``) and prints the
 ms of each, the follow-up's ms per token and the messages rank 0 sent per token.
 
 Usage: python benchmarks/tensor_parallel.py [--arch llava llava-next llava-onevision] [--ranks 2] [--engine]
+       python benchmarks/tensor_parallel.py --vision-messages --repeat 20
 """
 
 from __future__ import annotations
@@ -42,6 +50,63 @@ import torch.multiprocessing as mp
 
 #: A prompt of ids inside every tiny vocabulary (the tiny models' text vocabularies are small).
 PROMPT = [1, 13, 21, 34, 55, 8, 9, 42, 17, 5]
+
+#: An image turn's shapes in the checkpoints' configs: hidden size, the turn's tokens (image and
+#: text), its pixel values. llava-1.5-7b: 576 image tokens of one 336 px crop; OneVision-72b: anyres
+#: up to 3 x 3 crops of 384 px and the whole image (10 crops), 729 tokens each before unpadding.
+VISION_SHAPES: dict[str, dict[str, Any]] = {
+    "llava-1.5-7b": {"hidden": 4096, "tokens": 600, "pixels": (1, 3, 336, 336)},
+    "llava-onevision-qwen2-72b": {"hidden": 8192, "tokens": 7320, "pixels": (1, 10, 3, 384, 384)},
+}
+
+
+def _acknowledge(channel: Any) -> None:
+    """The other rank's side: receive each message (unpickled) and say so, until ``None``."""
+    while channel.recv() is not None:
+        channel.send(True)
+
+
+def vision_messages(repeat: int, rows: int = 8) -> list[dict[str, Any]]:
+    """Median ms to pickle, send, receive and acknowledge each message of :data:`VISION_SHAPES`
+    through a ``multiprocessing`` pipe to another process: an image turn's embeddings against its
+    pixel values and ids, and a decode step's ``rows`` embeddings against their ids (all bf16). A
+    tensor crosses as torch's reduction sends it: its storage moved into shared memory (a copy) and
+    a file descriptor passed, so each send is of fresh tensors, as each pass's are."""
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    other = ctx.Process(target=_acknowledge, args=(theirs,), daemon=True)
+    other.start()
+
+    def ms(*parts: torch.Tensor) -> float:
+        times = []
+        for _ in range(repeat):
+            message = ("forward", *(p.clone() for p in parts))  # a pass's own tensors: none in shared memory yet
+            t0 = time.perf_counter()
+            mine.send(message)
+            mine.recv()
+            times.append((time.perf_counter() - t0) * 1000)
+        return round(statistics.median(times), 3)
+
+    out = []
+    for name, shape in VISION_SHAPES.items():
+        hidden, n = shape["hidden"], shape["tokens"]
+        embeds = torch.randn(1, n, hidden).to(torch.bfloat16)
+        pixels = torch.randn(*shape["pixels"]).to(torch.bfloat16)
+        ids = torch.randint(0, 32000, (1, n))
+        row = {
+            "model": name,
+            "embeds_mb": round(embeds.nbytes / 2**20, 2),
+            "pixels_mb": round(pixels.nbytes / 2**20, 2),
+        }
+        row["image_turn_embeds_ms"] = ms(embeds)
+        row["image_turn_pixels_ms"] = ms(pixels, ids)
+        row["decode_embeds_ms"] = ms(torch.randn(rows, 1, hidden).to(torch.bfloat16))
+        row["decode_ids_ms"] = ms(torch.randint(0, 32000, (rows, 1)))
+        out.append(row)
+        print(json.dumps(row))
+    mine.send(None)
+    other.join(10)
+    return out
 
 
 def answer(model: Any, new_tokens: int, repeat: int) -> tuple[list[int], float]:
@@ -139,7 +204,13 @@ def main() -> int:
     parser.add_argument(
         "--engine", action="store_true", help="the session engine over the ranks, beside one process (not generate)"
     )
+    parser.add_argument("--vision-messages", action="store_true", help="an image turn's message each way (no model)")
     args = parser.parse_args()
+    if args.vision_messages:
+        rows = vision_messages(args.repeat)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
     if importlib.util.find_spec("accelerate") is None:
         print("transformers needs accelerate for tp_plan: pip install accelerate", file=sys.stderr)
         return 2
