@@ -25,8 +25,8 @@ __all__ = ["ENV_PREFIX", "SPARE_JOB_GROUPS", "Settings", "job_groups", "resolve_
 ENV_PREFIX = "LLAVA_"
 
 #: ``LLAVA_*`` variables that are not handler settings: read by the tools (llava-serve, the container
-#: entrypoint, llava-deploy, build_and_push.sh, the benchmarks, the GPU suite) and the notebook. Any other ``LLAVA_*``
-#: variable must name a setting (a typo is refused, with the closest name).
+#: entrypoint, llava-deploy, build_and_push.sh, the benchmarks, the GPU suite) and the notebook. Any
+#: other ``LLAVA_*`` variable must name a setting (a typo is refused, with the closest name).
 # fmt: off
 TOOL_ENV_VARS = frozenset({
     "LLAVA_HOME", "LLAVA_CONTAINER_MODEL_DIR", "LLAVA_CONTAINER_PORT", "LLAVA_CONTAINER_HOST", "LLAVA_TS_LOG_CONFIG",

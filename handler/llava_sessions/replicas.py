@@ -233,9 +233,10 @@ class ReplicaRouter:
 
         Never raises: a dead replica's rows, and a new request while no replica is alive, get the
         retryable ``model_not_ready`` (:meth:`lost`, :meth:`not_ready`). Either ends the TorchServe job
-        group minted for a request that came without a session (as a refused open does on a replica): left open, each
-        such group would hold one of TorchServe's ``maxNumSequence`` until its idle timeout, and
-        clients retrying through a restart would exhaust them (TorchServe's own 503 "has no worker").
+        group minted for a request that came without a session (as a refused open does on a replica):
+        left open, each such group would hold one of TorchServe's ``maxNumSequence`` until its idle
+        timeout, and clients retrying through a restart would exhaust them (TorchServe's own 503 "has
+        no worker").
         """
         parts: dict[int, list[int]] = {}
         tallies = {r.index: dict(r.stats) for r in self.replicas if r.alive}
