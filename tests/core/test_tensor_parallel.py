@@ -97,6 +97,23 @@ def test_two_ranks_answer_a_whole_conversation_exactly_as_one_process(pair, smal
     assert two.num_kv_heads == one.num_kv_heads // 2 and two.kv_bytes_per_token == one.kv_bytes_per_token
 
 
+def test_prefill_embeddings_by_broadcast_answer_as_one_process(pair, small_photos) -> None:
+    """A card's way (``broadcast_embeds``, on by default under NCCL) run over ``gloo``: every pass of
+    more than one position sends its input embeddings by a collective broadcast after its message,
+    not in it; the conversation's answers are the same."""
+    arch, one, two = pair
+    if arch != "llava":
+        pytest.skip("the message is the engine's, the same for every family: one is enough here")
+    assert two.ranks.broadcast_embeds is False  # the CPU's default: the pipe is the faster there
+    want = conversation(engine_of(one, 1), small_photos)
+    two.ranks.broadcast_embeds, before = True, two.ranks.num_broadcasts
+    try:
+        assert conversation(engine_of(two, 2), small_photos) == want
+        assert two.ranks.num_broadcasts >= before + 6  # every prefill's embeddings went that way
+    finally:
+        two.ranks.broadcast_embeds = False
+
+
 def test_a_video_session_on_two_ranks_answers_as_one_process(pair) -> None:
     arch, one, two = pair
     if arch != "llava-onevision":

@@ -25,6 +25,11 @@ worker restart. A collective that waits longer than :data:`RANK_TIMEOUT_S` fails
 
 Only passes over the KV pool run sharded (:class:`~.kv.paged.SlotsCache`): a tensor-parallel
 replica runs the paged layout, eager, without fused chunks or host offload (``worker.build_engine``).
+
+A prefill's input embeddings (an image turn's: 114 MB at OneVision-72b's shapes, 49-51 ms per rank
+through the pipe, ``benchmarks/results/tensor-parallel-engine.md``) go by a collective broadcast on GPUs
+(NCCL, GPU to GPU) instead of the pipe (:attr:`RankGroup.broadcast_embeds`); on a CPU the pipe is the
+faster (a ``gloo`` broadcast took 86 ms there).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -48,6 +54,7 @@ import torch
 from .kv.paged import KVPages, SlotsCache
 
 __all__ = [
+    "Broadcast",
     "RANK_DIED_EXIT",
     "RANK_TIMEOUT_S",
     "RankGroup",
@@ -101,13 +108,19 @@ class RankGroup:
 
     Attributes:
         num_messages: messages sent since start (passes and page changes).
+        num_broadcasts: input embeddings sent by a broadcast since start.
+        broadcast_embeds: a pass of more than one position sends its input embeddings by a collective
+            broadcast inside the pass (:class:`Broadcast` in the message), not in the message: on by
+            default on GPUs (NCCL), where the pipe would carry them through the host.
     """
 
-    def __init__(self, size: int, processes: list[Any], channels: list[Any]) -> None:
+    def __init__(self, size: int, processes: list[Any], channels: list[Any], *, broadcast_embeds: bool = False) -> None:
         self.size = size
         self.processes = processes
         self.channels = channels
         self.num_messages = 0
+        self.num_broadcasts = 0
+        self.broadcast_embeds = broadcast_embeds
         self._closing = False
         self._watcher = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
         self._watcher.start()
@@ -149,9 +162,19 @@ class RankGroup:
         (``inputs_embeds`` ``[B, n, hidden]``, ``attention_mask``, ``position_ids``, ``logits_to_keep``)
         over ``cache``, a :class:`~.kv.paged.SlotsCache` (its write and read slots); inside :meth:`sharded`.
         """
+        import torch.distributed as dist
+
         layer = cache.layers[0]
         slots = (_host(layer.write_slots), _host(layer.read_slots), layer.num_new, layer.whole_pool)
-        self.send(("forward", slots, {k: _host(v) for k, v in kwargs.items()}))
+        embeds = kwargs.get("inputs_embeds")
+        if not (self.broadcast_embeds and isinstance(embeds, torch.Tensor) and embeds.shape[1] > 1):
+            self.send(("forward", slots, {k: _host(v) for k, v in kwargs.items()}))
+            return
+        sent = {k: _host(v) for k, v in kwargs.items() if k != "inputs_embeds"}
+        sent["inputs_embeds"] = Broadcast(tuple(embeds.shape), embeds.dtype)
+        self.send(("forward", slots, sent))
+        dist.broadcast(embeds.contiguous(), src=0)
+        self.num_broadcasts += 1
 
     def fail(self, why: str) -> None:
         """End rank 0 at once (the other ranks follow): a rank is gone, or a sharded step failed after the
@@ -181,6 +204,15 @@ class RankGroup:
         if not self._closing:
             dead = [p.pid for p in self.processes if not p.is_alive()]
             self.fail(f"rank process {dead} exited")
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """In a ``forward`` message, in place of the input embeddings: they follow by a collective
+    broadcast from rank 0, ``shape`` ``[B, n, hidden]`` of ``dtype``."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _host(value: Any) -> Any:
@@ -249,7 +281,9 @@ def start_ranks(
         processes.append(p)
         channels.append(channel)
     torch.set_num_threads(threads)
-    group = RankGroup(size, processes, channels)  # watching them from here: a rank dying while starting ends rank 0
+    group = RankGroup(
+        size, processes, channels, broadcast_embeds=device.type == "cuda"
+    )  # watching them from here: a rank dying while starting ends rank 0
     for channel in channels:  # each rank's imports done (seconds): the rendezvous then takes well under the timeout
         channel.recv()
     _join(0, size, port, first, timeout_s)
@@ -350,9 +384,15 @@ def follow(
 @torch.inference_mode()
 def _run_pass(model: Any, keyword: str, pages: KVPages, dev: torch.device, slots: tuple, kwargs: dict) -> None:
     """The pass rank 0 described, over this rank's pages (its output is rank 0's to use)."""
+    import torch.distributed as dist
+
     write, read, num_new, whole_pool = slots
     cache = SlotsCache(pages, write.to(dev), read.to(dev), num_new, whole_pool=whole_pool)
     inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    spec = inputs.get("inputs_embeds")
+    if isinstance(spec, Broadcast):  # they follow the message by a broadcast from rank 0
+        inputs["inputs_embeds"] = torch.empty(spec.shape, dtype=spec.dtype, device=dev)
+        dist.broadcast(inputs["inputs_embeds"], src=0)
     model(use_cache=True, **{keyword: cache}, **inputs)
 
 
