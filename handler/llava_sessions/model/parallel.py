@@ -281,9 +281,8 @@ def start_ranks(
         processes.append(p)
         channels.append(channel)
     torch.set_num_threads(threads)
-    group = RankGroup(
-        size, processes, channels, broadcast_embeds=device.type == "cuda"
-    )  # watching them from here: a rank dying while starting ends rank 0
+    # watching them from here: a rank dying while starting ends rank 0
+    group = RankGroup(size, processes, channels, broadcast_embeds=device.type == "cuda")
     for channel in channels:  # each rank's imports done (seconds): the rendezvous then takes well under the timeout
         channel.recv()
     _join(0, size, port, first, timeout_s)
