@@ -64,7 +64,8 @@ def prompts(llava) -> list[list[int]]:
 
 def reference(llava, ids: list[int]) -> list[int]:
     with torch.inference_mode():
-        out = llava.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=N, min_new_tokens=N, do_sample=False)
+        ids_t = torch.tensor([ids], device=llava.device)  # the model's device (tests/gpu runs this on a card)
+        out = llava.model.generate(input_ids=ids_t, max_new_tokens=N, min_new_tokens=N, do_sample=False)
     return out[0, len(ids) :].tolist()
 
 

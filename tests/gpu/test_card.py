@@ -32,6 +32,7 @@ from llava_sessions.model.graphs import DecodeGraphs
 from llava_sessions.model.kv.paged import KVPool, SessionKV
 from llava_sessions.model.kv.pages import reserve
 from llava_sessions.sampling.sampler import SamplingParams
+from test_decode_graphs import N, reference as text_reference
 
 DEVICE = os.environ.get("LLAVA_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
 pytestmark = pytest.mark.skipif(
@@ -39,7 +40,6 @@ pytestmark = pytest.mark.skipif(
     reason="no card: make test-gpu on a CUDA device (LLAVA_TEST_DEVICE)",
 )
 
-N = 12
 #: Largest |logit| difference, relative to the largest |logit|, between the tiny model in bf16 and in
 #: fp32 on the first answer's first position (bf16 keeps 8 bits of mantissa, ~0.4% per rounding, and
 #: the vision tower's and the language model's roundings add up): about twice the worst the 2-core CPU
@@ -55,12 +55,19 @@ def card(tiny_model_dir: Path) -> LlavaModel:
     return LlavaModel.from_pretrained(tiny_model_dir, device=DEVICE, dtype="float32")
 
 
-def reference(llava: LlavaModel, image: bytes, question: str, dtype: Any = None) -> list[int]:
-    """``model.generate``'s greedy tokens from scratch on the chat-templated question about ``image``."""
+def question_inputs(llava: LlavaModel, image: bytes, question: str) -> Any:
+    """The processor's inputs for the chat-templated ``question`` about ``image``, on the model's
+    device, the pixel values in its dtype."""
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     text = llava.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = llava.processor(text=text, images=decode(image), return_tensors="pt").to(llava.device)
-    inputs["pixel_values"] = inputs["pixel_values"].to(dtype or llava.dtype)
+    inputs["pixel_values"] = inputs["pixel_values"].to(llava.dtype)
+    return inputs
+
+
+def reference(llava: LlavaModel, image: bytes, question: str) -> list[int]:
+    """``model.generate``'s greedy tokens from scratch on the chat-templated question about ``image``."""
+    inputs = question_inputs(llava, image, question)
     with torch.inference_mode():
         out = llava.model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
@@ -148,11 +155,7 @@ def test_a_follow_up_prefilled_as_one_step_s_rows_rolls_back_a_failed_pass(card,
     while len(tokens) < N:
         assert reserve(pool.pool, session.table, 1) == []
         tokens.append(int(graphs.run([session.table], [tokens[-1]])[0].argmax()))
-    with torch.inference_mode():
-        out = card.model.generate(
-            input_ids=torch.tensor([ids], device=card.device), max_new_tokens=N, min_new_tokens=N, do_sample=False
-        )
-    assert tokens == out[0, len(ids) :].tolist()
+    assert tokens == text_reference(card, ids)
     pool.check([session.table, graphs.table])
 
 
@@ -170,9 +173,5 @@ def test_bf16_logits_stay_within_tolerance_of_fp32(tiny_model_dir, card, photos)
 
 def first_logits(llava: LlavaModel, image: bytes) -> torch.Tensor:
     """Logits ``[vocab]`` float32 of the first answer position for :data:`QUESTIONS`' first about ``image``."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]}]
-    text = llava.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = llava.processor(text=text, images=decode(image), return_tensors="pt").to(llava.device)
-    inputs["pixel_values"] = inputs["pixel_values"].to(llava.dtype)
     with torch.inference_mode():
-        return llava.model(**inputs).logits[0, -1].float()
+        return llava.model(**question_inputs(llava, image, QUESTIONS[0])).logits[0, -1].float()
