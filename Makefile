@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer bench-gpu gpu-check test-gpu gpu-wheels lint clean
+.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer bench-gpu bench-gpu-serve gpu-check test-gpu gpu-wheels lint clean
 
 # config/constraints.txt: the one stack, the versions the container installs too (Dockerfile)
 CONSTRAINTS := config/constraints.txt
@@ -87,7 +87,14 @@ BENCH_GPU_ARGS ?=
 bench-gpu: install
 	$(PY) benchmarks/gpu.py $(BENCH_GPU_ARGS)
 
-# the card check in one device call (benchmarks/gpu_check.sh: the GPU suite, then the GPU table, ~9 min)
+# the TorchServe table (benchmarks/gpu_serve.py): llava-serve over HTTP on the 7b-shaped model written to
+# local disk, beside TorchServe's floor; BENCH_GPU_SERVE_ARGS="--device cpu --model tiny --dtype auto" on a CPU
+BENCH_GPU_SERVE_ARGS ?=
+bench-gpu-serve: install
+	$(PY) benchmarks/gpu_serve.py $(BENCH_GPU_SERVE_ARGS)
+
+# the card check in one device call (benchmarks/gpu_check.sh: the GPU suite, the GPU table, then the
+# TorchServe table, ~9 min)
 # and the GPU suite alone (tests/gpu and the core tests that compare the engine with itself, with the
 # tiny model on LLAVA_TEST_DEVICE, cuda by default; skipped where there is no card)
 gpu-check:
@@ -97,14 +104,18 @@ test-gpu: install
 	  tests/core/test_batching.py::test_batched_answers_equal_answers_alone_with_joins_and_leaves \
 	  tests/core/test_memory_plan.py::test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly
 
-# the wheels a bare GPU machine (python 3.12, its own torch and transformers 5.17, no network) lacks
-# for benchmarks/gpu.py, into .whl/ (ignored): our transformers, llguidance and pydantic (benchmarks/results/the-gpu-table.md)
+# what a bare GPU machine (python 3.12, its own torch and transformers 5.17, no network, no Java) lacks
+# for benchmarks/gpu.py and gpu_serve.py, into .whl/ (ignored; ~61 MB of the 64 MiB a device call
+# carries): our transformers, llguidance and pydantic (benchmarks/results/the-gpu-table.md), then
+# TorchServe's wheels and a Java runtime jlinked from a JDK >= 24 (benchmarks/gpu_bundle.py; JAVA_LINK_HOME
+# names one, else the newest under /usr/lib/jvm)
 GPU_WHEELS = $(shell grep -E '^(transformers|llguidance|pydantic|pydantic-core|annotated-types|typing-extensions|typing-inspection)==' $(CONSTRAINTS))
 gpu-wheels: install
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 \
 	  -d .whl $(GPU_WHEELS)
+	$(PY) benchmarks/gpu_bundle.py pack --out .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # The card check in one device call (issue 59 item 6; `make gpu-check`): the GPU suite (tests/gpu and
-# the core tests that compare the engine with itself, on the card), then the in-process GPU table
-# (benchmarks/gpu.py), each under a timeout so the whole fits in about 9 minutes, each writing what it
-# found into OUT as it ends (the device call's $OUT; ./gpu-check here). The TorchServe table is not in
-# it: the device machine has no Java.
+# the core tests that compare the engine with itself, on the card), the in-process GPU table
+# (benchmarks/gpu.py), then the TorchServe table (benchmarks/gpu_serve.py: llava-serve over HTTP beside
+# TorchServe's floor), each under a timeout so the whole fits in about 9 minutes, each writing what it
+# found into OUT as it ends (the device call's $OUT; ./gpu-check here). The device machine has no Java:
+# `make gpu-wheels` packs a runtime and TorchServe's frontend into .whl (benchmarks/gpu_bundle.py).
 #
 # On the device machine (its own python3, torch and pytest; `make gpu-wheels` here first, carry .whl):
 #   COMMIT=<git rev-parse HEAD> bash benchmarks/gpu_check.sh
 # On a CPU, to check the script itself:
-#   LLAVA_TEST_DEVICE=cpu GPU_TABLE_ARGS="--device cpu --model tiny --dtype auto --levels 1,2" bash benchmarks/gpu_check.sh
+#   LLAVA_TEST_DEVICE=cpu GPU_TABLE_ARGS="--device cpu --model tiny --dtype auto --levels 1,2" \
+#   GPU_SERVE_ARGS="--device cpu --model tiny --dtype auto --streams 2" bash benchmarks/gpu_check.sh
 set -u
 out=${OUT:-gpu-check}
 mkdir -p "$out"
 if [ -d .whl ] && compgen -G ".whl/*.whl" > /dev/null; then  # what the device machine lacks, by version
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:handler:client:benchmarks
+fi
+if [ -f .whl/java-runtime.tar.xz ]; then  # TorchServe's Java and frontend jar (benchmarks/gpu_bundle.py)
+  python3 benchmarks/gpu_bundle.py unpack --bundle .whl --site /tmp/site --java /tmp/java || exit 1
+  export JAVA_HOME=/tmp/java PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONUNBUFFERED=1 LLAVA_TEST_DEVICE=${LLAVA_TEST_DEVICE:-cuda}
 python=${PYTHON:-python3}
@@ -31,13 +37,19 @@ tests=(
   "tests/core/test_batching.py::test_batched_answers_equal_answers_alone_with_joins_and_leaves"
   "tests/core/test_memory_plan.py::test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly"
 )
-timeout "${GPU_TESTS_TIMEOUT_S:-240}" "$python" -m pytest -q -ra -p no:cacheprovider "${tests[@]}" \
+timeout "${GPU_TESTS_TIMEOUT_S:-150}" "$python" -m pytest -q -ra -p no:cacheprovider "${tests[@]}" \
   --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.txt" 2>&1
 echo "GPU suite: exit $?"
 tail -n 15 "$out/gpu_tests.txt"
 
 read -r -a table <<< "${GPU_TABLE_ARGS:---skip-other-layout --kernel-rows=}"
-timeout "${GPU_TABLE_TIMEOUT_S:-300}" "$python" benchmarks/gpu.py "${table[@]}" --json "$out/gpu.json" \
-  --deadline-s "${GPU_TABLE_DEADLINE_S:-240}" > "$out/gpu_log.txt" 2>&1
+timeout "${GPU_TABLE_TIMEOUT_S:-200}" "$python" benchmarks/gpu.py "${table[@]}" --json "$out/gpu.json" \
+  --deadline-s "${GPU_TABLE_DEADLINE_S:-150}" > "$out/gpu_log.txt" 2>&1
 echo "GPU table: exit $?"
 tail -n 40 "$out/gpu_log.txt"
+
+read -r -a serve <<< "${GPU_SERVE_ARGS:-}"
+timeout "${GPU_SERVE_TIMEOUT_S:-180}" "$python" benchmarks/gpu_serve.py "${serve[@]}" --in-process "$out/gpu.json" \
+  --json "$out/gpu_serve.json" --work-dir "${GPU_SERVE_DIR:-/tmp}" > "$out/gpu_serve_log.txt" 2>&1
+echo "TorchServe table: exit $?"
+tail -n 40 "$out/gpu_serve_log.txt"
