@@ -32,7 +32,9 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    answers decode in the layout the first did not (``contiguous``: one batch tensor, a joining
    answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card chooses the
    default by measurement.
-9. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
+9. **A step's greedy rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows' tokens one
+   by one against one argmax over the batch, ms per step each.
+10. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
    shape at ``--context`` positions and ``--kernel-rows`` rows): contiguous SDPA, the engine's gather
    then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
    where torch has it; ms per layer, the difference from SDPA, and the fastest exact paged kernel.
@@ -69,6 +71,7 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+import greedy_rows
 from engine_decode import build_runner, first_differences, run_together, sync
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
@@ -501,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     if engine.runner.graphs is not None:
         report.run("graphs", lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s))
     report.run("kv_pool", lambda: pool_report(engine, args.context))
+    vocab = int(llava.config.text_config.vocab_size)
+    report.run("greedy_rows", lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20))
     if not args.skip_peer:  # after the engine's rows: compiling the peer takes the longest
         report.run("peer", lambda: peer_static_generate(llava, images[2], args.new_tokens))
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]

@@ -137,6 +137,42 @@ def test_a_row_that_sits_out_steps_still_answers_exactly(llava, photos):
     assert eng.batch.num_builds >= 1
 
 
+def test_plain_greedy_rows_take_their_tokens_from_one_argmax_a_step_and_answer_as_alone(llava, photos):
+    """Rows with nothing but greedy to compute (no logprobs, penalty, bias, grammar, active ``min_tokens``
+    mask) take their tokens from one argmax over the step's logits, read to the host once (the profiler
+    counts one ``aten::argmax`` in a decode step of three such rows); a ``min_tokens`` row joins them once
+    its mask is over, a logprobs row samples alone; every answer equals the same question alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    asks = {
+        "a": ("What is in this image?", SamplingParams(max_new_tokens=12)),
+        "b": ("Describe the saucer.", SamplingParams(max_new_tokens=12)),
+        "c": ("What is it?", SamplingParams(max_new_tokens=12, min_tokens=4, ignore_eos=True)),
+        "d": ("And in the background?", SamplingParams(max_new_tokens=12, logprobs=True)),
+    }
+    images = {"a": "astronaut", "b": "coffee", "c": "rocket", "d": "chelsea"}
+    eng = make_engine(llava)
+    for sid, photo in images.items():
+        eng.open(sid, photos[photo])
+    expected = {sid: eng.generate(sid, q, p, remember=False).tokens for sid, (q, p) in asks.items()}
+    gens = {sid: eng.start(sid, q, p, remember=False) for sid, (q, p) in asks.items() if sid != "d"}
+    while not all(g.prefilled for g in gens.values()):
+        eng.step([g for g in gens.values() if not g.prefilled])
+    assert not gens["c"].sampler.plain_greedy  # its first tokens may not end it: masked, one by one
+    while not all(g.sampler.plain_greedy for g in gens.values()):
+        eng.step([g for g in gens.values() if not g.done])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.step(list(gens.values()))
+    argmaxes = sum(e.count for e in prof.key_averages() if e.key == "aten::argmax")
+    assert argmaxes == 1, argmaxes  # one for the three rows, not one each
+    gens["d"] = eng.start("d", *asks["d"], remember=False)
+    while not all(g.done for g in gens.values()):
+        eng.step([g for g in gens.values() if not g.done])
+    for sid, g in gens.items():
+        assert [t.id for t in g.answer.tokens] == [t.id for t in expected[sid]], sid
+    assert all(t.logprob is not None for t in gens["d"].answer.tokens)
+
+
 def test_stop_strings_and_finish_reasons_are_per_row(llava, photos):
     eng = make_engine(llava)
     open_all(eng, photos)

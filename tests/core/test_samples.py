@@ -105,7 +105,8 @@ def test_one_answer_that_fails_fails_the_request_and_the_session_is_as_before(ll
     def broken(logits):
         raise RuntimeError("a sampler failed")
 
-    gen.samples[1].sampler.next_token = broken
+    gen.samples[1].sampler.next_token = broken  # a row sampled alone
+    gen.samples[1].sampler.took = broken  # a plain greedy row, its token from the batch's argmax
     eng.step([gen])
     assert gen.all_done and isinstance(gen.error, RuntimeError)
     assert only_sessions(eng) == ["s"] and not eng.store.get("s").busy and eng.history("s") == []

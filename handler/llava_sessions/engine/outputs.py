@@ -48,13 +48,23 @@ class StepOutputs:
 
     def accept_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample each of ``seqs``' next token from its row of ``logits [B, vocab]`` (float32, the
-        decode step's); one that fails to sample fails alone."""
-        for g in seqs:
+        decode step's); one that fails to sample fails alone.
+
+        The rows whose sampler is :attr:`~..sampling.sampler.Sampler.plain_greedy` take their tokens
+        from one argmax over the batch, read to the host at once: one device sync a step, where each
+        row's own argmax is one sync a row (the other rows sample one by one, as before)."""
+        live = [g for g in seqs if not g.done]
+        greedy = logits.argmax(-1).tolist() if any(g.sampler.plain_greedy for g in live) else None
+        for g in live:
             if g.done:  # another answer of its request failed and took it along
                 continue
             assert g.row is not None
             try:
-                self.accept(g, logits[g.row])
+                if greedy is not None and g.sampler.plain_greedy:
+                    g.sampler.took(greedy[g.row])
+                    self._record(g, greedy[g.row], None, ())
+                else:
+                    self.accept(g, logits[g.row])
             except Exception as exc:  # noqa: BLE001
                 self.fail(g, exc)
 
@@ -62,6 +72,9 @@ class StepOutputs:
         """Sample ``seq``'s next token from ``logits [vocab]`` (float32) and record it; finish the
         answer when it ends there."""
         token, logprob, top = seq.sampler.next_token(logits)
+        self._record(seq, token, logprob, top)
+
+    def _record(self, seq: Sequence, token: int, logprob: float | None, top: tuple[tuple[int, float], ...]) -> None:
         self.num_generated_tokens += 1
         finish = seq.append(token, logprob, self.model.eos_token_ids, top)
         if finish:

@@ -80,6 +80,28 @@ class Sampler:
         self._generated = 0
         self.grammar = grammar
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether the next token is the argmax of the raw logits and nothing else is computed for it:
+        greedy, no penalty, logit bias, active ``min_tokens`` mask, grammar or logprobs. Such rows of a
+        step take their tokens from one argmax over the whole batch (:meth:`took` records each)."""
+        masking = bool(self._ends) and self._generated < self.params.min_tokens
+        return (
+            self._generator is None
+            and not len(self._procs)
+            and not self._bias
+            and not masking
+            and self.grammar is None
+            and not self._freq
+            and not self._presence
+            and not self.params.logprobs
+        )
+
+    def took(self, token_id: int) -> None:
+        """Record ``token_id``, chosen outside :meth:`next_token` while :attr:`plain_greedy` (the argmax
+        of this answer's row of a step's logits): the answer has one more generated token."""
+        self._generated += 1
+
     def _shape(self, scores: torch.Tensor) -> torch.Tensor:
         """The grammar's mask, logit bias and ``min_tokens``' mask on ``scores [1, vocab]`` (a new
         tensor when changed; token ids outside the vocabulary change nothing). ``min_tokens`` yields

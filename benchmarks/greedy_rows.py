@@ -1,0 +1,88 @@
+"""A decode step's greedy rows: one argmax over the batch against one per row, side by side (issue 59 item 2).
+
+After each decode step every answer picks its next token from its row of the logits ``[B, vocab]``
+(float32). Each row sampling alone (:meth:`Sampler.next_token
+<llava_sessions.sampling.sampler.Sampler.next_token>`) runs an argmax and reads its token to the host: on a
+card, one kernel and one device sync per row. Rows with nothing but greedy to compute (:attr:`Sampler.plain_greedy
+<llava_sessions.sampling.sampler.Sampler.plain_greedy>`) take theirs from one argmax over the batch, read at
+once (:meth:`StepOutputs.accept_rows <llava_sessions.engine.outputs.StepOutputs.accept_rows>`). Measured here:
+ms per step of each way, at each row count, the same logits, after a warm-up; the tokens must agree.
+
+Usage: python benchmarks/greedy_rows.py [--device cuda] [--rows 1,8,32,64] [--vocab 32064] [--repeats 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from llava_sessions.sampling.sampler import Sampler, SamplingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(device: torch.device, rows: int, vocab: int, repeats: int) -> dict[str, float]:
+    """ms per step of ``rows`` greedy rows picked one by one and from one argmax (medians of ``repeats``
+    steps), and their ratio.
+
+    Raises:
+        AssertionError: the two ways picked different tokens.
+    """
+    logits = torch.randn(rows, vocab, device=device, dtype=torch.float32)
+    samplers = [Sampler(SamplingParams(max_new_tokens=repeats + 10), device, [1, 2, 3]) for _ in range(rows)]
+    assert all(s.plain_greedy for s in samplers)
+
+    def one_by_one() -> list[int]:
+        return [s.next_token(logits[i])[0] for i, s in enumerate(samplers)]
+
+    def batched() -> list[int]:
+        tokens = logits.argmax(-1).tolist()
+        for s, token in zip(samplers, tokens, strict=True):
+            s.took(token)
+        return tokens
+
+    assert one_by_one() == batched()
+    times: dict[str, list[float]] = {"one_by_one": [], "batched": []}
+    for _ in range(repeats):
+        for name, pick in (("one_by_one", one_by_one), ("batched", batched)):
+            _sync(device)
+            t0 = time.perf_counter()
+            pick()
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) * 1000)
+    apart, together = statistics.median(times["one_by_one"]), statistics.median(times["batched"])
+    return {"one_by_one_ms": round(apart, 4), "batched_ms": round(together, 4), "ratio": round(apart / together, 2)}
+
+
+def table(device: torch.device, row_counts: list[int], vocab: int, repeats: int) -> dict[str, dict[str, float]]:
+    """:func:`measure` at each row count."""
+    return {str(n): measure(device, n, vocab, repeats) for n in row_counts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", default="1,8,32,64")
+    ap.add_argument("--vocab", type=int, default=32064, help="llava-1.5's vocabulary")
+    ap.add_argument("--repeats", type=int, default=200)
+    args = ap.parse_args(argv)
+    rows = [int(x) for x in args.rows.split(",")]
+    report = {
+        "device": args.device,
+        "vocab": args.vocab,
+        "rows": table(torch.device(args.device), rows, args.vocab, args.repeats),
+    }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
