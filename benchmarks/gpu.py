@@ -32,9 +32,11 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    answers decode in the layout the first did not (``contiguous``: one batch tensor, a joining
    answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card chooses the
    default by measurement.
-9. **A step's greedy rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows' tokens one
+9. **Fused projections** (``model/projections.py``): batch-1 decode and the aggregate again in an engine
+   over the same model with each layer's q/k/v and gate/up fused into one GEMM each, then apart again.
+10. **A step's greedy rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows' tokens one
    by one against one argmax over the batch, ms per step each.
-10. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
+11. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
    shape at ``--context`` positions and ``--kernel-rows`` rows): contiguous SDPA, the engine's gather
    then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
    where torch has it; ms per layer, the difference from SDPA, and the fastest exact paged kernel.
@@ -81,6 +83,7 @@ from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.graphs import PagedRead
+from llava_sessions.model.projections import fuse_projections, unfuse_projections
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
@@ -512,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     compare = compare and engine.runner.graphs is not None
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
     release_memory(device)
+    report.run("fused_projections", lambda: fused_projections(llava, images, levels, args))
+    release_memory(device)
     if not args.skip_other_layout and args.kv_page_size:
         other = "paged" if report.data["decode_layout"] == "contiguous" else "contiguous"
         report.run("other_layout", lambda: other_layout(llava, other, images, levels, args))
@@ -629,6 +634,27 @@ def other_paged_read(llava: LlavaModel, read: PagedRead, images: list[bytes], le
     return rows
 
 
+def fused_projections(llava: LlavaModel, images: list[bytes], levels: list[int], args: argparse.Namespace) -> dict:
+    """Batch-1 decode and the aggregate in an engine over the same model with each layer's q/k/v and
+    gate/up fused (``model/projections.py``), and the largest difference of a prompt's last logits from
+    the model's apart; the model is apart again after (the next sections measure it as it loads)."""
+    text = llava.model.model.language_model
+    ids = llava.tokenizer(QUESTION)["input_ids"]
+    with torch.inference_mode():
+        apart = llava.prefill(llava.new_cache(), ids, None)
+    groups = fuse_projections(text)
+    try:
+        with torch.inference_mode():
+            fused = llava.prefill(llava.new_cache(), ids, None)
+        engine = new_engine(llava, args.kv_page_size, args.decode_layout, cuda_graphs_arg(args), args.paged_attention)
+        b1 = timed_batch_one(engine, llava, images[1], args)
+        rows = aggregate(engine, images, levels, args.new_tokens)
+    finally:
+        unfuse_projections(text)
+    diff = float((fused - apart).abs().max())
+    return {"groups": groups, "max_logit_difference": diff, "batch_one": b1, "aggregate": rows}
+
+
 def attention_kernels(llava: LlavaModel, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``paged_attention.measure`` at the text model's attention shape, ``--context`` positions and each
     of ``--kernel-rows`` rows, in the model's dtype, printed as it goes."""
@@ -705,6 +731,10 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
             r = other["graphs"][f"rows_{rows}"]
             same = "identical" if r["identical"] else f"DIFFERENT from {r['first_difference']}"
             print(f"  {rows} row(s): replay vs the same pass eager, tokens {same}")
+    fused = report.get("fused_projections")
+    if fused and b1:  # q/k/v and gate/up fused, as ratios to this run's
+        print(f"fused projections against apart (logits differ by {fused['max_logit_difference']:.2e} at most):")
+        _print_rows(fused, report)
     other = report.get("other_layout")
     if other and b1:  # the same rows in the other decode layout, as ratios to this run's
         print(f"decode layout {other['decode_layout']} against {report['decode_layout']}:")

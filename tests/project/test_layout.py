@@ -165,6 +165,7 @@ LAYERS: list[set[str]] = [
         "sessions.ledger",
         "engine.costs",
         "model.kv.pages",
+        "model.projections",
     },
     {
         "sessions",

@@ -122,6 +122,9 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     assert flex["graphs"]["rows_3"]["identical"] is True and flex["graphs"]["rows_3"]["own_shape_identical"] is True
     assert "paged read flex against gather" in done.stdout and "paged read auto against gather" in done.stdout
     assert report["paged_read_auto"]["graphs"]["rows_1"]["identical"] is True
+    fused = report["fused_projections"]  # q/k/v and gate/up fused in an engine of their own, then apart again
+    assert fused["groups"] > 0 and fused["max_logit_difference"] < 1e-3 and fused["batch_one"]["ms_per_token"] > 0
+    assert "fused projections against apart" in done.stdout and set(report["greedy_rows"]) == {"1", "8", "32", "64"}
     other = report["other_layout"]  # the contiguous decode layout beside the paged one, in the same run
     assert other["decode_layout"] == "contiguous" and other["batch_one"]["ms_per_token"] > 0
     assert set(other["aggregate"]) == {"1", "2"} and "decode layout contiguous against paged" in done.stdout
