@@ -34,9 +34,11 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    default by measurement.
 9. **Fused projections** (``model/projections.py``): batch-1 decode and the aggregate again in an engine
    over the same model with each layer's q/k/v and gate/up fused into one GEMM each, then apart again.
-10. **A step's greedy rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows' tokens one
+10. **Compiled regions** (``model/regions.py``): the same in an engine over the model with each layer's
+    norms and MLP compiled by Inductor (attention eager), its start (compile + capture) in seconds.
+11. **A step's greedy rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows' tokens one
    by one against one argmax over the batch, ms per step each.
-11. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
+12. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
    shape at ``--context`` positions and ``--kernel-rows`` rows): contiguous SDPA, the engine's gather
    then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
    where torch has it; ms per layer, the difference from SDPA, and the fastest exact paged kernel.
@@ -84,6 +86,7 @@ from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.graphs import PagedRead
 from llava_sessions.model.projections import fuse_projections, unfuse_projections
+from llava_sessions.model.regions import compile_regions, uncompile_regions
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
@@ -509,14 +512,17 @@ def main(argv: list[str] | None = None) -> int:
     report.run("kv_pool", lambda: pool_report(engine, args.context))
     vocab = int(llava.config.text_config.vocab_size)
     report.run("greedy_rows", lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20))
-    if not args.skip_peer:  # after the engine's rows: compiling the peer takes the longest
-        report.run("peer", lambda: peer_static_generate(llava, images[2], args.new_tokens))
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
     compare = compare and engine.runner.graphs is not None
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
     release_memory(device)
+    # the step's open questions before the peer (runs 5-7 measured it; compiling it takes the longest)
     report.run("fused_projections", lambda: fused_projections(llava, images, levels, args))
     release_memory(device)
+    report.run("compiled_regions", lambda: compiled_regions(llava, images, levels, args))
+    release_memory(device)
+    if not args.skip_peer:
+        report.run("peer", lambda: peer_static_generate(llava, images[2], args.new_tokens))
     if not args.skip_other_layout and args.kv_page_size:
         other = "paged" if report.data["decode_layout"] == "contiguous" else "contiguous"
         report.run("other_layout", lambda: other_layout(llava, other, images, levels, args))
@@ -655,6 +661,41 @@ def fused_projections(llava: LlavaModel, images: list[bytes], levels: list[int],
     return {"groups": groups, "max_logit_difference": diff, "batch_one": b1, "aggregate": rows}
 
 
+def compiled_regions(llava: LlavaModel, images: list[bytes], levels: list[int], args: argparse.Namespace) -> dict:
+    """Batch-1 decode and the aggregate in an engine over the same model with each layer's norms and MLP
+    compiled (``model/regions.py``); the engine's start in seconds (the regions compile in its graphs'
+    warm-up passes, then the graphs are captured over them), the compiled graphs dynamo made, and the
+    largest difference of a prompt's last logits from eager; the model is eager again after."""
+    text = llava.model.model.language_model
+    ids = llava.tokenizer(QUESTION)["input_ids"]
+    with torch.inference_mode():
+        eager = llava.prefill(llava.new_cache(), ids, None)
+    modules = compile_regions(text)
+    torch._dynamo.utils.counters.clear()
+    try:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            compiled = llava.prefill(llava.new_cache(), ids, None)
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine = new_engine(llava, args.kv_page_size, args.decode_layout, cuda_graphs_arg(args), args.paged_attention)
+        start_s = time.perf_counter() - t0
+        b1 = timed_batch_one(engine, llava, images[1], args)
+        rows = aggregate(engine, images, levels, args.new_tokens)
+        graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    finally:
+        uncompile_regions(text)
+    return {
+        "modules": modules,
+        "dynamo_graphs": graphs,
+        "first_prefill_s": round(first_s, 2),
+        "engine_start_s": round(start_s, 2),
+        "max_logit_difference": float((compiled - eager).abs().max()),
+        "batch_one": b1,
+        "aggregate": rows,
+    }
+
+
 def attention_kernels(llava: LlavaModel, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``paged_attention.measure`` at the text model's attention shape, ``--context`` positions and each
     of ``--kernel-rows`` rows, in the model's dtype, printed as it goes."""
@@ -735,6 +776,11 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
     if fused and b1:  # q/k/v and gate/up fused, as ratios to this run's
         print(f"fused projections against apart (logits differ by {fused['max_logit_difference']:.2e} at most):")
         _print_rows(fused, report)
+    compiled = report.get("compiled_regions")
+    if compiled and b1:  # norms and MLP compiled, as ratios to this run's
+        print(f"compiled regions against eager ({compiled['dynamo_graphs']} graphs, engine start "
+              f"{compiled['engine_start_s']} s, logits differ by {compiled['max_logit_difference']:.2e} at most):")  # fmt: skip
+        _print_rows(compiled, report)
     other = report.get("other_layout")
     if other and b1:  # the same rows in the other decode layout, as ratios to this run's
         print(f"decode layout {other['decode_layout']} against {report['decode_layout']}:")

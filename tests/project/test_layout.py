@@ -166,6 +166,7 @@ LAYERS: list[set[str]] = [
         "engine.costs",
         "model.kv.pages",
         "model.projections",
+        "model.regions",
     },
     {
         "sessions",

@@ -17,7 +17,7 @@ A tensor-parallel replica keeps its projections apart: transformers shards each 
 Off by default: on the 2-core CPU a decode step of the bench model took 15.1 ms fused against 14.5 ms
 apart (the split outputs are strided views, and the CPU's GEMMs gain nothing from one call), and on a
 card CUDA graphs already remove the launches; ``benchmarks/gpu.py`` measures it on the card (its
-``fused_projections`` section) before an engine turns it on.
+``fused_projections`` section) before an engine turns it on (decision 60).
 """
 
 from __future__ import annotations
