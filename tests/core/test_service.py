@@ -210,8 +210,9 @@ def _stream_texts(svc: SessionService, bodies: list[dict]) -> list[tuple[str, st
     return results
 
 
-def test_streams_that_outgrow_a_tight_budget_all_finish_on_the_default_layout(tiny_model_dir):
-    """Issue 60 item 2: four chat streams without ``max_tokens`` on a budget of ~2.7 contexts of KV, on
+def test_streams_that_outgrow_a_tight_budget_all_finish_on_the_default_layout(tmp_path):
+    """Issue 60 item 2: four chat streams without ``max_tokens`` on a budget of ~2.7 contexts of KV (the
+    tiny model's weights with a 512-token context, so each answer is half as long as at 1,024), on
     the CPU's default (contiguous) decode batch. Rebuilding the batch for the oldest answer alone
     needs room beside the old batch: the rows' sessions give up their own copies of the KV (the rows
     hold it), and preempted answers resume exactly, a sampled image placeholder id embedded as text.
@@ -222,10 +223,13 @@ def test_streams_that_outgrow_a_tight_budget_all_finish_on_the_default_layout(ti
         | {"ignore_eos": True, "temperature": 0}
         for i in range(4)
     ]
-    alone_svc = tiny_service(tiny_model_dir, share_images=False)
+    from llava_tools.tiny_model import write_checkpoint
+
+    model_dir = write_checkpoint("tiny", tmp_path / "tiny-512", seed=0, max_positions=512)
+    alone_svc = tiny_service(model_dir, share_images=False)
     alone = [_stream_texts(alone_svc, [body])[0] for body in bodies]
-    budget = int(2.7 * 1024 * alone_svc.engine.model.kv_bytes_per_token)
-    svc = tiny_service(tiny_model_dir, device_budget_bytes=budget, share_images=False, step_max_ms=600_000)
+    budget = int(2.7 * 512 * alone_svc.engine.model.kv_bytes_per_token)
+    svc = tiny_service(model_dir, device_budget_bytes=budget, share_images=False, step_max_ms=600_000)
     assert svc.engine.batch.layout().page_size == 0  # the contiguous batch: the CPU's default
     assert _stream_texts(svc, bodies) == alone and all(reason == "length" for _, reason in alone)
     assert svc.engine.num_preemptions >= 1
