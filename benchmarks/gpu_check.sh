@@ -42,7 +42,7 @@ timeout "${GPU_TESTS_TIMEOUT_S:-150}" "$python" -m pytest -q -ra -p no:cacheprov
 echo "GPU suite: exit $?"
 tail -n 15 "$out/gpu_tests.txt"
 
-read -r -a table <<< "${GPU_TABLE_ARGS:---skip-other-layout --kernel-rows=}"
+read -r -a table <<< "${GPU_TABLE_ARGS:---skip-other-layout --kernel-rows= --compare-paged-read off}"
 timeout "${GPU_TABLE_TIMEOUT_S:-200}" "$python" benchmarks/gpu.py "${table[@]}" --json "$out/gpu.json" \
   --deadline-s "${GPU_TABLE_DEADLINE_S:-150}" > "$out/gpu_log.txt" 2>&1
 echo "GPU table: exit $?"
