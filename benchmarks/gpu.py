@@ -27,7 +27,8 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    rows run in the four-row bucket, one pad row) replayed, then the same static pass run eagerly
    (tokens identical: issue 43's replay equals eager on the same device), then eagerly at the rows'
    own shapes (in bf16 another attended length rounds otherwise: the first differing token is
-   reported); ms per step each.
+   reported); ms per step each. llava-1.5's vision tower is captured with them: one image's encoding
+   replayed against eager, ms each (``vision_graph``).
 8. **The other decode layout**: batch-1 decode and the aggregate again, in a second engine whose
    answers decode in the layout the first did not (``contiguous``: one batch tensor, a joining
    answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card chooses the
@@ -295,6 +296,34 @@ def turns(engine: SessionEngine, images: list[bytes], context: int, repeats: int
     }
 
 
+def vision_graph_rows(llava: LlavaModel, images: list[bytes], repeats: int) -> dict:
+    """One image's ``encode_images`` (preprocessing, tower, projector) with llava-1.5's vision tower
+    replayed as a CUDA graph and eagerly, ms each (medians of ``repeats`` after a warm-up), and the
+    largest difference of their features."""
+    import io
+
+    from PIL import Image
+
+    picture = Image.open(io.BytesIO(images[0])).convert("RGB")
+    graph, times, feats = llava.vision_graph, {}, {}
+    try:
+        for name in ("replayed", "eager"):
+            llava.vision_graph = graph if name == "replayed" else None
+            runs = []
+            for _ in range(repeats + 1):
+                sync(llava.device)
+                t0 = time.perf_counter()
+                feats[name] = llava.encode_images([picture])[0]
+                sync(llava.device)
+                runs.append((time.perf_counter() - t0) * 1000)
+            times[name] = statistics.median(runs[1:])
+    finally:
+        llava.vision_graph = graph
+    diff = float((feats["replayed"].float() - feats["eager"].float()).abs().max())
+    return {"replayed_ms": round(times["replayed"], 3), "eager_ms": round(times["eager"], 3),
+            "ratio": round(times["eager"] / times["replayed"], 2), "max_feature_difference": diff}  # fmt: skip
+
+
 def _fresh(image: bytes, salt: int) -> bytes:
     """``image`` with one pixel changed: new bytes, so nothing another session holds matches it."""
     import io
@@ -509,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     report.run("turns", lambda: turns(engine, images, args.context, args.repeats))
     if engine.runner.graphs is not None:
         report.run("graphs", lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s))
+    if llava.vision_graph is not None:
+        report.run("vision_graph", lambda: vision_graph_rows(llava, images, args.repeats))
     report.run("kv_pool", lambda: pool_report(engine, args.context))
     vocab = int(llava.config.text_config.vocab_size)
     report.run("greedy_rows", lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20))
@@ -761,6 +792,10 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
             own = "identical" if r["own_shape_identical"] else f"first differ at {r['own_shape_first_difference']}"
             label = f"  {rows} row(s): vs eager at its own shape, tokens {own}"
             print(f"{label:<58}{r['eager_ms']:>8.2f} ms/step eager")
+    v = report.get("vision_graph")
+    if v:  # llava-1.5's vision tower replayed against eager, one image's encoding
+        print(f"{'one image encoded, tower replayed':<48}{v['replayed_ms']:>10.2f} ms   {v['ratio']:.2f}x faster "
+              f"than eager ({v['eager_ms']:.2f} ms; features differ by {v['max_feature_difference']:.1e})")  # fmt: skip
     for kernels in report.get("attention_kernels", []):
         print(describe(kernels))
     b1 = report.get("batch_one")

@@ -6,7 +6,8 @@ The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under `
   from-scratch ``generate`` answers each, and as the same static pass run eagerly;
 - a follow-up prefilled as the rows of one captured step, whose pass fails, leaves no position and
   no page behind, and the retry answers as ``generate``;
-- bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits.
+- bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits;
+- llava-1.5's vision tower, captured with the decode graphs, gives each image the eager features.
 
 Skipped unless ``LLAVA_TEST_DEVICE`` names a device or CUDA is present (CI has none). With
 ``LLAVA_TEST_DEVICE=cpu`` the same tests run here, every static step eager (what a CPU engine runs),
@@ -175,3 +176,26 @@ def first_logits(llava: LlavaModel, image: bytes) -> torch.Tensor:
     """Logits ``[vocab]`` float32 of the first answer position for :data:`QUESTIONS`' first about ``image``."""
     with torch.inference_mode():
         return llava.model(**question_inputs(llava, image, QUESTIONS[0])).logits[0, -1].float()
+
+
+def test_the_vision_tower_replayed_gives_each_image_its_eager_features(card, photos):
+    """An engine with decode graphs on a card also captures llava-1.5's ``get_image_features`` at its
+    fixed input (336 px, the tiny model's as llava-1.5's); four photographs encoded in one call replay one by one and
+    each gets the features the eager tower gives it alone. On a CPU nothing is captured and the same
+    call runs eagerly."""
+    make_engine(card, decode_layout="paged", cuda_graphs=True)
+    graph = card.vision_graph
+    on_card = card.device.type == "cuda"
+    assert (graph is not None) == on_card
+    images = [decode(photos[name]) for name in sorted(photos)]
+    with torch.inference_mode():
+        replayed = card.encode_images(images)
+        card.vision_graph = None
+        try:
+            alone = [card.encode_images([image])[0] for image in images]
+        finally:
+            card.vision_graph = graph
+    assert len(replayed) == len(images)
+    for got, want in zip(replayed, alone, strict=True):
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert graph is None or graph.num_replays >= len(images)

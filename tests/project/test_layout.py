@@ -167,6 +167,7 @@ LAYERS: list[set[str]] = [
         "model.kv.pages",
         "model.projections",
         "model.regions",
+        "model.vision_graph",
     },
     {
         "sessions",

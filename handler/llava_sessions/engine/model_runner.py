@@ -20,6 +20,7 @@ import torch
 from ..conversation import still_images
 from ..model import EncodedVideo, KVPool, LlavaModel, SessionKV, cache_len
 from ..model.graphs import DecodeGraphs, PagedRead
+from ..model.vision_graph import VisionGraph
 from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
@@ -97,6 +98,8 @@ class ModelRunner:
         fixed = store.device_budget_bytes if paged and (on_card or graphs) else 0
         self.kv_pool = new_kv_pool(model, kv_page_size, fixed)
         self.graphs = new_graphs(model, self.kv_pool) if graphs and self.kv_pool is not None else None
+        if self.graphs is not None and on_card and model.vision_graph is None:  # llava-1.5's tower, replayed
+            model.vision_graph = VisionGraph.capture(model.model, model.architecture, model.device, model.dtype)
         self.batch: DecodeBatch | PagedDecodeBatch = (
             PagedDecodeBatch(model, store, self.kv_pool, self.graphs)
             if paged and self.kv_pool is not None

@@ -31,6 +31,7 @@ from .kv.paged import SessionKV
 from .parallel import cache_keyword, load_replica
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
+from .vision_graph import VisionGraph
 
 __all__ = ["LlavaModel"]
 
@@ -114,6 +115,8 @@ class LlavaModel:
         eos = model.generation_config.eos_token_id
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
+        #: llava-1.5's vision tower as a CUDA graph (:mod:`.vision_graph`; captured with the decode graphs).
+        self.vision_graph: VisionGraph | None = None
         #: Structured outputs' matchers over this tokenizer (built on first use).
         self.grammars = Grammars(self.tokenizer, sorted(self.eos_token_ids))
 
@@ -279,6 +282,8 @@ class LlavaModel:
         ``[N, tiles, 3, H, W]`` for anyres models, with their ``image_sizes`` in ``kwargs``); returns
         one ``[image_tokens_i, text_hidden]`` tensor per image."""
         pixel_values = pixel_values.to(self.device, self.dtype)
+        if self.vision_graph is not None and self.vision_graph.matches(pixel_values, kwargs):
+            return self.vision_graph.run(pixel_values)  # llava-1.5 on a card: the tower replayed per image
         out = self.model.get_image_features(
             pixel_values=pixel_values,
             vision_feature_layer=self.config.vision_feature_layer,
