@@ -39,7 +39,9 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from llava_client import SessionClient
 from llava_tools.cli import add_setting_arguments
@@ -57,27 +59,43 @@ def pct(values: list[float], q: int) -> float | None:
     return round(statistics.quantiles(values, n=100)[q - 1], 2)
 
 
-def burst(sessions: list, question: str, new_tokens: int) -> tuple[float, list[str]]:
-    """Every session asks ``question`` at the same moment (greedy, not remembered); returns the
-    aggregate decode rate (generated tokens / wall seconds) and the answers' texts."""
-    counts = [0] * len(sessions)
-    texts = [""] * len(sessions)
-    barrier = threading.Barrier(len(sessions) + 1)
+def at_once(count: int, work: Callable[[int], Any]) -> tuple[list[Any], float]:
+    """``work(k)`` for each ``k`` below ``count``, each in a thread of its own, all released at the same
+    moment; returns their results in order and the wall seconds from that moment until the last ended.
+
+    Raises:
+        Exception: the first one a ``work`` call raised, once every thread has ended.
+    """
+    results: list[Any] = [None] * count
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count + 1)
 
     def one(k: int) -> None:
         barrier.wait()
-        answer = sessions[k].ask(question, remember=False, max_new_tokens=new_tokens, temperature=0)
-        counts[k] = answer.usage.generated_tokens
-        texts[k] = answer.text
+        try:
+            results[k] = work(k)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(sessions))]
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(count)]
     for t in threads:
         t.start()
     barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return sum(counts) / (time.perf_counter() - t0), texts
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return results, wall
+
+
+def burst(sessions: list, question: str, new_tokens: int) -> tuple[float, list[str]]:
+    """Every session asks ``question`` at the same moment (greedy, not remembered); returns the
+    aggregate decode rate (generated tokens / wall seconds) and the answers' texts."""
+    ask = {"remember": False, "max_new_tokens": new_tokens, "temperature": 0}
+    answers, wall = at_once(len(sessions), lambda k: sessions[k].ask(question, **ask))
+    return sum(a.usage.generated_tokens for a in answers) / wall, [a.text for a in answers]
 
 
 def aggregate(url: str, images: list[bytes], rounds: int, new_tokens: int) -> dict:

@@ -36,13 +36,13 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import requests
 
+from concurrency import at_once
 from gpu import FOLLOW_UP, PHOTOS, QUESTION, Sections, _fresh
 from llava_client import SessionClient
 from llava_tools.demo.samples import sample_photo
@@ -145,21 +145,7 @@ def batch_one(session: Any, new_tokens: int, repeats: int) -> dict[str, Any]:
 def together(sessions: list[Any], new_tokens: int) -> tuple[list[dict[str, float]], float]:
     """Every one of ``sessions`` streams an answer at the same moment (:func:`timed_stream`); returns
     their results and the wall seconds until the last ended."""
-    results: list[dict[str, float]] = [{} for _ in sessions]
-    barrier = threading.Barrier(len(sessions) + 1)
-
-    def one(k: int) -> None:
-        barrier.wait()
-        results[k] = timed_stream(sessions[k], new_tokens)
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(sessions))]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    return results, time.perf_counter() - t0
+    return at_once(len(sessions), lambda k: timed_stream(sessions[k], new_tokens))
 
 
 def streams(client: SessionClient, images: list[bytes], counts: list[int], new_tokens: int) -> dict[str, Any]:

@@ -9,35 +9,20 @@ from __future__ import annotations
 
 import torch
 
-from engine_fixtures import LAYOUTS, make_engine
+from engine_fixtures import LAYOUTS
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.regions import compile_regions, uncompile_regions
-from llava_sessions.sampling.sampler import SamplingParams
-
-QUESTIONS = {"a": ("astronaut", "What is in this image?"), "b": ("coffee", "Describe the saucer."),
-             "c": ("rocket", "What is it?")}  # fmt: skip
-
-
-def _answers(llava: LlavaModel, photos) -> dict[str, list[int]]:
-    """Three sessions' greedy answers decoded together through the static decode step, token ids."""
-    eng = make_engine(llava, **LAYOUTS["static"])
-    gens = {}
-    for sid, (photo, question) in QUESTIONS.items():
-        eng.open(sid, photos[photo])
-        gens[sid] = eng.start(sid, question, SamplingParams(max_new_tokens=10), remember=False)
-    while not all(g.done for g in gens.values()):
-        eng.step([g for g in gens.values() if not g.done])
-    assert eng.runner.graphs is not None and eng.runner.graphs.num_eager > 0
-    return {sid: [t.id for t in g.answer.tokens] for sid, g in gens.items()}
+from test_projections import answers
 
 
 def test_compiled_norms_and_mlps_answer_as_eager_and_come_off_again(tiny_model_dir, photos):
     llava = LlavaModel.from_pretrained(tiny_model_dir, device="cpu", dtype="float32")
     text = llava.model.model.language_model
-    expected = _answers(llava, photos)
+    expected, _ = answers(llava, photos, **LAYOUTS["static"])
     assert compile_regions(text) == 3 * len(text.layers) + 1
     torch._dynamo.utils.counters.clear()
-    assert _answers(llava, photos) == expected
+    got, eng = answers(llava, photos, **LAYOUTS["static"])
+    assert got == expected and eng.runner.graphs is not None and eng.runner.graphs.num_eager > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # really compiled
     assert uncompile_regions(text) == 3 * len(text.layers) + 1
     assert all(layer.mlp._compiled_call_impl is None for layer in text.layers)

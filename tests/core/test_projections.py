@@ -5,10 +5,13 @@ fp32 on the CPU, the ``tiny`` checkpoint, loaded afresh (the shared ``llava`` fi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from engine_fixtures import make_engine
+from llava_sessions.engine import SessionEngine
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.projections import FusedLinear, FusedPart, fuse_projections, unfuse_projections
 from llava_sessions.sampling.sampler import SamplingParams
@@ -21,16 +24,17 @@ def _text(llava: LlavaModel) -> nn.Module:
     return llava.model.model.language_model
 
 
-def _answers(llava: LlavaModel, photos) -> dict[str, list[int]]:
-    """Three sessions' greedy answers decoded together (the batched step), token ids."""
-    eng = make_engine(llava)
+def answers(llava: LlavaModel, photos, **engine_kw: Any) -> tuple[dict[str, list[int]], SessionEngine]:
+    """Three sessions' greedy answers decoded together (the batched step) in an engine of ``engine_kw``:
+    token ids, and the engine."""
+    eng = make_engine(llava, **engine_kw)
     gens = {}
     for sid, (photo, question) in QUESTIONS.items():
         eng.open(sid, photos[photo])
         gens[sid] = eng.start(sid, question, SamplingParams(max_new_tokens=12), remember=False)
     while not all(g.done for g in gens.values()):
         eng.step([g for g in gens.values() if not g.done])
-    return {sid: [t.id for t in g.answer.tokens] for sid, g in gens.items()}
+    return {sid: [t.id for t in g.answer.tokens] for sid, g in gens.items()}, eng
 
 
 def test_fused_projections_keep_the_memory_and_the_greedy_answers_and_undo_exactly(tiny_model_dir, photos):
@@ -43,7 +47,7 @@ def test_fused_projections_keep_the_memory_and_the_greedy_answers_and_undo_exact
     params = sum(p.numel() for p in llava.model.parameters())
     with torch.inference_mode():
         before = llava.prefill(llava.new_cache(), ids, None)
-    expected = _answers(llava, photos)
+    expected, _ = answers(llava, photos)
 
     assert fuse_projections(_text(llava)) == 2 * layers
     assert fuse_projections(_text(llava)) == 0  # already fused: left as it is
@@ -54,7 +58,7 @@ def test_fused_projections_keep_the_memory_and_the_greedy_answers_and_undo_exact
     with torch.inference_mode():
         fused = llava.prefill(llava.new_cache(), ids, None)
     assert (fused - before).abs().max().item() < 1e-4
-    assert _answers(llava, photos) == expected
+    assert answers(llava, photos)[0] == expected
 
     assert unfuse_projections(_text(llava)) == 2 * layers
     assert type(attn.k_proj) is nn.Linear and type(mlp.up_proj) is nn.Linear

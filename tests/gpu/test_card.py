@@ -7,7 +7,8 @@ The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under `
 - a follow-up prefilled as the rows of one captured step, whose pass fails, leaves no position and
   no page behind, and the retry answers as ``generate``;
 - bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits;
-- llava-1.5's vision tower, captured with the decode graphs, gives each image the eager features.
+- llava-1.5's vision tower, captured with the decode graphs, gives each image the eager features;
+- with q/k/v and gate/up fused and the norms and MLP compiled, the replayed step answers as before.
 
 Skipped unless ``LLAVA_TEST_DEVICE`` names a device or CUDA is present (CI has none). With
 ``LLAVA_TEST_DEVICE=cpu`` the same tests run here, every static step eager (what a CPU engine runs),
@@ -32,8 +33,11 @@ from llava_sessions.model import LlavaModel
 from llava_sessions.model.graphs import DecodeGraphs
 from llava_sessions.model.kv.paged import KVPool, SessionKV
 from llava_sessions.model.kv.pages import reserve
+from llava_sessions.model.projections import fuse_projections, unfuse_projections
+from llava_sessions.model.regions import compile_regions, uncompile_regions
 from llava_sessions.sampling.sampler import SamplingParams
 from test_decode_graphs import N, reference as text_reference
+from test_projections import answers
 
 DEVICE = os.environ.get("LLAVA_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
 pytestmark = pytest.mark.skipif(
@@ -199,3 +203,21 @@ def test_the_vision_tower_replayed_gives_each_image_its_eager_features(card, pho
     for got, want in zip(replayed, alone, strict=True):
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert graph is None or graph.num_replays >= len(images)
+
+
+def test_fused_and_compiled_layers_replayed_answer_as_the_model_as_loaded(tiny_model_dir, photos):
+    """The tiny model on the card with its projections fused and its norms and MLP compiled (Inductor's
+    kernels, captured inside the decode graphs): three sessions' greedy answers through the replayed step
+    equal the model's as loaded, fp32; undone, it answers so again."""
+    llava = LlavaModel.from_pretrained(tiny_model_dir, device=DEVICE, dtype="float32")
+    text = llava.model.model.language_model
+    expected, _ = answers(llava, photos, decode_layout="paged", cuda_graphs=True)
+    assert fuse_projections(text) > 0 and compile_regions(text) > 0
+    try:
+        got, eng = answers(llava, photos, decode_layout="paged", cuda_graphs=True)
+    finally:
+        uncompile_regions(text)
+        unfuse_projections(text)
+    assert got == expected
+    assert (eng.runner.graphs is not None and eng.runner.graphs.num_replays > 0) == (llava.device.type == "cuda")
+    assert answers(llava, photos, decode_layout="paged", cuda_graphs=True)[0] == expected
