@@ -792,6 +792,9 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
             own = "identical" if r["own_shape_identical"] else f"first differ at {r['own_shape_first_difference']}"
             label = f"  {rows} row(s): vs eager at its own shape, tokens {own}"
             print(f"{label:<58}{r['eager_ms']:>8.2f} ms/step eager")
+    for n, row in report.get("greedy_rows", {}).items():  # a step's greedy rows: one argmax against one each
+        label = f"{n} greedy rows picked, one argmax for all"
+        print(f"{label:<48}{row['batched_ms']:>10.3f} ms   {row['ratio']:.2f}x faster than one each")
     v = report.get("vision_graph")
     if v:  # llava-1.5's vision tower replayed against eager, one image's encoding
         print(f"{'one image encoded, tower replayed':<48}{v['replayed_ms']:>10.2f} ms   {v['ratio']:.2f}x faster "
