@@ -102,7 +102,8 @@ gpu-check:
 test-gpu: install
 	LLAVA_TEST_DEVICE=$${LLAVA_TEST_DEVICE:-cuda} $(PY) -m pytest -q -ra tests/gpu \
 	  tests/core/test_batching.py::test_batched_answers_equal_answers_alone_with_joins_and_leaves \
-	  tests/core/test_memory_plan.py::test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly
+	  tests/core/test_memory_plan.py::test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly \
+	  tests/core/test_video_session.py::test_a_video_session_answers_as_generate_does_from_every_tier
 
 # what a bare GPU machine (python 3.12, its own torch and transformers 5.17, no network, no Java) lacks
 # for benchmarks/gpu.py and gpu_serve.py, into .whl/ (ignored; ~61 MB of the 64 MiB a device call

@@ -36,6 +36,7 @@ tests=(
   tests/gpu
   "tests/core/test_batching.py::test_batched_answers_equal_answers_alone_with_joins_and_leaves"
   "tests/core/test_memory_plan.py::test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly"
+  "tests/core/test_video_session.py::test_a_video_session_answers_as_generate_does_from_every_tier"
 )
 timeout "${GPU_TESTS_TIMEOUT_S:-150}" "$python" -m pytest -q -ra -p no:cacheprovider "${tests[@]}" \
   --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.txt" 2>&1

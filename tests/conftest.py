@@ -42,11 +42,20 @@ def llava(tiny_model_dir):
 
     from llava_sessions.model import LlavaModel
 
+    device = model_device()
+    torch.manual_seed(0)
+    return LlavaModel.from_pretrained(tiny_model_dir, device=device, dtype="float32")
+
+
+def model_device() -> str:
+    """Where the tests' shared models load: ``LLAVA_TEST_DEVICE`` (``make test-gpu``: ``cuda``), else
+    the CPU; skips the calling test when it names a CUDA device and there is none."""
+    import torch
+
     device = os.environ.get("LLAVA_TEST_DEVICE") or "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("LLAVA_TEST_DEVICE names a CUDA device, and there is none")
-    torch.manual_seed(0)
-    return LlavaModel.from_pretrained(tiny_model_dir, device=device, dtype="float32")
+    return device
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import pytest
 import torch
 from openai.types.chat import ChatCompletion
 
+from conftest import model_device
 from llava_sessions.conversation import VideoBytes, image_key
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
@@ -50,8 +51,9 @@ def ov_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ov(ov_dir) -> LlavaModel:
+    """The tiny OneVision on the CPU, or on ``LLAVA_TEST_DEVICE`` (``make test-gpu``: a video on the card)."""
     torch.manual_seed(0)
-    return LlavaModel.from_pretrained(ov_dir, device="cpu", dtype="float32")
+    return LlavaModel.from_pretrained(ov_dir, device=model_device(), dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def next_video(tmp_path_factory) -> LlavaModel:
         "tiny", tmp_path_factory.mktemp("nv"), seed=0, arch="llava-next-video", max_positions=CONTEXT
     )
     torch.manual_seed(0)
-    return LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
+    return LlavaModel.from_pretrained(folder, device=model_device(), dtype="float32")
 
 
 @pytest.fixture(params=["llava-onevision", "llava-next-video"])
@@ -138,7 +140,8 @@ def reference(llava, turns: list[tuple[list, str, str | None]]) -> list[int]:
         kwargs["pixel_values_videos"] = torch.cat(
             [preprocess_frames(v.frames, llava.video_preprocessing) for v in sampled]
         )
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([ids], device=llava.device)
+    kwargs = {k: v.to(llava.device) for k, v in kwargs.items()}
     with torch.inference_mode():
         out = llava.model.generate(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=N, do_sample=False, **kwargs

@@ -14,7 +14,8 @@ Skipped unless ``LLAVA_TEST_DEVICE`` names a device or CUDA is present (CI has n
 ``LLAVA_TEST_DEVICE=cpu`` the same tests run here, every static step eager (what a CPU engine runs),
 which is how their logic is checked without a card; the assertions about captured graphs then hold
 trivially. ``make test-gpu`` also runs the core tests that compare the engine with itself (batched
-against alone, preempted against alone) with ``tests/conftest.py``'s ``llava`` on the card.
+against alone, preempted against alone) with ``tests/conftest.py``'s ``llava`` on the card, and a video
+session of each video architecture against ``generate`` (``tests/core/test_video_session.py``).
 """
 
 from __future__ import annotations
