@@ -548,9 +548,15 @@ def main(argv: list[str] | None = None) -> int:
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
     release_memory(device)
     # the step's open questions before the peer (runs 5-7 measured it; compiling it takes the longest)
-    report.run("fused_projections", lambda: fused_projections(llava, images, levels, args))
+    report.run(  # each layer's q/k/v and gate/up fused (model/projections.py)
+        "fused_projections",
+        lambda: changed_model(llava, images, levels, args, fuse_projections, unfuse_projections),
+    )
     release_memory(device)
-    report.run("compiled_regions", lambda: compiled_regions(llava, images, levels, args))
+    report.run(  # each layer's norms and MLP compiled (model/regions.py)
+        "compiled_regions",
+        lambda: changed_model(llava, images, levels, args, compile_regions, uncompile_regions),
+    )
     release_memory(device)
     if not args.skip_peer:
         report.run("peer", lambda: peer_static_generate(llava, images[2], args.new_tokens))
@@ -671,42 +677,25 @@ def other_paged_read(llava: LlavaModel, read: PagedRead, images: list[bytes], le
     return rows
 
 
-def fused_projections(llava: LlavaModel, images: list[bytes], levels: list[int], args: argparse.Namespace) -> dict:
-    """Batch-1 decode and the aggregate in an engine over the same model with each layer's q/k/v and
-    gate/up fused (``model/projections.py``), and the largest difference of a prompt's last logits from
-    the model's apart; the model is apart again after (the next sections measure it as it loads)."""
+def changed_model(
+    llava: LlavaModel, images: list[bytes], levels: list[int], args: argparse.Namespace,
+    change: Callable[[torch.nn.Module], int], undo: Callable[[torch.nn.Module], int],
+) -> dict:  # fmt: skip
+    """Batch-1 decode and the aggregate in an engine over the same model with its text model changed in
+    place by ``change`` (which returns how many groups or modules it changed: ``changed``), and undone by ``undo`` after (the next
+    sections measure the model as it loads). Also: the largest difference of a prompt's last logits from
+    the model as loaded, the first changed prefill's seconds and the engine's start (a compiled change
+    compiles in them; the engine's graphs are captured over it), and the graphs dynamo made."""
     text = llava.model.model.language_model
     ids = llava.tokenizer(QUESTION)["input_ids"]
     with torch.inference_mode():
-        apart = llava.prefill(llava.new_cache(), ids, None)
-    groups = fuse_projections(text)
-    try:
-        with torch.inference_mode():
-            fused = llava.prefill(llava.new_cache(), ids, None)
-        engine = new_engine(llava, args.kv_page_size, args.decode_layout, cuda_graphs_arg(args), args.paged_attention)
-        b1 = timed_batch_one(engine, llava, images[1], args)
-        rows = aggregate(engine, images, levels, args.new_tokens)
-    finally:
-        unfuse_projections(text)
-    diff = float((fused - apart).abs().max())
-    return {"groups": groups, "max_logit_difference": diff, "batch_one": b1, "aggregate": rows}
-
-
-def compiled_regions(llava: LlavaModel, images: list[bytes], levels: list[int], args: argparse.Namespace) -> dict:
-    """Batch-1 decode and the aggregate in an engine over the same model with each layer's norms and MLP
-    compiled (``model/regions.py``); the engine's start in seconds (the regions compile in its graphs'
-    warm-up passes, then the graphs are captured over them), the compiled graphs dynamo made, and the
-    largest difference of a prompt's last logits from eager; the model is eager again after."""
-    text = llava.model.model.language_model
-    ids = llava.tokenizer(QUESTION)["input_ids"]
-    with torch.inference_mode():
-        eager = llava.prefill(llava.new_cache(), ids, None)
-    modules = compile_regions(text)
+        before = llava.prefill(llava.new_cache(), ids, None)
+    changed = change(text)
     torch._dynamo.utils.counters.clear()
     try:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            compiled = llava.prefill(llava.new_cache(), ids, None)
+            after = llava.prefill(llava.new_cache(), ids, None)
         first_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         engine = new_engine(llava, args.kv_page_size, args.decode_layout, cuda_graphs_arg(args), args.paged_attention)
@@ -715,13 +704,13 @@ def compiled_regions(llava: LlavaModel, images: list[bytes], levels: list[int], 
         rows = aggregate(engine, images, levels, args.new_tokens)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     finally:
-        uncompile_regions(text)
+        undo(text)
     return {
-        "modules": modules,
+        "changed": changed,
         "dynamo_graphs": graphs,
         "first_prefill_s": round(first_s, 2),
         "engine_start_s": round(start_s, 2),
-        "max_logit_difference": float((compiled - eager).abs().max()),
+        "max_logit_difference": float((after - before).abs().max()),
         "batch_one": b1,
         "aggregate": rows,
     }
