@@ -31,7 +31,7 @@ from .kv.paged import SessionKV
 from .parallel import cache_keyword, load_replica
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
-from .vision_graph import VisionGraph
+from .vision_graph import VisionGraph, image_features
 
 __all__ = ["LlavaModel"]
 
@@ -284,15 +284,7 @@ class LlavaModel:
         pixel_values = pixel_values.to(self.device, self.dtype)
         if self.vision_graph is not None and self.vision_graph.matches(pixel_values, kwargs):
             return self.vision_graph.run(pixel_values)  # llava-1.5 on a card: the tower replayed per image
-        out = self.model.get_image_features(
-            pixel_values=pixel_values,
-            vision_feature_layer=self.config.vision_feature_layer,
-            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
-            **kwargs,
-        )
-        feats = out.pooler_output if hasattr(out, "pooler_output") else out
-        per_image = list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
-        return [f.reshape(-1, f.shape[-1]).contiguous() for f in per_image]
+        return image_features(self.model, pixel_values, **kwargs)
 
     # ------------------------------------------------------------------ forward passes
     def new_cache(self) -> Any:

@@ -19,16 +19,31 @@ from typing import Any
 
 import torch
 
-__all__ = ["VisionGraph"]
+__all__ = ["VisionGraph", "image_features"]
 
 log = logging.getLogger(__name__)
+
+
+def image_features(model: Any, pixel_values: torch.Tensor, **kwargs: Any) -> list[torch.Tensor]:
+    """The transformers LLaVA ``model``'s own ``get_image_features`` on ``pixel_values`` (``[N, 3, H, W]``,
+    or ``[N, tiles, 3, H, W]`` with ``image_sizes`` in ``kwargs``), at its configured feature layer and
+    strategy: one ``[image_tokens_i, text_hidden]`` tensor per image."""
+    out = model.get_image_features(
+        pixel_values=pixel_values,
+        vision_feature_layer=model.config.vision_feature_layer,
+        vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+        **kwargs,
+    )
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    per_image = list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
+    return [f.reshape(-1, f.shape[-1]).contiguous() for f in per_image]
 
 
 class VisionGraph:
     """``get_image_features`` of one image, captured as a CUDA graph over a persistent input buffer.
 
     Args:
-        model: the transformers LLaVA model; config: its config; device, dtype: the model's.
+        model: the transformers LLaVA model; device, dtype: the model's.
 
     Attributes:
         num_replays: images encoded by replay.
@@ -37,9 +52,9 @@ class VisionGraph:
     pixels take the graph.
     """
 
-    def __init__(self, model: Any, config: Any, device: torch.device, dtype: torch.dtype) -> None:
-        size = int(config.vision_config.image_size)
-        self.model, self.config = model, config
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+        size = int(model.config.vision_config.image_size)
+        self.model = model
         self.pixels = torch.zeros(1, 3, size, size, device=device, dtype=dtype)
         self.graph: Any = None
         self.features: torch.Tensor | None = None
@@ -55,7 +70,7 @@ class VisionGraph:
         """
         if device.type != "cuda" or architecture != "LlavaForConditionalGeneration":
             return None
-        graph = cls(model, model.config, device, dtype)
+        graph = cls(model, device, dtype)
         try:
             with torch.inference_mode():
                 graph._features()  # warm-up: lazy initialisation and autotuning outside the capture
@@ -72,14 +87,7 @@ class VisionGraph:
 
     def _features(self) -> torch.Tensor:
         """The model's own image path over :attr:`pixels`: ``[image_tokens, text_hidden]``."""
-        out = self.model.get_image_features(
-            pixel_values=self.pixels,
-            vision_feature_layer=self.config.vision_feature_layer,
-            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
-        )
-        feats = out.pooler_output if hasattr(out, "pooler_output") else out
-        first = feats[0]  # the one image's (a list's first, or a batch's first row)
-        return first.reshape(-1, first.shape[-1])
+        return image_features(self.model, self.pixels)[0]
 
     def matches(self, pixel_values: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Whether ``pixel_values`` (``[N, 3, S, S]``, no other arguments) take the graph."""
