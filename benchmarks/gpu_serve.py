@@ -42,14 +42,12 @@ from typing import Any
 
 import requests
 
-from concurrency import at_once
+from concurrency import FLOOR_HANDLER, at_once
 from gpu import FOLLOW_UP, PHOTOS, QUESTION, Sections, _fresh
 from llava_client import SessionClient
 from llava_tools.demo.samples import sample_photo
 from llava_tools.serve import LocalServer
 
-#: The floor's handler: answers at once, runs no model (``benchmarks/floor_handler.py``).
-FLOOR_HANDLER = Path(__file__).with_name("floor_handler.py")
 #: The request whose round trip is the floor: the shape of our 1-token answer's request.
 FLOOR_REQUEST = {"type": "generate", "prompt": "Hi?", "remember": False, "parameters": {"max_new_tokens": 1}}
 

@@ -290,13 +290,14 @@ class DecodeGraphs:
         self._upload("positions", self._positions[:rows], (lengths - 1)[:, None])
         last = [p[(c - 1) // size] * size + (c - 1) % size for p, c in zip(pages, counts, strict=True)]
         self._upload("write", self._write[:rows], torch.tensor(last, dtype=torch.long))
-        if not self.reads_flex(rows):  # the gather's read slots and mask
+        gathered = not self.reads_flex(rows)
+        if gathered:  # the gather's read slots and mask
             slots = page_slots(pages, size, width=length // size, pad=self._scratch)
             self._upload(("read", length), self._read[length][:rows], slots)
             mask = torch.arange(length)[None, :] < lengths[:, None]
             self._upload(("mask", length), self._mask[length][:rows, 0, 0], mask)
         self._copied_now()
-        if not self.reads_flex(rows):
+        if gathered:
             return
         assert self._blocks is not None  # a flex bucket exists, so its buffers do
         if self._blocks.num_pages != self.pool.pages.num_pages:  # a CPU pool grew (a card's is fixed)

@@ -111,14 +111,13 @@ def _fusable(linears: list[Any]) -> bool:
     if not all(type(lin) is nn.Linear for lin in linears):
         return False
     first = linears[0]
-    same = all(
+    return all(
         lin.in_features == first.in_features
         and lin.weight.dtype == first.weight.dtype
         and lin.weight.device == first.weight.device
         and (lin.bias is None) == (first.bias is None)
         for lin in linears
     )
-    return same
 
 
 def fuse_projections(text_model: nn.Module) -> int:
