@@ -54,13 +54,14 @@ class StepOutputs:
         from one argmax over the batch, read to the host at once: one device sync a step, where each
         row's own argmax is one sync a row (the other rows sample one by one, as before)."""
         live = [g for g in seqs if not g.done]
-        greedy = logits.argmax(-1).tolist() if any(g.sampler.plain_greedy for g in live) else None
-        for g in live:
+        plain = [g.sampler.plain_greedy for g in live]
+        greedy = logits.argmax(-1).tolist() if any(plain) else []
+        for g, is_plain in zip(live, plain, strict=True):
             if g.done:  # another answer of its request failed and took it along
                 continue
             assert g.row is not None
             try:
-                if greedy is not None and g.sampler.plain_greedy:
+                if is_plain:
                     g.sampler.took(greedy[g.row])
                     self._record(g, greedy[g.row], None, ())
                 else:
