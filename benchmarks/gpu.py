@@ -86,8 +86,7 @@ from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.graphs import PagedRead
-from llava_sessions.model.projections import fuse_projections, unfuse_projections
-from llava_sessions.model.regions import compile_regions, uncompile_regions
+from llava_sessions.model.regions import compile_layers, compiles, uncompile_layers
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
@@ -496,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-layout", default="auto", choices=["auto", "contiguous", "paged"])
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                     help="the paged step's static shapes (graphs on a card); off: the enforce_eager setting")  # fmt: skip
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                    help="the compile setting: the text layers fused and compiled before the engine (auto: on a card)")  # fmt: skip
     ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
     ap.add_argument("--paged-attention", default=None, choices=["gather", "flex", "auto"],
                     help="how the static decode step reads the pages (default: the engine's own; flex: "
@@ -513,7 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     llava = build_runner(args)
     device = llava.device
     graphs = cuda_graphs_arg(args)
-    t_engine = time.perf_counter()
+    t_engine = time.perf_counter()  # the engine's start: compiling the layers (on their first pass) and capture
+    compiled = compiles(args.compile, device)
+    if compiled:  # as the worker does (worker.build_engine)
+        compile_layers(llava.model.model.language_model)
     engine = new_engine(llava, args.kv_page_size, args.decode_layout, graphs, args.paged_attention)
     capture_s = time.perf_counter() - t_engine
     images = [sample_photo(p) for p in PHOTOS]
@@ -529,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         "paged_attention": paged_read_of(engine),
         "prefix_tokens": len(llava.template.prefix_ids(Chat(None, image_tokens=(llava.num_image_tokens,)))),
         "engine_start_s": round(capture_s, 2),
+        "compiled_layers": compiled,
         "context": args.context,
     })  # fmt: skip
     levels = [int(x) for x in args.levels.split(",")]
@@ -547,16 +552,10 @@ def main(argv: list[str] | None = None) -> int:
     compare = compare and engine.runner.graphs is not None
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
     release_memory(device)
-    # the step's open questions before the peer (runs 5-7 measured it; compiling it takes the longest)
-    report.run(  # each layer's q/k/v and gate/up fused (model/projections.py)
-        "fused_projections",
-        lambda: changed_model(llava, images, levels, args, fuse_projections, unfuse_projections),
-    )
-    release_memory(device)
-    report.run(  # each layer's norms and MLP compiled (model/regions.py)
-        "compiled_regions",
-        lambda: changed_model(llava, images, levels, args, compile_regions, uncompile_regions),
-    )
+    # the layers the other way (eager if the table's were compiled, else compiled), then as loaded for the
+    # sections after it (the peer compiles transformers' own forward over the model as loaded)
+    change, undo = (uncompile_layers, None) if compiled else (compile_layers, uncompile_layers)
+    report.run("other_layers", lambda: changed_model(llava, images, levels, args, change, undo))
     release_memory(device)
     if not args.skip_peer:
         report.run("peer", lambda: peer_static_generate(llava, images[2], args.new_tokens))
@@ -679,13 +678,13 @@ def other_paged_read(llava: LlavaModel, read: PagedRead, images: list[bytes], le
 
 def changed_model(
     llava: LlavaModel, images: list[bytes], levels: list[int], args: argparse.Namespace,
-    change: Callable[[torch.nn.Module], int], undo: Callable[[torch.nn.Module], int],
+    change: Callable[[torch.nn.Module], dict[str, int]], undo: Callable[[torch.nn.Module], Any] | None,
 ) -> dict:  # fmt: skip
     """Batch-1 decode and the aggregate in an engine over the same model with its text model changed in
-    place by ``change`` (which returns how many groups or modules it changed: ``changed``), and undone by ``undo`` after (the next
-    sections measure the model as it loads). Also: the largest difference of a prompt's last logits from
-    the model as loaded, the first changed prefill's seconds and the engine's start (a compiled change
-    compiles in them; the engine's graphs are captured over it), and the graphs dynamo made."""
+    place by ``change`` (:func:`compile_layers` or :func:`uncompile_layers`: what it changed, ``changed``),
+    and after by ``undo`` (None: left so). Also: the largest difference of a prompt's last logits from
+    before, the first changed prefill's seconds and the engine's start (a compiled change compiles in them;
+    the engine's graphs are captured over it), and the graphs dynamo made."""
     text = llava.model.model.language_model
     ids = llava.tokenizer(QUESTION)["input_ids"]
     with torch.inference_mode():
@@ -704,8 +703,10 @@ def changed_model(
         rows = aggregate(engine, images, levels, args.new_tokens)
         graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     finally:
-        undo(text)
+        if undo is not None:
+            undo(text)
     return {
+        "compiled": change is compile_layers,
         "changed": changed,
         "dynamo_graphs": graphs,
         "first_prefill_s": round(first_s, 2),
@@ -799,15 +800,12 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
             r = other["graphs"][f"rows_{rows}"]
             same = "identical" if r["identical"] else f"DIFFERENT from {r['first_difference']}"
             print(f"  {rows} row(s): replay vs the same pass eager, tokens {same}")
-    fused = report.get("fused_projections")
-    if fused and b1:  # q/k/v and gate/up fused, as ratios to this run's
-        print(f"fused projections against apart (logits differ by {fused['max_logit_difference']:.2e} at most):")
-        _print_rows(fused, report)
-    compiled = report.get("compiled_regions")
-    if compiled and b1:  # norms and MLP compiled, as ratios to this run's
-        print(f"compiled regions against eager ({compiled['dynamo_graphs']} graphs, engine start "
-              f"{compiled['engine_start_s']} s, logits differ by {compiled['max_logit_difference']:.2e} at most):")  # fmt: skip
-        _print_rows(compiled, report)
+    layers = report.get("other_layers")
+    if layers and b1:  # the layers the other way (fused and compiled, or as loaded), as ratios to this run's
+        what = "compiled layers against eager" if layers["compiled"] else "eager layers against compiled"
+        print(f"{what} ({layers['dynamo_graphs']} graphs, engine start {layers['engine_start_s']} s against "
+              f"{report['engine_start_s']} s, logits differ by {layers['max_logit_difference']:.2e} at most):")  # fmt: skip
+        _print_rows(layers, report)
     other = report.get("other_layout")
     if other and b1:  # the same rows in the other decode layout, as ratios to this run's
         print(f"decode layout {other['decode_layout']} against {report['decode_layout']}:")

@@ -2,8 +2,9 @@
 # The card check in one device call (issue 59 item 6; `make gpu-check`): the GPU suite (tests/gpu and
 # the core tests that compare the engine with itself, on the card), the in-process GPU table
 # (benchmarks/gpu.py), then the TorchServe table (benchmarks/gpu_serve.py: llava-serve over HTTP beside
-# TorchServe's floor), each under a timeout so the whole fits in about 9 minutes, each writing what it
-# found into OUT as it ends (the device call's $OUT; ./gpu-check here). The device machine has no Java:
+# TorchServe's floor), then the in-process table's first rows again on the checkpoint the TorchServe
+# table loaded, each under a timeout so the whole fits in about 9 minutes, each writing what it found
+# into OUT as it ends (the device call's $OUT; ./gpu-check here). The device machine has no Java:
 # `make gpu-wheels` packs a runtime and TorchServe's frontend into .whl (benchmarks/gpu_bundle.py).
 #
 # On the device machine (its own python3, torch and pytest; `make gpu-wheels` here first, carry .whl):
@@ -38,8 +39,8 @@ tests=(
   "tests/core/test_memory_plan.py::test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly"
   "tests/core/test_video_session.py::test_a_video_session_answers_as_generate_does_from_every_tier"
 )
-timeout "${GPU_TESTS_TIMEOUT_S:-150}" "$python" -m pytest -q -ra -p no:cacheprovider "${tests[@]}" \
-  --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.txt" 2>&1
+timeout "${GPU_TESTS_TIMEOUT_S:-170}" "$python" -m pytest -q -ra -p no:cacheprovider "${tests[@]}" \
+  > "$out/gpu_tests.txt" 2>&1
 echo "GPU suite: exit $?"
 tail -n 15 "$out/gpu_tests.txt"
 
@@ -54,3 +55,13 @@ timeout "${GPU_SERVE_TIMEOUT_S:-180}" "$python" benchmarks/gpu_serve.py "${serve
   --json "$out/gpu_serve.json" --work-dir "${GPU_SERVE_DIR:-/tmp}" > "$out/gpu_serve_log.txt" 2>&1
 echo "TorchServe table: exit $?"
 tail -n 40 "$out/gpu_serve_log.txt"
+
+# the in-process table's first rows again on the checkpoint the TorchServe table loaded (the main table
+# builds the model in memory): the same model loaded the same way on both sides of the comparison
+if [ -f "${GPU_SERVE_DIR:-/tmp}/model/config.json" ]; then
+  read -r -a again <<< "${GPU_AGAIN_ARGS:---levels 1,32 --skip-peer --skip-other-layout --kernel-rows= --compare-paged-read off}"
+  timeout "${GPU_AGAIN_TIMEOUT_S:-110}" "$python" benchmarks/gpu.py --model-dir "${GPU_SERVE_DIR:-/tmp}/model" "${again[@]}" \
+    --json "$out/gpu_from_disk.json" --deadline-s "${GPU_AGAIN_DEADLINE_S:-55}" > /dev/null 2>&1
+  echo "GPU table from the checkpoint: exit $?"
+  "$python" -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('engine_start_s', 'batch_one', 'aggregate', 'skipped', 'errors')})" "$out/gpu_from_disk.json"
+fi

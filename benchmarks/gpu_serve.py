@@ -17,7 +17,8 @@ the 7b-shaped random llava-1.5, written on the card in fp16 and served in ``--dt
 4. **Streams**: ``N`` (``--streams``) sessions stream an answer at once; the aggregate decode rate is
    their tokens after each one's first over the span from the earliest first piece to the latest last
    one (the other streams' prefills fall inside it, so it errs low beside the in-process aggregate,
-   which prefills before its clock); beside it tokens / wall time, prefills included.
+   which prefills before its clock); beside it tokens / wall time, prefills included. One short round at
+   each count goes first, untimed, as the in-process aggregate's warm-up does.
 5. **A cold image turn**: open a session on a never-seen image and ask for one token, client time.
 
 ``--in-process gpu.json`` (the in-process table, ``benchmarks/gpu.py``, of the same device call) adds the
@@ -155,6 +156,7 @@ def streams(client: SessionClient, images: list[bytes], counts: list[int], new_t
         s.ask("Hi?", remember=False, max_new_tokens=2)
     rows = {}
     for n in counts:
+        together(sessions[:n], 4)  # warm: the step's shapes at this count compiled and captured before the clock
         results, wall = together(sessions[:n], new_tokens)
         span = max(r["last_at"] for r in results) - min(r["first_at"] for r in results)
         decode = sum(r["tokens"] - 1 for r in results) / span if span > 0 else 0.0

@@ -171,7 +171,7 @@ class Settings(BaseModel):
 
     # --- scheduling -------------------------------------------------------------------------
     max_concurrent_generations: int = Field(
-        16, ge=1, description="Generations in flight per worker; past it requests wait at the public port."
+        0, ge=0, description="Generations in flight per worker, then requests wait; 0: 16 on a CPU, 64 on a GPU."
     )
     queue_max_requests: int = Field(256, ge=0, description="Requests the public port holds for a slot (0: none).")
     queue_timeout_s: float = Field(30.0, gt=0.0, description="Longest a held request waits, seconds; then 503.")
@@ -211,6 +211,9 @@ class Settings(BaseModel):
         "or in their sessions' pages of the KV pool ('paged': nothing copied, CUDA graphs); 'auto': paged on a GPU.",
     )
     enforce_eager: bool = Field(False, description="No CUDA graphs: a GPU's paged decode steps run eagerly.")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="Text layers fused and compiled (Inductor) before graphs are captured; 'auto': on a GPU."
+    )
 
     # --- misc -------------------------------------------------------------------------------
     system_prompt: str | None = Field(
@@ -259,7 +262,7 @@ class Settings(BaseModel):
     )
 
     # ---------------------------------------------------------------------------------------
-    @field_validator("device", "dtype", "kv_pool", mode="before")
+    @field_validator("device", "dtype", "kv_pool", "compile", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:  # YAML 1.1 (PyYAML, TorchServe's too) reads a bare on/off as a boolean
         value = {True: "on", False: "off"}[value] if isinstance(value, bool) else value
@@ -450,8 +453,7 @@ def _describe(exc: ValidationError, origin: Mapping[str, str]) -> str:
 
 
 def _check_env_names(env: Mapping[str, str], fields: Iterable[str]) -> None:
-    """Refuse ``LLAVA_*`` variables that name no setting and are not the tools' (a typo would
-    otherwise be ignored silently).
+    """Refuse ``LLAVA_*`` variables that name no setting and are not the tools' (a typo would be ignored).
 
     Raises:
         ValueError: naming each such variable and the closest setting's variable.
@@ -466,8 +468,7 @@ def _check_env_names(env: Mapping[str, str], fields: Iterable[str]) -> None:
 
 
 def with_hints(unknown: list[str], valid: Iterable[str]) -> list[str]:
-    """Each unknown key, with the closest valid one when there is one (``difflib``): ``session_tl_s
-    (did you mean session_ttl_s?)``."""
+    """Each unknown key, with the closest valid one (``difflib``): ``session_tl_s (did you mean session_ttl_s?)``."""
     names = list(valid)
     hints = [(key, difflib.get_close_matches(key, names, n=1, cutoff=0.75)) for key in unknown]
     return [f"{key} (did you mean {close[0]}?)" if close else key for key, close in hints]

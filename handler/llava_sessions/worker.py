@@ -21,6 +21,7 @@ from .images.decode import decode_image
 from .metrics import WorkerMetrics
 from .model import LlavaModel
 from .model.loading import reserve_cpu_memory
+from .model.regions import compile_layers, compiles
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions.store import SessionStore
@@ -210,9 +211,13 @@ def build_engine(settings: Settings, model: LlavaModel) -> SessionEngine:
     now, on each GPU of a tensor-parallel replica) and the engine over ``model``, with the settings'
     limits. A tensor-parallel replica (``model.ranks``) runs its sessions' KV in the pool, decoded in
     place, eagerly, each prefill chunk a pass of its own and no host offload: the passes its other
-    ranks mirror (:mod:`~llava_sessions.model.parallel`)."""
+    ranks mirror (:mod:`~llava_sessions.model.parallel`). Under the ``compile`` setting the text model's
+    layers are fused and compiled first (:func:`~llava_sessions.model.regions.compile_layers`; ``auto``:
+    on a GPU), so the engine's graphs capture the compiled kernels."""
     ranks = model.ranks.size if getattr(model, "ranks", None) is not None else 1
     on_card = model.device.type == "cuda"
+    if compiles(settings.compile, model.device, ranks):
+        log.info("text layers compiled", extra=compile_layers(model.model.model.language_model))
     budget = settings.device_budget_bytes or default_device_budget(model, settings.device_budget_fraction) * (
         ranks if on_card else 1
     )

@@ -7,11 +7,15 @@ fp32 on the CPU, the ``tiny`` checkpoint, loaded afresh (the shared ``llava`` fi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine_fixtures import LAYOUTS
+from llava_sessions.config import Settings
 from llava_sessions.model import LlavaModel
-from llava_sessions.model.regions import compile_regions, uncompile_regions
+from llava_sessions.model.projections import FusedLinear
+from llava_sessions.model.regions import compile_regions, compiles, uncompile_layers, uncompile_regions
+from llava_sessions.worker import build_engine
 from test_projections import answers
 
 
@@ -27,3 +31,31 @@ def test_compiled_norms_and_mlps_answer_as_eager_and_come_off_again(tiny_model_d
     assert uncompile_regions(text) == 3 * len(text.layers) + 1
     assert all(layer.mlp._compiled_call_impl is None for layer in text.layers)
     assert uncompile_regions(text) == 0
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "ranks", "expected"),
+    [("auto", "cuda", 1, True), ("auto", "cpu", 1, False), ("on", "cpu", 1, True), ("off", "cuda", 1, False),
+     ("auto", "cuda", 2, False), ("on", "cpu", 2, False)],
+)  # fmt: skip
+def test_the_compile_setting_compiles_on_a_card_and_never_a_tensor_parallel_replica(setting, device, ranks, expected):
+    assert compiles(setting, torch.device(device), ranks) is expected
+
+
+def test_an_engine_built_with_compile_on_fuses_and_compiles_its_text_layers_before_its_step_and_auto_leaves_a_cpu_eager(
+    tiny_model_dir,
+):
+    """``build_engine`` under ``compile: on`` fuses q/k/v and gate/up and compiles each layer's norms and
+    MLP before the engine (and its static step) exists; ``auto`` on a CPU leaves the model as loaded."""
+    budget = {"device": "cpu", "device_budget_bytes": 10**9}
+    llava = LlavaModel.from_pretrained(tiny_model_dir, device="cpu", dtype="float32")
+    text = llava.model.model.language_model
+    build_engine(Settings(**budget), llava)
+    assert (
+        not isinstance(text.layers[0].self_attn.q_proj, FusedLinear) and text.layers[0].mlp._compiled_call_impl is None
+    )
+    build_engine(Settings(compile="on", **budget), llava)
+    for layer in text.layers:
+        assert isinstance(layer.self_attn.q_proj, FusedLinear) and isinstance(layer.mlp.gate_proj, FusedLinear)
+        assert layer.mlp._compiled_call_impl is not None and layer.input_layernorm._compiled_call_impl is not None
+    assert uncompile_layers(text) == {"fused": 2 * len(text.layers), "compiled": 3 * len(text.layers) + 1}

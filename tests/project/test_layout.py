@@ -166,7 +166,6 @@ LAYERS: list[set[str]] = [
         "engine.costs",
         "model.kv.pages",
         "model.projections",
-        "model.regions",
         "model.vision_graph",
     },
     {
@@ -180,6 +179,7 @@ LAYERS: list[set[str]] = [
         "model.kv.paged",
         "model.kv.flex",
         "model.loading",
+        "model.regions",
     },
     {
         "model.kv",

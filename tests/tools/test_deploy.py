@@ -17,6 +17,7 @@ import pytest
 import yaml
 from botocore.stub import ANY, Stubber
 
+from llava_sessions.wire.in_flight import GENERATION_SLOTS
 from llava_tools.deploy import DeployError, build_package, derived_name, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -430,7 +431,7 @@ def test_prefix_aware_routing_always_carries_the_fields_botocores_model_document
         config, _ = json.JSONDecoder().raw_decode(out[at:])
         written.append(config)
         assert config["RoutingStrategy"] == "PREFIX_AWARE" and set(config["PrefixAwareRoutingConfig"]) == required
-        assert config["PrefixAwareRoutingConfig"]["ConcurrencyThreshold"] == 16 * gpus
+        assert config["PrefixAwareRoutingConfig"]["ConcurrencyThreshold"] == GENERATION_SLOTS["cuda"] * gpus
         request = {
             "EndpointConfigName": "c",
             "ProductionVariants": [

@@ -45,9 +45,10 @@ CONCURRENCY_THRESHOLD_RANGE = (1, 1024)
 #: SageMaker's OpenAI-compatible route it counts characters of the messages' text content.
 DEFAULT_PREFIX_LENGTH = 1024
 #: ``ConcurrencyThreshold`` per GPU when ``--concurrency-threshold`` is not given: the handler's
-#: ``max_concurrent_generations`` (16 answers decode together per replica, one replica per GPU); past
-#: it an instance queues, so the next stateless request goes to another instance.
-DEFAULT_CONCURRENCY_PER_GPU = 16
+#: ``max_concurrent_generations`` on a GPU (64 answers decode together per replica, one replica per GPU:
+#: ``GENERATION_SLOTS`` in llava_sessions/wire/in_flight.py); past it an instance queues, so the next
+#: stateless request goes to another instance.
+DEFAULT_CONCURRENCY_PER_GPU = 64
 
 
 #: GPUs per instance and GiB of memory per GPU, of the SageMaker instance types people serve LLaVA
