@@ -491,3 +491,50 @@ def test_a_cuda_runner_takes_cudnn_out_of_sdpa_and_a_cpu_one_changes_nothing():
         assert not cuda.cudnn_sdp_enabled() and [flag() for flag in others] == before
     finally:
         cuda.enable_cudnn_sdp(cudnn)
+
+
+def test_questions_arriving_together_prefill_as_rows_of_shared_static_steps_and_answer_as_alone(llava, photos):
+    """On the static step (a card's replayed graphs; eager here), questions of several sessions that
+    arrive while an answer decodes prefill as rows of shared steps: the first beside the decode rows
+    (instead of the eager fused pass), the others together in one more step, where each used to be a
+    pass of its own. Every answer equals the one computed alone; a shared pass that fails (once, here)
+    runs its chunks again each alone and loses nothing."""
+    expected = alone(llava, photos)
+    eng = make_engine(llava, **LAYOUTS["static"])
+    open_all(eng, photos)
+    graphs = eng.runner.graphs
+    assert graphs is not None
+    ga = eng.start("a", CASES[0][3], CASES[0][4], remember=False)
+    eng.step([ga])
+    eng.step([ga])  # decoding
+    later = [eng.start(sid, q, p, remember=False) for sid, _ph, _h, q, p in CASES[1:4]]
+    passes, prefills, eager_fused = graphs.num_eager, graphs.num_prefills, []
+    fused_step = llava.fused_step
+    llava.fused_step = lambda *a, **k: eager_fused.append(1) or fused_step(*a, **k)
+    try:
+        eng.step([ga, *later])
+    finally:
+        del llava.fused_step
+    assert all(g.prefilled for g in later) and eng.runner.num_fused_passes == 1 and not eager_fused
+    assert graphs.num_prefills - prefills == 3 and graphs.num_eager - passes == 2  # three chunks, two static steps
+    run_with_chunks, failed = graphs.run_with_chunks, []
+
+    def fail_once(tables, tokens, chunks):
+        if len(chunks) > 1 and not failed:
+            failed.append(len(chunks))
+            raise RuntimeError("a fault in the shared pass")
+        return run_with_chunks(tables, tokens, chunks)
+
+    work = [ga, *later]
+    while not all(g.done for g in work):
+        eng.step([g for g in work if not g.done])
+    graphs.run_with_chunks = fail_once  # type: ignore[method-assign]
+    again = [eng.start(CASES[i][0], CASES[i][3], CASES[i][4], remember=False) for i in (1, 3, 4)]
+    while not all(g.done for g in again):  # nothing decodes: the three chunks share one pass, which fails
+        eng.step([g for g in again if not g.done])
+    assert failed == [3]  # and each ran alone
+    for sid, gen in zip("abcdbde", [*work, *again], strict=True):
+        assert gen.error is None and [t.id for t in gen.answer.tokens] == [t.id for t in expected[sid]], sid
+    for sid in "abcde":
+        s = eng.store.get(sid)
+        assert not s.busy and cache_len(s.kv_cache) == len(s.cached_ids)

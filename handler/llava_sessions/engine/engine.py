@@ -477,8 +477,7 @@ class SessionEngine:
             self._execute.decode_with_chunk(seqs, room, live[first.index], first)
         elif seqs:
             self._execute.decode(seqs, room)
-        for chunk in chunks:
-            self._execute.run_chunk(live[chunk.index], chunk)
+        self._execute.run_chunks([(live[chunk.index], chunk) for chunk in chunks])
         self._check()
 
     def abandon(self, work: EngineRequest) -> None:

@@ -137,6 +137,29 @@ class StepExecutor:
         alone (its ``error`` set, its session put back)."""
         self._chunk(w, chunk, stop_before_tokens=False)
 
+    def run_chunks(self, items: list[tuple[EngineRequest, PrefillChunk]]) -> None:
+        """Execute prefill chunks of a step's plan: each one's work before its tokens (as :meth:`run_chunk`),
+        then their text chunks together as the rows of shared static steps where the runner has them
+        (:meth:`ModelRunner.prefill_together <.model_runner.ModelRunner.prefill_together>`), the others
+        each in a pass of its own. A failure is its request's alone: a shared pass that fails runs its
+        chunks again, each alone."""
+        ready = [(w, c) for w, c in items if self._chunk(w, c, stop_before_tokens=True)]
+        parts = [(w.session, self._ids(w), c.num_tokens, w.timings) for w, c in ready]
+        try:
+            together = self.runner.prefill_together(parts) if len(ready) > 1 else [None] * len(ready)
+        except BaseException:
+            for w, _ in ready:
+                self.outputs.fail(w, RuntimeError("interrupted"))
+            raise
+        for (w, chunk), last in zip(ready, together, strict=True):
+            if last is None:  # its start ran: its tokens are left
+                self._chunk(w, dataclasses.replace(chunk, vision=False, grant_bytes=0), stop_before_tokens=False)
+                continue
+            try:
+                self._after_tokens(w, last)
+            except Exception as exc:  # noqa: BLE001
+                self.outputs.fail(w, exc)
+
     def _chunk(self, w: EngineRequest, chunk: PrefillChunk, *, stop_before_tokens: bool) -> bool:
         """Run ``chunk`` of ``w``: its work before its tokens and, unless ``stop_before_tokens`` (the
         caller runs them), its tokens. A failure is ``w``'s alone (its ``error`` set, its session

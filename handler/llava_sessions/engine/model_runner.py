@@ -201,6 +201,45 @@ class ModelRunner:
         self._record(session, ids[:end], start, t0, timings)
         return logits, end - start
 
+    def prefill_together(
+        self, parts: GenericSequence[tuple[Session, list[int], int | None, dict[str, float]]]
+    ) -> list[torch.Tensor | None]:
+        """Prefill each part's chunk (``(session, ids, num_tokens, timings)``: as :meth:`prefill`) as rows
+        of shared static steps, as many chunks to a step as its largest bucket holds (:meth:`DecodeGraphs.
+        run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`: one replay on a card
+        for several sessions' questions, where each alone is a replay of its own). A part whose cache is
+        not in the pool or whose chunk holds image placeholders is not run, nor is any without graphs.
+
+        Returns:
+            Per part, the logits ``[vocab]`` float32 of its chunk's last position (its session records
+            the ids its cache now holds, its ``timings["prefill"]`` the shared pass's ms), or None: not
+            run, or its shared pass failed (logged at DEBUG), its session untouched (the caller prefills
+            it alone, and learns its own error).
+        """
+        out: list[torch.Tensor | None] = [None] * len(parts)
+        if self.graphs is None:
+            return out
+        groups: list[list[tuple[int, int, int]]] = [[]]
+        for index, (session, ids, num_tokens, _) in enumerate(parts):
+            start, end = self._chunk(session, ids, num_tokens)
+            if not isinstance(session.kv_cache, SessionKV) or self.model.image_token_id in ids[start:end]:
+                continue
+            if sum(e - s for _, s, e in groups[-1]) + end - start > self.graphs.rows[-1]:
+                groups.append([])
+            groups[-1].append((index, start, end))
+        for group in (g for g in groups if len(g) > 1):  # a chunk alone: the caller's own path
+            t0 = time.perf_counter()
+            chunks = [(parts[i][0].kv_cache.table, parts[i][1][s:e]) for i, s, e in group]
+            try:
+                done = self.graphs.run_with_chunks([], [], chunks)
+            except Exception:  # noqa: BLE001 - each chunk alone tells whose failure it is
+                log.debug("a shared prefill pass failed; its chunks run alone", exc_info=True)
+                continue
+            for (i, s, e), last in zip(group, done[1] if done is not None else (), strict=False):
+                self._record(parts[i][0], parts[i][1][:e], s, t0, parts[i][3])
+                out[i] = last
+        return out
+
     def _static_prefill(self, session: Session, new_ids: list[int]) -> torch.Tensor | None:
         """A short text chunk (a follow-up question) prefilled as the rows of one static decode step
         (:meth:`DecodeGraphs.prefill <llava_sessions.model.graphs.DecodeGraphs.prefill>`: a replayed

@@ -46,8 +46,9 @@ class PagedDecodeBatch:
         store: the session store (demotions after an out-of-memory error).
         pool: the replica's KV pool, which holds every decoding session's cache.
         graphs: the decode step at static shapes (:class:`~llava_sessions.model.graphs.DecodeGraphs`,
-            CUDA graphs on a card) that a step without a prefill chunk runs through when a bucket
-            holds it; None: every step at its own shape, eagerly.
+            CUDA graphs on a card) that a step runs through when a bucket holds it, a text prefill chunk
+            it carries as rows of the same step; None: every step at its own shape, eagerly (a chunk
+            in the fused pass).
 
     Attributes:
         rows: the running answers by row (None: a row whose answer left; compacted when under half live).
@@ -128,8 +129,11 @@ class PagedDecodeBatch:
                     tables = [c.table for c in caches]
                     positions = [t.num_tokens - 1 for t in tables]
                     assert positions == [g.next_position for g in seqs], "a row's cache: its prompt, fed tokens"
+                    mixed = None if session is None else self._mixed(tables, tokens, session, ids)
                     if session is None:
                         logits = self._decode(tables, tokens)
+                    elif mixed is not None:
+                        logits, last = mixed
                     else:
                         step = SlotsCache.of_rows(self.pool.pages, tables)
                         feats, mask = session.image_features, step.attention_mask
@@ -148,6 +152,23 @@ class PagedDecodeBatch:
         out = logits.new_zeros(len(self.rows), logits.shape[-1])
         out[torch.tensor(rows, device=logits.device)] = logits
         return out, last
+
+    def _mixed(
+        self, tables: list[PageTable], tokens: list[int], session: Session, ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode pass of ``tables`` (reserved) and ``session``'s text chunk of ``ids`` as rows of one
+        static step (:meth:`DecodeGraphs.run_with_chunks
+        <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`: a replay on a card, where the fused
+        pass would run eagerly); None without graphs, for a chunk with image placeholders, or when no
+        bucket holds every row (the fused pass runs it)."""
+        cache = session.kv_cache
+        if self.graphs is None or not isinstance(cache, SessionKV):
+            return None
+        chunk = ids[cache.table.num_tokens :]
+        if self.model.image_token_id in chunk:
+            return None
+        done = self.graphs.run_with_chunks(tables, tokens, [(cache.table, chunk)])
+        return None if done is None else (done[0], done[1][0])
 
     def _decode(self, tables: list[PageTable], tokens: list[int]) -> torch.Tensor:
         """The decode pass of ``tables`` (reserved): through :attr:`graphs` when a bucket holds it

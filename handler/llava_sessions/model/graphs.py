@@ -40,6 +40,7 @@ one pool), read, not copied.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -124,7 +125,7 @@ class DecodeGraphs:
         table: the scratch page, held for as long as the graphs live (a holder of the pool's, for
             :meth:`KVPool.check <.paged_kv.KVPool.check>`).
         num_replays: steps run through a captured graph; num_eager: steps run at static shapes eagerly;
-            num_prefills: chunks prefilled as a step's rows (:meth:`prefill`).
+            num_prefills: chunks prefilled as a step's rows (:meth:`run_with_chunks`).
         replay: False runs every step's static pass eagerly, captured or not (the check that replay
             gives the same tokens as the same pass run eagerly, ``benchmarks/gpu.py``).
 
@@ -246,10 +247,7 @@ class DecodeGraphs:
 
     def prefill(self, table: PageTable, token_ids: Sequence[int]) -> torch.Tensor | None:
         """Prefill ``token_ids`` (text: no image placeholders) after ``table``'s positions as the rows of
-        one static step: row ``i`` feeds the ``i``-th token at position ``start + i`` and attends to the
-        first ``start + i + 1`` positions. Every row writes its slot before any row reads (each layer
-        writes the step's keys and values, then attends), so the rows see each other's positions as a
-        causal prefill does; on a card this is a graph's replay instead of an eager pass.
+        one static step (:meth:`run_with_chunks` with no decode rows).
 
         Why: an eager prefill of a follow-up question (~40 tokens) launches ~1,400 kernels; on an H200
         it took 28-46 ms, launch-bound, against 3.4-3.6 ms of weights to read ("The GPU table").
@@ -262,19 +260,52 @@ class DecodeGraphs:
         Raises:
             torch.OutOfMemoryError: a fixed pool has too few free pages (``table`` unchanged).
         """
-        n, start, size = len(token_ids), table.num_tokens, self.pool.page_size
-        if not n or self.bucket(n, start + n) is None:
+        done = self.run_with_chunks([], [], [(table, token_ids)])
+        return None if done is None else done[1][0]
+
+    def run_with_chunks(
+        self, tables: Sequence[PageTable], token_ids: Sequence[int], chunks: Sequence[tuple[PageTable, Sequence[int]]]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """One static step of decode rows (``tables``, each reserved for its new position, fed
+        ``token_ids``, as :meth:`run`) and of each chunk's tokens (text: no image placeholders) after its
+        table's positions, as rows: row ``i`` of a chunk feeds its ``i``-th token at position ``start + i``
+        and attends to the table's first ``start + i + 1`` positions. Every row writes its slot before any
+        row reads (each layer writes the step's keys and values, then attends), so a chunk's rows see each
+        other's positions as a causal prefill does, and nothing of another row's table. Several sessions'
+        questions thus prefill in one replay beside the running answers' decode step (vLLM's mixed batch
+        of decode and prefill tokens), where each alone would be a pass of its own.
+
+        Returns:
+            ``(logits [len(tables), vocab] of the decode rows, [logits [vocab] of each chunk's last
+            position])``, float32, each chunk's table extended by its tokens; None when a chunk is empty
+            or no bucket holds every row (nothing reserved or written: the caller runs them its own way).
+
+        Raises:
+            torch.OutOfMemoryError: a fixed pool has too few free pages. On any failure every chunk's
+                table is as before the call (the decode rows' are the caller's).
+        """
+        sizes, size = [len(ids) for _, ids in chunks], self.pool.page_size
+        starts = [t.num_tokens for t, _ in chunks]
+        longest = max([t.num_tokens for t in tables] + [s + n for s, n in zip(starts, sizes, strict=True)])
+        if not all(sizes) or self.bucket(len(tables) + sum(sizes), longest) is None:
             return None
-        self.pool.make_room(table, n)
-        rows = [PageTable(table.pages[: pages_for(start + i + 1, size)], start + i + 1) for i in range(n)]
+        rows, ids = list(tables), list(token_ids)
         try:
-            logits = self.run(rows, token_ids)
+            for (table, chunk), start in zip(chunks, starts, strict=True):
+                self.pool.make_room(table, len(chunk))
+                rows += [
+                    PageTable(table.pages[: pages_for(start + i + 1, size)], start + i + 1) for i in range(len(chunk))
+                ]
+                ids += chunk
+            logits = self.run(rows, ids)
         except BaseException:
-            truncate(self.pool.pool, table, start)  # a failed pass leaves its positions behind: take them back
+            for (table, _), start in zip(chunks, starts, strict=True):
+                truncate(self.pool.pool, table, start)  # a failed pass leaves its positions behind: take them back
             raise
         assert logits is not None  # the bucket holds the rows
-        self.num_prefills += 1
-        return logits[-1]
+        self.num_prefills += len(chunks)
+        ends = [len(tables) + n for n in itertools.accumulate(sizes)]
+        return logits[: len(tables)], [logits[end - 1] for end in ends]
 
     def _fill(self, tables: Sequence[PageTable], token_ids: Sequence[int], rows: int, length: int) -> None:
         """Overwrite the buffers' first ``rows`` rows: the tables' rows, then pad rows on the scratch page."""
