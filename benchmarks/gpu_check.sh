@@ -45,13 +45,13 @@ echo "GPU suite: exit $?"
 tail -n 15 "$out/gpu_tests.txt"
 
 read -r -a table <<< "${GPU_TABLE_ARGS:---skip-other-layout --kernel-rows= --compare-paged-read off}"
-timeout "${GPU_TABLE_TIMEOUT_S:-200}" "$python" benchmarks/gpu.py "${table[@]}" --json "$out/gpu.json" \
-  --deadline-s "${GPU_TABLE_DEADLINE_S:-150}" > "$out/gpu_log.txt" 2>&1
+timeout "${GPU_TABLE_TIMEOUT_S:-150}" "$python" benchmarks/gpu.py "${table[@]}" --json "$out/gpu.json" \
+  --deadline-s "${GPU_TABLE_DEADLINE_S:-110}" > "$out/gpu_log.txt" 2>&1
 echo "GPU table: exit $?"
 tail -n 40 "$out/gpu_log.txt"
 
 read -r -a serve <<< "${GPU_SERVE_ARGS:-}"
-timeout "${GPU_SERVE_TIMEOUT_S:-180}" "$python" benchmarks/gpu_serve.py "${serve[@]}" --in-process "$out/gpu.json" \
+timeout "${GPU_SERVE_TIMEOUT_S:-150}" "$python" benchmarks/gpu_serve.py "${serve[@]}" --in-process "$out/gpu.json" \
   --json "$out/gpu_serve.json" --work-dir "${GPU_SERVE_DIR:-/tmp}" > "$out/gpu_serve_log.txt" 2>&1
 echo "TorchServe table: exit $?"
 tail -n 40 "$out/gpu_serve_log.txt"
@@ -60,7 +60,7 @@ tail -n 40 "$out/gpu_serve_log.txt"
 # builds the model in memory): the same model loaded the same way on both sides of the comparison
 if [ -f "${GPU_SERVE_DIR:-/tmp}/model/config.json" ]; then
   read -r -a again <<< "${GPU_AGAIN_ARGS:---levels 1,32 --skip-peer --skip-other-layout --kernel-rows= --compare-paged-read off}"
-  timeout "${GPU_AGAIN_TIMEOUT_S:-110}" "$python" benchmarks/gpu.py --model-dir "${GPU_SERVE_DIR:-/tmp}/model" "${again[@]}" \
+  timeout "${GPU_AGAIN_TIMEOUT_S:-90}" "$python" benchmarks/gpu.py --model-dir "${GPU_SERVE_DIR:-/tmp}/model" "${again[@]}" \
     --json "$out/gpu_from_disk.json" --deadline-s "${GPU_AGAIN_DEADLINE_S:-55}" > /dev/null 2>&1
   echo "GPU table from the checkpoint: exit $?"
   "$python" -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in ('engine_start_s', 'batch_one', 'aggregate', 'skipped', 'errors')})" "$out/gpu_from_disk.json"
