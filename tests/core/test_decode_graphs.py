@@ -225,3 +225,27 @@ def test_compiled_flex_reads_whole_pages_unmasked_and_bounds_the_partial_one() -
         out = attend(query, k, v, block_mask=blocks.mask(2), scale=64**-0.5, enable_gqa=True)
         for r, want in enumerate(expected(tables, lengths)):
             assert torch.allclose(out[r : r + 1], want, atol=1e-5), (tables, r)
+
+
+def test_no_collection_pauses_the_garbage_collector_for_a_capture_and_restores_it() -> None:
+    """Graph captures run with Python's cyclic collector off (an earlier engine's graphs freed mid-capture
+    invalidate it, seen on an H200): off inside, back on after, also after an error, and left off when
+    it was off."""
+    import gc
+
+    from llava_sessions.model.vision_graph import no_collection
+
+    assert gc.isenabled()
+    with no_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_collection():
+        raise RuntimeError("a failed capture")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

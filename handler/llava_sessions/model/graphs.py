@@ -51,6 +51,7 @@ from .fused import attention_on
 from .kv.flex import PAGED_FLEX_ATTENTION, PageBlocks
 from .kv.paged import KVPool, SlotsCache, page_slots
 from .kv.pages import PageTable, pages_for, release, truncate
+from .vision_graph import no_collection
 
 if TYPE_CHECKING:
     from .llava import LlavaModel
@@ -211,14 +212,15 @@ class DecodeGraphs:
         if self.pool.pages.keys[0].device.type != "cuda":
             raise RuntimeError("CUDA graphs are captured on a CUDA device only")
         mempool = None
-        for key in self.buckets:
-            self._pass(*key)  # warm-up: lazy initialisation and autotuning outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
-                self._out[key] = self._pass(*key)
-            mempool = graph.pool()
-            self._graphs[key] = graph
+        with no_collection():  # nothing freed mid-capture (an earlier engine's graphs)
+            for key in self.buckets:
+                self._pass(*key)  # warm-up: lazy initialisation and autotuning outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool):
+                    self._out[key] = self._pass(*key)
+                mempool = graph.pool()
+                self._graphs[key] = graph
         torch.cuda.synchronize()
         log.info("captured %d decode graphs (rows %s x lengths %s)", len(self._graphs), self.rows, self.lengths)
 

@@ -14,12 +14,15 @@ with ``copy_``).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["VisionGraph", "image_features"]
+__all__ = ["VisionGraph", "image_features", "no_collection"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,22 @@ def image_features(model: Any, pixel_values: torch.Tensor, **kwargs: Any) -> lis
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
     per_image = list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
     return [f.reshape(-1, f.shape[-1]).contiguous() for f in per_image]
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, after one collection. An object freed while
+    a stream captures (an earlier engine's CUDA graph, whose destructor resets it) invalidates the
+    capture ("operation not permitted when stream is capturing", seen on an H200 in the GPU suite);
+    ``torch.cuda.graph`` collects first only under ``torch.compiler.config.force_cudagraph_gc``."""
+    gc.collect()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 class VisionGraph:
@@ -72,7 +91,7 @@ class VisionGraph:
             return None
         graph = cls(model, device, dtype)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), no_collection():
                 graph._features()  # warm-up: lazy initialisation and autotuning outside the capture
                 torch.cuda.synchronize(device)
                 cuda_graph = torch.cuda.CUDAGraph()
