@@ -12,11 +12,11 @@ the 7b-shaped random llava-1.5, written on the card in fp16 and served in ``--dt
    for one token, client time (the reply comes with its first token), median of ``--repeats``; beside
    it the server's own ``total_ms`` of the same answers.
 3. **Batch-1 decode**: one stream of ``--new-tokens`` tokens on that session; ms per token = the time
-   from its first piece (one token: a stream's first token goes out at once) to its last, over the
-   tokens after the first.
+   from its first token's line (a stream's first token goes out at once) to its last, over the tokens
+   after the first.
 4. **Streams**: ``N`` (``--streams``) sessions stream an answer at once; the aggregate decode rate is
-   their tokens after each one's first over the span from the earliest first piece to the latest last
-   one (the other streams' prefills fall inside it, so it errs low beside the in-process aggregate,
+   their tokens after each one's first over the span from the earliest first token's line to the latest
+   last one (the other streams' prefills fall inside it, so it errs low beside the in-process aggregate,
    which prefills before its clock); beside it tokens / wall time, prefills included. One short round at
    each count goes first, untimed, as the in-process aggregate's warm-up does.
 5. **A cold image turn**: open a session on a never-seen image and ask for one token, client time.
@@ -112,23 +112,24 @@ def follow_up(session: Any, repeats: int) -> dict[str, Any]:
 
 
 def timed_stream(session: Any, new_tokens: int) -> dict[str, float]:
-    """One greedy stream of up to ``new_tokens`` tokens (not remembered): its tokens, the first piece's
-    time from the call (ms), the server's own time to that token (``ttft_ms``: from the engine's
-    admission), its first-to-last piece span (ms), and both pieces' ``perf_counter`` (s)."""
+    """One greedy stream of up to ``new_tokens`` tokens (not remembered): its tokens, the first token's
+    arrival from the call (ms; the client's ``client_ttft_ms``: its line, whether or not its text is
+    empty), the server's own time to that token (``ttft_ms``: from the engine's admission), the span from
+    the first token's line to the last's (ms), and both arrivals' ``perf_counter`` (s).
+
+    Lines, not text pieces: a random model's tokens can decode to no text, and a stream yields only
+    non-empty pieces (runs 8-9 on the card timed pieces, and read one piece for a whole answer)."""
     t0 = time.perf_counter()
-    arrivals = []
     with session.stream(QUESTION, remember=False, max_new_tokens=new_tokens, temperature=0) as stream:
-        for _piece in stream:
-            arrivals.append(time.perf_counter())
-        answer = stream.answer
-    tokens = answer.usage.generated_tokens
+        answer = stream.until_done()
+    first, last = (answer.client_ttft_ms or 0.0), (answer.client_total_ms or 0.0)
     return {
-        "tokens": tokens,
-        "first_ms": (arrivals[0] - t0) * 1000 if arrivals else 0.0,
+        "tokens": answer.usage.generated_tokens,
+        "first_ms": first,
         "server_first_ms": float(answer.timings.get("ttft_ms", 0.0)),
-        "span_ms": (arrivals[-1] - arrivals[0]) * 1000 if len(arrivals) > 1 else 0.0,
-        "first_at": arrivals[0] if arrivals else t0,
-        "last_at": arrivals[-1] if arrivals else t0,
+        "span_ms": max(last - first, 0.0),
+        "first_at": t0 + first / 1000,
+        "last_at": t0 + last / 1000,
     }
 
 
@@ -151,7 +152,7 @@ def together(sessions: list[Any], new_tokens: int) -> tuple[list[dict[str, float
 
 def streams(client: SessionClient, images: list[bytes], counts: list[int], new_tokens: int) -> dict[str, Any]:
     """At each count ``N``, ``N`` sessions stream an answer at once: their tokens after each one's first
-    over the span from the earliest first piece to the latest last one (tokens/s), and tokens / wall
+    over the span from the earliest first token to the latest last one (tokens/s), and tokens / wall
     seconds, prefills included."""
     sessions = [client.open_session(images[i % len(images)]) for i in range(max(counts))]
     for s in sessions:

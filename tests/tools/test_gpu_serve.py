@@ -51,6 +51,8 @@ def test_the_torchserve_table_runs_on_the_cpu_and_reads_the_goals_against_the_in
     assert set(report["streams"]) == {"1", "2"} and all(
         r["decode_tokens_per_s"] > 0 for r in report["streams"].values()
     )
+    for row in report["streams"].values():  # the client's first token after the server made it, at most the last
+        assert 0 < row["server_first_token_ms_p50"] < row["first_token_ms_p50"] <= row["first_token_ms_max"]
     assert report["cold"]["cold_image_turn_ms"] > 0
     goals = report["goals"]
     assert goals["follow_up_ttft"]["budget_ms"] == pytest.approx(1.0 + floor + 1.0, abs=1e-3)
