@@ -13,11 +13,11 @@ compiled kernels as they capture eager ones (SGLang's pattern: compile, then cap
 is never used, since it would capture graphs of its own.
 
 On a card the ``compile`` setting's ``auto`` turns this and the fused projections on (:func:`compile_layers`,
-before the engine captures its graphs): on an H200 the 7b-shaped model's batch-1 decode step took 7.43 ms
-compiled against 8.55 ms eager, and 64 sessions ran 1.12x the tokens/s (decision 62). On the 2-core CPU
-it stays off: a decode step of the bench model took 18.1 ms compiled against 15.4 ms eager (each compiled
-call's guards cost more than the fused kernels save there; decision 60). :func:`uncompile_regions` takes
-the compiled calls off again.
+before the engine captures its graphs): on an H200 the 7b-shaped model's batch-1 decode step took 6.98 ms
+fused and compiled against 8.27 ms as loaded, and 1 to 64 sessions ran 1.20-1.23x the tokens/s
+(decision 62). On the 2-core CPU it stays off: a decode step of the bench model took 18.1 ms compiled
+against 15.4 ms eager (each compiled call's guards cost more than the fused kernels save there; decision
+60). :func:`uncompile_regions` takes the compiled calls off again.
 """
 
 from __future__ import annotations
