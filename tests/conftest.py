@@ -87,3 +87,16 @@ def small_png():
 def small_photos(photos) -> dict[str, bytes]:
     """The photographs scaled to at most 320 px (anyres token counts stay within the tiny context)."""
     return {name: shrink_png(data, 320) for name, data in photos.items()}
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one intra-op thread for the test, as before after it. For a test that runs the model in
+    this process for long: beside the suite's other process on two cores, two spinning intra-op
+    threads made the tight-budget streams test take 88 s against 7 s alone, and one thread 10.6 s."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -210,7 +210,7 @@ def _stream_texts(svc: SessionService, bodies: list[dict]) -> list[tuple[str, st
     return results
 
 
-def test_streams_that_outgrow_a_tight_budget_all_finish_on_the_default_layout(tmp_path):
+def test_streams_that_outgrow_a_tight_budget_all_finish_on_the_default_layout(tmp_path, one_torch_thread):
     """Issue 60 item 2: four chat streams without ``max_tokens`` on a budget of ~2.7 contexts of KV (the
     tiny model's weights with a 512-token context, so each answer is half as long as at 1,024), on
     the CPU's default (contiguous) decode batch. Rebuilding the batch for the oldest answer alone
