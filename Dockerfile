@@ -22,11 +22,13 @@ FROM ${BASE_IMAGE}
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # tini (PID 1) pinned; Java 17 for TorchServe's frontend follows Debian's security updates (an old
-# openjdk build leaves the mirror when a new one lands, so a pin would break the build).
+# openjdk build leaves the mirror when a new one lands, so a pin would break the build). gcc and the C
+# library's headers: on a GPU the `compile` setting's Inductor kernels go through Triton, which builds
+# its kernel launcher with a C compiler at run time (without one the layers run as loaded).
 ARG TINI_VERSION=0.19.0-1+b3
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" openjdk-17-jre-headless \
+    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" openjdk-17-jre-headless gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 # Runtime dependencies: every version from config/constraints.txt, the file the tests install from.

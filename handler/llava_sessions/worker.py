@@ -21,7 +21,7 @@ from .images.decode import decode_image
 from .metrics import WorkerMetrics
 from .model import LlavaModel
 from .model.loading import reserve_cpu_memory
-from .model.regions import compile_layers, compiles
+from .model.regions import compile_layers, compiles, uncompile_layers
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions.store import SessionStore
@@ -217,7 +217,7 @@ def build_engine(settings: Settings, model: LlavaModel) -> SessionEngine:
     ranks = model.ranks.size if getattr(model, "ranks", None) is not None else 1
     on_card = model.device.type == "cuda"
     if compiles(settings.compile, model.device, ranks):
-        log.info("text layers compiled", extra=compile_layers(model.model.model.language_model))
+        compile_text_layers(model)
     budget = settings.device_budget_bytes or default_device_budget(model, settings.device_budget_fraction) * (
         ranks if on_card else 1
     )
@@ -253,6 +253,23 @@ def build_engine(settings: Settings, model: LlavaModel) -> SessionEngine:
         decode_layout="paged" if ranks > 1 else settings.decode_layout,
         cuda_graphs=False if settings.enforce_eager or ranks > 1 else None,
     )
+
+
+def compile_text_layers(model: LlavaModel) -> bool:
+    """Fuse and compile ``model``'s text layers (:func:`~llava_sessions.model.regions.compile_layers`) and
+    run one short prefill, so Inductor compiles now; when that fails (Triton builds its kernel launcher
+    with a C compiler at run time, which a container may lack), the layers run as loaded again and a
+    warning says why. Returns whether they run compiled."""
+    text = model.model.model.language_model
+    changed = compile_layers(text)
+    try:
+        model.prefill(model.new_cache(), model.tokenizer("Hello")["input_ids"], None)
+    except Exception:  # noqa: BLE001 - any compiler failure: the model as loaded still serves
+        log.warning("compiling the text layers failed; they run as loaded (compile: off)", exc_info=True)
+        uncompile_layers(text)
+        return False
+    log.info("text layers compiled", extra=changed)
+    return True
 
 
 def kv_page_size(kv_pool: str, on_card: bool) -> int:

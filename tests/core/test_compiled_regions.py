@@ -54,8 +54,33 @@ def test_an_engine_built_with_compile_on_fuses_and_compiles_its_text_layers_befo
     assert (
         not isinstance(text.layers[0].self_attn.q_proj, FusedLinear) and text.layers[0].mlp._compiled_call_impl is None
     )
+    torch._dynamo.utils.counters.clear()
     build_engine(Settings(compile="on", **budget), llava)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled at the start, not by a request
     for layer in text.layers:
         assert isinstance(layer.self_attn.q_proj, FusedLinear) and isinstance(layer.mlp.gate_proj, FusedLinear)
         assert layer.mlp._compiled_call_impl is not None and layer.input_layernorm._compiled_call_impl is not None
     assert uncompile_layers(text) == {"fused": 2 * len(text.layers), "compiled": 3 * len(text.layers) + 1}
+
+
+def test_layers_that_fail_to_compile_run_as_loaded_and_a_warning_says_why(tiny_model_dir, photos, caplog):
+    """A compiler failure at the start (a container without the C compiler Triton needs, here a forced
+    error in the warm-up pass) leaves the text layers as loaded, with a warning, and the engine answers as
+    the model does."""
+    llava = LlavaModel.from_pretrained(tiny_model_dir, device="cpu", dtype="float32")
+    text = llava.model.model.language_model
+    expected, _ = answers(llava, photos, **LAYOUTS["static"])
+    prefill = llava.prefill
+
+    def fails_once(*args, **kwargs):
+        llava.prefill = prefill
+        raise RuntimeError("Failed to find C compiler")
+
+    llava.prefill = fails_once
+    with caplog.at_level("WARNING", logger="llava_sessions.worker"):
+        build_engine(Settings(compile="on", device="cpu", device_budget_bytes=10**9), llava)
+    assert "compiling the text layers failed" in caplog.text
+    assert (
+        not isinstance(text.layers[0].self_attn.q_proj, FusedLinear) and text.layers[0].mlp._compiled_call_impl is None
+    )
+    assert answers(llava, photos, **LAYOUTS["static"])[0] == expected
