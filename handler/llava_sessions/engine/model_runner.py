@@ -24,9 +24,10 @@ from ..model.vision_graph import VisionGraph
 from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
-from .paged_batch import PagedDecodeBatch
+from .paged_batch import PagedDecodeBatch, static_rows_table
 
 if TYPE_CHECKING:
+    from ..model.kv.pages import PageTable
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Sequence
@@ -219,23 +220,24 @@ class ModelRunner:
         out: list[torch.Tensor | None] = [None] * len(parts)
         if self.graphs is None:
             return out
-        groups: list[list[tuple[int, int, int]]] = [[]]
+        groups: list[list[tuple[int, int, int, PageTable]]] = [[]]
         for index, (session, ids, num_tokens, _) in enumerate(parts):
             start, end = self._chunk(session, ids, num_tokens)
-            if not isinstance(session.kv_cache, SessionKV) or self.model.image_token_id in ids[start:end]:
+            table = static_rows_table(self.model, session, ids[start:end])
+            if table is None:
                 continue
-            if sum(e - s for _, s, e in groups[-1]) + end - start > self.graphs.rows[-1]:
+            if sum(e - s for _, s, e, _t in groups[-1]) + end - start > self.graphs.rows[-1]:
                 groups.append([])
-            groups[-1].append((index, start, end))
+            groups[-1].append((index, start, end, table))
         for group in (g for g in groups if len(g) > 1):  # a chunk alone: the caller's own path
             t0 = time.perf_counter()
-            chunks = [(parts[i][0].kv_cache.table, parts[i][1][s:e]) for i, s, e in group]
+            chunks = [(table, parts[i][1][s:e]) for i, s, e, table in group]
             try:
                 done = self.graphs.run_with_chunks([], [], chunks)
             except Exception:  # noqa: BLE001 - each chunk alone tells whose failure it is
                 log.debug("a shared prefill pass failed; its chunks run alone", exc_info=True)
                 continue
-            for (i, s, e), last in zip(group, done[1] if done is not None else (), strict=False):
+            for (i, s, e, _t), last in zip(group, done[1] if done is not None else (), strict=False):
                 self._record(parts[i][0], parts[i][1][:e], s, t0, parts[i][3])
                 out[i] = last
         return out
@@ -245,11 +247,10 @@ class ModelRunner:
         (:meth:`DecodeGraphs.prefill <llava_sessions.model.graphs.DecodeGraphs.prefill>`: a replayed
         graph on a card), or None: no static step, a chunk with image placeholders, or no bucket holds it.
         Its ms are not the cost model's (which plans eager chunks)."""
-        if self.graphs is None or not isinstance(session.kv_cache, SessionKV):
+        table = static_rows_table(self.model, session, new_ids)
+        if self.graphs is None or table is None:
             return None
-        if self.model.image_token_id in new_ids:
-            return None
-        return self.graphs.prefill(session.kv_cache.table, new_ids)
+        return self.graphs.prefill(table, new_ids)
 
     def decode(self, seqs: list[Sequence], *, rebuild: bool) -> torch.Tensor:
         """One decode step of ``seqs`` in one forward pass (:meth:`DecodeBatch.forward`).

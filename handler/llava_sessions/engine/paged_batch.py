@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import KVPool, LlavaModel, SessionKV, SlotsCache, held_len
+from ..model import KVPool, LlavaModel, SessionKV, SlotsCache, cache_len, held_len
 from ..model.kv.cache import undo_pass
 from .memory import oom_attempts
 from .scheduler import BatchLayout
@@ -34,7 +34,17 @@ if TYPE_CHECKING:
     from ..sessions.store import SessionStore
     from .sequence import Sequence
 
-__all__ = ["PagedDecodeBatch"]
+__all__ = ["PagedDecodeBatch", "static_rows_table"]
+
+
+def static_rows_table(model: LlavaModel, session: Session, chunk: list[int]) -> PageTable | None:
+    """``session``'s page table when its next ``chunk`` of ids can go in as rows of a static step
+    (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`):
+    its cache is in the pool and the chunk is text, no image placeholders; else None."""
+    cache = session.kv_cache
+    if not isinstance(cache, SessionKV) or model.image_token_id in chunk:
+        return None
+    return cache.table
 
 
 class PagedDecodeBatch:
@@ -161,13 +171,11 @@ class PagedDecodeBatch:
         <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`: a replay on a card, where the fused
         pass would run eagerly); None without graphs, for a chunk with image placeholders, or when no
         bucket holds every row (the fused pass runs it)."""
-        cache = session.kv_cache
-        if self.graphs is None or not isinstance(cache, SessionKV):
+        chunk = ids[cache_len(session.kv_cache) :]
+        table = static_rows_table(self.model, session, chunk)
+        if self.graphs is None or table is None:
             return None
-        chunk = ids[cache.table.num_tokens :]
-        if self.model.image_token_id in chunk:
-            return None
-        done = self.graphs.run_with_chunks(tables, tokens, [(cache.table, chunk)])
+        done = self.graphs.run_with_chunks(tables, tokens, [(table, chunk)])
         return None if done is None else (done[0], done[1][0])
 
     def _decode(self, tables: list[PageTable], tokens: list[int]) -> torch.Tensor:
