@@ -89,6 +89,7 @@ from llava_sessions.model.graphs import PagedRead
 from llava_sessions.model.regions import compile_layers, compiles, uncompile_layers
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore
+from llava_sessions.worker import compile_text_layers
 from llava_tools.demo.samples import sample_photo
 from paged_attention import AttentionShape, describe, measure
 
@@ -515,9 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     device = llava.device
     graphs = cuda_graphs_arg(args)
     t_engine = time.perf_counter()  # the engine's start: compiling the layers (on their first pass) and capture
-    compiled = compiles(args.compile, device)
-    if compiled:  # as the worker does (worker.build_engine)
-        compile_layers(llava.model.model.language_model)
+    compiled = compiles(args.compile, device) and compile_text_layers(llava)  # as worker.build_engine does
     engine = new_engine(llava, args.kv_page_size, args.decode_layout, graphs, args.paged_attention)
     capture_s = time.perf_counter() - t_engine
     images = [sample_photo(p) for p in PHOTOS]
