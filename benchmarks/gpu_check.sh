@@ -56,7 +56,7 @@ echo "GPU table: exit $?"
 tail -n 40 "$out/gpu_log.txt"
 
 read -r -a serve <<< "${GPU_SERVE_ARGS:-}"
-timeout "${GPU_SERVE_TIMEOUT_S:-150}" "$python" benchmarks/gpu_serve.py "${serve[@]}" --in-process "$out/gpu.json" \
+timeout "${GPU_SERVE_TIMEOUT_S:-210}" "$python" benchmarks/gpu_serve.py "${serve[@]}" --in-process "$out/gpu.json" \
   --json "$out/gpu_serve.json" --work-dir "${GPU_SERVE_DIR:-/tmp}" > "$out/gpu_serve_log.txt" 2>&1
 echo "TorchServe table: exit $?"
 tail -n 40 "$out/gpu_serve_log.txt"

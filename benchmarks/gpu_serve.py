@@ -21,6 +21,12 @@ the 7b-shaped random llava-1.5, written on the card in fp16 and served in ``--dt
    each count goes first, untimed, as the in-process aggregate's warm-up does.
 5. **A cold image turn**: open a session on a never-seen image and ask for one token, client time.
 
+With ``--compile-cache`` (the default on a card) ``llava-compile-cache`` runs first, in a process of its
+own with an empty Inductor cache: the cold start (weights, compile, capture; its graphs compiled), and the
+model folder's compile cache written. The server then starts with another empty Inductor cache, so its
+``server_start_s`` is a warm start from the shipped file alone, beside the floor server's start (Java and
+TorchServe without a model).
+
 ``--in-process gpu.json`` (the in-process table, ``benchmarks/gpu.py``, of the same device call) adds the
 ratios of the issue's goals: follow-up TTFT against in-process + the floor + 1 ms, and 32 streams against
 the in-process aggregate at 32. Each section is written to ``--json`` as it ends (:class:`gpu.Sections`).
@@ -34,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +70,20 @@ def write_model(model: str, folder: Path) -> dict[str, Any]:
     write_checkpoint(model, folder)
     size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     return {"bytes": size, "write_s": round(time.perf_counter() - t0, 1)}
+
+
+def compile_cache(model_dir: Path, overrides: dict[str, Any], inductor_dir: Path) -> dict[str, Any]:
+    """Run ``llava-compile-cache`` on ``model_dir`` with the server's settings and an empty Inductor cache
+    (``inductor_dir``); returns what it printed (the file, its bytes, graphs compiled, the worker's build
+    seconds) and its wall seconds."""
+    settings = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    command = [sys.executable, "-m", "llava_tools.compile_cache", "--model-dir", str(model_dir), "--json", *settings]
+    t0 = time.perf_counter()
+    done = subprocess.run(command, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)},
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"llava-compile-cache exited {done.returncode}: {done.stderr[-2000:]}")
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def floor_round_trip(model_dir: Path, n: int, warmup: int) -> dict[str, Any]:
@@ -225,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--streams", default="8,32", help="concurrent streams, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=None,
+                    help="write the compile cache cold first, then start the server warm from it (default: on a card)")  # fmt: skip
     ap.add_argument("--floor-requests", type=int, default=200)
     ap.add_argument("--in-process", default=None, help="benchmarks/gpu.py's JSON of the same call: the goals' ratios")
     ap.add_argument("--json", default=None, help="the table as JSON, rewritten after every section")
@@ -242,9 +266,15 @@ def main(argv: list[str] | None = None) -> int:
                  "max_concurrent_generations": max(counts, default=1)}  # fmt: skip
     if args.device == "cpu":
         overrides["devices"] = "cpu"
+    env = {}
+    if args.compile_cache if args.compile_cache is not None else args.device != "cpu":
+        overrides["compile"] = "on"
+        work = Path(tempfile.mkdtemp(prefix="inductor-"))
+        report.run("compile_cache", lambda: compile_cache(model_dir, overrides, work / "cold"))
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "warm")  # the server finds only the shipped file
     images = [sample_photo(p) for p in PHOTOS]
     t0 = time.perf_counter()
-    with LocalServer(model_dir, overrides=overrides, startup_timeout_s=900) as server:
+    with LocalServer(model_dir, overrides=overrides, env=env, startup_timeout_s=900) as server:
         report.data["server_start_s"] = round(time.perf_counter() - t0, 1)
         client = SessionClient.from_url(server.url, max_retries=0, timeout=300)
         session, held = hold(client, images[0], args.context)

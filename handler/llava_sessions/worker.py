@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from .engine.model_runner import KV_PAGE_SIZE
 from .images.decode import decode_image
 from .metrics import WorkerMetrics
 from .model import LlavaModel
+from .model.compile_cache import cache_counts, compile_cache_file, load_compile_cache
 from .model.loading import reserve_cpu_memory
 from .model.regions import compile_layers, compiles, uncompile_layers
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
@@ -150,7 +152,7 @@ def build_local_service(
         tensor_parallel_size=settings.tensor_parallel_size,
         threads=settings.torch_threads,
     )
-    engine = build_engine(settings, model)
+    engine = build_engine(settings, model, compile_cache_file(model_dir, model.device, model.dtype))
     reserved = 0
     if model.device.type == "cpu":  # never past the sessions' budget, nor a quarter of the free memory
         cap = min(engine.store.device_budget_bytes, available_host_bytes() // 4)
@@ -206,18 +208,19 @@ def decode_media(data: bytes, *, max_pixels: int, video_limits: VideoLimits) -> 
     return decode_image(data, max_pixels=max_pixels)
 
 
-def build_engine(settings: Settings, model: LlavaModel) -> SessionEngine:
+def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | None = None) -> SessionEngine:
     """The session store (its device budget: ``device_budget_bytes``, or a fraction of what is free
     now, on each GPU of a tensor-parallel replica) and the engine over ``model``, with the settings'
     limits. A tensor-parallel replica (``model.ranks``) runs its sessions' KV in the pool, decoded in
     place, eagerly, each prefill chunk a pass of its own and no host offload: the passes its other
     ranks mirror (:mod:`~llava_sessions.model.parallel`). Under the ``compile`` setting the text model's
     layers are fused and compiled first (:func:`~llava_sessions.model.regions.compile_layers`; ``auto``:
-    on a GPU), so the engine's graphs capture the compiled kernels."""
+    on a GPU), so the engine's graphs capture the compiled kernels; what ``compile_cache`` holds (a model
+    folder's, :mod:`~llava_sessions.model.compile_cache`) is loaded first, so it is not compiled again."""
     ranks = model.ranks.size if getattr(model, "ranks", None) is not None else 1
     on_card = model.device.type == "cuda"
     if compiles(settings.compile, model.device, ranks):
-        compile_text_layers(model)
+        compile_text_layers(model, compile_cache)
     budget = settings.device_budget_bytes or default_device_budget(model, settings.device_budget_fraction) * (
         ranks if on_card else 1
     )
@@ -255,12 +258,16 @@ def build_engine(settings: Settings, model: LlavaModel) -> SessionEngine:
     )
 
 
-def compile_text_layers(model: LlavaModel) -> bool:
+def compile_text_layers(model: LlavaModel, compile_cache: Path | None = None) -> bool:
     """Fuse and compile ``model``'s text layers (:func:`~llava_sessions.model.regions.compile_layers`) and
-    run one short prefill, so Inductor compiles now; when that fails (Triton builds its kernel launcher
-    with a C compiler at run time, which a container may lack), the layers run as loaded again and a
-    warning says why. Returns whether they run compiled."""
+    run one short prefill, so Inductor compiles now, after loading the compile cache at ``compile_cache``
+    when there is one (:func:`~llava_sessions.model.compile_cache.load_compile_cache`: what it holds is
+    found, not compiled). When compiling fails (Triton builds its kernel launcher with a C compiler at
+    run time, which a container may lack), the layers run as loaded again and a warning says why.
+    Returns whether they run compiled."""
     text = model.model.model.language_model
+    loaded = compile_cache is not None and load_compile_cache(compile_cache)
+    start_s = time.perf_counter()
     changed = compile_layers(text)
     try:
         model.prefill(model.new_cache(), model.tokenizer("Hello")["input_ids"], None)
@@ -268,7 +275,12 @@ def compile_text_layers(model: LlavaModel) -> bool:
         log.warning("compiling the text layers failed; they run as loaded (compile: off)", exc_info=True)
         uncompile_layers(text)
         return False
-    log.info("text layers compiled", extra=changed)
+    counts, took_s = cache_counts(), round(time.perf_counter() - start_s, 2)
+    log.info(
+        "text layers compiled in %.2f s: %d graph(s) found in a cache (compile cache %s), %d compiled",
+        took_s, counts["cache_hits"], "loaded" if loaded else "none", counts["cache_misses"],
+        extra={**changed, **counts, "cache_loaded": loaded, "compile_s": took_s},
+    )  # fmt: skip
     return True
 
 

@@ -41,6 +41,9 @@ SNIPPETS: dict[tuple[str, str], str] = {
         "deploy.md",
         "./build_and_push.sh --repository llava-sessions --region us-east-1          # prints the image URI",
     ): "tests/project/test_docs.py::test_the_deploy_snippet_runs_with_dry_run",
+    ("deploy.md", "llava-compile-cache --model-dir /path/to/llava-1.5-7b-hf"): (
+        "tests/tools/test_compile_cache.py::test_the_cache_written_once_makes_a_fresh_start_find_every_graph_compiled"
+    ),
     ("api.md", "import boto3, json"): "tests/project/test_docs.py::test_python_snippets_run_against_the_local_endpoint",
     ("api.md", 'chat = client.conversation(cache_salt="tenant-42")   # no session; or session=client.chat_session()'): (
         "tests/project/test_docs.py::test_python_snippets_run_against_the_local_endpoint"

@@ -167,6 +167,7 @@ LAYERS: list[set[str]] = [
         "model.kv.pages",
         "model.projections",
         "model.vision_graph",
+        "model.compile_cache",
     },
     {
         "sessions",
@@ -586,7 +587,7 @@ def test_the_tools_have_a_sub_package_per_tool_and_the_tests_mirror_the_packages
     top = sorted(p.name for p in TOOLS.glob("*.py"))
     packages = sorted(p.name for p in TOOLS.iterdir() if (p / "__init__.py").is_file())
     assert len(top) <= MAX_TOOL_TOP_LEVEL_MODULES, top
-    assert packages == ["demo", "deploy", "local_endpoint", "serve", "tiny_model"]
+    assert packages == ["compile_cache", "demo", "deploy", "local_endpoint", "serve", "tiny_model"]
     tests = REPO / "tests"
     assert sorted(p.name for p in tests.glob("test_*.py")) == [], "a test outside the packages' folders"
     folders = sorted(p.name for p in tests.iterdir() if p.is_dir() and list(p.glob("test_*.py")))

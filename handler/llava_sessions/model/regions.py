@@ -29,7 +29,15 @@ from torch import nn
 
 from .projections import fuse_projections, unfuse_projections
 
-__all__ = ["REGIONS", "compile_layers", "compile_regions", "compiles", "uncompile_layers", "uncompile_regions"]
+__all__ = [
+    "REGIONS",
+    "compile_layers",
+    "compile_regions",
+    "compiled_regions",
+    "compiles",
+    "uncompile_layers",
+    "uncompile_regions",
+]
 
 #: The ``compile`` setting: ``auto`` compiles on a CUDA device, ``on`` everywhere, ``off`` nowhere.
 CompileSetting = Literal["auto", "on", "off"]
@@ -55,10 +63,15 @@ def compile_regions(text_model: nn.Module) -> int:
     return len(regions)
 
 
+def compiled_regions(text_model: nn.Module) -> list[nn.Module]:
+    """The regions of ``text_model`` that run compiled now (:func:`compile_regions`, not yet taken off)."""
+    return [m for m in _regions(text_model) if getattr(m, "_compiled_call_impl", None) is not None]
+
+
 def uncompile_regions(text_model: nn.Module) -> int:
     """Take the compiled calls of :func:`compile_regions` off ``text_model`` (eager again). Returns the
     modules changed."""
-    regions = [m for m in _regions(text_model) if getattr(m, "_compiled_call_impl", None) is not None]
+    regions = compiled_regions(text_model)
     for module in regions:
         module._compiled_call_impl = None
     return len(regions)

@@ -1,0 +1,5 @@
+"""``llava-compile-cache``: a model folder's compile cache, written on a card before deploying (:mod:`.cli`)."""
+
+from .cli import main
+
+__all__ = ["main"]
