@@ -37,8 +37,9 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    over the same model with each layer's q/k/v and gate/up fused into one GEMM each, then apart again.
 10. **Compiled regions** (``model/regions.py``): the same in an engine over the model with each layer's
     norms and MLP compiled by Inductor (attention eager), its start (compile + capture) in seconds.
-11. **A step's greedy rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows' tokens one
-   by one against one argmax over the batch, ms per step each.
+11. **A step's greedy and sampled rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows'
+   tokens one by one against one argmax over the batch, and drawing as many seeded sampled rows one by
+   one against one warp and draw for all, ms per step each.
 12. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
    shape at ``--context`` positions and ``--kernel-rows`` rows): contiguous SDPA, the engine's gather
    then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
@@ -547,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     report.run("kv_pool", lambda: pool_report(engine, args.context))
     vocab = int(llava.config.text_config.vocab_size)
     report.run("greedy_rows", lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20))
+    report.run("sampled_rows", lambda: greedy_rows.sampled_table(device, [1, 8, 32, 64], vocab, args.repeats * 5))
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
     compare = compare and engine.runner.graphs is not None
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
@@ -783,6 +785,9 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
             print(f"{label:<58}{r['eager_ms']:>8.2f} ms/step eager")
     for n, row in report.get("greedy_rows", {}).items():  # a step's greedy rows: one argmax against one each
         label = f"{n} greedy rows picked, one argmax for all"
+        print(f"{label:<48}{row['batched_ms']:>10.3f} ms   {row['ratio']:.2f}x faster than one each")
+    for n, row in report.get("sampled_rows", {}).items():  # a step's sampled rows: one warp and draw for all
+        label = f"{n} sampled rows drawn, one warp for all"
         print(f"{label:<48}{row['batched_ms']:>10.3f} ms   {row['ratio']:.2f}x faster than one each")
     v = report.get("vision_graph")
     if v:  # llava-1.5's vision tower replayed against eager, one image's encoding

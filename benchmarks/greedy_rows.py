@@ -1,4 +1,4 @@
-"""A decode step's greedy rows: one argmax over the batch against one per row, side by side (issue 59 item 2).
+"""A decode step's greedy and sampled rows: picked together against one per row, side by side (issue 59 item 2).
 
 After each decode step every answer picks its next token from its row of the logits ``[B, vocab]``
 (float32). Each row sampling alone (:meth:`Sampler.next_token
@@ -7,6 +7,11 @@ card, one kernel and one device sync per row. Rows with nothing but greedy to co
 <llava_sessions.sampling.sampler.Sampler.plain_greedy>`) take theirs from one argmax over the batch, read at
 once (:meth:`StepOutputs.accept_rows <llava_sessions.engine.outputs.StepOutputs.accept_rows>`). Measured here:
 ms per step of each way, at each row count, the same logits, after a warm-up; the tokens must agree.
+
+Sampled rows the same way (:func:`measure_sampled`): seeded rows with temperature 0.8, top-k 50 and top-p
+0.9, each drawn alone (transformers' warpers, a softmax and the exponential race per row, one read each)
+against all warped and drawn together (:func:`~llava_sessions.sampling.rows.sample_rows`, one read). The
+same seeds on both sides: the tokens must agree.
 
 Usage: python benchmarks/greedy_rows.py [--device cuda] [--rows 1,8,32,64] [--vocab 32064] [--repeats 200]
 """
@@ -18,9 +23,11 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
+from llava_sessions.sampling.rows import sample_rows
 from llava_sessions.sampling.sampler import Sampler, SamplingParams
 
 
@@ -50,9 +57,15 @@ def measure(device: torch.device, rows: int, vocab: int, repeats: int) -> dict[s
         return tokens
 
     assert one_by_one() == batched()
-    times: dict[str, list[float]] = {"one_by_one": [], "batched": []}
+    return _timed(device, {"one_by_one": one_by_one, "batched": batched}, repeats)
+
+
+def _timed(device: torch.device, ways: dict[str, Callable[[], list[int]]], repeats: int) -> dict[str, float]:
+    """Median ms of each of two ways (``one_by_one``, ``batched``) over ``repeats`` alternating runs, and
+    their ratio."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
-        for name, pick in (("one_by_one", one_by_one), ("batched", batched)):
+        for name, pick in ways.items():
             _sync(device)
             t0 = time.perf_counter()
             pick()
@@ -62,9 +75,45 @@ def measure(device: torch.device, rows: int, vocab: int, repeats: int) -> dict[s
     return {"one_by_one_ms": round(apart, 4), "batched_ms": round(together, 4), "ratio": round(apart / together, 2)}
 
 
+def measure_sampled(device: torch.device, rows: int, vocab: int, repeats: int) -> dict[str, float]:
+    """ms per step of ``rows`` seeded sampled rows (temperature 0.8, top-k 50, top-p 0.9) drawn one by
+    one and together, and their ratio.
+
+    Raises:
+        AssertionError: the two ways drew different tokens (each side's samplers seeded alike).
+    """
+    logits = torch.randn(rows, vocab, device=device, dtype=torch.float32)
+
+    def samplers() -> list[Sampler]:
+        params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(rows)]
+        return [Sampler(p, device, [1, 2, 3]) for p in params]
+
+    alone, together = samplers(), samplers()
+    assert all(s.plain_sampled for s in together)
+    t, k, p, m = zip(*(s.warping for s in together), strict=True)
+
+    def one_by_one() -> list[int]:
+        return [s.next_token(logits[i])[0] for i, s in enumerate(alone)]
+
+    def batched() -> list[int]:
+        noise = torch.stack([s.noise(vocab) for s in together])
+        tokens = sample_rows(logits, t, k, p, m, noise).tolist()
+        for s, token in zip(together, tokens, strict=True):
+            s.took(token)
+        return tokens
+
+    assert one_by_one() == batched()
+    return _timed(device, {"one_by_one": one_by_one, "batched": batched}, repeats)
+
+
 def table(device: torch.device, row_counts: list[int], vocab: int, repeats: int) -> dict[str, dict[str, float]]:
     """:func:`measure` at each row count."""
     return {str(n): measure(device, n, vocab, repeats) for n in row_counts}
+
+
+def sampled_table(device: torch.device, row_counts: list[int], vocab: int, repeats: int) -> dict[str, dict[str, float]]:
+    """:func:`measure_sampled` at each row count."""
+    return {str(n): measure_sampled(device, n, vocab, repeats) for n in row_counts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "vocab": args.vocab,
         "rows": table(torch.device(args.device), rows, args.vocab, args.repeats),
+        "sampled_rows": sampled_table(torch.device(args.device), rows, args.vocab, args.repeats),
     }
     print(json.dumps(report, indent=1))
     return 0

@@ -173,6 +173,43 @@ def test_plain_greedy_rows_take_their_tokens_from_one_argmax_a_step_and_answer_a
     assert all(t.logprob is not None for t in gens["d"].answer.tokens)
 
 
+def test_sampled_rows_draw_together_in_one_warp_a_step_and_answer_as_alone(llava, photos):
+    """Seeded rows with temperature, top-k, top-p or min-p and nothing else are warped and drawn together
+    (``sampling/rows.py``: in a decode step of three such rows and a greedy one, two of them with top-p
+    and two with top-k, the profiler counts one sort and one top-k for all, not one per row that asks,
+    and one exponential draw per sampled row); every answer equals the same question alone, with the
+    same seed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    asks = {
+        "a": ("What is in this image?", SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)),
+        "b": ("Describe the saucer.", SamplingParams(max_new_tokens=12, top_k=40, top_p=0.95, seed=4)),
+        "c": ("What is it?", SamplingParams(max_new_tokens=12, top_k=20, min_p=0.05, seed=5)),
+        "d": ("And in the background?", SamplingParams(max_new_tokens=12)),
+    }
+    images = {"a": "astronaut", "b": "coffee", "c": "rocket", "d": "chelsea"}
+    eng = make_engine(llava)
+    for sid, photo in images.items():
+        eng.open(sid, photos[photo])
+    expected = {sid: eng.generate(sid, q, p, remember=False).tokens for sid, (q, p) in asks.items()}
+    gens = {sid: eng.start(sid, q, p, remember=False) for sid, (q, p) in asks.items()}
+    while not all(g.prefilled for g in gens.values()):
+        eng.step([g for g in gens.values() if not g.prefilled])
+    assert [g.sampler.plain_sampled for g in gens.values()] == [True, True, True, False]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.step([g for g in gens.values() if not g.done])
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("aten::sort") == 1 and counts.get("aten::topk") == 1, (
+        counts.get("aten::sort"),
+        counts.get("aten::topk"),
+    )
+    assert counts.get("aten::exponential_") == 3
+    while not all(g.done for g in gens.values()):
+        eng.step([g for g in gens.values() if not g.done])
+    for sid, g in gens.items():
+        assert [t.id for t in g.answer.tokens] == [t.id for t in expected[sid]], sid
+
+
 def test_stop_strings_and_finish_reasons_are_per_row(llava, photos):
     eng = make_engine(llava)
     open_all(eng, photos)

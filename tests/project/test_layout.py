@@ -168,6 +168,7 @@ LAYERS: list[set[str]] = [
         "model.projections",
         "model.vision_graph",
         "model.compile_cache",
+        "sampling.rows",
     },
     {
         "sessions",

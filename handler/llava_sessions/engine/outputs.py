@@ -18,6 +18,7 @@ import torch
 from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError
 from ..results import FinishReason
+from ..sampling.rows import sample_rows
 from .sequence import EngineRequest, ImagePrefill, Sequence
 
 if TYPE_CHECKING:
@@ -51,23 +52,46 @@ class StepOutputs:
         decode step's); one that fails to sample fails alone.
 
         The rows whose sampler is :attr:`~..sampling.sampler.Sampler.plain_greedy` take their tokens
-        from one argmax over the batch, read to the host at once: one device sync a step, where each
-        row's own argmax is one sync a row (the other rows sample one by one, as before)."""
+        from one argmax over the batch, and those whose sampler is ``plain_sampled`` from one warp and
+        draw of their rows together (:func:`~..sampling.rows.sample_rows`), all read to the host at
+        once: one device sync a step, where each row's own choice is one sync a row (the other rows
+        sample one by one, as before)."""
         live = [g for g in seqs if not g.done]
-        plain = [g.sampler.plain_greedy for g in live]
-        greedy = logits.argmax(-1).tolist() if any(plain) else []
+        plain = [g.sampler.plain_greedy or g.sampler.plain_sampled for g in live]
+        tokens = self._plain_tokens([g for g, is_plain in zip(live, plain, strict=True) if is_plain], logits)
         for g, is_plain in zip(live, plain, strict=True):
             if g.done:  # another answer of its request failed and took it along
                 continue
             assert g.row is not None
             try:
                 if is_plain:
-                    g.sampler.took(greedy[g.row])
-                    self._record(g, greedy[g.row], None, ())
+                    g.sampler.took(tokens[id(g)])
+                    self._record(g, tokens[id(g)], None, ())
                 else:
                     self.accept(g, logits[g.row])
             except Exception as exc:  # noqa: BLE001
                 self.fail(g, exc)
+
+    @staticmethod
+    def _plain_tokens(seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
+        """The next token of each of ``seqs`` (all plain greedy or plain sampled), by ``id``, from one
+        host read: the batch's argmax and the sampled rows' draws, computed on the logits' device (the
+        rows' values copied there without waiting)."""
+        sampled = [g for g in seqs if not g.sampler.plain_greedy]
+        parts = [logits.argmax(-1)] if len(sampled) < len(seqs) else []
+        if sampled:
+            device = logits.device
+            rows = torch.tensor([g.row for g in sampled]).to(device, non_blocking=True)
+            warps = [g.sampler.warping for g in sampled]  # (temperature, top_k, top_p, min_p) per row
+            noise = torch.stack([g.sampler.noise(logits.shape[-1]) for g in sampled])
+            temperature, top_k = [w[0] for w in warps], [w[1] for w in warps]
+            top_p, min_p = [w[2] for w in warps], [w[3] for w in warps]
+            parts.append(sample_rows(logits.index_select(0, rows), temperature, top_k, top_p, min_p, noise))
+        chosen = torch.cat(parts).tolist() if parts else []
+        drawn = len(chosen) - len(sampled)  # the sampled rows' tokens follow the batch's argmax, if any
+        tokens = {id(g): chosen[drawn + i] for i, g in enumerate(sampled)}
+        tokens.update((id(g), chosen[g.row]) for g in seqs if g.sampler.plain_greedy and g.row is not None)
+        return tokens
 
     def accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample ``seq``'s next token from ``logits [vocab]`` (float32) and record it; finish the

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .params import SamplingParams
+from .rows import race
 
 if TYPE_CHECKING:
     from .grammar import GrammarMatcher
@@ -81,21 +82,54 @@ class Sampler:
         self.grammar = grammar
 
     @property
+    def _plain(self) -> bool:
+        """Nothing but greedy or the warpers decides the next token: no penalty, logit bias, active
+        ``min_tokens`` mask, grammar or logprobs."""
+        masking = bool(self._ends) and self._generated < self.params.min_tokens
+        return not (
+            self._penalty
+            or self._bias
+            or masking
+            or self.grammar is not None
+            or self._freq
+            or self._presence
+            or self.params.logprobs
+        )
+
+    @property
     def plain_greedy(self) -> bool:
         """Whether the next token is the argmax of the raw logits and nothing else is computed for it:
         greedy, no penalty, logit bias, active ``min_tokens`` mask, grammar or logprobs. Such rows of a
         step take their tokens from one argmax over the whole batch (:meth:`took` records each)."""
-        masking = bool(self._ends) and self._generated < self.params.min_tokens
+        return self._generator is None and self._plain
+
+    @property
+    def plain_sampled(self) -> bool:
+        """Whether the next token is sampled with temperature, top-k, top-p and min-p alone (no
+        penalty, logit bias, active ``min_tokens`` mask, grammar or logprobs). Such rows of a step are
+        sampled together (:func:`~.rows.sample_rows` over :attr:`warping` and :meth:`noise`; :meth:`took`
+        records each), drawing what :meth:`next_token` would."""
+        return self._generator is not None and self._plain
+
+    @property
+    def warping(self) -> tuple[float, int, float, float]:
+        """``(temperature, top_k, top_p, min_p)`` of a sampled answer, each neutral where it is off
+        (1.0, 0, 1.0, 0.0): :func:`~.rows.warp_rows`' values for its row."""
+        p = self.params
+        temperature = p.temperature if p.temperature not in (None, 0) else 1.0
         return (
-            self._generator is None
-            and not len(self._procs)
-            and not self._bias
-            and not masking
-            and self.grammar is None
-            and not self._freq
-            and not self._presence
-            and not self.params.logprobs
+            float(temperature),
+            int(p.top_k or 0),
+            float(p.top_p if p.top_p is not None else 1.0),
+            float(p.min_p or 0.0),
         )
+
+    def noise(self, vocab: int) -> torch.Tensor:
+        """This answer's next ``[vocab]`` float32 Exp(1) draws from its generator, on its device (what
+        :func:`~.rows.race` divides the probabilities by). Raises ValueError for a greedy answer."""
+        if self._generator is None:
+            raise ValueError("a greedy answer has no generator")
+        return torch.empty(vocab, dtype=torch.float32, device=self.device).exponential_(generator=self._generator)
 
     def took(self, token_id: int) -> None:
         """Record ``token_id``, chosen outside :meth:`next_token` while :attr:`plain_greedy` (the argmax
@@ -144,9 +178,8 @@ class Sampler:
         if len(self._procs):
             ids = self._ids if self._ids is not None else torch.empty(1, 0, dtype=torch.long, device=self.device)
             scores = self._procs(cast(torch.LongTensor, ids), scores)
-        if self._generator is not None:
-            probs = torch.softmax(scores, dim=-1)
-            token = int(torch.multinomial(probs[0], 1, generator=self._generator))
+        if self._generator is not None:  # the exponential race, as the step's rows sampled together draw
+            token = int(race(torch.softmax(scores[0], dim=-1), self.noise(scores.shape[-1])))
         else:
             token = int(scores[0].argmax())
         logprob: float | None = None
