@@ -8,7 +8,8 @@ The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under `
   no page behind, and the retry answers as ``generate``;
 - bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits;
 - llava-1.5's vision tower, captured with the decode graphs, gives each image the eager features;
-- with q/k/v and gate/up fused and the norms and MLP compiled, the replayed step answers as before.
+- with q/k/v and gate/up fused and the norms and MLP compiled, the replayed step answers as before;
+- a step's inputs staged through pinned buffers (``model/staging.py``) land whole, step after step.
 
 Skipped unless ``LLAVA_TEST_DEVICE`` names a device or CUDA is present (CI has none). With
 ``LLAVA_TEST_DEVICE=cpu`` the same tests run here, every static step eager (what a CPU engine runs),
@@ -220,3 +221,24 @@ def test_fused_and_compiled_layers_replayed_answer_as_the_model_as_loaded(tiny_m
     assert got == expected
     assert (eng.runner.graphs is not None and eng.runner.graphs.num_replays > 0) == (llava.device.type == "cuda")
     assert answers(llava, photos, decode_layout="paged", cuda_graphs=True)[0] == expected
+
+
+def test_staged_uploads_land_whole_through_pinned_buffers_that_grow_and_wait_for_the_last_copies():
+    """``HostStaging`` (a step's inputs copied without blocking the host): sources of growing size, one
+    name each, into strided device slices, three steps in a row: each lands whole; on a card the pinned
+    buffer grows to the largest and the next step's ``begin`` waits for the last step's copies."""
+    from llava_sessions.model.staging import HostStaging
+
+    device = torch.device(DEVICE)
+    staging = HostStaging(device)
+    assert staging.pinned is (device.type == "cuda")
+    dst = torch.zeros(8, 64, dtype=torch.int32, device=device)
+    for step, width in enumerate((4, 40, 12)):
+        src = torch.arange(8 * width, dtype=torch.int32).view(8, width) + step
+        staging.begin()
+        staging.upload("table", dst[:, :width], src)  # a strided slice of a device buffer
+        staging.end()
+        staging.begin()
+        assert torch.equal(dst[:, :width].cpu(), src)
+    if staging.pinned:
+        assert staging._pinned is not None and staging._pinned["table"].numel() >= 8 * 40

@@ -169,6 +169,7 @@ LAYERS: list[set[str]] = [
         "model.vision_graph",
         "model.compile_cache",
         "sampling.rows",
+        "model.staging",
     },
     {
         "sessions",

@@ -13,9 +13,9 @@ device, overwritten before each step:
   order, then the scratch page's), and ``mask`` ``[max_rows, 1, 1, L]`` bool, True at a row's
   positions (transformers passes a 4D mask to attention as it is).
 
-On a card each buffer is filled from a pinned host buffer of its own, copied without blocking the host
-(PyTorch's ``non_blocking`` copy from pinned memory); the next step's fill waits for the last step's
-copies (a CUDA event recorded after them) before it writes the pinned buffers again.
+On a card each buffer, FlexAttention's block-mask buffers too, is filled from a pinned host buffer of
+its own, copied without blocking the host (:class:`~.staging.HostStaging`); the next step's fill waits
+for the last step's copies (a CUDA event recorded after them) before it writes the pinned buffers again.
 
 A pad row (``n < B``) writes and reads only the scratch page, a page of the pool that no holder gets,
 and attends to its one slot; its logits are dropped. Nothing in the pass reads a host value, so on a
@@ -51,6 +51,7 @@ from .fused import attention_on
 from .kv.flex import PAGED_FLEX_ATTENTION, PageBlocks
 from .kv.paged import KVPool, SlotsCache, page_slots
 from .kv.pages import PageTable, pages_for, release, truncate
+from .staging import HostStaging
 from .vision_graph import no_collection
 
 if TYPE_CHECKING:
@@ -161,10 +162,8 @@ class DecodeGraphs:
         for mask in self._mask.values():
             mask[:, 0, 0, 0] = True  # a pad row attends to its one scratch slot
         self._blocks = self._new_blocks() if self.flex_rows <= self.rows[-1] else None
-        #: On a card, the host side of each buffer in pinned memory (filled, then copied without blocking
-        #: the host), and the event after a step's copies (the next fill waits for it before writing).
-        self._pinned: dict[Any, torch.Tensor] | None = {} if device.type == "cuda" else None
-        self._copied: Any = None
+        #: On a card, the host side of each buffer in pinned memory, copied without blocking the host.
+        self._staging = HostStaging(device)
         self._graphs: dict[tuple[int, int], Any] = {}
         self._out: dict[tuple[int, int], torch.Tensor] = {}
         self.num_replays = 0
@@ -317,45 +316,23 @@ class DecodeGraphs:
         lengths = torch.tensor(counts, dtype=torch.long)
         ids = torch.zeros(rows, 1, dtype=torch.long)
         ids[:n, 0] = torch.tensor(list(token_ids))
-        if self._copied is not None:  # the last step's copies read the pinned buffers: done before rewriting
-            self._copied.synchronize()
-        self._upload("ids", self._ids[:rows], ids)
-        self._upload("positions", self._positions[:rows], (lengths - 1)[:, None])
+        staging = self._staging
+        staging.begin()  # the last step's copies read the pinned buffers: done before they are written
+        staging.upload("ids", self._ids[:rows], ids)
+        staging.upload("positions", self._positions[:rows], (lengths - 1)[:, None])
         last = [p[(c - 1) // size] * size + (c - 1) % size for p, c in zip(pages, counts, strict=True)]
-        self._upload("write", self._write[:rows], torch.tensor(last, dtype=torch.long))
-        gathered = not self.reads_flex(rows)
-        if gathered:  # the gather's read slots and mask
+        staging.upload("write", self._write[:rows], torch.tensor(last, dtype=torch.long))
+        if not self.reads_flex(rows):  # the gather's read slots and mask
             slots = page_slots(pages, size, width=length // size, pad=self._scratch)
-            self._upload(("read", length), self._read[length][:rows], slots)
+            staging.upload(("read", length), self._read[length][:rows], slots)
             mask = torch.arange(length)[None, :] < lengths[:, None]
-            self._upload(("mask", length), self._mask[length][:rows, 0, 0], mask)
-        self._copied_now()
-        if gathered:
-            return
-        assert self._blocks is not None  # a flex bucket exists, so its buffers do
-        if self._blocks.num_pages != self.pool.pages.num_pages:  # a CPU pool grew (a card's is fixed)
-            self._blocks = self._new_blocks()
-        self._blocks.fill(pages, counts)
-
-    def _upload(self, name: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` (``dst`` the first rows of a device buffer, ``src`` host values of its shape):
-        on a card through the pinned host buffer ``name`` (as large as the buffer's largest fill), without
-        blocking the host; elsewhere a plain copy."""
-        if self._pinned is None:
-            dst.copy_(src)
-            return
-        host = self._pinned.get(name)
-        if host is None:
-            host = self._pinned[name] = torch.empty((self.rows[-1], *src.shape[1:]), dtype=src.dtype, pin_memory=True)
-        staged = host[: src.shape[0]]
-        staged.copy_(src)
-        dst.copy_(staged, non_blocking=True)
-
-    def _copied_now(self) -> None:
-        """On a card, mark the step's copies on the stream (the next fill waits for them)."""
-        if self._pinned is not None:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            staging.upload(("mask", length), self._mask[length][:rows, 0, 0], mask)
+        else:
+            assert self._blocks is not None  # a flex bucket exists, so its buffers do
+            if self._blocks.num_pages != self.pool.pages.num_pages:  # a CPU pool grew (a card's is fixed)
+                self._blocks = self._new_blocks()
+            self._blocks.fill(pages, counts, staging)
+        staging.end()
 
     def _new_blocks(self) -> PageBlocks:
         pages, top = self.pool.pages, self.rows[-1]

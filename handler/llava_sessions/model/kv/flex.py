@@ -35,11 +35,14 @@ and its paged-attention example (``torch.nn.attention.experimental._paged_attent
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
+
+if TYPE_CHECKING:
+    from ..staging import HostStaging
 
 __all__ = ["PAGED_FLEX_ATTENTION", "PageBlocks", "paged_flex_attention"]
 
@@ -122,7 +125,8 @@ class PageBlocks:
     The buffers (int32 where FlexAttention reads them): ``partial`` ``[rows, 1, 1]`` (1 when a row's
     last page is partial), ``partial_pages`` ``[rows, 1, 1, num_pages]`` (that page first), ``whole``
     ``[rows, 1, 1]`` and ``whole_pages`` ``[rows, 1, 1, num_pages]`` (the row's whole pages in order);
-    for the mask function, ``owned`` ``[rows, num_pages]`` bool (True at a row's whole pages), ``last``
+    for the mask function, ``owned`` ``[rows, num_pages + 1]`` bool (True at a row's whole pages; the last
+    column, no page, takes the table's padding), ``last``
     ``[rows]`` (its partial page, or -1) and ``rem`` ``[rows]`` (its positions in that page). The fused
     kernel calls the mask function on partial blocks only; the unfused one (a CPU) on every position,
     so it must hold everywhere: a position is read when its page is one of the row's whole pages, or
@@ -136,32 +140,42 @@ class PageBlocks:
         self.partial_pages = torch.zeros(max_rows, 1, 1, num_pages, dtype=i32, device=device)
         self.whole = torch.zeros(max_rows, 1, 1, dtype=i32, device=device)
         self.whole_pages = torch.zeros(max_rows, 1, 1, num_pages, dtype=i32, device=device)
-        self.owned = torch.zeros(max_rows, num_pages, dtype=torch.bool, device=device)
+        self.owned = torch.zeros(max_rows, num_pages + 1, dtype=torch.bool, device=device)  # + a padding column
+        self._table = torch.zeros(max_rows, num_pages, dtype=i32, device=device)  # the rows' whole pages, as sent
+        self._values = torch.zeros(max_rows, 5, dtype=i64, device=device)  # the rows' other values, as sent
         self.last = torch.full((max_rows,), -1, dtype=i64, device=device)
         self.rem = torch.zeros(max_rows, dtype=i64, device=device)
         self._masks: dict[int, BlockMask] = {}
 
-    def fill(self, pages: Sequence[Sequence[int]], lengths: Sequence[int]) -> None:
+    def fill(self, pages: Sequence[Sequence[int]], lengths: Sequence[int], staging: HostStaging | None = None) -> None:
         """Overwrite the first ``len(pages)`` rows: row ``r`` reads the first ``lengths[r]`` positions of
-        its ``pages[r]`` (a pad row: one page, length 1)."""
-        size, rows, device = self.page_size, len(pages), self.owned.device
+        its ``pages[r]`` (a pad row: one page, length 1). The host values go up in two copies, through
+        ``staging`` when given (a card's pinned buffers, not blocking the host; the caller begins and
+        ends the step's copies), and ``owned`` is set on the device from them."""
+        size, rows = self.page_size, len(pages)
         whole = [n // size for n in lengths]
-        rem = [n - w * size for n, w in zip(lengths, whole, strict=True)]
         width = max(1, *whole)
-        table = torch.zeros(rows, width, dtype=torch.int32)
+        table = torch.full((rows, width), self.num_pages, dtype=torch.int32)  # past a row's whole pages: none
         for r, (p, w) in enumerate(zip(pages, whole, strict=True)):
             table[r, :w] = torch.tensor(p[:w], dtype=torch.int32)
+        rem = [n - w * size for n, w in zip(lengths, whole, strict=True)]
         last = [p[w] if n else -1 for p, w, n in zip(pages, whole, rem, strict=True)]
-        self.whole_pages[:rows, 0, 0, :width].copy_(table)
-        self.whole[:rows, 0, 0].copy_(torch.tensor(whole, dtype=torch.int32))
-        self.partial_pages[:rows, 0, 0, 0].copy_(torch.tensor([max(p, 0) for p in last], dtype=torch.int32))
-        self.partial[:rows, 0, 0].copy_(torch.tensor([int(n > 0) for n in rem], dtype=torch.int32))
-        self.last[:rows].copy_(torch.tensor(last))
-        self.rem[:rows].copy_(torch.tensor(rem))
+        # per row: whole pages, partial page (0 if none), whether it has one, that page (-1 if none), its positions
+        values = torch.tensor(
+            [[w, max(q, 0), int(n > 0), q, n] for w, q, n in zip(whole, last, rem, strict=True)], dtype=torch.long
+        )
+        upload = staging.upload if staging is not None else (lambda _name, dst, src: dst.copy_(src))
+        upload("flex table", self._table[:rows, :width], table)
+        upload("flex rows", self._values[:rows], values)
+        tables, values_on = self._table[:rows, :width], self._values[:rows]
+        self.whole_pages[:rows, 0, 0, :width].copy_(tables.masked_fill(tables == self.num_pages, 0))
+        self.whole[:rows, 0, 0].copy_(values_on[:, 0])
+        self.partial_pages[:rows, 0, 0, 0].copy_(values_on[:, 1])
+        self.partial[:rows, 0, 0].copy_(values_on[:, 2])
+        self.last[:rows].copy_(values_on[:, 3])
+        self.rem[:rows].copy_(values_on[:, 4])
         self.owned[:rows].zero_()
-        row_of = torch.tensor([r for r, w in enumerate(whole) for _ in range(w)], dtype=torch.long)
-        page_of = torch.tensor([q for p, w in zip(pages, whole, strict=True) for q in p[:w]], dtype=torch.long)
-        self.owned[row_of.to(device), page_of.to(device)] = True
+        self.owned[:rows].scatter_(1, tables.long(), True)  # the column past the pages takes the padding
 
     def mask(self, rows: int) -> BlockMask:
         """The block mask of the first ``rows`` rows, over the buffers themselves (built once per row
