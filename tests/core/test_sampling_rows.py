@@ -30,6 +30,14 @@ ROWS = [
     (0.5, 1, None, None),
     (2.0, None, 0.3, None),
 ]
+#: rows where each that asks for top-p asks for top-k too: the nucleus is found among the top-k's tokens
+ROWS_WITH_TOP_K = [
+    (0.7, 30, 0.9, None),
+    (None, 20, None, None),
+    (1.3, 50, 0.8, 0.02),
+    (None, None, None, 0.05),
+    (0.9, 5, 0.5, None),
+]
 
 
 def transformers_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
@@ -49,16 +57,18 @@ def neutral(temperature, top_k, top_p, min_p) -> tuple[float, int, float, float]
     return (temperature or 1.0, top_k or 0, 1.0 if top_p is None else top_p, min_p or 0.0)
 
 
-def test_the_rows_warps_equal_transformers_warpers_row_by_row():
+@pytest.mark.parametrize("rows", [ROWS, ROWS_WITH_TOP_K], ids=["top-p-sorts-the-vocabulary", "top-p-within-top-k"])
+def test_the_rows_warps_equal_transformers_warpers_row_by_row(rows):
     torch.manual_seed(0)
-    logits = torch.randn(len(ROWS), VOCAB) * 4
-    t, k, p, m = zip(*(neutral(*r) for r in ROWS), strict=True)
+    logits = torch.randn(len(rows), VOCAB) * 4
+    t, k, p, m = zip(*(neutral(*r) for r in rows), strict=True)
     warped = warp_rows(logits, t, k, p, m).softmax(-1)
-    for i, row in enumerate(ROWS):
+    for i, row in enumerate(rows):
         want = transformers_probs(logits[i], *row)
         assert torch.allclose(warped[i], want, atol=1e-6), row
         assert torch.equal(warped[i] > 0, want > 0), row  # the same tokens cut
-    assert int((warped[5] > 0).sum()) == 1  # top-k 1: only the most likely token is left
+        if row[1] == 1:
+            assert int((warped[i] > 0).sum()) == 1  # top-k 1: only the most likely token is left
 
 
 def test_the_race_draws_each_token_with_its_probability():
@@ -71,19 +81,19 @@ def test_the_race_draws_each_token_with_its_probability():
     assert counts[-1] == 0  # a cut token is never drawn
 
 
-@pytest.mark.parametrize("seed", [0, 7])
-def test_a_seeded_answer_draws_the_same_tokens_alone_and_beside_other_rows(seed):
+@pytest.mark.parametrize(("seed", "rows"), [(0, ROWS), (7, ROWS_WITH_TOP_K)], ids=["sorted", "within-top-k"])
+def test_a_seeded_answer_draws_the_same_tokens_alone_and_beside_other_rows(seed, rows):
     """Each row's sampler draws its tokens one by one (``next_token``) in one copy and with the others
     (``sample_rows``: the rows' warps, each row's noise from its own generator) in another, over eight
     steps of changing logits: the same tokens."""
     params = [SamplingParams(do_sample=True, temperature=t, top_k=k, top_p=p, min_p=m, seed=seed + i) for i, (t, k, p, m) in
-              enumerate(ROWS)]  # fmt: skip
+              enumerate(rows)]  # fmt: skip
     alone = [Sampler(q, torch.device("cpu"), [1, 2, 3]) for q in params]
     together = [Sampler(q, torch.device("cpu"), [1, 2, 3]) for q in params]
     assert all(s.plain_sampled and not s.plain_greedy for s in together)
     torch.manual_seed(seed)
     for _ in range(8):
-        logits = torch.randn(len(ROWS), VOCAB) * 3
+        logits = torch.randn(len(rows), VOCAB) * 3
         one_by_one = [s.next_token(logits[i])[0] for i, s in enumerate(alone)]
         t, k, p, m = zip(*(s.warping for s in together), strict=True)
         noise = torch.stack([s.noise(VOCAB) for s in together])

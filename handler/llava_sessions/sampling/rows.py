@@ -16,6 +16,7 @@ rows, not one read each.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -48,21 +49,43 @@ def warp_rows(
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
 
     scores = logits / column(temperature) if any(t != 1.0 for t in temperature) else logits
-    if any(top_k):
-        kept = [min(k, vocab) if k > 0 else vocab for k in top_k]
-        largest = scores.topk(max(k for k in kept if k < vocab) if any(k < vocab for k in kept) else 1).values
+    kept = [min(k, vocab) if k > 0 else vocab for k in top_k]
+    if any(k < vocab for k in kept):
+        largest, order = scores.topk(max(k for k in kept if k < vocab))  # [R, K], descending
         kth = largest.gather(1, column([min(k, largest.shape[1]) - 1 for k in kept], torch.long))
         cut_below = torch.where(column([k < vocab for k in kept], torch.bool), kth, float("-inf"))
         scores = scores.masked_fill(scores < cut_below, float("-inf"))
-    if any(p < 1.0 for p in top_p):  # cut the least likely tokens within 1 - top_p of the mass, keep one
-        ascending, order = scores.sort(dim=-1)
-        cut = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - column(top_p)
-        cut[:, -1] = False
-        scores = scores.masked_fill(cut.scatter(1, order, cut), float("-inf"))
-    if any(min_p):
-        probs = scores.softmax(dim=-1)
-        scores = scores.masked_fill(probs < column(min_p) * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    return scores
+        if all(p >= 1.0 or k < vocab for p, k in zip(top_p, kept, strict=True)):
+            # every row that asks for top-p kept at most K tokens: the nucleus is found among them
+            beyond = torch.arange(largest.shape[1], device=device)[None, :] >= column(kept, torch.long)
+            candidates = largest.masked_fill(beyond, float("-inf")).flip(-1)
+            return _min_p(_top_p(scores, candidates, order.flip(-1), top_p, column), min_p, column)
+    if any(p < 1.0 for p in top_p):
+        scores = _top_p(scores, *scores.sort(dim=-1), top_p, column)
+    return _min_p(scores, min_p, column)
+
+
+def _top_p(
+    scores: torch.Tensor, ascending: torch.Tensor, ids: torch.Tensor, top_p: Sequence[float], column: Any
+) -> torch.Tensor:
+    """``scores [R, V]`` with the least likely tokens cut whose cumulative probability stays within
+    ``1 - top_p`` (the most likely kept; transformers' ``TopPLogitsWarper``), from the rows' candidate
+    scores ``ascending [R, C]``, least likely first, and their token ids ``ids [R, C]`` (every token
+    outside them already ``-inf``: all ``V`` of them, or a top-k's)."""
+    if not any(p < 1.0 for p in top_p):
+        return scores
+    cut = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - column(top_p)
+    cut[:, -1] = False
+    removed = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, cut)
+    return scores.masked_fill(removed, float("-inf"))
+
+
+def _min_p(scores: torch.Tensor, min_p: Sequence[float], column: Any) -> torch.Tensor:
+    """``scores [R, V]`` with the tokens cut whose probability is under ``min_p`` x the most likely's."""
+    if not any(min_p):
+        return scores
+    probs = scores.softmax(dim=-1)
+    return scores.masked_fill(probs < column(min_p) * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
