@@ -141,7 +141,7 @@ class PageBlocks:
         self.whole = torch.zeros(max_rows, 1, 1, dtype=i32, device=device)
         self.whole_pages = torch.zeros(max_rows, 1, 1, num_pages, dtype=i32, device=device)
         self.owned = torch.zeros(max_rows, num_pages + 1, dtype=torch.bool, device=device)  # + a padding column
-        self._table = torch.zeros(max_rows, num_pages, dtype=i32, device=device)  # the rows' whole pages, as sent
+        self._table = torch.zeros(max_rows * num_pages, dtype=i32, device=device)  # the rows' whole pages, as sent
         self._values = torch.zeros(max_rows, 5, dtype=i64, device=device)  # the rows' other values, as sent
         self.last = torch.full((max_rows,), -1, dtype=i64, device=device)
         self.rem = torch.zeros(max_rows, dtype=i64, device=device)
@@ -165,9 +165,9 @@ class PageBlocks:
             [[w, max(q, 0), int(n > 0), q, n] for w, q, n in zip(whole, last, rem, strict=True)], dtype=torch.long
         )
         upload = staging.upload if staging is not None else (lambda _name, dst, src: dst.copy_(src))
-        upload("flex table", self._table[:rows, :width], table)
-        upload("flex rows", self._values[:rows], values)
-        tables, values_on = self._table[:rows, :width], self._values[:rows]
+        tables, values_on = self._table[: rows * width].view(rows, width), self._values[:rows]  # contiguous
+        upload("flex table", tables, table)
+        upload("flex rows", values_on, values)
         self.whole_pages[:rows, 0, 0, :width].copy_(tables.masked_fill(tables == self.num_pages, 0))
         self.whole[:rows, 0, 0].copy_(values_on[:, 0])
         self.partial_pages[:rows, 0, 0, 0].copy_(values_on[:, 1])
