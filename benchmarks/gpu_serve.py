@@ -25,7 +25,8 @@ With ``--compile-cache`` (the default on a card) ``llava-compile-cache`` runs fi
 own with an empty Inductor cache: the cold start (weights, compile, capture; its graphs compiled), and the
 model folder's compile cache written. The server then starts with another empty Inductor cache, so its
 ``server_start_s`` is a warm start from the shipped file alone, beside the floor server's start (Java and
-TorchServe without a model).
+TorchServe without a model); ``worker_start`` splits the worker's part as its ready line says: the
+weights' load and the engine's build (the layers compiled, the graphs captured).
 
 ``--in-process gpu.json`` (the in-process table, ``benchmarks/gpu.py``, of the same device call) adds the
 ratios of the issue's goals: follow-up TTFT against in-process + the floor + 1 ms, and 32 streams against
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -84,6 +86,14 @@ def compile_cache(model_dir: Path, overrides: dict[str, Any], inductor_dir: Path
     if done.returncode:
         raise RuntimeError(f"llava-compile-cache exited {done.returncode}: {done.stderr[-2000:]}")
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def worker_start(server: LocalServer) -> dict[str, float]:
+    """The worker's start as its ready line in TorchServe's ``model_log.log`` says: the weights' load and
+    the engine's build, seconds ({} when the line is not there)."""
+    log = (server.log_dir / "model_log.log").read_text(errors="replace")
+    found = re.search(r"llava-sessions ready: weights loaded in ([\d.]+) s, engine built in ([\d.]+) s", log)
+    return {"weights_s": float(found[1]), "engine_s": float(found[2])} if found else {}
 
 
 def floor_round_trip(model_dir: Path, n: int, warmup: int) -> dict[str, Any]:
@@ -276,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with LocalServer(model_dir, overrides=overrides, env=env, startup_timeout_s=900) as server:
         report.data["server_start_s"] = round(time.perf_counter() - t0, 1)
+        report.data["worker_start"] = worker_start(server)
         client = SessionClient.from_url(server.url, max_retries=0, timeout=300)
         session, held = hold(client, images[0], args.context)
         report.data["context_tokens"] = held

@@ -144,6 +144,7 @@ def build_local_service(
 
         torch.set_num_threads(settings.torch_threads)
     model_dir = _model_dir(settings, origin.archive_dir)
+    start_s = time.perf_counter()
     model = LlavaModel.from_pretrained(
         model_dir,
         device=settings.device,
@@ -152,19 +153,25 @@ def build_local_service(
         tensor_parallel_size=settings.tensor_parallel_size,
         threads=settings.torch_threads,
     )
+    loaded_s = time.perf_counter()
     engine = build_engine(settings, model, compile_cache_file(model_dir, model.device, model.dtype))
+    weights_s, engine_s = round(loaded_s - start_s, 2), round(time.perf_counter() - loaded_s, 2)
     reserved = 0
     if model.device.type == "cpu":  # never past the sessions' budget, nor a quarter of the free memory
         cap = min(engine.store.device_budget_bytes, available_host_bytes() // 4)
         reserved = reserve_cpu_memory(min(settings.cpu_memory_reserve_bytes, cap))
     log.warning(
-        "llava-sessions ready",
+        "llava-sessions ready: weights loaded in %.2f s, engine built in %.2f s",
+        weights_s,
+        engine_s,  # the engine: its layers compiled (compile) and its graphs captured (a card)
         extra={
             "model_dir": model_dir,
             "device": str(model.device),
             "device_budget_bytes": engine.store.device_budget_bytes,
             "cpu_memory_reserved_bytes": reserved,
             "replica": replica,
+            "weights_s": weights_s,
+            "engine_s": engine_s,
         },
     )
     return SessionService(

@@ -57,7 +57,8 @@ def open_sessions(service, *rows):
 
 def test_a_cpu_worker_reserves_its_memory_at_start_within_its_budget(tiny_model_dir, caplog) -> None:
     """``cpu_memory_reserve_bytes`` reaches the worker: a CPU replica reserves it, capped by its device
-    budget, and says so in its ready line; 0 reserves nothing. (The suite's environment sets 0 for the
+    budget, and says so in its ready line, beside the seconds its weights and its engine took; 0
+    reserves nothing. (The suite's environment sets 0 for the
     TorchServe workers it starts; explicit settings win over it here.)"""
     import logging
 
@@ -65,7 +66,8 @@ def test_a_cpu_worker_reserves_its_memory_at_start_within_its_budget(tiny_model_
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="llava_sessions"):
             build_service({"model_dir": str(tiny_model_dir), "device": "cpu", **settings}, WorkerOrigin(env={}))
-        (ready,) = [r for r in caplog.records if r.getMessage() == "llava-sessions ready"]
+        (ready,) = [r for r in caplog.records if r.getMessage().startswith("llava-sessions ready: weights loaded in")]
+        assert ready.weights_s > 0 and ready.engine_s >= 0  # the start's two parts, in seconds (a CPU engine: ms)
         return ready.cpu_memory_reserved_bytes
 
     from llava_sessions.engine import available_host_bytes

@@ -44,6 +44,8 @@ def test_the_torchserve_table_runs_on_the_cpu_and_reads_the_goals_against_the_in
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "errors" not in report and "checkpoint" not in report  # the given checkpoint, none written
+    assert "compile_cache" not in report  # a CPU's default: no compile, no cache
+    assert report["worker_start"]["weights_s"] > 0 and report["worker_start"]["engine_s"] >= 0  # its ready line
     floor = report["floor"]["round_trip_ms"]
     assert 0 < floor < report["follow_up"]["ttft_ms"] and report["follow_up"]["new_tokens"] > 10
     assert report["context_tokens"] >= 260 and report["follow_up"]["server_total_ms"] > 0
