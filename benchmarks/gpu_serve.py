@@ -74,6 +74,12 @@ def write_model(model: str, folder: Path) -> dict[str, Any]:
     return {"bytes": size, "write_s": round(time.perf_counter() - t0, 1)}
 
 
+def fresh_caches(folder: Path) -> dict[str, str]:
+    """The environment of a process whose Inductor and Triton caches start empty in ``folder`` (the
+    in-process table of the same call compiled the same kernels into the default ones)."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
+
+
 def compile_cache(model_dir: Path, overrides: dict[str, Any], inductor_dir: Path) -> dict[str, Any]:
     """Run ``llava-compile-cache`` on ``model_dir`` with the server's settings and an empty Inductor cache
     (``inductor_dir``); returns what it printed (the file, its bytes, graphs compiled, the worker's build
@@ -81,7 +87,7 @@ def compile_cache(model_dir: Path, overrides: dict[str, Any], inductor_dir: Path
     settings = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
     command = [sys.executable, "-m", "llava_tools.compile_cache", "--model-dir", str(model_dir), "--json", *settings]
     t0 = time.perf_counter()
-    done = subprocess.run(command, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)},
+    done = subprocess.run(command, env={**os.environ, **fresh_caches(inductor_dir)},
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     if done.returncode:
         raise RuntimeError(f"llava-compile-cache exited {done.returncode}: {done.stderr[-2000:]}")
@@ -276,12 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                  "max_concurrent_generations": max(counts, default=1)}  # fmt: skip
     if args.device == "cpu":
         overrides["devices"] = "cpu"
-    env = {}
+    env: dict[str, str] = {}
     if args.compile_cache if args.compile_cache is not None else args.device != "cpu":
         overrides["compile"] = "on"
         work = Path(tempfile.mkdtemp(prefix="inductor-"))
         report.run("compile_cache", lambda: compile_cache(model_dir, overrides, work / "cold"))
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "warm")  # the server finds only the shipped file
+        env.update(fresh_caches(work / "warm"))  # the server finds only the shipped file
     images = [sample_photo(p) for p in PHOTOS]
     t0 = time.perf_counter()
     with LocalServer(model_dir, overrides=overrides, env=env, startup_timeout_s=900) as server:
