@@ -10,6 +10,7 @@ id), ``NewSessionId`` / ``ClosedSessionId``, container errors as ``ModelError`` 
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import json
 import os
@@ -41,6 +42,7 @@ from llava_tools.local_endpoint import (
     payload_part_event,
     stream_error_event,
 )
+from llava_tools.local_endpoint.sagemaker_wire import read_frame
 from server_fixtures import OutputLines, stop_process, write_echo_handler
 
 SM_RUNTIME = botocore.session.get_session().get_service_model("sagemaker-runtime")
@@ -89,6 +91,33 @@ def test_payload_part_frames_decode_with_botocore() -> None:
     }
     # The sagemaker-runtime parser: PayloadPart.Bytes is an eventpayload blob = the raw payload bytes.
     assert [event["PayloadPart"]["Bytes"] for event in _botocore_events(data)] == payloads
+
+
+def test_a_chunk_that_arrives_in_pieces_is_one_payload_part() -> None:
+    """A container's stream event (one HTTP chunk) whose bytes reach the socket in two pieces, the second
+    after a pause (as under load), is read whole (``read_frame``): one PayloadPart per event, as the
+    docs' boto3 reader and LiteLLM's parse them; ``read1`` alone returned its first piece."""
+    event = b'data: {"choices": [{"delta": {"content": "' + b"x" * 200 + b'"}}]}\n\n'
+    server, client = socket.socketpair()
+
+    def container() -> None:
+        server.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        framed = f"{len(event):x}\r\n".encode() + event + b"\r\n"
+        for _ in range(2):  # two events, each split in the middle
+            server.sendall(framed[:60])
+            time.sleep(0.2)
+            server.sendall(framed[60:])
+        server.sendall(b"0\r\n\r\n")
+
+    writer = threading.Thread(target=container)
+    writer.start()
+    response = http.client.HTTPResponse(client)
+    response.begin()
+    frames = [read_frame(response), read_frame(response), read_frame(response)]
+    writer.join()
+    server.close()
+    client.close()
+    assert frames == [event, event, b""]
 
 
 def test_frame_crcs_are_checked_and_stream_errors_raise() -> None:

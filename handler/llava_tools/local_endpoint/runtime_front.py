@@ -36,12 +36,12 @@ from .sagemaker_wire import (
     HEADER_STREAM_ACCEPT,
     HEADER_STREAM_CONTENT_TYPE,
     MAX_BODY_BYTES,
-    MAX_EVENT_PAYLOAD_BYTES,
     MODEL_ERROR_TYPE,
     TIMEOUT_MESSAGE,
     VARIANT_NAME,
     model_error_body,
     payload_part_event,
+    read_frame,
     session_gone_body,
     stream_error_event,
 )
@@ -321,7 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             while True:
                 try:
-                    piece = response.read1(MAX_EVENT_PAYLOAD_BYTES)
+                    piece = read_frame(response)
                 except (OSError, http.client.HTTPException) as exc:
                     self._write_chunk(stream_error_event(f"backend {index} broke off the stream: {exc}"))
                     break
@@ -351,7 +351,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            while piece := response.read1(MAX_EVENT_PAYLOAD_BYTES):
+            while piece := read_frame(response):
                 self._write_chunk(piece)
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()

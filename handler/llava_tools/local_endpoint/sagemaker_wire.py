@@ -7,6 +7,7 @@ the AWS event-stream encoding (prelude, string headers, CRC32s).
 
 from __future__ import annotations
 
+import http.client
 import json
 import struct
 import zlib
@@ -26,6 +27,7 @@ __all__ = [
     "encode_event",
     "model_error_body",
     "payload_part_event",
+    "read_frame",
     "session_gone_body",
     "stream_error_event",
 ]
@@ -113,3 +115,21 @@ def session_gone_body(session_id: str, reason: str) -> bytes:
     return json.dumps(
         {"error": {"code": "session_not_found", "message": f"session {session_id} is gone: {reason}"}}
     ).encode()
+
+
+def read_frame(response: http.client.HTTPResponse, limit: int = MAX_EVENT_PAYLOAD_BYTES) -> bytes:
+    """The next frame of the container's chunked reply, whole: the rest of its current chunk, up to
+    ``limit`` bytes (b"" at the end). ``read1`` alone returns what the socket holds, which under load can
+    be part of a chunk: a stream event would then reach the client split across two PayloadParts, where
+    the server writes each event in a frame of its own for the clients that parse one event per part.
+
+    Raises:
+        http.client.HTTPException, OSError: the container broke off the reply.
+    """
+    piece = response.read1(limit)
+    while piece and len(piece) < limit:
+        left = getattr(response, "chunk_left", None)  # http.client's count of the current chunk's unread bytes
+        if not left:
+            break
+        piece += response.read1(min(left, limit - len(piece)))  # the chunk's rest is on its way
+    return piece
