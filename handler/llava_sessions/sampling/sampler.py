@@ -61,15 +61,16 @@ class Sampler:
             procs.append(RepetitionPenaltyLogitsProcessor(penalty))
         self.seed: int | None = None
         self._generator: torch.Generator | None = None
-        if params.sampling:
-            if params.temperature not in (None, 1.0):
-                procs.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k:
-                procs.append(TopKLogitsWarper(params.top_k))
-            if params.top_p is not None and params.top_p < 1.0:
-                procs.append(TopPLogitsWarper(params.top_p))
-            if params.min_p:
-                procs.append(MinPLogitsWarper(params.min_p))
+        if params.sampling:  # the warps :attr:`warping` gives, the ones the rows sampled together apply
+            temperature, top_k, top_p, min_p = self.warping
+            if temperature != 1.0:
+                procs.append(TemperatureLogitsWarper(temperature))
+            if top_k:
+                procs.append(TopKLogitsWarper(top_k))
+            if top_p < 1.0:
+                procs.append(TopPLogitsWarper(top_p))
+            if min_p:
+                procs.append(MinPLogitsWarper(min_p))
             self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         self._procs = procs
