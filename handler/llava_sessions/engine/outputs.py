@@ -57,14 +57,15 @@ class StepOutputs:
         once: one device sync a step, where each row's own choice is one sync a row (the other rows
         sample one by one, as before)."""
         live = [g for g in seqs if not g.done]
-        plain = [g.sampler.plain_greedy or g.sampler.plain_sampled for g in live]
-        tokens = self._plain_tokens([g for g, is_plain in zip(live, plain, strict=True) if is_plain], logits)
-        for g, is_plain in zip(live, plain, strict=True):
+        greedy = [g for g in live if g.sampler.plain_greedy]
+        sampled = [g for g in live if g.sampler.plain_sampled]
+        tokens = self._plain_tokens(greedy, sampled, logits)
+        for g in live:
             if g.done:  # another answer of its request failed and took it along
                 continue
             assert g.row is not None
             try:
-                if is_plain:
+                if id(g) in tokens:
                     g.sampler.took(tokens[id(g)])
                     self._record(g, tokens[id(g)], None, ())
                 else:
@@ -73,12 +74,11 @@ class StepOutputs:
                 self.fail(g, exc)
 
     @staticmethod
-    def _plain_tokens(seqs: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
-        """The next token of each of ``seqs`` (all plain greedy or plain sampled), by ``id``, from one
-        host read: the batch's argmax and the sampled rows' draws, computed on the logits' device (the
-        rows' values copied there without waiting)."""
-        sampled = [g for g in seqs if not g.sampler.plain_greedy]
-        parts = [logits.argmax(-1)] if len(sampled) < len(seqs) else []
+    def _plain_tokens(greedy: list[Sequence], sampled: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
+        """The next token of each plain ``greedy`` and plain ``sampled`` answer, by ``id``, from one host
+        read: the batch's argmax and the sampled rows' draws, computed on the logits' device (the rows'
+        values copied there without waiting)."""
+        parts = [logits.argmax(-1)] if greedy else []
         if sampled:
             device = logits.device
             rows = torch.tensor([g.row for g in sampled]).to(device, non_blocking=True)
@@ -90,7 +90,7 @@ class StepOutputs:
         chosen = torch.cat(parts).tolist() if parts else []
         drawn = len(chosen) - len(sampled)  # the sampled rows' tokens follow the batch's argmax, if any
         tokens = {id(g): chosen[drawn + i] for i, g in enumerate(sampled)}
-        tokens.update((id(g), chosen[g.row]) for g in seqs if g.sampler.plain_greedy and g.row is not None)
+        tokens.update((id(g), chosen[g.row]) for g in greedy if g.row is not None)
         return tokens
 
     def accept(self, seq: Sequence, logits: torch.Tensor) -> None:
