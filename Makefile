@@ -103,6 +103,7 @@ test-gpu: install
 	LLAVA_TEST_DEVICE=$${LLAVA_TEST_DEVICE:-cuda} $(PY) -m pytest -q -ra tests/gpu \
 	  tests/core/test_batching.py::test_batched_answers_equal_answers_alone_with_joins_and_leaves \
 	  tests/core/test_batching.py::test_questions_arriving_together_prefill_as_rows_of_shared_static_steps_and_answer_as_alone \
+	  tests/core/test_async_scheduling.py::test_answers_launched_ahead_are_the_answers_in_step_and_leave_the_same_sessions \
 	  tests/core/test_memory_plan.py::test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly \
 	  tests/core/test_video_session.py::test_a_video_session_answers_as_generate_does_from_every_tier
 

@@ -40,7 +40,11 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
 11. **A step's greedy and sampled rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows'
    tokens one by one against one argmax over the batch, and drawing as many seeded sampled rows one by
    one against one warp and draw for all, ms per step each.
-12. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
+12. **Async scheduling** (``benchmarks/async_steps.py``, when the engine has it: its static step on a
+    card): whole answers of 1 and 32 sessions decoded with the engine's async scheduling off and on,
+    alternating, the device synchronized only around each answer; tokens/s each and the ratio (every
+    other section runs it on, synchronized after each step).
+13. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
    shape at ``--context`` positions and ``--kernel-rows`` rows): contiguous SDPA, the engine's gather
    then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
    where torch has it; ms per layer, the difference from SDPA, and the fastest exact paged kernel.
@@ -77,6 +81,7 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+import async_steps
 import greedy_rows
 from engine_decode import build_runner, first_differences, run_together, sync
 from llava_sessions.conversation import Chat
@@ -399,12 +404,14 @@ def new_engine(
     graphs: bool | None,
     paged_read: PagedRead | None = None,
     cpu_pool_bytes: int = 1 << 27,
+    async_scheduling: bool | None = None,
 ) -> SessionEngine:
     """An engine on ``llava`` whose store does not demote at the table's levels: on a card 0.8 of its
     free memory (its fixed pool takes that much at start), on a CPU an unbounded budget
     (``cpu_pool_bytes``, 128 MiB, when ``graphs`` fixes the pool there too: the unfused FlexAttention a
     CPU runs reads the whole pool). Its static decode step reads the pages as ``paged_read`` says (None:
-    the engine's own choice; another one captures its graphs again that way)."""
+    the engine's own choice; another one captures its graphs again that way). ``async_scheduling``: as
+    :class:`SessionEngine`'s (None: with captured graphs)."""
     if llava.device.type == "cuda":
         budget = default_device_budget(llava, 0.8)
     else:
@@ -414,7 +421,12 @@ def new_engine(
     )
     decode = functools.partial(decode_image, max_pixels=40_000_000)
     limits = EngineLimits(max_new_tokens_cap=4096)
-    kw = {"kv_page_size": page_size, "decode_layout": layout, "cuda_graphs": graphs}
+    kw = {
+        "kv_page_size": page_size,
+        "decode_layout": layout,
+        "cuda_graphs": graphs,
+        "async_scheduling": async_scheduling,
+    }
     engine = SessionEngine(llava, store, decode, limits, **kw)
     executor = engine.runner
     if paged_read not in (None, paged_read_of(engine)) and executor.graphs is not None and executor.kv_pool is not None:
@@ -499,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the paged step's static shapes (graphs on a card); off: the enforce_eager setting")  # fmt: skip
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="the compile setting: the text layers fused and compiled before the engine (auto: on a card)")  # fmt: skip
+    ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                    help="the engine's async scheduling (auto: with captured graphs)")  # fmt: skip
     ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
     ap.add_argument("--paged-attention", default=None, choices=["gather", "flex", "auto"],
                     help="how the static decode step reads the pages (default: the engine's own; flex: "
@@ -518,7 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     graphs = cuda_graphs_arg(args)
     t_engine = time.perf_counter()  # the engine's start: compiling the layers (on their first pass) and capture
     compiled = compiles(args.compile, device) and compile_text_layers(llava)  # as worker.build_engine does
-    engine = new_engine(llava, args.kv_page_size, args.decode_layout, graphs, args.paged_attention)
+    ahead = {"auto": None, "on": True, "off": False}[args.async_scheduling]
+    engine = new_engine(
+        llava, args.kv_page_size, args.decode_layout, graphs, args.paged_attention, async_scheduling=ahead
+    )
     capture_s = time.perf_counter() - t_engine
     images = [sample_photo(p) for p in PHOTOS]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -549,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(llava.config.text_config.vocab_size)
     report.run("greedy_rows", lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20))
     report.run("sampled_rows", lambda: greedy_rows.sampled_table(device, [1, 8, 32, 64], vocab, args.repeats * 5))
+    if engine._execute.ahead is not None:  # the engine's async scheduling, off and on again (benchmarks/async_steps.py)
+        report.run("async_scheduling", lambda: async_steps.table(engine, images, [1, 32], args.new_tokens, 3))
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
     compare = compare and engine.runner.graphs is not None
     engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
@@ -758,6 +777,9 @@ def print_table(report: dict[str, Any]) -> None:
     for n, row in report.get("aggregate", {}).items():
         ratio = f"{row['vs_one']:.1f}x one" if row["vs_one"] else ""
         print(f"{n + ' sessions at once':<48}{row['tokens_per_s']:>10.1f} tokens/s {ratio}")
+    for n, row in report.get("async_scheduling", {}).get("rows", {}).items():
+        label = f"{n} session(s), async scheduling against in step"
+        print(f"{label:<48}{row['ahead_vs_in_step']:>10.2f}x tokens/s (same tokens: {row['same_tokens']})")
     pool = report.get("kv_pool")
     if pool and pool["fixed"]:
         label = f"sessions its {pool['bytes'] / 1e9:.1f} GB KV pool holds at {report.get('context', '')}"

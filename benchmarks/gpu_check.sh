@@ -38,6 +38,7 @@ tests=(
   "tests/core/test_batching.py::test_batched_answers_equal_answers_alone_with_joins_and_leaves"
   "tests/core/test_batching.py::test_questions_arriving_together_prefill_as_rows_of_shared_static_steps_and_answer_as_alone"
   "tests/core/test_memory_plan.py::test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly"
+  "tests/core/test_async_scheduling.py::test_answers_launched_ahead_are_the_answers_in_step_and_leave_the_same_sessions"
 )
 # a video session on the card needs PyAV (36 MB), which the device machine lacks and the carry has no
 # room for beside Java: in a call of its own, its wheel in .whl, this script runs it too

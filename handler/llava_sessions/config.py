@@ -36,8 +36,7 @@ TOOL_ENV_VARS = frozenset({
 })
 # fmt: on
 
-_GIB = 1024**3
-_MIB = 1024**2
+_GIB, _MIB = 1024**3, 1024**2
 
 #: TorchServe job groups kept above the sessions a worker may hold (docs/decisions/43-spare-job-groups.md):
 #: a new session past ``max_sessions`` still reaches the handler, which answers ``503 overloaded``
@@ -211,6 +210,7 @@ class Settings(BaseModel):
         "or in their sessions' pages of the KV pool ('paged': nothing copied, CUDA graphs); 'auto': paged on a GPU.",
     )
     enforce_eager: bool = Field(False, description="No CUDA graphs: a GPU's paged decode steps run eagerly.")
+    async_scheduling: bool = Field(True, description="A GPU's CUDA-graph decode steps run one step ahead of the host.")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="Text layers fused and compiled (Inductor) before graphs are captured; 'auto': on a GPU."
     )

@@ -262,6 +262,7 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         kv_page_size=KV_PAGE_SIZE if ranks > 1 else kv_page_size(settings.kv_pool, on_card),
         decode_layout="paged" if ranks > 1 else settings.decode_layout,
         cuda_graphs=False if settings.enforce_eager or ranks > 1 else None,
+        async_scheduling=None if settings.async_scheduling else False,
     )
 
 

@@ -16,11 +16,12 @@ decode = functools.partial(decode_image, max_pixels=40_000_000)
 
 #: The decode layouts the engine tests run answers in, as :func:`make_engine` keyword arguments:
 #: one batch tensor, the sessions' pages, and the pages through the static decode step a card
-#: replays as CUDA graphs (run eagerly on this CPU, over a fixed pool).
+#: replays as CUDA graphs (run eagerly on this CPU, over a fixed pool), with and without async scheduling.
 LAYOUTS: dict[str, dict[str, Any]] = {
     "contiguous": {"decode_layout": "contiguous"},
     "paged": {"decode_layout": "paged"},
-    "static": {"decode_layout": "paged", "cuda_graphs": True},
+    "static": {"decode_layout": "paged", "cuda_graphs": True, "async_scheduling": False},
+    "ahead": {"decode_layout": "paged", "cuda_graphs": True, "async_scheduling": True},
 }
 
 

@@ -65,8 +65,8 @@ def alone(llava, photos) -> dict[str, list]:
 
 @pytest.mark.parametrize(
     ("layout", "poisoned"),
-    [("contiguous", False), ("contiguous", True), ("paged", False), ("static", False)],
-    ids=["fresh", "nan-filled", "paged", "static"],
+    [("contiguous", False), ("contiguous", True), ("paged", False), ("static", False), ("ahead", False)],
+    ids=["fresh", "nan-filled", "paged", "static", "ahead"],
 )
 def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos, layout, poisoned, monkeypatch):
     """Rows of different lengths join and leave. ``nan-filled``: every batch cache is filled with NaN

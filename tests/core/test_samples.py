@@ -78,17 +78,20 @@ def test_greedy_samples_are_the_same_answer(llava, photos, layout):
     )
 
 
-@pytest.mark.parametrize("steps", [0, 1, 3])
-def test_an_abandoned_request_of_several_answers_leaves_the_session_as_before(llava, photos, steps):
-    """Closed before its prefill, at its fork, or while its answers decode: the other answers' sessions
-    go, the session is idle with its history and KV as before, and the next question answers exactly."""
-    eng = make_engine(llava, decode_layout="paged")
+@pytest.mark.parametrize(("steps", "layout"), [(0, "paged"), (1, "paged"), (3, "paged"), (4, "ahead")])
+def test_an_abandoned_request_of_several_answers_leaves_the_session_as_before(llava, photos, steps, layout):
+    """Closed before its prefill, at its fork, or while its answers decode (``ahead``: with a step in
+    flight): the other answers' sessions go, the session is idle with its history and KV as before, and
+    the next question answers exactly."""
+    eng = make_engine(llava, **LAYOUTS[layout])
     eng.open("s", photos["rocket"])
     before = list(eng.store.get("s").cached_ids)
     gen = eng.start("s", Q, SamplingParams(max_new_tokens=20, temperature=50.0, n=3))
     for _ in range(steps):
         eng.step([gen])
     assert only_sessions(eng) == ["s", "s/sample-1", "s/sample-2"]
+    in_flight = eng._execute.ahead is not None and eng._execute.ahead.flight is not None
+    assert in_flight == (layout == "ahead")
     gen.close()
     assert gen.all_done and only_sessions(eng) == ["s"] and not eng.store.get("s").busy
     assert eng.store.get("s").cached_ids == before and eng.history("s") == []

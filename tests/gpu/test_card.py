@@ -3,7 +3,8 @@
 The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under ``make test-gpu``):
 - the decode step captured as CUDA graphs and replayed, reading the pages each way (``gather``,
   ``flex``: FlexAttention compiled, ``auto``), answers eight sessions together exactly as a
-  from-scratch ``generate`` answers each, and as the same static pass run eagerly;
+  from-scratch ``generate`` answers each, and as the same static pass run eagerly (each step launched
+  before the host reads the last one's tokens: async scheduling, an engine's default on a card);
 - a follow-up prefilled as the rows of one captured step, whose pass fails, leaves no position and
   no page behind, and the retry answers as ``generate``;
 - bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits;
@@ -15,8 +16,9 @@ Skipped unless ``LLAVA_TEST_DEVICE`` names a device or CUDA is present (CI has n
 ``LLAVA_TEST_DEVICE=cpu`` the same tests run here, every static step eager (what a CPU engine runs),
 which is how their logic is checked without a card; the assertions about captured graphs then hold
 trivially. ``make test-gpu`` also runs the core tests that compare the engine with itself (batched
-against alone, preempted against alone) with ``tests/conftest.py``'s ``llava`` on the card, and a video
-session of each video architecture against ``generate`` (``tests/core/test_video_session.py``).
+against alone, preempted against alone, async scheduling against in step) with ``tests/conftest.py``'s
+``llava`` on the card, and a video session of each video architecture against ``generate``
+(``tests/core/test_video_session.py``).
 """
 
 from __future__ import annotations

@@ -211,6 +211,7 @@ LAYERS: list[set[str]] = [
         "engine.inputs",
         "engine.outputs",
     },
+    {"engine.ahead"},
     {"chat.command", "sessions.store", "engine.decode_batch", "engine.paged_batch", "engine.executor"},
     {"chat.responses"},
     {"native.responses", "engine.model_runner"},

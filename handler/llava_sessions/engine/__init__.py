@@ -12,12 +12,13 @@ module            owns
 ``executor``      ``StepExecutor``: carries out a plan (chunks, the decode step, its room and preemptions)
 ``inputs``        ``StepInputs``: before a chunk (an answer's start: restore, crop; an image's tower)
 ``outputs``       ``StepOutputs``: after a pass (sample, append, finish) and rollback on failure
+``ahead``         ``StepAhead``: async scheduling, the next decode step launched before this one's tokens are read
 ``memory``        the default device budget, one retry after an out-of-memory error
 ``engine``        ``SessionEngine``: the public API; ``step`` = schedule → execute → update
 ================= ==============================================================================
 
-Imports point down: ``engine`` → ``admission`` / ``executor`` → ``inputs`` / ``outputs`` → ``model_runner`` → ``decode_batch``
-→ ``memory``; ``sequence`` → ``scheduler`` → ``costs``; none of them imports ``engine`` at run time.
+Imports point down: ``engine`` → ``admission`` / ``executor`` → ``ahead`` → ``inputs`` / ``outputs`` →
+``model_runner`` → ``decode_batch`` → ``memory``; ``sequence`` → ``scheduler`` → ``costs``; none of them imports ``engine`` at run time.
 """
 
 from __future__ import annotations

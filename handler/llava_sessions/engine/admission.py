@@ -439,6 +439,20 @@ class Admission:
         return [(i, target.images[i].image) for i, r in enumerate(rows) if r is None]
 
     # ------------------------------------------------------------------ shared
+    def check_video(self) -> None:
+        """Check that the model has a video path (:attr:`~llava_sessions.model.LlavaModel.supports_video`).
+
+        Raises:
+            ServiceError: video_unsupported (400), naming the model's architecture.
+        """
+        if not self.model.supports_video:
+            raise ServiceError(
+                ErrorCode.VIDEO_UNSUPPORTED,
+                f"this server's model ({self.model.architecture}) has no video path; send images, or serve "
+                "a LLaVA-OneVision or LLaVA-NeXT-Video checkpoint for videos",
+                param="video",
+            )
+
     def idle_session(self, session_id: str) -> Session:
         """The open session ``session_id``, which must not be answering.
 

@@ -66,6 +66,8 @@ class SessionEngine:
             (:func:`~.model_runner.new_kv_pool`); 0: a ``DynamicCache`` per session.
         decode_layout: where running answers decode (:data:`~.model_runner.DecodeLayout`); cuda_graphs:
             the paged decode step replayed as CUDA graphs (:class:`~.model_runner.ModelRunner`).
+        async_scheduling: a decode step whose tokens the device chooses launches the next before the
+            host records them (:mod:`.ahead`; static steps only); None: with CUDA graphs on a card.
 
     Attributes:
         model: the loaded model; runner: its :class:`~.model_runner.ModelRunner`; batch: the decode batch.
@@ -86,6 +88,7 @@ class SessionEngine:
         kv_page_size: int = KV_PAGE_SIZE,
         decode_layout: DecodeLayout = "auto",
         cuda_graphs: bool | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         self.model = model
         self.store = store
@@ -99,7 +102,9 @@ class SessionEngine:
         self.sharing = ImageSharing(store, model, enabled=share_images, unsalted=unsalted)
         page = self.runner.page_size
         self._admission = Admission(store, model, self.limits, self.sharing, decode_image, self, page)
-        self._execute = StepExecutor(store, self.runner, self.sharing, decode_image)
+        if async_scheduling is None:
+            async_scheduling = self.runner.graphs is not None and self.runner.graphs.num_graphs > 0
+        self._execute = StepExecutor(store, self.runner, self.sharing, decode_image, async_scheduling=async_scheduling)
 
     @property
     def batch(self) -> DecodeBatch | PagedDecodeBatch:
@@ -364,19 +369,9 @@ class SessionEngine:
         self._admission.idle_session(session_id)
 
     def check_video(self) -> None:
-        """Check that the model has a video path (:attr:`~llava_sessions.model.LlavaModel.supports_video`),
-        before a video is fetched or decoded.
-
-        Raises:
-            ServiceError: video_unsupported (400), naming the model's architecture.
-        """
-        if not self.model.supports_video:
-            raise ServiceError(
-                ErrorCode.VIDEO_UNSUPPORTED,
-                f"this server's model ({self.model.architecture}) has no video path; send images, or serve "
-                "a LLaVA-OneVision or LLaVA-NeXT-Video checkpoint for videos",
-                param="video",
-            )
+        """Check that the model has a video path, before a video is fetched or decoded (raises
+        ServiceError video_unsupported: :meth:`Admission.check_video <.admission.Admission.check_video>`)."""
+        self._admission.check_video()
 
     # ------------------------------------------------------------------ answers
     def start(
@@ -460,9 +455,14 @@ class SessionEngine:
         (scheduler rules 10-11): its preemptions, then room for the decode batch and each request's start.
         A request listed twice in ``work`` runs once. A request whose step fails gets its ``error``
         set and its session put back as before (an open's session is removed); the others are
-        untouched. Never raises ``Exception``.
+        untouched. Never raises ``Exception``. Async scheduling (:mod:`.ahead`): a step over the answers
+        of the decode step in flight launches the next and records theirs; any other records them first.
         """
         live = runnable(work)  # work listed twice runs once; a request's other answers (``n``) too
+        if self._execute.step_ahead(live):  # the answers in flight: the next step launched, theirs recorded
+            self._check()
+            return
+        live = runnable(work)  # the tokens in flight are recorded: some answers may have ended
         views, layout = [w.view() for w in live], self.batch.layout()
         plan = schedule(views, prefill_budget, layout, self.runner.costs.estimate(), fuse=self.fuse)
         if plan.batch_bytes:  # rule 11 on the ledger's room, read (O(sessions)) only when the batch needs bytes
@@ -482,6 +482,7 @@ class SessionEngine:
 
     def abandon(self, work: EngineRequest) -> None:
         """Abandon ``work`` (an answer or an added image leaves its session as before, an open's is removed)."""
+        self._execute.settle()
         if not work.done:
             self._execute.outputs.put_back(work)
 

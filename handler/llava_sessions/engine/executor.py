@@ -17,9 +17,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import overloaded
+from .ahead import StepAhead
 from .inputs import StepInputs
 from .memory import kv_grant_bytes
 from .outputs import StepOutputs
+from .paged_batch import PagedDecodeBatch
 from .samples import fork_samples
 from .scheduler import PrefillChunk, Room, make_room
 from .sequence import EngineRequest, Phase, Sequence
@@ -51,24 +53,53 @@ class StepExecutor:
 
     Args:
         store: the sessions and their memory; runner: the model runner (every forward pass); sharing:
-        what other sessions hold; decode_image: encoded bytes -> image.
+        what other sessions hold; decode_image: encoded bytes -> image;
+        async_scheduling: a decode step whose tokens the device chooses launches the next before they are
+            recorded (:class:`~.ahead.StepAhead`; the paged layout's static step only).
 
     Attributes:
         inputs: :class:`~.inputs.StepInputs` (before a chunk); outputs: :class:`~.outputs.StepOutputs`
-            (after a pass, and rollback).
+            (after a pass, and rollback); ahead: the :class:`~.ahead.StepAhead` (None: every step in
+            step with the host).
         num_preemptions: answers preempted so that older ones could grow (the plan's
             :class:`~.scheduler.Room`, carried out by :meth:`_batch_room`).
     """
 
     def __init__(
-        self, store: SessionStore, runner: ModelRunner, sharing: ImageSharing, decode_image: Callable[[bytes], Any]
+        self,
+        store: SessionStore,
+        runner: ModelRunner,
+        sharing: ImageSharing,
+        decode_image: Callable[[bytes], Any],
+        *,
+        async_scheduling: bool = False,
     ) -> None:
         self.store = store
         self.runner = runner
         self.model = runner.model
         self.inputs = StepInputs(store, runner, sharing, decode_image)
         self.outputs = StepOutputs(store, runner)
+        batch = runner.batch
+        static = async_scheduling and isinstance(batch, PagedDecodeBatch) and batch.graphs is not None
+        self.ahead = StepAhead(batch, self.outputs) if static and isinstance(batch, PagedDecodeBatch) else None
         self.num_preemptions = 0
+
+    def step_ahead(self, live: list[EngineRequest]) -> bool:
+        """Async scheduling (:mod:`.ahead`): when the engine's step over ``live`` is the decode step of
+        the answers in flight, launch the next and record theirs, and return True; otherwise record the
+        tokens in flight, if any (some of ``live`` may be done after), and return False."""
+        if self.ahead is None:
+            return False
+        if self.ahead.continues(live):
+            self.ahead.step()
+            return True
+        self.ahead.settle()
+        return False
+
+    def settle(self) -> None:
+        """Record the tokens in flight, if any (:meth:`StepAhead.settle <.ahead.StepAhead.settle>`)."""
+        if self.ahead is not None:
+            self.ahead.settle()
 
     def decode(self, seqs: list[Sequence], room: BatchRoom) -> None:
         """Run the decode step of ``seqs`` together and sample each one's next token, once ``room``'s
@@ -87,7 +118,10 @@ class StepExecutor:
             for g in seqs:
                 self.outputs.put_back(g)
             raise
-        self.outputs.accept_rows(seqs, logits)
+        if self.ahead is not None and self.ahead.eligible(seqs):
+            self.ahead.accept(seqs, logits)
+        else:
+            self.outputs.accept_rows(seqs, logits)
 
     def _batch_room(self, seqs: list[Sequence], room: BatchRoom) -> list[Sequence]:
         """Carry out the plan's :class:`~.scheduler.Room` for the decode batch (scheduler rules 10-11):

@@ -17,6 +17,7 @@ import torch
 
 from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError
+from ..model.kv.cache import undo_pass
 from ..results import FinishReason
 from ..sampling.rows import sample_rows
 from .sequence import EngineRequest, ImagePrefill, Sequence
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from ..sessions.store import SessionStore
     from .model_runner import ModelRunner
 
-__all__ = ["StepOutputs"]
+__all__ = ["StepOutputs", "by_rows", "plain_choices"]
 
 log = logging.getLogger(__name__)
 
@@ -51,47 +52,42 @@ class StepOutputs:
         """Sample each of ``seqs``' next token from its row of ``logits [B, vocab]`` (float32, the
         decode step's); one that fails to sample fails alone.
 
-        The rows whose sampler is :attr:`~..sampling.sampler.Sampler.plain_greedy` take their tokens
-        from one argmax over the batch, and those whose sampler is ``plain_sampled`` from one warp and
-        draw of their rows together (:func:`~..sampling.rows.sample_rows`), all read to the host at
-        once: one device sync a step, where each row's own choice is one sync a row (the other rows
-        sample one by one, as before)."""
+        The rows whose sampler is :attr:`~..sampling.sampler.Sampler.plain_greedy` or ``plain_sampled``
+        take their tokens from one argmax and one warp and draw of their rows together
+        (:func:`plain_choices`), read to the host at once: one device sync a step, where each row's own
+        choice is one sync a row (the other rows sample one by one, as before)."""
         live = [g for g in seqs if not g.done]
-        greedy = [g for g in live if g.sampler.plain_greedy]
-        sampled = [g for g in live if g.sampler.plain_sampled]
-        tokens = self._plain_tokens(greedy, sampled, logits)
+        plain = [g for g in live if g.sampler.plain_greedy or g.sampler.plain_sampled]
+        chosen = plain_choices(plain, by_rows(logits, plain)).tolist() if plain else []
+        tokens = {id(g): token for g, token in zip(plain, chosen, strict=True)}
         for g in live:
             if g.done:  # another answer of its request failed and took it along
                 continue
             assert g.row is not None
+            if id(g) in tokens:
+                self.accept_chosen(g, tokens[id(g)])
+                continue
             try:
-                if id(g) in tokens:
-                    g.sampler.took(tokens[id(g)])
-                    self._record(g, tokens[id(g)], None, ())
-                else:
-                    self.accept(g, logits[g.row])
+                self.accept(g, logits[g.row])
             except Exception as exc:  # noqa: BLE001
                 self.fail(g, exc)
 
-    @staticmethod
-    def _plain_tokens(greedy: list[Sequence], sampled: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
-        """The next token of each plain ``greedy`` and plain ``sampled`` answer, by ``id``, from one host
-        read: the batch's argmax and the sampled rows' draws, computed on the logits' device (the rows'
-        values copied there without waiting)."""
-        parts = [logits.argmax(-1)] if greedy else []
-        if sampled:
-            device = logits.device
-            rows = torch.tensor([g.row for g in sampled]).to(device, non_blocking=True)
-            warps = [g.sampler.warping for g in sampled]  # (temperature, top_k, top_p, min_p) per row
-            noise = torch.stack([g.sampler.noise(logits.shape[-1]) for g in sampled])
-            temperature, top_k = [w[0] for w in warps], [w[1] for w in warps]
-            top_p, min_p = [w[2] for w in warps], [w[3] for w in warps]
-            parts.append(sample_rows(logits.index_select(0, rows), temperature, top_k, top_p, min_p, noise))
-        chosen = torch.cat(parts).tolist() if parts else []
-        drawn = len(chosen) - len(sampled)  # the sampled rows' tokens follow the batch's argmax, if any
-        tokens = {id(g): chosen[drawn + i] for i, g in enumerate(sampled)}
-        tokens.update((id(g), chosen[g.row]) for g in greedy if g.row is not None)
-        return tokens
+    def accept_chosen(self, seq: Sequence, token: int, fed: int | None = None) -> None:
+        """Record ``token``, chosen for ``seq`` outside its sampler (:func:`plain_choices`), and finish
+        the answer when it ends there; a failure is the answer's alone.
+
+        ``fed``: the next decode step, launched ahead, already fed ``token`` (:meth:`PagedDecodeBatch.
+        forward_ahead <.paged_batch.PagedDecodeBatch.forward_ahead>`), at this position of the session's
+        cache. The session records it when the answer goes on; when the answer ends with it (or fails)
+        the position is taken back first, so the session holds what it would had that step not run: an
+        answer's last token is never fed."""
+        try:
+            seq.sampler.took(token)
+            self._record(seq, token, None, (), fed)
+        except Exception as exc:  # noqa: BLE001
+            if fed is not None:
+                undo_pass(seq.session.kv_cache, fed)
+            self.fail(seq, exc)
 
     def accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample ``seq``'s next token from ``logits [vocab]`` (float32) and record it; finish the
@@ -99,9 +95,21 @@ class StepOutputs:
         token, logprob, top = seq.sampler.next_token(logits)
         self._record(seq, token, logprob, top)
 
-    def _record(self, seq: Sequence, token: int, logprob: float | None, top: tuple[tuple[int, float], ...]) -> None:
+    def _record(
+        self,
+        seq: Sequence,
+        token: int,
+        logprob: float | None,
+        top: tuple[tuple[int, float], ...],
+        fed: int | None = None,
+    ) -> None:
         self.num_generated_tokens += 1
         finish = seq.append(token, logprob, self.model.eos_token_ids, top)
+        if fed is not None:  # a step launched ahead fed it: kept while the answer goes on (accept_chosen)
+            if finish:
+                undo_pass(seq.session.kv_cache, fed)
+            else:
+                seq.session.record_decode([token])
         if finish:
             self._finish_sequence(seq, finish)
 
@@ -184,3 +192,30 @@ class StepOutputs:
             log.exception("could not read a session back from the decode batch")
             session.drop_kv()
         session.keep_kv(len(session.cached_ids) if not seq.prefilled else seq.num_reused_tokens)
+
+
+def by_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``seqs``' rows of a decode step's ``logits [B, vocab]`` (by each one's ``row``), in their order:
+    ``[len(seqs), vocab]``, ``logits`` itself when they are its rows in order."""
+    rows = [g.row for g in seqs]
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
+
+
+def plain_choices(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """The next token of each of ``seqs`` (each sampler :attr:`~..sampling.sampler.Sampler.plain_greedy`
+    or ``plain_sampled``) from its row of ``logits [len(seqs), vocab]`` float32, on the logits' device,
+    without waiting for it: the argmax, or for a sampled answer its warps and draw, the sampled rows
+    together (:func:`~..sampling.rows.sample_rows`). Returns ``[len(seqs)]`` long."""
+    tokens = logits.argmax(-1)
+    sampled = [i for i, g in enumerate(seqs) if g.sampler.plain_sampled]
+    if not sampled:
+        return tokens
+    index = torch.tensor(sampled).to(logits.device, non_blocking=True)
+    warps = [seqs[i].sampler.warping for i in sampled]  # (temperature, top_k, top_p, min_p) per row
+    noise = torch.stack([seqs[i].sampler.noise(logits.shape[-1]) for i in sampled])
+    temperature, top_k = [w[0] for w in warps], [w[1] for w in warps]
+    top_p, min_p = [w[2] for w in warps], [w[3] for w in warps]
+    drawn = sample_rows(logits.index_select(0, index), temperature, top_k, top_p, min_p, noise)
+    return tokens.index_copy(0, index, drawn)

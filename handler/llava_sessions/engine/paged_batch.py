@@ -18,6 +18,7 @@ CPU 8 sessions decode at 0.84-0.85x the tokens/s of the contiguous :class:`~.dec
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 __all__ = ["PagedDecodeBatch", "static_rows_table"]
+
+log = logging.getLogger(__name__)
 
 
 def static_rows_table(model: LlavaModel, session: Session, chunk: list[int]) -> PageTable | None:
@@ -187,6 +190,42 @@ class PagedDecodeBatch:
                 return logits
         step = SlotsCache.of_rows(self.pool.pages, tables)
         return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
+
+    def forward_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
+        """The next decode step of ``seqs`` launched before the host reads their last tokens (async
+        scheduling, :mod:`.ahead`): fed ``tokens`` (``[len(seqs)]`` long on the device, each row's token
+        the last step chose), through the static step only. Each session's cache gets the fed token's
+        position, not recorded in the session: the caller records the token once it reads it, or takes
+        the position back (:func:`~llava_sessions.model.kv.cache.undo_pass`) when the answer ends with it.
+
+        Returns:
+            ``(logits [len(seqs), vocab] float32 in seqs' order, each cache's length before the step)``,
+            or None, every cache as before: no static step or bucket holds the step, no room for the
+            pages it opens, or the pass failed (logged at DEBUG: the caller's next step, in step with
+            the host, runs it again and learns its error).
+        """
+        caches = [_paged(g.session) for g in seqs]
+        starts = [c.table.num_tokens for c in caches]
+        assert starts == [g.next_position + 1 for g in seqs], "a row's cache: its prompt, every token but the fed one"
+        if self.graphs is None or self.graphs.bucket(len(seqs), max(starts) + 1) is None:
+            return None
+        size = self.pool.page_size
+        opened = sum(1 for s in starts if s % size == 0) * size * self.model.kv_bytes_per_token
+        if opened and not self.store.allocate(opened, keep=None):
+            return None
+        try:
+            for c in caches:
+                self.pool.make_room(c.table, 1)
+            logits = self.graphs.run([c.table for c in caches], tokens)
+            assert logits is not None  # its bucket holds it
+        except BaseException as exc:
+            for c, start in zip(caches, starts, strict=True):
+                undo_pass(c, start)
+            if not isinstance(exc, Exception):
+                raise
+            log.debug("a decode step launched ahead failed; the next step runs it in step", exc_info=True)
+            return None
+        return logits, starts
 
     def release(self, seq: Sequence) -> None:
         """Take ``seq`` out of the batch. Its session's cache already holds every position the answer

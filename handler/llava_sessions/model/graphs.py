@@ -223,9 +223,11 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured %d decode graphs (rows %s x lengths %s)", len(self._graphs), self.rows, self.lengths)
 
-    def run(self, tables: Sequence[PageTable], token_ids: Sequence[int]) -> torch.Tensor | None:
+    def run(self, tables: Sequence[PageTable], token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor | None:
         """One decode step of ``tables`` (each reserved for its new position, the last) fed
         ``token_ids``: replayed when its bucket was captured, else run at static shapes eagerly.
+        ``token_ids`` may be a ``[len(tables)]`` long tensor on the device (the tokens the last step chose,
+        which the host has not read: async scheduling), copied into the step's input there.
 
         Returns:
             Logits ``[len(tables), vocab]`` float32 (a tensor of the caller's), or None when the step
@@ -308,17 +310,23 @@ class DecodeGraphs:
         ends = [len(tables) + n for n in itertools.accumulate(sizes)]
         return logits[: len(tables)], [logits[end - 1] for end in ends]
 
-    def _fill(self, tables: Sequence[PageTable], token_ids: Sequence[int], rows: int, length: int) -> None:
-        """Overwrite the buffers' first ``rows`` rows: the tables' rows, then pad rows on the scratch page."""
+    def _fill(
+        self, tables: Sequence[PageTable], token_ids: Sequence[int] | torch.Tensor, rows: int, length: int
+    ) -> None:
+        """Overwrite the buffers' first ``rows`` rows: the tables' rows, then pad rows on the scratch page
+        (a pad row's id is left as it is when ``token_ids`` is on the device: any id serves a dropped row)."""
         size, n = self.pool.page_size, len(tables)
         pages = [t.pages for t in tables] + [[self._scratch]] * (rows - n)  # a pad row: the scratch page
         counts = [t.num_tokens for t in tables] + [1] * (rows - n)  # a pad row attends to its one slot
         lengths = torch.tensor(counts, dtype=torch.long)
-        ids = torch.zeros(rows, 1, dtype=torch.long)
-        ids[:n, 0] = torch.tensor(list(token_ids))
         staging = self._staging
         staging.begin()  # the last step's copies read the pinned buffers: done before they are written
-        staging.upload("ids", self._ids[:rows], ids)
+        if isinstance(token_ids, torch.Tensor):  # on the device: copied there, behind the step that chose them
+            self._ids[:n, 0].copy_(token_ids)
+        else:
+            ids = torch.zeros(rows, 1, dtype=torch.long)
+            ids[:n, 0] = torch.tensor(list(token_ids))
+            staging.upload("ids", self._ids[:rows], ids)
         staging.upload("positions", self._positions[:rows], (lengths - 1)[:, None])
         last = [p[(c - 1) // size] * size + (c - 1) % size for p, c in zip(pages, counts, strict=True)]
         staging.upload("write", self._write[:rows], torch.tensor(last, dtype=torch.long))

@@ -1,0 +1,171 @@
+"""Async scheduling (engine/ahead.py): the next decode step launched before the host records this one's.
+
+fp32 on the CPU, the ``tiny`` checkpoint, the paged layout's static step (what a card replays as CUDA
+graphs; eager here). On a CPU the device runs each pass before the call returns, so nothing overlaps;
+what these tests show is that the engine's state and answers are those of the engine in step with the
+host, token for token and position for position, through ends, joins, abandons and failures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_fixtures import LAYOUTS, make_engine
+from llava_sessions.engine import Sequence, SessionEngine
+from llava_sessions.model import cache_len
+from llava_sessions.sampling.sampler import SamplingParams
+
+AHEAD = {**LAYOUTS["static"], "async_scheduling": True}
+
+# (session, image, question, sampling parameters)
+CASES = [
+    ("a", "astronaut", "What is in this image?", SamplingParams(max_new_tokens=14)),
+    ("b", "coffee", "Describe the saucer.", SamplingParams(max_new_tokens=9)),
+    ("c", "rocket", "What is it?", SamplingParams(max_new_tokens=20, temperature=0.8, seed=11)),
+    ("d", "chelsea", "Tell me a story about it.", SamplingParams(max_new_tokens=6, top_k=20, top_p=0.9, seed=5)),
+    ("e", "coffee", "And in the background?", SamplingParams(max_new_tokens=11, min_tokens=4, seed=3)),
+    ("f", "astronaut", "What colour is the suit?", SamplingParams(max_new_tokens=12, logprobs=True)),
+]
+
+
+def opened(llava, photos, **engine_kw) -> SessionEngine:
+    eng = make_engine(llava, **engine_kw)
+    for sid, photo, _q, _p in CASES:
+        eng.open(sid, photos[photo])
+    return eng
+
+
+def run(eng: SessionEngine, cases, *, join_at: dict[str, int] | None = None) -> dict[str, Sequence]:
+    """Start ``cases`` (those in ``join_at`` at that step) and step them together to the end."""
+    join_at = join_at or {}
+    gens: dict[str, Sequence] = {}
+    for step in range(200):
+        for sid, _ph, q, p in cases:
+            if sid not in gens and join_at.get(sid, 0) == step:
+                gens[sid] = eng.start(sid, q, p, remember=True)
+        running = [g for g in gens.values() if not g.done]
+        if not running and len(gens) == len(cases):
+            break
+        eng.step(running)
+    return gens
+
+
+def state(eng: SessionEngine) -> dict[str, tuple[list[int], int, int]]:
+    """Each session's cached ids, its cache's length and its remembered turns."""
+    out = {}
+    for sid, *_ in CASES:
+        s = eng.store.get(sid)
+        assert not s.busy and cache_len(s.kv_cache) == len(s.cached_ids)
+        out[sid] = (list(s.cached_ids), cache_len(s.kv_cache), len(s.history))
+    return out
+
+
+def same_answers(got: dict[str, Sequence], want: dict[str, Sequence]) -> None:
+    assert got.keys() == want.keys()
+    for sid, g in got.items():
+        w = want[sid]
+        assert g.error is None and g.answer is not None and w.answer is not None, sid
+        assert [t.id for t in g.answer.tokens] == [t.id for t in w.answer.tokens], sid
+        assert g.answer.text == w.answer.text and g.answer.finish_reason == w.answer.finish_reason, sid
+
+
+@pytest.fixture(scope="module")
+def in_step(llava, photos):
+    """The answers and the sessions after them, on the static step in step with the host."""
+    eng = opened(llava, photos, **LAYOUTS["static"])
+    gens = run(eng, CASES, join_at={"c": 3, "f": 5})
+    assert eng._execute.ahead is None
+    return gens, state(eng)
+
+
+def test_answers_launched_ahead_are_the_answers_in_step_and_leave_the_same_sessions(llava, photos, in_step):
+    """Greedy and seeded rows (top-k, top-p, a ``min_tokens`` mask), a row with logprobs (chosen on the
+    host: it keeps the whole batch in step while it runs), rows ending by ``max_new_tokens`` at
+    different steps and two joining mid-way: every answer and every session's cache (ids, length,
+    remembered turn) equals the engine's in step; most steps went ahead; nothing is left in flight."""
+    want, want_state = in_step
+    eng = opened(llava, photos, **AHEAD)
+    ahead = eng._execute.ahead
+    assert ahead is not None
+    got = run(eng, CASES, join_at={"c": 3, "f": 5})
+    same_answers(got, want)
+    assert state(eng) == want_state
+    assert ahead.flight is None and ahead.num_steps >= 5
+    eng.runner.check_kv_pool(s.kv_cache for s in eng.store.sessions())
+
+
+def test_an_answer_that_stops_early_takes_its_launched_position_back(llava, photos):
+    """An answer whose token in flight is a stop token (here, its own 4th greedy token, given as a
+    ``stop_token_ids``) ends there while the step after it is already computed: that step's position
+    leaves its session, which then holds what the engine in step leaves, and the others answer on."""
+    probe = opened(llava, photos, **LAYOUTS["static"])
+    tokens = probe.generate("a", "What is in this image?", SamplingParams(max_new_tokens=14), remember=False).tokens
+    stop = tokens[3].id
+    cases = [("a", "astronaut", "What is in this image?", SamplingParams(max_new_tokens=14, stop_token_ids=[stop]))]
+    cases += [c for c in CASES if c[0] in "bd"]
+    runs = {}
+    for name, kw in (("in_step", LAYOUTS["static"]), ("ahead", AHEAD)):
+        eng = opened(llava, photos, **kw)
+        runs[name] = (run(eng, cases), eng)
+    (want, in_step), (got, ahead) = runs["in_step"], runs["ahead"]
+    same_answers(got, want)
+    assert got["a"].answer.finish_reason == "stop" and len(got["a"].answer.tokens) <= 4
+    assert state(ahead) == state(in_step) and ahead._execute.ahead.num_steps >= 3
+
+
+def test_an_answer_closed_while_its_token_is_in_flight_leaves_its_session_as_before(llava, photos):
+    """A client leaves while a step is in flight: the tokens in flight are recorded first, then the
+    answer is put back (its session as before the question); the other answer goes on ahead, exactly."""
+    want = run(opened(llava, photos, **LAYOUTS["static"]), [CASES[1]])
+    eng = opened(llava, photos, **AHEAD)
+    before = list(eng.store.get("a").cached_ids)
+    ga = eng.start("a", CASES[0][2], CASES[0][3], remember=True)
+    gb = eng.start("b", CASES[1][2], CASES[1][3], remember=True)
+    for _ in range(4):
+        eng.step([ga, gb])
+    ahead = eng._execute.ahead
+    assert ahead.flight is not None and ahead.num_steps >= 1
+    ga.close()
+    assert ahead.flight is None and ga.done and ga.answer is None
+    assert eng.store.get("a").cached_ids == before and not eng.store.get("a").busy
+    while not gb.done:
+        eng.step([gb])
+    same_answers({"b": gb}, want)
+    assert ahead.num_steps >= 4
+
+
+def test_a_launch_that_fails_fails_no_answer(llava, photos, in_step):
+    """A step launched ahead that raises (once, here) is taken back whole: the answers go on in step
+    with the host, then ahead again, and equal the engine's in step."""
+    want, want_state = in_step
+    eng = opened(llava, photos, **AHEAD)
+    graphs = eng.runner.graphs
+    real, failed = graphs.run, []
+
+    def fail_once(tables, tokens):
+        if isinstance(tokens, torch.Tensor) and not failed:
+            failed.append(len(tables))
+            raise RuntimeError("a fault in the pass launched ahead")
+        return real(tables, tokens)
+
+    graphs.run = fail_once  # type: ignore[method-assign]
+    got = run(eng, CASES, join_at={"c": 3, "f": 5})
+    assert failed
+    same_answers(got, want)
+    assert state(eng) == want_state
+
+
+def test_seeded_samples_of_one_request_launched_ahead_equal_them_in_step(llava, photos):
+    """``n`` = 3 seeded answers of one question decode as three rows ahead, each the answer in step."""
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, seed=7, n=3)
+    answers = {}
+    for name, kw in (("in_step", LAYOUTS["static"]), ("ahead", AHEAD)):
+        eng = opened(llava, photos, **kw)
+        seq = eng.start("a", "What is in this image?", params, remember=False)
+        while not seq.all_done:
+            eng.step([seq])
+        answers[name] = [[t.id for t in s.answer.tokens] for s in seq.samples]
+        if name == "ahead":
+            assert eng._execute.ahead.num_steps >= 5 and eng._execute.ahead.flight is None
+    assert answers["ahead"] == answers["in_step"] and len({tuple(a) for a in answers["ahead"]}) > 1
