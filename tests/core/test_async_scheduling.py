@@ -8,24 +8,28 @@ host, token for token and position for position, through ends, joins, abandons a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from engine_fixtures import LAYOUTS, make_engine
+from llava_sessions.config import Settings
 from llava_sessions.engine import Sequence, SessionEngine
 from llava_sessions.model import cache_len
 from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.service import BatchRequest, SessionService
 
 AHEAD = {**LAYOUTS["static"], "async_scheduling": True}
 
 # (session, image, question, sampling parameters)
 CASES = [
     ("a", "astronaut", "What is in this image?", SamplingParams(max_new_tokens=14)),
-    ("b", "coffee", "Describe the saucer.", SamplingParams(max_new_tokens=9)),
+    ("b", "coffee", "Describe the saucer.", SamplingParams(max_new_tokens=9, logprobs=True)),
     ("c", "rocket", "What is it?", SamplingParams(max_new_tokens=20, temperature=0.8, seed=11)),
     ("d", "chelsea", "Tell me a story about it.", SamplingParams(max_new_tokens=6, top_k=20, top_p=0.9, seed=5)),
     ("e", "coffee", "And in the background?", SamplingParams(max_new_tokens=11, min_tokens=4, seed=3)),
-    ("f", "astronaut", "What colour is the suit?", SamplingParams(max_new_tokens=12, logprobs=True)),
+    ("f", "astronaut", "What colour is the suit?", SamplingParams(max_new_tokens=12, logprobs=True, top_logprobs=2)),
 ]
 
 
@@ -68,6 +72,8 @@ def same_answers(got: dict[str, Sequence], want: dict[str, Sequence]) -> None:
         assert g.error is None and g.answer is not None and w.answer is not None, sid
         assert [t.id for t in g.answer.tokens] == [t.id for t in w.answer.tokens], sid
         assert g.answer.text == w.answer.text and g.answer.finish_reason == w.answer.finish_reason, sid
+        for x, y in zip(g.answer.tokens, w.answer.tokens, strict=True):  # batches of other shapes: other roundings
+            assert (x.logprob is None) == (y.logprob is None) and abs((x.logprob or 0) - (y.logprob or 0)) < 1e-4, sid
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +86,9 @@ def in_step(llava, photos):
 
 
 def test_answers_launched_ahead_are_the_answers_in_step_and_leave_the_same_sessions(llava, photos, in_step):
-    """Greedy and seeded rows (top-k, top-p, a ``min_tokens`` mask), a row with logprobs (chosen on the
-    host: it keeps the whole batch in step while it runs), rows ending by ``max_new_tokens`` at
+    """Greedy rows (one with its tokens' logprobs, chosen with them on the device) and seeded rows
+    (top-k, top-p, a ``min_tokens`` mask), a row with top logprobs (chosen on the host: it keeps the
+    whole batch in step while it runs), rows ending by ``max_new_tokens`` at
     different steps and two joining mid-way: every answer and every session's cache (ids, length,
     remembered turn) equals the engine's in step; most steps went ahead; nothing is left in flight."""
     want, want_state = in_step
@@ -169,3 +176,66 @@ def test_seeded_samples_of_one_request_launched_ahead_equal_them_in_step(llava, 
         if name == "ahead":
             assert eng._execute.ahead.num_steps >= 5 and eng._execute.ahead.flight is None
     assert answers["ahead"] == answers["in_step"] and len({tuple(a) for a in answers["ahead"]}) > 1
+
+
+def test_a_service_streams_the_same_answers_and_frees_a_request_its_client_left(llava, photos):
+    """Through the worker's service (TorchServe's batches of continuation rows, two tokens a call, and
+    run-ahead between calls): a native stream, a chat stream and a plain answer equal the in-step
+    service's, token for token; a stream whose client leaves while a step is in flight (the next batch
+    lacks it) is freed at once, its session idle and as before the question."""
+    settings = Settings(step_max_tokens=2, step_max_ms=600_000, max_concurrent_generations=4)
+    ask = {"type": "generate", "prompt": "What is in this image?", "remember": False}
+    chat = {"messages": [{"role": "user", "content": "Describe it."}], "stream": True, "max_tokens": 11, "seed": 5}
+
+    def serve(engine_kw: dict) -> tuple[dict[str, list[bytes]], SessionService, list[int]]:
+        svc = SessionService(settings, make_engine(llava, **engine_kw))
+        for sid, photo in (("s1", "chelsea"), ("s2", "coffee"), ("s3", "rocket")):
+            svc.engine.open(sid, photos[photo])
+        before = list(svc.engine.store.get("s3").cached_ids)
+        rows = [
+            BatchRequest("n", "s1", False, {**ask, "stream": True, "parameters": {"max_new_tokens": 9}}),
+            BatchRequest("p", "s2", False, {**ask, "parameters": {"max_new_tokens": 7}}),
+            BatchRequest("c", "ts-seq-c", True, chat),
+            BatchRequest("gone", "s3", False, {**ask, "stream": True, "parameters": {"max_new_tokens": 30}}),
+        ]
+        bodies: dict[str, list[bytes]] = {r.request_id: [] for r in rows}
+        for call in range(40):
+            out = svc.handle(rows)
+            for row, reply in zip(rows, out, strict=True):
+                bodies[row.request_id].append(reply.body)
+            rows = [
+                BatchRequest(r.request_id, r.session_id, r.minted, None)
+                for r, reply in zip(rows, out, strict=True)
+                if reply.stop is False and not (r.request_id == "gone" and call == 2)  # its client left
+            ]
+            while svc.run_ahead():
+                pass
+            if not rows:
+                break
+        return bodies, svc, before
+
+    want, _, _ = serve(LAYOUTS["static"])
+    got, svc, before = serve(AHEAD)
+    ahead = svc.engine._execute.ahead
+    assert ahead is not None and ahead.num_steps >= 5 and ahead.flight is None
+    assert native_tokens(got["n"]) == native_tokens(want["n"]) and len(native_tokens(got["n"])) == 9
+    assert json.loads(got["p"][-1])["generated_text"] == json.loads(want["p"][-1])["generated_text"]
+    assert chat_text(got["c"]) == chat_text(want["c"]) and chat_text(got["c"])
+    assert not svc.requests.in_flight
+    svc.engine.check_idle("s3")
+    assert svc.engine.store.get("s3").cached_ids == before
+
+
+def native_tokens(frames: list[bytes]) -> list[int]:
+    """The token ids of a native stream's JSON lines."""
+    return [json.loads(line)["token"]["id"] for f in frames for line in f.splitlines()]
+
+
+def chat_text(frames: list[bytes]) -> str:
+    """The content of a chat stream's server-sent events."""
+    out = []
+    for line in b"".join(frames).splitlines():
+        if line.startswith(b"data: {"):
+            choices = json.loads(line[len(b"data: ") :])["choices"]
+            out += [c["delta"].get("content") or "" for c in choices]
+    return "".join(out)

@@ -103,12 +103,46 @@ def test_a_seeded_answer_draws_the_same_tokens_alone_and_beside_other_rows(seed,
             s.took(token)
 
 
-def test_greedy_answers_and_answers_with_penalties_or_logprobs_are_not_sampled_together():
+def test_greedy_answers_and_answers_with_penalties_or_top_logprobs_are_not_sampled_together():
+    """A token's own logprob is chosen with it (the native dialect's default); top logprobs are not."""
     cpu = torch.device("cpu")
     assert Sampler(SamplingParams(), cpu, [1]).plain_greedy
+    assert Sampler(SamplingParams(logprobs=True), cpu, [1]).plain_greedy
+    assert Sampler(SamplingParams(temperature=0.7, seed=1, logprobs=True), cpu, [1]).plain_sampled
     assert not Sampler(SamplingParams(), cpu, [1]).plain_sampled
-    for extra in ({"logprobs": True}, {"repetition_penalty": 1.2}, {"frequency_penalty": 0.5}):
+    for extra in ({"logprobs": True, "top_logprobs": 2}, {"repetition_penalty": 1.2}, {"frequency_penalty": 0.5}):
         s = Sampler(SamplingParams(temperature=0.7, seed=1, **extra), cpu, [1])
         assert not s.plain_sampled and not s.plain_greedy, extra
     with pytest.raises(ValueError, match="no generator"):
         Sampler(SamplingParams(), cpu, [1]).noise(VOCAB)
+
+
+@pytest.mark.parametrize(("seed", "rows"), [(0, ROWS), (7, ROWS_WITH_TOP_K)], ids=["sorted", "within-top-k"])
+def test_tokens_chosen_together_carry_the_logprobs_each_sampler_gives_alone(seed, rows):
+    """A step's plain rows chosen together (``plain_choices``: greedy rows and seeded sampled rows, most
+    asking for their tokens' logprobs, read as one tensor) give each row the token and the logprob its
+    own ``next_token`` gives, over eight steps: the raw distribution's for a greedy row, the warped one's
+    for a sampled row; None for a row that asks for none."""
+    from types import SimpleNamespace
+
+    from llava_sessions.engine.outputs import plain_choices, read_choices
+
+    params = [SamplingParams(max_new_tokens=20, logprobs=True), SamplingParams(max_new_tokens=20)]
+    params += [
+        SamplingParams(do_sample=True, temperature=t, top_k=k, top_p=p, min_p=m, seed=seed + i, logprobs=i % 3 != 1)
+        for i, (t, k, p, m) in enumerate(rows)
+    ]
+    alone = [Sampler(q, torch.device("cpu"), [1, 2, 3]) for q in params]
+    together = [SimpleNamespace(sampler=Sampler(q, torch.device("cpu"), [1, 2, 3]), params=q) for q in params]
+    assert all(g.sampler.plain_greedy or g.sampler.plain_sampled for g in together)
+    torch.manual_seed(seed)
+    for _ in range(8):
+        logits = torch.randn(len(params), VOCAB) * 3
+        want = [s.next_token(logits[i])[:2] for i, s in enumerate(alone)]
+        got = read_choices(plain_choices(together, logits), together)  # type: ignore[arg-type]
+        assert [t for t, _ in got] == [t for t, _ in want]
+        for (_, lp), (_, expected) in zip(got, want, strict=True):
+            assert (lp is None) == (expected is None)
+            assert lp is None or abs(lp - expected) < 1e-5
+        for g, (token, _) in zip(together, got, strict=True):
+            g.sampler.took(token)

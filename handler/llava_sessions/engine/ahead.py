@@ -17,8 +17,8 @@ host leaves, and the answers are the same tokens. An answer certain to end by ``
 not launched ahead.
 
 Only what the device can choose goes ahead: every answer of the step ``plain_greedy`` or
-``plain_sampled`` (no logprobs, grammar, penalties, logit bias, ``min_tokens`` mask), over the paged
-layout's static step. Anything else in the next engine step (an answer joining, a prefill chunk, an
+``plain_sampled`` (no top logprobs, grammar, penalties, logit bias, ``min_tokens`` mask; a token's own
+logprob is chosen with it), over the paged layout's static step. Anything else in the next engine step (an answer joining, a prefill chunk, an
 answer gone) first records the tokens in flight (:meth:`StepAhead.settle`), then steps as usual. Between
 engine steps every session's cache and the ledger agree; only the tokens in flight are not yet the
 answers' events (a stream shows them one step later).
@@ -27,12 +27,12 @@ answers' events (a stream shows them one step later).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence as GenericSequence
+from collections.abc import Callable, Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .outputs import by_rows, plain_choices
+from .outputs import by_rows, plain_choices, read_choices
 
 if TYPE_CHECKING:
     from .outputs import StepOutputs
@@ -49,8 +49,9 @@ class InFlight:
     Attributes:
         seqs: the step's answers, in the order of ``tokens`` (an answer that ended since is skipped).
         tokens: ``[len(seqs)]`` long on the device: each one's token.
-        host: the same on the host (pinned on a card), valid once ``copied`` is done.
-        copied: the CUDA event recorded after the copy (None on a CPU: ``host`` is ``tokens``).
+        host: :func:`~.outputs.plain_choices`' tensor (the tokens, and their logprobs when any answer
+            asks for them) on the host (pinned on a card), valid once ``copied`` is done.
+        copied: the CUDA event recorded after the copy (None on a CPU: ``host`` is the device's tensor).
     """
 
     seqs: list[Sequence]
@@ -59,21 +60,24 @@ class InFlight:
     copied: Any = None
 
     @classmethod
-    def send(cls, seqs: list[Sequence], tokens: torch.Tensor) -> InFlight:
-        """Queue ``tokens``' copy to the host behind the work that computes them (without waiting)."""
-        if tokens.device.type != "cuda":
-            return cls(seqs, tokens, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+    def send(cls, seqs: list[Sequence], chosen: torch.Tensor) -> InFlight:
+        """Queue ``chosen``'s copy (:func:`~.outputs.plain_choices`' result) to the host behind the work
+        that computes it (without waiting)."""
+        tokens = chosen if chosen.dim() == 1 else chosen[0].to(torch.long)
+        if chosen.device.type != "cuda":
+            return cls(seqs, tokens, chosen)
+        host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+        host.copy_(chosen, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         return cls(seqs, tokens, host, copied)
 
-    def read(self) -> list[int]:
-        """The tokens on the host (waits for their copy only, not for work queued after it)."""
+    def read(self) -> list[tuple[int, float | None]]:
+        """Each answer's ``(token, logprob)`` on the host (waits for their copy only, not for work
+        queued after it; :func:`~.outputs.read_choices`)."""
         if self.copied is not None:
             self.copied.synchronize()
-        return self.host.tolist()
+        return read_choices(self.host, self.seqs)
 
     def live(self) -> list[Sequence]:
         """Its answers that have not ended."""
@@ -86,15 +90,18 @@ class StepAhead:
     Args:
         batch: the paged decode batch (its static step runs the steps launched ahead).
         outputs: records the tokens (:class:`~.outputs.StepOutputs`).
+        room: device bytes -> whether room is made for them (the executor's grant for the pages a
+            step launched ahead opens).
 
     Attributes:
         flight: the step whose tokens the host has not recorded (None: the engine is in step with the host).
         num_steps: decode steps launched before the host read the tokens they are fed (a counter).
     """
 
-    def __init__(self, batch: PagedDecodeBatch, outputs: StepOutputs) -> None:
+    def __init__(self, batch: PagedDecodeBatch, outputs: StepOutputs, room: Callable[[int], bool]) -> None:
         self.batch = batch
         self.outputs = outputs
+        self.room = room
         self.flight: InFlight | None = None
         self.num_steps = 0
 
@@ -131,9 +138,9 @@ class StepAhead:
         flight, self.flight = self.flight, None
         if flight is None:
             return
-        for g, token in zip(flight.seqs, flight.read(), strict=True):
+        for g, (token, logprob) in zip(flight.seqs, flight.read(), strict=True):
             if not g.done:
-                self.outputs.accept_chosen(g, token)
+                self.outputs.accept_chosen(g, token, logprob)
 
     def _go(self, flight: InFlight) -> None:
         """Launch the step after ``flight`` for its answers that may go on, fed its tokens; then record
@@ -149,16 +156,16 @@ class StepAhead:
             tokens = flight.tokens
             if len(index) < len(flight.seqs):
                 tokens = tokens.index_select(0, torch.tensor(index).to(tokens.device, non_blocking=True))
-            launched = self.batch.forward_ahead(seqs, tokens)
+            launched = self.batch.forward_ahead(seqs, tokens, self.room)
         fed: dict[int, int] = {}
         if launched is not None:
             logits, starts = launched
             fed = {id(g): start for g, start in zip(seqs, starts, strict=True)}
             ahead = InFlight.send(seqs, plain_choices(seqs, logits))
             self.num_steps += 1
-        for g, token in zip(flight.seqs, flight.read(), strict=True):
+        for g, (token, logprob) in zip(flight.seqs, flight.read(), strict=True):
             if not g.done:
-                self.outputs.accept_chosen(g, token, fed.get(id(g)))
+                self.outputs.accept_chosen(g, token, logprob, fed.get(id(g)))
         if ahead is not None and ahead.live():
             self.flight = ahead
 

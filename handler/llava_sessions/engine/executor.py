@@ -14,14 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import overloaded
 from .ahead import StepAhead
 from .inputs import StepInputs
 from .memory import kv_grant_bytes
 from .outputs import StepOutputs
-from .paged_batch import PagedDecodeBatch
 from .samples import fork_samples
 from .scheduler import PrefillChunk, Room, make_room
 from .sequence import EngineRequest, Phase, Sequence
@@ -29,6 +28,7 @@ from .sequence import EngineRequest, Phase, Sequence
 if TYPE_CHECKING:
     from ..sessions.store import SessionStore
     from .model_runner import ModelRunner
+    from .paged_batch import PagedDecodeBatch
     from .sharing import ImageSharing
 
 __all__ = ["BatchRoom", "StepExecutor"]
@@ -79,9 +79,10 @@ class StepExecutor:
         self.model = runner.model
         self.inputs = StepInputs(store, runner, sharing, decode_image)
         self.outputs = StepOutputs(store, runner)
-        batch = runner.batch
-        static = async_scheduling and isinstance(batch, PagedDecodeBatch) and batch.graphs is not None
-        self.ahead = StepAhead(batch, self.outputs) if static and isinstance(batch, PagedDecodeBatch) else None
+        static = async_scheduling and runner.graphs is not None  # a static step: the paged layout's
+        self.ahead = (
+            StepAhead(cast("PagedDecodeBatch", runner.batch), self.outputs, self._ahead_room) if static else None
+        )
         self.num_preemptions = 0
 
     def step_ahead(self, live: list[EngineRequest]) -> bool:
@@ -95,6 +96,11 @@ class StepExecutor:
             return True
         self.ahead.settle()
         return False
+
+    def _ahead_room(self, num_bytes: int) -> bool:
+        """Room for the ``num_bytes`` of pages a decode step launched ahead opens (:mod:`.ahead`): the
+        one grant outside a step's plan, made as :meth:`_batch_room` makes a planned step's."""
+        return self.store.allocate(num_bytes, keep=None)
 
     def settle(self) -> None:
         """Record the tokens in flight, if any (:meth:`StepAhead.settle <.ahead.StepAhead.settle>`)."""

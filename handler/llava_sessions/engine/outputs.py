@@ -19,14 +19,14 @@ from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError
 from ..model.kv.cache import undo_pass
 from ..results import FinishReason
-from ..sampling.rows import sample_rows
+from ..sampling.rows import race, warp_rows
 from .sequence import EngineRequest, ImagePrefill, Sequence
 
 if TYPE_CHECKING:
     from ..sessions.store import SessionStore
     from .model_runner import ModelRunner
 
-__all__ = ["StepOutputs", "by_rows", "plain_choices"]
+__all__ = ["StepOutputs", "by_rows", "plain_choices", "read_choices"]
 
 log = logging.getLogger(__name__)
 
@@ -53,28 +53,29 @@ class StepOutputs:
         decode step's); one that fails to sample fails alone.
 
         The rows whose sampler is :attr:`~..sampling.sampler.Sampler.plain_greedy` or ``plain_sampled``
-        take their tokens from one argmax and one warp and draw of their rows together
+        take their tokens (and logprobs) from one argmax and one warp and draw of their rows together
         (:func:`plain_choices`), read to the host at once: one device sync a step, where each row's own
         choice is one sync a row (the other rows sample one by one, as before)."""
         live = [g for g in seqs if not g.done]
         plain = [g for g in live if g.sampler.plain_greedy or g.sampler.plain_sampled]
-        chosen = plain_choices(plain, by_rows(logits, plain)).tolist() if plain else []
-        tokens = {id(g): token for g, token in zip(plain, chosen, strict=True)}
+        chosen: torch.Tensor | list = plain_choices(plain, by_rows(logits, plain)) if plain else []
+        choices = dict(zip(map(id, plain), read_choices(chosen, plain), strict=True))
         for g in live:
             if g.done:  # another answer of its request failed and took it along
                 continue
             assert g.row is not None
-            if id(g) in tokens:
-                self.accept_chosen(g, tokens[id(g)])
+            if id(g) in choices:
+                self.accept_chosen(g, *choices[id(g)])
                 continue
             try:
                 self.accept(g, logits[g.row])
             except Exception as exc:  # noqa: BLE001
                 self.fail(g, exc)
 
-    def accept_chosen(self, seq: Sequence, token: int, fed: int | None = None) -> None:
-        """Record ``token``, chosen for ``seq`` outside its sampler (:func:`plain_choices`), and finish
-        the answer when it ends there; a failure is the answer's alone.
+    def accept_chosen(self, seq: Sequence, token: int, logprob: float | None = None, fed: int | None = None) -> None:
+        """Record ``token`` (and its ``logprob``, None unless the answer asks for logprobs), chosen for
+        ``seq`` outside its sampler (:func:`plain_choices`), and finish the answer when it ends there; a
+        failure is the answer's alone.
 
         ``fed``: the next decode step, launched ahead, already fed ``token`` (:meth:`PagedDecodeBatch.
         forward_ahead <.paged_batch.PagedDecodeBatch.forward_ahead>`), at this position of the session's
@@ -83,7 +84,7 @@ class StepOutputs:
         answer's last token is never fed."""
         try:
             seq.sampler.took(token)
-            self._record(seq, token, None, (), fed)
+            self._record(seq, token, logprob, (), fed)
         except Exception as exc:  # noqa: BLE001
             if fed is not None:
                 undo_pass(seq.session.kv_cache, fed)
@@ -207,15 +208,45 @@ def plain_choices(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
     """The next token of each of ``seqs`` (each sampler :attr:`~..sampling.sampler.Sampler.plain_greedy`
     or ``plain_sampled``) from its row of ``logits [len(seqs), vocab]`` float32, on the logits' device,
     without waiting for it: the argmax, or for a sampled answer its warps and draw, the sampled rows
-    together (:func:`~..sampling.rows.sample_rows`). Returns ``[len(seqs)]`` long."""
+    together (:func:`~..sampling.rows.warp_rows`, :func:`~..sampling.rows.race`).
+
+    Returns:
+        ``[len(seqs)]`` long: the tokens; or, when any of ``seqs`` asks for logprobs, ``[2, len(seqs)]``
+        float32: the tokens (exact in float32: ids under 2**24), over each token's logprob under the
+        distribution it was chosen from (the raw logits', or the warped ones' of a sampled answer, as
+        :meth:`Sampler.next_token <..sampling.sampler.Sampler.next_token>` gives it), one tensor for one
+        read (:func:`read_choices`).
+    """
     tokens = logits.argmax(-1)
     sampled = [i for i, g in enumerate(seqs) if g.sampler.plain_sampled]
-    if not sampled:
+    drawn = warped = index = None
+    if sampled:
+        index = torch.tensor(sampled).to(logits.device, non_blocking=True)
+        warps = [seqs[i].sampler.warping for i in sampled]  # (temperature, top_k, top_p, min_p) per row
+        noise = torch.stack([seqs[i].sampler.noise(logits.shape[-1]) for i in sampled])
+        temperature, top_k = [w[0] for w in warps], [w[1] for w in warps]
+        top_p, min_p = [w[2] for w in warps], [w[3] for w in warps]
+        warped = warp_rows(logits.index_select(0, index), temperature, top_k, top_p, min_p)
+        drawn = race(warped.softmax(dim=-1), noise)
+        tokens = tokens.index_copy(0, index, drawn)
+    if not any(g.params.logprobs for g in seqs):
         return tokens
-    index = torch.tensor(sampled).to(logits.device, non_blocking=True)
-    warps = [seqs[i].sampler.warping for i in sampled]  # (temperature, top_k, top_p, min_p) per row
-    noise = torch.stack([seqs[i].sampler.noise(logits.shape[-1]) for i in sampled])
-    temperature, top_k = [w[0] for w in warps], [w[1] for w in warps]
-    top_p, min_p = [w[2] for w in warps], [w[3] for w in warps]
-    drawn = sample_rows(logits.index_select(0, index), temperature, top_k, top_p, min_p, noise)
-    return tokens.index_copy(0, index, drawn)
+    assert logits.shape[-1] < 1 << 24, "token ids must be exact in float32"
+    logprobs = _logprob_of(logits, tokens)
+    if index is not None and warped is not None and drawn is not None:
+        logprobs = logprobs.index_copy(0, index, _logprob_of(warped, drawn))
+    return torch.stack([tokens.to(torch.float32), logprobs])
+
+
+def _logprob_of(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(scores [R, V])`` at each row's token ``tokens [R]``: ``[R]`` float32."""
+    return torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+def read_choices(chosen: torch.Tensor | list, seqs: list[Sequence]) -> list[tuple[int, float | None]]:
+    """:func:`plain_choices`' result for ``seqs`` read to the host (the tensor, or its ``tolist()``
+    already read): each one's ``(token, logprob)``, the logprob None where the answer asks for none."""
+    values = chosen.tolist() if isinstance(chosen, torch.Tensor) else chosen
+    if not values or not isinstance(values[0], list):  # tokens alone
+        return [(int(t), None) for t in values]
+    return [(int(t), lp if g.params.logprobs else None) for g, t, lp in zip(seqs, values[0], values[1], strict=True)]

@@ -19,6 +19,7 @@ CPU 8 sessions decode at 0.84-0.85x the tokens/s of the contiguous :class:`~.dec
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -191,10 +192,13 @@ class PagedDecodeBatch:
         step = SlotsCache.of_rows(self.pool.pages, tables)
         return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
 
-    def forward_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
+    def forward_ahead(
+        self, seqs: list[Sequence], tokens: torch.Tensor, room: Callable[[int], bool]
+    ) -> tuple[torch.Tensor, list[int]] | None:
         """The next decode step of ``seqs`` launched before the host reads their last tokens (async
         scheduling, :mod:`.ahead`): fed ``tokens`` (``[len(seqs)]`` long on the device, each row's token
-        the last step chose), through the static step only. Each session's cache gets the fed token's
+        the last step chose), through the static step only, once ``room`` (bytes -> granted; the
+        executor's) grants the pages it opens. Each session's cache gets the fed token's
         position, not recorded in the session: the caller records the token once it reads it, or takes
         the position back (:func:`~llava_sessions.model.kv.cache.undo_pass`) when the answer ends with it.
 
@@ -211,7 +215,7 @@ class PagedDecodeBatch:
             return None
         size = self.pool.page_size
         opened = sum(1 for s in starts if s % size == 0) * size * self.model.kv_bytes_per_token
-        if opened and not self.store.allocate(opened, keep=None):
+        if opened and not room(opened):
             return None
         try:
             for c in caches:

@@ -84,8 +84,8 @@ class Sampler:
 
     @property
     def _plain(self) -> bool:
-        """Nothing but greedy or the warpers decides the next token: no penalty, logit bias, active
-        ``min_tokens`` mask, grammar or logprobs."""
+        """Nothing but greedy or the warpers decides the next token, and nothing but its own logprob is
+        asked of it: no penalty, logit bias, active ``min_tokens`` mask, grammar or top logprobs."""
         masking = bool(self._ends) and self._generated < self.params.min_tokens
         return not (
             self._penalty
@@ -94,20 +94,21 @@ class Sampler:
             or self.grammar is not None
             or self._freq
             or self._presence
-            or self.params.logprobs
+            or (self.params.logprobs and self.params.top_logprobs)
         )
 
     @property
     def plain_greedy(self) -> bool:
-        """Whether the next token is the argmax of the raw logits and nothing else is computed for it:
-        greedy, no penalty, logit bias, active ``min_tokens`` mask, grammar or logprobs. Such rows of a
-        step take their tokens from one argmax over the whole batch (:meth:`took` records each)."""
+        """Whether the next token is the argmax of the raw logits and nothing else is computed for it
+        but its logprob: greedy, no penalty, logit bias, active ``min_tokens`` mask, grammar or top
+        logprobs. Such rows of a step take their tokens (and logprobs) from one argmax (and one
+        ``log_softmax``) over the whole batch (:meth:`took` records each)."""
         return self._generator is None and self._plain
 
     @property
     def plain_sampled(self) -> bool:
         """Whether the next token is sampled with temperature, top-k, top-p and min-p alone (no
-        penalty, logit bias, active ``min_tokens`` mask, grammar or logprobs). Such rows of a step are
+        penalty, logit bias, active ``min_tokens`` mask, grammar or top logprobs). Such rows of a step are
         sampled together (:func:`~.rows.sample_rows` over :attr:`warping` and :meth:`noise`; :meth:`took`
         records each), drawing what :meth:`next_token` would."""
         return self._generator is not None and self._plain
