@@ -71,3 +71,14 @@ def test_a_cache_that_cannot_be_loaded_is_skipped_with_a_warning(tmp_path, caplo
         assert load_compile_cache(broken) is False
     assert "could not be loaded" in caplog.text
     assert load_compile_cache(tmp_path / "absent.bin") is False
+
+
+def test_a_config_that_is_no_model_config_exits_2_and_names_the_file(tmp_path):
+    """``--config`` pointing at a YAML list, at text that is not YAML, or at a ``handler:`` that is not a
+    mapping: exit 2, the file named, no traceback (model-config.yaml is read as ``llava-serve`` and
+    ``llava-deploy`` read it)."""
+    for name, text in (("list.yaml", "- a\n- b\n"), ("broken.yaml", "handler: [\n"), ("flat.yaml", "handler: 3\n")):
+        config = tmp_path / name
+        config.write_text(text)
+        done = run_tool(tmp_path / "nothing", tmp_path / "inductor", "--config", str(config))
+        assert done.returncode == 2 and str(config) in done.stderr and "Traceback" not in done.stderr, done.stderr

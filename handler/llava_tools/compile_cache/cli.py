@@ -16,14 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from llava_sessions.model.compile_cache import cache_counts, compile_cache_file, save_compile_cache
 from llava_sessions.model.regions import compiled_regions
 from llava_sessions.worker import WorkerOrigin, build_local_service
 
 from ..cli import add_setting_arguments
-from ..serve.torchserve_files import default_model_config_path
+from ..serve.torchserve_files import default_model_config_path, read_model_config
 
 __all__ = ["main"]
 
@@ -42,11 +40,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _handler_section(args: argparse.Namespace) -> dict[str, Any]:
-    config = yaml.safe_load(Path(args.config or default_model_config_path()).read_text()) or {}
-    section = dict(config.get("handler") or {})
-    section.update(dict(args.overrides))
-    section.update({"model_dir": str(args.model_dir), "compile": "on"})
-    return section
+    """The ``handler:`` section of ``--config`` (model-config.yaml), ``--set`` over it, the model folder
+    and ``compile: on``. Raises ValueError, OSError: as :func:`read_model_config`."""
+    section = read_model_config(Path(args.config or default_model_config_path()))["handler"]
+    return {**section, **dict(args.overrides), "model_dir": str(args.model_dir), "compile": "on"}
 
 
 def compile_and_save(args: argparse.Namespace) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import llava_sessions
 from llava_sessions.config import Settings, job_groups
 
 from ..serve.container import PACKAGED_MODEL_NAME, llava_home
-from ..serve.torchserve_files import default_handler_path, default_model_config_path
+from ..serve.torchserve_files import default_handler_path, default_model_config_path, read_model_config
 from .spec import DeployError
 
 #: ``archiverVersion`` written to MANIFEST.json (the torch-model-archiver the image pins).
@@ -109,11 +109,11 @@ def build_package(
         if not path.is_file():
             raise DeployError(f"{what} not found: {path}")
 
-    config = yaml.safe_load(model_config.read_text()) or {}
-    if not isinstance(config, dict):
-        raise DeployError(f"{model_config}: expected a YAML mapping")
-    section = dict(config.get("handler") or {})
-    section.update(overrides or {})
+    try:
+        config = read_model_config(model_config)
+    except ValueError as exc:
+        raise DeployError(str(exc)) from None
+    section = {**config["handler"], **(overrides or {})}
     section["model_dir"] = ""  # the handler falls back to TorchServe's model folder (this one)
     try:
         settings = Settings.from_sources(section)

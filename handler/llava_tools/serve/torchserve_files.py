@@ -176,6 +176,27 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> int:
         return 0
 
 
+def read_model_config(path: Path) -> dict[str, Any]:
+    """``path``'s model-config.yaml: TorchServe's keys at the top, the handler's settings under
+    ``handler:`` (an empty mapping when there is none).
+
+    Raises:
+        ValueError: not YAML, not a mapping, or a ``handler:`` that is not a mapping (the message names
+            the file). OSError: the file cannot be read.
+    """
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a YAML mapping")
+    section = config.get("handler") or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: its handler: section must be a mapping of settings")
+    config["handler"] = dict(section)
+    return config
+
+
 def model_config(
     source: Path,
     *,
@@ -191,18 +212,16 @@ def model_config(
     (:func:`fit_to_devices`).
 
     Raises:
-        ServerStartError: ``source`` is not a YAML mapping.
+        ServerStartError: ``source`` is not a YAML mapping (:func:`read_model_config`).
     """
-    config = yaml.safe_load(source.read_text()) or {}
-    if not isinstance(config, dict):
-        raise ServerStartError(f"{source}: expected a YAML mapping")
+    try:
+        config = read_model_config(source)
+    except ValueError as exc:
+        raise ServerStartError(str(exc)) from None
     config["minWorkers"] = workers
     config["maxWorkers"] = workers
     config.update(model_config_overrides)
-    handler_section = dict(config.get("handler") or {})
-    handler_section["model_dir"] = str(model_dir)
-    handler_section.update(overrides)
-    config["handler"] = handler_section
+    config["handler"] = {**config["handler"], "model_dir": str(model_dir), **overrides}
     fit_to_devices(config, keep=set(model_config_overrides), env=env)
     return config
 
@@ -452,9 +471,12 @@ def check_settings(
     """
     from llava_sessions.config import Settings, with_hints  # noqa: F811 - at run time, not at import
 
-    config = yaml.safe_load(config_path.read_text()) or {}
+    try:
+        config = read_model_config(config_path)
+    except ValueError as exc:
+        raise ServerStartError(str(exc)) from None
     for keys, where in (
-        (config if isinstance(config, dict) else {}, str(config_path)),
+        (config, str(config_path)),
         (model_config_overrides or {}, "--ts-set"),
     ):
         unknown = sorted(str(k) for k in keys if k not in TORCHSERVE_MODEL_KEYS)
@@ -463,7 +485,7 @@ def check_settings(
                 f"unknown TorchServe key(s) in {where}: {', '.join(with_hints(unknown, TORCHSERVE_MODEL_KEYS))}; "
                 f"TorchServe reads: {', '.join(sorted(TORCHSERVE_MODEL_KEYS))}"
             )
-    section = {**dict((config.get("handler") if isinstance(config, dict) else None) or {}), **overrides}
+    section = {**config["handler"], **overrides}
     try:
         Settings.check_names(dict(overrides), "in --set")
         return Settings.from_sources(section, env)
