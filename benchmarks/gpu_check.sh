@@ -11,7 +11,11 @@
 #   COMMIT=<git rev-parse HEAD> bash benchmarks/gpu_check.sh
 # On a CPU, to check the script itself:
 #   LLAVA_TEST_DEVICE=cpu GPU_TABLE_ARGS="--device cpu --model tiny --dtype auto --levels 1,2" \
-#   GPU_SERVE_ARGS="--device cpu --model tiny --dtype auto --streams 2" bash benchmarks/gpu_check.sh
+#   GPU_SERVE_ARGS="--device cpu --model tiny --dtype auto --streams 2" \
+#   GPU_AGAIN_ARGS="--device cpu --dtype auto --levels 1,2 --skip-peer --skip-other-layout --kernel-rows=" \
+#   bash benchmarks/gpu_check.sh
+# (add "--decode-layout paged --cuda-graphs on --async-scheduling on" to GPU_TABLE_ARGS for the sections
+# a card's static step has: graphs against eager, async scheduling)
 set -u
 out=${OUT:-gpu-check}
 mkdir -p "$out"
