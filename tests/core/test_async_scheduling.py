@@ -9,6 +9,7 @@ host, token for token and position for position, through ends, joins, abandons a
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -40,11 +41,15 @@ def opened(llava, photos, **engine_kw) -> SessionEngine:
     return eng
 
 
-def run(eng: SessionEngine, cases, *, join_at: dict[str, int] | None = None) -> dict[str, Sequence]:
-    """Start ``cases`` (those in ``join_at`` at that step) and step them together to the end."""
+def run(
+    eng: SessionEngine, cases, *, join_at: dict[str, int] | None = None, started: dict[str, Sequence] | None = None
+) -> dict[str, Sequence]:
+    """Start ``cases`` (those in ``join_at`` at that step; none already in ``started``, which the answers
+    are added to) and step them together to the end."""
     join_at = join_at or {}
-    gens: dict[str, Sequence] = {}
-    for step in range(200):
+    gens: dict[str, Sequence] = {} if started is None else started
+    first = max((join_at.get(sid, 0) for sid in gens), default=0) if gens else 0
+    for step in range(first, 200):
         for sid, _ph, q, p in cases:
             if sid not in gens and join_at.get(sid, 0) == step:
                 gens[sid] = eng.start(sid, q, p, remember=True)
@@ -142,25 +147,62 @@ def test_an_answer_closed_while_its_token_is_in_flight_leaves_its_session_as_bef
     assert ahead.num_steps >= 4
 
 
-def test_a_launch_that_fails_fails_no_answer(llava, photos, in_step):
-    """A step launched ahead that raises (once, here) is taken back whole: the answers go on in step
-    with the host, then ahead again, and equal the engine's in step."""
+@pytest.mark.parametrize(
+    ("where", "fault"),
+    [("launch", RuntimeError), ("choice", RuntimeError), ("launch", KeyboardInterrupt)],
+    ids=["launch-fails", "choice-fails", "interrupted"],
+)
+def test_a_launch_that_fails_fails_no_answer(llava, photos, in_step, monkeypatch, where, fault):
+    """A step launched ahead whose pass raises, or whose tokens cannot be chosen (once each, here), is
+    taken back whole: the answers go on in step with the host, then ahead again, and equal the
+    engine's in step. An interrupt (KeyboardInterrupt) leaves the engine's step; the tokens in flight
+    stay, the next step records them, and the answers are still those in step."""
+    import llava_sessions.engine.ahead as ahead_module
+
     want, want_state = in_step
     eng = opened(llava, photos, **AHEAD)
     graphs = eng.runner.graphs
-    real, failed = graphs.run, []
+    real_run, real_choices, failed = graphs.run, ahead_module.plain_choices, []
 
-    def fail_once(tables, tokens):
-        if isinstance(tokens, torch.Tensor) and not failed:
-            failed.append(len(tables))
-            raise RuntimeError("a fault in the pass launched ahead")
-        return real(tables, tokens)
+    def fail_once(calls_so_far: int) -> None:
+        if not failed and calls_so_far >= 3:
+            failed.append(where)
+            raise fault("a fault in the step launched ahead")
 
-    graphs.run = fail_once  # type: ignore[method-assign]
-    got = run(eng, CASES, join_at={"c": 3, "f": 5})
-    assert failed
+    def run(tables, tokens):
+        if where == "launch" and isinstance(tokens, torch.Tensor):
+            fail_once(3)
+        return real_run(tables, tokens)
+
+    choices: list[int] = []
+
+    def plain_choices(seqs, logits):
+        if where == "choice" and sys._getframe(1).f_code.co_name == "_launch":  # a launched step's tokens
+            choices.append(1)
+            fail_once(len(choices) + 2)
+        return real_choices(seqs, logits)
+
+    graphs.run = run  # type: ignore[method-assign]
+    monkeypatch.setattr(ahead_module, "plain_choices", plain_choices)
+    interrupted = []
+    try:
+        got = run_to_end(eng)
+    except KeyboardInterrupt:
+        interrupted.append(1)
+        assert eng._execute.ahead.flight is not None  # the tokens in flight stay for the next step
+        got = run_to_end(eng, eng._started)
+    assert failed == [where] and bool(interrupted) == (fault is KeyboardInterrupt)
     same_answers(got, want)
     assert state(eng) == want_state
+
+
+def run_to_end(eng: SessionEngine, gens: dict[str, Sequence] | None = None) -> dict[str, Sequence]:
+    """:func:`run` of :data:`CASES` (joins as the module's engine in step has them), or, given the
+    answers started before an interrupt, their steps to the end; the answers are kept on the engine."""
+    if gens is None:
+        eng._started = {}  # type: ignore[attr-defined]
+        return run(eng, CASES, join_at={"c": 3, "f": 5}, started=eng._started)  # type: ignore[attr-defined]
+    return run(eng, CASES, join_at={"c": 3, "f": 5}, started=gens)
 
 
 def test_seeded_samples_of_one_request_launched_ahead_equal_them_in_step(llava, photos):

@@ -27,11 +27,13 @@ answers' events (a stream shows them one step later).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..model.kv.cache import undo_pass
 from .outputs import by_rows, plain_choices, read_choices
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
     from .sequence import EngineRequest, Sequence
 
 __all__ = ["InFlight", "StepAhead"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -151,23 +155,40 @@ class StepAhead:
         (a ``min_tokens`` mask lifts one token later than in step: the answer steps in step once more)."""
         index = [i for i, g in enumerate(flight.seqs) if self._goes_on(g)]
         seqs = [flight.seqs[i] for i in index]
-        launched, ahead = None, None
-        if seqs:
-            tokens = flight.tokens
-            if len(index) < len(flight.seqs):
-                tokens = tokens.index_select(0, torch.tensor(index).to(tokens.device, non_blocking=True))
-            launched = self.batch.forward_ahead(seqs, tokens, self.room)
-        fed: dict[int, int] = {}
-        if launched is not None:
-            logits, starts = launched
-            fed = {id(g): start for g, start in zip(seqs, starts, strict=True)}
-            ahead = InFlight.send(seqs, plain_choices(seqs, logits))
-            self.num_steps += 1
+        ahead, fed = self._launch(flight, index, seqs) if seqs else (None, {})
         for g, (token, logprob) in zip(flight.seqs, flight.read(), strict=True):
             if not g.done:
                 self.outputs.accept_chosen(g, token, logprob, fed.get(id(g)))
         if ahead is not None and ahead.live():
             self.flight = ahead
+
+    def _launch(
+        self, flight: InFlight, index: list[int], seqs: list[Sequence]
+    ) -> tuple[InFlight | None, dict[int, int]]:
+        """The step after ``flight`` for ``seqs`` (its answers at ``index``), launched and its tokens
+        chosen: ``(its InFlight, each answer's fed position by id)``, or ``(None, {})`` with every cache
+        as before when it could not launch or choose (the answers step in step with the host). On an
+        interrupt, ``flight`` stays in flight (the next step records it) and the interrupt goes on."""
+        starts: list[int] | None = None
+        try:
+            tokens = flight.tokens
+            if len(index) < len(flight.seqs):
+                tokens = tokens.index_select(0, torch.tensor(index).to(tokens.device, non_blocking=True))
+            launched = self.batch.forward_ahead(seqs, tokens, self.room)
+            if launched is None:
+                return None, {}
+            logits, starts = launched
+            ahead = InFlight.send(seqs, plain_choices(seqs, logits))
+        except BaseException as exc:
+            for g, start in zip(seqs, starts or (), strict=False):
+                undo_pass(g.session.kv_cache, start)
+            if not isinstance(exc, Exception):
+                self.flight = flight
+                raise
+            log.debug("choosing a step launched ahead failed; its answers step in step", exc_info=True)
+            return None, {}
+        self.num_steps += 1
+        return ahead, {id(g): start for g, start in zip(seqs, starts, strict=True)}
 
     def _goes_on(self, seq: Sequence) -> bool:
         """Whether ``seq``'s step after its token in flight is launched ahead (:meth:`_go`)."""
