@@ -38,8 +38,9 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
 10. **Compiled regions** (``model/regions.py``): the same in an engine over the model with each layer's
     norms and MLP compiled by Inductor (attention eager), its start (compile + capture) in seconds.
 11. **A step's greedy and sampled rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows'
-   tokens one by one against one argmax over the batch, and drawing as many seeded sampled rows one by
-   one against one warp and draw for all, ms per step each.
+   tokens one by one against one argmax over the batch, drawing as many seeded sampled rows one by
+   one against one warp and draw for all, and greedy rows with their tokens' logprobs one by one against
+   one argmax and one ``log_softmax`` read together, ms per step each.
 12. **Async scheduling** (``benchmarks/async_steps.py``, when the engine has it: its static step on a
     card): whole answers of 1 and 32 sessions decoded with the engine's async scheduling off and on,
     alternating, the device synchronized only around each answer; tokens/s each and the ratio (every
@@ -566,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(llava.config.text_config.vocab_size)
     report.run("greedy_rows", lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20))
     report.run("sampled_rows", lambda: greedy_rows.sampled_table(device, [1, 8, 32, 64], vocab, args.repeats * 5))
+    report.run("logprob_rows", lambda: greedy_rows.logprob_table(device, [1, 8, 32, 64], vocab, args.repeats * 5))
     if engine._execute.ahead is not None:  # the engine's async scheduling, off and on again (benchmarks/async_steps.py)
         report.run("async_scheduling", lambda: async_steps.table(engine, images, [1, 32], args.new_tokens, 3))
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
@@ -810,6 +812,9 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
         print(f"{label:<48}{row['batched_ms']:>10.3f} ms   {row['ratio']:.2f}x faster than one each")
     for n, row in report.get("sampled_rows", {}).items():  # a step's sampled rows: one warp and draw for all
         label = f"{n} sampled rows drawn, one warp for all"
+        print(f"{label:<48}{row['batched_ms']:>10.3f} ms   {row['ratio']:.2f}x faster than one each")
+    for n, row in report.get("logprob_rows", {}).items():  # greedy rows with logprobs: one log_softmax for all
+        label = f"{n} rows with logprobs, one read for all"
         print(f"{label:<48}{row['batched_ms']:>10.3f} ms   {row['ratio']:.2f}x faster than one each")
     v = report.get("vision_graph")
     if v:  # llava-1.5's vision tower replayed against eager, one image's encoding

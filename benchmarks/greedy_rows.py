@@ -13,6 +13,10 @@ Sampled rows the same way (:func:`measure_sampled`): seeded rows with temperatur
 against all warped and drawn together (:func:`~llava_sessions.sampling.rows.sample_rows`, one read). The
 same seeds on both sides: the tokens must agree.
 
+Greedy rows that ask for their tokens' logprobs (the native dialect's default) the same way
+(:func:`measure_logprobs`): each row's ``next_token`` (a ``log_softmax`` and a read per row) against one
+argmax and one ``log_softmax`` over the rows, read as one tensor; tokens and logprobs must agree.
+
 Usage: python benchmarks/greedy_rows.py [--device cuda] [--rows 1,8,32,64] [--vocab 32064] [--repeats 200]
 """
 
@@ -106,6 +110,43 @@ def measure_sampled(device: torch.device, rows: int, vocab: int, repeats: int) -
     return _timed(device, {"one_by_one": one_by_one, "batched": batched}, repeats)
 
 
+def measure_logprobs(device: torch.device, rows: int, vocab: int, repeats: int) -> dict[str, float]:
+    """ms per step of ``rows`` greedy rows that ask for their tokens' logprobs (the native dialect's
+    default) picked one by one (each row's ``next_token``: a ``log_softmax`` and a read each) and together
+    (:func:`~llava_sessions.engine.outputs.plain_choices`: one argmax, one ``log_softmax``, one read),
+    and their ratio.
+
+    Raises:
+        AssertionError: the two ways picked different tokens, or logprobs more than 1e-5 apart.
+    """
+    from types import SimpleNamespace
+
+    from llava_sessions.engine.outputs import plain_choices, read_choices
+
+    logits = torch.randn(rows, vocab, device=device, dtype=torch.float32)
+    params = SamplingParams(max_new_tokens=repeats + 10, logprobs=True)
+    alone = [Sampler(params, device, [1, 2, 3]) for _ in range(rows)]
+    together = [SimpleNamespace(sampler=Sampler(params, device, [1, 2, 3]), params=params) for _ in range(rows)]
+    assert all(g.sampler.plain_greedy for g in together)
+    picked: list[tuple[list[int], list[float]]] = []
+
+    def one_by_one() -> list[int]:
+        chosen = [s.next_token(logits[i])[:2] for i, s in enumerate(alone)]
+        picked.append(([t for t, _ in chosen], [lp for _, lp in chosen]))
+        return picked[-1][0]
+
+    def batched() -> list[int]:
+        chosen = read_choices(plain_choices(together, logits), together)  # type: ignore[arg-type]
+        for g, (token, _) in zip(together, chosen, strict=True):
+            g.sampler.took(token)
+        picked.append(([t for t, _ in chosen], [lp for _, lp in chosen]))
+        return picked[-1][0]
+
+    assert one_by_one() == batched()
+    assert all(abs(a - b) < 1e-5 for a, b in zip(picked[0][1], picked[1][1], strict=True))
+    return _timed(device, {"one_by_one": one_by_one, "batched": batched}, repeats)
+
+
 def table(device: torch.device, row_counts: list[int], vocab: int, repeats: int) -> dict[str, dict[str, float]]:
     """:func:`measure` at each row count."""
     return {str(n): measure(device, n, vocab, repeats) for n in row_counts}
@@ -114,6 +155,11 @@ def table(device: torch.device, row_counts: list[int], vocab: int, repeats: int)
 def sampled_table(device: torch.device, row_counts: list[int], vocab: int, repeats: int) -> dict[str, dict[str, float]]:
     """:func:`measure_sampled` at each row count."""
     return {str(n): measure_sampled(device, n, vocab, repeats) for n in row_counts}
+
+
+def logprob_table(device: torch.device, row_counts: list[int], vocab: int, repeats: int) -> dict[str, dict[str, float]]:
+    """:func:`measure_logprobs` at each row count."""
+    return {str(n): measure_logprobs(device, n, vocab, repeats) for n in row_counts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "vocab": args.vocab,
         "rows": table(torch.device(args.device), rows, args.vocab, args.repeats),
         "sampled_rows": sampled_table(torch.device(args.device), rows, args.vocab, args.repeats),
+        "logprob_rows": logprob_table(torch.device(args.device), rows, args.vocab, args.repeats),
     }
     print(json.dumps(report, indent=1))
     return 0
