@@ -125,10 +125,11 @@ def test_work_listed_twice_in_a_step_runs_once(llava, photos):
     assert gen.error is None and [t.id for t in gen.answer.tokens] == want and steps == len(want)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged", "static"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "static", "ahead"])
 def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exactly(llava, photos, layout):
     """Issue 43 item 4, vLLM's rule, on either decode batch (``static``: the paged one through the
-    static decode step, over a pool fixed at the budget): three answers whose starts fit but whose
+    static decode step, over a pool fixed at the budget; ``ahead``: that with async scheduling, whose
+    launched steps get room for their pages or step in step): three answers whose starts fit but whose
     growth together does not. Where the batch cannot grow (the contiguous batch laid out anew, or
     the pages a paged step opens), the newest answer is preempted (its row leaves the batch unread,
     its KV is dropped) instead of every answer failing ``overloaded`` mid-stream; it waits,
@@ -171,3 +172,5 @@ def test_answers_that_outgrow_memory_are_preempted_newest_first_and_resume_exact
     assert max(g.num_preemptions for g in gens[1:]) >= 1 and gens[0].num_preemptions == 0  # the oldest never
     assert eng.store.device_bytes() <= eng.store.device_budget_bytes
     assert sorted(g.answer.cached_tokens > 500 for g in gens) == [True, True, True]  # reported as first started
+    ahead = eng._execute.ahead
+    assert (ahead is not None and ahead.num_steps > 0 and ahead.flight is None) == (layout == "ahead")
