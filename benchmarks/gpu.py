@@ -41,6 +41,9 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    tokens one by one against one argmax over the batch, drawing as many seeded sampled rows one by
    one against one warp and draw for all, and greedy rows with their tokens' logprobs one by one against
    one argmax and one ``log_softmax`` read together, ms per step each.
+11b. **Preprocessing on the device** (``model/pixels.py``, llava-1.5 only): one image's pixel values by
+    transformers' Pillow processor on the host against the same steps on the device, alone and within
+    the whole ``encode_images``, ms each, and how far apart their values are (``pixels``).
 12. **Async scheduling** (``benchmarks/async_steps.py``, when the engine has it: its static step on a
     card): whole answers of 1 and 32 sessions decoded with the engine's async scheduling off and on,
     alternating, the device synchronized only around each answer; tokens/s each and the ratio (every
@@ -331,6 +334,55 @@ def vision_graph_rows(llava: LlavaModel, images: list[bytes], repeats: int) -> d
             "ratio": round(times["eager"] / times["replayed"], 2), "max_feature_difference": diff}  # fmt: skip
 
 
+def pixel_rows(llava: LlavaModel, images: list[bytes], repeats: int) -> dict | None:
+    """llava-1.5's preprocessing on the host (transformers' Pillow processor) against on the device
+    (``model/pixels.py``): one image's pixel values alone and its whole ``encode_images`` (with the
+    tower as the engine runs it), ms each (medians of ``repeats`` after a warm-up, alternating), and the
+    largest difference of their pixel values (8-bit levels) and features. None for a model whose
+    processor tiles (nothing to move)."""
+    import io
+
+    from PIL import Image
+
+    from llava_sessions.model.pixels import DevicePixels
+
+    processor = llava.processor.image_processor
+    pixels = DevicePixels.for_processor(processor, llava.device, llava.dtype)
+    if pixels is None:
+        return None
+    picture = Image.open(io.BytesIO(images[0])).convert("RGB")
+    ways: dict[str, Callable[[], Any]] = {
+        "host_pixels": lambda: processor(images=[picture], return_tensors="pt")["pixel_values"].to(llava.device),
+        "device_pixels": lambda: pixels([picture]),
+        "host_encode": lambda: llava.encode_images([picture])[0],
+        "device_encode": lambda: _with_pixels(llava, pixels, picture),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    out: dict[str, Any] = {}
+    for _ in range(repeats + 1):
+        for name, way in ways.items():
+            sync(llava.device)
+            t0 = time.perf_counter()
+            out[name] = way()
+            sync(llava.device)
+            times[name].append((time.perf_counter() - t0) * 1000)
+    std = torch.tensor(processor.image_std, device=llava.device)[None, :, None, None]
+    levels = (out["device_pixels"].float() - out["host_pixels"].float()).abs() * std / processor.rescale_factor
+    feats = (out["device_encode"].float() - out["host_encode"].float()).abs().max() / out["host_encode"].abs().max()
+    row = {name: round(statistics.median(t[1:]), 3) for name, t in times.items()}
+    return {**{f"{k}_ms": v for k, v in row.items()}, "max_level_difference": float(levels.max()),
+            "relative_feature_difference": float(feats)}  # fmt: skip
+
+
+def _with_pixels(llava: LlavaModel, pixels: Any, picture: Any) -> torch.Tensor:
+    """One image's features with ``llava``'s preprocessing on its device (``device_pixels``) for the call."""
+    llava.device_pixels = pixels
+    try:
+        return llava.encode_images([picture])[0]
+    finally:
+        llava.device_pixels = None
+
+
 def _fresh(image: bytes, salt: int) -> bytes:
     """``image`` with one pixel changed: new bytes, so nothing another session holds matches it."""
     import io
@@ -563,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         report.run("graphs", lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s))
     if llava.vision_graph is not None:
         report.run("vision_graph", lambda: vision_graph_rows(llava, images, args.repeats))
+    report.run("pixels", lambda: pixel_rows(llava, images, args.repeats))
     report.run("kv_pool", lambda: pool_report(engine, args.context))
     vocab = int(llava.config.text_config.vocab_size)
     report.run("greedy_rows", lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20))
@@ -816,6 +869,13 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
     for n, row in report.get("logprob_rows", {}).items():  # greedy rows with logprobs: one log_softmax for all
         label = f"{n} rows with logprobs, one read for all"
         print(f"{label:<48}{row['batched_ms']:>10.3f} ms   {row['ratio']:.2f}x faster than one each")
+    p = report.get("pixels")
+    if p:  # llava-1.5's preprocessing on the host against on the device
+        print(f"{'one image preprocessed on the device':<48}{p['device_pixels_ms']:>10.2f} ms   "
+              f"{p['host_pixels_ms'] / p['device_pixels_ms']:.2f}x faster than the host ({p['host_pixels_ms']:.2f} ms; "
+              f"{p['max_level_difference']:.0f} level(s) apart at most)")  # fmt: skip
+        print(f"{'  and encoded':<48}{p['device_encode_ms']:>10.2f} ms   against {p['host_encode_ms']:.2f} ms "
+              f"(features {p['relative_feature_difference']:.1e} apart, relative)")  # fmt: skip
     v = report.get("vision_graph")
     if v:  # llava-1.5's vision tower replayed against eager, one image's encoding
         print(f"{'one image encoded, tower replayed':<48}{v['replayed_ms']:>10.2f} ms   {v['ratio']:.2f}x faster "

@@ -143,7 +143,6 @@ class Settings(BaseModel):
     max_image_pixels: int = Field(
         40_000_000, ge=1, description="Largest decoded image in pixels (width x height); decompression-bomb guard."
     )
-
     # --- videos (each frame: the vision tower and 196 context tokens on LLaVA-OneVision) -----
     max_video_bytes: int = Field(64 * _MIB, ge=1, description="Largest encoded video in bytes (URL, S3 or base64).")
     video_num_frames: int = Field(8, ge=1, description="Frames sampled from a video whose request names none.")
@@ -211,6 +210,7 @@ class Settings(BaseModel):
     )
     enforce_eager: bool = Field(False, description="No CUDA graphs: a GPU's paged decode steps run eagerly.")
     async_scheduling: bool = Field(True, description="A GPU's CUDA-graph decode steps run one step ahead of the host.")
+    image_preprocessing: Literal["host", "device"] = Field("host", description="Where llava-1.5 resizes images.")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="Text layers fused and compiled (Inductor) before graphs are captured; 'auto': on a GPU."
     )
@@ -262,7 +262,7 @@ class Settings(BaseModel):
     )
 
     # ---------------------------------------------------------------------------------------
-    @field_validator("device", "dtype", "kv_pool", "compile", mode="before")
+    @field_validator("device", "dtype", "kv_pool", "compile", "image_preprocessing", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:  # YAML 1.1 (PyYAML, TorchServe's too) reads a bare on/off as a boolean
         value = {True: "on", False: "off"}[value] if isinstance(value, bool) else value

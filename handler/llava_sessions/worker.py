@@ -23,6 +23,7 @@ from .metrics import WorkerMetrics
 from .model import LlavaModel
 from .model.compile_cache import cache_counts, compile_cache_file, load_compile_cache
 from .model.loading import reserve_cpu_memory
+from .model.pixels import DevicePixels
 from .model.regions import compile_layers, compiles, uncompile_layers
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
@@ -223,11 +224,14 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
     ranks mirror (:mod:`~llava_sessions.model.parallel`). Under the ``compile`` setting the text model's
     layers are fused and compiled first (:func:`~llava_sessions.model.regions.compile_layers`; ``auto``:
     on a GPU), so the engine's graphs capture the compiled kernels; what ``compile_cache`` holds (a model
-    folder's, :mod:`~llava_sessions.model.compile_cache`) is loaded first, so it is not compiled again."""
+    folder's, :mod:`~llava_sessions.model.compile_cache`) is loaded first, so it is not compiled again.
+    ``image_preprocessing: device`` moves llava-1.5's preprocessing there (:mod:`~llava_sessions.model.pixels`)."""
     ranks = model.ranks.size if getattr(model, "ranks", None) is not None else 1
     on_card = model.device.type == "cuda"
     if compiles(settings.compile, model.device, ranks):
         compile_text_layers(model, compile_cache)
+    if settings.image_preprocessing == "device":  # llava-1.5's; other processors stay on the host
+        model.device_pixels = DevicePixels.for_processor(model.processor.image_processor, model.device, model.dtype)
     budget = settings.device_budget_bytes or default_device_budget(model, settings.device_budget_fraction) * (
         ranks if on_card else 1
     )

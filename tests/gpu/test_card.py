@@ -10,7 +10,8 @@ The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under `
 - bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits;
 - llava-1.5's vision tower, captured with the decode graphs, gives each image the eager features;
 - with q/k/v and gate/up fused and the norms and MLP compiled, the replayed step answers as before;
-- a step's inputs staged through pinned buffers (``model/staging.py``) land whole, step after step.
+- a step's inputs staged through pinned buffers (``model/staging.py``) land whole, step after step;
+- llava-1.5's preprocessing on the card (``model/pixels.py``) is the processor's within one level.
 
 Skipped unless ``LLAVA_TEST_DEVICE`` names a device or CUDA is present (CI has none). With
 ``LLAVA_TEST_DEVICE=cpu`` the same tests run here, every static step eager (what a CPU engine runs),
@@ -244,3 +245,14 @@ def test_staged_uploads_land_whole_through_pinned_buffers_that_grow_and_wait_for
         assert torch.equal(dst[:, :width].cpu(), src)
     if staging.pinned:
         assert staging._pinned is not None and staging._pinned["table"].numel() >= 8 * 40
+
+
+def test_llava_1_5_preprocessing_on_the_card_is_the_processors_within_one_level(card):
+    """``model/pixels.py`` on the card (the ``image_preprocessing: device`` setting): each photograph's
+    pixel values within one 8-bit level of transformers' Pillow processor's, at most 0.5% of them apart."""
+    from test_pixels import MAX_LEVEL_DIFFERENCE, PHOTOS, level_differences, photo
+
+    for name in PHOTOS:
+        diff = level_differences(card, photo(name), DEVICE)
+        assert diff.max().item() <= MAX_LEVEL_DIFFERENCE + 1e-3, name
+        assert (diff > 0.5).float().mean().item() < 0.005, name

@@ -170,6 +170,7 @@ LAYERS: list[set[str]] = [
         "model.compile_cache",
         "sampling.rows",
         "model.staging",
+        "model.pixels",
     },
     {
         "sessions",

@@ -29,6 +29,7 @@ from .fused import FUSED_ATTENTION, LOWER_RIGHT_ATTENTION, FusedCache, attention
 from .kv.cache import BatchKVCache, cache_len, undo_pass
 from .kv.paged import SessionKV
 from .parallel import cache_keyword, load_replica
+from .pixels import DevicePixels
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
 from .vision_graph import VisionGraph, image_features
@@ -69,14 +70,11 @@ class LlavaModel:
     def __init__(
         self, model: Any, processor: Any, video_preprocessing: VideoPreprocessing | None = None, ranks: Any = None
     ) -> None:
-        self.model = model
-        self.ranks = ranks
-        self.processor = processor
+        self.model, self.ranks, self.processor = model, ranks, processor
         self.tokenizer = processor.tokenizer
         self.config = model.config
         text = self.config.text_config
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
         self.image_token_id: int = int(self.config.image_token_id)
         self.architecture: str = type(model).__name__
         video_id = getattr(self.config, "video_token_id", None)
@@ -115,8 +113,10 @@ class LlavaModel:
         eos = model.generation_config.eos_token_id
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
-        #: llava-1.5's vision tower as a CUDA graph (:mod:`.vision_graph`; captured with the decode graphs).
+        #: llava-1.5's vision tower as a CUDA graph (:mod:`.vision_graph`; captured with the decode graphs), and
+        #: its preprocessing on the device (:mod:`.pixels`; the ``image_preprocessing`` setting).
         self.vision_graph: VisionGraph | None = None
+        self.device_pixels: DevicePixels | None = None
         #: Structured outputs' matchers over this tokenizer (built on first use).
         self.grammars = Grammars(self.tokenizer, sorted(self.eos_token_ids))
 
@@ -200,6 +200,12 @@ class LlavaModel:
         images = items
         total = len(images) if num_images is None else num_images
         base = self.base_layout(total)
+        if self.device_pixels is not None and not base:  # llava-1.5's steps on the device (:mod:`.pixels`)
+            try:
+                pixels = self.device_pixels(images)
+            except ValueError as exc:
+                raise ServiceError(ErrorCode.IMAGE_INVALID, "the image could not be preprocessed") from exc
+            return self.encode_pixels(pixels)
         # several-image mode needs a nested batch of >= 2 images; a lone one is preprocessed twice
         batch: Any = [images + images[:1] if len(images) == 1 else images] if base else images
         try:
