@@ -75,6 +75,16 @@ def test_a_small_grey_image_and_an_array_take_the_same_steps(llava):
         pixels([np.zeros((4, 4, 3), dtype=np.float32)])
 
 
+def test_a_crop_the_resize_may_not_cover_keeps_the_processor(llava):
+    """A shortest edge under the crop (the processor pads such an image): left to the processor."""
+    import copy
+
+    processor = copy.deepcopy(llava.processor.image_processor)
+    assert DevicePixels.for_processor(processor, torch.device("cpu"), torch.float32) is not None
+    processor.size = {"shortest_edge": 224}
+    assert DevicePixels.for_processor(processor, torch.device("cpu"), torch.float32) is None
+
+
 @pytest.mark.parametrize("arch", ["llava-next", "llava-onevision"])
 def test_tiled_families_keep_their_processor(tmp_path, arch):
     """LLaVA-NeXT's and OneVision's processors tile (or square) an image: nothing to do on the device."""

@@ -73,8 +73,9 @@ class DevicePixels:
     @classmethod
     def for_processor(cls, image_processor: Any, device: torch.device, dtype: torch.dtype) -> DevicePixels | None:
         """The device steps of ``image_processor`` when it is a plain CLIP one (resize the shortest edge
-        bicubic, centre crop, rescale, normalise, RGB; no tiling); None for any other (LLaVA-NeXT's and
-        OneVision's tiles keep the processor)."""
+        bicubic to at least the crop, centre crop, rescale, normalise, RGB; no tiling); None for any other
+        (LLaVA-NeXT's and OneVision's tiles keep the processor, as does a crop the resize may not cover,
+        which the processor pads)."""
         size = _as_dict(getattr(image_processor, "size", None))
         crop = _as_dict(getattr(image_processor, "crop_size", None))
         plain = (
@@ -86,6 +87,7 @@ class DevicePixels:
             and getattr(image_processor, "image_grid_pinpoints", None) is None
             and set(size) == {"shortest_edge"}
             and {"height", "width"} <= set(crop)
+            and int(size["shortest_edge"]) >= max(int(crop["height"]), int(crop["width"]))  # no padding
         )
         if not plain:
             return None
@@ -124,13 +126,8 @@ class DevicePixels:
                 resized = resized.round_().clamp_(0, 255)  # each pass's 8-bit output, as Pillow's
         resized = resized[0]
         crop_h, crop_w = self.crop
-        top, left = max(0, (height - crop_h) // 2), max(0, (width - crop_w) // 2)
-        cropped = resized[:, top : top + crop_h, left : left + crop_w]
-        if cropped.shape[1:] != (crop_h, crop_w):  # smaller than the crop: Pillow's processor pads with zeros
-            padded = cropped.new_zeros(3, crop_h, crop_w)
-            top, left = (crop_h - cropped.shape[1]) // 2, (crop_w - cropped.shape[2]) // 2
-            padded[:, top : top + cropped.shape[1], left : left + cropped.shape[2]] = cropped
-            cropped = padded
+        top, left = (height - crop_h) // 2, (width - crop_w) // 2
+        cropped = resized[:, top : top + crop_h, left : left + crop_w]  # never short: the resize covers the crop
         return (cropped * self.scale - self._mean) / self._std
 
 
