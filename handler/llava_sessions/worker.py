@@ -225,7 +225,8 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
     layers are fused and compiled first (:func:`~llava_sessions.model.regions.compile_layers`; ``auto``:
     on a GPU), so the engine's graphs capture the compiled kernels; what ``compile_cache`` holds (a model
     folder's, :mod:`~llava_sessions.model.compile_cache`) is loaded first, so it is not compiled again.
-    ``image_preprocessing: device`` moves llava-1.5's preprocessing there (:mod:`~llava_sessions.model.pixels`)."""
+    ``image_preprocessing: device`` moves llava-1.5's preprocessing to the model's device
+    (:mod:`~llava_sessions.model.pixels`)."""
     ranks = model.ranks.size if getattr(model, "ranks", None) is not None else 1
     on_card = model.device.type == "cuda"
     if compiles(settings.compile, model.device, ranks):
