@@ -169,7 +169,7 @@ def test_a_launch_that_fails_fails_no_answer(llava, photos, in_step, monkeypatch
             failed.append(where)
             raise fault("a fault in the step launched ahead")
 
-    def run(tables, tokens):
+    def faulty_run(tables, tokens):
         if where == "launch" and isinstance(tokens, torch.Tensor):
             fail_once(3)
         return real_run(tables, tokens)
@@ -182,27 +182,18 @@ def test_a_launch_that_fails_fails_no_answer(llava, photos, in_step, monkeypatch
             fail_once(len(choices) + 2)
         return real_choices(seqs, logits)
 
-    graphs.run = run  # type: ignore[method-assign]
+    graphs.run = faulty_run  # type: ignore[method-assign]
     monkeypatch.setattr(ahead_module, "plain_choices", plain_choices)
-    interrupted = []
+    interrupted, started = [], {}  # the answers, kept across an interrupt
     try:
-        got = run_to_end(eng)
+        got = run(eng, CASES, join_at={"c": 3, "f": 5}, started=started)
     except KeyboardInterrupt:
         interrupted.append(1)
         assert eng._execute.ahead.flight is not None  # the tokens in flight stay for the next step
-        got = run_to_end(eng, eng._started)
+        got = run(eng, CASES, join_at={"c": 3, "f": 5}, started=started)
     assert failed == [where] and bool(interrupted) == (fault is KeyboardInterrupt)
     same_answers(got, want)
     assert state(eng) == want_state
-
-
-def run_to_end(eng: SessionEngine, gens: dict[str, Sequence] | None = None) -> dict[str, Sequence]:
-    """:func:`run` of :data:`CASES` (joins as the module's engine in step has them), or, given the
-    answers started before an interrupt, their steps to the end; the answers are kept on the engine."""
-    if gens is None:
-        eng._started = {}  # type: ignore[attr-defined]
-        return run(eng, CASES, join_at={"c": 3, "f": 5}, started=eng._started)  # type: ignore[attr-defined]
-    return run(eng, CASES, join_at={"c": 3, "f": 5}, started=gens)
 
 
 def test_seeded_samples_of_one_request_launched_ahead_equal_them_in_step(llava, photos):
