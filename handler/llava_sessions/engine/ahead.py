@@ -112,7 +112,7 @@ class StepAhead:
     @staticmethod
     def eligible(seqs: GenericSequence[Sequence]) -> bool:
         """Whether the device can choose every one of ``seqs``' next tokens (each sampler plain)."""
-        return bool(seqs) and all(g.sampler.plain_greedy or g.sampler.plain_sampled for g in seqs)
+        return bool(seqs) and all(g.sampler.plain for g in seqs)
 
     def continues(self, live: GenericSequence[EngineRequest]) -> bool:
         """Whether the engine's next step over ``live`` (the runnable work) is the decode step of the
@@ -140,11 +140,8 @@ class StepAhead:
         """Record the tokens in flight, if any: the engine is in step with the host again (each answer
         as after a step in step with the host)."""
         flight, self.flight = self.flight, None
-        if flight is None:
-            return
-        for g, (token, logprob) in zip(flight.seqs, flight.read(), strict=True):
-            if not g.done:
-                self.outputs.accept_chosen(g, token, logprob)
+        if flight is not None:
+            self._record(flight, {})
 
     def _go(self, flight: InFlight) -> None:
         """Launch the step after ``flight`` for its answers that may go on, fed its tokens; then record
@@ -156,11 +153,16 @@ class StepAhead:
         index = [i for i, g in enumerate(flight.seqs) if self._goes_on(g)]
         seqs = [flight.seqs[i] for i in index]
         ahead, fed = self._launch(flight, index, seqs) if seqs else (None, {})
+        self._record(flight, fed)
+        if ahead is not None and ahead.live():
+            self.flight = ahead
+
+    def _record(self, flight: InFlight, fed: dict[int, int]) -> None:
+        """Record ``flight``'s tokens (the host waits for their copy only) in its answers that have not
+        ended; ``fed``: the position of each (by id) that the step launched after it already fed."""
         for g, (token, logprob) in zip(flight.seqs, flight.read(), strict=True):
             if not g.done:
                 self.outputs.accept_chosen(g, token, logprob, fed.get(id(g)))
-        if ahead is not None and ahead.live():
-            self.flight = ahead
 
     def _launch(
         self, flight: InFlight, index: list[int], seqs: list[Sequence]
@@ -194,4 +196,4 @@ class StepAhead:
         """Whether ``seq``'s step after its token in flight is launched ahead (:meth:`_go`)."""
         if seq.done or len(seq.events) + 1 >= seq.params.max_new_tokens:
             return False
-        return seq.sampler.plain_greedy or seq.sampler.plain_sampled
+        return seq.sampler.plain

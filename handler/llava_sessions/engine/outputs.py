@@ -57,7 +57,7 @@ class StepOutputs:
         (:func:`plain_choices`), read to the host at once: one device sync a step, where each row's own
         choice is one sync a row (the other rows sample one by one, as before)."""
         live = [g for g in seqs if not g.done]
-        plain = [g for g in live if g.sampler.plain_greedy or g.sampler.plain_sampled]
+        plain = [g for g in live if g.sampler.plain]
         chosen: torch.Tensor | list = plain_choices(plain, by_rows(logits, plain)) if plain else []
         choices = dict(zip(map(id, plain), read_choices(chosen, plain), strict=True))
         for g in live:

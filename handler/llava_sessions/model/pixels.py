@@ -114,9 +114,8 @@ class DevicePixels:
         array = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image)
         if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8 or 0 in array.shape:
             raise ValueError(f"an image must be [H, W, 3] uint8, not {array.shape} {array.dtype}")
-        host = torch.from_numpy(np.array(array, copy=True, order="C"))  # writable, contiguous
-        if self.device.type == "cuda":
-            host = host.pin_memory()
+        host = torch.empty(array.shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        np.copyto(host.numpy(), array)  # the image's one host copy (pinned on a card)
         levels = host.to(self.device, non_blocking=True).permute(2, 0, 1)[None].to(torch.float32)
         height, width = resized_size(array.shape[0], array.shape[1], self.shortest_edge)
         resized = levels

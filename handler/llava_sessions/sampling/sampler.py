@@ -83,9 +83,11 @@ class Sampler:
         self.grammar = grammar
 
     @property
-    def _plain(self) -> bool:
+    def plain(self) -> bool:
         """Nothing but greedy or the warpers decides the next token, and nothing but its own logprob is
-        asked of it: no penalty, logit bias, active ``min_tokens`` mask, grammar or top logprobs."""
+        asked of it: no penalty, logit bias, active ``min_tokens`` mask, grammar or top logprobs. Such a
+        token is chosen on the device with the step's other plain rows (:attr:`plain_greedy` or
+        :attr:`plain_sampled`)."""
         masking = bool(self._ends) and self._generated < self.params.min_tokens
         return not (
             self._penalty
@@ -103,7 +105,7 @@ class Sampler:
         but its logprob: greedy, no penalty, logit bias, active ``min_tokens`` mask, grammar or top
         logprobs. Such rows of a step take their tokens (and logprobs) from one argmax (and one
         ``log_softmax``) over the whole batch (:meth:`took` records each)."""
-        return self._generator is None and self._plain
+        return self._generator is None and self.plain
 
     @property
     def plain_sampled(self) -> bool:
@@ -111,7 +113,7 @@ class Sampler:
         penalty, logit bias, active ``min_tokens`` mask, grammar or top logprobs). Such rows of a step are
         sampled together (:func:`~.rows.sample_rows` over :attr:`warping` and :meth:`noise`; :meth:`took`
         records each), drawing what :meth:`next_token` would."""
-        return self._generator is not None and self._plain
+        return self._generator is not None and self.plain
 
     @property
     def warping(self) -> tuple[float, int, float, float]:
