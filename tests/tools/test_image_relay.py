@@ -19,6 +19,11 @@ from llava_tools.serve.image_relay import ImageRelay
 from server_fixtures import ImageHost, start_local_server
 
 LOCAL = {"allow_http": True, "allow_private_networks": True, "fetch_total_timeout_s": 1.0}
+#: Tokens of the story that keeps the worker busy while three slow fetches time out (1 s each). With 1,000
+#: (the 1,024-position checkpoint's room) the chat request got no 400 in 1 of 7 full runs on a fast VM,
+#: where 1,000 tokens at one a call take about as long as the three fetches; whether the story had ended,
+#: the asserts on ``ended`` now say.
+STORY_TOKENS = 3000
 
 
 def _relay(**settings) -> ImageRelay:
@@ -229,7 +234,7 @@ def test_the_worker_takes_the_fronts_fetch_by_ticket_and_fetches_itself_without_
 
 
 @pytest.mark.integration
-def test_a_late_fetch_failure_is_a_typed_4xx_while_other_answers_stream(tiny_model_dir, photos, request):
+def test_a_late_fetch_failure_is_a_typed_4xx_while_other_answers_stream(tmp_path, photos, request):
     """A stream runs (so the worker is busy); a request whose image host is slower than the fetch
     deadline gets HTTP 400 ``image_fetch_timeout`` through the front, as the openai package raises
     it, while straight to TorchServe (no front: the worker fetches) its reply began before the
@@ -238,17 +243,20 @@ def test_a_late_fetch_failure_is_a_typed_4xx_while_other_answers_stream(tiny_mod
     slow fetch is pending), and the image the front fetched reaches the worker without a second fetch."""
     import openai
 
-    overrides = {**LOCAL, "step_max_tokens": 1, "image_fetch_wait_ms": 100}
-    server = start_local_server(tiny_model_dir, addfinalizer=request.addfinalizer, overrides=overrides)
+    from llava_tools.tiny_model import write_checkpoint
+
+    overrides = {**LOCAL, "step_max_tokens": 1, "image_fetch_wait_ms": 100, "max_new_tokens_cap": STORY_TOKENS}
+    model_dir = write_checkpoint("tiny", tmp_path / "tiny-4096", seed=0)  # 4,096 positions: a story to outlast
+    server = start_local_server(model_dir, addfinalizer=request.addfinalizer, overrides=overrides)
     host = ImageHost(photos["rocket"])
     request.addfinalizer(host.close)
     num_chunks = [0]
     chunks, stop, ended = threading.Event(), threading.Event(), threading.Event()
 
     def stream() -> None:
-        # 1,000 tokens (the tests' context), one per handle() call: several times the three slow
-        # fetches' 1 s deadlines on any machine; the test closes it when done
-        body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1000}
+        # STORY_TOKENS, one per handle() call: several times the three slow fetches' 1 s deadlines; the
+        # test closes it when done
+        body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": STORY_TOKENS}
         body |= {"ignore_eos": True, "stream": True, "temperature": 0}
         try:
             with requests.post(server.url + "/v1/chat/completions", json=body, stream=True, timeout=120) as reply:
@@ -280,13 +288,15 @@ def test_a_late_fetch_failure_is_a_typed_4xx_while_other_answers_stream(tiny_mod
     assert direct.status_code == 200 and direct.json()["error"]["code"] == "image_fetch_timeout"
     assert during > 0, "the stream sent nothing while the worker's own fetch was pending"
     via_front, during = while_streaming(lambda: requests.post(server.url + "/invocations", json=native, timeout=30))
+    assert not ended.is_set(), "the stream ended before the front's slow fetch was answered"
     assert via_front.status_code == 400 and via_front.json()["error"]["code"] == "image_fetch_timeout"
     assert during > 0, "the stream sent nothing while the front's fetch was pending"
     client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": slow}}]}]
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=tiny_model_dir.name, messages=messages, max_tokens=2, stream=True)
+        client.chat.completions.create(model=model_dir.name, messages=messages, max_tokens=2, stream=True)
     assert raised.value.code == "image_fetch_timeout"
+    assert not ended.is_set(), "the stream ended before the chat request's slow fetch was answered"
     stop.set()
     runner.join(120)
     hits_before = len(host.hits)
