@@ -201,7 +201,7 @@ LAYERS: list[set[str]] = [
         "engine.sharing",
     },
     {"wire.inbound", "images.fetch", "model.llava", "model.graphs", "sampling.sampler"},
-    {"images", "video", "model", "engine.sequence", "chat.messages", "wire.affinity"},
+    {"images", "video", "model", "model.prefill_graphs", "engine.sequence", "chat.messages", "wire.affinity"},
     {"engine.samples"},
     {
         "native.protocol",

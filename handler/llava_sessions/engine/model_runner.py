@@ -20,6 +20,7 @@ import torch
 from ..conversation import still_images
 from ..model import EncodedVideo, KVPool, LlavaModel, SessionKV, cache_len
 from ..model.graphs import DecodeGraphs, PagedRead
+from ..model.prefill_graphs import PrefillGraphs
 from ..model.vision_graph import VisionGraph
 from .costs import CostModel
 from .decode_batch import DecodeBatch
@@ -32,7 +33,15 @@ if TYPE_CHECKING:
     from ..sessions.store import SessionStore
     from .sequence import Sequence
 
-__all__ = ["KV_PAGE_SIZE", "MAX_GRAPH_ROWS", "DecodeLayout", "ModelRunner", "new_graphs", "new_kv_pool"]
+__all__ = [
+    "KV_PAGE_SIZE",
+    "MAX_GRAPH_ROWS",
+    "DecodeLayout",
+    "ModelRunner",
+    "new_graphs",
+    "new_kv_pool",
+    "new_prefill_graphs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +86,8 @@ class ModelRunner:
         kv_pool: the replica's :class:`~llava_sessions.model.KVPool` (:func:`new_kv_pool`; None without one).
         batch: the running answers' :class:`~.decode_batch.DecodeBatch`, or over the pool's pages
             their :class:`~.paged_batch.PagedDecodeBatch`.
+        graphs: the decode step at static shapes (:func:`new_graphs`; None: steps at their own shapes).
+        prefill_graphs: a prefill chunk at static shapes (:func:`new_prefill_graphs`; None: at its own shape).
         num_prefilled_tokens: tokens prefilled since start (a counter for metrics).
         num_fused_passes: decode steps that carried a prefill chunk (:meth:`decode_with_chunk`).
         costs: the measured cost of each kind of pass (:class:`~.costs.CostModel`).
@@ -99,6 +110,7 @@ class ModelRunner:
         fixed = store.device_budget_bytes if paged and (on_card or graphs) else 0
         self.kv_pool = new_kv_pool(model, kv_page_size, fixed)
         self.graphs = new_graphs(model, self.kv_pool) if graphs and self.kv_pool is not None else None
+        self.prefill_graphs = new_prefill_graphs(model, self.kv_pool, self.graphs)
         if self.graphs is not None and on_card and model.vision_graph is None:  # llava-1.5's tower, replayed
             model.vision_graph = VisionGraph.capture(model.model, model.architecture, model.device, model.dtype)
         self.batch: DecodeBatch | PagedDecodeBatch = (
@@ -194,6 +206,8 @@ class ModelRunner:
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
                 static = self._static_prefill(session, ids[start:end])
+                if static is None:
+                    static = self._graphed_prefill(session, ids, start, end)
                 if static is not None:
                     logits = static
                 else:
@@ -251,6 +265,17 @@ class ModelRunner:
         if self.graphs is None or table is None:
             return None
         return self.graphs.prefill(table, new_ids)
+
+    def _graphed_prefill(self, session: Session, ids: list[int], start: int, end: int) -> torch.Tensor | None:
+        """``ids[start:end]`` (an image's placeholders, or text too long for a step's rows) prefilled in one
+        static pass (:meth:`PrefillGraphs.prefill <llava_sessions.model.prefill_graphs.PrefillGraphs.prefill>`:
+        a replayed graph on a card), or None: no prefill graphs, a cache outside the pool, or no bucket
+        holds the chunk. Its ms are not the cost model's, as :meth:`_static_prefill`'s."""
+        cache = session.kv_cache
+        if self.prefill_graphs is None or not isinstance(cache, SessionKV):
+            return None
+        first_row = ids[:start].count(self.model.image_token_id)
+        return self.prefill_graphs.prefill(cache.table, ids[start:end], first_row, session.image_features)
 
     def decode(self, seqs: list[Sequence], *, rebuild: bool) -> torch.Tensor:
         """One decode step of ``seqs`` in one forward pass (:meth:`DecodeBatch.forward`).
@@ -363,6 +388,25 @@ def new_graphs(model: LlavaModel, pool: KVPool, paged_read: PagedRead | None = N
         graphs.close()
         return None
     return graphs
+
+
+def new_prefill_graphs(model: LlavaModel, pool: KVPool | None, graphs: DecodeGraphs | None) -> PrefillGraphs | None:
+    """Prefill chunks at static shapes over ``pool`` (:class:`~llava_sessions.model.prefill_graphs.
+    PrefillGraphs`), beside the decode ``graphs`` (their scratch page; on a CUDA device captured into
+    their memory pool). None without decode graphs, for a tensor-parallel replica (its ranks run each
+    pass as rank 0 tells them, at its own shape), or when the capture fails (logged: chunks then run
+    eagerly at their own shapes)."""
+    if graphs is None or pool is None or getattr(model, "ranks", None) is not None:
+        return None
+    prefills = PrefillGraphs(model, pool, graphs.table.pages[0], max_len=model.max_positions)
+    if model.device.type != "cuda" or not graphs.num_graphs:
+        return prefills
+    try:
+        prefills.capture(graphs.mempool)
+    except Exception:
+        log.warning("capturing the prefill graphs failed; prefill chunks run eagerly", exc_info=True)
+        return None
+    return prefills
 
 
 def vision_units(images: GenericSequence[Any]) -> int:

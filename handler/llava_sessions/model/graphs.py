@@ -128,6 +128,7 @@ class DecodeGraphs:
             :meth:`KVPool.check <.paged_kv.KVPool.check>`).
         num_replays: steps run through a captured graph; num_eager: steps run at static shapes eagerly;
             num_prefills: chunks prefilled as a step's rows (:meth:`run_with_chunks`).
+        mempool: the graphs' memory pool once captured (:mod:`.prefill_graphs` captures into it too).
         replay: False runs every step's static pass eagerly, captured or not (the check that replay
             gives the same tokens as the same pass run eagerly, ``benchmarks/gpu.py``).
 
@@ -170,6 +171,7 @@ class DecodeGraphs:
         self.num_eager = 0
         self.num_prefills = 0
         self.replay = True
+        self.mempool: Any = None
 
     @property
     def num_graphs(self) -> int:
@@ -220,6 +222,7 @@ class DecodeGraphs:
                     self._out[key] = self._pass(*key)
                 mempool = graph.pool()
                 self._graphs[key] = graph
+        self.mempool = mempool
         torch.cuda.synchronize()
         log.info("captured %d decode graphs (rows %s x lengths %s)", len(self._graphs), self.rows, self.lengths)
 

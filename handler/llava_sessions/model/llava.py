@@ -299,7 +299,7 @@ class LlavaModel:
 
         return DynamicCache(config=self.config.text_config)
 
-    def _embed(self, ids: list[int], first_row: int, image_features: torch.Tensor | None) -> torch.Tensor:
+    def embed(self, ids: list[int], first_row: int, image_features: torch.Tensor | None) -> torch.Tensor:
         """Embeddings ``[1, len(ids), hidden]``; the k-th image placeholder in ``ids`` takes row
         ``first_row + k`` of ``image_features`` (every image's rows, in conversation order). One past
         the last row is a token the model sampled (a preempted answer's recomputed KV): text, as decoded."""
@@ -328,7 +328,7 @@ class LlavaModel:
         if start >= len(ids):
             raise ValueError(f"nothing to prefill: cache holds {start} of {len(ids)} tokens")
         first_row = ids[:start].count(self.image_token_id)
-        embeds = self._embed(ids[start:], first_row, image_features)
+        embeds = self.embed(ids[start:], first_row, image_features)
         return self._forward(cache, embeds, start)
 
     @torch.inference_mode()
@@ -393,7 +393,7 @@ class LlavaModel:
                 (:meth:`BatchKVCache.set_length`; a paged batch's tables truncated).
         """
         ids = torch.as_tensor(token_ids, device=self.device).reshape(-1, 1)
-        out = self._text_pass(
+        out = self.text_pass(
             batch,
             inputs_embeds=self._embed_ids(ids),
             attention_mask=attention_mask,
@@ -434,7 +434,7 @@ class LlavaModel:
         if start >= len(ids):
             raise ValueError(f"nothing to prefill: cache holds {start} of {len(ids)} tokens")
         rows = len(token_ids)
-        chunk = self._embed(ids[start:], ids[:start].count(self.image_token_id), image_features)
+        chunk = self.embed(ids[start:], ids[:start].count(self.image_token_id), image_features)
         embeds = torch.cat([self._embed_ids(torch.tensor([token_ids], device=self.device)), chunk], 1)
         n = chunk.shape[1]
         position_ids = torch.tensor([list(positions) + list(range(start, start + n))], device=self.device)
@@ -470,7 +470,7 @@ class LlavaModel:
         if self.ranks is not None and isinstance(cache, SessionKV):
             cache = cache.pass_cache(embeds.shape[1])  # its slots known before the other ranks are told
         try:
-            out = self._text_pass(
+            out = self.text_pass(
                 cache, inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1
             )
         except BaseException:
@@ -486,7 +486,7 @@ class LlavaModel:
             self.ranks.send(("embed", ids.cpu()))
             return self.model.get_input_embeddings()(ids)
 
-    def _text_pass(self, cache: Any, **inputs: Any) -> Any:
+    def text_pass(self, cache: Any, **inputs: Any) -> Any:
         """The model's pass over ``cache``; under tensor parallel sent to the other ranks first, a
         failure after that ending the replica (:mod:`.parallel`: its ranks are out of step)."""
         if self.ranks is None:
