@@ -28,7 +28,9 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    (tokens identical: issue 43's replay equals eager on the same device), then eagerly at the rows'
    own shapes (in bf16 another attended length rounds otherwise: the first differing token is
    reported); ms per step each. llava-1.5's vision tower is captured with them: one image's encoding
-   replayed against eager, ms each (``vision_graph``).
+   replayed against eager, ms each (``vision_graph``). So are the prefill graphs (``model/prefill_graphs.py``):
+   a cold image turn with the open's prefill replayed, the same static pass eager, and at its own shape,
+   ms each, and their capture's seconds (``prefill_graph``).
 8. **The other decode layout**: batch-1 decode and the aggregate again, in a second engine whose
    answers decode in the layout the first did not (``contiguous``: one batch tensor, a joining
    answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card chooses the
@@ -91,7 +93,7 @@ from engine_decode import build_runner, first_differences, run_together, sync
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.engine.memory import default_device_budget
-from llava_sessions.engine.model_runner import KV_PAGE_SIZE, DecodeLayout, new_graphs
+from llava_sessions.engine.model_runner import KV_PAGE_SIZE, DecodeLayout, new_prefill_graphs
 from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
@@ -334,6 +336,42 @@ def vision_graph_rows(llava: LlavaModel, images: list[bytes], repeats: int) -> d
             "ratio": round(times["eager"] / times["replayed"], 2), "max_feature_difference": diff}  # fmt: skip
 
 
+def prefill_graph_rows(engine: SessionEngine, images: list[bytes], repeats: int) -> dict:
+    """A cold image turn (open on a never-seen image, then its question's first token) with the open's
+    prefill replayed from a prefill graph, run as the same static pass eagerly, and run at its own
+    shape (no prefill graphs), ms each (medians of ``repeats`` after a warm-up, the three alternating);
+    and the seconds capturing the prefill graphs took (made anew here, replacing the engine's)."""
+    runner = engine.runner
+    sync(engine.model.device)
+    t0 = time.perf_counter()
+    prefills = new_prefill_graphs(engine.model, runner.kv_pool, runner.graphs)
+    capture_s = time.perf_counter() - t0
+    assert prefills is not None
+    runner.prefill_graphs = prefills
+    params = SamplingParams(max_new_tokens=1)
+    modes = ("replayed", "static_eager", "own_shape")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    try:
+        for i in range(repeats + 1):
+            for k, mode in enumerate(modes):
+                runner.prefill_graphs = None if mode == "own_shape" else prefills
+                prefills.replay = mode == "replayed"
+                sid = f"pg{i}-{k}"
+                sync(engine.model.device)
+                t0 = time.perf_counter()
+                engine.open(sid, _fresh(images[i % len(images)], 3 * i + k + 101))  # never seen
+                sync(engine.model.device)
+                open_ms = (time.perf_counter() - t0) * 1000
+                ttft = first_token_ms(engine, lambda sid=sid: engine.start(sid, QUESTION, params, remember=False))
+                times[mode].append(open_ms + ttft)
+                engine.close(sid)
+    finally:
+        runner.prefill_graphs, prefills.replay = prefills, True
+    out: dict[str, Any] = {f"{m}_ms": round(statistics.median(times[m][1:]), 3) for m in modes}
+    out.update({"graphs": prefills.num_graphs, "capture_s": round(capture_s, 2), "replays": prefills.num_replays})
+    return out
+
+
 def pixel_rows(llava: LlavaModel, images: list[bytes], repeats: int) -> dict | None:
     """llava-1.5's preprocessing on the host (transformers' Pillow processor) against on the device
     (``model/pixels.py``): one image's pixel values alone and its whole ``encode_images`` (with the
@@ -483,9 +521,7 @@ def new_engine(
     engine = SessionEngine(llava, store, decode, limits, **kw)
     executor = engine.runner
     if paged_read not in (None, paged_read_of(engine)) and executor.graphs is not None and executor.kv_pool is not None:
-        executor.graphs.close()
-        executor.graphs = new_graphs(llava, executor.kv_pool, paged_read)
-        engine.batch.graphs = executor.graphs  # type: ignore[union-attr]
+        executor.read_pages(paged_read)  # type: ignore[arg-type]
     return engine
 
 
@@ -615,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         report.run("graphs", lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s))
     if llava.vision_graph is not None:
         report.run("vision_graph", lambda: vision_graph_rows(llava, images, args.repeats))
+    if engine.runner.prefill_graphs is not None:
+        report.run("prefill_graph", lambda: prefill_graph_rows(engine, images, args.repeats))
     report.run("pixels", lambda: pixel_rows(llava, images, args.repeats))
     report.run("kv_pool", lambda: pool_report(engine, args.context))
     vocab = int(llava.config.text_config.vocab_size)
@@ -880,6 +918,11 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
     if v:  # llava-1.5's vision tower replayed against eager, one image's encoding
         print(f"{'one image encoded, tower replayed':<48}{v['replayed_ms']:>10.2f} ms   {v['ratio']:.2f}x faster "
               f"than eager ({v['eager_ms']:.2f} ms; features differ by {v['max_feature_difference']:.1e})")  # fmt: skip
+    g = report.get("prefill_graph")
+    if g:  # a cold image turn, the open's prefill replayed against the same pass eagerly and at its own shape
+        print(f"{'cold image turn, prefill replayed':<48}{g['replayed_ms']:>10.2f} ms   against "
+              f"{g['static_eager_ms']:.2f} ms eager, {g['own_shape_ms']:.2f} ms at its own shape "
+              f"({g['graphs']} graphs captured in {g['capture_s']} s)")  # fmt: skip
     for kernels in report.get("attention_kernels", []):
         print(describe(kernels))
     b1 = report.get("batch_one")

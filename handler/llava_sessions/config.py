@@ -208,7 +208,7 @@ class Settings(BaseModel):
         description="Answers decode in one batch tensor ('contiguous': a join copies the answer's KV; faster on a CPU) "
         "or in their sessions' pages of the KV pool ('paged': nothing copied, CUDA graphs); 'auto': paged on a GPU.",
     )
-    enforce_eager: bool = Field(False, description="No CUDA graphs: a GPU's paged decode steps run eagerly.")
+    enforce_eager: bool = Field(False, description="No CUDA graphs: a GPU's decode steps and prefills run eagerly.")
     async_scheduling: bool = Field(True, description="A GPU's CUDA-graph decode steps run one step ahead of the host.")
     image_preprocessing: Literal["host", "device"] = Field("host", description="Where llava-1.5 resizes images.")
     compile: Literal["auto", "on", "off"] = Field(

@@ -9,6 +9,8 @@ The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under `
   no page behind, and the retry answers as ``generate``;
 - bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits;
 - llava-1.5's vision tower, captured with the decode graphs, gives each image the eager features;
+- an image's prompt prefilled by a captured prefill graph (``model/prefill_graphs.py``) answers as
+  ``generate`` and as the same static pass run eagerly;
 - with q/k/v and gate/up fused and the norms and MLP compiled, the replayed step answers as before;
 - a step's inputs staged through pinned buffers (``model/staging.py``) land whole, step after step;
 - llava-1.5's preprocessing on the card (``model/pixels.py``) is the processor's within one level.
@@ -33,7 +35,7 @@ import torch
 
 from engine_fixtures import decode, make_engine
 from llava_sessions.engine import SessionEngine
-from llava_sessions.engine.model_runner import new_graphs
+from llava_sessions.engine.model_runner import new_graphs, new_prefill_graphs
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.graphs import DecodeGraphs
 from llava_sessions.model.kv.paged import KVPool, SessionKV
@@ -89,9 +91,7 @@ def with_read(llava: LlavaModel, read: str) -> SessionEngine:
     runner = eng.runner
     assert runner.graphs is not None and runner.kv_pool is not None
     if runner.graphs.paged_read != read:
-        runner.graphs.close()
-        runner.graphs = new_graphs(llava, runner.kv_pool, read)  # type: ignore[arg-type]
-        eng.batch.graphs = runner.graphs  # type: ignore[attr-defined]
+        runner.read_pages(read)  # type: ignore[arg-type]
     assert runner.graphs is not None
     return eng
 
@@ -207,6 +207,46 @@ def test_the_vision_tower_replayed_gives_each_image_its_eager_features(card, pho
     for got, want in zip(replayed, alone, strict=True):
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert graph is None or graph.num_replays >= len(images)
+
+
+def test_an_image_prompt_prefilled_by_replay_answers_as_generate_and_as_the_same_pass_eagerly(card, photos):
+    """Each photograph's whole templated prompt (its image's placeholders among the tokens) prefilled
+    through the captured prefill graphs, then through the same static pass eagerly: the same last
+    logits (fp32), and the greedy answer decoded after them equals ``generate``'s. An engine with graphs
+    opens an image through a replay."""
+    pool = KVPool(*pool_shape(card), page_size=16, num_pages=400, fixed=True)
+    graphs = new_graphs(card, pool, "gather")
+    prefills = new_prefill_graphs(card, pool, graphs)
+    assert graphs is not None and prefills is not None
+    on_card = card.device.type == "cuda"
+    assert (prefills.num_graphs > 0) == on_card
+    for name in sorted(photos):
+        inputs = question_inputs(card, photos[name], QUESTIONS[0])
+        ids = inputs["input_ids"][0].tolist()
+        features = card.encode_images([decode(photos[name])])[0]
+        firsts = []
+        for replay in (True, False):
+            prefills.replay = replay
+            cache = SessionKV(pool)
+            firsts.append(prefills.prefill(cache.table, ids, 0, features))
+            tokens = [int(firsts[-1].argmax())]
+            while len(tokens) < N:
+                assert reserve(pool.pool, cache.table, 1) == []
+                tokens.append(int(graphs.run([cache.table], [tokens[-1]])[0].argmax()))
+            assert tokens == reference(card, photos[name], QUESTIONS[0]), (name, replay)
+            cache.release()
+        torch.testing.assert_close(firsts[0], firsts[1], rtol=1e-5, atol=1e-5)
+    assert prefills.num_replays == (len(photos) if on_card else 0)
+    eng = make_engine(card, decode_layout="paged", cuda_graphs=True)
+    eng.open("s", photos["coffee"])
+    replays = eng.runner.prefill_graphs.num_replays + eng.runner.prefill_graphs.num_eager  # type: ignore[union-attr]
+    assert replays >= 1 and together(eng, {"s": QUESTIONS[0]})["s"] == reference(card, photos["coffee"], QUESTIONS[0])
+
+
+def pool_shape(llava: LlavaModel) -> tuple:
+    """The KV pool's shape arguments for ``llava``: layers, KV heads, head size, dtype, device."""
+    text = llava.config.text_config
+    return (text.num_hidden_layers, llava.num_kv_heads, llava.head_dim, llava.dtype, llava.device)
 
 
 def test_fused_and_compiled_layers_replayed_answer_as_the_model_as_loaded(tiny_model_dir, photos):

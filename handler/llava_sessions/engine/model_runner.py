@@ -122,6 +122,18 @@ class ModelRunner:
         self.num_fused_passes = 0
         self.costs = CostModel()
 
+    def read_pages(self, paged_read: PagedRead) -> None:
+        """The static decode step made anew, its attention reading the pages as ``paged_read`` (how the
+        GPU suite and ``benchmarks/gpu.py`` compare the reads), and the prefill graphs beside it (on
+        the new step's scratch page; the old one goes back to the pool). Nothing happens without one."""
+        if self.graphs is None or self.kv_pool is None:
+            return
+        self.graphs.close()
+        self.graphs = new_graphs(self.model, self.kv_pool, paged_read)
+        self.prefill_graphs = new_prefill_graphs(self.model, self.kv_pool, self.graphs)
+        if isinstance(self.batch, PagedDecodeBatch):
+            self.batch.graphs = self.graphs
+
     def _ms_since(self, t0: float) -> float:
         """Wall ms since ``t0`` (perf_counter), the device's queued work included (a CUDA device is
         synchronized first, so the time is the pass's, not its launch's)."""
