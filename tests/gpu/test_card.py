@@ -9,6 +9,7 @@ The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under `
   no page behind, and the retry answers as ``generate``;
 - bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits;
 - llava-1.5's vision tower, captured with the decode graphs, gives each image the eager features;
+- LLaVA-NeXT's and OneVision's towers captured per tile count give each image its eager features;
 - an image's prompt prefilled by a captured prefill graph (``model/prefill_graphs.py``) answers as
   ``generate`` and as the same static pass run eagerly;
 - with q/k/v and gate/up fused and the norms and MLP compiled, the replayed step answers as before;
@@ -41,9 +42,11 @@ from llava_sessions.model.graphs import DecodeGraphs
 from llava_sessions.model.kv.paged import KVPool, SessionKV
 from llava_sessions.model.kv.pages import reserve
 from llava_sessions.model.regions import compile_layers, uncompile_layers
+from llava_sessions.model.tile_graphs import TileGraphs
 from llava_sessions.sampling.sampler import SamplingParams
 from test_decode_graphs import N, reference as text_reference
 from test_projections import answers
+from test_tile_graphs import pictures
 
 DEVICE = os.environ.get("LLAVA_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
 pytestmark = pytest.mark.skipif(
@@ -247,6 +250,28 @@ def pool_shape(llava: LlavaModel) -> tuple:
     """The KV pool's shape arguments for ``llava``: layers, KV heads, head size, dtype, device."""
     text = llava.config.text_config
     return (text.num_hidden_layers, llava.num_kv_heads, llava.head_dim, llava.dtype, llava.device)
+
+
+@pytest.mark.parametrize("arch", ["llava-next", "llava-onevision"])
+def test_tiled_towers_replayed_per_tile_count_give_each_image_its_eager_features(tmp_path, photos, arch):
+    """A tiny LLaVA-NeXT and OneVision on the card: the tower and projector captured at every tile count;
+    three photographs of three shapes (three tile counts) encoded through the replays get the features
+    the model's own eager path gives them. On a CPU nothing is captured."""
+    from llava_tools.tiny_model import write_checkpoint
+
+    torch.manual_seed(0)
+    llava = LlavaModel.from_pretrained(
+        write_checkpoint("tiny", tmp_path, seed=0, arch=arch), device=DEVICE, dtype="float32"
+    )
+    graphs = TileGraphs.capture(llava.model, llava.architecture, llava.device, llava.dtype)
+    assert (graphs is not None) == (llava.device.type == "cuda")
+    images = pictures(photos)
+    want = llava.encode_images(images)
+    llava.vision_graph = graphs
+    got = llava.encode_images(images)
+    assert graphs is None or (graphs.num_replays == len(images) and len(graphs.graphs) == len(graphs.counts))
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_and_compiled_layers_replayed_answer_as_the_model_as_loaded(tiny_model_dir, photos):

@@ -184,6 +184,7 @@ LAYERS: list[set[str]] = [
         "model.kv.flex",
         "model.loading",
         "model.regions",
+        "model.tile_graphs",
     },
     {
         "model.kv",

@@ -21,6 +21,7 @@ from ..conversation import still_images
 from ..model import EncodedVideo, KVPool, LlavaModel, SessionKV, cache_len
 from ..model.graphs import DecodeGraphs, PagedRead
 from ..model.prefill_graphs import PrefillGraphs
+from ..model.tile_graphs import TileGraphs
 from ..model.vision_graph import VisionGraph
 from .costs import CostModel
 from .decode_batch import DecodeBatch
@@ -111,8 +112,9 @@ class ModelRunner:
         self.kv_pool = new_kv_pool(model, kv_page_size, fixed)
         self.graphs = new_graphs(model, self.kv_pool) if graphs and self.kv_pool is not None else None
         self.prefill_graphs = new_prefill_graphs(model, self.kv_pool, self.graphs)
-        if self.graphs is not None and on_card and model.vision_graph is None:  # llava-1.5's tower, replayed
-            model.vision_graph = VisionGraph.capture(model.model, model.architecture, model.device, model.dtype)
+        if self.graphs is not None and on_card and model.vision_graph is None:  # the vision tower, replayed
+            args = (model.model, model.architecture, model.device, model.dtype)
+            model.vision_graph = VisionGraph.capture(*args) or TileGraphs.capture(*args)
         self.batch: DecodeBatch | PagedDecodeBatch = (
             PagedDecodeBatch(model, store, self.kv_pool, self.graphs)
             if paged and self.kv_pool is not None

@@ -31,6 +31,7 @@ from .kv.paged import SessionKV
 from .parallel import cache_keyword, load_replica
 from .pixels import DevicePixels
 from .templating import ChatTemplate
+from .tile_graphs import TileGraphs
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
 from .vision_graph import VisionGraph, image_features
 
@@ -113,9 +114,9 @@ class LlavaModel:
         eos = model.generation_config.eos_token_id
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
-        #: llava-1.5's vision tower as a CUDA graph (:mod:`.vision_graph`; captured with the decode graphs), and
-        #: its preprocessing on the device (:mod:`.pixels`; the ``image_preprocessing`` setting).
-        self.vision_graph: VisionGraph | None = None
+        #: The vision tower as CUDA graphs (llava-1.5's :mod:`.vision_graph`, or per tile count :mod:`.tile_graphs`;
+        #: captured with the decode graphs), llava-1.5's preprocessing on the device (:mod:`.pixels`).
+        self.vision_graph: VisionGraph | TileGraphs | None = None
         self.device_pixels: DevicePixels | None = None
         #: Structured outputs' matchers over this tokenizer (built on first use).
         self.grammars = Grammars(self.tokenizer, sorted(self.eos_token_ids))
@@ -289,7 +290,7 @@ class LlavaModel:
         one ``[image_tokens_i, text_hidden]`` tensor per image."""
         pixel_values = pixel_values.to(self.device, self.dtype)
         if self.vision_graph is not None and self.vision_graph.matches(pixel_values, kwargs):
-            return self.vision_graph.run(pixel_values)  # llava-1.5 on a card: the tower replayed per image
+            return self.vision_graph.run(pixel_values, **kwargs)  # on a card: the tower replayed per image
         return image_features(self.model, pixel_values, **kwargs)
 
     # ------------------------------------------------------------------ forward passes

@@ -5,8 +5,8 @@ A cold image turn on an H200 took 66-116 ms: 1,686 kernel launches (the vision t
 (``LlavaForConditionalGeneration``) feeds its tower one fixed shape, ``[1, 3, S, S]`` (``vision_config.image_size``, 336), so the whole of ``get_image_features`` can be
 captured once and replayed: :meth:`VisionGraph.capture` records it over a persistent input buffer (after one
 eager warm-up pass), and :meth:`VisionGraph.run` copies each image's pixels in, replays and copies the
-features out (vLLM runs LLaVA's vision tower as a CUDA graph too). Models whose input varies (LLaVA-NeXT's
-and OneVision's tiles, videos) keep the eager path.
+features out (vLLM runs LLaVA's vision tower as a CUDA graph too). LLaVA-NeXT's and OneVision's tiles are
+captured per tile count (:mod:`.tile_graphs`); videos keep the eager path.
 
 References: PyTorch, "CUDA Graphs" (``torch.cuda.graph``, ``CUDAGraph.replay``, static inputs overwritten
 with ``copy_``).
@@ -112,9 +112,10 @@ class VisionGraph:
         """Whether ``pixel_values`` (``[N, 3, S, S]``, no other arguments) take the graph."""
         return not kwargs and pixel_values.dim() == 4 and tuple(pixel_values.shape[1:]) == tuple(self.pixels.shape[1:])
 
-    def run(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        """Each of the ``N`` images of ``pixel_values`` (``[N, 3, S, S]``, on the device, the model's dtype)
-        through the graph: one ``[image_tokens, text_hidden]`` tensor each, the caller's own."""
+    def run(self, pixel_values: torch.Tensor, **kwargs: Any) -> list[torch.Tensor]:
+        """Each of the ``N`` images of ``pixel_values`` (``[N, 3, S, S]``, on the device, the model's dtype;
+        no ``kwargs``: :meth:`matches`) through the graph: one ``[image_tokens, text_hidden]`` tensor each,
+        the caller's own."""
         assert self.features is not None  # captured
         out = []
         for image in pixel_values.split(1):
