@@ -35,6 +35,24 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family(tmp_path_factory) -> dict:
+    """A tiny checkpoint of each architecture (llava, llava-next, llava-onevision, llava-next-video),
+    written by ``llava-tiny-model`` and loaded as ``LlavaModel`` in fp32 on the CPU."""
+    import torch
+
+    from llava_sessions.model import LlavaModel
+    from llava_tools.tiny_model import write_checkpoint
+
+    runners = {}
+    for arch in ("llava", "llava-next", "llava-onevision", "llava-next-video"):
+        # the default tiny llava has llava-1.5's own 4,096 positions (the shared fixture's 1,024), for 3 images
+        folder = write_checkpoint("tiny", tmp_path_factory.mktemp(arch), seed=0, arch=arch)
+        torch.manual_seed(0)
+        runners[arch] = LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
+    return runners
+
+
+@pytest.fixture(scope="session")
 def llava(tiny_model_dir):
     """The tiny checkpoint loaded in fp32 on the CPU, or on ``LLAVA_TEST_DEVICE`` (``make test-gpu``
     runs the core tests that compare the engine with itself on the card this way)."""

@@ -18,7 +18,7 @@ from PIL import Image
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.images.fetch import decode_image
-from llava_sessions.model import ARCHITECTURES, LlavaModel, checkpoint_architecture
+from llava_sessions.model import ARCHITECTURES, checkpoint_architecture
 from llava_sessions.model.kv.paged import KVPages, SlotsCache
 from llava_sessions.model.kv.pages import PagePool, PageTable, reserve
 from llava_sessions.sampling.sampler import SamplingParams
@@ -28,20 +28,6 @@ N = 10
 GREEDY = SamplingParams(max_new_tokens=N)
 decode = functools.partial(decode_image, max_pixels=40_000_000)
 ARCHS = ("llava", "llava-next", "llava-onevision", "llava-next-video")
-
-
-@pytest.fixture(scope="session")
-def family(tmp_path_factory) -> dict[str, LlavaModel]:
-    """A tiny checkpoint of each architecture, written by ``llava-tiny-model`` and loaded as LlavaModel."""
-    from llava_tools.tiny_model import write_checkpoint
-
-    runners = {}
-    for arch in ARCHS:
-        # the default tiny llava has llava-1.5's own 4,096 positions (the shared fixture's 1,024), for 3 images
-        folder = write_checkpoint("tiny", tmp_path_factory.mktemp(arch), seed=0, arch=arch)
-        torch.manual_seed(0)
-        runners[arch] = LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
-    return runners
 
 
 #: Engine settings the exactness tests also run under: the paged decode step at static shapes over a

@@ -15,23 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from llava_sessions.model import LlavaModel
 from llava_sessions.model.tile_graphs import TileGraphs, tile_counts
 from llava_sessions.model.vision_graph import image_features
 
 ARCHS = ("llava-next", "llava-onevision")
-
-
-@pytest.fixture(scope="module")
-def tiled(tmp_path_factory) -> dict[str, LlavaModel]:
-    from llava_tools.tiny_model import write_checkpoint
-
-    out = {}
-    for arch in ARCHS:
-        folder = write_checkpoint("tiny", tmp_path_factory.mktemp(arch), seed=0, arch=arch)
-        torch.manual_seed(0)
-        out[arch] = LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
-    return out
 
 
 def pictures(photos) -> list[Image.Image]:
@@ -44,19 +31,19 @@ def pictures(photos) -> list[Image.Image]:
     return out
 
 
-def test_tile_counts_are_each_pinpoint_grid_and_its_base_tile(tiled) -> None:
-    next_config = tiled["llava-next"].config  # llava-v1.6's five pinpoints at 336 px
+def test_tile_counts_are_each_pinpoint_grid_and_its_base_tile(family) -> None:
+    next_config = family["llava-next"].config  # llava-v1.6's five pinpoints at 336 px
     assert tile_counts(next_config) == [1, 3, 4, 5]
-    counts = tile_counts(tiled["llava-onevision"].config)  # OneVision's grids of 1 to 6 tiles a side
+    counts = tile_counts(family["llava-onevision"].config)  # OneVision's grids of 1 to 6 tiles a side
     assert counts[:4] == [1, 2, 3, 4] and counts[-1] == 37 and len(counts) == 19
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_each_images_tiles_alone_then_packed_equal_the_models_own_features(tiled, photos, arch) -> None:
+def test_each_images_tiles_alone_then_packed_equal_the_models_own_features(family, photos, arch) -> None:
     """One image, three images of three sizes and two: every image's features equal those of
     ``get_image_features`` on the stacked batch (fp32); in OneVision's several-image mode each image is its
     base tile alone. A captured graph is never used here, so nothing replayed."""
-    llava = tiled[arch]
+    llava = family[arch]
     graphs = TileGraphs(llava.model, llava.architecture, llava.device, llava.dtype)
     assert graphs.onevision == (arch == "llava-onevision")
     images = pictures(photos)
@@ -82,10 +69,10 @@ def test_each_images_tiles_alone_then_packed_equal_the_models_own_features(tiled
     )
 
 
-def test_encode_images_takes_the_tile_path_when_the_model_has_one(tiled, photos) -> None:
+def test_encode_images_takes_the_tile_path_when_the_model_has_one(family, photos) -> None:
     """``LlavaModel.encode_images`` sends a tiled model's pixels through its :class:`TileGraphs` when set
     (a card's engine sets it; here it runs eagerly) and gets the features it gets without."""
-    llava = tiled["llava-next"]
+    llava = family["llava-next"]
     images = pictures(photos)
     want = llava.encode_images(images)
     llava.vision_graph = TileGraphs(llava.model, llava.architecture, llava.device, llava.dtype)

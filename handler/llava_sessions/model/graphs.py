@@ -52,7 +52,7 @@ from .kv.flex import PAGED_FLEX_ATTENTION, PageBlocks
 from .kv.paged import KVPool, SlotsCache, page_slots
 from .kv.pages import PageTable, pages_for, release, truncate
 from .staging import HostStaging
-from .vision_graph import no_collection
+from .vision_graph import capture_each
 
 if TYPE_CHECKING:
     from .llava import LlavaModel
@@ -212,18 +212,7 @@ class DecodeGraphs:
         """
         if self.pool.pages.keys[0].device.type != "cuda":
             raise RuntimeError("CUDA graphs are captured on a CUDA device only")
-        mempool = None
-        with no_collection():  # nothing freed mid-capture (an earlier engine's graphs)
-            for key in self.buckets:
-                self._pass(*key)  # warm-up: lazy initialisation and autotuning outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    self._out[key] = self._pass(*key)
-                mempool = graph.pool()
-                self._graphs[key] = graph
-        self.mempool = mempool
-        torch.cuda.synchronize()
+        self._graphs, self._out, self.mempool = capture_each(self.buckets, lambda key: self._pass(*key))
         log.info("captured %d decode graphs (rows %s x lengths %s)", len(self._graphs), self.rows, self.lengths)
 
     def run(self, tables: Sequence[PageTable], token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ from .graphs import length_buckets
 from .kv.paged import KVPool, SlotsCache, page_slots
 from .kv.pages import PageTable, truncate
 from .staging import HostStaging
-from .vision_graph import no_collection
+from .vision_graph import capture_each
 
 if TYPE_CHECKING:
     from .llava import LlavaModel
@@ -126,16 +126,8 @@ class PrefillGraphs:
         """
         if self._embeds.device.type != "cuda":
             raise RuntimeError("CUDA graphs are captured on a CUDA device only")
-        with torch.inference_mode(), no_collection():  # nothing freed mid-capture
-            for key in self.buckets:
-                self._pass(*key)  # warm-up: lazy initialisation and autotuning outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    self._out[key] = self._pass(*key)
-                mempool = graph.pool()
-                self._graphs[key] = graph
-        torch.cuda.synchronize()
+        with torch.inference_mode():
+            self._graphs, self._out, _ = capture_each(self.buckets, lambda key: self._pass(*key), mempool)
         log.info("captured %d prefill graphs (chunks %s x lengths %s)", len(self._graphs), self.sizes, self.lengths)
 
     @torch.inference_mode()

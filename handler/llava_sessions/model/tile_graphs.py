@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
-from .vision_graph import no_collection
+from .vision_graph import capture_each
 
 __all__ = ["TILED_ARCHITECTURES", "TileGraphs", "tile_counts"]
 
@@ -79,18 +79,11 @@ class TileGraphs:
         """
         if device.type != "cuda" or architecture not in TILED_ARCHITECTURES:
             return None
-        graphs, pool = cls(model, architecture, device, dtype), None
+        graphs = cls(model, architecture, device, dtype)
         try:
-            with torch.inference_mode(), no_collection():
-                for count in reversed(graphs.counts):
-                    graphs._projected(graphs.pixels[:count])  # warm-up outside the capture
-                    torch.cuda.synchronize(device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        graphs.features[count] = graphs._projected(graphs.pixels[:count])
-                    pool = graph.pool()
-                    graphs.graphs[count] = graph
-                torch.cuda.synchronize(device)
+            with torch.inference_mode():
+                projected = capture_each(reversed(graphs.counts), lambda k: graphs._projected(graphs.pixels[:k]))
+                graphs.graphs, graphs.features, _ = projected
         except Exception:
             log.warning("capturing the vision tower per tile count failed; images are encoded eagerly", exc_info=True)
             return None

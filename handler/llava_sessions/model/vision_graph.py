@@ -17,14 +17,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["VisionGraph", "image_features", "no_collection"]
+__all__ = ["VisionGraph", "capture_each", "image_features", "no_collection"]
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
 
 
 def image_features(model: Any, pixel_values: torch.Tensor, **kwargs: Any) -> list[torch.Tensor]:
@@ -56,6 +58,36 @@ def no_collection() -> Iterator[None]:
     finally:
         if was_on:
             gc.enable()
+
+
+def capture_each(
+    keys: Iterable[K], run: Callable[[K], torch.Tensor], pool: Any = None
+) -> tuple[dict[K, Any], dict[K, torch.Tensor], Any]:
+    """Capture ``run(key)`` as a CUDA graph for each of ``keys``, in their order, all in one memory pool
+    (``pool``, a ``torch.cuda.graph`` pool handle to share, or None for a new one); each pass run once
+    eagerly first (lazy initialisation and autotuning outside the capture), the garbage collector paused
+    (:func:`no_collection`). Graphs in one pool must never run at once.
+
+    Returns:
+        ``(graphs, outputs, pool)``: each key's ``torch.cuda.CUDAGraph`` and the output tensor its replay
+        overwrites, and the pool's handle.
+
+    Raises:
+        Exception: whatever a pass or a capture raised (the caller runs eagerly).
+    """
+    graphs: dict[K, Any] = {}
+    outputs: dict[K, torch.Tensor] = {}
+    with no_collection():
+        for key in keys:
+            run(key)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[key] = run(key)
+            pool = graph.pool()
+            graphs[key] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs, pool
 
 
 class VisionGraph:
@@ -91,17 +123,12 @@ class VisionGraph:
             return None
         graph = cls(model, device, dtype)
         try:
-            with torch.inference_mode(), no_collection():
-                graph._features()  # warm-up: lazy initialisation and autotuning outside the capture
-                torch.cuda.synchronize(device)
-                cuda_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(cuda_graph):
-                    graph.features = graph._features()
-                torch.cuda.synchronize(device)
+            with torch.inference_mode():
+                graphs, outputs, _ = capture_each([0], lambda _: graph._features())
         except Exception:
             log.warning("capturing the vision tower failed; images are encoded eagerly", exc_info=True)
             return None
-        graph.graph = cuda_graph
+        graph.graph, graph.features = graphs[0], outputs[0]
         return graph
 
     def _features(self) -> torch.Tensor:
