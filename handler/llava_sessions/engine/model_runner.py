@@ -116,7 +116,7 @@ class ModelRunner:
             args = (model.model, model.architecture, model.device, model.dtype)
             model.vision_graph = VisionGraph.capture(*args) or TileGraphs.capture(*args)
         self.batch: DecodeBatch | PagedDecodeBatch = (
-            PagedDecodeBatch(model, store, self.kv_pool, self.graphs)
+            PagedDecodeBatch(model, store, self.kv_pool, self.graphs, self.prefill_graphs)
             if paged and self.kv_pool is not None
             else DecodeBatch(model, store, self.new_cache)
         )
@@ -134,7 +134,7 @@ class ModelRunner:
         self.graphs = new_graphs(self.model, self.kv_pool, paged_read)
         self.prefill_graphs = new_prefill_graphs(self.model, self.kv_pool, self.graphs)
         if isinstance(self.batch, PagedDecodeBatch):
-            self.batch.graphs = self.graphs
+            self.batch.graphs, self.batch.prefill_graphs = self.graphs, self.prefill_graphs
 
     def _ms_since(self, t0: float) -> float:
         """Wall ms since ``t0`` (perf_counter), the device's queued work included (a CUDA device is

@@ -32,6 +32,7 @@ from .scheduler import BatchLayout
 if TYPE_CHECKING:
     from ..model.graphs import DecodeGraphs
     from ..model.kv.pages import PageTable
+    from ..model.prefill_graphs import PrefillGraphs
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Sequence
@@ -63,6 +64,9 @@ class PagedDecodeBatch:
             CUDA graphs on a card) that a step runs through when a bucket holds it, a text prefill chunk
             it carries as rows of the same step; None: every step at its own shape, eagerly (a chunk
             in the fused pass).
+        prefill_graphs: a prefill chunk at static shapes (:class:`~llava_sessions.model.prefill_graphs.
+            PrefillGraphs`): a chunk with image placeholders, or too long for the step's rows, runs
+            through it beside the static step instead of in the fused pass; None: the fused pass.
 
     Attributes:
         rows: the running answers by row (None: a row whose answer left; compacted when under half live).
@@ -72,12 +76,18 @@ class PagedDecodeBatch:
     cache: None = None  # no batch tensors: the rows' KV is their sessions' pages
 
     def __init__(
-        self, model: LlavaModel, store: SessionStore, pool: KVPool, graphs: DecodeGraphs | None = None
+        self,
+        model: LlavaModel,
+        store: SessionStore,
+        pool: KVPool,
+        graphs: DecodeGraphs | None = None,
+        prefill_graphs: PrefillGraphs | None = None,
     ) -> None:
         self.model = model
         self.store = store
         self.pool = pool
         self.graphs = graphs
+        self.prefill_graphs = prefill_graphs
         self.rows: list[Sequence | None] = []
         self.num_builds = 0
 
@@ -170,17 +180,36 @@ class PagedDecodeBatch:
     def _mixed(
         self, tables: list[PageTable], tokens: list[int], session: Session, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The decode pass of ``tables`` (reserved) and ``session``'s text chunk of ``ids`` as rows of one
-        static step (:meth:`DecodeGraphs.run_with_chunks
-        <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`: a replay on a card, where the fused
-        pass would run eagerly); None without graphs, for a chunk with image placeholders, or when no
-        bucket holds every row (the fused pass runs it)."""
-        chunk = ids[cache_len(session.kv_cache) :]
+        """The decode pass of ``tables`` (reserved) and ``session``'s chunk of ``ids`` at static shapes,
+        where the fused pass would run eagerly: a text chunk as rows of one static step
+        (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`:
+        one replay on a card); else (image placeholders, or too many rows) the static step, then the
+        chunk as a static prefill (:meth:`PrefillGraphs.prefill
+        <llava_sessions.model.prefill_graphs.PrefillGraphs.prefill>`: two replays). None without
+        graphs, or when no bucket holds them (the fused pass runs it).
+
+        Raises:
+            Exception: a pass failed (the chunk's table as before; the rows' positions are the caller's).
+        """
+        start = cache_len(session.kv_cache)
+        chunk = ids[start:]
         table = static_rows_table(self.model, session, chunk)
-        if self.graphs is None or table is None:
+        if self.graphs is None:
             return None
-        done = self.graphs.run_with_chunks(tables, tokens, [(table, chunk)])
-        return None if done is None else (done[0], done[1][0])
+        done = None if table is None else self.graphs.run_with_chunks(tables, tokens, [(table, chunk)])
+        if done is not None:
+            return done[0], done[1][0]
+        cache, prefills = session.kv_cache, self.prefill_graphs
+        if prefills is None or not isinstance(cache, SessionKV) or prefills.bucket(len(chunk), len(ids)) is None:
+            return None
+        if self.graphs.bucket(len(tables), max(t.num_tokens for t in tables)) is None:
+            return None
+        rows = self.graphs.run(tables, tokens)
+        last = prefills.prefill(
+            cache.table, chunk, ids[:start].count(self.model.image_token_id), session.image_features
+        )
+        assert rows is not None and last is not None  # their buckets hold them
+        return rows, last
 
     def _decode(self, tables: list[PageTable], tokens: list[int]) -> torch.Tensor:
         """The decode pass of ``tables`` (reserved): through :attr:`graphs` when a bucket holds it
