@@ -17,7 +17,15 @@ kv_heads, head_dim]`` per layer). Each kernel's output is compared with the firs
   last page is attended to); compiled with
   ``torch.compile`` on a CUDA device (``compile_flex``), as its docs require for speed;
 - ``varlen_paged``: ``torch.nn.attention.varlen.varlen_attn`` with ``block_table=`` and ``seqused_k=``
-  (torch 2.12+, CUDA only); left out where the installed torch's signature lacks them.
+  (torch 2.12+, CUDA only); left out where the installed torch's signature lacks them;
+- ``xformers_paged``: xformers' Triton split-K decode kernel (``fmha.triton_splitk.FwOp``) straight over
+  the pool through a page table (``PagedBlockDiagonalPaddedKeysMask``; xformers 0.0.35, a 3.3 MB wheel
+  that needs only torch and Triton). CUDA only, and only for pages of a multiple of its 64-position key
+  blocks: run ``--page-size 64``. Its wheel does not fit the card check's carry beside Java (64.0 of
+  67.1 MB), so it is measured in a device call of its own:
+  ``pip download --no-deps xformers==0.0.35 -d .whl-kernels``, carry ``.whl-kernels``, then
+  ``pip install --no-deps --target /tmp/site .whl-kernels/*.whl`` and
+  ``PYTHONPATH=/tmp/site:handler python3 benchmarks/paged_attention.py --page-size 64 --rows 1,8,32,64``.
 
 A kernel that raises is reported with its error, not measured. ``fastest`` names the fastest paged
 kernel whose output is within ``tolerance`` of the yardstick. ``benchmarks/gpu.py`` prints this table
@@ -44,7 +52,7 @@ from llava_sessions.model.kv.paged import KVPages, page_slots
 from llava_sessions.model.kv.pages import pages_for
 
 #: The paged kernels, in the order they are tried (``contiguous`` is the yardstick, not a candidate).
-PAGED_KERNELS = ("gather_sdpa", "flex_paged", "varlen_paged")
+PAGED_KERNELS = ("gather_sdpa", "flex_paged", "varlen_paged", "xformers_paged")
 
 
 def _sync(device: torch.device) -> None:
@@ -178,6 +186,33 @@ class PagedProblem:
 
         return run
 
+    def xformers_paged(self) -> Callable[[], torch.Tensor]:
+        """xformers' Triton split-K kernel over the pool through the page table (raises where xformers is
+        not installed, off CUDA, or for a page size its kernel refuses). Its layout: the query
+        ``[1, rows, kv_heads, heads per kv head, d]`` (one token per row), the pool's keys and values
+        ``[1, slots, kv_heads, 1, d]`` expanded over each group's heads."""
+        from xformers.ops import fmha
+        from xformers.ops.fmha import triton_splitk
+        from xformers.ops.fmha.attn_bias import PagedBlockDiagonalPaddedKeysMask
+
+        rows, groups, d = self.rows, self.kv_heads, self.head_dim
+        per_group, flat = self.heads // groups, self.num_pages * self.page_size
+        query = self.query.reshape(rows, groups, per_group, d)[None]
+        k, v = (t.view(1, flat, groups, 1, d).expand(1, flat, groups, per_group, d) for t in (self.keys, self.values))
+        bias = PagedBlockDiagonalPaddedKeysMask.from_seqlens(
+            [1] * rows,
+            [self.length] * rows,
+            self.tables.to(device=self.device, dtype=torch.int32),
+            self.page_size,
+            device=self.device,
+        )
+
+        def run() -> torch.Tensor:
+            out = fmha.memory_efficient_attention_forward(query, k, v, attn_bias=bias, op=triton_splitk.FwOp)
+            return out.reshape(rows, self.heads, d)[:, :, None]
+
+        return run
+
 
 def measure(
     device: str | torch.device,
@@ -212,6 +247,7 @@ def measure(
         "gather_sdpa": problem.gather_sdpa,
         "flex_paged": lambda: problem.flex_paged(compile_flex),
         "varlen_paged": problem.varlen_paged,
+        "xformers_paged": problem.xformers_paged,
     }
     results: dict[str, dict[str, Any]] = {}
     reference: torch.Tensor | None = None
