@@ -348,6 +348,8 @@ def prefill_graph_rows(engine: SessionEngine, images: list[bytes], repeats: int)
     capture_s = time.perf_counter() - t0
     assert prefills is not None
     runner.prefill_graphs = prefills
+    if isinstance(engine.batch, PagedDecodeBatch):  # an image chunk beside a decode step uses the same ones
+        engine.batch.prefill_graphs = prefills
     params = SamplingParams(max_new_tokens=1)
     modes = ("replayed", "static_eager", "own_shape")
     times: dict[str, list[float]] = {m: [] for m in modes}
