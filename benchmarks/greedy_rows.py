@@ -101,7 +101,7 @@ def measure_sampled(device: torch.device, rows: int, vocab: int, repeats: int) -
 
     def batched() -> list[int]:
         noise = torch.stack([s.noise(vocab) for s in together])
-        tokens = sample_rows(logits, t, k, p, m, noise).tolist()
+        tokens = sample_rows(logits, t, k, p, m, noise)[0].tolist()
         for s, token in zip(together, tokens, strict=True):
             s.took(token)
         return tokens

@@ -97,7 +97,7 @@ def test_a_seeded_answer_draws_the_same_tokens_alone_and_beside_other_rows(seed,
         one_by_one = [s.next_token(logits[i])[0] for i, s in enumerate(alone)]
         t, k, p, m = zip(*(s.warping for s in together), strict=True)
         noise = torch.stack([s.noise(VOCAB) for s in together])
-        drawn = sample_rows(logits, t, k, p, m, noise)
+        drawn, _ = sample_rows(logits, t, k, p, m, noise)
         assert drawn.tolist() == one_by_one
         for s, token in zip(together, drawn.tolist(), strict=True):
             s.took(token)

@@ -19,7 +19,7 @@ from ..conversation import Turn, common_prefix_len
 from ..errors import ServiceError
 from ..model.kv.cache import undo_pass
 from ..results import FinishReason
-from ..sampling.rows import race, warp_rows
+from ..sampling.rows import sample_rows
 from .sequence import EngineRequest, ImagePrefill, Sequence
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def plain_choices(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
     """The next token of each of ``seqs`` (each sampler :attr:`~..sampling.sampler.Sampler.plain_greedy`
     or ``plain_sampled``) from its row of ``logits [len(seqs), vocab]`` float32, on the logits' device,
     without waiting for it: the argmax, or for a sampled answer its warps and draw, the sampled rows
-    together (:func:`~..sampling.rows.warp_rows`, :func:`~..sampling.rows.race`).
+    together (:func:`~..sampling.rows.sample_rows`).
 
     Returns:
         ``[len(seqs)]`` long: the tokens; or, when any of ``seqs`` asks for logprobs, ``[2, len(seqs)]``
@@ -226,8 +226,7 @@ def plain_choices(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         noise = torch.stack([seqs[i].sampler.noise(logits.shape[-1]) for i in sampled])
         temperature, top_k = [w[0] for w in warps], [w[1] for w in warps]
         top_p, min_p = [w[2] for w in warps], [w[3] for w in warps]
-        warped = warp_rows(logits.index_select(0, index), temperature, top_k, top_p, min_p)
-        drawn = race(warped.softmax(dim=-1), noise)
+        drawn, warped = sample_rows(logits.index_select(0, index), temperature, top_k, top_p, min_p, noise)
         tokens = tokens.index_copy(0, index, drawn)
     if not any(g.params.logprobs for g in seqs):
         return tokens

@@ -101,8 +101,13 @@ def sample_rows(
     top_p: Sequence[float],
     min_p: Sequence[float],
     noise: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw each row's next token from ``logits [R, V]`` warped by :func:`warp_rows` (its arguments),
-    by :func:`race` with ``noise [R, V]`` (each row's Exp(1) draws from its own generator). Returns
-    ``[R]`` int64 token ids on the logits' device (not read to the host here)."""
-    return race(warp_rows(logits, temperature, top_k, top_p, min_p).softmax(dim=-1), noise)
+    by :func:`race` with ``noise [R, V]`` (each row's Exp(1) draws from its own generator).
+
+    Returns:
+        ``(tokens [R] int64, warped [R, V])`` on the logits' device (not read to the host here): the
+        drawn ids, and the warped scores they were drawn from (a token's logprob is theirs).
+    """
+    warped = warp_rows(logits, temperature, top_k, top_p, min_p)
+    return race(warped.softmax(dim=-1), noise), warped
