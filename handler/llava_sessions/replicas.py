@@ -30,6 +30,14 @@ are refused: they lose ``NEW_SESSION`` follow-ups, docs/decisions/42-one-worker.
   live replica, and clients reopen them with their history); it is started again in the background,
   and the other replicas keep serving.
 
+**Each replica sees only its GPUs.** A replica on ``cuda:k`` (with ``tensor_parallel_size`` N: GPUs ``k``
+to ``k + N - 1``) starts with ``CUDA_VISIBLE_DEVICES`` naming those GPUs alone (:func:`replica_environment`),
+as TorchServe and vLLM give each worker its own GPU, so inside it the model runs on ``cuda:0`` and that
+is the current device from the first CUDA call on. Without it, every replica's current device is GPU 0:
+``torch.cuda.graph`` captures on the current device's side stream, so replicas 1..N-1 would capture
+empty graphs and replay stale logits, their events would record on GPU 0's stream, and each would open a
+context there. A CPU replica sees no GPU.
+
 Pipes carry plain data: ``(BatchRequest list, request ids whose clients left)`` in, ``(Reply list, stats,
 metrics payload)`` out; image bytes cross once, on the open. A request in flight that TorchServe's batch
 lacks is gone (its client left; :meth:`~llava_sessions.service.SessionService.handle`): the router,
@@ -57,7 +65,7 @@ from .wire.affinity import prefix_key
 from .wire.contract import CLOSED_SESSION_ID_HEADER, NEW_SESSION_ID_HEADER, SEQUENCE_END_HEADER
 from .wire.framing import JSON, BatchRequest, Framing, Reply, cut_stream_tail
 
-__all__ = ["ReplicaRouter", "resolve_devices"]
+__all__ = ["ReplicaRouter", "replica_environment", "resolve_devices"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,49 @@ MAX_PREFIX_KEYS = 100_000
 REPLICA_RETRY_AFTER_S = 5
 #: What a request whose replica died with it in flight is told (``model_not_ready``).
 REPLICA_LOST = "the model replica serving this request stopped (it restarts)"
+#: The environment variable CUDA reads, when it initialises, for the GPUs a process may see (NVIDIA,
+#: "CUDA C++ Programming Guide", CUDA environment variables).
+VISIBLE_GPUS_ENV = "CUDA_VISIBLE_DEVICES"
+
+#: Held while a replica process starts: its GPUs are set in this process's environment for the moment
+#: of the start (``multiprocessing``'s spawn copies the environment; it takes no environment of its own).
+_SPAWN_LOCK = threading.Lock()
+
+
+def replica_environment(device: str, tensor_parallel_size: int, visible: str | None) -> tuple[str | None, str]:
+    """The GPUs a replica on ``device`` may see, and the device it names inside its process.
+
+    Args:
+        device: the replica's device as ``devices`` names it (``"cuda:1"``, ``"cuda"``, ``"cpu"``, or
+            ``""``: the model's own choice, left as it is).
+        tensor_parallel_size: GPUs per replica (its ranks take the GPUs after its own).
+        visible: this process's ``CUDA_VISIBLE_DEVICES`` (None: unset, every GPU visible); ``cuda:k``
+            counts within it, as CUDA does.
+
+    Returns:
+        ``(CUDA_VISIBLE_DEVICES for the replica, or None to leave it as it is; the replica's device)``:
+        ``cuda:k`` gives the ``k``-th to ``(k + N - 1)``-th visible GPUs and ``cuda:0``; ``cpu`` gives
+        ``""`` (no GPU) and ``cpu``.
+
+    Raises:
+        ValueError: ``visible`` lists fewer GPUs than the replica needs.
+    """
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return "", device
+    if kind != "cuda":
+        return None, device
+    first, size = int(index or 0), max(1, tensor_parallel_size)
+    if visible is None:
+        gpus = [str(i) for i in range(first + size)]
+    else:
+        gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    if len(gpus) < first + size:
+        raise ValueError(
+            f"devices names {device} with tensor_parallel_size {size}, but {VISIBLE_GPUS_ENV}={visible!r} "
+            f"lists {len(gpus)} GPU(s); name visible GPUs only"
+        )
+    return ",".join(gpus[first : first + size]), "cuda:0"
 
 
 def replica_settings(settings: Settings, device: str, num_replicas: int) -> Settings:
@@ -178,14 +229,28 @@ class ReplicaRouter:
 
     # ------------------------------------------------------------------ lifecycle
     def _spawn(self, replica: _Replica) -> None:
+        """Start ``replica``'s process, seeing only its GPUs (:func:`replica_environment`)."""
+        visible, device = replica_environment(
+            replica.device, self.settings.tensor_parallel_size, os.environ.get(VISIBLE_GPUS_ENV)
+        )
         parent, child = self._ctx.Pipe()
         replica.process = self._ctx.Process(
             target=_replica_main,
-            args=(child, replica.index, len(self.replicas), self._builder, self._build | {"device": replica.device}),
+            args=(child, replica.index, len(self.replicas), self._builder, self._build | {"device": device}),
             name=f"llava-replica-{replica.index}",
             daemon=True,
         )
-        replica.process.start()
+        with _SPAWN_LOCK:
+            before = os.environ.get(VISIBLE_GPUS_ENV)
+            try:
+                if visible is not None:
+                    os.environ[VISIBLE_GPUS_ENV] = visible
+                replica.process.start()
+            finally:
+                if before is None:
+                    os.environ.pop(VISIBLE_GPUS_ENV, None)
+                else:
+                    os.environ[VISIBLE_GPUS_ENV] = before
         child.close()
         replica.conn = parent
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 
 import psutil
@@ -16,7 +17,7 @@ import requests
 
 from llava_client import SessionClient
 from llava_sessions.config import Settings
-from llava_sessions.replicas import replica_settings, resolve_devices
+from llava_sessions.replicas import ReplicaRouter, replica_environment, replica_settings, resolve_devices
 from server_fixtures import start_local_server, worker_metric
 
 SID = "X-Amzn-SageMaker-Session-Id"
@@ -42,6 +43,62 @@ def test_each_replica_gets_its_device_its_own_max_sessions_and_a_share_of_host_m
     cpu = replica_settings(base, "cpu", 2)
     assert cpu.device == "cpu" and cpu.gpu_id is None and cpu.torch_threads >= 1
     assert replica_settings(base, "", 1) == base.model_copy(update={"devices": "auto"})
+
+
+def test_a_replica_sees_only_its_gpus_and_runs_on_cuda_0_inside_its_process():
+    """CUDA reads ``CUDA_VISIBLE_DEVICES`` once; a replica on ``cuda:k`` sees GPU k alone (k to k + N - 1
+    with N-way tensor parallel), counted within the worker's own list, and names it ``cuda:0``."""
+    assert replica_environment("cuda:1", 1, None) == ("1", "cuda:0")
+    assert replica_environment("cuda", 1, None) == ("0", "cuda:0")
+    assert replica_environment("cuda:2", 2, None) == ("2,3", "cuda:0")
+    assert replica_environment("cuda:1", 1, "4, 6") == ("6", "cuda:0")
+    assert replica_environment("cpu", 1, "0,1") == ("", "cpu")
+    assert replica_environment("", 1, "0") == (None, "")
+    with pytest.raises(ValueError, match="lists 2 GPU"):
+        replica_environment("cuda:1", 2, "4,6")
+
+
+class _Probe:
+    """What a replica process saw, in place of its service (the router asks only these two)."""
+
+    def __init__(self, seen: dict) -> None:
+        self.seen = seen
+
+    def placement_stats(self) -> dict:
+        return {"free_bytes": 0, "num_sessions": 0, "new_session_bytes": 1, **self.seen}
+
+    def run_ahead(self) -> bool:
+        return False
+
+
+def probe_replica(*, replica, num_replicas, handler_section, origin, device):
+    """A replica's builder that reports, from inside the spawned process, its GPUs and its device."""
+    settings = replica_settings(Settings.from_sources(dict(handler_section), origin.env), device, num_replicas)
+    seen = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "device": device, "gpu_id": settings.gpu_id}
+    return _Probe(seen)
+
+
+@pytest.mark.parametrize(("parent", "expected"), [(None, ["0", "1"]), ("3,5", ["3", "5"])])
+def test_each_spawned_replica_process_sees_its_own_gpu_as_cuda_0(monkeypatch, parent, expected):
+    """``devices: cuda:0,cuda:1`` on a machine with no GPU: each real replica process (multiprocessing
+    spawn, as on a GPU instance) starts with its own GPU alone visible and its model on ``cuda:0``
+    (gpu_id 0), and the worker's own environment is as it was."""
+    from llava_sessions.worker import WorkerOrigin
+
+    if parent is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent)
+    settings = Settings.from_sources({"devices": "cuda:0,cuda:1"})
+    build = {"handler_section": {"devices": "cuda:0,cuda:1"}, "origin": WorkerOrigin(env={})}
+    router = ReplicaRouter(settings, ["cuda:0", "cuda:1"], build, builder=probe_replica)
+    try:
+        seen = [{k: r.stats[k] for k in ("visible", "device", "gpu_id")} for r in router.replicas]
+    finally:
+        router.close()
+    assert seen == [{"visible": gpu, "device": "cuda:0", "gpu_id": 0} for gpu in expected]
+    assert [r.device for r in router.replicas] == ["cuda:0", "cuda:1"]  # the worker's own names, for its logs
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == parent
 
 
 def test_the_worker_warns_when_batch_size_is_below_its_sessions(tiny_model_dir, caplog):

@@ -73,7 +73,7 @@ class InFlight:
         host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
         host.copy_(chosen, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(chosen.device))
         return cls(seqs, tokens, host, copied)
 
     def read(self) -> list[tuple[int, float | None]]:

@@ -232,6 +232,8 @@ def _join(rank: int, size: int, port: int, device_index: int, timeout_s: float) 
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(device_index))
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > device_index else "gloo"
+    if backend == "nccl":  # the rank's GPU is its current device before NCCL opens a communicator on it
+        torch.cuda.set_device(device_index)
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
