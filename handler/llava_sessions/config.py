@@ -92,7 +92,7 @@ class Settings(BaseModel):
         0, ge=0, description="torch intra-op threads per replica; 0 = torch's default (split over CPU replicas)."
     )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
-        "auto", description='"auto" (float16 on GPU, float32 on CPU), "float16", "bfloat16" or "float32".'
+        "auto", description='"auto" (bfloat16 on a GPU from compute capability 8.0, else float16; float32 on CPU).'
     )
 
     # --- sessions and memory ----------------------------------------------------------------

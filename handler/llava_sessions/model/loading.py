@@ -140,16 +140,38 @@ def resolve_device(device: str = "auto", gpu_id: int | None = None) -> torch.dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """Return the torch dtype: ``auto`` is float16 on GPU and float32 on CPU.
+    """Return the torch dtype: ``auto`` is :func:`auto_dtype` of the device (bfloat16 on a GPU that
+    computes in it, else float16; float32 on the CPU).
 
     Raises:
         ValueError: an unknown dtype name.
     """
     if dtype == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return auto_dtype(device.type, capability)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, float16, bfloat16 or float32, not {dtype!r}")
     return _DTYPES[dtype]
+
+
+#: The first CUDA compute capability with bfloat16 arithmetic in its tensor cores (Ampere, 8.0: NVIDIA,
+#: "CUDA C++ Programming Guide", compute capabilities); the A10G, L4, L40S, A100, H100 and H200 have it,
+#: the T4 (7.5) and V100 (7.0) do not.
+BF16_CAPABILITY = (8, 0)
+
+
+def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """The ``dtype: auto`` of a device: float32 on the CPU; on a GPU bfloat16 from compute capability
+    :data:`BF16_CAPABILITY` on, else float16 (docs/decisions/69-the-gpu-default-is-bf16.md: bfloat16 is
+    what every GPU figure and GPU test was measured in, and it keeps fp32's exponent range).
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        capability: the GPU's ``(major, minor)`` compute capability (``torch.cuda.get_device_capability``).
+    """
+    if device_type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if capability is not None and tuple(capability) >= BF16_CAPABILITY else torch.float16
 
 
 def load_model(
@@ -166,7 +188,8 @@ def load_model(
         model_dir: folder with config.json, weights, tokenizer and processor files.
         device: ``auto`` (``cuda:<gpu_id>`` when available, else CPU), ``cpu`` or ``cuda``.
         gpu_id: CUDA device index (TorchServe passes one per worker).
-        dtype: ``auto`` (float16 on GPU, float32 on CPU), ``float16``, ``bfloat16`` or ``float32``.
+        dtype: ``auto`` (:func:`auto_dtype`: bfloat16 on a GPU that has it, else float16; float32 on the
+            CPU), ``float16``, ``bfloat16`` or ``float32``.
         tensor_parallel: this process is one rank of a joined process group (:mod:`.parallel`): the
             language model is loaded as this rank's shard (transformers' ``tp_plan="auto"``, placed by
             transformers on the rank's device).
@@ -185,6 +208,8 @@ def load_model(
     path = Path(model_dir)
     architecture = checkpoint_architecture(path)
     dev = resolve_device(device, gpu_id)
+    if dev.type == "cuda":  # its GPU is the process's current device: graphs, streams and events go there
+        torch.cuda.set_device(dev)
     torch_dtype = resolve_dtype(dtype, dev)
     if dev.type == "cpu":
         keep_freed_cpu_memory()
