@@ -22,7 +22,7 @@ from ..model import EncodedVideo, KVPool, LlavaModel, SessionKV, cache_len
 from ..model.graphs import DecodeGraphs, PagedRead
 from ..model.prefill_graphs import PrefillGraphs
 from ..model.tile_graphs import TileGraphs
-from ..model.vision_graph import VisionGraph
+from ..model.vision_graph import VisionGraph, capture_failed
 from .costs import CostModel
 from .decode_batch import DecodeBatch
 from .memory import oom_attempts
@@ -397,8 +397,8 @@ def new_graphs(model: LlavaModel, pool: KVPool, paged_read: PagedRead | None = N
         return graphs
     try:
         graphs.capture()
-    except Exception:
-        log.warning("CUDA graph capture failed; the decode steps run eagerly", exc_info=True)
+    except Exception as exc:  # noqa: BLE001 - any failure: the steps run eagerly at their own shapes
+        capture_failed("the decode steps as CUDA graphs", "decode steps run eagerly", exc)
         graphs.close()
         return None
     return graphs
@@ -417,8 +417,8 @@ def new_prefill_graphs(model: LlavaModel, pool: KVPool | None, graphs: DecodeGra
         return prefills
     try:
         prefills.capture(graphs.mempool)
-    except Exception:
-        log.warning("capturing the prefill graphs failed; prefill chunks run eagerly", exc_info=True)
+    except Exception as exc:  # noqa: BLE001 - any failure: chunks run eagerly at their own shapes
+        capture_failed("the prefill chunks as CUDA graphs", "prefill chunks run eagerly", exc)
         return None
     return prefills
 

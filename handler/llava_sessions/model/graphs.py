@@ -212,7 +212,8 @@ class DecodeGraphs:
         """
         if self.pool.pages.keys[0].device.type != "cuda":
             raise RuntimeError("CUDA graphs are captured on a CUDA device only")
-        self._graphs, self._out, self.mempool = capture_each(self.buckets, lambda key: self._pass(*key))
+        device = self.pool.pages.keys[0].device
+        self._graphs, self._out, self.mempool = capture_each(self.buckets, lambda key: self._pass(*key), device=device)
         log.info("captured %d decode graphs (rows %s x lengths %s)", len(self._graphs), self.rows, self.lengths)
 
     def run(self, tables: Sequence[PageTable], token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from .kv.cache import BatchKVCache, cache_len, undo_pass
 from .kv.paged import SessionKV
 from .parallel import cache_keyword, load_replica
 from .pixels import DevicePixels
+from .staging import upload
 from .templating import ChatTemplate
 from .tile_graphs import TileGraphs
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
@@ -304,12 +305,13 @@ class LlavaModel:
         """Embeddings ``[1, len(ids), hidden]``; the k-th image placeholder in ``ids`` takes row
         ``first_row + k`` of ``image_features`` (every image's rows, in conversation order). One past
         the last row is a token the model sampled (a preempted answer's recomputed KV): text, as decoded."""
-        ids_t = torch.tensor([ids], device=self.device)
-        embeds = self._embed_ids(ids_t)
-        mask = ids_t[0] == self.image_token_id
-        if image_features is not None and bool(mask.any()):
-            mask &= mask.cumsum(0) <= image_features.shape[0] - first_row
-            embeds[0, mask] = image_features[first_row : first_row + int(mask.sum())].to(embeds.dtype)
+        host = torch.tensor([ids], dtype=torch.long)  # the placeholders found on the host: no wait for the GPU
+        embeds = self._embed_ids(upload(host, self.device), host)
+        left = 0 if image_features is None else max(0, int(image_features.shape[0]) - first_row)
+        places = [i for i, t in enumerate(ids) if t == self.image_token_id][:left]
+        if image_features is not None and places:
+            rows = image_features[first_row : first_row + len(places)].to(embeds.dtype)
+            embeds[0].index_copy_(0, upload(torch.tensor(places, dtype=torch.long), self.device), rows)
         return embeds
 
     @torch.inference_mode()
@@ -479,12 +481,12 @@ class LlavaModel:
             raise
         return out.logits[0, -1].float()
 
-    def _embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed_ids(self, ids: torch.Tensor, host: torch.Tensor | None = None) -> torch.Tensor:
         """``[*ids.shape, hidden]``; sharded by vocabulary under tensor parallel: every rank looks ``ids`` up."""
         if self.ranks is None:
             return self.model.get_input_embeddings()(ids)
         with self.ranks.sharded("a sharded token lookup"):
-            self.ranks.send(("embed", ids.cpu()))
+            self.ranks.send(("embed", host if host is not None else ids.cpu()))
             return self.model.get_input_embeddings()(ids)
 
     def text_pass(self, cache: Any, **inputs: Any) -> Any:

@@ -127,7 +127,9 @@ class PrefillGraphs:
         if self._embeds.device.type != "cuda":
             raise RuntimeError("CUDA graphs are captured on a CUDA device only")
         with torch.inference_mode():
-            self._graphs, self._out, _ = capture_each(self.buckets, lambda key: self._pass(*key), mempool)
+            self._graphs, self._out, _ = capture_each(
+                self.buckets, lambda key: self._pass(*key), mempool, device=self._embeds.device
+            )
         log.info("captured %d prefill graphs (chunks %s x lengths %s)", len(self._graphs), self.sizes, self.lengths)
 
     @torch.inference_mode()

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostStaging"]
+__all__ = ["HostStaging", "upload"]
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``: to a GPU from pinned memory, queued without blocking the host
+    (PyTorch's caching host allocator keeps the pinned block until the copy is done); elsewhere a plain copy."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class HostStaging:
@@ -26,6 +34,7 @@ class HostStaging:
 
     def __init__(self, device: torch.device) -> None:
         self._pinned: dict[Hashable, torch.Tensor] | None = {} if device.type == "cuda" else None
+        self._device = device
         self._copied: Any = None
 
     @property
@@ -55,7 +64,7 @@ class HostStaging:
         dst.copy_(staged, non_blocking=True)
 
     def end(self) -> None:
-        """Mark the step's copies on the current stream (the next :meth:`begin` waits for them)."""
+        """Mark the step's copies on the device's current stream (the next :meth:`begin` waits for them)."""
         if self._pinned is not None:
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self._device))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
-from .vision_graph import capture_each
+from .vision_graph import capture_each, capture_failed
 
 __all__ = ["TILED_ARCHITECTURES", "TileGraphs", "tile_counts"]
 
@@ -82,10 +82,12 @@ class TileGraphs:
         graphs = cls(model, architecture, device, dtype)
         try:
             with torch.inference_mode():
-                projected = capture_each(reversed(graphs.counts), lambda k: graphs._projected(graphs.pixels[:k]))
+                projected = capture_each(
+                    reversed(graphs.counts), lambda k: graphs._projected(graphs.pixels[:k]), device=device
+                )
                 graphs.graphs, graphs.features, _ = projected
-        except Exception:
-            log.warning("capturing the vision tower per tile count failed; images are encoded eagerly", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - any failure: the tower runs eagerly, as before
+            capture_failed("the vision tower per tile count", "images are encoded eagerly", exc)
             return None
         log.info("captured the vision tower at %d tile counts (%s)", len(graphs.graphs), graphs.counts)
         return graphs

@@ -17,12 +17,21 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["VisionGraph", "capture_each", "image_features", "no_collection"]
+__all__ = [
+    "VisionGraph",
+    "capture_each",
+    "capture_failed",
+    "check_replay",
+    "image_features",
+    "no_collection",
+    "refuse_empty",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,34 +69,101 @@ def no_collection() -> Iterator[None]:
             gc.enable()
 
 
+#: What PyTorch warns when a capture recorded no work (``CUDAGraph::capture_end``): the passes ran on
+#: another device's stream than the one captured, so every replay would return the capture-time output.
+EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
+
+
 def capture_each(
-    keys: Iterable[K], run: Callable[[K], torch.Tensor], pool: Any = None
+    keys: Iterable[K], run: Callable[[K], torch.Tensor], pool: Any = None, *, device: torch.device | None = None
 ) -> tuple[dict[K, Any], dict[K, torch.Tensor], Any]:
     """Capture ``run(key)`` as a CUDA graph for each of ``keys``, in their order, all in one memory pool
-    (``pool``, a ``torch.cuda.graph`` pool handle to share, or None for a new one); each pass run once
-    eagerly first (lazy initialisation and autotuning outside the capture), the garbage collector paused
-    (:func:`no_collection`). Graphs in one pool must never run at once.
+    (``pool``, a ``torch.cuda.graph`` pool handle to share, or None for a new one), on ``device`` (made
+    the current device for the capture; None: the current one). Each pass runs once eagerly first (lazy
+    initialisation and autotuning outside the capture), the garbage collector paused
+    (:func:`no_collection`); after its capture each graph is replayed once and its output checked against
+    that eager pass's (:func:`check_replay`). Graphs in one pool must never run at once.
 
     Returns:
         ``(graphs, outputs, pool)``: each key's ``torch.cuda.CUDAGraph`` and the output tensor its replay
         overwrites, and the pool's handle.
 
     Raises:
-        Exception: whatever a pass or a capture raised (the caller runs eagerly).
+        RuntimeError: a capture recorded nothing (PyTorch's :data:`EMPTY_GRAPH_WARNING`, made an error), or
+            a replay differs from its eager pass; the message names the key.
+        Exception: whatever a pass or a capture raised. The caller drops that kind of graph and runs it
+            eagerly.
     """
     graphs: dict[K, Any] = {}
     outputs: dict[K, torch.Tensor] = {}
-    with no_collection():
+    with no_collection(), torch.cuda.device(device):
         for key in keys:
-            run(key)
+            eager = run(key).clone()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs[key] = run(key)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs[key] = run(key)
+            refuse_empty([str(w.message) for w in caught], key)
             pool = graph.pool()
             graphs[key] = graph
-    torch.cuda.synchronize()
+            graph.replay()
+            check_replay(key, eager, outputs[key])
+            del eager
+        torch.cuda.synchronize()
     return graphs, outputs, pool
+
+
+def capture_failed(what: str, fallback: str, exc: BaseException) -> None:
+    """Say once, in one WARNING line, that capturing ``what`` failed and ``fallback`` runs instead, with the
+    error's type and first line (its traceback at DEBUG)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    log.warning("capturing %s failed (%s: %s); %s", what, type(exc).__name__, first[:300], fallback)
+    log.debug("capturing %s failed", what, exc_info=exc)
+
+
+def refuse_empty(messages: Iterable[str], key: Hashable) -> None:
+    """Raise when ``messages`` (the warnings a capture gave) hold PyTorch's :data:`EMPTY_GRAPH_WARNING`.
+
+    Raises:
+        RuntimeError: naming ``key``: the graph captured no work (its passes ran on another device's stream).
+    """
+    if any(EMPTY_GRAPH_WARNING in m for m in messages):
+        raise RuntimeError(
+            f"the CUDA graph of {key!r} captured no work: its passes ran on another device than the current one"
+        )
+
+
+def replay_tolerance(dtype: torch.dtype) -> float:
+    """The largest difference, relative to the eager output's largest magnitude, that :func:`check_replay`
+    accepts: a replay runs the eager pass's kernels on the same inputs, so only a kernel's own
+    nondeterminism (split reductions, atomics) can move it; 1e-2 in a 16-bit dtype, 1e-4 in float32."""
+    return 1e-4 if dtype == torch.float32 else 1e-2
+
+
+def check_replay(key: Hashable, eager: torch.Tensor, replayed: torch.Tensor) -> None:
+    """Check a replayed graph's output against the same pass run eagerly on the same inputs.
+
+    Args:
+        key: the graph's key (named in the error).
+        eager, replayed: the two outputs, of one shape.
+
+    Raises:
+        RuntimeError: the shapes differ, the two are not NaN at the same places, or the largest
+            difference is over :func:`replay_tolerance` of the eager output's largest magnitude (at least 1).
+    """
+    if eager.shape != replayed.shape:
+        raise RuntimeError(f"the CUDA graph of {key!r} gave shape {tuple(replayed.shape)}, eager {tuple(eager.shape)}")
+    if not eager.numel():
+        return
+    a, b = eager.float(), replayed.float()
+    if not torch.equal(a.isnan(), b.isnan()):
+        raise RuntimeError(f"the CUDA graph of {key!r} replays NaN where its eager pass has none (or the reverse)")
+    a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+    scale, gap = float(a.abs().max()), float((a - b).abs().max())
+    if not gap <= replay_tolerance(eager.dtype) * max(scale, 1.0):
+        raise RuntimeError(f"the CUDA graph of {key!r} replays {gap:.3g} away from its eager pass (scale {scale:.3g})")
 
 
 class VisionGraph:
@@ -124,9 +200,9 @@ class VisionGraph:
         graph = cls(model, device, dtype)
         try:
             with torch.inference_mode():
-                graphs, outputs, _ = capture_each([0], lambda _: graph._features())
-        except Exception:
-            log.warning("capturing the vision tower failed; images are encoded eagerly", exc_info=True)
+                graphs, outputs, _ = capture_each([0], lambda _: graph._features(), device=device)
+        except Exception as exc:  # noqa: BLE001 - any failure: the tower runs eagerly, as before
+            capture_failed("the vision tower", "images are encoded eagerly", exc)
             return None
         graph.graph, graph.features = graphs[0], outputs[0]
         return graph
