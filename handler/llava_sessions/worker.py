@@ -27,6 +27,7 @@ from .model.pixels import DevicePixels
 from .model.regions import compile_layers, compiles, uncompile_layers
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
+from .sessions.budget import GraphShapes, graph_reserve_bytes, ladder_pages
 from .sessions.store import SessionStore
 from .video import VideoLimits, decode_video
 from .wire.contract import IMAGE_RELAY_ENV, SEQUENCE_END_HEADER
@@ -218,7 +219,10 @@ def decode_media(data: bytes, *, max_pixels: int, video_limits: VideoLimits) -> 
 
 def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | None = None) -> SessionEngine:
     """The session store (its device budget: ``device_budget_bytes``, or a fraction of what is free
-    now, on each GPU of a tensor-parallel replica) and the engine over ``model``, with the settings'
+    now, on each GPU of a tensor-parallel replica; on one GPU, of what is free less the CUDA graphs'
+    estimated memory (:func:`gpu_graph_reserve`), the KV pool's page count rounded down to one of a few
+    sizes (:func:`~llava_sessions.sessions.budget.ladder_pages`, so FlexAttention's compiled kernels
+    serve every start)) and the engine over ``model``, with the settings'
     limits. A tensor-parallel replica (``model.ranks``) runs its sessions' KV in the pool, decoded in
     place, eagerly, each prefill chunk a pass of its own and no host offload: the passes its other
     ranks mirror (:mod:`~llava_sessions.model.parallel`). Under the ``compile`` setting the text model's
@@ -233,9 +237,12 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         compile_text_layers(model, compile_cache)
     if settings.image_preprocessing == "device":  # llava-1.5's; other processors stay on the host
         model.device_pixels = DevicePixels.for_processor(model.processor.image_processor, model.device, model.dtype)
-    budget = settings.device_budget_bytes or default_device_budget(model, settings.device_budget_fraction) * (
-        ranks if on_card else 1
-    )
+    budget = settings.device_budget_bytes or default_device_budget(
+        model, settings.device_budget_fraction, gpu_graph_reserve(settings, model, ranks)
+    ) * (ranks if on_card else 1)
+    if on_card and ranks == 1 and not settings.device_budget_bytes:  # the fixed pool at one of a few sizes
+        page = KV_PAGE_SIZE * model.kv_bytes_per_token
+        budget = max(page, ladder_pages(budget // page) * page)
     store = SessionStore(
         device_budget_bytes=budget,
         host_budget_bytes=settings.host_budget_bytes,
@@ -269,6 +276,17 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         cuda_graphs=False if settings.enforce_eager or ranks > 1 else None,
         async_scheduling=None if settings.async_scheduling else False,
     )
+
+
+def gpu_graph_reserve(settings: Settings, model: LlavaModel, ranks: int = 1) -> int:
+    """Bytes of a GPU's free memory kept out of the sessions' budget for the CUDA graphs the engine
+    captures (:func:`~llava_sessions.sessions.budget.graph_reserve_bytes`, an estimate from the model's
+    shapes); 0 on a CPU, for a tensor-parallel replica and under ``enforce_eager`` (no graphs)."""
+    if model.device.type != "cuda" or ranks > 1 or settings.enforce_eager:
+        return 0
+    reserve = graph_reserve_bytes(GraphShapes.from_config(model.config.to_dict()), model.dtype.itemsize)
+    log.info("%.2f GiB of GPU memory kept for CUDA graphs (estimated)", reserve / 2**30)
+    return reserve
 
 
 def compile_text_layers(model: LlavaModel, compile_cache: Path | None = None) -> bool:

@@ -163,6 +163,7 @@ LAYERS: list[set[str]] = [
         "wire.contract",
         "conversation",
         "sessions.ledger",
+        "sessions.budget",
         "engine.costs",
         "model.kv.pages",
         "model.projections",
@@ -398,6 +399,7 @@ def test_the_dialects_results_and_conversation_import_no_torch() -> None:
             "results",
             "conversation",
             "sessions.ledger",
+            "sessions.budget",
             "sampling.params",
         )
     ]

@@ -606,6 +606,7 @@ def test_deploy_with_autoscaling_registers_the_variant_and_a_target_tracking_pol
 
 
 def test_capacity_plan_of_llava_7b_on_common_instance_types(tmp_path: Path) -> None:
+    from llava_sessions.sessions.budget import GraphShapes, graph_reserve_bytes
     from llava_tools.deploy import capacity_plan
 
     folder = tmp_path / "llava-1.5-7b-hf"
@@ -625,8 +626,12 @@ def test_capacity_plan_of_llava_7b_on_common_instance_types(tmp_path: Path) -> N
     big = capacity_plan("ml.g5.12xlarge", folder)
     assert big is not None and big.replicas == 4 and big.sessions == 4 * g5.sessions_per_replica
     p5 = capacity_plan("ml.p5.48xlarge", folder)
-    # memory caps it here, not max_sessions (128)
-    assert p5 is not None and p5.replicas == 8 and p5.sessions_per_replica == 106 and p5.sessions == 848
+    # memory caps it here, not max_sessions (128); the CUDA graphs' estimate comes out of each GPU first
+    assert p5 is not None and p5.replicas == 8 and p5.sessions_per_replica == 105 and p5.sessions == 840
+    reserve = graph_reserve_bytes(GraphShapes.from_config(config), 2)
+    assert p5.graph_reserve_bytes == g5.graph_reserve_bytes == reserve > 0
+    assert p5.kv_budget_bytes == int((80 * 2**30 - 14_126_000_000 - reserve) * 0.8)
+    assert f"{reserve / 2**30:.1f} GiB kept for CUDA graphs" in p5.describe()
     assert capacity_plan("ml.p5.48xlarge", folder, max_sessions=1000).sessions > 8 * 100  # type: ignore[union-attr]
     assert "replica(s)" in big.describe() and "per instance" in big.describe()
     assert capacity_plan("ml.m5.xlarge", folder) is None

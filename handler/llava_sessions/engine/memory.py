@@ -39,14 +39,15 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def default_device_budget(model: LlavaModel, fraction: float) -> int:
+def default_device_budget(model: LlavaModel, fraction: float, reserve_bytes: int = 0) -> int:
     """``fraction`` of the device memory free now (CUDA ``mem_get_info``), or of available host
-    memory (:func:`available_host_bytes`) on CPU; bytes."""
+    memory (:func:`available_host_bytes`) on CPU, less ``reserve_bytes`` first (what the CUDA graphs
+    will keep); bytes, at least 1."""
     if model.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(model.device)
     else:
         free = available_host_bytes()
-    return max(1, int(free * fraction))
+    return max(1, int(max(0, free - reserve_bytes) * fraction))
 
 
 def is_oom(exc: BaseException) -> bool:

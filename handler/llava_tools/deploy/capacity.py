@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llava_sessions.sessions.budget import GraphShapes, graph_reserve_bytes
+
 from .spec import DTYPE_BYTES, INSTANCE_GPUS, PLANNED_SESSION_TOKENS, VARIANT_NAME, DeployError
 
 #: Sessions a replica should hold for ``tensor_parallel_size`` to be planned as small as that: the
@@ -37,6 +39,7 @@ class CapacityPlan:
     sessions: int
     max_sessions: int
     tensor_parallel_size: int = 1
+    graph_reserve_bytes: int = 0
 
     def describe(self) -> str:
         """Two lines for the deploy output."""
@@ -49,7 +52,8 @@ class CapacityPlan:
         gpus = self.replicas * tp
         return (
             f"{self.instance_type}: {gpus} GPU(s) of {self.gpu_bytes / gib:.0f} GiB -> {shape}, each "
-            f"{self.weights_bytes / gib:.1f} GiB of weights and a {self.kv_budget_bytes / gib:.1f} GiB KV budget\n"
+            f"{self.weights_bytes / gib:.1f} GiB of weights, {self.graph_reserve_bytes / gib:.1f} GiB kept for CUDA "
+            f"graphs and a {self.kv_budget_bytes / gib:.1f} GiB KV budget\n"
             f"expected capacity: {self.sessions_per_replica} sessions per replica at {PLANNED_SESSION_TOKENS} tokens "
             f"({self.session_bytes / 2**20:.0f} MiB each; max_sessions {self.max_sessions} per replica), "
             f"{self.sessions} per instance; more instances (--max-instances) hold more"
@@ -69,7 +73,9 @@ def capacity_plan(
     readable config. Weights count their file bytes; a session's KV is 2 x layers x kv_heads x
     head_dim x dtype bytes per token at :data:`PLANNED_SESSION_TOKENS` tokens, plus its image
     features (image tokens x hidden x dtype bytes); the budget is ``fraction`` of what the weights
-    leave on a GPU (``device_budget_fraction``). A replica of ``tensor_parallel_size`` GPUs holds
+    and, on a replica of one GPU, the CUDA graphs' estimated memory leave on a GPU
+    (``device_budget_fraction``; :func:`~llava_sessions.sessions.budget.graph_reserve_bytes`, as the
+    worker counts it). A replica of ``tensor_parallel_size`` GPUs holds
     1/size of the weights and of each session's KV on each (the features on its first); None plans
     the size (:data:`MIN_PLANNED_SESSIONS`) among those that divide the heads and the GPUs.
 
@@ -91,7 +97,7 @@ def capacity_plan(
     heads = int(text.get("num_attention_heads", 32))
     kv_heads = int(text.get("num_key_value_heads", heads))
     dtype_bytes = DTYPE_BYTES.get(str(config.get("torch_dtype") or text.get("torch_dtype") or "float16"), 2)
-    dtype_bytes = 2 if dtype_bytes == 4 else dtype_bytes  # the container serves fp16 on a GPU (dtype auto)
+    dtype_bytes = 2 if dtype_bytes == 4 else dtype_bytes  # a GPU serves 16-bit weights (dtype auto: bf16 or fp16)
     image_tokens = (int(config.get("vision_config", {}).get("image_size", 336)) // 14) ** 2
     weights = sum(p.stat().st_size for p in root.glob("*.safetensors")) or sum(
         p.stat().st_size for p in root.glob("*.bin")
@@ -104,7 +110,8 @@ def capacity_plan(
     for tp in sizes:
         if tp > count or count % tp or heads % tp or kv_heads % tp:
             continue
-        per_gpu = max(0, int((gib * 2**30 - weights / tp) * fraction))  # the KV budget of each of its GPUs
+        graphs = graph_reserve_bytes(GraphShapes.from_config(config), dtype_bytes) if tp == 1 else 0  # TP: eager
+        per_gpu = max(0, int((gib * 2**30 - weights / tp - graphs) * fraction))  # the KV budget of each of its GPUs
         per_replica = min(per_gpu // (kv // tp + features), max_sessions)
         plans.append(
             CapacityPlan(
@@ -118,6 +125,7 @@ def capacity_plan(
                 sessions=per_replica * (count // tp),
                 max_sessions=max_sessions,
                 tensor_parallel_size=tp,
+                graph_reserve_bytes=graphs,
             )
         )
     fitting = [p for p in plans if p.sessions_per_replica >= 1]
