@@ -1,5 +1,5 @@
 # Entry points: make install | make demo | make test  (and make web, make notebook, make lint, make bench,
-# make bench-peer, make bench-gpu, make test-container-stack, make test-gpu and make gpu-check on a card)
+# make bench-peer, make bench-gpu, make test-container-stack, and on a GPU make gpu-smoke, make gpu-check, make test-gpu)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer bench-gpu bench-gpu-serve gpu-check test-gpu gpu-wheels lint clean
+.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer bench-gpu bench-gpu-serve gpu-smoke gpu-check test-gpu gpu-wheels lint clean
 
 # config/constraints.txt: the one stack, the versions the container installs too (Dockerfile)
 CONSTRAINTS := config/constraints.txt
@@ -93,10 +93,14 @@ BENCH_GPU_SERVE_ARGS ?=
 bench-gpu-serve: install
 	$(PY) benchmarks/gpu_serve.py $(BENCH_GPU_SERVE_ARGS)
 
-# the card check in one device call (benchmarks/gpu_check.sh: the GPU suite, the GPU table, then the
-# TorchServe table, ~9 min)
+# on a lent GPU, two device calls (docs/decisions/71-the-gpu-check-in-two-calls.md): first gpu-smoke
+# (benchmarks/gpu_smoke.sh: the table's smoke sections and a trimmed GPU suite, <= 5 min, carrying only the
+# Python wheels), then gpu-check (benchmarks/gpu_check.sh: the whole GPU suite, the table's other sections
+# and the TorchServe table, <= 8 min, carrying .whl with Java); `make gpu-wheels` here first
 # and the GPU suite alone (tests/gpu and the core tests that compare the engine with itself, with the
 # tiny model on LLAVA_TEST_DEVICE, cuda by default; skipped where there is no card)
+gpu-smoke:
+	bash benchmarks/gpu_smoke.sh
 gpu-check:
 	bash benchmarks/gpu_check.sh
 test-gpu: install
@@ -108,17 +112,19 @@ test-gpu: install
 	  tests/core/test_video_session.py::test_a_video_session_answers_as_generate_does_from_every_tier
 
 # what a bare GPU machine (python 3.12, its own torch and transformers 5.17, no network, no Java) lacks
-# for benchmarks/gpu.py and gpu_serve.py, into .whl/ (ignored; ~61 MB of the 64 MiB a device call
-# carries): our transformers, llguidance and pydantic (benchmarks/results/the-gpu-table.md), then
-# TorchServe's wheels and a Java runtime jlinked from a JDK >= 24 (benchmarks/gpu_bundle.py; JAVA_LINK_HOME
-# names one, else the newest under /usr/lib/jvm)
+# for benchmarks/gpu.py and gpu_serve.py (ignored; ~61 MB of the 64 MiB a device call carries): into .whl/
+# our transformers, llguidance, pydantic and pytest-timeout (benchmarks/results/the-gpu-table.md; all that
+# gpu-smoke carries), into .whl-serve/ TorchServe's wheels and a Java runtime jlinked from a JDK >= 24
+# (benchmarks/gpu_bundle.py; JAVA_LINK_HOME names one, else the newest under /usr/lib/jvm; gpu-check
+# carries both folders)
+GPU_TEST_WHEELS = pytest-timeout==2.4.0
 GPU_WHEELS = $(shell grep -E '^(transformers|llguidance|pydantic|pydantic-core|annotated-types|typing-extensions|typing-inspection)==' $(CONSTRAINTS))
 gpu-wheels: install
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 \
-	  -d .whl $(GPU_WHEELS)
-	$(PY) benchmarks/gpu_bundle.py pack --out .whl
+	  -d .whl $(GPU_WHEELS) $(GPU_TEST_WHEELS)
+	$(PY) benchmarks/gpu_bundle.py pack --out .whl-serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -76,6 +76,7 @@ import functools
 import gc
 import itertools
 import json
+import signal
 import statistics
 import sys
 import time
@@ -615,8 +616,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="the table as JSON, rewritten after every section")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="skip the sections that would start this many seconds after the run began")  # fmt: skip
+    ap.add_argument("--sections", default="",
+                    help=f"the sections to run, comma-separated, each in its place in the default order "
+                         f"(newest first after the floor; '': all): {', '.join(SECTIONS)}; 'smoke': {', '.join(SMOKE)}; "
+                         f"'rest': the others")  # fmt: skip
     args = ap.parse_args(argv)
+    try:
+        wanted = sections_wanted(args.sections)  # a typo is refused before the model is built
+    except ValueError as exc:
+        ap.error(str(exc))
 
+    stop_on_sigterm()
     t_start = time.perf_counter()
     llava = build_runner(args)
     device = llava.device
@@ -645,50 +655,131 @@ def main(argv: list[str] | None = None) -> int:
         "context": args.context,
     })  # fmt: skip
     levels = [int(x) for x in args.levels.split(",")]
-    report.run("floor", lambda: weight_floor(llava))
-    report.run("batch_one", lambda: timed_batch_one(engine, llava, images[1], args))
-    report.run("aggregate", lambda: aggregate(engine, images, levels, args.new_tokens))
-    report.run("turns", lambda: turns(engine, images, args.context, args.repeats))
-    if engine.runner.graphs is not None:
-        report.run("graphs", lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s))
-    if llava.vision_graph is not None:
-        report.run("vision_graph", lambda: vision_graph_rows(llava, images, args.repeats))
-    if engine.runner.prefill_graphs is not None:
-        report.run("prefill_graph", lambda: prefill_graph_rows(engine, images, args.repeats))
-    report.run("pixels", lambda: pixel_rows(llava, images, args.repeats))
-    report.run("kv_pool", lambda: pool_report(engine, args.context))
+    report.data["graph_counts"] = graph_counts(engine)
+    report.data["sections"] = [name for name in SECTIONS if name in wanted]
     vocab = int(llava.config.text_config.vocab_size)
-    report.run("greedy_rows", lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20))
-    report.run("sampled_rows", lambda: greedy_rows.sampled_table(device, [1, 8, 32, 64], vocab, args.repeats * 5))
-    report.run("logprob_rows", lambda: greedy_rows.logprob_table(device, [1, 8, 32, 64], vocab, args.repeats * 5))
-    if engine._execute.ahead is not None:  # the engine's async scheduling, off and on again (benchmarks/async_steps.py)
-        report.run("async_scheduling", lambda: async_steps.table(engine, images, [1, 32], args.new_tokens, 3))
+    runner, ahead_on = engine.runner, engine._execute.ahead is not None
+    in_engine: dict[str, Callable[[], Any] | None] = {  # None: not on this engine (no such graphs or steps)
+        "floor": lambda: weight_floor(llava),
+        "prefill_graph": (lambda: prefill_graph_rows(engine, images, args.repeats)) if runner.prefill_graphs else None,
+        "pixels": lambda: pixel_rows(llava, images, args.repeats),
+        "async_scheduling": (lambda: async_steps.table(engine, images, [1, 32], args.new_tokens, 3)) if ahead_on else None,
+        "logprob_rows": lambda: greedy_rows.logprob_table(device, [1, 8, 32, 64], vocab, args.repeats * 5),
+        "sampled_rows": lambda: greedy_rows.sampled_table(device, [1, 8, 32, 64], vocab, args.repeats * 5),
+        "vision_graph": (lambda: vision_graph_rows(llava, images, args.repeats)) if llava.vision_graph else None,
+        "graphs": (lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s)) if runner.graphs else None,
+        "batch_one": lambda: timed_batch_one(engine, llava, images[1], args),
+        "turns": lambda: turns(engine, images, args.context, args.repeats),
+        "aggregate": lambda: aggregate(engine, images, levels, args.new_tokens),
+        "kv_pool": lambda: pool_report(engine, args.context),
+        "greedy_rows": lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20),
+    }  # fmt: skip
+    for name in SECTIONS[: len(in_engine)]:
+        measure_it = in_engine[name]
+        if name in wanted and measure_it is not None:
+            report.run(name, measure_it)
     compare = {"on": True, "off": False, "auto": device.type == "cuda"}[args.compare_paged_read]
     compare = compare and engine.runner.graphs is not None
-    engine = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
+    engine = runner = None  # type: ignore[assignment]  # its pool and batch go first: the next engine's take their room
+    in_engine.clear()
     release_memory(device)
     # the layers the other way (eager if the table's were compiled, else compiled), then as loaded for the
     # sections after it (the peer compiles transformers' own forward over the model as loaded)
-    change, undo = (uncompile_layers, None) if compiled else (compile_layers, uncompile_layers)
-    report.run("other_layers", lambda: changed_model(llava, images, levels, args, change, undo))
-    release_memory(device)
-    if not args.skip_peer:
+    if "other_layers" in wanted:
+        change, undo = (uncompile_layers, None) if compiled else (compile_layers, uncompile_layers)
+        report.run("other_layers", lambda: changed_model(llava, images, levels, args, change, undo))
+        release_memory(device)
+    if not args.skip_peer and "peer" in wanted:
         report.run("peer", lambda: peer_static_generate(llava, images[2], args.new_tokens))
-    if not args.skip_other_layout and args.kv_page_size:
+    if not args.skip_other_layout and args.kv_page_size and "other_layout" in wanted:
         other = "paged" if report.data["decode_layout"] == "contiguous" else "contiguous"
         report.run("other_layout", lambda: other_layout(llava, other, images, levels, args))
         release_memory(device)
-    for read in OTHER_READS[report.data["paged_attention"]] if compare else ():  # each in an engine of its own
+    reads = OTHER_READS[report.data["paged_attention"]] if compare and "paged_read" in wanted else ()
+    for read in reads:  # each in an engine of its own
         report.run(f"paged_read_{read}", lambda read=read: other_paged_read(llava, read, images, levels, args))
         release_memory(device)
     # last: compiling FlexAttention takes seconds per shape, and every row above is printed already
-    report.run("attention_kernels", lambda: attention_kernels(llava, args))
+    if "attention_kernels" in wanted:
+        report.run("attention_kernels", lambda: attention_kernels(llava, args))
     if device.type == "cuda":
         report.data["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     report.data["seconds"] = round(time.perf_counter() - t_start, 1)
     report.save()
     print_table(report.data)
     return 1 if report.data.get("errors") else 0
+
+
+#: The table's sections in the order they run: the floor first (every ratio's), then the engine's
+#: sections newest first (the GPU code least measured gets measured before a deadline cuts the call),
+#: then those that build engines or models of their own.
+SECTIONS = (
+    "floor",
+    "prefill_graph",
+    "pixels",
+    "async_scheduling",
+    "logprob_rows",
+    "sampled_rows",
+    "vision_graph",
+    "graphs",
+    "batch_one",
+    "turns",
+    "aggregate",
+    "kv_pool",
+    "greedy_rows",
+    "other_layers",
+    "peer",
+    "other_layout",
+    "paged_read",
+    "attention_kernels",
+)
+#: What ``make gpu-smoke`` measures (``--sections smoke``): the floor and batch-1 decode, the cold image turn
+#: with its prefill replayed, device pixels against the host's, the vision tower and the decode steps
+#: replayed against eager, follow-up TTFT, and the aggregate (32 sessions with ``--levels 1,32``).
+SMOKE = ("floor", "prefill_graph", "pixels", "vision_graph", "graphs", "batch_one", "turns", "aggregate")
+
+
+def sections_wanted(spec: str) -> set[str]:
+    """The sections ``--sections`` names: '' all of :data:`SECTIONS`, ``smoke`` :data:`SMOKE`, ``rest`` the
+    others, else a comma-separated list of names (``smoke`` and ``rest`` may stand among them).
+
+    Raises:
+        ValueError: a name that is no section (the sections listed).
+    """
+    names: set[str] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if part == "smoke":
+            names |= set(SMOKE)
+        elif part == "rest":
+            names |= set(SECTIONS) - set(SMOKE)
+        elif part in SECTIONS:
+            names.add(part)
+        else:
+            raise ValueError(f"--sections: no section {part!r}; choose from {', '.join(SECTIONS)}, smoke, rest")
+    return names or set(SECTIONS)
+
+
+def graph_counts(engine: SessionEngine) -> dict[str, int]:
+    """The CUDA graphs the engine's start captured, by kind (0 each on a CPU, which captures none)."""
+    runner, model = engine.runner, engine.runner.model
+    vision = model.vision_graph
+    return {
+        "decode": runner.graphs.num_graphs if runner.graphs is not None else 0,
+        "prefill": runner.prefill_graphs.num_graphs if runner.prefill_graphs is not None else 0,
+        "vision": len(getattr(vision, "graphs", None) or ()) or int(getattr(vision, "graph", None) is not None),
+    }
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (what ``timeout`` sends first) raise ``SystemExit(143)``: the ``with`` blocks and
+    ``finally`` clauses unwind, so every server this process started is stopped, its process group
+    whole (:class:`~llava_tools.serve.LocalServer`'s ``stop``). Python's default SIGTERM ends the
+    process at once, leaving TorchServe, in a session of its own, holding the GPU."""
+
+    def _exit(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 def release_memory(device: torch.device) -> None:

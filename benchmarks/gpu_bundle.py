@@ -1,7 +1,7 @@
 """TorchServe for the device machine, which has no Java and no network (issue 59 item 5).
 
-``pack`` (run here by ``make gpu-wheels``) writes into ``--out`` (``.whl/``, what a device call carries,
-64 MiB in all):
+``pack`` (run here by ``make gpu-wheels``) writes into ``--out`` (``.whl-serve/``, which ``make gpu-check``'s
+device call carries beside ``.whl/``, 64 MiB in all):
 
 - ``java-runtime.tar.xz``: a Java runtime made with ``jlink`` from a JDK of version 24 or later (those
   link from their own run-time image, JEP 493; Debian's Java 17 ships no ``jmods`` to link from), of
@@ -18,8 +18,8 @@ back into ``--site``'s ``ts/frontend``. Then ``JAVA_HOME=<java>``: TorchServe's 
 ``$JAVA_HOME/bin/java`` (``ts/model_server.py``). TorchServe 0.12 runs on Java 25 (deprecation warnings only).
 
 Usage:
-    python benchmarks/gpu_bundle.py pack --out .whl [--jdk /usr/lib/jvm/temurin-25-jdk-amd64]
-    python benchmarks/gpu_bundle.py unpack --bundle .whl --site /tmp/site --java /tmp/java
+    python benchmarks/gpu_bundle.py pack --out .whl-serve [--jdk /usr/lib/jvm/temurin-25-jdk-amd64]
+    python benchmarks/gpu_bundle.py unpack --bundle .whl-serve --site /tmp/site --java /tmp/java
 """
 
 from __future__ import annotations
@@ -161,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     pack = sub.add_parser("pack", help="write the Java runtime, the frontend and the wheels into --out")
-    pack.add_argument("--out", default=".whl")
+    pack.add_argument("--out", default=".whl-serve")
     pack.add_argument("--jdk", default=None, help="a JDK >= 24 (default: the newest under /usr/lib/jvm)")
     put = sub.add_parser("unpack", help="on the device machine: the runtime at --java, the jar into --site")
-    put.add_argument("--bundle", default=".whl")
+    put.add_argument("--bundle", default=".whl-serve")
     put.add_argument("--site", default="/tmp/site")
     put.add_argument("--java", default="/tmp/java")
     args = ap.parse_args(argv)

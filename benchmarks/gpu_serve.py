@@ -54,7 +54,7 @@ from typing import Any
 import requests
 
 from concurrency import FLOOR_HANDLER, at_once
-from gpu import FOLLOW_UP, PHOTOS, QUESTION, Sections, _fresh
+from gpu import FOLLOW_UP, PHOTOS, QUESTION, Sections, _fresh, stop_on_sigterm
 from llava_client import SessionClient
 from llava_tools.demo.samples import sample_photo
 from llava_tools.serve import LocalServer
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="the table as JSON, rewritten after every section")
     ap.add_argument("--deadline-s", type=float, default=None, help="skip the sections due after this many seconds")
     args = ap.parse_args(argv)
+    stop_on_sigterm()  # timeout's SIGTERM: the servers' process groups stopped on the way out
     t_start = time.perf_counter()
     report = Sections(args.json, args.deadline_s, t_start)
     report.data.update({"model": args.model_dir or args.model, "device": args.device, "dtype": args.dtype})

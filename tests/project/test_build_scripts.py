@@ -23,6 +23,8 @@ except ModuleNotFoundError:  # Python 3.10
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "build_and_push.sh"
 GPU_CHECK = REPO / "benchmarks" / "gpu_check.sh"
+GPU_SMOKE = REPO / "benchmarks" / "gpu_smoke.sh"
+GPU_SETUP = REPO / "benchmarks" / "gpu_setup.sh"
 DOCKERFILE = REPO / "Dockerfile"
 CONSTRAINTS = REPO / "config" / "constraints.txt"
 #: An AWS Deep Learning Container, as a --base-image override (its registry needs a login).
@@ -48,7 +50,8 @@ def default_base_image() -> str:
 
 def test_shell_scripts_are_shellcheck_clean() -> None:
     result = subprocess.run(
-        [tool("shellcheck"), "--severity=style", str(SCRIPT), str(REPO / "docker" / "serve"), str(GPU_CHECK)],
+        [tool("shellcheck"), "--severity=style", "-x", str(SCRIPT), str(REPO / "docker" / "serve")]
+        + [str(GPU_SETUP), str(GPU_SMOKE), str(GPU_CHECK)],
         capture_output=True,
         text=True,
     )
@@ -292,3 +295,74 @@ def test_make_test_provides_java_and_chromium_before_any_test(tmp_path: Path) ->
     assert "chromium chromium-driver" in as_user.stderr and "openjdk" not in as_user.stderr
     everything = run_system_deps(tmp_path, uid=1000, present=("java", "chromium", "chromedriver"))
     assert (everything.returncode, everything.stdout, everything.stderr) == (0, "", "")
+
+
+# ---- the GPU check's two device calls ----------------------------------------------------------------
+
+#: A device call's limits (the device tool's README): one command's run, and a session's device time.
+DEVICE_COMMAND_S = 600
+DEVICE_SESSION_S = 900
+#: What a machine's start takes out of the device time before the first command (1-3 minutes seen).
+MACHINE_START_S = 120
+#: What each call's command may take at most: make gpu-smoke's, then make gpu-check's (issue 76 item 2).
+SMOKE_S, CHECK_S = 300, 480
+
+
+def worst_case_s(script: Path) -> int:
+    """The longest ``script`` can run: every ``timeout [-k K] N`` in it (``N`` as written, or the default
+    of ``"${VAR:-N}"``), each with its kill grace ``K``, added up. Every step that can take long is under
+    a timeout, so this bounds the whole."""
+    total = 0
+    pattern = r'(?<![-\w])timeout (?:-k (\d+) )?(?:"\$\{\w+:-(\d+)\}"|(\d+))'
+    for kill, default, plain in re.findall(pattern, script.read_text()):
+        total += int(default or plain) + int(kill or 0)
+    return total
+
+
+def test_the_gpu_smoke_and_the_gpu_check_fit_the_device_time_with_a_machine_start():
+    """make gpu-smoke and make gpu-check, each at its worst (every part running to its timeout), fit
+    their 5 and 8 minutes, and both with one machine start fit the 15 minutes of device time."""
+    makefile = (REPO / "Makefile").read_text()
+    assert (
+        "gpu-smoke:\n\tbash benchmarks/gpu_smoke.sh" in makefile
+        and "gpu-check:\n\tbash benchmarks/gpu_check.sh" in makefile
+    )
+    for script in (GPU_SMOKE, GPU_CHECK):
+        assert '. "$(dirname "$0")/gpu_setup.sh"' in script.read_text()
+    setup = worst_case_s(GPU_SETUP)
+    smoke, check = setup + worst_case_s(GPU_SMOKE), setup + worst_case_s(GPU_CHECK)
+    assert setup > 0 and worst_case_s(GPU_SMOKE) >= 200 and worst_case_s(GPU_CHECK) >= 400  # the parse found them
+    assert smoke <= SMOKE_S <= DEVICE_COMMAND_S and check <= CHECK_S <= DEVICE_COMMAND_S
+    assert smoke + check + MACHINE_START_S <= DEVICE_SESSION_S
+
+
+def test_the_gpu_smoke_runs_through_on_the_cpu_and_writes_the_gpu_s_name_first(tmp_path):
+    """benchmarks/gpu_smoke.sh as the device machine runs it, here on the CPU (its own ``LLAVA_TEST_DEVICE``
+    and table arguments): card.txt, then the table's smoke sections only, in their order, then the trimmed
+    suite, each file in OUT."""
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "LLAVA_TEST_DEVICE": "cpu",
+        "COMMIT": "abc1234",
+        "SMOKE_TABLE_ARGS": "--device cpu --model tiny --dtype auto --levels 1,2 --new-tokens 4 --repeats 1",
+        "SMOKE_TESTS": "tests/core/test_gpu_start.py::test_dtype_auto_is_bf16_on_gpus_that_compute_in_it",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(["bash", str(GPU_SMOKE)], cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    card = (out / "card.txt").read_text()
+    assert card.startswith("commit: abc1234\ndate: ") and "torch " in card
+    import json
+
+    table = json.loads((out / "gpu_smoke.json").read_text())
+    smoke = ["floor", "prefill_graph", "pixels", "vision_graph", "graphs", "batch_one", "turns", "aggregate"]
+    assert table["sections"] == smoke and "errors" not in table and "skipped" not in table
+    ran = [name for name in smoke if name in table]  # a CPU engine has no graphs: those sections do not apply
+    assert ran == ["floor", "pixels", "batch_one", "turns", "aggregate"]
+    assert "peer" not in table and "kv_pool" not in table and "greedy_rows" not in table  # the check's
+    assert table["graph_counts"] == {"decode": 0, "prefill": 0, "vision": 0}
+    assert "1 passed" in (out / "gpu_smoke_tests.txt").read_text()
+    assert "GPU table, smoke sections: exit 0" in done.stdout and "GPU suite, trimmed: exit 0" in done.stdout

@@ -91,6 +91,56 @@ def _wheel(path: Path, jar: bytes) -> None:
         wheel.writestr("torchserve-0.12.0.dist-info/RECORD", record)
 
 
+@pytest.mark.timeout(240)
+def test_a_timed_out_torchserve_table_stops_every_server_it_started(tiny_model_dir, tmp_path):
+    """``timeout`` ends a part of the GPU check with SIGTERM: gpu_serve.py then stops its servers'
+    process groups on the way out (TorchServe, in a session of its own, would otherwise keep the GPU
+    through the next part), and exits 143 with what it measured written."""
+    import time
+
+    import psutil
+
+    out = tmp_path / "serve.json"
+    args = ["--device", "cpu", "--model-dir", str(tiny_model_dir), "--dtype", "auto", "--streams", "1"]
+    args += ["--floor-requests", "100000", "--json", str(out)]  # the floor's loop outlasts the signal
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCHMARKS / "gpu_serve.py"), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    started: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and proc.poll() is None:  # until TorchServe's Java runs under it
+            started = psutil.Process(proc.pid).children(recursive=True)
+            if any("java" in (p.name() or "") for p in started if p.is_running()):
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None and any("java" in p.name() for p in started), "TorchServe never started"
+        time.sleep(2)  # its requests under way
+        started = psutil.Process(proc.pid).children(recursive=True)
+        proc.terminate()  # SIGTERM, as timeout sends it
+        assert proc.wait(timeout=60) == 143, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        _gone, alive = psutil.wait_procs(started, timeout=30)
+        assert [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        for p in [*started, psutil.Process(proc.pid)] if proc.poll() is None else started:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        proc.wait(timeout=30)
+
+
+def test_the_gpu_table_refuses_a_section_it_does_not_have():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu.py"), "--device", "cpu", "--sections", "smoke,no_such_section"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "no section 'no_such_section'" in done.stderr
+    assert "prefill_graph" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_the_bundle_carries_the_frontend_jar_apart_and_puts_it_and_a_runnable_java_back(tmp_path):
     """split_wheel: the wheel loses its jar and the jar's RECORD line; pip installs it. unpack: the Java
     runtime's programs run again (a tar that lost their run bits, as the device's copy did) and the jar is
