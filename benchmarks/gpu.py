@@ -91,9 +91,9 @@ from transformers.generation.streamers import BaseStreamer
 import async_steps
 import greedy_rows
 from engine_decode import build_runner, first_differences, run_together, sync
+from llava_sessions.config import Settings
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
-from llava_sessions.engine.memory import default_device_budget
 from llava_sessions.engine.model_runner import KV_PAGE_SIZE, DecodeLayout, new_prefill_graphs
 from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.images.fetch import decode_image
@@ -101,8 +101,9 @@ from llava_sessions.model import LlavaModel
 from llava_sessions.model.graphs import PagedRead
 from llava_sessions.model.regions import compile_layers, compiles, uncompile_layers
 from llava_sessions.sampling.sampler import SamplingParams
+from llava_sessions.sessions.budget import GraphShapes, graph_reserve_bytes
 from llava_sessions.sessions.store import SessionStore
-from llava_sessions.worker import compile_text_layers
+from llava_sessions.worker import compile_text_layers, session_budget
 from llava_tools.demo.samples import sample_photo
 from paged_attention import AttentionShape, describe, measure
 
@@ -500,14 +501,15 @@ def new_engine(
     cpu_pool_bytes: int = 1 << 27,
     async_scheduling: bool | None = None,
 ) -> SessionEngine:
-    """An engine on ``llava`` whose store does not demote at the table's levels: on a card 0.8 of its
-    free memory (its fixed pool takes that much at start), on a CPU an unbounded budget
+    """An engine on ``llava`` whose store does not demote at the table's levels: on a card the worker's
+    budget (:func:`~llava_sessions.worker.session_budget`: 0.8 of the free memory less the graphs'
+    estimate; its fixed pool takes that much at start), on a CPU an unbounded budget
     (``cpu_pool_bytes``, 128 MiB, when ``graphs`` fixes the pool there too: the unfused FlexAttention a
     CPU runs reads the whole pool). Its static decode step reads the pages as ``paged_read`` says (None:
     the engine's own choice; another one captures its graphs again that way). ``async_scheduling``: as
     :class:`SessionEngine`'s (None: with captured graphs)."""
     if llava.device.type == "cuda":
-        budget = default_device_budget(llava, 0.8)
+        budget = session_budget(Settings.from_sources({}, {}), llava)
     else:
         budget = cpu_pool_bytes if graphs else 1 << 45
     store = SessionStore(
@@ -656,6 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     })  # fmt: skip
     levels = [int(x) for x in args.levels.split(",")]
     report.data["graph_counts"] = graph_counts(engine)
+    report.data["graph_memory"] = graph_memory(engine)
     report.data["sections"] = [name for name in SECTIONS if name in wanted]
     vocab = int(llava.config.text_config.vocab_size)
     runner, ahead_on = engine.runner, engine._execute.ahead is not None
@@ -768,6 +771,15 @@ def graph_counts(engine: SessionEngine) -> dict[str, int]:
         "prefill": runner.prefill_graphs.num_graphs if runner.prefill_graphs is not None else 0,
         "vision": len(getattr(vision, "graphs", None) or ()) or int(getattr(vision, "graph", None) is not None),
     }
+
+
+def graph_memory(engine: SessionEngine) -> dict[str, Any]:
+    """Each graph kind's capture in bytes the allocator reserved (a GPU's; none on a CPU), their sum, and
+    the budget's estimate of it (``sessions/budget.py``) beside it: what replaces the estimate."""
+    model = engine.runner.model
+    estimate = graph_reserve_bytes(GraphShapes.from_config(model.config.to_dict()), model.dtype.itemsize)
+    measured = dict(engine.runner.graph_bytes)
+    return {"measured": measured, "measured_bytes": sum(measured.values()), "estimate_bytes": estimate}
 
 
 def stop_on_sigterm() -> None:

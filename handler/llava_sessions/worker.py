@@ -32,7 +32,14 @@ from .sessions.store import SessionStore
 from .video import VideoLimits, decode_video
 from .wire.contract import IMAGE_RELAY_ENV, SEQUENCE_END_HEADER
 
-__all__ = ["WorkerOrigin", "build_engine", "build_local_service", "build_service", "quiet_worker_logs"]
+__all__ = [
+    "WorkerOrigin",
+    "build_engine",
+    "build_local_service",
+    "build_service",
+    "quiet_worker_logs",
+    "session_budget",
+]
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +225,8 @@ def decode_media(data: bytes, *, max_pixels: int, video_limits: VideoLimits) -> 
 
 
 def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | None = None) -> SessionEngine:
-    """The session store (its device budget: ``device_budget_bytes``, or a fraction of what is free
-    now, on each GPU of a tensor-parallel replica; on one GPU, of what is free less the CUDA graphs'
-    estimated memory (:func:`gpu_graph_reserve`), the KV pool's page count rounded down to one of a few
-    sizes (:func:`~llava_sessions.sessions.budget.ladder_pages`, so FlexAttention's compiled kernels
-    serve every start)) and the engine over ``model``, with the settings'
-    limits. A tensor-parallel replica (``model.ranks``) runs its sessions' KV in the pool, decoded in
+    """The session store (its device budget: :func:`session_budget`) and the engine over ``model``, with
+    the settings' limits. A tensor-parallel replica (``model.ranks``) runs its sessions' KV in the pool, decoded in
     place, eagerly, each prefill chunk a pass of its own and no host offload: the passes its other
     ranks mirror (:mod:`~llava_sessions.model.parallel`). Under the ``compile`` setting the text model's
     layers are fused and compiled first (:func:`~llava_sessions.model.regions.compile_layers`; ``auto``:
@@ -237,14 +240,8 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         compile_text_layers(model, compile_cache)
     if settings.image_preprocessing == "device":  # llava-1.5's; other processors stay on the host
         model.device_pixels = DevicePixels.for_processor(model.processor.image_processor, model.device, model.dtype)
-    budget = settings.device_budget_bytes or default_device_budget(
-        model, settings.device_budget_fraction, gpu_graph_reserve(settings, model, ranks)
-    ) * (ranks if on_card else 1)
-    if on_card and ranks == 1 and not settings.device_budget_bytes:  # the fixed pool at one of a few sizes
-        page = KV_PAGE_SIZE * model.kv_bytes_per_token
-        budget = max(page, ladder_pages(budget // page) * page)
     store = SessionStore(
-        device_budget_bytes=budget,
+        device_budget_bytes=session_budget(settings, model, ranks),
         host_budget_bytes=settings.host_budget_bytes,
         kv_bytes_per_token=model.kv_bytes_per_token,
         max_sessions=settings.max_sessions,
@@ -276,6 +273,23 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         cuda_graphs=False if settings.enforce_eager or ranks > 1 else None,
         async_scheduling=None if settings.async_scheduling else False,
     )
+
+
+def session_budget(settings: Settings, model: LlavaModel, ranks: int = 1) -> int:
+    """The sessions' device budget, bytes: ``device_budget_bytes``, or ``device_budget_fraction`` of what
+    is free now (on each GPU of a tensor-parallel replica of ``ranks``); on one GPU, of what is free less
+    the CUDA graphs' estimated memory (:func:`gpu_graph_reserve`), the KV pool's page count then rounded
+    down to one of a few sizes (:func:`~llava_sessions.sessions.budget.ladder_pages`, so FlexAttention's
+    compiled kernels, and a model folder's compile cache, serve every start)."""
+    if settings.device_budget_bytes:
+        return settings.device_budget_bytes
+    on_card = model.device.type == "cuda"
+    reserve = gpu_graph_reserve(settings, model, ranks)
+    budget = default_device_budget(model, settings.device_budget_fraction, reserve) * (ranks if on_card else 1)
+    if on_card and ranks == 1:  # the fixed pool at one of a few sizes
+        page = KV_PAGE_SIZE * model.kv_bytes_per_token
+        budget = max(page, ladder_pages(budget // page) * page)
+    return budget
 
 
 def gpu_graph_reserve(settings: Settings, model: LlavaModel, ranks: int = 1) -> int:

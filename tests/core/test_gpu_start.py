@@ -148,3 +148,15 @@ def test_an_image_chunk_s_embedding_reads_no_device_value_on_the_host(llava):
         short = llava.embed(ids, n, features)
     assert torch.equal(short[0, at[:2]], features[n:].to(short.dtype))
     assert torch.equal(short[0, at[2:]], plain[0, at[2:]])
+
+
+def test_a_cpu_s_session_budget_is_the_setting_or_a_share_of_what_is_free(llava):
+    """On a CPU nothing is kept for graphs and the pool grows, so the budget is not rounded to pages."""
+    from llava_sessions.config import Settings
+    from llava_sessions.engine import available_host_bytes
+    from llava_sessions.worker import session_budget
+
+    assert session_budget(Settings.from_sources({"device_budget_bytes": 12_345}), llava) == 12_345
+    free = available_host_bytes()
+    share = session_budget(Settings.from_sources({"device_budget_fraction": 0.5}), llava)
+    assert abs(share - free * 0.5) < 0.05 * free

@@ -321,3 +321,20 @@ def test_llava_1_5_preprocessing_on_the_card_is_the_processors_within_one_level(
         diff = level_differences(card, photo(name), DEVICE)
         assert diff.max().item() <= MAX_LEVEL_DIFFERENCE + 1e-3, name
         assert (diff > 0.5).float().mean().item() < 0.005, name
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="the host's waits for a CUDA device")
+def test_an_image_chunk_s_embedding_makes_the_host_wait_for_nothing(card, photos):
+    """The mixed step embeds an image's chunk between its decode replay and its prefill replay
+    (``LlavaModel.embed``): under PyTorch's sync debug mode "error" any op there that waits for the
+    device raises; the embedding is the features merged into the placeholders."""
+    feats = card.encode_images([decode(photos["astronaut"])], 1)[0]
+    ids = [1, 2, *([card.image_token_id] * int(feats.shape[0])), 7]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            embeds = card.embed(ids, 0, feats)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(embeds[0, 2:-1], feats.to(embeds.dtype))

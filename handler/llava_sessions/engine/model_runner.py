@@ -10,9 +10,10 @@ model the scheduler sizes a step by (:mod:`.costs`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence as GenericSequence
+from collections.abc import Iterable, Iterator, Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -110,11 +111,17 @@ class ModelRunner:
         graphs = paged and (on_card if cuda_graphs is None else cuda_graphs)
         fixed = store.device_budget_bytes if paged and (on_card or graphs) else 0
         self.kv_pool = new_kv_pool(model, kv_page_size, fixed)
-        self.graphs = new_graphs(model, self.kv_pool) if graphs and self.kv_pool is not None else None
-        self.prefill_graphs = new_prefill_graphs(model, self.kv_pool, self.graphs)
+        #: On a GPU, the device memory each graph kind's capture took (bytes the allocator reserved), to
+        #: hold against the budget's estimate (``sessions/budget.py``; ``benchmarks/gpu.py`` reports it).
+        self.graph_bytes: dict[str, int] = {}
+        with reserved_growth(self.graph_bytes, "decode", on_card):
+            self.graphs = new_graphs(model, self.kv_pool) if graphs and self.kv_pool is not None else None
+        with reserved_growth(self.graph_bytes, "prefill", on_card):
+            self.prefill_graphs = new_prefill_graphs(model, self.kv_pool, self.graphs)
         if self.graphs is not None and on_card and model.vision_graph is None:  # the vision tower, replayed
             args = (model.model, model.architecture, model.device, model.dtype)
-            model.vision_graph = VisionGraph.capture(*args) or TileGraphs.capture(*args)
+            with reserved_growth(self.graph_bytes, "vision", on_card):
+                model.vision_graph = VisionGraph.capture(*args) or TileGraphs.capture(*args)
         self.batch: DecodeBatch | PagedDecodeBatch = (
             PagedDecodeBatch(model, store, self.kv_pool, self.graphs, self.prefill_graphs)
             if paged and self.kv_pool is not None
@@ -365,6 +372,18 @@ class ModelRunner:
         if self.kv_pool is not None:
             tables = [c.table for c in caches if isinstance(c, SessionKV)]
             self.kv_pool.check(tables + ([self.graphs.table] if self.graphs is not None else []))
+
+
+@contextlib.contextmanager
+def reserved_growth(into: dict[str, int], key: str, on_card: bool) -> Iterator[None]:
+    """Record in ``into[key]`` how many bytes the CUDA allocator reserved during the block (a capture's
+    memory pool and what it keeps); nothing on a CPU."""
+    if not on_card:
+        yield
+        return
+    before = torch.cuda.memory_reserved()
+    yield
+    into[key] = torch.cuda.memory_reserved() - before
 
 
 def new_kv_pool(model: LlavaModel, page_size: int, fixed_bytes: int = 0) -> KVPool | None:
