@@ -543,7 +543,8 @@ def test_dry_run_prints_the_calls_and_calls_nothing(checkpoint: Path, capsys) ->
 def test_invalid_arguments_fail_before_any_call(checkpoint: Path, capsys) -> None:
     assert main([*deploy_args(checkpoint), "--role-arn", "not-a-role", "--dry-run"], clients=None) == 1
     assert "invalid role ARN" in capsys.readouterr().err
-    assert main([*deploy_args(checkpoint), "--instance-type", "g5.2xlarge", "--dry-run"], clients=None) == 1
+    assert main([*deploy_args(checkpoint), "--instance-type", "g5.2xlarge", "--dry-run"], clients=None) == 2
+    assert "(did you mean ml.g5.2xlarge?)" in capsys.readouterr().err  # a usage error, as a --set typo
     assert main([*deploy_args(checkpoint), "--endpoint-name", "bad_name", "--dry-run"], clients=None) == 1
     assert main([*deploy_args(checkpoint), "--startup-timeout", "5", "--dry-run"], clients=None) == 1
     with pytest.raises(SystemExit):
@@ -644,6 +645,10 @@ def test_capacity_plan_of_llava_7b_on_common_instance_types(tmp_path: Path) -> N
         (["--env", "LLAVA_SESION_TTL_S=600"], "LLAVA_SESION_TTL_S (did you mean LLAVA_SESSION_TTL_S?)"),
         (["--env", "LLAVA_MAX_SESSIONS=abc"], "LLAVA_MAX_SESSIONS"),
         (["--set", "max_sessions=0"], "max_sessions"),
+        (  # SageMaker's own list of endpoint instance types (botocore's): a typo plans and uploads nothing
+            ["--instance-type", "ml.g5.2xlarg", "--dry-run"],
+            "--instance-type ml.g5.2xlarg is not a SageMaker endpoint instance type (did you mean ml.g5.2xlarge?)",
+        ),
     ],
 )
 def test_a_typo_in_a_setting_is_named_before_any_call_by_the_cli(checkpoint: Path, extra, says) -> None:
@@ -659,7 +664,8 @@ def test_a_typo_in_a_setting_is_named_before_any_call_by_the_cli(checkpoint: Pat
     )
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr
-    assert done.stderr.startswith("llava-deploy: ")
+    assert done.stderr.startswith("llava-deploy: ") and len(done.stderr.strip().splitlines()) == 1
+    assert done.stdout == ""  # no plan, no upload notice before the refusal
 
 
 def test_capacity_grows_with_the_instance_s_gpus(checkpoint: Path, capsys) -> None:

@@ -25,6 +25,7 @@ from .spec import (
     ROUTING_STRATEGIES,
     DeployError,
     DeploySpec,
+    check_instance_type,
     default_environment,
     derived_name,
     parse_s3_uri,
@@ -165,10 +166,11 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
             return 0
         environment = default_environment(args.response_timeout)
         environment.update(dict(args.environment))
-        try:  # before any AWS call: a typo in --set or --env, or a bad value, is named here
+        try:  # before any AWS call: a typo in --set, --env or --instance-type, or a bad value, is named here
             Settings.check_names(dict(args.overrides), "in --set")
             Settings.from_sources(dict(args.overrides), environment)
-        except ValueError as exc:
+            check_instance_type(args.instance_type)
+        except (ValueError, DeployError) as exc:
             print(f"llava-deploy: {exc}", file=sys.stderr)
             return 2
         spec = _spec(args, environment)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -81,6 +82,31 @@ DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 class DeployError(RuntimeError):
     """A deployment step failed or its input is invalid; the message says what to fix."""
+
+
+def endpoint_instance_types() -> frozenset[str]:
+    """The instance types a SageMaker real-time endpoint takes, as botocore's own service model lists them
+    (the ``ProductionVariantInstanceType`` enum of the ``sagemaker`` API, the boto3 installed)."""
+    import botocore.session
+
+    model = botocore.session.get_session().get_service_model("sagemaker")
+    return frozenset(model.shape_for("ProductionVariantInstanceType").enum or ())
+
+
+def check_instance_type(instance_type: str, known: frozenset[str] | None = None) -> None:
+    """Refuse an instance type SageMaker does not have (``known``: :func:`endpoint_instance_types`).
+
+    Raises:
+        DeployError: one line naming the type and the closest known one.
+    """
+    known = endpoint_instance_types() if known is None else known
+    if not known or instance_type in known:
+        return
+    close = difflib.get_close_matches(instance_type, sorted(known), n=1, cutoff=0.6)
+    hint = (
+        f" (did you mean {close[0]}?)" if close else f" (e.g. {DEFAULT_INSTANCE_TYPE}, ml.g6e.xlarge, ml.p5.48xlarge)"
+    )
+    raise DeployError(f"--instance-type {instance_type} is not a SageMaker endpoint instance type{hint}")
 
 
 S3_URI_RE = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(.*))?$")
