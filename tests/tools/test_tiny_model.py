@@ -111,3 +111,84 @@ def test_the_cli_refuses_a_folder_that_is_not_empty(tmp_path) -> None:
     assert refused.returncode == 2 and "is not empty" in refused.stderr and "Traceback" not in refused.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
     assert (tmp_path / "model.safetensors").read_bytes() == b"real weights"
+
+
+#: llava-hf/llava-1.5-7b-hf's ``model.safetensors.index.json`` weight names, a layer's index as ``N``: the
+#: names vLLM's, SGLang's and TGI's LLaVA loaders read (their CLIP tower under ``vision_model``).
+HUB_LLAVA_15_KEYS = {
+    "language_model.lm_head.weight",
+    "language_model.model.embed_tokens.weight",
+    "language_model.model.norm.weight",
+    *(
+        f"language_model.model.layers.N.{name}.weight"
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "mlp.down_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+        )
+    ),
+    *(f"multi_modal_projector.linear_{i}.{p}" for i in (1, 2) for p in ("weight", "bias")),
+    "vision_tower.vision_model.embeddings.class_embedding",
+    "vision_tower.vision_model.embeddings.patch_embedding.weight",
+    "vision_tower.vision_model.embeddings.position_embedding.weight",
+    *(
+        f"vision_tower.vision_model.{norm}.{p}"
+        for norm in ("pre_layrnorm", "post_layernorm")
+        for p in ("weight", "bias")
+    ),
+    *(
+        f"vision_tower.vision_model.encoder.layers.N.{name}.{p}"
+        for name in (
+            "layer_norm1",
+            "layer_norm2",
+            "mlp.fc1",
+            "mlp.fc2",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.out_proj",
+        )
+        for p in ("weight", "bias")
+    ),
+}
+
+
+def test_the_checkpoint_names_its_weights_as_llava_hf_s_do_and_loads_as_saved(tiny_model_dir, tmp_path):
+    """Every weight of the tiny llava-1.5 has a name of the hub's checkpoint, and every name of the hub's
+    is there; transformers loads it to the very tensors the builder made (the other layout, as
+    ``save_pretrained`` writes it, loads to the same)."""
+    import re
+
+    from safetensors import safe_open
+    from transformers import LlavaForConditionalGeneration
+
+    from llava_tools.tiny_model import build_model
+
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())  # noqa: SIM118 - a safetensors handle
+    assert {re.sub(r"\.\d+\.", ".N.", k) for k in keys} == HUB_LLAVA_15_KEYS
+    built, _ = build_model("tiny", seed=0)
+    loaded = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir)
+    mine, theirs = built.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    built.save_pretrained(tmp_path / "saved")  # transformers' own layout: the tower without vision_model
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        assert not any(k.startswith("vision_tower.vision_model.") for k in f.keys())  # noqa: SIM118
+    again = LlavaForConditionalGeneration.from_pretrained(tmp_path / "saved").state_dict()
+    assert all(torch.equal(again[k], theirs[k]) for k in theirs)
+
+
+def test_every_architecture_s_tower_is_under_vision_model(tmp_path):
+    from safetensors import safe_open
+
+    for arch in ("llava-next", "llava-onevision", "llava-next-video"):
+        folder = write_checkpoint("tiny", tmp_path / arch, seed=0, arch=arch)
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            tower = [k for k in f.keys() if k.startswith("vision_tower.")]  # noqa: SIM118
+        assert tower and all(k.startswith("vision_tower.vision_model.") for k in tower), arch
