@@ -12,8 +12,8 @@ Each :meth:`SessionService.handle` call
    fetches it beside the loop, and is admitted from its body once the bytes are in;
 2. advances every request in the batch by a bounded slice (``step_max_tokens`` steps, within
    ``step_max_ms``; at least one, and none past the step that sampled a stream's first token),
-   interleaving requests token by token (:meth:`SessionEngine.step`), except in a call that admitted a
-   chat stream: its first event goes out before any forward pass (never in two calls in a row);
+   interleaving requests token by token (:meth:`SessionEngine.step`); a stream's first event is its
+   first token's (the chat dialect's role goes with it, as vLLM streams);
 3. returns one :class:`Reply` per row, each written by its request's dialect under TorchServe's
    framing (:mod:`.wire.framing`). Nothing raises out of :meth:`handle`.
 
@@ -96,7 +96,6 @@ class SessionService:
             settings, engine, self.requests, fetch, self.metrics, model_names=model_names, token_text=token_text
         )
         self._new_session_bytes: int | None = None
-        self._held_back = False  # the last call ran no step (a stream's first event went out first)
         self.step_budget: int | TimeBudget = settings.step_token_budget or TimeBudget(
             settings.max_step_ms_while_decoding,
             settings.max_prefill_tokens_per_pass,
@@ -141,15 +140,7 @@ class SessionService:
                 results[i] = resumed
             else:
                 active.append((i, self._seen(resumed, now)))
-        # a chat stream just admitted: its first event (the role chunk) goes out now, before any forward
-        # pass, and every request steps on the next call, one TorchServe round trip later; never two calls in
-        # a row, so new streams arriving at every call cannot starve the running ones
-        fresh = any(req.calls == 1 and req.stream is not None for _, req in active)
-        if fresh and not self._held_back:
-            self._held_back = True
-        else:
-            self._held_back = False
-            self._advance([req for _, req in active])
+        self._advance([req for _, req in active])
         for i, req in active:
             try:
                 results[i] = req.dialect.emit(req)

@@ -93,6 +93,20 @@ def test_a_stop_sequence_is_held_back_and_left_out_of_streams_and_replies():
     assert whole.choices[0].message.content == "Hello "
 
 
+def test_every_token_gets_a_chunk_its_text_empty_or_not_and_the_role_goes_with_the_first():
+    """vLLM's stream: nothing before the first token (a client's time to first token is the first
+    token's), the role in its chunk, and a chunk for a token whose text is empty (a special token), so
+    an answer of such tokens streams as it is made instead of all at its end."""
+    stream = ChatStream(command(stream=True), sse=True, token_text=str)
+    assert stream.content_type == "text/event-stream; charset=utf-8"
+    assert stream.tokens(0, [], "") is None  # no token yet: no chunk, not even the role's
+    bos = stream.tokens(0, [TokenEvent(1, "", None, special=True)], "")
+    assert bos is not None and (bos.delta.role, bos.delta.content) == ("assistant", "")
+    word = stream.tokens(0, [TokenEvent(7, "Hi", None)], "Hi")
+    assert word is not None and (word.delta.role, word.delta.content) == (None, "Hi")
+    assert stream.tokens(0, [], "Hi") is None
+
+
 def test_logprobs_in_openai_shape():
     cmd = command(logprobs=True, top_logprobs=2)
     events = [TokenEvent(5, "a", -0.1, top=((5, -0.1), (6, -2.5))), TokenEvent(2, "", -0.2, special=True)]

@@ -167,9 +167,9 @@ def test_a_stream_s_first_token_leaves_in_the_call_that_sampled_it(tiny_model_di
     assert whole.body == b"" and len(svc.requests.in_flight["g2"].work.events) == 8
     finish(svc, [BatchRequest("g2", "s1", False, None)], [whole])
     chat = BatchRequest("c1", "ts-seq-c1", True, chat_image_body(photos["coffee"], stream=True, max_tokens=20))
-    role = svc.handle([chat])[0]  # the role chunk, before any forward pass
-    token = svc.handle([BatchRequest("c1", "ts-seq-c1", True, None)])[0]
-    assert role.stop is False and token.stop is False and len(svc.requests.in_flight["c1"].work.events) == 1
+    token = svc.handle([chat])[0]  # the role with the first token, in the call that admitted it
+    assert token.stop is False and len(svc.requests.in_flight["c1"].work.events) == 1
+    assert json.loads(token.body.decode().removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
     finish(svc, [BatchRequest("c1", "ts-seq-c1", True, None)], [token])
 
 
@@ -244,22 +244,26 @@ def chat_image_body(image: bytes, *, stream: bool, max_tokens: int = 4) -> dict:
     return {**body, "temperature": 0}
 
 
-def test_a_streamed_chat_sends_its_role_chunk_before_any_forward_pass(tiny_model_dir, photos):
-    """Issue 33 item 2: the first event leaves in the call that admitted the request, with nothing
-    run on the model yet (the image decoded and checked: a bad one still gets its 4xx)."""
+def test_a_streamed_chat_s_first_event_is_its_first_token_with_the_role(tiny_model_dir, photos):
+    """Issue 75 item 6, as vLLM streams: nothing goes out before the first token (a tool that takes the
+    first chunk for the first token reads the true time), and the call that admitted the stream runs its
+    steps up to that token: the first frame carries the role and the first token, with status 200 and
+    the charset; a stream arriving while another runs steps at once too; a bad image still gets its 4xx."""
     svc = tiny_service(tiny_model_dir)
     prefilled = svc.engine.num_prefilled_tokens
-    rows = [BatchRequest("s1", "ts-seq-s1", True, chat_image_body(photos["coffee"], stream=True))]
-    first = svc.handle(rows)[0]
-    assert first.status == 200 and first.stop is False and first.content_type == "text/event-stream"
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**chat_image_body(photos["coffee"], stream=True), "stream_options": options}
+    first = svc.handle([BatchRequest("s1", "ts-seq-s1", True, body)])[0]
+    assert first.status == 200 and first.stop is False and first.content_type == "text/event-stream; charset=utf-8"
     event = json.loads(first.body.decode().removeprefix("data: "))
-    assert event["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert svc.engine.num_prefilled_tokens == prefilled  # no forward pass before it went out
-    # another stream arrives with the first one's next call: this call steps (never two held back in
-    # a row, so streams arriving at every call cannot starve the running ones)
-    second = BatchRequest("s3", "ts-seq-s3", True, chat_image_body(photos["chelsea"], stream=True))
+    assert event["choices"][0]["delta"]["role"] == "assistant" and event["usage"]["completion_tokens"] == 1
+    assert svc.engine.num_prefilled_tokens > prefilled  # the admitting call ran the prefill and the first step
+    second = BatchRequest("s3", "ts-seq-s3", True, {**chat_image_body(photos["chelsea"], stream=True)})
     out = svc.handle([BatchRequest("s1", "ts-seq-s1", True, None), second])
-    assert svc.engine.num_prefilled_tokens > prefilled and out[1].status == 200
+    assert (
+        out[1].status == 200
+        and json.loads(out[1].body.decode().removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
+    )
     rows = [BatchRequest("s1", "ts-seq-s1", True, None), BatchRequest("s3", "ts-seq-s3", True, None)]
     last = finish(svc, rows, out)
     assert all(frame.body.endswith(b"data: [DONE]\n\n") for frame in last.values())
@@ -684,7 +688,7 @@ def test_a_fetch_that_fails_after_its_reply_began_ends_it_with_the_typed_error(f
     ]
     out = fetching.handle(rows)
     assert [o.status for o in out[1:]] == [200, 200] and [o.stop for o in out[1:]] == [False, False]
-    assert out[2].content_type == "text/event-stream" and out[2].headers == {}
+    assert out[2].content_type == "text/event-stream; charset=utf-8" and out[2].headers == {}
     last = finish(fetching, rows, out)
     native = json.loads(last["f-l1"].body)["error"]
     assert last["f-l1"].stop is True and native["code"] == "image_fetch_timeout"

@@ -167,11 +167,30 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk_as_vllm_does
         ChatCompletionChunk.model_validate(chunk.to_dict())
     assert all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
-    assert counts == sorted(counts) and counts[0] <= 1 and counts[-1] == 12 and len(set(counts)) > 2
+    assert counts == sorted(counts) and counts[-1] == 12 and len(set(counts)) > 2
+    # no chunk before the first token (the role goes with it), and every chunk brings tokens, their text
+    # empty or not (the last may only end the answer)
+    assert counts[0] == 1 and [c for c in chunks if c.choices][0].choices[0].delta.role == "assistant"
+    assert all(a < b for a, b in zip(counts[:-2], counts[1:-1], strict=True))
     prompt = {c.usage.prompt_tokens for c in chunks}
     assert len(prompt) == 1 and chunks[-1].usage.total_tokens == prompt.pop() + 12
     chunks = stream_chunks(client, messages, max_tokens=4, stream_options={"include_usage": True})
     assert chunks[-1].usage is not None and all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_stream_names_its_charset_so_requests_reads_it_as_utf_8(server, photos):
+    """Server-sent events are ``text/*``: without a charset ``requests`` decodes them as ISO-8859-1 (RFC
+    2616's default) and a stateless client resends "naÃ¯ve" for "naïve"; vLLM names utf-8, and so do we."""
+    content = [
+        {"type": "image_url", "image_url": {"url": data_uri(photos["coffee"])}},
+        {"type": "text", "text": "naïve?"},
+    ]
+    body = {"model": "llava", "messages": [{"role": "user", "content": content}], "max_tokens": 3, "stream": True}
+    with requests.post(f"{server.openai_base_url}/chat/completions", json=body, stream=True, timeout=60) as reply:
+        assert reply.status_code == 200 and reply.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+        assert reply.encoding == "utf-8"
+        events = [line for line in reply.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
 
 
 def test_n_choices_through_the_openai_package_each_equal_to_its_seed_alone(server, llava, photos):

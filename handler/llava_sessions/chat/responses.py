@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import ServiceError
 from ..results import Answer, TokenEvent
 from ..wire.contract import format_expires
-from ..wire.framing import EVENT_STREAM, JSON_LINES
+from ..wire.framing import EVENT_STREAM, EVENT_STREAM_UTF8, JSON_LINES
 from .command import ChatCommand
 
 __all__ = [
@@ -257,8 +257,8 @@ class ChatStream:
 
     @property
     def content_type(self) -> str:
-        """``text/event-stream`` or ``application/jsonlines``."""
-        return EVENT_STREAM if self.sse else JSON_LINES
+        """``text/event-stream; charset=utf-8`` or ``application/jsonlines``."""
+        return EVENT_STREAM_UTF8 if self.sse else JSON_LINES
 
     def _frame(self, payload: str) -> bytes:
         return f"data: {payload}\n\n".encode() if self.sse else f"{payload}\n".encode()
@@ -281,15 +281,17 @@ class ChatStream:
         return Delta(role=role, content=content)
 
     def tokens(self, index: int, events: Sequence[TokenEvent], text: str) -> ChunkChoice | None:
-        """Choice ``index``'s part of a chunk for its tokens of a step slice (``text``: its whole answer
-        so far), or None when it has nothing to say yet. Text that could begin a stop sequence is held
-        back until it cannot."""
+        """Choice ``index``'s part of a chunk for its new tokens (``events``, sampled since its last chunk;
+        ``text``: its whole answer so far), or None when there are none. Every token gets a chunk, its
+        content empty when its text is (a special token) or held back (text that could begin a stop
+        sequence waits until it cannot), and the role goes with the first token's, as vLLM streams:
+        a client's time to first token is the first token's."""
+        if not events:
+            return None
         sent = self._sent.get(index, "")
         ready = text[: max(len(sent), len(text) - self._holdback)] if self._holdback else text
         content = ready[len(sent) :]
         logprobs = _logprobs(events, self.token_text) if self.command.params.logprobs else None
-        if not content and index in self._role_sent and not (logprobs and logprobs.content):
-            return None
         self._sent[index] = ready
         return ChunkChoice(index=index, delta=self._delta(index, content), logprobs=logprobs)
 

@@ -33,6 +33,7 @@ from .contract import (
 
 __all__ = [
     "EVENT_STREAM",
+    "EVENT_STREAM_UTF8",
     "JSON",
     "JSON_LINES",
     "Framing",
@@ -47,8 +48,11 @@ __all__ = [
 JSON = "application/json"
 #: Content type of JSON-lines streams (SageMaker LMI / TGI; a chat stream when ``Accept`` asks for it).
 JSON_LINES = "application/jsonlines"
-#: Content type of server-sent events (OpenAI's chat streams).
+#: Media type of server-sent events (OpenAI's chat streams).
 EVENT_STREAM = "text/event-stream"
+#: The content type a chat stream is sent with: its charset named, as vLLM's and OpenAI's are (without
+#: it, ``requests`` decodes ``text/*`` as ISO-8859-1, RFC 2616's default, and "naïve" reads "naÃ¯ve").
+EVENT_STREAM_UTF8 = f"{EVENT_STREAM}; charset=utf-8"
 
 
 @dataclass
