@@ -132,7 +132,7 @@ class Session:
         self.open_timings = opened.timings
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._turns)} turns"
+        state = "closed" if self._closed else _turns(len(self._turns))
         return f"Session({self.id!r}, {state})"
 
     def __enter__(self) -> Session:
@@ -386,10 +386,10 @@ class Session:
         client = self._client
         old_id = self.id
         log.warning(
-            "session %s is gone (%s); reopening on the same image with its %d remembered turns",
+            "session %s is gone (%s); reopening on the same image with its %s",
             old_id,
             error.code,
-            len(self._turns),
+            _turns(len(self._turns), "remembered "),
         )
         history: list[dict[str, Any]] = []
         for turn in self._turns:
@@ -414,5 +414,10 @@ class Session:
             replayed_turns=len(self._turns),
         )
         log.warning(
-            "session %s restored as %s with its %d remembered turns", old_id, opened.session_id, len(self._turns)
+            "session %s restored as %s with its %s", old_id, opened.session_id, _turns(len(self._turns), "remembered ")
         )
+
+
+def _turns(n: int, kind: str = "") -> str:
+    """``1 turn``, ``2 turns`` (``kind``: a word before the noun, e.g. ``"remembered "``)."""
+    return f"{n} {kind}turn{'' if n == 1 else 's'}"

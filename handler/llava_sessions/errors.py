@@ -118,3 +118,9 @@ RETRY_AFTER_S: dict[str, int] = {"session_room": 5, "step_memory": 2, "generatio
 def overloaded(message: str, shortage: Shortage) -> ServiceError:
     """A ``503 overloaded`` error whose ``Retry-After`` follows :data:`RETRY_AFTER_S` for ``shortage``."""
     return ServiceError(ErrorCode.OVERLOADED, message, retry_after_s=RETRY_AFTER_S[shortage], shortage=shortage)
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` in a message, the noun plural unless ``n`` is 1: ``1 session``, ``2 sessions``
+    (``plural``: the plural when it is not ``noun + "s"``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..conversation import Turn, image_key
-from ..errors import ErrorCode, ServiceError, overloaded
+from ..errors import ErrorCode, ServiceError, counted, overloaded
 from .ledger import Demotion, SessionLedger, Tier
 from .offload import KVOffload
 from .session import Session, SessionSnapshot
@@ -277,7 +277,9 @@ class SessionStore:
         if session.session_id in self._sessions:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
         if len(self) >= self.max_sessions:
-            raise overloaded(f"this worker holds its maximum of {self.max_sessions} sessions", "session_room")
+            raise overloaded(
+                f"this worker holds its maximum of {counted(self.max_sessions, 'session')}", "session_room"
+            )
         if session.host_bytes > self.host_budget_bytes:
             raise overloaded("the session does not fit in host memory", "session_room")
         self._sessions[session.session_id] = session

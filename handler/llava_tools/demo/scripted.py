@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llava_client import Answer, LlavaError, SessionClient
+from llava_sessions.errors import counted
 
 from .samples import sample_photo
 
@@ -182,7 +183,7 @@ def _chat(client: SessionClient, photo: Path, max_new_tokens: int) -> list[_Turn
         _say(f"A3: {_printable(answer.text)}")
         turns.append(_Turn("Q3 (independent)", q3, answer))
         _say(_turn_line(answer))
-        _say(f"history kept by the session: {len(session.history)} turns (Q3 was not remembered)")
+        _say(f"history kept by the session: {counted(len(session.history), 'turn')} (Q3 was not remembered)")
     _say(f"closed session {session.id}")
     return turns
 
