@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timezone
 
 import pytest
@@ -213,18 +214,37 @@ def test_generation_params_wire():
     assert keywords.to_wire() == {"max_new_tokens": 8, "n": 3, "session_choice": 1, "stop": ["END"]}
 
 
-@pytest.mark.parametrize("command", ["llava-chat", "llava-web", "llava-serve", "llava-deploy", "llava-local-endpoint"])
-def test_cli_help_is_plain_text(command):
-    """``--help`` of every CLI the README names, as the user runs it: exit 0, no reST markup."""
+@pytest.mark.parametrize(
+    "command", ["llava-chat", "llava-web", "llava-serve", "llava-deploy", "llava-local-endpoint", "llava-tiny-model"]
+)
+def test_cli_help_is_plain_text_and_says_what_every_option_is(command):
+    """``--help`` of every CLI the README names, as the user runs it: exit 0, no reST markup, and no
+    option without a description."""
+    import re
     import subprocess
     import sys
     from pathlib import Path
 
     done = subprocess.run(
-        [str(Path(sys.executable).parent / command), "--help"], capture_output=True, text=True, timeout=60
+        [str(Path(sys.executable).parent / command), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},  # one line an option: its description beside it
     )
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout and "``" not in done.stdout and ":class:" not in done.stdout
+    lines = done.stdout.splitlines() + [""]
+    options = [i for i, line in enumerate(lines) if re.match(r"^  -", line)]
+    described = [  # its description beside it, or on the next line (a long option), indented deeper
+        re.match(r"^  \S.*?\S  +\S", lines[i]) or re.match(r"^ {4,}\S", lines[i + 1]) for i in options
+    ]
+    bare = [lines[i].strip() for i, ok in zip(options, described, strict=True) if not ok]
+    assert options and bare == [], bare
+    if command == "llava-serve":
+        assert "default: 8080" in done.stdout and "default: 600" in done.stdout
+    if command == "llava-tiny-model":
+        assert all(f"{size}:" in done.stdout for size in ("tiny", "bench", "7b"))
 
 
 class _Lines:

@@ -501,7 +501,8 @@ def write_checkpoint(
 
     if size == "7b" and not torch.cuda.is_available():
         raise RuntimeError(
-            "--size 7b is built on a GPU machine only (14 GB of fp16 weights); use build_model('7b', device='cuda')"
+            "--size 7b is built on a GPU machine only (14 GB of fp16 weights); run it where CUDA is available, "
+            "or use --size bench on this one"
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

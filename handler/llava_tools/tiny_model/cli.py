@@ -17,9 +17,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="llava-tiny-model", description="Write a random-weight llava-hf checkpoint of one family and size."
     )
     parser.add_argument("--arch", choices=list(ARCHS), default="llava", help="model family (default: llava)")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="tiny: seconds to build, for tests and the demo; bench: llava-1.5's shape scaled for a CPU, for "
+        "benchmarks; 7b: llava-1.5-7b's exact shape, built on a GPU only (default: tiny)",
+    )
+    parser.add_argument("--out", required=True, help="output folder (new or empty)")
+    parser.add_argument("--seed", type=int, default=0, help="the random weights' seed (default: 0)")
     parser.add_argument("--max-positions", type=int, help="the text model's context in tokens (default: the size's)")
     parser.add_argument("--kv-heads", type=int, help="the text model's key-value heads (default: the size's)")
     args = parser.parse_args(argv)
