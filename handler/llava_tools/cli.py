@@ -83,6 +83,9 @@ def run_until_signal(prog: str, server: Any, *, starting: str, ready: Callable[[
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
+        check = getattr(server, "check", None)
+        if check is not None:  # what it would be refused for is said before the "starting" line
+            check()
         print(f"{prog}: {starting}", flush=True)
         server.start()
         if not stop_requested.is_set():

@@ -624,5 +624,9 @@ def test_argument_mistakes_are_one_line_errors_said_at_once(tmp_path: Path, tiny
         port = str(taken.getsockname()[1])
         t0 = time.monotonic()
         busy = run(str(scripts / "llava-local-endpoint"), "--model-dir", str(tiny_model_dir), "--port", port)
+        serve = run(str(scripts / "llava-serve"), "--model-dir", str(tiny_model_dir), "--port", port)
     assert busy.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr
     assert "Traceback" not in busy.stderr and time.monotonic() - t0 < 20  # before any backend loads
+    # llava-serve on a taken port: the fix named, and no "starting TorchServe" line before the refusal
+    assert serve.returncode == 1 and "(choose another with --port; 0 picks a free one)" in serve.stderr
+    assert "starting TorchServe" not in serve.stdout and "starting TorchServe" not in empty.stdout

@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import shutil
 import subprocess
@@ -248,26 +249,10 @@ class LocalServer(Supervised):
         with self._lock:
             if self._proc is not None:
                 raise RuntimeError("server already started")
-            for path, what in (
-                (self.model_dir, "model dir"),
-                (self.config_path, "model config"),
-                (self.handler_path, "handler file"),
-                (self.log_config_path, "log config"),
-            ):
-                if path is not None and not path.exists():
-                    raise FileNotFoundError(f"{what} not found: {path}")
-            if self.handler_path == default_handler_path() and not (self.model_dir / "config.json").is_file():
-                raise FileNotFoundError(  # said now, not after TorchServe's start and the worker's failed load
-                    f"{self.model_dir} is not a llava-hf checkpoint folder (no config.json): give the folder "
-                    "'hf download' wrote, or build one with llava-tiny-model"
-                )
+            self.check()
             self._temp_dir = Path(tempfile.mkdtemp(prefix="llava-serve-", dir=temp_base()))
             atexit.register(self.stop)
         try:
-            # the handler settings the worker will read, validated before anything starts
-            self._settings = ts_files.check_settings(
-                self.config_path, self.overrides, {**os.environ, **self.env}, self.model_config_overrides
-            )
             self._prepare_and_launch()
             self._wait_ready()
             if self.supervise:
@@ -280,6 +265,34 @@ class LocalServer(Supervised):
                 raise ServerStartError(f"{exc}\n{tail}{kept}") from None
             raise
         return self
+
+    def check(self) -> None:
+        """What a start would be refused for, said before anything starts (the CLIs call it before their
+        "starting" line; :meth:`start` calls it first): the folders and files exist, the model folder is a
+        checkpoint, the handler settings are valid, and the public port is free (the front binds it now,
+        not ready until the worker serves). Idempotent.
+
+        Raises:
+            FileNotFoundError: as :meth:`start`. ServerStartError: a setting is invalid, or the port is taken.
+        """
+        for path, what in (
+            (self.model_dir, "model dir"),
+            (self.config_path, "model config"),
+            (self.handler_path, "handler file"),
+            (self.log_config_path, "log config"),
+        ):
+            if path is not None and not path.exists():
+                raise FileNotFoundError(f"{what} not found: {path}")
+        if self.handler_path == default_handler_path() and not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(  # said now, not after TorchServe's start and the worker's failed load
+                f"{self.model_dir} is not a llava-hf checkpoint folder (no config.json): give the folder "
+                "'hf download' wrote, or build one with llava-tiny-model"
+            )
+        if self._settings is None:  # the handler settings the worker will read, validated before anything starts
+            self._settings = ts_files.check_settings(
+                self.config_path, self.overrides, {**os.environ, **self.env}, self.model_config_overrides
+            )
+        self._bind_front()
 
     def abort_start(self) -> None:
         """Make a :meth:`start` in progress (another thread, a signal handler) give up soon."""
@@ -337,30 +350,39 @@ class LocalServer(Supervised):
         Raises:
             ServerStartError: the public port is taken.
         """
-        served = self._settings.served_model_name if self._settings is not None else ()
-        name = served or (self.model_dir.name,)
-        address = (self.host, self._requested_port)
-        try:
-            if self._front is None:
-                settings = self._settings
-                images = ImageRelay(settings) if settings is not None else None
-                queue = SlotQueue(settings.queue_max_requests, settings.queue_timeout_s) if settings else None
-                front = OpenAIFront(
-                    address,
-                    ("127.0.0.1", 0),
-                    name,
-                    routes=self.openai_routes,
-                    images=images,
-                    api_key=self.api_key,
-                    queue=queue,
-                )
-                self._front = front.start()
-        except OSError as exc:
-            raise ServerStartError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from None
+        self._bind_front()
+        assert self._front is not None
         self._ports = pick_ports("127.0.0.1", 0)
         self._front.backend = ("127.0.0.1", self._ports["inference"])
         self._front.metrics = ("127.0.0.1", self._ports["metrics"])
         self._ports["public"] = self._front.port
+
+    def _bind_front(self) -> None:
+        """Bind the front on the public port, once (not ready: ``/ping`` 503 until the worker serves).
+
+        Raises:
+            ServerStartError: the port is taken (the message says to choose another).
+        """
+        if self._front is not None:
+            return
+        served = self._settings.served_model_name if self._settings is not None else ()
+        settings = self._settings
+        images = ImageRelay(settings) if settings is not None else None
+        queue = SlotQueue(settings.queue_max_requests, settings.queue_timeout_s) if settings else None
+        try:
+            front = OpenAIFront(
+                (self.host, self._requested_port),
+                ("127.0.0.1", 0),
+                served or (self.model_dir.name,),
+                routes=self.openai_routes,
+                images=images,
+                api_key=self.api_key,
+                queue=queue,
+            )
+            self._front = front.start()
+        except OSError as exc:
+            hint = " (choose another with --port; 0 picks a free one)" if exc.errno == errno.EADDRINUSE else ""
+            raise ServerStartError(f"cannot listen on {self.host}:{self._requested_port}: {exc}{hint}") from None
 
     def _prepare_and_launch(self) -> None:
         temp = self.temp_dir
