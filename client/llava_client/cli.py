@@ -28,7 +28,14 @@ from ._exceptions import LlavaError
 from ._transport import url_argument
 from ._types import Answer
 
-__all__ = ["main"]
+__all__ = ["main", "terminal_text"]
+
+
+def terminal_text(text: str) -> str:
+    """``text`` safe for a terminal: control characters (which a model's answer may hold, ``\\r`` or a
+    form feed that would overwrite the prompt, an escape sequence) shown as U+FFFD; new lines and tabs kept."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
 
 _HELP = (
     "commands: /reset (forget the conversation), /add PATH|URL (add an image), /image PATH|URL (new image), "
@@ -135,6 +142,10 @@ class _Chat:
     def note(self, text: str) -> None:
         print(text, file=self.err, flush=True)
 
+    def write(self, piece: str) -> None:
+        """An answer's piece on stdout, its control characters shown as U+FFFD (:func:`terminal_text`)."""
+        self.out.write(terminal_text(piece))
+
     def ask(self, question: str, *, prefix: str = "") -> bool:
         """Stream one answer to stdout; returns False when interrupted."""
         assert self.session is not None
@@ -148,7 +159,7 @@ class _Chat:
         try:
             with self.session.stream(question, **params) as stream:
                 for piece in stream:
-                    self.out.write(piece)
+                    self.write(piece)
                     self.out.flush()
         except KeyboardInterrupt:
             self.out.write("\n")
@@ -243,7 +254,7 @@ class _StatelessChat(_Chat):
             for piece in self.conversation.ask_stream(question, self.images, videos=self.videos, **params):
                 if ttft_ms is None:
                     ttft_ms = (time.perf_counter() - t0) * 1000.0
-                self.out.write(piece)
+                self.write(piece)
                 self.out.flush()
         except KeyboardInterrupt:
             self.note("\n[interrupted]")

@@ -330,3 +330,12 @@ def _png() -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (8, 8), "white").save(out, "PNG")
     return out.getvalue()
+
+
+def test_answers_reach_the_terminal_without_their_control_characters():
+    """A model's answer may hold ``\\r``, a form feed or an escape sequence, which would overwrite the
+    prompt or drive the terminal: llava-chat and the demo show each as U+FFFD, keeping new lines and tabs."""
+    from llava_client.cli import terminal_text
+
+    assert terminal_text("a\rb\x0cc\x1b[2Jd\ne\tf") == "a\ufffdb\ufffdc\ufffd[2Jd\ne\tf"
+    assert terminal_text("naïve 日本") == "naïve 日本"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llava_client import Answer, LlavaError, SessionClient
+from llava_client.cli import terminal_text
 from llava_sessions.errors import counted
 
 from .samples import sample_photo
@@ -50,11 +51,6 @@ class _Turn:
 
 def _say(text: str = "") -> None:
     print(text, flush=True)
-
-
-def _printable(text: str) -> str:
-    """``text`` with control characters (which random weights produce) shown as U+FFFD."""
-    return "".join(c if c.isprintable() or c in "\n " else "\ufffd" for c in text)
 
 
 def _save_photo(directory: Path) -> Path:
@@ -97,7 +93,7 @@ def run(model_dir: Path | None, *, max_new_tokens: int, work_dir: Path) -> int:
     _say("----------")
     for turn in turns:
         _say(f"{turn.label}: {turn.question}")
-        _say(f"  A: {_printable(turn.answer.text.strip())}")
+        _say(f"  A: {terminal_text(turn.answer.text.strip())}")
         _say(_turn_line(turn.answer))
     _say()
     first, second = turns[0].answer.usage, turns[1].answer.usage
@@ -164,7 +160,7 @@ def _chat(client: SessionClient, photo: Path, max_new_tokens: int) -> list[_Turn
         print("A1: ", end="", flush=True)
         with session.stream(q1, max_new_tokens=max_new_tokens) as stream:
             for piece in stream:
-                print(_printable(piece), end="", flush=True)
+                print(terminal_text(piece), end="", flush=True)
         _say()
         assert stream.answer is not None
         turns.append(_Turn("Q1 (streamed)", q1, stream.answer))
@@ -173,14 +169,14 @@ def _chat(client: SessionClient, photo: Path, max_new_tokens: int) -> list[_Turn
         q2 = "Say that again in fewer words."
         _say(f"Q2 (refers to the previous answer, remembered history): {q2}")
         answer = session.ask(q2, max_new_tokens=max_new_tokens)
-        _say(f"A2: {_printable(answer.text)}")
+        _say(f"A2: {terminal_text(answer.text)}")
         turns.append(_Turn("Q2 (uses history)", q2, answer))
         _say(_turn_line(answer))
 
         q3 = "Is it daytime in this picture?"
         _say(f"Q3 (independent, remember=False): {q3}")
         answer = session.ask(q3, remember=False, max_new_tokens=max_new_tokens)
-        _say(f"A3: {_printable(answer.text)}")
+        _say(f"A3: {terminal_text(answer.text)}")
         turns.append(_Turn("Q3 (independent)", q3, answer))
         _say(_turn_line(answer))
         _say(f"history kept by the session: {counted(len(session.history), 'turn')} (Q3 was not remembered)")

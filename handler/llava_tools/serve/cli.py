@@ -38,7 +38,9 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Serve LLaVA image-chat sessions with a local TorchServe (Ctrl-C to stop).",
     )
     parser.add_argument("--model-dir", required=True, help="Hugging Face LLaVA checkpoint directory")
-    parser.add_argument("--port", type=port_number, default=8080, help="inference port (0: any free port; default: 8080)")
+    parser.add_argument(
+        "--port", type=port_number, default=8080, help="inference port (0: any free port; default: 8080)"
+    )
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -57,7 +59,9 @@ def _build_parser() -> argparse.ArgumentParser:
         handler_help="override a key of the handler: section (repeatable), e.g. --set max_sessions=8",
         torchserve_help="override a top-level TorchServe key of model-config.yaml, e.g. --ts-set batchSize=8",
     )
-    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a READY worker (default: 600)")
+    parser.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for a READY worker (default: 600)"
+    )
     parser.add_argument(
         "--keep-logs",
         action="store_true",
