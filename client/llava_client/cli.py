@@ -17,6 +17,7 @@ When standard input is not a terminal, each line is a question (or a command).
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 import time
@@ -331,9 +332,27 @@ def _input_lines(prompt: str):
             return
 
 
+def _unknown_option(parser: argparse.ArgumentParser, argv: list[str]) -> str:
+    """The first option in ``argv`` that ``parser`` has not (nor abbreviates), with the closest it has:
+    ``unrecognized option --imge (did you mean --image?)``; "" when there is none."""
+    known = [s for action in parser._actions for s in action.option_strings]
+    for arg in argv:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--") or name in known or any(k.startswith(name) for k in known):
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        return f"unrecognized option {name}" + (f" (did you mean {close[0]}?)" if close else "")
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``llava-chat``; returns the exit status (0 ok, 1 an error, 2 bad arguments, 130 Ctrl-C)."""
     parser = _build_parser()
+    unknown = _unknown_option(parser, sys.argv[1:] if argv is None else argv)
+    if unknown:  # named before argparse's required-option check would hide it
+        parser.error(unknown)
     args = parser.parse_args(argv)
     if args.endpoint_url and not args.endpoint:
         parser.error("--endpoint-url goes with --endpoint")

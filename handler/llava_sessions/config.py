@@ -371,15 +371,15 @@ class Settings(BaseModel):
         """Refuse keys that name no setting: ``where`` says where they came from (``"in --set"``).
 
         Raises:
-            ValueError: ``unknown key(s) <where>: session_tl_s (did you mean session_ttl_s?); valid
-                keys: ...``.
+            ValueError: ``unknown key(s) <where>: session_tl_s (did you mean session_ttl_s?)``, then where
+                every setting is listed, or, for a key like none, the valid keys.
         """
-        fields = cls.model_fields
-        unknown = sorted(str(k) for k in keys if k not in fields)
+        fields, unknown = cls.model_fields, sorted(str(k) for k in keys if k not in cls.model_fields)
+        hinted = with_hints(unknown, fields)
+        close = all("(did you mean" in h for h in hinted)
+        rest = "every setting: docs/configuration.md" if close else f"valid keys: {', '.join(fields)}"
         if unknown:
-            raise ValueError(
-                f"unknown key(s) {where}: {', '.join(with_hints(unknown, fields))}; valid keys: {', '.join(fields)}"
-            )
+            raise ValueError(f"unknown key(s) {where}: {', '.join(hinted)}; {rest}")
 
     @classmethod
     def env_table(cls) -> str:

@@ -144,6 +144,16 @@ def test_unknown_yaml_key_names_it_and_lists_valid_keys() -> None:
         assert name in message
 
 
+def test_a_misspelt_key_gets_its_closest_setting_not_the_whole_list() -> None:
+    """The fix in one short line: the closest setting and where every setting is listed, not all 64."""
+    with pytest.raises(ValueError) as info:
+        Settings.check_names({"session_tl_s": 5}, "in --set")
+    message = str(info.value)
+    assert message == (
+        "unknown key(s) in --set: session_tl_s (did you mean session_ttl_s?); every setting: docs/configuration.md"
+    )
+
+
 def test_yaml_section_must_be_a_mapping() -> None:
     with pytest.raises(ValueError, match="mapping"):
         Settings.from_sources(["session_ttl_s"])  # type: ignore[arg-type]

@@ -600,6 +600,12 @@ def test_argument_mistakes_are_one_line_errors_said_at_once(tmp_path: Path, tiny
     chat = run(str(scripts / "llava-chat"), "--url", "localhost:8080", "--image", "x.jpg")
     assert chat.returncode == 2 and "did you mean http://localhost:8080?" in chat.stderr
     assert "Traceback" not in chat.stderr
+    typo = run(str(scripts / "llava-chat"), "--url", "http://127.0.0.1:8080", "--imge", "x.jpg")  # names the typo
+    assert typo.returncode == 2 and typo.stderr.strip().endswith("unrecognized option --imge (did you mean --image?)")
+    for where in (["--set", "session_tl_s=5"], ["--ts-set", "batchSize=8", "--set", "max_sesions=2"]):
+        short = run(str(scripts / "llava-serve"), "--model-dir", str(tiny_model_dir), "--port", "0", *where)
+        assert short.returncode == 1 and "(did you mean" in short.stderr and "valid keys" not in short.stderr
+        assert "every setting: docs/configuration.md" in short.stderr and len(short.stderr) < 400, short.stderr
     # a TorchServe key misspelt (TorchServe itself ignores it without a word), in --ts-set or the yaml
     typo = run(
         str(scripts / "llava-serve"), "--model-dir", str(tiny_model_dir), "--port", "0", "--ts-set", "batchSze=8"
