@@ -184,12 +184,17 @@ def check_base_url(base_url: str) -> str:
     """``base_url`` when it is an http(s) URL with a host (``http://127.0.0.1:8080``).
 
     Raises:
-        ValueError: anything else, e.g. ``localhost:8080`` (no scheme), with what to write instead.
+        ValueError: anything else, with what to write instead: ``localhost:8080`` (no scheme), or the
+            OpenAI base URL ``http://127.0.0.1:8080/v1`` that llava-serve's ready line prints for the
+            ``openai`` package (this client speaks to the server's root).
     """
     parts = urlsplit(base_url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         hint = f"; did you mean http://{base_url}?" if "://" not in base_url else ""
         raise ValueError(f"the URL must be http(s) like http://127.0.0.1:8080, got {base_url!r}{hint}")
+    if parts.path.rstrip("/").endswith("/v1"):
+        root = base_url.rstrip("/").removesuffix("/v1")
+        raise ValueError(f"{base_url} is the OpenAI base URL (for the openai package); give the server's own: {root}")
     return base_url
 
 

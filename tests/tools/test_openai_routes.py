@@ -279,6 +279,30 @@ def test_errors_are_the_packages_exceptions(server, local_endpoint):
         assert err.value.body["type"] == "invalid_request_error"
 
 
+def test_a_base_url_without_v1_is_told_to_add_it_and_our_client_told_to_drop_it(server):
+    """The openai package pointed at the server's root asks for /chat/completions: an OpenAI 404 says
+    the base_url ends in /v1 (not TorchServe's bare "Requested resource is not found"); llava-chat
+    given the /v1 URL is told the server's own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="llava", messages=[{"role": "user", "content": "hi"}])
+    assert "an OpenAI base_url ends in /v1 (this path is /v1/chat/completions)" in str(err.value)
+    with pytest.raises(openai.NotFoundError, match="ends in /v1"):
+        client.models.list()
+    chat = subprocess.run(
+        [str(Path(sys.executable).parent / "llava-chat"), "--url", server.openai_base_url, "--image", "x.jpg"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert chat.returncode == 2 and f"give the server's own: {server.url}" in chat.stderr
+    assert "use POST /v1/chat/completions" not in chat.stderr
+
+
 def test_torchserve_paths_still_answer_through_the_front(server):
     import requests
 

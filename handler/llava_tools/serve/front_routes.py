@@ -70,7 +70,15 @@ def answered_here(server: FrontState, method: bytes, target: bytes, fields: Fiel
         return metrics_reply(server.metrics)
     if server.routes and (path.startswith(OPENAI_PREFIX.encode() + b"/") or path == OPENAI_PREFIX.encode()):
         return _openai(server, method, path)
+    if server.routes and path.rstrip(b"/") in WITHOUT_V1:  # an OpenAI client whose base_url lacks /v1
+        message = f"{path.decode(errors='replace')} is not served here: an OpenAI base_url ends in /v1"
+        return openai_error(404, "Not Found", message + f" (this path is {OPENAI_PREFIX}{path.decode()})", "not_found")
     return None
+
+
+#: OpenAI's paths as a client whose ``base_url`` lacks ``/v1`` asks for them (TorchServe would answer its
+#: bare "Requested resource is not found").
+WITHOUT_V1 = (b"/chat/completions", b"/models", b"/completions", b"/embeddings")
 
 
 def metrics_reply(address: tuple[str, int]) -> bytes:
