@@ -26,6 +26,7 @@ from ._exceptions import (
     SessionBusy,
     SessionGone,
 )
+from ._transport import aws_setup_hint
 from ._types import Answer
 
 __all__ = [
@@ -106,6 +107,9 @@ def explain(error: Exception, *, doing: str = "") -> str:
         return f"{what}the server answered {error.status_code}: {error.message}"
     if isinstance(error, LlavaError):
         return f"{what}{error}"
+    hint = aws_setup_hint(error)  # boto3 without a region or credentials: what to set, not a class name
+    if hint is not None:
+        return f"{what}{hint}."
     return f"{what}an unexpected error occurred ({type(error).__name__})."
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "LineStream",
     "RawResponse",
     "Transport",
+    "aws_setup_hint",
     "check_base_url",
     "parse_session_header",
 ]
@@ -178,6 +179,19 @@ def _is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def aws_setup_hint(exc: BaseException) -> str | None:
+    """One line for an error of boto3's configuration, with what to set: no region (``NoRegionError``),
+    no or partial credentials, an unknown profile; None for any other error."""
+    name = type(exc).__name__
+    if name == "NoRegionError":
+        return f"{exc} (pass --region, or set AWS_REGION)"
+    if name in ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound"):
+        return (
+            f"{exc} (set AWS credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)"
+        )
+    return None
 
 
 def check_base_url(base_url: str) -> str:

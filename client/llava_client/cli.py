@@ -26,7 +26,7 @@ from typing import TextIO
 from ._chat import video_part
 from ._client import API_KEY_ENV, Session, SessionClient
 from ._exceptions import LlavaError
-from ._transport import url_argument
+from ._transport import aws_setup_hint, url_argument
 from ._types import Answer
 
 __all__ = ["main", "terminal_text"]
@@ -291,17 +291,13 @@ class _StatelessChat(_Chat):
 
 
 def _aws_hint(exc: Exception) -> str:
-    """One line for an error of boto3's configuration (no region, no credentials), with what to set;
-    any other error as it is."""
-    name = type(exc).__name__
-    if name == "NoRegionError":
-        return f"{exc} (pass --region, or set AWS_REGION)"
-    if name in ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound"):
-        return (
-            f"{exc} (set AWS credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)"
-        )
+    """One line for an error of boto3's configuration (:func:`~._transport.aws_setup_hint`), or a
+    botocore error by its name; any other error is raised again."""
+    hint = aws_setup_hint(exc)
+    if hint is not None:
+        return hint
     if type(exc).__module__.startswith("botocore"):
-        return f"{name}: {exc}"
+        return f"{type(exc).__name__}: {exc}"
     raise exc
 
 

@@ -45,7 +45,7 @@ from ._page import (
     explain,
     sample_frames,
 )
-from ._transport import port_argument, url_argument
+from ._transport import aws_setup_hint, port_argument, url_argument
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -288,11 +288,18 @@ def main(argv: list[str] | None = None) -> int:
             )
     else:
         runtime = None
-        if args.endpoint_url:
-            import boto3
+        try:
+            if args.endpoint_url:
+                import boto3
 
-            runtime = boto3.client("sagemaker-runtime", endpoint_url=args.endpoint_url, region_name=args.region)
-        client = SessionClient.from_endpoint(args.endpoint, region_name=args.region, client=runtime)
+                runtime = boto3.client("sagemaker-runtime", endpoint_url=args.endpoint_url, region_name=args.region)
+            client = SessionClient.from_endpoint(args.endpoint, region_name=args.region, client=runtime)
+        except Exception as exc:  # boto3 without a region: told in one line, with what to set
+            hint = aws_setup_hint(exc)
+            if hint is None:
+                raise
+            print(f"llava-web: {hint}", file=sys.stderr)
+            return 2
         target = f"SageMaker endpoint {args.endpoint}" + (f" at {args.endpoint_url}" if args.endpoint_url else "")
     page = ChatPage(WebChat(client), host=args.host, port=args.port, target=target)
     stop = threading.Event()

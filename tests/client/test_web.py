@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from botocore.exceptions import NoCredentialsError
 
 from llava_client import (
     APIConnectionError,
@@ -53,6 +54,7 @@ IMAGE_TOKENS = 576  # the tiny model's image placeholders (336 px, patch 14)
         (ContextLengthExceeded("too long", status_code=422, code="context_length_exceeded"), "context"),
         (APIConnectionError("refused"), "cannot reach the server"),
         (RuntimeError("boom\nTraceback (most recent call last):"), "unexpected error"),
+        (NoCredentialsError(), "set AWS credentials: AWS_ACCESS_KEY_ID"),  # an endpoint without credentials
     ],
 )
 def test_errors_become_one_sentence_without_a_trace(error, expected):
@@ -61,6 +63,19 @@ def test_errors_become_one_sentence_without_a_trace(error, expected):
     assert "\n" not in sentence and "Traceback" not in sentence
     if isinstance(error, Overloaded):
         assert "5 s" in sentence  # the server's Retry-After is passed on
+
+
+def test_the_page_for_an_endpoint_without_a_region_says_so_in_one_line(tmp_path):
+    """``llava-web --endpoint NAME`` where boto3 has no region: one line naming what to set, exit 2, no
+    traceback (as llava-chat says it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE")}
+    env |= {"AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
+    web = Path(sys.executable).parent / "llava-web"
+    done = subprocess.run(
+        [str(web), "--endpoint", "llava-chat", "--port", "0"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "llava-web: You must specify a region. (pass --region, or set AWS_REGION)"
 
 
 def test_answer_stats_line_names_ttft_reused_tokens_and_finish_reason():
