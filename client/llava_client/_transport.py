@@ -186,7 +186,7 @@ def aws_setup_hint(exc: BaseException) -> str | None:
     no or partial credentials, an unknown profile; None for any other error."""
     name = type(exc).__name__
     if name == "NoRegionError":
-        return f"{exc} (pass --region, or set AWS_REGION)"
+        return f"{exc} (pass --region, or set AWS_DEFAULT_REGION)"
     if name in ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound"):
         return (
             f"{exc} (set AWS credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)"

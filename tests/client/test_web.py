@@ -75,7 +75,7 @@ def test_the_page_for_an_endpoint_without_a_region_says_so_in_one_line(tmp_path)
         [str(web), "--endpoint", "llava-chat", "--port", "0"], capture_output=True, text=True, timeout=60, env=env
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == "llava-web: You must specify a region. (pass --region, or set AWS_REGION)"
+    assert done.stderr.strip() == "llava-web: You must specify a region. (pass --region, or set AWS_DEFAULT_REGION)"
 
 
 def test_answer_stats_line_names_ttft_reused_tokens_and_finish_reason():

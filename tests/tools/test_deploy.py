@@ -668,6 +668,31 @@ def test_a_typo_in_a_setting_is_named_before_any_call_by_the_cli(checkpoint: Pat
     assert done.stdout == ""  # no plan, no upload notice before the refusal
 
 
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({}, "llava-deploy: no AWS region: pass --region, or set AWS_DEFAULT_REGION (--dry-run plans without one)"),
+        ({"AWS_DEFAULT_REGION": "us-east-1"}, "llava-deploy: no AWS credentials: set AWS_ACCESS_KEY_ID and"),
+        (
+            {"AWS_DEFAULT_REGION": "us-east-1", "AWS_PROFILE": "nobody"},
+            "llava-deploy: The config profile (nobody) could not be found: name a profile of ~/.aws/config",
+        ),
+    ],
+)
+def test_a_deployment_boto3_cannot_make_is_refused_before_the_plan_or_an_upload(checkpoint, tmp_path, env, says):
+    """No region, no credentials, an unknown profile: one line naming what to set, before the capacity
+    plan prints or a file uploads (boto3's own lookup, no AWS call)."""
+    deploy = Path(sys.executable).parent / "llava-deploy"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    clean |= {"AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
+    clean |= {"AWS_EC2_METADATA_DISABLED": "true", **env}
+    done = subprocess.run(
+        [str(deploy), *deploy_args(checkpoint)], capture_output=True, text=True, timeout=60, env=clean
+    )
+    assert done.returncode == 1 and done.stderr.startswith(says) and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
 def test_capacity_grows_with_the_instance_s_gpus(checkpoint: Path, capsys) -> None:
     """``max_sessions`` is per replica (one per GPU): the package for an N-GPU instance keeps it and
     gives TorchServe job groups for N x max_sessions + 8 (batchSize = maxNumSequence), so a stock

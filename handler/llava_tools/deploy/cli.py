@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
         _check_arguments(parser, args)
     try:
         if args.delete:
+            if clients is None and not args.dry_run:
+                check_aws_setup(args.profile, args.region)
             _deployer(args, clients, need_s3=False).delete(args.endpoint_name, wait=not args.no_wait)
             return 0
         environment = default_environment(args.response_timeout)
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
         except (ValueError, DeployError) as exc:
             print(f"llava-deploy: {exc}", file=sys.stderr)
             return 2
+        if clients is None and not args.dry_run:  # before the plan prints or a file uploads
+            check_aws_setup(args.profile, args.region)
         spec = _spec(args, environment)
         scaling = _scaling(args, spec)
         _deploy(args, spec, scaling, clients)
@@ -328,6 +332,30 @@ def _deploy(
     deployer.deploy(replace(spec, model_data_uri=model_data_uri), wait=not args.no_wait)
     if scaling is not None:
         deployer.autoscale(*scaling)
+
+
+def check_aws_setup(profile: str | None, region: str | None) -> None:
+    """Refuse, before any plan or upload, a deployment boto3 could not make: no region, no credentials,
+    an unknown profile (boto3's own lookup: its environment, config files and instance role; no call).
+
+    Raises:
+        DeployError: what is missing and what to set.
+    """
+    import boto3
+    from botocore.exceptions import ProfileNotFound
+
+    try:
+        session = boto3.Session(profile_name=profile, region_name=region)
+        region, credentials = session.region_name, session.get_credentials()
+    except ProfileNotFound as exc:
+        raise DeployError(f"{exc}: name a profile of ~/.aws/config (--profile or AWS_PROFILE)") from None
+    if not region:
+        raise DeployError("no AWS region: pass --region, or set AWS_DEFAULT_REGION (--dry-run plans without one)")
+    if credentials is None:
+        raise DeployError(
+            "no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run where an "
+            "instance role gives them (--dry-run plans without them)"
+        )
 
 
 def _deployer(args: argparse.Namespace, clients: Callable[[str], Any] | None, *, need_s3: bool) -> Deployer:

@@ -87,10 +87,10 @@ class DeployError(RuntimeError):
 def endpoint_instance_types() -> frozenset[str]:
     """The instance types a SageMaker real-time endpoint takes, as botocore's own service model lists them
     (the ``ProductionVariantInstanceType`` enum of the ``sagemaker`` API, the boto3 installed)."""
-    import botocore.session
+    from botocore.loaders import create_loader  # the service model's file alone: no session, no profile
 
-    model = botocore.session.get_session().get_service_model("sagemaker")
-    return frozenset(model.shape_for("ProductionVariantInstanceType").enum or ())
+    shapes = create_loader().load_service_model("sagemaker", "service-2")["shapes"]
+    return frozenset(shapes["ProductionVariantInstanceType"].get("enum", ()))
 
 
 def check_instance_type(instance_type: str, known: frozenset[str] | None = None) -> None:
