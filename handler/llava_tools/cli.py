@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -62,6 +63,18 @@ def add_setting_arguments(
     parser.add_argument("--set", dest="overrides", help=handler_help, **assignments)
     if torchserve_help is not None:
         parser.add_argument("--ts-set", dest="model_config_overrides", help=torchserve_help, **assignments)
+
+
+def checkpoint_folder_problem(model_dir: str | Path) -> str | None:
+    """What is wrong with ``model_dir`` as a llava-hf checkpoint folder, in the one sentence every tool
+    says (``llava-serve``, ``make demo``, ``llava-deploy``), or None when it holds a config.json."""
+    path = Path(model_dir)
+    fix = "give the folder 'hf download' wrote, or build one with llava-tiny-model"
+    if not path.exists():
+        return f"the model folder {path} does not exist: {fix}"
+    if not (path / "config.json").is_file():
+        return f"{path} is not a llava-hf checkpoint folder (no config.json): {fix}"
+    return None
 
 
 def run_until_signal(prog: str, server: Any, *, starting: str, ready: Callable[[], str]) -> int:

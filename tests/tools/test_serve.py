@@ -636,3 +636,24 @@ def test_argument_mistakes_are_one_line_errors_said_at_once(tmp_path: Path, tiny
     # llava-serve on a taken port: the fix named, and no "starting TorchServe" line before the refusal
     assert serve.returncode == 1 and "(choose another with --port; 0 picks a free one)" in serve.stderr
     assert "starting TorchServe" not in serve.stdout and "starting TorchServe" not in empty.stdout
+
+
+def test_a_missing_model_folder_gets_one_sentence_from_every_tool(tmp_path: Path) -> None:
+    """llava-serve, the demo (``make demo MODEL_DIR=...``) and llava-deploy, as the user runs them, say
+    the same sentence for a folder that does not exist and for one without a config.json, before any start."""
+    scripts, missing, empty = Path(sys.executable).parent, tmp_path / "nope", tmp_path / "empty"
+    empty.mkdir()
+    deploy = ["--endpoint-name", "e", "--s3-uri", "s3://b/p", "--image-uri", "1.dkr.ecr.us-east-1.amazonaws.com/x:1"]
+    deploy += ["--role-arn", "arn:aws:iam::123456789012:role/r", "--dry-run"]
+    fix = "give the folder 'hf download' wrote, or build one with llava-tiny-model"
+    for folder, says in ((missing, f"the model folder {missing} does not exist: {fix}"),
+                         (empty, f"{empty} is not a llava-hf checkpoint folder (no config.json): {fix}")):  # fmt: skip
+        runs = {
+            "llava-serve": [str(scripts / "llava-serve"), "--model-dir", str(folder), "--port", "0"],
+            "demo": [sys.executable, "-m", "llava_tools.demo", "--model-dir", str(folder)],
+            "llava-deploy": [str(scripts / "llava-deploy"), "--model-dir", str(folder), *deploy],
+        }
+        for prog, argv in runs.items():
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            assert done.returncode in (1, 2) and f"{prog}: {says}" in done.stderr.splitlines(), (prog, done.stderr)
+            assert "Traceback" not in done.stderr and "capacity" not in done.stdout and "starting" not in done.stdout

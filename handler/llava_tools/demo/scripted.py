@@ -26,6 +26,7 @@ from llava_client import Answer, LlavaError, SessionClient
 from llava_client.cli import terminal_text
 from llava_sessions.errors import counted
 
+from ..cli import checkpoint_folder_problem
 from .samples import sample_photo
 
 __all__ = ["main"]
@@ -195,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         _say(_TINY_NOTE)
     else:
         _say(f"Model: {args.model_dir}")
-        if not (args.model_dir / "config.json").is_file():
-            print(f"demo: {args.model_dir} is not a checkpoint folder (no config.json)", file=sys.stderr)
+        problem = checkpoint_folder_problem(args.model_dir)
+        if problem is not None:
+            print(f"demo: {problem}", file=sys.stderr)
             return 1
     _say()
     try:

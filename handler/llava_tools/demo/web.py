@@ -21,7 +21,7 @@ from pathlib import Path
 from llava_client import SessionClient
 from llava_client.web import ChatPage, WebChat
 
-from ..cli import port_number, run_until_signal
+from ..cli import checkpoint_folder_problem, port_number, run_until_signal
 from ..serve import LocalServer
 
 __all__ = ["WebDemo", "main"]
@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="the page's bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=7860, help="the page's port (default 7860)")
     args = parser.parse_args(argv)
-    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
-        print(f"webdemo: {args.model_dir} is not a checkpoint folder (no config.json)", file=sys.stderr)
+    problem = None if args.model_dir is None else checkpoint_folder_problem(args.model_dir)
+    if problem is not None:
+        print(f"webdemo: {problem}", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory(prefix="llava-webdemo-") as tmp:
         demo = WebDemo(args.model_dir, Path(tmp), host=args.host, port=args.port)

@@ -11,7 +11,7 @@ from typing import Any
 
 from llava_sessions.config import Settings
 
-from ..cli import add_setting_arguments, parse_raw_assignment
+from ..cli import add_setting_arguments, checkpoint_folder_problem, parse_raw_assignment
 from .aws import Deployer
 from .capacity import SCALING_METRICS, capacity_plan, scaling_requests
 from .package import build_package
@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None, *, clients: Callable[[str], Any] | None 
             Settings.check_names(dict(args.overrides), "in --set")
             Settings.from_sources(dict(args.overrides), environment)
             check_instance_type(args.instance_type)
+            problem = checkpoint_folder_problem(args.model_dir) if args.model_dir else None
+            if problem is not None:
+                raise DeployError(problem)
         except (ValueError, DeployError) as exc:
             print(f"llava-deploy: {exc}", file=sys.stderr)
             return 2

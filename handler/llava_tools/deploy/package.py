@@ -17,6 +17,7 @@ import yaml
 import llava_sessions
 from llava_sessions.config import Settings, job_groups
 
+from ..cli import checkpoint_folder_problem
 from ..serve.container import PACKAGED_MODEL_NAME, llava_home
 from ..serve.torchserve_files import default_handler_path, default_model_config_path, read_model_config
 from .spec import DeployError
@@ -100,8 +101,9 @@ def build_package(
             checkpoint file whose name collides with a packaged file.
     """
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise DeployError(f"{model_dir} has no config.json: not a llava-hf checkpoint folder")
+    problem = checkpoint_folder_problem(model_dir)
+    if problem is not None:
+        raise DeployError(problem)
     handler = Path(handler) if handler is not None else _default_handler()
     model_config = Path(model_config) if model_config is not None else _default_model_config()
     package_dir = Path(llava_sessions.__file__).resolve().parent  # the worker core, nothing of the tools

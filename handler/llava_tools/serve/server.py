@@ -31,6 +31,7 @@ import yaml
 
 from llava_sessions.wire.contract import IMAGE_RELAY_ENV
 
+from ..cli import checkpoint_folder_problem
 from ..processes import (
     connect_host,
     load_psutil,
@@ -275,19 +276,16 @@ class LocalServer(Supervised):
         Raises:
             FileNotFoundError: as :meth:`start`. ServerStartError: a setting is invalid, or the port is taken.
         """
+        problem = checkpoint_folder_problem(self.model_dir)
+        if problem is not None and (self.handler_path == default_handler_path() or not self.model_dir.exists()):
+            raise FileNotFoundError(problem)  # said now, not after TorchServe's start and the worker's failed load
         for path, what in (
-            (self.model_dir, "model dir"),
             (self.config_path, "model config"),
             (self.handler_path, "handler file"),
             (self.log_config_path, "log config"),
         ):
             if path is not None and not path.exists():
                 raise FileNotFoundError(f"{what} not found: {path}")
-        if self.handler_path == default_handler_path() and not (self.model_dir / "config.json").is_file():
-            raise FileNotFoundError(  # said now, not after TorchServe's start and the worker's failed load
-                f"{self.model_dir} is not a llava-hf checkpoint folder (no config.json): give the folder "
-                "'hf download' wrote, or build one with llava-tiny-model"
-            )
         if self._settings is None:  # the handler settings the worker will read, validated before anything starts
             self._settings = ts_files.check_settings(
                 self.config_path, self.overrides, {**os.environ, **self.env}, self.model_config_overrides
