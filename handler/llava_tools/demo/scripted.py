@@ -60,11 +60,21 @@ def _save_photo(directory: Path) -> Path:
     return path
 
 
-def _turn_line(answer: Answer) -> str:
+def _turn_line(answer: Answer, *, streamed: bool) -> str:
+    """The turn's numbers: a streamed answer's first token as this client saw it; a whole answer's time
+    here (its first token is not seen here), each beside the server's own time to first token."""
     usage = answer.usage
-    server = f", {answer.ttft_ms:.0f} ms reported by the server" if answer.ttft_ms is not None else ""
+    server = f"{answer.ttft_ms:.0f} ms reported by the server" if answer.ttft_ms is not None else ""
+    if streamed:
+        timing = f"time to first token: {answer.client_ttft_ms:.0f} ms measured here" + (
+            f", {server}" if server else ""
+        )
+    else:
+        timing = f"whole answer in {answer.client_total_ms:.0f} ms measured here (not streamed)" + (
+            f", first token {server}" if server else ""
+        )
     return (
-        f"    time to first token: {answer.client_ttft_ms:.0f} ms measured here{server} | "
+        f"    {timing} | "
         f"reused tokens: {usage.cached_tokens} of {usage.prompt_tokens} prompt tokens | "
         f"{usage.generated_tokens} tokens, finish: {answer.finish_reason}"
     )
@@ -90,13 +100,6 @@ def run(model_dir: Path | None, *, max_new_tokens: int, work_dir: Path) -> int:
             turns = _chat(client, photo, max_new_tokens)
     _say("[4/4] stopped the server")
     _say()
-    _say("Transcript")
-    _say("----------")
-    for turn in turns:
-        _say(f"{turn.label}: {turn.question}")
-        _say(f"  A: {terminal_text(turn.answer.text.strip())}")
-        _say(_turn_line(turn.answer))
-    _say()
     first, second = turns[0].answer.usage, turns[1].answer.usage
     _say(
         f"Turn 1 reused {first.cached_tokens} cached prompt tokens (the image prefix computed when the session "
@@ -112,8 +115,8 @@ def run(model_dir: Path | None, *, max_new_tokens: int, work_dir: Path) -> int:
 _NEXT_STEPS = """Next steps
 ----------
   source {venv}/bin/activate                           # the commands below live there ({venv}/bin)
-  llava-tiny-model --out ./tiny-llava                  # or any llava-hf checkpoint folder
-  llava-serve --model-dir ./tiny-llava --port 8080     # a server of your own (Ctrl-C stops it)
+  llava-tiny-model --out /tmp/tiny-llava               # or any llava-hf checkpoint folder
+  llava-serve --model-dir /tmp/tiny-llava --port 8080  # a server of your own (Ctrl-C stops it)
   llava-chat --url http://127.0.0.1:8080 --image {photo}  # a terminal chat
   llava-web --url http://127.0.0.1:8080                            # the chat page
   curl -s localhost:8080/invocations -H 'Content-Type: application/json' \
@@ -165,21 +168,21 @@ def _chat(client: SessionClient, photo: Path, max_new_tokens: int) -> list[_Turn
         _say()
         assert stream.answer is not None
         turns.append(_Turn("Q1 (streamed)", q1, stream.answer))
-        _say(_turn_line(stream.answer))
+        _say(_turn_line(stream.answer, streamed=True))
 
         q2 = "Say that again in fewer words."
         _say(f"Q2 (refers to the previous answer, remembered history): {q2}")
         answer = session.ask(q2, max_new_tokens=max_new_tokens)
         _say(f"A2: {terminal_text(answer.text)}")
         turns.append(_Turn("Q2 (uses history)", q2, answer))
-        _say(_turn_line(answer))
+        _say(_turn_line(answer, streamed=False))
 
         q3 = "Is it daytime in this picture?"
         _say(f"Q3 (independent, remember=False): {q3}")
         answer = session.ask(q3, remember=False, max_new_tokens=max_new_tokens)
         _say(f"A3: {terminal_text(answer.text)}")
         turns.append(_Turn("Q3 (independent)", q3, answer))
-        _say(_turn_line(answer))
+        _say(_turn_line(answer, streamed=False))
         _say(f"history kept by the session: {counted(len(session.history), 'turn')} (Q3 was not remembered)")
     _say(f"closed session {session.id}")
     return turns
