@@ -108,6 +108,11 @@ class ChatReply:
     raw: dict[str, Any]
 
     @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the server did otherwise than asked, in its words (a video with fewer frames than asked)."""
+        return tuple(str(w) for w in self.raw.get("warnings") or ())
+
+    @property
     def message(self) -> dict[str, str]:
         """The answer as the assistant message to append to the conversation."""
         return {"role": "assistant", "content": self.text}

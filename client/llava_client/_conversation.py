@@ -82,6 +82,9 @@ class Conversation:
         #: The last streamed answer's usage (:class:`~llava_client.ChatUsage`: prompt, completion and
         #: cached tokens), or None before one (or when the server sent none).
         self.last_usage: ChatUsage | None = None
+        #: What the server did otherwise than asked for the last answer (a video with fewer frames than
+        #: asked), in its words; empty when nothing.
+        self.last_warnings: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         where = f"session {self.session.session_id!r}" if self.session is not None else "no session"
@@ -180,7 +183,7 @@ class Conversation:
             for event in stream:
                 if event.text:
                     yield event.text
-            self.last_usage = stream.usage
+            self.last_usage, self.last_warnings = stream.usage, stream.warnings
 
     def _body(self, params: dict[str, Any], *, stream: bool, references: bool) -> dict[str, Any]:
         """The request: the conversation with each image already sent as its uuid alone (``references``)."""

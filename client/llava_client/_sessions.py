@@ -41,12 +41,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Opened:
-    """What an open answered: the id, its expiry, the image's tokens, the server's timings (ms)."""
+    """What an open answered: the id, its expiry, the image's tokens, the server's timings (ms), and its
+    ``warnings`` (what it did otherwise than asked)."""
 
     session_id: str
     expires_at: datetime | None
     image_tokens: int | None
     timings: dict[str, float]
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ def open_session_request(
     if history:
         request["history"] = history
     session_id, expires_at, data = client.invoke_open(request, "open_session")
-    return Opened(session_id, expires_at, data.get("image_tokens"), dict(data.get("timings") or {}))
+    warnings = tuple(str(w) for w in data.get("warnings") or ())
+    return Opened(session_id, expires_at, data.get("image_tokens"), dict(data.get("timings") or {}), warnings)
 
 
 def _generate_request(
@@ -107,6 +110,8 @@ class Session:
         expires_at: the session's expiry (aware UTC datetime) or None if the server gave none.
         image_tokens: context positions the image occupies, as the server reported.
         open_timings: the server's timings of the open (milliseconds).
+        open_warnings: what the open did otherwise than asked, in the server's words (a video with
+            fewer frames than asked); empty when nothing.
         recoveries: how many times the session was reopened and its history replayed.
         last_recovery: what the last recovery did (:class:`Recovery`), or None.
         downsized: the session's inline images the client downsized to fit the request limit
@@ -130,6 +135,7 @@ class Session:
         self.expires_at = opened.expires_at
         self.image_tokens = opened.image_tokens
         self.open_timings = opened.timings
+        self.open_warnings = opened.warnings
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else _turns(len(self._turns))
@@ -322,6 +328,7 @@ class Session:
             cached_tokens=int(data.get("cached_tokens", 0)),
             timings=dict(data.get("timings") or {}),
             downsized=downsized,
+            warnings=tuple(str(w) for w in data.get("warnings") or ()),
         )
 
     @property

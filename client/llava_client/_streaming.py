@@ -281,12 +281,15 @@ class ChatStream(_Stream[ChatStreamEvent]):
 
     Attributes:
         finish_reason, usage: the last event's, once it came (None before).
+        warnings: what the server did otherwise than asked, in its words (our ``warnings`` field of a
+            chunk: a video with fewer frames than asked); empty when nothing.
         session_id: the session it answers in (``""``: none).
     """
 
     def __init__(self, lines: LineStream, *, session_id: str, resend: Callable[[], LineStream] | None = None) -> None:
         self.finish_reason: str | None = None
         self.usage: ChatUsage | None = None
+        self.warnings: tuple[str, ...] = ()
         self.done = False
         super().__init__(lines, session_id, resend)
 
@@ -334,6 +337,7 @@ class ChatStream(_Stream[ChatStreamEvent]):
             chunk = _json_line(text)
             if chunk.get("usage"):
                 self.usage = ChatUsage.from_wire(chunk["usage"])
+            self.warnings += tuple(str(w) for w in chunk.get("warnings") or () if str(w) not in self.warnings)
             for choice in chunk.get("choices") or ():
                 self.finish_reason = choice.get("finish_reason") or self.finish_reason
                 piece = (choice.get("delta") or {}).get("content")

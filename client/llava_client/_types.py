@@ -204,6 +204,8 @@ class AddedImage:
         timings: the server's timings in milliseconds (``encode_ms``, ``prefill_ms``, ``total_ms``, ...).
         downsized: what the client did to fit an inline image in the request limit
             (:class:`~llava_client._images.Downsized`), or None when it was sent as given.
+        warnings: what the server did otherwise than asked, in its words (a video with fewer frames
+            than asked); empty when nothing.
     """
 
     image_tokens: int
@@ -212,6 +214,7 @@ class AddedImage:
     cached_tokens: int
     timings: dict[str, float]
     downsized: Any = None
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,8 @@ class _Chat:
                 self.note(f"closing the previous session failed: {exc}")
         for done in new.downsized:  # always said: the server sees another file than the one given
             self.note(f"[{done}]")
+        for warning in new.open_warnings:  # always said too: the server did otherwise than asked
+            self.note(f"[server: {warning}]")
         if self.args.verbose:
             expires = new.expires_at.strftime("%Y-%m-%d %H:%M:%SZ") if new.expires_at else "?"
             what = "video" if video else "image"
@@ -197,6 +199,8 @@ class _Chat:
                 added = self.session.add_image(rest.strip())
                 if added.downsized is not None:
                     self.note(f"[{added.downsized}]")
+                for warning in added.warnings:
+                    self.note(f"[server: {warning}]")
                 self.note(f"[image {added.images} added: {added.image_tokens} image tokens]")
         elif name == "/image":
             if not rest.strip():
@@ -264,6 +268,8 @@ class _StatelessChat(_Chat):
         self.images, self.videos = [], []
         self.out.write("\n")
         self.out.flush()
+        for warning in self.conversation.last_warnings:
+            self.note(f"[server: {warning}]")
         if self.args.verbose:
             usage = self.conversation.last_usage
             reused = f"reused {usage.cached_tokens} of {usage.prompt_tokens} prompt tokens; " if usage else ""

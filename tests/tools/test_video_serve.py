@@ -88,6 +88,11 @@ def test_llava_chat_takes_a_video(server, clip_paths, stateless):
     assert done.stdout.strip()
     if not stateless:
         assert "197 video tokens" in done.stderr
+    # more frames asked than the clip has: the server's warning reaches the user, with or without -v
+    more = [c if c != "1" else "20" for c in command if c != "--verbose"]
+    done = subprocess.run(more + (["--stateless"] if stateless else []), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "[server: the video has 16 frames and 20 were asked: all 16 are used]" in done.stderr
     wrong = subprocess.run(
         [sys.executable, "-m", "llava_client.cli", "--url", server.url, "--image", "x.png", "--num-frames", "2"],
         capture_output=True,
