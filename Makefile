@@ -56,10 +56,13 @@ lint: install
 	$(VENV)/bin/ruff format --check handler client tests benchmarks docker
 	$(VENV)/bin/mypy
 
+# Java 17 (TorchServe's frontend) first: apt-get as root, else named
 demo: install
+	bash tests/system_deps.sh demo
 	$(PY) -m llava_tools.demo $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),)
 
 web: install
+	bash tests/system_deps.sh demo
 	$(PY) -m llava_tools.demo.web $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),) $(if $(PORT),--port $(PORT),)
 
 # the notebook top to bottom, locally (its own TorchServe on the tiny model; no AWS)

@@ -266,10 +266,12 @@ def test_dry_run_needs_a_region_but_no_account_and_calls_no_aws(fake_path) -> No
 
 
 # ------------------------------------------------------------------ make test's system packages
-def run_system_deps(tmp_path: Path, *, uid: int, present: tuple[str, ...]) -> subprocess.CompletedProcess:
+def run_system_deps(
+    tmp_path: Path, *, uid: int, present: tuple[str, ...], args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """tests/system_deps.sh with a PATH holding only shims: ``id`` (answers ``uid``), ``apt-get``
     and the commands in ``present``; apt-get runs dry."""
-    bin_dir = tmp_path / f"bin-{uid}-{len(present)}"
+    bin_dir = tmp_path / f"bin-{uid}-{len(present)}-{len(args)}"
     bin_dir.mkdir()
     for name, body in [("id", f"echo {uid}"), ("apt-get", "exit 0"), *((p, "exit 0") for p in present)]:
         shim = bin_dir / name
@@ -279,8 +281,25 @@ def run_system_deps(tmp_path: Path, *, uid: int, present: tuple[str, ...]) -> su
     bash = shutil.which("bash")
     assert bash is not None
     return subprocess.run(
-        [bash, str(REPO / "tests" / "system_deps.sh")], env=env, capture_output=True, text=True, timeout=30
+        [bash, str(REPO / "tests" / "system_deps.sh"), *args], env=env, capture_output=True, text=True, timeout=30
     )
+
+
+def test_make_demo_provides_java_or_names_it_before_torchserve_starts(tmp_path: Path) -> None:
+    """Without Java TorchServe cannot start: make demo (and make web) install it as root, else name the
+    package in one line, before any model is built; they need no browser."""
+    makefile = (REPO / "Makefile").read_text()
+    for target in ("demo", "web"):
+        assert re.search(rf"^{target}: install\n\tbash tests/system_deps.sh demo\n", makefile, re.M), target
+    as_root = run_system_deps(tmp_path, uid=0, present=(), args=("demo",))
+    assert as_root.returncode == 0 and as_root.stdout.strip() == "apt-get install -y -qq openjdk-17-jre-headless"
+    as_user = run_system_deps(tmp_path, uid=1000, present=(), args=("demo",))
+    assert (
+        as_user.returncode == 1
+        and "make demo needs these Debian/Ubuntu packages first: openjdk-17-jre-headless" in (as_user.stderr)
+    )
+    ready = run_system_deps(tmp_path, uid=1000, present=("java",), args=("demo",))  # no chromium: not needed
+    assert (ready.returncode, ready.stdout, ready.stderr) == (0, "", "")
 
 
 def test_make_test_provides_java_and_chromium_before_any_test(tmp_path: Path) -> None:
