@@ -714,6 +714,17 @@ COMPONENT_SCALABLE = {
 }
 
 
+def test_an_inference_component_s_plan_is_its_copies_not_the_instance(checkpoint: Path, capsys) -> None:
+    """--inference-component --dry-run plans the GPUs its copies take (2 copies of 1 GPU: a replica
+    each), not the whole instance's four replicas."""
+    args = [*deploy_args(checkpoint, "--instance-type", "ml.g5.12xlarge"), "--inference-component", "llava-ic"]
+    assert main([*args, "--copies", "2", "--accelerators-per-copy", "1", "--dry-run"], clients=None) == 0
+    out = capsys.readouterr().out
+    assert "ml.g5.12xlarge: inference component of 2 copy(ies) x 1 GPU(s) of 24 GiB -> 1 replica(s) per copy" in out
+    assert "37 per copy, 74 over the 2 copy(ies); more copies (--max-copies) hold more" in out
+    assert "4 replica(s) (devices=auto)" not in out and "per instance" not in out
+
+
 def test_inference_component_mode_creates_the_component_and_scales_its_copies(capsys) -> None:
     """--inference-component: an endpoint config without a model in the variant (and the role), the
     endpoint, then one inference component with GPUs and memory per copy and a copy count, waited

@@ -59,6 +59,24 @@ class CapacityPlan:
             f"{self.sessions} per instance; more instances (--max-instances) hold more"
         )
 
+    def describe_component(self, copies: int, gpus_per_copy: int) -> str:
+        """Two lines for an inference component's deploy output: ``copies`` copies of ``gpus_per_copy``
+        GPUs each (``--copies``, ``--accelerators-per-copy``), each copy's replicas and sessions, and the
+        component's total; the instance's other GPUs are not this component's."""
+        gib, tp = 2**30, self.tensor_parallel_size
+        per_copy = max(1, gpus_per_copy // tp)
+        sessions = self.sessions_per_replica * per_copy
+        return (
+            f"{self.instance_type}: inference component of {copies} copy(ies) x {gpus_per_copy} GPU(s) of "
+            f"{self.gpu_bytes / gib:.0f} GiB -> {per_copy} replica(s) per copy, each "
+            f"{self.weights_bytes / gib:.1f} GiB of weights, {self.graph_reserve_bytes / gib:.1f} GiB kept for CUDA "
+            f"graphs and a {self.kv_budget_bytes / gib:.1f} GiB KV budget\n"
+            f"expected capacity: {self.sessions_per_replica} sessions per replica at {PLANNED_SESSION_TOKENS} tokens "
+            f"({self.session_bytes / 2**20:.0f} MiB each; max_sessions {self.max_sessions} per replica), {sessions} per "
+            f"copy, {sessions * copies} over the "
+            f"{copies} copy(ies); more copies (--max-copies) hold more"
+        )
+
 
 def capacity_plan(
     instance_type: str,

@@ -321,7 +321,12 @@ def _deploy(
             max_sessions=settings.max_sessions,
             tensor_parallel_size=settings.tensor_parallel_size if given else None,
         )
-        print(plan.describe() if plan else f"{args.instance_type}: capacity not planned (unknown type or checkpoint)")
+        if plan is None:
+            print(f"{args.instance_type}: capacity not planned (unknown type or checkpoint)")
+        elif args.inference_component:  # its copies' GPUs, not the whole instance's
+            print(plan.describe_component(args.copies, args.accelerators_per_copy))
+        else:
+            print(plan.describe())
         if plan is not None and plan.tensor_parallel_size > 1:  # the worker's replicas span that many GPUs each
             overrides.setdefault("tensor_parallel_size", plan.tensor_parallel_size)
             gpus_here //= plan.tensor_parallel_size
