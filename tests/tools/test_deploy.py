@@ -638,6 +638,28 @@ def test_capacity_plan_of_llava_7b_on_common_instance_types(tmp_path: Path) -> N
     assert capacity_plan("ml.m5.xlarge", folder) is None
 
 
+def test_the_plan_counts_an_anyres_image_s_most_feature_rows(tmp_path: Path) -> None:
+    """llava-v1.6's image is its base tile and up to a 2 x 2 grid with a newline per row: 2,928 rows, as
+    the README says, not llava-1.5's 576; OneVision's anyres_max_9 about 7,300."""
+    from llava_tools.deploy import capacity_plan
+    from llava_tools.deploy.capacity import image_feature_rows
+
+    folder = tmp_path / "llava-v1.6-mistral-7b-hf"
+    folder.mkdir()
+    pinpoints = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    text = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}
+    config = {"vision_config": {"image_size": 336, "patch_size": 14}, "image_grid_pinpoints": pinpoints}
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16", "text_config": text}))
+    with open(folder / "model.safetensors", "wb") as f:
+        f.truncate(15_100_000_000)
+    assert image_feature_rows(config) == 2928 and image_feature_rows({}) == 576
+    plan = capacity_plan("ml.g5.2xlarge", folder)
+    assert plan is not None and plan.session_bytes == 2 * 32 * 8 * 128 * 2 * 1024 + 2928 * 4096 * 2
+    onevision = {"vision_config": {"image_size": 384, "patch_size": 14}, "vision_aspect_ratio": "anyres_max_9"}
+    onevision["image_grid_pinpoints"] = [[384 * a, 384 * b] for a in range(1, 7) for b in range(1, 7)]
+    assert 7000 < image_feature_rows(onevision) < 7600
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [

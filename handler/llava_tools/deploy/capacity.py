@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,32 @@ class CapacityPlan:
         )
 
 
+def image_feature_rows(config: dict[str, Any]) -> int:
+    """The most feature rows one image gives a checkpoint of ``config`` (its ``config.json``), what a
+    session's image features take at most: llava-1.5's ``(image_size / patch_size)**2`` (576); with
+    ``image_grid_pinpoints`` (LLaVA-NeXT, OneVision) the base tile's plus the largest grid's patches and
+    a newline row per patch row (llava-v1.6 at 672 x 672: 576 + 48 x 48 + 48 = 2,928); OneVision's
+    ``anyres_max_N`` downsamples a grid over ``N`` tiles' patches to about that many (about 7,300 rows
+    for ``anyres_max_9``), as transformers' ``pack_image_features`` does."""
+    vision = config.get("vision_config") or {}
+    size, patch = int(vision.get("image_size", 336)), int(vision.get("patch_size", 14))
+    side = size // patch  # patches per tile side
+    grids = config.get("image_grid_pinpoints") or []
+    if not grids:
+        return side * side
+    most = 0
+    for h, w in grids:
+        rows, cols = int(h) // size * side, int(w) // size * side
+        grid = rows * cols
+        limit = re.fullmatch(r"anyres_max_(\d+)", str(config.get("vision_aspect_ratio") or ""))
+        if limit and grid > int(limit[1]) * side * side:  # downsampled to about N tiles' patches
+            scale = (int(limit[1]) * side * side / grid) ** 0.5
+            rows, cols = int(rows * scale), int(cols * scale)
+            grid = rows * cols
+        most = max(most, grid + rows)
+    return side * side + most
+
+
 def capacity_plan(
     instance_type: str,
     model_dir: str | os.PathLike,
@@ -116,7 +143,7 @@ def capacity_plan(
     kv_heads = int(text.get("num_key_value_heads", heads))
     dtype_bytes = DTYPE_BYTES.get(str(config.get("torch_dtype") or text.get("torch_dtype") or "float16"), 2)
     dtype_bytes = 2 if dtype_bytes == 4 else dtype_bytes  # a GPU serves 16-bit weights (dtype auto: bf16 or fp16)
-    image_tokens = (int(config.get("vision_config", {}).get("image_size", 336)) // 14) ** 2
+    image_tokens = image_feature_rows(config)
     weights = sum(p.stat().st_size for p in root.glob("*.safetensors")) or sum(
         p.stat().st_size for p in root.glob("*.bin")
     )
