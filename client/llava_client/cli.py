@@ -39,9 +39,16 @@ def terminal_text(text: str) -> str:
 
 
 _HELP = (
-    "commands: /reset (forget the conversation), /add PATH|URL (add an image), /image PATH|URL (new image), "
-    "/help, /quit"
+    "commands: /reset (forget the conversation), /add PATH|URL (add an image or a video), /image PATH|URL "
+    "(a new session on an image), /video PATH|URL (a new session on a video), /help, /quit"
 )
+
+#: File endings taken for a video (PyAV reads them), so /image and /add say what to use.
+VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".m4v")
+
+
+def _is_video(source: str) -> bool:
+    return source.lower().split("?", 1)[0].endswith(VIDEO_SUFFIXES)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -196,18 +203,22 @@ class _Chat:
             if not rest.strip():
                 self.note("usage: /add PATH|URL")
             else:
-                added = self.session.add_image(rest.strip())
+                source = rest.strip()
+                added = self.session.add_video(source) if _is_video(source) else self.session.add_image(source)
                 if added.downsized is not None:
                     self.note(f"[{added.downsized}]")
                 for warning in added.warnings:
                     self.note(f"[server: {warning}]")
                 self.note(f"[image {added.images} added: {added.image_tokens} image tokens]")
-        elif name == "/image":
-            if not rest.strip():
-                self.note("usage: /image PATH|URL")
+        elif name in ("/image", "/video"):
+            source = rest.strip()
+            if not source:
+                self.note(f"usage: {name} PATH|URL")
+            elif name == "/image" and _is_video(source):
+                self.note(f"{source} is a video: /video {source}")
             else:
-                self.open(rest.strip())
-                self.note(f"[new session on {rest.strip()}]")
+                self.open(source, video=name == "/video")
+                self.note(f"[new session on {source}]")
         else:
             self.note(f"unknown command {name}; {_HELP}")
         return True
@@ -286,12 +297,19 @@ class _StatelessChat(_Chat):
             self.images, self.sent = self.sent + self.images, []
             self.note("[conversation forgotten; same images]")
             return True
-        if name in ("/add", "/image") and rest.strip():
-            if name == "/image":
-                self.open(rest.strip())
+        source = rest.strip()
+        if name in ("/add", "/image", "/video") and source:
+            video = name == "/video" or _is_video(source)
+            if name == "/image" and video:
+                self.note(f"{source} is a video: /video {source}")
+                return True
+            if name in ("/image", "/video"):
+                self.open(source, video=video)
+            elif video:
+                self.videos.append(video_part(source, num_frames=self.args.num_frames))
             else:
-                self.images.append(rest.strip())
-            self.note(f"[{rest.strip()} opens the next question]")
+                self.images.append(source)
+            self.note(f"[{source} opens the next question]")
             return True
         return super().command(line)
 

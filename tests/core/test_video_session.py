@@ -490,5 +490,6 @@ def test_a_video_then_an_image_survive_truncation_and_refuse_a_reset_typed(ov, c
     assert raised.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
     with pytest.raises(ServiceError) as raised:
         eng.reset("s")
-    assert raised.value.code is ErrorCode.INVALID_REQUEST and "images first" in raised.value.message
+    assert raised.value.code is ErrorCode.INVALID_REQUEST and "an image after a video" in raised.value.message
+    assert "the conversation is kept as it was" in raised.value.message  # what happened, and no action apps lack
     assert len(eng.store.get("s").history) == 2 and eng.generate("s", "Why?", GREEDY).tokens

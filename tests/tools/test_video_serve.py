@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from llava_client import SessionClient
-from llava_tools.demo.samples import sample_clip
+from llava_tools.demo.samples import sample_clip, sample_photo
 from server_fixtures import ImageHost, start_local_server
 
 pytestmark = pytest.mark.integration
@@ -93,6 +93,17 @@ def test_llava_chat_takes_a_video(server, clip_paths, stateless):
     done = subprocess.run(more + (["--stateless"] if stateless else []), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "[server: the video has 16 frames and 20 were asked: all 16 are used]" in done.stderr
+    # a session moves to another video with /video; /image on a video says which command takes it
+    png = clip_paths["coffee"].with_suffix(".png")
+    png.write_bytes(sample_photo("coffee"))
+    lines = f"/image {clip_paths['astronaut']}\n/video {clip_paths['astronaut']}\nWhat now?\n"
+    chat = [sys.executable, "-m", "llava_client.cli", "--url", server.url, "--image", str(png), "--max-new-tokens", "2"]
+    done = subprocess.run(
+        chat + (["--stateless"] if stateless else []), input=lines, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{clip_paths['astronaut']} is a video: /video {clip_paths['astronaut']}" in done.stderr
+    assert "not a recognised image file" not in done.stderr and "Traceback" not in done.stderr
     wrong = subprocess.run(
         [sys.executable, "-m", "llava_client.cli", "--url", server.url, "--image", "x.png", "--num-frames", "2"],
         capture_output=True,
