@@ -91,4 +91,4 @@ def test_make_demo_runs_on_a_llava_onevision_checkpoint(tmp_path):
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
     tokens = re.search(r"(\d+) image tokens", done.stdout)
     assert tokens and int(tokens.group(1)) > 729  # anyres_max_9: the base tile and more
-    assert "Q3 (independent)" in done.stdout
+    assert "Q3 (independent" in done.stdout

@@ -344,9 +344,8 @@ class SessionEngine:
         if Chat(None, (), len(session.images), videos=video_indexes(session.image_sizes)).image_after_video():
             raise ServiceError(
                 ErrorCode.INVALID_REQUEST,
-                "this session holds an image after a video, and a reset would put both in one question, which "
-                "the chat template cannot render in that order; the conversation is kept as it was: ask on, or "
-                "open a new session to start over",
+                "this session holds an image after a video, which one question cannot render in that order; "
+                "the conversation is kept as it was: ask on, or open a new session to start over",
             )
         session.forget_history()
         if session.kv_cache is not None:
