@@ -36,6 +36,7 @@ from ._exceptions import LlavaError, SessionGone
 from ._images import ImageInput, VideoInput, fit_payload, image_budget, image_payload, video_payload
 from ._streaming import ChatStream
 from ._transport import LineStream
+from ._types import warnings_of
 
 __all__ = ["ChatReply", "ChatSession", "image_part", "video_part"]
 
@@ -110,7 +111,7 @@ class ChatReply:
     @property
     def warnings(self) -> tuple[str, ...]:
         """What the server did otherwise than asked, in its words (a video with fewer frames than asked)."""
-        return tuple(str(w) for w in self.raw.get("warnings") or ())
+        return warnings_of(self.raw)
 
     @property
     def message(self) -> dict[str, str]:

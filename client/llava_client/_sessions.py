@@ -30,7 +30,7 @@ from ._exceptions import LlavaError, SessionGone
 from ._images import Downsized, ImageInput, VideoInput, video_payload
 from ._streaming import AnswerStream, ms_since
 from ._transport import LineStream
-from ._types import AddedImage, Answer, GenerationParams, Recovery, Sampling
+from ._types import AddedImage, Answer, GenerationParams, Recovery, Sampling, warnings_of
 
 __all__ = ["Opened", "Session", "open_session_request"]
 
@@ -83,8 +83,8 @@ def open_session_request(
     if history:
         request["history"] = history
     session_id, expires_at, data = client.invoke_open(request, "open_session")
-    warnings = tuple(str(w) for w in data.get("warnings") or ())
-    return Opened(session_id, expires_at, data.get("image_tokens"), dict(data.get("timings") or {}), warnings)
+    timings = dict(data.get("timings") or {})
+    return Opened(session_id, expires_at, data.get("image_tokens"), timings, warnings_of(data))
 
 
 def _generate_request(
@@ -328,7 +328,7 @@ class Session:
             cached_tokens=int(data.get("cached_tokens", 0)),
             timings=dict(data.get("timings") or {}),
             downsized=downsized,
-            warnings=tuple(str(w) for w in data.get("warnings") or ()),
+            warnings=warnings_of(data),
         )
 
     @property

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 
 from ._exceptions import APIConnectionError, LlavaError, status_error_from_body
 from ._transport import LineStream
-from ._types import Answer, Token
+from ._types import Answer, Token, warnings_of
 
 __all__ = ["AnswerStream", "ChatStream", "ChatStreamEvent", "ChatUsage"]
 
@@ -337,7 +337,7 @@ class ChatStream(_Stream[ChatStreamEvent]):
             chunk = _json_line(text)
             if chunk.get("usage"):
                 self.usage = ChatUsage.from_wire(chunk["usage"])
-            self.warnings += tuple(str(w) for w in chunk.get("warnings") or () if str(w) not in self.warnings)
+            self.warnings += tuple(w for w in warnings_of(chunk) if w not in self.warnings)
             for choice in chunk.get("choices") or ():
                 self.finish_reason = choice.get("finish_reason") or self.finish_reason
                 piece = (choice.get("delta") or {}).get("content")

@@ -111,6 +111,12 @@ class Answer:
         )
 
 
+def warnings_of(data: Mapping[str, Any]) -> tuple[str, ...]:
+    """A reply's (or a chunk's) ``warnings``: what the server did otherwise than asked, in its words
+    (a video with fewer frames than asked); empty when it says nothing."""
+    return tuple(str(w) for w in data.get("warnings") or ())
+
+
 def _int_or_none(value: Any) -> int | None:
     return int(value) if value is not None else None
 
