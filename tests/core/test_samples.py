@@ -86,7 +86,7 @@ def test_an_abandoned_request_of_several_answers_leaves_the_session_as_before(ll
     eng = make_engine(llava, **LAYOUTS[layout])
     eng.open("s", photos["rocket"])
     before = list(eng.store.get("s").cached_ids)
-    gen = eng.start("s", Q, SamplingParams(max_new_tokens=20, temperature=50.0, n=3))
+    gen = eng.start("s", Q, SamplingParams(max_new_tokens=20, temperature=50.0, seed=3, n=3))
     for _ in range(steps):
         eng.step([gen])
     assert only_sessions(eng) == ["s", "s/sample-1", "s/sample-2"]
@@ -161,3 +161,45 @@ def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exact
     assert [[t.id for t in s.answer.tokens] for s in gen.samples] == alone
     assert sum(s.num_preemptions for s in gen.samples) >= 1 and first.num_preemptions == 0
     assert only_sessions(eng) == ["a", "b"]
+
+
+def head_ends_first(eng: SessionEngine, seed: int) -> Sequence | None:
+    """Start a request of three answers that end on any of the first quarter of the vocabulary (so
+    at random, seeded) and step it until its head's answer ends; the request if the others still
+    run then, else None (its answers closed)."""
+    stops = tuple(range(eng.model.tokenizer.vocab_size // 4))
+    params = SamplingParams(max_new_tokens=20, temperature=50.0, seed=seed, n=3, stop_token_ids=stops)
+    gen = eng.start("s", Q, params)
+    while not gen.done:
+        eng.step([gen])
+    if gen.all_done:
+        return None
+    return gen
+
+
+@pytest.mark.parametrize("abandon", [False, True])
+def test_a_head_that_ends_first_keeps_its_turn_only_when_every_answer_has_ended(llava, photos, abandon):
+    """The answers of a request succeed or fail together: the head's answer ending first leaves its
+    session busy, its turn not yet kept; the turn joins the history when the last answer ends, and a
+    request closed before that leaves the session as before (a CI run once lost that to a seed)."""
+    eng = make_engine(llava)
+    eng.open("s", photos["rocket"])
+    before = list(eng.store.get("s").cached_ids)
+    for seed in range(40):
+        gen = head_ends_first(eng, seed)
+        if gen is not None:
+            break
+        eng.close("s")
+        eng.open("s", photos["rocket"])
+    else:
+        pytest.fail("no seed of 40 ended the head first")
+    assert eng.store.get("s").busy and eng.history("s") == [] and gen.answer is not None
+    if abandon:
+        gen.close()
+        assert gen.all_done and only_sessions(eng) == ["s"] and not eng.store.get("s").busy
+        assert eng.store.get("s").cached_ids == before and eng.history("s") == []
+    else:
+        run(eng, gen)
+        assert only_sessions(eng) == ["s"] and not eng.store.get("s").busy
+        assert eng.history("s") == [Turn(Q, gen.answer.text, eng.history("s")[0].images)]
+    assert eng.generate("s", "And then?", SamplingParams(max_new_tokens=4)).generated_tokens == 4

@@ -483,8 +483,7 @@ class SessionEngine:
     def abandon(self, work: EngineRequest) -> None:
         """Abandon ``work`` (an answer or an added image leaves its session as before, an open's is removed)."""
         self._execute.settle()
-        if not work.done:
-            self._execute.outputs.put_back(work)
+        self._execute.outputs.put_back(work)  # no-op once done (but a head whose turn waits)
 
     def _run_whole(self, prefill: ImagePrefill) -> Any:
         """Step ``prefill`` alone without a budget until done; returns its result or raises its error."""

@@ -5,7 +5,8 @@ After a forward pass each answer samples its next token from its row of the logi
 cropped back to the history's stable prefix) and releases it; an image prefill whose prefix is cached
 releases its session. On failure or abandonment the session is put back as it was before the request
 (:meth:`StepOutputs.put_back`: an answer's cache cropped to what it reused, an added image rolled
-back, an open's session removed); the answers of a request of several fail together.
+back, an open's session removed); the answers of a request of several fail together, and the
+head's turn is kept only once all of them have ended.
 """
 
 from __future__ import annotations
@@ -122,10 +123,21 @@ class StepOutputs:
         kv = self.runner.batch.release(seq)
         if kv is not None:  # the last token is not fed yet
             session.take_back_kv(kv, seq.prompt_ids + generated[:-1])
+        seq.finish(finish_reason)
         if seq.head is not seq:  # another answer of a request of several: only the head's is remembered
             self.store.discard(session)
-            seq.finish(finish_reason)
-            return
+            if seq.head.turn_waits and seq.all_done:
+                self._keep_turn(seq.head)
+        elif seq.all_done:
+            self._keep_turn(seq)
+        else:  # the answers of a request succeed or fail together: the turn waits for the others
+            seq.turn_waits = True
+
+    def _keep_turn(self, seq: Sequence) -> None:
+        """Every answer of ``seq``'s request ended: its session keeps the turn (or its cache is
+        cropped back to the history's stable prefix) and is idle again."""
+        seq.turn_waits = False
+        session = seq.session
         if seq.truncated_turns:  # what the model saw: the oldest turns left the context (not their images)
             session.drop_oldest_turns(seq.truncated_turns)
         if seq.remember:
@@ -135,7 +147,6 @@ class StepOutputs:
             session.crop_kv(max(seq.num_reused_tokens, common_prefix_len(seq.prompt_ids, stable)))
         session.check_invariants()
         self.store.release(session)
-        seq.finish(finish_reason)
 
     def finish_image_prefill(self, prefill: ImagePrefill) -> None:
         """The prefix is cached: the session is idle again (within the budget) and the prefill has its result."""
@@ -150,7 +161,7 @@ class StepOutputs:
             for seq in work.samples:
                 if not seq.done:
                     seq.fail(exc)
-                    self.put_back(seq)
+                self.put_back(seq)  # a head whose turn waits is put back too
             if work.head.error is None:
                 work.head.fail(exc)
             return
@@ -162,11 +173,15 @@ class StepOutputs:
     def put_back(self, work: EngineRequest) -> None:
         """End ``work`` without a result and leave its session as before the request: an answer's
         cache cropped to what it reused (or dropped if a forward pass failed midway), an added
-        image rolled back, an open's session removed."""
+        image rolled back, an open's session removed. No-op once ``work`` is done, but for a head
+        whose turn waits for the other answers of its request (:attr:`Sequence.turn_waits`)."""
+        if work.done and not (isinstance(work, Sequence) and work.turn_waits):
+            return
         work.end()
         session = work.session
         self.store.unpin(session)
         if isinstance(work, Sequence):
+            work.turn_waits = False
             self._put_back_answer(work)
             if work.head is not work:  # a sample session goes with its answer
                 self.store.discard(session)

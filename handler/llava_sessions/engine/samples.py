@@ -14,7 +14,9 @@ batch like any other; one that is preempted recomputes its KV from its own sessi
 Only the head's answer becomes the session's turn (``session_choice`` picks which index the head
 is). Answer ``i`` samples with ``seed + i`` (:meth:`SamplingParams.for_sample`), so each answer can
 be repeated alone. The answers of a request succeed or fail together (:meth:`StepOutputs.fail
-<.outputs.StepOutputs.fail>`), and admission books the memory of all of them.
+<.outputs.StepOutputs.fail>`): a head whose answer ends first keeps its session busy, the turn
+waiting (:attr:`Sequence.turn_waits`), until the last answer ends; a request abandoned before then
+leaves the session as before. Admission books the memory of all of them.
 """
 
 from __future__ import annotations

@@ -130,6 +130,9 @@ class Sequence:
         self.samples: list[Sequence] = [self]
         self.head: Sequence = self
         self.index = 0
+        #: a head whose answer ended while other answers of its request still run: its session keeps
+        #: the turn (and goes idle) once all have ended, or is put back if the request is abandoned
+        self.turn_waits = False
 
     def set_images_to_encode(self, images: list[tuple[int, Any]], rows: list[Any], *, assemble: bool) -> None:
         """A resent conversation's images the vision tower must encode before the prefill: ``(index
@@ -302,8 +305,9 @@ class Sequence:
         the question, and the answer so far ends with ``abort`` (kept as :attr:`answer`, not
         remembered); so does every other answer of its request. Nothing happens to one already done."""
         for s in self.samples:
-            if not s.done:
-                s._driver.abandon(s)
+            ended = s.done
+            s._driver.abandon(s)  # a head whose turn waits for the others is put back too
+            if not ended:
                 s.finish("abort")
 
     def fail(self, exc: Exception) -> None:
