@@ -285,14 +285,42 @@ class OutputLines:
                 return "".join(self.lines)
 
 
-def stop_process(process: subprocess.Popen, timeout_s: float = 40.0) -> None:
-    """Stop a CLI a test started (cleanup after a failed assertion): SIGTERM, so that it stops the
-    TorchServe process groups it started, then SIGKILL if it is still there after ``timeout_s``."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
+def stop_process(process: subprocess.Popen, timeout_s: float = 40.0, sig: int = signal.SIGTERM) -> bool:
+    """Stop a process a test started and everything it started, whatever happens: ``sig`` (SIGTERM
+    by default, so that a CLI stops the TorchServe process groups it started; SIGINT for Ctrl-C),
+    then, after ``timeout_s``, SIGKILL to it and to every descendant seen while it ran (TorchServe's
+    own sessions and process groups included, which a kill of the CLI alone would orphan). Any
+    descendant still running after the process exited is killed too. Returns True when ``sig``
+    stopped it (False: it had exited before, or needed the SIGKILL)."""
+    import psutil
+
+    tree: dict[int, psutil.Process] = {}
+    by_sig = False
+
+    def look() -> None:
+        try:
+            for child in psutil.Process(process.pid).children(recursive=True):
+                tree.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            pass
+
+    if process.poll() is None:
+        look()
+        process.send_signal(sig)
+        deadline = time.monotonic() + timeout_s
+        while process.poll() is None and time.monotonic() < deadline:
+            look()  # what it starts while it stops is stopped too
+            time.sleep(0.2)
+        by_sig = process.poll() is not None
+        if not by_sig:
+            look()
+            process.kill()
         process.wait()
+    for child in tree.values():
+        try:
+            if child.is_running():  # the same process (psutil checks its start time), not a reused pid
+                child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(list(tree.values()), timeout=10)
+    return by_sig

@@ -33,7 +33,7 @@ from llava_client import (
     SessionClient,
     SessionNotFound,
 )
-from server_fixtures import start_local_server
+from server_fixtures import start_local_server, stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -482,6 +482,7 @@ def test_llava_chat_at_a_terminal_recovers_from_an_error_and_exits_0(server, pho
         out, err = proc.communicate(timeout=120)
     finally:
         os.close(master)
+        stop_process(proc, 10)  # no-op once it exited; ended, with anything it started, if it did not
     assert proc.returncode == 0, err
     assert "/help, /quit" in err and "error:" in err and "No such file" in err
     assert "llava> " in out

@@ -24,6 +24,8 @@ from server_fixtures import start_local_server, worker_metric
 #: (900 tokens took 0.9 s on a 2-core VM on a fast day), so the module's checkpoint has llava-1.5's 4,096
 #: positions, not the shared fixture's 1,024.
 LONG = 3500
+#: The longest native answer (``max_new_tokens_cap``'s default): an abandoned one stops short of it.
+IN_SESSION = 1024
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +56,20 @@ def post(server, path: str, body: dict, headers: dict | None = None) -> http.cli
     conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=60)
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
     return conn
+
+
+def prompt_tokens_seen(server, until=lambda v: True, settled: bool = False) -> float:
+    """Prompt tokens the worker has answered, prefilled or reused from a KV cache (its
+    ``PrefilledPromptTokens`` and ``ReusedPromptTokens``), once ``until(total)`` holds (or 20 s);
+    ``settled``: and once two reads a second apart agree (the worker reports after each answer)."""
+    deadline = time.monotonic() + 20
+    last = None
+    while True:
+        total = gauge(server, "PrefilledPromptTokens") + gauge(server, "ReusedPromptTokens")
+        if (until(total) and (not settled or total == last)) or time.monotonic() > deadline:
+            return total
+        last = total
+        time.sleep(1.0 if settled else 0.1)
 
 
 def quick_answer(server) -> requests.Response:
@@ -87,14 +103,20 @@ def test_an_abandoned_request_frees_its_slot_at_once(server, path, stream):
 
 def test_a_request_left_while_queued_at_the_front_is_never_run(server):
     """Past the one slot a request waits at the front; its client leaving there costs nothing."""
+    story = requests.post(server.url + "/v1/chat/completions", json={**long_chat(False), "max_tokens": 1}, timeout=60)
+    story_tokens = story.json()["usage"]["prompt_tokens"]
+    before = prompt_tokens_seen(server, settled=True)  # the story's and earlier tests' reported
     holder = post(server, "/v1/chat/completions", long_chat(True))
     assert holder.getresponse().status == 200
     queued = post(server, "/v1/chat/completions", long_chat(False))
-    time.sleep(0.3)
+    time.sleep(0.3)  # it reaches the front and waits there (the worker refuses it the slot)
     queued.close()
     holder.close()
-    assert quick_answer(server).status_code == 200
+    quick = quick_answer(server)
+    assert quick.status_code == 200
     assert gauge(server, "RequestsInFlight", until=lambda v: v == 0) == 0
+    expected = story_tokens + quick.json()["usage"]["prompt_tokens"]  # the holder's prompt and the quick one's
+    assert prompt_tokens_seen(server, until=lambda v: v - before >= expected, settled=True) - before == expected
 
 
 def test_overload_waits_for_a_slot_then_refuses_in_the_dialects_shape(server):
@@ -134,8 +156,13 @@ def test_overload_waits_for_a_slot_then_refuses_in_the_dialects_shape(server):
 
 
 def test_health_is_vllms_check(server):
+    """``/health`` (vLLM's probe) answers as SageMaker's ``/ping``: 200 with a JSON status while the
+    worker serves, from the public port's server itself (no TorchServe reply shape)."""
     reply = requests.get(server.url + "/health", timeout=10)
-    assert reply.status_code == 200
+    ping = requests.get(server.url + "/ping", timeout=10)
+    assert reply.status_code == ping.status_code == 200
+    assert reply.headers["Content-Type"].startswith("application/json")
+    assert reply.json() == ping.json() == {"status": "Healthy"}
 
 
 def test_an_abandoned_native_question_leaves_its_session_usable(server, photos):
@@ -143,20 +170,26 @@ def test_an_abandoned_native_question_leaves_its_session_usable(server, photos):
     disconnect (issue 60's rule), as before that question, and answers the next one. The worker learns
     of the disconnect only when the stream's next frame fails to reach the client, so a question sent
     the same instant may still find the session answering (409) while a loaded machine runs that step:
-    it is asked again, for at most 10 s, where the stale-request timeout would have held it 600 s."""
+    it is asked again, for at most 10 s. The abandoned answer's tokens prove the abort: it stopped short
+    of its ``max_new_tokens``, which a session waited out by the retries would have reached."""
     image = {"base64": base64.b64encode(photos["rocket"]).decode()}
     opened = requests.post(server.url + "/invocations", json={"type": "open_session", "image": image}, timeout=60)
     sid = opened.headers["X-Amzn-SageMaker-Session-Id"].split(";")[0]
-    ask = {"type": "generate", "prompt": "Describe it.", "stream": True, "parameters": {"max_new_tokens": 400}}
+    before = gauge(server, "GeneratedTokens")
+    long_answer = {"max_new_tokens": IN_SESSION}  # greedy on the random checkpoint: no end token before
+    ask = {"type": "generate", "prompt": "Describe it.", "stream": True, "parameters": long_answer}
     conn = post(server, "/invocations", ask, {"X-Amzn-SageMaker-Session-Id": sid})
     reply = conn.getresponse()
     assert reply.status == 200 and reply.fp.readline()
     conn.close()
     headers = {"X-Amzn-SageMaker-Session-Id": sid}
+    short = {**ask, "stream": False, "parameters": {"max_new_tokens": 2}}
     deadline = time.monotonic() + 10.0
-    again = requests.post(server.url + "/invocations", json={**ask, "stream": False}, headers=headers, timeout=60)
+    again = requests.post(server.url + "/invocations", json=short, headers=headers, timeout=60)
     while again.status_code == 409 and time.monotonic() < deadline:
         time.sleep(0.2)
-        again = requests.post(server.url + "/invocations", json={**ask, "stream": False}, headers=headers, timeout=60)
+        again = requests.post(server.url + "/invocations", json=short, headers=headers, timeout=60)
     assert again.status_code == 200, again.text
+    made = gauge(server, "GeneratedTokens") - before - 2
+    assert made < IN_SESSION, made  # the abandoned answer was stopped, not waited out by the retries
     requests.post(server.url + "/invocations", json={"type": "close_session"}, headers=headers, timeout=60)

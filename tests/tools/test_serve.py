@@ -519,26 +519,25 @@ def test_an_api_key_guards_every_route_but_ping_and_ready_at_names_the_bind_addr
         assert requests.get(url + "/metrics", timeout=10).status_code == 401
         metrics = requests.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=10)
         assert metrics.status_code == 200 and "ts_inference_requests_total" in metrics.text
-        # issue 60 item 5: no other port answers an inference or management request without a key
-        # (TorchServe's own token authorization; its gRPC ports check the same keys: GRPCInterceptor)
-        import psutil
-
-        others = {
-            c.laddr.port
-            for p in psutil.Process(cli.pid).children(recursive=True)
-            for c in p.net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr.port != port
+        # no other port answers an inference or management request without a key (TorchServe's own
+        # token authorization; its gRPC ports check the same keys: GRPCInterceptor). The ports are
+        # read from the config.properties the CLI gave TorchServe, each checked for what it serves.
+        ports = _torchserve_ports(cli.pid)
+        assert sorted(ports) == ["grpc_inference", "grpc_management", "inference", "management", "metrics"]
+        assert port not in ports.values()
+        checks = {
+            "inference": [("POST", "/invocations"), ("POST", "/predictions/llava"), ("GET", "/models")],
+            "management": [("GET", "/models"), ("POST", "/models?url=llava")],
         }
-        assert len(others) >= 3, others  # inference, management, metrics (and gRPC's two)
-        for other in sorted(others):
-            base = f"http://127.0.0.1:{other}"
-            for method, path in (("POST", "/invocations"), ("POST", "/predictions/llava"), ("GET", "/models")):
-                try:
-                    r = requests.request(method, base + path, json=opening, timeout=10)
-                except requests.ConnectionError:
-                    continue  # a gRPC port: HTTP/1.1 is no request there
-                refused = r.status_code == 400 and "Token Authorization failed" in r.text
-                assert refused or r.status_code == 404, (other, path, r.status_code, r.text[:200])  # 404: metrics
+        for name, routes in checks.items():
+            for method, path in routes:
+                r = requests.request(method, f"http://127.0.0.1:{ports[name]}{path}", json=opening, timeout=10)
+                assert r.status_code == 400 and "Token Authorization failed" in r.text, (name, path, r.status_code)
+        # TorchServe's metrics API takes no token: it listens on loopback only, as the key's port relays it
+        assert _torchserve_addresses(cli.pid)["metrics"] == f"http://127.0.0.1:{ports['metrics']}"
+        for name in ("grpc_inference", "grpc_management"):  # HTTP/2 only: an HTTP/1.1 request gets nothing
+            with pytest.raises(requests.ConnectionError):
+                requests.post(f"http://127.0.0.1:{ports[name]}/invocations", json=opening, timeout=10)
         for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
             refused = requests.post(url + "/invocations", json=opening, headers=auth, timeout=30)
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
@@ -657,3 +656,36 @@ def test_a_missing_model_folder_gets_one_sentence_from_every_tool(tmp_path: Path
             done = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
             assert done.returncode in (1, 2) and f"{prog}: {says}" in done.stderr.splitlines(), (prog, done.stderr)
             assert "Traceback" not in done.stderr and "capacity" not in done.stdout and "starting" not in done.stdout
+
+
+def _torchserve_ports(cli_pid: int) -> dict[str, int]:
+    """The ports in the ``config.properties`` a ``llava-serve`` CLI gave the TorchServe it started
+    (read from that process's ``--ts-config``): name (``inference``, ``grpc_management``...) → port."""
+    ports: dict[str, int] = {}
+    for key, value in _torchserve_properties(cli_pid).items():
+        if key.endswith("_address") and value.startswith("http"):
+            ports[key.removesuffix("_address")] = int(value.rsplit(":", 1)[1])
+        elif key.endswith("_port"):
+            ports[key.removesuffix("_port")] = int(value)
+    return ports
+
+
+def _torchserve_addresses(cli_pid: int) -> dict[str, str]:
+    """The HTTP APIs' addresses in that ``config.properties``: ``inference`` → ``http://host:port``..."""
+    props = _torchserve_properties(cli_pid)
+    return {k.removesuffix("_address"): v for k, v in props.items() if k.endswith("_address") and v.startswith("http")}
+
+
+def _torchserve_properties(cli_pid: int) -> dict[str, str]:
+    """The ``config.properties`` the TorchServe under a ``llava-serve`` CLI runs with, as key → value."""
+    import psutil
+
+    for child in psutil.Process(cli_pid).children(recursive=True):
+        command = child.cmdline()
+        if "--ts-config" in command:
+            text = Path(command[command.index("--ts-config") + 1]).read_text()
+            break
+    else:
+        raise AssertionError("no TorchServe process with --ts-config under the CLI")
+    pairs = (line.partition("=") for line in text.splitlines() if not line.startswith("#"))
+    return {key: value for key, _, value in pairs}

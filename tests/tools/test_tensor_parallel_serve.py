@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from llava_tools.processes import pick_ports
-from server_fixtures import OutputLines
+from server_fixtures import OutputLines, stop_process
 
 psutil = pytest.importorskip("psutil")
 
@@ -93,8 +93,4 @@ def test_a_killed_rank_costs_no_client_error(tiny_model_dir: Path, photos) -> No
         assert again.text == whole.text and session.recoveries >= 1
         print(f"answered {time.monotonic() - t0:.1f} s after rank 0 was killed")
     finally:
-        cli.terminate()
-        try:
-            cli.wait(60)
-        except subprocess.TimeoutExpired:
-            cli.kill()
+        stop_process(cli, 60)  # SIGTERM, then SIGKILL to it and the TorchServe groups it started

@@ -17,7 +17,7 @@ import requests
 
 from llava_client import SessionClient
 from llava_tools.demo.samples import sample_clip, sample_photo
-from server_fixtures import ImageHost, start_local_server
+from server_fixtures import ImageHost, start_local_server, stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -143,9 +143,11 @@ def test_the_web_page_opens_a_video_shows_its_frames_and_answers(server, clip_pa
         page.wait().until(lambda d: len(page._all("#llava-frames img")) == 8)
         assert "finish_reason" in page.ask("What happens in this video?"), page.status()
     finally:
-        driver.quit()
-        web.send_signal(signal.SIGINT)
-        web.wait(timeout=60)
+        try:
+            driver.quit()
+        finally:
+            stopped = stop_process(web, 60, signal.SIGINT)  # killed, with what it started, if Ctrl-C did not
+    assert stopped, "llava-web did not stop on Ctrl-C within 60 s"
 
 
 def test_a_video_url_is_fetched_by_the_front_once_for_a_conversation_and_a_session(server, clip_paths):
