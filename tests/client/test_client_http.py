@@ -112,7 +112,7 @@ def test_session_lifecycle(client, server, photo_path):
 
 
 def test_ask_n_answers_gives_every_choice_and_remembers_the_chosen_one(client, photo_path):
-    sampled = {"max_new_tokens": 6, "temperature": 50.0}
+    sampled = {"max_new_tokens": 6, "temperature": 2.0}
     with client.open_session(photo_path) as session:
         alone = [session.ask("What is it?", remember=False, seed=5 + i, **sampled).text for i in range(3)]
         answer = session.ask("What is it?", n=3, session_choice=1, seed=5, **sampled)

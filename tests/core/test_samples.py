@@ -18,6 +18,9 @@ from llava_sessions.errors import ErrorCode, ServiceError
 from llava_sessions.sampling.sampler import SamplingParams
 
 Q = "What is in this image?"
+#: Low enough that the logits decide the draws (a fork's wrong logits change its tokens and their
+#: logprobs), high enough that differently seeded answers differ on the random checkpoint.
+TEMPERATURE = 2.0
 EXTRA_CONTIGUOUS = 2500
 
 
@@ -38,27 +41,23 @@ def test_seeded_samples_each_equal_the_request_alone_and_the_chosen_one_is_remem
     eng, alone = make_engine(llava, **LAYOUTS[layout]), make_engine(llava)
     for e in (eng, alone):
         e.open("s", photos["astronaut"], history=[Turn("Hi", "Hello.")])
-    params = SamplingParams(max_new_tokens=12, temperature=50.0, seed=7, n=4, session_choice=2)
+    params = SamplingParams(max_new_tokens=12, temperature=TEMPERATURE, seed=7, n=4, session_choice=2, logprobs=True)
     gen = eng.start("s", Q, params)
     assert [g.index for g in gen.samples] == [0, 1, 2, 3] and gen.samples[2] is gen
     tokens = run(eng, gen)
-    expected = [
-        [
-            t.id
-            for t in alone.generate(
-                "s", Q, SamplingParams(max_new_tokens=12, temperature=50.0, seed=7 + i), remember=False
-            ).tokens
-        ]
-        for i in range(4)
-    ]
-    assert tokens == expected
+    alone_params = [dataclasses.replace(params, seed=7 + i, n=1, session_choice=0) for i in range(4)]
+    answers = [alone.generate("s", Q, p, remember=False) for p in alone_params]
+    assert tokens == [[t.id for t in a.tokens] for a in answers]
+    # each fork's first token is drawn from the head's logits: its logprob is that of the answer alone
+    for sample, answer in zip(gen.samples, answers, strict=True):
+        assert [t.logprob for t in sample.answer.tokens] == pytest.approx([t.logprob for t in answer.tokens], abs=1e-3)
     assert len({tuple(t) for t in tokens}) > 1, "differently seeded samples differ"
     assert [s.answer.seed for s in gen.samples] == [7, 8, 9, 10]
     assert eng.history("s")[-1].answer == gen.samples[2].answer.text
     assert only_sessions(eng) == ["s"]
     # the next question reuses the chosen answer's KV and answers as it would alone
     follow = eng.generate("s", "And then?", SamplingParams(max_new_tokens=6))
-    alone.generate("s", Q, SamplingParams(max_new_tokens=12, temperature=50.0, seed=9))
+    alone.generate("s", Q, alone_params[2])
     assert [t.id for t in follow.tokens] == [
         t.id for t in alone.generate("s", "And then?", SamplingParams(max_new_tokens=6)).tokens
     ]
