@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
+
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.sessions.store import SessionStore
@@ -44,3 +46,27 @@ def make_engine(
     store = SessionStore(kv_bytes_per_token=llava.kv_bytes_per_token, **kw)
     limits = limits or EngineLimits(max_new_tokens_cap=512)
     return SessionEngine(llava, store, decode, limits, check_invariants=True, **engine_kw)
+
+
+def reference(
+    llava,
+    image_bytes: bytes,
+    turns: list[tuple[str, str]],
+    prompt: str,
+    system_prompt: str | None = None,
+    max_new_tokens: int = 12,
+) -> list[int]:
+    """Greedy tokens of ``model.generate`` from scratch on the chat-templated conversation."""
+    messages = []
+    if system_prompt:
+        messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+    for i, (q, a) in enumerate(turns + [(prompt, None)]):
+        content = ([{"type": "image"}] if i == 0 else []) + [{"type": "text", "text": q}]
+        messages.append({"role": "user", "content": content})
+        if a is not None:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
+    text = llava.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = llava.processor(text=text, images=decode(image_bytes), return_tensors="pt")
+    with torch.inference_mode():
+        out = llava.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -3,7 +3,8 @@
 fp32 on the CPU, the ``tiny`` checkpoint, the paged layout's static step (what a card replays as CUDA
 graphs; eager here). On a CPU the device runs each pass before the call returns, so nothing overlaps;
 what these tests show is that the engine's state and answers are those of the engine in step with the
-host, token for token and position for position, through ends, joins, abandons and failures.
+host, token for token and position for position, through ends, joins, abandons and failures, and
+the greedy answers (with a follow-up on the sessions they leave) those of ``model.generate``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from engine_fixtures import LAYOUTS, make_engine
+from engine_fixtures import LAYOUTS, make_engine, reference
 from llava_sessions.config import Settings
 from llava_sessions.engine import Sequence, SessionEngine
 from llava_sessions.model import cache_len
@@ -34,9 +35,9 @@ CASES = [
 ]
 
 
-def opened(llava, photos, **engine_kw) -> SessionEngine:
+def opened(llava, photos, cases=CASES, **engine_kw) -> SessionEngine:
     eng = make_engine(llava, **engine_kw)
-    for sid, photo, _q, _p in CASES:
+    for sid, photo, _q, _p in cases:
         eng.open(sid, photos[photo])
     return eng
 
@@ -60,10 +61,10 @@ def run(
     return gens
 
 
-def state(eng: SessionEngine) -> dict[str, tuple[list[int], int, int]]:
+def state(eng: SessionEngine, cases=CASES) -> dict[str, tuple[list[int], int, int]]:
     """Each session's cached ids, its cache's length and its remembered turns."""
     out = {}
-    for sid, *_ in CASES:
+    for sid, *_ in cases:
         s = eng.store.get(sid)
         assert not s.busy and cache_len(s.kv_cache) == len(s.cached_ids)
         out[sid] = (list(s.cached_ids), cache_len(s.kv_cache), len(s.history))
@@ -82,29 +83,50 @@ def same_answers(got: dict[str, Sequence], want: dict[str, Sequence]) -> None:
 
 
 @pytest.fixture(scope="module")
-def in_step(llava, photos):
+def cases(llava, photos):
+    """:data:`CASES` and one that ends on a stop token (its own 5th greedy token) while the step after
+    it may already be launched: its session must give that step's position back."""
+    probe = opened(llava, photos, CASES[:1], **LAYOUTS["static"])
+    sid, photo, q, _ = CASES[0]
+    tokens = probe.generate(sid, q, SamplingParams(max_new_tokens=14), remember=False).tokens
+    return [*CASES, ("g", photo, q, SamplingParams(max_new_tokens=14, stop_token_ids=[tokens[4].id]))]
+
+
+@pytest.fixture(scope="module")
+def in_step(llava, photos, cases):
     """The answers and the sessions after them, on the static step in step with the host."""
-    eng = opened(llava, photos, **LAYOUTS["static"])
-    gens = run(eng, CASES, join_at={"c": 3, "f": 5})
-    assert eng._execute.ahead is None
-    return gens, state(eng)
+    eng = opened(llava, photos, cases, **LAYOUTS["static"])
+    gens = run(eng, cases, join_at={"c": 3, "f": 5})
+    assert eng._execute.ahead is None and gens["g"].answer.finish_reason == "stop"
+    return gens, state(eng, cases)
 
 
-def test_answers_launched_ahead_are_the_answers_in_step_and_leave_the_same_sessions(llava, photos, in_step):
+def test_answers_launched_ahead_are_the_answers_in_step_and_leave_the_same_sessions(llava, photos, cases, in_step):
     """Greedy rows (one with its tokens' logprobs, chosen with them on the device) and seeded rows
     (top-k, top-p, a ``min_tokens`` mask), a row with top logprobs (chosen on the host: it keeps the
     whole batch in step while it runs), rows ending by ``max_new_tokens`` at
     different steps and two joining mid-way: every answer and every session's cache (ids, length,
     remembered turn) equals the engine's in step; most steps went ahead; nothing is left in flight."""
     want, want_state = in_step
-    eng = opened(llava, photos, **AHEAD)
+    eng = opened(llava, photos, cases, **AHEAD)
     ahead = eng._execute.ahead
     assert ahead is not None
-    got = run(eng, CASES, join_at={"c": 3, "f": 5})
+    got = run(eng, cases, join_at={"c": 3, "f": 5})
     same_answers(got, want)
-    assert state(eng) == want_state
+    assert state(eng, cases) == want_state
     assert ahead.flight is None and ahead.num_steps >= 5
     eng.runner.check_kv_pool(s.kv_cache for s in eng.store.sessions())
+    # and against code neither engine shares: model.generate from scratch, the greedy answers and a
+    # follow-up on the sessions they leave (a position left in a session's KV shows here)
+    for sid, photo, q, p in cases:
+        if p.temperature is None and p.top_k is None and not p.min_tokens and not p.stop_token_ids:
+            tokens = [t.id for t in got[sid].answer.tokens]
+            assert tokens == reference(llava, photos[photo], [], q, max_new_tokens=p.max_new_tokens), sid
+            follow = eng.generate(sid, "And then?", SamplingParams(max_new_tokens=5), remember=False)
+            turns = [(q, got[sid].answer.text)]
+            assert [t.id for t in follow.tokens] == reference(
+                llava, photos[photo], turns, "And then?", max_new_tokens=5
+            )
 
 
 def test_an_answer_that_stops_early_takes_its_launched_position_back(llava, photos):
@@ -152,7 +174,7 @@ def test_an_answer_closed_while_its_token_is_in_flight_leaves_its_session_as_bef
     [("launch", RuntimeError), ("choice", RuntimeError), ("launch", KeyboardInterrupt)],
     ids=["launch-fails", "choice-fails", "interrupted"],
 )
-def test_a_launch_that_fails_fails_no_answer(llava, photos, in_step, monkeypatch, where, fault):
+def test_a_launch_that_fails_fails_no_answer(llava, photos, cases, in_step, monkeypatch, where, fault):
     """A step launched ahead whose pass raises, or whose tokens cannot be chosen (once each, here), is
     taken back whole: the answers go on in step with the host, then ahead again, and equal the
     engine's in step. An interrupt (KeyboardInterrupt) leaves the engine's step; the tokens in flight
@@ -160,7 +182,7 @@ def test_a_launch_that_fails_fails_no_answer(llava, photos, in_step, monkeypatch
     import llava_sessions.engine.ahead as ahead_module
 
     want, want_state = in_step
-    eng = opened(llava, photos, **AHEAD)
+    eng = opened(llava, photos, cases, **AHEAD)
     graphs = eng.runner.graphs
     real_run, real_choices, failed = graphs.run, ahead_module.plain_choices, []
 
@@ -186,14 +208,14 @@ def test_a_launch_that_fails_fails_no_answer(llava, photos, in_step, monkeypatch
     monkeypatch.setattr(ahead_module, "plain_choices", plain_choices)
     interrupted, started = [], {}  # the answers, kept across an interrupt
     try:
-        got = run(eng, CASES, join_at={"c": 3, "f": 5}, started=started)
+        got = run(eng, cases, join_at={"c": 3, "f": 5}, started=started)
     except KeyboardInterrupt:
         interrupted.append(1)
         assert eng._execute.ahead.flight is not None  # the tokens in flight stay for the next step
-        got = run(eng, CASES, join_at={"c": 3, "f": 5}, started=started)
+        got = run(eng, cases, join_at={"c": 3, "f": 5}, started=started)
     assert failed == [where] and bool(interrupted) == (fault is KeyboardInterrupt)
     same_answers(got, want)
-    assert state(eng) == want_state
+    assert state(eng, cases) == want_state
 
 
 def test_seeded_samples_of_one_request_launched_ahead_equal_them_in_step(llava, photos):

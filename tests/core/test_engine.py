@@ -6,10 +6,9 @@ fp32 on CPU, the ``tiny`` checkpoint, real photographs from ``skimage.data``.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import engine_fixtures
-from engine_fixtures import decode
+from engine_fixtures import decode, reference
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.errors import ErrorCode, ServiceError
@@ -32,30 +31,6 @@ class Clock:
 
 def make_engine(llava, **store_kw) -> SessionEngine:
     return engine_fixtures.make_engine(llava, limits=EngineLimits(max_new_tokens_cap=4096), store_kw=store_kw)
-
-
-def reference(
-    llava,
-    image_bytes: bytes,
-    turns: list[tuple[str, str]],
-    prompt: str,
-    system_prompt: str | None = None,
-    max_new_tokens: int = N,
-) -> list[int]:
-    """Greedy tokens of ``model.generate`` from scratch on the chat-templated conversation."""
-    messages = []
-    if system_prompt:
-        messages.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
-    for i, (q, a) in enumerate(turns + [(prompt, None)]):
-        content = ([{"type": "image"}] if i == 0 else []) + [{"type": "text", "text": q}]
-        messages.append({"role": "user", "content": content})
-        if a is not None:
-            messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
-    text = llava.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = llava.processor(text=text, images=decode(image_bytes), return_tensors="pt")
-    with torch.inference_mode():
-        out = llava.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def ids(answer) -> list[int]:
