@@ -149,11 +149,30 @@ Messages = list[dict[str, str]]
 
 @dataclass
 class TabChat:
-    """One browser tab: its session (None before an image) and its transcript (chat messages)."""
+    """One browser tab: its session (None before an image), its transcript (chat messages) and the
+    frames shown of its video (empty for images)."""
 
     session: Session | None = None
     messages: Messages = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    frames: list[Any] = field(default_factory=list)
+
+
+def _kept(tab: TabChat) -> str:
+    """What a refused open, reset or add leaves: the tab's session and conversation, as they were."""
+    if tab.session is None:
+        return ""
+    return f" Session `{tab.session.id}` and its conversation are kept as they were."
+
+
+def _recovered(session: Session, recoveries: int) -> str:
+    """The note when ``session`` was reopened during a call (its ``recoveries`` had been ``recoveries``)."""
+    if session.recoveries <= recoveries:
+        return ""
+    return (
+        " The server had lost this session (a restart or an eviction); it was reopened on the same "
+        f"images with the remembered turns as session `{session.id}`."
+    )
 
 
 class WebChat:
@@ -178,29 +197,62 @@ class WebChat:
             return self._tabs.setdefault(tab_id, TabChat())
 
     def open_image(self, tab_id: str, image: Any) -> tuple[Messages, str]:
-        """Close the tab's session (if any) and open one on ``image`` (a path, bytes or PIL image).
+        """Open a session on ``image`` (a path, bytes or PIL image) in place of the tab's session.
 
-        ``image`` None (the image was removed) only closes the session.
+        The new session is opened first: a refused image leaves the tab's session and conversation
+        as they were. Only a server without room for both (``overloaded``) gets the old one closed
+        first, then the image once more. ``image`` None (the image was removed) only closes the session.
         """
+        return self._open(tab_id, image, None)[:2]
+
+    def _open(self, tab_id: str, image: Any, video: str | None) -> tuple[Messages, str, list[Any]]:
         tab = self.tab(tab_id)
+        what = "the video" if video is not None else "the image"
         with tab.lock:
-            closed = self._close(tab)
-            tab.messages = []
-            if image is None:
-                return [], closed or START_HINT
+            if image is None and video is None:
+                closed = self._close(tab)
+                tab.messages, tab.frames = [], []
+                return [], closed or START_HINT, []
             try:
-                tab.session = self.client.open_session(image)
+                try:
+                    session = self._open_session(image, video)
+                except Overloaded:
+                    if tab.session is None:
+                        raise
+                    self._close(tab)  # the user replaces it: make its room, then try once more
+                    tab.messages, tab.frames = [], []
+                    session = self._open_session(image, video)
             except Exception as exc:  # noqa: BLE001 - shown in the page
                 log.info("open failed: %s", type(exc).__name__)
-                return [], warn(explain(exc, doing="opening the image"))
-            s = tab.session
-            took = s.open_timings.get("total_ms")
+                return tab.messages, warn(explain(exc, doing=f"opening {what}") + _kept(tab)), tab.frames
+            self._close(tab)
+            tab.session, tab.messages = session, []
+            tab.frames = sample_frames(video) if video is not None else []
+            took = session.open_timings.get("total_ms")
             took_text = f" in {took:.0f} ms" if took is not None else ""
-            note = "".join(f" Note: {done}." for done in s.downsized)
-            return [], (
-                f"Session `{s.id}` opened{took_text}: the image takes {s.image_tokens} tokens, "
-                f"its features and KV cache stay on the server. Ask a question.{note}"
+            if video is not None:
+                return (
+                    [],
+                    (
+                        f"Session `{session.id}` opened{took_text}: {len(tab.frames)} frames of the video take "
+                        f"{session.image_tokens} tokens, their features and KV cache stay on the server. Ask a question."
+                    ),
+                    tab.frames,
+                )
+            note = "".join(f" Note: {done}." for done in session.downsized)
+            return (
+                [],
+                (
+                    f"Session `{session.id}` opened{took_text}: the image takes {session.image_tokens} tokens, "
+                    f"its features and KV cache stay on the server. Ask a question.{note}"
+                ),
+                [],
             )
+
+    def _open_session(self, image: Any, video: str | None) -> Session:
+        if video is not None:
+            return self.client.open_session(video=video, num_frames=VIDEO_FRAMES)
+        return self.client.open_session(image)
 
     def add_image(self, tab_id: str, image: Any) -> str:
         """Add ``image`` (a path, bytes or PIL image) to the tab's session: the next question is about
@@ -211,44 +263,26 @@ class WebChat:
         with tab.lock:
             if tab.session is None:
                 return warn("Open a session on an image first; then add more images to it.")
+            recoveries = tab.session.recoveries
             try:
                 added = tab.session.add_image(image)
             except Exception as exc:  # noqa: BLE001 - shown in the page
                 log.info("add image failed: %s", type(exc).__name__)
-                return warn(explain(exc, doing="adding the image"))
+                return warn(explain(exc, doing="adding the image") + _kept(tab))
             tab.messages.append({"role": "user", "content": f"*(image {added.images} added)*"})
             return (
                 f"Image {added.images} added to session `{tab.session.id}`: it takes {added.image_tokens} tokens; "
                 f"{added.cached_tokens} tokens of the conversation before it were reused. Ask about the images."
+                + _recovered(tab.session, recoveries)
             )
 
     def open_video(self, tab_id: str, path: str | None) -> tuple[Messages, str, list[Any]]:
-        """Close the tab's session (if any) and open one on the video at ``path``, its
+        """Open a session on the video at ``path`` in place of the tab's session, its
         :data:`VIDEO_FRAMES` frames sampled by the server; returns the transcript, the status and the
-        sampled frames for the strip. ``path`` None (the video was removed) only closes the session."""
-        tab = self.tab(tab_id)
-        with tab.lock:
-            closed = self._close(tab)
-            tab.messages = []
-            if path is None:
-                return [], closed or START_HINT, []
-            try:
-                tab.session = self.client.open_session(video=path, num_frames=VIDEO_FRAMES)
-            except Exception as exc:  # noqa: BLE001 - shown in the page
-                log.info("open failed: %s", type(exc).__name__)
-                return [], warn(explain(exc, doing="opening the video")), []
-            s = tab.session
-            frames = sample_frames(path)
-            took = s.open_timings.get("total_ms")
-            took_text = f" in {took:.0f} ms" if took is not None else ""
-            return (
-                [],
-                (
-                    f"Session `{s.id}` opened{took_text}: {len(frames)} frames of the video take {s.image_tokens} "
-                    "tokens, their features and KV cache stay on the server. Ask a question."
-                ),
-                frames,
-            )
+        frames for the strip. A refused video (a model without video, a file it cannot read) leaves
+        the tab's session, conversation and frames as they were (as :meth:`open_image`). ``path``
+        None (the video was removed) only closes the session."""
+        return self._open(tab_id, None, path)
 
     def ask(
         self, tab_id: str, question: str, max_new_tokens: int, temperature: float
@@ -303,25 +337,27 @@ class WebChat:
         assert answer is not None
         stats = answer_stats(answer)
         messages[-1]["content"] = f"{shown(text)}\n\n<small>{html.escape(stats)}</small>"
-        note = ""
-        if session.recoveries > recoveries:
-            note = (
-                " The server had lost this session (a restart or an eviction); it was reopened on the same "
-                f"image with the remembered turns as session `{session.id}`."
-            )
-        yield messages, f"{stats}.{note}"
+        yield messages, f"{stats}.{_recovered(session, recoveries)}"
 
     def reset(self, tab_id: str) -> tuple[Messages, str]:
         """Forget the conversation, keep the image and its session (the cached image prefix stays)."""
         tab = self.tab(tab_id)
         with tab.lock:
-            tab.messages = []
             if tab.session is None:
+                tab.messages = []
                 return [], START_HINT
+            recoveries = tab.session.recoveries
             try:
                 tab.session.reset()
-            except Exception as exc:  # noqa: BLE001 - shown in the page
-                return [], warn(explain(exc, doing="resetting the conversation"))
+            except Exception as exc:  # noqa: BLE001 - shown in the page: nothing changed on either side
+                log.info("reset failed: %s", type(exc).__name__)
+                return tab.messages, warn(explain(exc, doing="resetting the conversation") + _kept(tab))
+            tab.messages = []
+            if tab.session.recoveries > recoveries:
+                return [], (
+                    "Conversation reset. The server had lost this session (a restart or an eviction); it was "
+                    f"reopened on the same images as session `{tab.session.id}`. Ask a question."
+                )
             return [], f"Conversation reset; session `{tab.session.id}` keeps the image. Ask a question."
 
     def leave(self, tab_id: str) -> None:

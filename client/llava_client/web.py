@@ -114,14 +114,16 @@ def _callbacks(chat: WebChat, gr: Any) -> dict[str, Any]:
         return str(request.session_hash)
 
     def on_image(image: Any, request: gr.Request) -> tuple[Messages, str]:
-        return chat.open_image(tab_id(request), _upload_path(image))
+        messages, status = chat.open_image(tab_id(request), _upload_path(image))
+        return list(messages), status  # a refused image: the conversation as it was
 
     def on_add_image(image: Any, request: gr.Request) -> tuple[Messages, str]:
         status = chat.add_image(tab_id(request), _upload_path(image))
         return list(chat.tab(tab_id(request)).messages), status
 
     def on_video(path: Any, request: gr.Request) -> tuple[Messages, str, list[Any]]:
-        return chat.open_video(tab_id(request), path)
+        messages, status, frames = chat.open_video(tab_id(request), path)
+        return list(messages), status, list(frames)  # a refused video: the conversation as it was
 
     def on_ask(
         question: str, max_new: float, temperature: float, request: gr.Request
@@ -130,7 +132,8 @@ def _callbacks(chat: WebChat, gr: Any) -> dict[str, Any]:
             yield list(messages), status, ""
 
     def on_reset(request: gr.Request) -> tuple[Messages, str]:
-        return chat.reset(tab_id(request))
+        messages, status = chat.reset(tab_id(request))
+        return list(messages), status  # a refused reset: the conversation as it was
 
     def on_new_image(request: gr.Request) -> tuple[None, None, None, list[Any], Messages, str]:
         chat.leave(tab_id(request))

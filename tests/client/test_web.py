@@ -32,6 +32,7 @@ from llava_client import (
     SessionNotFound,
 )
 from llava_client.web import answer_stats, explain
+from llava_tools.demo.samples import sample_clip
 from server_fixtures import OutputLines, stop_process
 
 SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
@@ -322,6 +323,16 @@ def test_make_web_page_chats_streams_reuses_the_kv_cache_and_cleans_up(browser, 
         assert int(re.search(r"reused (\d+) of", status).group(1)) > IMAGE_TOKENS, status
         browser.save_screenshot(str(tmp_path / "page.png"))
         assert (tmp_path / "page.png").stat().st_size > 10_000
+
+        # a video dropped on this image-only model is refused: the session and the chat stay as they were
+        clip = tmp_path / "clip.mp4"
+        clip.write_bytes(sample_clip("coffee"))
+        bubbles = page.bubbles()
+        page._all("#llava-video input[type=file]")[0].send_keys(str(clip))
+        status = page.wait_status(lambda s: "failed:" in s and not _pending(s), 120)
+        assert "Opening the video failed" in status, status
+        assert re.search(rf"Session\s+`?{re.escape(first_id)}`?\s+and its conversation are kept", status), status
+        assert page.bubbles() == bubbles and len(bubbles) == 3
 
         page.click("llava-reset")
         status = page.wait_status(lambda s: "reset" in s)

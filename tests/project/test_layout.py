@@ -150,84 +150,6 @@ def test_every_decision_record_has_its_date_status_context_decision_and_conseque
 
 
 # ------------------------------------------------------------------ the core's import graph
-#: The worker core's layers, lowest first: a module imports (at run time) only modules of lower layers.
-#: Plain data at the bottom (the packages' own files load nothing), then what both dialects stand on
-#: (images, inbound bodies, framing), the model and the session state, the engine, the requests in flight,
-#: the two dialects side by side, the service, the replicas and the wiring.
-LAYERS: list[set[str]] = [
-    {
-        "errors",
-        "config",
-        "results",
-        "metrics",
-        "wire.contract",
-        "conversation",
-        "sessions.ledger",
-        "sessions.budget",
-        "engine.costs",
-        "model.kv.pages",
-        "model.projections",
-        "model.vision_graph",
-        "model.compile_cache",
-        "sampling.rows",
-        "model.staging",
-        "model.pixels",
-    },
-    {
-        "sessions",
-        "sampling",
-        "wire",
-        "native",
-        "chat",
-        "engine.scheduler",
-        "model.kv.cache",
-        "model.kv.paged",
-        "model.kv.flex",
-        "model.loading",
-        "model.regions",
-        "model.tile_graphs",
-    },
-    {
-        "model.kv",
-        "sampling.params",
-        "sampling.grammar",
-        "images.decode",
-        "images.s3",
-        "video.decode",
-        "model.templating",
-        "model.video",
-        "model.fused",
-        "model.parallel",
-        "wire.framing",
-        "engine.memory",
-        "engine.sharing",
-    },
-    {"wire.inbound", "images.fetch", "model.llava", "model.graphs", "sampling.sampler"},
-    {"images", "video", "model", "model.prefill_graphs", "engine.sequence", "chat.messages", "wire.affinity"},
-    {"engine.samples"},
-    {
-        "native.protocol",
-        "chat.protocol",
-        "sessions.session",
-        "sessions.offload",
-        "engine.admission",
-        "engine.inputs",
-        "engine.outputs",
-    },
-    {"engine.ahead"},
-    {"chat.command", "sessions.store", "engine.decode_batch", "engine.paged_batch", "engine.executor"},
-    {"chat.responses"},
-    {"native.responses", "engine.model_runner"},
-    {"engine.engine"},
-    {"engine"},
-    {"wire.in_flight", "wire.fetches"},
-    {"native.serving", "chat.serving"},
-    {"service"},
-    {"replicas"},
-    {"worker"},
-    {"__init__"},
-]
-
 #: The two dialects: neither imports the other (what both need sits below them).
 DIALECTS = ("native", "chat")
 #: The engine and what it stands on: a request's way down reaches them and never comes back up; none
@@ -286,23 +208,6 @@ def core_import_graph(
                     edges.add(top)  # the other package's __init__ runs first
         graph[me] = edges - {me}
     return graph
-
-
-def upward_edges(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
-    """Imports that do not go to a lower layer (a cycle always has one), and modules without a layer."""
-    layer = {name: i for i, names in enumerate(layers) for name in names}
-    unplaced = [f"{name}: no layer" for name in sorted(set(graph) - set(layer))]
-    return unplaced + sorted(
-        f"{a} -> {b}" for a, targets in graph.items() for b in targets if b in layer and layer[b] >= layer.get(a, -1)
-    )
-
-
-def test_the_core_imports_point_down_only() -> None:
-    """Every run-time import goes to a lower layer of :data:`LAYERS`, so there is no cycle either
-    (the old circle worker ↔ replicas, hidden in a function, is gone: the replicas get their builder)."""
-    graph = core_import_graph()
-    assert "engine.scheduler" in graph["engine.sequence"] and "model" in graph["sessions.session"]
-    assert upward_edges(graph, LAYERS) == []
 
 
 #: The core's floors, one sub-package (or plain top-level module) each, lowest first: a module imports
@@ -365,7 +270,7 @@ def test_the_core_top_level_stays_small() -> None:
     assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
 
 
-def test_the_import_check_finds_a_cycle_a_hidden_import_and_an_upward_edge(tmp_path: Path) -> None:
+def test_the_import_check_finds_a_cycle_and_a_hidden_import(tmp_path: Path) -> None:
     pkg = tmp_path / "core"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "a.py").write_text("from .b import x\n")
@@ -378,8 +283,7 @@ def test_the_import_check_finds_a_cycle_a_hidden_import_and_an_upward_edge(tmp_p
     graph = core_import_graph(pkg)
     assert graph["a"] == {"b"} and graph["b"] == {"a"} and graph["sub.c"] == {"a"}  # types only: not an edge
     assert graph["d"] == {"sub.c", "sub"}  # importing sub.c runs sub/__init__ too
-    assert upward_edges(graph, [{"a"}, {"b"}, {"sub", "sub.c"}, {"d"}]) == ["a -> b"]  # the cycle's upward half
-    assert upward_edges(graph, [{"b"}, {"a"}, {"sub", "sub.c"}])[:2] == ["d: no layer", "b -> a"]
+    assert cycles(graph) == [["a", "b", "a"]]  # the hidden import closes a cycle
 
 
 def test_the_dialects_results_and_conversation_import_no_torch() -> None:

@@ -142,6 +142,19 @@ def test_the_web_page_opens_a_video_shows_its_frames_and_answers(server, clip_pa
         assert "8 frames of the video take 1569 tokens" in status, status
         page.wait().until(lambda d: len(page._all("#llava-frames img")) == 8)
         assert "finish_reason" in page.ask("What happens in this video?"), page.status()
+        # an image after the video, then a reset the chat template refuses (images would render
+        # before the video): the page keeps the conversation the server keeps, and the next answer reuses it
+        photo = tmp_path / "coffee.png"
+        photo.write_bytes(sample_photo("coffee"))
+        assert "Image 2 added" in page.add_image(photo)
+        bubbles = page.bubbles()
+        page.click("llava-reset")
+        status = page.wait_status(lambda s: "failed:" in s and not _pending(s), 60)
+        assert "Resetting the conversation failed" in status and "kept as they were" in status, status
+        assert page.bubbles() == bubbles and len(bubbles) == 1
+        status = page.ask("And the photo?")
+        reused, prompt = map(int, re.search(r"reused (\d+) of (\d+) prompt tokens", status).groups())
+        assert reused > 1569 and prompt - reused < 40, status  # the video, the turn and the image were kept
     finally:
         try:
             driver.quit()
