@@ -522,7 +522,8 @@ def test_an_api_key_guards_every_route_but_ping_and_ready_at_names_the_bind_addr
         # no other port answers an inference or management request without a key (TorchServe's own
         # token authorization; its gRPC ports check the same keys: GRPCInterceptor). The ports are
         # read from the config.properties the CLI gave TorchServe, each checked for what it serves.
-        ports = _torchserve_ports(cli.pid)
+        props = _torchserve_properties(cli.pid)
+        ports = _torchserve_ports(props)
         assert sorted(ports) == ["grpc_inference", "grpc_management", "inference", "management", "metrics"]
         assert port not in ports.values()
         checks = {
@@ -534,7 +535,7 @@ def test_an_api_key_guards_every_route_but_ping_and_ready_at_names_the_bind_addr
                 r = requests.request(method, f"http://127.0.0.1:{ports[name]}{path}", json=opening, timeout=10)
                 assert r.status_code == 400 and "Token Authorization failed" in r.text, (name, path, r.status_code)
         # TorchServe's metrics API takes no token: it listens on loopback only, as the key's port relays it
-        assert _torchserve_addresses(cli.pid)["metrics"] == f"http://127.0.0.1:{ports['metrics']}"
+        assert props["metrics_address"] == f"http://127.0.0.1:{ports['metrics']}"
         for name in ("grpc_inference", "grpc_management"):  # HTTP/2 only: an HTTP/1.1 request gets nothing
             with pytest.raises(requests.ConnectionError):
                 requests.post(f"http://127.0.0.1:{ports[name]}/invocations", json=opening, timeout=10)
@@ -658,22 +659,16 @@ def test_a_missing_model_folder_gets_one_sentence_from_every_tool(tmp_path: Path
             assert "Traceback" not in done.stderr and "capacity" not in done.stdout and "starting" not in done.stdout
 
 
-def _torchserve_ports(cli_pid: int) -> dict[str, int]:
-    """The ports in the ``config.properties`` a ``llava-serve`` CLI gave the TorchServe it started
-    (read from that process's ``--ts-config``): name (``inference``, ``grpc_management``...) → port."""
+def _torchserve_ports(props: dict[str, str]) -> dict[str, int]:
+    """The ports in TorchServe's ``config.properties`` (:func:`_torchserve_properties`): name
+    (``inference``, ``grpc_management``...) → port."""
     ports: dict[str, int] = {}
-    for key, value in _torchserve_properties(cli_pid).items():
+    for key, value in props.items():
         if key.endswith("_address") and value.startswith("http"):
             ports[key.removesuffix("_address")] = int(value.rsplit(":", 1)[1])
         elif key.endswith("_port"):
             ports[key.removesuffix("_port")] = int(value)
     return ports
-
-
-def _torchserve_addresses(cli_pid: int) -> dict[str, str]:
-    """The HTTP APIs' addresses in that ``config.properties``: ``inference`` → ``http://host:port``..."""
-    props = _torchserve_properties(cli_pid)
-    return {k.removesuffix("_address"): v for k, v in props.items() if k.endswith("_address") and v.startswith("http")}
 
 
 def _torchserve_properties(cli_pid: int) -> dict[str, str]:
