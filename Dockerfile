@@ -8,7 +8,7 @@
 #
 # SageMaker runs `docker run IMAGE serve`: tini (PID 1, forwards SIGTERM, reaps orphans) runs
 # /usr/local/bin/serve -> llava-container-serve, which starts TorchServe (on loopback, behind its
-# front on 0.0.0.0:8080: a /ping that is 200 only while the model serves) with the model from
+# proxy on 0.0.0.0:8080: a /ping that is 200 only while the model serves) with the model from
 # /opt/ml/model (else the baked /opt/llava/model), restarts it when a worker dies, and on SIGTERM
 # stops it and exits 0 within 30 s (handler/llava_tools/serve/container.py).
 

@@ -65,9 +65,10 @@ web: install
 	bash tests/system_deps.sh demo
 	$(PY) -m llava_tools.demo.web $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),) $(if $(PORT),--port $(PORT),)
 
-# the notebook top to bottom, locally (its own TorchServe on the tiny model; no AWS)
-notebook: install system-deps
-	$(VENV)/bin/jupyter execute notebooks/llava_stateful_sessions.ipynb
+# the notebook top to bottom, locally (its own TorchServe on the tiny model; no AWS), each cell's output printed
+notebook: install
+	bash tests/system_deps.sh demo
+	$(PY) -m llava_tools.demo.notebook --notebook notebooks/llava_stateful_sessions.ipynb
 
 bench: install
 	$(PY) benchmarks/followup_latency.py --model bench
@@ -84,7 +85,7 @@ bench-peer: install
 	  $(PEER_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "$(subst transformers==,transformers[serving]==,$(TRANSFORMERS_PIN))" pillow )
 	$(PY) benchmarks/vs_transformers_serve.py --model bench --peer-venv $(PEER_VENV)
 
-# the GPU table (benchmarks/gpu.py): the 7b-shaped llava-1.5 built on the card in bf16, in process (no
+# the GPU table (benchmarks/gpu.py): the 7b-shaped llava-1.5 built on the GPU in bf16, in process (no
 # TorchServe); BENCH_GPU_ARGS="--device cpu --model tiny --dtype auto" runs the same code on a CPU
 BENCH_GPU_ARGS ?=
 bench-gpu: install
@@ -101,7 +102,7 @@ bench-gpu-serve: install
 # Python wheels), then gpu-check (benchmarks/gpu_check.sh: the whole GPU suite, the table's other sections
 # and the TorchServe table, <= 8 min, carrying .whl with Java); `make gpu-wheels` here first
 # and the GPU suite alone (tests/gpu and the core tests that compare the engine with itself, with the
-# tiny model on LLAVA_TEST_DEVICE, cuda by default; skipped where there is no card)
+# tiny model on LLAVA_TEST_DEVICE, cuda by default; skipped where there is no GPU)
 gpu-smoke:
 	bash benchmarks/gpu_smoke.sh
 gpu-check:

@@ -3,7 +3,7 @@
 An open-loop load on a local ``llava-serve``: ``--requests`` chat requests spread evenly over
 ``--duration-s`` seconds on ``/v1/chat/completions`` (streamed unless ``--plain``, no ``max_tokens``:
 the server's default answer length), each abandoned by its client after a uniform 0..``--give-up-s``
-seconds (some while held at the front, some mid-answer) by closing its connection, as a load tool
+seconds (some while held at the proxy, some mid-answer) by closing its connection, as a load tool
 cancels its requests at the end of a phase. Then a short request every ``--probe-every-s`` seconds
 until one is answered: the seconds from the load's end to that answer, and the worker's
 ``llava_RequestsInFlight`` after it, are the result. Also printed: the statuses the load's requests

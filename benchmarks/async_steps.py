@@ -1,15 +1,15 @@
 """Async scheduling against decode steps in step with the host, side by side in one engine (issue 59 item 2).
 
 With async scheduling (``handler/llava_sessions/engine/ahead.py``) a decode step replayed as a CUDA graph
-launches the next step, fed the tokens it chose on the card, before the host reads and records them;
-without it the card idles while the host records each step's tokens. Measured here, in one engine (its
+launches the next step, fed the tokens it chose on the GPU, before the host reads and records them;
+without it the GPU idles while the host records each step's tokens. Measured here, in one engine (its
 static step; async scheduling turned off and on between runs, alternating, the same sessions): the wall
 time of whole answers decoded by ``n`` sessions at once, the device synchronized only at the start and
 the end (a sync after each step would hide what async scheduling overlaps), as ms per step and tokens/s,
 and the ratio. The greedy tokens of the two ways must agree.
 
 On a CPU the device runs each pass before the call returns, so nothing overlaps: the ratio there is what
-the bookkeeping costs, not what a card gains.
+the bookkeeping costs, not what a GPU gains.
 
 Usage: python benchmarks/async_steps.py [--device cuda] [--model tiny|bench|7b] [--levels 1,8,32]
 """

@@ -4,13 +4,13 @@ Each row times whole requests through the service (the body's JSON and base64 de
 hashed, the conversation templated, the model run), medians over ``--repeats``, interleaved:
 
 1. **Follow-up TTFT of a resent 3-turn conversation**: in a session that answered the three turns
-   (its cache holds them) vs the same body as a one-shot request on a worker holding nothing of it
+   (its cache holds them) vs the same body as a sessionless request on a worker holding nothing of it
    (``share_images: false``: every image encoded, every token prefilled; target >= 10x) vs our native
    ``generate`` of the same question in a session with the same history (target <= 1.15x: the cost
    of parsing, hashing and templating the resent history). ``max_tokens`` 1: the reply is the first
    token.
 2. **Open on an image another session holds vs a new image** (native ``open_session``, the image
-   inline): the held image's features and prefix KV are copied instead of computed (target >= 3x).
+   inline): the stored image's features and prefix KV are copied instead of computed (target >= 3x).
 
 Usage: python benchmarks/chat_protocol.py [--model bench] [--repeats 7] [--model-dir DIR]
 """
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(service: Any, cold: Any, args: argparse.Namespace) -> int:
     greedy = {"temperature": 0}
-    resent, one_shot, native, held, fresh = [], [], [], [], []
+    resent, sessionless, native, held, fresh = [], [], [], [], []
     for r in range(args.repeats + 1):  # the first round warms up
         image = varied_photo(1000 + r)
         # a chat session that answered the three turns, then the follow-up resent in full
@@ -123,7 +123,7 @@ def run(service: Any, cold: Any, args: argparse.Namespace) -> int:
         body = {"messages": conversation(image, answers, QUESTION), "max_tokens": 1, **greedy}
         t_resent, reply = call(service, body, sid)
         cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-        t_one_shot, _ = call(cold, body)  # nothing of it held on that worker
+        t_sessionless, _ = call(cold, body)  # nothing of it held on that worker
         # the native protocol: the same image and the same history, the same question
         opened = call(
             service,
@@ -142,23 +142,23 @@ def run(service: Any, cold: Any, args: argparse.Namespace) -> int:
         t_fresh, _ = call(service, {"type": "open_session", "image": {"base64": base64.b64encode(new_image).decode()}})
         if r:
             resent.append(t_resent)
-            one_shot.append(t_one_shot)
+            sessionless.append(t_sessionless)
             native.append(t_native)
             held.append(t_held)
             fresh.append(t_fresh)
         print(
             f"round {r}{' (warm-up)' if not r else ''}: resent {t_resent:.1f} ms (cached {cached} of "
-            f"{reply['usage']['prompt_tokens']}), one-shot {t_one_shot:.1f}, native {t_native:.1f}; "
+            f"{reply['usage']['prompt_tokens']}), sessionless {t_sessionless:.1f}, native {t_native:.1f}; "
             f"open held {t_held:.1f}, new {t_fresh:.1f}",
             flush=True,
         )
     result = {
         "follow_up_ttft_ms": {
             "resent_in_session": median(resent),
-            "one_shot": median(one_shot),
+            "sessionless": median(sessionless),
             "native_generate": median(native),
         },
-        "one_shot_over_resent": round(statistics.median(one_shot) / statistics.median(resent), 2),
+        "sessionless_over_resent": round(statistics.median(sessionless) / statistics.median(resent), 2),
         "resent_over_native": round(statistics.median(resent) / statistics.median(native), 3),
         "open_ms": {"image_held": median(held), "new_image": median(fresh)},
         "new_over_held_open": round(statistics.median(fresh) / statistics.median(held), 2),

@@ -1,4 +1,4 @@
-"""The GPU table in one device call (``make bench-gpu``): our engine on the card against its own floor.
+"""The GPU table in one device call (``make bench-gpu``): our engine on the GPU against its own floor.
 
 In process, without TorchServe (the device machine has no Java): the ``7b``-shaped random llava-1.5
 (its exact architecture, built on the device in bf16: no 13 GB file to carry) driven through the
@@ -13,16 +13,16 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    what a launch-bound step adds).
 3. **Aggregate tokens/s** at ``--levels`` concurrent sessions (each asks for ``--new-tokens`` greedy
    tokens at once; decode only, their prefills before the clock), and the ratio to one session.
-4. **Follow-up TTFT**: a ~30-token question on a held session of ``--context`` tokens.
+4. **Follow-up TTFT**: a ~30-token question on a stored session of ``--context`` tokens.
 5. **A cold image turn**: open on a new image and the first token of its first question (decode,
    preprocess, vision tower, projector, prefill).
-6. **The peer**: transformers' own fastest batch-1 path on the same card, ``generate`` with a static
+6. **The peer**: transformers' own fastest batch-1 path on the same GPU, ``generate`` with a static
    cache compiled (``cache_implementation="static"``; transformers compiles the decode step itself on
    a GPU with a static cache, as its docs describe), ms per token: the median gap between its generated
    tokens, read by a streamer inside the call, after a warm-up generate.
 
 7. **CUDA graphs against eager** (when the engine's paged decode step has static shapes:
-   ``--decode-layout auto`` or ``paged`` on a card, or ``--cuda-graphs on``): the graphs captured and
+   ``--decode-layout auto`` or ``paged`` on a GPU, or ``--cuda-graphs on``): the graphs captured and
    the seconds the capture took at start; one session's and three sessions' greedy answers (three
    rows run in the four-row bucket, one pad row) replayed, then the same static pass run eagerly
    (tokens identical: issue 43's replay equals eager on the same device), then eagerly at the rows'
@@ -33,7 +33,7 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    ms each, and their capture's seconds (``prefill_graph``).
 8. **The other decode layout**: batch-1 decode and the aggregate again, in a second engine whose
    answers decode in the layout the first did not (``contiguous``: one batch tensor, a joining
-   answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the card chooses the
+   answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the GPU chooses the
    default by measurement.
 9. **Fused projections** (``model/projections.py``): batch-1 decode and the aggregate again in an engine
    over the same model with each layer's q/k/v and gate/up fused into one GEMM each, then apart again.
@@ -47,17 +47,17 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
     transformers' Pillow processor on the host against the same steps on the device, alone and within
     the whole ``encode_images``, ms each, and how far apart their values are (``pixels``).
 12. **Async scheduling** (``benchmarks/async_steps.py``, when the engine has it: its static step on a
-    card): whole answers of 1 and 32 sessions decoded with the engine's async scheduling off and on,
+    GPU): whole answers of 1 and 32 sessions decoded with the engine's async scheduling off and on,
     alternating, the device synchronized only around each answer; tokens/s each and the ratio (every
     other section runs it on, synchronized after each step).
 13. **Attention kernels over pages** (``benchmarks/paged_attention.py``, for the model's attention
    shape at ``--context`` positions and ``--kernel-rows`` rows): contiguous SDPA, the engine's gather
-   then SDPA, FlexAttention over the pool (compiled on a card), ``varlen_attn`` with a block table
+   then SDPA, FlexAttention over the pool (compiled on a GPU), ``varlen_attn`` with a block table
    where torch has it; ms per layer, the difference from SDPA, and the fastest exact paged kernel.
 
 ``--paged-attention gather|flex|auto`` sets how the engine's static decode step reads the pages
-(default the engine's own: ``auto`` on a card, gathered below ``FLEX_MIN_ROWS`` rows and with
-FlexAttention, ``model/flex_pages.py``, from there); on a card each other read is measured too, in an
+(default the engine's own: ``auto`` on a GPU, gathered below ``FLEX_MIN_ROWS`` rows and with
+FlexAttention, ``model/flex_pages.py``, from there); on a GPU each other read is measured too, in an
 engine of its own. Every ratio is to the floor measured in the same run. Each section is written to ``--json`` as it
 ends; one that raises is recorded under ``errors`` and the rest still run; ``--deadline-s`` skips the
 sections due after it (one device call returns all it measured). ``python benchmarks/gpu.py --device cpu --model
@@ -283,7 +283,7 @@ def first_token_ms(engine: SessionEngine, start: Callable[[], Any]) -> float:
 
 
 def turns(engine: SessionEngine, images: list[bytes], context: int, repeats: int) -> dict:
-    """Follow-up TTFT on a held session of about ``context`` tokens, and a cold image turn (open on a
+    """Follow-up TTFT on a stored session of about ``context`` tokens, and a cold image turn (open on a
     never-seen image + its first question's first token), medians of ``repeats``."""
     held = open_with_context(engine, "fu", images[0], context)
     new = len(engine.model.template.conversation_ids(engine.store.get("fu").chat(), FOLLOW_UP)) - held
@@ -488,7 +488,7 @@ def peer_static_generate(llava: LlavaModel, image: bytes, new_tokens: int) -> di
 
 
 def cuda_graphs_arg(args: argparse.Namespace) -> bool | None:
-    """``--cuda-graphs`` as the engine takes it: None (auto: on a card), True or False."""
+    """``--cuda-graphs`` as the engine takes it: None (auto: on a GPU), True or False."""
     return {"auto": None, "on": True, "off": False}[args.cuda_graphs]
 
 
@@ -501,7 +501,7 @@ def new_engine(
     cpu_pool_bytes: int = 1 << 27,
     async_scheduling: bool | None = None,
 ) -> SessionEngine:
-    """An engine on ``llava`` whose store does not demote at the table's levels: on a card the worker's
+    """An engine on ``llava`` whose store does not demote at the table's levels: on a GPU the worker's
     budget (:func:`~llava_sessions.worker.session_budget`: 0.8 of the free memory less the graphs'
     estimate; its fixed pool takes that much at start), on a CPU an unbounded budget
     (``cpu_pool_bytes``, 128 MiB, when ``graphs`` fixes the pool there too: the unfused FlexAttention a
@@ -537,7 +537,7 @@ def paged_read_of(engine: SessionEngine) -> str:
 
 
 def layout_of(engine: SessionEngine) -> str:
-    """The decode layout ``engine`` resolved (``auto`` is paged on a card)."""
+    """The decode layout ``engine`` resolved (``auto`` is paged on a GPU)."""
     return "paged" if isinstance(engine.batch, PagedDecodeBatch) else "contiguous"
 
 
@@ -554,7 +554,7 @@ def answers(engine: SessionEngine, sids: list[str], new_tokens: int) -> tuple[li
 
 def graphs_against_eager(engine: SessionEngine, images: list[bytes], new_tokens: int, capture_s: float) -> dict:
     """One session's and three sessions' greedy answers through the static decode step replayed (CUDA
-    graphs on a card), the same static pass run eagerly (identical tokens: issue 43's replay equals
+    graphs on a GPU), the same static pass run eagerly (identical tokens: issue 43's replay equals
     eager), and eagerly at the rows' own shapes (another attended length: in bf16 the sums round
     otherwise, so a near tie of a random model's logits can flip; the first differing token is
     reported); ms per step each."""
@@ -595,16 +595,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (auto: the device's)")
     ap.add_argument("--levels", default="1,8,32,64", help="concurrent sessions, comma-separated (start with 1)")
-    ap.add_argument("--context", type=int, default=600, help="a held session's context, tokens")
+    ap.add_argument("--context", type=int, default=600, help="a stored session's context, tokens")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-peer", action="store_true", help="leave transformers' static-cache generate out")
     ap.add_argument("--kv-page-size", type=int, default=KV_PAGE_SIZE, help="the KV pool's page (0: DynamicCaches)")
     ap.add_argument("--decode-layout", default="auto", choices=["auto", "contiguous", "paged"])
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
-                    help="the paged step's static shapes (graphs on a card); off: the enforce_eager setting")  # fmt: skip
+                    help="the paged step's static shapes (graphs on a GPU); off: the enforce_eager setting")  # fmt: skip
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                    help="the compile setting: the text layers fused and compiled before the engine (auto: on a card)")  # fmt: skip
+                    help="the compile setting: the text layers fused and compiled before the engine (auto: on a GPU)")  # fmt: skip
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                     help="the engine's async scheduling (auto: with captured graphs)")  # fmt: skip
     ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="how the static decode step reads the pages (default: the engine's own; flex: "
                          "FlexAttention over the pool; auto: the gather below FLEX_MIN_ROWS rows, flex from there)")  # fmt: skip
     ap.add_argument("--compare-paged-read", default="auto", choices=["auto", "on", "off"],
-                    help="each other way of reading the pages, in an engine of its own (auto: on a card)")  # fmt: skip
+                    help="each other way of reading the pages, in an engine of its own (auto: on a GPU)")  # fmt: skip
     ap.add_argument("--kernel-rows", default="1,32", help="rows of the attention-kernel table ('': none)")
     ap.add_argument("--kernels", default="gather_sdpa,flex_paged,varlen_paged", help="its paged kernels")
     ap.add_argument("--json", default=None, help="the table as JSON, rewritten after every section")
@@ -796,7 +796,7 @@ def stop_on_sigterm() -> None:
 
 def release_memory(device: torch.device) -> None:
     """Free what a finished engine held (its objects refer to each other, so a collection frees them),
-    and on a card hand the cached blocks back, so the next engine's fixed pool is sized to all of it."""
+    and on a GPU hand the cached blocks back, so the next engine's fixed pool is sized to all of it."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -993,7 +993,7 @@ def print_table(report: dict[str, Any]) -> None:
 def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
     """The table's second half: graphs against eager, the attention kernels, the other decode layout."""
     g = report.get("graphs")
-    if g:  # the static decode step (replayed graphs on a card) against eager at the step's own shape
+    if g:  # the static decode step (replayed graphs on a GPU) against eager at the step's own shape
         print(f"decode graphs: {g['num_graphs']} captured in {g['capture_s']} s")
         for rows in (1, 3):
             r = g[f"rows_{rows}"]

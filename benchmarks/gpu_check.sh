@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # `make gpu-check`: the rest of the GPU check, after `make gpu-smoke`, in at most 8 minutes of command time
-# (docs/decisions/58-the-card-check.md): the whole GPU suite (tests/gpu and the core tests that compare the
+# (docs/decisions/58-the-gpu-check.md): the whole GPU suite (tests/gpu and the core tests that compare the
 # engine with itself, on the GPU) with a timeout per test, the GPU table's other sections
 # (benchmarks/gpu.py --sections rest), then the TorchServe table (benchmarks/gpu_serve.py: llava-serve
-# over HTTP beside TorchServe's floor). card.txt first; each part writes into OUT (the device call's $OUT;
+# over HTTP beside TorchServe's floor). gpu.txt first; each part writes into OUT (the device call's $OUT;
 # ./gpu-check here) as it ends. The device machine has no Java: `make gpu-wheels` packs a runtime and
 # TorchServe's frontend into .whl-serve (benchmarks/gpu_bundle.py); if they cannot be unpacked, only the
 # TorchServe part is skipped.

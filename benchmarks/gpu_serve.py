@@ -1,14 +1,14 @@
-"""The TorchServe table on the card (issue 59 item 5; ``make bench-gpu-serve``, the last part of ``make gpu-check``).
+"""The TorchServe table on the GPU (issue 59 item 5; ``make bench-gpu-serve``, the last part of ``make gpu-check``).
 
 What users deploy, measured over HTTP: ``llava-serve``'s :class:`~llava_tools.serve.LocalServer` (the real
 TorchServe, our handler, loopback) on a checkpoint written to the machine's local disk (``--model 7b``:
-the 7b-shaped random llava-1.5, written on the card in fp16 and served in ``--dtype``), driven by
+the 7b-shaped random llava-1.5, written on the GPU in fp16 and served in ``--dtype``), driven by
 ``llava_client``. Side by side in one run:
 
 1. **TorchServe's floor**: :mod:`floor_handler` (it answers at once, runs no model) under the same
    TorchServe config, the 1-token request's shape: the median client round trip, ms. What any handler's
    request costs here.
-2. **Follow-up TTFT**: a held session of about ``--context`` tokens asks ``FOLLOW_UP`` (not remembered)
+2. **Follow-up TTFT**: a stored session of about ``--context`` tokens asks ``FOLLOW_UP`` (not remembered)
    for one token, client time (the reply comes with its first token), median of ``--repeats``; beside
    it the server's own ``total_ms`` of the same answers.
 3. **Batch-1 decode**: one stream of ``--new-tokens`` tokens on that session; ms per token = the time
@@ -21,7 +21,7 @@ the 7b-shaped random llava-1.5, written on the card in fp16 and served in ``--dt
    each count goes first, untimed, as the in-process aggregate's warm-up does.
 5. **A cold image turn**: open a session on a never-seen image and ask for one token, client time.
 
-With ``--compile-cache`` (the default on a card) ``llava-compile-cache`` runs first, in a process of its
+With ``--compile-cache`` (the default on a GPU) ``llava-compile-cache`` runs first, in a process of its
 own with an empty Inductor cache: the cold start (weights, compile, capture; its graphs compiled), and the
 model folder's compile cache written. The server then starts with another empty Inductor cache, so its
 ``server_start_s`` is a warm start from the shipped file alone, beside the floor server's start (Java and
@@ -64,7 +64,7 @@ FLOOR_REQUEST = {"type": "generate", "prompt": "Hi?", "remember": False, "parame
 
 
 def write_model(model: str, folder: Path) -> dict[str, Any]:
-    """Write the random checkpoint ``model`` (``tiny``, ``bench``, ``7b``: built on the card) to ``folder``;
+    """Write the random checkpoint ``model`` (``tiny``, ``bench``, ``7b``: built on the GPU) to ``folder``;
     returns its size (bytes) and the seconds it took."""
     from llava_tools.tiny_model import write_checkpoint
 
@@ -156,7 +156,7 @@ def timed_stream(session: Any, new_tokens: int) -> dict[str, float]:
     the first token's line to the last's (ms), and both arrivals' ``perf_counter`` (s).
 
     Lines, not text pieces: a random model's tokens can decode to no text, and a stream yields only
-    non-empty pieces (runs 8-9 on the card timed pieces, and read one piece for a whole answer)."""
+    non-empty pieces (runs 8-9 on the GPU timed pieces, and read one piece for a whole answer)."""
     t0 = time.perf_counter()
     with session.stream(QUESTION, remember=False, max_new_tokens=new_tokens, temperature=0) as stream:
         answer = stream.until_done()
@@ -259,12 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", default=None, help="where the checkpoint is written (default: a new temp folder)")
     ap.add_argument("--device", default="cuda", help="cuda (the handler's devices: auto) or cpu")
     ap.add_argument("--dtype", default="bfloat16", help="the handler's dtype setting")
-    ap.add_argument("--context", type=int, default=600, help="the held session's context, tokens")
+    ap.add_argument("--context", type=int, default=600, help="the stored session's context, tokens")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--streams", default="8,32", help="concurrent streams, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=None,
-                    help="write the compile cache cold first, then start the server warm from it (default: on a card)")  # fmt: skip
+                    help="write the compile cache cold first, then start the server warm from it (default: on a GPU)")  # fmt: skip
     ap.add_argument("--floor-requests", type=int, default=200)
     ap.add_argument("--in-process", default=None, help="benchmarks/gpu.py's JSON of the same call: the goals' ratios")
     ap.add_argument("--json", default=None, help="the table as JSON, rewritten after every section")

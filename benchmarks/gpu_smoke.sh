@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-smoke`: the cheapest useful device call, first on any lent GPU (at most 5 minutes of command
-# time, carrying only the Python wheels of `make gpu-wheels`, no Java). card.txt first; then the GPU
+# time, carrying only the Python wheels of `make gpu-wheels`, no Java). gpu.txt first; then the GPU
 # table's smoke sections (benchmarks/gpu.py --sections smoke: the engine's start and its graph counts,
 # the floor and batch-1 decode, the cold image turn with its prefill replayed, device pixels against the
 # host's, the vision tower and the decode steps replayed against eager, follow-up TTFT, 32 sessions), then

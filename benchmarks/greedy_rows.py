@@ -3,7 +3,7 @@
 After each decode step every answer picks its next token from its row of the logits ``[B, vocab]``
 (float32). Each row sampling alone (:meth:`Sampler.next_token
 <llava_sessions.sampling.sampler.Sampler.next_token>`) runs an argmax and reads its token to the host: on a
-card, one kernel and one device sync per row. Rows with nothing but greedy to compute (:attr:`Sampler.plain_greedy
+GPU, one kernel and one device sync per row. Rows with nothing but greedy to compute (:attr:`Sampler.plain_greedy
 <llava_sessions.sampling.sampler.Sampler.plain_greedy>`) take theirs from one argmax over the batch, read at
 once (:meth:`StepOutputs.accept_rows <llava_sessions.engine.outputs.StepOutputs.accept_rows>`). Measured here:
 ms per step of each way, at each row count, the same logits, after a warm-up; the tokens must agree.

@@ -1,14 +1,14 @@
-"""What ``llava-serve``'s OpenAI front costs per request, side by side with TorchServe reached directly.
+"""What ``llava-serve``'s OpenAI proxy costs per request, side by side with TorchServe reached directly.
 
 One TorchServe serving the floor handler (``benchmarks/floor_handler.py``: it answers at once, no
 model), fronted by :class:`~llava_tools.serve.front.OpenAIFront` as ``llava-serve`` runs it. The same
 small JSON body goes, interleaved request by request over keep-alive connections, to
 
-- TorchServe's own ``/invocations`` (the floor: no front),
-- ``/invocations`` through the front (relayed as it came),
-- ``/v1/chat/completions`` through the front (OpenAI's route, sent to ``/invocations``),
+- TorchServe's own ``/invocations`` (the floor: no proxy),
+- ``/invocations`` through the proxy (relayed as it came),
+- ``/v1/chat/completions`` through the proxy (OpenAI's route, sent to ``/invocations``),
 
-and the script prints each path's median and p90 latency and the front's added median, in ms.
+and the script prints each path's median and p90 latency and the proxy's added median, in ms.
 Goal (issue "Stateless conversations"): at most 0.3 ms per request.
 
 Usage::

@@ -21,7 +21,7 @@ kv_heads, head_dim]`` per layer). Each kernel's output is compared with the firs
 - ``xformers_paged``: xformers' Triton split-K decode kernel (``fmha.triton_splitk.FwOp``) straight over
   the pool through a page table (``PagedBlockDiagonalPaddedKeysMask``; xformers 0.0.35, a 3.3 MB wheel
   that needs only torch and Triton). CUDA only, and only for pages of a multiple of its 64-position key
-  blocks: run ``--page-size 64``. Its wheel does not fit the card check's carry beside Java (64.0 of
+  blocks: run ``--page-size 64``. Its wheel does not fit the GPU check's carry beside Java (64.0 of
   67.1 MB), so it is measured in a device call of its own:
   ``pip download --no-deps xformers==0.0.35 -d .whl-kernels``, carry ``.whl-kernels``, then
   ``pip install --no-deps --target /tmp/site .whl-kernels/*.whl`` and
@@ -29,7 +29,7 @@ kv_heads, head_dim]`` per layer). Each kernel's output is compared with the firs
 
 A kernel that raises is reported with its error, not measured. ``fastest`` names the fastest paged
 kernel whose output is within ``tolerance`` of the yardstick. ``benchmarks/gpu.py`` prints this table
-for the model's attention shape on the card; ``python benchmarks/paged_attention.py --device cpu`` runs
+for the model's attention shape on the GPU; ``python benchmarks/paged_attention.py --device cpu`` runs
 it here.
 """
 

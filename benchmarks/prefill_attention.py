@@ -8,7 +8,7 @@ mask, (b) through :func:`~llava_sessions.model.fused.lower_right_attention`; int
 
 Usage:
     python benchmarks/prefill_attention.py [--model bench] [--device auto] [--dtype auto]
-    python benchmarks/prefill_attention.py --model 7b --device cuda     # the 7b shape in bf16 on a card
+    python benchmarks/prefill_attention.py --model 7b --device cuda     # the 7b shape in bf16 on a GPU
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where an engine step's time goes: ``torch.profiler`` over the engine's passes, in process.
 
-``benchmarks/gpu.py`` says how long a decode step, a follow-up and a cold image turn take on a card;
+``benchmarks/gpu.py`` says how long a decode step, a follow-up and a cold image turn take on a GPU;
 this script says why. For each region it prints the median wall ms of ``--repeats`` runs (timed
 without the profiler), then, from one profiled run: how many kernels were launched, how many times
 the host waited for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize`` and the
@@ -9,12 +9,12 @@ reads there were (``aten::_local_scalar_dense``), and the operators that took th
 and the most device time. A launch-bound pass shows many kernels and little device time; a pass
 that waits on the device each layer shows syncs in the tens.
 
-Regions (the ``7b``-shaped llava-1.5 on a card by default, as ``gpu.py`` builds it):
+Regions (the ``7b``-shaped llava-1.5 on a GPU by default, as ``gpu.py`` builds it):
 
 - ``decode_eager``: one batch-1 decode step at about ``--context`` positions, the paged layout, eager;
-- ``decode_graphs``: the same step replayed as a CUDA graph (on a card);
+- ``decode_graphs``: the same step replayed as a CUDA graph (on a GPU);
 - ``decode_contiguous``: the same step in the contiguous layout (one batch tensor);
-- ``follow_up``: a ~40-token question on a held session, to its first token, in the engine a card
+- ``follow_up``: a ~40-token question on a stored session, to its first token, in the engine a GPU
   runs (graphs: the question goes in as one static step's rows; eager on a CPU);
 - ``open``: opening a session on a never-seen image (decode, preprocess, vision tower, prefix prefill),
   in the same engine;
@@ -89,7 +89,7 @@ def profile_region(device: torch.device, run: Callable[[], Any], repeats: int, r
 
 
 def decode_step_region(engine: Any, image: bytes, context: int) -> Callable[[], None]:
-    """A batch-1 answer decoding on a held session of about ``context`` positions: each call runs one
+    """A batch-1 answer decoding on a stored session of about ``context`` positions: each call runs one
     decode step (a new answer starts, prefilled outside the call, when the last one ends)."""
     open_with_context(engine, "p", image, context)
     state: dict[str, Any] = {"gen": None}
@@ -129,7 +129,7 @@ def hf_decode_region(llava: LlavaModel, context: int) -> Callable[[], None]:
 
 
 def turn_regions(engine: Any, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
-    """The follow-up (a ~40-token question on a held session, to its first token) and the open of a
+    """The follow-up (a ~40-token question on a stored session, to its first token) and the open of a
     never-seen image, profiled on ``engine``."""
     device = engine.model.device
     open_with_context(engine, "fu", images[0], args.context)
@@ -154,7 +154,7 @@ def turn_regions(engine: Any, images: list[bytes], args: argparse.Namespace) -> 
 
 
 def regions(llava: LlavaModel, args: argparse.Namespace) -> dict[str, Any]:
-    """Every region's profile, one engine at a time (each takes its fixed pool on a card)."""
+    """Every region's profile, one engine at a time (each takes its fixed pool on a GPU)."""
     device, images = llava.device, [sample_photo(p) for p in PHOTOS]
     out: dict[str, Any] = {}
     layouts = {"decode_eager": ("paged", False), "decode_graphs": ("paged", True)}

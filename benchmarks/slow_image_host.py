@@ -10,7 +10,7 @@ and the gaps between consecutive chunks are taken at the client
 
 the slow open sent three ways, on two servers started in turn in one run:
 
-- through the public port's front (``llava-serve``'s, the container's): the front fetches the image
+- through the public port's proxy (``llava-serve``'s, the container's): the proxy fetches the image
   before the request reaches TorchServe (``llava_tools.serve.image_relay``), so the worker never waits;
 - straight to TorchServe, default settings: the worker fetches beside its loop, and the request's
   first call waits at most ``image_fetch_wait_ms`` = 250 ms while answers run;
@@ -135,7 +135,7 @@ def run_server(model_dir: str, wait_ms: int, args: argparse.Namespace, slow_url:
         for way in ways:
             open_url = server.url if way == "front" else server.torchserve_url
             quiet = measure(server.url, sids, args.new_tokens, None)
-            # a fresh URL each time: the front keeps what it fetched
+            # a fresh URL each time: the proxy keeps what it fetched
             slow_way = f"{slow_url}&way={way}{wait_ms}-{len(rows)}"
             slow = measure(server.url, sids, args.new_tokens, slow_way, open_url, args.delay)
             rows.append({"way": way, "image_fetch_wait_ms": wait_ms, "quiet": quiet, "slow_host": slow})

@@ -51,7 +51,7 @@ def _body(question: str, new_tokens: int, constrained: bool) -> dict:
 
 
 def run(svc: SessionService, bodies: list[dict]) -> tuple[float, int]:
-    """Admit ``bodies`` at once (one-shot, no session) and drive them to their ends: (wall s, tokens)."""
+    """Admit ``bodies`` at once (sessionless, no session) and drive them to their ends: (wall s, tokens)."""
     rids = [f"b{next(_ids)}" for _ in bodies]
     t0 = time.perf_counter()
     rows = [BatchRequest(r, f"ts-seq-{r}", True, b) for r, b in zip(rids, bodies, strict=True)]

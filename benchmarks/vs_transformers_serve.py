@@ -7,7 +7,7 @@ builds it: ``pip install torch==<ours>`` then ``"transformers[serving]==<our pin
 ``config/constraints.txt``), on the CPU, fp32, with the same thread count as ours. Ours is
 ``llava-serve`` (TorchServe and the handler, default settings) on its ``/v1/chat/completions`` route,
 started as a user starts it, in its own process as the peer is (until 27 Nov it ran in this script's
-process, whose client threads then shared its front's interpreter).
+process, whose client threads then shared its proxy's interpreter).
 Both get the same request bodies, greedy, one measurement at a time, interleaved round by round (ours
 then the peer's, then the peer's then ours), every image turn on a photo neither has seen (one pixel
 changed per request). Both are warmed alike first: a short stream, then one burst of ``--concurrent``

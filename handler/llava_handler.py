@@ -1,10 +1,10 @@
-"""TorchServe entry for llava-sessions: rows in, the service, each row's frame out.
+"""TorchServe entry for llava-sessions: requests in, the service, each request's frame out.
 
 All logic lives in the worker core ``llava_sessions``: the wiring (``worker``), the service and its
 dialects, the engine, the store. TorchServe's context is read and written by the one owner of its
-framing (``llava_sessions.wire.framing``: sequence id / start headers in; per-row status, headers,
+framing (``llava_sessions.wire.framing``: sequence id / start headers in; per-request status, headers,
 content type and stopping criteria out; docs/platform.md). This file never
-raises out of ``handle()`` (that would fail every row of the batch).
+raises out of ``handle()`` (that would fail every request of the batch).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class LlavaHandler:
         self.initialized = True
 
     def handle(self, data, context):
-        """Serve one batch: returns one body (bytes) per row; framing: :mod:`llava_sessions.wire.framing`."""
+        """Serve one batch: returns one body (bytes) per request; framing: :mod:`llava_sessions.wire.framing`."""
         service = self.service
         if data is None or service is None:
             return None

@@ -55,7 +55,7 @@ def family(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def llava(tiny_model_dir):
     """The tiny checkpoint loaded in fp32 on the CPU, or on ``LLAVA_TEST_DEVICE`` (``make test-gpu``
-    runs the core tests that compare the engine with itself on the card this way)."""
+    runs the core tests that compare the engine with itself on the GPU this way)."""
     import torch
 
     from llava_sessions.model import LlavaModel

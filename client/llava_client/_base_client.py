@@ -10,7 +10,7 @@ backoff honouring ``Retry-After``, and only where a repeat cannot duplicate work
   ``overloaded``, 409 ``session_busy``), or SageMaker throttled (429);
 - a stream only before its response started (never once a token arrived).
 
-A restarting server answers ``503 model_not_ready`` (its front, with ``Retry-After``) or refuses
+A restarting server answers ``503 model_not_ready`` (its proxy, with ``Retry-After``) or refuses
 connections for a few seconds (docs/api.md, "When a worker dies"): once the server has answered this
 client, such a request is retried for up to ``restart_wait_s`` seconds (default
 :data:`DEFAULT_RESTART_WAIT_S`) from the first, past ``max_retries``, with the same backoff capped at
@@ -59,7 +59,7 @@ DEFAULT_MAX_RETRIES = 2
 INITIAL_RETRY_DELAY_S = 0.5
 MAX_RETRY_DELAY_S = 8.0
 #: Seconds a request that could not connect keeps being retried: a server restart's window (a tiny model's
-#: restart measured 10-16 s quiet, 30-33 s under load; the server's front holds requests 60 s too).
+#: restart measured 10-16 s quiet, 30-33 s under load; the server's proxy holds requests 60 s too).
 DEFAULT_RESTART_WAIT_S = 60.0
 #: Longest wait between two connection attempts inside that window.
 MAX_RESTART_RETRY_DELAY_S = 2.0
@@ -186,7 +186,7 @@ class BaseClient:
                 return result
             except LlavaError as err:
                 refused = (isinstance(err, APIConnectionError) and not err.request_sent) or (
-                    isinstance(err, Overloaded) and err.code == "model_not_ready"  # a front whose server restarts
+                    isinstance(err, Overloaded) and err.code == "model_not_ready"  # a proxy whose server restarts
                 )
                 if not isinstance(err, APIConnectionError):
                     self._reached = True  # it answered: a later refusal is a restart, not a wrong address

@@ -16,7 +16,7 @@ its cache of that conversation (the images are not re-encoded, the history not r
                 print(event.text, end="")
         print(stream.finish_reason, stream.usage)
 
-``client.complete(messages)`` and ``client.stream_chat(messages)`` are one-shot requests (no session).
+``client.complete(messages)`` and ``client.stream_chat(messages)`` are sessionless requests (no session).
 Replies are the server's OpenAI ``chat.completion`` objects (:attr:`ChatReply.raw`). A chat session
 the server lost (a worker restart, its TTL, an eviction) is opened again and the conversation resent
 to it, once, with a WARNING log line: the conversation is all the server needs.

@@ -194,7 +194,7 @@ class SessionClient(BaseClient):
         )
 
     def complete(self, messages: list[dict[str, Any]], **params: Any) -> ChatReply:
-        """A one-shot chat completion: ``messages`` (OpenAI's format; images as ``image_url`` parts,
+        """A sessionless chat completion: ``messages`` (OpenAI's format; images as ``image_url`` parts,
         see :func:`~llava_client.image_part`) answered outside any session. ``params``: OpenAI's
         (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ...).
 

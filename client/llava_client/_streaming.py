@@ -41,7 +41,7 @@ def ms_since(t0: float) -> float:
 #: Times one stream is sent again after its server's worker died mid-answer.
 MAX_STREAM_RESUMES = 2
 #: The code of the error event a stream ends with when its server's worker died mid-answer (the
-#: server's front writes it: nothing of the answer survived, and the worker restarts).
+#: server's proxy writes it: nothing of the answer survived, and the worker restarts).
 WORKER_LOST_CODE = "model_not_ready"
 
 

@@ -5,7 +5,7 @@ sessions' meaning. It has two calls:
 
 - ``invoke(body, session_id=...)``: one request, one whole reply (:class:`RawResponse`);
   ``session_id=None`` opens a new session (no header over HTTP, ``NEW_SESSION`` on SageMaker);
-  ``session_id=""`` is a request outside any session (a one-shot chat request: no header, no
+  ``session_id=""`` is a request outside any session (a sessionless chat request: no header, no
   ``SessionId``);
 - ``invoke_stream(body, session_id=...)``: a streamed reply as complete JSON lines (:class:`LineStream`).
 

@@ -164,8 +164,8 @@ class Settings(BaseModel):
     image_fetch_wait_ms: int = Field(
         250, ge=0, le=60_000, description="While answers generate, wait this long for a new request's image fetch."
     )
-    image_memory_bytes: int = Field(256 * _MIB, ge=0, description="Bytes of fetched images the front keeps (0: none).")
-    image_memory_ttl_s: float = Field(600.0, gt=0.0, description="How long the front keeps a fetched image, seconds.")
+    image_memory_bytes: int = Field(256 * _MIB, ge=0, description="Bytes of fetched images the proxy keeps (0: none).")
+    image_memory_ttl_s: float = Field(600.0, gt=0.0, description="How long the proxy keeps a fetched image, seconds.")
 
     # --- scheduling -------------------------------------------------------------------------
     max_concurrent_generations: int = Field(
@@ -240,7 +240,7 @@ class Settings(BaseModel):
     unsalted_cache: Literal["shared", "isolated"] = Field(
         "shared",
         description="What requests without a cache_salt share: 'shared' (as vLLM: every unsalted request may reuse "
-        "the image features, held images, image uuids and prefix KV of every other unsalted one, so a client can "
+        "the image features, stored images, image uuids and prefix KV of every other unsalted one, so a client can "
         "time whether another sent an image) or 'isolated' (nothing beyond their own session; no conversation "
         "cache for them). Requests with a cache_salt share only with an equal salt either way.",
     )

@@ -6,12 +6,12 @@ are refused: they lose ``NEW_SESSION`` follow-ups, docs/decisions/42-one-worker.
 
 - it starts one **replica process** per device (``multiprocessing`` spawn). Each builds its own
   model copy, session store (its device's KV budget, its own ``max_sessions``, 1/N of the host
-  budget) and :class:`~llava_sessions.service.SessionService`, and serves the rows it is
-  sent exactly as a lone worker would (the same scheduler, batched decode, errors per row);
+  budget) and :class:`~llava_sessions.service.SessionService`, and serves the requests it is
+  sent exactly as a lone worker would (the same scheduler, batched decode, errors per request);
 - :meth:`ReplicaRouter.handle` splits a TorchServe batch by replica and sends every part at once,
   so the replicas' forward passes run at the same time in different processes (two model copies in
   threads of one interpreter serialise on the GIL: 1.07-1.17x measured, vs 1.85x in processes);
-- **placement**: a row of a request in flight goes to its replica; a row naming a placed session to that
+- **placement**: a request in flight goes to its replica; a request naming a placed session to that
   session's replica; a chat request without a session (no header, or a TorchServe-minted id) to the
   replica that last answered a request of its prefix key (:func:`~.wire.affinity.prefix_key`: its
   salt, system prompt and first user message), where the conversation cache holds its turns; anything
@@ -21,9 +21,9 @@ are refused: they lose ``NEW_SESSION`` follow-ups, docs/decisions/42-one-worker.
   in sessions (free bytes / one new session's features + prefix KV), capped by the replica's free
   session slots, so equal GPUs fill evenly and a fuller or smaller device gets fewer. An answer carrying
   ``X-Amzn-SageMaker-New-Session-Id`` places that id; one carrying the Closed header removes it;
-- **faults**: an error inside a replica's step fails that replica's rows with typed errors (as
+- **faults**: an error inside a replica's step fails that replica's requests with typed errors (as
   in any worker). A replica process that dies (or, tensor parallel, ends because one of its ranks
-  died) costs no client error, as a dead worker behind the front costs none: its rows in flight get
+  died) costs no client error, as a dead worker behind the proxy costs none: its requests in flight get
   the retryable ``503 model_not_ready`` with ``Retry-After``, or, a stream whose first frame went out,
   that code as its last event (:func:`~.wire.framing.cut_stream_tail`), which ``llava_client`` sends
   again; its sessions are lost (their ids then get 404 ``session_not_found`` + the Closed header from a
@@ -39,9 +39,9 @@ empty graphs and replay stale logits, their events would record on GPU 0's strea
 context there. A CPU replica sees no GPU.
 
 Pipes carry plain data: ``(BatchRequest list, request ids whose clients left)`` in, ``(Reply list, stats,
-metrics payload)`` out; image bytes cross once, on the open. A request in flight that TorchServe's batch
+metrics payload)`` out; image bytes cross once, with the open request. A request in flight that TorchServe's batch
 lacks is gone (its client left; :meth:`~llava_sessions.service.SessionService.handle`): the router,
-which alone sees the whole batch, tells its replica, in a call of its own if no row goes there.
+which alone sees the whole batch, tells its replica, in a call of its own if no request goes there.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def replica_settings(settings: Settings, device: str, num_replicas: int) -> Sett
 def _replica_main(
     conn: Connection, index: int, num_replicas: int, builder: Callable[..., SessionService], build: dict[str, Any]
 ) -> None:
-    """A replica process: build a service on its device, then serve the rows it is sent until the
+    """A replica process: build a service on its device, then serve the requests it is sent until the
     pipe closes (the worker exited) or ``None`` arrives; between calls its requests in flight run ahead
     (:meth:`SessionService.run_ahead`)."""
     try:
@@ -161,8 +161,8 @@ def _replica_main(
             return
         if message is None:
             return
-        rows, gone = message
-        results = service.handle(rows, gone)
+        batch, gone = message
+        results = service.handle(batch, gone)
         conn.send((results, service.placement_stats(), service.metrics.collect(service.engine)))
 
 
@@ -293,10 +293,10 @@ class ReplicaRouter:
         self._pool.shutdown(wait=False)
 
     # ------------------------------------------------------------------ entry
-    def handle(self, rows: list[BatchRequest]) -> list[Reply]:
-        """Route the rows, let every replica with rows run its slice at once, answer each row.
+    def handle(self, batch: list[BatchRequest]) -> list[Reply]:
+        """Route the requests, let every replica with requests run its slice at once, answer each request.
 
-        Never raises: a dead replica's rows, and a new request while no replica is alive, get the
+        Never raises: a dead replica's requests, and a new request while no replica is alive, get the
         retryable ``model_not_ready`` (:meth:`lost`, :meth:`not_ready`). Either ends the TorchServe job
         group minted for a request that came without a session (as a refused open does on a replica):
         left open, each such group would hold one of TorchServe's ``maxNumSequence`` until its idle
@@ -305,17 +305,17 @@ class ReplicaRouter:
         """
         parts: dict[int, list[int]] = {}
         tallies = {r.index: dict(r.stats) for r in self.replicas if r.alive}
-        continuing = {i for i, row in enumerate(rows) if row.body is None}  # TorchServe's continuations
-        gone = self._gone(rows)
+        continuing = {i for i, request in enumerate(batch) if request.body is None}  # TorchServe's continuations
+        gone = self._gone(batch)
         for index in gone:
             parts.setdefault(index, [])
-        for i, row in enumerate(rows):
-            target = self._route(row, tallies)
+        for i, request in enumerate(batch):
+            target = self._route(request, tallies)
             parts.setdefault(target, []).append(i)
-        results: list[Reply | None] = [None] * len(rows)
+        results: list[Reply | None] = [None] * len(batch)
         futures = {
             index: self._pool.submit(
-                self._call, self.replicas[index], [rows[i] for i in positions], gone.get(index, [])
+                self._call, self.replicas[index], [batch[i] for i in positions], gone.get(index, [])
             )
             for index, positions in parts.items()
             if index >= 0
@@ -329,17 +329,17 @@ class ReplicaRouter:
                     if index < 0 and i not in continuing:  # no replica alive to take a new request
                         result = self.not_ready()
                     else:  # its replica died with it in flight
-                        result = self.lost(self._types.get(rows[i].request_id, JSON) if i in continuing else None)
-                    group = rows[i].session_id
-                    if rows[i].minted and group:  # a group TorchServe minted: no session holds it
+                        result = self.lost(self._types.get(batch[i].request_id, JSON) if i in continuing else None)
+                    group = batch[i].session_id
+                    if batch[i].minted and group:  # a group TorchServe minted: no session holds it
                         result.headers.update(self._framing.end_sequence(group))
                 results[i] = result
-                self._book(rows[i], result, index)
+                self._book(batch[i], result, index)
         return [r if r is not None else Reply(b"") for r in results]
 
-    def _gone(self, rows: list[BatchRequest]) -> dict[int, list[str]]:
-        """The requests in flight that ``rows`` lacks (their clients left), by live replica; forgotten here."""
-        in_batch = {row.request_id for row in rows}
+    def _gone(self, batch: list[BatchRequest]) -> dict[int, list[str]]:
+        """The requests in flight that ``batch`` lacks (their clients left), by live replica; forgotten here."""
+        in_batch = {request.request_id for request in batch}
         gone: dict[int, list[str]] = {}
         with self._lock:
             for rid in [rid for rid in self._types if rid not in in_batch]:
@@ -351,21 +351,21 @@ class ReplicaRouter:
                     gone.setdefault(index, []).append(rid)
         return gone
 
-    def _route(self, row: BatchRequest, tallies: dict[int, dict[str, int]]) -> int:
-        """The replica for ``row`` (-1: none is alive)."""
+    def _route(self, request: BatchRequest, tallies: dict[int, dict[str, int]]) -> int:
+        """The replica for ``request`` (-1: none is alive)."""
         with self._lock:
-            known = self._jobs.get(row.request_id)
-            if known is None and row.session_id:
-                known = self.placement.get(row.session_id)
+            known = self._jobs.get(request.request_id)
+            if known is None and request.session_id:
+                known = self.placement.get(request.session_id)
         if known is not None and self.replicas[known].alive:
             return known
-        if not tallies or row.body is None:  # no replica, or a request whose replica is gone
+        if not tallies or request.body is None:  # no replica, or a request whose replica is gone
             return -1
-        if row.minted or not row.session_id:  # no session: where its prefix was answered, if anywhere
-            key = prefix_key(row.body, row.custom_attributes)
+        if request.minted or not request.session_id:  # no session: where its prefix was answered, if anywhere
+            key = prefix_key(request.body, request.custom_attributes)
             if key is not None:
                 with self._lock:
-                    self._keys[row.request_id] = key
+                    self._keys[request.request_id] = key
                     holder = self.prefixes.get(key)
                 if holder is not None and holder in tallies:
                     return holder
@@ -374,13 +374,13 @@ class ReplicaRouter:
         tallies[best]["num_sessions"] += 1
         return best
 
-    def _call(self, replica: _Replica, rows: list[BatchRequest], gone: list[str]) -> list[Reply] | None:
+    def _call(self, replica: _Replica, batch: list[BatchRequest], gone: list[str]) -> list[Reply] | None:
         """One slice on one replica (``gone``: its requests whose clients left); None when its process is
         gone (then restarted)."""
         conn = replica.conn
         try:
             assert conn is not None
-            conn.send((rows, gone))
+            conn.send((batch, gone))
             results, stats, payload = conn.recv()
         except (EOFError, OSError, AssertionError):
             self._replica_died(replica)
@@ -407,17 +407,17 @@ class ReplicaRouter:
         )
         threading.Thread(target=self._restart, args=(replica,), daemon=True).start()
 
-    def _book(self, row: BatchRequest, result: Reply, index: int) -> None:
+    def _book(self, request: BatchRequest, result: Reply, index: int) -> None:
         """Record what the answer says: a request continuing, a session placed or closed."""
         headers = {k.lower(): v for k, v in result.headers.items()}
         with self._lock:
             if index >= 0 and result.stop is False:
-                self._jobs[row.request_id] = index
-                self._types.setdefault(row.request_id, result.content_type)  # the first frame's
+                self._jobs[request.request_id] = index
+                self._types.setdefault(request.request_id, result.content_type)  # the first frame's
             else:
-                self._jobs.pop(row.request_id, None)
-                self._types.pop(row.request_id, None)
-                key = self._keys.pop(row.request_id, None)
+                self._jobs.pop(request.request_id, None)
+                self._types.pop(request.request_id, None)
+                key = self._keys.pop(request.request_id, None)
                 if key is not None and index >= 0 and result.status == 200:
                     self.prefixes[key] = index
                     self.prefixes.move_to_end(key)
@@ -432,15 +432,15 @@ class ReplicaRouter:
 
     # ------------------------------------------------------------------ the entry's helpers
     def internal_error(self) -> Reply:
-        """A 500 ``internal_error`` row (the entry's last line of defence)."""
+        """A 500 ``internal_error`` reply (the entry's last line of defence)."""
         err = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error")
         return Framing.frame(encode_error(err), continued=False, last=True, status=err.status)
 
     @classmethod
     def lost(cls, stream_type: str | None) -> Reply:
-        """The last row of a request whose replica died with it in flight: ``model_not_ready`` as a
+        """The reply to a continuing request whose replica died with it in flight: ``model_not_ready`` as a
         stream's last event in its dialect when its first frame (``stream_type``: its content type) went
-        out, else the typed ``503`` with ``Retry-After`` (:meth:`not_ready`). Retryable, as the front
+        out, else the typed ``503`` with ``Retry-After`` (:meth:`not_ready`). Retryable, as the proxy
         answers a request cut by a dead worker."""
         if stream_type is None:
             return cls.not_ready(REPLICA_LOST)
@@ -448,7 +448,7 @@ class ReplicaRouter:
 
     @staticmethod
     def not_ready(message: str = "no model replica can take this request yet (restarting after a crash)") -> Reply:
-        """A ``503 model_not_ready`` row with ``Retry-After`` (:data:`REPLICA_RETRY_AFTER_S`): no replica is
+        """A ``503 model_not_ready`` reply with ``Retry-After`` (:data:`REPLICA_RETRY_AFTER_S`): no replica is
         alive to take a new request (they are being started again), or ``message`` says why."""
         err = ServiceError(ErrorCode.MODEL_NOT_READY, f"{message}; retry shortly", retry_after_s=REPLICA_RETRY_AFTER_S)
         headers = {"Retry-After": str(REPLICA_RETRY_AFTER_S)}

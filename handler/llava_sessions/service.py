@@ -1,20 +1,20 @@
-"""The session service: decode a row's body, pick its dialect once, step the engine, emit each row's frame.
+"""The session service: decode a request's body, pick its dialect once, step the engine, emit each request's frame.
 
-TorchServe (sequence batching + continuous batching) calls the handler with a batch of rows; a
-row is a new request or a request that asked to continue (its stopping criterion returned False).
+TorchServe (sequence batching + continuous batching) calls the handler with a batch of requests; each
+is a new request or a request that asked to continue (its stopping criterion returned False).
 Each :meth:`SessionService.handle` call
 
-1. admits the new rows: loads each body (:func:`.wire.inbound.load_body`), decides its dialect
+1. admits the new requests: loads each body (:func:`.wire.inbound.load_body`), decides its dialect
    (:func:`.wire.inbound.is_chat_body`: OpenAI chat and AWS's session bodies; else the native
    ``type`` bodies) and hands it to that dialect's serving, which answers at once or returns a
-   :class:`~.wire.in_flight.RequestState` carrying the dialect; a refused request is that dialect's error row;
+   :class:`~.wire.in_flight.RequestState` carrying the dialect; a refused request is that dialect's error reply;
    a request naming a URL or S3 image waits as a :class:`~.wire.fetches.PendingRequest` while a thread
    fetches it beside the loop, and is admitted from its body once the bytes are in;
 2. advances every request in the batch by a bounded slice (``step_max_tokens`` steps, within
    ``step_max_ms``; at least one, and none past the step that sampled a stream's first token),
    interleaving requests token by token (:meth:`SessionEngine.step`); a stream's first event is its
    first token's (the chat dialect's role goes with it, as vLLM streams);
-3. returns one :class:`Reply` per row, each written by its request's dialect under TorchServe's
+3. returns one :class:`Reply` per request, each written by its request's dialect under TorchServe's
    framing (:mod:`.wire.framing`). Nothing raises out of :meth:`handle`.
 
 A body that is not JSON, too large or empty has no dialect yet: it is answered in the native one.
@@ -53,7 +53,7 @@ STALE_JOB_S = 600.0
 
 
 class SessionService:
-    """The rows of TorchServe's batches in, each row's frame out (module docstring).
+    """The requests of TorchServe's batches in, each request's frame out (module docstring).
 
     Args:
         settings: validated handler settings.
@@ -63,7 +63,7 @@ class SessionService:
         metrics: where answers and errors are observed (:class:`WorkerMetrics`); a private one if None.
         model_names: the names the served model answers to (``served_model_name``, else the checkpoint
             folder's): OpenAI's route refuses others (404); chat replies carry one of them.
-        image_relay: the public port's front that fetches a request's images before relaying it
+        image_relay: the public port's proxy that fetches a request's images before relaying it
             (:class:`~llava_sessions.wire.fetches.ImageFetcher`'s ``relay``), or None.
     """
 
@@ -103,32 +103,32 @@ class SessionService:
         )
 
     # ------------------------------------------------------------------ entry
-    def handle(self, rows: list[BatchRequest], gone: Collection[str] | None = None) -> list[Reply]:
-        """Admit new rows, advance every request in the batch by one slice, answer each row.
+    def handle(self, batch: list[BatchRequest], gone: Collection[str] | None = None) -> list[Reply]:
+        """Admit new requests, advance every request in the batch by one slice, answer each request.
 
         Args:
-            rows: TorchServe's batch (or a replica's part of it).
+            batch: TorchServe's batch (or a replica's part of it).
             gone: request ids of requests in flight whose clients left (:meth:`_drop_gone`); None: every
-                request in flight that is not in ``rows`` (the whole batch is this service's).
+                request in flight that is not in ``batch`` (the whole batch is this service's).
 
-        Never raises: an unexpected error becomes that row's 500 ``internal_error``.
+        Never raises: an unexpected error becomes that request's 500 ``internal_error``.
         """
         now = time.monotonic()
-        self._drop_gone(rows, gone)
-        results: list[Reply | None] = [None] * len(rows)
+        self._drop_gone(batch, gone)
+        results: list[Reply | None] = [None] * len(batch)
         active: list[tuple[int, RequestState]] = []
         waiting: list[tuple[int, PendingRequest]] = []
-        for i, row in enumerate(rows):
-            req = self.requests.in_flight.get(row.request_id)
+        for i, request in enumerate(batch):
+            req = self.requests.in_flight.get(request.request_id)
             if req is None:
-                parked = self.parked.get(row.request_id)
-                admitted = parked if parked is not None else self._admit(row, now)
+                parked = self.parked.get(request.request_id)
+                admitted = parked if parked is not None else self._admit(request, now)
                 if isinstance(admitted, PendingRequest):
                     admitted.last_seen = now
                     waiting.append((i, admitted))
                     continue
                 if isinstance(admitted, Reply):
-                    self.requests.done_admitting(row.request_id)
+                    self.requests.done_admitting(request.request_id)
                     results[i] = admitted
                     continue
                 req = self._enter(admitted, calls=0)
@@ -169,39 +169,39 @@ class SessionService:
         req.ahead = 0
         return req
 
-    def _admit(self, row: BatchRequest, now: float) -> Reply | RequestState | PendingRequest:
-        """Decode the row's body, decide its dialect, let that dialect admit it; a refusal is the
-        dialect's error row (a body with no dialect yet: the native one's); a request that needs an
+    def _admit(self, request: BatchRequest, now: float) -> Reply | RequestState | PendingRequest:
+        """Decode the request's body, decide its dialect, let that dialect admit it; a refusal is the
+        dialect's error reply (a body with no dialect yet: the native one's); a request that needs an
         image still being fetched waits as an :class:`PendingRequest`. Never raises."""
-        dialect: Dialect = self.chat if row.openai_route else self.native  # before the body is read
+        dialect: Dialect = self.chat if request.openai_route else self.native  # before the body is read
         try:
-            if row.body is None:
+            if request.body is None:
                 raise ServiceError(ErrorCode.INVALID_REQUEST, "empty request body")
-            data = load_body(row.body, self.settings.max_body_bytes)
+            data = load_body(request.body, self.settings.max_body_bytes)
             if is_chat_body(data):
                 dialect = self.chat
             fetches: dict[str, Future] = {}
             try:
-                with self.fetcher.admitting(fetches, row.image_ticket):
-                    return dialect.admit(row, data, now)
+                with self.fetcher.admitting(fetches, request.image_ticket):
+                    return dialect.admit(request, data, now)
             except FetchPending as pending:
-                parked = PendingRequest(row, dialect, data, fetches, pending.future)
-                self.parked[row.request_id] = parked
+                parked = PendingRequest(request, dialect, data, fetches, pending.future)
+                self.parked[request.request_id] = parked
                 return parked
         except ServiceError as err:
-            self.requests.done_admitting(row.request_id)
-            if err.code is ErrorCode.PAYLOAD_TOO_LARGE and names_chat_keys(row.body):
+            self.requests.done_admitting(request.request_id)
+            if err.code is ErrorCode.PAYLOAD_TOO_LARGE and names_chat_keys(request.body):
                 dialect, err = self.chat, for_chat(err)  # too large to decode: its dialect is read from its raw keys
-            return self.requests.error(dialect, row.session_id, err, held=not row.minted)
+            return self.requests.error(dialect, request.session_id, err, held=not request.minted)
         except Exception:  # noqa: BLE001 - never raise out of handle()
-            log.exception("request failed", extra={"request_id": row.request_id})
+            log.exception("request failed", extra={"request_id": request.request_id})
             return self.requests.error(dialect, None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
 
     def _resume(self, parked: PendingRequest, now: float, busy: bool) -> Reply | RequestState:
         """A request waiting for its images: admitted once they are in (the next image's fetch may
         then start), else its first frame (after waiting up to ``image_fetch_wait_ms`` while other
         answers run, up to the fetch's own deadline when none does) or an empty continuation."""
-        settings, row = self.settings, parked.row
+        settings, request = self.settings, parked.request
         wait_s = 0.0 if parked.framed else settings.image_fetch_wait_ms / 1000.0
         if not busy and not parked.framed:
             wait_s = settings.fetch_total_timeout_s + 1.0
@@ -212,27 +212,27 @@ class SessionService:
                 if parked.framed:
                     return self.requests.framing.frame(b"", continued=True, last=False)
                 parked.framed = True
-                return parked.dialect.pending_frame(row, parked.data)
+                return parked.dialect.pending_frame(request, parked.data)
             try:
-                with self.fetcher.admitting(parked.fetches, row.image_ticket):
-                    admitted = parked.dialect.admit(row, parked.data, now)
+                with self.fetcher.admitting(parked.fetches, request.image_ticket):
+                    admitted = parked.dialect.admit(request, parked.data, now)
             except FetchPending as pending:
                 parked.future = pending.future
                 continue
             except Exception as exc:  # noqa: BLE001 - a ServiceError is the request's; anything else a bug
-                del self.parked[row.request_id]
-                self.requests.done_admitting(row.request_id)
+                del self.parked[request.request_id]
+                self.requests.done_admitting(request.request_id)
                 if isinstance(exc, ServiceError):
                     err = exc
                 else:
-                    log.exception("request failed", extra={"request_id": row.request_id})
+                    log.exception("request failed", extra={"request_id": request.request_id})
                     err = ServiceError(ErrorCode.INTERNAL_ERROR, "internal error")
                 if parked.framed:
-                    return parked.dialect.late_error(row, parked.data, err)
-                return self.requests.error(parked.dialect, row.session_id, err, held=not row.minted)
-            del self.parked[row.request_id]
+                    return parked.dialect.late_error(request, parked.data, err)
+                return self.requests.error(parked.dialect, request.session_id, err, held=not request.minted)
+            del self.parked[request.request_id]
             if isinstance(admitted, Reply):  # answered at once (a refused open answers, not raises)
-                self.requests.done_admitting(row.request_id)
+                self.requests.done_admitting(request.request_id)
                 return dataclasses.replace(admitted, stop=True) if parked.framed else admitted
             return self._enter(admitted, calls=1 if parked.framed else 0)
 
@@ -295,7 +295,7 @@ class SessionService:
         return True
 
     # ------------------------------------------------------------------ requests no call brings back
-    def _drop_gone(self, rows: list[BatchRequest], gone: Collection[str] | None) -> None:
+    def _drop_gone(self, batch: list[BatchRequest], gone: Collection[str] | None) -> None:
         """Free the requests (and requests waiting for images) whose clients left, before anything is admitted.
 
         With sequence + continuous batching TorchServe keeps every request that asked to continue and
@@ -303,21 +303,21 @@ class SessionService:
         dropped when its next frame is written ("Connection to client got closed; Removing job") and
         never comes back, with nothing said to the worker. So a request in flight that a batch lacks is
         gone: its generation slot, KV and session are released now (an answer's session returns to
-        its state before the question; an open's session is removed; a one-shot's is freed), and the
+        its state before the question; an open's session is removed; a sessionless request's is freed), and the
         TorchServe job group minted for it is ended on the next continuation frame
         (:meth:`RequestTable.carry_group_ends`), so it holds no ``maxNumSequence`` slot until its idle
         timeout. ``gone``: the ids to drop (a replica is told by its router, which sees the whole
-        batch); None: every id in flight that ``rows`` lacks.
+        batch); None: every id in flight that ``batch`` lacks.
         """
         if gone is None:
-            in_batch = {row.request_id for row in rows}
+            in_batch = {request.request_id for request in batch}
             gone = [rid for rid in (*self.requests.in_flight, *self.parked) if rid not in in_batch]
         for rid in gone:
             parked = self.parked.pop(rid, None)
             if parked is not None:
                 self.requests.done_admitting(rid)
-                if parked.row.minted and parked.row.session_id:
-                    self.requests.end_group_later(parked.row.session_id)
+                if parked.request.minted and parked.request.session_id:
+                    self.requests.end_group_later(parked.request.session_id)
             req = self.requests.in_flight.get(rid)
             if req is not None:
                 self.requests.abandon(req)
@@ -337,7 +337,7 @@ class SessionService:
 
     # ------------------------------------------------------------------ entry helpers
     def internal_error(self) -> Reply:
-        """A 500 ``internal_error`` row (the entry's last line of defence), in the native dialect."""
+        """A 500 ``internal_error`` reply (the entry's last line of defence), in the native dialect."""
         return self.requests.error(self.native, None, ServiceError(ErrorCode.INTERNAL_ERROR, "internal error"))
 
     def placement_stats(self) -> dict[str, int]:

@@ -172,7 +172,7 @@ def build_local_service(
     log.warning(
         "llava-sessions ready: weights loaded in %.2f s, engine built in %.2f s",
         weights_s,
-        engine_s,  # the engine: its layers compiled (compile) and its graphs captured (a card)
+        engine_s,  # the engine: its layers compiled (compile) and its graphs captured (a GPU)
         extra={
             "model_dir": model_dir,
             "device": str(model.device),
@@ -235,7 +235,7 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
     ``image_preprocessing: device`` moves llava-1.5's preprocessing to the model's device
     (:mod:`~llava_sessions.model.pixels`)."""
     ranks = model.ranks.size if getattr(model, "ranks", None) is not None else 1
-    on_card = model.device.type == "cuda"
+    on_gpu = model.device.type == "cuda"
     if compiles(settings.compile, model.device, ranks):
         compile_text_layers(model, compile_cache)
     if settings.image_preprocessing == "device":  # llava-1.5's; other processors stay on the host
@@ -247,7 +247,7 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         max_sessions=settings.max_sessions,
         ttl_s=settings.session_ttl_s,
         idle_timeout_s=settings.idle_timeout_s,
-        kv_offload_bytes=settings.kv_offload_bytes if on_card and ranks == 1 else 0,  # a CPU's host is its device
+        kv_offload_bytes=settings.kv_offload_bytes if on_gpu and ranks == 1 else 0,  # a CPU's host is its device
     )
     return SessionEngine(
         model,
@@ -268,7 +268,7 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         share_images=settings.share_images,
         unsalted=settings.unsalted_cache,
         fuse_prefill=settings.fuse_prefill and ranks == 1,
-        kv_page_size=KV_PAGE_SIZE if ranks > 1 else kv_page_size(settings.kv_pool, on_card),
+        kv_page_size=KV_PAGE_SIZE if ranks > 1 else kv_page_size(settings.kv_pool, on_gpu),
         decode_layout="paged" if ranks > 1 else settings.decode_layout,
         cuda_graphs=False if settings.enforce_eager or ranks > 1 else None,
         async_scheduling=None if settings.async_scheduling else False,
@@ -283,10 +283,10 @@ def session_budget(settings: Settings, model: LlavaModel, ranks: int = 1) -> int
     compiled kernels, and a model folder's compile cache, serve every start)."""
     if settings.device_budget_bytes:
         return settings.device_budget_bytes
-    on_card = model.device.type == "cuda"
+    on_gpu = model.device.type == "cuda"
     reserve = gpu_graph_reserve(settings, model, ranks)
-    budget = default_device_budget(model, settings.device_budget_fraction, reserve) * (ranks if on_card else 1)
-    if on_card and ranks == 1:  # the fixed pool at one of a few sizes
+    budget = default_device_budget(model, settings.device_budget_fraction, reserve) * (ranks if on_gpu else 1)
+    if on_gpu and ranks == 1:  # the fixed pool at one of a few sizes
         page = KV_PAGE_SIZE * model.kv_bytes_per_token
         budget = max(page, ladder_pages(budget // page) * page)
     return budget
@@ -329,9 +329,9 @@ def compile_text_layers(model: LlavaModel, compile_cache: Path | None = None) ->
     return True
 
 
-def kv_page_size(kv_pool: str, on_card: bool) -> int:
+def kv_page_size(kv_pool: str, on_gpu: bool) -> int:
     """Positions per page of the replica's KV pool for the ``kv_pool`` setting (0: none, each session
     keeps its own ``DynamicCache``). ``auto`` is the pool on a GPU and none on a CPU: over HTTP on the
     2-core CPU, 8 concurrent image streams ran at 1.33-1.39x ``transformers serve``'s tokens/s with the
     pool against 1.58-1.59x without (docs/decisions/19-the-kv-pool-in-pages.md)."""
-    return KV_PAGE_SIZE if kv_pool == "on" or (kv_pool == "auto" and on_card) else 0
+    return KV_PAGE_SIZE if kv_pool == "on" or (kv_pool == "auto" and on_gpu) else 0

@@ -269,7 +269,7 @@ _CUT = {"token": None, "generated_text": None, "details": None, "error": {"code"
 
 
 def test_a_stream_cut_by_a_dead_worker_goes_on_where_it_stopped_or_raises_if_the_answer_differs():
-    """The front ends a stream whose worker died with ``model_not_ready``; the stream sends the request
+    """The proxy ends a stream whose worker died with ``model_not_ready``; the stream sends the request
     again and gives only what comes after the text already given. The pieces of the resent answer
     may be cut elsewhere; an answer that differs raises the error, and other errors raise as before."""
     from llava_client import AnswerStream, ChatStream

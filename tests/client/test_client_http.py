@@ -44,7 +44,7 @@ GREEDY = {"max_new_tokens": 8}
 @pytest.fixture(scope="module")
 def server(request, tiny_model_dir):
     # one torch thread: these tests exercise the client, and the server's two default intra-op threads
-    # share this 2-core machine with the client, TorchServe's JVM and the front. With one core kept busy
+    # share this 2-core machine with the client, TorchServe's JVM and the proxy. With one core kept busy
     # (issue 46's stress-ng run) each of their parallel regions waited for a descheduled thread: a 180-token
     # answer took 45 s instead of under 1 s, and llava-chat ran past its 120 s timeout
     return start_local_server(
@@ -351,7 +351,7 @@ def _llava_chat(*args, stdin=""):
     )
 
 
-def test_llava_chat_one_shot_and_piped_questions(server, photo_path):
+def test_llava_chat_single_question_and_piped_questions(server, photo_path):
     done = _llava_chat(
         "--url", server.url, "--image", photo_path, "-q", "What is in this image?", "--max-new-tokens", "6", "--verbose"
     )

@@ -17,7 +17,7 @@ decode = functools.partial(decode_image, max_pixels=40_000_000)
 
 
 #: The decode layouts the engine tests run answers in, as :func:`make_engine` keyword arguments:
-#: one batch tensor, the sessions' pages, and the pages through the static decode step a card
+#: one batch tensor, the sessions' pages, and the pages through the static decode step a GPU
 #: replays as CUDA graphs (run eagerly on this CPU, over a fixed pool), with and without async scheduling.
 LAYOUTS: dict[str, dict[str, Any]] = {
     "contiguous": {"decode_layout": "contiguous"},

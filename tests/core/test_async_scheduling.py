@@ -1,6 +1,6 @@
 """Async scheduling (engine/ahead.py): the next decode step launched before the host records this one's.
 
-fp32 on the CPU, the ``tiny`` checkpoint, the paged layout's static step (what a card replays as CUDA
+fp32 on the CPU, the ``tiny`` checkpoint, the paged layout's static step (what a GPU replays as CUDA
 graphs; eager here). On a CPU the device runs each pass before the call returns, so nothing overlaps;
 what these tests show is that the engine's state and answers are those of the engine in step with the
 host, token for token and position for position, through ends, joins, abandons and failures, and

@@ -74,7 +74,7 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos
     zeroed by the build), and the answers are still exact (against answers alone computed before any
     cache is poisoned, so a leak both paths read cannot pass). ``paged``: the rows decode in their
     sessions' pages (``decode_layout: paged``); ``static``: in their pages through the static decode
-    step a card replays as CUDA graphs (rows padded to a bucket with pad rows on the scratch page,
+    step a GPU replays as CUDA graphs (rows padded to a bucket with pad rows on the scratch page,
     the attended length to one; run eagerly here), a question prefilled alone going in as the rows of
     one such step, against answers alone in the default layout."""
     expected = alone(llava, photos)
@@ -104,7 +104,7 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos
         widths.add(eng.batch.num_live)
     assert max(widths) >= 3  # several answers really decoded together
     if layout == "static":  # every decode-only step went through the static step; the pool never grew
-        graphs = eng.runner.graphs  # eager on a CPU, replayed on a card (make test-gpu)
+        graphs = eng.runner.graphs  # eager on a CPU, replayed on a GPU (make test-gpu)
         assert graphs is not None and graphs.num_eager + graphs.num_replays >= 10
         assert eng.runner.graphs.num_prefills >= 1  # a question no answer's step carried: one step's rows
         assert eng.runner.kv_pool is not None and eng.runner.kv_pool.fixed and eng.runner.kv_pool.num_grows == 0
@@ -282,7 +282,7 @@ def test_an_abandoned_row_leaves_its_session_as_before(llava, photos, kept):
 @pytest.mark.parametrize("layout", ["contiguous", "paged", "static"])
 def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(llava, photos, layout):
     """An open (vision tower, then the prefix in chunks) and a restored session's re-prefill share
-    steps with running answers, their first chunk riding the decode step's pass (over the contiguous
+    steps with running answers, their first chunk fused into the decode step's pass (over the contiguous
     batch or the rows' pages): every step still decodes each running answer, and every answer
     equals the one computed without a budget."""
     expected = alone(llava, photos)
@@ -531,7 +531,7 @@ def test_a_cuda_runner_takes_cudnn_out_of_sdpa_and_a_cpu_one_changes_nothing():
 
 
 def test_questions_arriving_together_prefill_as_rows_of_shared_static_steps_and_answer_as_alone(llava, photos):
-    """On the static step (a card's replayed graphs; eager here), questions of several sessions that
+    """On the static step (a GPU's replayed graphs; eager here), questions of several sessions that
     arrive while an answer decodes prefill as rows of shared steps: the first beside the decode rows
     (instead of the eager fused pass), the others together in one more step, where each used to be a
     pass of its own. Every answer equals the one computed alone; a shared pass that fails (once, here)

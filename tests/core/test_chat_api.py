@@ -202,22 +202,22 @@ def _close_while_streaming(runtime, photo: bytes, read_first: bool) -> tuple[str
     return session_id, [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
 
 
-def test_one_shot_requests_keep_nothing_and_share_a_held_prefix(endpoint, runtime, llava, photos):
+def test_sessionless_requests_keep_nothing_and_share_a_stored_prefix(endpoint, runtime, llava, photos):
     import requests
 
     before = set(requests.get(endpoint.url + "/debug/sessions", timeout=10).json()["sessions"])
     rocket = photos["rocket"]
     messages = [user("What is this?", rocket)]
-    first = complete(runtime, messages)  # no SessionId: a one-shot request
+    first = complete(runtime, messages)  # no SessionId: a sessionless request
     assert first.choices[0].message.content == text_of(llava, reference(llava, None, [], "What is this?", [rocket]))
     assert first.usage.prompt_tokens_details.cached_tokens < 10  # at most the text before the image
     assert set(requests.get(endpoint.url + "/debug/sessions", timeout=10).json()["sessions"]) == before
     session_id = new_session(runtime)
     complete(runtime, messages, session_id)  # a session now holds the image and the prefix
-    again = complete(runtime, messages)  # a one-shot request starting the same way copies that prefix
+    again = complete(runtime, messages)  # a sessionless request starting the same way copies that prefix
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
     assert again.choices[0].message.content == first.choices[0].message.content
-    _, _, lines = stream(runtime, messages, None)  # a one-shot stream
+    _, _, lines = stream(runtime, messages, None)  # a sessionless request stream
     assert chat_reader_text(lines) == first.choices[0].message.content
     invoke(runtime, {"requestType": "CLOSE"}, session_id)
 
@@ -323,19 +323,19 @@ def test_the_client_speaks_the_chat_dialect_over_http_and_sagemaker(endpoint, ru
     for client in (SessionClient.from_url(backend_url), SessionClient.from_endpoint("llava", client=runtime)):
         with client:
             messages = [{"role": "user", "content": [image_part(coffee), {"type": "text", "text": "What is this?"}]}]
-            one_shot = client.complete(messages, max_tokens=N, temperature=0)
-            assert isinstance(one_shot, ChatReply)
-            assert one_shot.text == text_of(llava, reference(llava, None, [], "What is this?", [coffee]))
-            ChatCompletion.model_validate(one_shot.raw)
+            sessionless = client.complete(messages, max_tokens=N, temperature=0)
+            assert isinstance(sessionless, ChatReply)
+            assert sessionless.text == text_of(llava, reference(llava, None, [], "What is this?", [coffee]))
+            ChatCompletion.model_validate(sessionless.raw)
             with client.stream_chat(messages, max_tokens=N, temperature=0) as stream:
                 events = list(stream)
-            assert "".join(e.text for e in events) == stream.text == one_shot.text
-            assert (events[-1].finish_reason, events[-1].usage) == (one_shot.finish_reason, stream.usage)
-            assert stream.usage.completion_tokens == one_shot.completion_tokens
+            assert "".join(e.text for e in events) == stream.text == sessionless.text
+            assert (events[-1].finish_reason, events[-1].usage) == (sessionless.finish_reason, stream.usage)
+            assert stream.usage.completion_tokens == sessionless.completion_tokens
             assert all(e.finish_reason is None for e in events[:-1])
             with client.chat_session() as chat:
                 first = chat.complete(messages, max_tokens=N, temperature=0)
-                assert first.text == one_shot.text
+                assert first.text == sessionless.text
                 messages += [first.message, {"role": "user", "content": "Tell me more."}]
                 streamed = chat.stream(messages, max_tokens=N, temperature=0).until_done()
                 again = chat.complete(messages, max_tokens=N, temperature=0)
@@ -522,7 +522,7 @@ def test_new_session_minted_by_torchserve_by_default_or_as_the_literal(endpoint,
     """What SageMaker forwards for ``SessionId="NEW_SESSION"`` decides who mints the id. The local
     endpoint forwards no header by default (what the AWS TorchServe sample's notebook asserts of a real
     endpoint): TorchServe mints ``ts-seq-<uuid>``, native opens and AWS's session bodies open as
-    before, and a ``messages`` request sent with ``NEW_SESSION`` is one-shot (no session is left).
+    before, and a ``messages`` request sent with ``NEW_SESSION`` is sessionless (no session is left).
     With ``--new-session-literal`` the handler mints ``llava-<uuid>`` and that request opens its session."""
     opened = invoke(
         runtime,
@@ -542,7 +542,7 @@ def test_new_session_minted_by_torchserve_by_default_or_as_the_literal(endpoint,
     first = complete(runtime, [user("What is this?", photos["rocket"])], session_id)
     assert first.choices[0].message.content
     reply = invoke(runtime, {"messages": [user("What is this?", photos["rocket"])], "max_tokens": N}, "NEW_SESSION")
-    assert "NewSessionId" not in reply and "ClosedSessionId" not in reply  # one-shot: answered, nothing kept
+    assert "NewSessionId" not in reply and "ClosedSessionId" not in reply  # sessionless: answered, nothing kept
     ChatCompletion.model_validate_json(reply["Body"].read())
     for sid in (native_id, session_id):
         assert invoke(runtime, {"requestType": "CLOSE"}, sid)["ClosedSessionId"] == sid

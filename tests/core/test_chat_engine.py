@@ -231,7 +231,7 @@ def test_a_native_open_on_a_held_image_copies_its_features_and_prefix(llava, pho
 def test_a_chat_turn_on_a_new_image_waiting_behind_a_question_encodes_it_in_the_time_left(llava, photos, monkeypatch):
     """Scheduler rule 8 for a resent conversation's image (question work, as the 8-stream burst sends
     them): when the step's time left holds its vision tower but not a prefill pass after it, the tower
-    runs alone and the turn's first chunk rides the next decode pass; every answer equals
+    runs alone and the turn's first chunk is fused into the next decode pass; every answer equals
     ``model.generate``'s. The passes' costs are fixed here so the plan's shape is known."""
     from llava_sessions.engine.costs import StepCost
     from llava_sessions.engine.scheduler import TimeBudget
@@ -241,7 +241,7 @@ def test_a_chat_turn_on_a_new_image_waiting_behind_a_question_encodes_it_in_the_
         eng.open_empty(sid)
     running = eng.start_chat("a", target(None, [], "What is in this image?", [photos["astronaut"]]), GREEDY)
     eng.step([running])  # prefilled alone: it decodes from the next step on
-    follow = eng.start_chat("a2", target(None, [], "Describe it.", [photos["astronaut"]]), GREEDY)  # a held image
+    follow = eng.start_chat("a2", target(None, [], "Describe it.", [photos["astronaut"]]), GREEDY)  # a stored image
     fresh = eng.start_chat("b", target(None, [], "What is in this image?", [photos["coffee"]]), GREEDY)
     cost = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=30.0, vision_ms=50.0, decode_alone_ms=30.0)
     monkeypatch.setattr(eng.runner.costs, "estimate", lambda: cost)

@@ -1,6 +1,6 @@
 """Compiled regions (``model/regions.py``, issue 59 item 1): each text layer's norms and MLP through
 Inductor (C++ kernels on the CPU), attention eager: the engine's greedy answers through the static decode
-step (what a card captures as CUDA graphs, eager here) equal the same model's eager ones, and the compiled
+step (what a GPU captures as CUDA graphs, eager here) equal the same model's eager ones, and the compiled
 calls come off again.
 
 fp32 on the CPU, the ``tiny`` checkpoint, loaded afresh (the shared ``llava`` fixture stays eager)."""
@@ -38,7 +38,7 @@ def test_compiled_norms_and_mlps_answer_as_eager_and_come_off_again(tiny_model_d
     [("auto", "cuda", 1, True), ("auto", "cpu", 1, False), ("on", "cpu", 1, True), ("off", "cuda", 1, False),
      ("auto", "cuda", 2, False), ("on", "cpu", 2, False)],
 )  # fmt: skip
-def test_the_compile_setting_compiles_on_a_card_and_never_a_tensor_parallel_replica(setting, device, ranks, expected):
+def test_the_compile_setting_compiles_on_a_gpu_and_never_a_tensor_parallel_replica(setting, device, ranks, expected):
     assert compiles(setting, torch.device(device), ranks) is expected
 
 

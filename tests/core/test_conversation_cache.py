@@ -29,7 +29,7 @@ def make_engine(llava, *, budget: int = 10**10, share: float = 0.5, entries: int
 
 def stateless(eng, system, turns, question, q_images, *, salt=None):
     """One chat request without a session, as the chat dialect runs it; returns its answer."""
-    sid = f"one-shot-{next(_ids)}"
+    sid = f"sessionless-{next(_ids)}"
     eng.open_empty(sid, salt=salt)
     from test_chat_engine import target
 
@@ -90,7 +90,7 @@ def test_salts_share_nothing_but_with_an_equal_salt(llava, photos, monkeypatch):
     key = image_key(cat)
     stateless(eng, None, [], "What is in the picture?", [cat], salt="tenant-a")
     assert eng.image_held(None, key, "tenant-a") is not None
-    assert eng.image_held(None, key, "tenant-b") is None  # a held image is not offered across salts
+    assert eng.image_held(None, key, "tenant-b") is None  # a stored image is not offered across salts
     assert eng.image_held(None, key, None) is None  # nor to unsalted requests
     counter = EncodeCounter(llava, monkeypatch)
     b = stateless(eng, None, [], "What is in the picture?", [cat], salt="tenant-b")
@@ -120,7 +120,7 @@ def test_isolated_unsalted_requests_share_nothing_and_keep_nothing(llava, photos
 def test_a_uuid_resolves_within_its_salt_only(llava, photos):
     eng = make_engine(llava)
     cat = photos["chelsea"]
-    sid = "one-shot-uuid"
+    sid = "sessionless-uuid"
     eng.open_empty(sid, salt="a")
     eng.remember_urls(sid, {}, {"cat-1": image_key(cat)})
     from test_chat_engine import target

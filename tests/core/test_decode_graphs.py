@@ -1,7 +1,7 @@
-"""The decode step at static shapes (issue 43 item 3): what a card captures as CUDA graphs and replays.
+"""The decode step at static shapes (issue 43 item 3): what a GPU captures as CUDA graphs and replays.
 
 Nothing is captured on this CPU (CUDA graphs need a CUDA device; ``benchmarks/gpu.py`` checks replay
-against eager on a card). What runs here is the pass a graph records, eagerly, over the same
+against eager on a GPU). What runs here is the pass a graph records, eagerly, over the same
 persistent buffers a replay reads: the rows padded to a batch bucket with pad rows on the scratch
 page, the attended length padded to a length bucket, every input overwritten before the step. fp32
 greedy tokens through it equal ``model.generate``'s, and it writes nothing but each row's new slot
@@ -38,7 +38,7 @@ def new_pool(llava, num_pages: int, fixed: bool = True) -> KVPool:
 
 
 def test_a_fixed_pool_never_grows_and_a_holder_it_cannot_hold_gets_out_of_memory(llava) -> None:
-    """A card's pool is sized once: a reservation past its free pages raises the allocator's error
+    """A GPU's pool is sized once: a reservation past its free pages raises the allocator's error
     (on which the engine demotes idle sessions and retries), with the table and the tensors as before."""
     pool = new_pool(llava, 4)
     storage = [t.data_ptr() for t in pool.pages.keys + pool.pages.values]
@@ -64,7 +64,7 @@ def prompts(llava) -> list[list[int]]:
 
 def reference(llava, ids: list[int]) -> list[int]:
     with torch.inference_mode():
-        ids_t = torch.tensor([ids], device=llava.device)  # the model's device (tests/gpu runs this on a card)
+        ids_t = torch.tensor([ids], device=llava.device)  # the model's device (tests/gpu runs this on a GPU)
         out = llava.model.generate(input_ids=ids_t, max_new_tokens=N, min_new_tokens=N, do_sample=False)
     return out[0, len(ids) :].tolist()
 
@@ -119,7 +119,7 @@ def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(
     assert expected <= buckets and graphs.num_eager > N and graphs.num_replays == 0
     lengths = {L for _, L in buckets}  # a flex bucket's is the whole pool's; the gather never reaches it here
     assert all(n == top for b, n in buckets if graphs.reads_flex(b)) and (top in lengths) == (paged_read != "gather")
-    fours = {b for b in graphs.buckets if b[0] == 4}  # what a card would capture for 4 rows
+    fours = {b for b in graphs.buckets if b[0] == 4}  # what a GPU would capture for 4 rows
     assert fours == ({(4, top)} if paged_read != "gather" else {(4, L) for L in graphs.lengths})
     pool.check([*(c.table for c in caches), graphs.table])
 
@@ -208,7 +208,7 @@ def test_flex_over_pages_reads_each_rows_own_positions_of_shared_pages_and_no_fr
 
 
 def test_compiled_flex_reads_whole_pages_unmasked_and_bounds_the_partial_one() -> None:
-    """The fused kernel a card runs (``torch.compile(flex_attention)``; inductor's CPU template here,
+    """The fused kernel a GPU runs (``torch.compile(flex_attention)``; inductor's CPU template here,
     ~20 s to compile) calls the mask function on partial blocks only: whole pages are full blocks, the
     partial last page the one bounded block. Same case and expectation as the unfused test, the
     buffers refilled between the calls under one compiled kernel."""

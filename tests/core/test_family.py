@@ -31,7 +31,7 @@ ARCHS = ("llava", "llava-next", "llava-onevision", "llava-next-video")
 
 
 #: Engine settings the exactness tests also run under: the paged decode step at static shapes over a
-#: fixed pool (what a card replays as CUDA graphs, eager here), and demotion moving KV pages to the host.
+#: fixed pool (what a GPU replays as CUDA graphs, eager here), and demotion moving KV pages to the host.
 STATIC = {"decode_layout": "paged", "cuda_graphs": True}
 OFFLOAD = 100 * 10**6
 

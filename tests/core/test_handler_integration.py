@@ -273,7 +273,7 @@ def test_session_headers_only_where_a_session_changed(server, photos):
     r = post(server, {"type": "close_session"}, session_id=sid)  # native close
     assert _session_headers(r) == {CLOSED: sid} and r.headers[END] == sid
 
-    for stream in (False, True):  # chat without a session: a one-shot
+    for stream in (False, True):  # chat without a session: a sessionless request
         r = post(server, {"messages": chat_turn, "max_tokens": 2, "stream": stream})
         assert r.status_code == 200 and _session_headers(r) == {}, r.text
     r = post(server, {"requestType": "NEW_SESSION"})  # AWS's session bodies
@@ -311,7 +311,7 @@ def test_session_headers_only_where_a_session_changed(server, photos):
 
 def test_header_names_are_matched_whatever_their_case(server, photos):
     """HTTP/2 clients and many libraries send header names in lower case: the session header still
-    names the session (TorchServe matches it by exact case; the front forwards it in that case)."""
+    names the session (TorchServe matches it by exact case; the proxy forwards it in that case)."""
     sid, _ = open_session(server, photos["coffee"])
     body = {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2, "details": True}}
     for name in (SID.lower(), SID.upper()):
@@ -327,7 +327,7 @@ def test_header_names_are_matched_whatever_their_case(server, photos):
 def test_bodies_over_the_limit_get_the_dialect_s_typed_413(server, photos):
     """SageMaker's 6,291,456-byte limit: a 7 MB body in either dialect gets that dialect's typed 413
     naming the limit (TorchServe's own limit is far above it); one past TorchServe's own limit gets
-    the typed 413 from llava-serve's front. The session open before is untouched."""
+    the typed 413 from llava-serve's proxy. The session open before is untouched."""
     sid, _ = open_session(server, photos["coffee"])
     blob = base64.b64encode(b"\x00" * 5_300_000).decode()  # 7.07 MB of JSON
     native = {"type": "generate", "prompt": "x", "image": {"base64": blob}}
@@ -546,7 +546,7 @@ def test_metrics_in_prometheus(server, photos):
         opened = re.search(r"^llava_OpenSessions\{[^}]*\} ([0-9.e+-]+)$", t, re.M)
         return bool(opened) and float(opened.group(1)) >= 1 and "session_not_found" in t
 
-    # on the API's port, as vLLM serves them (the front reads TorchServe's metrics port)
+    # on the API's port, as vLLM serves them (the proxy reads TorchServe's metrics port)
     text = prometheus_text(server.url, lambda t: "llava_TimeToFirstTokenSeconds_count" in t and settled(t))
     assert requests.get(server.url + "/metrics", timeout=10).headers["Content-Type"].startswith("text/plain")
     values = {}
@@ -599,7 +599,7 @@ def test_logs_are_quiet_per_request_and_keep_warnings(server, photos):
 @pytest.fixture(scope="module")
 def small_server(request, tiny_model_dir):
     """maxNumSequence = batchSize = 3: any lingering job group would show at once. A request TorchServe
-    refuses is held at the front for 2 s (``queue_timeout_s``) before its 503 goes out."""
+    refuses is held at the proxy for 2 s (``queue_timeout_s``) before its 503 goes out."""
     return start_local_server(
         tiny_model_dir,
         addfinalizer=request.addfinalizer,
@@ -621,7 +621,7 @@ def test_unknown_ids_leave_no_job_group_behind(small_server, photos):
 
 def test_past_max_num_sequence_a_new_session_waits_at_the_front_then_gets_a_shaped_503(small_server, photos):
     """No spare job group (maxNumSequence = max_sessions = 3): TorchServe refuses the 4th session before
-    the handler sees it. The front holds the request and sends it again as relays end: it opens once a
+    the handler sees it. The proxy holds the request and sends it again as relays end: it opens once a
     session closes; still refused at ``queue_timeout_s``, it gets ``503 overloaded`` with
     ``Retry-After`` in OpenAI's error shape (never TorchServe's bare body), which the client types."""
     import threading
@@ -717,10 +717,10 @@ def test_killed_worker_sessions_get_404_fast_and_new_sessions_work(small_server,
         r = post(
             small_server, {"type": "generate", "prompt": "Hi", "parameters": {"max_new_tokens": 2}}, session_id=sid
         )
-        if r.status_code == 404:  # held by the front through the restart, or sent once it served again
+        if r.status_code == 404:  # held by the proxy through the restart, or sent once it served again
             break
-        # sent before the supervisor saw the death: the front's typed, retryable 503 (never a 507, a
-        # bare 502 or a refused connection: the front holds its port through the restart)
+        # sent before the supervisor saw the death: the proxy's typed, retryable 503 (never a 507, a
+        # bare 502 or a refused connection: the proxy holds its port through the restart)
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready", r.text
         time.sleep(0.5)
     assert r.json()["error"]["code"] == "session_not_found" and r.headers[CLOSED] == sid

@@ -162,7 +162,7 @@ def test_sessions_on_one_image_share_its_prefix_pages_and_answer_exactly(llava, 
             tokens.append(int(llava.decode(SlotsCache.of_sequence(kv, table, 1), tokens[-1]).argmax()))
         answers.append(tokens)
     assert answers == [ref_a, ref_b]
-    assert a.pages[:full] == b.pages[:full]  # the full prefix pages are held once
+    assert a.pages[:full] == b.pages[:full]  # the full prefix pages are stored once
     whole = llava.new_cache()  # a's prompt prefilled contiguously: the pages hold the same keys
     llava.prefill(whole, ids_a, features)
     slots = torch.tensor(a.slots(0, len(ids_a), PAGE))[None]

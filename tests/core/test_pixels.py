@@ -1,7 +1,7 @@
 """llava-1.5's preprocessing on the model's device (``model/pixels.py``, the ``image_preprocessing`` setting):
 its pixel values against transformers' CLIP image processor (Pillow) on real photographs, the families
 it leaves to the processor, and the setting through the worker's service. On the CPU here; the GPU suite
-runs the comparison on a card (``tests/gpu/test_card.py``)."""
+runs the comparison on a GPU (``tests/gpu/test_on_gpu.py``)."""
 
 from __future__ import annotations
 

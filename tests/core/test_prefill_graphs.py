@@ -1,10 +1,10 @@
-"""A prefill chunk at static shapes (issue 59 item 4): what a card captures as CUDA graphs for an image turn.
+"""A prefill chunk at static shapes (issue 59 item 4): what a GPU captures as CUDA graphs for an image turn.
 
 Nothing is captured on this CPU. What runs here is the pass a graph records, eagerly, over the same
 persistent buffers a replay reads: the chunk padded to a chunk-size bucket with pad rows on the scratch
 page, the attended length padded to a length bucket, every input overwritten before the pass. fp32 greedy
 tokens through it equal ``model.generate``'s, it writes nothing but the chunk's own slots and the scratch
-page, and a failed pass leaves the table as it was. ``tests/gpu/test_card.py`` checks replay on a card.
+page, and a failed pass leaves the table as it was. ``tests/gpu/test_on_gpu.py`` checks replay on a GPU.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_a_failed_pass_leaves_the_table_as_it_was(llava, image_prompt, monkeypat
 
 
 def test_the_engines_static_layout_opens_an_image_through_the_static_prefill(llava, photos) -> None:
-    """The engine with the static step (a card's, run eagerly here) opens an image with its prefix
+    """The engine with the static step (a GPU's, run eagerly here) opens an image with its prefix
     prefilled at static shapes, and answers two turns as the engine without it does."""
     answers, runners = [], []
     for layout in ("paged", "static"):

@@ -212,7 +212,7 @@ HELD = TimeBudget(step_ms=150.0, max_pass_tokens=4096)  # the default: image wor
 
 
 def test_while_decoding_image_work_is_held_to_twice_the_decode_step_alone() -> None:
-    # 2 x 30 ms: 30 ms beside the decode step, its chunk riding the decode pass (30 tokens), not 120
+    # 2 x 30 ms: 30 ms beside the decode step, its chunk fused into the decode pass (30 tokens), not 120
     assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, COST).prefill == (PrefillChunk(1, False, 30),)
     assert schedule([decoding(), question(500)], HELD, ROWS, COST).prefill == (PrefillChunk(1, False, 120),)
     # the vision tower (50 ms) does not fit beside the decode step: it runs alone, and still moves
@@ -226,9 +226,9 @@ def test_while_decoding_image_work_is_held_to_twice_the_decode_step_alone() -> N
 
 
 def test_the_hold_is_measured_against_the_decode_step_alone_and_what_the_step_planned_first() -> None:
-    # chunks riding the decode pass raised its share to 40 ms; the hold is still 2 x 30: 20 tokens
-    riding = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=40.0, vision_ms=50.0, decode_alone_ms=30.0)
-    assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, riding).prefill == (PrefillChunk(1, False, 20),)
+    # chunks fused into the decode pass raised its share to 40 ms; the hold is still 2 x 30: 20 tokens
+    fused = StepCost(prefill_fixed_ms=20.0, prefill_token_ms=1.0, decode_ms=40.0, vision_ms=50.0, decode_alone_ms=30.0)
+    assert schedule([decoding(), image(600, vision=False)], HELD, ROWS, fused).prefill == (PrefillChunk(1, False, 20),)
     # a question first takes the step's budget; an image after it only within the hold (60 - 30 - 20 = 10 ms: no)
     plan = schedule([decoding(), question(20), image(600, vision=False)], HELD, ROWS, COST)
     assert plan.prefill == (PrefillChunk(1, False, 20),)

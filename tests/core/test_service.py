@@ -424,7 +424,7 @@ def test_generation_slots_are_capped_with_retry_after(service, photos):
     assert [r.status for r in out] == [200, 200, 503]
     assert json.loads(out[2].body)["error"]["code"] == "overloaded" and out[2].headers["Retry-After"] == "1"
     assert "X-Amzn-SageMaker-Closed-Session-Id" not in out[2].headers  # the session is intact
-    assert out[2].headers[SLOT_WAIT_HEADER] == "1"  # refused before anything was done: the front holds it
+    assert out[2].headers[SLOT_WAIT_HEADER] == "1"  # refused before anything was done: the proxy holds it
     rows = [BatchRequest("x1", "a1", False, None), BatchRequest("x2", "a2", False, None)]
     while rows:
         out = service.handle(rows)
@@ -485,15 +485,15 @@ def test_native_n_answers_whole_and_streamed_and_the_session_keeps_the_chosen_on
 def test_a_job_a_batch_lacks_is_freed_at_once_and_its_minted_group_ended(service, photos):
     """TorchServe sends every request that asked to continue in every later batch until its last frame, and
     drops one whose client left without a word: the first batch without it frees its generation slot
-    and its session (a one-shot's is removed, a session's question undone), and the job group minted
-    for the one-shot is ended on the next continuation frame, not left to TorchServe's idle timeout."""
+    and its session (a sessionless request's is removed, a session's question undone), and the job group minted
+    for the sessionless is ended on the next continuation frame, not left to TorchServe's idle timeout."""
     open_sessions(service, open_row("o-k1", "k1", photos["rocket"]))
     chat = {"messages": [{"role": "user", "content": "A story."}], "stream": True, "max_tokens": 60, "ignore_eos": True}
     ask = {"type": "generate", "prompt": "Describe it.", "parameters": {"max_new_tokens": 40}}
     first = service.handle([BatchRequest("gone", "ts-seq-gone", True, chat), BatchRequest("q1", "k1", False, ask)])
     assert [o.stop for o in first] == [False, False] and "ts-seq-gone" in service.engine.store
     assert service.metrics.num_in_flight == 2
-    # the one-shot's client left: the next batch lacks it; both slots are free for new answers at once
+    # the sessionless request's client left: the next batch lacks it; both slots are free for new answers at once
     out = service.handle([BatchRequest("q1", "k1", False, None), BatchRequest("q2", "k1", False, ask)])
     assert "gone" not in service.requests.in_flight and "ts-seq-gone" not in service.engine.store
     assert out[0].headers[SEQUENCE_END_HEADER] == "ts-seq-gone"  # carried by a continuation frame
@@ -699,6 +699,6 @@ def test_a_fetch_that_fails_after_its_reply_began_ends_it_with_the_typed_error(f
     events = last["f-l2"].body.decode()
     assert last["f-l2"].stop is True and events.endswith("data: [DONE]\n\n"), events
     assert json.loads(events.split("\n\n")[0].removeprefix("data: "))["error"]["code"] == "image_fetch_timeout"
-    assert last["f-l2"].headers == {"X-Llava-Sequence-End": "ts-seq-l2"}  # the one-shot's job group ends
+    assert last["f-l2"].headers == {"X-Llava-Sequence-End": "ts-seq-l2"}  # the sessionless request's job group ends
     assert not fetching.parked
     fetching.handle([BatchRequest("c-f3", sid, False, {"type": "close_session"})])

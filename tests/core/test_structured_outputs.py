@@ -49,7 +49,7 @@ def _body(question: str = "Describe the cat.", max_tokens: int = 160, **params) 
 
 
 def run(svc: SessionService, *bodies: dict) -> list[tuple[int, bytes]]:
-    """``bodies`` as one-shot requests admitted in one call (their answers decode as one batch),
+    """``bodies`` as sessionless requests admitted in one call (their answers decode as one batch),
     each driven to its last frame: ``(status, the frames' bytes joined)`` per body."""
     rids = [f"so{next(_ids)}" for _ in bodies]
     rows = [BatchRequest(rid, f"ts-seq-{rid}", True, body) for rid, body in zip(rids, bodies, strict=True)]

@@ -98,7 +98,7 @@ def test_two_ranks_answer_a_whole_conversation_exactly_as_one_process(pair, smal
 
 
 def test_prefill_embeddings_by_broadcast_answer_as_one_process(pair, small_photos) -> None:
-    """A card's way (``broadcast_embeds``, on by default under NCCL) run over ``gloo``: every pass of
+    """A GPU's way (``broadcast_embeds``, on by default under NCCL) run over ``gloo``: every pass of
     more than one position sends its input embeddings by a collective broadcast after its message,
     not in it; the conversation's answers are the same."""
     arch, one, two = pair

@@ -1,10 +1,10 @@
-"""LLaVA-NeXT's and OneVision's vision tower per tile count (issue 59 item 4): what a card captures.
+"""LLaVA-NeXT's and OneVision's vision tower per tile count (issue 59 item 4): what a GPU captures.
 
 Nothing is captured on this CPU. What runs here is the path the graphs replay, eagerly: each image's
 tiles through the tower up to its feature layer and the projector alone, then the model's own
 ``pack_image_features``. Its features equal the model's own ``get_image_features`` on the stacked
 batch, for images of several sizes (so several tile counts), and in OneVision's several-image mode.
-``tests/gpu/test_card.py`` checks the replay on a card.
+``tests/gpu/test_on_gpu.py`` checks the replay on a GPU.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_each_images_tiles_alone_then_packed_equal_the_models_own_features(famil
 
 def test_encode_images_takes_the_tile_path_when_the_model_has_one(family, photos) -> None:
     """``LlavaModel.encode_images`` sends a tiled model's pixels through its :class:`TileGraphs` when set
-    (a card's engine sets it; here it runs eagerly) and gets the features it gets without."""
+    (a GPU's engine sets it; here it runs eagerly) and gets the features it gets without."""
     llava = family["llava-next"]
     images = pictures(photos)
     want = llava.encode_images(images)

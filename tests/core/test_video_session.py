@@ -50,7 +50,7 @@ def ov_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ov(ov_dir) -> LlavaModel:
-    """The tiny OneVision on the CPU, or on ``LLAVA_TEST_DEVICE`` (``make test-gpu``: a video on the card)."""
+    """The tiny OneVision on the CPU, or on ``LLAVA_TEST_DEVICE`` (``make test-gpu``: a video on the GPU)."""
     torch.manual_seed(0)
     return LlavaModel.from_pretrained(ov_dir, device=model_device(), dtype="float32")
 
@@ -288,7 +288,7 @@ def test_more_frames_asked_than_a_clip_has_are_every_frame_and_the_reply_says_so
     chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}], "max_tokens": 2}
     status, reply = run(ov_service, BatchRequest("c5", None, True, chat))["c5"]
     assert status == 200 and reply["warnings"] == ["the video has 3 frames and 4 were asked: all 3 are used"]
-    from openai.types.chat import ChatCompletion  # here: the card's check runs this module without openai
+    from openai.types.chat import ChatCompletion  # here: the GPU's check runs this module without openai
 
     ChatCompletion.model_validate(reply)
 

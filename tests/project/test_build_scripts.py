@@ -357,7 +357,7 @@ def test_the_gpu_smoke_and_the_gpu_check_fit_the_device_time_with_a_machine_star
 
 def test_the_gpu_smoke_runs_through_on_the_cpu_and_writes_the_gpu_s_name_first(tmp_path):
     """benchmarks/gpu_smoke.sh as the device machine runs it, here on the CPU (its own ``LLAVA_TEST_DEVICE``
-    and table arguments): card.txt, then the table's smoke sections only, in their order, then the trimmed
+    and table arguments): gpu.txt, then the table's smoke sections only, in their order, then the trimmed
     suite, each file in OUT."""
     out = tmp_path / "out"
     env = {
@@ -372,8 +372,8 @@ def test_the_gpu_smoke_runs_through_on_the_cpu_and_writes_the_gpu_s_name_first(t
     }
     done = subprocess.run(["bash", str(GPU_SMOKE)], cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    card = (out / "card.txt").read_text()
-    assert card.startswith("commit: abc1234\ndate: ") and "torch " in card
+    gpu_txt = (out / "gpu.txt").read_text()
+    assert gpu_txt.startswith("commit: abc1234\ndate: ") and "torch " in gpu_txt
     import json
 
     table = json.loads((out / "gpu_smoke.json").read_text())

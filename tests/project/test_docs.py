@@ -38,6 +38,10 @@ SNIPPETS: dict[tuple[str, str], str] = {
     ),
     ("serving.md", "import boto3"): "tests/project/test_docs.py::test_python_snippets_run_against_the_local_endpoint",
     (
+        "README.md",
+        "./build_and_push.sh --repository llava-sessions --region us-east-1        # prints the image URI",
+    ): "tests/project/test_docs.py::test_the_readme_s_gpu_path_runs_as_written",
+    (
         "deploy.md",
         "./build_and_push.sh --repository llava-sessions --region us-east-1          # prints the image URI",
     ): "tests/project/test_docs.py::test_the_deploy_snippet_runs_with_dry_run",
@@ -147,21 +151,19 @@ def test_python_snippets_run_against_the_local_endpoint(endpoint, photos, tmp_pa
 
 
 @pytest.mark.integration
-def test_the_deploy_snippet_runs_with_dry_run(tmp_path):
-    """The deploy commands as written, each with ``--dry-run`` (no Docker, no AWS here): the image
-    URI the first prints fills the second's ``<URI>``; the checkpoint placeholder is a tiny one."""
-    from llava_tools.tiny_model import write_checkpoint
-
-    model_dir = write_checkpoint("tiny", tmp_path / "tiny", seed=0)
-    body = snippet(
-        "deploy.md",
-        "./build_and_push.sh --repository llava-sessions --region us-east-1          # prints the image URI",
-    )
+def run_deploy_commands(body: str, model_dir: Path, placeholder: str) -> list[str]:
+    """Run ``body``'s ``build_and_push.sh`` and ``llava-deploy`` lines as written, each with
+    ``--dry-run`` (no Docker, no AWS here): the image URI the first prints fills the second's
+    ``<URI>``, ``placeholder`` (the docs' checkpoint folder) becomes ``model_dir``. Returns the
+    body's other commands, not run."""
     commands = [c.strip() for c in re.sub(r"\\\n\s*", " ", body).splitlines() if c.strip() and not c.startswith("#")]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    uri = ""
+    uri, rest = "", []
     for command in commands:
-        command = command.split("  #")[0].replace("/path/to/llava-1.5-7b-hf", str(model_dir)).replace("<URI>", uri)
+        command = command.split("  #")[0].replace(placeholder, str(model_dir)).replace("<URI>", uri)
+        if not command.startswith(("./build_and_push.sh", "llava-deploy")):
+            rest.append(command)
+            continue
         done = subprocess.run(
             f"{command} --dry-run", shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
         )
@@ -169,3 +171,75 @@ def test_the_deploy_snippet_runs_with_dry_run(tmp_path):
         if command.startswith("./build_and_push.sh"):
             uri = done.stdout.strip().splitlines()[-1].split()[-1]
             assert ".dkr.ecr.us-east-1.amazonaws.com/llava-sessions:" in uri, done.stdout[-500:]
+    assert uri, "no build_and_push.sh line ran"
+    return rest
+
+
+def test_the_deploy_snippet_runs_with_dry_run(tmp_path):
+    """The deploy commands as written, each with ``--dry-run``; the checkpoint placeholder is a tiny one."""
+    from llava_tools.tiny_model import write_checkpoint
+
+    model_dir = write_checkpoint("tiny", tmp_path / "tiny", seed=0)
+    body = snippet(
+        "deploy.md",
+        "./build_and_push.sh --repository llava-sessions --region us-east-1          # prints the image URI",
+    )
+    assert run_deploy_commands(body, model_dir, "/path/to/llava-1.5-7b-hf") == []
+
+
+@pytest.mark.integration
+def test_the_readme_s_gpu_path_runs_as_written(endpoint, photos, tmp_path):
+    """README's "Deploy on a GPU": its prerequisites named, then its three commands as a user runs
+    them: the build and the deploy with ``--dry-run``, and ``llava-chat`` on the endpoint name, here
+    the local endpoint (boto3 pointed at it as at AWS), answering a piped question on the photo."""
+    from llava_tools.tiny_model import write_checkpoint
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Deploy on a GPU") :]
+    section = section[: section.index("\n## ", 3)]
+    for needed in ("**Docker**", "**AWS CLI**", "**S3 bucket**", "**IAM role**", "iam:PassRole", "s3:PutObject"):
+        assert needed in section, needed
+    body = snippet(
+        "README.md", "./build_and_push.sh --repository llava-sessions --region us-east-1        # prints the image URI"
+    )
+    assert body in section
+    model_dir = write_checkpoint("tiny", tmp_path / "tiny", seed=0)
+    (chat,) = run_deploy_commands(body, model_dir, "models/llava-1.5-7b-hf")
+    assert chat == "llava-chat --endpoint llava-sessions --region us-east-1 --image photo.jpg"
+    (tmp_path / "photo.jpg").write_bytes(photos["chelsea"])
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME": endpoint.url,
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+    }
+    done = subprocess.run(
+        chat + " --max-new-tokens 8",
+        shell=True,
+        cwd=tmp_path,
+        env=env,
+        input="What is in this image?\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert "Traceback" not in done.stderr and done.stdout.strip(), (done.stdout[-2000:], done.stderr[-2000:])
+
+
+#: A measured speed (a rate, a time per token, a speed-up): quoted only by the results pages.
+SPEED = re.compile(
+    r"\d[\d,.]*\s*(tokens/s|ms a token|ms per token)|\b\d+(\.\d+)?x (faster|slower|the tokens/s|one session)"
+)
+
+
+def test_speed_figures_come_from_one_results_page():
+    """README and docs/ (the decision records keep the measurement that decided them) quote no speed:
+    they link the headline figures, which the results README lists."""
+    quoted = [f"{p.name}: {m.group(0)}" for p in DOCS for m in SPEED.finditer(p.read_text())]
+    assert quoted == [], quoted
+    headline = ROOT / "benchmarks" / "results" / "headline-figures.md"
+    assert SPEED.search(headline.read_text())
+    assert "headline-figures.md" in (ROOT / "benchmarks" / "results" / "README.md").read_text()
+    assert "benchmarks/results/headline-figures.md" in (ROOT / "README.md").read_text()

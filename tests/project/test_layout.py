@@ -491,10 +491,10 @@ MAX_TOOL_TOP_LEVEL_MODULES = 6
 
 
 def test_the_tools_have_a_sub_package_per_tool_and_the_tests_mirror_the_packages() -> None:
-    """A sub-package per tool (the server and its front, the local endpoint, deploy, the demos, the
+    """A sub-package per tool (the server and its proxy, the local endpoint, deploy, the demos, the
     tiny-model builder), the helpers they share beside them; every test in the folder of the package
     it tests (``core/``, ``tools/``, ``client/``; ``project/`` for the repository's own checks; ``gpu/``
-    for what only a card runs)."""
+    for what only a GPU runs)."""
     top = sorted(p.name for p in TOOLS.glob("*.py"))
     packages = sorted(p.name for p in TOOLS.iterdir() if (p / "__init__.py").is_file())
     assert len(top) <= MAX_TOOL_TOP_LEVEL_MODULES, top

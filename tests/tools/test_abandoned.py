@@ -1,6 +1,6 @@
 """Clients that give up, and load past the generation slots, over real HTTP through ``llava-serve``'s
-front and a real TorchServe (tiny model, CPU): an abandoned request frees what it held at once,
-wherever its client left it, and a request past the slots waits at the front before it is refused.
+proxy and a real TorchServe (tiny model, CPU): an abandoned request frees what it held at once,
+wherever its client left it, and a request past the slots waits at the proxy before it is refused.
 
 The server has ONE generation slot, so a request that was not freed would hold every later one.
 Clients disconnect by closing their socket, as a load tool's cancelled request does.
@@ -102,14 +102,14 @@ def test_an_abandoned_request_frees_its_slot_at_once(server, path, stream):
 
 
 def test_a_request_left_while_queued_at_the_front_is_never_run(server):
-    """Past the one slot a request waits at the front; its client leaving there costs nothing."""
+    """Past the one slot a request waits at the proxy; its client leaving there costs nothing."""
     story = requests.post(server.url + "/v1/chat/completions", json={**long_chat(False), "max_tokens": 1}, timeout=60)
     story_tokens = story.json()["usage"]["prompt_tokens"]
     before = prompt_tokens_seen(server, settled=True)  # the story's and earlier tests' reported
     holder = post(server, "/v1/chat/completions", long_chat(True))
     assert holder.getresponse().status == 200
     queued = post(server, "/v1/chat/completions", long_chat(False))
-    time.sleep(0.3)  # it reaches the front and waits there (the worker refuses it the slot)
+    time.sleep(0.3)  # it reaches the proxy and waits there (the worker refuses it the slot)
     queued.close()
     holder.close()
     quick = quick_answer(server)

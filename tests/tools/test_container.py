@@ -60,7 +60,7 @@ def test_resolve_model_prefers_sagemaker_then_baked_and_reads_the_artifact(tmp_p
 def _container_properties(tmp_path: Path, ts_config: Path, api_key: str | None = None) -> dict[str, str]:
     server = ContainerServer(tmp_path, ts_config=ts_config, host="0.0.0.0", port=8080, api_key=api_key)
     server._ports = {
-        "inference": 40000,  # TorchServe's own, on loopback (the front holds 8080)
+        "inference": 40000,  # TorchServe's own, on loopback (the proxy holds 8080)
         "management": 40001,
         "metrics": 40002,
         "grpc_inference": 40003,
@@ -72,7 +72,7 @@ def _container_properties(tmp_path: Path, ts_config: Path, api_key: str | None =
 def test_container_config_is_the_image_file_with_this_runs_addresses(tmp_path: Path) -> None:
     written = _container_properties(tmp_path, TS_CONFIG)
     from_file = _parse_properties(TS_CONFIG.read_text())
-    assert written["inference_address"] == "http://127.0.0.1:40000"  # behind the front on 0.0.0.0:8080
+    assert written["inference_address"] == "http://127.0.0.1:40000"  # behind the proxy on 0.0.0.0:8080
     assert written["management_address"] == "http://127.0.0.1:40001"  # loopback only
     assert written["metrics_address"] == "http://127.0.0.1:40002"
     assert written["model_store"] == str(tmp_path / "store") and written["load_models"] == "ALL"
@@ -209,7 +209,7 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
         processes = psutil.Process(serve.pid).children(recursive=True)
         assert any(p.name().startswith("java") for p in processes)
         written = (log_dir.parent / "config.properties").read_text()
-        # TorchServe on loopback; the public port (bound on 0.0.0.0) is the front's, whose /ping is truthful
+        # TorchServe on loopback; the public port (bound on 0.0.0.0) is the proxy's, whose /ping is truthful
         assert (
             written.startswith("# Written by llava-container-serve from")
             and "inference_address=http://127.0.0.1:" in written
@@ -278,7 +278,7 @@ def test_serve_entrypoint_serves_the_deploy_artifact_and_stops_on_sigterm(tmp_pa
 
 
 def _left_requests_are_freed(url: str, auth: dict, photos) -> None:
-    """Issue 60 item 0 through the container's front: with one generation slot and no queue, a stream
+    """Issue 60 item 0 through the container's proxy: with one generation slot and no queue, a stream
     left after its first chunk and a whole answer left while it is generated, in both dialects, each
     free the slot: the next request is answered within seconds (before, ``503 overloaded`` for 600 s)."""
     import http.client

@@ -1,4 +1,4 @@
-"""The TorchServe table of the card check (issue 59 item 5): ``benchmarks/gpu_serve.py`` runs over real
+"""The TorchServe table of the GPU check (issue 59 item 5): ``benchmarks/gpu_serve.py`` runs over real
 TorchServe on the CPU as a smoke test, and ``benchmarks/gpu_bundle.py`` splits TorchServe's wheel and
 puts a Java runtime and the frontend jar back as the device machine needs them."""
 

@@ -1,8 +1,8 @@
-"""Image fetches in the public port's front (issue 31 item 1): a failed fetch gets its typed 4xx even
+"""Image fetches in the public port's proxy (issue 31 item 1): a failed fetch gets its typed 4xx even
 while other answers generate, and a resent conversation fetches its image once.
 
 The relay itself against a real image host on 127.0.0.1 (no model), then the whole way: a real
-``LocalServer`` (front, TorchServe, the handler, the tiny model), the openai package as a client.
+``LocalServer`` (proxy, TorchServe, the handler, the tiny model), the openai package as a client.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_the_relay_fetches_what_a_body_names_and_answers_the_worker_by_ticket(ho
     ticket = relay.prefetch(native, None)
     assert ticket is not None and host.hits == ["/a.png"]
     assert relay.answer(ticket, url) == (200, photos["rocket"])
-    status, error = relay.answer(ticket, host.url("/other.png"))  # a source the front did not fetch
+    status, error = relay.answer(ticket, host.url("/other.png"))  # a source the proxy did not fetch
     assert status == 404 and error["error"]["code"] == "unknown_image_ticket"
     relay.release(ticket)
     assert relay.answer(ticket, url)[0] == 404
@@ -65,7 +65,7 @@ def test_the_relay_leaves_bodies_without_image_urls_to_the_worker_and_validates_
     assert relay.prefetch(data_uri, None) is None
     assert relay.prefetch(b"not json " + host.url().encode(), None) is None and host.hits == []
     # the light pass reads where images are named and validates nothing else: a body the dialect will
-    # refuse (an unknown field) costs the front at most its fetch, and the worker answers the 400
+    # refuse (an unknown field) costs the proxy at most its fetch, and the worker answers the 400
     refused = json.dumps({"type": "open_session", "image": {"url": host.url("/r.png")}, "nonsense": 1}).encode()
     assert relay.prefetch(refused, None) is not None and host.hits == ["/r.png"]
 
@@ -193,8 +193,7 @@ def test_requests_naming_one_image_at_once_share_one_fetch(host):
 
 
 def test_the_worker_takes_the_fronts_fetch_by_ticket_and_fetches_itself_without_one(host, photos):
-    """The worker's side (``ImageFetcher``) against a real front: a ticketed source comes from the
-    front (no second fetch from the host), its failure as the same typed error; a source the front
+    """The worker's side (``ImageFetcher``) against a real proxy: a ticketed source comes from the proxy (no second fetch from the host), its failure as the same typed error; a source the proxy
     does not know is fetched by the worker itself."""
     from concurrent import futures
 
@@ -230,17 +229,17 @@ def test_the_worker_takes_the_fronts_fetch_by_ticket_and_fetches_itself_without_
         front.stop()
 
 
-# ---- the whole way: front, TorchServe, handler ---------------------------------------------------
+# ---- the whole way: proxy, TorchServe, handler ---------------------------------------------------
 
 
 @pytest.mark.integration
 def test_a_late_fetch_failure_is_a_typed_4xx_while_other_answers_stream(tmp_path, photos, request):
     """A stream runs (so the worker is busy); a request whose image host is slower than the fetch
-    deadline gets HTTP 400 ``image_fetch_timeout`` through the front, as the openai package raises
-    it, while straight to TorchServe (no front: the worker fetches) its reply began before the
+    deadline gets HTTP 400 ``image_fetch_timeout`` through the proxy, as the openai package raises
+    it, while straight to TorchServe (no proxy: the worker fetches) its reply began before the
     failure: 200 with the error as its body (asked first, and the stream is checked to be still
     running when it is answered). The stream keeps flowing throughout (it sends chunks while each
-    slow fetch is pending), and the image the front fetched reaches the worker without a second fetch."""
+    slow fetch is pending), and the image the proxy fetched reaches the worker without a second fetch."""
     import openai
 
     from llava_tools.tiny_model import write_checkpoint
@@ -280,7 +279,7 @@ def test_a_late_fetch_failure_is_a_typed_4xx_while_other_answers_stream(tmp_path
     assert chunks.wait(30)
     slow = host.url("/slow.png", delay=3)
     native = {"type": "open_session", "image": {"url": slow}}
-    # first, while the stream surely runs (else its first frame would wait for the fetch): no front
+    # first, while the stream surely runs (else its first frame would wait for the fetch): no proxy
     direct, during = while_streaming(
         lambda: requests.post(server.torchserve_url + "/invocations", json=native, timeout=30)
     )
@@ -288,9 +287,9 @@ def test_a_late_fetch_failure_is_a_typed_4xx_while_other_answers_stream(tmp_path
     assert direct.status_code == 200 and direct.json()["error"]["code"] == "image_fetch_timeout"
     assert during > 0, "the stream sent nothing while the worker's own fetch was pending"
     via_front, during = while_streaming(lambda: requests.post(server.url + "/invocations", json=native, timeout=30))
-    assert not ended.is_set(), "the stream ended before the front's slow fetch was answered"
+    assert not ended.is_set(), "the stream ended before the proxy's slow fetch was answered"
     assert via_front.status_code == 400 and via_front.json()["error"]["code"] == "image_fetch_timeout"
-    assert during > 0, "the stream sent nothing while the front's fetch was pending"
+    assert during > 0, "the stream sent nothing while the proxy's fetch was pending"
     client = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": slow}}]}]
     with pytest.raises(openai.BadRequestError) as raised:
@@ -303,4 +302,4 @@ def test_a_late_fetch_failure_is_a_typed_4xx_while_other_answers_stream(tmp_path
     good = {"type": "open_session", "image": {"url": host.url("/ok.png")}}
     opened = requests.post(server.url + "/invocations", json=good, timeout=30)
     assert opened.status_code == 200 and opened.json()["session_id"]
-    assert host.hits[hits_before:] == ["/ok.png"]  # fetched by the front only
+    assert host.hits[hits_before:] == ["/ok.png"]  # fetched by the proxy only

@@ -77,9 +77,9 @@ def test_replicas_benchmark_runs_places_evenly_and_answers_alike(tiny_model_dir,
 
 
 def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
-    """``benchmarks/gpu.py --device cpu --model tiny`` (issue 43 item 5) runs the same code as on a card
+    """``benchmarks/gpu.py --device cpu --model tiny`` (issue 43 item 5) runs the same code as on a GPU
     and writes every measure of the table, each latency beside the floor measured in the run; the paged
-    layout's static decode step (what a card replays as CUDA graphs, run eagerly here) against eager
+    layout's static decode step (what a GPU replays as CUDA graphs, run eagerly here) against eager
     at the step's own shape, greedy tokens identical; the other decode layout's rows beside it, and the
     static step reading the pages with FlexAttention, and with ``auto``, in engines of their own (their
     tokens identical too)."""
@@ -116,7 +116,7 @@ def test_the_gpu_table_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     kernels = report["attention_kernels"]  # the model's attention shape over pages, per kernel
     assert [k["shape"]["rows"] for k in kernels] == [1, 2] and all(k["fastest"] for k in kernels)
     assert "varlen_paged" in kernels[0]["kernels"] and "fastest paged kernel" in done.stdout
-    assert report["paged_attention"] == "gather"  # a CPU engine's own read; a card's is auto
+    assert report["paged_attention"] == "gather"  # a CPU engine's own read; a GPU's is auto
     flex = report["paged_read_flex"]  # FlexAttention over the pages: replay (eager here) equals eager
     assert flex["paged_attention"] == "flex" and flex["batch_one"]["ms_per_token"] > 0
     assert flex["graphs"]["rows_3"]["identical"] is True and flex["graphs"]["rows_3"]["own_shape_identical"] is True
@@ -160,7 +160,7 @@ def test_attention_kernels_over_pages_agree_with_sdpa_up_to_a_partial_last_page(
 
 def test_the_kv_pages_benchmark_runs_and_both_layouts_answer_alike(tmp_path):
     """benchmarks/kv_pages.py stays runnable: the pool's decode step beside the contiguous batch's,
-    greedy tokens identical, a join copying nothing, the shared prefix held once; the engine with and
+    greedy tokens identical, a join copying nothing, the shared prefix stored once; the engine with and
     without its pool side by side."""
     bench = _benchmark("kv_pages")
     out = tmp_path / "pages.json"

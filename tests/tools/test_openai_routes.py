@@ -430,7 +430,7 @@ def test_llava_chat_stateless_sends_the_image_once(server, photos, tmp_path):
 
 
 def test_the_front_s_ping_and_503s_follow_whether_the_worker_serves():
-    """Nothing listens behind the front. Until it is told the worker serves, ``/ping`` answers 503 and
+    """Nothing listens behind the proxy. Until it is told the worker serves, ``/ping`` answers 503 and
     a request a typed ``503 model_not_ready`` at once, whose ``Retry-After`` counts down a restart's
     expected duration; OpenAI's own routes answer without TorchServe. Told it serves while TorchServe
     still refuses, a request waits ``restart_wait_s``, then gets the same 503; told it does not serve
@@ -538,7 +538,7 @@ def test_the_local_endpoint_routes_sessionless_turns_as_prefix_aware_routing_doe
 
 
 def test_overload_is_a_503_the_openai_package_raises_and_retries_after_retry_after(request, tiny_model_dir):
-    """Issue 32 item 6: with every generation slot taken and no request held at the front
+    """Issue 32 item 6: with every generation slot taken and no request held at the proxy
     (``queue_max_requests`` 0; tests/tools/test_abandoned.py tests the held ones), a request gets
     ``503 overloaded`` with ``Retry-After``; the package raises its own ``InternalServerError`` for it
     (retries off), and with its retries on it waits the ``Retry-After`` and is answered once the slot

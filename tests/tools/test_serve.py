@@ -70,7 +70,7 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         # group is alive, and an accepted one after the close shows the group was dropped.
         "--ts-set", "batchSize=1",
         "--ts-set", "maxNumSequence=1",
-        # TorchServe's refusal is held at the front this long before it goes out, shaped
+        # TorchServe's refusal is held at the proxy this long before it goes out, shaped
         "--set", "queue_timeout_s=1",
         "--startup-timeout", "60",
     ]  # fmt: skip
@@ -108,7 +108,7 @@ def test_cli_sessions_round_trip_and_clean_sigterm(tmp_path: Path) -> None:
         assert again.json()["start"] is None
         assert again.json()["pid"] == first["pid"]
 
-        # Through the front header names are case-blind: it forwards the session header in the case
+        # Through the proxy header names are case-blind: it forwards the session header in the case
         # TorchServe looks it up by. TorchServe's own lookup is case-sensitive: on its own port a
         # lower-case key is no session header, so that is a NEW sequence, refused because the one
         # allowed sequence is open.
@@ -167,7 +167,7 @@ _PORTS = {
 
 def test_torchserve_s_worker_died_reply_is_known_by_its_body_whatever_its_status() -> None:
     """TorchServe 0.12's worker threads answer a request whose worker died with ``"Worker died."`` as
-    500, 413 (after a SIGKILL) or 507; the front treats each as a request cut by the death (sent
+    500, 413 (after a SIGKILL) or 507; the proxy treats each as a request cut by the death (sent
     again, or a typed 503), and a 500 of anything else as the reply it is."""
     from llava_tools.serve.http_wire import worker_died
 
@@ -411,7 +411,7 @@ def test_a_killed_worker_costs_no_error(tmp_path: Path, tiny_model_dir: Path, ph
         # request meanwhile gets a typed 503 with Retry-After; the first request after the first 200
         # is answered (before, /ping said Healthy seconds before the model was loaded)
         refusals = _poll_ping_until_healthy(url, cli, output, timeout_s=150)
-        assert refusals, "the front answered nothing before the model served"
+        assert refusals, "the proxy answered nothing before the model served"
         assert {r["ping"] for r in refusals} <= {503, None} and any(r["ping"] == 503 for r in refusals)
         assert all(r["invoke"] in (None, (503, "model_not_ready", True)) for r in refusals), refusals
         sent = time.monotonic()

@@ -1,5 +1,5 @@
 """Video sessions served end to end (issue 44): a tiny LLaVA-OneVision behind a real TorchServe
-(``llava-serve``'s front included), through ``llava_client`` (a session on a video, an added video, a
+(``llava-serve``'s proxy included), through ``llava_client`` (a session on a video, an added video, a
 recovery that replays both, a stateless conversation that sends the clip once), ``llava-chat --video``
 and ``llava-web``'s page in a real browser."""
 
@@ -164,8 +164,7 @@ def test_the_web_page_opens_a_video_shows_its_frames_and_answers(server, clip_pa
 
 
 def test_a_video_url_is_fetched_by_the_front_once_for_a_conversation_and_a_session(server, clip_paths):
-    """A ``video_url`` part and a native ``video.url`` are fetched under the image fetch rules by the
-    front (loopback allowed for this host by the server's settings), kept by it for the turns that
+    """A ``video_url`` part and a native ``video.url`` are fetched under the image fetch rules by the proxy (loopback allowed for this host by the server's settings), kept by it for the turns that
     resend the conversation: the host serves the clip once for both dialects' requests."""
     with ImageHost(clip_paths["astronaut"].read_bytes()) as host:
         url = host.url("/clip.mp4")

@@ -102,7 +102,7 @@ class ChatServing(Serving):
     error_status = staticmethod(responses.error_status)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, row: BatchRequest, data: Any, now: float) -> Reply | RequestState:
+    def admit(self, request: BatchRequest, data: Any, now: float) -> Reply | RequestState:
         """Admit a decoded chat body: AWS's session bodies are answered at once; a ``messages``
         request resolves its images, then starts its answer in its session.
 
@@ -112,46 +112,46 @@ class ChatServing(Serving):
         """
         if "messages" not in data:
             if parse_session_body(data).requestType == NEW_SESSION_LITERAL:
-                return self._open_session(row)
-            sid = self.requests.session_of(row, "close_session")
+                return self._open_session(request)
+            sid = self.requests.session_of(request, "close_session")
             self.requests.stop_session(sid)
             self.engine.close(sid)
             return Reply(responses.encode_closed(sid), headers=self.framing.closed(sid))
-        command = self._command(row, data)
-        salt = request_salt(command.salt, row.custom_attributes)
-        return self._admit_chat(row, dataclasses.replace(command, salt=salt), now)
+        command = self._command(request, data)
+        salt = request_salt(command.salt, request.custom_attributes)
+        return self._admit_chat(request, dataclasses.replace(command, salt=salt), now)
 
-    def pending_frame(self, row: BatchRequest, data: Any) -> Reply:
+    def pending_frame(self, request: BatchRequest, data: Any) -> Reply:
         """The first frame of a ``messages`` request waiting for its images: the headers its answer
         will have (none without a session; the new session's on an open) and, for a stream, the
         stream's content type."""
-        command = self._command(row, data)
-        sid = row.session_id
+        command = self._command(request, data)
+        sid = request.session_id
         headers: dict[str, str] = {}
         if sid == NEW_SESSION_LITERAL:  # opens its session: the id it will get, expiring a TTL from now
             headers = opened_headers(
-                self.requests.fresh_id(row.request_id), int(time.time()) + self.settings.session_ttl_s
+                self.requests.fresh_id(request.request_id), int(time.time()) + self.settings.session_ttl_s
             )
-        elif sid and not row.minted:
+        elif sid and not request.minted:
             headers = {SESSION_ID_HEADER: sid}
-        content_type = self._stream_of(row, command).content_type if command.stream else JSON
+        content_type = self._stream_of(request, command).content_type if command.stream else JSON
         return self.framing.frame(b"", continued=False, last=False, headers=headers, content_type=content_type)
 
-    def late_error(self, row: BatchRequest, data: Any, err: ServiceError) -> Reply:
+    def late_error(self, request: BatchRequest, data: Any, err: ServiceError) -> Reply:
         """A ``messages`` request refused after its first frame went out: a stream's error events, or
-        the error object as the reply's body; a one-shot's TorchServe job group ends."""
-        sid = row.session_id
-        one_shot = row.minted or not sid
+        the error object as the reply's body; a sessionless request's TorchServe job group ends."""
+        sid = request.session_id
+        sessionless = request.minted or not sid
         group = sid if sid and sid != NEW_SESSION_LITERAL else None
-        command = self._command(row, data)
+        command = self._command(request, data)
         if not command.stream:
-            return self.requests.error(self, group, err, held=not one_shot, continued=True)
+            return self.requests.error(self, group, err, held=not sessionless, continued=True)
         self.metrics.count_error(err)
-        body = b"".join(self._stream_of(row, command).error(err))
-        headers = self.framing.end_sequence(group) if group and one_shot else {}
+        body = b"".join(self._stream_of(request, command).error(err))
+        headers = self.framing.end_sequence(group) if group and sessionless else {}
         return self.framing.frame(body, continued=True, last=True, headers=headers)
 
-    def _command(self, row: BatchRequest, data: Any) -> ChatCommand:
+    def _command(self, request: BatchRequest, data: Any) -> ChatCommand:
         """The ``messages`` body as the dialect's command.
 
         Raises:
@@ -160,68 +160,76 @@ class ChatServing(Serving):
                 name, as SageMaker clients send what they like).
         """
         s, names = self.settings, self.model_names
-        request = parse_chat_body(data, max_prompt_chars=s.max_prompt_chars)
-        if row.openai_route and request.model is not None and request.model not in names:
+        parsed = parse_chat_body(data, max_prompt_chars=s.max_prompt_chars)
+        if request.openai_route and parsed.model is not None and parsed.model not in names:
             served = ", ".join(f"`{n}`" for n in names)
             raise ServiceError(
                 ErrorCode.MODEL_NOT_FOUND,
-                f"The model `{request.model}` does not exist here; this server serves {served} (GET /v1/models)",
+                f"The model `{parsed.model}` does not exist here; this server serves {served} (GET /v1/models)",
                 param="model",
             )
-        return chat_command(request, s, request.model if request.model in names else names[0])
+        return chat_command(parsed, s, parsed.model if parsed.model in names else names[0])
 
-    def _stream_of(self, row: BatchRequest, command: ChatCommand) -> responses.ChatStream:
+    def _stream_of(self, request: BatchRequest, command: ChatCommand) -> responses.ChatStream:
         """The stream of a streamed answer: server-sent events unless ``Accept`` asks for JSON lines."""
-        sse = JSON_LINES_ACCEPT not in (row.accept or "").lower()
+        sse = JSON_LINES_ACCEPT not in (request.accept or "").lower()
         return responses.ChatStream(command, sse=sse, token_text=self.token_text)
 
-    def _open_session(self, row: BatchRequest) -> Reply:
+    def _open_session(self, request: BatchRequest) -> Reply:
         """Answer ``{"requestType": "NEW_SESSION"}``: a session with no image, the new-session headers.
 
         Raises:
             ServiceError: invalid_request (an id already open or not valid), overloaded.
         """
-        sid = self.requests.new_session_id(row)
+        sid = self.requests.new_session_id(request)
         result = self.engine.open_empty(sid)
         return Reply(
             responses.encode_new_session(sid, result.expires_at),
             headers=opened_headers(sid, result.expires_at),
         )
 
-    def _admit_chat(self, row: BatchRequest, command: ChatCommand, now: float) -> RequestState:
+    def _admit_chat(self, request: BatchRequest, command: ChatCommand, now: float) -> RequestState:
         engine = self.engine
-        sid = row.session_id
+        sid = request.session_id
         opens = sid == NEW_SESSION_LITERAL
-        one_shot = row.minted or not sid
+        sessionless = request.minted or not sid
         self.requests.check_generation_slot(command.params.n)
-        if not (opens or one_shot):
+        if not (opens or sessionless):
             assert sid is not None
             engine.check_idle(sid)  # a gone or busy session is the more precise answer, before any fetch
-        own_sid = None if (opens or one_shot) else sid
+        own_sid = None if (opens or sessionless) else sid
         t0 = time.perf_counter()
         target, urls, uuids = self._target(own_sid, command)
         if own_sid is None:
-            own_sid = sid if row.minted and sid else self.requests.fresh_id(row.request_id)
+            own_sid = sid if request.minted and sid else self.requests.fresh_id(request.request_id)
             engine.open_empty(own_sid, salt=command.salt)
         try:
             seq = engine.start_chat(
                 own_sid, target, command.params, clip_max_new_tokens=command.clip_max_new_tokens, salt=command.salt
             )
         except ServiceError:
-            if own_sid != sid or one_shot:
+            if own_sid != sid or sessionless:
                 self.requests.close_quietly(own_sid)
             raise
         engine.remember_urls(own_sid, urls, uuids)
-        held = not (opens or one_shot)
+        held = not (opens or sessionless)
         req = RequestState(
-            row.request_id, own_sid, self, command, now, work=seq, own_group=not opens and bool(sid), held=held, t0=t0
+            request.request_id,
+            own_sid,
+            self,
+            command,
+            now,
+            work=seq,
+            own_group=not opens and bool(sid),
+            held=held,
+            t0=t0,
         )
-        req.one_shot, req.urls = one_shot, urls
+        req.sessionless, req.urls = sessionless, urls
         req.opened = opens
         clips = [i.image for i in target.images if isinstance(i.image, SampledVideo)]
         req.warnings = [note for clip in clips if (note := clip.shortfall)]
         if command.stream:
-            req.stream = self._stream_of(row, command)
+            req.stream = self._stream_of(request, command)
         return req
 
     def _target(self, sid: str | None, command: ChatCommand) -> tuple[ChatTarget, dict[str, str], dict[str, str]]:
@@ -306,7 +314,7 @@ class ChatServing(Serving):
 
     # ------------------------------------------------------------------ output
     def emit(self, req: RequestState) -> Reply:
-        """The row's frame for this call: nothing until a whole answer is ready (or the stream's
+        """The request's frame for this call: nothing until a whole answer is ready (or the stream's
         next chunk), then the answer; a stream's last events go out one per call."""
         seq = req.work
         assert isinstance(seq, Sequence) and isinstance(req.command, ChatCommand)
@@ -344,8 +352,8 @@ class ChatServing(Serving):
         else:
             self.metrics.count_error(req.error)
             req.frames = stream.error(req.error)
-        if req.one_shot:  # its session is done with: cached or freed now, not when the last event has gone out
-            self.requests.end_one_shot(req)
+        if req.sessionless:  # its session is done with: cached or freed now, not when the last event has gone out
+            self.requests.end_sessionless(req)
         return self._frame(req, req.frames.pop(0), last=not req.frames)
 
     def _observe(self, req: RequestState, seq: Sequence) -> list[Answer]:
@@ -354,7 +362,7 @@ class ChatServing(Serving):
         answers = [s.answer for s in seq.samples if s.answer is not None]
         for answer in answers:
             self.metrics.observe_answer(answer)
-        if req.one_shot:
+        if req.sessionless:
             self.metrics.observe_cache(hit=answers[0].cached_tokens > 0)
         return answers
 
@@ -377,10 +385,10 @@ class ChatServing(Serving):
         )
 
     def _headers(self, req: RequestState, last: bool) -> dict[str, str]:
-        """A session's id (with its ``Expires`` on a new one); a one-shot request's last frame ends
+        """A session's id (with its ``Expires`` on a new one); a sessionless request's last frame ends
         the TorchServe job group TorchServe minted for it (headers after the first frame reach
         TorchServe, not the client)."""
-        if req.one_shot:
+        if req.sessionless:
             return self.framing.end_sequence(req.session_id) if last and req.own_group else {}
         if req.opened:
             session = self.engine.store.peek(req.session_id)

@@ -1,12 +1,12 @@
-"""Async scheduling: the next decode step runs on the card while the host records this one's tokens.
+"""Async scheduling: the next decode step runs on the GPU while the host records this one's tokens.
 
-In step with the host, a decode step is: the card runs the pass; the host waits for the tokens, then
-records them (detokenizes, checks stops, streams); only then is the next pass launched, so the card
-idles while the host works (about 0.8 ms of a 7b-shaped model's ~8 ms step on an H200, run 7). Here,
+In step with the host, a decode step is: the GPU runs the pass; the host waits for the tokens, then
+records them (detokenizes, checks stops, streams); only then is the next pass launched, so the GPU
+idles while the host works (a tenth of a 7b-shaped model's step, benchmarks/results/the-gpu-table.md). Here,
 once the tokens are chosen on the device (:func:`~.outputs.plain_choices`: argmax, or warps and draw),
 the next pass is launched fed those tokens where they are (:meth:`PagedDecodeBatch.forward_ahead
 <.paged_batch.PagedDecodeBatch.forward_ahead>`), and its own tokens are chosen and queued for the host
-behind it; then the host reads and records the first step's tokens while the card runs the second.
+behind it; then the host reads and records the first step's tokens while the GPU runs the second.
 The next engine step over the same answers launches the third before it records the second, and so on
 (vLLM v1's async scheduling; SGLang's overlap scheduler).
 
@@ -54,7 +54,7 @@ class InFlight:
         seqs: the step's answers, in the order of ``tokens`` (an answer that ended since is skipped).
         tokens: ``[len(seqs)]`` long on the device: each one's token.
         host: :func:`~.outputs.plain_choices`' tensor (the tokens, and their logprobs when any answer
-            asks for them) on the host (pinned on a card), valid once ``copied`` is done.
+            asks for them) on the host (pinned on a GPU), valid once ``copied`` is done.
         copied: the CUDA event recorded after the copy (None on a CPU: ``host`` is the device's tensor).
     """
 

@@ -67,7 +67,7 @@ class SessionEngine:
         decode_layout: where running answers decode (:data:`~.model_runner.DecodeLayout`); cuda_graphs:
             the paged decode step replayed as CUDA graphs (:class:`~.model_runner.ModelRunner`).
         async_scheduling: a decode step whose tokens the device chooses launches the next before the
-            host records them (:mod:`.ahead`; static steps only); None: with CUDA graphs on a card.
+            host records them (:mod:`.ahead`; static steps only); None: with CUDA graphs on a GPU.
 
     Attributes:
         model: the loaded model; runner: its :class:`~.model_runner.ModelRunner`; batch: the decode batch.

@@ -55,7 +55,7 @@ KV_PAGE_SIZE = 16
 #: decode 1.18x as fast as paged); ``paged``, their sessions' pages (:class:`~.paged_batch.PagedDecodeBatch`:
 #: joining and leaving move no KV, nothing is held beside the sessions, and the step has static shapes
 #: CUDA graphs replay); ``auto``, paged on a CUDA device, contiguous elsewhere. ``benchmarks/gpu.py``
-#: measures both layouts on a card.
+#: measures both layouts on a GPU.
 DecodeLayout = Literal["auto", "contiguous", "paged"]
 
 #: The largest decode batch captured as a CUDA graph (nano-vllm's default, 512, is for text-only
@@ -106,21 +106,21 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.store = store
-        on_card = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
-        paged = decode_layout == "paged" or (decode_layout == "auto" and on_card)
-        graphs = paged and (on_card if cuda_graphs is None else cuda_graphs)
-        fixed = store.device_budget_bytes if paged and (on_card or graphs) else 0
+        on_gpu = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
+        paged = decode_layout == "paged" or (decode_layout == "auto" and on_gpu)
+        graphs = paged and (on_gpu if cuda_graphs is None else cuda_graphs)
+        fixed = store.device_budget_bytes if paged and (on_gpu or graphs) else 0
         self.kv_pool = new_kv_pool(model, kv_page_size, fixed)
         #: On a GPU, the device memory each graph kind's capture took (bytes the allocator reserved), to
         #: hold against the budget's estimate (``sessions/budget.py``; ``benchmarks/gpu.py`` reports it).
         self.graph_bytes: dict[str, int] = {}
-        with reserved_growth(self.graph_bytes, "decode", on_card):
+        with reserved_growth(self.graph_bytes, "decode", on_gpu):
             self.graphs = new_graphs(model, self.kv_pool) if graphs and self.kv_pool is not None else None
-        with reserved_growth(self.graph_bytes, "prefill", on_card):
+        with reserved_growth(self.graph_bytes, "prefill", on_gpu):
             self.prefill_graphs = new_prefill_graphs(model, self.kv_pool, self.graphs)
-        if self.graphs is not None and on_card and model.vision_graph is None:  # the vision tower, replayed
+        if self.graphs is not None and on_gpu and model.vision_graph is None:  # the vision tower, replayed
             args = (model.model, model.architecture, model.device, model.dtype)
-            with reserved_growth(self.graph_bytes, "vision", on_card):
+            with reserved_growth(self.graph_bytes, "vision", on_gpu):
                 model.vision_graph = VisionGraph.capture(*args) or TileGraphs.capture(*args)
         self.batch: DecodeBatch | PagedDecodeBatch = (
             PagedDecodeBatch(model, store, self.kv_pool, self.graphs, self.prefill_graphs)
@@ -242,7 +242,7 @@ class ModelRunner:
     ) -> list[torch.Tensor | None]:
         """Prefill each part's chunk (``(session, ids, num_tokens, timings)``: as :meth:`prefill`) as rows
         of shared static steps, as many chunks to a step as its largest bucket holds (:meth:`DecodeGraphs.
-        run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`: one replay on a card
+        run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`: one replay on a GPU
         for several sessions' questions, where each alone is a replay of its own). A part whose cache is
         not in the pool or whose chunk holds image placeholders is not run, nor is any without graphs.
 
@@ -280,7 +280,7 @@ class ModelRunner:
     def _static_prefill(self, session: Session, new_ids: list[int]) -> torch.Tensor | None:
         """A short text chunk (a follow-up question) prefilled as the rows of one static decode step
         (:meth:`DecodeGraphs.prefill <llava_sessions.model.graphs.DecodeGraphs.prefill>`: a replayed
-        graph on a card), or None: no static step, a chunk with image placeholders, or no bucket holds it.
+        graph on a GPU), or None: no static step, a chunk with image placeholders, or no bucket holds it.
         Its ms are not the cost model's (which plans eager chunks)."""
         table = static_rows_table(self.model, session, new_ids)
         if self.graphs is None or table is None:
@@ -290,7 +290,7 @@ class ModelRunner:
     def _graphed_prefill(self, session: Session, ids: list[int], start: int, end: int) -> torch.Tensor | None:
         """``ids[start:end]`` (an image's placeholders, or text too long for a step's rows) prefilled in one
         static pass (:meth:`PrefillGraphs.prefill <llava_sessions.model.prefill_graphs.PrefillGraphs.prefill>`:
-        a replayed graph on a card), or None: no prefill graphs, a cache outside the pool, or no bucket
+        a replayed graph on a GPU), or None: no prefill graphs, a cache outside the pool, or no bucket
         holds the chunk. Its ms are not the cost model's, as :meth:`_static_prefill`'s."""
         cache = session.kv_cache
         if self.prefill_graphs is None or not isinstance(cache, SessionKV):
@@ -375,10 +375,10 @@ class ModelRunner:
 
 
 @contextlib.contextmanager
-def reserved_growth(into: dict[str, int], key: str, on_card: bool) -> Iterator[None]:
+def reserved_growth(into: dict[str, int], key: str, on_gpu: bool) -> Iterator[None]:
     """Record in ``into[key]`` how many bytes the CUDA allocator reserved during the block (a capture's
     memory pool and what it keeps); nothing on a CPU."""
-    if not on_card:
+    if not on_gpu:
         yield
         return
     before = torch.cuda.memory_reserved()

@@ -13,7 +13,7 @@ Costs. Joining, leaving and compaction copy no KV (a row is a place in :attr:`Pa
 a step writes one position per row and layer, and gathers each row's positions per layer (the copy
 transformers' continuous batching makes too). Memory: the rows' own pages, nothing beside them. On this
 CPU 8 sessions decode at 0.84-0.85x the tokens/s of the contiguous :class:`~.decode_batch.DecodeBatch`
-(docs/decisions/19-the-kv-pool-in-pages.md), which stays the default (``decode_layout``) until a card measures both.
+(docs/decisions/19-the-kv-pool-in-pages.md), which stays the default (``decode_layout``) until a GPU measures both.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class PagedDecodeBatch:
         store: the session store (demotions after an out-of-memory error).
         pool: the replica's KV pool, which holds every decoding session's cache.
         graphs: the decode step at static shapes (:class:`~llava_sessions.model.graphs.DecodeGraphs`,
-            CUDA graphs on a card) that a step runs through when a bucket holds it, a text prefill chunk
+            CUDA graphs on a GPU) that a step runs through when a bucket holds it, a text prefill chunk
             it carries as rows of the same step; None: every step at its own shape, eagerly (a chunk
             in the fused pass).
         prefill_graphs: a prefill chunk at static shapes (:class:`~llava_sessions.model.prefill_graphs.
@@ -183,7 +183,7 @@ class PagedDecodeBatch:
         """The decode pass of ``tables`` (reserved) and ``session``'s chunk of ``ids`` at static shapes,
         where the fused pass would run eagerly: a text chunk as rows of one static step
         (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`:
-        one replay on a card); else (image placeholders, or too many rows) the static step, then the
+        one replay on a GPU); else (image placeholders, or too many rows) the static step, then the
         chunk as a static prefill (:meth:`PrefillGraphs.prefill
         <llava_sessions.model.prefill_graphs.PrefillGraphs.prefill>`: two replays). None without
         graphs, or when no bucket holds them (the fused pass runs it).
@@ -213,7 +213,7 @@ class PagedDecodeBatch:
 
     def _decode(self, tables: list[PageTable], tokens: list[int]) -> torch.Tensor:
         """The decode pass of ``tables`` (reserved): through :attr:`graphs` when a bucket holds it
-        (replayed on a card), else over a :class:`~llava_sessions.model.SlotsCache` of its shape."""
+        (replayed on a GPU), else over a :class:`~llava_sessions.model.SlotsCache` of its shape."""
         if self.graphs is not None:
             logits = self.graphs.run(tables, tokens)
             if logits is not None:

@@ -1,13 +1,13 @@
-"""The compile cache a model folder ships (issue 59 item 1): what Inductor compiled for the text layers
-(:mod:`.regions`), saved once on a card and loaded by every later worker start, so a new container does
+"""The compile cache a model folder ships: what Inductor compiled for the text layers
+(:mod:`.regions`), saved once on a GPU and loaded by every later worker start, so a new container does
 not compile them again.
 
 PyTorch's "Mega-Cache" (``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``; PyTorch's
 tutorial "Compile Time Caching in torch.compile") packs what compiling wrote to Inductor's caches (the FX
-graph cache with, on a card, the Triton kernels bundled in, the AOTAutograd cache, autotuning results)
+graph cache with, on a GPU, the Triton kernels bundled in, the AOTAutograd cache, autotuning results)
 into one byte string. Loaded before compiling, it fills Inductor's local cache
 (``TORCHINDUCTOR_CACHE_DIR``), and each graph Dynamo traces then finds its code there instead of compiling
-it (Dynamo's tracing is still paid). PyTorch checks the torch and Triton versions and, on a card, the GPU,
+it (Dynamo's tracing is still paid). PyTorch checks the torch and Triton versions and, on a GPU, the GPU,
 so a file built elsewhere only misses and the layers compile as without it; the file's name carries the
 torch version and the GPU's name, so build it on the instance type you deploy to.
 

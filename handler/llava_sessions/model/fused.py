@@ -3,8 +3,8 @@
 Sarathi-Serve (Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM Inference with
 Sarathi-Serve", OSDI 2024) runs a prefill chunk in the same forward pass as the running answers'
 decode step: the weights are read once and a pass's fixed cost (the per-layer work whatever the
-token count: on this CPU a decode step and a 170-token chunk took 133-138 ms as two passes of the
-bench model, 115-122 ms as one, benchmarks/results/beside-transformers-serve.md) is paid once. Here the pass's input is one sequence of
+token count; benchmarks/results/beside-transformers-serve.md measures two passes against one) is paid
+once. Here the pass's input is one sequence of
 ``B + C`` tokens: the ``B`` decode rows' next tokens, then the chunk's ``C`` tokens. Everything but
 attention is per token, so the model's own layers run it unchanged; attention is where the two parts
 differ, and :func:`fused_attention` (registered as :data:`FUSED_ATTENTION` with transformers'
@@ -221,12 +221,10 @@ def prefer_sdpa_backends(device: torch.device) -> None:
     """On a CUDA device, take cuDNN out of the backends PyTorch's SDPA may pick (process-wide; flash,
     memory-efficient and math stay as they were). Nothing changes on other devices.
 
-    Why (``benchmarks/profile_step.py`` on an H200, torch 2.11, the 7b-shaped model, 2026-11-27):
-    cuDNN's SDPA builds an execution plan for each new shape, 1.8-2.1 ms of host time per call. A
-    decode step's keys grow by one position each step, so every layer met a new shape: an eager
-    batch-1 decode step spent 59-67 ms of its 95-104 ms (under the profiler) in
-    ``aten::_cudnn_attention_forward``, 32 calls; a step at a repeated shape (transformers' own
-    decode with its cache cropped back) spent 1.0 ms there. Without cuDNN a masked decode step runs
+    Why (``benchmarks/profile_step.py``; figures in benchmarks/results/the-gpu-table.md): cuDNN's SDPA builds an
+    execution plan for each new shape, milliseconds of host time per call. A decode step's keys grow
+    by one position each step, so every layer meets a new shape and an eager decode step spends most
+    of its time in ``aten::_cudnn_attention_forward``; at a repeated shape the plan is reused. Without cuDNN a masked decode step runs
     the memory-efficient kernel, and an unmasked prefill the flash one.
     """
     if device.type == "cuda":

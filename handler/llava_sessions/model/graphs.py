@@ -13,7 +13,7 @@ device, overwritten before each step:
   order, then the scratch page's), and ``mask`` ``[max_rows, 1, 1, L]`` bool, True at a row's
   positions (transformers passes a 4D mask to attention as it is).
 
-On a card each buffer, FlexAttention's block-mask buffers too, is filled from a pinned host buffer of
+On a GPU each buffer, FlexAttention's block-mask buffers too, is filled from a pinned host buffer of
 its own, copied without blocking the host (:class:`~.staging.HostStaging`); the next step's fill waits
 for the last step's copies (a CUDA event recorded after them) before it writes the pinned buffers again.
 
@@ -25,13 +25,13 @@ fixed (:class:`~.kv.paged.KVPool` ``fixed``): a graph reads the tensors it was c
 
 On a CPU the same static pass runs eagerly (nothing to capture: the engine's CPU default is the
 contiguous layout); tests run it there to show its greedy tokens equal ``model.generate``'s. On a
-card, ``benchmarks/gpu.py`` checks replay against eager. Attention reads the rows' positions gathered
+GPU, ``benchmarks/gpu.py`` checks replay against eager. Attention reads the rows' positions gathered
 from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.kv.paged.SlotsCache` does),
 or, with ``paged_read`` ``flex``, the pool itself through FlexAttention's block mask
 (:mod:`.kv.flex`: its buffers are overwritten with the others), a bucket then having one length,
-the whole pool's. ``auto`` (a card's engine) reads buckets of fewer than :data:`FLEX_MIN_ROWS` rows
-gathered and larger ones with FlexAttention: on an H200 the gather was faster at one row, FlexAttention
-from 8 rows up (benchmarks/results/the-gpu-table.md).
+the whole pool's. ``auto`` (a GPU's engine) reads buckets of fewer than :data:`FLEX_MIN_ROWS` rows
+gathered and larger ones with FlexAttention: the gather was faster at one row, FlexAttention from 8
+rows up (benchmarks/results/the-gpu-table.md).
 
 References: PyTorch, "CUDA Graphs" (``torch.cuda.graph``, ``CUDAGraph.replay``, static inputs
 overwritten with ``copy_``); nano-vllm ``engine/model_runner.py`` (buckets, capture largest first in
@@ -62,13 +62,11 @@ __all__ = ["FLEX_MIN_ROWS", "DecodeGraphs", "PagedRead", "batch_buckets", "lengt
 #: How the static step's attention reads the pages: ``gather`` (each row's slots gathered, padded to
 #: the bucket, SDPA under a mask), ``flex`` (FlexAttention over the pool through a block mask,
 #: :mod:`.kv.flex`), or ``auto``: the gather for buckets of fewer than ``flex_rows`` rows, FlexAttention
-#: from there (what a card's engine runs: :data:`FLEX_MIN_ROWS`).
+#: from there (what a GPU's engine runs: :data:`FLEX_MIN_ROWS`).
 PagedRead = Literal["gather", "flex", "auto"]
 
-#: The smallest batch bucket ``auto`` reads with FlexAttention. On an H200 (7b-shaped model, ~600
-#: positions, replayed graphs, 2026-11-27, benchmarks/results/the-gpu-table.md) a step took 8.4 ms gathered
-#: against 9.1 ms with FlexAttention at one row, and 10.8 against 10.3 ms at 8 rows, 20.1 against
-#: 13.0 ms at 32, 30.6 against 18.2 ms at 64.
+#: The smallest batch bucket ``auto`` reads with FlexAttention: below it the gather was faster, from it
+#: up FlexAttention, by a margin that grew with the rows (benchmarks/results/the-gpu-table.md).
 FLEX_MIN_ROWS = 8
 
 log = logging.getLogger(__name__)
@@ -90,9 +88,9 @@ def length_buckets(max_len: int, page_size: int) -> list[int]:
     bucket is at most 25% longer than its longest row, then ``max_len``; each rounded up to whole pages
     of ``page_size``.
 
-    Why not doubling: attention reads a bucket's whole length, gathered from the pages. On an H200 (the
-    7b-shaped model, 2026-11-27) a 32-row step at ~600 positions took 25.1 ms in the 1,024 bucket,
-    3.4 ms of it the weights' read; most of the rest is that gather and the masked attention over it.
+    Why not doubling: attention reads a bucket's whole length, gathered from the pages. A 32-row step
+    at ~600 positions in the 1,024 bucket spent most of its time on that gather and the masked
+    attention over it, not on the weights' read (benchmarks/results/the-gpu-table.md).
     """
     top = pages_for(max_len, page_size) * page_size
     sizes, length = [], MIN_GRAPH_LENGTH
@@ -163,7 +161,7 @@ class DecodeGraphs:
         for mask in self._mask.values():
             mask[:, 0, 0, 0] = True  # a pad row attends to its one scratch slot
         self._blocks = self._new_blocks() if self.flex_rows <= self.rows[-1] else None
-        #: On a card, the host side of each buffer in pinned memory, copied without blocking the host.
+        #: On a GPU, the host side of each buffer in pinned memory, copied without blocking the host.
         self._staging = HostStaging(device)
         self._graphs: dict[tuple[int, int], Any] = {}
         self._out: dict[tuple[int, int], torch.Tensor] = {}
@@ -245,8 +243,8 @@ class DecodeGraphs:
         """Prefill ``token_ids`` (text: no image placeholders) after ``table``'s positions as the rows of
         one static step (:meth:`run_with_chunks` with no decode rows).
 
-        Why: an eager prefill of a follow-up question (~40 tokens) launches ~1,400 kernels; on an H200
-        it took 28-46 ms, launch-bound, against 3.4-3.6 ms of weights to read ("The GPU table").
+        Why: an eager prefill of a follow-up question (~40 tokens) launches ~1,400 kernels: it is
+        launch-bound, several times the weights' read (benchmarks/results/the-gpu-table.md).
 
         Returns:
             Logits ``[vocab]`` float32 of the last position, ``table`` extended by ``len(token_ids)``
@@ -330,7 +328,7 @@ class DecodeGraphs:
             staging.upload(("mask", length), self._mask[length][:rows, 0, 0], mask)
         else:
             assert self._blocks is not None  # a flex bucket exists, so its buffers do
-            if self._blocks.num_pages != self.pool.pages.num_pages:  # a CPU pool grew (a card's is fixed)
+            if self._blocks.num_pages != self.pool.pages.num_pages:  # a CPU pool grew (a GPU's is fixed)
                 self._blocks = self._new_blocks()
             self._blocks.fill(pages, counts, staging)
         staging.end()

@@ -105,7 +105,7 @@ class LlavaModel:
         self.max_positions: int = int(text.max_position_embeddings)
         self.fusable: bool = fusable(text)
         self.lower_right_prefill: bool = self.device.type == "cuda" and self.fusable and ranks is None
-        prefer_sdpa_backends(self.device)  # cuDNN's SDPA plans each new shape: 2 ms a layer per decode step
+        prefer_sdpa_backends(self.device)  # cuDNN's SDPA plans each new shape (see its docstring)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.kv_bytes_per_token: int = 2 * text.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
@@ -291,7 +291,7 @@ class LlavaModel:
         one ``[image_tokens_i, text_hidden]`` tensor per image."""
         pixel_values = pixel_values.to(self.device, self.dtype)
         if self.vision_graph is not None and self.vision_graph.matches(pixel_values, kwargs):
-            return self.vision_graph.run(pixel_values, **kwargs)  # on a card: the tower replayed per image
+            return self.vision_graph.run(pixel_values, **kwargs)  # on a GPU: the tower replayed per image
         return image_features(self.model, pixel_values, **kwargs)
 
     # ------------------------------------------------------------------ forward passes

@@ -233,10 +233,9 @@ def trim_vision_tower(model: Any) -> int:
     """Drop the vision encoder's layers above the one its image features are read from, as vLLM builds
     LLaVA's vision tower only up to ``vision_feature_layer`` (``vllm/model_executor/models/llava.py``,
     ``_get_num_hidden_layers``). llava-1.5 and LLaVA-NeXT read layer -2 (``hidden_states[-2]``): the
-    last CLIP layer and the post-layernorm run for nothing (1 of 24 layers of CLIP ViT-L/14; 1 of 6,
-    ~6 ms of ~43 ms per image, for the ``bench`` checkpoint on this CPU).
+    last CLIP layer and the post-layernorm run for nothing (1 of 24 layers of CLIP ViT-L/14).
 
-    ``config.vision_feature_layer`` becomes the same layer counted from the front (``hidden_states``
+    ``config.vision_feature_layer`` becomes the same layer counted from the proxy (``hidden_states``
     has ``num_hidden_layers + 1`` entries, the embeddings first), so the model's own
     ``get_image_features`` and ``generate`` select it as before: the features are bit-identical.
     A tower without an ``encoder.layers`` list, or one whose last layer is read (OneVision's -1), is
@@ -281,9 +280,9 @@ def keep_freed_cpu_memory(env: Mapping[str, str] = os.environ) -> bool:
 
     With glibc's defaults a prefill's activations (blocks of megabytes) are mapped and unmapped, or
     trimmed off the heap (when no small allocation lies above them), every pass, so each pass faults
-    its pages in again: 30,000 minor faults and ~60 ms of system time per cold image turn of the
-    ``bench`` checkpoint on 2 cores, against 9,000 and ~18 ms with :data:`CPU_MMAP_THRESHOLD_BYTES`
-    / :data:`CPU_TRIM_THRESHOLD_BYTES` set through ``mallopt(3)`` (docs/decisions/04-the-cpu-allocator.md). PyTorch's performance tuning guide recommends a caching
+    its pages in again: about three times the minor faults and system time of a cold image turn with
+    :data:`CPU_MMAP_THRESHOLD_BYTES` / :data:`CPU_TRIM_THRESHOLD_BYTES` set through ``mallopt(3)``
+    (docs/decisions/04-the-cpu-allocator.md has the figures). PyTorch's performance tuning guide recommends a caching
     allocator on CPU (jemalloc, tcmalloc) for the same reason; this is glibc's own setting.
 
     Args:

@@ -1,4 +1,4 @@
-"""Tensor parallel: one replica's model over N ranks, one process each, driven by rank 0 (issue 62).
+"""Tensor parallel: one replica's model over N ranks, one process each, driven by rank 0.
 
 transformers shards the language model of each LLaVA family itself (``tp_plan="auto"``: the q/k/v,
 gate and up projections split by heads and columns, o and down by rows, the LM head gathered;
@@ -26,10 +26,9 @@ worker restart. A collective that waits longer than :data:`RANK_TIMEOUT_S` fails
 Only passes over the KV pool run sharded (:class:`~.kv.paged.SlotsCache`): a tensor-parallel
 replica runs the paged layout, eager, without fused chunks or host offload (``worker.build_engine``).
 
-A prefill's input embeddings (an image turn's: 114 MB at OneVision-72b's shapes, 49-51 ms per rank
-through the pipe, ``benchmarks/results/tensor-parallel-engine.md``) go by a collective broadcast on GPUs
-(NCCL, GPU to GPU) instead of the pipe (:attr:`RankGroup.broadcast_embeds`); on a CPU the pipe is the
-faster (a ``gloo`` broadcast took 86 ms there).
+A prefill's input embeddings (an image turn's are ~100 MB at OneVision-72b's shapes,
+``benchmarks/results/tensor-parallel-engine.md``) go by a collective broadcast on GPUs (NCCL, GPU to
+GPU) instead of the pipe (:attr:`RankGroup.broadcast_embeds`); on a CPU the pipe was the faster.
 """
 
 from __future__ import annotations
@@ -345,12 +344,12 @@ def follow(
     torch.set_num_threads(threads)
     inbox.send("up")
     _join(rank, size, port, device_index, timeout_s)
-    on_card = dist.get_backend() == "nccl"
-    device = f"cuda:{device_index}" if on_card else "cpu"
+    on_gpu = dist.get_backend() == "nccl"
+    device = f"cuda:{device_index}" if on_gpu else "cpu"
     model, _ = load_model(
         model_dir,
-        device="cuda" if on_card else "cpu",
-        gpu_id=device_index if on_card else None,
+        device="cuda" if on_gpu else "cpu",
+        gpu_id=device_index if on_gpu else None,
         dtype=dtype,
         tensor_parallel=True,
     )

@@ -1,11 +1,10 @@
-"""llava-1.5's image preprocessing on the model's device (issue 59 item 4: a cold turn at the card's speed).
+"""llava-1.5's image preprocessing on the model's device.
 
 transformers' CLIP image processor (the Pillow one here: its torchvision one needs torchvision, which does
 not install beside the CPU torch wheel) resizes each image's shortest edge to 336 with Pillow's bicubic
-filter, crops the centre 336 x 336, rescales to [0, 1] and normalises, on the host. On an H200 (run 9,
-benchmarks/results/the-gpu-table.md) most of the 11 ms a replayed vision tower took for one image was that
-host work. :class:`DevicePixels` does the same steps on the device: the decoded image's bytes are copied
-there (through pinned memory on a card), resized with PyTorch's antialiased bicubic filter (Pillow's
+filter, crops the centre 336 x 336, rescales to [0, 1] and normalises, on the host. On a GPU most of a replayed vision
+tower's time for one image was that host work (benchmarks/results/the-gpu-table.md). :class:`DevicePixels` does the same steps on the device: the decoded image's bytes are copied
+there (through pinned memory on a GPU), resized with PyTorch's antialiased bicubic filter (Pillow's
 ``a = -0.5`` kernel, widened when shrinking, as Pillow's is) and rounded to whole levels as Pillow's
 8-bit output is, then cropped, rescaled and normalised.
 
@@ -14,7 +13,7 @@ pass of both would keep the first pass's overshoot at sharp edges: up to 7 level
 photographs). The pixel values are then Pillow's but for its fixed-point arithmetic: at most one level
 apart (:data:`MAX_LEVEL_DIFFERENCE`), in 0.01-0.14% of the values of six scikit-image photographs. The
 features may still differ from ``model.generate``'s on the processor's pixels, so the
-``image_preprocessing`` setting keeps the host's Pillow path by default until a card measures both.
+``image_preprocessing`` setting keeps the host's Pillow path by default until a GPU measures both.
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ class DevicePixels:
         if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8 or 0 in array.shape:
             raise ValueError(f"an image must be [H, W, 3] uint8, not {array.shape} {array.dtype}")
         host = torch.empty(array.shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        np.copyto(host.numpy(), array)  # the image's one host copy (pinned on a card)
+        np.copyto(host.numpy(), array)  # the image's one host copy (pinned on a GPU)
         levels = host.to(self.device, non_blocking=True).permute(2, 0, 1)[None].to(torch.float32)
         height, width = resized_size(array.shape[0], array.shape[1], self.shortest_edge)
         resized = levels

@@ -1,9 +1,8 @@
-"""A prefill chunk of one sequence at static shapes over the KV pool, captured as CUDA graphs (issue 59 item 4).
+"""A prefill chunk of one sequence at static shapes over the KV pool, captured as CUDA graphs.
 
-A cold image turn on an H200 took 56 ms (run 9, "The GPU table"): the vision tower replays in about
-11 ms, and the ~600-token image prefill ran eagerly, some 1,400 kernel launches whose host time exceeds
-the pass's weights and arithmetic (a 7b model reads 14 GB and multiplies ~8 TFLOP for 600 tokens: a
-few ms each on the card). A text chunk of up to 64 tokens already runs as the rows of a static decode
+In a cold image turn the vision tower replays as a graph, and the ~600-token image prefill ran
+eagerly: some 1,400 kernel launches whose host time exceeds the pass's weights and arithmetic (a 7b
+model reads 14 GB and multiplies ~8 TFLOP for 600 tokens; benchmarks/results/the-gpu-table.md). A text chunk of up to 64 tokens already runs as the rows of a static decode
 step (:meth:`.graphs.DecodeGraphs.run_with_chunks`); a chunk with image placeholders, or a longer one,
 ran at its own shape. :class:`PrefillGraphs` runs such a chunk of ``n`` new tokens after ``start``
 cached positions in a bucket ``(T, L)``: the smallest chunk size of :data:`PREFILL_CHUNK_SIZES` that
@@ -52,7 +51,7 @@ log = logging.getLogger(__name__)
 
 #: The chunk sizes (tokens) a prefill graph is captured for. llava-1.5's open (system prompt, the image's
 #: 576 placeholders) is ~590 tokens: the 640 bucket. Chunks of up to 64 text tokens are a decode step's
-#: rows instead (:mod:`.graphs`). A guess until a card measures the padding against the graphs' count.
+#: rows instead (:mod:`.graphs`). A guess until a GPU measures the padding against the graphs' count.
 PREFILL_CHUNK_SIZES = (128, 256, 512, 640, 768, 1024)
 
 #: The longest attended length (positions) a prefill graph is captured for; a chunk after a longer

@@ -1,4 +1,4 @@
-"""Fused projections: each text layer's q/k/v in one GEMM, and its gate/up in one (issue 59 item 1).
+"""Fused projections: each text layer's q/k/v in one GEMM, and its gate/up in one.
 
 A decoder layer of the LLaVA family's text models (Llama, Mistral, Qwen2 in transformers) projects its
 input three times for attention (``q_proj``, ``k_proj``, ``v_proj``, each an ``nn.Linear``) and twice for
@@ -14,9 +14,9 @@ decode step launches three kernels fewer per layer.
 
 A tensor-parallel replica keeps its projections apart: transformers shards each of them by its own plan.
 
-Off by default: on the 2-core CPU a decode step of the bench model took 15.1 ms fused against 14.5 ms
-apart (the split outputs are strided views, and the CPU's GEMMs gain nothing from one call), and on a
-card CUDA graphs already remove the launches; ``benchmarks/gpu.py`` measures it on the card (its
+Off by default: on a CPU a decode step was no faster fused (the split outputs are strided views, and
+the CPU's GEMMs gain nothing from one call; decision 60), and on a
+GPU CUDA graphs already remove the launches; ``benchmarks/gpu.py`` measures it on the GPU (its
 ``fused_projections`` section) before an engine turns it on (decision 60).
 """
 

@@ -1,7 +1,7 @@
-"""Compiled regions: each text layer's norms and MLP through Inductor, attention left eager (issue 59 item 1).
+"""Compiled regions: each text layer's norms and MLP through Inductor, attention left eager.
 
-A decode step of a 7b-shaped llava-1.5 on an H200 spends about 2.7 ms in some 1,500 small kernels and
-the gaps between them: RMSNorm alone is seven (a cast, a square, a mean, an add, an rsqrt, two multiplies)
+A decode step of a 7b-shaped llava-1.5 on a GPU spends a third of its time in some 1,500 small kernels
+and the gaps between them: RMSNorm alone is seven (a cast, a square, a mean, an add, an rsqrt, two multiplies)
 twice a layer, and the MLP's SiLU and product two more. :func:`compile_regions` compiles each layer's
 ``input_layernorm``, ``post_attention_layernorm`` and ``mlp``, and the final ``norm``, with
 ``torch.compile`` (``nn.Module.compile``: Inductor, mode ``default``, shapes dynamic, so one compiled
@@ -12,12 +12,10 @@ compilation, so nothing compiled depends on an attended length. The engine's CUD
 compiled kernels as they capture eager ones (SGLang's pattern: compile, then capture); ``reduce-overhead``
 is never used, since it would capture graphs of its own.
 
-On a card the ``compile`` setting's ``auto`` turns this and the fused projections on (:func:`compile_layers`,
-before the engine captures its graphs): on an H200 the 7b-shaped model's batch-1 decode step took 6.98 ms
-fused and compiled against 8.27 ms as loaded, and 1 to 64 sessions ran 1.20-1.23x the tokens/s
-(decision 62). On the 2-core CPU it stays off: a decode step of the bench model took 18.1 ms compiled
-against 15.4 ms eager (each compiled call's guards cost more than the fused kernels save there; decision
-60). :func:`uncompile_regions` takes the compiled calls off again.
+On a GPU the ``compile`` setting's ``auto`` turns this and the fused projections on (:func:`compile_layers`,
+before the engine captures its graphs): on a GPU it made decode faster at every batch size (decision
+62). On a CPU it stays off: a decode step was slower compiled than eager (each compiled call's guards
+cost more than the fused kernels save there; decision 60). :func:`uncompile_regions` takes the compiled calls off again.
 """
 
 from __future__ import annotations

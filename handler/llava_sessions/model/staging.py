@@ -1,4 +1,4 @@
-"""A step's inputs copied to the card without blocking the host (issue 59 item 2).
+"""A step's inputs copied to the GPU without blocking the host.
 
 A copy from ordinary (pageable) host memory to a CUDA device returns only once the copy is done; a copy
 from pinned (page-locked) memory with ``non_blocking=True`` is queued on the stream and returns at once
@@ -49,7 +49,7 @@ class HostStaging:
             self._copied = None
 
     def upload(self, name: Hashable, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)``, ``src`` a host tensor of ``dst``'s shape: on a card through the pinned
+        """``dst.copy_(src)``, ``src`` a host tensor of ``dst``'s shape: on a GPU through the pinned
         buffer ``name`` (grown to the largest ``src`` of its dtype seen; ``src`` is copied into it), the
         device copy queued without blocking the host; elsewhere a plain copy."""
         if self._pinned is None:

@@ -1,4 +1,4 @@
-"""LLaVA-NeXT's and OneVision's vision tower and projector as CUDA graphs, one per tile count (issue 59 item 4).
+"""LLaVA-NeXT's and OneVision's vision tower and projector as CUDA graphs, one per tile count.
 
 llava-1.5 feeds its tower one fixed shape, captured once (:mod:`.vision_graph`). LLaVA-NeXT
 (``LlavaNextForConditionalGeneration``) and OneVision (``LlavaOnevisionForConditionalGeneration``) cut an

@@ -1,7 +1,7 @@
-"""llava-1.5's vision tower and projector as one CUDA graph at their fixed input (issue 59 item 4).
+"""llava-1.5's vision tower and projector as one CUDA graph at their fixed input.
 
-A cold image turn on an H200 took 66-116 ms: 1,686 kernel launches (the vision tower's 24 layers and a
-600-token prefill), about 28 ms on the device and 39 ms of host time ("The GPU table"). llava-1.5
+A cold image turn eagerly is 1,686 kernel launches (the vision tower's 24 layers and a 600-token
+prefill), with more host time than device time (benchmarks/results/the-gpu-table.md). llava-1.5
 (``LlavaForConditionalGeneration``) feeds its tower one fixed shape, ``[1, 3, S, S]`` (``vision_config.image_size``, 336), so the whole of ``get_image_features`` can be
 captured once and replayed: :meth:`VisionGraph.capture` records it over a persistent input buffer (after one
 eager warm-up pass), and :meth:`VisionGraph.run` copies each image's pixels in, replays and copies the
@@ -57,7 +57,7 @@ def image_features(model: Any, pixel_values: torch.Tensor, **kwargs: Any) -> lis
 def no_collection() -> Iterator[None]:
     """Python's cyclic garbage collector off for the block, after one collection. An object freed while
     a stream captures (an earlier engine's CUDA graph, whose destructor resets it) invalidates the
-    capture ("operation not permitted when stream is capturing", seen on an H200 in the GPU suite);
+    capture ("operation not permitted when stream is capturing", seen on a GPU in the GPU suite);
     ``torch.cuda.graph`` collects first only under ``torch.compiler.config.force_cudagraph_gc``."""
     gc.collect()
     was_on = gc.isenabled()

@@ -101,24 +101,26 @@ class NativeServing(Serving):
     encode_error = staticmethod(responses.encode_error)
     error_status = staticmethod(responses.error_status)
 
-    def pending_frame(self, row: BatchRequest, data: Any) -> Reply:
+    def pending_frame(self, request: BatchRequest, data: Any) -> Reply:
         """The first frame of an open or an added image waiting for its image: the session headers
         its answer will have (an open's new id, expiring a TTL from now)."""
         if isinstance(decode_command(data, self.settings), OpenCommand):
-            headers = opened_headers(self.requests.new_session_id(row), int(time.time()) + self.settings.session_ttl_s)
+            headers = opened_headers(
+                self.requests.new_session_id(request), int(time.time()) + self.settings.session_ttl_s
+            )
         else:
-            headers = {SESSION_ID_HEADER: row.session_id or ""}
+            headers = {SESSION_ID_HEADER: request.session_id or ""}
         return self.framing.frame(b"", continued=False, last=False, headers=headers)
 
-    def late_error(self, row: BatchRequest, data: Any, err: ServiceError) -> Reply:
+    def late_error(self, request: BatchRequest, data: Any, err: ServiceError) -> Reply:
         """An open or added image refused after its first frame went out: the error as the reply's
         body; a refused open ends its own TorchServe job group."""
-        sid = row.session_id if row.session_id != NEW_SESSION_LITERAL else None
+        sid = request.session_id if request.session_id != NEW_SESSION_LITERAL else None
         held = not isinstance(decode_command(data, self.settings), OpenCommand)
         return self.requests.error(self, sid, err, held=held, continued=True)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, row: BatchRequest, data: Any, now: float) -> Reply | RequestState:
+    def admit(self, request: BatchRequest, data: Any, now: float) -> Reply | RequestState:
         """Admit one decoded native body: an open, an added image or a question becomes a request; a
         reset or a close is answered at once.
 
@@ -128,10 +130,10 @@ class NativeServing(Serving):
         """
         command = decode_command(data, self.settings)
         if isinstance(command, OpenCommand):
-            return self._admit_open(row, command, now)
-        sid = self.requests.session_of(row, command.kind)
+            return self._admit_open(request, command, now)
+        sid = self.requests.session_of(request, command.kind)
         if isinstance(command, AddImageCommand):
-            return self._admit_image(row, sid, command, now)
+            return self._admit_image(request, sid, command, now)
         if isinstance(command, ResetCommand):
             self.engine.reset(sid)
             return Reply(responses.encode_reset(sid), headers={SESSION_ID_HEADER: sid})
@@ -149,20 +151,26 @@ class NativeServing(Serving):
             context_policy=command.context_policy,
             clip_max_new_tokens=command.clip_max_new_tokens,
         )
-        return RequestState(row.request_id, sid, self, command, now, work=seq)
+        return RequestState(request.request_id, sid, self, command, now, work=seq)
 
-    def _admit_open(self, row: BatchRequest, command: OpenCommand, now: float) -> Reply | RequestState:
+    def _admit_open(self, request: BatchRequest, command: OpenCommand, now: float) -> Reply | RequestState:
         """Admit an open: the id, then the image path (:meth:`_admit_image`); a failed open leaves
         no session behind and ends its own TorchServe job group."""
-        own_group = bool(row.session_id) and row.session_id != NEW_SESSION_LITERAL
-        sid = self.requests.new_session_id(row)
+        own_group = bool(request.session_id) and request.session_id != NEW_SESSION_LITERAL
+        sid = self.requests.new_session_id(request)
         try:
-            return self._admit_image(row, sid, command, now, own_group=own_group)
+            return self._admit_image(request, sid, command, now, own_group=own_group)
         except ServiceError as err:
             return self.requests.error(self, sid if own_group else None, err, held=False)
 
     def _admit_image(
-        self, row: BatchRequest, sid: str, command: OpenCommand | AddImageCommand, now: float, *, own_group: bool = True
+        self,
+        request: BatchRequest,
+        sid: str,
+        command: OpenCommand | AddImageCommand,
+        now: float,
+        *,
+        own_group: bool = True,
     ) -> RequestState:
         """Admit an open or an added image: everything that decides its status happens here (the
         session's state, the fetch, the decode, room for it); the vision tower and the prefill
@@ -197,19 +205,21 @@ class NativeServing(Serving):
                 image=images[0],
                 history=list(command.history),
                 history_images=list(zip(data[1:], images[1:], strict=True)),
-                salt=request_salt(command.salt, row.custom_attributes),
+                salt=request_salt(command.salt, request.custom_attributes),
             )
         else:
             prefill = self.engine.begin_add_image(sid, data[0], image=images[0])
         held = not isinstance(command, OpenCommand)
-        req = RequestState(row.request_id, sid, self, command, now, work=prefill, own_group=own_group, held=held, t0=t0)
+        req = RequestState(
+            request.request_id, sid, self, command, now, work=prefill, own_group=own_group, held=held, t0=t0
+        )
         req.fetch_timings = {"fetch": elapsed_ms(t0, t_fetched), "decode": elapsed_ms(t_fetched, t_decoded)}
         req.warnings = [note for clip in images if isinstance(clip, SampledVideo) and (note := clip.shortfall)]
         return req
 
     # ------------------------------------------------------------------ output
     def emit(self, req: RequestState) -> Reply:
-        """The row's frame for this call: an open's or an added image's (:meth:`_emit_image_prefill`),
+        """The request's frame for this call: an open's or an added image's (:meth:`_emit_image_prefill`),
         a streamed answer's new lines, or a whole answer once it is done."""
         if isinstance(req.work, ImagePrefill):
             return self._emit_image_prefill(req, req.work)

@@ -3,8 +3,7 @@ one of a list of choices, with llguidance (github.com/guidance-ai/llguidance).
 
 Why llguidance rather than xgrammar (both are what vLLM uses): its wheel has no dependencies (xgrammar's
 pulls in triton and a torch requirement of its own), it builds its token automaton lazily, so a new
-schema costs no compile step before the first token (measured here: under 0.1 ms per token's mask on
-this model's vocabulary), and it takes JSON schemas, regular expressions and Lark grammars alike.
+schema costs no compile step before the first token (benchmarks/results/structured-outputs.md), and it takes JSON schemas, regular expressions and Lark grammars alike.
 
 Two halves:
 
@@ -126,8 +125,7 @@ class GrammarMatcher:
 
 
 class Grammars:
-    """Matchers for one tokenizer (its llguidance tokenizer built on the first use, about 70 ms for a
-    32k vocabulary's model here, then shared).
+    """Matchers for one tokenizer (its llguidance tokenizer built on the first use, then shared).
 
     Args:
         tokenizer: the model's Hugging Face fast tokenizer.

@@ -1,4 +1,4 @@
-"""Sampling a step's rows together on the device (issue 59 item 2): temperature, top-k, top-p and min-p
+"""Sampling a step's rows together on the device: temperature, top-k, top-p and min-p
 over a ``[rows, vocab]`` block of logits at once, each row with its own values, then one draw per row by
 the exponential race.
 

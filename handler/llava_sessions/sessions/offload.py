@@ -144,8 +144,8 @@ def _host_copy(cache: SessionKV) -> torch.Tensor:
     head_dim]`` (pinned from a CUDA device: one page-locked allocation, and the copy back is a DMA),
     gathered and copied one layer at a time, so the device holds one layer's copy at once beside the pool."""
     k0, v0 = cache.layer_states(0)
-    on_card = k0.device.type == "cuda"
-    host = torch.empty((2, len(cache.layers), *k0.shape), dtype=k0.dtype, pin_memory=on_card)
+    on_gpu = k0.device.type == "cuda"
+    host = torch.empty((2, len(cache.layers), *k0.shape), dtype=k0.dtype, pin_memory=on_gpu)
     for i in range(len(cache.layers)):
         keys, values = (k0, v0) if i == 0 else cache.layer_states(i)
         host[0, i].copy_(keys)

@@ -1,4 +1,4 @@
-"""Videos (issue 44's intake): a clip's container read under caps and its frames sampled uniformly
+"""Videos: a clip's container read under caps and its frames sampled uniformly
 (:mod:`.decode`). No torch, no network: the bytes come from the images' fetch rules.
 
 Served as a session's media on LLaVA-OneVision and LLaVA-NeXT-Video (docs/decisions/03-a-video-is-one-of-a-session-s-media.md)."""

@@ -64,7 +64,7 @@ _SEEK_GAP_S = 1.0
 
 @dataclass(frozen=True)
 class VideoLimits:
-    """The caps a video is read under (the settings of issue 44's video input).
+    """The caps a video is read under (the video input's settings).
 
     Attributes:
         max_bytes: most bytes of one encoded clip (64 MiB).

@@ -45,28 +45,28 @@ NEW_SESSION_ID_HEADER = "X-Amzn-SageMaker-New-Session-Id"
 CLOSED_SESSION_ID_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
 #: TorchServe's sequence-end key (``ts_header_key_sequence_end`` / ``TS_REQUEST_SEQUENCE_END``): a
 #: handler response header of this name ends the request's job group at once. Our own name, not
-#: SageMaker's closed-session header: a job group TorchServe minted for a one-shot or a refused open
+#: SageMaker's closed-session header: a job group TorchServe minted for a sessionless request or a refused open
 #: is no session the client had, so its end must not read as ``ClosedSessionId`` (TorchServe sends
 #: every handler header on to the client).
 SEQUENCE_END_HEADER = "X-Llava-Sequence-End"
 #: SageMaker's pass-through request header (boto3 ``CustomAttributes``); may carry ``cache_salt=<salt>``.
 CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
-#: Our own request header from the public port's front to the worker: the id of the image fetches
-#: the front made for this request before relaying it (``llava_tools.serve.image_relay``). The front drops
-#: it from what clients send; the worker asks the front for those images by it.
+#: Our own request header from the public port's proxy to the worker: the id of the image fetches
+#: the proxy made for this request before relaying it (``llava_tools.serve.image_relay``). The proxy drops
+#: it from what clients send; the worker asks the proxy for those images by it.
 IMAGE_TICKET_HEADER = "X-Llava-Image-Ticket"
-#: Set (``1``) by the front on a request it relays from OpenAI's ``/v1/chat/completions``: the worker
+#: Set (``1``) by the proxy on a request it relays from OpenAI's ``/v1/chat/completions``: the worker
 #: then answers it in the chat dialect even when its body cannot be read, and checks its ``model``
 #: against ``served_model_name`` (``/invocations`` accepts any). A client's own is not relayed.
 OPENAI_ROUTE_HEADER = "X-Llava-Openai-Route"
-#: Response header (worker -> front, never relayed) of a ``503 overloaded`` refused only for want of a
-#: generation slot, before anything of the request was done: the front may hold the request and send
+#: Response header (worker -> proxy, never relayed) of a ``503 overloaded`` refused only for want of a
+#: generation slot, before anything of the request was done: the proxy may hold the request and send
 #: it again once a slot frees (``llava_tools.serve.slot_queue``).
 SLOT_WAIT_HEADER = "X-Llava-Slot-Wait"
-#: The worker's environment variable naming the front's base URL (``http://127.0.0.1:<port>``) that
+#: The worker's environment variable naming the proxy's base URL (``http://127.0.0.1:<port>``) that
 #: answers ``GET <IMAGE_RELAY_PATH><ticket>?source=<url>`` with the fetched image or the fetch's error.
 IMAGE_RELAY_ENV = "LLAVA_IMAGE_RELAY"
-#: The front's path prefix of those image lookups.
+#: The proxy's path prefix of those image lookups.
 IMAGE_RELAY_PATH = "/_llava/images/"
 #: The ``SessionId`` a client passes to ``invoke_endpoint`` to open a session.
 NEW_SESSION_LITERAL = "NEW_SESSION"

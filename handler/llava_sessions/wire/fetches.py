@@ -1,7 +1,7 @@
 """Image fetches beside the scheduling loop: a slow image host stalls only the request that named it.
 
 A URL or S3 image used to be fetched inside ``handle()``: while one host took 4 s, every running
-stream stopped for 4 s (TorchServe answers a batch's rows together, so one slow row holds them all).
+stream stopped for 4 s (TorchServe answers a batch's requests together, so one slow request holds them all).
 Now the dialects' ``fetch`` is an :class:`ImageFetcher`: during an admission it hands a URL or S3
 source to a small thread pool and raises :class:`FetchPending`; the service keeps the request as an
 :class:`PendingRequest` and admits it again, from its decoded body, once the bytes are in (a second image
@@ -13,11 +13,11 @@ its typed 4xx), and at most ``image_fetch_wait_ms`` while answers are being gene
 the request's first frame goes out (status 200, the dialect's headers) and a failure arrives later
 as the reply's body, in the dialect's shape, as any error after the first frame does.
 
-Behind the public port's front (``llava-serve``, the container, the local endpoint's instances) a
-request reaches the worker only once the front fetched its URL and S3 images
-(``llava_tools.serve.image_relay``): its row carries the front's ticket, and the pool asks the front for
+Behind the public port's proxy (``llava-serve``, the container, the local endpoint's instances) a
+request reaches the worker only once the proxy fetched its URL and S3 images
+(``llava_tools.serve.image_relay``): its request carries the proxy's ticket, and the pool asks the proxy for
 those bytes, or the fetch's error, over loopback (a millisecond, well inside the wait above), so a
-failed fetch always gets its typed 4xx. A source the front did not fetch is fetched here as above.
+failed fetch always gets its typed 4xx. A source the proxy did not fetch is fetched here as above.
 
 No torch here; nothing here knows a dialect's shapes.
 """
@@ -61,7 +61,7 @@ class PendingRequest:
     """A request waiting for its images, across ``handle()`` calls (keyed by TorchServe's request id).
 
     Attributes:
-        row: the request's first row (its body: later rows of the request come without one).
+        request: the request as first sent (its body: a request's later calls come without one).
         dialect: the dialect its body was decided to be (``Dialect``).
         data: the decoded body, admitted again once the fetch is done.
         fetches: image source (URL or S3 URI) → its fetch (bytes, or the fetch's ServiceError).
@@ -70,7 +70,7 @@ class PendingRequest:
         last_seen: the last ``handle()`` call it was in (``time.monotonic()``).
     """
 
-    row: BatchRequest
+    request: BatchRequest
     dialect: Any
     data: Any
     fetches: dict[str, Future]
@@ -86,12 +86,12 @@ class ImageFetcher:
     request being admitted is looked up in that request's fetches: done, its bytes (or its error,
     raised); not there yet, submitted to the pool; not done, :class:`FetchPending` is raised.
 
-    A request that came with the front's ticket gets its sources from the front (``relay``).
+    A request that came with the proxy's ticket gets its sources from the proxy (``relay``).
 
     Args:
         fetch: the fetch itself, ``(ImageSource, Settings) -> bytes`` (e.g. ``fetch_image_bytes``).
         workers: threads in the pool (``image_fetch_workers``).
-        relay: the front's base URL (:data:`~llava_sessions.wire.contract.IMAGE_RELAY_ENV`), or None.
+        relay: the proxy's base URL (:data:`~llava_sessions.wire.contract.IMAGE_RELAY_ENV`), or None.
     """
 
     def __init__(self, fetch: Callable[..., bytes], workers: int, relay: str | None = None) -> None:
@@ -104,7 +104,7 @@ class ImageFetcher:
     @contextmanager
     def admitting(self, fetches: dict[str, Future], ticket: str | None = None) -> Iterator[None]:
         """Within this block, URL and S3 sources are served from (or added to) ``fetches``; new ones
-        come from the front under ``ticket`` (the request's image ticket) when there is one."""
+        come from the proxy under ``ticket`` (the request's image ticket) when there is one."""
         self._current, self._ticket = fetches, ticket if self._relay else None
         try:
             yield
@@ -132,12 +132,12 @@ class ImageFetcher:
         return future.result()
 
     def _relayed(self, ticket: str, name: str, source: ImageSource, settings: Settings) -> bytes:
-        """What the front fetched for ``name`` under ``ticket``: its bytes, or its error raised here;
-        fetched here instead when the front does not know it (its error code is none of ours) or
+        """What the proxy fetched for ``name`` under ``ticket``: its bytes, or its error raised here;
+        fetched here instead when the proxy does not know it (its error code is none of ours) or
         cannot be asked.
 
         Raises:
-            ServiceError: the front's fetch failed (its code, message and param), or this one did.
+            ServiceError: the proxy's fetch failed (its code, message and param), or this one did.
         """
         url = f"{self._relay}{IMAGE_RELAY_PATH}{ticket}"
         try:
@@ -147,7 +147,7 @@ class ImageFetcher:
             error = reply.json()["error"]
             code = ErrorCode(error["code"])  # ValueError: not a fetch's error (an unknown ticket or source)
         except (requests.RequestException, ValueError, KeyError, TypeError):
-            log.debug("the front's image relay has no answer for this source; fetching here", exc_info=True)
+            log.debug("the proxy's image relay has no answer for this source; fetching here", exc_info=True)
             return self._fetch(source, settings)
         raise ServiceError(code, str(error.get("message", "")), param=error.get("param"))
 

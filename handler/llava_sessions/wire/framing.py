@@ -1,19 +1,19 @@
-"""TorchServe's framing, in one place: rows in from the worker's context, a dialect's frames out to it.
+"""TorchServe's framing, in one place: requests in from the worker's context, a dialect's frames out to it.
 
 TorchServe's sequence + continuous batching (docs/platform.md, verified):
 
-- a row's stopping criterion decides its framing: None, one whole response; False, a chunk whose
+- a request's stopping criterion decides its framing: None, one whole response; False, a chunk whose
   request comes back (without its body) in a later ``handle()`` call; True, the last chunk;
 - status, headers and content type go out with a request's FIRST frame, even an empty one; later ones
   reach TorchServe, not the client; an empty chunk sends nothing to the client;
 - a first frame that is also the last chunk gets no response head (the client hangs): it must be a
   whole response;
 - the sequence-end header (``ctx.header_key_sequence_end``) ends the request's job group at once;
-- raising out of ``handle()`` fails every row of the batch, and ``send_intermediate_predict_response``
+- raising out of ``handle()`` fails every request of the batch, and ``send_intermediate_predict_response``
   crashes sequence continuous batching: neither is used.
 
 :func:`read_requests` and :func:`write_replies` are the entry's two sides; :class:`Framing` is what the
-service and both dialects build each row's answer with. No torch, no TorchServe import here.
+service and both dialects build each request's answer with. No torch, no TorchServe import here.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ EVENT_STREAM_UTF8 = f"{EVENT_STREAM}; charset=utf-8"
 
 @dataclass
 class BatchRequest:
-    """One row of a TorchServe batch.
+    """One request of a TorchServe batch.
 
     Attributes:
         request_id: TorchServe's request id (stable across a request's continuations).
@@ -68,9 +68,9 @@ class BatchRequest:
             JSON lines rather than server-sent events), or None.
         custom_attributes: SageMaker's ``X-Amzn-SageMaker-Custom-Attributes`` header (it may carry
             ``cache_salt=<salt>``), or None.
-        image_ticket: the front's ticket for the images it fetched for this request
+        image_ticket: the proxy's ticket for the images it fetched for this request
             (:data:`~llava_sessions.wire.contract.IMAGE_TICKET_HEADER`), or None.
-        openai_route: the front relayed it from OpenAI's ``/v1/chat/completions``
+        openai_route: the proxy relayed it from OpenAI's ``/v1/chat/completions``
             (:data:`~llava_sessions.wire.contract.OPENAI_ROUTE_HEADER`).
     """
 
@@ -86,7 +86,7 @@ class BatchRequest:
 
 @dataclass
 class Reply:
-    """What to answer for one row: ``body`` bytes, HTTP ``status``, response ``headers``,
+    """What to answer for one request: ``body`` bytes, HTTP ``status``, response ``headers``,
     ``content_type``, and ``stop`` for the stopping criterion (None: whole response; False: a
     chunk, more follow; True: the last chunk)."""
 
@@ -98,7 +98,7 @@ class Reply:
 
 
 class Framing:
-    """Build each row's answer under TorchServe's framing rules (module docstring).
+    """Build each request's answer under TorchServe's framing rules (module docstring).
 
     Args:
         end_header: TorchServe's sequence-end response header name (``ctx.header_key_sequence_end``).
@@ -146,7 +146,7 @@ def cut_stream_tail(content_type: str | bytes, message: str) -> bytes:
     again and goes on where it stopped): an SSE ``data:`` event with OpenAI's error object, then
     ``data: [DONE]`` (``content_type`` :data:`EVENT_STREAM`, the chat dialect's); else one JSON line
     whose ``error`` both JSON-lines dialects read (the native stream's ``{"token": null, ..., "error":
-    {...}}`` and the chat dialect's OpenAI error object). Written by the front (a dead worker) and the
+    {...}}`` and the chat dialect's OpenAI error object). Written by the proxy (a dead worker) and the
     replica router (a dead replica)."""
     kind = content_type.decode("latin-1") if isinstance(content_type, bytes) else content_type
     error = {"message": message, "type": "server_error", "param": None, "code": "model_not_ready"}
@@ -157,8 +157,8 @@ def cut_stream_tail(content_type: str | bytes, message: str) -> bytes:
 
 
 def read_requests(data: Sequence[Any], context: Any) -> list[BatchRequest]:
-    """TorchServe's batch as rows: each row's request id, sequence id, whether TorchServe minted it
-    (its start header), body, ``Accept``, custom attributes and the front's image ticket
+    """TorchServe's batch as requests: each one's request id, sequence id, whether TorchServe minted it
+    (its start header), body, ``Accept``, custom attributes and the proxy's image ticket
     (``context``: TorchServe's ``Context``)."""
     start = context.header_key_sequence_start
     return [
@@ -166,20 +166,20 @@ def read_requests(data: Sequence[Any], context: Any) -> list[BatchRequest]:
             request_id=context.get_request_id(i),
             session_id=context.get_sequence_id(i),
             minted=bool(context.get_request_header(i, start)),
-            body=(row or {}).get("body", (row or {}).get("data")),
+            body=(request or {}).get("body", (request or {}).get("data")),
             accept=context.get_request_header(i, "Accept") or context.get_request_header(i, "accept"),
             custom_attributes=context.get_request_header(i, CUSTOM_ATTRIBUTES_HEADER)
             or context.get_request_header(i, CUSTOM_ATTRIBUTES_HEADER.lower()),
             image_ticket=context.get_request_header(i, IMAGE_TICKET_HEADER),
             openai_route=bool(context.get_request_header(i, OPENAI_ROUTE_HEADER)),
         )
-        for i, row in enumerate(data)
+        for i, request in enumerate(data)
     ]
 
 
 def write_replies(context: Any, results: Sequence[Reply]) -> list[bytes]:
-    """Set each row's status, content type, headers and stopping criterion on TorchServe's
-    ``context``; return the bodies, one per row, for ``handle()`` to return."""
+    """Set each request's status, content type, headers and stopping criterion on TorchServe's
+    ``context``; return the bodies, one per request, for ``handle()`` to return."""
     for i, result in enumerate(results):
         context.set_response_status(result.status, "", i)
         context.set_response_content_type(i, result.content_type)

@@ -3,7 +3,7 @@
 A :class:`RequestState` is one admitted request (an open, an added image, an answer) whose work the engine
 steps across TorchServe's calls; it carries the :class:`Dialect` its request came in, decided once
 where the body was decoded, so every later frame and error is written by that dialect's encoder.
-:class:`RequestTable` holds the requests and the replies both dialects give alike (an error row, a new
+:class:`RequestTable` holds the requests and the replies both dialects give alike (an error reply, a new
 session's id, the generation slots). Nothing here knows a dialect's shapes.
 """
 
@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 
 __all__ = ["GENERATION_SLOTS", "Dialect", "RequestState", "RequestTable", "Serving"]
 
-#: ``max_concurrent_generations`` when the setting is 0, by the replica's device type. On an H200 a
-#: 7b-shaped model decoded 64 sessions at once at 34.7x one session's tokens/s (32: 22.4x), so a card's
-#: slots are not the 16 that keep a CPU's steps short (benchmarks/results/the-gpu-table.md).
+#: ``max_concurrent_generations`` when the setting is 0, by the replica's device type. A GPU's
+#: tokens/s keeps growing to 64 sessions at once, so its slots are not the 16 that keep a CPU's steps
+#: short (benchmarks/results/the-gpu-table.md).
 GENERATION_SLOTS = {"cpu": 16, "cuda": 64}
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class Dialect(Protocol):
     """What the service asks of a dialect (``native``, ``chat``): admit a decoded body, emit a request's
     frame for this call, and write an error in its own shape."""
 
-    def admit(self, row: BatchRequest, data: Any, now: float) -> Reply | RequestState:
+    def admit(self, request: BatchRequest, data: Any, now: float) -> Reply | RequestState:
         """Admit one decoded body: an answer now, or a request to step. Raises ServiceError."""
         ...
 
@@ -55,12 +55,12 @@ class Dialect(Protocol):
         """The HTTP status this dialect answers ``error`` with."""
         ...
 
-    def pending_frame(self, row: BatchRequest, data: Any) -> Reply:
+    def pending_frame(self, request: BatchRequest, data: Any) -> Reply:
         """The first frame of a request still waiting for its images (:mod:`.fetches`): no body, the
         status, headers and content type its answer will have."""
         ...
 
-    def late_error(self, row: BatchRequest, data: Any, err: ServiceError) -> Reply:
+    def late_error(self, request: BatchRequest, data: Any, err: ServiceError) -> Reply:
         """The last frame of a request whose first frame went out and whose admission then failed."""
         ...
 
@@ -75,11 +75,11 @@ class RequestState:
         command: the dialect's command for the request.
         work: the engine's state of it (``Sequence`` or ``ImagePrefill``).
         own_group: the TorchServe job group is this session's own (not the shared ``NEW_SESSION``).
-        held: the client held this session before the request (not an open, not a one-shot): if
+        held: the client held this session before the request (not an open, not a sessionless request): if
             the session is gone when the request fails, the reply says it closed.
         calls: ``handle()`` calls this request was part of (more than one: its first frame is out).
-        one_shot: a chat request without a session: its session becomes a conversation-cache entry
-            when it answered, and is removed otherwise (:meth:`RequestTable.end_one_shot`).
+        sessionless: a chat request without a session: its session becomes a conversation-cache entry
+            when it answered, and is removed otherwise (:meth:`RequestTable.end_sessionless`).
         opened: a chat request that opened its session (``NEW_SESSION``): new-session headers.
         stream: a streamed chat answer's events; frames: a chat stream's last events, one per call.
         sent / ended: a stream's token events sent per choice index, and the choices that ended.
@@ -103,7 +103,7 @@ class RequestState:
     sent: dict[int, int] = field(default_factory=dict)  # choice index -> its token events sent (streaming)
     ended: set[int] = field(default_factory=set)  # choices whose last event went out (streaming)
     error: ServiceError | None = None
-    one_shot: bool = False
+    sessionless: bool = False
     opened: bool = False
     stream: Any = None
     frames: list[bytes] = field(default_factory=list)
@@ -140,7 +140,7 @@ class RequestTable:
     Args:
         settings: the handler settings (``max_concurrent_generations``).
         engine: the session engine (a session's existence, ending stateless requests' sessions).
-        framing: TorchServe's framing (error rows, closed headers).
+        framing: TorchServe's framing (error replies, closed headers).
         metrics: where errors are counted.
     """
 
@@ -177,17 +177,17 @@ class RequestTable:
         if running + n > cap:
             raise overloaded("too many generations in flight on this worker; retry shortly", "generation_slot")
 
-    def new_session_id(self, row: BatchRequest) -> str:
+    def new_session_id(self, request: BatchRequest) -> str:
         """The id a new session gets: TorchServe's minted or the client's own, else (the shared
         ``NEW_SESSION`` group, or no sequence batching) a new ``llava-<uuid4>``.
 
         Raises:
             ServiceError: invalid_request (an id not valid, or already open).
         """
-        sid = row.session_id
+        sid = request.session_id
         if sid is None or sid == NEW_SESSION_LITERAL:
-            sid = self.fresh_id(row.request_id)
-        elif not row.minted and not SESSION_ID_RE.match(sid):
+            sid = self.fresh_id(request.request_id)
+        elif not request.minted and not SESSION_ID_RE.match(sid):
             raise ServiceError(ErrorCode.INVALID_REQUEST, f"{SESSION_ID_HEADER} is not a valid session id")
         if sid in self.engine.store:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "a session with this id is already open")
@@ -203,14 +203,14 @@ class RequestTable:
         self._fresh_ids.pop(request_id, None)
 
     @staticmethod
-    def session_of(row: BatchRequest, kind: str) -> str:
-        """The open session ``row`` names for a ``kind`` request (generate, close, ...).
+    def session_of(request: BatchRequest, kind: str) -> str:
+        """The open session ``request`` names for a ``kind`` request (generate, close, ...).
 
         Raises:
             ServiceError: missing_session_id (no header, ``NEW_SESSION``, or an id TorchServe minted).
         """
-        sid = row.session_id
-        if row.minted or not sid or sid == NEW_SESSION_LITERAL:
+        sid = request.session_id
+        if request.minted or not sid or sid == NEW_SESSION_LITERAL:
             raise ServiceError(
                 ErrorCode.MISSING_SESSION_ID, f"{kind} needs the {SESSION_ID_HEADER} header of an open session"
             )
@@ -218,16 +218,16 @@ class RequestTable:
 
     def forget(self, req: RequestState, *, abandon: bool = False) -> None:
         """Drop ``req`` from the requests in flight (``abandon``: its work is closed first, its session
-        left as before it); a one-shot chat request's session ends with it (:meth:`end_one_shot`)."""
+        left as before it); a sessionless chat request's session ends with it (:meth:`end_sessionless`)."""
         self.in_flight.pop(req.request_id, None)
         if abandon:
             req.work.close()
-        if req.one_shot:
-            self.end_one_shot(req, failed=abandon)
+        if req.sessionless:
+            self.end_sessionless(req, failed=abandon)
 
     def abandon(self, req: RequestState) -> None:
         """Free a request whose client left (:meth:`forget` with its work closed); a job group that no
-        session holds any more (a one-shot's, a failed open's) is ended with the next continuation
+        session holds any more (a sessionless request's, a failed open's) is ended with the next continuation
         frame (:meth:`carry_group_ends`)."""
         self.forget(req, abandon=True)
         if req.own_group and req.session_id and req.session_id not in self.engine.store:
@@ -239,7 +239,7 @@ class RequestTable:
         until then being its answer (:meth:`Sequence.abort`); an image being added fails with
         ``session_not_found``. Its session is left idle, as before the request. In place."""
         for req in self.in_flight.values():
-            if req.session_id != session_id or req.one_shot or req.done or req.error is not None:
+            if req.session_id != session_id or req.sessionless or req.done or req.error is not None:
                 continue
             if isinstance(req.work, Sequence):
                 req.work.abort()
@@ -268,7 +268,7 @@ class RequestTable:
         frame.headers[key] = ";".join([own, *self._group_ends] if own else self._group_ends)
         self._group_ends.clear()
 
-    def end_one_shot(self, req: RequestState, *, failed: bool = False) -> None:
+    def end_sessionless(self, req: RequestState, *, failed: bool = False) -> None:
         """End a chat request without a session: an answered one's state stays as a conversation-cache
         entry (:meth:`SessionEngine.retain`); a failed or abandoned one's is removed. Never raises."""
         if failed or req.error is not None:
@@ -292,13 +292,13 @@ class RequestTable:
         held: bool = True,
         continued: bool = False,
     ) -> Reply:
-        """A JSON error row in ``dialect``'s shape for the request of TorchServe job group ``session_id``.
+        """A JSON error reply in ``dialect``'s shape for the request of TorchServe job group ``session_id``.
 
         A request that leaves no open session behind ends its job group at once (TorchServe's
         sequence end). Only where the client ``held`` that session (it named an id it had: unknown,
         expired, evicted) does the reply also say the session closed (SageMaker's
         ``X-Amzn-SageMaker-Closed-Session-Id``, boto3's ``ClosedSessionId``): a failed open or a
-        one-shot's group, minted by TorchServe, is no session the client ever had. The shared
+        sessionless request's group, minted by TorchServe, is no session the client ever had. The shared
         ``NEW_SESSION`` group is never ended. ``continued``: the request's first frame went out (this is
         its last chunk).
         """
@@ -314,7 +314,7 @@ class RequestTable:
         if err.retry_after_s:
             headers["Retry-After"] = str(err.retry_after_s)
         if err.shortage == "generation_slot" and not continued:
-            headers[SLOT_WAIT_HEADER] = "1"  # refused before anything was done: the front may hold it
+            headers[SLOT_WAIT_HEADER] = "1"  # refused before anything was done: the proxy may hold it
         return self.framing.frame(
             dialect.encode_error(err), continued=continued, last=True, status=dialect.error_status(err), headers=headers
         )

@@ -1,4 +1,4 @@
-"""``llava-compile-cache``: a model folder's compile cache, written on a card before deploying (:mod:`.cli`)."""
+"""``llava-compile-cache``: a model folder's compile cache, written on a GPU before deploying (:mod:`.cli`)."""
 
 from .cli import main
 

@@ -1,8 +1,8 @@
 """``llava-compile-cache``: compile a model folder's text layers as a worker would and write what
 Inductor compiled into the folder (:mod:`llava_sessions.model.compile_cache`), so every later worker
-start on a card of the same architecture finds it compiled.
+start on a GPU of the same architecture finds it compiled.
 
-Usage (on a card of the deployment's architecture, before ``llava-deploy`` packages the folder)::
+Usage (on a GPU of the deployment's architecture, before ``llava-deploy`` packages the folder)::
 
     llava-compile-cache --model-dir models/7b --set device=cuda --set dtype=bfloat16
 """

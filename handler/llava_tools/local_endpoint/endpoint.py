@@ -64,7 +64,7 @@ mirrors public AWS material and is unverified against a live endpoint):
   ``NEW_SESSION`` is refused here (``ValidationError``), as SageMaker does.
 - Bodies over 6 MiB (6,291,456 bytes) and session ids outside botocore's pattern
   ``^[a-zA-Z0-9](-*[a-zA-Z0-9])*$`` are refused with ``ValidationError``.
-- ``GET /ping``: 200 while at least one backend's ``/ping`` answers 200 (a backend's front says 200
+- ``GET /ping``: 200 while at least one backend's ``/ping`` answers 200 (a backend's proxy says 200
   only while its worker serves), else 503; the router listens only once every backend served.
   ``GET /debug/sessions``: ``{"backends": [{"index", "url", "healthy", "sessions", "log_dir"}],
   "sessions": {id: index}}``.
@@ -156,7 +156,7 @@ class LocalEndpoint:
         self.routing, self.prefix_length, self.concurrency_threshold = routing, prefix_length, concurrency_threshold
         if backends < 1:
             raise ValueError(f"backends must be >= 1, got {backends}")
-        # each backend stands for a container: its front (the truthful /ping) without the /v1 routes
+        # each backend stands for a container: its proxy (the truthful /ping) without the /v1 routes
         server_kwargs.setdefault("openai_routes", False)
         # with a key, each backend wants it too (its own port and TorchServe's): the router sends it
         self.servers = [LocalServer(model_dir, api_key=api_key, **server_kwargs) for _ in range(backends)]

@@ -1,4 +1,4 @@
-"""The local endpoint's HTTP front: SageMaker runtime's ``InvokeEndpoint`` and
+"""The local endpoint's HTTP proxy: SageMaker runtime's ``InvokeEndpoint`` and
 ``InvokeEndpointWithResponseStream`` on loopback, over a :class:`~llava_tools.local_endpoint.routing.Router`.
 
 What it emulates, and why each choice, is :mod:`llava_tools.local_endpoint`'s docstring; the formats
@@ -107,7 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         router = self.server.router
         if path == "/ping":
-            statuses = [ping(b) for b in router.backends]  # each backend's front: 200 only while it serves
+            statuses = [ping(b) for b in router.backends]  # each backend's proxy: 200 only while it serves
             ok = 200 in statuses  # the endpoint serves while one instance does (it listens once all served)
             self._send_json(200 if ok else 503, {"status": "Healthy" if ok else "Unhealthy", "backends": statuses})
         elif not self.server.authorized(self.headers.get("Authorization")):
@@ -377,7 +377,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class RouterServer(BackgroundServing, ThreadingHTTPServer):
-    """The SageMaker-runtime HTTP front over a :class:`Router` (backends given by URL).
+    """The SageMaker-runtime HTTP proxy over a :class:`Router` (backends given by URL).
 
     Args:
         address: ``(host, port)`` to bind; port 0 picks a free one.

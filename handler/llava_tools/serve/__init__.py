@@ -1,5 +1,5 @@
-"""The server and its front: ``llava-serve`` (:mod:`.cli`) over a supervised local TorchServe
-(:mod:`.server`), the public port's front (:mod:`.front`: a truthful ``/ping``, OpenAI's routes, an
+"""The server and its proxy: ``llava-serve`` (:mod:`.cli`) over a supervised local TorchServe
+(:mod:`.server`), the public port's proxy (:mod:`.front`: a truthful ``/ping``, OpenAI's routes, an
 API key, a dead worker's requests held or answered ``503 model_not_ready``) and its image fetches
 (:mod:`.image_relay`), TorchServe's files (:mod:`.torchserve_files`) and the container's entrypoint
 (:mod:`.container`, ``llava-container-serve``)."""

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             + ("" if server.bind_url == server.url else f" (from this machine: {server.url})")
             + (" (API key required)" if server.api_key else "")
             + (f" (OpenAI base_url {server.openai_base_url})" if server.openai_routes else "")
-            # with a key, TorchServe's own port is the front's alone (it wants a key of its own)
+            # with a key, TorchServe's own port is the proxy's alone (it wants a key of its own)
             + ("" if server.api_key else f" (TorchServe itself at {server.torchserve_url})")
             + f" (metrics {server.url}/metrics; model dir {server.model_dir}; "
             f"logs {server.log_dir}; "

@@ -1,4 +1,4 @@
-"""The container's ``serve`` entrypoint: TorchServe behind its front on 0.0.0.0:8080 for a SageMaker endpoint.
+"""The container's ``serve`` entrypoint: TorchServe behind its proxy on 0.0.0.0:8080 for a SageMaker endpoint.
 
 SageMaker starts a model container as ``docker run IMAGE serve`` and then expects ``GET /ping`` and
 ``POST /invocations`` on port 8080; it stops it with SIGTERM and sends SIGKILL 30 s later. The image
@@ -15,7 +15,7 @@ which is :func:`main`:
    whose ``config.properties`` is the image's ``config/config.properties`` (token auth off, 6 MiB
    bodies, Prometheus metrics, the SageMaker session headers as sequence keys) with this run's
    addresses filled in: TorchServe's inference, management, metrics and gRPC on free loopback
-   ports, and on ``0.0.0.0:8080`` the front (:mod:`llava_tools.serve.front`) whose ``/ping`` says
+   ports, and on ``0.0.0.0:8080`` the proxy (:mod:`llava_tools.serve.front`) whose ``/ping`` says
    200 only while the worker serves (TorchServe's own says Healthy before the model is loaded). Like every ``LocalServer`` it raises ``batchSize`` / ``maxNumSequence`` to fit
    ``max_sessions`` on every replica (one per GPU it sees). The handler code is always the image's
    own (``$LLAVA_HOME/handler``), so code and image never disagree; the ``llava_handler.py`` and
@@ -176,7 +176,7 @@ class ContainerServer(LocalServer):
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, ts_config: str | os.PathLike, **kwargs: Any) -> None:
-        kwargs.setdefault("openai_routes", False)  # the front on 8080 serves /ping and relays /invocations
+        kwargs.setdefault("openai_routes", False)  # the proxy on 8080 serves /ping and relays /invocations
         super().__init__(model_dir, **kwargs)
         self.ts_config_path = Path(ts_config)
         if not self.ts_config_path.is_file():

@@ -4,7 +4,7 @@ TorchServe's own paths relayed.
 TorchServe's ``/ping`` answers Healthy from about a second after start, long before the model is
 loaded, and again after a worker died (its worker threads count as healthy whatever their state);
 SageMaker reads ``/ping`` 200 as "ready for ``/invocations``". TorchServe's inference API also has no
-OpenAI paths. So TorchServe listens on a loopback port and this front on the public one:
+OpenAI paths. So TorchServe listens on a loopback port and this proxy on the public one:
 
 - ``GET /ping`` (and vLLM's ``GET /health``): 200 ``{"status": "Healthy"}`` only while the worker serves (its owner, ``llava-serve``'s
   :class:`~llava_tools.serve.server.LocalServer`, calls :meth:`OpenAIFront.set_ready` once the worker is READY
@@ -32,7 +32,7 @@ If TorchServe still refuses connections while flagged serving, a request waits f
 The session header, ``Accept`` and SageMaker's custom attributes pass through both ways; an
 ``Authorization`` header (the openai package always sends one) is not forwarded.
 
-Each hop costs what the extra relay costs, so the front moves bytes, not objects: per client
+Each hop costs what the extra relay costs, so the proxy moves bytes, not objects: per client
 connection a thread reads the request head (RFC 9112 framing: ``Content-Length`` bodies, a chunked
 reply relayed chunk by chunk) and keeps one kept-alive connection to TorchServe; no header is parsed
 beyond what routing and framing need, and a body is decoded only when it may name an image URL.
@@ -91,7 +91,7 @@ from .torchserve_files import MAX_REQUEST_BYTES
 
 __all__ = ["OPENAI_PREFIX", "RESTART_WAIT_S", "OpenAIFront"]
 
-#: Seconds the front holds a request while its worker restarts: a tiny model's restart measured
+#: Seconds the proxy holds a request while its worker restarts: a tiny model's restart measured
 #: 10-16 s on a quiet 2-core machine and 30-33 s under load (docs/api.md, "When a worker dies").
 RESTART_WAIT_S = 60.0
 

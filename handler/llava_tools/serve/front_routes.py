@@ -1,4 +1,4 @@
-"""The requests the front answers itself, never relayed to TorchServe's inference port.
+"""The requests the proxy answers itself, never relayed to TorchServe's inference port.
 
 - ``GET /ping`` and vLLM's ``GET /health``: 200 only while the worker serves (no key needed);
 - the worker's image lookups (``GET /_llava/images/<ticket>``: the ticket is their secret);
@@ -33,7 +33,7 @@ from .image_relay import ImageRelay
 __all__ = ["CHAT_COMPLETIONS_PATH", "METRICS_PATH", "FrontState", "answered_here", "metrics_reply"]
 
 CHAT_COMPLETIONS_PATH = OPENAI_PREFIX.encode() + b"/chat/completions"
-"""The one OpenAI route relayed to TorchServe (as ``/invocations``); the front answers the rest."""
+"""The one OpenAI route relayed to TorchServe (as ``/invocations``); the proxy answers the rest."""
 #: Prometheus's conventional path, on the API's port as vLLM serves it.
 METRICS_PATH = b"/metrics"
 #: Seconds to wait for TorchServe's metrics port.
@@ -41,7 +41,7 @@ METRICS_TIMEOUT_S = 10.0
 
 
 class FrontState(Protocol):
-    """What these routes read of the front (:class:`~llava_tools.serve.front.OpenAIFront`)."""
+    """What these routes read of the proxy (:class:`~llava_tools.serve.front.OpenAIFront`)."""
 
     ready: bool
     images: ImageRelay | None
@@ -57,7 +57,7 @@ class FrontState(Protocol):
 
 
 def answered_here(server: FrontState, method: bytes, target: bytes, fields: Fields) -> bytes | None:
-    """The reply to a request the front answers itself (module docstring), or None: it goes on to
+    """The reply to a request the proxy answers itself (module docstring), or None: it goes on to
     TorchServe (chat completions as ``/invocations``, any other path as it came)."""
     path = target.partition(b"?")[0]
     if path in HEALTH_PATHS:

@@ -1,4 +1,4 @@
-"""HTTP/1.1 as the front moves it: a message head read line by line (RFC 9112), replies and error
+"""HTTP/1.1 as the proxy moves it: a message head read line by line (RFC 9112), replies and error
 objects written as bytes, TorchServe's connection, and the last event of a stream whose worker died.
 No objects beyond what routing and framing need (:mod:`.front` relays bytes)."""
 
@@ -78,7 +78,7 @@ CANONICAL = {
     )
 }
 #: Request headers not forwarded to TorchServe: the hop's own (RFC 9110 section 7.6.1), the
-#: client's credentials, and the image ticket only this front writes.
+#: client's credentials, and the image ticket only this proxy writes.
 NOT_FORWARDED = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgrade", b"expect", b"authorization", b"host"}
     | {IMAGE_TICKET_HEADER.lower().encode(), OPENAI_ROUTE_HEADER.lower().encode()}
@@ -94,13 +94,13 @@ class WorkerLost(Exception):
     relayed to the client yet."""
 
 
-#: The health checks the front answers itself, without a key: SageMaker's ``/ping``, vLLM's ``/health``.
+#: The health checks the proxy answers itself, without a key: SageMaker's ``/ping``, vLLM's ``/health``.
 HEALTH_PATHS = (b"/ping", b"/health")
 #: What a request cut by a dead worker is told (``503 model_not_ready``, or a stream's last event:
 #: :func:`~llava_sessions.wire.framing.cut_stream_tail`).
 WORKER_LOST = "the model server stopped while answering (its worker died and restarts); retry shortly"
 #: Reply headers TorchServe adds for its own use (its stream flag, its caching headers) and the worker's
-#: word to the front (:data:`SLOT_WAIT_HEADER`), not relayed to clients; TorchServe's ``x-request-id``
+#: word to the proxy (:data:`SLOT_WAIT_HEADER`), not relayed to clients; TorchServe's ``x-request-id``
 #: is (OpenAI's clients read it as the request's id).
 INTERNAL = frozenset({b"ts_stream_next", b"pragma", b"cache-control", b"expires", SLOT_WAIT_HEADER.lower().encode()})
 
@@ -108,7 +108,7 @@ INTERNAL = frozenset({b"ts_stream_next", b"pragma", b"cache-control", b"expires"
 def worker_died(status: bytes, body: bytes) -> bool:
     """Whether a TorchServe reply says the worker died with the request in flight: its own error
     ``{"code": ..., "type": "InternalServerException", "message": "Worker died."}``, which TorchServe
-    0.12's worker threads send as 500, as 413 after a SIGKILL (exit 137), or as 507; the front answers
+    0.12's worker threads send as 500, as 413 after a SIGKILL (exit 137), or as 507; the proxy answers
     such a request as one cut by the worker's death (sent again when it may be, else ``503 model_not_ready``)."""
     return status in (b"500", b"507", b"413") and b'"Worker died."' in body
 
@@ -180,7 +180,7 @@ def ping_reply(ready: bool, retry_after_s: int) -> bytes:
 
 
 def relayed_image(images: ImageRelay, target: bytes) -> bytes:
-    """The worker's lookup ``GET /_llava/images/<ticket>?source=<url>``: the image this front fetched
+    """The worker's lookup ``GET /_llava/images/<ticket>?source=<url>``: the image this proxy fetched
     for that request (``application/octet-stream``), or its fetch's error object."""
     path, _, query = target.partition(b"?")
     ticket = path[len(IMAGE_RELAY_PATH) :].decode("latin-1")

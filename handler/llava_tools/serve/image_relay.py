@@ -1,9 +1,9 @@
-"""The front's image fetches: a request's URL and S3 images are fetched before it reaches TorchServe.
+"""The proxy's image fetches: a request's URL and S3 images are fetched before it reaches TorchServe.
 
 TorchServe fixes a reply's status with its first frame. A worker that fetched an image itself had
 to send that frame (200) after ``image_fetch_wait_ms`` while other answers were generating, and a
 fetch that failed later could only arrive as a 200 whose body was the typed error. So the public
-port's front (:mod:`llava_tools.serve.front`, in ``llava-serve``, the container and the local
+port's proxy (:mod:`llava_tools.serve.front`, in ``llava-serve``, the container and the local
 endpoint's instances) fetches first, as vLLM fetches in its API server beside the engine:
 
 1. :meth:`ImageRelay.prefetch` finds the URL and S3 images a body names with a light pass of its
@@ -126,7 +126,7 @@ class ImageRelay:
             return 200, future.result()
         if isinstance(exc, ServiceError):
             return exc.status, {"error": {"code": exc.code.value, "message": exc.message, "param": exc.param}}
-        return 500, {"error": {"code": "front_fetch_error", "message": "the front's fetch failed"}}
+        return 500, {"error": {"code": "front_fetch_error", "message": "the proxy's fetch failed"}}
 
     def release(self, ticket: str) -> None:
         """Forget ``ticket`` (its request's reply was relayed); what was fetched stays kept."""

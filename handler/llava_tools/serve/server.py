@@ -86,7 +86,7 @@ class LocalServer(Supervised):
         keep_logs: keep TorchServe's ``logs`` folder when the server stops (moved to
             ``<tmp>/llava-serve-logs-<time>-<pid>``, :attr:`kept_logs`); a failed start always keeps it.
         openai_routes: serve OpenAI's ``/v1/chat/completions`` and ``/v1/models`` on the public port
-            beside TorchServe's own paths. Either way the public port is the front's
+            beside TorchServe's own paths. Either way the public port is the proxy's
             (:class:`~llava_tools.serve.front.OpenAIFront`): it answers ``/ping`` itself, 200 only
             while the worker serves, and a request while it does not with a typed 503 and
             ``Retry-After``; TorchServe listens on a loopback port of its own (:attr:`torchserve_url`).
@@ -153,7 +153,7 @@ class LocalServer(Supervised):
         self.openai_routes = openai_routes
         #: The key every request but ``/ping`` must carry as ``Authorization: Bearer <key>`` (None: open).
         self.api_key = api_key or None
-        self._front: OpenAIFront | None = None  # the public port's front
+        self._front: OpenAIFront | None = None  # the public port's proxy
         self._settings: Settings | None = None  # the handler settings the worker will read
         #: Where the logs were kept when the server stopped (``keep_logs``, or a failed start), or None.
         self.kept_logs: Path | None = None
@@ -179,7 +179,7 @@ class LocalServer(Supervised):
 
     @property
     def torchserve_url(self) -> str:
-        """TorchServe's own inference base URL (loopback; the public :attr:`url` is the front's)."""
+        """TorchServe's own inference base URL (loopback; the public :attr:`url` is the proxy's)."""
         return f"http://127.0.0.1:{self._port('inference')}"
 
     @property
@@ -220,7 +220,7 @@ class LocalServer(Supervised):
     def torchserve_keys(self) -> dict[str, str]:
         """TorchServe's own ``inference`` and ``management`` keys while its token authorization is on
         (with an API key: then no port answers an inference or management request without a key;
-        the front sends the inference key), read from the ``key_file.json`` of its current launch
+        the proxy sends the inference key), read from the ``key_file.json`` of its current launch
         (:func:`~llava_tools.serve.torchserve_files.token_keys`); {} without an API key."""
         return ts_files.token_keys(self.temp_dir / KEY_FILE) if self.api_key and self._temp_dir else {}
 
@@ -270,7 +270,7 @@ class LocalServer(Supervised):
     def check(self) -> None:
         """What a start would be refused for, said before anything starts (the CLIs call it before their
         "starting" line; :meth:`start` calls it first): the folders and files exist, the model folder is a
-        checkpoint, the handler settings are valid, and the public port is free (the front binds it now,
+        checkpoint, the handler settings are valid, and the public port is free (the proxy binds it now,
         not ready until the worker serves). Idempotent.
 
         Raises:
@@ -342,7 +342,7 @@ class LocalServer(Supervised):
         return self._ports[name]
 
     def _bind_ports(self) -> None:
-        """Bind the front on the public port first (not ready: ``/ping`` 503 until the worker
+        """Bind the proxy on the public port first (not ready: ``/ping`` 503 until the worker
         serves), then pick TorchServe's own loopback ports.
 
         Raises:
@@ -356,7 +356,7 @@ class LocalServer(Supervised):
         self._ports["public"] = self._front.port
 
     def _bind_front(self) -> None:
-        """Bind the front on the public port, once (not ready: ``/ping`` 503 until the worker serves).
+        """Bind the proxy on the public port, once (not ready: ``/ping`` 503 until the worker serves).
 
         Raises:
             ServerStartError: the port is taken (the message says to choose another).

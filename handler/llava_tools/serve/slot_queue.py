@@ -5,13 +5,13 @@ at admission, before anything of it was done, with ``503 overloaded`` and the in
 :data:`~llava_sessions.wire.contract.SLOT_WAIT_HEADER`. TorchServe itself refuses a request with its
 own 503 (``ServiceUnavailableException``: no worker free, ``maxNumSequence`` job groups open, a
 session's job queue full), also before the worker saw it. Load tools (guidellm, aiperf) do not retry,
-and vLLM queues such requests; so the front holds them here, in arrival order, and sends each again
+and vLLM queues such requests; so the proxy holds them here, in arrival order, and sends each again
 when a relayed request ends (a slot may have freed), up to ``queue_timeout_s``. Only past that
 deadline, or with ``queue_max_requests`` already waiting, does the client get the 503, in OpenAI's
 error shape with ``Retry-After``.
 
 Only the first waiter polls by itself (every :data:`HEAD_POLL_S`): slots freed without a relay ending
-at this front (a client that left, a session closed elsewhere) are found without every waiter
+at this proxy (a client that left, a session closed elsewhere) are found without every waiter
 knocking at once.
 """
 

@@ -1,7 +1,7 @@
 """The supervision of a local TorchServe (:class:`Supervised`, mixed into
 :class:`~llava_tools.serve.server.LocalServer`): a start waited for until every worker is READY and
 ``/ping`` answers, and a worker's death seen the moment it happens (a pid file descriptor) and answered
-by restarting TorchServe, with the front told at once (it holds new requests meanwhile).
+by restarting TorchServe, with the proxy told at once (it holds new requests meanwhile).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Supervised:
                 proc = self._proc
             if proc is None:
                 return
-            # a death is seen as it happens (pid file descriptors), so the front holds new requests at once
+            # a death is seen as it happens (pid file descriptors), so the proxy holds new requests at once
             dead = exited(psutil, set(self._watched), self.supervise_interval_s)
             if self._stopping.is_set():
                 return
@@ -189,7 +189,7 @@ class Supervised:
             time.sleep(POLL_S)
 
     def _serving(self, ready: bool) -> None:
-        """Tell the front whether the worker serves (its ``/ping`` and its 503s follow; a restart's
+        """Tell the proxy whether the worker serves (its ``/ping`` and its 503s follow; a restart's
         ``Retry-After`` counts down from the last start's duration)."""
         if self._front is not None:
             self._front.set_ready(ready, self._start_s)

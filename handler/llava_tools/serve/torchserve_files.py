@@ -74,7 +74,7 @@ SEQUENCE_HEADER_KEYS = (
 
 #: TorchServe's request limit, bytes: far above SageMaker's 6,291,456 so that the handler, not
 #: TorchServe's bare 413, refuses a body over the handler's ``max_body_bytes`` (with the dialect's
-#: typed ``payload_too_large``); llava-serve's front answers past this one the same way.
+#: typed ``payload_too_large``); llava-serve's proxy answers past this one the same way.
 MAX_REQUEST_BYTES = 64 << 20
 #: TorchServe's response limit, bytes (replies are small; SageMaker's limit sits just under it).
 MAX_RESPONSE_BYTES = 6_553_600
@@ -85,7 +85,7 @@ MAX_RESPONSE_BYTES = 6_553_600
 #: 0.60-0.77 s a burst with the defaults, 0.40-0.49 s with these.
 JVM_ARGS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 #: Minutes TorchServe's token keys live when its token authorization is on (100 years: TorchServe's
-#: default, 60, would lock the server's own front out of a server that runs longer).
+#: default, 60, would lock the server's own proxy out of a server that runs longer).
 TOKEN_EXPIRATION_MIN = 52_560_000
 #: The file TorchServe writes its token keys to, in its working directory (``user.dir``).
 KEY_FILE = "key_file.json"

@@ -1,8 +1,8 @@
 """Decode attention straight over the KV pool's pages with FlexAttention (no gather, no padding).
 
 The static decode step (:mod:`.graphs`) reads each row's positions gathered from its pages and padded
-to its length bucket; on an H200 a 32-row step at ~600 positions spent most of its 19.8 ms on that
-gather and the masked attention over the padding (benchmarks/results/the-gpu-table.md). FlexAttention
+to its length bucket; a 32-row step at ~600 positions spent most of its time on that gather and the
+masked attention over the padding (benchmarks/results/the-gpu-table.md). FlexAttention
 (PyTorch's ``torch.nn.attention.flex_attention``, compiled on a CUDA device) reads the pool itself:
 
 - the keys and values are a layer's whole pool, ``[1, kv_heads, pages x page_size, head_dim]``,
@@ -11,7 +11,7 @@ gather and the masked attention over the padding (benchmarks/results/the-gpu-tab
   (``BLOCK_SIZE`` ``(128, page_size)``; one query per row fits one query block): each row's whole
   pages are *full* blocks (read without a mask), and a partial last page is the one block whose
   ``mask_mod`` keeps the row's first ``rem`` positions in it, so a page's free tail is never read
-  (the pitfall issue 43 names: 0.027 of error without the bound); the mask function holds on every
+  (without the bound the free tail's stale values enter the softmax); the mask function holds on every
   position too, as FlexAttention's unfused path (a CPU) applies it everywhere;
 - the block mask's tensors are persistent buffers (:class:`PageBlocks`) overwritten before each step,
   so a CUDA graph captured over them replays any step of its bucket.
@@ -22,10 +22,9 @@ registered with transformers' ``AttentionInterface`` as :data:`PAGED_FLEX_ATTENT
 pass runs the model with it and hands the block mask as the attention mask (transformers passes a 4D
 mask, a ``BlockMask`` included, to attention as it is).
 
-On an H200 (the 7b-shaped model, ~600 positions, replayed graphs, 2026-11-27) a 32-row decode step
-took 13.0 ms reading the pages this way against 20.1 ms gathered, a 64-row one 18.2 against 30.6
-ms, an 8-row one 10.3 against 10.8 ms; at one row the gather was faster (8.4 against 9.1 ms). So a
-card's engine reads buckets of :data:`~.graphs.FLEX_MIN_ROWS` rows and more this way (``paged_read``
+Reading the pages this way was faster than the gather from 8 rows up, and more so the more rows; at
+one row the gather was faster (benchmarks/results/the-gpu-table.md). So a
+GPU's engine reads buckets of :data:`~.graphs.FLEX_MIN_ROWS` rows and more this way (``paged_read``
 ``auto``), smaller ones gathered.
 
 References: PyTorch, "FlexAttention" (``BlockMask.from_kv_blocks``, ``mask_mod``, full blocks),
@@ -64,8 +63,8 @@ def _flex(device: torch.device) -> Any:
 
     Compiled at static shapes, one kernel per batch size: compiled with dynamic shapes (what
     ``torch.compile`` turns to at a second batch size), inductor's kernel refused the pool's blocks on
-    an H200 ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N", KV blocks of 16
-    positions; torch 2.11, 2026-11-27); at static shapes, as ``benchmarks/paged_attention.py``
+    a GPU ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N", KV blocks of 16
+    positions); at static shapes, as ``benchmarks/paged_attention.py``
     compiles it, the same blocks compiled and ran there.
     """
     if device.type != "cuda":
@@ -119,7 +118,7 @@ class PageBlocks:
 
     Args:
         max_rows: the most rows of a step.
-        num_pages, page_size: the pool's (its pages are the kv blocks; a fixed pool on a card).
+        num_pages, page_size: the pool's (its pages are the kv blocks; a fixed pool on a GPU).
         device: the pool's.
 
     The buffers (int32 where FlexAttention reads them): ``partial`` ``[rows, 1, 1]`` (1 when a row's
@@ -150,7 +149,7 @@ class PageBlocks:
     def fill(self, pages: Sequence[Sequence[int]], lengths: Sequence[int], staging: HostStaging | None = None) -> None:
         """Overwrite the first ``len(pages)`` rows: row ``r`` reads the first ``lengths[r]`` positions of
         its ``pages[r]`` (a pad row: one page, length 1). The host values go up in two copies, through
-        ``staging`` when given (a card's pinned buffers, not blocking the host; the caller begins and
+        ``staging`` when given (a GPU's pinned buffers, not blocking the host; the caller begins and
         ends the step's copies), and ``owned`` is set on the device from them."""
         size, rows = self.page_size, len(pages)
         whole = [n // size for n in lengths]

@@ -17,10 +17,9 @@ model's own layers and SDPA attention run unchanged:
   :attr:`SlotsCache.attention_mask`). A row joins or leaves the step by being in the list or not.
 
 The gather is a copy of the attended positions per layer per pass (transformers' continuous
-batching reads its paged cache the same way). Measured on this CPU (26 Nov, fp32, 8 rows, one query
-over 600 keys): gather + SDPA about 7.5 ms against 1.3-2.0 ms for contiguous SDPA, which is why the
-decode batch on the CPU stays the contiguous :class:`~.cache.BatchKVCache` (issue 43 allows a CPU
-layout that keeps the CPU's numbers). Greedy tokens through these caches equal ``model.generate``'s
+batching reads its paged cache the same way). On a CPU, gather + SDPA was measured several times slower than contiguous SDPA
+(docs/decisions/19-the-kv-pool-in-pages.md), which is why the decode batch on the CPU stays the
+contiguous :class:`~.cache.BatchKVCache`. Greedy tokens through these caches equal ``model.generate``'s
 in fp32 (tests/core/test_kv_pages.py).
 """
 
@@ -287,7 +286,7 @@ class KVPool:
             a quarter, each time (so its free pages stay under a fifth of it after a growth; a growth
             copies the pool once).
         mirror: the other ranks of a tensor-parallel replica (:class:`KVPages`); None: one process.
-        fixed: the pool never grows (a card's: sized once at start, so its tensors stay where a CUDA
+        fixed: the pool never grows (a GPU's: sized once at start, so its tensors stay where a CUDA
             graph read them, :mod:`.graphs`); a holder finding no free page gets
             ``torch.OutOfMemoryError``, on which the engine demotes idle sessions (their pages freed)
             and retries (:func:`~llava_sessions.engine.memory.oom_attempts`).

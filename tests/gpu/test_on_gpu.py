@@ -1,10 +1,10 @@
-"""The engine on a card (issue 59 item 6): the code only a CUDA device runs, against ``model.generate``.
+"""The engine on a GPU (issue 59 item 6): the code only a CUDA device runs, against ``model.generate``.
 
-The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under ``make test-gpu``):
+The tiny checkpoint in fp32 on the GPU (``LLAVA_TEST_DEVICE``, ``cuda`` under ``make test-gpu``):
 - the decode step captured as CUDA graphs and replayed, reading the pages each way (``gather``,
   ``flex``: FlexAttention compiled, ``auto``), answers eight sessions together exactly as a
   from-scratch ``generate`` answers each, and as the same static pass run eagerly (each step launched
-  before the host reads the last one's tokens: async scheduling, an engine's default on a card);
+  before the host reads the last one's tokens: async scheduling, an engine's default on a GPU);
 - a follow-up prefilled as the rows of one captured step, whose pass fails, leaves no position and
   no page behind, and the retry answers as ``generate``;
 - bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits;
@@ -14,14 +14,14 @@ The tiny checkpoint in fp32 on the card (``LLAVA_TEST_DEVICE``, ``cuda`` under `
   ``generate`` and as the same static pass run eagerly;
 - with q/k/v and gate/up fused and the norms and MLP compiled, the replayed step answers as before;
 - a step's inputs staged through pinned buffers (``model/staging.py``) land whole, step after step;
-- llava-1.5's preprocessing on the card (``model/pixels.py``) is the processor's within one level.
+- llava-1.5's preprocessing on the GPU (``model/pixels.py``) is the processor's within one level.
 
 Skipped unless ``LLAVA_TEST_DEVICE`` names a device or CUDA is present (CI has none). With
 ``LLAVA_TEST_DEVICE=cpu`` the same tests run here, every static step eager (what a CPU engine runs),
-which is how their logic is checked without a card; the assertions about captured graphs then hold
+which is how their logic is checked without a GPU; the assertions about captured graphs then hold
 trivially. ``make test-gpu`` also runs the core tests that compare the engine with itself (batched
 against alone, preempted against alone, async scheduling against in step) with ``tests/conftest.py``'s
-``llava`` on the card, and a video session of each video architecture against ``generate``
+``llava`` on the GPU, and a video session of each video architecture against ``generate``
 (``tests/core/test_video_session.py``).
 """
 
@@ -51,7 +51,7 @@ from test_tile_graphs import pictures
 DEVICE = os.environ.get("LLAVA_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
 pytestmark = pytest.mark.skipif(
     not DEVICE or (DEVICE.startswith("cuda") and not torch.cuda.is_available()),
-    reason="no card: make test-gpu on a CUDA device (LLAVA_TEST_DEVICE)",
+    reason="no GPU: make test-gpu on a CUDA device (LLAVA_TEST_DEVICE)",
 )
 
 #: Largest |logit| difference, relative to the largest |logit|, between the tiny model in bf16 and in
@@ -63,7 +63,7 @@ QUESTIONS = ("What is in this image?", "Describe the colours.")
 
 
 @pytest.fixture(scope="module")
-def card(tiny_model_dir: Path) -> LlavaModel:
+def gpu_model(tiny_model_dir: Path) -> LlavaModel:
     """The tiny checkpoint in fp32 on :data:`DEVICE`."""
     torch.manual_seed(0)
     return LlavaModel.from_pretrained(tiny_model_dir, device=DEVICE, dtype="float32")
@@ -89,7 +89,7 @@ def reference(llava: LlavaModel, image: bytes, question: str) -> list[int]:
 
 def with_read(llava: LlavaModel, read: str) -> SessionEngine:
     """An engine of the paged layout whose static decode step reads the pages as ``read``, captured as
-    CUDA graphs on a card (its pool fixed at the fixtures' 100 MB)."""
+    CUDA graphs on a GPU (its pool fixed at the fixtures' 100 MB)."""
     eng = make_engine(llava, decode_layout="paged", cuda_graphs=True)
     runner = eng.runner
     assert runner.graphs is not None and runner.kv_pool is not None
@@ -110,15 +110,15 @@ def together(eng: SessionEngine, asks: dict[str, str]) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("read", ["gather", "flex", "auto"])
-def test_replayed_steps_answer_eight_sessions_as_generate_and_as_the_same_pass_eagerly(card, photos, read):
+def test_replayed_steps_answer_eight_sessions_as_generate_and_as_the_same_pass_eagerly(gpu_model, photos, read):
     """Eight sessions (four photographs, two questions) answer together: the step replayed from its
     graphs (8 rows: FlexAttention under ``flex`` and ``auto``, the gather under ``gather``), then the
     same static pass run eagerly (``replay`` off), then each equal to ``generate`` alone."""
-    eng = with_read(card, read)
+    eng = with_read(gpu_model, read)
     graphs = eng.runner.graphs
     assert isinstance(graphs, DecodeGraphs)
-    on_card = card.device.type == "cuda"
-    assert (graphs.num_graphs > 0) == on_card
+    on_gpu = gpu_model.device.type == "cuda"
+    assert (graphs.num_graphs > 0) == on_gpu
     asks = {}
     for name in sorted(photos):
         for j, question in enumerate(QUESTIONS):
@@ -127,35 +127,35 @@ def test_replayed_steps_answer_eight_sessions_as_generate_and_as_the_same_pass_e
             asks[sid] = question
     assert graphs.reads_flex(8) == (read != "gather")
     replayed = together(eng, asks)
-    assert (graphs.num_replays > 0) == on_card
+    assert (graphs.num_replays > 0) == on_gpu
     graphs.replay = False
     eager = together(eng, asks)
     graphs.replay = True
     assert eager == replayed
     for sid, question in asks.items():
-        assert replayed[sid] == reference(card, photos[sid.rsplit("-", 1)[0]], question), sid
+        assert replayed[sid] == reference(gpu_model, photos[sid.rsplit("-", 1)[0]], question), sid
 
 
-def test_a_follow_up_prefilled_as_one_step_s_rows_rolls_back_a_failed_pass(card, monkeypatch):
+def test_a_follow_up_prefilled_as_one_step_s_rows_rolls_back_a_failed_pass(gpu_model, monkeypatch):
     """A 40-token follow-up after a 300-token prefix, prefilled as the rows of one static step (a
-    replayed graph on a card): its pass fails once (the card's error, raised from the step), and the
+    replayed graph on a GPU): its pass fails once (the GPU's error, raised from the step), and the
     holder's table, the pool's free pages and the graphs' prefill count are as before; the retry's
     greedy answer equals ``generate``'s on the whole prompt."""
-    text = card.config.text_config
-    shape = (text.num_hidden_layers, card.num_kv_heads, card.head_dim, card.dtype, card.device)
+    text = gpu_model.config.text_config
+    shape = (text.num_hidden_layers, gpu_model.num_kv_heads, gpu_model.head_dim, gpu_model.dtype, gpu_model.device)
     pool = KVPool(*shape, page_size=16, num_pages=200, fixed=True)
-    ids = card.processor.tokenizer("Describe the view from the window in a few words, please. " * 40)["input_ids"]
+    ids = gpu_model.processor.tokenizer("Describe the view from the window in a few words, please. " * 40)["input_ids"]
     ids = ids[:340]
     session = SessionKV(pool)
-    card.prefill(session, ids[:300], None)
-    graphs = DecodeGraphs(card, pool, max_rows=64, max_len=card.max_positions, paged_read="gather")
-    if card.device.type == "cuda":
+    gpu_model.prefill(session, ids[:300], None)
+    graphs = DecodeGraphs(gpu_model, pool, max_rows=64, max_len=gpu_model.max_positions, paged_read="gather")
+    if gpu_model.device.type == "cuda":
         graphs.capture()
     free, run = pool.pool.num_free_pages, graphs.run
 
     def fails_once(*args: Any) -> Any:
         monkeypatch.setattr(graphs, "run", run)
-        raise torch.AcceleratorError("an illegal memory access was encountered")  # what a card's fault raises
+        raise torch.AcceleratorError("an illegal memory access was encountered")  # what a GPU's fault raises
 
     monkeypatch.setattr(graphs, "run", fails_once)
     with pytest.raises(torch.AcceleratorError):
@@ -167,18 +167,18 @@ def test_a_follow_up_prefilled_as_one_step_s_rows_rolls_back_a_failed_pass(card,
     while len(tokens) < N:
         assert reserve(pool.pool, session.table, 1) == []
         tokens.append(int(graphs.run([session.table], [tokens[-1]])[0].argmax()))
-    assert tokens == text_reference(card, ids)
+    assert tokens == text_reference(gpu_model, ids)
     pool.check([session.table, graphs.table])
 
 
-def test_bf16_logits_stay_within_tolerance_of_fp32(tiny_model_dir, card, photos):
+def test_bf16_logits_stay_within_tolerance_of_fp32(tiny_model_dir, gpu_model, photos):
     """The first answer position's logits of the tiny model in bf16 against fp32 on the same device,
     image and question: the largest difference within :data:`BF16_TOLERANCE` of the largest logit
     (the 2-core CPU measured 0.030-0.112 over the four photographs, the top token the same in each).
     Greedy answers are not compared: a random model's near ties flip under bf16's rounding."""
     half = LlavaModel.from_pretrained(tiny_model_dir, device=DEVICE, dtype="bfloat16")
     for name, image in photos.items():
-        full_logits, half_logits = (first_logits(m, image) for m in (card, half))
+        full_logits, half_logits = (first_logits(m, image) for m in (gpu_model, half))
         worst = float((full_logits - half_logits).abs().max() / full_logits.abs().max())
         assert worst <= BF16_TOLERANCE, (name, worst)
 
@@ -189,44 +189,44 @@ def first_logits(llava: LlavaModel, image: bytes) -> torch.Tensor:
         return llava.model(**question_inputs(llava, image, QUESTIONS[0])).logits[0, -1].float()
 
 
-def test_the_vision_tower_replayed_gives_each_image_its_eager_features(card, photos):
-    """An engine with decode graphs on a card also captures llava-1.5's ``get_image_features`` at its
+def test_the_vision_tower_replayed_gives_each_image_its_eager_features(gpu_model, photos):
+    """An engine with decode graphs on a GPU also captures llava-1.5's ``get_image_features`` at its
     fixed input (336 px, the tiny model's as llava-1.5's); four photographs encoded in one call replay one by one and
     each gets the features the eager tower gives it alone. On a CPU nothing is captured and the same
     call runs eagerly."""
-    make_engine(card, decode_layout="paged", cuda_graphs=True)
-    graph = card.vision_graph
-    on_card = card.device.type == "cuda"
-    assert (graph is not None) == on_card
+    make_engine(gpu_model, decode_layout="paged", cuda_graphs=True)
+    graph = gpu_model.vision_graph
+    on_gpu = gpu_model.device.type == "cuda"
+    assert (graph is not None) == on_gpu
     images = [decode(photos[name]) for name in sorted(photos)]
     with torch.inference_mode():
-        replayed = card.encode_images(images)
-        card.vision_graph = None
+        replayed = gpu_model.encode_images(images)
+        gpu_model.vision_graph = None
         try:
-            alone = [card.encode_images([image])[0] for image in images]
+            alone = [gpu_model.encode_images([image])[0] for image in images]
         finally:
-            card.vision_graph = graph
+            gpu_model.vision_graph = graph
     assert len(replayed) == len(images)
     for got, want in zip(replayed, alone, strict=True):
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert graph is None or graph.num_replays >= len(images)
 
 
-def test_an_image_prompt_prefilled_by_replay_answers_as_generate_and_as_the_same_pass_eagerly(card, photos):
+def test_an_image_prompt_prefilled_by_replay_answers_as_generate_and_as_the_same_pass_eagerly(gpu_model, photos):
     """Each photograph's whole templated prompt (its image's placeholders among the tokens) prefilled
     through the captured prefill graphs, then through the same static pass eagerly: the same last
     logits (fp32), and the greedy answer decoded after them equals ``generate``'s. An engine with graphs
     opens an image through a replay."""
-    pool = KVPool(*pool_shape(card), page_size=16, num_pages=400, fixed=True)
-    graphs = new_graphs(card, pool, "gather")
-    prefills = new_prefill_graphs(card, pool, graphs)
+    pool = KVPool(*pool_shape(gpu_model), page_size=16, num_pages=400, fixed=True)
+    graphs = new_graphs(gpu_model, pool, "gather")
+    prefills = new_prefill_graphs(gpu_model, pool, graphs)
     assert graphs is not None and prefills is not None
-    on_card = card.device.type == "cuda"
-    assert (prefills.num_graphs > 0) == on_card
+    on_gpu = gpu_model.device.type == "cuda"
+    assert (prefills.num_graphs > 0) == on_gpu
     for name in sorted(photos):
-        inputs = question_inputs(card, photos[name], QUESTIONS[0])
+        inputs = question_inputs(gpu_model, photos[name], QUESTIONS[0])
         ids = inputs["input_ids"][0].tolist()
-        features = card.encode_images([decode(photos[name])])[0]
+        features = gpu_model.encode_images([decode(photos[name])])[0]
         firsts = []
         for replay in (True, False):
             prefills.replay = replay
@@ -236,14 +236,16 @@ def test_an_image_prompt_prefilled_by_replay_answers_as_generate_and_as_the_same
             while len(tokens) < N:
                 assert reserve(pool.pool, cache.table, 1) == []
                 tokens.append(int(graphs.run([cache.table], [tokens[-1]])[0].argmax()))
-            assert tokens == reference(card, photos[name], QUESTIONS[0]), (name, replay)
+            assert tokens == reference(gpu_model, photos[name], QUESTIONS[0]), (name, replay)
             cache.release()
         torch.testing.assert_close(firsts[0], firsts[1], rtol=1e-5, atol=1e-5)
-    assert prefills.num_replays == (len(photos) if on_card else 0)
-    eng = make_engine(card, decode_layout="paged", cuda_graphs=True)
+    assert prefills.num_replays == (len(photos) if on_gpu else 0)
+    eng = make_engine(gpu_model, decode_layout="paged", cuda_graphs=True)
     eng.open("s", photos["coffee"])
     replays = eng.runner.prefill_graphs.num_replays + eng.runner.prefill_graphs.num_eager  # type: ignore[union-attr]
-    assert replays >= 1 and together(eng, {"s": QUESTIONS[0]})["s"] == reference(card, photos["coffee"], QUESTIONS[0])
+    assert replays >= 1 and together(eng, {"s": QUESTIONS[0]})["s"] == reference(
+        gpu_model, photos["coffee"], QUESTIONS[0]
+    )
 
 
 def pool_shape(llava: LlavaModel) -> tuple:
@@ -254,7 +256,7 @@ def pool_shape(llava: LlavaModel) -> tuple:
 
 @pytest.mark.parametrize("arch", ["llava-next", "llava-onevision"])
 def test_tiled_towers_replayed_per_tile_count_give_each_image_its_eager_features(tmp_path, photos, arch):
-    """A tiny LLaVA-NeXT and OneVision on the card: the tower and projector captured at every tile count;
+    """A tiny LLaVA-NeXT and OneVision on the GPU: the tower and projector captured at every tile count;
     three photographs of three shapes (three tile counts) encoded through the replays get the features
     the model's own eager path gives them. On a CPU nothing is captured."""
     from llava_tools.tiny_model import write_checkpoint
@@ -275,7 +277,7 @@ def test_tiled_towers_replayed_per_tile_count_give_each_image_its_eager_features
 
 
 def test_fused_and_compiled_layers_replayed_answer_as_the_model_as_loaded(tiny_model_dir, photos):
-    """The tiny model on the card with its projections fused and its norms and MLP compiled (Inductor's
+    """The tiny model on the GPU with its projections fused and its norms and MLP compiled (Inductor's
     kernels, captured inside the decode graphs): three sessions' greedy answers through the replayed step
     equal the model's as loaded, fp32; undone, it answers so again."""
     llava = LlavaModel.from_pretrained(tiny_model_dir, device=DEVICE, dtype="float32")
@@ -293,7 +295,7 @@ def test_fused_and_compiled_layers_replayed_answer_as_the_model_as_loaded(tiny_m
 
 def test_staged_uploads_land_whole_through_pinned_buffers_that_grow_and_wait_for_the_last_copies():
     """``HostStaging`` (a step's inputs copied without blocking the host): sources of growing size, one
-    name each, into strided device slices, three steps in a row: each lands whole; on a card the pinned
+    name each, into strided device slices, three steps in a row: each lands whole; on a GPU the pinned
     buffer grows to the largest and the next step's ``begin`` waits for the last step's copies."""
     from llava_sessions.model.staging import HostStaging
 
@@ -312,29 +314,29 @@ def test_staged_uploads_land_whole_through_pinned_buffers_that_grow_and_wait_for
         assert staging._pinned is not None and staging._pinned["table"].numel() >= 8 * 40
 
 
-def test_llava_1_5_preprocessing_on_the_card_is_the_processors_within_one_level(card):
-    """``model/pixels.py`` on the card (the ``image_preprocessing: device`` setting): each photograph's
+def test_llava_1_5_preprocessing_on_the_gpu_is_the_processors_within_one_level(gpu_model):
+    """``model/pixels.py`` on the GPU (the ``image_preprocessing: device`` setting): each photograph's
     pixel values within one 8-bit level of transformers' Pillow processor's, at most 0.5% of them apart."""
     from test_pixels import MAX_LEVEL_DIFFERENCE, PHOTOS, level_differences, photo
 
     for name in PHOTOS:
-        diff = level_differences(card, photo(name), DEVICE)
+        diff = level_differences(gpu_model, photo(name), DEVICE)
         assert diff.max().item() <= MAX_LEVEL_DIFFERENCE + 1e-3, name
         assert (diff > 0.5).float().mean().item() < 0.005, name
 
 
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="the host's waits for a CUDA device")
-def test_an_image_chunk_s_embedding_makes_the_host_wait_for_nothing(card, photos):
+def test_an_image_chunk_s_embedding_makes_the_host_wait_for_nothing(gpu_model, photos):
     """The mixed step embeds an image's chunk between its decode replay and its prefill replay
     (``LlavaModel.embed``): under PyTorch's sync debug mode "error" any op there that waits for the
     device raises; the embedding is the features merged into the placeholders."""
-    feats = card.encode_images([decode(photos["astronaut"])], 1)[0]
-    ids = [1, 2, *([card.image_token_id] * int(feats.shape[0])), 7]
+    feats = gpu_model.encode_images([decode(photos["astronaut"])], 1)[0]
+    ids = [1, 2, *([gpu_model.image_token_id] * int(feats.shape[0])), 7]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():
-            embeds = card.embed(ids, 0, feats)
+            embeds = gpu_model.embed(ids, 0, feats)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(embeds[0, 2:-1], feats.to(embeds.dtype))
