@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+from tests.server_fixtures import OutputLines, stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -77,3 +82,45 @@ def test_demo_runs_on_the_checkpoint_model_dir_names(tmp_path):
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
     assert str(model_dir) in done.stdout and "RANDOM weights" not in done.stdout[:1500]
     assert "Q3 (independent" in done.stdout and "stopped the server" in done.stdout
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_ctrl_c_during_the_demo_leaves_nothing_behind(tmp_path, when):
+    """Ctrl-C (SIGINT to the demo's process group, as a terminal sends it) while TorchServe starts, or
+    once it serves: the demo says it was interrupted, and leaves no process, no temp folder and no kept
+    log folder in its TMPDIR (a failed start keeps its logs; a stopped one has nothing to read)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(tmp_path)}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "llava_tools.demo"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    out = OutputLines(demo.stdout, demo)
+    seen: dict[int, psutil.Process] = {}
+    try:
+        if when == "serving":
+            out.wait_for(re.compile(r"\[2/4\] TorchServe is serving"), 240)
+        else:
+            out.wait_for(re.compile(r"\[1/4\]"), 120)
+            deadline = time.monotonic() + 120
+            while not list(tmp_path.glob("llava-serve-*/logs/*.log")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for child in psutil.Process(demo.pid).children(recursive=True):
+            seen.setdefault(child.pid, child)
+        assert demo.poll() is None, out.drain()
+        os.killpg(demo.pid, signal.SIGINT)
+        demo.wait(timeout=120)
+    finally:
+        stop_process(demo, 5)
+    text = out.drain()
+    if when == "starting":
+        assert "[2/4]" not in text, "the start finished before the signal: nothing was interrupted"
+    assert demo.returncode == 130 and "demo: interrupted" in text and "Traceback" not in text, text[-3000:]
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_"))  # torch's cache
+    assert left == [], "left behind in TMPDIR"
+    assert [p.pid for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []

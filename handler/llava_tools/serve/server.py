@@ -260,7 +260,8 @@ class LocalServer(Supervised):
                 self._start_supervisor()
         except BaseException as exc:
             tail = self.tail_logs(40)
-            self.stop(keep_logs=True)
+            # a failed start keeps its logs to read; one the user stopped (Ctrl-C, a signal) leaves nothing
+            self.stop(keep_logs=not (isinstance(exc, KeyboardInterrupt) or self._abort.is_set()))
             if isinstance(exc, ServerStartError):
                 kept = f"\nlogs kept in {self.kept_logs}" if self.kept_logs else ""
                 raise ServerStartError(f"{exc}\n{tail}{kept}") from None
