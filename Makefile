@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install system-deps test test-container-stack demo web notebook bench bench-peer bench-gpu bench-gpu-serve gpu-smoke gpu-check test-gpu gpu-wheels lint clean
+.PHONY: install system-deps screenshot test test-container-stack demo web notebook bench bench-peer bench-gpu bench-gpu-serve gpu-smoke gpu-check test-gpu gpu-wheels lint clean
 
 # config/constraints.txt: the one stack, the versions the container installs too (Dockerfile)
 CONSTRAINTS := config/constraints.txt
@@ -64,6 +64,10 @@ demo: install
 web: install
 	bash tests/system_deps.sh demo
 	$(PY) -m llava_tools.demo.web $(if $(MODEL_DIR),--model-dir $(MODEL_DIR),) $(if $(PORT),--port $(PORT),)
+
+# docs/web-page.png taken again by the web page's browser test (which checks the picture shows today's page)
+screenshot: install system-deps
+	WRITE_DOCS_SCREENSHOT=1 $(PY) -m pytest -q -p no:cacheprovider tests/client/test_web.py -k make_web_page
 
 # the notebook top to bottom, locally (its own TorchServe on the tiny model; no AWS), each cell's output printed
 notebook: install

@@ -39,6 +39,9 @@ SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 IMAGE_TOKENS = 576  # the tiny model's image placeholders (336 px, patch 14)
+#: The page as docs/serving.md shows it, with the controls it showed (a PNG text chunk of that name).
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "web-page.png"
+SCREENSHOT_KEY = "llava-web-controls"
 
 
 # ---------------------------------------------------------------------------------------- sentences
@@ -180,6 +183,14 @@ class Page:
             time.sleep(0.1)
         raise AssertionError(f"no answer to {question!r} in {timeout} s; the status line reads {self.status()!r}")
 
+    def controls(self) -> list[str]:
+        """The page's own elements (``llava-*`` ids), each button with its label, sorted."""
+        found = self.d.execute_script(
+            "return Array.from(document.querySelectorAll('[id^=llava-]'))"
+            ".map(e => e.tagName === 'BUTTON' ? e.id + ': ' + e.innerText.trim() : e.id)"
+        )
+        return sorted(set(found))
+
     def click(self, elem_id: str) -> None:
         self._all(f"#{elem_id}")[0].click()
 
@@ -266,6 +277,25 @@ def _worker_pids(psutil, root_pid: int) -> list[int]:
     return found
 
 
+def _check_the_docs_screenshot(taken: Path, controls: list[str]) -> None:
+    """docs/web-page.png shows the page llava-web serves: the controls recorded in it are the page's
+    now. ``make screenshot`` (``WRITE_DOCS_SCREENSHOT=1``) replaces it with ``taken`` first."""
+    import json
+
+    from PIL import Image, PngImagePlugin
+
+    shown = json.dumps(controls)
+    if os.environ.get("WRITE_DOCS_SCREENSHOT") == "1":
+        info = PngImagePlugin.PngInfo()
+        info.add_text(SCREENSHOT_KEY, shown)
+        Image.open(taken).save(SCREENSHOT, pnginfo=info, optimize=True)
+    recorded = Image.open(SCREENSHOT).text.get(SCREENSHOT_KEY)  # type: ignore[attr-defined]
+    assert recorded == shown, (
+        f"docs/web-page.png shows another page than llava-web serves now ({recorded} against {shown}): "
+        "`make screenshot` takes it again"
+    )
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_make_web_page_chats_streams_reuses_the_kv_cache_and_cleans_up(browser, tmp_path, photos):
@@ -323,6 +353,7 @@ def test_make_web_page_chats_streams_reuses_the_kv_cache_and_cleans_up(browser, 
         assert int(re.search(r"reused (\d+) of", status).group(1)) > IMAGE_TOKENS, status
         browser.save_screenshot(str(tmp_path / "page.png"))
         assert (tmp_path / "page.png").stat().st_size > 10_000
+        _check_the_docs_screenshot(tmp_path / "page.png", page.controls())
 
         # a video dropped on this image-only model is refused: the session and the chat stay as they were
         clip = tmp_path / "clip.mp4"

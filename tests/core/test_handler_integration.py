@@ -619,7 +619,18 @@ def test_unknown_ids_leave_no_job_group_behind(small_server, photos):
         assert post(small_server, {"type": "close_session"}, session_id=s).status_code == 200
 
 
-def test_past_max_num_sequence_a_new_session_waits_at_the_front_then_gets_a_shaped_503(small_server, photos):
+def _torchserve_requests(server, until=lambda n: True) -> float:
+    """TorchServe's ``ts_inference_requests_total`` (every request it took, refused ones too), once
+    ``until(total)`` holds (or 20 s)."""
+    pattern = re.compile(r"^ts_inference_requests_total\{[^}]*\} ([0-9.e+-]+)$", re.M)
+
+    def total(text: str) -> float:
+        return sum(float(m.group(1)) for m in pattern.finditer(text))
+
+    return total(prometheus_text(server.metrics_url, lambda text: until(total(text)), 20))
+
+
+def test_past_max_num_sequence_a_new_session_waits_at_the_proxy_then_gets_a_shaped_503(small_server, photos):
     """No spare job group (maxNumSequence = max_sessions = 3): TorchServe refuses the 4th session before
     the handler sees it. The proxy holds the request and sends it again as relays end: it opens once a
     session closes; still refused at ``queue_timeout_s``, it gets ``503 overloaded`` with
@@ -639,9 +650,11 @@ def test_past_max_num_sequence_a_new_session_waits_at_the_front_then_gets_a_shap
             client.open_session(photos["coffee"])
         assert info.value.code == "overloaded" and info.value.retry_after == 1
         held: list[requests.Response] = []
+        sent = _torchserve_requests(small_server)
         waiter = threading.Thread(target=lambda: held.append(post(small_server, body)))
         waiter.start()
-        time.sleep(0.5)
+        # refused, then sent again: it is held at the proxy (TorchServe counts each send)
+        assert _torchserve_requests(small_server, until=lambda n: n >= sent + 2) >= sent + 2
         assert post(small_server, {"type": "close_session"}, session_id=sids.pop()).status_code == 200
         waiter.join()
         assert held[0].status_code == 200, held[0].text  # held, then opened in the freed job group
