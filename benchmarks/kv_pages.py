@@ -25,6 +25,7 @@ Usage: python benchmarks/kv_pages.py [--model bench] [--rows 8] [--steps 16] [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -37,8 +38,10 @@ import torch
 from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
+from llava_sessions.model.fused import attention_on
 from llava_sessions.model.kv.paged import KVPages, SlotsCache
 from llava_sessions.model.kv.pages import PagePool, PageTable, fork, release, reserve
+from llava_sessions.model.kv.runs import PAGED_RUNS_ATTENTION, reading_runs
 from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
 from llava_tools.tiny_model import write_checkpoint
@@ -89,10 +92,11 @@ def contiguous_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor
     return tokens, statistics.median(times), build_ms, build_bytes, own_bytes
 
 
-def paged_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int):
+def paged_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int, runs: bool = False):
     """The rows' shared image prefix prefilled once into the pool, each row a fork of it that
-    prefills its question; then ``steps`` decode steps over the pages. Returns (tokens per row, step
-    ms, bytes the pool's pages hold after the prefills)."""
+    prefills its question; then ``steps`` decode steps over the pages, attention reading each row's
+    positions gathered, or with ``runs`` its runs of pages as views (``model/kv/runs.py``). Returns
+    (tokens per row, step ms, bytes the pool's pages hold after the prefills)."""
     text = llava.config.text_config
     num_pages = sum(-(-(len(r) + steps) // PAGE) for r in ids) + 8
     kv = KVPages(text.num_hidden_layers, num_pages, PAGE, llava.num_kv_heads, llava.head_dim, llava.dtype, "cpu")
@@ -114,8 +118,10 @@ def paged_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, ste
         for table in tables:
             reserve(pool, table, 1)
         t0 = time.perf_counter()
-        cache = SlotsCache.of_rows(kv, tables)
-        with torch.inference_mode():
+        cache = SlotsCache.of_rows(kv, tables, runs=runs)
+        reading = reading_runs(cache.runs) if cache.runs is not None else contextlib.nullcontext()
+        on = attention_on(text, PAGED_RUNS_ATTENTION) if runs else contextlib.nullcontext()
+        with torch.inference_mode(), reading, on:
             out = llava.model(
                 input_ids=torch.tensor([[t[-1]] for t in tokens]),
                 attention_mask=cache.attention_mask,
@@ -185,15 +191,18 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             c_tokens, c_ms, build_ms, build_bytes, own_bytes = contiguous_rows(llava, ids, feats, args.steps)
             p_tokens, p_ms, held = paged_rows(llava, ids, feats, args.steps)
-        row = {"contiguous_step_ms": c_ms, "paged_step_ms": p_ms, "rebuild_ms": build_ms,
-               "identical": c_tokens == p_tokens}  # fmt: skip
+            r_tokens, r_ms, _ = paged_rows(llava, ids, feats, args.steps, runs=True)
+        row = {"contiguous_step_ms": c_ms, "paged_step_ms": p_ms, "runs_step_ms": r_ms, "rebuild_ms": build_ms,
+               "identical": c_tokens == p_tokens == r_tokens}  # fmt: skip
         rounds.append(row)
         print(f"round {r}", json.dumps(row), flush=True)
     c = statistics.median(x["contiguous_step_ms"] for x in rounds)
     p = statistics.median(x["paged_step_ms"] for x in rounds)
+    runs_ms = statistics.median(x["runs_step_ms"] for x in rounds)
     report = {
         "model": args.model, "rows": args.rows, "prompt_tokens": [len(i) for i in ids], "page_size": PAGE,
-        "decode_step_ms": {"contiguous": round(c, 2), "paged": round(p, 2), "ratio": round(p / c, 2)},
+        "decode_step_ms": {"contiguous": round(c, 2), "paged": round(p, 2), "ratio": round(p / c, 2),
+                           "paged_runs": round(runs_ms, 2), "runs_ratio": round(runs_ms / c, 2)},
         "join": {"contiguous_rebuild_ms": round(statistics.median(x["rebuild_ms"] for x in rounds), 2),
                  "contiguous_rebuild_bytes": build_bytes, "paged_bytes": 0},
         "kv_bytes": {"contiguous": own_bytes, "paged": held, "ratio": round(held / own_bytes, 3)},

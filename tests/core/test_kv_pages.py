@@ -17,9 +17,11 @@ import torch
 from engine_fixtures import decode, make_engine
 from llava_sessions.engine.paged_batch import PagedDecodeBatch
 from llava_sessions.metrics import WorkerMetrics
+from llava_sessions.model.fused import attention_on
 from llava_sessions.model.kv import paged as paged_kv
 from llava_sessions.model.kv.paged import KVPages, KVPool, SessionKV, SlotsCache
 from llava_sessions.model.kv.pages import PageCopy, PagePool, PageTable, fork, release, reserve, truncate
+from llava_sessions.model.kv.runs import PAGED_RUNS_ATTENTION, reading_runs, table_runs
 from llava_sessions.sampling.sampler import SamplingParams
 
 N = 8  # greedy tokens per answer
@@ -208,6 +210,71 @@ def test_rows_decode_together_exactly_and_join_or_leave_without_moving_kv(llava,
     assert (tokens["a"], tokens["b"]) == (ref_a, ref_b)
     assert kv.num_copied_bytes == 0  # no row's KV moved, whoever joined or left
     assert [t.data_ptr() for t in kv.keys + kv.values] == storage
+
+
+def test_a_table_s_runs_are_its_consecutive_pages_as_slot_ranges() -> None:
+    assert table_runs([3, 4, 5, 9, 10, 2], 16 * 5 + 3, PAGE) == [(48, 96), (144, 176), (32, 35)]
+    assert table_runs([7], 1, PAGE) == [(112, 113)]
+    assert table_runs([1, 2, 3], 17, PAGE) == [(16, 33)]  # positions past num_tokens are not read
+    with pytest.raises(IndexError):
+        table_runs([1], 17, PAGE)
+
+
+def test_holders_growing_side_by_side_keep_their_pages_in_runs() -> None:
+    """Eight tables prefilled, then growing a page at a time in turn, as a decode step's rows do: each
+    keeps its pages in few runs (a growing table takes the page after its last; a new run starts mid
+    the longest free run), where a first-free list would interleave them page by page."""
+    pool = PagePool(1024, PAGE)
+    tables = [PageTable() for _ in range(8)]
+    for table in tables:
+        reserve(pool, table, 600)
+    for _ in range(20 * PAGE):
+        for table in tables:
+            reserve(pool, table, 1)
+    for table in tables:
+        assert len(table_runs(table.pages, table.num_tokens, PAGE)) <= 2, table.pages
+    assert pool.free_pages() == [p for p in range(pool.num_pages) if pool.ref_count(p) == 0]
+    for table in tables:
+        release(pool, table)
+    assert pool.num_free_pages == 1024 and pool.allocate(1024) is not None  # every page free again, in one run
+
+
+def test_a_decode_step_reading_runs_answers_as_the_gathered_one_over_scattered_pages(llava, two_questions) -> None:
+    """Rows whose pages are scattered (a shared prefix, then pages taken in turn, as crowded growth
+    leaves them): the step reading each row's runs of pages as views gives the gathered step's logits
+    within float rounding, and the same greedy tokens as ``generate``."""
+    ids_a, ids_b, ref_a, ref_b, features, common = two_questions
+    pool, kv = new_pool(llava, 256)
+    taken = pool.allocate(256)
+    assert taken is not None
+    pool.free(taken[::2])  # every other page free: no two free pages are consecutive
+    prefix = PageTable()
+    prefill(llava, pool, kv, prefix, ids_a[:common], features)
+    tables = {"a": fork(pool, prefix), "b": fork(pool, prefix)}
+    release(pool, prefix)
+    tokens = {
+        "a": [prefill(llava, pool, kv, tables["a"], ids_a, features)],
+        "b": [prefill(llava, pool, kv, tables["b"], ids_b, features)],
+    }
+    text = llava.config.text_config
+    for _ in range(N - 1):
+        rows = ["a", "b"]
+        for r in rows:
+            reserve(pool, tables[r], 1)
+        logits = {}
+        for runs in (False, True):
+            cache = SlotsCache.of_rows(kv, [tables[r] for r in rows], runs=runs)
+            ids = [tokens[r][-1] for r in rows]
+            if runs:
+                assert all(len(spans) > 30 for spans in cache.runs)  # a run per page
+                with reading_runs(cache.runs), attention_on(text, PAGED_RUNS_ATTENTION):
+                    logits[runs] = llava.decode_batch(cache, ids, cache.positions, cache.attention_mask)
+            else:
+                logits[runs] = llava.decode_batch(cache, ids, cache.positions, cache.attention_mask)
+        torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+        for i, r in enumerate(rows):
+            tokens[r].append(int(logits[True][i].argmax()))
+    assert (tokens["a"], tokens["b"]) == (ref_a, ref_b)
 
 
 # ---------------------------------------------------------------------- the engine's sessions in the pool

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..model import KVPool, LlavaModel, SessionKV, SlotsCache, cache_len, held_len
+from ..model.fused import attention_on
 from ..model.kv.cache import undo_pass
+from ..model.kv.runs import PAGED_RUNS_ATTENTION, reading_runs
 from .memory import oom_attempts
 from .scheduler import BatchLayout
 
@@ -90,6 +92,10 @@ class PagedDecodeBatch:
         self.prefill_graphs = prefill_graphs
         self.rows: list[Sequence | None] = []
         self.num_builds = 0
+        #: An eager step reads its rows' runs of pages as views (:mod:`..model.kv.runs`), not gathered:
+        #: on a CPU, where the gather's copy was most of the step; a GPU's eager steps gather, and so do
+        #: a tensor-parallel replica's (its other ranks run the pass as sent, with SDPA).
+        self.read_runs = pool.pages.keys[0].device.type == "cpu" and model.ranks is None
 
     @property
     def num_live(self) -> int:
@@ -218,8 +224,11 @@ class PagedDecodeBatch:
             logits = self.graphs.run(tables, tokens)
             if logits is not None:
                 return logits
-        step = SlotsCache.of_rows(self.pool.pages, tables)
-        return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
+        step = SlotsCache.of_rows(self.pool.pages, tables, runs=self.read_runs)
+        if step.runs is None:
+            return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
+        with reading_runs(step.runs), attention_on(self.model.config.text_config, PAGED_RUNS_ATTENTION):
+            return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
 
     def forward_ahead(
         self, seqs: list[Sequence], tokens: torch.Tensor, room: Callable[[int], bool]

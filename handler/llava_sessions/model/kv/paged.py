@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .pages import PagePool, PageTable, fork, release, reserve, truncate
+from .runs import Runs, table_runs
 
 if TYPE_CHECKING:
     from .pages import PageCopy
@@ -225,6 +226,8 @@ class SlotsCache(Cache):
         attention_mask: ``[B, L]`` long, 1 where a row's positions are, 0 for its right padding (rows
             only; None for one sequence); pass it to the model as the attention mask.
         positions: each row's new position (its length - 1; rows only).
+        runs: each row's runs of slots (:func:`.runs.table_runs`) when the step reads them
+            (:meth:`of_rows` with ``runs``), else None.
     """
 
     def __init__(
@@ -241,6 +244,7 @@ class SlotsCache(Cache):
         )
         self.attention_mask: torch.Tensor | None = None
         self.positions: list[int] = []
+        self.runs: Runs | None = None
 
     @classmethod
     def of_sequence(cls, pages: KVPages, table: PageTable, num_new: int) -> SlotsCache:
@@ -259,17 +263,26 @@ class SlotsCache(Cache):
         return cls(pages, write, read, num_new)
 
     @classmethod
-    def of_rows(cls, pages: KVPages, tables: Sequence[PageTable]) -> SlotsCache:
+    def of_rows(cls, pages: KVPages, tables: Sequence[PageTable], *, runs: bool = False) -> SlotsCache:
         """One decode step of several sequences, one new token each: ``tables``, one per row, each
         already reserved for its new token (its last position). A row joins or leaves a step by being
-        in the list or not: no KV moves."""
+        in the list or not: no KV moves.
+
+        With ``runs``, attention reads each row's runs of consecutive pages as views of the pool
+        (:mod:`.runs`: :attr:`runs` set, each layer's whole pool handed to attention, and a
+        ``[B, 1, 1, 1]`` mask that only stops transformers building one); else each row's positions
+        gathered and right-padded, :attr:`attention_mask` masking the pads."""
         device = pages.keys[0].device
         lengths = torch.tensor([t.num_tokens for t in tables])
         longest = int(lengths.max())
         read = page_slots([t.pages for t in tables], pages.page_size)[:, :longest]  # pads: page 0's, masked
         write = read[torch.arange(len(tables)), lengths - 1]
-        cache = cls(pages, write.to(device), read.to(device))
-        cache.attention_mask = (torch.arange(longest)[None, :] < lengths[:, None]).long().to(device)
+        cache = cls(pages, write.to(device), read.to(device), whole_pool=runs)
+        if runs:
+            cache.runs = [table_runs(t.pages, t.num_tokens, pages.page_size) for t in tables]
+            cache.attention_mask = torch.ones(len(tables), 1, 1, 1, dtype=torch.bool, device=device)
+        else:
+            cache.attention_mask = (torch.arange(longest)[None, :] < lengths[:, None]).long().to(device)
         cache.positions = [t.num_tokens - 1 for t in tables]
         return cache
 
@@ -367,6 +380,7 @@ class KVPool:
         refs = [self.pool.ref_count(p) for p in range(self.pool.num_pages)]
         assert counts == refs, "the pool's reference counts differ from the holders' page tables"
         assert self.pool.num_free_pages == counts.count(0)
+        assert self.pool.free_pages() == [p for p, n in enumerate(counts) if n == 0], "the free map is off"
 
 
 class _SessionLayer(CacheLayerMixin):

@@ -13,6 +13,12 @@ references copies that one page first (copy on write, :func:`reserve`); full pag
 written again, so they are never copied. A holder's bytes are its pages: ``ceil(tokens /
 page_size) x page bytes``, nothing padded beyond its last page.
 
+Where a holder's pages go: each holder's pages are kept in as few runs of consecutive pages as the
+free pages allow, so attention can read a run as one view of the pool, with no gather
+(:mod:`.runs`). A holder that grows takes the page after its last one when that is free; a new run
+starts in the middle of the longest free run, leaving room on both sides for the holders around it
+to grow into (a buddy allocator's spreading, without its power-of-two sizes).
+
 Anchors, read and not copied: vLLM's block pool (``vllm/v1/core/block_pool.py``: ref counts, a free
 queue, the bookkeeping apart from the memory) and nano-vllm's ``engine/block_manager.py``
 (``can_allocate`` / ``allocate`` / ``deallocate``). An expected shortage returns None and changes
@@ -21,11 +27,15 @@ nothing; a caller's error raises.
 
 from __future__ import annotations
 
-from collections import deque
+import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 __all__ = ["PageCopy", "PagePool", "PageTable", "fork", "pages_for", "release", "reserve", "truncate"]
+
+
+#: A run of free pages in :attr:`PagePool._is_free`.
+_FREE_RUN = re.compile(b"\x01+")
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -49,18 +59,23 @@ class PagePool:
             raise ValueError(f"a pool needs at least one page of one position, not {num_pages} x {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(num_pages))
+        self._is_free = bytearray(b"\x01" * num_pages)  # 1 at a free page
+        self._num_free = num_pages
         self._refs = [0] * num_pages
 
     @property
     def num_free_pages(self) -> int:
         """Pages no holder references."""
-        return len(self._free)
+        return self._num_free
 
     @property
     def usage(self) -> float:
         """Share of the pages referenced, 0.0-1.0."""
-        return 1.0 - len(self._free) / self.num_pages
+        return 1.0 - self._num_free / self.num_pages
+
+    def free_pages(self) -> list[int]:
+        """The free pages, in order."""
+        return [p for p, free in enumerate(self._is_free) if free]
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that ``num_tokens`` positions fill (:func:`pages_for`)."""
@@ -79,17 +94,39 @@ class PagePool:
         """
         if num_pages < 1:
             raise ValueError(f"a pool grows by at least one page, not {num_pages}")
-        self._free.extend(range(self.num_pages, self.num_pages + num_pages))
+        self._is_free.extend(b"\x01" * num_pages)
+        self._num_free += num_pages
         self._refs.extend([0] * num_pages)
         self.num_pages += num_pages
 
-    def allocate(self, num_pages: int) -> list[int] | None:
-        """Take ``num_pages`` free pages (each referenced once); None, taking none, when fewer are free."""
-        if num_pages > len(self._free):
+    def allocate(self, num_pages: int, after: int | None = None) -> list[int] | None:
+        """Take ``num_pages`` free pages (each referenced once), in as few runs as the free pages allow
+        (module docstring); None, taking none, when fewer are free.
+
+        Args:
+            num_pages: pages to take.
+            after: the holder's last page, when it grows: the pages right after it come first.
+        """
+        if num_pages > self._num_free:
             return None
-        pages = [self._free.popleft() for _ in range(num_pages)]
+        if num_pages == 0:
+            return []
+        free = self._is_free
+        if after is not None and free[after + 1 : after + 1 + num_pages] == b"\x01" * num_pages:
+            pages = list(range(after + 1, after + 1 + num_pages))
+        else:
+            pages = []
+            runs = sorted(((m.end() - m.start(), m.start()) for m in _FREE_RUN.finditer(free)), reverse=True)
+            for length, start in runs:
+                take = min(length, num_pages - len(pages))
+                first = start + (length - take) // 2 if not pages else start  # a new run: mid-run
+                pages.extend(range(first, first + take))
+                if len(pages) == num_pages:
+                    break
         for page in pages:
+            free[page] = 0
             self._refs[page] = 1
+        self._num_free -= num_pages
         return pages
 
     def share(self, pages: list[int]) -> None:
@@ -115,7 +152,8 @@ class PagePool:
                 raise ValueError(f"page {page} is already free")
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                self._free.append(page)
+                self._is_free[page] = 1
+                self._num_free += 1
 
 
 @dataclass
@@ -160,7 +198,8 @@ def reserve(pool: PagePool, table: PageTable, num_tokens: int) -> list[PageCopy]
     used = table.num_tokens % size
     shared_tail = used > 0 and pool.ref_count(table.pages[table.num_tokens // size]) > 1
     need = pool.pages_for(table.num_tokens + num_tokens) - len(table.pages) + int(shared_tail)
-    fresh = pool.allocate(need) if need > 0 else []
+    last = table.pages[-1] if table.pages and not shared_tail else None
+    fresh = pool.allocate(need, after=last) if need > 0 else []
     if fresh is None:
         return None
     copies: list[PageCopy] = []

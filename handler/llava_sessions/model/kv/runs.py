@@ -1,0 +1,123 @@
+"""Decode attention over the KV pool read as runs of consecutive pages: each run one view of the pool.
+
+A decode step's rows read their positions from their pages. Gathered (:meth:`.paged.KVPages.gather`),
+every layer copies each row's keys and values into a padded batch before SDPA reads them again, about
+three times the bytes attention needs; on a CPU that copy, not the arithmetic, is most of the step
+(docs/decisions/19-the-kv-pool-in-pages.md). The pool keeps each holder's pages in few runs of
+consecutive pages (:class:`.pages.PagePool`: a growing holder takes the page after its last), and a run
+of pages is a run of slots, so it is a strided view of a layer's ``[slots, kv_heads, head_dim]``
+tensor: no copy. Here each row's attention is, per kv head, its query heads' scores against each run
+(``q @ k^T``, ``[kv_heads, group, run]``), the scores of its runs side by side, one softmax over all of
+them in float32, then the probabilities times each run's values, summed: the same softmax(q k^T) v as
+SDPA over the gathered positions, within float rounding. A decode row has one query, so its scores
+are one row per head, and nothing needs a mask: a row reads exactly its own positions.
+
+The attention function is registered with transformers' ``AttentionInterface`` as
+:data:`PAGED_RUNS_ATTENTION`; within :func:`reading_runs` and with that implementation on, a pass reads
+the rows' runs (:func:`table_runs`), while :class:`~.paged.SlotsCache` hands each layer's whole pool as the keys and
+values (``whole_pool``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+__all__ = ["PAGED_RUNS_ATTENTION", "Runs", "paged_runs_attention", "reading_runs", "table_runs"]
+
+#: The attention implementation's name while a decode step reads its rows' runs.
+PAGED_RUNS_ATTENTION = "llava_paged_runs"
+
+#: Each row's runs as slot ranges ``[(start, stop), ...]`` of the pool, in position order.
+Runs = list[list[tuple[int, int]]]
+
+_RUNS: ContextVar[Runs | None] = ContextVar("llava_paged_runs", default=None)
+
+
+def table_runs(pages: Sequence[int], num_tokens: int, page_size: int) -> list[tuple[int, int]]:
+    """The slot ranges ``[start, stop)`` holding a table's first ``num_tokens`` positions, one per run
+    of consecutive pages in ``pages`` (a table's pages in position order), in position order.
+
+    Raises:
+        IndexError: ``num_tokens`` is more than ``pages`` hold.
+    """
+    if num_tokens > len(pages) * page_size:
+        raise IndexError(f"{num_tokens} positions in {len(pages)} pages of {page_size}")
+    runs: list[tuple[int, int]] = []
+    left = num_tokens
+    i = 0
+    while left > 0:
+        j = i + 1
+        while j < len(pages) and pages[j] == pages[j - 1] + 1:
+            j += 1
+        start = pages[i] * page_size
+        n = min((j - i) * page_size, left)
+        runs.append((start, start + n))
+        left -= n
+        i = j
+    return runs
+
+
+@contextlib.contextmanager
+def reading_runs(runs: Runs) -> Iterator[None]:
+    """Within the block, :func:`paged_runs_attention` reads ``runs`` (one list per row of the pass);
+    the caller turns the attention implementation on (``fused.attention_on(..., PAGED_RUNS_ATTENTION)``)."""
+    token = _RUNS.set(runs)
+    try:
+        yield
+    finally:
+        _RUNS.reset(token)
+
+
+def paged_runs_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """One decode step's attention over the rows' runs (transformers' attention-function signature).
+
+    Args:
+        query: ``[B, heads, 1, head_dim]``, one query per row.
+        key, value: a layer's whole pool ``[1, kv_heads, slots, head_dim]`` (views).
+        attention_mask: unused: each row reads exactly its runs (set by :func:`reading_runs`).
+        scaling: the softmax scale (the model's; default ``head_dim ** -0.5``).
+
+    Returns:
+        ``([B, 1, heads, head_dim], None)``: the output as transformers' attention functions give it.
+
+    Raises:
+        RuntimeError: called outside :func:`reading_runs`, or with more than one query per row.
+    """
+    runs = _RUNS.get()
+    rows, heads, queries, dim = query.shape
+    if runs is None or queries != 1 or len(runs) != rows:
+        raise RuntimeError("paged runs attention reads one query per row, inside reading_runs()")
+    keys, values = key[0], value[0]  # [kv_heads, slots, head_dim]
+    kv_heads = keys.shape[0]
+    scale = dim**-0.5 if scaling is None else scaling
+    out = query.new_empty(rows, 1, heads, dim)
+    for r, spans in enumerate(runs):
+        q = query[r, :, 0].reshape(kv_heads, heads // kv_heads, dim) * scale
+        scores = torch.cat([q @ keys[:, a:b].transpose(1, 2) for a, b in spans], dim=-1)
+        probs = scores.float().softmax(-1).to(query.dtype)
+        total, offset = None, 0
+        for a, b in spans:
+            part = probs[..., offset : offset + b - a] @ values[:, a:b]
+            total = part if total is None else total + part
+            offset += b - a
+        assert total is not None  # a row reads at least its own new position
+        out[r, 0] = total.reshape(heads, dim)
+    return out, None
+
+
+AttentionInterface.register(PAGED_RUNS_ATTENTION, paged_runs_attention)
