@@ -165,7 +165,7 @@ class PagedDecodeBatch:
                     elif mixed is not None:
                         logits, last = mixed
                     else:
-                        step = SlotsCache.of_rows(self.pool.pages, tables)
+                        step = SlotsCache.of_rows(self.pool.pages, tables, runs=self.read_runs)
                         feats, mask = session.image_features, step.attention_mask
                         logits, last = self.model.fused_step(
                             step, tokens, positions, mask, session.kv_cache, ids, feats

@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv.cache import undo_pass
+from .kv.runs import attend_runs
 
 __all__ = [
     "FUSED_ATTENTION",
@@ -170,9 +171,13 @@ def fused_attention(
     cache = key.cache
     kwargs.pop("is_causal", None)
     b = cache.num_rows
-    rows, _ = sdpa_attention_forward(
-        module, _rows(query, b), key.batch, value.batch, cache.row_mask, is_causal=False, **kwargs
-    )
+    runs = getattr(cache.batch, "runs", None)  # rows read as runs of the pool (:mod:`.kv.runs`)
+    if runs is not None:
+        rows = attend_runs(_rows(query, b), key.batch, value.batch, runs, kwargs.get("scaling"))
+    else:
+        rows, _ = sdpa_attention_forward(
+            module, _rows(query, b), key.batch, value.batch, cache.row_mask, is_causal=False, **kwargs
+        )
     q_chunk = query[:, :, b:]
     mask = cache.chunk_mask(q_chunk.shape[2], query.device)
     chunk, _ = sdpa_attention_forward(module, q_chunk, key.session, value.session, mask, **kwargs)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-__all__ = ["PAGED_RUNS_ATTENTION", "Runs", "paged_runs_attention", "reading_runs", "table_runs"]
+__all__ = ["PAGED_RUNS_ATTENTION", "Runs", "attend_runs", "paged_runs_attention", "reading_runs", "table_runs"]
 
 #: The attention implementation's name while a decode step reads its rows' runs.
 PAGED_RUNS_ATTENTION = "llava_paged_runs"
@@ -84,24 +84,38 @@ def paged_runs_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """One decode step's attention over the rows' runs (transformers' attention-function signature).
+    """One decode step's attention over the rows' runs set by :func:`reading_runs` (transformers'
+    attention-function signature; ``attention_mask`` unused): :func:`attend_runs`.
+
+    Raises:
+        RuntimeError: called outside :func:`reading_runs`.
+    """
+    runs = _RUNS.get()
+    if runs is None:
+        raise RuntimeError("paged runs attention reads the rows' runs set by reading_runs()")
+    return attend_runs(query, key, value, runs, scaling), None
+
+
+def attend_runs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runs: Runs, scaling: float | None = None
+) -> torch.Tensor:
+    """Each row's attention over its runs of the pool (module docstring).
 
     Args:
         query: ``[B, heads, 1, head_dim]``, one query per row.
         key, value: a layer's whole pool ``[1, kv_heads, slots, head_dim]`` (views).
-        attention_mask: unused: each row reads exactly its runs (set by :func:`reading_runs`).
+        runs: each row's slot ranges (:func:`table_runs`), ``B`` lists.
         scaling: the softmax scale (the model's; default ``head_dim ** -0.5``).
 
     Returns:
-        ``([B, 1, heads, head_dim], None)``: the output as transformers' attention functions give it.
+        ``[B, 1, heads, head_dim]``: the output as transformers' attention functions give it.
 
     Raises:
-        RuntimeError: called outside :func:`reading_runs`, or with more than one query per row.
+        RuntimeError: more than one query per row, or not one list of runs per row.
     """
-    runs = _RUNS.get()
     rows, heads, queries, dim = query.shape
-    if runs is None or queries != 1 or len(runs) != rows:
-        raise RuntimeError("paged runs attention reads one query per row, inside reading_runs()")
+    if queries != 1 or len(runs) != rows:
+        raise RuntimeError(f"runs attention reads one query per row: {queries} for {len(runs)} runs of {rows}")
     keys, values = key[0], value[0]  # [kv_heads, slots, head_dim]
     kv_heads = keys.shape[0]
     scale = dim**-0.5 if scaling is None else scaling
@@ -117,7 +131,7 @@ def paged_runs_attention(
             offset += b - a
         assert total is not None  # a row reads at least its own new position
         out[r, 0] = total.reshape(heads, dim)
-    return out, None
+    return out
 
 
 AttentionInterface.register(PAGED_RUNS_ATTENTION, paged_runs_attention)
