@@ -16,11 +16,9 @@ model's own layers and SDPA attention run unchanged:
   gathered and right-padded (``[B, kv_heads, longest, head_dim]``, pads masked by
   :attr:`SlotsCache.attention_mask`). A row joins or leaves the step by being in the list or not.
 
-The gather is a copy of the attended positions per layer per pass (transformers' continuous
-batching reads its paged cache the same way). On a CPU, gather + SDPA was measured several times slower than contiguous SDPA
-(docs/decisions/19-the-kv-pool-in-pages.md), which is why the decode batch on the CPU stays the
-contiguous :class:`~.cache.BatchKVCache`. Greedy tokens through these caches equal ``model.generate``'s
-in fp32 (tests/core/test_kv_pages.py).
+The gather copies the attended positions per layer per pass; a decode step on a CPU reads each row's
+runs of pages as views of the pool instead (:mod:`.runs`). Greedy tokens through these caches equal
+``model.generate``'s in fp32 (tests/core/test_kv_pages.py).
 """
 
 from __future__ import annotations
@@ -494,11 +492,7 @@ class SessionKV(Cache):
         return SessionKV(self.pool, fork(self.pool.pool, self.table, num_tokens))
 
     def truncate(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` positions; the pages past them are freed.
-
-        Raises:
-            ValueError: more positions than held.
-        """
+        """Keep the first ``num_tokens`` positions, freeing the pages past them (ValueError: more than held)."""
         truncate(self.pool.pool, self.table, num_tokens)
 
     def release(self) -> None:
