@@ -49,12 +49,12 @@ class FloorHandler:
 
     def _forward(self) -> bytes:
         """The bare model work of a 1-token follow-up; returns the reply with its time as total_ms."""
-        from llava_sessions.model import crop_cache
+        from llava_sessions.model.kv.cache import undo_pass
 
         t0 = time.perf_counter()
         logits = self.llava.prefill(self.cache, self.ids, None)
         int(logits.argmax())
-        crop_cache(self.cache, 581)
+        undo_pass(self.cache, 581)
         total_ms = (time.perf_counter() - t0) * 1000.0
         return json.dumps({"details": {"timings": {"total_ms": round(total_ms, 3)}}}).encode()
 

@@ -21,8 +21,8 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    a GPU with a static cache, as its docs describe), ms per token: the median gap between its generated
    tokens, read by a streamer inside the call, after a warm-up generate.
 
-7. **CUDA graphs against eager** (when the engine's paged decode step has static shapes:
-   ``--decode-layout auto`` or ``paged`` on a GPU, or ``--cuda-graphs on``): the graphs captured and
+7. **CUDA graphs against eager** (when the engine's decode step has static shapes: on a GPU, or
+   ``--cuda-graphs on``): the graphs captured and
    the seconds the capture took at start; one session's and three sessions' greedy answers (three
    rows run in the four-row bucket, one pad row) replayed, then the same static pass run eagerly
    (tokens identical: issue 43's replay equals eager on the same device), then eagerly at the rows'
@@ -31,10 +31,6 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    replayed against eager, ms each (``vision_graph``). So are the prefill graphs (``model/prefill_graphs.py``):
    a cold image turn with the open's prefill replayed, the same static pass eager, and at its own shape,
    ms each, and their capture's seconds (``prefill_graph``).
-8. **The other decode layout**: batch-1 decode and the aggregate again, in a second engine whose
-   answers decode in the layout the first did not (``contiguous``: one batch tensor, a joining
-   answer's KV copied; ``paged``: their sessions' pages, gathered per step), so the GPU chooses the
-   default by measurement.
 9. **Fused projections** (``model/projections.py``): batch-1 decode and the aggregate again in an engine
    over the same model with each layer's q/k/v and gate/up fused into one GEMM each, then apart again.
 10. **Compiled regions** (``model/regions.py``): the same in an engine over the model with each layer's
@@ -94,8 +90,7 @@ from engine_decode import build_runner, first_differences, run_together, sync
 from llava_sessions.config import Settings
 from llava_sessions.conversation import Chat
 from llava_sessions.engine import EngineLimits, SessionEngine
-from llava_sessions.engine.model_runner import KV_PAGE_SIZE, DecodeLayout, new_prefill_graphs
-from llava_sessions.engine.paged_batch import PagedDecodeBatch
+from llava_sessions.engine.model_runner import KV_PAGE_SIZE, new_prefill_graphs
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.graphs import PagedRead
@@ -346,12 +341,11 @@ def prefill_graph_rows(engine: SessionEngine, images: list[bytes], repeats: int)
     runner = engine.runner
     sync(engine.model.device)
     t0 = time.perf_counter()
-    prefills = new_prefill_graphs(engine.model, runner.kv_pool, runner.graphs)
+    prefills = new_prefill_graphs(engine.model, runner.pool, runner.graphs)
     capture_s = time.perf_counter() - t0
     assert prefills is not None
     runner.prefill_graphs = prefills
-    if isinstance(engine.batch, PagedDecodeBatch):  # an image chunk beside a decode step uses the same ones
-        engine.batch.prefill_graphs = prefills
+    engine.batch.prefill_graphs = prefills  # an image chunk beside a decode step uses the same ones
     params = SamplingParams(max_new_tokens=1)
     modes = ("replayed", "static_eager", "own_shape")
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -494,8 +488,6 @@ def cuda_graphs_arg(args: argparse.Namespace) -> bool | None:
 
 def new_engine(
     llava: LlavaModel,
-    page_size: int,
-    layout: DecodeLayout,
     graphs: bool | None,
     paged_read: PagedRead | None = None,
     cpu_pool_bytes: int = 1 << 27,
@@ -517,15 +509,9 @@ def new_engine(
     )
     decode = functools.partial(decode_image, max_pixels=40_000_000)
     limits = EngineLimits(max_new_tokens_cap=4096)
-    kw = {
-        "kv_page_size": page_size,
-        "decode_layout": layout,
-        "cuda_graphs": graphs,
-        "async_scheduling": async_scheduling,
-    }
-    engine = SessionEngine(llava, store, decode, limits, **kw)
+    engine = SessionEngine(llava, store, decode, limits, cuda_graphs=graphs, async_scheduling=async_scheduling)
     executor = engine.runner
-    if paged_read not in (None, paged_read_of(engine)) and executor.graphs is not None and executor.kv_pool is not None:
+    if paged_read not in (None, paged_read_of(engine)) and executor.graphs is not None:
         executor.read_pages(paged_read)  # type: ignore[arg-type]
     return engine
 
@@ -534,11 +520,6 @@ def paged_read_of(engine: SessionEngine) -> str:
     """How ``engine``'s static decode step reads the pages (``none`` without one)."""
     graphs = engine.runner.graphs
     return graphs.paged_read if graphs is not None else "none"
-
-
-def layout_of(engine: SessionEngine) -> str:
-    """The decode layout ``engine`` resolved (``auto`` is paged on a GPU)."""
-    return "paged" if isinstance(engine.batch, PagedDecodeBatch) else "contiguous"
 
 
 def answers(engine: SessionEngine, sids: list[str], new_tokens: int) -> tuple[list[list[int]], float]:
@@ -559,8 +540,8 @@ def graphs_against_eager(engine: SessionEngine, images: list[bytes], new_tokens:
     otherwise, so a near tie of a random model's logits can flip; the first differing token is
     reported); ms per step each."""
     batch = engine.batch
-    assert isinstance(batch, PagedDecodeBatch) and batch.graphs is not None
     graphs = batch.graphs
+    assert graphs is not None
     sids = [f"graph{i}" for i in range(3)]
     for i, sid in enumerate(sids):
         engine.open(sid, images[i % len(images)])
@@ -599,15 +580,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-peer", action="store_true", help="leave transformers' static-cache generate out")
-    ap.add_argument("--kv-page-size", type=int, default=KV_PAGE_SIZE, help="the KV pool's page (0: DynamicCaches)")
-    ap.add_argument("--decode-layout", default="auto", choices=["auto", "contiguous", "paged"])
     ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
-                    help="the paged step's static shapes (graphs on a GPU); off: the enforce_eager setting")  # fmt: skip
+                    help="the decode step's static shapes (graphs on a GPU); off: the enforce_eager setting")  # fmt: skip
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="the compile setting: the text layers fused and compiled before the engine (auto: on a GPU)")  # fmt: skip
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                     help="the engine's async scheduling (auto: with captured graphs)")  # fmt: skip
-    ap.add_argument("--skip-other-layout", action="store_true", help="leave the other decode layout's rows out")
     ap.add_argument("--paged-attention", default=None, choices=["gather", "flex", "auto"],
                     help="how the static decode step reads the pages (default: the engine's own; flex: "
                          "FlexAttention over the pool; auto: the gather below FLEX_MIN_ROWS rows, flex from there)")  # fmt: skip
@@ -636,9 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     t_engine = time.perf_counter()  # the engine's start: compiling the layers (on their first pass) and capture
     compiled = compiles(args.compile, device) and compile_text_layers(llava)  # as worker.build_engine does
     ahead = {"auto": None, "on": True, "off": False}[args.async_scheduling]
-    engine = new_engine(
-        llava, args.kv_page_size, args.decode_layout, graphs, args.paged_attention, async_scheduling=ahead
-    )
+    engine = new_engine(llava, graphs, args.paged_attention, async_scheduling=ahead)
     capture_s = time.perf_counter() - t_engine
     images = [sample_photo(p) for p in PHOTOS]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -649,7 +625,6 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(llava.dtype),
         "torch": torch.__version__,
         "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(),
-        "decode_layout": layout_of(engine),
         "paged_attention": paged_read_of(engine),
         "prefix_tokens": len(llava.template.prefix_ids(Chat(None, image_tokens=(llava.num_image_tokens,)))),
         "engine_start_s": round(capture_s, 2),
@@ -674,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_one": lambda: timed_batch_one(engine, llava, images[1], args),
         "turns": lambda: turns(engine, images, args.context, args.repeats),
         "aggregate": lambda: aggregate(engine, images, levels, args.new_tokens),
-        "kv_pool": lambda: pool_report(engine, args.context),
+        "pool": lambda: pool_report(engine, args.context),
         "greedy_rows": lambda: greedy_rows.table(device, [1, 8, 32, 64], vocab, args.repeats * 20),
     }  # fmt: skip
     for name in SECTIONS[: len(in_engine)]:
@@ -694,10 +669,6 @@ def main(argv: list[str] | None = None) -> int:
         release_memory(device)
     if not args.skip_peer and "peer" in wanted:
         report.run("peer", lambda: peer_static_generate(llava, images[2], args.new_tokens))
-    if not args.skip_other_layout and args.kv_page_size and "other_layout" in wanted:
-        other = "paged" if report.data["decode_layout"] == "contiguous" else "contiguous"
-        report.run("other_layout", lambda: other_layout(llava, other, images, levels, args))
-        release_memory(device)
     reads = OTHER_READS[report.data["paged_attention"]] if compare and "paged_read" in wanted else ()
     for read in reads:  # each in an engine of its own
         report.run(f"paged_read_{read}", lambda read=read: other_paged_read(llava, read, images, levels, args))
@@ -728,11 +699,10 @@ SECTIONS = (
     "batch_one",
     "turns",
     "aggregate",
-    "kv_pool",
+    "pool",
     "greedy_rows",
     "other_layers",
     "peer",
-    "other_layout",
     "paged_read",
     "attention_kernels",
 )
@@ -852,7 +822,7 @@ def timed_batch_one(engine: SessionEngine, llava: LlavaModel, image: bytes, args
 def pool_report(engine: SessionEngine, context: int) -> dict | None:
     """The KV pool's page size, pages, growths and bytes, and the sessions of ``context`` tokens its
     pages hold (issue 43: >= 100 at 600 on an 80 GB H100); None without a pool."""
-    pool = engine.runner.kv_pool
+    pool = engine.runner.pool
     if pool is None:
         return None
     return {
@@ -865,19 +835,10 @@ def pool_report(engine: SessionEngine, context: int) -> dict | None:
     }
 
 
-def other_layout(llava: LlavaModel, layout: DecodeLayout, images: list[bytes], levels: list[int],
-                 args: argparse.Namespace) -> dict:  # fmt: skip
-    """Batch-1 decode and the aggregate again in a second engine whose answers decode in ``layout``."""
-    graphs = cuda_graphs_arg(args)
-    engine = new_engine(llava, args.kv_page_size, layout, graphs, args.paged_attention)
-    b1 = timed_batch_one(engine, llava, images[1], args)
-    return {"decode_layout": layout, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
-
-
 def other_paged_read(llava: LlavaModel, read: PagedRead, images: list[bytes], levels: list[int],
                      args: argparse.Namespace) -> dict:  # fmt: skip
-    """Batch-1 decode, the aggregate and the graphs against eager again in an engine of the paged
-    layout whose static decode step reads the pages as ``read`` (``flex``: FlexAttention over the pool;
+    """Batch-1 decode, the aggregate and the graphs against eager again in an engine whose static
+    decode step reads the pages as ``read`` (``flex``: FlexAttention over the pool;
     its start's seconds include capturing the engine's own graphs first, then ``read``'s)."""
     graphs = cuda_graphs_arg(args)
     # on a CPU, a pool of twice what the compared sessions hold (every unfused FlexAttention step reads
@@ -885,7 +846,7 @@ def other_paged_read(llava: LlavaModel, read: PagedRead, images: list[bytes], le
     per_session = (args.context + args.new_tokens + 2 * KV_PAGE_SIZE) * llava.kv_bytes_per_token
     pool_bytes = 2 * (max(*levels, 3) + 1) * per_session + (1 << 24)
     t0 = time.perf_counter()
-    engine = new_engine(llava, args.kv_page_size, "paged", graphs, read, cpu_pool_bytes=pool_bytes)
+    engine = new_engine(llava, graphs, read, cpu_pool_bytes=pool_bytes)
     start_s = time.perf_counter() - t0
     b1 = timed_batch_one(engine, llava, images[1], args)
     rows = {"paged_attention": read, "batch_one": b1, "aggregate": aggregate(engine, images, levels, args.new_tokens)}
@@ -915,7 +876,7 @@ def changed_model(
             after = llava.prefill(llava.new_cache(), ids, None)
         first_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        engine = new_engine(llava, args.kv_page_size, args.decode_layout, cuda_graphs_arg(args), args.paged_attention)
+        engine = new_engine(llava, cuda_graphs_arg(args), args.paged_attention)
         start_s = time.perf_counter() - t0
         b1 = timed_batch_one(engine, llava, images[1], args)
         rows = aggregate(engine, images, levels, args.new_tokens)
@@ -939,7 +900,7 @@ def attention_kernels(llava: LlavaModel, args: argparse.Namespace) -> list[dict[
     """``paged_attention.measure`` at the text model's attention shape, ``--context`` positions and each
     of ``--kernel-rows`` rows, in the model's dtype, printed as it goes."""
     heads = llava.model.config.text_config.num_attention_heads
-    page = args.kv_page_size or KV_PAGE_SIZE
+    page = KV_PAGE_SIZE
     reports = []
     for rows in (int(r) for r in args.kernel_rows.split(",") if r):
         shape = AttentionShape(heads, llava.num_kv_heads, llava.head_dim, rows, args.context, page)
@@ -978,7 +939,7 @@ def print_table(report: dict[str, Any]) -> None:
     for n, row in report.get("async_scheduling", {}).get("rows", {}).items():
         label = f"{n} session(s), async scheduling against in step"
         print(f"{label:<48}{row['ahead_vs_in_step']:>10.2f}x tokens/s (same tokens: {row['same_tokens']})")
-    pool = report.get("kv_pool")
+    pool = report.get("pool")
     if pool and pool["fixed"]:
         label = f"sessions its {pool['bytes'] / 1e9:.1f} GB KV pool holds at {report.get('context', '')}"
         print(f"{label:<48}{pool['sessions_at_context']:>10d}")
@@ -991,7 +952,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
-    """The table's second half: graphs against eager, the attention kernels, the other decode layout."""
+    """The table's second half: graphs against eager, the attention kernels, the layers the other way."""
     g = report.get("graphs")
     if g:  # the static decode step (replayed graphs on a GPU) against eager at the step's own shape
         print(f"decode graphs: {g['num_graphs']} captured in {g['capture_s']} s")
@@ -1045,10 +1006,6 @@ def _print_graphs_and_kernels(report: dict[str, Any]) -> None:
         print(f"{what} ({layers['dynamo_graphs']} graphs, engine start {layers['engine_start_s']} s against "
               f"{report['engine_start_s']} s, logits differ by {layers['max_logit_difference']:.2e} at most):")  # fmt: skip
         _print_rows(layers, report)
-    other = report.get("other_layout")
-    if other and b1:  # the same rows in the other decode layout, as ratios to this run's
-        print(f"decode layout {other['decode_layout']} against {report['decode_layout']}:")
-        _print_rows(other, report)
 
 
 def _print_rows(other: dict[str, Any], report: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@
 # On a CPU, to check the script itself:
 #   LLAVA_TEST_DEVICE=cpu GPU_TABLE_ARGS="--device cpu --model tiny --dtype auto --levels 1,2" \
 #   GPU_SERVE_ARGS="--device cpu --model tiny --dtype auto --streams 2" bash benchmarks/gpu_check.sh
-# (add "--decode-layout paged --cuda-graphs on --async-scheduling on" to GPU_TABLE_ARGS for the sections
+# (add "--cuda-graphs on --async-scheduling on" to GPU_TABLE_ARGS for the sections
 # a GPU's static step has: graphs against eager, async scheduling)
 set -u
 # shellcheck source=benchmarks/gpu_setup.sh
@@ -47,7 +47,7 @@ echo "GPU suite: exit $?"
 tail -n 15 "$out/gpu_tests.txt"
 
 # the smoke call's sections are not run again but the three the TorchServe table's goals read, first
-read -r -a table <<< "${GPU_TABLE_ARGS:---levels 1,32 --skip-other-layout --kernel-rows= --compare-paged-read off}"
+read -r -a table <<< "${GPU_TABLE_ARGS:---levels 1,32 --kernel-rows= --compare-paged-read off}"
 sections=${GPU_TABLE_SECTIONS:-batch_one,turns,aggregate,rest}
 timeout -k 5 "${GPU_TABLE_TIMEOUT_S:-85}" "$python" benchmarks/gpu.py "${table[@]}" --sections "$sections" \
   --json "$out/gpu.json" --deadline-s "${GPU_TABLE_DEADLINE_S:-65}" > "$out/gpu_log.txt" 2>&1

@@ -14,7 +14,7 @@ set -u
 # shellcheck source=benchmarks/gpu_setup.sh
 . "$(dirname "$0")/gpu_setup.sh"
 
-read -r -a table <<< "${SMOKE_TABLE_ARGS:---levels 1,32 --skip-other-layout --kernel-rows= --compare-paged-read off}"
+read -r -a table <<< "${SMOKE_TABLE_ARGS:---levels 1,32 --kernel-rows= --compare-paged-read off}"
 timeout -k 5 "${SMOKE_TABLE_TIMEOUT_S:-115}" "$python" benchmarks/gpu.py "${table[@]}" --sections smoke \
   --json "$out/gpu_smoke.json" --deadline-s "${SMOKE_TABLE_DEADLINE_S:-85}" > "$out/gpu_smoke_log.txt" 2>&1
 echo "GPU table, smoke sections: exit $?"

@@ -1,32 +1,24 @@
-"""The KV pool in pages beside the contiguous decode batch, side by side in one run (issue 43).
+"""The decode step over the KV pool's pages, read two ways, side by side in one run.
 
 One model, ``--rows`` sessions on one photo, each asked its own question (prompt ~600 tokens on
 ``bench``), then decoding together. Measured, interleaved round by round, medians of ``--rounds``:
 
-1. **the decode step**: ms per step of all rows in one forward pass, (a) over the contiguous,
-   left-padded :class:`~llava_sessions.model.kv.cache.BatchKVCache` the engine uses, (b) over the
-   pool through :class:`~llava_sessions.model.kv.paged.SlotsCache` (attention reads each row's
-   pages gathered);
-2. **a row joining**: what laying the batch out anew costs the contiguous layout (every member's KV
-   copied: bytes and ms) against the pool's (a row joins by its table: 0 bytes);
-3. **the sessions' KV bytes**: each session's own contiguous cache (the image prefix copied into
-   each) against the pool's pages held (the prefix's full pages once, by reference count).
+1. **the decode step**: ms per step of all rows in one forward pass over the pool through
+   :class:`~llava_sessions.model.kv.paged.SlotsCache`, attention reading (a) each row's positions
+   gathered from its pages and padded (a GPU's eager read), (b) each row's runs of consecutive pages
+   as views of the pool (a CPU's, ``model/kv/runs.py``);
+2. **the sessions' KV bytes**: what each session's own contiguous cache would hold (the image prefix
+   copied into each) against the pool's pages held (the prefix's full pages once, by reference count).
 
-Greedy tokens of both layouts are compared for every row and step (fp32 must match).
+Greedy tokens of both reads are compared for every row and step (fp32 must match).
 
-4. **the engine**, its sessions' KV in the pool against a ``DynamicCache`` each (``kv_page_size=0``),
-   alternating round by round (``--engine-rounds``): follow-up TTFT at ``--context`` tokens, a cold
-   image turn and batch-1 decode ms per token, as ``benchmarks/gpu.py`` measures them.
-
-Usage: python benchmarks/kv_pages.py [--model bench] [--rows 8] [--steps 16] [--rounds 3]
-       [--engine-rounds 2] [--context 600] [--json FILE]
+Usage: python benchmarks/kv_pages.py [--model bench] [--rows 8] [--steps 16] [--rounds 3] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import statistics
 import sys
@@ -35,14 +27,12 @@ import time
 
 import torch
 
-from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.fused import attention_on
 from llava_sessions.model.kv.paged import KVPages, SlotsCache
 from llava_sessions.model.kv.pages import PagePool, PageTable, fork, release, reserve
 from llava_sessions.model.kv.runs import PAGED_RUNS_ATTENTION, reading_runs
-from llava_sessions.sessions.store import SessionStore
 from llava_tools.demo.samples import sample_photo
 from llava_tools.tiny_model import write_checkpoint
 
@@ -58,38 +48,6 @@ def prompts(llava: LlavaModel, rows: int) -> tuple[list[list[int]], torch.Tensor
         text = llava.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         out.append(llava.processor(text=text, images=image, return_tensors="pt")["input_ids"][0].tolist())
     return out, llava.encode_images([image])[0]
-
-
-def contiguous_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int):
-    """Each row prefilled into its own ``DynamicCache``; the batch built from them (timed: a join's
-    rebuild); then ``steps`` decode steps. Returns (tokens per row, step ms, build ms, build bytes)."""
-    caches, tokens = [], []
-    for row in ids:
-        cache = llava.new_cache()
-        tokens.append([int(llava.prefill(cache, row, feats).argmax())])
-        caches.append(cache)
-    width = max(len(r) for r in ids)
-    t0 = time.perf_counter()
-    batch = llava.new_batch_cache(len(ids), width + steps + 1)
-    mask = torch.zeros(len(ids), batch.capacity, dtype=torch.long)
-    for r, cache in enumerate(caches):
-        batch.load_row(r, cache, width)
-        batch.zero_leading(r, width - len(ids[r]))
-        mask[r, width - len(ids[r]) : width] = 1
-    batch.set_length(width)
-    build_ms = (time.perf_counter() - t0) * 1000
-    build_bytes = sum(len(r) for r in ids) * llava.kv_bytes_per_token
-    times = []
-    for s in range(steps):
-        col = batch.length
-        mask[:, col] = 1
-        t0 = time.perf_counter()
-        logits = llava.decode_batch(batch, [t[-1] for t in tokens], [len(r) + s for r in ids], mask[:, : col + 1])
-        times.append((time.perf_counter() - t0) * 1000)
-        for r, t in enumerate(tokens):
-            t.append(int(logits[r].argmax()))
-    own_bytes = sum(len(r) for r in ids) * llava.kv_bytes_per_token
-    return tokens, statistics.median(times), build_ms, build_bytes, own_bytes
 
 
 def paged_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, steps: int, runs: bool = False):
@@ -136,49 +94,12 @@ def paged_rows(llava: LlavaModel, ids: list[list[int]], feats: torch.Tensor, ste
     return tokens, statistics.median(times), held
 
 
-def engine_side_by_side(llava: LlavaModel, rounds: int, context: int, new_tokens: int) -> dict:
-    """The engine with its sessions' KV in the pool against ``DynamicCache``s (``kv_page_size=0``),
-    alternating round by round on one model: :mod:`gpu`'s follow-up TTFT, cold image turn and batch-1
-    decode (ms per token); medians, and pages / contiguous."""
-    from gpu import ForwardClock, batch_one_decode, turns
-
-    images = [sample_photo(p) for p in ("astronaut", "coffee", "chelsea")]
-    runs: dict[int, list[dict]] = {PAGE: [], 0: []}
-    for _ in range(rounds):
-        for page_size in runs:
-            store = SessionStore(device_budget_bytes=1 << 40, host_budget_bytes=1 << 40,
-                                 kv_bytes_per_token=llava.kv_bytes_per_token)  # fmt: skip
-            decode = functools.partial(decode_image, max_pixels=40_000_000)
-            engine = SessionEngine(llava, store, decode, EngineLimits(max_new_tokens_cap=4096), kv_page_size=page_size)
-            clock = ForwardClock(llava)
-            one = batch_one_decode(engine, clock, images[1], context, new_tokens)
-            clock.close()
-            t = turns(engine, images, context, 3)
-            runs[page_size].append({"follow_up_ttft_ms": t["follow_up"]["ttft_ms"],
-                                    "cold_image_turn_ms": t["cold_image_turn_ms"],
-                                    "decode_ms_per_token": one["ms_per_token"]})  # fmt: skip
-            print(f"engine kv_page_size={page_size}", json.dumps(runs[page_size][-1]), flush=True)
-    out: dict[str, dict] = {}
-    for key in runs[PAGE][0]:
-        paged = statistics.median(r[key] for r in runs[PAGE])
-        contiguous = statistics.median(r[key] for r in runs[0])
-        out[key] = {
-            "pages": round(paged, 2),
-            "dynamic_cache": round(contiguous, 2),
-            "ratio": round(paged / contiguous, 2),
-        }
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bench", choices=["tiny", "bench"])
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--engine-rounds", type=int, default=2, help="rounds of the engine side by side (0: none)")
-    ap.add_argument("--context", type=int, default=600, help="the engine's held session, tokens")
-    ap.add_argument("--new-tokens", type=int, default=32, help="the engine's batch-1 answer, tokens")
     ap.add_argument("--json", default=None, help="also write the report here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -189,27 +110,21 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     for r in range(args.rounds):
         with torch.inference_mode():
-            c_tokens, c_ms, build_ms, build_bytes, own_bytes = contiguous_rows(llava, ids, feats, args.steps)
-            p_tokens, p_ms, held = paged_rows(llava, ids, feats, args.steps)
+            g_tokens, g_ms, held = paged_rows(llava, ids, feats, args.steps)
             r_tokens, r_ms, _ = paged_rows(llava, ids, feats, args.steps, runs=True)
-        row = {"contiguous_step_ms": c_ms, "paged_step_ms": p_ms, "runs_step_ms": r_ms, "rebuild_ms": build_ms,
-               "identical": c_tokens == p_tokens == r_tokens}  # fmt: skip
+        row = {"gathered_step_ms": g_ms, "runs_step_ms": r_ms, "identical": g_tokens == r_tokens}
         rounds.append(row)
         print(f"round {r}", json.dumps(row), flush=True)
-    c = statistics.median(x["contiguous_step_ms"] for x in rounds)
-    p = statistics.median(x["paged_step_ms"] for x in rounds)
+    gathered = statistics.median(x["gathered_step_ms"] for x in rounds)
     runs_ms = statistics.median(x["runs_step_ms"] for x in rounds)
+    own_bytes = sum(len(i) for i in ids) * llava.kv_bytes_per_token  # each session's prompt in a cache of its own
     report = {
         "model": args.model, "rows": args.rows, "prompt_tokens": [len(i) for i in ids], "page_size": PAGE,
-        "decode_step_ms": {"contiguous": round(c, 2), "paged": round(p, 2), "ratio": round(p / c, 2),
-                           "paged_runs": round(runs_ms, 2), "runs_ratio": round(runs_ms / c, 2)},
-        "join": {"contiguous_rebuild_ms": round(statistics.median(x["rebuild_ms"] for x in rounds), 2),
-                 "contiguous_rebuild_bytes": build_bytes, "paged_bytes": 0},
-        "kv_bytes": {"contiguous": own_bytes, "paged": held, "ratio": round(held / own_bytes, 3)},
+        "decode_step_ms": {"gathered": round(gathered, 2), "runs": round(runs_ms, 2),
+                           "runs_ratio": round(runs_ms / gathered, 2)},
+        "kv_bytes": {"own_caches": own_bytes, "pages": held, "ratio": round(held / own_bytes, 3)},
         "identical_every_round": all(x["identical"] for x in rounds),
     }  # fmt: skip
-    if args.engine_rounds:
-        report["engine"] = engine_side_by_side(llava, args.engine_rounds, args.context, args.new_tokens)
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:

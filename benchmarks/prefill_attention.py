@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from llava_sessions.model import LlavaModel, crop_cache
+from llava_sessions.model import LlavaModel
+from llava_sessions.model.kv.cache import undo_pass
 from llava_tools.tiny_model import write_checkpoint
 
 
@@ -41,7 +42,7 @@ def timed_prefill(llava: LlavaModel, cache, ids: list[int], lower_right: bool) -
     logits = llava.prefill(cache, ids, None)
     sync(llava.device)
     ms = (time.perf_counter() - t0) * 1000
-    crop_cache(cache, start)
+    undo_pass(cache, start)
     return ms, logits
 
 

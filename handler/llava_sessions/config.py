@@ -5,9 +5,8 @@ Settings come from two sources, later ones winning:
 1. the ``handler:`` section of TorchServe's ``model-config.yaml`` (keys are the field names), and
 2. environment variables ``LLAVA_<FIELD NAME UPPER-CASED>`` (for example ``LLAVA_SESSION_TTL_S=600``).
 
-Everything is validated up front; an error message names the offending key (or variable) and
-says what to change. No torch here: :attr:`Settings.device` and :attr:`Settings.dtype` stay
-strings ("auto" is resolved by the engine once it knows whether a GPU is present).
+Everything is validated up front; an error message names the offending key (or variable) and says what to
+change. No torch here: ``device`` and ``dtype`` stay strings ("auto" is resolved once a GPU is known).
 """
 
 from __future__ import annotations
@@ -37,6 +36,9 @@ TOOL_ENV_VARS = frozenset({
 # fmt: on
 
 _GIB, _MIB = 1024**3, 1024**2
+
+#: Settings that no longer exist, and why: a config naming one is refused in one line, not run as if it were.
+REMOVED_SETTINGS = {"kv_pool": "every session's KV is in the KV pool", "decode_layout": "answers decode in their pages"}
 
 #: TorchServe job groups kept above the sessions a worker may hold (docs/decisions/43-spare-job-groups.md):
 #: a new session past ``max_sessions`` still reaches the handler, which answers ``503 overloaded``
@@ -195,19 +197,11 @@ class Settings(BaseModel):
         description="While answers decode, a step that prefills an open or an added image (no first token waits on "
         "it) takes at most this many decode steps alone (2: their gap at most doubles). Adaptive budget only.",
     )
-    kv_pool: Literal["auto", "on", "off"] = Field(
-        "auto", description="Sessions' KV in one pool of 16-token pages ('auto': on a GPU, off on a CPU)."
-    )
     max_prefill_tokens_per_pass: int = Field(
         8192, ge=16, description="Most prompt tokens one prefill pass runs (activation memory). Adaptive budget only."
     )
     step_max_ms: float = Field(100.0, gt=0.0, description="Most ms one scheduler call spends before replying.")
     fuse_prefill: bool = Field(True, description="While answers decode, a prefill chunk rides their forward pass.")
-    decode_layout: Literal["auto", "contiguous", "paged"] = Field(
-        "auto",
-        description="Answers decode in one batch tensor ('contiguous': a join copies the answer's KV; faster on a CPU) "
-        "or in their sessions' pages of the KV pool ('paged': nothing copied, CUDA graphs); 'auto': paged on a GPU.",
-    )
     enforce_eager: bool = Field(False, description="No CUDA graphs: a GPU's decode steps and prefills run eagerly.")
     async_scheduling: bool = Field(True, description="A GPU's CUDA-graph decode steps run one step ahead of the host.")
     image_preprocessing: Literal["host", "device"] = Field("host", description="Where llava-1.5 resizes images.")
@@ -262,7 +256,7 @@ class Settings(BaseModel):
     )
 
     # ---------------------------------------------------------------------------------------
-    @field_validator("device", "dtype", "kv_pool", "compile", "image_preprocessing", mode="before")
+    @field_validator("device", "dtype", "compile", "image_preprocessing", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:  # YAML 1.1 (PyYAML, TorchServe's too) reads a bare on/off as a boolean
         value = {True: "on", False: "off"}[value] if isinstance(value, bool) else value
@@ -374,6 +368,7 @@ class Settings(BaseModel):
             ValueError: ``unknown key(s) <where>: session_tl_s (did you mean session_ttl_s?)``, then where
                 every setting is listed, or, for a key like none, the valid keys.
         """
+        _refuse_removed(str(k) for k in keys)
         fields, unknown = cls.model_fields, sorted(str(k) for k in keys if k not in cls.model_fields)
         hinted = with_hints(unknown, fields)
         close = all("(did you mean" in h for h in hinted)
@@ -419,10 +414,8 @@ def _parse_env(name: str, var: str, text: str, annotation: Any) -> Any:
     try:
         if base is bool:
             lowered = value.lower()
-            if lowered in _TRUE:
-                return True
-            if lowered in _FALSE:
-                return False
+            if lowered in _TRUE | _FALSE:
+                return lowered in _TRUE
             raise ValueError
         if base is int:
             return int(value)
@@ -458,6 +451,7 @@ def _check_env_names(env: Mapping[str, str], fields: Iterable[str]) -> None:
     Raises:
         ValueError: naming each such variable and the closest setting's variable.
     """
+    _refuse_removed(k[len(ENV_PREFIX) :].lower() for k in env if k.startswith(ENV_PREFIX))
     known = {ENV_PREFIX + name.upper() for name in fields}
     unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known and k not in TOOL_ENV_VARS)
     if unknown:
@@ -465,6 +459,12 @@ def _check_env_names(env: Mapping[str, str], fields: Iterable[str]) -> None:
             f"unknown environment variable(s): {', '.join(with_hints(unknown, sorted(known)))}; a setting's "
             f"variable is {ENV_PREFIX}<SETTING NAME> (docs/configuration.md lists them)"
         )
+
+
+def _refuse_removed(names: Iterable[str]) -> None:
+    """Raises ValueError (one line) for a :data:`REMOVED_SETTINGS` key among ``names``."""
+    for name in (n for n in names if n in REMOVED_SETTINGS):
+        raise ValueError(f"the {name} setting is gone ({REMOVED_SETTINGS[name]} on every device); delete it")
 
 
 def with_hints(unknown: list[str], valid: Iterable[str]) -> list[str]:

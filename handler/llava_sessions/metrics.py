@@ -35,13 +35,11 @@ _DIMS = {"SessionBytes": ["Tier"], "Demotions": ["Tier"], "Errors": ["Code"], "K
 _MetricKey = tuple[str, tuple[str, ...]]
 
 
-def _kv_pool_gauges(engine: SessionEngine) -> dict[_MetricKey, float]:
-    """The replica's KV pool, when it has one: ``KVPoolBytes`` of the pages some session holds (each
-    shared page once: below the sessions' ``kv`` bytes when they share an image prefix) and of the
-    pages allocated (held or free)."""
-    pool = engine.runner.kv_pool
-    if pool is None:
-        return {}
+def _pool_gauges(engine: SessionEngine) -> dict[_MetricKey, float]:
+    """The replica's KV pool: ``KVPoolBytes`` of the pages some session holds (each shared page once:
+    below the sessions' ``kv`` bytes when they share an image prefix) and of the pages allocated
+    (held or free)."""
+    pool = engine.runner.pool
     return {("KVPoolBytes", ("used",)): pool.num_used_bytes(), ("KVPoolBytes", ("allocated",)): pool.pages.nbytes()}
 
 
@@ -112,7 +110,7 @@ class WorkerMetrics:
                 ("ConversationCacheEntries", ()): store.num_cache_entries,
                 ("ConversationCacheBytes", ()): store.num_cache_bytes,
                 ("KVOffloadBytes", ()): store.offload.num_bytes,
-                **_kv_pool_gauges(engine),
+                **_pool_gauges(engine),
             },
             "counters": {
                 ("Demotions", ("kv",)): st.num_demotions_kv,

@@ -268,8 +268,6 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         share_images=settings.share_images,
         unsalted=settings.unsalted_cache,
         fuse_prefill=settings.fuse_prefill and ranks == 1,
-        kv_page_size=KV_PAGE_SIZE if ranks > 1 else kv_page_size(settings.kv_pool, on_gpu),
-        decode_layout="paged" if ranks > 1 else settings.decode_layout,
         cuda_graphs=False if settings.enforce_eager or ranks > 1 else None,
         async_scheduling=None if settings.async_scheduling else False,
     )
@@ -327,11 +325,3 @@ def compile_text_layers(model: LlavaModel, compile_cache: Path | None = None) ->
         extra={**changed, **counts, "cache_loaded": loaded, "compile_s": took_s},
     )  # fmt: skip
     return True
-
-
-def kv_page_size(kv_pool: str, on_gpu: bool) -> int:
-    """Positions per page of the replica's KV pool for the ``kv_pool`` setting (0: none, each session
-    keeps its own ``DynamicCache``). ``auto`` is the pool on a GPU and none on a CPU: over HTTP on the
-    2-core CPU, 8 concurrent image streams ran at 1.33-1.39x ``transformers serve``'s tokens/s with the
-    pool against 1.58-1.59x without (docs/decisions/19-the-kv-pool-in-pages.md)."""
-    return KV_PAGE_SIZE if kv_pool == "on" or (kv_pool == "auto" and on_gpu) else 0

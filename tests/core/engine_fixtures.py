@@ -16,14 +16,13 @@ from llava_sessions.sessions.store import SessionStore
 decode = functools.partial(decode_image, max_pixels=40_000_000)
 
 
-#: The decode layouts the engine tests run answers in, as :func:`make_engine` keyword arguments:
-#: one batch tensor, the sessions' pages, and the pages through the static decode step a GPU
-#: replays as CUDA graphs (run eagerly on this CPU, over a fixed pool), with and without async scheduling.
+#: How the engine tests run answers, as :func:`make_engine` keyword arguments: each step at its own
+#: shape (``eager``, a CPU's default), and through the static decode step a GPU replays as CUDA graphs
+#: (run eagerly on this CPU, over a fixed pool), with and without async scheduling.
 LAYOUTS: dict[str, dict[str, Any]] = {
-    "contiguous": {"decode_layout": "contiguous"},
-    "paged": {"decode_layout": "paged"},
-    "static": {"decode_layout": "paged", "cuda_graphs": True, "async_scheduling": False},
-    "ahead": {"decode_layout": "paged", "cuda_graphs": True, "async_scheduling": True},
+    "eager": {},
+    "static": {"cuda_graphs": True, "async_scheduling": False},
+    "ahead": {"cuda_graphs": True, "async_scheduling": True},
 }
 
 

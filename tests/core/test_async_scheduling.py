@@ -115,7 +115,7 @@ def test_answers_launched_ahead_are_the_answers_in_step_and_leave_the_same_sessi
     same_answers(got, want)
     assert state(eng, cases) == want_state
     assert ahead.flight is None and ahead.num_steps >= 5
-    eng.runner.check_kv_pool(s.kv_cache for s in eng.store.sessions())
+    eng.runner.check_pool(s.kv_cache for s in eng.store.sessions())
     # and against code neither engine shares: model.generate from scratch, the greedy answers and a
     # follow-up on the sessions they leave (a position left in a session's KV shows here)
     for sid, photo, q, p in cases:

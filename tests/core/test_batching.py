@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.bias import CausalBias
 from transformers import AttentionInterface
 
-from engine_fixtures import LAYOUTS, decode, make_engine
+from engine_fixtures import LAYOUTS, make_engine
 from llava_sessions.conversation import Turn
 from llava_sessions.engine import Sequence, SessionEngine
 from llava_sessions.errors import ErrorCode, overloaded
@@ -22,7 +22,8 @@ from llava_sessions.model import cache_len
 from llava_sessions.model.fused import (
     FUSED_ATTENTION,
     LOWER_RIGHT_ATTENTION,
-    fusable,
+    attention_window,
+    context_limit,
     fused_attention,
     lower_right_attention,
     prefer_sdpa_backends,
@@ -63,32 +64,15 @@ def alone(llava, photos) -> dict[str, list]:
     return {sid: eng.generate(sid, q, p, remember=False).tokens for sid, _ph, _h, q, p in CASES}
 
 
-@pytest.mark.parametrize(
-    ("layout", "poisoned"),
-    [("contiguous", False), ("contiguous", True), ("paged", False), ("static", False), ("ahead", False)],
-    ids=["fresh", "nan-filled", "paged", "static", "ahead"],
-)
-def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos, layout, poisoned, monkeypatch):
-    """Rows of different lengths join and leave. ``nan-filled``: every batch cache is filled with NaN
-    as it is allocated (the worst its uninitialized memory may hold; only each row's left pads are
-    zeroed by the build), and the answers are still exact (against answers alone computed before any
-    cache is poisoned, so a leak both paths read cannot pass). ``paged``: the rows decode in their
-    sessions' pages (``decode_layout: paged``); ``static``: in their pages through the static decode
-    step a GPU replays as CUDA graphs (rows padded to a bucket with pad rows on the scratch page,
-    the attended length to one; run eagerly here), a question prefilled alone going in as the rows of
-    one such step, against answers alone in the default layout."""
+@pytest.mark.parametrize("layout", ["eager", "static", "ahead"])
+def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos, layout):
+    """Rows of different lengths join and leave, each decoding in its session's pages. ``eager``: each
+    step at its own shape (a CPU reads each row's runs of pages); ``static``: through the static decode
+    step a GPU replays as CUDA graphs (rows padded to a bucket with pad rows on the scratch page, the
+    attended length to one; run eagerly here), a question prefilled alone going in as the rows of one
+    such step; ``ahead``: the static step launched before the host reads its tokens. Against answers
+    alone."""
     expected = alone(llava, photos)
-    if poisoned:
-        allocate = llava.new_batch_cache
-
-        def nan_filled(num_rows: int, capacity: int):
-            cache = allocate(num_rows, capacity)
-            for layer in cache.batch_layers:
-                layer.keys.fill_(float("nan"))
-                layer.values.fill_(float("nan"))
-            return cache
-
-        monkeypatch.setattr(llava, "new_batch_cache", nan_filled)
     eng = make_engine(llava, **LAYOUTS[layout])
     open_all(eng, photos)
     gens: dict[str, Sequence] = {}
@@ -107,7 +91,7 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos
         graphs = eng.runner.graphs  # eager on a CPU, replayed on a GPU (make test-gpu)
         assert graphs is not None and graphs.num_eager + graphs.num_replays >= 10
         assert eng.runner.graphs.num_prefills >= 1  # a question no answer's step carried: one step's rows
-        assert eng.runner.kv_pool is not None and eng.runner.kv_pool.fixed and eng.runner.kv_pool.num_grows == 0
+        assert eng.runner.pool is not None and eng.runner.pool.fixed and eng.runner.pool.num_grows == 0
     for sid, gen in gens.items():
         assert gen.error is None and gen.answer is not None
         got, want = gen.answer.tokens, expected[sid]
@@ -115,7 +99,7 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos
         assert [t.text for t in got] == [t.text for t in want]
         if got[0].logprob is not None:
             assert all(abs(x.logprob - y.logprob) < 1e-3 for x, y in zip(got, want, strict=True))
-    assert eng.batch.cache is None and eng.store.batch_bytes == 0  # the last row left: the batch is freed
+    assert eng.batch.rows == []  # the last row left: the batch is empty
     for sid, *_ in CASES:  # every session is back in its own cache, as long as before the question
         s = eng.store.get(sid)
         assert not s.busy and cache_len(s.kv_cache) == len(s.cached_ids)
@@ -258,7 +242,7 @@ def test_batched_logits_match_single_decode_within_tolerance(llava, photos):
     assert len(lengths) >= 3  # really different context lengths, so really padded
     for g in gens:
         g.close()
-    assert batch.cache is None
+    assert batch.rows == []
 
 
 @pytest.mark.parametrize("kept", [0, 1])
@@ -279,11 +263,11 @@ def test_an_abandoned_row_leaves_its_session_as_before(llava, photos, kept):
     assert torch.equal(torch.tensor(s.cached_ids), torch.tensor(before[gone]))
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged", "static"])
+@pytest.mark.parametrize("layout", ["eager", "static"])
 def test_token_budget_chunks_prefills_while_running_answers_decode_every_step(llava, photos, layout):
     """An open (vision tower, then the prefix in chunks) and a restored session's re-prefill share
-    steps with running answers, their first chunk fused into the decode step's pass (over the contiguous
-    batch or the rows' pages): every step still decodes each running answer, and every answer
+    steps with running answers, their first chunk fused into the decode step's pass (over the rows'
+    pages, or beside the static step): every step still decodes each running answer, and every answer
     equals the one computed without a budget."""
     expected = alone(llava, photos)
     eng = make_engine(llava, **LAYOUTS[layout])
@@ -468,21 +452,20 @@ def test_a_riding_piece_that_cannot_start_fails_alone_and_the_decode_step_still_
     assert [t.id for t in ga.answer.tokens] == [t.id for t in expected["a"]]
 
 
-def test_only_a_model_attending_to_the_whole_context_runs_fused_passes(llava):
-    """The fused pass computes full attention: a sliding window (Mistral's default 4,096 tokens, Qwen2's
-    when ``use_sliding_window``) keeps every chunk a pass of its own."""
+def test_a_sliding_window_is_found_in_each_config_kind_and_caps_the_context():
+    """The window some layer attends within (Mistral's ``sliding_window``, Qwen2's when
+    ``use_sliding_window``), or None when every layer attends to the whole context; the context served
+    is capped at it (docs/decisions/74-a-sliding-window-caps-the-context.md)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    assert llava.fusable and fusable(LlamaConfig()) and fusable(Qwen2Config())
-    assert fusable(MistralConfig(sliding_window=None))
-    assert not fusable(MistralConfig())  # sliding_window=4096
-    assert not fusable(
-        Qwen2Config(use_sliding_window=True, sliding_window=256, max_window_layers=1, num_hidden_layers=4)
-    )
-    unfused = copy.copy(llava)
-    unfused.fusable = False
-    eng = SessionEngine(unfused, make_engine(llava).store, decode, fuse_prefill=True)
-    assert not eng.fuse
+    assert attention_window(LlamaConfig()) is None and attention_window(Qwen2Config()) is None
+    assert attention_window(MistralConfig(sliding_window=None)) is None
+    assert attention_window(MistralConfig()) == 4096  # Mistral-7B-v0.1's window, the config's default
+    windowed = Qwen2Config(use_sliding_window=True, sliding_window=256, max_window_layers=1, num_hidden_layers=4)
+    assert attention_window(windowed) == 256
+    assert context_limit(MistralConfig(max_position_embeddings=32768)) == 4096
+    assert context_limit(MistralConfig(sliding_window=None, max_position_embeddings=32768)) == 32768
+    assert context_limit(MistralConfig(max_position_embeddings=2048)) == 2048
 
 
 def test_a_decode_step_out_of_memory_midway_is_undone_and_retried_exactly(llava, photos):

@@ -74,12 +74,27 @@ def test_yaml_section_values_are_used() -> None:
     assert s.log_level == "INFO"
 
 
-def test_a_bare_on_or_off_in_yaml_is_the_kv_pool_setting_not_a_boolean() -> None:
+def test_a_bare_on_or_off_in_yaml_is_the_compile_setting_not_a_boolean() -> None:
     from llava_tools.cli import parse_assignment
 
-    for text, value in (("kv_pool=on", "on"), ("kv_pool=off", "off"), ("kv_pool=ON", "on")):
-        assert Settings.from_sources(dict([parse_assignment(text)])).kv_pool == value
-    assert Settings.from_sources(yaml.safe_load("kv_pool: on\n")).kv_pool == "on"  # model-config.yaml, PyYAML
+    for text, value in (("compile=on", "on"), ("compile=off", "off"), ("compile=ON", "on")):
+        assert Settings.from_sources(dict([parse_assignment(text)])).compile == value
+    assert Settings.from_sources(yaml.safe_load("compile: on\n")).compile == "on"  # model-config.yaml, PyYAML
+
+
+@pytest.mark.parametrize(
+    ("section", "env"),
+    [({"kv_pool": "on"}, {}), ({"decode_layout": "contiguous"}, {}), ({}, {"LLAVA_KV_POOL": "off"})],
+)
+def test_a_setting_that_is_gone_is_refused_in_one_line_saying_so(section: dict, env: dict) -> None:
+    """``kv_pool`` and ``decode_layout`` chose a layout that no longer exists: a config or an
+    environment that still names one is refused, in one line that says the setting is gone and what
+    to do, not with the whole list of settings."""
+    with pytest.raises(ValueError) as info:
+        Settings.from_sources(section, env)
+    message = str(info.value)
+    assert "\n" not in message and "setting is gone" in message and message.endswith("delete it")
+    assert "valid keys" not in message and "did you mean" not in message
 
 
 def test_environment_overrides_yaml_and_is_parsed_by_field_type() -> None:

@@ -139,7 +139,7 @@ def test_entries_go_first_oldest_first_and_sessions_are_never_demoted_for_them(l
     probe = make_engine(llava)
     stateless(probe, None, [], "What is it?", [cat])
     one = probe.store.num_cache_bytes
-    eng = make_engine(llava, budget=int(one * 4.5), share=1.0)  # a session, two entries, a request
+    eng = make_engine(llava, budget=int(one * 3.6), share=1.0)  # a session, two entries, a request
     eng.open_empty("s")
     chat(eng, "s", None, [], "What is it?", [photos["astronaut"]])
     stateless(eng, None, [], "What is it?", [cat])

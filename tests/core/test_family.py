@@ -30,9 +30,9 @@ decode = functools.partial(decode_image, max_pixels=40_000_000)
 ARCHS = ("llava", "llava-next", "llava-onevision", "llava-next-video")
 
 
-#: Engine settings the exactness tests also run under: the paged decode step at static shapes over a
+#: Engine settings the exactness tests also run under: the decode step at static shapes over a
 #: fixed pool (what a GPU replays as CUDA graphs, eager here), and demotion moving KV pages to the host.
-STATIC = {"decode_layout": "paged", "cuda_graphs": True}
+STATIC = {"cuda_graphs": True}
 OFFLOAD = 100 * 10**6
 
 
@@ -296,7 +296,41 @@ def test_a_context_too_small_for_another_image_is_a_422(family, photos) -> None:
     assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and len(eng.store.get("s").images) == 2
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["contiguous", "static"])
+def test_a_model_with_a_sliding_window_is_served_within_it_exactly_and_refuses_past_it(small_photos, tmp_path):
+    """A text model attending within a sliding window (Qwen2's ``use_sliding_window``, as
+    Mistral-7B-v0.1's 4,096 tokens) is served with its context capped at the window, where every
+    position attends to all before it as the pool's attention computes: a two-turn conversation
+    equals ``generate`` (which applies the window), and an image that would take the conversation
+    past the window is a 422 ``context_length_exceeded``."""
+    import json
+
+    from llava_sessions.model import LlavaModel
+    from llava_tools.tiny_model import write_checkpoint
+
+    folder = write_checkpoint("tiny", tmp_path / "windowed", seed=0, arch="llava-onevision")
+    config = json.loads((folder / "config.json").read_text())
+    window = 2400
+    config["text_config"].update(use_sliding_window=True, sliding_window=window, max_window_layers=0)
+    config["text_config"].pop("layer_types", None)  # derived again from the three above: every layer's sliding
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    llava = LlavaModel.from_pretrained(folder, device="cpu", dtype="float32")
+    assert llava.max_positions == window < config["text_config"]["max_position_embeddings"]
+    img, q1, q2 = small_photos["coffee"], "What is in this image?", "And the colours?"
+    eng = engine(llava, max_images=16)
+    opened = eng.open("s", img)
+    assert 0 < opened.prefix_tokens < window - 100
+    a1 = eng.generate("s", q1, GREEDY)
+    assert ids(a1) == reference(llava, [([img], q1, None)])[0]
+    a2 = eng.generate("s", q2, GREEDY)
+    assert a2.cached_tokens > 0 and ids(a2) == reference(llava, [([img], q1, a1.text), ([], q2, None)])[0]
+    with pytest.raises(ServiceError) as e:
+        for _ in range(15):
+            eng.add_image("s", img)
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and f"{window} tokens" in e.value.message
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_chunks_riding_the_decode_step_match_generate(family, small_photos, arch, static) -> None:
     """A question's prompt and an open's prefix prefilled in chunks inside the running answers' decode

@@ -44,12 +44,12 @@ def test_a_demoted_sessions_kv_goes_to_the_host_and_back_without_a_prefill_and_a
         eng.open(sid, photos["coffee"])
         first = eng.generate(sid, FIRST, GREEDY)
         held = len(eng.store.get(sid).cached_ids)
-        pool_used = eng.runner.kv_pool.num_used_bytes()
+        pool_used = eng.runner.pool.num_used_bytes()
         eng.store.demote(sid, Tier.FEATURES)
         if tier is Tier.IMAGE:
             eng.store.demote(sid, Tier.IMAGE)
         assert eng.store.get(sid).tier is tier and eng.store.ledger.entry(sid).num_kv_tokens == 0
-        assert eng.runner.kv_pool.num_used_bytes() < pool_used  # its pages went back to the pool
+        assert eng.runner.pool.num_used_bytes() < pool_used  # its pages went back to the pool
         assert sid in eng.store.offload and eng.store.offload.num_bytes == held * llava.kv_bytes_per_token
         gauges = WorkerMetrics(None).snapshot(eng)["gauges"]
         assert gauges[("KVOffloadBytes", ())] == held * llava.kv_bytes_per_token

@@ -289,7 +289,7 @@ def test_an_engine_holds_its_sessions_kv_in_the_pool_and_an_image_prefix_once(ll
     full prefix pages by reference, the ledger books each session's pages, and closing frees all."""
     _ids_a, _ids_b, ref_a, ref_b, _features, common = two_questions
     eng = make_engine(llava)
-    pool = eng.runner.kv_pool
+    pool = eng.runner.pool
     assert pool is not None
     eng.open("a", photos["coffee"])
     a = eng.generate("a", "What is in this image?", GREEDY)
@@ -313,15 +313,6 @@ def test_an_engine_holds_its_sessions_kv_in_the_pool_and_an_image_prefix_once(ll
     eng.close("a")
     eng.close("b")
     assert pool.pool.num_free_pages == pool.pool.num_pages  # nothing leaked
-
-
-def test_without_pages_sessions_keep_dynamic_caches_and_the_same_tokens(llava, photos, two_questions) -> None:
-    _ids_a, _ids_b, ref_a, _ref_b, _features, _common = two_questions
-    eng = make_engine(llava, kv_page_size=0)
-    assert eng.runner.kv_pool is None
-    eng.open("a", photos["coffee"])
-    a = eng.generate("a", "What is in this image?", GREEDY)
-    assert [t.id for t in a.tokens] == ref_a and not isinstance(eng.store.get("a").kv_cache, SessionKV)
 
 
 def test_a_pool_grows_as_its_session_needs_and_keeps_what_it_holds(llava, two_questions) -> None:
@@ -367,15 +358,15 @@ def test_a_pass_that_fails_midway_leaves_the_session_cache_as_before(llava, two_
 
 # ---------------------------------------------------------------------- answers decoding in their sessions' pages
 def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(llava, photos, two_questions) -> None:
-    """``decode_layout: paged``: each running answer decodes straight into its session's pages. Two
+    """Each running answer decodes straight into its session's pages. Two
     answers on one photo, the second joining while the first decodes and going on after it left:
     each gives ``generate``'s greedy tokens; no KV byte is copied in any step a row joins, decodes
     or leaves; the store books no batch beside the sessions, and after every step each session's
     booked bytes are the pages it holds, its answer's among them."""
     _ids_a, _ids_b, ref_a, ref_b, _features, _common = two_questions
-    eng = make_engine(llava, decode_layout="paged")
-    pool = eng.runner.kv_pool
-    assert isinstance(eng.batch, PagedDecodeBatch) and pool is not None
+    eng = make_engine(llava)
+    pool = eng.runner.pool
+    assert isinstance(eng.batch, PagedDecodeBatch)
     eng.open("a", photos["coffee"])
     eng.open("b", photos["coffee"])
     sessions = {"a": eng.store.get("a"), "b": eng.store.get("b")}
@@ -395,7 +386,6 @@ def test_answers_decode_in_their_sessions_pages_and_join_or_leave_moving_no_kv(l
             assert len(sessions[sid].cached_ids) == len(g.prompt_ids) + len(g.events) - 1  # fed in place
             booked = eng.store.ledger.entry(sid).num_kv_tokens * llava.kv_bytes_per_token
             assert booked == len(cache.table.pages) * pool.pages.bytes_per_page
-        assert eng.store.batch_bytes == 0
     assert alone >= 1 and eng.batch.num_builds >= 2  # b joined a running batch; a left before b ended
     assert pool.pages.num_copied_bytes == copied  # no KV moved when b joined, as both decoded, nor when a left
     assert ([t.id for t in a.answer.tokens], [t.id for t in b.answer.tokens]) == (ref_a, ref_b)
@@ -411,7 +401,7 @@ def test_a_paged_decode_step_that_runs_out_of_memory_is_taken_back_and_retried_e
     out-of-memory error) takes every row's new position back, demotes the idle sessions and runs
     again: the answer is ``generate``'s and the pool holds what the sessions' tables list."""
     _ids_a, _ids_b, ref_a, _ref_b, _features, _common = two_questions
-    eng = make_engine(llava, decode_layout="paged")
+    eng = make_engine(llava)
     eng.open("idle", photos["astronaut"])
     eng.open("a", photos["coffee"])
     a = eng.start("a", "What is in this image?", GREEDY)
@@ -433,13 +423,12 @@ def test_a_paged_decode_step_that_runs_out_of_memory_is_taken_back_and_retried_e
     assert eng.store.get("idle").kv_cache is None  # demoted to make room for the retry
 
 
-@pytest.mark.parametrize("page_size", [PAGE, 0])
-def test_a_grant_is_what_the_ledger_books_for_it_whole_pages_in_the_pool(llava, photos, page_size) -> None:
+def test_a_grant_is_what_the_ledger_books_for_it_whole_pages_in_the_pool(llava, photos) -> None:
     """Admission's grants count what the ledger books: an open's is its features and its prefix's
-    whole pages (positions without the pool), exactly what the session is booked once open; a
-    remembered turn's is never less than what it is booked once answered, and more only by the
-    page (or the position) of the answer's last token, which is never fed."""
-    eng = make_engine(llava, kv_page_size=page_size)
+    whole pages, exactly what the session is booked once open; a remembered turn's is never less
+    than what it is booked once answered, and more only by the page of the answer's last token,
+    which is never fed."""
+    eng = make_engine(llava)
     task = eng.begin_open("a", photos["coffee"])
     while not task.done:
         eng.step([task])
@@ -449,7 +438,7 @@ def test_a_grant_is_what_the_ledger_books_for_it_whole_pages_in_the_pool(llava, 
     while not gen.done:
         eng.step([gen])
     grown = eng.store.device_bytes() - before  # the turn's prompt and answer, as booked
-    assert 0 <= gen.start_bytes - grown <= max(page_size, 1) * llava.kv_bytes_per_token
+    assert 0 <= gen.start_bytes - grown <= PAGE * llava.kv_bytes_per_token
 
 
 def test_a_growth_out_of_memory_midway_leaves_the_pool_as_its_holders_see_it(llava, two_questions, monkeypatch) -> None:
@@ -486,15 +475,11 @@ def test_a_growth_out_of_memory_midway_leaves_the_pool_as_its_holders_see_it(lla
     pool.check([cache.table])
 
 
-def test_the_worker_pools_kv_on_a_gpu_and_on_a_cpu_only_when_asked(llava) -> None:
-    """``kv_pool: auto`` is the pool on a GPU and none on a CPU, where each session's own cache made
-    8 image streams over HTTP faster (1.58-1.59x ``transformers serve`` against 1.33-1.39x);
-    ``on`` / ``off`` choose on either."""
+def test_the_worker_holds_every_session_s_kv_in_a_pool_that_grows_on_a_cpu(llava) -> None:
+    """One engine on every device: the worker's engine keeps the sessions' KV in the pool's pages on a
+    CPU too, the pool growing with them (a GPU's is fixed at the budget at start)."""
     from llava_sessions.config import Settings
-    from llava_sessions.worker import build_engine, kv_page_size
+    from llava_sessions.worker import build_engine
 
-    assert [kv_page_size(v, True) for v in ("auto", "on", "off")] == [16, 16, 0]
-    assert [kv_page_size(v, False) for v in ("auto", "on", "off")] == [0, 16, 0]
-    budget = {"device_budget_bytes": 10**9}
-    assert build_engine(Settings(**budget), llava).runner.kv_pool is None
-    assert build_engine(Settings(kv_pool="on", **budget), llava).runner.kv_pool is not None
+    runner = build_engine(Settings(device_budget_bytes=10**9), llava).runner
+    assert runner.page_size == PAGE and not runner.pool.fixed and runner.graphs is None

@@ -27,8 +27,6 @@ def test_totals_are_running_sums():
     hold(led, "b", 200, host=250)
     assert led.num_kv_bytes == 500 * KV and led.num_feature_bytes == 2 * FEAT
     assert led.num_device_bytes == 500 * KV + 2 * FEAT and led.num_host_bytes == 350
-    led.num_external_bytes = 7
-    assert led.num_device_bytes == 500 * KV + 2 * FEAT + 7
     assert led.usage == pytest.approx(led.num_device_bytes / 1_000_000)
     led.set_usage("a", num_kv_tokens=10)
     assert led.num_kv_bytes == 210 * KV

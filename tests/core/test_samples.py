@@ -77,7 +77,7 @@ def test_greedy_samples_are_the_same_answer(llava, photos, layout):
     )
 
 
-@pytest.mark.parametrize(("steps", "layout"), [(0, "paged"), (1, "paged"), (3, "paged"), (4, "ahead")])
+@pytest.mark.parametrize(("steps", "layout"), [(0, "eager"), (1, "eager"), (3, "eager"), (4, "ahead")])
 def test_an_abandoned_request_of_several_answers_leaves_the_session_as_before(llava, photos, steps, layout):
     """Closed before its prefill, at its fork, or while its answers decode (``ahead``: with a step in
     flight): the other answers' sessions go, the session is idle with its history and KV as before, and
@@ -124,7 +124,7 @@ def test_admission_books_every_answer_and_refuses_a_request_whose_answers_cannot
     gen = probe.start("s", Q, four, remember=False)
     gen.close()
     assert gen.start_bytes >= 4 * one.start_bytes  # each other answer books its KV and features whole
-    eng = make_engine(llava, held + 3 * one.start_bytes, decode_layout="paged")
+    eng = make_engine(llava, held + 3 * one.start_bytes)
     eng.open("s", photos["astronaut"])
     gen = eng.start("s", Q, four, remember=False)
     eng.step([gen])
@@ -132,13 +132,12 @@ def test_admission_books_every_answer_and_refuses_a_request_whose_answers_cannot
     assert only_sessions(eng) == ["s"] and eng.generate("s", Q, SamplingParams(max_new_tokens=40)).generated_tokens
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exactly(llava, photos, layout):
+def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exactly(llava, photos):
     """An older answer and a newer request of three whose starts fit but whose growth together does
     not: the newest answers (the request's, forked from its prompt) are preempted, recompute their KV
     from their own sessions' features when they resume, and every answer ends as it does alone."""
     params = SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=50.0, seed=3)
-    probe = make_engine(llava, **LAYOUTS[layout])
+    probe = make_engine(llava)
     probe.open("a", photos["astronaut"])
     probe.open("b", photos["coffee"])
     held = probe.store.device_bytes()
@@ -146,8 +145,7 @@ def test_answers_of_a_request_that_outgrow_memory_are_preempted_and_resume_exact
     alone = [[t.id for t in probe.generate("b", Q, params.for_sample(i), remember=False).tokens] for i in range(3)]
     grant = probe.start("b", Q, dataclasses.replace(params, n=3), remember=False)
     grant.close()
-    spare = 40 if layout == "paged" else 1500  # tokens: a contiguous rebuild lays the batch out beside the old one
-    eng = make_engine(llava, held + grant.start_bytes + spare * llava.kv_bytes_per_token, **LAYOUTS[layout])
+    eng = make_engine(llava, held + grant.start_bytes + 40 * llava.kv_bytes_per_token)  # 40 tokens to spare
     eng.open("a", photos["astronaut"])
     eng.open("b", photos["coffee"])
     first = eng.start("a", Q, SamplingParams(max_new_tokens=60, ignore_eos=True), remember=False)

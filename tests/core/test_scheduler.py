@@ -18,7 +18,7 @@ from llava_sessions.engine.scheduler import (
     schedule,
 )
 
-ROWS = BatchLayout(num_rows=4, num_live=4, length=100, capacity=164)
+ROWS = BatchLayout(num_rows=4, num_live=4)
 
 
 def decoding(has_row: bool = True) -> RequestView:
@@ -40,7 +40,7 @@ def test_every_decoding_answer_is_a_row_and_costs_one_token_of_the_budget() -> N
 
 
 def test_the_prefill_share_is_at_least_the_minimum_chunk() -> None:
-    plan = schedule([decoding() for _ in range(30)] + [question(100)], 32, BatchLayout(30, 30, 10, 74))
+    plan = schedule([decoding() for _ in range(30)] + [question(100)], 32, BatchLayout(30, 30))
     assert plan.prefill == (PrefillChunk(30, False, MIN_PREFILL_TOKENS),)
 
 
@@ -80,10 +80,9 @@ def test_without_a_budget_everything_runs_whole() -> None:
     [
         (BatchLayout(), False, True),  # no batch yet
         (ROWS, True, True),  # an answer joins
-        (BatchLayout(4, 4, 164, 164), False, True),  # the columns ran out
-        (BatchLayout(8, 3, 100, 164), False, True),  # fewer than half the rows live: compact
-        (BatchLayout(8, 4, 100, 164), False, False),  # half live: keep
-        (BatchLayout(4, 4, 163, 164), False, False),  # one column left
+        (BatchLayout(8, 3), False, True),  # fewer than half the rows live: compact
+        (BatchLayout(8, 4), False, False),  # half live: keep
+        (ROWS, False, False),  # every row live, nobody joins
     ],
 )
 def test_when_the_decode_batch_is_rebuilt(batch: BatchLayout, joining: bool, rebuild: bool) -> None:
@@ -300,25 +299,9 @@ def test_rule_10_a_piece_that_starts_its_work_carries_its_start_bytes_later_piec
     assert plan.batch_bytes == 0  # nothing decodes: no batch
 
 
-def test_rule_10_a_rebuild_carries_the_new_layouts_bytes() -> None:
-    per_token, grow = 10, 64
-    batch = BatchLayout(4, 3, 100, 164, longest_row=90, grow_columns=grow, kv_bytes_per_token=per_token)
-    joining = RequestView("question", decoding=True, has_row=False, num_kv_tokens=120)
-    row = RequestView("question", decoding=True, has_row=True, num_kv_tokens=90)
-    plan = schedule([row, joining, row, row], None, batch)
-    assert plan.rebuild and plan.batch_bytes == (3 + 1) * (120 + grow) * per_token  # the joining row is longest
-    short = RequestView("question", decoding=True, has_row=False, num_kv_tokens=12)
-    assert schedule([row, short], None, batch).batch_bytes == (3 + 1) * (90 + grow) * per_token
-    # no batch yet: the joining rows alone; no rebuild: nothing granted
-    empty = BatchLayout(grow_columns=grow, kv_bytes_per_token=per_token)
-    assert schedule([joining, short], None, empty).batch_bytes == 2 * (120 + grow) * per_token
-    steady = BatchLayout(4, 4, 100, 164, longest_row=100, grow_columns=grow, kv_bytes_per_token=per_token)
-    assert schedule([row] * 4, None, steady) == StepPlan(decode=(0, 1, 2, 3))
-
-
 def test_rules_6_and_10_over_pages_a_step_carries_the_pages_its_rows_open_and_a_join_moves_nothing() -> None:
     per_token, page = 10, 16
-    paged = BatchLayout(3, 3, 0, 3, longest_row=40, kv_bytes_per_token=per_token, page_size=page)
+    paged = BatchLayout(3, 3, kv_bytes_per_token=per_token, page_size=page)
     opens = RequestView("question", decoding=True, has_row=True, num_kv_tokens=32)  # position 32 starts a page
     inside = RequestView("question", decoding=True, has_row=True, num_kv_tokens=33)
     joining = RequestView("question", decoding=True, has_row=False, num_kv_tokens=48)
@@ -327,8 +310,8 @@ def test_rules_6_and_10_over_pages_a_step_carries_the_pages_its_rows_open_and_a_
     assert schedule([inside] * 3, None, paged).batch_bytes == 0
     plan = schedule([opens, joining, inside], None, paged)
     assert plan.rebuild and plan.batch_bytes == 2 * page * per_token  # the joining row's next page, no copy
-    assert not needs_rebuild(BatchLayout(4, 4, 0, 4, longest_row=5000, page_size=page), False)  # no columns to run out
-    assert needs_rebuild(BatchLayout(8, 3, 0, 8, page_size=page), False)  # compaction still gives rows anew
+    assert not needs_rebuild(BatchLayout(4, 4, page_size=page), False)  # however long its rows: no columns to run out
+    assert needs_rebuild(BatchLayout(8, 3, page_size=page), False)  # compaction still gives rows anew
 
 
 def answer(created: float, kv_tokens: int, *, has_row: bool = True, held: int = 0) -> RequestView:
@@ -339,39 +322,26 @@ def answer(created: float, kv_tokens: int, *, has_row: bool = True, held: int = 
     )
 
 
-def test_rule_11_a_batch_that_cannot_grow_drops_its_newest_answers_and_keeps_the_oldest() -> None:
-    per_token, grow = 10, 4
-    batch = BatchLayout(2, 2, 50, 50, longest_row=50, grow_columns=grow, kv_bytes_per_token=per_token)
-    # in arrival order 0, 2, 1: the third in the list is the newest
-    work = [answer(1.0, 50), answer(3.0, 40, has_row=False), answer(2.0, 50)]
-    whole = 3 * (50 + grow) * per_token
+def test_rule_11_a_step_that_cannot_grow_drops_its_newest_answers_and_keeps_the_oldest() -> None:
+    per_token, page = 10, 16
+    batch = BatchLayout(2, 2, kv_bytes_per_token=per_token, page_size=page)
+    # in arrival order 0, 2, 1: the third in the list is the newest; every next position opens a page
+    work = [answer(1.0, 48), answer(3.0, 32, has_row=False), answer(2.0, 64)]
+    whole = 3 * page * per_token
     assert schedule(work, None, batch).room == Room() and schedule(work, None, batch).batch_bytes == whole
     assert schedule(work, None, batch, room_bytes=whole).room == Room()  # room enough: nobody leaves
     plan = schedule(work, None, batch, room_bytes=whole - 1)
-    assert plan.room == Room(preempt=(1,)) and plan.batch_bytes == 2 * (50 + grow) * per_token
+    assert plan.room == Room(preempt=(1,)) and plan.batch_bytes == 2 * page * per_token
     assert plan.decode == (0, 1, 2)  # the engine drops the preempted one before the pass
-    plan = schedule(work, None, batch, room_bytes=(50 + grow) * per_token)  # only one fits: the oldest
-    assert plan.room == Room(preempt=(1, 2)) and plan.batch_bytes == (50 + grow) * per_token
-    plan = schedule(work, None, batch, room_bytes=(50 + grow) * per_token - 1)  # not even the oldest
+    plan = schedule(work, None, batch, room_bytes=page * per_token)  # only one fits: the oldest
+    assert plan.room == Room(preempt=(1, 2)) and plan.batch_bytes == page * per_token
+    plan = schedule(work, None, batch, room_bytes=page * per_token - 1)  # not even the oldest
     assert plan.room == Room(refused=True) and plan.batch_bytes == 0
-
-
-def test_rule_11_a_contiguous_batch_frees_its_rows_sessions_copies_before_it_refuses() -> None:
-    per_token, grow = 10, 4
-    batch = BatchLayout(2, 2, 50, 50, longest_row=50, grow_columns=grow, kv_bytes_per_token=per_token)
-    work = [answer(1.0, 50, held=50), answer(2.0, 50, held=50), answer(3.0, 20, has_row=False, held=20)]
-    one = (50 + grow) * per_token
-    # the copies of the two rows (the joining answer's is not a row's) make the room for the oldest
-    plan = schedule(work, None, batch, room_bytes=one - 100 * per_token)
-    assert plan.room == Room(preempt=(1, 2), unlend=True) and plan.batch_bytes == one
-    # copies are only freed when the oldest alone does not fit without them
-    assert schedule(work, None, batch, room_bytes=one).room == Room(preempt=(1, 2))
-    assert schedule(work, None, batch, room_bytes=one - 100 * per_token - 1).room == Room(refused=True)
 
 
 def test_rule_11_over_pages_a_leaving_answers_pages_come_back_to_the_room() -> None:
     per_token, page = 10, 16
-    paged = BatchLayout(3, 3, 0, 3, longest_row=64, kv_bytes_per_token=per_token, page_size=page)
+    paged = BatchLayout(3, 3, kv_bytes_per_token=per_token, page_size=page)
     # every answer's next position opens a page; the newest holds 4 pages of its own
     work = [answer(1.0, 32, held=32), answer(2.0, 48, held=48), answer(3.0, 64, held=64)]
     assert schedule(work, None, paged, room_bytes=3 * page * per_token).room == Room()

@@ -173,19 +173,14 @@ def test_a_stream_s_first_token_leaves_in_the_call_that_sampled_it(tiny_model_di
     finish(svc, [BatchRequest("c1", "ts-seq-c1", True, None)], [token])
 
 
-def test_the_decode_layout_kv_pool_and_enforce_eager_settings_reach_the_engine(tiny_model_dir):
-    """Issue 60 item 7: the settings, not the engine's defaults, pick where answers decode; on a CPU
-    ``auto`` is the contiguous batch without a pool, and no layout captures CUDA graphs there."""
-    cases = [
-        ({}, False, False),
-        ({"decode_layout": "paged", "kv_pool": "on"}, True, True),
-        ({"decode_layout": "contiguous", "kv_pool": "on"}, False, True),
-        ({"decode_layout": "paged", "kv_pool": "on", "enforce_eager": True}, True, True),
-    ]
-    for settings, paged, pool in cases:
+def test_every_session_s_kv_is_in_the_pool_and_a_cpu_captures_no_graphs(tiny_model_dir):
+    """One engine: on a CPU, as on a GPU, the sessions' KV is in the pool's pages and the answers
+    decode there; the pool grows with the sessions (a GPU's is fixed at start), and no step is held
+    to static shapes (``enforce_eager`` or not)."""
+    for settings in ({}, {"enforce_eager": True}):
         engine = tiny_service(tiny_model_dir, **settings).engine
-        assert (engine.batch.layout().page_size > 0, engine.runner.kv_pool is not None) == (paged, pool), settings
-        assert engine.runner.graphs is None
+        assert engine.batch.layout().page_size == 16 and not engine.runner.pool.fixed, settings
+        assert engine.runner.graphs is None and engine.runner.prefill_graphs is None
 
 
 def _stream_texts(svc: SessionService, bodies: list[dict]) -> list[tuple[str, str | None]]:
@@ -212,14 +207,12 @@ def _stream_texts(svc: SessionService, bodies: list[dict]) -> list[tuple[str, st
     return results
 
 
-def test_streams_that_outgrow_a_tight_budget_all_finish_on_the_default_layout(tmp_path, one_torch_thread):
-    """Issue 60 item 2: four chat streams without ``max_tokens`` on a budget of ~2.7 contexts of KV (the
-    tiny model's weights with a 512-token context, so each answer is half as long as at 1,024), on
-    the CPU's default (contiguous) decode batch. Rebuilding the batch for the oldest answer alone
-    needs room beside the old batch: the rows' sessions give up their own copies of the KV (the rows
-    hold it), and preempted answers resume exactly, a sampled image placeholder id embedded as text.
-    All four finish, each equal to its answer alone (before: two ended ``overloaded`` or
-    ``internal_error``)."""
+def test_streams_that_outgrow_a_tight_budget_all_finish(tmp_path, one_torch_thread):
+    """Four chat streams without ``max_tokens`` on a budget of ~2.7 contexts of KV (the tiny model's
+    weights with a 512-token context, so each answer is half as long as at 1,024), their KV in the
+    pool's pages. The steps that cannot get the pages they open preempt the newest answers, which
+    resume exactly, a sampled image placeholder id embedded as text. All four finish, each equal to its
+    answer alone (before issue 60: two ended ``overloaded`` or ``internal_error``)."""
     bodies = [
         {"messages": [{"role": "user", "content": f"Tell me a long story, number {i}."}], "stream": True}
         | {"ignore_eos": True, "temperature": 0}
@@ -232,7 +225,6 @@ def test_streams_that_outgrow_a_tight_budget_all_finish_on_the_default_layout(tm
     alone = [_stream_texts(alone_svc, [body])[0] for body in bodies]
     budget = int(2.7 * 512 * alone_svc.engine.model.kv_bytes_per_token)
     svc = tiny_service(model_dir, device_budget_bytes=budget, share_images=False, step_max_ms=600_000)
-    assert svc.engine.batch.layout().page_size == 0  # the contiguous batch: the CPU's default
     assert _stream_texts(svc, bodies) == alone and all(reason == "length" for _, reason in alone)
     assert svc.engine.num_preemptions >= 1
 

@@ -91,7 +91,7 @@ def test_two_ranks_answer_a_whole_conversation_exactly_as_one_process(pair, smal
     want = conversation(engine_of(one, 1), small_photos)
     sent = two.ranks.num_messages
     eng = engine_of(two, 2)
-    assert eng.runner.kv_pool is not None and not eng.fuse  # the passes the other rank mirrors
+    assert eng.runner.pool is not None and not eng.fuse  # the passes the other rank mirrors
     assert conversation(eng, small_photos) == want
     assert two.ranks.num_messages > sent + 6 * 10  # every pass went to the other rank
     assert two.num_kv_heads == one.num_kv_heads // 2 and two.kv_bytes_per_token == one.kv_bytes_per_token

@@ -90,9 +90,9 @@ def reference(llava: LlavaModel, image: bytes, question: str) -> list[int]:
 def with_read(llava: LlavaModel, read: str) -> SessionEngine:
     """An engine of the paged layout whose static decode step reads the pages as ``read``, captured as
     CUDA graphs on a GPU (its pool fixed at the fixtures' 100 MB)."""
-    eng = make_engine(llava, decode_layout="paged", cuda_graphs=True)
+    eng = make_engine(llava, cuda_graphs=True)
     runner = eng.runner
-    assert runner.graphs is not None and runner.kv_pool is not None
+    assert runner.graphs is not None and runner.pool is not None
     if runner.graphs.paged_read != read:
         runner.read_pages(read)  # type: ignore[arg-type]
     assert runner.graphs is not None
@@ -194,7 +194,7 @@ def test_the_vision_tower_replayed_gives_each_image_its_eager_features(gpu_model
     fixed input (336 px, the tiny model's as llava-1.5's); four photographs encoded in one call replay one by one and
     each gets the features the eager tower gives it alone. On a CPU nothing is captured and the same
     call runs eagerly."""
-    make_engine(gpu_model, decode_layout="paged", cuda_graphs=True)
+    make_engine(gpu_model, cuda_graphs=True)
     graph = gpu_model.vision_graph
     on_gpu = gpu_model.device.type == "cuda"
     assert (graph is not None) == on_gpu
@@ -240,7 +240,7 @@ def test_an_image_prompt_prefilled_by_replay_answers_as_generate_and_as_the_same
             cache.release()
         torch.testing.assert_close(firsts[0], firsts[1], rtol=1e-5, atol=1e-5)
     assert prefills.num_replays == (len(photos) if on_gpu else 0)
-    eng = make_engine(gpu_model, decode_layout="paged", cuda_graphs=True)
+    eng = make_engine(gpu_model, cuda_graphs=True)
     eng.open("s", photos["coffee"])
     replays = eng.runner.prefill_graphs.num_replays + eng.runner.prefill_graphs.num_eager  # type: ignore[union-attr]
     assert replays >= 1 and together(eng, {"s": QUESTIONS[0]})["s"] == reference(
@@ -282,15 +282,15 @@ def test_fused_and_compiled_layers_replayed_answer_as_the_model_as_loaded(tiny_m
     equal the model's as loaded, fp32; undone, it answers so again."""
     llava = LlavaModel.from_pretrained(tiny_model_dir, device=DEVICE, dtype="float32")
     text = llava.model.model.language_model
-    expected, _ = answers(llava, photos, decode_layout="paged", cuda_graphs=True)
+    expected, _ = answers(llava, photos, cuda_graphs=True)
     assert min(compile_layers(text).values()) > 0  # what the compile setting does before an engine starts
     try:
-        got, eng = answers(llava, photos, decode_layout="paged", cuda_graphs=True)
+        got, eng = answers(llava, photos, cuda_graphs=True)
     finally:
         uncompile_layers(text)
     assert got == expected
     assert (eng.runner.graphs is not None and eng.runner.graphs.num_replays > 0) == (llava.device.type == "cuda")
-    assert answers(llava, photos, decode_layout="paged", cuda_graphs=True)[0] == expected
+    assert answers(llava, photos, cuda_graphs=True)[0] == expected
 
 
 def test_staged_uploads_land_whole_through_pinned_buffers_that_grow_and_wait_for_the_last_copies():

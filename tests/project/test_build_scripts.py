@@ -381,7 +381,7 @@ def test_the_gpu_smoke_runs_through_on_the_cpu_and_writes_the_gpu_s_name_first(t
     assert table["sections"] == smoke and "errors" not in table and "skipped" not in table
     ran = [name for name in smoke if name in table]  # a CPU engine has no graphs: those sections do not apply
     assert ran == ["floor", "pixels", "batch_one", "turns", "aggregate"]
-    assert "peer" not in table and "kv_pool" not in table and "greedy_rows" not in table  # the check's
+    assert "peer" not in table and "pool" not in table and "greedy_rows" not in table  # the check's
     assert table["graph_counts"] == {"decode": 0, "prefill": 0, "vision": 0}
     assert "1 passed" in (out / "gpu_smoke_tests.txt").read_text()
     assert "GPU table, smoke sections: exit 0" in done.stdout and "GPU suite, trimmed: exit 0" in done.stdout

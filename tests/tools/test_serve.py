@@ -305,6 +305,8 @@ def test_cli_refuses_more_than_one_worker(tmp_path: Path) -> None:
         (["--set", "session_tl_s=600"], {}, "unknown key(s) in --set: session_tl_s (did you mean session_ttl_s?)"),
         ([], {"LLAVA_SESION_TTL_S": "600"}, "LLAVA_SESION_TTL_S (did you mean LLAVA_SESSION_TTL_S?)"),
         ([], {"LLAVA_MAX_SESSIONS": "abc"}, "LLAVA_MAX_SESSIONS"),
+        (["--set", "kv_pool=on"], {}, "the kv_pool setting is gone (every session's KV is in the KV pool on"),
+        ([], {"LLAVA_DECODE_LAYOUT": "paged"}, "the decode_layout setting is gone"),
     ],
 )
 def test_cli_refuses_a_mistyped_setting_at_once_naming_the_closest_key(

@@ -18,7 +18,7 @@ not launched ahead.
 
 Only what the device can choose goes ahead: every answer of the step ``plain_greedy`` or
 ``plain_sampled`` (no top logprobs, grammar, penalties, logit bias, ``min_tokens`` mask; a token's own
-logprob is chosen with it), over the paged layout's static step. Anything else in the next engine step (an answer joining, a prefill chunk, an
+logprob is chosen with it), over the static step. Anything else in the next engine step (an answer joining, a prefill chunk, an
 answer gone) first records the tokens in flight (:meth:`StepAhead.settle`), then steps as usual. Between
 engine steps every session's cache and the ledger agree; only the tokens in flight are not yet the
 answers' events (a stream shows them one step later).

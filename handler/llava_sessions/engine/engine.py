@@ -28,10 +28,9 @@ from ..results import AddImageResult, Answer, ContextPolicy, OpenResult
 from ..sampling.params import SamplingParams
 from ..sessions.store import SessionStore
 from .admission import Admission, EngineLimits
-from .decode_batch import DecodeBatch
 from .executor import BatchRoom, StepExecutor
 from .memory import new_session_bytes
-from .model_runner import KV_PAGE_SIZE, DecodeLayout, ModelRunner
+from .model_runner import ModelRunner
 from .paged_batch import PagedDecodeBatch
 from .samples import runnable
 from .scheduler import TimeBudget, make_room, schedule
@@ -60,12 +59,9 @@ class SessionEngine:
             (:class:`~.sharing.ImageSharing`); False: only its own (``share_images: false``).
         unsalted: what requests without a ``cache_salt`` share (:data:`~.sharing.Unsalted`).
         fuse_prefill: a step's first prefill chunk runs in the decode step's forward pass while
-            answers decode (rule 9 of :mod:`.scheduler`), where the model allows it
-            (``runner.fusable``); False: a pass of its own.
-        kv_page_size: positions per page of the replica's KV pool, which holds every session's KV
-            (:func:`~.model_runner.new_kv_pool`); 0: a ``DynamicCache`` per session.
-        decode_layout: where running answers decode (:data:`~.model_runner.DecodeLayout`); cuda_graphs:
-            the paged decode step replayed as CUDA graphs (:class:`~.model_runner.ModelRunner`).
+            answers decode (rule 9 of :mod:`.scheduler`); False: a pass of its own.
+        cuda_graphs: the decode step at static shapes, replayed as CUDA graphs on a GPU
+            (:class:`~.model_runner.ModelRunner`).
         async_scheduling: a decode step whose tokens the device chooses launches the next before the
             host records them (:mod:`.ahead`; static steps only); None: with CUDA graphs on a GPU.
 
@@ -85,8 +81,6 @@ class SessionEngine:
         share_images: bool = True,
         unsalted: Unsalted = "shared",
         fuse_prefill: bool = True,
-        kv_page_size: int = KV_PAGE_SIZE,
-        decode_layout: DecodeLayout = "auto",
         cuda_graphs: bool | None = None,
         async_scheduling: bool | None = None,
     ) -> None:
@@ -94,10 +88,8 @@ class SessionEngine:
         self.store = store
         self.decode_image = decode_image
         self.limits = limits or EngineLimits()
-        self.runner = ModelRunner(
-            model, store, kv_page_size=kv_page_size, decode_layout=decode_layout, cuda_graphs=cuda_graphs
-        )
-        self.fuse = fuse_prefill and bool(getattr(model, "fusable", False))
+        self.runner = ModelRunner(model, store, cuda_graphs=cuda_graphs)
+        self.fuse = fuse_prefill
         self.check_invariants = check_invariants
         self.sharing = ImageSharing(store, model, enabled=share_images, unsalted=unsalted)
         page = self.runner.page_size
@@ -107,7 +99,7 @@ class SessionEngine:
         self._execute = StepExecutor(store, self.runner, self.sharing, decode_image, async_scheduling=async_scheduling)
 
     @property
-    def batch(self) -> DecodeBatch | PagedDecodeBatch:
+    def batch(self) -> PagedDecodeBatch:
         """The running answers' decode batch."""
         return self.runner.batch
 
@@ -496,4 +488,4 @@ class SessionEngine:
     def _check(self) -> None:
         if self.check_invariants:
             self.store.check_invariants()
-            self.runner.check_kv_pool(s.kv_cache for s in self.store.sessions())
+            self.runner.check_pool(s.kv_cache for s in self.store.sessions())

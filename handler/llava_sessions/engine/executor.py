@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from ..errors import overloaded
 from .ahead import StepAhead
@@ -28,7 +28,6 @@ from .sequence import EngineRequest, Phase, Sequence
 if TYPE_CHECKING:
     from ..sessions.store import SessionStore
     from .model_runner import ModelRunner
-    from .paged_batch import PagedDecodeBatch
     from .sharing import ImageSharing
 
 __all__ = ["BatchRoom", "StepExecutor"]
@@ -55,7 +54,7 @@ class StepExecutor:
         store: the sessions and their memory; runner: the model runner (every forward pass); sharing:
         what other sessions hold; decode_image: encoded bytes -> image;
         async_scheduling: a decode step whose tokens the device chooses launches the next before they are
-            recorded (:class:`~.ahead.StepAhead`; the paged layout's static step only).
+            recorded (:class:`~.ahead.StepAhead`; the static step only).
 
     Attributes:
         inputs: :class:`~.inputs.StepInputs` (before a chunk); outputs: :class:`~.outputs.StepOutputs`
@@ -79,10 +78,8 @@ class StepExecutor:
         self.model = runner.model
         self.inputs = StepInputs(store, runner, sharing, decode_image)
         self.outputs = StepOutputs(store, runner)
-        static = async_scheduling and runner.graphs is not None  # a static step: the paged layout's
-        self.ahead = (
-            StepAhead(cast("PagedDecodeBatch", runner.batch), self.outputs, self._ahead_room) if static else None
-        )
+        static = async_scheduling and runner.graphs is not None  # the static step only
+        self.ahead = StepAhead(runner.batch, self.outputs, self._ahead_room) if static else None
         self.num_preemptions = 0
 
     def step_ahead(self, live: list[EngineRequest]) -> bool:
@@ -131,9 +128,8 @@ class StepExecutor:
 
     def _batch_room(self, seqs: list[Sequence], room: BatchRoom) -> list[Sequence]:
         """Carry out the plan's :class:`~.scheduler.Room` for the decode batch (scheduler rules 10-11):
-        free the rows' sessions' copies of their KV when it says ``unlend``, preempt the answers it
-        names (:meth:`_preempt`), then make room for the batch's bytes. When the step's earlier work
-        changed what the ledger holds since the plan (a fused chunk's restore), the scheduler decides
+        preempt the answers it names (:meth:`_preempt`), then make room for the batch's bytes. When the
+        step's earlier work changed what the ledger holds since the plan (a fused chunk's restore), the scheduler decides
         again on the ledger's integers now (:func:`~.scheduler.make_room`). ``refused``: every answer
         fails ``overloaded``. Returns the answers that decode this step."""
         for attempt in (room, None):
@@ -145,8 +141,6 @@ class StepExecutor:
                 attempt = BatchRoom(room.rebuild, batch_bytes, tuple(seqs[i] for i in decision.preempt), decision)
             if attempt.decision.refused:
                 break
-            if attempt.decision.unlend:
-                self.runner.batch.unlend()
             for gone in attempt.leaving:
                 self._preempt(gone)
             seqs = [g for g in seqs if g not in attempt.leaving]
@@ -165,8 +159,8 @@ class StepExecutor:
         batch.drop(seq)
         seq.session.drop_kv()
         left = max(1, seq.room_tokens - len(seq.events))
-        # it resumes once room is made for its KV and for the batch it will join (the rebuild lays every
-        # row out anew beside the old batch): resuming sooner would only be preempted again
+        # it resumes once room is made for its KV and the page its next decode step may open: resuming
+        # sooner would only be preempted again
         joined = batch.bytes_without([seq], [])
         seq.preempt(kv_grant_bytes(self.model, self.runner.page_size, 0, len(seq.prefill_ids) + left) + joined)
         self.num_preemptions += 1

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..conversation import common_prefix_len
-from ..model import EncodedVideo, SessionKV, is_sampled_video
+from ..model import EncodedVideo, is_sampled_video
 from ..results import RestoredFrom, elapsed_ms
 from ..sessions.ledger import Tier
 from .sequence import ImagePrefill, Sequence
@@ -106,7 +106,7 @@ class StepInputs:
             images = [self.decode_image(data) for data in session.images]
             session.set_features(self.runner.encode(session, images))
         session.start_kv(self.runner.new_cache())
-        if held is not None and isinstance(session.kv_cache, SessionKV):
+        if held is not None and session.kv_cache is not None:
             # no room in the pool for the pages (nothing written): prefilled again, as without a copy
             with contextlib.suppress(torch.OutOfMemoryError):
                 n = self.store.offload.load(held, session.kv_cache, ids, session.image_keys)

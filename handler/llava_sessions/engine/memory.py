@@ -106,8 +106,9 @@ def device_bytes(model: LlavaModel, num_kv_tokens: int, num_feature_tokens: int 
 def kv_grant_bytes(model: LlavaModel, page_size: int, held_tokens: int, num_tokens: int) -> int:
     """Device bytes the ledger books more for a KV cache of ``held_tokens`` positions once it holds
     ``num_tokens``: the whole pages of ``page_size`` positions it takes beyond those it holds (a cache
-    in the KV pool is booked by its pages: :func:`~llava_sessions.model.held_len`), or the positions
-    (``page_size`` 0: a ``DynamicCache``); 0 when it does not grow."""
+    in the KV pool is booked by its pages: :attr:`SessionKV.num_held_tokens
+    <llava_sessions.model.SessionKV.num_held_tokens>`; ``page_size`` 0: the positions alone); 0 when it
+    does not grow."""
     if page_size:
         held_tokens = -(-held_tokens // page_size) * page_size
         num_tokens = -(-num_tokens // page_size) * page_size

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence as GenericSequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +25,6 @@ from ..model.prefill_graphs import PrefillGraphs
 from ..model.tile_graphs import TileGraphs
 from ..model.vision_graph import VisionGraph, capture_failed
 from .costs import CostModel
-from .decode_batch import DecodeBatch
 from .memory import oom_attempts
 from .paged_batch import PagedDecodeBatch, static_rows_table
 
@@ -38,10 +37,9 @@ if TYPE_CHECKING:
 __all__ = [
     "KV_PAGE_SIZE",
     "MAX_GRAPH_ROWS",
-    "DecodeLayout",
     "ModelRunner",
     "new_graphs",
-    "new_kv_pool",
+    "new_pool",
     "new_prefill_graphs",
 ]
 
@@ -49,14 +47,6 @@ log = logging.getLogger(__name__)
 
 #: Token positions per page of a replica's KV pool (vLLM's default block size).
 KV_PAGE_SIZE = 16
-
-#: Where the running answers' KV lives while they decode: ``contiguous``, one left-padded batch tensor
-#: (:class:`~.decode_batch.DecodeBatch`: each joining member's KV copied once; on this CPU 8 sessions
-#: decode 1.18x as fast as paged); ``paged``, their sessions' pages (:class:`~.paged_batch.PagedDecodeBatch`:
-#: joining and leaving move no KV, nothing is held beside the sessions, and the step has static shapes
-#: CUDA graphs replay); ``auto``, paged on a CUDA device, contiguous elsewhere. ``benchmarks/gpu.py``
-#: measures both layouts on a GPU.
-DecodeLayout = Literal["auto", "contiguous", "paged"]
 
 #: The largest decode batch captured as a CUDA graph (nano-vllm's default, 512, is for text-only
 #: batches). A larger step (up to ``max_sessions``, 128 by default) runs eagerly, where launches
@@ -71,23 +61,20 @@ class ModelRunner:
     Args:
         model: the loaded model (:class:`~llava_sessions.model.LlavaModel`).
         store: the session store (the decode batch's bytes, demotions after an out-of-memory error).
-        kv_page_size: positions per page of the sessions' KV pool (0: a ``DynamicCache`` per session).
-        decode_layout: :data:`DecodeLayout` (``paged`` needs the pool: without one it is ``contiguous``).
-        cuda_graphs: paged decode steps at static shapes (:class:`~llava_sessions.model.graphs.DecodeGraphs`):
-            captured as CUDA graphs on a CUDA device, run eagerly elsewhere (tests); None: on a CUDA
-            device with the paged layout; False: never (the ``enforce_eager`` setting). A failed
-            capture logs a warning and the steps run eagerly at their own shapes.
+        cuda_graphs: decode steps and prefill chunks at static shapes (:class:`~llava_sessions.model.graphs.
+            DecodeGraphs`): captured as CUDA graphs on a CUDA device, run eagerly elsewhere (tests); None:
+            on a CUDA device; False: never (the ``enforce_eager`` setting). A failed capture logs a
+            warning and the passes run eagerly at their own shapes.
 
-    With the paged layout on a CUDA device (or with ``cuda_graphs``) the pool is fixed: sized once at
-    start to the store's device budget in pages, never grown nor shrunk (the ledger books the pages
-    sessions hold, not the free ones; image features live beside the pool, within the budget's
-    headroom). Otherwise it grows as sessions need pages (the contiguous batch's tensors then share
-    the device with it).
+    Every session's KV is in the replica's pool of pages, on every device. With static shapes (on a
+    CUDA device by default) the pool is fixed: sized once at start to the store's device budget in
+    pages, never grown nor shrunk (the ledger books the pages sessions hold, not the free ones; image
+    features live beside the pool, within the budget's headroom). Otherwise (a CPU) it grows as
+    sessions need pages.
 
     Attributes:
-        kv_pool: the replica's :class:`~llava_sessions.model.KVPool` (:func:`new_kv_pool`; None without one).
-        batch: the running answers' :class:`~.decode_batch.DecodeBatch`, or over the pool's pages
-            their :class:`~.paged_batch.PagedDecodeBatch`.
+        pool: the replica's :class:`~llava_sessions.model.KVPool` (:func:`new_pool`).
+        batch: the running answers' :class:`~.paged_batch.PagedDecodeBatch` over the pool's pages.
         graphs: the decode step at static shapes (:func:`new_graphs`; None: steps at their own shapes).
         prefill_graphs: a prefill chunk at static shapes (:func:`new_prefill_graphs`; None: at its own shape).
         num_prefilled_tokens: tokens prefilled since start (a counter for metrics).
@@ -100,33 +87,25 @@ class ModelRunner:
         model: LlavaModel,
         store: SessionStore,
         *,
-        kv_page_size: int = KV_PAGE_SIZE,
-        decode_layout: DecodeLayout = "auto",
         cuda_graphs: bool | None = None,
     ) -> None:
         self.model = model
         self.store = store
-        on_gpu = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
-        paged = decode_layout == "paged" or (decode_layout == "auto" and on_gpu)
-        graphs = paged and (on_gpu if cuda_graphs is None else cuda_graphs)
-        fixed = store.device_budget_bytes if paged and (on_gpu or graphs) else 0
-        self.kv_pool = new_kv_pool(model, kv_page_size, fixed)
+        on_gpu = model.device.type == "cuda"
+        graphs = on_gpu if cuda_graphs is None else cuda_graphs
+        self.pool = new_pool(model, KV_PAGE_SIZE, store.device_budget_bytes if graphs else 0)
         #: On a GPU, the device memory each graph kind's capture took (bytes the allocator reserved), to
         #: hold against the budget's estimate (``sessions/budget.py``; ``benchmarks/gpu.py`` reports it).
         self.graph_bytes: dict[str, int] = {}
         with reserved_growth(self.graph_bytes, "decode", on_gpu):
-            self.graphs = new_graphs(model, self.kv_pool) if graphs and self.kv_pool is not None else None
+            self.graphs = new_graphs(model, self.pool) if graphs else None
         with reserved_growth(self.graph_bytes, "prefill", on_gpu):
-            self.prefill_graphs = new_prefill_graphs(model, self.kv_pool, self.graphs)
+            self.prefill_graphs = new_prefill_graphs(model, self.pool, self.graphs)
         if self.graphs is not None and on_gpu and model.vision_graph is None:  # the vision tower, replayed
             args = (model.model, model.architecture, model.device, model.dtype)
             with reserved_growth(self.graph_bytes, "vision", on_gpu):
                 model.vision_graph = VisionGraph.capture(*args) or TileGraphs.capture(*args)
-        self.batch: DecodeBatch | PagedDecodeBatch = (
-            PagedDecodeBatch(model, store, self.kv_pool, self.graphs, self.prefill_graphs)
-            if paged and self.kv_pool is not None
-            else DecodeBatch(model, store, self.new_cache)
-        )
+        self.batch = PagedDecodeBatch(model, store, self.pool, self.graphs, self.prefill_graphs)
         self.num_prefilled_tokens = 0
         self.num_fused_passes = 0
         self.costs = CostModel()
@@ -135,13 +114,12 @@ class ModelRunner:
         """The static decode step made anew, its attention reading the pages as ``paged_read`` (how the
         GPU suite and ``benchmarks/gpu.py`` compare the reads), and the prefill graphs beside it (on
         the new step's scratch page; the old one goes back to the pool). Nothing happens without one."""
-        if self.graphs is None or self.kv_pool is None:
+        if self.graphs is None:
             return
         self.graphs.close()
-        self.graphs = new_graphs(self.model, self.kv_pool, paged_read)
-        self.prefill_graphs = new_prefill_graphs(self.model, self.kv_pool, self.graphs)
-        if isinstance(self.batch, PagedDecodeBatch):
-            self.batch.graphs, self.batch.prefill_graphs = self.graphs, self.prefill_graphs
+        self.graphs = new_graphs(self.model, self.pool, paged_read)
+        self.prefill_graphs = new_prefill_graphs(self.model, self.pool, self.graphs)
+        self.batch.graphs, self.batch.prefill_graphs = self.graphs, self.prefill_graphs
 
     def _ms_since(self, t0: float) -> float:
         """Wall ms since ``t0`` (perf_counter), the device's queued work included (a CUDA device is
@@ -293,21 +271,20 @@ class ModelRunner:
         a replayed graph on a GPU), or None: no prefill graphs, a cache outside the pool, or no bucket
         holds the chunk. Its ms are not the cost model's, as :meth:`_static_prefill`'s."""
         cache = session.kv_cache
-        if self.prefill_graphs is None or not isinstance(cache, SessionKV):
+        if self.prefill_graphs is None or cache is None:
             return None
         first_row = ids[:start].count(self.model.image_token_id)
         return self.prefill_graphs.prefill(cache.table, ids[start:end], first_row, session.image_features)
 
     def decode(self, seqs: list[Sequence], *, rebuild: bool) -> torch.Tensor:
-        """One decode step of ``seqs`` in one forward pass (:meth:`DecodeBatch.forward`).
+        """One decode step of ``seqs`` in one forward pass (:meth:`PagedDecodeBatch.forward <.paged_batch.PagedDecodeBatch.forward>`).
 
         Returns:
             Logits ``[B, vocab]`` float32, indexed by each generation's ``row``.
         """
         t0 = time.perf_counter()
         logits = self.batch.forward(seqs, rebuild=rebuild)
-        if not rebuild:  # a rebuild copies every row's KV once: not what a step costs from then on
-            self.costs.decode(self._ms_since(t0))
+        self.costs.decode(self._ms_since(t0))
         return logits
 
     def decode_with_chunk(
@@ -322,22 +299,21 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``seqs`` and the prefill of the next ``num_tokens`` of ``ids`` beyond
         ``session``'s cache (as :meth:`prefill`) in ONE forward pass
-        (:meth:`DecodeBatch.forward_with_chunk`); the session records the ids its cache now holds.
+        (:meth:`PagedDecodeBatch.forward_with_chunk <.paged_batch.PagedDecodeBatch.forward_with_chunk>`); the
+        session records the ids its cache now holds.
 
         Returns:
             ``(logits [B, vocab] by row, logits [vocab] of the chunk's last position)``, float32.
 
         Raises:
             ServiceError: overloaded. Exception: the pass failed (the batch's next column and the
-            session's cache are as before it; a rebuild of the batch stays).
+            session's cache are as before it; the rows the step gave joining answers stay).
         """
         t0 = time.perf_counter()
         start, end = self._chunk(session, ids, num_tokens)
         rows, last = self.batch.forward_with_chunk(seqs, rebuild=rebuild, session=session, ids=ids[:end])
         self.num_fused_passes += 1
-        ms = self._record(session, ids[:end], start, t0, timings)
-        if not rebuild:  # a rebuild copies every row's KV once: not what a step costs from then on
-            self.costs.fused(end - start, ms)
+        self.costs.fused(end - start, self._record(session, ids[:end], start, t0, timings))
         return rows, last
 
     @staticmethod
@@ -358,20 +334,18 @@ class ModelRunner:
 
     @property
     def page_size(self) -> int:
-        """Positions per page of the KV pool (0: no pool; the sessions' caches are ``DynamicCache``s)."""
-        return 0 if self.kv_pool is None else self.kv_pool.page_size
+        """Positions per page of the KV pool."""
+        return self.pool.page_size
 
-    def new_cache(self) -> Any:
-        """An empty cache for a session: a :class:`~llava_sessions.model.SessionKV` in the pool, or
-        without one a ``DynamicCache``."""
-        return self.model.new_cache() if self.kv_pool is None else self.kv_pool.new_cache()
+    def new_cache(self) -> SessionKV:
+        """An empty cache for a session: a :class:`~llava_sessions.model.SessionKV` in the pool."""
+        return self.pool.new_cache()
 
-    def check_kv_pool(self, caches: Iterable[Any]) -> None:
+    def check_pool(self, caches: Iterable[Any]) -> None:
         """Assert that ``caches`` (every session's) are all the pool's holders: its reference counts
         are their page tables' (:meth:`KVPool.check <llava_sessions.model.KVPool.check>`)."""
-        if self.kv_pool is not None:
-            tables = [c.table for c in caches if isinstance(c, SessionKV)]
-            self.kv_pool.check(tables + ([self.graphs.table] if self.graphs is not None else []))
+        tables = [c.table for c in caches if c is not None]
+        self.pool.check(tables + ([self.graphs.table] if self.graphs is not None else []))
 
 
 @contextlib.contextmanager
@@ -386,14 +360,10 @@ def reserved_growth(into: dict[str, int], key: str, on_gpu: bool) -> Iterator[No
     into[key] = torch.cuda.memory_reserved() - before
 
 
-def new_kv_pool(model: LlavaModel, page_size: int, fixed_bytes: int = 0) -> KVPool | None:
-    """The KV pool of a replica running ``model``, pages of ``page_size`` positions; None (sessions keep
-    ``DynamicCache``s) for ``page_size`` 0 or a model with a sliding attention window (a
-    ``DynamicCache`` built from its config keeps only the window, the pool every position), or a
-    runner without a model (tests' stand-ins). ``fixed_bytes`` > 0: the pool is fixed at that many
-    bytes of pages (and one more, the static decode step's scratch page); 0: it grows."""
-    if page_size <= 0 or not getattr(model, "fusable", False) or not hasattr(model, "num_kv_heads"):
-        return None
+def new_pool(model: LlavaModel, page_size: int, fixed_bytes: int = 0) -> KVPool:
+    """The KV pool of a replica running ``model``, pages of ``page_size`` positions. ``fixed_bytes`` > 0:
+    the pool is fixed at that many bytes of pages (and one more, the static decode step's scratch
+    page); 0: it grows."""
     text = model.config.text_config
     shape = (text.num_hidden_layers, model.num_kv_heads, model.head_dim, model.dtype, model.device)
     mirror = getattr(model, "ranks", None)  # a tensor-parallel replica's other ranks hold their heads' pages

@@ -11,7 +11,6 @@ head's turn is kept only once all of them have ended.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,8 +27,6 @@ if TYPE_CHECKING:
     from .model_runner import ModelRunner
 
 __all__ = ["StepOutputs", "by_rows", "plain_choices", "read_choices"]
-
-log = logging.getLogger(__name__)
 
 
 class StepOutputs:
@@ -116,13 +113,11 @@ class StepOutputs:
             self._finish_sequence(seq, finish)
 
     def _finish_sequence(self, seq: Sequence, finish_reason: FinishReason) -> None:
-        """The answer ended: its KV comes back from the batch, the session keeps the turn (or its
-        cache is cropped back to the history's stable prefix) and is idle again."""
+        """The answer ended: it leaves the decode batch (its session's cache holds every token it fed:
+        all but the last), the session keeps the turn (or its cache is cropped back to the history's
+        stable prefix) and is idle again."""
+        self.runner.batch.drop(seq)
         session = seq.session
-        generated = [e.id for e in seq.events]
-        kv = self.runner.batch.release(seq)
-        if kv is not None:  # the last token is not fed yet
-            session.take_back_kv(kv, seq.prompt_ids + generated[:-1])
         seq.finish(finish_reason)
         if seq.head is not seq:  # another answer of a request of several: only the head's is remembered
             self.store.discard(session)
@@ -200,13 +195,7 @@ class StepOutputs:
         if seq.features_pending:  # a resent conversation's features were never assembled: rebuild from images
             session.drop_features()
             return
-        try:
-            kv = self.runner.batch.release(seq)
-            if kv is not None:
-                session.take_back_kv(kv, seq.prompt_ids + [e.id for e in seq.events][:-1])
-        except Exception:  # noqa: BLE001 - the row cannot be read back: rebuild the session from features
-            log.exception("could not read a session back from the decode batch")
-            session.drop_kv()
+        self.runner.batch.drop(seq)
         session.keep_kv(len(session.cached_ids) if not seq.prefilled else seq.num_reused_tokens)
 
 

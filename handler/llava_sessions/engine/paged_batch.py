@@ -1,19 +1,20 @@
 """The decode batch over the replica's KV pool: each running answer decodes straight into its session's pages.
 
-A row is a running answer whose session's KV cache is a :class:`~llava_sessions.model.SessionKV`. A
+A row is a running answer; its session's KV cache is a :class:`~llava_sessions.model.SessionKV`. A
 decode step reserves one position in each decoding row's page table (a new page every ``page_size``
 tokens; a shared, partly written last page is copied first, as any write to it is), runs one forward
 pass over the rows' tables (:class:`~llava_sessions.model.kv.paged.SlotsCache`: each row's token
-written to its slot, attention over its positions gathered from the pages and right-padded) and
-records the fed tokens in each session (:meth:`Session.record_decode
+written to its slot) and records the fed tokens in each session (:meth:`Session.record_decode
 <llava_sessions.sessions.session.Session.record_decode>`), so the ledger books the pages a row holds
 as they are taken, and a finished answer's session already holds its turn.
 
+How a step runs, chosen here and in the runner's graphs: through the static step
+(:class:`~llava_sessions.model.graphs.DecodeGraphs`, replayed as a CUDA graph on a GPU) when one
+holds it; else eagerly at its own shape, attention reading each row's runs of pages as views of the
+pool on a CPU (:mod:`llava_sessions.model.kv.runs`) and its positions gathered elsewhere.
+
 Costs. Joining, leaving and compaction copy no KV (a row is a place in :attr:`PagedDecodeBatch.rows`);
-a step writes one position per row and layer, and gathers each row's positions per layer (the copy
-transformers' continuous batching makes too). Memory: the rows' own pages, nothing beside them. On this
-CPU 8 sessions decode at 0.84-0.85x the tokens/s of the contiguous :class:`~.decode_batch.DecodeBatch`
-(docs/decisions/19-the-kv-pool-in-pages.md), which stays the default (``decode_layout``) until a GPU measures both.
+a step writes one position per row and layer. Memory: the rows' own pages, nothing beside them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import KVPool, LlavaModel, SessionKV, SlotsCache, cache_len, held_len
+from ..model import KVPool, LlavaModel, SessionKV, SlotsCache, cache_len
 from ..model.fused import attention_on
 from ..model.kv.cache import undo_pass
 from ..model.kv.runs import PAGED_RUNS_ATTENTION, reading_runs
@@ -49,14 +50,13 @@ def static_rows_table(model: LlavaModel, session: Session, chunk: list[int]) -> 
     (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`):
     its cache is in the pool and the chunk is text, no image placeholders; else None."""
     cache = session.kv_cache
-    if not isinstance(cache, SessionKV) or model.image_token_id in chunk:
+    if cache is None or model.image_token_id in chunk:
         return None
     return cache.table
 
 
 class PagedDecodeBatch:
-    """The running answers' decode step over their sessions' pages (module docstring); the same face
-    as :class:`~.decode_batch.DecodeBatch`, so the engine steps either.
+    """The running answers' decode step over their sessions' pages (module docstring).
 
     Args:
         model: the loaded model (the batched forward).
@@ -74,8 +74,6 @@ class PagedDecodeBatch:
         rows: the running answers by row (None: a row whose answer left; compacted when under half live).
         num_builds: times the rows were laid out anew (joins, compaction); no KV moves in one.
     """
-
-    cache: None = None  # no batch tensors: the rows' KV is their sessions' pages
 
     def __init__(
         self,
@@ -103,16 +101,8 @@ class PagedDecodeBatch:
         return sum(g is not None for g in self.rows)
 
     def layout(self) -> BatchLayout:
-        """The batch's shape, for the scheduler (``page_size`` set: a step books the pages its rows open)."""
-        live = [g for g in self.rows if g is not None]
-        return BatchLayout(
-            num_rows=len(self.rows),
-            num_live=len(live),
-            capacity=len(self.rows),
-            longest_row=max((g.next_position for g in live), default=0),
-            kv_bytes_per_token=self.model.kv_bytes_per_token,
-            page_size=self.pool.page_size,
-        )
+        """The batch's shape, for the scheduler (a step books the pages its rows open)."""
+        return BatchLayout(len(self.rows), self.num_live, self.model.kv_bytes_per_token, self.pool.page_size)
 
     def forward(self, seqs: list[Sequence], *, rebuild: bool) -> torch.Tensor:
         """Run one decode step for ``seqs`` (each prefilled, its session's cache in the pool) in one
@@ -133,10 +123,18 @@ class PagedDecodeBatch:
     def forward_with_chunk(
         self, seqs: list[Sequence], *, rebuild: bool, session: Session, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` and ``session``'s chunk of ``ids`` in one pass, as
-        :meth:`DecodeBatch.forward_with_chunk <.decode_batch.DecodeBatch.forward_with_chunk>` (the
-        rows' logits by ``row``, the chunk's last position's); a failed pass leaves every table and
-        the session's cache as before the step."""
+        """:meth:`forward` and the prefill of ``ids`` beyond ``session``'s cache in one forward pass
+        (:meth:`LlavaModel.fused_step <llava_sessions.model.LlavaModel.fused_step>`; or the static
+        step's, :meth:`_mixed`).
+
+        Returns:
+            ``(logits [len(rows), vocab], logits [vocab])`` float32: the rows' (by ``row``), the
+            chunk's last position's.
+
+        Raises:
+            ServiceError: overloaded (as :meth:`forward`). Exception: the forward pass failed (every
+            table and the session's cache as before the step).
+        """
         logits, last = self._step(seqs, rebuild, session, ids)
         assert last is not None
         return logits, last
@@ -206,7 +204,7 @@ class PagedDecodeBatch:
         if done is not None:
             return done[0], done[1][0]
         cache, prefills = session.kv_cache, self.prefill_graphs
-        if prefills is None or not isinstance(cache, SessionKV) or prefills.bucket(len(chunk), len(ids)) is None:
+        if prefills is None or cache is None or prefills.bucket(len(chunk), len(ids)) is None:
             return None
         if self.graphs.bucket(len(tables), max(t.num_tokens for t in tables)) is None:
             return None
@@ -269,25 +267,15 @@ class PagedDecodeBatch:
             return None
         return logits, starts
 
-    def release(self, seq: Sequence) -> None:
-        """Take ``seq`` out of the batch. Its session's cache already holds every position the answer
-        fed (nothing to give back: returns None, as :meth:`DecodeBatch.release
-        <.decode_batch.DecodeBatch.release>` does for a row it holds no copy of)."""
-        self.drop(seq)
-
     def drop(self, seq: Sequence) -> None:
-        """Take ``seq`` out of the batch (left, or preempted: its session's KV is the caller's)."""
+        """Take ``seq`` out of the batch (it ended: its session's cache holds every position it fed;
+        or it is preempted: its session's KV is the caller's)."""
         if seq.row is None:
             return
         self.rows[seq.row] = None
         seq.row = None
         if self.num_live == 0:
             self.rows = []
-
-    @staticmethod
-    def unlend() -> bool:
-        """Nothing to free: the rows are their sessions' own pages. Returns False."""
-        return False
 
     def bytes_without(self, seqs: list[Sequence], leaving: list[Sequence]) -> int:
         """Device bytes a step of ``seqs`` (the answers that decode) needs beyond what their sessions
@@ -296,7 +284,7 @@ class PagedDecodeBatch:
         gone = {id(g) for g in leaving}
         size, per_token = self.pool.page_size, self.model.kv_bytes_per_token
         opened = sum(1 for g in seqs if id(g) not in gone and g.next_position % size == 0)
-        freed = sum(held_len(g.session.kv_cache) for g in leaving)
+        freed = sum(g.session.num_held_kv_tokens for g in leaving)
         return (opened * size - freed) * per_token
 
     def _build(self, joining: list[Sequence]) -> None:
@@ -315,6 +303,6 @@ def _paged(session: Session) -> SessionKV:
         TypeError: it is not in the pool.
     """
     cache = session.kv_cache
-    if not isinstance(cache, SessionKV):
-        raise TypeError(f"a paged decode row needs its session's KV in the pool, not {type(cache).__name__}")
+    if cache is None:
+        raise TypeError("a decode row needs its session's KV in the pool, and it holds none")
     return cache

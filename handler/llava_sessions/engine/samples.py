@@ -5,9 +5,8 @@ session, plus ``n - 1`` others, each on a *sample session* of its own: a copy of
 conversation (its images, their layout and its turns) that no client names and no budget of
 sessions counts (``anonymous``), held busy while its answer runs and discarded when it ends. The
 others wait (:attr:`Sequence.ready`) until the head's prompt is prefilled; then each forks from it
-(:func:`fork_samples`): its KV cache is the head's prompt (on the KV pool the same pages, shared
-by reference count, with the last partial page copied once an answer writes to it; a
-``DynamicCache`` is copied), its image features are the head's tensor, and its first token is
+(:func:`fork_samples`): its KV cache is the head's prompt (the same pages of the KV pool, shared
+by reference count, with the last partial page copied once an answer writes to it), its image features are the head's tensor, and its first token is
 sampled from the same logits with its own sampler. From then on each answer is a row of the decode
 batch like any other; one that is preempted recomputes its KV from its own session's features.
 
@@ -120,7 +119,6 @@ def _sample_session(session: Session, index: int) -> Session:
         image_features=None,
         kv_cache=None,
         cached_ids=[],
-        kv_lent=False,
         busy=False,
         num_restores=0,
         changed=True,
@@ -132,16 +130,17 @@ def fork_samples(head: Sequence, model: Any, accept: Callable[[Sequence, torch.T
     answer of its request from it (module docstring), sampling each one's first token from ``logits``
     ``[vocab]`` (float32; each sampler gets a copy). Run before the head samples its own.
 
-    Raises:
-        torch.OutOfMemoryError: no room for a ``DynamicCache`` copy (the caller fails the request).
+    Each answer's cache shares the prompt's pages (:meth:`SessionKV.fork
+    <llava_sessions.model.SessionKV.fork>`: nothing copied).
     """
     session = head.session
     n = len(head.prompt_ids)
+    assert session.kv_cache is not None, "the head's prompt is prefilled"
     for seq in head.samples:
         if seq is head or seq.done:
             continue
         seq.session.set_features(session.image_features)
-        seq.session.adopt_kv(model.copy_prefix(session.kv_cache, n), session.cached_ids[:n])
+        seq.session.adopt_kv(session.kv_cache.fork(n), session.cached_ids[:n])
         seq.started(head.restored_from, head.num_reused_tokens, 0.0)
         seq.prefilled_all()
         accept(seq, logits.clone())

@@ -18,10 +18,9 @@ The rules, in order:
    runs it and nothing after it, and the step's prefill share is spent.
 5. **Chunks.** Otherwise a chunk prefills ``min(tokens left, share left)`` tokens, at least one.
    The step stops planning prefill when its share is spent.
-6. **Decode batch rebuilds.** The batch's KV layout is rebuilt (each member's KV copied once) when it
-   does not exist, when an answer joins, when its columns run out, or when fewer than half its rows
-   are still live (compaction). Over the sessions' pages (``BatchLayout.page_size``) no columns run
-   out and a rebuild moves no KV: it only gives the joining answers rows.
+6. **Decode batch rebuilds.** The batch's rows are laid out anew when it has none, when an answer
+   joins, or when fewer than half its rows are still live (compaction). The rows' KV is their
+   sessions' pages, so a rebuild moves no KV: it only gives the joining answers rows.
 
 With no budget (``None``) every request runs whole: vision tower, then its whole prefill.
 
@@ -55,22 +54,17 @@ And always:
 
 10. **Memory comes with the plan** (nano-vllm's ``BlockManager.allocate`` inside ``schedule``, vLLM v1's
     ``KVCacheManager.allocate_slots``). A chunk that starts its work carries the device bytes that
-    start needs (:attr:`PrefillChunk.grant_bytes`: :attr:`RequestView.start_bytes`), a rebuild carries
-    the new batch's (:attr:`StepPlan.batch_bytes`: ``(live rows + joining) x (longest row +
-    grow_columns) x kv_bytes_per_token``; over pages, every step carries the pages its rows open:
-    ``rows whose next position starts a page x page_size x kv_bytes_per_token``). The engine makes
-    room for exactly these before it runs them; nothing else gets device memory (admission only
-    checks that room can be made).
+    start needs (:attr:`PrefillChunk.grant_bytes`: :attr:`RequestView.start_bytes`), and every decode
+    step carries the pages its rows open (:attr:`StepPlan.batch_bytes`: ``rows whose next position
+    starts a page x page_size x kv_bytes_per_token``). The engine makes room for exactly these before
+    it runs them; nothing else gets device memory (admission only checks that room can be made).
 11. **Preemption: the newest answers leave when the batch cannot grow** (vLLM's rule; the plan's
     :class:`Room`). Given the device bytes the ledger can still make room for (``room_bytes``: the
-    budget less what busy sessions and the batch hold), a batch whose bytes do not fit drops its
-    newest answers, one at a time, until the rest fits; the oldest always stays. Over pages, a
-    leaving answer's pages (:attr:`RequestView.num_held_kv_tokens`) come back to the room. A contiguous
-    batch, when even its oldest answer alone does not fit, first frees the copies its rows' sessions
-    keep of the KV the rows hold (``unlend``: a rebuild lays the new batch out beside the old one, so
-    those copies are what stands in the way) and searches again; when even that fails, the decode
-    rows fail ``overloaded`` (``refused``). A preempted answer waits, then recomputes its KV and
-    decodes on, with the same tokens.
+    budget less what busy sessions hold), a step whose pages do not fit drops its newest answers,
+    one at a time, until the rest fits; the oldest always stays. A leaving answer's pages
+    (:attr:`RequestView.num_held_kv_tokens`) come back to the room. When even the oldest answer alone
+    does not fit, the decode rows fail ``overloaded`` (``refused``). A preempted answer waits, then
+    recomputes its KV and decodes on, with the same tokens.
 """
 
 from __future__ import annotations
@@ -112,9 +106,9 @@ class RequestView:
         needs_vision: its next chunk runs the vision tower (rule 4).
         num_prefill_tokens: tokens it has left to prefill (after the vision chunk, if any).
         start_bytes: device bytes its first chunk needs room for (0 once started; rule 10).
-        num_kv_tokens: a decoding answer's tokens in its KV cache (its row's length in the batch).
-        num_held_kv_tokens: token positions of device memory its session's own KV holds (the ledger's
-            count: over pages, its pages; in a contiguous batch, the copy its session keeps; rule 11).
+        num_kv_tokens: a decoding answer's tokens in its KV cache.
+        num_held_kv_tokens: token positions of device memory its session's KV holds (the ledger's
+            count: its pages x page size; rule 11).
         created: when the request arrived (``time.perf_counter()``): the newest leave first (rule 11).
     """
 
@@ -131,21 +125,14 @@ class RequestView:
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """The decode batch's shape: ``num_rows`` rows (``num_live`` of them running answers), ``length``
-    columns written, ``capacity`` columns allocated (0: no batch); ``longest_row``, the most tokens a
-    live row holds; a build allocates ``grow_columns`` past the longest row, ``kv_bytes_per_token``
-    bytes per row and column (rule 10). ``page_size`` (0: the contiguous batch above): the batch is
-    the sessions' pages (:class:`~.paged_batch.PagedDecodeBatch`), where rules 6 and 10 read
-    differently."""
+    """The decode batch's shape (:class:`~.paged_batch.PagedDecodeBatch`): ``num_rows`` rows
+    (``num_live`` of them running answers; 0: no batch yet), over the sessions' pages of
+    ``page_size`` positions, each position ``kv_bytes_per_token`` bytes (rule 10)."""
 
     num_rows: int = 0
     num_live: int = 0
-    length: int = 0
-    capacity: int = 0
-    longest_row: int = 0
-    grow_columns: int = 0
     kv_bytes_per_token: int = 0
-    page_size: int = 0
+    page_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -177,13 +164,11 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class Room:
-    """How the decode batch gets its bytes (rule 11): ``preempt``, the indexes of the answers that
-    leave it first (newest first; their KV is dropped, they resume later); ``unlend``, a contiguous
-    batch's rows' sessions free their own copies of the rows' KV first; ``refused``, no room can be
+    """How the decode step gets its bytes (rule 11): ``preempt``, the indexes of the answers that
+    leave it first (newest first; their KV is dropped, they resume later); ``refused``, no room can be
     made: the decode rows fail ``overloaded``."""
 
     preempt: tuple[int, ...] = ()
-    unlend: bool = False
     refused: bool = False
 
 
@@ -192,8 +177,8 @@ class StepPlan:
     """One step: ``decode`` (indexes of the answers that decode one token together, the preempted
     ones included), ``rebuild`` (lay the decode batch out anew first), ``prefill`` (chunks, in the
     order they run), ``fuse`` (rule 9: the first chunk runs in the decode step's forward
-    pass), ``batch_bytes`` (the device bytes of the rebuilt batch, or over pages of the pages its rows
-    open, once ``room``'s preemptions are made; room made for them first: rules 10 and 11)."""
+    pass), ``batch_bytes`` (the device bytes of the pages its rows open, once ``room``'s preemptions
+    are made; room made for them first: rules 10 and 11)."""
 
     decode: tuple[int, ...] = ()
     rebuild: bool = False
@@ -209,13 +194,9 @@ class StepPlan:
 
 
 def needs_rebuild(batch: BatchLayout, joining: bool) -> bool:
-    """Rule 6: whether the decode batch is laid out anew before the step (``joining``: an answer
-    without a row decodes this step)."""
-    if batch.capacity == 0 or joining:
-        return True
-    if batch.page_size:  # the sessions' pages: no columns run out
-        return batch.num_live * 2 < batch.num_rows
-    return batch.length + 1 > batch.capacity or batch.num_live * 2 < batch.num_rows
+    """Rule 6: whether the decode batch's rows are laid out anew before the step (``joining``: an
+    answer without a row decodes this step)."""
+    return batch.num_rows == 0 or joining or batch.num_live * 2 < batch.num_rows
 
 
 def schedule(
@@ -247,8 +228,6 @@ def schedule(
     chunks = tuple(
         PrefillChunk(p.index, p.vision, p.num_tokens, work[p.index].start_bytes, p.vision_ms) for p in chunks
     )
-    if not (rebuild or batch.page_size):
-        return StepPlan(decode, rebuild, chunks, fused)
     room, batch_bytes = make_room(work, decode, batch, room_bytes)
     return StepPlan(decode, rebuild, chunks, fused, batch_bytes, room)
 
@@ -256,46 +235,31 @@ def schedule(
 def make_room(
     work: Sequence[RequestView], decode: Sequence[int], batch: BatchLayout, room_bytes: int | None
 ) -> tuple[Room, int]:
-    """Rules 10 and 11: how the decode batch of ``decode`` (indexes into ``work``) gets its device bytes
+    """Rules 10 and 11: how the decode step of ``decode`` (indexes into ``work``) gets its device bytes
     when room can be made for ``room_bytes`` (None: any number).
 
     Returns:
-        The :class:`Room` (the preemptions, whether to unlend, or refused) and the batch's bytes once
-        it is made (0 when refused).
+        The :class:`Room` (the preemptions, or refused) and the step's bytes once it is made (0 when
+        refused).
     """
     need = _batch_bytes(work, decode, batch, ())
     if room_bytes is None or need <= max(room_bytes, 0):
         return Room(), need
     newest_first = sorted(decode, key=lambda i: (work[i].created, i), reverse=True)
-    per_token = batch.kv_bytes_per_token
-    lent = 0 if batch.page_size else sum(work[i].num_held_kv_tokens for i in decode if work[i].has_row) * per_token
-    for unlend in (False, True):
-        if unlend and not lent:
-            break
-        for k in range(len(newest_first)):  # the newest k leave; the oldest always stays
-            leaving = newest_first[:k]
-            need = _batch_bytes(work, decode, batch, leaving)
-            freed = sum(work[i].num_held_kv_tokens for i in leaving) * per_token if batch.page_size else 0
-            if need - freed <= max(room_bytes + (lent if unlend else 0), 0):
-                return Room(tuple(sorted(leaving)), unlend), need
+    for k in range(len(newest_first)):  # the newest k leave; the oldest always stays
+        leaving = newest_first[:k]
+        need = _batch_bytes(work, decode, batch, leaving)
+        freed = sum(work[i].num_held_kv_tokens for i in leaving) * batch.kv_bytes_per_token
+        if need - freed <= max(room_bytes, 0):
+            return Room(tuple(sorted(leaving))), need
     return Room(refused=True), 0
 
 
 def _batch_bytes(work: Sequence[RequestView], decode: Sequence[int], batch: BatchLayout, leaving: Sequence[int]) -> int:
-    """Rule 10: the device bytes of the decode batch laid out anew with the answers of ``decode`` but
-    ``leaving`` (those without a row join its live rows; a live row that does not decode this step
-    counts at the longest row's width); over pages, those of the pages the step opens (a row whose
-    next position is a page's first)."""
-    kept = [i for i in decode if i not in leaving]
-    per_token = batch.kv_bytes_per_token
-    if batch.page_size:
-        opened = sum(1 for i in kept if work[i].num_kv_tokens % batch.page_size == 0)
-        return opened * batch.page_size * per_token
-    unseen = max(0, batch.num_live - sum(1 for i in decode if work[i].has_row))
-    widths = [work[i].num_kv_tokens for i in kept] + ([batch.longest_row] if unseen else [])
-    if not widths:
-        return 0
-    return (len(kept) + unseen) * (max(widths) + batch.grow_columns) * per_token
+    """Rule 10: the device bytes of the pages the decode step of ``decode`` but ``leaving`` opens (a
+    row whose next position is a page's first)."""
+    opened = sum(1 for i in decode if i not in leaving and work[i].num_kv_tokens % batch.page_size == 0)
+    return opened * batch.page_size * batch.kv_bytes_per_token
 
 
 def _counted(

@@ -142,9 +142,9 @@ class ImageSharing:
             n = reusable_len(holder, ids, keys, tokens, image_id)
             if n > best_len:
                 best, best_len = holder, n
-        if best is None:
+        if best is None or best.kv_cache is None:
             return own
-        session.adopt_kv(self.model.copy_prefix(best.kv_cache, best_len), ids[:best_len])
+        session.adopt_kv(best.kv_cache.fork(best_len), ids[:best_len])
         session.copied_from(best.session_id)
         self.store.touch(best)
         return best_len

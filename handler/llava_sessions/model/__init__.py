@@ -14,17 +14,7 @@ module              owns
 
 from __future__ import annotations
 
-from .kv import (
-    BatchKVCache,
-    BatchKVLayer,
-    KVPool,
-    SessionKV,
-    SlotsCache,
-    cache_len,
-    crop_cache,
-    held_len,
-    release_cache,
-)
+from .kv import KVPool, SessionKV, SlotsCache, cache_len
 from .llava import LlavaModel
 from .loading import (
     ARCHITECTURES,
@@ -40,8 +30,6 @@ from .video import EncodedVideo, is_sampled_video
 
 __all__ = [
     "ARCHITECTURES",
-    "BatchKVCache",
-    "BatchKVLayer",
     "ChatTemplate",
     "EncodedVideo",
     "KVPool",
@@ -51,12 +39,9 @@ __all__ = [
     "cache_len",
     "checkpoint_architecture",
     "is_sampled_video",
-    "crop_cache",
-    "held_len",
     "image_only_processor_class",
     "load_model",
     "load_processor",
-    "release_cache",
     "resolve_device",
     "resolve_dtype",
 ]

@@ -8,13 +8,14 @@ once. Here the pass's input is one sequence of
 ``B + C`` tokens: the ``B`` decode rows' next tokens, then the chunk's ``C`` tokens. Everything but
 attention is per token, so the model's own layers run it unchanged; attention is where the two parts
 differ, and :func:`fused_attention` (registered as :data:`FUSED_ATTENTION` with transformers'
-``AttentionInterface``) runs the model's own SDPA attention twice: the decode rows over the decode
-batch's KV (``[B, kv_heads, length, head_dim]``, one row each, as a decode step does) and the chunk
-over its session's KV (causal from the chunk's first position, as a prefill does).
+``AttentionInterface``) runs the model's own SDPA attention twice: the decode rows over their KV
+(``[B, kv_heads, length, head_dim]`` gathered, or read as runs of pages on a CPU: :mod:`.kv.runs`),
+one row each as a decode step does, and the chunk over its session's KV (causal from the chunk's
+first position, as a prefill does).
 
 :class:`FusedCache` is what the layers see as their cache: :meth:`FusedCache.update` writes the decode
-rows' keys and values at the batch's next column and appends the chunk's to the session's
-``DynamicCache``, and hands attention both parts. The model's mask builder is skipped (the attention
+rows' keys and values at their slots of the pool and appends the chunk's to its session's cache, and
+hands attention both parts. The model's mask builder is skipped (the attention
 name has no mask function), the masks being the two parts' own.
 
 A prefill over cached positions (a follow-up question, a prompt's later chunk, a fused pass's chunk)
@@ -30,6 +31,7 @@ where neither applies (as on the CPU, where it is therefore off).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -48,11 +50,14 @@ __all__ = [
     "LOWER_RIGHT_ATTENTION",
     "FusedCache",
     "attention_on",
-    "fusable",
+    "attention_window",
+    "context_limit",
     "fused_attention",
     "lower_right_attention",
     "prefer_sdpa_backends",
 ]
+
+log = logging.getLogger(__name__)
 
 #: The attention implementation's name while a fused pass runs (transformers' ``AttentionInterface``).
 FUSED_ATTENTION = "llava_fused_step"
@@ -61,16 +66,33 @@ FUSED_ATTENTION = "llava_fused_step"
 LOWER_RIGHT_ATTENTION = "llava_lower_right_prefill"
 
 
-def fusable(text_config: Any) -> bool:
-    """Whether a text model of ``text_config`` may run fused passes: every layer attends to the whole
-    context (no ``sliding_window`` in effect, no ``sliding_attention`` in ``layer_types``), which is
-    what :func:`fused_attention` computes. Mistral's default 4,096-token window, or Qwen2's with
-    ``use_sliding_window``, is not: such a model keeps every chunk a pass of its own."""
+def attention_window(text_config: Any) -> int | None:
+    """The sliding attention window (tokens) some layer of a text model of ``text_config`` attends
+    within, or None when every layer attends to the whole context: Mistral's ``sliding_window``
+    (4,096 in Mistral-7B-v0.1's config, None from v0.2), Qwen2's when ``use_sliding_window``, a
+    ``sliding_attention`` entry of ``layer_types``. Within its first ``window`` positions such a model
+    attends to every position before each one (transformers' sliding-window mask keeps key ``k`` for
+    query ``q`` while ``q - k < window``), which is what the pool's attention computes."""
     window = getattr(text_config, "sliding_window", None)
     if getattr(text_config, "use_sliding_window", True) is False:
         window = None
     layer_types = getattr(text_config, "layer_types", None) or []
-    return window is None and all(t == "full_attention" for t in layer_types)
+    if window is None or (layer_types and all(t == "full_attention" for t in layer_types)):
+        return None
+    return int(window)
+
+
+def context_limit(text_config: Any) -> int:
+    """The context a text model of ``text_config`` is served with, tokens: its ``max_position_embeddings``,
+    capped at its sliding attention window (:func:`attention_window`), within which the pool's full
+    attention is the model's own (docs/decisions/74-a-sliding-window-caps-the-context.md); a cap is
+    logged once as a warning, since a longer conversation is then truncated or refused
+    (``context_length_exceeded``)."""
+    limit, window = int(text_config.max_position_embeddings), attention_window(text_config)
+    if window is not None and window < limit:
+        log.warning("the model attends within a sliding window of %d tokens: its context is capped at it", window)
+        return window
+    return limit
 
 
 class _Parts(NamedTuple):
@@ -86,12 +108,10 @@ class FusedCache(Cache):
     """The cache a fused pass's layers update: the decode batch's rows and one session's KV.
 
     Args:
-        batch: the decode rows' cache: a :class:`~.kv.cache.BatchKVCache` (the rows write their token at
-            column ``batch.length``) or a :class:`~.kv.paged.SlotsCache` (each at its table's slot).
+        batch: the decode rows' :class:`~.kv.paged.SlotsCache` (each row writes its token at its table's slot).
         row_mask: ``[B, L]`` bool, where each decode row may attend over the ``L`` positions the
             batch's layers return (its own valid ones and the new one).
-        session_cache: the chunk's session cache (a :class:`~.kv.paged.SessionKV`, or a ``DynamicCache``
-            of ``[1, kv_heads, start, head_dim]`` per layer; grows by ``C``).
+        session_cache: the chunk's session cache (a :class:`~.kv.paged.SessionKV`; grows by ``C``).
         start: positions the session's cache holds before the chunk.
         num_rows: ``B``, the decode rows (the first ``B`` tokens of the pass).
         lower_right: the chunk attends in SDPA's lower-right causal form (:func:`lower_right_attention`).
@@ -133,14 +153,14 @@ class FusedCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[Any, Any]:
         """Write one layer's new keys and values ``[1, kv_heads, B + C, head_dim]``: the first ``B``
-        into the batch's rows (at its next column, or at each row's slot), the rest onto the session's
+        at the rows' slots of the pool, the rest onto the session's
         cache.
 
         Returns:
-            The layer's keys and values as ``_Parts`` (the batch's written columns, the session's all).
+            The layer's keys and values as ``_Parts`` (the rows' read positions, the session's all).
         """
         b = self.num_rows
-        rows: Any = self.batch.layers[layer_idx]  # a BatchKVLayer or a paged layer: both update rows
+        rows: Any = self.batch.layers[layer_idx]  # a paged layer: writes the rows at their slots
         bk, bv = rows.update(_rows(key_states, b), _rows(value_states, b))
         sk, sv = self.session_cache.update(key_states[:, :, b:], value_states[:, :, b:], layer_idx)
         return _Parts(bk, sk, self), _Parts(bv, sv, self)

@@ -23,8 +23,8 @@ CUDA device each bucket's pass is captured once at start (:meth:`DecodeGraphs.ca
 first, every graph in one memory pool) and a step is a buffer copy and a replay. The pool must be
 fixed (:class:`~.kv.paged.KVPool` ``fixed``): a graph reads the tensors it was captured over.
 
-On a CPU the same static pass runs eagerly (nothing to capture: the engine's CPU default is the
-contiguous layout); tests run it there to show its greedy tokens equal ``model.generate``'s. On a
+On a CPU the same static pass runs eagerly (nothing to capture: the engine's CPU default runs each
+step at its own shape, :mod:`llava_sessions.engine.paged_batch`); tests run it there to show its greedy tokens equal ``model.generate``'s. On a
 GPU, ``benchmarks/gpu.py`` checks replay against eager. Attention reads the rows' positions gathered
 from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.kv.paged.SlotsCache` does),
 or, with ``paged_read`` ``flex``, the pool itself through FlexAttention's block mask

@@ -1,9 +1,8 @@
 """The loaded LLaVA model: image encoding, prefill and decode forward passes over explicit state.
 
 Pure model operations: no sessions, no scheduling policy, no HTTP or JSON. ``prefill`` runs one
-sequence's uncached tokens (a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer);
-``decode_batch`` runs one token for every row of a :class:`~.kv.cache.BatchKVCache` (or a
-:class:`~.kv.paged.SlotsCache`) in one pass. The engine sees images as feature rows and token counts.
+sequence's uncached tokens (a session's :class:`~.kv.paged.SessionKV`, or any transformers ``Cache``);
+``decode_batch`` runs one token for every row of a :class:`~.kv.paged.SlotsCache` in one pass. The engine sees images as feature rows and token counts.
 
 Mechanics (verified, docs/platform.md): an image's features are the model's own
 ``get_image_features`` output (vision tower, projector and, for NeXT / OneVision, the tile packing
@@ -25,8 +24,15 @@ from transformers.cache_utils import Cache
 
 from ..errors import ErrorCode, ServiceError
 from ..sampling.grammar import Grammars
-from .fused import FUSED_ATTENTION, LOWER_RIGHT_ATTENTION, FusedCache, attention_on, fusable, prefer_sdpa_backends
-from .kv.cache import BatchKVCache, cache_len, undo_pass
+from .fused import (
+    FUSED_ATTENTION,
+    LOWER_RIGHT_ATTENTION,
+    FusedCache,
+    attention_on,
+    context_limit,
+    prefer_sdpa_backends,
+)
+from .kv.cache import cache_len, undo_pass
 from .kv.paged import SessionKV
 from .parallel import cache_keyword, load_replica
 from .pixels import DevicePixels
@@ -54,7 +60,9 @@ class LlavaModel:
         architecture: the model's class name.
         num_image_tokens: placeholder tokens of one base tile (576 for llava-1.5 at 336 px, which
             is every image's count there; anyres models add tiles: :meth:`image_token_count`).
-        max_positions: the text model's ``max_position_embeddings`` (context limit, tokens).
+        max_positions: the context limit, tokens: the text model's ``max_position_embeddings``, or its
+            sliding attention window when that is shorter (within it every position attends to all before
+            it, as the pool's full attention computes: docs/decisions/74-a-sliding-window-caps-the-context.md).
         kv_bytes_per_token: KV-cache bytes one token costs (2 × layers × kv_heads × head_dim × dtype size;
             a tensor-parallel replica's across its ranks).
         num_kv_heads: the key-value heads this process holds (a rank's share under tensor parallel).
@@ -62,8 +70,6 @@ class LlavaModel:
         template: the chat template and tokenizer (:class:`~llava_sessions.model.templating.ChatTemplate`).
         eos_token_ids: token ids that end an answer.
         grammars: structured outputs' matchers over the tokenizer (:class:`~llava_sessions.sampling.grammar.Grammars`).
-        fusable: the text model may run a decode step and a prefill chunk in one pass
-            (:meth:`fused_step`; :func:`~llava_sessions.model.fused.fusable`).
         supports_video: the model has a video path served here (:data:`.video.VIDEO_ARCHITECTURES`).
         lower_right_prefill: a prefill over cached positions attends in SDPA's lower-right causal form
             (:func:`~.fused.lower_right_attention`; on CUDA, where that reaches the flash kernel).
@@ -102,9 +108,8 @@ class LlavaModel:
         # row (its get_image_features takes batch_num_images; processing_llava_onevision.replace_image_token)
         self._multi_image_base_tile = "batch_num_images" in inspect.signature(model.get_image_features).parameters
         self._cache_kw = cache_keyword(model)
-        self.max_positions: int = int(text.max_position_embeddings)
-        self.fusable: bool = fusable(text)
-        self.lower_right_prefill: bool = self.device.type == "cuda" and self.fusable and ranks is None
+        self.max_positions: int = context_limit(text)
+        self.lower_right_prefill: bool = self.device.type == "cuda" and ranks is None
         prefer_sdpa_backends(self.device)  # cuDNN's SDPA plans each new shape (see its docstring)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -296,7 +301,8 @@ class LlavaModel:
 
     # ------------------------------------------------------------------ forward passes
     def new_cache(self) -> Any:
-        """Return an empty ``DynamicCache`` for this model."""
+        """An empty ``DynamicCache`` for a one-off pass outside the engine (the compile warm-up, a
+        reference in tests); a session's cache is in the engine's pool."""
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config.text_config)
@@ -319,7 +325,8 @@ class LlavaModel:
         """Run the positions of ``ids`` beyond the cache in one forward pass, extending ``cache``.
 
         Args:
-            cache: a ``DynamicCache`` holding exactly ``ids[:cache_len]`` (mutated: grows to ``len(ids)``).
+            cache: a session's :class:`~.kv.paged.SessionKV` (or a ``DynamicCache``) holding exactly
+                ``ids[:cache_len]`` (mutated: grows to ``len(ids)``).
             ids: the FULL token ids of the sequence; ``len(ids) > cache_len(cache)``.
             image_features: ``[image tokens of every image, hidden]`` (the images' rows in conversation
                 order); needed only if uncached ids hold image placeholders.
@@ -342,32 +349,6 @@ class LlavaModel:
         return self._forward(cache, embeds, start)
 
     # ------------------------------------------------------------------ batched decode
-    def new_batch_cache(self, num_rows: int, capacity: int) -> BatchKVCache:
-        """Allocate a :class:`BatchKVCache` of ``num_rows`` rows × ``capacity`` columns, uninitialized (the
-        caller zeroes each row's left pads: :meth:`BatchKVCache.zero_leading`); ``rows × capacity × kv_bytes_per_token`` bytes."""
-        text = self.config.text_config
-        cache = BatchKVCache(text.num_hidden_layers, capacity)
-        for layer in cache.batch_layers:
-            layer.allocate(num_rows, self.num_kv_heads, self.head_dim, self.dtype, self.device)
-        return cache
-
-    def copy_prefix(self, cache: Any, length: int) -> Any:
-        """A new session cache holding the first ``length`` positions of ``cache`` (the source is left
-        as it is): a paged cache's pages shared (:meth:`SessionKV.fork <.paged_kv.SessionKV.fork>`, no
-        copy), a ``DynamicCache`` copied (``[1, kv_heads, length, head_dim]`` per layer).
-
-        Raises:
-            ValueError: ``cache`` holds fewer than ``length`` positions.
-        """
-        if cache_len(cache) < length:
-            raise ValueError(f"cannot copy {length} positions of a cache of {cache_len(cache)}")
-        if isinstance(cache, SessionKV):
-            return cache.fork(length)
-        out = self.new_cache()
-        for i, layer in enumerate(cache.layers):
-            out.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), i)
-        return out
-
     @torch.inference_mode()
     def decode_batch(
         self,
@@ -379,13 +360,12 @@ class LlavaModel:
         """One decode step for every row of ``batch`` in one forward pass.
 
         Args:
-            batch: the rows' KV: a :class:`BatchKVCache` (each row's new key/value is written at
-                column ``batch.length``, which grows by one) or a
-                :class:`~.kv.paged.SlotsCache` (each row's at its table's last position).
+            batch: the rows' KV, a :class:`~.kv.paged.SlotsCache` (each row's new key and value written
+                at its table's last position).
             token_ids, positions: ``B`` input tokens (any id for a masked row) and position ids
                 (each row's own); lists, or long tensors ``[B, 1]`` on the device (a graph's buffers).
-            attention_mask: ``[B, batch.length + 1]`` long, 1 where a row may attend (its own
-                valid columns, including the new one), 0 for pads, holes and masked rows; or a ready
+            attention_mask: ``[B, L]`` long (:attr:`~.kv.paged.SlotsCache.attention_mask`: 1 where a row
+                may attend over its gathered positions, the new one included, 0 for its pads); or a ready
                 4D ``[B, 1, 1, L]`` bool mask or FlexAttention ``BlockMask`` (passed on as it is).
 
         Returns:
@@ -393,7 +373,7 @@ class LlavaModel:
 
         Raises:
             Exception: the forward pass failed; the caller takes back what it wrote
-                (:meth:`BatchKVCache.set_length`; a paged batch's tables truncated).
+                (the rows' tables truncated).
         """
         ids = torch.as_tensor(token_ids, device=self.device).reshape(-1, 1)
         out = self.text_pass(

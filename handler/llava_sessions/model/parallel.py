@@ -24,7 +24,7 @@ replica router) starts it again, and it starts its followers anew; sessions come
 worker restart. A collective that waits longer than :data:`RANK_TIMEOUT_S` fails its pass.
 
 Only passes over the KV pool run sharded (:class:`~.kv.paged.SlotsCache`): a tensor-parallel
-replica runs the paged layout, eager, without fused chunks or host offload (``worker.build_engine``).
+replica runs its steps eagerly, without fused chunks or host offload (``worker.build_engine``).
 
 A prefill's input embeddings (an image turn's are ~100 MB at OneVision-72b's shapes,
 ``benchmarks/results/tensor-parallel-engine.md``) go by a collective broadcast on GPUs (NCCL, GPU to

@@ -78,7 +78,7 @@ class SessionLedger:
     Args:
         kv_bytes_per_token: bytes one token of KV cache costs (2 x layers x kv_heads x head_dim x
             dtype size; llava-1.5-7b fp16: 524,288).
-        device_budget_bytes: most device bytes (KV caches + image features + ``num_external_bytes``).
+        device_budget_bytes: most device bytes (KV caches + image features).
         host_budget_bytes: most host bytes (encoded images + conversations).
 
     Raises:
@@ -91,8 +91,6 @@ class SessionLedger:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.device_budget_bytes = device_budget_bytes
         self.host_budget_bytes = host_budget_bytes
-        #: Device bytes held outside any session's entry (the decode batch's KV cache).
-        self.num_external_bytes = 0
         self._entries: OrderedDict[str, LedgerEntry] = OrderedDict()  # least recently used first
         self._num_kv_tokens = 0
         self._num_feature_bytes = 0
@@ -129,8 +127,8 @@ class SessionLedger:
 
     @property
     def num_device_bytes(self) -> int:
-        """Device bytes in use: KV caches + features + external (the decode batch)."""
-        return self.num_kv_bytes + self._num_feature_bytes + self.num_external_bytes
+        """Device bytes in use: KV caches + features."""
+        return self.num_kv_bytes + self._num_feature_bytes
 
     @property
     def num_host_bytes(self) -> int:

@@ -83,7 +83,7 @@ class KVOffload:
             larger than the whole budget, or the copy failed, e.g. no page-locked host memory: logged).
         """
         cache, ids = session.kv_cache, list(session.cached_ids)
-        if not self.budget_bytes or not isinstance(cache, SessionKV) or not ids or session.kv_lent:
+        if not self.budget_bytes or cache is None or not ids:
             return False
         nbytes = len(ids) * cache.pool.pages.bytes_per_page // cache.pool.page_size
         if nbytes > self.budget_bytes:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..conversation import Chat, Turn, common_prefix_len, image_key, video_indexes
-from ..model.kv.cache import cache_len, crop_cache, held_len, release_cache
+from ..model.kv.cache import cache_len
 from .ledger import Tier, tier_of
+
+if TYPE_CHECKING:
+    from ..model.kv.paged import SessionKV
 
 __all__ = ["Session", "SessionSnapshot"]
 
@@ -39,8 +42,7 @@ class Session:
 
     The fields are read freely; they change only through the methods below (and the store's
     :meth:`SessionStore.pin` / :meth:`SessionStore.unpin`), which keep the invariant
-    :meth:`check_invariants` asserts: ``cached_ids`` are exactly the tokens in ``kv_cache``, except
-    while the KV is lent to the decode batch (``kv_lent``). Every method that changes what the session
+    :meth:`check_invariants` asserts: ``cached_ids`` are exactly the tokens in ``kv_cache``. Every method that changes what the session
     holds marks it ``changed``; the store brings its ledger up to date from the changed sessions before
     each decision it takes, so no caller books memory by hand and nothing here calls the store.
 
@@ -66,9 +68,8 @@ class Session:
         image_features: ``[sum(image_tokens), hidden]`` on the device (every image's rows in order),
             or None (tier ``image``).
         kv_cache: the cache holding ``cached_ids`` (a :class:`~llava_sessions.model.SessionKV`: its pages
-            in the replica's KV pool; or a ``DynamicCache``, ``[1, kv_heads, len, head_dim]`` per layer), or None.
-        cached_ids: token ids whose keys/values are in ``kv_cache`` (or in the decode batch's row).
-        kv_lent: the KV cache is lent to the decode batch (a running answer's row holds it).
+            in the replica's KV pool, where a running answer's decode step writes too), or None.
+        cached_ids: token ids whose keys/values are in ``kv_cache``.
         opened_at: open time (epoch s); expires_at: absolute expiry (epoch s, whole seconds).
         last_used: last request time (epoch s) for LRU and the idle timeout.
         busy: a generation or image prefill is in flight; a busy session is never demoted or evicted.
@@ -94,9 +95,8 @@ class Session:
     source_id: str | None = None
     history: list[Turn] = field(default_factory=list)
     image_features: torch.Tensor | None = None
-    kv_cache: Any = None
+    kv_cache: SessionKV | None = None
     cached_ids: list[int] = field(default_factory=list)
-    kv_lent: bool = False
     busy: bool = False
     num_restores: int = 0
     changed: bool = field(default=True, repr=False, compare=False)
@@ -125,9 +125,9 @@ class Session:
 
     @property
     def num_held_kv_tokens(self) -> int:
-        """Token positions of device memory the KV cache holds, what the ledger books
-        (:func:`~llava_sessions.model.kv.cache.held_len`: over pages, whole pages)."""
-        return held_len(self.kv_cache)
+        """Token positions of device memory the KV cache holds, what the ledger books: its pages x
+        page size (:attr:`SessionKV.num_held_tokens <llava_sessions.model.SessionKV.num_held_tokens>`)."""
+        return 0 if self.kv_cache is None else self.kv_cache.num_held_tokens
 
     @property
     def host_bytes(self) -> int:
@@ -136,10 +136,7 @@ class Session:
         return sum(len(b) for b in self.images) + len(text.encode("utf-8"))
 
     def check_invariants(self) -> None:
-        """Assert ``len(cached_ids) == cache_len(kv_cache)`` (a cache lent to the decode batch is left
-        as it was lent) and one feature row per image placeholder."""
-        if self.kv_lent:
-            assert self.kv_cache is not None and self.busy, "a lent KV cache belongs to a running answer"
+        """Assert ``len(cached_ids) == cache_len(kv_cache)`` and one feature row per image placeholder."""
         assert len(self.cached_ids) == cache_len(self.kv_cache), (len(self.cached_ids), cache_len(self.kv_cache))
         if self.image_features is not None:
             assert self.image_features.shape[0] == sum(self.image_tokens), "one feature row per image placeholder"
@@ -153,13 +150,13 @@ class Session:
         self.changed = True
 
     # ------------------------------------------------------------------ the KV cache
-    def _hold_kv(self, cache: Any) -> None:
-        """Hold ``cache`` from now on; the one held before gives its memory back (:func:`release_cache`)."""
+    def _hold_kv(self, cache: SessionKV | None) -> None:
+        """Hold ``cache`` from now on; the one held before gives its pages back to the pool."""
         if self.kv_cache is not None and self.kv_cache is not cache:
-            release_cache(self.kv_cache)
+            self.kv_cache.release()
         self.kv_cache = cache
 
-    def start_kv(self, cache: Any) -> None:
+    def start_kv(self, cache: SessionKV) -> None:
         """Start caching from nothing in the empty ``cache`` (an open, a restore)."""
         self._hold_kv(cache)
         self.cached_ids = []
@@ -177,26 +174,24 @@ class Session:
         self._changed()
 
     def crop_kv(self, length: int) -> None:
-        """Keep the first ``length`` cached positions (cache compacted, ``cached_ids`` sliced).
+        """Keep the first ``length`` cached positions (the pages past them freed, ``cached_ids`` sliced).
 
         Raises:
             ValueError: fewer than ``length`` positions are cached.
         """
         if self.kv_cache is None:
             return
-        crop_cache(self.kv_cache, length)
+        self.kv_cache.truncate(length)
         self.cached_ids = self.cached_ids[:length]
         self._changed()
 
     def keep_kv(self, length: int) -> None:
         """Keep the first ``length`` cached positions after a failed or abandoned step; drop the KV
-        cache instead when it cannot be trusted (its layers differ in length because a forward pass
-        failed between layers, or it holds fewer than ``length`` positions)."""
+        cache instead when it cannot be trusted (it holds fewer than ``length`` positions)."""
         if self.kv_cache is None:
             return
         try:
-            lens = {layer.keys.shape[-2] for layer in self.kv_cache.layers if getattr(layer, "keys", None) is not None}
-            if len(lens) > 1 or cache_len(self.kv_cache) < length:
+            if cache_len(self.kv_cache) < length:
                 self.drop_kv()
             else:
                 self.crop_kv(length)
@@ -204,22 +199,15 @@ class Session:
             self.drop_kv()
 
     def record_decode(self, ids: list[int]) -> None:
-        """A decode step wrote ``ids``' positions into the KV cache in place (a paged decode batch's
-        row is the session's own cache): record them, so the ledger books the pages they took.
+        """A decode step wrote ``ids``' positions into the KV cache in place (a decode row is the
+        session's own cache): record them, so the ledger books the pages they took.
 
         Raises:
             ValueError: the cache does not hold ``len(cached_ids) + len(ids)`` positions.
         """
         self.record_prefill(self.cached_ids + ids)
 
-    def lend_kv(self) -> None:
-        """The decode batch's row holds a copy of the KV cache from now on: the cache stays as it is
-        (the session is busy; its pages stay shared with whoever shares them) until the answer's
-        positions are appended to it (:meth:`take_back_kv`)."""
-        self.kv_lent = True
-        self._changed()
-
-    def adopt_kv(self, cache: Any, ids: list[int]) -> None:
+    def adopt_kv(self, cache: SessionKV, ids: list[int]) -> None:
         """Hold ``cache`` (a copy of another session's prefix, or a fresh one) holding ``ids``.
 
         Raises:
@@ -231,23 +219,10 @@ class Session:
         self.cached_ids = list(ids)
         self._changed()
 
-    def take_back_kv(self, cache: Any, ids: list[int]) -> None:
-        """The decode batch gives the KV back: ``cache`` (the lent one with the answer's positions
-        appended, or a new one) holds ``ids`` (the prompt and the answer so far).
-
-        Raises:
-            ValueError: the cache does not hold ``len(ids)`` positions.
-        """
-        if cache_len(cache) != len(ids):
-            raise ValueError(f"the cache holds {cache_len(cache)} positions, not {len(ids)}")
-        self._hold_kv(cache)
-        self.cached_ids, self.kv_lent = list(ids), False
-        self._changed()
-
     def drop_kv(self) -> None:
         """Demote ``kv`` → ``features``: free the KV cache (a paged cache's pages go back to the pool)."""
         self._hold_kv(None)
-        self.cached_ids, self.kv_lent = [], False
+        self.cached_ids = []
         self._changed()
 
     def drop_features(self) -> None:

@@ -72,7 +72,7 @@ class SessionStore:
     (:attr:`Session.changed`).
 
     Args:
-        device_budget_bytes: most bytes of KV caches + image features (+ the decode batch) at once.
+        device_budget_bytes: most bytes of KV caches + image features at once.
         host_budget_bytes: most bytes of encoded images + conversations held at once.
         kv_bytes_per_token: KV-cache bytes of one token (the model's ``kv_bytes_per_token``).
         max_sessions: most sessions held at once.
@@ -148,21 +148,13 @@ class SessionStore:
         """The host byte cap."""
         return self._ledger.host_budget_bytes
 
-    @property
-    def batch_bytes(self) -> int:
-        """Device bytes of the engine's decode batch (the KV of running answers lives there)."""
-        return self._ledger.num_external_bytes
-
-    @batch_bytes.setter
-    def batch_bytes(self, num_bytes: int) -> None:
-        self._ledger.num_external_bytes = num_bytes
-
     def sessions(self) -> list[Session]:
         """Sessions, least recently used first."""
         return [self._sessions[sid] for sid in self._ledger.lru()]
 
     def device_bytes(self) -> int:
-        """Bytes of KV caches + image features over all sessions, plus the decode batch's (O(sessions))."""
+        """Bytes of KV caches + image features over all sessions (O(sessions)); a running answer's KV is
+        its session's."""
         self._refresh()
         return self._ledger.num_device_bytes
 
@@ -172,11 +164,11 @@ class SessionStore:
         return self._ledger.num_host_bytes
 
     def bytes_by_tier(self) -> dict[str, int]:
-        """``{"kv": KV bytes (the decode batch's included), "features": feature bytes, "image": host bytes}``."""
+        """``{"kv": KV bytes, "features": feature bytes, "image": host bytes}``."""
         self._refresh()
         led = self._ledger
         return {
-            "kv": led.num_kv_bytes + led.num_external_bytes,
+            "kv": led.num_kv_bytes,
             "features": led.num_feature_bytes,
             "image": led.num_host_bytes,
         }

@@ -9,21 +9,19 @@ module    owns
 ``paged`` the pages' tensors (``KVPages``) and the replica's ``KVPool``; a session's cache in them
           (``SessionKV``) and one pass over given slots, a sequence's or a decode step's rows
           (``SlotsCache``), through transformers' ``Cache`` interface
-``cache`` cache helpers for any kind (length, crop, held positions, release, a failed pass undone) and
-          the contiguous decode batch's ``BatchKVCache``
+``cache`` what any cache a pass runs over answers: its length, a failed pass taken back
+``runs``  a CPU's decode attention over each row's runs of consecutive pages, read as views of the pool
 ``flex``  FlexAttention's block mask over the pool's pages (``PageBlocks``) for the static decode step
 ========= ============================================================================================
 """
 
 from __future__ import annotations
 
-from .cache import BatchKVCache, BatchKVLayer, cache_len, crop_cache, held_len, release_cache, undo_pass
+from .cache import cache_len, undo_pass
 from .paged import KVPages, KVPool, SessionKV, SlotsCache
 from .pages import PagePool, PageTable
 
 __all__ = [
-    "BatchKVCache",
-    "BatchKVLayer",
     "KVPages",
     "KVPool",
     "PagePool",
@@ -31,8 +29,5 @@ __all__ = [
     "SessionKV",
     "SlotsCache",
     "cache_len",
-    "crop_cache",
-    "held_len",
-    "release_cache",
     "undo_pass",
 ]
