@@ -28,18 +28,18 @@ In process, without TorchServe (the device machine has no Java): the ``7b``-shap
    (tokens identical: issue 43's replay equals eager on the same device), then eagerly at the rows'
    own shapes (in bf16 another attended length rounds otherwise: the first differing token is
    reported); ms per step each. llava-1.5's vision tower is captured with them: one image's encoding
-   replayed against eager, ms each (``vision_graph``). So are the prefill graphs (``model/prefill_graphs.py``):
+   replayed against eager, ms each (``vision_graph``). So are the prefill graphs (``model/gpu/prefill_graphs.py``):
    a cold image turn with the open's prefill replayed, the same static pass eager, and at its own shape,
    ms each, and their capture's seconds (``prefill_graph``).
-9. **Fused projections** (``model/projections.py``): batch-1 decode and the aggregate again in an engine
+9. **Fused projections** (``model/gpu/projections.py``): batch-1 decode and the aggregate again in an engine
    over the same model with each layer's q/k/v and gate/up fused into one GEMM each, then apart again.
-10. **Compiled regions** (``model/regions.py``): the same in an engine over the model with each layer's
+10. **Compiled regions** (``model/gpu/regions.py``): the same in an engine over the model with each layer's
     norms and MLP compiled by Inductor (attention eager), its start (compile + capture) in seconds.
 11. **A step's greedy and sampled rows** (``benchmarks/greedy_rows.py``): picking 1, 8, 32 and 64 rows'
    tokens one by one against one argmax over the batch, drawing as many seeded sampled rows one by
    one against one warp and draw for all, and greedy rows with their tokens' logprobs one by one against
    one argmax and one ``log_softmax`` read together, ms per step each.
-11b. **Preprocessing on the device** (``model/pixels.py``, llava-1.5 only): one image's pixel values by
+11b. **Preprocessing on the device** (``model/gpu/pixels.py``, llava-1.5 only): one image's pixel values by
     transformers' Pillow processor on the host against the same steps on the device, alone and within
     the whole ``encode_images``, ms each, and how far apart their values are (``pixels``).
 12. **Async scheduling** (``benchmarks/async_steps.py``, when the engine has it: its static step on a
@@ -93,8 +93,8 @@ from llava_sessions.engine import EngineLimits, SessionEngine
 from llava_sessions.engine.model_runner import KV_PAGE_SIZE, new_prefill_graphs
 from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import LlavaModel
-from llava_sessions.model.graphs import PagedRead
-from llava_sessions.model.regions import compile_layers, compiles, uncompile_layers
+from llava_sessions.model.gpu.graphs import PagedRead
+from llava_sessions.model.gpu.regions import compile_layers, compiles, uncompile_layers
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.budget import GraphShapes, graph_reserve_bytes
 from llava_sessions.sessions.store import SessionStore
@@ -372,7 +372,7 @@ def prefill_graph_rows(engine: SessionEngine, images: list[bytes], repeats: int)
 
 def pixel_rows(llava: LlavaModel, images: list[bytes], repeats: int) -> dict | None:
     """llava-1.5's preprocessing on the host (transformers' Pillow processor) against on the device
-    (``model/pixels.py``): one image's pixel values alone and its whole ``encode_images`` (with the
+    (``model/gpu/pixels.py``): one image's pixel values alone and its whole ``encode_images`` (with the
     tower as the engine runs it), ms each (medians of ``repeats`` after a warm-up, alternating), and the
     largest difference of their pixel values (8-bit levels) and features. None for a model whose
     processor tiles (nothing to move)."""
@@ -380,7 +380,7 @@ def pixel_rows(llava: LlavaModel, images: list[bytes], repeats: int) -> dict | N
 
     from PIL import Image
 
-    from llava_sessions.model.pixels import DevicePixels
+    from llava_sessions.model.gpu.pixels import DevicePixels
 
     processor = llava.processor.image_processor
     pixels = DevicePixels.for_processor(processor, llava.device, llava.dtype)

@@ -21,10 +21,10 @@ from .engine.model_runner import KV_PAGE_SIZE
 from .images.decode import decode_image
 from .metrics import WorkerMetrics
 from .model import LlavaModel
-from .model.compile_cache import cache_counts, compile_cache_file, load_compile_cache
+from .model.gpu.compile_cache import cache_counts, compile_cache_file, load_compile_cache
+from .model.gpu.pixels import DevicePixels
+from .model.gpu.regions import compile_layers, compiles, uncompile_layers
 from .model.loading import reserve_cpu_memory
-from .model.pixels import DevicePixels
-from .model.regions import compile_layers, compiles, uncompile_layers
 from .replicas import ReplicaRouter, replica_settings, resolve_devices
 from .service import SessionService
 from .sessions.budget import GraphShapes, graph_reserve_bytes, ladder_pages
@@ -229,11 +229,11 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
     the settings' limits. A tensor-parallel replica (``model.ranks``) runs its sessions' KV in the pool, decoded in
     place, eagerly, each prefill chunk a pass of its own and no host offload: the passes its other
     ranks mirror (:mod:`~llava_sessions.model.parallel`). Under the ``compile`` setting the text model's
-    layers are fused and compiled first (:func:`~llava_sessions.model.regions.compile_layers`; ``auto``:
+    layers are fused and compiled first (:func:`~llava_sessions.model.gpu.regions.compile_layers`; ``auto``:
     on a GPU), so the engine's graphs capture the compiled kernels; what ``compile_cache`` holds (a model
-    folder's, :mod:`~llava_sessions.model.compile_cache`) is loaded first, so it is not compiled again.
+    folder's, :mod:`~llava_sessions.model.gpu.compile_cache`) is loaded first, so it is not compiled again.
     ``image_preprocessing: device`` moves llava-1.5's preprocessing to the model's device
-    (:mod:`~llava_sessions.model.pixels`)."""
+    (:mod:`~llava_sessions.model.gpu.pixels`)."""
     ranks = model.ranks.size if getattr(model, "ranks", None) is not None else 1
     on_gpu = model.device.type == "cuda"
     if compiles(settings.compile, model.device, ranks):
@@ -302,9 +302,9 @@ def gpu_graph_reserve(settings: Settings, model: LlavaModel, ranks: int = 1) -> 
 
 
 def compile_text_layers(model: LlavaModel, compile_cache: Path | None = None) -> bool:
-    """Fuse and compile ``model``'s text layers (:func:`~llava_sessions.model.regions.compile_layers`) and
+    """Fuse and compile ``model``'s text layers (:func:`~llava_sessions.model.gpu.regions.compile_layers`) and
     run one short prefill, so Inductor compiles now, after loading the compile cache at ``compile_cache``
-    when there is one (:func:`~llava_sessions.model.compile_cache.load_compile_cache`: what it holds is
+    when there is one (:func:`~llava_sessions.model.gpu.compile_cache.load_compile_cache`: what it holds is
     found, not compiled). When compiling fails (Triton builds its kernel launcher with a C compiler at
     run time, which a container may lack), the layers run as loaded again and a warning says why.
     Returns whether they run compiled."""

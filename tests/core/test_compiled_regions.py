@@ -1,4 +1,4 @@
-"""Compiled regions (``model/regions.py``, issue 59 item 1): each text layer's norms and MLP through
+"""Compiled regions (``model/gpu/regions.py``, issue 59 item 1): each text layer's norms and MLP through
 Inductor (C++ kernels on the CPU), attention eager: the engine's greedy answers through the static decode
 step (what a GPU captures as CUDA graphs, eager here) equal the same model's eager ones, and the compiled
 calls come off again.
@@ -13,8 +13,8 @@ import torch
 from engine_fixtures import LAYOUTS
 from llava_sessions.config import Settings
 from llava_sessions.model import LlavaModel
-from llava_sessions.model.projections import FusedLinear
-from llava_sessions.model.regions import compile_regions, compiles, uncompile_layers, uncompile_regions
+from llava_sessions.model.gpu.projections import FusedLinear
+from llava_sessions.model.gpu.regions import compile_regions, compiles, uncompile_layers, uncompile_regions
 from llava_sessions.worker import build_engine
 from test_projections import answers
 

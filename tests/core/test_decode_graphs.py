@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llava_sessions.model.graphs import DecodeGraphs, batch_buckets, length_buckets
+from llava_sessions.model.gpu.graphs import DecodeGraphs, batch_buckets, length_buckets
 from llava_sessions.model.kv.paged import KVPool, SessionKV
 from llava_sessions.model.kv.pages import PageTable, reserve
 
@@ -233,7 +233,7 @@ def test_no_collection_pauses_the_garbage_collector_for_a_capture_and_restores_i
     it was off."""
     import gc
 
-    from llava_sessions.model.vision_graph import no_collection
+    from llava_sessions.model.gpu.vision_graph import no_collection
 
     assert gc.isenabled()
     with no_collection():

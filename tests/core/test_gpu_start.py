@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llava_sessions.model.gpu.vision_graph import EMPTY_GRAPH_WARNING, capture_failed, check_replay, refuse_empty
 from llava_sessions.model.loading import auto_dtype
-from llava_sessions.model.vision_graph import EMPTY_GRAPH_WARNING, capture_failed, check_replay, refuse_empty
 from llava_sessions.sessions.budget import (
     MAX_GATHERED_ROWS,
     MAX_GRAPH_ROWS,
@@ -82,8 +82,8 @@ def test_the_pool_s_page_count_lands_on_one_of_sixteen_sizes_per_doubling():
 
 def test_the_budget_s_constants_are_the_engine_s():
     from llava_sessions.engine.model_runner import MAX_GRAPH_ROWS as RUNNER_ROWS
-    from llava_sessions.model.graphs import FLEX_MIN_ROWS, batch_buckets
-    from llava_sessions.model.prefill_graphs import MAX_PREFILL_LENGTH as PREFILL_LENGTH, PREFILL_CHUNK_SIZES
+    from llava_sessions.model.gpu.graphs import FLEX_MIN_ROWS, batch_buckets
+    from llava_sessions.model.gpu.prefill_graphs import MAX_PREFILL_LENGTH as PREFILL_LENGTH, PREFILL_CHUNK_SIZES
 
     assert MAX_GRAPH_ROWS == RUNNER_ROWS and MAX_PREFILL_LENGTH == PREFILL_LENGTH
     assert max(PREFILL_CHUNK_SIZES) == MAX_PREFILL_CHUNK

@@ -1,4 +1,4 @@
-"""llava-1.5's preprocessing on the model's device (``model/pixels.py``, the ``image_preprocessing`` setting):
+"""llava-1.5's preprocessing on the model's device (``model/gpu/pixels.py``, the ``image_preprocessing`` setting):
 its pixel values against transformers' CLIP image processor (Pillow) on real photographs, the families
 it leaves to the processor, and the setting through the worker's service. On the CPU here; the GPU suite
 runs the comparison on a GPU (``tests/gpu/test_on_gpu.py``)."""
@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from llava_sessions.model import LlavaModel
-from llava_sessions.model.pixels import MAX_LEVEL_DIFFERENCE, DevicePixels, resized_size
+from llava_sessions.model.gpu.pixels import MAX_LEVEL_DIFFERENCE, DevicePixels, resized_size
 from llava_sessions.service import BatchRequest
 from llava_sessions.worker import build_service
 from llava_tools.tiny_model import write_checkpoint

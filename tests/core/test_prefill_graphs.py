@@ -15,10 +15,10 @@ import torch
 import engine_fixtures
 from engine_fixtures import decode
 from llava_sessions.engine import EngineLimits
-from llava_sessions.model.graphs import DecodeGraphs
+from llava_sessions.model.gpu.graphs import DecodeGraphs
+from llava_sessions.model.gpu.prefill_graphs import PREFILL_CHUNK_SIZES, PrefillGraphs
 from llava_sessions.model.kv.paged import KVPool, SessionKV
 from llava_sessions.model.kv.pages import reserve
-from llava_sessions.model.prefill_graphs import PREFILL_CHUNK_SIZES, PrefillGraphs
 from llava_sessions.sampling.sampler import SamplingParams
 
 N = 12

@@ -1,4 +1,4 @@
-"""Fused projections (``model/projections.py``, issue 59 item 1): q/k/v and gate/up in one GEMM each, the
+"""Fused projections (``model/gpu/projections.py``, issue 59 item 1): q/k/v and gate/up in one GEMM each, the
 memory unchanged, the engine's greedy answers equal to the same model's apart, and undone exactly.
 
 fp32 on the CPU, the ``tiny`` checkpoint, loaded afresh (the shared ``llava`` fixture stays apart)."""
@@ -13,7 +13,7 @@ from torch import nn
 from engine_fixtures import make_engine
 from llava_sessions.engine import SessionEngine
 from llava_sessions.model import LlavaModel
-from llava_sessions.model.projections import FusedLinear, FusedPart, fuse_projections, unfuse_projections
+from llava_sessions.model.gpu.projections import FusedLinear, FusedPart, fuse_projections, unfuse_projections
 from llava_sessions.sampling.sampler import SamplingParams
 
 QUESTIONS = {"a": ("astronaut", "What is in this image?"), "b": ("coffee", "Describe the saucer."),

@@ -15,8 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from llava_sessions.model.tile_graphs import TileGraphs, tile_counts
-from llava_sessions.model.vision_graph import image_features
+from llava_sessions.model.gpu.tile_graphs import TileGraphs, tile_counts
+from llava_sessions.model.gpu.vision_graph import image_features
 
 ARCHS = ("llava-next", "llava-onevision")
 

@@ -10,11 +10,11 @@ The tiny checkpoint in fp32 on the GPU (``LLAVA_TEST_DEVICE``, ``cuda`` under ``
 - bf16 stays within :data:`BF16_TOLERANCE` of fp32 on the first answer's logits;
 - llava-1.5's vision tower, captured with the decode graphs, gives each image the eager features;
 - LLaVA-NeXT's and OneVision's towers captured per tile count give each image its eager features;
-- an image's prompt prefilled by a captured prefill graph (``model/prefill_graphs.py``) answers as
+- an image's prompt prefilled by a captured prefill graph (``model/gpu/prefill_graphs.py``) answers as
   ``generate`` and as the same static pass run eagerly;
 - with q/k/v and gate/up fused and the norms and MLP compiled, the replayed step answers as before;
-- a step's inputs staged through pinned buffers (``model/staging.py``) land whole, step after step;
-- llava-1.5's preprocessing on the GPU (``model/pixels.py``) is the processor's within one level.
+- a step's inputs staged through pinned buffers (``model/gpu/staging.py``) land whole, step after step;
+- llava-1.5's preprocessing on the GPU (``model/gpu/pixels.py``) is the processor's within one level.
 
 Skipped unless ``LLAVA_TEST_DEVICE`` names a device or CUDA is present (CI has none). With
 ``LLAVA_TEST_DEVICE=cpu`` the same tests run here, every static step eager (what a CPU engine runs),
@@ -38,11 +38,11 @@ from engine_fixtures import decode, make_engine
 from llava_sessions.engine import SessionEngine
 from llava_sessions.engine.model_runner import new_graphs, new_prefill_graphs
 from llava_sessions.model import LlavaModel
-from llava_sessions.model.graphs import DecodeGraphs
+from llava_sessions.model.gpu.graphs import DecodeGraphs
+from llava_sessions.model.gpu.regions import compile_layers, uncompile_layers
+from llava_sessions.model.gpu.tile_graphs import TileGraphs
 from llava_sessions.model.kv.paged import KVPool, SessionKV
 from llava_sessions.model.kv.pages import reserve
-from llava_sessions.model.regions import compile_layers, uncompile_layers
-from llava_sessions.model.tile_graphs import TileGraphs
 from llava_sessions.sampling.sampler import SamplingParams
 from test_decode_graphs import N, reference as text_reference
 from test_projections import answers
@@ -297,7 +297,7 @@ def test_staged_uploads_land_whole_through_pinned_buffers_that_grow_and_wait_for
     """``HostStaging`` (a step's inputs copied without blocking the host): sources of growing size, one
     name each, into strided device slices, three steps in a row: each lands whole; on a GPU the pinned
     buffer grows to the largest and the next step's ``begin`` waits for the last step's copies."""
-    from llava_sessions.model.staging import HostStaging
+    from llava_sessions.model.gpu.staging import HostStaging
 
     device = torch.device(DEVICE)
     staging = HostStaging(device)
@@ -315,7 +315,7 @@ def test_staged_uploads_land_whole_through_pinned_buffers_that_grow_and_wait_for
 
 
 def test_llava_1_5_preprocessing_on_the_gpu_is_the_processors_within_one_level(gpu_model):
-    """``model/pixels.py`` on the GPU (the ``image_preprocessing: device`` setting): each photograph's
+    """``model/gpu/pixels.py`` on the GPU (the ``image_preprocessing: device`` setting): each photograph's
     pixel values within one 8-bit level of transformers' Pillow processor's, at most 0.5% of them apart."""
     from test_pixels import MAX_LEVEL_DIFFERENCE, PHOTOS, level_differences, photo
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from llava_sessions.model.compile_cache import CACHE_FOLDER, compile_cache_file, load_compile_cache
+from llava_sessions.model.gpu.compile_cache import CACHE_FOLDER, compile_cache_file, load_compile_cache
 from llava_tools.deploy.package import build_package
 from test_docs import snippet
 
@@ -67,7 +67,7 @@ def test_a_cache_that_cannot_be_loaded_is_skipped_with_a_warning(tmp_path, caplo
     broken = tmp_path / CACHE_FOLDER / "torch-x-cpu-float32.bin"
     broken.parent.mkdir()
     broken.write_bytes(b"not a cache")
-    with caplog.at_level(logging.WARNING, logger="llava_sessions.model.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="llava_sessions.model.gpu.compile_cache"):
         assert load_compile_cache(broken) is False
     assert "could not be loaded" in caplog.text
     assert load_compile_cache(tmp_path / "absent.bin") is False

@@ -20,10 +20,10 @@ import torch
 
 from ..conversation import still_images
 from ..model import EncodedVideo, KVPool, LlavaModel, SessionKV, cache_len
-from ..model.graphs import DecodeGraphs, PagedRead
-from ..model.prefill_graphs import PrefillGraphs
-from ..model.tile_graphs import TileGraphs
-from ..model.vision_graph import VisionGraph, capture_failed
+from ..model.gpu.graphs import DecodeGraphs, PagedRead
+from ..model.gpu.prefill_graphs import PrefillGraphs
+from ..model.gpu.tile_graphs import TileGraphs
+from ..model.gpu.vision_graph import VisionGraph, capture_failed
 from .costs import CostModel
 from .memory import oom_attempts
 from .paged_batch import PagedDecodeBatch, static_rows_table
@@ -61,7 +61,7 @@ class ModelRunner:
     Args:
         model: the loaded model (:class:`~llava_sessions.model.LlavaModel`).
         store: the session store (the decode batch's bytes, demotions after an out-of-memory error).
-        cuda_graphs: decode steps and prefill chunks at static shapes (:class:`~llava_sessions.model.graphs.
+        cuda_graphs: decode steps and prefill chunks at static shapes (:class:`~llava_sessions.model.gpu.graphs.
             DecodeGraphs`): captured as CUDA graphs on a CUDA device, run eagerly elsewhere (tests); None:
             on a CUDA device; False: never (the ``enforce_eager`` setting). A failed capture logs a
             warning and the passes run eagerly at their own shapes.
@@ -220,7 +220,7 @@ class ModelRunner:
     ) -> list[torch.Tensor | None]:
         """Prefill each part's chunk (``(session, ids, num_tokens, timings)``: as :meth:`prefill`) as rows
         of shared static steps, as many chunks to a step as its largest bucket holds (:meth:`DecodeGraphs.
-        run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`: one replay on a GPU
+        run_with_chunks <llava_sessions.model.gpu.graphs.DecodeGraphs.run_with_chunks>`: one replay on a GPU
         for several sessions' questions, where each alone is a replay of its own). A part whose cache is
         not in the pool or whose chunk holds image placeholders is not run, nor is any without graphs.
 
@@ -257,7 +257,7 @@ class ModelRunner:
 
     def _static_prefill(self, session: Session, new_ids: list[int]) -> torch.Tensor | None:
         """A short text chunk (a follow-up question) prefilled as the rows of one static decode step
-        (:meth:`DecodeGraphs.prefill <llava_sessions.model.graphs.DecodeGraphs.prefill>`: a replayed
+        (:meth:`DecodeGraphs.prefill <llava_sessions.model.gpu.graphs.DecodeGraphs.prefill>`: a replayed
         graph on a GPU), or None: no static step, a chunk with image placeholders, or no bucket holds it.
         Its ms are not the cost model's (which plans eager chunks)."""
         table = static_rows_table(self.model, session, new_ids)
@@ -267,7 +267,7 @@ class ModelRunner:
 
     def _graphed_prefill(self, session: Session, ids: list[int], start: int, end: int) -> torch.Tensor | None:
         """``ids[start:end]`` (an image's placeholders, or text too long for a step's rows) prefilled in one
-        static pass (:meth:`PrefillGraphs.prefill <llava_sessions.model.prefill_graphs.PrefillGraphs.prefill>`:
+        static pass (:meth:`PrefillGraphs.prefill <llava_sessions.model.gpu.prefill_graphs.PrefillGraphs.prefill>`:
         a replayed graph on a GPU), or None: no prefill graphs, a cache outside the pool, or no bucket
         holds the chunk. Its ms are not the cost model's, as :meth:`_static_prefill`'s."""
         cache = session.kv_cache
@@ -374,7 +374,7 @@ def new_pool(model: LlavaModel, page_size: int, fixed_bytes: int = 0) -> KVPool:
 
 
 def new_graphs(model: LlavaModel, pool: KVPool, paged_read: PagedRead | None = None) -> DecodeGraphs | None:
-    """The static decode step over ``pool`` (:class:`~llava_sessions.model.graphs.DecodeGraphs`, up to
+    """The static decode step over ``pool`` (:class:`~llava_sessions.model.gpu.graphs.DecodeGraphs`, up to
     :data:`MAX_GRAPH_ROWS` rows over the model's context, attention reading the pages as ``paged_read``
     says: by default ``auto`` on a CUDA device, ``gather`` elsewhere, where FlexAttention runs unfused
     over the whole pool), its buckets captured as CUDA graphs on a CUDA device. None when the capture
@@ -394,7 +394,7 @@ def new_graphs(model: LlavaModel, pool: KVPool, paged_read: PagedRead | None = N
 
 
 def new_prefill_graphs(model: LlavaModel, pool: KVPool | None, graphs: DecodeGraphs | None) -> PrefillGraphs | None:
-    """Prefill chunks at static shapes over ``pool`` (:class:`~llava_sessions.model.prefill_graphs.
+    """Prefill chunks at static shapes over ``pool`` (:class:`~llava_sessions.model.gpu.prefill_graphs.
     PrefillGraphs`), beside the decode ``graphs`` (their scratch page; on a CUDA device captured into
     their memory pool). None without decode graphs, for a tensor-parallel replica (its ranks run each
     pass as rank 0 tells them, at its own shape), or when the capture fails (logged: chunks then run

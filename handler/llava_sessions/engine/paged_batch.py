@@ -9,7 +9,7 @@ written to its slot) and records the fed tokens in each session (:meth:`Session.
 as they are taken, and a finished answer's session already holds its turn.
 
 How a step runs, chosen here and in the runner's graphs: through the static step
-(:class:`~llava_sessions.model.graphs.DecodeGraphs`, replayed as a CUDA graph on a GPU) when one
+(:class:`~llava_sessions.model.gpu.graphs.DecodeGraphs`, replayed as a CUDA graph on a GPU) when one
 holds it; else eagerly at its own shape, attention reading each row's runs of pages as views of the
 pool on a CPU (:mod:`llava_sessions.model.kv.runs`) and its positions gathered elsewhere.
 
@@ -33,9 +33,9 @@ from .memory import oom_attempts
 from .scheduler import BatchLayout
 
 if TYPE_CHECKING:
-    from ..model.graphs import DecodeGraphs
+    from ..model.gpu.graphs import DecodeGraphs
+    from ..model.gpu.prefill_graphs import PrefillGraphs
     from ..model.kv.pages import PageTable
-    from ..model.prefill_graphs import PrefillGraphs
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Sequence
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 def static_rows_table(model: LlavaModel, session: Session, chunk: list[int]) -> PageTable | None:
     """``session``'s page table when its next ``chunk`` of ids can go in as rows of a static step
-    (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`):
+    (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.gpu.graphs.DecodeGraphs.run_with_chunks>`):
     its cache is in the pool and the chunk is text, no image placeholders; else None."""
     cache = session.kv_cache
     if cache is None or model.image_token_id in chunk:
@@ -62,11 +62,11 @@ class PagedDecodeBatch:
         model: the loaded model (the batched forward).
         store: the session store (demotions after an out-of-memory error).
         pool: the replica's KV pool, which holds every decoding session's cache.
-        graphs: the decode step at static shapes (:class:`~llava_sessions.model.graphs.DecodeGraphs`,
+        graphs: the decode step at static shapes (:class:`~llava_sessions.model.gpu.graphs.DecodeGraphs`,
             CUDA graphs on a GPU) that a step runs through when a bucket holds it, a text prefill chunk
             it carries as rows of the same step; None: every step at its own shape, eagerly (a chunk
             in the fused pass).
-        prefill_graphs: a prefill chunk at static shapes (:class:`~llava_sessions.model.prefill_graphs.
+        prefill_graphs: a prefill chunk at static shapes (:class:`~llava_sessions.model.gpu.prefill_graphs.
             PrefillGraphs`): a chunk with image placeholders, or too long for the step's rows, runs
             through it beside the static step instead of in the fused pass; None: the fused pass.
 
@@ -186,10 +186,10 @@ class PagedDecodeBatch:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decode pass of ``tables`` (reserved) and ``session``'s chunk of ``ids`` at static shapes,
         where the fused pass would run eagerly: a text chunk as rows of one static step
-        (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.graphs.DecodeGraphs.run_with_chunks>`:
+        (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.gpu.graphs.DecodeGraphs.run_with_chunks>`:
         one replay on a GPU); else (image placeholders, or too many rows) the static step, then the
         chunk as a static prefill (:meth:`PrefillGraphs.prefill
-        <llava_sessions.model.prefill_graphs.PrefillGraphs.prefill>`: two replays). None without
+        <llava_sessions.model.gpu.prefill_graphs.PrefillGraphs.prefill>`: two replays). None without
         graphs, or when no bucket holds them (the fused pass runs it).
 
         Raises:

@@ -9,6 +9,9 @@ module              owns
 ``kv``              the KV cache's storage (a pool in pages) and its transformers ``Cache`` adapters
 ``llava``           ``LlavaModel``: vision tower, prefill, batched decode
 ``video``           a checkpoint's video path: token counts, frame preprocessing, ``EncodedVideo``
+``fused``           a decode step and a prefill chunk in one pass; a sliding window's context cap
+``parallel``        tensor parallel: rank 0's passes mirrored on the other ranks
+``gpu``             what only a GPU runs: CUDA graphs, pinned copies, compiled layers
 =================== ===============================================================
 """
 

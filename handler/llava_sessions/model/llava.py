@@ -32,15 +32,15 @@ from .fused import (
     context_limit,
     prefer_sdpa_backends,
 )
+from .gpu.pixels import DevicePixels
+from .gpu.staging import upload
+from .gpu.tile_graphs import TileGraphs
+from .gpu.vision_graph import VisionGraph, image_features
 from .kv.cache import cache_len, undo_pass
 from .kv.paged import SessionKV
 from .parallel import cache_keyword, load_replica
-from .pixels import DevicePixels
-from .staging import upload
 from .templating import ChatTemplate
-from .tile_graphs import TileGraphs
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
-from .vision_graph import VisionGraph, image_features
 
 __all__ = ["LlavaModel"]
 
@@ -120,8 +120,8 @@ class LlavaModel:
         eos = model.generation_config.eos_token_id
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
-        #: The vision tower as CUDA graphs (llava-1.5's :mod:`.vision_graph`, or per tile count :mod:`.tile_graphs`;
-        #: captured with the decode graphs), llava-1.5's preprocessing on the device (:mod:`.pixels`).
+        #: The vision tower as CUDA graphs (llava-1.5's :mod:`.gpu.vision_graph`, or per tile count :mod:`.gpu.tile_graphs`;
+        #: captured with the decode graphs), llava-1.5's preprocessing on the device (:mod:`.gpu.pixels`).
         self.vision_graph: VisionGraph | TileGraphs | None = None
         self.device_pixels: DevicePixels | None = None
         #: Structured outputs' matchers over this tokenizer (built on first use).
@@ -207,7 +207,7 @@ class LlavaModel:
         images = items
         total = len(images) if num_images is None else num_images
         base = self.base_layout(total)
-        if self.device_pixels is not None and not base:  # llava-1.5's steps on the device (:mod:`.pixels`)
+        if self.device_pixels is not None and not base:  # llava-1.5's steps on the device (:mod:`.gpu.pixels`)
             try:
                 pixels = self.device_pixels(images)
             except ValueError as exc:

@@ -27,8 +27,8 @@ __all__ = ["GraphShapes", "graph_reserve_bytes", "ladder_pages"]
 #: Sizes per power of two that :func:`ladder_pages` keeps (16 to 31 times a power of two).
 LADDER_STEPS = 16
 
-#: What the engine captures, as ``engine/model_runner.py`` and ``model/graphs.py`` /
-#: ``model/prefill_graphs.py`` set them (kept equal by a test): the largest decode batch captured, the
+#: What the engine captures, as ``engine/model_runner.py`` and ``model/gpu/graphs.py`` /
+#: ``model/gpu/prefill_graphs.py`` set them (kept equal by a test): the largest decode batch captured, the
 #: largest batch bucket read gathered on a GPU (below ``FLEX_MIN_ROWS``), the largest prefill chunk and
 #: the longest attended length a prefill graph holds, tokens.
 MAX_GRAPH_ROWS = 64

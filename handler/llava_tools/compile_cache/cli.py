@@ -1,5 +1,5 @@
 """``llava-compile-cache``: compile a model folder's text layers as a worker would and write what
-Inductor compiled into the folder (:mod:`llava_sessions.model.compile_cache`), so every later worker
+Inductor compiled into the folder (:mod:`llava_sessions.model.gpu.compile_cache`), so every later worker
 start on a GPU of the same architecture finds it compiled.
 
 Usage (on a GPU of the deployment's architecture, before ``llava-deploy`` packages the folder)::
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llava_sessions.model.compile_cache import cache_counts, compile_cache_file, save_compile_cache
-from llava_sessions.model.regions import compiled_regions
+from llava_sessions.model.gpu.compile_cache import cache_counts, compile_cache_file, save_compile_cache
+from llava_sessions.model.gpu.regions import compiled_regions
 from llava_sessions.worker import WorkerOrigin, build_local_service
 
 from ..cli import add_setting_arguments

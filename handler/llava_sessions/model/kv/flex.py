@@ -41,7 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
 if TYPE_CHECKING:
-    from ..staging import HostStaging
+    from ..gpu.staging import HostStaging
 
 __all__ = ["PAGED_FLEX_ATTENTION", "PageBlocks", "paged_flex_attention"]
 

@@ -36,14 +36,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..kv.paged import KVPool, SlotsCache, page_slots
+from ..kv.pages import PageTable, truncate
 from .graphs import length_buckets
-from .kv.paged import KVPool, SlotsCache, page_slots
-from .kv.pages import PageTable, truncate
 from .staging import HostStaging
 from .vision_graph import capture_each
 
 if TYPE_CHECKING:
-    from .llava import LlavaModel
+    from ..llava import LlavaModel
 
 __all__ = ["MAX_PREFILL_LENGTH", "PREFILL_CHUNK_SIZES", "PrefillGraphs"]
 
@@ -63,7 +63,7 @@ class PrefillGraphs:
     """Prefill chunks at static shapes over ``pool`` (module docstring).
 
     Args:
-        model: the loaded model (:meth:`~.llava.LlavaModel.text_pass` is the captured pass).
+        model: the loaded model (:meth:`~..llava.LlavaModel.text_pass` is the captured pass).
         pool: the replica's KV pool.
         scratch: a page of ``pool`` no holder writes (the decode graphs' scratch page), which pad rows
             write and unused read positions point at.

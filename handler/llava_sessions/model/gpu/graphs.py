@@ -21,14 +21,14 @@ A pad row (``n < B``) writes and reads only the scratch page, a page of the pool
 and attends to its one slot; its logits are dropped. Nothing in the pass reads a host value, so on a
 CUDA device each bucket's pass is captured once at start (:meth:`DecodeGraphs.capture`, the largest
 first, every graph in one memory pool) and a step is a buffer copy and a replay. The pool must be
-fixed (:class:`~.kv.paged.KVPool` ``fixed``): a graph reads the tensors it was captured over.
+fixed (:class:`~..kv.paged.KVPool` ``fixed``): a graph reads the tensors it was captured over.
 
 On a CPU the same static pass runs eagerly (nothing to capture: the engine's CPU default runs each
 step at its own shape, :mod:`llava_sessions.engine.paged_batch`); tests run it there to show its greedy tokens equal ``model.generate``'s. On a
 GPU, ``benchmarks/gpu.py`` checks replay against eager. Attention reads the rows' positions gathered
-from the pages and padded to ``L`` (SDPA over a copy, as :class:`~.kv.paged.SlotsCache` does),
+from the pages and padded to ``L`` (SDPA over a copy, as :class:`~..kv.paged.SlotsCache` does),
 or, with ``paged_read`` ``flex``, the pool itself through FlexAttention's block mask
-(:mod:`.kv.flex`: its buffers are overwritten with the others), a bucket then having one length,
+(:mod:`..kv.flex`: its buffers are overwritten with the others), a bucket then having one length,
 the whole pool's. ``auto`` (a GPU's engine) reads buckets of fewer than :data:`FLEX_MIN_ROWS` rows
 gathered and larger ones with FlexAttention: the gather was faster at one row, FlexAttention from 8
 rows up (benchmarks/results/the-gpu-table.md).
@@ -47,21 +47,21 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .fused import attention_on
-from .kv.flex import PAGED_FLEX_ATTENTION, PageBlocks
-from .kv.paged import KVPool, SlotsCache, page_slots
-from .kv.pages import PageTable, pages_for, release, truncate
+from ..fused import attention_on
+from ..kv.flex import PAGED_FLEX_ATTENTION, PageBlocks
+from ..kv.paged import KVPool, SlotsCache, page_slots
+from ..kv.pages import PageTable, pages_for, release, truncate
 from .staging import HostStaging
 from .vision_graph import capture_each
 
 if TYPE_CHECKING:
-    from .llava import LlavaModel
+    from ..llava import LlavaModel
 
 __all__ = ["FLEX_MIN_ROWS", "DecodeGraphs", "PagedRead", "batch_buckets", "length_buckets"]
 
 #: How the static step's attention reads the pages: ``gather`` (each row's slots gathered, padded to
 #: the bucket, SDPA under a mask), ``flex`` (FlexAttention over the pool through a block mask,
-#: :mod:`.kv.flex`), or ``auto``: the gather for buckets of fewer than ``flex_rows`` rows, FlexAttention
+#: :mod:`..kv.flex`), or ``auto``: the gather for buckets of fewer than ``flex_rows`` rows, FlexAttention
 #: from there (what a GPU's engine runs: :data:`FLEX_MIN_ROWS`).
 PagedRead = Literal["gather", "flex", "auto"]
 
@@ -108,7 +108,7 @@ class DecodeGraphs:
     """Decode steps of up to ``max_rows`` rows at static shapes over ``pool`` (module docstring).
 
     Args:
-        model: the loaded model (:meth:`~.llava.LlavaModel.decode_batch` is the captured pass).
+        model: the loaded model (:meth:`~..llava.LlavaModel.decode_batch` is the captured pass).
         pool: the replica's KV pool; one page of it becomes the scratch page (:attr:`table`).
         max_rows: the largest batch a step runs at static shapes (larger steps: the caller's eager path).
         max_len: the longest attended length, positions (the model's context).
