@@ -351,3 +351,22 @@ def test_rule_11_over_pages_a_leaving_answers_pages_come_back_to_the_room() -> N
     inside = [answer(1.0, 33, held=48), answer(2.0, 50, held=64)]
     assert schedule(inside, None, paged, room_bytes=-5).room == Room()
     assert schedule([answer(1.0, 32, held=32)], None, paged, room_bytes=page * per_token - 1).room == Room(refused=True)
+
+
+def test_rule_11_the_plan_reads_the_room_only_when_its_step_opens_pages_and_carries_the_preemptions() -> None:
+    """``schedule`` decides preemption itself: given what reads the room (the engine's ledger, which
+    reads every session), it reads it only for a step whose rows open pages, and the plan carries
+    the answers that leave."""
+    per_token, page = 10, 16
+    batch = BatchLayout(2, 2, kv_bytes_per_token=per_token, page_size=page)
+    reads: list[int] = []
+
+    def room() -> int:
+        reads.append(1)
+        return page * per_token  # one page: the oldest's
+
+    inside = [answer(1.0, 33), answer(2.0, 40)]
+    assert schedule(inside, None, batch, room_bytes=room).room == Room() and reads == []
+    opening = [answer(1.0, 32), answer(2.0, 48)]
+    plan = schedule(opening, None, batch, room_bytes=room)
+    assert reads == [1] and plan.room == Room(preempt=(1,)) and plan.batch_bytes == page * per_token

@@ -17,7 +17,6 @@ No HTTP, no JSON, no TorchServe.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence as GenericSequence
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,7 @@ from .memory import new_session_bytes
 from .model_runner import ModelRunner
 from .paged_batch import PagedDecodeBatch
 from .samples import runnable
-from .scheduler import TimeBudget, make_room, schedule
+from .scheduler import TimeBudget, schedule
 from .sequence import EngineRequest, ImagePrefill, Sequence
 from .sharing import ImageSharing, Unsalted, reusable_len
 
@@ -456,10 +455,8 @@ class SessionEngine:
             return
         live = runnable(work)  # the tokens in flight are recorded: some answers may have ended
         views, layout = [w.view() for w in live], self.batch.layout()
-        plan = schedule(views, prefill_budget, layout, self.runner.costs.estimate(), fuse=self.fuse)
-        if plan.batch_bytes:  # rule 11 on the ledger's room, read (O(sessions)) only when the batch needs bytes
-            decision, needed = make_room(views, plan.decode, layout, self.store.room_bytes())
-            plan = dataclasses.replace(plan, room=decision, batch_bytes=needed)
+        cost = self.runner.costs.estimate()  # rule 11 on the ledger's room, read only when the step opens pages
+        plan = schedule(views, prefill_budget, layout, cost, fuse=self.fuse, room_bytes=self.store.room_bytes)
         seqs = [g for i in plan.decode if isinstance(g := live[i], Sequence)]  # only answers decode
         leaving = tuple(g for i in plan.room.preempt if isinstance(g := live[i], Sequence))
         room = BatchRoom(plan.rebuild, plan.batch_bytes, leaving, plan.room)

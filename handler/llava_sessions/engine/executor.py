@@ -12,6 +12,7 @@ passes themselves, the model runner's. A failure is its own request's: the other
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,9 +31,26 @@ if TYPE_CHECKING:
     from .model_runner import ModelRunner
     from .sharing import ImageSharing
 
-__all__ = ["BatchRoom", "StepExecutor"]
+__all__ = ["BatchRoom", "Start", "StepExecutor"]
 
 log = logging.getLogger(__name__)
+
+
+class Start(enum.Enum):
+    """What a prefill chunk's start (:meth:`StepExecutor._start`) left for its tokens this step."""
+
+    #: its tokens run now
+    TOKENS = "tokens"
+    #: a preempted answer waits for room (older answers end and free it)
+    WAITS = "waits"
+    #: the plan gives it no tokens this step (the step's share went to others)
+    NO_TOKENS = "no_tokens"
+    #: its vision tower (or a video's next frames) took this step's share
+    VISION_SPENT = "vision_spent"
+    #: an image whose prefix is all cached: its prefill is finished
+    FINISHED = "finished"
+    #: the request failed (its ``error`` set, its session put back)
+    FAILED = "failed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,18 +145,14 @@ class StepExecutor:
             self.outputs.accept_rows(seqs, logits)
 
     def _batch_room(self, seqs: list[Sequence], room: BatchRoom) -> list[Sequence]:
-        """Carry out the plan's :class:`~.scheduler.Room` for the decode batch (scheduler rules 10-11):
-        preempt the answers it names (:meth:`_preempt`), then make room for the batch's bytes. When the
-        step's earlier work changed what the ledger holds since the plan (a fused chunk's restore), the scheduler decides
-        again on the ledger's integers now (:func:`~.scheduler.make_room`). ``refused``: every answer
-        fails ``overloaded``. Returns the answers that decode this step."""
+        """Carry out the plan's :class:`~.scheduler.Room` for the decode step (scheduler rules 10-11):
+        preempt the answers it names (:meth:`_preempt`), then make room for the pages the step opens.
+        When that room is not there because the step's earlier work took memory after the plan (a fused
+        chunk's restore), the room is planned again (:meth:`_replan_room`) and carried out the same way.
+        ``refused``: every answer fails ``overloaded``. Returns the answers that decode this step."""
         for attempt in (room, None):
-            if attempt is None:  # the plan's room was not there: decide again on what is held now
-                views = [g.view() for g in seqs]
-                decision, batch_bytes = make_room(
-                    views, range(len(seqs)), self.runner.batch.layout(), self.store.room_bytes()
-                )
-                attempt = BatchRoom(room.rebuild, batch_bytes, tuple(seqs[i] for i in decision.preempt), decision)
+            if attempt is None:
+                attempt = self._replan_room(seqs, room)
             if attempt.decision.refused:
                 break
             for gone in attempt.leaving:
@@ -149,6 +163,14 @@ class StepExecutor:
         for g in seqs:
             self.outputs.fail(g, overloaded("not enough device memory to decode now; retry later", "step_memory"))
         return []
+
+    def _replan_room(self, seqs: list[Sequence], room: BatchRoom) -> BatchRoom:
+        """Rule 11 decided again for ``seqs`` on what the ledger holds now (:func:`~.scheduler.make_room`):
+        the one decision taken after a step's plan, when the step's earlier work took the room the plan
+        counted on."""
+        views = [g.view() for g in seqs]
+        decision, batch_bytes = make_room(views, range(len(seqs)), self.runner.batch.layout(), self.store.room_bytes())
+        return BatchRoom(room.rebuild, batch_bytes, tuple(seqs[i] for i in decision.preempt), decision)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt ``seq``: its row leaves the batch unread and its session's KV is dropped (no copy;
@@ -169,15 +191,16 @@ class StepExecutor:
         """Execute one prefill chunk of a step's plan: what comes before its tokens (a waiting answer's
         start, an image's vision tower), then the chunk in a pass of its own. A failure is ``w``'s
         alone (its ``error`` set, its session put back)."""
-        self._chunk(w, chunk, stop_before_tokens=False)
+        if self._start(w, chunk) is Start.TOKENS:
+            self._tokens(w, chunk)
 
     def run_chunks(self, items: list[tuple[EngineRequest, PrefillChunk]]) -> None:
-        """Execute prefill chunks of a step's plan: each one's work before its tokens (as :meth:`run_chunk`),
-        then their text chunks together as the rows of shared static steps where the runner has them
+        """Execute prefill chunks of a step's plan: each one's start (as :meth:`run_chunk`), then their
+        text chunks together as the rows of shared static steps where the runner has them
         (:meth:`ModelRunner.prefill_together <.model_runner.ModelRunner.prefill_together>`), the others
         each in a pass of its own. A failure is its request's alone: a shared pass that fails runs its
         chunks again, each alone."""
-        ready = [(w, c) for w, c in items if self._chunk(w, c, stop_before_tokens=True)]
+        ready = [(w, c) for w, c in items if self._start(w, c) is Start.TOKENS]
         parts = [(w.session, self._ids(w), c.num_tokens, w.timings) for w, c in ready]
         try:
             together = self.runner.prefill_together(parts) if len(ready) > 1 else [None] * len(ready)
@@ -186,47 +209,48 @@ class StepExecutor:
                 self.outputs.fail(w, RuntimeError("interrupted"))
             raise
         for (w, chunk), last in zip(ready, together, strict=True):
-            if last is None:  # its start ran: its tokens are left
-                self._chunk(w, dataclasses.replace(chunk, vision=False, grant_bytes=0), stop_before_tokens=False)
+            if last is None:  # not in a shared step: a pass of its own
+                self._tokens(w, chunk)
                 continue
             try:
                 self._after_tokens(w, last)
             except Exception as exc:  # noqa: BLE001
                 self.outputs.fail(w, exc)
 
-    def _chunk(self, w: EngineRequest, chunk: PrefillChunk, *, stop_before_tokens: bool) -> bool:
-        """Run ``chunk`` of ``w``: its work before its tokens and, unless ``stop_before_tokens`` (the
-        caller runs them), its tokens. A failure is ``w``'s alone (its ``error`` set, its session
-        put back).
-
-        Returns:
-            Whether its tokens are left for the caller to run (``stop_before_tokens`` only).
-        """
+    def _start(self, w: EngineRequest, chunk: PrefillChunk) -> Start:
+        """Run what comes before ``chunk``'s tokens (:meth:`_before_tokens`) and say what it left. A
+        failure is ``w``'s alone (its ``error`` set, its session put back: :attr:`Start.FAILED`)."""
         try:
-            if not self._before_tokens(w, chunk):
-                return False
-            if stop_before_tokens:
-                return True
+            return self._before_tokens(w, chunk)
+        except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
+            self.outputs.fail(w, exc)
+        except BaseException:
+            self.outputs.fail(w, RuntimeError("interrupted"))
+            raise
+        return Start.FAILED
+
+    def _tokens(self, w: EngineRequest, chunk: PrefillChunk) -> None:
+        """Prefill ``chunk``'s tokens in a pass of their own (its start has run: :meth:`_start`), then
+        what follows them. A failure is ``w``'s alone."""
+        try:
             self._after_tokens(w, self.runner.prefill(w.session, self._ids(w), chunk.num_tokens, w.timings)[0])
         except Exception as exc:  # noqa: BLE001 - one request's failure is that request's
             self.outputs.fail(w, exc)
         except BaseException:
             self.outputs.fail(w, RuntimeError("interrupted"))
             raise
-        return False
 
     def decode_with_chunk(self, seqs: list[Sequence], room: BatchRoom, w: EngineRequest, chunk: PrefillChunk) -> None:
         """Rule 9 (:mod:`.scheduler`): the decode step of ``seqs`` and ``chunk``'s tokens in one forward
         pass (``room``: as :meth:`decode`). When the chunk runs no tokens after all, the decode step
         runs alone; when the batch gets no room or the pass fails, each part runs on its own, so each
         failure stays its own request's."""
-        if not self._chunk(w, chunk, stop_before_tokens=True):
+        if self._start(w, chunk) is not Start.TOKENS:
             self.decode(seqs, room)
             return
-        alone = dataclasses.replace(chunk, vision=False, grant_bytes=0)  # its start ran: its tokens are left
         seqs = self._batch_room(seqs, room)
         if not seqs:
-            self._chunk(w, alone, stop_before_tokens=False)
+            self._tokens(w, chunk)
             return
         try:
             rows, last = self.runner.decode_with_chunk(
@@ -240,7 +264,7 @@ class StepExecutor:
         except Exception:  # noqa: BLE001 - whose failure it is, the parts alone tell
             log.debug("the fused decode and prefill pass failed; running them apart", exc_info=True)
             self.decode(seqs, BatchRoom(room.rebuild))  # its room is made
-            self._chunk(w, alone, stop_before_tokens=False)
+            self._tokens(w, chunk)
             return
         except BaseException:
             for g in seqs:
@@ -253,29 +277,32 @@ class StepExecutor:
         except Exception as exc:  # noqa: BLE001
             self.outputs.fail(w, exc)
 
-    def _before_tokens(self, w: EngineRequest, chunk: PrefillChunk) -> bool:
+    def _before_tokens(self, w: EngineRequest, chunk: PrefillChunk) -> Start:
         """What runs before a prefill chunk's tokens: room made for its ``grant_bytes`` (scheduler rule
         10: the work's start; ``overloaded`` when none can be made), a waiting answer's start
-        (restore, crop), an image's vision tower. Returns False when the chunk runs no tokens this step
-        (the vision tower took its share, or the image's prefix is all cached: then its prefill is finished)."""
+        (restore, crop), an image's vision tower. Returns what that leaves for the chunk's tokens.
+
+        Raises:
+            ServiceError: overloaded (no room for the start). Exception: the start failed.
+        """
         if chunk.grant_bytes and not self.store.allocate(chunk.grant_bytes, keep=w.session):
             if isinstance(w, Sequence) and w.resuming:
-                return False  # a preempted answer waits for room (older answers end and free it)
+                return Start.WAITS
             raise w.no_room()
         if isinstance(w, Sequence):
             if w.phase is Phase.WAITING:
                 self.inputs.start_sequence(w)
-            return chunk.num_tokens != 0
+            return Start.TOKENS if chunk.num_tokens != 0 else Start.NO_TOKENS
         if chunk.vision and chunk.vision_ms is not None and self.inputs.encode_frames(w, chunk.vision_ms):
-            return False  # a video's frames are left: the vision tower took this step's share
+            return Start.VISION_SPENT  # a video's frames are left
         if chunk.vision or not w.encoded:  # not a vision chunk: features another session holds
             self.inputs.encode_image_prefill(w)
             if chunk.vision and chunk.num_tokens == 0:
-                return False  # the vision tower took this step's share
+                return Start.VISION_SPENT
         if len(w.session.cached_ids) < len(w.prefix):
-            return True
+            return Start.TOKENS
         self.outputs.finish_image_prefill(w)
-        return False
+        return Start.FINISHED
 
     def _after_tokens(self, w: EngineRequest, logits: Any) -> None:
         """What follows a prefill chunk's pass: an answer whose prompt is all prefilled samples its first

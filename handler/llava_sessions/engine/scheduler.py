@@ -69,7 +69,7 @@ And always:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -206,13 +206,14 @@ def schedule(
     cost: StepCost | None = None,
     *,
     fuse: bool = True,
-    room_bytes: int | None = None,
+    room_bytes: int | Callable[[], int] | None = None,
 ) -> StepPlan:
     """Plan one step over ``work`` (in arrival order) within ``token_budget``: a number of tokens
     (rules 1-6), a :class:`TimeBudget` with the passes' measured ``cost`` (rules 1, 3, 6, 7, 8; None:
     :class:`~.costs.StepCost`'s defaults), or None (no limit); ``fuse``: rule 9 holds (False: every
-    prefill chunk is a pass of its own); ``room_bytes``: the device bytes room can be made for
-    (rule 11; None: as many as the batch needs).
+    prefill chunk is a pass of its own); ``room_bytes``: the device bytes room can be made for, or
+    what reads them (called only when the decode step opens pages: the engine's ledger reads every
+    session), for rule 11's preemptions (None: as many as the step needs).
 
     Returns:
         The :class:`StepPlan`.
@@ -228,6 +229,8 @@ def schedule(
     chunks = tuple(
         PrefillChunk(p.index, p.vision, p.num_tokens, work[p.index].start_bytes, p.vision_ms) for p in chunks
     )
+    if callable(room_bytes):  # read only when the step opens pages
+        room_bytes = room_bytes() if _batch_bytes(work, decode, batch, ()) > 0 else None
     room, batch_bytes = make_room(work, decode, batch, room_bytes)
     return StepPlan(decode, rebuild, chunks, fused, batch_bytes, room)
 
