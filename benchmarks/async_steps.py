@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu import new_engine  # noqa: PLC0415 - the GPU table's engine: a static step on any device
 
     llava = build_runner(args)
-    engine = new_engine(llava, 16, "paged", True, async_scheduling=True)
+    engine = new_engine(llava, True, async_scheduling=True)
     images = [sample_photo(p) for p in PHOTOS]
     report = table(engine, images, [int(x) for x in args.levels.split(",")], args.new_tokens, args.repeats)
     print(json.dumps({"device": str(llava.device), "model": args.model_dir or args.model, **report}, indent=2))

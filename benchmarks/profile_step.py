@@ -11,9 +11,8 @@ that waits on the device each layer shows syncs in the tens.
 
 Regions (the ``7b``-shaped llava-1.5 on a GPU by default, as ``gpu.py`` builds it):
 
-- ``decode_eager``: one batch-1 decode step at about ``--context`` positions, the paged layout, eager;
+- ``decode_eager``: one batch-1 decode step at about ``--context`` positions over the pool's pages, eager;
 - ``decode_graphs``: the same step replayed as a CUDA graph (on a GPU);
-- ``decode_contiguous``: the same step in the contiguous layout (one batch tensor);
 - ``follow_up``: a ~40-token question on a stored session, to its first token, in the engine a GPU
   runs (graphs: the question goes in as one static step's rows; eager on a CPU);
 - ``open``: opening a session on a never-seen image (decode, preprocess, vision tower, prefix prefill),
@@ -41,7 +40,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine_decode import build_runner, sync
 from gpu import FOLLOW_UP, PHOTOS, QUESTION, _fresh, new_engine, open_with_context, release_memory
-from llava_sessions.engine.model_runner import KV_PAGE_SIZE
 from llava_sessions.model import LlavaModel
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_tools.demo.samples import sample_photo
@@ -157,12 +155,10 @@ def regions(llava: LlavaModel, args: argparse.Namespace) -> dict[str, Any]:
     """Every region's profile, one engine at a time (each takes its fixed pool on a GPU)."""
     device, images = llava.device, [sample_photo(p) for p in PHOTOS]
     out: dict[str, Any] = {}
-    layouts = {"decode_eager": ("paged", False), "decode_graphs": ("paged", True)}
-    layouts["decode_contiguous"] = ("contiguous", False)
-    for name, (layout, graphs) in layouts.items():
+    for name, graphs in (("decode_eager", False), ("decode_graphs", True)):
         if graphs and device.type != "cuda":
             continue
-        engine = new_engine(llava, KV_PAGE_SIZE, layout, graphs)
+        engine = new_engine(llava, graphs)
         out[name] = profile_region(device, decode_step_region(engine, images[1], args.context), args.repeats, args.rows)
         if name == ("decode_graphs" if device.type == "cuda" else "decode_eager"):  # the engine a user runs
             out.update(turn_regions(engine, images, args))
