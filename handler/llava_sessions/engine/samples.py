@@ -6,9 +6,10 @@ conversation (its images, their layout and its turns) that no client names and n
 sessions counts (``anonymous``), held busy while its answer runs and discarded when it ends. The
 others wait (:attr:`Sequence.ready`) until the head's prompt is prefilled; then each forks from it
 (:func:`fork_samples`): its KV cache is the head's prompt (the same pages of the KV pool, shared
-by reference count, with the last partial page copied once an answer writes to it), its image features are the head's tensor, and its first token is
-sampled from the same logits with its own sampler. From then on each answer is a row of the decode
-batch like any other; one that is preempted recomputes its KV from its own session's features.
+by reference count, with the last partial page copied once an answer writes to it), its image
+features are the head's tensor, and its first token is sampled from the same logits with its own
+sampler. From then on each answer is a row of the decode batch like any other; one that is
+preempted recomputes its KV from its own session's features.
 
 Only the head's answer becomes the session's turn (``session_choice`` picks which index the head
 is). Answer ``i`` samples with ``seed + i`` (:meth:`SamplingParams.for_sample`), so each answer can

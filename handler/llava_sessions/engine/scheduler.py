@@ -229,23 +229,27 @@ def schedule(
     chunks = tuple(
         PrefillChunk(p.index, p.vision, p.num_tokens, work[p.index].start_bytes, p.vision_ms) for p in chunks
     )
-    if callable(room_bytes):  # read only when the step opens pages
-        room_bytes = room_bytes() if _batch_bytes(work, decode, batch, ()) > 0 else None
     room, batch_bytes = make_room(work, decode, batch, room_bytes)
     return StepPlan(decode, rebuild, chunks, fused, batch_bytes, room)
 
 
 def make_room(
-    work: Sequence[RequestView], decode: Sequence[int], batch: BatchLayout, room_bytes: int | None
+    work: Sequence[RequestView],
+    decode: Sequence[int],
+    batch: BatchLayout,
+    room_bytes: int | Callable[[], int] | None,
 ) -> tuple[Room, int]:
     """Rules 10 and 11: how the decode step of ``decode`` (indexes into ``work``) gets its device bytes
-    when room can be made for ``room_bytes`` (None: any number).
+    when room can be made for ``room_bytes``, or what reads them (called only when the step opens
+    pages); None: any number.
 
     Returns:
         The :class:`Room` (the preemptions, or refused) and the step's bytes once it is made (0 when
         refused).
     """
     need = _batch_bytes(work, decode, batch, ())
+    if callable(room_bytes):
+        room_bytes = room_bytes() if need > 0 else None
     if room_bytes is None or need <= max(room_bytes, 0):
         return Room(), need
     newest_first = sorted(decode, key=lambda i: (work[i].created, i), reverse=True)
