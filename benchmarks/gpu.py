@@ -305,29 +305,25 @@ def turns(engine: SessionEngine, images: list[bytes], context: int, repeats: int
     }
 
 
-def vision_graph_rows(llava: LlavaModel, images: list[bytes], repeats: int) -> dict:
+def vision_graph_rows(llava: LlavaModel, tower: Any, images: list[bytes], repeats: int) -> dict:
     """One image's ``encode_images`` (preprocessing, tower, projector) with llava-1.5's vision tower
-    replayed as a CUDA graph and eagerly, ms each (medians of ``repeats`` after a warm-up), and the
+    replayed as a CUDA graph (``tower``, the engine's runner's) and eagerly, ms each (medians of ``repeats`` after a warm-up), and the
     largest difference of their features."""
     import io
 
     from PIL import Image
 
     picture = Image.open(io.BytesIO(images[0])).convert("RGB")
-    graph, times, feats = llava.vision_graph, {}, {}
-    try:
-        for name in ("replayed", "eager"):
-            llava.vision_graph = graph if name == "replayed" else None
-            runs = []
-            for _ in range(repeats + 1):
-                sync(llava.device)
-                t0 = time.perf_counter()
-                feats[name] = llava.encode_images([picture])[0]
-                sync(llava.device)
-                runs.append((time.perf_counter() - t0) * 1000)
-            times[name] = statistics.median(runs[1:])
-    finally:
-        llava.vision_graph = graph
+    times, feats = {}, {}
+    for name in ("replayed", "eager"):
+        runs = []
+        for _ in range(repeats + 1):
+            sync(llava.device)
+            t0 = time.perf_counter()
+            feats[name] = llava.encode_images([picture], tower=tower if name == "replayed" else None)[0]
+            sync(llava.device)
+            runs.append((time.perf_counter() - t0) * 1000)
+        times[name] = statistics.median(runs[1:])
     diff = float((feats["replayed"].float() - feats["eager"].float()).abs().max())
     return {"replayed_ms": round(times["replayed"], 3), "eager_ms": round(times["eager"], 3),
             "ratio": round(times["eager"] / times["replayed"], 2), "max_feature_difference": diff}  # fmt: skip
@@ -344,16 +340,15 @@ def prefill_graph_rows(engine: SessionEngine, images: list[bytes], repeats: int)
     prefills = new_prefill_graphs(engine.model, runner.pool, runner.graphs)
     capture_s = time.perf_counter() - t0
     assert prefills is not None
-    runner.prefill_graphs = prefills
-    engine.batch.prefill_graphs = prefills  # an image chunk beside a decode step uses the same ones
+    runner.set_static(runner.graphs, prefills)  # an image chunk beside a decode step uses the same ones
     params = SamplingParams(max_new_tokens=1)
     modes = ("replayed", "static_eager", "own_shape")
     times: dict[str, list[float]] = {m: [] for m in modes}
     try:
         for i in range(repeats + 1):
             for k, mode in enumerate(modes):
-                runner.prefill_graphs = None if mode == "own_shape" else prefills
-                prefills.replay = mode == "replayed"
+                runner.set_static(runner.graphs, None if mode == "own_shape" else prefills)
+                prefills.chunks.replay = mode == "replayed"
                 sid = f"pg{i}-{k}"
                 sync(engine.model.device)
                 t0 = time.perf_counter()
@@ -364,9 +359,11 @@ def prefill_graph_rows(engine: SessionEngine, images: list[bytes], repeats: int)
                 times[mode].append(open_ms + ttft)
                 engine.close(sid)
     finally:
-        runner.prefill_graphs, prefills.replay = prefills, True
+        runner.set_static(runner.graphs, prefills)
+        prefills.chunks.replay = True
     out: dict[str, Any] = {f"{m}_ms": round(statistics.median(times[m][1:]), 3) for m in modes}
-    out.update({"graphs": prefills.num_graphs, "capture_s": round(capture_s, 2), "replays": prefills.num_replays})
+    graphed = {"graphs": prefills.chunks.num_graphs, "replays": prefills.chunks.num_replays}
+    out.update({**graphed, "capture_s": round(capture_s, 2)})
     return out
 
 
@@ -412,11 +409,7 @@ def pixel_rows(llava: LlavaModel, images: list[bytes], repeats: int) -> dict | N
 
 def _with_pixels(llava: LlavaModel, pixels: Any, picture: Any) -> torch.Tensor:
     """One image's features with ``llava``'s preprocessing on its device (``device_pixels``) for the call."""
-    llava.device_pixels = pixels
-    try:
-        return llava.encode_images([picture])[0]
-    finally:
-        llava.device_pixels = None
+    return llava.encode_images([picture], pixels=pixels)[0]
 
 
 def _fresh(image: bytes, salt: int) -> bytes:
@@ -539,21 +532,22 @@ def graphs_against_eager(engine: SessionEngine, images: list[bytes], new_tokens:
     eager), and eagerly at the rows' own shapes (another attended length: in bf16 the sums round
     otherwise, so a near tie of a random model's logits can flip; the first differing token is
     reported); ms per step each."""
-    batch = engine.batch
-    graphs = batch.graphs
+    runner = engine.runner
+    graphs, prefills = runner.graphs, runner.prefill_graphs
     assert graphs is not None
     sids = [f"graph{i}" for i in range(3)]
     for i, sid in enumerate(sids):
         engine.open(sid, images[i % len(images)])
-    report: dict[str, Any] = {"num_graphs": graphs.num_graphs, "capture_s": round(capture_s, 2)}
+    report: dict[str, Any] = {"num_graphs": graphs.steps.num_graphs, "capture_s": round(capture_s, 2)}
     for rows in (1, 3):
         answers(engine, sids[:rows], 4)  # warm
         replayed, replay_ms = answers(engine, sids[:rows], new_tokens)
-        graphs.replay = False
+        graphs.steps.replay = False
         static, static_ms = answers(engine, sids[:rows], new_tokens)
-        graphs.replay, batch.graphs = True, None
+        graphs.steps.replay = True
+        runner.set_static(None, None)  # every pass at its own shape
         eager, eager_ms = answers(engine, sids[:rows], new_tokens)
-        batch.graphs = graphs
+        runner.set_static(graphs, prefills)
         report[f"rows_{rows}"] = {
             "identical": replayed == static,
             "first_difference": first_differences(replayed, static),
@@ -563,7 +557,7 @@ def graphs_against_eager(engine: SessionEngine, images: list[bytes], new_tokens:
             "own_shape_first_difference": first_differences(replayed, eager),
             "eager_ms": eager_ms,
         }
-    report["num_replays"], report["num_static_eager"] = graphs.num_replays, graphs.num_eager
+    report["num_replays"], report["num_static_eager"] = graphs.steps.num_replays, graphs.steps.num_eager
     for sid in sids:
         engine.close(sid)
     return report
@@ -644,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         "async_scheduling": (lambda: async_steps.table(engine, images, [1, 32], args.new_tokens, 3)) if ahead_on else None,
         "logprob_rows": lambda: greedy_rows.logprob_table(device, [1, 8, 32, 64], vocab, args.repeats * 5),
         "sampled_rows": lambda: greedy_rows.sampled_table(device, [1, 8, 32, 64], vocab, args.repeats * 5),
-        "vision_graph": (lambda: vision_graph_rows(llava, images, args.repeats)) if llava.vision_graph else None,
+        "vision_graph": (lambda: vision_graph_rows(llava, runner.vision_graph, images, args.repeats)) if runner.vision_graph else None,
         "graphs": (lambda: graphs_against_eager(engine, images, args.new_tokens, capture_s)) if runner.graphs else None,
         "batch_one": lambda: timed_batch_one(engine, llava, images[1], args),
         "turns": lambda: turns(engine, images, args.context, args.repeats),
@@ -734,12 +728,11 @@ def sections_wanted(spec: str) -> set[str]:
 
 def graph_counts(engine: SessionEngine) -> dict[str, int]:
     """The CUDA graphs the engine's start captured, by kind (0 each on a CPU, which captures none)."""
-    runner, model = engine.runner, engine.runner.model
-    vision = model.vision_graph
+    runner = engine.runner
     return {
-        "decode": runner.graphs.num_graphs if runner.graphs is not None else 0,
-        "prefill": runner.prefill_graphs.num_graphs if runner.prefill_graphs is not None else 0,
-        "vision": len(getattr(vision, "graphs", None) or ()) or int(getattr(vision, "graph", None) is not None),
+        "decode": runner.graphs.steps.num_graphs if runner.graphs is not None else 0,
+        "prefill": runner.prefill_graphs.chunks.num_graphs if runner.prefill_graphs is not None else 0,
+        "vision": runner.vision_graph.tower.num_graphs if runner.vision_graph is not None else 0,
     }
 
 

@@ -238,8 +238,6 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
     on_gpu = model.device.type == "cuda"
     if compiles(settings.compile, model.device, ranks):
         compile_text_layers(model, compile_cache)
-    if settings.image_preprocessing == "device":  # llava-1.5's; other processors stay on the host
-        model.device_pixels = DevicePixels.for_processor(model.processor.image_processor, model.device, model.dtype)
     store = SessionStore(
         device_budget_bytes=session_budget(settings, model, ranks),
         host_budget_bytes=settings.host_budget_bytes,
@@ -249,7 +247,7 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         idle_timeout_s=settings.idle_timeout_s,
         kv_offload_bytes=settings.kv_offload_bytes if on_gpu and ranks == 1 else 0,  # a CPU's host is its device
     )
-    return SessionEngine(
+    engine = SessionEngine(
         model,
         store,
         functools.partial(
@@ -271,6 +269,10 @@ def build_engine(settings: Settings, model: LlavaModel, compile_cache: Path | No
         cuda_graphs=False if settings.enforce_eager or ranks > 1 else None,
         async_scheduling=None if settings.async_scheduling else False,
     )
+    if settings.image_preprocessing == "device":  # llava-1.5's; other processors stay on the host
+        processor = model.processor.image_processor
+        engine.runner.device_pixels = DevicePixels.for_processor(processor, model.device, model.dtype)
+    return engine
 
 
 def session_budget(settings: Settings, model: LlavaModel, ranks: int = 1) -> int:

@@ -89,7 +89,7 @@ def test_batched_answers_equal_answers_alone_with_joins_and_leaves(llava, photos
     assert max(widths) >= 3  # several answers really decoded together
     if layout == "static":  # every decode-only step went through the static step; the pool never grew
         graphs = eng.runner.graphs  # eager on a CPU, replayed on a GPU (make test-gpu)
-        assert graphs is not None and graphs.num_eager + graphs.num_replays >= 10
+        assert graphs is not None and graphs.steps.num_eager + graphs.steps.num_replays >= 10
         assert eng.runner.graphs.num_prefills >= 1  # a question no answer's step carried: one step's rows
         assert eng.runner.pool is not None and eng.runner.pool.fixed and eng.runner.pool.num_grows == 0
     for sid, gen in gens.items():
@@ -528,7 +528,7 @@ def test_questions_arriving_together_prefill_as_rows_of_shared_static_steps_and_
     eng.step([ga])
     eng.step([ga])  # decoding
     later = [eng.start(sid, q, p, remember=False) for sid, _ph, _h, q, p in CASES[1:4]]
-    passes, prefills, eager_fused = graphs.num_eager, graphs.num_prefills, []
+    passes, prefills, eager_fused = graphs.steps.num_eager, graphs.num_prefills, []
     fused_step = llava.fused_step
     llava.fused_step = lambda *a, **k: eager_fused.append(1) or fused_step(*a, **k)
     try:
@@ -536,7 +536,9 @@ def test_questions_arriving_together_prefill_as_rows_of_shared_static_steps_and_
     finally:
         del llava.fused_step
     assert all(g.prefilled for g in later) and eng.runner.num_fused_passes == 1 and not eager_fused
-    assert graphs.num_prefills - prefills == 3 and graphs.num_eager - passes == 2  # three chunks, two static steps
+    assert (
+        graphs.num_prefills - prefills == 3 and graphs.steps.num_eager - passes == 2
+    )  # three chunks, two static steps
     run_with_chunks, failed = graphs.run_with_chunks, []
 
     def fail_once(tables, tokens, chunks):

@@ -26,7 +26,7 @@ def test_compiled_norms_and_mlps_answer_as_eager_and_come_off_again(tiny_model_d
     assert compile_regions(text) == 3 * len(text.layers) + 1
     torch._dynamo.utils.counters.clear()
     got, eng = answers(llava, photos, **LAYOUTS["static"])
-    assert got == expected and eng.runner.graphs is not None and eng.runner.graphs.num_eager > 0
+    assert got == expected and eng.runner.graphs is not None and eng.runner.graphs.steps.num_eager > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # really compiled
     assert uncompile_regions(text) == 3 * len(text.layers) + 1
     assert all(layer.mlp._compiled_call_impl is None for layer in text.layers)

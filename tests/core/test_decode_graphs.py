@@ -116,7 +116,7 @@ def test_the_static_step_answers_as_generate_and_writes_only_each_rows_new_slot(
         "flex": {(1, top), (4, top)},
         "auto": {(1, 512), (4, top)},
     }[paged_read]
-    assert expected <= buckets and graphs.num_eager > N and graphs.num_replays == 0
+    assert expected <= buckets and graphs.steps.num_eager > N and graphs.steps.num_replays == 0
     lengths = {L for _, L in buckets}  # a flex bucket's is the whole pool's; the gather never reaches it here
     assert all(n == top for b, n in buckets if graphs.reads_flex(b)) and (top in lengths) == (paged_read != "gather")
     fours = {b for b in graphs.buckets if b[0] == 4}  # what a GPU would capture for 4 rows
@@ -233,7 +233,7 @@ def test_no_collection_pauses_the_garbage_collector_for_a_capture_and_restores_i
     it was off."""
     import gc
 
-    from llava_sessions.model.gpu.vision_graph import no_collection
+    from llava_sessions.model.gpu.graph_table import no_collection
 
     assert gc.isenabled()
     with no_collection():

@@ -357,5 +357,5 @@ def test_prefill_chunks_riding_the_decode_step_match_generate(family, small_phot
     assert ids(asking.answer) == reference(llava, [([img2], q, None)])[0]
     assert ids(eng.generate("opened", q, GREEDY)) == reference(llava, [([img3], q, None)])[0]
     if static:  # the decode-only steps ran at static shapes, and the open's image chunks beside them
-        assert eng.runner.graphs is not None and eng.runner.graphs.num_eager >= 3
-        assert eng.runner.prefill_graphs is not None and eng.runner.prefill_graphs.num_eager >= 1
+        assert eng.runner.graphs is not None and eng.runner.graphs.steps.num_eager >= 3
+        assert eng.runner.prefill_graphs is not None and eng.runner.prefill_graphs.chunks.num_eager >= 1

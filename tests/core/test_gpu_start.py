@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llava_sessions.model.gpu.vision_graph import EMPTY_GRAPH_WARNING, capture_failed, check_replay, refuse_empty
+from llava_sessions.model.gpu.graph_table import EMPTY_GRAPH_WARNING, capture_failed, check_replay, refuse_empty
 from llava_sessions.model.loading import auto_dtype
 from llava_sessions.sessions.budget import (
     MAX_GATHERED_ROWS,

@@ -93,7 +93,8 @@ def test_tiled_families_keep_their_processor(tmp_path, arch):
 
 
 def test_the_setting_moves_the_steps_to_the_device_and_a_session_answers(tiny_model_dir, llava):
-    """``image_preprocessing: device`` through the worker's service: the model preprocesses on its device,
+    """``image_preprocessing: device`` through the worker's service: the runner hands the model its
+    preprocessing on the device,
     an image opens a session and a question is answered; its features are the host path's within the
     tiny model's rounding of a one-level difference."""
     service = build_service(
@@ -105,8 +106,8 @@ def test_the_setting_moves_the_steps_to_the_device_and_a_session_answers(tiny_mo
             "step_max_ms": 600_000,  # out of reach: under the suite's load an answer would span calls
         }
     )
-    model = service.engine.model
-    assert isinstance(model.device_pixels, DevicePixels)
+    model, pixels = service.engine.model, service.engine.runner.device_pixels
+    assert isinstance(pixels, DevicePixels)
     buffer = io.BytesIO()
     photo("coffee").save(buffer, format="PNG")
     image = {"base64": base64.b64encode(buffer.getvalue()).decode()}
@@ -115,10 +116,9 @@ def test_the_setting_moves_the_steps_to_the_device_and_a_session_answers(tiny_mo
     ask = {"type": "generate", "prompt": "What is it?", "parameters": {"max_new_tokens": 5}}
     answer = service.handle([BatchRequest("g", "s", False, ask)])[0]
     assert answer.status == 200 and answer.stop is None, answer.body
-    on_device = model.encode_images([photo("coffee")])[0]
-    model.device_pixels = None
+    on_device = model.encode_images([photo("coffee")], pixels=pixels)[0]
     on_host = model.encode_images([photo("coffee")])[0]
     assert on_device.shape == on_host.shape
     relative = ((on_device - on_host).abs().max() / on_host.abs().max()).item()
     assert relative < FEATURE_TOLERANCE, relative
-    assert llava.device_pixels is None  # the tests' shared model is left as it was
+    assert not hasattr(llava, "device_pixels")  # the model holds no preprocessing of its own

@@ -93,7 +93,7 @@ def test_an_image_prompt_prefilled_at_static_shapes_answers_as_generate(llava, i
     cache = SessionKV(pool)
     before = [t.clone() for t in pool.pages.keys + pool.pages.values]
     logits = prefills.prefill(cache.table, ids, 0, features)
-    assert logits is not None and cache.table.num_tokens == len(ids) and prefills.num_eager == 1
+    assert logits is not None and cache.table.num_tokens == len(ids) and prefills.chunks.num_eager == 1
     own = {p * PAGE + i for p in cache.table.pages for i in range(PAGE)}
     assert changed_slots(pool, before) <= own | scratch
     eager = SessionKV(pool)
@@ -155,4 +155,4 @@ def test_the_engines_static_layout_opens_an_image_through_the_static_prefill(lla
         answers.append(turns)
         runners.append(engine.runner)
     assert answers[0] == answers[1]
-    assert runners[0].prefill_graphs is None and runners[1].prefill_graphs.num_eager >= 1
+    assert runners[0].prefill_graphs is None and runners[1].prefill_graphs.chunks.num_eager >= 1

@@ -69,19 +69,16 @@ def test_each_images_tiles_alone_then_packed_equal_the_models_own_features(famil
     )
 
 
-def test_encode_images_takes_the_tile_path_when_the_model_has_one(family, photos) -> None:
-    """``LlavaModel.encode_images`` sends a tiled model's pixels through its :class:`TileGraphs` when set
-    (a GPU's engine sets it; here it runs eagerly) and gets the features it gets without."""
+def test_encode_images_takes_the_tile_path_when_given_one(family, photos) -> None:
+    """``LlavaModel.encode_images`` sends a tiled model's pixels through the :class:`TileGraphs` it is
+    given (a GPU's runner passes its own; here it runs eagerly) and gets the features it gets without."""
     llava = family["llava-next"]
     images = pictures(photos)
     want = llava.encode_images(images)
-    llava.vision_graph = TileGraphs(llava.model, llava.architecture, llava.device, llava.dtype)
+    tower = TileGraphs(llava.model, llava.architecture, llava.device, llava.dtype)
     calls = []
-    original = llava.vision_graph._tiles
-    llava.vision_graph._tiles = lambda pixels: calls.append(pixels.shape[0]) or original(pixels)  # type: ignore[method-assign]
-    try:
-        got = llava.encode_images(images)
-    finally:
-        llava.vision_graph = None
+    original = tower._tiles
+    tower._tiles = lambda pixels: calls.append(pixels.shape[0]) or original(pixels)  # type: ignore[method-assign]
+    got = llava.encode_images(images, tower=tower)
     assert len(calls) == len(images) and set(calls) <= {1, 3, 4, 5}
     assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want, strict=True))

@@ -118,7 +118,7 @@ def test_replayed_steps_answer_eight_sessions_as_generate_and_as_the_same_pass_e
     graphs = eng.runner.graphs
     assert isinstance(graphs, DecodeGraphs)
     on_gpu = gpu_model.device.type == "cuda"
-    assert (graphs.num_graphs > 0) == on_gpu
+    assert (graphs.steps.num_graphs > 0) == on_gpu
     asks = {}
     for name in sorted(photos):
         for j, question in enumerate(QUESTIONS):
@@ -127,10 +127,10 @@ def test_replayed_steps_answer_eight_sessions_as_generate_and_as_the_same_pass_e
             asks[sid] = question
     assert graphs.reads_flex(8) == (read != "gather")
     replayed = together(eng, asks)
-    assert (graphs.num_replays > 0) == on_gpu
-    graphs.replay = False
+    assert (graphs.steps.num_replays > 0) == on_gpu
+    graphs.steps.replay = False
     eager = together(eng, asks)
-    graphs.replay = True
+    graphs.steps.replay = True
     assert eager == replayed
     for sid, question in asks.items():
         assert replayed[sid] == reference(gpu_model, photos[sid.rsplit("-", 1)[0]], question), sid
@@ -194,18 +194,13 @@ def test_the_vision_tower_replayed_gives_each_image_its_eager_features(gpu_model
     fixed input (336 px, the tiny model's as llava-1.5's); four photographs encoded in one call replay one by one and
     each gets the features the eager tower gives it alone. On a CPU nothing is captured and the same
     call runs eagerly."""
-    make_engine(gpu_model, cuda_graphs=True)
-    graph = gpu_model.vision_graph
+    graph = make_engine(gpu_model, cuda_graphs=True).runner.vision_graph
     on_gpu = gpu_model.device.type == "cuda"
     assert (graph is not None) == on_gpu
     images = [decode(photos[name]) for name in sorted(photos)]
     with torch.inference_mode():
-        replayed = gpu_model.encode_images(images)
-        gpu_model.vision_graph = None
-        try:
-            alone = [gpu_model.encode_images([image])[0] for image in images]
-        finally:
-            gpu_model.vision_graph = graph
+        replayed = gpu_model.encode_images(images, tower=graph)
+        alone = [gpu_model.encode_images([image])[0] for image in images]
     assert len(replayed) == len(images)
     for got, want in zip(replayed, alone, strict=True):
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -222,14 +217,14 @@ def test_an_image_prompt_prefilled_by_replay_answers_as_generate_and_as_the_same
     prefills = new_prefill_graphs(gpu_model, pool, graphs)
     assert graphs is not None and prefills is not None
     on_gpu = gpu_model.device.type == "cuda"
-    assert (prefills.num_graphs > 0) == on_gpu
+    assert (prefills.chunks.num_graphs > 0) == on_gpu
     for name in sorted(photos):
         inputs = question_inputs(gpu_model, photos[name], QUESTIONS[0])
         ids = inputs["input_ids"][0].tolist()
         features = gpu_model.encode_images([decode(photos[name])])[0]
         firsts = []
         for replay in (True, False):
-            prefills.replay = replay
+            prefills.chunks.replay = replay
             cache = SessionKV(pool)
             firsts.append(prefills.prefill(cache.table, ids, 0, features))
             tokens = [int(firsts[-1].argmax())]
@@ -239,10 +234,10 @@ def test_an_image_prompt_prefilled_by_replay_answers_as_generate_and_as_the_same
             assert tokens == reference(gpu_model, photos[name], QUESTIONS[0]), (name, replay)
             cache.release()
         torch.testing.assert_close(firsts[0], firsts[1], rtol=1e-5, atol=1e-5)
-    assert prefills.num_replays == (len(photos) if on_gpu else 0)
+    assert prefills.chunks.num_replays == (len(photos) if on_gpu else 0)
     eng = make_engine(gpu_model, cuda_graphs=True)
     eng.open("s", photos["coffee"])
-    replays = eng.runner.prefill_graphs.num_replays + eng.runner.prefill_graphs.num_eager  # type: ignore[union-attr]
+    replays = eng.runner.prefill_graphs.chunks.num_replays + eng.runner.prefill_graphs.chunks.num_eager  # type: ignore[union-attr]
     assert replays >= 1 and together(eng, {"s": QUESTIONS[0]})["s"] == reference(
         gpu_model, photos["coffee"], QUESTIONS[0]
     )
@@ -269,9 +264,8 @@ def test_tiled_towers_replayed_per_tile_count_give_each_image_its_eager_features
     assert (graphs is not None) == (llava.device.type == "cuda")
     images = pictures(photos)
     want = llava.encode_images(images)
-    llava.vision_graph = graphs
-    got = llava.encode_images(images)
-    assert graphs is None or (graphs.num_replays == len(images) and len(graphs.graphs) == len(graphs.counts))
+    got = llava.encode_images(images, tower=graphs)
+    assert graphs is None or (graphs.num_replays == len(images) and graphs.tower.num_graphs == len(graphs.counts))
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-5)
 
@@ -289,7 +283,7 @@ def test_fused_and_compiled_layers_replayed_answer_as_the_model_as_loaded(tiny_m
     finally:
         uncompile_layers(text)
     assert got == expected
-    assert (eng.runner.graphs is not None and eng.runner.graphs.num_replays > 0) == (llava.device.type == "cuda")
+    assert (eng.runner.graphs is not None and eng.runner.graphs.steps.num_replays > 0) == (llava.device.type == "cuda")
     assert answers(llava, photos, cuda_graphs=True)[0] == expected
 
 

@@ -8,6 +8,7 @@ module            owns
 ``sequence``      ``Sequence`` (an answer), ``ImagePrefill`` (an image): requests in flight, as state
 ``admission``     checks a request and makes its sequences or image prefill (one path for an image)
 ``model_runner``  ``ModelRunner``: executes a plan's forward passes (vision, prefill, batched decode)
+``runners``       ``StepRunners``: the one place a pass is chosen (the static step, the static prefill, eager)
 ``paged_batch``   ``PagedDecodeBatch``: the running answers' decode step over their sessions' KV pages
 ``executor``      ``StepExecutor``: carries out a plan (chunks, the decode step, its room and preemptions)
 ``inputs``        ``StepInputs``: before a chunk (an answer's start: restore, crop; an image's tower)
@@ -18,7 +19,7 @@ module            owns
 ================= ==============================================================================
 
 Imports point down: ``engine`` → ``admission`` / ``executor`` → ``ahead`` → ``inputs`` / ``outputs`` →
-``model_runner`` → ``paged_batch`` → ``memory``; ``sequence`` → ``scheduler`` → ``costs``; none of them imports ``engine`` at run time.
+``model_runner`` → ``paged_batch`` → ``runners`` / ``memory``; ``sequence`` → ``scheduler`` → ``costs``; none of them imports ``engine`` at run time.
 """
 
 from __future__ import annotations

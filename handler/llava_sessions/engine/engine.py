@@ -94,7 +94,7 @@ class SessionEngine:
         page = self.runner.page_size
         self._admission = Admission(store, model, self.limits, self.sharing, decode_image, self, page)
         if async_scheduling is None:
-            async_scheduling = self.runner.graphs is not None and self.runner.graphs.num_graphs > 0
+            async_scheduling = self.runner.replays_steps
         self._execute = StepExecutor(store, self.runner, self.sharing, decode_image, async_scheduling=async_scheduling)
 
     @property

@@ -96,7 +96,7 @@ class StepExecutor:
         self.model = runner.model
         self.inputs = StepInputs(store, runner, sharing, decode_image)
         self.outputs = StepOutputs(store, runner)
-        static = async_scheduling and runner.graphs is not None  # the static step only
+        static = async_scheduling and runner.static_steps  # the static step only
         self.ahead = StepAhead(runner.batch, self.outputs, self._ahead_room) if static else None
         self.num_preemptions = 0
 

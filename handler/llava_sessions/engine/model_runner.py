@@ -20,16 +20,18 @@ import torch
 
 from ..conversation import still_images
 from ..model import EncodedVideo, KVPool, LlavaModel, SessionKV, cache_len
+from ..model.gpu.graph_table import capture_failed
 from ..model.gpu.graphs import DecodeGraphs, PagedRead
 from ..model.gpu.prefill_graphs import PrefillGraphs
 from ..model.gpu.tile_graphs import TileGraphs
-from ..model.gpu.vision_graph import VisionGraph, capture_failed
+from ..model.gpu.vision_graph import VisionGraph
 from .costs import CostModel
 from .memory import oom_attempts
-from .paged_batch import PagedDecodeBatch, static_rows_table
+from .paged_batch import PagedDecodeBatch
+from .runners import Chunk, EagerRunner, StaticPrefillRunner, StaticRowsRunner, Step, StepRunner, StepRunners
 
 if TYPE_CHECKING:
-    from ..model.kv.pages import PageTable
+    from ..model.gpu.pixels import DevicePixels
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Sequence
@@ -77,6 +79,13 @@ class ModelRunner:
         batch: the running answers' :class:`~.paged_batch.PagedDecodeBatch` over the pool's pages.
         graphs: the decode step at static shapes (:func:`new_graphs`; None: steps at their own shapes).
         prefill_graphs: a prefill chunk at static shapes (:func:`new_prefill_graphs`; None: at its own shape).
+        passes: the :class:`~.runners.StepRunners` built from them, the one place a pass is chosen
+            (:meth:`set_static` rebuilds it).
+        vision_graph: the vision tower as CUDA graphs (llava-1.5's :class:`~llava_sessions.model.gpu.
+            vision_graph.VisionGraph`, or per tile count :class:`~llava_sessions.model.gpu.tile_graphs.
+            TileGraphs`; captured on a GPU with the decode graphs), handed to the model's image path.
+        device_pixels: llava-1.5's preprocessing on the device (:mod:`llava_sessions.model.gpu.pixels`,
+            the ``image_preprocessing: device`` setting), handed to the model's image path; None: the processor's.
         num_prefilled_tokens: tokens prefilled since start (a counter for metrics).
         num_fused_passes: decode steps that carried a prefill chunk (:meth:`decode_with_chunk`).
         costs: the measured cost of each kind of pass (:class:`~.costs.CostModel`).
@@ -101,14 +110,44 @@ class ModelRunner:
             self.graphs = new_graphs(model, self.pool) if graphs else None
         with reserved_growth(self.graph_bytes, "prefill", on_gpu):
             self.prefill_graphs = new_prefill_graphs(model, self.pool, self.graphs)
-        if self.graphs is not None and on_gpu and model.vision_graph is None:  # the vision tower, replayed
+        self.vision_graph: VisionGraph | TileGraphs | None = None
+        if self.graphs is not None and on_gpu:  # the vision tower, replayed
             args = (model.model, model.architecture, model.device, model.dtype)
             with reserved_growth(self.graph_bytes, "vision", on_gpu):
-                model.vision_graph = VisionGraph.capture(*args) or TileGraphs.capture(*args)
-        self.batch = PagedDecodeBatch(model, store, self.pool, self.graphs, self.prefill_graphs)
+                self.vision_graph = VisionGraph.capture(*args) or TileGraphs.capture(*args)
+        self.device_pixels: DevicePixels | None = None
+        self.passes = StepRunners(self._runners())
+        self.batch = PagedDecodeBatch(model, store, self.pool, self.passes)
         self.num_prefilled_tokens = 0
         self.num_fused_passes = 0
         self.costs = CostModel()
+
+    def _runners(self) -> list[StepRunner]:
+        """The runners of :attr:`passes`, in the order they are tried: the static step, the static prefill
+        (with graphs), the eager pass (always; on a CPU the rows read their runs of pages as views)."""
+        token, found = self.model.image_token_id, list[StepRunner]()
+        if self.graphs is not None:
+            found.append(StaticRowsRunner(self.graphs, token))
+            if self.prefill_graphs is not None:
+                found.append(StaticPrefillRunner(self.graphs, self.prefill_graphs, token))
+        read_runs = self.pool.pages.keys[0].device.type == "cpu" and self.model.ranks is None
+        return [*found, EagerRunner(self.model, self.pool, read_runs=read_runs)]
+
+    def set_static(self, graphs: DecodeGraphs | None, prefill_graphs: PrefillGraphs | None) -> None:
+        """Run the static passes through ``graphs`` and ``prefill_graphs`` from now on (None: none of that
+        kind; the eager pass instead), and rebuild :attr:`passes` (the one the decode batch holds)."""
+        self.graphs, self.prefill_graphs = graphs, prefill_graphs
+        self.passes.runners = self._runners()
+
+    @property
+    def static_steps(self) -> bool:
+        """Whether decode steps run at static shapes (so a step may launch ahead: :mod:`.ahead`)."""
+        return self.graphs is not None
+
+    @property
+    def replays_steps(self) -> bool:
+        """Whether the static decode steps replay captured CUDA graphs (async scheduling's default)."""
+        return self.graphs is not None and self.graphs.steps.num_graphs > 0
 
     def read_pages(self, paged_read: PagedRead) -> None:
         """The static decode step made anew, its attention reading the pages as ``paged_read`` (how the
@@ -117,9 +156,8 @@ class ModelRunner:
         if self.graphs is None:
             return
         self.graphs.close()
-        self.graphs = new_graphs(self.model, self.pool, paged_read)
-        self.prefill_graphs = new_prefill_graphs(self.model, self.pool, self.graphs)
-        self.batch.graphs, self.batch.prefill_graphs = self.graphs, self.prefill_graphs
+        graphs = new_graphs(self.model, self.pool, paged_read)
+        self.set_static(graphs, new_prefill_graphs(self.model, self.pool, graphs))
 
     def _ms_since(self, t0: float) -> float:
         """Wall ms since ``t0`` (perf_counter), the device's queued work included (a CUDA device is
@@ -178,7 +216,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
-                feats = self.model.encode_images(images, num_images)
+                feats = self.model.encode_images(images, num_images, pixels=self.device_pixels, tower=self.vision_graph)
         self.costs.vision(vision_units(images), self._ms_since(t0))
         expected = [session.image_tokens[i] for i in indexes]
         got = [int(f.shape[0]) for f in feats]
@@ -201,17 +239,14 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         start, end = self._chunk(session, ids, num_tokens)
-        model = self.model
+        step = Step(chunks=(Chunk(_cache(session), ids[:end], start, session.image_features),))
+        runner = self.passes.choose(step)
+        assert runner is not None  # the eager runner runs any one chunk
         for attempt in oom_attempts(self.store, keep=session):
             with attempt:
-                static = self._static_prefill(session, ids[start:end])
-                if static is None:
-                    static = self._graphed_prefill(session, ids, start, end)
-                if static is not None:
-                    logits = static
-                else:
-                    logits = model.prefill(session.kv_cache, ids[:end], session.image_features)
-                    self.costs.prefill(end - start, self._ms_since(t0))
+                _, (logits,) = runner.execute(step)
+        if runner.eager:  # the cost model plans eager chunks; a static pass's ms are not its
+            self.costs.prefill(end - start, self._ms_since(t0))
         self._record(session, ids[:end], start, t0, timings)
         return logits, end - start
 
@@ -233,48 +268,29 @@ class ModelRunner:
         out: list[torch.Tensor | None] = [None] * len(parts)
         if self.graphs is None:
             return out
-        groups: list[list[tuple[int, int, int, PageTable]]] = [[]]
+        groups: list[list[tuple[int, Chunk]]] = [[]]
         for index, (session, ids, num_tokens, _) in enumerate(parts):
             start, end = self._chunk(session, ids, num_tokens)
-            table = static_rows_table(self.model, session, ids[start:end])
-            if table is None:
+            if session.kv_cache is None or self.model.image_token_id in ids[start:end]:
                 continue
-            if sum(e - s for _, s, e, _t in groups[-1]) + end - start > self.graphs.rows[-1]:
+            if sum(len(c.new) for _, c in groups[-1]) + end - start > self.graphs.rows[-1]:
                 groups.append([])
-            groups[-1].append((index, start, end, table))
+            groups[-1].append((index, Chunk(session.kv_cache, ids[:end], start)))
         for group in (g for g in groups if len(g) > 1):  # a chunk alone: the caller's own path
             t0 = time.perf_counter()
-            chunks = [(table, parts[i][1][s:e]) for i, s, e, table in group]
+            step = Step(chunks=[c for _, c in group])
+            runner = self.passes.choose(step)
+            if runner is None:
+                continue
             try:
-                done = self.graphs.run_with_chunks([], [], chunks)
+                _, lasts = runner.execute(step)
             except Exception:  # noqa: BLE001 - each chunk alone tells whose failure it is
                 log.debug("a shared prefill pass failed; its chunks run alone", exc_info=True)
                 continue
-            for (i, s, e, _t), last in zip(group, done[1] if done is not None else (), strict=False):
-                self._record(parts[i][0], parts[i][1][:e], s, t0, parts[i][3])
+            for (i, chunk), last in zip(group, lasts, strict=True):
+                self._record(parts[i][0], chunk.ids, chunk.start, t0, parts[i][3])
                 out[i] = last
         return out
-
-    def _static_prefill(self, session: Session, new_ids: list[int]) -> torch.Tensor | None:
-        """A short text chunk (a follow-up question) prefilled as the rows of one static decode step
-        (:meth:`DecodeGraphs.prefill <llava_sessions.model.gpu.graphs.DecodeGraphs.prefill>`: a replayed
-        graph on a GPU), or None: no static step, a chunk with image placeholders, or no bucket holds it.
-        Its ms are not the cost model's (which plans eager chunks)."""
-        table = static_rows_table(self.model, session, new_ids)
-        if self.graphs is None or table is None:
-            return None
-        return self.graphs.prefill(table, new_ids)
-
-    def _graphed_prefill(self, session: Session, ids: list[int], start: int, end: int) -> torch.Tensor | None:
-        """``ids[start:end]`` (an image's placeholders, or text too long for a step's rows) prefilled in one
-        static pass (:meth:`PrefillGraphs.prefill <llava_sessions.model.gpu.prefill_graphs.PrefillGraphs.prefill>`:
-        a replayed graph on a GPU), or None: no prefill graphs, a cache outside the pool, or no bucket
-        holds the chunk. Its ms are not the cost model's, as :meth:`_static_prefill`'s."""
-        cache = session.kv_cache
-        if self.prefill_graphs is None or cache is None:
-            return None
-        first_row = ids[:start].count(self.model.image_token_id)
-        return self.prefill_graphs.prefill(cache.table, ids[start:end], first_row, session.image_features)
 
     def decode(self, seqs: list[Sequence], *, rebuild: bool) -> torch.Tensor:
         """One decode step of ``seqs`` in one forward pass (:meth:`PagedDecodeBatch.forward <.paged_batch.PagedDecodeBatch.forward>`).
@@ -348,6 +364,17 @@ class ModelRunner:
         self.pool.check(tables + ([self.graphs.table] if self.graphs is not None else []))
 
 
+def _cache(session: Session) -> SessionKV:
+    """``session``'s KV cache in the pool.
+
+    Raises:
+        TypeError: it holds none (a prefill starts its cache first: ``inputs.py``).
+    """
+    if session.kv_cache is None:
+        raise TypeError("a prefill needs its session's KV in the pool, and it holds none")
+    return session.kv_cache
+
+
 @contextlib.contextmanager
 def reserved_growth(into: dict[str, int], key: str, on_gpu: bool) -> Iterator[None]:
     """Record in ``into[key]`` how many bytes the CUDA allocator reserved during the block (a capture's
@@ -402,10 +429,10 @@ def new_prefill_graphs(model: LlavaModel, pool: KVPool | None, graphs: DecodeGra
     if graphs is None or pool is None or getattr(model, "ranks", None) is not None:
         return None
     prefills = PrefillGraphs(model, pool, graphs.table.pages[0], max_len=model.max_positions)
-    if model.device.type != "cuda" or not graphs.num_graphs:
+    if model.device.type != "cuda" or not graphs.steps.num_graphs:
         return prefills
     try:
-        prefills.capture(graphs.mempool)
+        prefills.capture(graphs.steps.mempool)
     except Exception as exc:  # noqa: BLE001 - any failure: chunks run eagerly at their own shapes
         capture_failed("the prefill chunks as CUDA graphs", "prefill chunks run eagerly", exc)
         return None

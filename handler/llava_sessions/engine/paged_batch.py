@@ -8,10 +8,9 @@ written to its slot) and records the fed tokens in each session (:meth:`Session.
 <llava_sessions.sessions.session.Session.record_decode>`), so the ledger books the pages a row holds
 as they are taken, and a finished answer's session already holds its turn.
 
-How a step runs, chosen here and in the runner's graphs: through the static step
-(:class:`~llava_sessions.model.gpu.graphs.DecodeGraphs`, replayed as a CUDA graph on a GPU) when one
-holds it; else eagerly at its own shape, attention reading each row's runs of pages as views of the
-pool on a CPU (:mod:`llava_sessions.model.kv.runs`) and its positions gathered elsewhere.
+How a step runs is not decided here: the batch hands each step (its rows, and a chunk beside them) to
+the runner's :class:`~.runners.StepRunners`, which chooses the static step (a CUDA graph replayed on a
+GPU) or an eager pass.
 
 Costs. Joining, leaving and compaction copy no KV (a row is a place in :attr:`PagedDecodeBatch.rows`);
 a step writes one position per row and layer. Memory: the rows' own pages, nothing beside them.
@@ -25,34 +24,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import KVPool, LlavaModel, SessionKV, SlotsCache, cache_len
-from ..model.fused import attention_on
+from ..model import KVPool, LlavaModel, SessionKV, cache_len
 from ..model.kv.cache import undo_pass
-from ..model.kv.runs import PAGED_RUNS_ATTENTION, reading_runs
 from .memory import oom_attempts
+from .runners import Chunk, Step, StepRunners
 from .scheduler import BatchLayout
 
 if TYPE_CHECKING:
-    from ..model.gpu.graphs import DecodeGraphs
-    from ..model.gpu.prefill_graphs import PrefillGraphs
-    from ..model.kv.pages import PageTable
     from ..sessions.session import Session
     from ..sessions.store import SessionStore
     from .sequence import Sequence
 
-__all__ = ["PagedDecodeBatch", "static_rows_table"]
+__all__ = ["PagedDecodeBatch"]
 
 log = logging.getLogger(__name__)
-
-
-def static_rows_table(model: LlavaModel, session: Session, chunk: list[int]) -> PageTable | None:
-    """``session``'s page table when its next ``chunk`` of ids can go in as rows of a static step
-    (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.gpu.graphs.DecodeGraphs.run_with_chunks>`):
-    its cache is in the pool and the chunk is text, no image placeholders; else None."""
-    cache = session.kv_cache
-    if cache is None or model.image_token_id in chunk:
-        return None
-    return cache.table
 
 
 class PagedDecodeBatch:
@@ -62,13 +47,7 @@ class PagedDecodeBatch:
         model: the loaded model (the batched forward).
         store: the session store (demotions after an out-of-memory error).
         pool: the replica's KV pool, which holds every decoding session's cache.
-        graphs: the decode step at static shapes (:class:`~llava_sessions.model.gpu.graphs.DecodeGraphs`,
-            CUDA graphs on a GPU) that a step runs through when a bucket holds it, a text prefill chunk
-            it carries as rows of the same step; None: every step at its own shape, eagerly (a chunk
-            in the fused pass).
-        prefill_graphs: a prefill chunk at static shapes (:class:`~llava_sessions.model.gpu.prefill_graphs.
-            PrefillGraphs`): a chunk with image placeholders, or too long for the step's rows, runs
-            through it beside the static step instead of in the fused pass; None: the fused pass.
+        passes: the runner's :class:`~.runners.StepRunners`, which runs each step's pass.
 
     Attributes:
         rows: the running answers by row (None: a row whose answer left; compacted when under half live).
@@ -80,20 +59,14 @@ class PagedDecodeBatch:
         model: LlavaModel,
         store: SessionStore,
         pool: KVPool,
-        graphs: DecodeGraphs | None = None,
-        prefill_graphs: PrefillGraphs | None = None,
+        passes: StepRunners,
     ) -> None:
         self.model = model
         self.store = store
         self.pool = pool
-        self.graphs = graphs
-        self.prefill_graphs = prefill_graphs
+        self.passes = passes
         self.rows: list[Sequence | None] = []
         self.num_builds = 0
-        #: An eager step reads its rows' runs of pages as views (:mod:`..model.kv.runs`), not gathered:
-        #: on a CPU, where the gather's copy was most of the step; a GPU's eager steps gather, and so do
-        #: a tensor-parallel replica's (its other ranks run the pass as sent, with SDPA).
-        self.read_runs = pool.pages.keys[0].device.type == "cpu" and model.ranks is None
 
     @property
     def num_live(self) -> int:
@@ -124,8 +97,8 @@ class PagedDecodeBatch:
         self, seqs: list[Sequence], *, rebuild: bool, session: Session, ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` and the prefill of ``ids`` beyond ``session``'s cache in one forward pass
-        (:meth:`LlavaModel.fused_step <llava_sessions.model.LlavaModel.fused_step>`; or the static
-        step's, :meth:`_mixed`).
+        (the runner's choice, :mod:`.runners`: the static step's, or :meth:`LlavaModel.fused_step
+        <llava_sessions.model.LlavaModel.fused_step>`).
 
         Returns:
             ``(logits [len(rows), vocab], logits [vocab])`` float32: the rows' (by ``row``), the
@@ -157,17 +130,10 @@ class PagedDecodeBatch:
                     tables = [c.table for c in caches]
                     positions = [t.num_tokens - 1 for t in tables]
                     assert positions == [g.next_position for g in seqs], "a row's cache: its prompt, fed tokens"
-                    mixed = None if session is None else self._mixed(tables, tokens, session, ids)
-                    if session is None:
-                        logits = self._decode(tables, tokens)
-                    elif mixed is not None:
-                        logits, last = mixed
-                    else:
-                        step = SlotsCache.of_rows(self.pool.pages, tables, runs=self.read_runs)
-                        feats, mask = session.image_features, step.attention_mask
-                        logits, last = self.model.fused_step(
-                            step, tokens, positions, mask, session.kv_cache, ids, feats
-                        )
+                    chunks = () if session is None else (_chunk(session, ids),)
+                    by_row, lasts = self.passes.execute(Step.of(tables, tokens, chunks))
+                    assert by_row is not None  # the step has rows
+                    logits, last = by_row, (lasts[0] if lasts else None)
                 except BaseException:
                     for c, start in zip(caches, starts, strict=True):
                         undo_pass(c, start)  # a failed pass leaves no position behind: a retry runs it again
@@ -180,53 +146,6 @@ class PagedDecodeBatch:
         out = logits.new_zeros(len(self.rows), logits.shape[-1])
         out[torch.tensor(rows, device=logits.device)] = logits
         return out, last
-
-    def _mixed(
-        self, tables: list[PageTable], tokens: list[int], session: Session, ids: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The decode pass of ``tables`` (reserved) and ``session``'s chunk of ``ids`` at static shapes,
-        where the fused pass would run eagerly: a text chunk as rows of one static step
-        (:meth:`DecodeGraphs.run_with_chunks <llava_sessions.model.gpu.graphs.DecodeGraphs.run_with_chunks>`:
-        one replay on a GPU); else (image placeholders, or too many rows) the static step, then the
-        chunk as a static prefill (:meth:`PrefillGraphs.prefill
-        <llava_sessions.model.gpu.prefill_graphs.PrefillGraphs.prefill>`: two replays). None without
-        graphs, or when no bucket holds them (the fused pass runs it).
-
-        Raises:
-            Exception: a pass failed (the chunk's table as before; the rows' positions are the caller's).
-        """
-        start = cache_len(session.kv_cache)
-        chunk = ids[start:]
-        table = static_rows_table(self.model, session, chunk)
-        if self.graphs is None:
-            return None
-        done = None if table is None else self.graphs.run_with_chunks(tables, tokens, [(table, chunk)])
-        if done is not None:
-            return done[0], done[1][0]
-        cache, prefills = session.kv_cache, self.prefill_graphs
-        if prefills is None or cache is None or prefills.bucket(len(chunk), len(ids)) is None:
-            return None
-        if self.graphs.bucket(len(tables), max(t.num_tokens for t in tables)) is None:
-            return None
-        rows = self.graphs.run(tables, tokens)
-        last = prefills.prefill(
-            cache.table, chunk, ids[:start].count(self.model.image_token_id), session.image_features
-        )
-        assert rows is not None and last is not None  # their buckets hold them
-        return rows, last
-
-    def _decode(self, tables: list[PageTable], tokens: list[int]) -> torch.Tensor:
-        """The decode pass of ``tables`` (reserved): through :attr:`graphs` when a bucket holds it
-        (replayed on a GPU), else over a :class:`~llava_sessions.model.SlotsCache` of its shape."""
-        if self.graphs is not None:
-            logits = self.graphs.run(tables, tokens)
-            if logits is not None:
-                return logits
-        step = SlotsCache.of_rows(self.pool.pages, tables, runs=self.read_runs)
-        if step.runs is None:
-            return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
-        with reading_runs(step.runs), attention_on(self.model.config.text_config, PAGED_RUNS_ATTENTION):
-            return self.model.decode_batch(step, tokens, step.positions, step.attention_mask)
 
     def forward_ahead(
         self, seqs: list[Sequence], tokens: torch.Tensor, room: Callable[[int], bool]
@@ -247,8 +166,8 @@ class PagedDecodeBatch:
         caches = [_paged(g.session) for g in seqs]
         starts = [c.table.num_tokens for c in caches]
         assert starts == [g.next_position + 1 for g in seqs], "a row's cache: its prompt, every token but the fed one"
-        if self.graphs is None or self.graphs.bucket(len(seqs), max(starts) + 1) is None:
-            return None
+        if not self.passes.can_run(Step([c.table for c in caches], tokens, (), max(starts) + 1)):
+            return None  # only the static step takes tokens on the device
         size = self.pool.page_size
         opened = sum(1 for s in starts if s % size == 0) * size * self.model.kv_bytes_per_token
         if opened and not room(opened):
@@ -256,8 +175,8 @@ class PagedDecodeBatch:
         try:
             for c in caches:
                 self.pool.make_room(c.table, 1)
-            logits = self.graphs.run([c.table for c in caches], tokens)
-            assert logits is not None  # its bucket holds it
+            logits, _ = self.passes.execute(Step.of([c.table for c in caches], tokens))
+            assert logits is not None  # the step has rows
         except BaseException as exc:
             for c, start in zip(caches, starts, strict=True):
                 undo_pass(c, start)
@@ -294,6 +213,11 @@ class PagedDecodeBatch:
             g.row = row
         self.rows = list(members)
         self.num_builds += 1
+
+
+def _chunk(session: Session, ids: list[int]) -> Chunk:
+    """``session``'s chunk of ``ids`` (its full ids up to the chunk's end) beyond its cache."""
+    return Chunk(_paged(session), ids, cache_len(session.kv_cache), session.image_features)
 
 
 def _paged(session: Session) -> SessionKV:

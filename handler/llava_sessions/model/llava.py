@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -32,15 +32,18 @@ from .fused import (
     context_limit,
     prefer_sdpa_backends,
 )
-from .gpu.pixels import DevicePixels
 from .gpu.staging import upload
-from .gpu.tile_graphs import TileGraphs
-from .gpu.vision_graph import VisionGraph, image_features
+from .gpu.vision_graph import image_features
 from .kv.cache import cache_len, undo_pass
 from .kv.paged import SessionKV
 from .parallel import cache_keyword, load_replica
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
+
+if TYPE_CHECKING:
+    from .gpu.pixels import DevicePixels
+    from .gpu.tile_graphs import TileGraphs
+    from .gpu.vision_graph import VisionGraph
 
 __all__ = ["LlavaModel"]
 
@@ -120,10 +123,6 @@ class LlavaModel:
         eos = model.generation_config.eos_token_id
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else eos)
-        #: The vision tower as CUDA graphs (llava-1.5's :mod:`.gpu.vision_graph`, or per tile count :mod:`.gpu.tile_graphs`;
-        #: captured with the decode graphs), llava-1.5's preprocessing on the device (:mod:`.gpu.pixels`).
-        self.vision_graph: VisionGraph | TileGraphs | None = None
-        self.device_pixels: DevicePixels | None = None
         #: Structured outputs' matchers over this tokenizer (built on first use).
         self.grammars = Grammars(self.tokenizer, sorted(self.eos_token_ids))
 
@@ -179,7 +178,14 @@ class LlavaModel:
         return int(counter(image_sizes=[list(image_size)]).num_image_tokens[0])
 
     @torch.inference_mode()
-    def encode_images(self, images: Sequence[Any], num_images: int | None = None) -> list[torch.Tensor]:
+    def encode_images(
+        self,
+        images: Sequence[Any],
+        num_images: int | None = None,
+        *,
+        pixels: DevicePixels | None = None,
+        tower: VisionGraph | TileGraphs | None = None,
+    ) -> list[torch.Tensor]:
         """Preprocess RGB PIL ``images``, run the vision tower, the projector and the model's tile
         packing; a sampled video among them (anything with ``num_frames`` and ``frames``
         ``[T, H, W, 3]`` uint8) takes the model's video path (:meth:`encode_video`).
@@ -188,6 +194,10 @@ class LlavaModel:
             images: the media to encode, in conversation order.
             num_images: still images in the conversation they belong to (default: those among
                 ``images``); decides OneVision's layout (:meth:`image_token_count`).
+            pixels: llava-1.5's preprocessing on the device (:mod:`.gpu.pixels`; None: the processor's).
+            tower: the vision tower as CUDA graphs (:mod:`.gpu.vision_graph`, :mod:`.gpu.tile_graphs`),
+                where a call's pixels match it (None: the model's own ``get_image_features``). The model
+                holds neither: the engine's runner owns and passes them.
 
         Returns:
             One ``[image_tokens_i, text_hidden]`` tensor per medium, model dtype, on the device;
@@ -202,17 +212,17 @@ class LlavaModel:
         if videos:
             stills = [item for i, item in enumerate(items) if i not in videos]
             total = len(stills) if num_images is None else num_images
-            still_feats = iter(self.encode_images(stills, total) if stills else [])
+            still_feats = iter(self.encode_images(stills, total, pixels=pixels, tower=tower) if stills else [])
             return [self.encode_video(item) if i in videos else next(still_feats) for i, item in enumerate(items)]
         images = items
         total = len(images) if num_images is None else num_images
         base = self.base_layout(total)
-        if self.device_pixels is not None and not base:  # llava-1.5's steps on the device (:mod:`.gpu.pixels`)
+        if pixels is not None and not base:  # llava-1.5's steps on the device (:mod:`.gpu.pixels`)
             try:
-                pixels = self.device_pixels(images)
+                on_device = pixels(images)
             except ValueError as exc:
                 raise ServiceError(ErrorCode.IMAGE_INVALID, "the image could not be preprocessed") from exc
-            return self.encode_pixels(pixels)
+            return self.encode_pixels(on_device, tower=tower)
         # several-image mode needs a nested batch of >= 2 images; a lone one is preprocessed twice
         batch: Any = [images + images[:1] if len(images) == 1 else images] if base else images
         try:
@@ -225,7 +235,7 @@ class LlavaModel:
         if base:
             kwargs["batch_num_images"] = torch.tensor([max(2, len(images))])
         pixel_values = out["pixel_values"][: len(images)]
-        return self.encode_pixels(pixel_values, **kwargs)
+        return self.encode_pixels(pixel_values, tower=tower, **kwargs)
 
     @torch.inference_mode()
     def encode_video(self, video: Any) -> torch.Tensor:
@@ -290,13 +300,16 @@ class LlavaModel:
         return feats.reshape(-1, feats.shape[-1]).contiguous()
 
     @torch.inference_mode()
-    def encode_pixels(self, pixel_values: torch.Tensor, **kwargs: Any) -> list[torch.Tensor]:
+    def encode_pixels(
+        self, pixel_values: torch.Tensor, tower: VisionGraph | TileGraphs | None = None, **kwargs: Any
+    ) -> list[torch.Tensor]:
         """Run ``get_image_features`` on preprocessed ``pixel_values`` (``[N, 3, H, W]``, or
-        ``[N, tiles, 3, H, W]`` for anyres models, with their ``image_sizes`` in ``kwargs``); returns
-        one ``[image_tokens_i, text_hidden]`` tensor per image."""
+        ``[N, tiles, 3, H, W]`` for anyres models, with their ``image_sizes`` in ``kwargs``), through
+        ``tower`` where they match it (:meth:`encode_images`); returns one ``[image_tokens_i,
+        text_hidden]`` tensor per image."""
         pixel_values = pixel_values.to(self.device, self.dtype)
-        if self.vision_graph is not None and self.vision_graph.matches(pixel_values, kwargs):
-            return self.vision_graph.run(pixel_values, **kwargs)  # on a GPU: the tower replayed per image
+        if tower is not None and tower.matches(pixel_values, kwargs):
+            return tower.run(pixel_values, **kwargs)  # on a GPU: the tower replayed per image
         return image_features(self.model, pixel_values, **kwargs)
 
     # ------------------------------------------------------------------ forward passes

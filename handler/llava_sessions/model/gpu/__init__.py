@@ -4,9 +4,11 @@ start prepares for them. A CPU runs the same static passes eagerly where a test 
 ==================== ================================================================================
 module               owns
 ==================== ================================================================================
+``graph_table``      ``GraphTable``: one pass's graphs by bucket key (replay, eager fallback, counters),
+                     and the capture loop every kind shares
 ``graphs``           ``DecodeGraphs``: the decode step at static shapes, per bucket of rows and length
 ``prefill_graphs``   ``PrefillGraphs``: a prefill chunk at static shapes, beside the decode graphs
-``vision_graph``     ``VisionGraph``: llava-1.5's vision tower replayed, and the capture loop they share
+``vision_graph``     ``VisionGraph``: llava-1.5's vision tower replayed
 ``tile_graphs``      ``TileGraphs``: LLaVA-NeXT's and OneVision's vision tower per tile count
 ``staging``          pinned host buffers and events for a step's copies to the device
 ``pixels``           llava-1.5's image preprocessing on the device

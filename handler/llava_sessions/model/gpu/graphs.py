@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -51,8 +51,8 @@ from ..fused import attention_on
 from ..kv.flex import PAGED_FLEX_ATTENTION, PageBlocks
 from ..kv.paged import KVPool, SlotsCache, page_slots
 from ..kv.pages import PageTable, pages_for, release, truncate
+from .graph_table import GraphTable
 from .staging import HostStaging
-from .vision_graph import capture_each
 
 if TYPE_CHECKING:
     from ..llava import LlavaModel
@@ -124,11 +124,10 @@ class DecodeGraphs:
             FlexAttention (above every bucket with ``gather``).
         table: the scratch page, held for as long as the graphs live (a holder of the pool's, for
             :meth:`KVPool.check <.paged_kv.KVPool.check>`).
-        num_replays: steps run through a captured graph; num_eager: steps run at static shapes eagerly;
-            num_prefills: chunks prefilled as a step's rows (:meth:`run_with_chunks`).
-        mempool: the graphs' memory pool once captured (:mod:`.prefill_graphs` captures into it too).
-        replay: False runs every step's static pass eagerly, captured or not (the check that replay
-            gives the same tokens as the same pass run eagerly, ``benchmarks/gpu.py``).
+        steps: the pass's :class:`~.graph_table.GraphTable` by bucket: its ``num_replays``, ``num_eager``,
+            ``replay`` switch (the check that replay gives the same tokens as the same pass run eagerly,
+            ``benchmarks/gpu.py``) and ``mempool`` (:mod:`.prefill_graphs` captures into it too).
+        num_prefills: chunks prefilled as a step's rows (:meth:`run_with_chunks`).
 
     Raises:
         torch.OutOfMemoryError: a fixed pool has no free page for the scratch page.
@@ -163,23 +162,12 @@ class DecodeGraphs:
         self._blocks = self._new_blocks() if self.flex_rows <= self.rows[-1] else None
         #: On a GPU, the host side of each buffer in pinned memory, copied without blocking the host.
         self._staging = HostStaging(device)
-        self._graphs: dict[tuple[int, int], Any] = {}
-        self._out: dict[tuple[int, int], torch.Tensor] = {}
-        self.num_replays = 0
-        self.num_eager = 0
+        self.steps: GraphTable[tuple[int, int]] = GraphTable(lambda key: self._pass(*key))
         self.num_prefills = 0
-        self.replay = True
-        self.mempool: Any = None
-
-    @property
-    def num_graphs(self) -> int:
-        """Buckets captured."""
-        return len(self._graphs)
 
     def close(self) -> None:
         """Drop the graphs and give the scratch page back to the pool (the object is unusable after)."""
-        self._graphs.clear()
-        self._out.clear()
+        self.steps.close()
         release(self.pool.pool, self.table)
 
     @property
@@ -208,11 +196,8 @@ class DecodeGraphs:
         Raises:
             RuntimeError: not on a CUDA device, or the capture failed (the caller runs eagerly).
         """
-        if self.pool.pages.keys[0].device.type != "cuda":
-            raise RuntimeError("CUDA graphs are captured on a CUDA device only")
-        device = self.pool.pages.keys[0].device
-        self._graphs, self._out, self.mempool = capture_each(self.buckets, lambda key: self._pass(*key), device=device)
-        log.info("captured %d decode graphs (rows %s x lengths %s)", len(self._graphs), self.rows, self.lengths)
+        self.steps.capture(self.buckets, device=self.pool.pages.keys[0].device)
+        log.info("captured %d decode graphs (rows %s x lengths %s)", self.steps.num_graphs, self.rows, self.lengths)
 
     def run(self, tables: Sequence[PageTable], token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor | None:
         """One decode step of ``tables`` (each reserved for its new position, the last) fed
@@ -231,13 +216,7 @@ class DecodeGraphs:
             return None
         rows, length = key
         self._fill(tables, token_ids, rows, length)
-        graph = self._graphs.get(key) if self.replay else None
-        if graph is None:
-            self.num_eager += 1
-            return self._pass(rows, length)[:n]
-        graph.replay()
-        self.num_replays += 1
-        return self._out[key][:n].clone()
+        return self.steps(key)[:n]
 
     def prefill(self, table: PageTable, token_ids: Sequence[int]) -> torch.Tensor | None:
         """Prefill ``token_ids`` (text: no image placeholders) after ``table``'s positions as the rows of

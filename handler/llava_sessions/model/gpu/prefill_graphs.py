@@ -38,9 +38,9 @@ import torch
 
 from ..kv.paged import KVPool, SlotsCache, page_slots
 from ..kv.pages import PageTable, truncate
+from .graph_table import GraphTable
 from .graphs import length_buckets
 from .staging import HostStaging
-from .vision_graph import capture_each
 
 if TYPE_CHECKING:
     from ..llava import LlavaModel
@@ -70,9 +70,8 @@ class PrefillGraphs:
         max_len: the model's context (positions); buckets stop at it or :data:`MAX_PREFILL_LENGTH`.
 
     Attributes:
-        num_replays: chunks run through a captured graph; num_eager: chunks run at static shapes eagerly.
-        replay: False runs every chunk's static pass eagerly, captured or not (``benchmarks/gpu.py``'s
-            check of replay against the same pass).
+        chunks: the pass's :class:`~.graph_table.GraphTable` by bucket (its ``num_replays``, ``num_eager``
+            and ``replay`` switch: ``benchmarks/gpu.py``'s check of replay against the same pass).
     """
 
     def __init__(self, model: LlavaModel, pool: KVPool, scratch: int, *, max_len: int) -> None:
@@ -90,16 +89,7 @@ class PrefillGraphs:
         self._columns = torch.arange(self.lengths[-1], device=device)
         self._last = torch.zeros(1, dtype=torch.long, device=device)
         self._staging = HostStaging(device)
-        self._graphs: dict[tuple[int, int], Any] = {}
-        self._out: dict[tuple[int, int], torch.Tensor] = {}
-        self.num_replays = 0
-        self.num_eager = 0
-        self.replay = True
-
-    @property
-    def num_graphs(self) -> int:
-        """Buckets captured."""
-        return len(self._graphs)
+        self.chunks: GraphTable[tuple[int, int]] = GraphTable(lambda key: self._pass(*key))
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -123,13 +113,11 @@ class PrefillGraphs:
         Raises:
             RuntimeError: not on a CUDA device, or the capture failed (the caller runs chunks eagerly).
         """
-        if self._embeds.device.type != "cuda":
-            raise RuntimeError("CUDA graphs are captured on a CUDA device only")
         with torch.inference_mode():
-            self._graphs, self._out, _ = capture_each(
-                self.buckets, lambda key: self._pass(*key), mempool, device=self._embeds.device
-            )
-        log.info("captured %d prefill graphs (chunks %s x lengths %s)", len(self._graphs), self.sizes, self.lengths)
+            self.chunks.capture(self.buckets, device=self._embeds.device, pool=mempool)
+        log.info(
+            "captured %d prefill graphs (chunks %s x lengths %s)", self.chunks.num_graphs, self.sizes, self.lengths
+        )
 
     @torch.inference_mode()
     def prefill(
@@ -160,13 +148,7 @@ class PrefillGraphs:
         self.pool.make_room(table, n)
         try:
             self._fill(table, start, embeds, *key)
-            graph = self._graphs.get(key) if self.replay else None
-            if graph is None:
-                self.num_eager += 1
-                return self._pass(*key)
-            graph.replay()
-            self.num_replays += 1
-            return self._out[key].clone()
+            return self.chunks(key)
         except BaseException:
             truncate(self.pool.pool, table, start)  # a failed pass leaves its positions behind: take them back
             raise

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
-from .vision_graph import capture_each, capture_failed
+from .graph_table import GraphTable, capture_failed
 
 __all__ = ["TILED_ARCHITECTURES", "TileGraphs", "tile_counts"]
 
@@ -55,7 +55,9 @@ class TileGraphs:
         device, dtype: the model's.
 
     Attributes:
-        counts: the tile counts (:func:`tile_counts`); num_replays: images whose tiles ran through a graph.
+        counts: the tile counts (:func:`tile_counts`); tower: the tower and projector's
+            :class:`~.graph_table.GraphTable`, keyed by tile count (a count not captured, as on a CPU,
+            runs eagerly at its own shape).
     """
 
     def __init__(self, model: Any, architecture: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -65,9 +67,12 @@ class TileGraphs:
         self.counts = tile_counts(self.config)
         size = int(self.config.vision_config.image_size)
         self.pixels = torch.zeros(self.counts[-1], 3, size, size, device=device, dtype=dtype)
-        self.graphs: dict[int, Any] = {}
-        self.features: dict[int, torch.Tensor] = {}
-        self.num_replays = 0
+        self.tower: GraphTable[int] = GraphTable(lambda k: self._projected(self.pixels[:k]))
+
+    @property
+    def num_replays(self) -> int:
+        """Images whose tiles ran through a graph."""
+        return self.tower.num_replays
 
     @classmethod
     def capture(cls, model: Any, architecture: str, device: torch.device, dtype: torch.dtype) -> TileGraphs | None:
@@ -82,14 +87,11 @@ class TileGraphs:
         graphs = cls(model, architecture, device, dtype)
         try:
             with torch.inference_mode():
-                projected = capture_each(
-                    reversed(graphs.counts), lambda k: graphs._projected(graphs.pixels[:k]), device=device
-                )
-                graphs.graphs, graphs.features, _ = projected
+                graphs.tower.capture(reversed(graphs.counts), device=device)
         except Exception as exc:  # noqa: BLE001 - any failure: the tower runs eagerly, as before
             capture_failed("the vision tower per tile count", "images are encoded eagerly", exc)
             return None
-        log.info("captured the vision tower at %d tile counts (%s)", len(graphs.graphs), graphs.counts)
+        log.info("captured the vision tower at %d tile counts (%s)", graphs.tower.num_graphs, graphs.counts)
         return graphs
 
     def matches(self, pixel_values: torch.Tensor, kwargs: dict[str, Any]) -> bool:
@@ -130,13 +132,10 @@ class TileGraphs:
     def _tiles(self, pixels: torch.Tensor) -> torch.Tensor:
         """The projector's features of one image's ``k`` tiles (``[k, 3, S, S]``): ``[k, patches, text_hidden]``."""
         count = pixels.shape[0]
-        graph = self.graphs.get(count)
-        if graph is None:
+        if not self.tower.captured(count):
             return self._projected(pixels)
         self.pixels[:count].copy_(pixels)
-        graph.replay()
-        self.num_replays += 1
-        return self.features[count].clone()
+        return self.tower(count)
 
     def _projected(self, pixels: torch.Tensor) -> torch.Tensor:
         """The tower's hidden state at the configured layer(s), selected and projected: ``[k, patches, text_hidden]``."""
