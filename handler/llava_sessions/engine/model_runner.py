@@ -239,7 +239,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         start, end = self._chunk(session, ids, num_tokens)
-        step = Step(chunks=(Chunk(_cache(session), ids[:end], start, session.image_features),))
+        step = Step(chunks=(Chunk.of(session, ids[:end]),))
         runner = self.passes.choose(step)
         assert runner is not None  # the eager runner runs any one chunk
         for attempt in oom_attempts(self.store, keep=session):
@@ -362,17 +362,6 @@ class ModelRunner:
         are their page tables' (:meth:`KVPool.check <llava_sessions.model.KVPool.check>`)."""
         tables = [c.table for c in caches if c is not None]
         self.pool.check(tables + ([self.graphs.table] if self.graphs is not None else []))
-
-
-def _cache(session: Session) -> SessionKV:
-    """``session``'s KV cache in the pool.
-
-    Raises:
-        TypeError: it holds none (a prefill starts its cache first: ``inputs.py``).
-    """
-    if session.kv_cache is None:
-        raise TypeError("a prefill needs its session's KV in the pool, and it holds none")
-    return session.kv_cache
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import KVPool, LlavaModel, SessionKV, cache_len
+from ..model import KVPool, LlavaModel, SessionKV
 from ..model.kv.cache import undo_pass
 from .memory import oom_attempts
 from .runners import Chunk, Step, StepRunners
@@ -130,7 +130,7 @@ class PagedDecodeBatch:
                     tables = [c.table for c in caches]
                     positions = [t.num_tokens - 1 for t in tables]
                     assert positions == [g.next_position for g in seqs], "a row's cache: its prompt, fed tokens"
-                    chunks = () if session is None else (_chunk(session, ids),)
+                    chunks = () if session is None else (Chunk.of(session, ids),)
                     by_row, lasts = self.passes.execute(Step.of(tables, tokens, chunks))
                     assert by_row is not None  # the step has rows
                     logits, last = by_row, (lasts[0] if lasts else None)
@@ -213,11 +213,6 @@ class PagedDecodeBatch:
             g.row = row
         self.rows = list(members)
         self.num_builds += 1
-
-
-def _chunk(session: Session, ids: list[int]) -> Chunk:
-    """``session``'s chunk of ``ids`` (its full ids up to the chunk's end) beyond its cache."""
-    return Chunk(_paged(session), ids, cache_len(session.kv_cache), session.image_features)
 
 
 def _paged(session: Session) -> SessionKV:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..model import SlotsCache
+from ..model import SlotsCache, cache_len
 from ..model.fused import attention_on
 from ..model.kv.runs import PAGED_RUNS_ATTENTION, reading_runs
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ..model.gpu.graphs import DecodeGraphs
     from ..model.gpu.prefill_graphs import PrefillGraphs
     from ..model.kv.pages import PageTable
+    from ..sessions.session import Session
 
 __all__ = [
     "Chunk",
@@ -66,6 +67,17 @@ class Chunk:
     ids: list[int]
     start: int
     image_features: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, session: Session, ids: list[int]) -> Chunk:
+        """``session``'s chunk of ``ids`` (its full ids up to the chunk's end) beyond what its cache holds.
+
+        Raises:
+            TypeError: the session holds no KV in the pool (a prefill starts its cache first: ``inputs.py``).
+        """
+        if session.kv_cache is None:
+            raise TypeError("a prefill chunk needs its session's KV in the pool, and it holds none")
+        return cls(session.kv_cache, ids, cache_len(session.kv_cache), session.image_features)
 
     @property
     def new(self) -> list[int]:
