@@ -191,7 +191,13 @@ def test_fields_nobody_defines_are_ignored_and_named_once_in_a_warning(caplog):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("echo", True), ("use_beam_search", True), ("guided_json", {}), ("guided_choice", ["a"])],
+    [
+        ("echo", True),
+        ("use_beam_search", True),
+        ("guided_json", {}),
+        ("guided_choice", ["a"]),
+        ("add_special_tokens", False),
+    ],
 )
 def test_vllm_fields_we_do_not_honour_are_refused_by_name_unless_they_ask_what_we_do(field, value):
     with pytest.raises(ServiceError) as err:
@@ -202,7 +208,9 @@ def test_vllm_fields_we_do_not_honour_are_refused_by_name_unless_they_ask_what_w
         command(prediction={"type": "content", "content": "x"})  # OpenAI's, refused too
     assert err.value.param == "prediction"
     assert command(response_format={"type": "json_object"}).params.grammar  # honoured (test_structured_outputs)
-    same = command(echo=False, best_of=1, skip_special_tokens=True, spaces_between_special_tokens=True)
+    same = command(
+        echo=False, best_of=1, skip_special_tokens=True, spaces_between_special_tokens=True, add_special_tokens=True
+    )
     assert same.params.max_new_tokens == UNTIL_CONTEXT_END and same.clip_max_new_tokens  # no limit: the context's
 
 

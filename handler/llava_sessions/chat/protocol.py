@@ -119,6 +119,7 @@ SAME_AS_OURS: dict[str, object] = {
     "best_of": 1,
     "length_penalty": 1.0,
     "priority": 0,
+    "add_special_tokens": True,  # the prompt starts with the tokenizer's BOS, as generate()'s does
 }
 
 _UNSET = object()
