@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import io
 import json
 import statistics
 import sys
@@ -31,23 +30,9 @@ import time
 from pathlib import Path
 
 import torch
-from PIL import Image
 
-from llava_tools.demo.samples import sample_photo
 from llava_tools.tiny_model import write_checkpoint
-
-_seed = [5000]
-
-
-def photo_bytes() -> bytes:
-    """The astronaut with one pixel changed: an image no request has sent (PNG bytes)."""
-    _seed[0] += 1
-    s = _seed[0]
-    img = Image.open(io.BytesIO(sample_photo("astronaut"))).convert("RGB")
-    img.putpixel((s % img.width, (s // img.width) % img.height), (s % 256, (s * 7) % 256, 99))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
+from vs_transformers_serve import fresh_photo
 
 
 def engine_rounds(model_dir: str, rounds: int, n: int, new_tokens: int) -> list[dict]:
@@ -76,7 +61,7 @@ def engine_rounds(model_dir: str, rounds: int, n: int, new_tokens: int) -> list[
         seqs, steps = [], []
         t0 = time.perf_counter()
         for _ in range(n):
-            sid, data = f"burst{count[0]}", photo_bytes()
+            sid, data = f"burst{count[0]}", fresh_photo()
             count[0] += 1
             image = decode(data)
             target = ChatTarget(
@@ -116,7 +101,7 @@ def http_rounds(model_dir: str, rounds: int, n: int, new_tokens: int) -> list[di
     try:
         served = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         target = Target("ours", url + "/v1/chat/completions", served, AutoTokenizer.from_pretrained(model_dir))
-        target.stream([user("Describe this image.", photo_bytes())], 4)
+        target.stream([user("Describe this image.", fresh_photo())], 4)
         concurrent(target, n, 8)  # warm-up, as vs_transformers_serve.py does
         return [{k: round(v, 1) for k, v in concurrent(target, n, new_tokens).items()} for _ in range(rounds)]
     finally:

@@ -163,7 +163,9 @@ def test_the_web_page_opens_a_video_shows_its_frames_and_answers(server, clip_pa
         assert "Resetting the conversation failed" in status and "kept as they were" in status, status
         assert page.bubbles() == bubbles and len(bubbles) == 1
         status = page.ask("And the photo?")
-        reused, prompt = map(int, re.search(r"reused (\d+) of (\d+) prompt tokens", status).groups())
+        found = re.search(r"reused (\d+) of (\d+) prompt tokens", status)
+        assert found, status  # the answer's status line names its reuse (a failure shows what it read instead)
+        reused, prompt = map(int, found.groups())
         assert reused > 1569 and prompt - reused < 40, status  # the video, the turn and the image were kept
     finally:
         try:
