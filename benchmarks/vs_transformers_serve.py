@@ -146,12 +146,8 @@ def cold_turn(t: Target) -> dict[str, float]:
 
 def resent_chat(t: Target, session_url: str | None = None) -> float:
     """Turn 2's TTFT of a 3-turn chat resent whole (inside a session when ``session_url``)."""
-    headers: dict[str, str] = {}
-    url = None
-    if session_url is not None:
-        r = requests.post(session_url, json={"requestType": "NEW_SESSION"}, headers={SID: "NEW_SESSION"}, timeout=60)
-        headers = {SID: r.headers["X-Amzn-SageMaker-New-Session-Id"].split(";")[0]}
-        url = session_url
+    headers = new_session(session_url) if session_url is not None else {}
+    url = session_url
     messages = [user(QUESTIONS[0], fresh_photo())]
     ttfts = []
     for q in QUESTIONS[1:] + [None]:
@@ -161,8 +157,19 @@ def resent_chat(t: Target, session_url: str | None = None) -> float:
             break
         messages += [{"role": "assistant", "content": reply["text"]}, user(q)]
     if session_url is not None:
-        requests.post(session_url, json={"requestType": "CLOSE"}, headers=headers, timeout=60)
+        close_session(session_url, headers)
     return ttfts[1]
+
+
+def new_session(session_url: str) -> dict[str, str]:
+    """Open a session on our ``/invocations`` (SageMaker's ``NEW_SESSION``); returns its header."""
+    r = requests.post(session_url, json={"requestType": "NEW_SESSION"}, headers={SID: "NEW_SESSION"}, timeout=60)
+    return {SID: r.headers["X-Amzn-SageMaker-New-Session-Id"].split(";")[0]}
+
+
+def close_session(session_url: str, headers: dict[str, str]) -> None:
+    """Close the session ``headers`` name (``CLOSE`` on ``/invocations``)."""
+    requests.post(session_url, json={"requestType": "CLOSE"}, headers=headers, timeout=60)
 
 
 def one_stream(t: Target, new_tokens: int) -> float:

@@ -48,7 +48,16 @@ from typing import Any
 import requests
 
 from llava_tools.processes import stop_process_group
-from vs_transformers_serve import QUESTIONS, SID, STOP_GRACE_S, free_port, fresh_photo, start_ours, user
+from vs_transformers_serve import (
+    QUESTIONS,
+    STOP_GRACE_S,
+    close_session,
+    free_port,
+    fresh_photo,
+    new_session,
+    start_ours,
+    user,
+)
 
 HERE = Path(__file__).resolve().parent
 #: Seconds a server has to answer ``GET /health`` after its launch (vLLM compiles at every start).
@@ -186,14 +195,11 @@ def conversation(s: Server, headers: dict | None = None) -> tuple[float, float]:
 
 def in_session(s: Server) -> float:
     """The same 5 turns inside one of our sessions (SageMaker's header): median TTFT of turns 2-5."""
-    r = requests.post(
-        s.url + "/invocations", json={"requestType": "NEW_SESSION"}, headers={SID: "NEW_SESSION"}, timeout=60
-    )
-    headers = {SID: r.headers["X-Amzn-SageMaker-New-Session-Id"].split(";")[0]}
+    headers = new_session(s.url + "/invocations")
     try:
         return conversation(s, headers)[0]
     finally:
-        requests.post(s.url + "/invocations", json={"requestType": "CLOSE"}, headers=headers, timeout=60)
+        close_session(s.url + "/invocations", headers)
 
 
 def burst(s: Server, n: int) -> dict[str, float]:
@@ -300,8 +306,9 @@ def main() -> None:
                         stop_process_group(s.proc, STOP_GRACE_S)
                     print(f"  {dtype} round {r + 1}: {name} done", file=sys.stderr, flush=True)
             med = {name: {k: statistics.median(v) for k, v in cols.items()} for name, cols in values.items()}
-            out += table(dtype, med, args.concurrent)
-            print("\n".join(table(dtype, med, args.concurrent)), flush=True)
+            rows = table(dtype, med, args.concurrent)
+            out += rows
+            print("\n".join(rows), flush=True)
             Path(args.out).write_text("\n".join(out) + "\n")
 
 
