@@ -16,6 +16,7 @@ wall time and each request's TTFT (s, sorted: the staircase of first tokens).
 Prints one JSON line per round, then the median tokens/s.
 
 Usage: python benchmarks/image_burst.py [--mode engine|http] [--rounds 3] [--concurrent 8] [--new-tokens 64]
+       [--set max_step_ratio_while_opening=6 ...]
 """
 
 from __future__ import annotations
@@ -35,25 +36,27 @@ from llava_tools.tiny_model import write_checkpoint
 from vs_transformers_serve import fresh_photo
 
 
-def engine_rounds(model_dir: str, rounds: int, n: int, new_tokens: int) -> list[dict]:
-    """``rounds`` bursts of ``n`` chats through the engine in process (module docstring)."""
+def engine_rounds(model_dir: str, rounds: int, n: int, new_tokens: int, overrides: dict[str, str]) -> list[dict]:
+    """``rounds`` bursts of ``n`` chats through the engine in process (module docstring), its step
+    budget the worker's under the settings ``overrides`` (field name: value)."""
     from llava_sessions.config import Settings
     from llava_sessions.conversation import ChatTarget, ImageInput, image_key
-    from llava_sessions.engine import EngineLimits, SessionEngine, TimeBudget
+    from llava_sessions.engine import EngineLimits, SessionEngine
     from llava_sessions.images.fetch import decode_image
     from llava_sessions.model import LlavaModel
     from llava_sessions.sampling.sampler import SamplingParams
+    from llava_sessions.service import step_budget
     from llava_sessions.sessions.store import SessionStore
 
     torch.set_num_threads(2)
     llava = LlavaModel.from_pretrained(model_dir, device="cpu", dtype="auto")
-    settings = Settings.from_sources({}, {})
+    settings = Settings.from_sources({}, {f"LLAVA_{k.upper()}": v for k, v in overrides.items()})
     store = SessionStore(
         device_budget_bytes=1 << 36, host_budget_bytes=1 << 34, kv_bytes_per_token=llava.kv_bytes_per_token
     )
     decode = functools.partial(decode_image, max_pixels=settings.max_image_pixels)
     engine = SessionEngine(llava, store, decode, EngineLimits(max_new_tokens_cap=4096))
-    budget = TimeBudget(settings.max_step_ms_while_decoding, settings.max_prefill_tokens_per_pass)
+    budget = step_budget(settings)
     count = [0]
 
     def burst(tokens: int) -> dict:
@@ -89,14 +92,18 @@ def engine_rounds(model_dir: str, rounds: int, n: int, new_tokens: int) -> list[
     return [burst(new_tokens) for _ in range(rounds)]
 
 
-def http_rounds(model_dir: str, rounds: int, n: int, new_tokens: int) -> list[dict]:
-    """``rounds`` bursts of ``n`` streamed chats against a ``llava-serve`` on ``model_dir``."""
+def http_rounds(model_dir: str, rounds: int, n: int, new_tokens: int, overrides: dict[str, str]) -> list[dict]:
+    """``rounds`` bursts of ``n`` streamed chats against a ``llava-serve`` on ``model_dir``, started with
+    the settings ``overrides`` as its ``LLAVA_*`` environment."""
+    import os
+
     import requests
     from transformers import AutoTokenizer
 
     from llava_tools.processes import stop_process_group
     from vs_transformers_serve import STOP_GRACE_S, Target, concurrent, start_ours, user
 
+    os.environ.update({f"LLAVA_{k.upper()}": v for k, v in overrides.items()})
     proc, url = start_ours(model_dir, [], 2)
     try:
         served = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -114,14 +121,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a setting, as LLAVA_<FIELD>")
     args = ap.parse_args()
+    overrides = dict(item.split("=", 1) for item in args.set)
     import llava_sessions
 
     print(f"code: {Path(llava_sessions.__file__).parent}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_checkpoint("bench", Path(tmp) / "bench", seed=0))
         run = engine_rounds if args.mode == "engine" else http_rounds
-        results = run(model_dir, args.rounds, args.concurrent, args.new_tokens)
+        results = run(model_dir, args.rounds, args.concurrent, args.new_tokens, overrides)
     key = "tokens_per_s" if args.mode == "engine" else "concurrent_tokens_per_s"
     for r in results:
         print(json.dumps(r))

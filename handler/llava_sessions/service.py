@@ -43,13 +43,23 @@ from .wire.framing import BatchRequest, Framing, Reply
 from .wire.in_flight import Dialect, RequestState, RequestTable
 from .wire.inbound import for_chat, is_chat_body, load_body, names_chat_keys
 
-__all__ = ["BatchRequest", "Reply", "SessionService"]
+__all__ = ["BatchRequest", "Reply", "SessionService", "step_budget"]
 
 log = logging.getLogger(__name__)
 
 #: A request TorchServe has not brought back for this long is abandoned (its session freed for use): a
 #: backstop only, as a request missing from a batch is abandoned at once (:meth:`SessionService.handle`).
 STALE_JOB_S = 600.0
+
+
+def step_budget(settings: Settings) -> int | TimeBudget:
+    """The budget each engine step is planned within (:func:`~.engine.scheduler.schedule`): the fixed
+    ``step_token_budget`` in tokens, or else the time budget of the ``max_step_*`` settings."""
+    return settings.step_token_budget or TimeBudget(
+        settings.max_step_ms_while_decoding,
+        settings.max_prefill_tokens_per_pass,
+        settings.max_step_ratio_while_opening,
+    )
 
 
 class SessionService:
@@ -96,11 +106,7 @@ class SessionService:
             settings, engine, self.requests, fetch, self.metrics, model_names=model_names, token_text=token_text
         )
         self._new_session_bytes: int | None = None
-        self.step_budget: int | TimeBudget = settings.step_token_budget or TimeBudget(
-            settings.max_step_ms_while_decoding,
-            settings.max_prefill_tokens_per_pass,
-            settings.max_step_ratio_while_opening,
-        )
+        self.step_budget: int | TimeBudget = step_budget(settings)
 
     # ------------------------------------------------------------------ entry
     def handle(self, batch: list[BatchRequest], gone: Collection[str] | None = None) -> list[Reply]:

@@ -21,6 +21,7 @@ from llava_sessions.images.fetch import decode_image
 from llava_sessions.model import ARCHITECTURES, checkpoint_architecture
 from llava_sessions.model.kv.paged import KVPages, SlotsCache
 from llava_sessions.model.kv.pages import PagePool, PageTable, reserve
+from llava_sessions.model.packed_linears import pack_linears
 from llava_sessions.sampling.sampler import SamplingParams
 from llava_sessions.sessions.store import SessionStore, Tier
 
@@ -84,12 +85,14 @@ def test_the_tool_writes_each_architecture_and_the_runner_loads_it_by_config(fam
 def test_the_vision_tower_runs_only_the_layers_its_features_are_read_from(family, small_photos, arch) -> None:
     """llava-1.5 and LLaVA-NeXT read layer -2: the loaded model's tower drops the last layer; OneVision reads
     -1 and keeps them all. ``generate`` on the trimmed model scores every step bit-identically to the
-    untrimmed checkpoint's, as loaded by transformers."""
+    untrimmed checkpoint's, as loaded by transformers (its linears packed as the loaded model's are, so
+    both run the same kernels)."""
     import transformers
 
     llava = family[arch]
     folder = llava.model.name_or_path
     full = getattr(transformers, checkpoint_architecture(folder)).from_pretrained(folder, dtype=torch.float32).eval()
+    assert pack_linears(full) >= llava.packed_linears > 0
     layers = full.config.vision_config.num_hidden_layers
     dropped = 0 if arch == "llava-onevision" else 1
     assert llava.config.vision_config.num_hidden_layers == layers - dropped

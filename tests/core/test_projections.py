@@ -14,6 +14,7 @@ from engine_fixtures import make_engine
 from llava_sessions.engine import SessionEngine
 from llava_sessions.model import LlavaModel
 from llava_sessions.model.gpu.projections import FusedLinear, FusedPart, fuse_projections, unfuse_projections
+from llava_sessions.model.packed_linears import unpack_linears
 from llava_sessions.sampling.sampler import SamplingParams
 
 QUESTIONS = {"a": ("astronaut", "What is in this image?"), "b": ("coffee", "Describe the saucer."),
@@ -40,8 +41,10 @@ def answers(llava: LlavaModel, photos, **engine_kw: Any) -> tuple[dict[str, list
 def test_fused_projections_keep_the_memory_and_the_greedy_answers_and_undo_exactly(tiny_model_dir, photos):
     """Every layer's two groups fused: as many parameters as before (the parts hold none of their own), the
     same prefill logits within fp32 rounding, the same batched greedy answers; undone, the projections are
-    plain ``nn.Linear`` views again and the logits the original's bit for bit."""
+    plain ``nn.Linear`` views again and the logits the original's bit for bit. (The loaded model's linears
+    are packed; fusing turns them plain first, so the original here is the plain one.)"""
     llava = LlavaModel.from_pretrained(tiny_model_dir, device="cpu", dtype="float32")
+    assert unpack_linears(llava.model) == llava.packed_linears > 0
     layers = len(_text(llava).layers)
     ids = llava.tokenizer("USER: describe the picture in detail, please. ASSISTANT:")["input_ids"]
     params = sum(p.numel() for p in llava.model.parameters())

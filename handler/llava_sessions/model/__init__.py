@@ -10,6 +10,7 @@ module              owns
 ``llava``           ``LlavaModel``: vision tower, prefill, batched decode
 ``video``           a checkpoint's video path: token counts, frame preprocessing, ``EncodedVideo``
 ``fused``           a decode step and a prefill chunk in one pass; a sliding window's context cap
+``packed_linears``  a CPU model's linears over oneDNN-prepacked weights
 ``parallel``        tensor parallel: rank 0's passes mirrored on the other ranks
 ``gpu``             what only a GPU runs: CUDA graphs, pinned copies, compiled layers
 =================== ===============================================================

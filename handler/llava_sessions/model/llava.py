@@ -36,6 +36,7 @@ from .gpu.staging import upload
 from .gpu.vision_graph import image_features
 from .kv.cache import cache_len, undo_pass
 from .kv.paged import SessionKV
+from .packed_linears import pack_linears
 from .parallel import cache_keyword, load_replica
 from .templating import ChatTemplate
 from .video import VIDEO_ARCHITECTURES, EncodedVideo, VideoPreprocessing, preprocess_frames, video_token_count
@@ -86,6 +87,8 @@ class LlavaModel:
         self.config = model.config
         text = self.config.text_config
         self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        #: Linears running over oneDNN-prepacked weights (:mod:`.packed_linears`): a CPU model's own replica.
+        self.packed_linears: int = pack_linears(model) if self.device.type == "cpu" and ranks is None else 0
         self.image_token_id: int = int(self.config.image_token_id)
         self.architecture: str = type(model).__name__
         video_id = getattr(self.config, "video_token_id", None)

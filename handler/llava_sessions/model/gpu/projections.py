@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..packed_linears import unpack_linears
+
 __all__ = ["FusedLinear", "FusedPart", "fuse_projections", "unfuse_projections"]
 
 #: The groups fused in each decoder layer: (the submodule, its projections in the order the layer calls them).
@@ -123,10 +125,12 @@ def _fusable(linears: list[Any]) -> bool:
 def fuse_projections(text_model: nn.Module) -> int:
     """Fuse q/k/v and gate/up in every decoder layer of ``text_model`` (its ``layers``) in place; a group
     whose modules are not plain ``nn.Linear`` alike (another family's, an already fused one) is left as it is.
+    A CPU model's packed linears are turned plain first (:func:`~..packed_linears.unpack_linears`).
 
     Returns:
         The groups fused.
     """
+    unpack_linears(text_model)
     fused = 0
     for layer in getattr(text_model, "layers", ()):
         for owner_name, names in GROUPS:

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..packed_linears import unpack_linears
 from .projections import fuse_projections, unfuse_projections
 
 __all__ = [
@@ -54,7 +55,10 @@ def _regions(text_model: nn.Module) -> list[nn.Module]:
 
 def compile_regions(text_model: nn.Module) -> int:
     """Compile each decoder layer's norms and MLP and the final norm of ``text_model`` in place
-    (``nn.Module.compile(dynamic=True)``); each compiles on its first call. Returns the modules compiled."""
+    (``nn.Module.compile(dynamic=True)``); each compiles on its first call, its linears plain again
+    (:func:`~..packed_linears.unpack_linears`: Inductor does not lower a CPU's packed ones). Returns the
+    modules compiled."""
+    unpack_linears(text_model)
     regions = _regions(text_model)
     for module in regions:
         module.compile(dynamic=True)
