@@ -249,7 +249,9 @@ class SessionService:
         Each step advances every running request by one token: the requests that still need their prefill
         run it, and all the others decode together in one forward pass (:meth:`SessionEngine.step`).
         The call ends after the step that sampled a stream's first token, so that token goes out at
-        once (time to first token is not time to ``step_max_tokens`` tokens); later tokens group.
+        once (time to first token is not time to ``step_max_tokens`` tokens). By default a call runs one
+        step, so each token leaves in its own chunk and a new request joins at the next step
+        (docs/decisions/77-a-stream-sends-each-token-as-it-is-sampled.md); more groups later tokens.
         """
         deadline = time.perf_counter() + self.settings.step_max_ms / 1000.0
         running = [j for j in requests if not j.done and j.error is None]

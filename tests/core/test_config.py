@@ -41,7 +41,7 @@ def test_defaults_match_the_documented_values() -> None:
     assert (s.allow_http, s.allow_private_networks, s.url_allowlist) == (False, False, ())
     assert (s.fetch_connect_timeout_s, s.fetch_read_timeout_s, s.max_redirects) == (5.0, 20.0, 3)
     assert s.max_concurrent_generations == 0  # 16 on a CPU, 64 on a GPU (wire/in_flight.py)
-    assert (s.step_max_tokens, s.step_max_ms) == (8, 100.0)
+    assert (s.step_max_tokens, s.step_max_ms) == (1, 100.0)
     assert (s.system_prompt, s.log_level) == (None, "WARNING")
 
 
