@@ -175,7 +175,7 @@ class Settings(BaseModel):
     )
     queue_max_requests: int = Field(256, ge=0, description="Requests the public port holds for a slot (0: none).")
     queue_timeout_s: float = Field(30.0, gt=0.0, description="Longest a held request waits, seconds; then 503.")
-    step_max_tokens: int = Field(1, ge=1, description="Most tokens one scheduler call advances each generation (a chunk).")
+    step_max_tokens: int = Field(1, ge=1, description="Most tokens one call advances each generation (a chunk).")
     step_token_budget: int = Field(
         0,
         ge=0,
