@@ -14,15 +14,11 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-from llava_tools.processes import stop_process_group
 from llava_tools.tiny_model import write_checkpoint
-from vs_transformers_serve import STOP_GRACE_S
-from vs_vllm import ROWS, measure, start_llava
+from vs_vllm import ROWS, alternate, start_llava
 
 
 def main() -> None:
@@ -35,19 +31,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     sets = {"A": [s for s in args.a.split(",") if s], "B": [s for s in args.b.split(",") if s]}
-    values: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_checkpoint("bench", Path(tmp) / "bench", seed=0))
-        for r in range(args.rounds):
-            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                s = start_llava(model_dir, args.dtype, args.threads, sets[name])
-                try:
-                    for k, v in measure(s, args.concurrent).items():
-                        values[name].setdefault(k, []).append(v)
-                finally:
-                    stop_process_group(s.proc, STOP_GRACE_S)
-                print(f"  round {r + 1}: {name} done", file=sys.stderr, flush=True)
-    med = {name: {k: statistics.median(v) for k, v in cols.items()} for name, cols in values.items()}
+        med = alternate(
+            {name: lambda name=name: start_llava(model_dir, args.dtype, args.threads, sets[name]) for name in sets},
+            args.rounds,
+            args.concurrent,
+            args.dtype,
+        )
     print(f"A: {sets['A'] or 'defaults'}; B: {sets['B'] or 'defaults'}; {args.dtype}, {args.rounds} rounds, medians")
     print("| measure | A | B | B / A |\n|---|---:|---:|---:|")
     for key, label, fmt in [*ROWS, ("session_ttft_ms", "the same 5 turns in a session: turns 2-5, ms", "{:.0f}")]:

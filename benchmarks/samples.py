@@ -7,7 +7,11 @@ times as one request of ``n`` answers, and as ``n`` requests of one answer each.
 median ms per request, that time over one answer's, and the ``n`` requests' time over the one
 request's (what prefilling the prompt once and decoding the answers as one batch saves).
 
-Usage: python benchmarks/samples.py [--model tiny|bench] [--n 1 2 4 8]
+With ``--shared-prefix-ab`` it instead measures, for each ``n``, the request of ``n`` answers with the
+decode rows reading their shared prompt once (``model/kv/runs.py``'s shared groups, the default) and
+with every row reading it alone, in alternating repeats, and prints both and their ratio.
+
+Usage: python benchmarks/samples.py [--model tiny|bench] [--n 1 2 4 8] [--shared-prefix-ab]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from llava_sessions.wire.in_flight import BatchRequest
@@ -32,6 +37,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--shared-prefix-ab", action="store_true", help="shared prompt read once against alone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(args.model, Path(tmp) / args.model, seed=0)
@@ -55,6 +61,9 @@ def main() -> None:
         params = {"max_new_tokens": args.max_new_tokens}
         call({**ask, "parameters": params})  # warm-up
         print(f"{args.model}, CPU fp32, {args.max_new_tokens} greedy tokens per answer, median of {args.repeat}")
+        if args.shared_prefix_ab:
+            shared_prefix_ab(call, ask, params, args.n, args.repeat)
+            return
         print("| n | one request of n answers, ms | × one answer | n requests one by one, ms | one by one / together |")
         print("|---:|---:|---:|---:|---:|")
         one = None
@@ -65,6 +74,26 @@ def main() -> None:
             )
             one = one or together
             print(f"| {n} | {together:.0f} | {together / one:.2f} | {apart:.0f} | {apart / together:.2f} |", flush=True)
+
+
+def shared_prefix_ab(
+    call: Callable[[dict], tuple[dict, float]], ask: dict, params: dict, ns: list[int], repeat: int
+) -> None:
+    """For each of ``ns``: one request of ``n`` answers, its rows reading the shared prompt once and
+    alone (``MIN_SHARED_POSITIONS`` past any prompt), in alternating repeats; medians and their ratio."""
+    from llava_sessions.model.kv import runs
+
+    default = runs.MIN_SHARED_POSITIONS
+    print("| n | shared prompt read once, ms | each row alone, ms | once / alone |\n|---:|---:|---:|---:|")
+    for n in ns:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for k in range(repeat):
+            for once in (True, False) if k % 2 == 0 else (False, True):
+                runs.MIN_SHARED_POSITIONS = default if once else 1 << 30
+                times[once].append(call({**ask, "parameters": {**params, "n": n}})[1])
+        runs.MIN_SHARED_POSITIONS = default
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        print(f"| {n} | {on:.0f} | {off:.0f} | {on / off:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -268,6 +268,25 @@ def table(dtype: str, med: dict[str, dict[str, float]], n: int) -> list[str]:
     return [*lines, ""]
 
 
+def alternate(
+    starters: dict[str, Callable[[], Server]], rounds: int, n: int, label: str = ""
+) -> dict[str, dict[str, float]]:
+    """``rounds`` rounds of :func:`measure` over the servers ``starters`` start (name: a function that
+    starts one), one server at a time, their order reversed every other round; each server stopped
+    after its round. Returns each name's medians."""
+    values: dict[str, dict[str, list[float]]] = {name: {} for name in starters}
+    for r in range(rounds):
+        for name in list(starters) if r % 2 == 0 else list(reversed(starters)):
+            s = starters[name]()
+            try:
+                for k, v in measure(s, n).items():
+                    values[name].setdefault(k, []).append(v)
+            finally:
+                stop_process_group(s.proc, STOP_GRACE_S)
+            print(f"  {label} round {r + 1}: {name} done", file=sys.stderr, flush=True)
+    return {name: {k: statistics.median(v) for k, v in cols.items()} for name, cols in values.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--venv", default=str(HERE / "scratch" / "vllm-venv"))
@@ -294,21 +313,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(write_checkpoint("bench", Path(tmp) / "bench", seed=0))
         for dtype in args.dtypes.split(","):
-            values: dict[str, dict[str, list[float]]] = {"ours": {}, "vllm": {}}
-            for r in range(args.rounds):
-                for name in ("ours", "vllm") if r % 2 == 0 else ("vllm", "ours"):
-                    s = (
-                        start_llava(model_dir, dtype, args.threads, args.ours_set)
-                        if name == "ours"
-                        else start_vllm(venv, model_dir, dtype, args.threads)
-                    )
-                    try:
-                        for k, v in measure(s, args.concurrent).items():
-                            values[name].setdefault(k, []).append(v)
-                    finally:
-                        stop_process_group(s.proc, STOP_GRACE_S)
-                    print(f"  {dtype} round {r + 1}: {name} done", file=sys.stderr, flush=True)
-            med = {name: {k: statistics.median(v) for k, v in cols.items()} for name, cols in values.items()}
+            med = alternate(
+                {
+                    "ours": lambda dtype=dtype: start_llava(model_dir, dtype, args.threads, args.ours_set),
+                    "vllm": lambda dtype=dtype: start_vllm(venv, model_dir, dtype, args.threads),
+                },
+                args.rounds,
+                args.concurrent,
+                dtype,
+            )
             rows = table(dtype, med, args.concurrent)
             out += rows
             print("\n".join(rows), flush=True)

@@ -104,6 +104,7 @@ def test_the_setting_moves_the_steps_to_the_device_and_a_session_answers(tiny_mo
             "device_budget_bytes": 10**9,
             "image_preprocessing": "device",
             "step_max_ms": 600_000,  # out of reach: under the suite's load an answer would span calls
+            "step_max_tokens": 8,  # the 5-token answer in one call
         }
     )
     model, pixels = service.engine.model, service.engine.runner.device_pixels

@@ -61,7 +61,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)  # 1: a decode row's hint
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # no batch-size hint
         self.register_buffer("packed", packed, persistent=False)
         self.bias = linear.bias
 

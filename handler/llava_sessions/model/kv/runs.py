@@ -28,7 +28,18 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-__all__ = ["PAGED_RUNS_ATTENTION", "Runs", "attend_runs", "paged_runs_attention", "reading_runs", "table_runs"]
+__all__ = [
+    "MIN_SHARED_POSITIONS",
+    "PAGED_RUNS_ATTENTION",
+    "Runs",
+    "attend_runs",
+    "paged_runs_attention",
+    "reading_runs",
+    "shared_groups",
+    "shared_prefix",
+    "skip_positions",
+    "table_runs",
+]
 
 #: The attention implementation's name while a decode step reads its rows' runs.
 PAGED_RUNS_ATTENTION = "llava_paged_runs"
@@ -99,7 +110,11 @@ def paged_runs_attention(
 def attend_runs(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runs: Runs, scaling: float | None = None
 ) -> torch.Tensor:
-    """Each row's attention over its runs of the pool (module docstring).
+    """Each row's attention over its runs of the pool (module docstring). Rows that read their first
+    positions from the same slots (the ``n`` samples of one prompt: forks share its pages) read those
+    shared positions once for all of them (:func:`shared_groups`): their queries are stacked and each
+    shared run is multiplied once, as vLLM's cascade attention and FlashInfer's shared-prefix batch
+    decoding do on a GPU; each row's own positions are then read as before.
 
     Args:
         query: ``[B, heads, 1, head_dim]``, one query per row.
@@ -120,17 +135,104 @@ def attend_runs(
     kv_heads = keys.shape[0]
     scale = dim**-0.5 if scaling is None else scaling
     out = query.new_empty(rows, 1, heads, dim)
+    q_all = query[:, :, 0].reshape(rows, kv_heads, heads // kv_heads, dim) * scale  # [B, kv_heads, group, dim]
+    group_size = heads // kv_heads
+    for members, shared in shared_groups(runs):
+        length = sum(b - a for a, b in shared)
+        common: tuple[torch.Tensor, ...] = ()
+        if shared:  # the members' queries stacked, each shared run read once: [kv_heads, R x group, positions]
+            stacked = q_all[members].transpose(0, 1).reshape(kv_heads, -1, dim)
+            scores = torch.cat([stacked @ keys[:, a:b].transpose(1, 2) for a, b in shared], dim=-1)
+            common = scores.split(group_size, dim=1)
+        probs_shared = []
+        for k, r in enumerate(members):
+            own = skip_positions(runs[r], length)
+            parts = [common[k]] if shared else []
+            parts += [q_all[r] @ keys[:, a:b].transpose(1, 2) for a, b in own]
+            probs = torch.cat(parts, dim=-1).float().softmax(-1).to(query.dtype)  # [kv_heads, group, positions]
+            probs_shared.append(probs[..., :length])
+            total = _weighted(probs[..., length:], values, own)
+            out[r, 0] = (total if total is not None else torch.zeros_like(q_all[r])).reshape(heads, dim)
+        if shared:
+            joint = _weighted(torch.cat(probs_shared, dim=1), values, shared)  # [kv_heads, R x group, dim]
+            assert joint is not None
+            for k, part in enumerate(joint.split(group_size, dim=1)):
+                out[members[k], 0] += part.reshape(heads, dim)
+    return out
+
+
+def _weighted(probs: torch.Tensor, values: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+    """``probs [kv_heads, rows, positions]`` times the values of ``spans`` (their positions in order),
+    summed over the spans: ``[kv_heads, rows, head_dim]``, None without spans."""
+    total, offset = None, 0
+    for a, b in spans:
+        part = probs[..., offset : offset + b - a] @ values[:, a:b]
+        total = part if total is None else total + part
+        offset += b - a
+    return total
+
+
+#: Positions rows must share before they read them together (a shorter common prefix costs more in
+#: the stacking than reading it once saves).
+MIN_SHARED_POSITIONS = 64
+
+
+def shared_prefix(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> int:
+    """How many first positions two rows' runs read from the same slots."""
+    n = 0
+    for (a0, a1), (b0, b1) in zip(a, b, strict=False):
+        if a0 != b0:
+            break
+        n += min(a1, b1) - a0
+        if a1 != b1:
+            break
+    return n
+
+
+def skip_positions(spans: Sequence[tuple[int, int]], num: int) -> list[tuple[int, int]]:
+    """``spans`` without their first ``num`` positions."""
+    out = []
+    for a, b in spans:
+        if num >= b - a:
+            num -= b - a
+            continue
+        out.append((a + num, b))
+        num = 0
+    return out
+
+
+def shared_groups(runs: Runs) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """The rows of ``runs`` grouped by a common first stretch of slots: ``(rows, shared spans)`` per
+    group, every row in one group. A group is a row and every row that shares at least
+    :data:`MIN_SHARED_POSITIONS` first positions with it (the shortest such share is the group's); a
+    row that shares less with all is a group of its own with no shared spans (it reads its runs alone).
+    """
+    by_first: dict[int, list[int]] = {}
     for r, spans in enumerate(runs):
-        q = query[r, :, 0].reshape(kv_heads, heads // kv_heads, dim) * scale
-        scores = torch.cat([q @ keys[:, a:b].transpose(1, 2) for a, b in spans], dim=-1)
-        probs = scores.float().softmax(-1).to(query.dtype)
-        total, offset = None, 0
-        for a, b in spans:
-            part = probs[..., offset : offset + b - a] @ values[:, a:b]
-            total = part if total is None else total + part
-            offset += b - a
-        assert total is not None  # a row reads at least its own new position
-        out[r, 0] = total.reshape(heads, dim)
+        by_first.setdefault(spans[0][0] if spans else -1 - r, []).append(r)
+    groups: list[tuple[list[int], list[tuple[int, int]]]] = []
+    for bucket in by_first.values():
+        while bucket:  # the first row and every row sharing enough of it; the rest try again
+            leader, rest = bucket[0], bucket[1:]
+            shares = {r: shared_prefix(runs[leader], runs[r]) for r in rest}
+            partners = [r for r in rest if shares[r] >= MIN_SHARED_POSITIONS]
+            if partners:
+                length = min(shares[r] for r in partners)
+                groups.append(([leader, *partners], _take_positions(runs[leader], length)))
+            else:
+                groups.append(([leader], []))
+            bucket = [r for r in rest if r not in partners]
+    return groups
+
+
+def _take_positions(spans: Sequence[tuple[int, int]], num: int) -> list[tuple[int, int]]:
+    """The first ``num`` positions of ``spans``, as spans."""
+    out = []
+    for a, b in spans:
+        if num <= 0:
+            break
+        out.append((a, min(b, a + num)))
+        num -= min(b, a + num) - a
     return out
 
 
