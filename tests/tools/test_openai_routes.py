@@ -553,7 +553,9 @@ def test_overload_is_a_503_the_openai_package_raises_and_retries_after_retry_aft
         overrides={"max_concurrent_generations": 1, "queue_max_requests": 0, "served_model_name": ["llava"]},
     )
     strict = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0)
-    patient = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=8)
+    # Retry-After is 1 s; the long answer's 200 one-token calls take 5-20 s on 2 busy cores: the
+    # patient client's 60 retries outlast it by far (the package waits Retry-After between them).
+    patient = openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=60)
     messages = [{"role": "user", "content": "Tell me a long story."}]
     started = threading.Event()
     finished: list[str] = []
